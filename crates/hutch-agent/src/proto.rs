@@ -1,0 +1,572 @@
+//! Frames and messages of the host-agent protocol.
+//!
+//! One frame on the wire is
+//!
+//! ```text
+//! u32 len | u32 header_len | header: JSON, header_len bytes | data: len - 4 - header_len bytes
+//! ```
+//!
+//! little endian, where `len` counts everything after itself. The header is
+//! one of the message types below; the data part carries raw bytes (process
+//! output, stdin, file contents) so that bulk data is never base64-encoded.
+//! Both sides reject a frame whose sizes are out of bounds before they
+//! allocate anything for it: the host treats every byte from the agent as
+//! hostile, because a workload that gains the agent's privileges can replace
+//! the agent.
+//!
+//! Requests carry an `id` chosen by the host; every request gets exactly one
+//! [`FromAgent::Reply`] with that id. Process output, process exits and file
+//! watch events arrive as separate, unsolicited messages on each connection
+//! that subscribed to them.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Version of this protocol; the agent reports it in [`Reply::Pong`].
+pub const PROTOCOL_VERSION: u32 = 1;
+/// Largest JSON header in either direction.
+pub const MAX_HEADER: usize = 64 * 1024;
+/// Largest data part in either direction (a file chunk, an output chunk).
+pub const MAX_DATA: usize = 4 * 1024 * 1024;
+/// Largest frame, not counting the leading length word.
+pub const MAX_FRAME: usize = 4 + MAX_HEADER + MAX_DATA;
+/// Largest path accepted in a request.
+pub const MAX_PATH: usize = 4096;
+
+/// Why a frame could not be encoded or decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FrameError {
+    /// The frame's length word exceeds [`MAX_FRAME`] or is shorter than a header.
+    BadLength(u32),
+    /// The header length exceeds [`MAX_HEADER`] or the frame.
+    BadHeaderLength(u32),
+    /// The header is not valid JSON for the expected message type.
+    BadHeader(String),
+    /// The data part exceeds [`MAX_DATA`].
+    DataTooLarge(usize),
+}
+
+impl std::fmt::Display for FrameError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FrameError::BadLength(n) => write!(f, "frame length {n} out of bounds"),
+            FrameError::BadHeaderLength(n) => write!(f, "frame header length {n} out of bounds"),
+            FrameError::BadHeader(e) => write!(f, "malformed frame header: {e}"),
+            FrameError::DataTooLarge(n) => write!(f, "frame data of {n} bytes exceeds the limit"),
+        }
+    }
+}
+
+impl std::error::Error for FrameError {}
+
+/// Appends one frame holding `header` and `data` to `out`.
+pub fn encode<T: Serialize>(header: &T, data: &[u8], out: &mut Vec<u8>) -> Result<(), FrameError> {
+    if data.len() > MAX_DATA {
+        return Err(FrameError::DataTooLarge(data.len()));
+    }
+    let start = out.len();
+    out.extend_from_slice(&[0u8; 8]);
+    serde_json::to_writer(&mut *out, header).map_err(|e| FrameError::BadHeader(e.to_string()))?;
+    let header_len = out.len() - start - 8;
+    if header_len > MAX_HEADER {
+        out.truncate(start);
+        return Err(FrameError::BadHeaderLength(header_len as u32));
+    }
+    out.extend_from_slice(data);
+    let len = (out.len() - start - 4) as u32;
+    out[start..start + 4].copy_from_slice(&len.to_le_bytes());
+    out[start + 4..start + 8].copy_from_slice(&(header_len as u32).to_le_bytes());
+    Ok(())
+}
+
+/// A frame split out of a buffer: its header bytes and its data bytes.
+#[derive(Debug, PartialEq, Eq)]
+pub struct RawFrame<'a> {
+    pub header: &'a [u8],
+    pub data: &'a [u8],
+    /// Bytes of the buffer this frame used, including its length word.
+    pub consumed: usize,
+}
+
+/// Splits the first frame out of `buf`, or `Ok(None)` when `buf` does not yet
+/// hold all of it. Validates both lengths before anything is trusted.
+pub fn split_frame(buf: &[u8]) -> Result<Option<RawFrame<'_>>, FrameError> {
+    if buf.len() < 4 {
+        return Ok(None);
+    }
+    let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]);
+    check_len(len)?;
+    let total = 4 + len as usize;
+    if buf.len() < 8 {
+        return Ok(None);
+    }
+    let header_len = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]);
+    if header_len as usize > MAX_HEADER || header_len > len - 4 {
+        return Err(FrameError::BadHeaderLength(header_len));
+    }
+    if buf.len() < total {
+        return Ok(None);
+    }
+    let header_end = 8 + header_len as usize;
+    Ok(Some(RawFrame { header: &buf[8..header_end], data: &buf[header_end..total], consumed: total }))
+}
+
+/// Validates a frame's length word; exposed so that readers can refuse an
+/// oversized frame before they allocate a buffer for it.
+pub fn check_len(len: u32) -> Result<(), FrameError> {
+    if (len as usize) < 4 || len as usize > MAX_FRAME {
+        return Err(FrameError::BadLength(len));
+    }
+    Ok(())
+}
+
+/// Parses a frame header as message type `T`.
+pub fn parse_header<'a, T: Deserialize<'a>>(header: &'a [u8]) -> Result<T, FrameError> {
+    serde_json::from_slice(header).map_err(|e| FrameError::BadHeader(e.to_string()))
+}
+
+/// Configuration the host hands the agent once, at start, as one frame on the
+/// agent's file descriptor 4. Its data part is the compiled seccomp filter
+/// (classic BPF, 8 bytes an instruction) every workload process installs.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    pub version: u32,
+    /// Environment every process in the sandbox starts with (before the
+    /// request's own variables).
+    pub env: Vec<(String, String)>,
+    /// Capabilities (as a bit mask of `CAP_*` numbers) that processes run as
+    /// root inside the sandbox keep; everything else is dropped, also from
+    /// the bounding set. Processes of other users keep none.
+    pub root_caps: u64,
+    /// Bytes of output kept per stream for a process nobody is attached to.
+    pub replay_bytes: u32,
+}
+
+/// A request from the host, with the id its reply will carry.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ToAgent {
+    pub id: u64,
+    pub req: Request,
+}
+
+/// Every operation the agent offers.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    /// Liveness and version check.
+    Ping,
+    /// Starts a process. Replies [`Reply::Spawned`]; when `subscribe` is set
+    /// this connection then receives the process's output and exit.
+    Spawn(Spawn),
+    /// Subscribes this connection to a running process's output and exit.
+    /// The output kept while nobody was attached is replayed first.
+    Attach { target: Target },
+    /// Stops this connection's subscription to a process.
+    Detach { pid: u32 },
+    /// Writes the frame's data to the process's stdin.
+    Stdin { pid: u32 },
+    /// Closes the process's stdin.
+    CloseStdin { pid: u32 },
+    /// Sends a signal to the process's whole process group.
+    Signal { pid: u32, signal: i32 },
+    /// Resizes the process's terminal.
+    Resize { pid: u32, size: PtySize },
+    /// Lists the processes started through the agent that are still running.
+    List,
+    /// Reads up to `len` bytes of a regular file from `offset`.
+    ReadFile { path: String, offset: u64, len: u32, #[serde(default)] user: Option<String> },
+    /// Writes the frame's data into a file at `offset`.
+    WriteFile(WriteFile),
+    /// Describes a path without following a final symlink.
+    Stat { path: String, #[serde(default)] user: Option<String> },
+    /// Lists a directory, `depth` levels deep (1 = its direct entries).
+    ListDir {
+        path: String,
+        depth: u32,
+        #[serde(default)]
+        user: Option<String>,
+    },
+    /// Makes a directory and, with `parents`, its missing parents.
+    Mkdir { path: String, parents: bool, #[serde(default)] user: Option<String> },
+    /// Renames `from` to `to`.
+    Rename { from: String, to: String, #[serde(default)] user: Option<String> },
+    /// Removes a file, or a directory with everything below it.
+    Remove { path: String, #[serde(default)] user: Option<String> },
+    /// Watches a directory through inotify; events arrive as [`FromAgent::Watch`].
+    Watch { path: String, recursive: bool, #[serde(default)] user: Option<String> },
+    /// Ends a watch.
+    Unwatch { watch: u64 },
+    /// Sets extended attributes in the `user.` namespace.
+    SetXattrs { path: String, attrs: BTreeMap<String, String>, #[serde(default)] user: Option<String> },
+    /// Reads the extended attributes in the `user.` namespace.
+    GetXattrs { path: String, #[serde(default)] user: Option<String> },
+}
+
+/// What to run.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum Cmd {
+    /// Executed directly, searched in `PATH` when it holds no slash.
+    Argv(Vec<String>),
+    /// Run with `/bin/bash -c` where bash exists, else `/bin/sh -c`.
+    Shell(String),
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Spawn {
+    pub cmd: Cmd,
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
+    /// Working directory; `/workspace` when absent.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// User name from the sandbox's /etc/passwd; `user` when absent.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Whether stdin stays open for [`Request::Stdin`]; else it is /dev/null.
+    #[serde(default)]
+    pub stdin: bool,
+    /// Run on a new terminal of this size; output then arrives as stdout.
+    #[serde(default)]
+    pub pty: Option<PtySize>,
+    /// A name to attach by; unique among running processes.
+    #[serde(default)]
+    pub tag: Option<String>,
+    /// Kill the whole process tree after this long.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    /// Whether this connection receives output and exit.
+    #[serde(default = "yes")]
+    pub subscribe: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PtySize {
+    pub cols: u16,
+    pub rows: u16,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum Target {
+    Pid(u32),
+    Tag(String),
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct WriteFile {
+    pub path: String,
+    /// Where the data goes; ignored with `append`.
+    #[serde(default)]
+    pub offset: u64,
+    /// Truncate the file to `offset` before writing.
+    #[serde(default)]
+    pub truncate: bool,
+    #[serde(default)]
+    pub append: bool,
+    /// Make missing parent directories.
+    #[serde(default)]
+    pub parents: bool,
+    /// Permission bits for a file that is created.
+    #[serde(default)]
+    pub mode: Option<u32>,
+    #[serde(default)]
+    pub user: Option<String>,
+}
+
+/// A message from the agent.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum FromAgent {
+    /// The answer to the request with this id.
+    Reply { id: u64, reply: Reply },
+    /// A chunk of a process's output; the bytes are the frame's data.
+    Output { pid: u32, stream: Stream },
+    /// Output of this stream was discarded (nobody attached, replay buffer
+    /// full); `bytes` says how much.
+    Dropped { pid: u32, stream: Stream, bytes: u64 },
+    /// The process ended. Always the last message about a pid.
+    Exit { pid: u32, status: ExitStatus },
+    /// Something changed below a watched directory.
+    Watch { watch: u64, event: WatchEvent },
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// How a process ended.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ExitStatus {
+    /// The exit code, when the process exited.
+    pub code: Option<i32>,
+    /// The signal that killed it, when one did.
+    pub signal: Option<i32>,
+    /// The agent killed the process tree because its timeout passed.
+    pub timed_out: bool,
+}
+
+impl ExitStatus {
+    /// The shell's convention: the code, or 128 + the signal.
+    pub fn shell_code(&self) -> i32 {
+        match (self.code, self.signal) {
+            (Some(c), _) => c,
+            (None, Some(s)) => 128 + s,
+            (None, None) => 255,
+        }
+    }
+}
+
+/// The answer to one request.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Reply {
+    Ok,
+    Pong { version: u32 },
+    Spawned { pid: u32 },
+    Attached { pid: u32 },
+    Processes { processes: Vec<ProcessInfo> },
+    /// File bytes are the frame's data; `eof` says the read reached the end.
+    Data { eof: bool, size: u64 },
+    Written { len: u64 },
+    Stat { entry: Entry },
+    Entries { entries: Vec<Entry>, truncated: bool },
+    Created { created: bool },
+    Watching { watch: u64 },
+    Xattrs { attrs: BTreeMap<String, String> },
+    Error { code: ErrorCode, message: String },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ProcessInfo {
+    pub pid: u32,
+    pub tag: Option<String>,
+    pub cmd: Cmd,
+    pub user: String,
+    pub cwd: String,
+    pub pty: bool,
+    pub stdin: bool,
+    pub env: Vec<(String, String)>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum EntryKind {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+/// One file system entry, described without following a final symlink.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Entry {
+    /// Absolute path inside the sandbox.
+    pub path: String,
+    pub name: String,
+    pub kind: EntryKind,
+    pub size: u64,
+    /// Permission bits (the low 12 bits of st_mode).
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    /// Modification time, nanoseconds since the epoch.
+    pub mtime_ns: i128,
+    /// Where a symlink points, as stored (not resolved).
+    pub target: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct WatchEvent {
+    pub kind: WatchKind,
+    /// Path relative to the watched directory.
+    pub name: String,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum WatchKind {
+    Create,
+    Write,
+    Remove,
+    Rename,
+    Chmod,
+    /// Events were lost (the kernel queue overflowed).
+    Overflow,
+}
+
+/// Stable error codes of the agent.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// The request was malformed or out of bounds.
+    InvalidRequest,
+    /// A path was empty, too long, held NUL or a `..` component.
+    InvalidPath,
+    NotFound,
+    AlreadyExists,
+    PermissionDenied,
+    NotADirectory,
+    IsADirectory,
+    /// A symlink or a mount on the way would leave the sandbox root.
+    SymlinkRefused,
+    /// The writable layer is full (ENOSPC).
+    NoSpace,
+    UnknownUser,
+    UnknownProcess,
+    /// A tag is already used by a running process.
+    TagInUse,
+    /// The agent holds as many processes or watches as it allows.
+    Capacity,
+    /// Anything else the kernel refused; the message has the errno.
+    Io,
+}
+
+impl ErrorCode {
+    /// Maps an errno from a file operation onto a code.
+    pub fn from_errno(errno: i32) -> ErrorCode {
+        match errno {
+            libc::ENOENT => ErrorCode::NotFound,
+            libc::EEXIST | libc::ENOTEMPTY => ErrorCode::AlreadyExists,
+            libc::EACCES | libc::EPERM | libc::EROFS => ErrorCode::PermissionDenied,
+            libc::ENOTDIR => ErrorCode::NotADirectory,
+            libc::EISDIR => ErrorCode::IsADirectory,
+            libc::ELOOP | libc::EXDEV => ErrorCode::SymlinkRefused,
+            libc::ENOSPC | libc::EDQUOT => ErrorCode::NoSpace,
+            libc::ENAMETOOLONG | libc::EINVAL => ErrorCode::InvalidPath,
+            _ => ErrorCode::Io,
+        }
+    }
+}
+
+/// Checks a path from a request: not empty, at most [`MAX_PATH`] bytes, no
+/// NUL, no `..` component. Returns it made absolute against `base` with `.`
+/// components and repeated slashes removed. Resolution of what remains is
+/// still done with `RESOLVE_IN_ROOT`; this check is so that a confused or
+/// hostile caller gets a clear error instead of a surprising file.
+pub fn normalize_path(path: &str, base: &str) -> Result<String, ErrorCode> {
+    if path.is_empty() || path.len() > MAX_PATH || path.contains('\0') {
+        return Err(ErrorCode::InvalidPath);
+    }
+    let mut parts: Vec<&str> = Vec::new();
+    let joined;
+    let full = if path.starts_with('/') {
+        path
+    } else {
+        joined = format!("{base}/{path}");
+        &joined
+    };
+    for part in full.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => return Err(ErrorCode::InvalidPath),
+            p => parts.push(p),
+        }
+    }
+    let mut out = String::with_capacity(full.len());
+    for p in &parts {
+        out.push('/');
+        out.push_str(p);
+    }
+    if out.is_empty() {
+        out.push('/');
+    }
+    if out.len() > MAX_PATH {
+        return Err(ErrorCode::InvalidPath);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frame_round_trip_keeps_header_and_data() {
+        let mut buf = Vec::new();
+        let msg = FromAgent::Output { pid: 7, stream: Stream::Stderr };
+        encode(&msg, b"hello", &mut buf).expect("encode");
+        encode(&FromAgent::Exit { pid: 7, status: ExitStatus { code: Some(0), signal: None, timed_out: false } }, b"", &mut buf)
+            .expect("encode");
+        let first = split_frame(&buf).expect("valid").expect("complete");
+        assert_eq!(parse_header::<FromAgent>(first.header).expect("parse"), msg);
+        assert_eq!(first.data, b"hello");
+        let second = split_frame(&buf[first.consumed..]).expect("valid").expect("complete");
+        assert!(matches!(parse_header::<FromAgent>(second.header).expect("parse"), FromAgent::Exit { pid: 7, .. }));
+        assert_eq!(first.consumed + second.consumed, buf.len());
+    }
+
+    #[test]
+    fn partial_frames_wait_for_more_bytes() {
+        let mut buf = Vec::new();
+        encode(&ToAgent { id: 1, req: Request::Ping }, b"xyz", &mut buf).expect("encode");
+        for cut in 0..buf.len() {
+            assert_eq!(split_frame(&buf[..cut]).expect("valid prefix"), None, "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn oversized_length_is_refused_before_allocation() {
+        let mut buf = Vec::new();
+        buf.extend_from_slice(&(u32::MAX).to_le_bytes());
+        assert_eq!(split_frame(&buf), Err(FrameError::BadLength(u32::MAX)));
+        let mut buf = Vec::new();
+        buf.extend_from_slice(&(MAX_FRAME as u32 + 1).to_le_bytes());
+        assert!(split_frame(&buf).is_err());
+    }
+
+    #[test]
+    fn header_longer_than_frame_is_refused() {
+        let mut buf = Vec::new();
+        buf.extend_from_slice(&8u32.to_le_bytes());
+        buf.extend_from_slice(&100u32.to_le_bytes());
+        buf.extend_from_slice(&[0; 4]);
+        assert_eq!(split_frame(&buf), Err(FrameError::BadHeaderLength(100)));
+    }
+
+    #[test]
+    fn unknown_fields_and_ops_are_refused() {
+        assert!(parse_header::<ToAgent>(br#"{"id":1,"req":{"op":"format_disk"}}"#).is_err());
+        assert!(parse_header::<ToAgent>(br#"{"id":1,"req":{"op":"ping"},"extra":1}"#).is_err());
+        assert!(parse_header::<FromAgent>(br#"{"kind":"reply","id":1,"reply":{"type":"ok"}}"#).is_ok());
+    }
+
+    #[test]
+    fn data_over_the_limit_is_refused() {
+        let big = vec![0u8; MAX_DATA + 1];
+        assert_eq!(encode(&Request::Ping, &big, &mut Vec::new()), Err(FrameError::DataTooLarge(MAX_DATA + 1)));
+    }
+
+    #[test]
+    fn normalize_path_refuses_dotdot_nul_and_empty() {
+        assert_eq!(normalize_path("a/../b", "/workspace"), Err(ErrorCode::InvalidPath));
+        assert_eq!(normalize_path("/etc/..", "/"), Err(ErrorCode::InvalidPath));
+        assert_eq!(normalize_path("a\0b", "/"), Err(ErrorCode::InvalidPath));
+        assert_eq!(normalize_path("", "/"), Err(ErrorCode::InvalidPath));
+        assert_eq!(normalize_path(&"a/".repeat(3000), "/"), Err(ErrorCode::InvalidPath));
+    }
+
+    #[test]
+    fn normalize_path_joins_relative_paths_and_drops_dots() {
+        assert_eq!(normalize_path("a/./b//c", "/workspace").as_deref(), Ok("/workspace/a/b/c"));
+        assert_eq!(normalize_path("/", "/workspace").as_deref(), Ok("/"));
+        assert_eq!(normalize_path("/etc/hosts", "/workspace").as_deref(), Ok("/etc/hosts"));
+        assert_eq!(normalize_path("...", "/w").as_deref(), Ok("/w/..."));
+    }
+}
