@@ -1,1 +1,20 @@
-//! placeholder
+//! Isolation for hutch: the `container` class (namespaces, an overlay root,
+//! cgroups, seccomp, a uid range per sandbox) and the host side of the agent
+//! link.
+//!
+//! Architecture invariant: this is the only crate of hutch with `unsafe`
+//! besides the agent's own system calls; each block carries a SAFETY note,
+//! and the code that runs between `clone3` and `execveat` (launch.rs) makes
+//! only async-signal-safe system calls on memory prepared before the clone.
+
+pub mod agent;
+pub mod cgroup;
+pub mod container;
+pub mod doctor;
+pub mod launch;
+pub mod rootfs;
+pub mod seccomp;
+pub mod sys;
+pub mod uids;
+
+pub use container::{Config, Runtime, RuntimeError, Sandbox, SandboxSpec};

@@ -1,0 +1,632 @@
+//! Control groups: limits, freeze and kill for one sandbox, on cgroup v1,
+//! pure cgroup v2, and the hybrid of both.
+//!
+//! Every function takes the cgroup mount root as a `&Path` so that tests can
+//! point it at a temporary tree. The layout is detected once: each resource
+//! controller is used from the hierarchy that has it (v1 wins where a
+//! controller is bound there, because the kernel does not let one controller
+//! serve both), and freeze and kill come from v2 wherever a v2 tree exists,
+//! since `cgroup.freeze` and `cgroup.kill` work there without any controller.
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Name of the directory under each hierarchy that holds hutch's sandboxes.
+pub const PARENT: &str = "hutch";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    #[error("no usable cgroup hierarchy under {root}")]
+    NoHierarchy { root: PathBuf },
+    #[error("cgroup controller {controller} is not available on this host")]
+    MissingController { controller: &'static str },
+    #[error("cgroup operation on {path} failed: {source}")]
+    Io { path: PathBuf, source: io::Error },
+    #[error("cgroup {path} did not become empty in time")]
+    Busy { path: PathBuf },
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> CgroupError + '_ {
+    move |source| CgroupError::Io { path: path.to_path_buf(), source }
+}
+
+/// Resource controllers hutch sets limits with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Controller {
+    Memory,
+    Pids,
+    Cpu,
+}
+
+impl Controller {
+    pub const ALL: [Controller; 3] = [Controller::Memory, Controller::Pids, Controller::Cpu];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Controller::Memory => "memory",
+            Controller::Pids => "pids",
+            Controller::Cpu => "cpu",
+        }
+    }
+}
+
+/// Which cgroup versions the host mounts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayoutKind {
+    V1,
+    V2,
+    Hybrid,
+}
+
+impl std::fmt::Display for LayoutKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            LayoutKind::V1 => "cgroup v1",
+            LayoutKind::V2 => "cgroup v2",
+            LayoutKind::Hybrid => "hybrid (v1 controllers, v2 tree)",
+        })
+    }
+}
+
+/// Where a resource controller lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Placement {
+    /// A v1 hierarchy rooted at this directory.
+    V1(PathBuf),
+    /// The v2 tree.
+    V2,
+}
+
+/// The host's cgroup layout, as detected under a mount root.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    /// The v2 tree's root, when one is mounted.
+    pub v2: Option<PathBuf>,
+    /// Controllers the v2 root offers (its `cgroup.controllers`).
+    pub v2_controllers: BTreeSet<String>,
+    pub memory: Option<Placement>,
+    pub pids: Option<Placement>,
+    pub cpu: Option<Placement>,
+    /// The v1 freezer hierarchy, used only when there is no v2 tree.
+    pub v1_freezer: Option<PathBuf>,
+}
+
+impl Layout {
+    /// Detects the layout under `root` (normally `/sys/fs/cgroup`).
+    pub fn detect(root: &Path) -> Result<Layout, CgroupError> {
+        let v2 = if root.join("cgroup.controllers").is_file() {
+            Some(root.to_path_buf())
+        } else if root.join("unified/cgroup.controllers").is_file() {
+            Some(root.join("unified"))
+        } else {
+            None
+        };
+        let v2_controllers: BTreeSet<String> = match &v2 {
+            Some(dir) => {
+                let path = dir.join("cgroup.controllers");
+                fs::read_to_string(&path).map_err(io_err(&path))?.split_whitespace().map(str::to_owned).collect()
+            }
+            None => BTreeSet::new(),
+        };
+        let pure_v2 = v2.as_deref() == Some(root);
+        let v1_dir = |name: &str| -> Option<PathBuf> {
+            if pure_v2 {
+                return None;
+            }
+            // v1 hierarchies may co-mount controllers ("cpu,cpuacct"); the
+            // single names are then symlinks, which is_dir follows.
+            let dir = root.join(name);
+            dir.join("tasks").is_file().then_some(dir)
+        };
+        let place = |name: &str| -> Option<Placement> {
+            v1_dir(name).map(Placement::V1).or_else(|| v2_controllers.contains(name).then_some(Placement::V2))
+        };
+        let layout = Layout {
+            memory: place("memory"),
+            pids: place("pids"),
+            cpu: place("cpu"),
+            v1_freezer: if v2.is_some() { None } else { v1_dir("freezer") },
+            v2,
+            v2_controllers,
+        };
+        if layout.v2.is_none() && layout.v1_freezer.is_none() && layout.memory.is_none() {
+            return Err(CgroupError::NoHierarchy { root: root.to_path_buf() });
+        }
+        Ok(layout)
+    }
+
+    pub fn kind(&self) -> LayoutKind {
+        let any_v1 = [&self.memory, &self.pids, &self.cpu].iter().any(|p| matches!(p, Some(Placement::V1(_))))
+            || self.v1_freezer.is_some();
+        match (any_v1, self.v2.is_some()) {
+            (true, true) => LayoutKind::Hybrid,
+            (true, false) => LayoutKind::V1,
+            _ => LayoutKind::V2,
+        }
+    }
+
+    pub fn placement(&self, c: Controller) -> Option<&Placement> {
+        match c {
+            Controller::Memory => self.memory.as_ref(),
+            Controller::Pids => self.pids.as_ref(),
+            Controller::Cpu => self.cpu.as_ref(),
+        }
+    }
+
+    /// Whether the sandbox can be frozen and thawed here.
+    pub fn can_freeze(&self) -> bool {
+        self.v2.is_some() || self.v1_freezer.is_some()
+    }
+}
+
+/// Limits applied to one sandbox's cgroup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub memory_bytes: u64,
+    pub pids: u32,
+    /// CPU time per period, in thousandths of a CPU (1000 = one CPU).
+    pub cpu_millis: u32,
+}
+
+const CPU_PERIOD_US: u64 = 100_000;
+
+/// The cgroup (one directory per hierarchy in use) of one sandbox.
+#[derive(Debug)]
+pub struct Cgroup {
+    name: String,
+    /// Every directory created, v2 first when present.
+    dirs: Vec<PathBuf>,
+    memory: Option<(PathBuf, bool)>,
+    pids: Option<PathBuf>,
+    cpu: Option<(PathBuf, bool)>,
+    v2: Option<PathBuf>,
+    v1_freezer: Option<PathBuf>,
+}
+
+impl Cgroup {
+    /// Creates the sandbox's cgroup in every hierarchy it needs and writes
+    /// the limits. On error, whatever was created is removed again.
+    pub fn create(layout: &Layout, name: &str, limits: &Limits) -> Result<Cgroup, CgroupError> {
+        let mut cg = Cgroup {
+            name: name.to_owned(),
+            dirs: Vec::new(),
+            memory: None,
+            pids: None,
+            cpu: None,
+            v2: None,
+            v1_freezer: None,
+        };
+        match cg.populate(layout, limits) {
+            Ok(()) => Ok(cg),
+            Err(e) => {
+                let _ = cg.remove_dirs(Duration::from_millis(200));
+                Err(e)
+            }
+        }
+    }
+
+    fn populate(&mut self, layout: &Layout, limits: &Limits) -> Result<(), CgroupError> {
+        if let Some(root) = &layout.v2 {
+            let needed: Vec<&str> = Controller::ALL
+                .iter()
+                .filter(|c| layout.placement(**c) == Some(&Placement::V2))
+                .map(|c| c.name())
+                .collect();
+            let parent = root.join(PARENT);
+            ensure_parent(root, &parent, &needed)?;
+            self.v2 = Some(self.make_dir(&parent)?);
+        }
+        if let Some(dir) = &layout.v1_freezer {
+            self.v1_freezer = Some(self.make_dir(&dir.join(PARENT))?);
+        }
+        for c in Controller::ALL {
+            let dir = match layout.placement(c) {
+                None => return Err(CgroupError::MissingController { controller: c.name() }),
+                Some(Placement::V2) => (self.v2.clone().expect("v2 placement implies a v2 tree"), true),
+                Some(Placement::V1(root)) => (self.make_dir(&root.join(PARENT))?, false),
+            };
+            match c {
+                Controller::Memory => self.memory = Some(dir),
+                Controller::Pids => self.pids = Some(dir.0),
+                Controller::Cpu => self.cpu = Some(dir),
+            }
+        }
+        self.apply(limits)
+    }
+
+    /// Makes `parent/<name>` unless an earlier controller made it (v1
+    /// hierarchies can be co-mounted and so share a directory).
+    fn make_dir(&mut self, parent: &Path) -> Result<PathBuf, CgroupError> {
+        let dir = parent.join(&self.name);
+        if self.dirs.contains(&dir) {
+            return Ok(dir);
+        }
+        if !parent.is_dir() {
+            fs::create_dir_all(parent).map_err(io_err(parent))?;
+        }
+        fs::create_dir(&dir).map_err(io_err(&dir))?;
+        self.dirs.push(dir.clone());
+        Ok(dir)
+    }
+
+    /// Writes the limits; callable again to change them.
+    pub fn apply(&self, limits: &Limits) -> Result<(), CgroupError> {
+        if let Some((dir, v2)) = &self.memory {
+            if *v2 {
+                write(&dir.join("memory.max"), &limits.memory_bytes.to_string())?;
+                write_if_present(&dir.join("memory.swap.max"), "0")?;
+            } else {
+                write(&dir.join("memory.limit_in_bytes"), &limits.memory_bytes.to_string())?;
+                // Without this a sandbox could push its memory into swap.
+                write_if_present(&dir.join("memory.memsw.limit_in_bytes"), &limits.memory_bytes.to_string())?;
+            }
+        }
+        if let Some(dir) = &self.pids {
+            write(&dir.join("pids.max"), &limits.pids.to_string())?;
+        }
+        if let Some((dir, v2)) = &self.cpu {
+            let quota = (limits.cpu_millis as u64 * CPU_PERIOD_US / 1000).max(1000);
+            if *v2 {
+                write(&dir.join("cpu.max"), &format!("{quota} {CPU_PERIOD_US}"))?;
+            } else {
+                write(&dir.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;
+                write(&dir.join("cpu.cfs_quota_us"), &quota.to_string())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The v2 directory, for `CLONE_INTO_CGROUP`.
+    pub fn v2_dir(&self) -> Option<&Path> {
+        self.v2.as_deref()
+    }
+
+    /// `cgroup.procs` files a new process must write itself into: every
+    /// directory except the v2 one, which it enters through `clone3`.
+    pub fn v1_procs_files(&self) -> Vec<PathBuf> {
+        self.dirs.iter().filter(|d| Some(d.as_path()) != self.v2.as_deref()).map(|d| d.join("cgroup.procs")).collect()
+    }
+
+    /// How many times the kernel's OOM killer ran in this cgroup.
+    pub fn oom_kills(&self) -> u64 {
+        match &self.memory {
+            Some((dir, true)) => read_key(&dir.join("memory.events"), "oom_kill"),
+            Some((dir, false)) => read_key(&dir.join("memory.oom_control"), "oom_kill"),
+            None => 0,
+        }
+    }
+
+    /// How many forks failed because the pids limit was reached.
+    pub fn pids_limit_hits(&self) -> u64 {
+        self.pids.as_ref().map_or(0, |dir| read_key(&dir.join("pids.events"), "max"))
+    }
+
+    /// How many CPU periods the sandbox was throttled in.
+    pub fn cpu_throttled_periods(&self) -> u64 {
+        self.cpu.as_ref().map_or(0, |(dir, _)| read_key(&dir.join("cpu.stat"), "nr_throttled"))
+    }
+
+    /// Bytes of memory charged to the sandbox now.
+    pub fn memory_current(&self) -> u64 {
+        match &self.memory {
+            Some((dir, true)) => read_u64(&dir.join("memory.current")),
+            Some((dir, false)) => read_u64(&dir.join("memory.usage_in_bytes")),
+            None => 0,
+        }
+    }
+
+    /// Stops every process of the sandbox, keeping its memory.
+    pub fn freeze(&self) -> Result<(), CgroupError> {
+        self.set_frozen(true)
+    }
+
+    pub fn thaw(&self) -> Result<(), CgroupError> {
+        self.set_frozen(false)
+    }
+
+    fn set_frozen(&self, frozen: bool) -> Result<(), CgroupError> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        if let Some(dir) = &self.v2 {
+            write(&dir.join("cgroup.freeze"), if frozen { "1" } else { "0" })?;
+            let want = if frozen { "frozen 1" } else { "frozen 0" };
+            let events = dir.join("cgroup.events");
+            loop {
+                let text = fs::read_to_string(&events).map_err(io_err(&events))?;
+                if text.lines().any(|l| l == want) {
+                    return Ok(());
+                }
+                if Instant::now() > deadline {
+                    return Err(CgroupError::Busy { path: dir.clone() });
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        if let Some(dir) = &self.v1_freezer {
+            let state = dir.join("freezer.state");
+            let want = if frozen { "FROZEN" } else { "THAWED" };
+            loop {
+                write(&state, want)?;
+                if fs::read_to_string(&state).map_err(io_err(&state))?.trim() == want {
+                    return Ok(());
+                }
+                if Instant::now() > deadline {
+                    return Err(CgroupError::Busy { path: dir.clone() });
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        Err(CgroupError::MissingController { controller: "freezer" })
+    }
+
+    /// Kills every process in the sandbox, PID 1 included.
+    pub fn kill_all(&self) -> Result<(), CgroupError> {
+        if let Some(dir) = &self.v2 {
+            let kill = dir.join("cgroup.kill");
+            if kill.exists() {
+                return write(&kill, "1");
+            }
+        }
+        // No cgroup.kill: freeze so nothing forks while we signal, then thaw
+        // so the signals are delivered.
+        let frozen = self.freeze().is_ok();
+        let procs = self.dirs.first().map(|d| d.join("cgroup.procs"));
+        if let Some(procs) = procs {
+            for pid in fs::read_to_string(&procs).unwrap_or_default().lines() {
+                if let Ok(pid) = pid.trim().parse::<i32>() {
+                    crate::sys::kill(pid, libc::SIGKILL);
+                }
+            }
+        }
+        if frozen {
+            self.thaw()?;
+        }
+        Ok(())
+    }
+
+    /// Kills what is left and removes every directory, waiting up to
+    /// `patience` for exiting processes to leave.
+    pub fn destroy(mut self, patience: Duration) -> Result<(), CgroupError> {
+        let _ = self.kill_all();
+        self.remove_dirs(patience)
+    }
+
+    fn remove_dirs(&mut self, patience: Duration) -> Result<(), CgroupError> {
+        let deadline = Instant::now() + patience;
+        while let Some(dir) = self.dirs.pop() {
+            loop {
+                match fs::remove_dir(&dir) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => break,
+                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_micros(200));
+                    }
+                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                        self.dirs.push(dir.clone());
+                        return Err(CgroupError::Busy { path: dir });
+                    }
+                    Err(source) => {
+                        self.dirs.push(dir.clone());
+                        return Err(CgroupError::Io { path: dir, source });
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Re-opens the cgroup of a sandbox that already exists (after a
+    /// restart), without creating anything.
+    pub fn existing(layout: &Layout, name: &str) -> Cgroup {
+        let mut cg = Cgroup {
+            name: name.to_owned(),
+            dirs: Vec::new(),
+            memory: None,
+            pids: None,
+            cpu: None,
+            v2: None,
+            v1_freezer: None,
+        };
+        let add = |dir: PathBuf, dirs: &mut Vec<PathBuf>| {
+            if !dirs.contains(&dir) && dir.is_dir() {
+                dirs.push(dir.clone());
+            }
+            dir
+        };
+        if let Some(root) = &layout.v2 {
+            cg.v2 = Some(add(root.join(PARENT).join(name), &mut cg.dirs));
+        }
+        if let Some(root) = &layout.v1_freezer {
+            cg.v1_freezer = Some(add(root.join(PARENT).join(name), &mut cg.dirs));
+        }
+        for c in Controller::ALL {
+            let dir = match layout.placement(c) {
+                None => continue,
+                Some(Placement::V2) => match &cg.v2 {
+                    Some(d) => (d.clone(), true),
+                    None => continue,
+                },
+                Some(Placement::V1(root)) => (add(root.join(PARENT).join(name), &mut cg.dirs), false),
+            };
+            match c {
+                Controller::Memory => cg.memory = Some(dir),
+                Controller::Pids => cg.pids = Some(dir.0),
+                Controller::Cpu => cg.cpu = Some(dir),
+            }
+        }
+        cg
+    }
+
+    /// Whether any directory of this cgroup still exists.
+    pub fn exists(&self) -> bool {
+        self.dirs.iter().any(|d| d.is_dir())
+    }
+}
+
+/// Names of the sandbox cgroups that exist under `hutch/` in any hierarchy.
+pub fn list_sandboxes(layout: &Layout) -> BTreeSet<String> {
+    let mut roots: Vec<PathBuf> = layout.v2.iter().cloned().collect();
+    roots.extend(layout.v1_freezer.iter().cloned());
+    for c in Controller::ALL {
+        if let Some(Placement::V1(dir)) = layout.placement(c) {
+            roots.push(dir.clone());
+        }
+    }
+    let mut names = BTreeSet::new();
+    for root in roots {
+        if let Ok(entries) = fs::read_dir(root.join(PARENT)) {
+            for e in entries.flatten() {
+                if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                    names.insert(e.file_name().to_string_lossy().into_owned());
+                }
+            }
+        }
+    }
+    names
+}
+
+/// Creates the `hutch` parent in the v2 tree and lets its children use the
+/// controllers hutch needs from v2.
+fn ensure_parent(root: &Path, parent: &Path, controllers: &[&str]) -> Result<(), CgroupError> {
+    if !parent.is_dir() {
+        match fs::create_dir(parent) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(source) => return Err(CgroupError::Io { path: parent.to_path_buf(), source }),
+        }
+    }
+    if controllers.is_empty() {
+        return Ok(());
+    }
+    for dir in [root, parent] {
+        let path = dir.join("cgroup.subtree_control");
+        let enabled = fs::read_to_string(&path).map_err(io_err(&path))?;
+        let missing: Vec<String> = controllers
+            .iter()
+            .filter(|c| !enabled.split_whitespace().any(|e| e == **c))
+            .map(|c| format!("+{c}"))
+            .collect();
+        if !missing.is_empty() {
+            write(&path, &missing.join(" "))?;
+        }
+    }
+    Ok(())
+}
+
+fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
+    fs::write(path, value).map_err(io_err(path))
+}
+
+/// Writes a control file the kernel may not offer (swap accounting off).
+fn write_if_present(path: &Path, value: &str) -> Result<(), CgroupError> {
+    if !path.exists() {
+        return Ok(());
+    }
+    write(path, value)
+}
+
+/// Reads `key N` out of a flat keyed file; 0 when absent.
+fn read_key(path: &Path, key: &str) -> u64 {
+    fs::read_to_string(path)
+        .ok()
+        .and_then(|text| {
+            text.lines().find_map(|l| {
+                let (k, v) = l.split_once(' ')?;
+                (k == key).then(|| v.trim().parse().ok()).flatten()
+            })
+        })
+        .unwrap_or(0)
+}
+
+fn read_u64(path: &Path) -> u64 {
+    fs::read_to_string(path).ok().and_then(|t| t.trim().parse().ok()).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn touch(path: &Path, content: &str) {
+        fs::create_dir_all(path.parent().expect("has parent")).expect("mkdir");
+        fs::write(path, content).expect("write");
+    }
+
+    fn tmp(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("hutch-cg-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).expect("mkdir");
+        dir
+    }
+
+    #[test]
+    fn detects_hybrid_layout_with_v1_controllers_and_v2_tree() {
+        let root = tmp("hybrid");
+        for c in ["memory", "pids", "cpu,cpuacct", "freezer"] {
+            touch(&root.join(c).join("tasks"), "");
+        }
+        std::os::unix::fs::symlink("cpu,cpuacct", root.join("cpu")).expect("symlink");
+        touch(&root.join("unified/cgroup.controllers"), "hugetlb\n");
+        let layout = Layout::detect(&root).expect("detect");
+        assert_eq!(layout.kind(), LayoutKind::Hybrid);
+        assert_eq!(layout.memory, Some(Placement::V1(root.join("memory"))));
+        assert_eq!(layout.cpu, Some(Placement::V1(root.join("cpu"))));
+        assert_eq!(layout.v2, Some(root.join("unified")));
+        assert_eq!(layout.v1_freezer, None, "v2 freezes when present");
+        fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    #[test]
+    fn detects_pure_v2_and_writes_v2_limit_files() {
+        let root = tmp("v2");
+        touch(&root.join("cgroup.controllers"), "cpuset cpu io memory hugetlb pids rdma misc\n");
+        touch(&root.join("cgroup.subtree_control"), "");
+        let layout = Layout::detect(&root).expect("detect");
+        assert_eq!(layout.kind(), LayoutKind::V2);
+        assert_eq!(layout.memory, Some(Placement::V2));
+        // A plain directory does not grow the kernel's files: pre-create the
+        // parent's and the sandbox's control files as the kernel would.
+        touch(&root.join("hutch/cgroup.subtree_control"), "");
+        let limits = Limits { memory_bytes: 256 << 20, pids: 64, cpu_millis: 1500 };
+        let cg = Cgroup::create(&layout, "sb1", &limits).expect("create");
+        let dir = root.join("hutch/sb1");
+        assert_eq!(fs::read_to_string(dir.join("memory.max")).expect("read"), (256u64 << 20).to_string());
+        assert_eq!(fs::read_to_string(dir.join("pids.max")).expect("read"), "64");
+        assert_eq!(fs::read_to_string(dir.join("cpu.max")).expect("read"), "150000 100000");
+        assert_eq!(fs::read_to_string(root.join("cgroup.subtree_control")).expect("read"), "+memory +pids +cpu");
+        assert!(cg.v1_procs_files().is_empty(), "v2 is entered through clone3");
+        fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    #[test]
+    fn v1_limits_cap_swap_too() {
+        let root = tmp("v1");
+        for c in ["memory", "pids", "cpu", "freezer"] {
+            touch(&root.join(c).join("tasks"), "");
+        }
+        touch(&root.join("memory/hutch/sb2/memory.memsw.limit_in_bytes"), "");
+        let layout = Layout::detect(&root).expect("detect");
+        assert_eq!(layout.kind(), LayoutKind::V1);
+        // The directory exists already (pre-made above), so create fails:
+        // the error path must remove what it made.
+        assert!(Cgroup::create(&layout, "sb2", &Limits { memory_bytes: 1, pids: 1, cpu_millis: 1 }).is_err());
+        assert!(!root.join("freezer/hutch/sb2").exists());
+        fs::remove_dir_all(root.join("memory/hutch/sb2")).expect("cleanup");
+        let cg =
+            Cgroup::create(&layout, "sb2", &Limits { memory_bytes: 4096, pids: 9, cpu_millis: 500 }).expect("create");
+        assert_eq!(fs::read_to_string(root.join("memory/hutch/sb2/memory.limit_in_bytes")).expect("read"), "4096");
+        assert_eq!(fs::read_to_string(root.join("cpu/hutch/sb2/cpu.cfs_quota_us")).expect("read"), "50000");
+        assert_eq!(cg.v1_procs_files().len(), 4);
+        fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    #[test]
+    fn read_key_finds_counters() {
+        let root = tmp("keys");
+        touch(&root.join("memory.events"), "low 0\nhigh 0\nmax 3\noom 1\noom_kill 2\n");
+        assert_eq!(read_key(&root.join("memory.events"), "oom_kill"), 2);
+        assert_eq!(read_key(&root.join("memory.events"), "missing"), 0);
+        fs::remove_dir_all(&root).expect("cleanup");
+    }
+}

@@ -1,0 +1,413 @@
+//! The `container` isolation class: a sandbox is a set of fresh namespaces
+//! around an overlay root, a cgroup, a uid range of its own, and the agent
+//! as PID 1.
+//!
+//! [`Runtime::start`] does the host's half (uid range, cgroup, user
+//! namespace, agent socket, configuration), builds the child's plan, and
+//! clones; [`Sandbox::destroy`] undoes all of it. [`Runtime::sweep`] removes
+//! what sandboxes that died without a teardown left behind.
+
+use crate::agent::{AgentConn, AgentError};
+use crate::cgroup::{self, Cgroup, CgroupError, Layout, Limits};
+use crate::launch::{self, cstr, Plan, Step, StepError};
+use crate::rootfs::{self, FsSpec, RootfsError};
+use crate::seccomp::{self, SeccompError};
+use crate::uids::{self, Slot, UidError};
+use hutch_agent::proto::{self, AgentConfig};
+use std::fs::{self, File};
+use std::io::{self, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Capabilities kept by processes run as root inside a sandbox: what a
+/// package manager needs to install files for other users. They act only
+/// inside the sandbox's user namespace, which owns no other namespace.
+pub const ROOT_CAPS: &[u32] = &[
+    0,  // CAP_CHOWN
+    1,  // CAP_DAC_OVERRIDE
+    3,  // CAP_FOWNER
+    4,  // CAP_FSETID
+    5,  // CAP_KILL
+    6,  // CAP_SETGID
+    7,  // CAP_SETUID
+    10, // CAP_NET_BIND_SERVICE
+    31, // CAP_SETFCAP
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("invalid sandbox id {0:?}: use 1 to 64 of a-z, 0-9 and -")]
+    InvalidId(String),
+    #[error(transparent)]
+    Uids(#[from] UidError),
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    #[error(transparent)]
+    Rootfs(#[from] RootfsError),
+    #[error(transparent)]
+    Seccomp(#[from] SeccompError),
+    #[error(transparent)]
+    Setup(#[from] StepError),
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+    #[error("{what}: {source}")]
+    Io { what: String, source: io::Error },
+    #[error("agent binary {path} not found; build it (cargo build) or set HUTCH_AGENT")]
+    NoAgent { path: PathBuf },
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> RuntimeError {
+    let what = what.into();
+    move |source| RuntimeError::Io { what, source }
+}
+
+/// Where the runtime keeps things on the host.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Persistent state: root filesystems.
+    pub state_dir: PathBuf,
+    /// Runtime state (tmpfs): agent sockets, uid slots, the staging dir.
+    pub run_dir: PathBuf,
+    /// The cgroup mount root, normally /sys/fs/cgroup.
+    pub cgroup_root: PathBuf,
+    /// The agent binary run as each sandbox's PID 1.
+    pub agent: PathBuf,
+}
+
+impl Config {
+    /// The defaults: /var/lib/hutch, /run/hutch, /sys/fs/cgroup, and the
+    /// agent next to the running executable, each overridable by
+    /// HUTCH_STATE_DIR, HUTCH_RUN_DIR and HUTCH_AGENT.
+    pub fn from_env() -> Config {
+        let agent = std::env::var_os("HUTCH_AGENT").map(PathBuf::from).unwrap_or_else(|| {
+            std::env::current_exe()
+                .ok()
+                .and_then(|p| p.parent().map(|d| d.join("hutch-agent")))
+                .unwrap_or_else(|| PathBuf::from("/usr/local/bin/hutch-agent"))
+        });
+        Config {
+            state_dir: std::env::var_os("HUTCH_STATE_DIR")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| "/var/lib/hutch".into()),
+            run_dir: std::env::var_os("HUTCH_RUN_DIR").map(PathBuf::from).unwrap_or_else(|| "/run/hutch".into()),
+            cgroup_root: "/sys/fs/cgroup".into(),
+            agent,
+        }
+    }
+}
+
+/// What one sandbox gets.
+#[derive(Debug, Clone)]
+pub struct SandboxSpec {
+    /// Chosen by the caller, or random when `None`.
+    pub id: Option<String>,
+    pub limits: Limits,
+    /// Size cap of the writable layer, in bytes.
+    pub disk_bytes: u64,
+    /// Environment of every process in the sandbox.
+    pub env: Vec<(String, String)>,
+    /// Kill the sandbox when the process that started it dies (one-shot
+    /// runs); a daemon's sandboxes outlive it and leave this off.
+    pub die_with_parent: bool,
+    /// Replaces the agent (program and arguments); tests use this to put a
+    /// hostile agent in the sandbox.
+    pub agent_override: Option<(PathBuf, Vec<String>)>,
+}
+
+impl Default for SandboxSpec {
+    fn default() -> Self {
+        SandboxSpec {
+            id: None,
+            limits: Limits { memory_bytes: 512 << 20, pids: 256, cpu_millis: 1000 },
+            disk_bytes: 1 << 30,
+            env: Vec::new(),
+            die_with_parent: false,
+            agent_override: None,
+        }
+    }
+}
+
+/// The container runtime of one host.
+#[derive(Debug)]
+pub struct Runtime {
+    cfg: Config,
+    layout: Layout,
+    seccomp: Vec<u8>,
+    base: PathBuf,
+}
+
+/// A running sandbox.
+#[derive(Debug)]
+pub struct Sandbox {
+    pub id: String,
+    /// PID 1 of the sandbox, as the host sees it.
+    pub pid: libc::pid_t,
+    pub socket: PathBuf,
+    pub cgroup: Cgroup,
+    slot: Option<Slot>,
+}
+
+impl Runtime {
+    /// Detects the cgroup layout, compiles the seccomp profile and makes
+    /// sure the `base` root filesystem exists.
+    pub fn new(cfg: Config) -> Result<Runtime, RuntimeError> {
+        let layout = Layout::detect(&cfg.cgroup_root)?;
+        let seccomp = seccomp::to_bytes(&seccomp::compile(seccomp::PROFILE)?);
+        for dir in [cfg.run_dir.clone(), cfg.run_dir.join("sockets"), cfg.run_dir.join("stage")] {
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&dir)
+                .map_err(io_err(format!("mkdir {}", dir.display())))?;
+        }
+        let base = rootfs::ensure_base(&cfg.state_dir)?;
+        if !cfg.agent.is_file() {
+            return Err(RuntimeError::NoAgent { path: cfg.agent.clone() });
+        }
+        Ok(Runtime { cfg, layout, seccomp, base })
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Starts a sandbox and returns once its agent is running.
+    pub fn start(&self, spec: &SandboxSpec) -> Result<Sandbox, RuntimeError> {
+        let id = match &spec.id {
+            Some(id) => valid_id(id)?,
+            None => random_id()?,
+        };
+        let slot = uids::allocate(&self.cfg.run_dir.join("uids"), &id)?;
+        let cgroup = match Cgroup::create(&self.layout, &id, &spec.limits) {
+            Ok(c) => c,
+            Err(e) => {
+                slot.release();
+                return Err(e.into());
+            }
+        };
+        let socket = self.cfg.run_dir.join("sockets").join(format!("{id}.sock"));
+        let mut sandbox = Sandbox { id, pid: 0, socket, cgroup, slot: Some(slot) };
+        match self.launch(&mut sandbox, spec) {
+            Ok(()) => Ok(sandbox),
+            Err(e) => {
+                let _ = sandbox.destroy();
+                Err(e)
+            }
+        }
+    }
+
+    fn launch(&self, sb: &mut Sandbox, spec: &SandboxSpec) -> Result<(), RuntimeError> {
+        let slot = sb.slot.as_ref().expect("a starting sandbox holds its uid slot");
+        let userns = launch::make_userns(slot.base(), uids::RANGE).map_err(io_err("create user namespace"))?;
+        let _ = fs::remove_file(&sb.socket);
+        let listener = UnixListener::bind(&sb.socket).map_err(io_err(format!("bind {}", sb.socket.display())))?;
+
+        let (cfg_rd, cfg_wr) = crate::sys::pipe().map_err(io_err("config pipe"))?;
+        let config = AgentConfig {
+            version: proto::PROTOCOL_VERSION,
+            env: spec.env.clone(),
+            root_caps: ROOT_CAPS.iter().fold(0u64, |m, c| m | 1 << c),
+            replay_bytes: 64 * 1024,
+        };
+        let mut frame = Vec::with_capacity(512 + self.seccomp.len());
+        proto::encode(&config, &self.seccomp, &mut frame).map_err(|e| RuntimeError::Io {
+            what: "encode agent config".into(),
+            source: io::Error::new(io::ErrorKind::InvalidData, e),
+        })?;
+        File::from(cfg_wr).write_all(&frame).map_err(io_err("write agent config"))?;
+
+        let (agent_path, agent_args) = match &spec.agent_override {
+            Some((p, args)) => (p.clone(), args.clone()),
+            None => (self.cfg.agent.clone(), vec!["hutch-agent".to_owned()]),
+        };
+        let agent = open_path(&agent_path).map_err(io_err(format!("open agent {}", agent_path.display())))?;
+
+        let mut procs = Vec::new();
+        for path in sb.cgroup.v1_procs_files() {
+            let f = fs::OpenOptions::new().write(true).custom_flags(libc::O_CLOEXEC).open(&path);
+            procs.push((f.map_err(io_err(format!("open {}", path.display())))?, path));
+        }
+        let v2 = match sb.cgroup.v2_dir() {
+            Some(dir) => Some(
+                fs::OpenOptions::new()
+                    .read(true)
+                    .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+                    .open(dir)
+                    .map_err(io_err(format!("open {}", dir.display())))?,
+            ),
+            None => None,
+        };
+
+        let parent =
+            if spec.die_with_parent { Some(launch::pidfd_self().map_err(io_err("pidfd_open"))?) } else { None };
+        let plan = (|| -> io::Result<Plan> {
+            let mut plan = Plan::default();
+            if let Some(fd) = &parent {
+                plan.push(Step::DieWithParent { parent: fd.as_raw_fd() });
+            }
+            for (f, path) in &procs {
+                plan.push(Step::JoinCgroup { fd: f.as_raw_fd(), what: path.display().to_string() });
+            }
+            plan.push(Step::Unshare { flags: libc::CLONE_NEWCGROUP });
+            let stage = self.cfg.run_dir.join("stage");
+            let usr = Path::new("/usr");
+            rootfs::plan_root(
+                &mut plan,
+                &FsSpec {
+                    stage: &stage,
+                    lower: &self.base,
+                    usr: Some(usr),
+                    disk_bytes: spec.disk_bytes,
+                    id_base: slot.base(),
+                    userns_fd: userns.as_raw_fd(),
+                    shm_bytes: (spec.limits.memory_bytes / 2).min(64 << 20),
+                },
+            )?;
+            plan.push(Step::LoopbackUp);
+            // Per network namespace, so written through the host's /proc before
+            // the pivot: any user of the sandbox may bind low ports and ping, as
+            // the namespace is the sandbox's alone.
+            plan.push(Step::WriteFile {
+                path: cstr("/proc/sys/net/ipv4/ip_unprivileged_port_start")?,
+                data: cstr("0")?,
+            });
+            plan.push(Step::WriteFile {
+                path: cstr("/proc/sys/net/ipv4/ping_group_range")?,
+                data: cstr(format!("{} {}", slot.base(), slot.base() + uids::RANGE - 1))?,
+            });
+            plan.push(Step::SetHostname { name: cstr("sandbox")? });
+            plan.push(Step::PivotRoot { new_root: cstr(stage.join("root"))? });
+            plan.push(Step::EnterUserns { fd: userns.as_raw_fd() });
+            let args: Vec<&str> = agent_args.iter().map(String::as_str).collect();
+            plan.exec(
+                agent.as_raw_fd(),
+                &args,
+                vec![(listener.as_raw_fd(), 3), (cfg_rd.as_raw_fd(), 4), (slot.file().as_raw_fd(), 5)],
+            )?;
+            Ok(plan)
+        })()
+        .map_err(io_err("prepare the sandbox plan"))?;
+
+        let child = launch::spawn(&plan, v2.as_ref().map(|f| f.as_raw_fd())).map_err(io_err("clone3 the sandbox"))?;
+        sb.pid = child.pid;
+        // The OOM killer should pick a workload, never the agent; workloads
+        // raise their own score back to 0 before they exec. Best effort: it
+        // needs CAP_SYS_RESOURCE, which some hosts (containers) withhold, and
+        // the agent's small size already makes it the OOM killer's last pick.
+        let _ = fs::write(format!("/proc/{}/oom_score_adj", child.pid), "-1000");
+        drop((listener, cfg_rd, userns, agent, procs, v2, parent));
+        child.wait_started(&plan)?;
+        Ok(())
+    }
+
+    /// Removes what dead sandboxes left behind: cgroups, sockets and uid
+    /// slots whose sandbox no longer runs. Returns the ids cleaned.
+    pub fn sweep(&self) -> Vec<String> {
+        let mut cleaned = Vec::new();
+        for stale in uids::stale(&self.cfg.run_dir.join("uids")) {
+            let id = stale.owner.clone();
+            if valid_id(&id).is_ok() {
+                let cg = Cgroup::existing(&self.layout, &id);
+                if cg.exists() && cg.destroy(Duration::from_secs(1)).is_err() {
+                    continue;
+                }
+                let _ = fs::remove_file(self.cfg.run_dir.join("sockets").join(format!("{id}.sock")));
+            }
+            stale.release();
+            cleaned.push(id);
+        }
+        cleaned
+    }
+
+    /// Ids of sandbox cgroups that exist on the host.
+    pub fn cgroups(&self) -> std::collections::BTreeSet<String> {
+        cgroup::list_sandboxes(&self.layout)
+    }
+}
+
+impl Sandbox {
+    /// Opens a new connection to the sandbox's agent.
+    pub fn connect(&self) -> Result<AgentConn, AgentError> {
+        AgentConn::connect(&self.socket)
+    }
+
+    pub fn freeze(&self) -> Result<(), CgroupError> {
+        self.cgroup.freeze()
+    }
+
+    pub fn thaw(&self) -> Result<(), CgroupError> {
+        self.cgroup.thaw()
+    }
+
+    /// Kills every process of the sandbox and removes everything it held:
+    /// cgroup, socket, uid range. Mounts and namespaces die with PID 1.
+    pub fn destroy(self) -> Result<(), RuntimeError> {
+        let Sandbox { pid, socket, cgroup, slot, .. } = self;
+        let _ = cgroup.kill_all();
+        if pid > 0 {
+            crate::sys::kill(pid, libc::SIGKILL);
+            crate::sys::reap(pid);
+        }
+        let _ = fs::remove_file(&socket);
+        cgroup.destroy(Duration::from_secs(5))?;
+        // Last: the range is free only once no process of the sandbox lives.
+        if let Some(slot) = slot {
+            slot.release();
+        }
+        Ok(())
+    }
+}
+
+fn open_path(path: &Path) -> io::Result<OwnedFd> {
+    let c = cstr(path)?;
+    // SAFETY: c is a valid C string; the fd is owned below.
+    let fd = unsafe { libc::open(c.as_ptr(), libc::O_PATH | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd was just opened and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Sandbox ids name cgroups, sockets and slot files: keep them plain.
+pub fn valid_id(id: &str) -> Result<String, RuntimeError> {
+    let ok = !id.is_empty()
+        && id.len() <= 64
+        && id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !id.starts_with('-');
+    if ok {
+        Ok(id.to_owned())
+    } else {
+        Err(RuntimeError::InvalidId(id.to_owned()))
+    }
+}
+
+/// A random id: "sb-" and 16 hex digits.
+pub fn random_id() -> Result<String, RuntimeError> {
+    let mut b = [0u8; 8];
+    crate::sys::random_bytes(&mut b).map_err(io_err("random id"))?;
+    Ok(format!("sb-{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_plain() {
+        assert!(valid_id("sb-0123abcd").is_ok());
+        for bad in ["", "-x", "A", "a/b", "a.b", "..", &"a".repeat(65)] {
+            assert!(valid_id(bad).is_err(), "{bad:?}");
+        }
+        let id = random_id().expect("random");
+        assert!(valid_id(&id).is_ok());
+        assert_eq!(id.len(), 19);
+    }
+}

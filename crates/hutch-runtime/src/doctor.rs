@@ -1,0 +1,260 @@
+//! `hutch doctor`: what this host offers sandboxes and what it lacks, each
+//! finding with how to fix it, and which isolation classes can run.
+
+use crate::cgroup::{Controller, Layout, Placement};
+use crate::Config;
+use serde::Serialize;
+use std::fs;
+use std::path::Path;
+
+#[derive(Debug, Serialize)]
+pub struct Finding {
+    pub name: &'static str,
+    pub ok: bool,
+    pub detail: String,
+    /// How to fix it, when not ok.
+    pub fix: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ClassSupport {
+    pub class: &'static str,
+    pub available: bool,
+    pub why: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub findings: Vec<Finding>,
+    pub classes: Vec<ClassSupport>,
+}
+
+impl Report {
+    /// Whether the default class (`container`) can run here.
+    pub fn default_class_ok(&self) -> bool {
+        self.classes.iter().any(|c| c.class == "container" && c.available)
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        for f in &self.findings {
+            out.push_str(&format!("{} {:<16} {}\n", if f.ok { "ok  " } else { "MISS" }, f.name, f.detail));
+            if let Some(fix) = &f.fix {
+                out.push_str(&format!("     {:<16} fix: {}\n", "", fix));
+            }
+        }
+        out.push_str("\nisolation classes:\n");
+        for c in &self.classes {
+            out.push_str(&format!("{} {:<16} {}\n", if c.available { "ok  " } else { "no  " }, c.class, c.why));
+        }
+        out
+    }
+}
+
+fn finding(name: &'static str, ok: bool, detail: impl Into<String>, fix: &str) -> Finding {
+    Finding { name, ok, detail: detail.into(), fix: (!ok).then(|| fix.to_owned()) }
+}
+
+/// Runs every check. Reads only; changes nothing on the host.
+pub fn check(cfg: &Config) -> Report {
+    let mut f = Vec::new();
+    let release = crate::sys::kernel_release();
+    let (major, minor) = parse_release(&release);
+    f.push(finding(
+        "kernel",
+        (major, minor) >= (5, 19),
+        format!("Linux {release}"),
+        "use Linux 5.19 or newer (id-mapped overlay layers, clone3 into cgroups)",
+    ));
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    f.push(finding("root", root, if root { "running as root" } else { "not root" }, "run hutch as root"));
+
+    let max_userns = read_trim("/proc/sys/user/max_user_namespaces").and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
+    f.push(finding(
+        "user namespaces",
+        max_userns > 0,
+        format!("user.max_user_namespaces = {max_userns}"),
+        "sysctl -w user.max_user_namespaces=65536",
+    ));
+
+    let layout = Layout::detect(&cfg.cgroup_root);
+    let cgroups_ok = match &layout {
+        Ok(l) => {
+            let mut missing = Vec::new();
+            let mut detail = format!("{}:", l.kind());
+            for c in Controller::ALL {
+                match l.placement(c) {
+                    Some(Placement::V1(_)) => detail.push_str(&format!(" {} (v1)", c.name())),
+                    Some(Placement::V2) => detail.push_str(&format!(" {} (v2)", c.name())),
+                    None => missing.push(c.name()),
+                }
+            }
+            detail.push_str(if l.can_freeze() { ", freeze" } else { ", no freezer" });
+            if l.v2.as_ref().is_some_and(|v2| v2.join("cgroup.procs").exists()) {
+                detail.push_str(if l.v2.as_ref().is_some_and(|v2| kill_supported(v2)) { ", cgroup.kill" } else { "" });
+            }
+            if !missing.is_empty() {
+                detail.push_str(&format!("; missing {}", missing.join(", ")));
+            }
+            let ok = missing.is_empty() && l.can_freeze();
+            f.push(finding(
+                "cgroups",
+                ok,
+                detail,
+                "mount the memory, pids, cpu (and freezer, on v1) controllers, or enable them in cgroup.subtree_control",
+            ));
+            ok
+        }
+        Err(e) => {
+            f.push(finding("cgroups", false, e.to_string(), "mount cgroup2 at /sys/fs/cgroup"));
+            false
+        }
+    };
+
+    let filesystems = fs::read_to_string("/proc/filesystems").unwrap_or_default();
+    let overlay = filesystems.lines().any(|l| l.trim_end().ends_with("overlay"));
+    f.push(finding("overlayfs", overlay, if overlay { "available" } else { "not listed" }, "modprobe overlay"));
+
+    let seccomp = read_trim("/proc/sys/kernel/seccomp/actions_avail").unwrap_or_default();
+    let seccomp_ok = seccomp.contains("errno") && seccomp.contains("kill_process");
+    f.push(finding(
+        "seccomp",
+        seccomp_ok,
+        if seccomp.is_empty() { "not available".into() } else { format!("actions: {seccomp}") },
+        "build the kernel with CONFIG_SECCOMP_FILTER",
+    ));
+
+    let landlock = landlock_abi();
+    f.push(finding(
+        "landlock",
+        landlock > 0,
+        if landlock > 0 { format!("ABI {landlock}") } else { "not enabled".into() },
+        "boot with lsm=landlock,... (needed by the process class)",
+    ));
+
+    let agent_ok = cfg.agent.is_file();
+    f.push(finding(
+        "agent",
+        agent_ok,
+        cfg.agent.display().to_string(),
+        "build it with `cargo build --release` or set HUTCH_AGENT",
+    ));
+
+    let (kvm_ok, kvm_detail) = kvm();
+    f.push(finding("kvm", kvm_ok, kvm_detail, "run on a host with hardware virtualisation and /dev/kvm"));
+
+    let runsc = which("runsc");
+    f.push(finding(
+        "gvisor",
+        runsc.is_some(),
+        runsc.clone().unwrap_or_else(|| "runsc not found".into()),
+        "apt-get install runsc (the gvisor class)",
+    ));
+
+    let container_ok =
+        root && max_userns > 0 && cgroups_ok && overlay && seccomp_ok && agent_ok && (major, minor) >= (5, 19);
+    let classes = vec![
+        ClassSupport {
+            class: "container",
+            available: container_ok,
+            why: if container_ok {
+                "namespaces, overlay, cgroups, seccomp".into()
+            } else {
+                "see the findings above".into()
+            },
+        },
+        ClassSupport {
+            class: "process",
+            available: false,
+            why: "not built yet (uid + Landlock + seccomp, no namespaces)".into(),
+        },
+        ClassSupport {
+            class: "gvisor",
+            available: false,
+            why: if runsc.is_some() { "runsc present; driver not built yet".into() } else { "runsc missing".into() },
+        },
+        ClassSupport {
+            class: "microvm",
+            available: false,
+            why: if kvm_ok {
+                "KVM present; driver not built yet".into()
+            } else {
+                "no KVM that boots a stock guest".into()
+            },
+        },
+    ];
+    Report { findings: f, classes }
+}
+
+fn parse_release(release: &str) -> (u32, u32) {
+    let mut parts = release.split(|c: char| !c.is_ascii_digit());
+    let major = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    let minor = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    (major, minor)
+}
+
+fn read_trim(path: &str) -> Option<String> {
+    fs::read_to_string(path).ok().map(|s| s.trim().to_owned())
+}
+
+fn kill_supported(v2: &Path) -> bool {
+    // cgroup.kill exists in every non-root cgroup from 5.14; the root has
+    // none, so look at any child.
+    fs::read_dir(v2)
+        .ok()
+        .and_then(|mut it| it.find_map(|e| e.ok().filter(|e| e.path().join("cgroup.kill").exists())))
+        .is_some()
+}
+
+fn landlock_abi() -> i64 {
+    const LANDLOCK_CREATE_RULESET_VERSION: libc::c_uint = 1;
+    // SAFETY: with a null attribute and size 0 and the VERSION flag, the call
+    // only returns the ABI version.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            std::ptr::null::<u8>(),
+            0usize,
+            LANDLOCK_CREATE_RULESET_VERSION,
+        )
+    };
+    ret.max(0)
+}
+
+/// Whether /dev/kvm exists, and whether it is a real hypervisor: PVM (a
+/// paravirtual KVM inside a VM) boots no stock guest kernel.
+fn kvm() -> (bool, String) {
+    if !Path::new("/dev/kvm").exists() {
+        return (false, "/dev/kvm absent".into());
+    }
+    let cpuinfo = fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let hw = cpuinfo.lines().any(|l| l.starts_with("flags") && (l.contains(" vmx") || l.contains(" svm")));
+    let pvm = Path::new("/sys/module/kvm_pvm").exists() || cpuinfo.contains("pvm");
+    if pvm || !hw {
+        (
+            false,
+            "/dev/kvm is present but is not hardware KVM (PVM or nested without vmx/svm): stock guests do not boot"
+                .into(),
+        )
+    } else {
+        (true, "/dev/kvm with hardware virtualisation".into())
+    }
+}
+
+fn which(name: &str) -> Option<String> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path).map(|d| d.join(name)).find(|p| p.is_file()).map(|p| p.display().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn release_parsing() {
+        assert_eq!(parse_release("6.18.44-fc-v669"), (6, 18));
+        assert_eq!(parse_release("5.4.0"), (5, 4));
+        assert_eq!(parse_release("garbage"), (0, 0));
+    }
+}

@@ -1,0 +1,368 @@
+//! Root filesystems: the `base` template's lower layer, and the mounts that
+//! turn a lower layer into a sandbox's root (overlay with a size-capped
+//! writable layer, /usr, /proc with its masks, a minimal /dev, /sys).
+//!
+//! `base` needs no download: it is the host's /usr, read-only, under a small
+//! directory tree of our own with a synthesized /etc. Nothing else of the
+//! host is visible: the tree is built from an allow list, never by copying
+//! the host's /etc.
+
+use crate::launch::{cstr, Plan, Step};
+use std::fs;
+use std::io;
+use std::os::unix::fs::{symlink, DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+/// Bumped whenever the layout of `base` changes, so old trees are rebuilt.
+const BASE_VERSION: u32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+#[error("building the base root filesystem at {path}: {source}")]
+pub struct RootfsError {
+    pub path: PathBuf,
+    pub source: io::Error,
+}
+
+/// Users every `base` sandbox has. The workload runs as `user` by default.
+pub const PASSWD: &str = "root:x:0:0:root:/root:/bin/bash\n\
+user:x:1000:1000:user:/home/user:/bin/bash\n\
+nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n";
+
+pub const GROUP: &str = "root:x:0:\ntty:x:5:user\nusers:x:100:user\nuser:x:1000:\nnogroup:x:65534:\n";
+
+const HOSTS: &str = "127.0.0.1\tlocalhost\n127.0.1.1\tsandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n";
+
+const NSSWITCH: &str = "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\nnetworks: files\n\
+protocols: files\nservices: files\nethers: files\nrpc: files\n";
+
+/// A sandbox without a network has no resolver; the network layer writes a
+/// real one into the sandbox's own layer when it gives it a network.
+const RESOLV_CONF: &str = "# This sandbox has no network, so no resolver.\n";
+
+/// Files taken from the host's /etc: what programs in /usr need to run,
+/// nothing that holds a secret or describes the host. Regular files are
+/// copied and symlinks recreated; a missing entry is skipped.
+const FROM_HOST_ETC: &[&str] = &[
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "alternatives",
+    "ssl/certs",
+    "ssl/openssl.cnf",
+    "ca-certificates.conf",
+    "protocols",
+    "services",
+    "ethertypes",
+    "mime.types",
+    "shells",
+    "bash.bashrc",
+    "profile",
+    "inputrc",
+    "os-release",
+    "debian_version",
+    "localtime",
+    "timezone",
+    "python3",
+    "python3.11",
+    "environment",
+];
+
+/// Returns the `base` lower layer under `state_dir`, building it first if
+/// needed. Safe against concurrent builders: each builds aside and renames.
+pub fn ensure_base(state_dir: &Path) -> Result<PathBuf, RootfsError> {
+    let dir = state_dir.join("rootfs").join(format!("base-v{BASE_VERSION}"));
+    if dir.join("etc/passwd").is_file() {
+        return Ok(dir);
+    }
+    let tmp = state_dir.join("rootfs").join(format!(".base-v{BASE_VERSION}.{}", std::process::id()));
+    let err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| RootfsError { path, source }
+    };
+    let _ = fs::remove_dir_all(&tmp);
+    build_base(&tmp, Path::new("/")).map_err(err(&tmp))?;
+    match fs::rename(&tmp, &dir) {
+        Ok(()) => Ok(dir),
+        Err(_) if dir.join("etc/passwd").is_file() => {
+            // Another builder won the race; theirs is as good as ours.
+            let _ = fs::remove_dir_all(&tmp);
+            Ok(dir)
+        }
+        Err(e) => {
+            let _ = fs::remove_dir_all(&tmp);
+            Err(RootfsError { path: dir, source: e })
+        }
+    }
+}
+
+/// Builds the tree at `dir`, reading host files under `host_root`.
+pub fn build_base(dir: &Path, host_root: &Path) -> io::Result<()> {
+    let mkdir = |rel: &str, mode: u32| fs::DirBuilder::new().recursive(true).mode(mode).create(dir.join(rel));
+    mkdir("", 0o755)?;
+    for d in ["usr", "etc", "home", "proc", "sys", "dev", "run", "mnt", "opt", "srv", "var/tmp", "var/cache", "var/lib"]
+    {
+        mkdir(d, 0o755)?;
+    }
+    mkdir("root", 0o700)?;
+    fs::set_permissions(dir.join("var/tmp"), fs::Permissions::from_mode(0o1777))?;
+    for (link, target) in [("bin", "usr/bin"), ("sbin", "usr/sbin"), ("lib", "usr/lib")] {
+        symlink(target, dir.join(link))?;
+    }
+    for lib in ["lib64", "lib32", "libx32"] {
+        if host_root.join("usr").join(lib).is_dir() {
+            symlink(format!("usr/{lib}"), dir.join(lib))?;
+        }
+    }
+    let etc = dir.join("etc");
+    fs::write(etc.join("passwd"), PASSWD)?;
+    fs::write(etc.join("group"), GROUP)?;
+    fs::write(etc.join("hosts"), HOSTS)?;
+    fs::write(etc.join("hostname"), "sandbox\n")?;
+    fs::write(etc.join("nsswitch.conf"), NSSWITCH)?;
+    fs::write(etc.join("resolv.conf"), RESOLV_CONF)?;
+    fs::write(etc.join("shadow"), "root:*:19000:0:99999:7:::\nuser:*:19000:0:99999:7:::\n")?;
+    fs::set_permissions(etc.join("shadow"), fs::Permissions::from_mode(0o640))?;
+    for rel in FROM_HOST_ETC {
+        copy_tree(&host_root.join("etc").join(rel), &etc.join(rel))?;
+    }
+    // The CA bundle is what TLS clients read; require it when the host has one.
+    let bundle = host_root.join("etc/ssl/certs/ca-certificates.crt");
+    if bundle.exists() && !etc.join("ssl/certs/ca-certificates.crt").exists() {
+        fs::create_dir_all(etc.join("ssl/certs"))?;
+        fs::copy(&bundle, etc.join("ssl/certs/ca-certificates.crt"))?;
+    }
+    Ok(())
+}
+
+/// Copies regular files, directories and symlinks (as links); anything else
+/// is skipped. Missing sources are skipped.
+fn copy_tree(src: &Path, dst: &Path) -> io::Result<()> {
+    let meta = match fs::symlink_metadata(src) {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    if let Some(parent) = dst.parent() {
+        fs::create_dir_all(parent)?;
+    }
+    let ft = meta.file_type();
+    if ft.is_symlink() {
+        symlink(fs::read_link(src)?, dst)?;
+    } else if ft.is_dir() {
+        fs::DirBuilder::new().mode(meta.permissions().mode() & 0o755).create(dst)?;
+        for e in fs::read_dir(src)? {
+            let e = e?;
+            copy_tree(&e.path(), &dst.join(e.file_name()))?;
+        }
+    } else if ft.is_file() {
+        fs::copy(src, dst)?;
+        fs::set_permissions(dst, fs::Permissions::from_mode(meta.permissions().mode() & 0o755))?;
+    }
+    Ok(())
+}
+
+/// What the filesystem part of a sandbox's plan needs to know.
+#[derive(Debug)]
+pub struct FsSpec<'a> {
+    /// Empty directory on the host over which the child mounts its private
+    /// staging tmpfs (inside its own mount namespace, invisible to the host).
+    pub stage: &'a Path,
+    /// The read-only lower layer (e.g. from [`ensure_base`]).
+    pub lower: &'a Path,
+    /// Host directory bind mounted read-only at /usr, if any.
+    pub usr: Option<&'a Path>,
+    /// Size cap of the writable layer.
+    pub disk_bytes: u64,
+    /// Host id of the sandbox's root (start of its uid range).
+    pub id_base: u32,
+    /// Descriptor of the sandbox's user namespace, for id-mapped mounts.
+    pub userns_fd: i32,
+    /// Size cap of /dev/shm.
+    pub shm_bytes: u64,
+}
+
+/// /proc entries hidden behind an empty file or directory (they leak host
+/// information or offer host-wide knobs).
+const PROC_MASKED_FILES: &[&str] =
+    &["kcore", "keys", "latency_stats", "timer_list", "timer_stats", "sched_debug", "sysrq-trigger", "kallsyms"];
+const PROC_MASKED_DIRS: &[&str] = &["acpi", "scsi", "asound"];
+/// /proc entries bound read-only.
+const PROC_READONLY: &[&str] = &["bus", "fs", "irq", "sys"];
+
+/// Devices bound from the host into the sandbox's /dev (mode, major, minor).
+const DEVICES: &[(&str, u32, u32)] =
+    &[("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9), ("tty", 5, 0)];
+
+/// Appends the steps that build the sandbox's root under `spec.stage/root`
+/// and pivot into it.
+pub fn plan_root(plan: &mut Plan, spec: &FsSpec) -> io::Result<()> {
+    let stage = spec.stage;
+    let root = stage.join("root");
+    let upper = stage.join("upper");
+    let lower = stage.join("lower");
+    let base = spec.id_base;
+    // Nothing we mount may propagate back to the host.
+    plan.mount(None, Path::new("/"), None, libc::MS_REC | libc::MS_PRIVATE, None)?;
+    plan.mount(
+        Some("hutch"),
+        stage,
+        Some("tmpfs"),
+        libc::MS_NOSUID | libc::MS_NODEV,
+        Some(&format!("size={},mode=0755", spec.disk_bytes.max(1 << 20))),
+    )?;
+    for d in [&root, &upper, &lower, &stage.join("work")] {
+        plan.mkdir(d, 0o755)?;
+    }
+    // The writable layer's own directories: owned by the sandbox's users.
+    plan.push(Step::Chown { path: cstr(&upper)?, uid: base, gid: base });
+    for (rel, mode, owner) in
+        [("home", 0o755, 0), ("home/user", 0o750, 1000), ("workspace", 0o755, 1000), ("tmp", 0o1777, 0)]
+    {
+        let p = upper.join(rel);
+        plan.mkdir(&p, mode)?;
+        plan.push(Step::Chmod { path: cstr(&p)?, mode });
+        plan.push(Step::Chown { path: cstr(&p)?, uid: base + owner, gid: base + owner });
+    }
+    // The lower layer appears owned by the sandbox's root, not by nobody.
+    plan.push(Step::IdmapBind {
+        source: cstr(spec.lower)?,
+        target: cstr(&lower)?,
+        attrs: crate::launch::MOUNT_ATTR_RDONLY,
+        userns: spec.userns_fd,
+    });
+    let data = format!(
+        "lowerdir={},upperdir={},workdir={},volatile",
+        lower.display(),
+        upper.display(),
+        stage.join("work").display()
+    );
+    plan.mount(Some("overlay"), &root, Some("overlay"), libc::MS_NOSUID, Some(&data))?;
+    if let Some(usr) = spec.usr {
+        plan.push(Step::IdmapBind {
+            source: cstr(usr)?,
+            target: cstr(root.join("usr"))?,
+            attrs: crate::launch::MOUNT_ATTR_RDONLY
+                | crate::launch::MOUNT_ATTR_NOSUID
+                | crate::launch::MOUNT_ATTR_NODEV,
+            userns: spec.userns_fd,
+        });
+    }
+    plan_proc(plan, &root)?;
+    plan_dev(plan, &root, base, spec.shm_bytes)?;
+    plan.mount(Some("sysfs"), &root.join("sys"), Some("sysfs"), crate::sys::MS_RO_NOSUID_NODEV_NOEXEC, None)?;
+    Ok(())
+}
+
+fn plan_proc(plan: &mut Plan, root: &Path) -> io::Result<()> {
+    let proc_dir = root.join("proc");
+    plan.mount(Some("proc"), &proc_dir, Some("proc"), libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC, None)?;
+    let mut masks = Plan::default();
+    for rel in PROC_READONLY {
+        let p = proc_dir.join(rel);
+        masks.mount(Some(&p.to_string_lossy()), &p, None, libc::MS_BIND | libc::MS_REC, None)?;
+        masks.mount(None, &p, None, libc::MS_BIND | libc::MS_REMOUNT | crate::sys::MS_RO_NOSUID_NODEV_NOEXEC, None)?;
+    }
+    for rel in PROC_MASKED_FILES {
+        masks.mount(Some("/dev/null"), &proc_dir.join(rel), None, libc::MS_BIND, None)?;
+    }
+    for rel in PROC_MASKED_DIRS {
+        masks.mount(
+            Some("hutch"),
+            &proc_dir.join(rel),
+            Some("tmpfs"),
+            crate::sys::MS_RO_NOSUID_NODEV_NOEXEC,
+            Some("size=0"),
+        )?;
+    }
+    for step in masks.steps {
+        plan.push(Step::IfExists(Box::new(step)));
+    }
+    Ok(())
+}
+
+fn plan_dev(plan: &mut Plan, root: &Path, base: u32, shm_bytes: u64) -> io::Result<()> {
+    let dev = root.join("dev");
+    plan.mount(
+        Some("hutch"),
+        &dev,
+        Some("tmpfs"),
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        Some(&format!("size=64k,mode=0755,uid={base},gid={base}")),
+    )?;
+    for (name, major, minor) in DEVICES {
+        let p = dev.join(name);
+        plan.push(Step::Mknod { path: cstr(&p)?, mode: libc::S_IFCHR | 0o666, dev: libc::makedev(*major, *minor) });
+        // mknod honours the umask; the device must be usable by everyone.
+        plan.push(Step::Chmod { path: cstr(&p)?, mode: 0o666 });
+        plan.push(Step::Chown { path: cstr(&p)?, uid: base, gid: base });
+    }
+    let pts = dev.join("pts");
+    plan.mkdir(&pts, 0o755)?;
+    plan.mount(
+        Some("devpts"),
+        &pts,
+        Some("devpts"),
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        Some(&format!("newinstance,ptmxmode=0666,mode=0620,gid={}", base + 5)),
+    )?;
+    let shm = dev.join("shm");
+    plan.mkdir(&shm, 0o1777)?;
+    plan.mount(
+        Some("shm"),
+        &shm,
+        Some("tmpfs"),
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        Some(&format!("size={},mode=1777,uid={base},gid={base}", shm_bytes.max(1 << 20))),
+    )?;
+    for (target, link) in [
+        ("pts/ptmx", "ptmx"),
+        ("/proc/self/fd", "fd"),
+        ("/proc/self/fd/0", "stdin"),
+        ("/proc/self/fd/1", "stdout"),
+        ("/proc/self/fd/2", "stderr"),
+    ] {
+        plan.push(Step::Symlink { target: cstr(target)?, path: cstr(dev.join(link))? });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base_tree_holds_the_users_and_nothing_secret() {
+        let dir = std::env::temp_dir().join(format!("hutch-base-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        build_base(&dir, Path::new("/")).expect("build");
+        let passwd = fs::read_to_string(dir.join("etc/passwd")).expect("passwd");
+        assert!(passwd.contains("user:x:1000:1000:user:/home/user:/bin/bash"));
+        assert_eq!(fs::read_link(dir.join("bin")).expect("link"), Path::new("usr/bin"));
+        let shadow = fs::read_to_string(dir.join("etc/shadow")).expect("shadow");
+        assert!(!shadow.contains('$'), "no password hashes, ours or the host's");
+        for absent in ["etc/ssh", "etc/sudoers", "etc/machine-id", "root/.bashrc", "etc/hutch"] {
+            assert!(!dir.join(absent).exists(), "{absent} must not be in base");
+        }
+        fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn plan_masks_proc_and_builds_dev() {
+        let mut plan = Plan::default();
+        let spec = FsSpec {
+            stage: Path::new("/run/hutch/stage"),
+            lower: Path::new("/var/lib/hutch/rootfs/base-v1"),
+            usr: Some(Path::new("/usr")),
+            disk_bytes: 1 << 30,
+            id_base: 1 << 31,
+            userns_fd: 9,
+            shm_bytes: 64 << 20,
+        };
+        plan_root(&mut plan, &spec).expect("plan");
+        let text: Vec<String> = plan.steps.iter().map(|s| s.to_string()).collect();
+        assert!(text.iter().any(|s| s == "mount bind on /run/hutch/stage/root/proc/kcore"), "{text:#?}");
+        assert!(text.iter().any(|s| s == "mknod /run/hutch/stage/root/dev/null"));
+        assert!(text.iter().any(|s| s.starts_with("mount overlay on /run/hutch/stage/root")));
+        assert!(text.iter().any(|s| s == "id-mapped bind of /usr on /run/hutch/stage/root/usr"));
+    }
+}

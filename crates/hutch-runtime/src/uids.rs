@@ -1,0 +1,181 @@
+//! Allocation of host uid/gid ranges: each sandbox maps its ids 0..65535 to
+//! a range of its own, so no two sandboxes (and no host user) share an id.
+//!
+//! A range is a slot number; slot `n` is held by an exclusive `flock` on the
+//! file `<dir>/<n>`. The lock lives on an open file description, and the
+//! sandbox's PID 1 inherits a descriptor of it, so the slot stays taken
+//! exactly as long as the sandbox lives, whatever happens to the process
+//! that made it, and the kernel frees it when the sandbox dies. Files of
+//! dead sandboxes are unlinked by whoever next finds them unlocked.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Seek, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+/// Ids each sandbox gets: the whole 16-bit range, so that images with
+/// `nobody` (65534) work.
+pub const RANGE: u32 = 65536;
+/// First host id handed to sandboxes: far above ordinary users and the
+/// ranges of /etc/subuid.
+pub const FIRST_ID: u32 = 1 << 31;
+/// Slots that fit between FIRST_ID and the top of the 32-bit id space
+/// (leaving the last range, which holds the invalid id 2^32-1).
+pub const SLOTS: u32 = ((u32::MAX - FIRST_ID) / RANGE) - 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum UidError {
+    #[error("uid range directory {dir}: {source}")]
+    Io { dir: PathBuf, source: io::Error },
+    #[error("all {SLOTS} uid ranges are in use")]
+    Exhausted,
+}
+
+/// One held uid range.
+#[derive(Debug)]
+pub struct Slot {
+    pub index: u32,
+    file: File,
+    path: PathBuf,
+}
+
+impl Slot {
+    /// First host id of the range (the sandbox's root).
+    pub fn base(&self) -> u32 {
+        FIRST_ID + self.index * RANGE
+    }
+
+    /// The locked file; pass it to the sandbox's PID 1.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// Gives the slot back: unlinks the file, then drops the lock. Only call
+    /// this when no process of the sandbox can still hold the lock.
+    pub fn release(self) {
+        let _ = fs::remove_file(&self.path);
+    }
+}
+
+/// Takes a free slot, recording `owner` (a sandbox id) in its file.
+pub fn allocate(dir: &Path, owner: &str) -> Result<Slot, UidError> {
+    let err = |source| UidError::Io { dir: dir.to_path_buf(), source };
+    fs::create_dir_all(dir).map_err(err)?;
+    let mut seed = [0u8; 4];
+    crate::sys::random_bytes(&mut seed).map_err(err)?;
+    let start = u32::from_ne_bytes(seed) % SLOTS;
+    for i in 0..SLOTS {
+        let index = (start + i) % SLOTS;
+        if let Some(slot) = try_slot(dir, index, owner).map_err(err)? {
+            return Ok(slot);
+        }
+    }
+    Err(UidError::Exhausted)
+}
+
+fn try_slot(dir: &Path, index: u32, owner: &str) -> io::Result<Option<Slot>> {
+    let path = dir.join(index.to_string());
+    let mut file = OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600).open(&path)?;
+    if !crate::sys::try_lock(file.as_raw_fd())? {
+        return Ok(None);
+    }
+    // Someone may have unlinked the file between our open and our lock
+    // (releasing it); a lock on an unlinked file guards nothing.
+    match fs::metadata(&path) {
+        Ok(m) if m.ino() == file.metadata()?.ino() => {}
+        _ => return Ok(None),
+    }
+    file.set_len(0)?;
+    file.write_all(owner.as_bytes())?;
+    Ok(Some(Slot { index, file, path }))
+}
+
+/// A slot whose file exists but whose lock nobody holds: its sandbox died
+/// without cleaning up.
+#[derive(Debug)]
+pub struct Stale {
+    pub owner: String,
+    slot: Slot,
+}
+
+impl Stale {
+    pub fn release(self) {
+        self.slot.release();
+    }
+}
+
+/// Finds the slots of dead sandboxes. Each is returned locked, so that
+/// nobody else takes it while the caller cleans up after its owner.
+pub fn stale(dir: &Path) -> Vec<Stale> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let Some(index) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let path = e.path();
+        let Ok(mut file) = OpenOptions::new().read(true).write(true).open(&path) else {
+            continue;
+        };
+        if !matches!(crate::sys::try_lock(file.as_raw_fd()), Ok(true)) {
+            continue;
+        }
+        let mut owner = String::new();
+        let _ = file.rewind();
+        let _ = Read::by_ref(&mut file).take(256).read_to_string(&mut owner);
+        out.push(Stale { owner, slot: Slot { index, file, path } });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("hutch-uids-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn held_slots_are_distinct_and_released_slots_leave_no_file() {
+        let d = dir("distinct");
+        let a = allocate(&d, "a").expect("alloc");
+        let b = allocate(&d, "b").expect("alloc");
+        assert_ne!(a.index, b.index);
+        assert_ne!(a.base(), b.base());
+        assert!(a.base() >= FIRST_ID);
+        assert!(stale(&d).is_empty(), "held slots are not stale");
+        a.release();
+        b.release();
+        assert_eq!(fs::read_dir(&d).expect("readdir").count(), 0);
+        fs::remove_dir(&d).expect("cleanup");
+    }
+
+    #[test]
+    fn a_dropped_slot_without_release_is_found_stale_with_its_owner() {
+        let d = dir("stale");
+        let a = allocate(&d, "sandbox-1").expect("alloc");
+        let index = a.index;
+        drop(a);
+        let found = stale(&d);
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].owner, "sandbox-1");
+        assert_eq!(found[0].slot.index, index);
+        for s in found {
+            s.release();
+        }
+        assert_eq!(fs::read_dir(&d).expect("readdir").count(), 0);
+        fs::remove_dir(&d).expect("cleanup");
+    }
+
+    #[test]
+    fn ranges_stay_below_the_invalid_id() {
+        let last = FIRST_ID as u64 + (SLOTS as u64 - 1) * RANGE as u64 + RANGE as u64 - 1;
+        assert!(last < u32::MAX as u64);
+    }
+}

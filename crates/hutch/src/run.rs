@@ -1,0 +1,254 @@
+//! `hutch run`: one command in a fresh sandbox, no daemon. Starts a
+//! `container` sandbox, asks its agent to run the command, passes stdin,
+//! stdout and stderr through, says which limit ended the command if one did,
+//! tears everything down, and exits with the command's code.
+//!
+//! This is the same path the daemon's one-shot executions take: runtime
+//! start, agent spawn, stream, destroy.
+
+use crate::units::{parse_duration, parse_size, show_size};
+use clap::Args;
+use hutch_agent::proto::{Cmd, ExitStatus, FromAgent, Reply, Request, Spawn, Stream};
+use hutch_runtime::agent::{AgentConn, AgentError};
+use hutch_runtime::cgroup::Limits;
+use hutch_runtime::{Config, Runtime, Sandbox, SandboxSpec};
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::time::Duration;
+
+/// Exit code when hutch itself fails (the command did not run).
+const EXIT_HUTCH: i32 = 125;
+/// Exit code when the timeout ended the command (as timeout(1)).
+const EXIT_TIMEOUT: i32 = 124;
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// Memory limit (hard): 512M, 1G, ...
+    #[arg(long, default_value = "512M", value_parser = parse_size)]
+    memory: u64,
+    /// Size of the sandbox's writable layer.
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
+    disk: u64,
+    /// Most processes and threads alive at once.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pids: u32,
+    /// CPUs worth of time per period (fractions allowed).
+    #[arg(long, default_value_t = 1.0)]
+    vcpus: f64,
+    /// Kill the command's whole process tree after this long: 30s, 5m, ...
+    #[arg(long, value_parser = parse_duration)]
+    timeout: Option<Duration>,
+    /// Environment variable for the command (repeatable).
+    #[arg(long = "env", short = 'e', value_name = "K=V")]
+    env: Vec<String>,
+    /// User to run as: `user` (uid 1000) or `root`.
+    #[arg(long, default_value = "user")]
+    user: String,
+    /// Working directory inside the sandbox.
+    #[arg(long, short = 'w')]
+    workdir: Option<String>,
+    /// Print sandbox start and teardown timings to stderr.
+    #[arg(long, hide = true)]
+    timings: bool,
+    /// The command and its arguments.
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    command: Vec<String>,
+}
+
+pub fn main(args: RunArgs) -> i32 {
+    match run(&args) {
+        Ok(code) => code,
+        Err(msg) => {
+            eprintln!("hutch: {msg}");
+            EXIT_HUTCH
+        }
+    }
+}
+
+fn run(args: &RunArgs) -> Result<i32, String> {
+    if !(args.vcpus > 0.0 && args.vcpus <= 1024.0) {
+        return Err(format!("--vcpus {} out of range (0, 1024]", args.vcpus));
+    }
+    let mut env = Vec::new();
+    for kv in &args.env {
+        match kv.split_once('=') {
+            Some((k, v)) if !k.is_empty() => env.push((k.to_owned(), v.to_owned())),
+            _ => return Err(format!("--env {kv:?}: expected KEY=VALUE")),
+        }
+    }
+    let t0 = std::time::Instant::now();
+    let runtime = Runtime::new(Config::from_env()).map_err(|e| e.to_string())?;
+    let limits = Limits {
+        memory_bytes: args.memory,
+        pids: args.pids,
+        cpu_millis: (args.vcpus * 1000.0).round().max(1.0) as u32,
+    };
+    let spec = SandboxSpec { limits, disk_bytes: args.disk, die_with_parent: true, ..SandboxSpec::default() };
+    let sandbox = runtime.start(&spec).map_err(|e| e.to_string())?;
+    let started = t0.elapsed();
+    let result = drive(&sandbox, args, env);
+    let status = match result {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = sandbox.destroy();
+            return Err(e);
+        }
+    };
+    let verdict = verdict(&sandbox, args, &status);
+    let t1 = std::time::Instant::now();
+    let destroyed = sandbox.destroy();
+    runtime.sweep();
+    if args.timings {
+        eprintln!("hutch: start {:?}, teardown {:?}", started, t1.elapsed());
+    }
+    destroyed.map_err(|e| format!("teardown: {e}"))?;
+    if let Some(msg) = verdict.message {
+        eprintln!("hutch: {msg}");
+    }
+    Ok(verdict.code)
+}
+
+/// Runs the command in the sandbox and streams it until it exits.
+fn drive(sandbox: &Sandbox, args: &RunArgs, env: Vec<(String, String)>) -> Result<ExitStatus, String> {
+    let mut conn = sandbox.connect().map_err(|e| format!("connect to the sandbox agent: {e}"))?;
+    let stdin_open = !stdin_is_null();
+    let spawn = Spawn {
+        cmd: Cmd::Argv(args.command.clone()),
+        env,
+        cwd: args.workdir.clone(),
+        user: Some(args.user.clone()),
+        stdin: stdin_open,
+        pty: None,
+        tag: None,
+        timeout_ms: args.timeout.map(|t| t.as_millis().min(u64::MAX as u128) as u64),
+        subscribe: true,
+    };
+    let spawn_id = conn.send(Request::Spawn(spawn), &[]).map_err(|e| e.to_string())?;
+    let mut stdout = std::io::stdout().lock();
+    let mut stderr = std::io::stderr();
+    loop {
+        let (msg, data) = conn.recv(None).map_err(describe)?;
+        match msg {
+            FromAgent::Reply { id, reply } if id == spawn_id => match reply {
+                Reply::Spawned { pid } => {
+                    if stdin_open {
+                        forward_stdin(&conn, pid)?;
+                    }
+                    forward_signals(&conn, pid)?;
+                }
+                Reply::Error { message, .. } => return Err(message),
+                other => return Err(format!("agent answered {other:?} to spawn")),
+            },
+            FromAgent::Reply { .. } => {}
+            FromAgent::Output { stream: Stream::Stdout, .. } => {
+                // A closed stdout on our side must not stop the command.
+                let _ = stdout.write_all(&data).and_then(|_| stdout.flush());
+            }
+            FromAgent::Output { stream: Stream::Stderr, .. } => {
+                let _ = stderr.write_all(&data);
+            }
+            FromAgent::Exit { status, .. } => return Ok(status),
+            FromAgent::Dropped { .. } | FromAgent::Watch { .. } => {}
+        }
+    }
+}
+
+fn describe(e: AgentError) -> String {
+    match e {
+        AgentError::Closed => "the sandbox's agent went away".into(),
+        other => other.to_string(),
+    }
+}
+
+/// Copies our stdin to the command's in a thread; EOF closes the command's.
+fn forward_stdin(conn: &AgentConn, pid: u32) -> Result<(), String> {
+    let mut sender = conn.sender().map_err(|e| e.to_string())?;
+    std::thread::Builder::new()
+        .name("stdin".into())
+        .spawn(move || {
+            let mut buf = vec![0u8; 64 * 1024];
+            let mut input = std::io::stdin().lock();
+            loop {
+                match input.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        if sender.send(Request::Stdin { pid }, &buf[..n]).is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+            let _ = sender.send(Request::CloseStdin { pid }, &[]);
+        })
+        .map_err(|e| format!("start stdin thread: {e}"))?;
+    Ok(())
+}
+
+/// Passes SIGINT, SIGTERM, SIGHUP and SIGQUIT on to the command, as
+/// `docker run` does, instead of dying and leaving it to the parent-death
+/// signal.
+fn forward_signals(conn: &AgentConn, pid: u32) -> Result<(), String> {
+    let mut sender = conn.sender().map_err(|e| e.to_string())?;
+    let signals = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT];
+    // SAFETY: set is a valid sigset_t initialised by sigemptyset before use;
+    // pthread_sigmask only reads it.
+    let set = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in signals {
+            libc::sigaddset(&mut set, s);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    };
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || loop {
+            let mut sig = 0;
+            // SAFETY: set is a valid, initialised sigset_t; sig an out-pointer.
+            if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+                return;
+            }
+            if sender.send(Request::Signal { pid, signal: sig }, &[]).is_err() {
+                return;
+            }
+        })
+        .map_err(|e| format!("start signal thread: {e}"))?;
+    Ok(())
+}
+
+/// True when stdin is /dev/null (or closed): the command then gets no pipe.
+fn stdin_is_null() -> bool {
+    let fd = std::io::stdin().as_raw_fd();
+    // SAFETY: st is a valid out-pointer for fstat.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat on fd 0 only writes st.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return true;
+    }
+    st.st_mode & libc::S_IFMT == libc::S_IFCHR && st.st_rdev == libc::makedev(1, 3)
+}
+
+struct Verdict {
+    code: i32,
+    message: Option<String>,
+}
+
+/// Says which limit, if any, ended the command.
+fn verdict(sandbox: &Sandbox, args: &RunArgs, status: &ExitStatus) -> Verdict {
+    if status.timed_out {
+        let t = args.timeout.map(|t| format!("{t:?}")).unwrap_or_default();
+        return Verdict { code: EXIT_TIMEOUT, message: Some(format!("command killed: timeout {t} reached")) };
+    }
+    let code = status.shell_code();
+    if status.signal == Some(libc::SIGKILL) && sandbox.cgroup.oom_kills() > 0 {
+        return Verdict {
+            code,
+            message: Some(format!("command killed: memory limit {} exceeded", show_size(args.memory))),
+        };
+    }
+    if sandbox.cgroup.pids_limit_hits() > 0 {
+        return Verdict { code, message: Some(format!("pids limit {} reached: forks failed", args.pids)) };
+    }
+    Verdict { code, message: None }
+}
