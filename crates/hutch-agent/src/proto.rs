@@ -176,11 +176,21 @@ pub enum Request {
     /// Lists the processes started through the agent that are still running.
     List,
     /// Reads up to `len` bytes of a regular file from `offset`.
-    ReadFile { path: String, offset: u64, len: u32, #[serde(default)] user: Option<String> },
+    ReadFile {
+        path: String,
+        offset: u64,
+        len: u32,
+        #[serde(default)]
+        user: Option<String>,
+    },
     /// Writes the frame's data into a file at `offset`.
     WriteFile(WriteFile),
     /// Describes a path without following a final symlink.
-    Stat { path: String, #[serde(default)] user: Option<String> },
+    Stat {
+        path: String,
+        #[serde(default)]
+        user: Option<String>,
+    },
     /// Lists a directory, `depth` levels deep (1 = its direct entries).
     ListDir {
         path: String,
@@ -189,19 +199,47 @@ pub enum Request {
         user: Option<String>,
     },
     /// Makes a directory and, with `parents`, its missing parents.
-    Mkdir { path: String, parents: bool, #[serde(default)] user: Option<String> },
+    Mkdir {
+        path: String,
+        parents: bool,
+        #[serde(default)]
+        user: Option<String>,
+    },
     /// Renames `from` to `to`.
-    Rename { from: String, to: String, #[serde(default)] user: Option<String> },
+    Rename {
+        from: String,
+        to: String,
+        #[serde(default)]
+        user: Option<String>,
+    },
     /// Removes a file, or a directory with everything below it.
-    Remove { path: String, #[serde(default)] user: Option<String> },
+    Remove {
+        path: String,
+        #[serde(default)]
+        user: Option<String>,
+    },
     /// Watches a directory through inotify; events arrive as [`FromAgent::Watch`].
-    Watch { path: String, recursive: bool, #[serde(default)] user: Option<String> },
+    Watch {
+        path: String,
+        recursive: bool,
+        #[serde(default)]
+        user: Option<String>,
+    },
     /// Ends a watch.
     Unwatch { watch: u64 },
     /// Sets extended attributes in the `user.` namespace.
-    SetXattrs { path: String, attrs: BTreeMap<String, String>, #[serde(default)] user: Option<String> },
+    SetXattrs {
+        path: String,
+        attrs: BTreeMap<String, String>,
+        #[serde(default)]
+        user: Option<String>,
+    },
     /// Reads the extended attributes in the `user.` namespace.
-    GetXattrs { path: String, #[serde(default)] user: Option<String> },
+    GetXattrs {
+        path: String,
+        #[serde(default)]
+        user: Option<String>,
+    },
 }
 
 /// What to run.
@@ -335,19 +373,46 @@ impl ExitStatus {
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Reply {
     Ok,
-    Pong { version: u32 },
-    Spawned { pid: u32 },
-    Attached { pid: u32 },
-    Processes { processes: Vec<ProcessInfo> },
+    Pong {
+        version: u32,
+    },
+    Spawned {
+        pid: u32,
+    },
+    Attached {
+        pid: u32,
+    },
+    Processes {
+        processes: Vec<ProcessInfo>,
+    },
     /// File bytes are the frame's data; `eof` says the read reached the end.
-    Data { eof: bool, size: u64 },
-    Written { len: u64 },
-    Stat { entry: Entry },
-    Entries { entries: Vec<Entry>, truncated: bool },
-    Created { created: bool },
-    Watching { watch: u64 },
-    Xattrs { attrs: BTreeMap<String, String> },
-    Error { code: ErrorCode, message: String },
+    Data {
+        eof: bool,
+        size: u64,
+    },
+    Written {
+        len: u64,
+    },
+    Stat {
+        entry: Entry,
+    },
+    Entries {
+        entries: Vec<Entry>,
+        truncated: bool,
+    },
+    Created {
+        created: bool,
+    },
+    Watching {
+        watch: u64,
+    },
+    Xattrs {
+        attrs: BTreeMap<String, String>,
+    },
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -386,9 +451,25 @@ pub struct Entry {
     pub uid: u32,
     pub gid: u32,
     /// Modification time, nanoseconds since the epoch.
+    #[serde(with = "nanos_as_i64")]
     pub mtime_ns: i128,
     /// Where a symlink points, as stored (not resolved).
     pub target: Option<String>,
+}
+
+/// Nanosecond timestamps travel as JSON integers in the i64 range (years
+/// 1677 to 2262): serde buffers the content of an internally tagged enum such
+/// as [`Reply`] before decoding it, and that buffer cannot hold an i128.
+mod nanos_as_i64 {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &i128, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_i64((*v).clamp(i64::MIN as i128, i64::MAX as i128) as i64)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<i128, D::Error> {
+        i64::deserialize(d).map(i128::from)
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -502,8 +583,12 @@ mod tests {
         let mut buf = Vec::new();
         let msg = FromAgent::Output { pid: 7, stream: Stream::Stderr };
         encode(&msg, b"hello", &mut buf).expect("encode");
-        encode(&FromAgent::Exit { pid: 7, status: ExitStatus { code: Some(0), signal: None, timed_out: false } }, b"", &mut buf)
-            .expect("encode");
+        encode(
+            &FromAgent::Exit { pid: 7, status: ExitStatus { code: Some(0), signal: None, timed_out: false } },
+            b"",
+            &mut buf,
+        )
+        .expect("encode");
         let first = split_frame(&buf).expect("valid").expect("complete");
         assert_eq!(parse_header::<FromAgent>(first.header).expect("parse"), msg);
         assert_eq!(first.data, b"hello");
@@ -551,6 +636,26 @@ mod tests {
     fn data_over_the_limit_is_refused() {
         let big = vec![0u8; MAX_DATA + 1];
         assert_eq!(encode(&Request::Ping, &big, &mut Vec::new()), Err(FrameError::DataTooLarge(MAX_DATA + 1)));
+    }
+
+    #[test]
+    fn entries_with_mtimes_decode_inside_replies() {
+        let entry = Entry {
+            path: "/a".into(),
+            name: "a".into(),
+            kind: EntryKind::File,
+            size: 1,
+            mode: 0o644,
+            uid: 0,
+            gid: 0,
+            mtime_ns: 1_700_000_000_123_456_789,
+            target: None,
+        };
+        let msg = FromAgent::Reply { id: 3, reply: Reply::Stat { entry } };
+        let mut buf = Vec::new();
+        encode(&msg, b"", &mut buf).expect("encode");
+        let frame = split_frame(&buf).expect("valid").expect("complete");
+        assert_eq!(parse_header::<FromAgent>(frame.header).expect("decodes"), msg);
     }
 
     #[test]

@@ -1,0 +1,303 @@
+//! What runs after `fork`: the per-command supervisor (a subreaper that owns
+//! the command's whole process tree and can kill all of it) and the set-up
+//! of the real child between its fork and `execve`.
+//!
+//! Everything the child needs is prepared by the agent before the first fork
+//! ([`ChildPlan`]); the child path allocates nothing.
+
+use std::ffi::CString;
+use std::os::fd::RawFd;
+
+use super::sys::{self, CStrArray, Errno};
+
+/// Status-pipe message: the real child's pid.
+pub const MSG_PID: u32 = 1;
+/// Status-pipe message: the real child's wait status.
+pub const MSG_STATUS: u32 = 2;
+/// Status-pipe message: the supervisor could not fork (value is the errno).
+pub const MSG_FORK_FAILED: u32 = 3;
+
+pub fn encode_msg(kind: u32, value: i32) -> [u8; 8] {
+    let mut m = [0u8; 8];
+    m[..4].copy_from_slice(&kind.to_le_bytes());
+    m[4..].copy_from_slice(&value.to_le_bytes());
+    m
+}
+
+pub fn decode_msg(m: [u8; 8]) -> (u32, i32) {
+    (u32::from_le_bytes([m[0], m[1], m[2], m[3]]), i32::from_le_bytes([m[4], m[5], m[6], m[7]]))
+}
+
+/// Everything the supervisor and the child need, built before forking.
+pub struct ChildPlan<'a> {
+    /// The resolved executable; `None` when the PATH search found nothing.
+    pub exe: Option<CString>,
+    /// argv[0], for error messages.
+    pub argv0: CString,
+    pub argv: CStrArray,
+    pub envp: CStrArray,
+    pub uid: u32,
+    pub gid: u32,
+    /// Capabilities kept when `uid` is 0.
+    pub root_caps: u64,
+    /// The agent already cut its bounding set down to `root_caps`.
+    pub bounding_reduced: bool,
+    pub stdin: RawFd,
+    pub stdout: RawFd,
+    pub stderr: RawFd,
+    /// stdin/stdout/stderr are a terminal's slave side, to become the
+    /// controlling terminal.
+    pub tty: bool,
+    /// An O_PATH descriptor of the working directory.
+    pub cwd: RawFd,
+    /// Write end of the status pipe.
+    pub status: RawFd,
+    /// The open-file limit the agent started with.
+    pub nofile: Option<libc::rlimit>,
+    pub filter: &'a [libc::sock_filter],
+}
+
+const SUPERVISOR_SIGNALS: [libc::c_int; 3] = [libc::SIGCHLD, libc::SIGUSR1, libc::SIGTERM];
+
+/// Body of the supervisor process, right after the agent forked it.
+pub fn supervise(plan: &ChildPlan<'_>) -> ! {
+    let mut keep = [plan.stdin, plan.stdout, plan.stderr, plan.cwd, plan.status];
+    sys::close_all_except(&mut keep);
+    // The agent reset every other disposition at start; SIGPIPE it ignores.
+    sys::default_signal(libc::SIGPIPE);
+    let _ = sys::set_child_subreaper();
+    if sys::set_sigmask(&SUPERVISOR_SIGNALS).is_err() {
+        sys::exit_now(1);
+    }
+    // SAFETY: the supervisor is single threaded (a fork of the single-threaded agent).
+    let child = match unsafe { sys::fork() } {
+        Ok(0) => exec_child(plan),
+        Ok(pid) => pid,
+        Err(e) => {
+            let _ = sys::write_all(plan.status, &encode_msg(MSG_FORK_FAILED, e.0));
+            sys::exit_now(1);
+        }
+    };
+    let mut spare = [plan.status];
+    sys::close_all_except(&mut spare);
+    if sys::write_all(plan.status, &encode_msg(MSG_PID, child)).is_err() {
+        // The agent is gone; nobody wants this command any more.
+        kill_tree(child, plan.status, &mut true);
+        sys::exit_now(1);
+    }
+    let mut reported = false;
+    loop {
+        if reap(child, plan.status, &mut reported, libc::WNOHANG).is_err() {
+            sys::exit_now(0);
+        }
+        match sys::sigwait(&SUPERVISOR_SIGNALS) {
+            Ok(libc::SIGUSR1) | Ok(libc::SIGTERM) => kill_tree(child, plan.status, &mut reported),
+            _ => {}
+        }
+    }
+}
+
+/// Reaps every child that has exited, reporting the main one. With
+/// `flags == 0` it first blocks for one. `Err` means no children remain.
+fn reap(main: i32, status_fd: RawFd, reported: &mut bool, mut flags: libc::c_int) -> Result<(), ()> {
+    loop {
+        match sys::waitpid(-1, flags) {
+            Ok(Some((pid, status))) => {
+                if pid == main && !*reported {
+                    *reported = true;
+                    let _ = sys::write_all(status_fd, &encode_msg(MSG_STATUS, status));
+                }
+                flags = libc::WNOHANG;
+            }
+            Ok(None) => return Ok(()),
+            Err(Errno(libc::EINTR)) => {}
+            Err(_) => return Err(()),
+        }
+    }
+}
+
+/// Kills every descendant, again and again, until none are left: the tree
+/// walk finds processes that left the session or double-forked, because as
+/// a subreaper the supervisor inherits all of them.
+fn kill_tree(main: i32, status_fd: RawFd, reported: &mut bool) {
+    loop {
+        let pids = descendants();
+        if pids.is_empty() {
+            return;
+        }
+        for pid in pids {
+            let _ = sys::kill(pid, libc::SIGKILL);
+        }
+        if reap(main, status_fd, reported, 0).is_err() {
+            return;
+        }
+    }
+}
+
+/// Every descendant of this process, from /proc.
+fn descendants() -> Vec<i32> {
+    let me = sys::getpid();
+    let Some(first) = children_of(me) else { return descendants_by_stat(me) };
+    let mut out = Vec::new();
+    let mut stack = first;
+    while let Some(pid) = stack.pop() {
+        out.push(pid);
+        stack.extend(children_of(pid).unwrap_or_default());
+    }
+    out
+}
+
+/// Children of `pid` from /proc/<pid>/task/*/children; `None` when the
+/// kernel lacks that file (CONFIG_PROC_CHILDREN).
+fn children_of(pid: i32) -> Option<Vec<i32>> {
+    let tasks = match std::fs::read_dir(format!("/proc/{pid}/task")) {
+        Ok(t) => t,
+        Err(_) => return Some(Vec::new()),
+    };
+    let mut out = Vec::new();
+    for task in tasks.flatten() {
+        match std::fs::read_to_string(task.path().join("children")) {
+            Ok(s) => out.extend(s.split_ascii_whitespace().filter_map(|p| p.parse::<i32>().ok())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && pid == sys::getpid() => return None,
+            Err(_) => {}
+        }
+    }
+    Some(out)
+}
+
+/// Fallback without /proc/*/task/*/children: every process's parent from
+/// /proc/<pid>/stat.
+fn descendants_by_stat(me: i32) -> Vec<i32> {
+    let mut parents = Vec::new();
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for entry in dir.flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+            // "pid (comm) state ppid ...": comm may hold spaces and parens.
+            let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { continue };
+            if let Some(ppid) = rest.split_ascii_whitespace().nth(1).and_then(|p| p.parse::<i32>().ok()) {
+                parents.push((pid, ppid));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    let mut stack = vec![me];
+    while let Some(p) = stack.pop() {
+        for &(pid, ppid) in &parents {
+            if ppid == p && !out.contains(&pid) {
+                out.push(pid);
+                stack.push(pid);
+            }
+        }
+    }
+    out
+}
+
+/// Writes "hutch: <what>: <strerror>\n" to stderr and exits; allocates nothing.
+fn fail(what: &[u8], err: Errno, code: i32) -> ! {
+    let mut msg = [0u8; 512];
+    let mut n = 0;
+    let mut push = |part: &[u8]| {
+        let take = part.len().min(msg.len() - n);
+        msg[n..n + take].copy_from_slice(&part[..take]);
+        n += take;
+    };
+    let mut text = [0u8; 128];
+    let len = err.describe(&mut text);
+    push(b"hutch: ");
+    push(&what[..what.len().min(256)]);
+    push(b": ");
+    push(&text[..len]);
+    push(b"\n");
+    let _ = sys::write(2, &msg[..n]);
+    sys::exit_now(code)
+}
+
+/// The real child: becomes the command, or exits 126/127 with a message.
+fn exec_child(plan: &ChildPlan<'_>) -> ! {
+    if let Err(e) = sys::setsid() {
+        fail(b"setsid", e, 126);
+    }
+    if plan.tty {
+        if let Err(e) = sys::set_controlling_tty(plan.stdin) {
+            fail(b"controlling terminal", e, 126);
+        }
+    }
+    for (from, to) in [(plan.stdin, 0), (plan.stdout, 1), (plan.stderr, 2)] {
+        if let Err(e) = sys::dup_to(from, to) {
+            fail(b"dup2", e, 126);
+        }
+    }
+    if let Err(e) = sys::set_sigmask(&[]) {
+        fail(b"sigprocmask", e, 126);
+    }
+    sys::umask(0o022);
+    if let Some(lim) = &plan.nofile {
+        let _ = sys::set_nofile(lim);
+    }
+    // The agent runs at -1000 so the OOM killer spares it; workloads must not.
+    if let Err(e) = reset_oom_score() {
+        fail(b"/proc/self/oom_score_adj", e, 126);
+    }
+    if let Err(e) = sys::fchdir(plan.cwd) {
+        fail(b"chdir", e, 126);
+    }
+    if let Err(e) = drop_privileges(plan) {
+        fail(b"dropping privileges", e, 126);
+    }
+    if let Err(e) = sys::set_no_new_privs() {
+        fail(b"no_new_privs", e, 126);
+    }
+    if !plan.filter.is_empty() {
+        if let Err(e) = sys::install_seccomp(plan.filter) {
+            fail(b"seccomp", e, 126);
+        }
+    }
+    let argv0 = plan.argv0.as_bytes();
+    match &plan.exe {
+        None => fail(argv0, Errno(libc::ENOENT), 127),
+        Some(exe) => {
+            let e = sys::execve(exe, &plan.argv, &plan.envp);
+            fail(argv0, e, if e.0 == libc::ENOENT { 127 } else { 126 })
+        }
+    }
+}
+
+fn reset_oom_score() -> Result<(), Errno> {
+    let fd = sys::open(c"/proc/self/oom_score_adj", libc::O_WRONLY)?;
+    sys::write_all(std::os::fd::AsRawFd::as_raw_fd(&fd), b"0")
+}
+
+/// Groups, ids and capabilities of the target user. Root keeps
+/// `root_caps` (in every set and the bounding set); anyone else keeps none.
+fn drop_privileges(plan: &ChildPlan<'_>) -> Result<(), Errno> {
+    if let Err(e) = sys::setgroups(&[plan.gid]) {
+        // setgroups is denied in a user namespace whose setgroups file says
+        // "deny"; that is only acceptable when there are no groups to drop.
+        if sys::group_count()? != 0 {
+            return Err(e);
+        }
+    }
+    sys::setresgid(plan.gid)?;
+    let keep = if plan.uid == 0 { plan.root_caps } else { 0 };
+    let held = if plan.bounding_reduced { plan.root_caps } else { u64::MAX };
+    sys::drop_bounding(held & !keep)?;
+    sys::clear_ambient_caps()?;
+    sys::setresuid(plan.uid)?;
+    // For a non-root uid setresuid already emptied effective and permitted;
+    // this also empties inheritable.
+    let caps = keep & sys::cap_permitted()?;
+    sys::capset_all(caps)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_messages_round_trip() {
+        for (k, v) in [(MSG_PID, 4242), (MSG_STATUS, 0x7f00), (MSG_FORK_FAILED, -11)] {
+            assert_eq!(decode_msg(encode_msg(k, v)), (k, v));
+        }
+    }
+}

@@ -1,0 +1,472 @@
+//! File operations on the sandbox's tree. Every path is normalised with
+//! [`proto::normalize_path`] and resolved with `openat2(RESOLVE_IN_ROOT |
+//! RESOLVE_NO_MAGICLINKS)` from a descriptor of "/", then the final step is
+//! done relative to a directory descriptor, never through a path string.
+//! Operations run with the file system ids of the requesting user.
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use hutch_agent::proto::{self, Entry, EntryKind, ErrorCode, Reply, WriteFile};
+
+use super::sys::{self, Errno};
+
+/// How every path is resolved: inside the root, no /proc magic links.
+pub const RESOLVE: u64 = libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS;
+/// Most entries a listing returns.
+pub const MAX_ENTRIES: usize = 10_000;
+/// Bounds of extended attributes.
+const MAX_XATTR_KEY: usize = 255;
+const MAX_XATTR_TOTAL: usize = 64 * 1024;
+
+/// A failed file operation: the protocol code and a message with the path.
+#[derive(Debug)]
+pub struct FsError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl FsError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> FsError {
+        FsError { code, message: message.into() }
+    }
+
+    pub fn os(op: &str, path: &str, e: Errno) -> FsError {
+        FsError { code: ErrorCode::from_errno(e.0), message: format!("{op} {path}: {e}") }
+    }
+}
+
+pub type FsResult<T> = Result<T, FsError>;
+
+/// File system ids switched to a user for the guard's lifetime (a no-op
+/// for root, whose ids the agent already has).
+pub struct FsCreds(bool);
+
+impl FsCreds {
+    pub fn switch(uid: u32, gid: u32) -> FsCreds {
+        let switched = uid != 0 || gid != 0;
+        if switched {
+            sys::set_fs_ids(uid, gid);
+        }
+        FsCreds(switched)
+    }
+}
+
+impl Drop for FsCreds {
+    fn drop(&mut self) {
+        if self.0 {
+            sys::set_fs_ids(0, 0);
+        }
+    }
+}
+
+fn cpath(path: &str) -> FsResult<CString> {
+    CString::new(path).map_err(|_| FsError::new(ErrorCode::InvalidPath, format!("path {path:?} holds NUL")))
+}
+
+/// Normalises a request path against `base` (the user's home).
+pub fn normalize(path: &str, base: &str) -> FsResult<String> {
+    proto::normalize_path(path, base)
+        .map_err(|code| FsError::new(code, format!("invalid path {path:?}: empty, too long, or holds NUL or '..'")))
+}
+
+fn kind_of(mode: u32) -> EntryKind {
+    match mode & libc::S_IFMT {
+        libc::S_IFREG => EntryKind::File,
+        libc::S_IFDIR => EntryKind::Dir,
+        libc::S_IFLNK => EntryKind::Symlink,
+        _ => EntryKind::Other,
+    }
+}
+
+fn is_dir(st: &libc::stat) -> bool {
+    st.st_mode & libc::S_IFMT == libc::S_IFDIR
+}
+
+fn entry(path: String, name: String, st: &libc::stat, target: Option<String>) -> Entry {
+    Entry {
+        path,
+        name,
+        kind: kind_of(st.st_mode),
+        size: st.st_size as u64,
+        mode: st.st_mode & 0o7777,
+        uid: st.st_uid,
+        gid: st.st_gid,
+        mtime_ns: st.st_mtime as i128 * 1_000_000_000 + st.st_mtime_nsec as i128,
+        target,
+    }
+}
+
+fn join(dir: &str, name: &str) -> String {
+    if dir == "/" {
+        format!("/{name}")
+    } else {
+        format!("{dir}/{name}")
+    }
+}
+
+/// The sandbox's tree, reached through a descriptor of its root.
+pub struct Fs {
+    root: OwnedFd,
+}
+
+impl Fs {
+    pub fn new(root: OwnedFd) -> Fs {
+        Fs { root }
+    }
+
+    pub fn root(&self) -> BorrowedFd<'_> {
+        self.root.as_fd()
+    }
+
+    /// Opens a normalised absolute path inside the root.
+    pub fn open(&self, path: &str, flags: libc::c_int, mode: u32) -> Result<OwnedFd, Errno> {
+        let c = CString::new(path).map_err(|_| Errno(libc::EINVAL))?;
+        sys::openat2(self.root.as_fd(), &c, flags, mode, RESOLVE)
+    }
+
+    /// Opens the directory holding `path`'s final component, and that name.
+    fn parent(&self, path: &str, op: &str) -> FsResult<(OwnedFd, CString)> {
+        let Some((dir, name)) = path.rsplit_once('/').filter(|(_, n)| !n.is_empty()) else {
+            return Err(FsError::new(ErrorCode::InvalidRequest, format!("{op} {path}: not allowed on /")));
+        };
+        let dir = if dir.is_empty() { "/" } else { dir };
+        let fd = self.open(dir, libc::O_PATH | libc::O_DIRECTORY, 0).map_err(|e| FsError::os(op, path, e))?;
+        Ok((fd, cpath(name)?))
+    }
+
+    /// An O_PATH descriptor of a directory, for a working directory or a watch.
+    pub fn open_dir(&self, path: &str) -> FsResult<OwnedFd> {
+        self.open(path, libc::O_PATH | libc::O_DIRECTORY, 0).map_err(|e| FsError::os("open", path, e))
+    }
+
+    /// Opens a regular file without blocking on FIFOs or devices.
+    fn open_regular(&self, path: &str, flags: libc::c_int, mode: u32, op: &str) -> FsResult<OwnedFd> {
+        let fd =
+            self.open(path, flags | libc::O_NONBLOCK | libc::O_NOCTTY, mode).map_err(|e| FsError::os(op, path, e))?;
+        let st = sys::fstat(fd.as_fd()).map_err(|e| FsError::os(op, path, e))?;
+        match st.st_mode & libc::S_IFMT {
+            libc::S_IFREG => Ok(fd),
+            libc::S_IFDIR => Err(FsError::new(ErrorCode::IsADirectory, format!("{op} {path}: is a directory"))),
+            _ => Err(FsError::new(ErrorCode::InvalidRequest, format!("{op} {path}: not a regular file"))),
+        }
+    }
+
+    pub fn read_file(&self, path: &str, offset: u64, len: u32) -> FsResult<(Reply, Vec<u8>)> {
+        let fd = self.open_regular(path, libc::O_RDONLY, 0, "read")?;
+        let size = sys::fstat(fd.as_fd()).map_err(|e| FsError::os("read", path, e))?.st_size as u64;
+        let mut want = (len as usize).min(proto::MAX_DATA);
+        if size > 0 {
+            // Allocate what the file holds, not what was asked for (files
+            // in /proc report size 0 and are read as asked).
+            want = want.min(size.saturating_sub(offset) as usize);
+        }
+        let mut buf = vec![0u8; want];
+        let mut got = 0;
+        while got < want {
+            match sys::pread(fd.as_fd(), &mut buf[got..], offset + got as u64) {
+                Ok(0) => break,
+                Ok(n) => got += n,
+                Err(Errno(libc::EINTR)) => {}
+                Err(e) => return Err(FsError::os("read", path, e)),
+            }
+        }
+        buf.truncate(got);
+        let eof = got < want || (size > 0 && offset + got as u64 >= size) || (want == 0 && offset >= size);
+        Ok((Reply::Data { eof, size }, buf))
+    }
+
+    pub fn write_file(&self, path: &str, w: &WriteFile, data: &[u8]) -> FsResult<Reply> {
+        if w.parents {
+            if let Some((dir, _)) = path.rsplit_once('/').filter(|(d, _)| !d.is_empty()) {
+                self.mkdir_parents(dir)?;
+            }
+        }
+        let mut flags = libc::O_WRONLY | libc::O_CREAT;
+        if w.append {
+            flags |= libc::O_APPEND;
+        }
+        let mode = w.mode.unwrap_or(0o644) & 0o7777;
+        let fd = self.open_regular(path, flags, mode, "write")?;
+        if w.truncate {
+            sys::ftruncate(fd.as_fd(), w.offset).map_err(|e| FsError::os("truncate", path, e))?;
+        }
+        let mut done = 0;
+        while done < data.len() {
+            let r = if w.append {
+                sys::write(std::os::fd::AsRawFd::as_raw_fd(&fd), &data[done..])
+            } else {
+                sys::pwrite(fd.as_fd(), &data[done..], w.offset + done as u64)
+            };
+            match r {
+                Ok(0) => return Err(FsError::new(ErrorCode::Io, format!("write {path}: no progress"))),
+                Ok(n) => done += n,
+                Err(Errno(libc::EINTR)) => {}
+                Err(e) => return Err(FsError::os("write", path, e)),
+            }
+        }
+        Ok(Reply::Written { len: data.len() as u64 })
+    }
+
+    pub fn stat(&self, path: &str) -> FsResult<Entry> {
+        if path == "/" {
+            let st = sys::fstat(self.root.as_fd()).map_err(|e| FsError::os("stat", path, e))?;
+            return Ok(entry("/".into(), "/".into(), &st, None));
+        }
+        let (dir, name) = self.parent(path, "stat")?;
+        let st =
+            sys::fstatat(dir.as_fd(), &name, libc::AT_SYMLINK_NOFOLLOW).map_err(|e| FsError::os("stat", path, e))?;
+        let target = link_target(dir.as_fd(), &name, &st);
+        let name = path.rsplit('/').next().unwrap_or(path).to_string();
+        Ok(entry(path.to_string(), name, &st, target))
+    }
+
+    /// Lists `path` down to `depth` levels, never descending into symlinks;
+    /// at most [`MAX_ENTRIES`], sorted by path, and cut further so that the
+    /// reply fits in one frame header.
+    pub fn list_dir(&self, path: &str, depth: u32) -> FsResult<Reply> {
+        if depth == 0 {
+            return Err(FsError::new(ErrorCode::InvalidRequest, "depth must be at least 1"));
+        }
+        let fd = self.open(path, libc::O_RDONLY | libc::O_DIRECTORY, 0).map_err(|e| FsError::os("list", path, e))?;
+        let mut entries = Vec::new();
+        let mut truncated = false;
+        walk(fd, path, 1, depth, &mut entries, &mut truncated).map_err(|e| FsError::os("list", path, e))?;
+        entries.sort_by(|a, b| a.path.cmp(&b.path));
+        if fit_entries(&mut entries) {
+            truncated = true;
+        }
+        Ok(Reply::Entries { entries, truncated })
+    }
+
+    pub fn mkdir(&self, path: &str, parents: bool) -> FsResult<Reply> {
+        if parents {
+            return Ok(Reply::Created { created: self.mkdir_parents(path)? });
+        }
+        let (dir, name) = self.parent(path, "mkdir")?;
+        sys::mkdirat(dir.as_fd(), &name, 0o755).map_err(|e| FsError::os("mkdir", path, e))?;
+        Ok(Reply::Created { created: true })
+    }
+
+    /// `mkdir -p`: whether the last component was created.
+    fn mkdir_parents(&self, path: &str) -> FsResult<bool> {
+        let mut created = false;
+        let mut prefix = String::with_capacity(path.len());
+        for part in path.split('/').filter(|p| !p.is_empty()) {
+            prefix.push('/');
+            prefix.push_str(part);
+            let (dir, name) = self.parent(&prefix, "mkdir")?;
+            created = match sys::mkdirat(dir.as_fd(), &name, 0o755) {
+                Ok(()) => true,
+                Err(Errno(libc::EEXIST)) => {
+                    let st = sys::fstatat(dir.as_fd(), &name, 0).map_err(|e| FsError::os("mkdir", &prefix, e))?;
+                    if !is_dir(&st) {
+                        return Err(FsError::new(
+                            ErrorCode::AlreadyExists,
+                            format!("mkdir {prefix}: exists and is not a directory"),
+                        ));
+                    }
+                    false
+                }
+                Err(e) => return Err(FsError::os("mkdir", &prefix, e)),
+            };
+        }
+        Ok(created)
+    }
+
+    pub fn rename(&self, from: &str, to: &str) -> FsResult<Reply> {
+        let (from_dir, from_name) = self.parent(from, "rename")?;
+        let (to_dir, to_name) = self.parent(to, "rename")?;
+        sys::renameat(from_dir.as_fd(), &from_name, to_dir.as_fd(), &to_name)
+            .map_err(|e| FsError::os("rename", &format!("{from} -> {to}"), e))?;
+        Ok(Reply::Ok)
+    }
+
+    /// Removes a file, or a directory and everything below it, without
+    /// following any symlink.
+    pub fn remove(&self, path: &str) -> FsResult<Reply> {
+        let (dir, name) = self.parent(path, "remove")?;
+        let st =
+            sys::fstatat(dir.as_fd(), &name, libc::AT_SYMLINK_NOFOLLOW).map_err(|e| FsError::os("remove", path, e))?;
+        let r = if is_dir(&st) { remove_tree(dir.as_fd(), &name) } else { sys::unlinkat(dir.as_fd(), &name, 0) };
+        r.map_err(|e| FsError::os("remove", path, e))?;
+        Ok(Reply::Ok)
+    }
+
+    /// Opens a file or directory whose extended attributes are wanted.
+    fn open_for_xattrs(&self, path: &str) -> FsResult<OwnedFd> {
+        self.open(path, libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY, 0)
+            .map_err(|e| FsError::os("xattr", path, e))
+    }
+
+    pub fn set_xattrs(&self, path: &str, attrs: &BTreeMap<String, String>) -> FsResult<Reply> {
+        let mut total = 0;
+        let mut checked = Vec::with_capacity(attrs.len());
+        for (k, v) in attrs {
+            if !k.starts_with("user.") || k.len() <= 5 || k.len() > MAX_XATTR_KEY {
+                return Err(FsError::new(
+                    ErrorCode::InvalidRequest,
+                    format!("xattr key {k:?}: must be user.<name>, at most {MAX_XATTR_KEY} bytes"),
+                ));
+            }
+            total += k.len() + v.len();
+            let key = CString::new(k.as_str())
+                .map_err(|_| FsError::new(ErrorCode::InvalidRequest, format!("xattr key {k:?} holds NUL")))?;
+            checked.push((key, v.as_bytes()));
+        }
+        if total > MAX_XATTR_TOTAL {
+            return Err(FsError::new(
+                ErrorCode::InvalidRequest,
+                format!("xattrs of {total} bytes exceed {MAX_XATTR_TOTAL}"),
+            ));
+        }
+        let fd = self.open_for_xattrs(path)?;
+        for (key, value) in checked {
+            sys::fsetxattr(fd.as_fd(), &key, value).map_err(|e| FsError::os("setxattr", path, e))?;
+        }
+        Ok(Reply::Ok)
+    }
+
+    pub fn get_xattrs(&self, path: &str) -> FsResult<Reply> {
+        let fd = self.open_for_xattrs(path)?;
+        let mut names = vec![0u8; MAX_XATTR_TOTAL];
+        let n = sys::flistxattr(fd.as_fd(), &mut names).map_err(|e| FsError::os("listxattr", path, e))?;
+        let mut attrs = BTreeMap::new();
+        let mut total = 0;
+        let mut value = vec![0u8; MAX_XATTR_TOTAL];
+        for raw in names[..n].split(|&b| b == 0) {
+            if !raw.starts_with(b"user.") {
+                continue;
+            }
+            let Ok(key) = CString::new(raw) else { continue };
+            let len = match sys::fgetxattr(fd.as_fd(), &key, &mut value) {
+                Ok(len) => len,
+                Err(Errno(libc::ENODATA)) => continue,
+                Err(e) => return Err(FsError::os("getxattr", path, e)),
+            };
+            total += raw.len() + len;
+            if total > MAX_XATTR_TOTAL {
+                return Err(FsError::new(ErrorCode::Io, format!("xattrs of {path} exceed {MAX_XATTR_TOTAL} bytes")));
+            }
+            attrs
+                .insert(String::from_utf8_lossy(raw).into_owned(), String::from_utf8_lossy(&value[..len]).into_owned());
+        }
+        Ok(Reply::Xattrs { attrs })
+    }
+}
+
+fn link_target(dir: BorrowedFd<'_>, name: &CString, st: &libc::stat) -> Option<String> {
+    if st.st_mode & libc::S_IFMT != libc::S_IFLNK {
+        return None;
+    }
+    sys::readlinkat(dir, name).ok().map(|t| String::from_utf8_lossy(&t).into_owned())
+}
+
+/// Depth-first listing below an open directory.
+fn walk(
+    dir: OwnedFd,
+    path: &str,
+    level: u32,
+    depth: u32,
+    out: &mut Vec<Entry>,
+    truncated: &mut bool,
+) -> Result<(), Errno> {
+    for d in sys::read_dir(dir.as_fd())? {
+        if out.len() >= MAX_ENTRIES {
+            *truncated = true;
+            return Ok(());
+        }
+        let Ok(st) = sys::fstatat(dir.as_fd(), &d.name, libc::AT_SYMLINK_NOFOLLOW) else { continue };
+        let name = String::from_utf8_lossy(d.name.as_bytes()).into_owned();
+        let child = join(path, &name);
+        let target = link_target(dir.as_fd(), &d.name, &st);
+        out.push(entry(child.clone(), name, &st, target));
+        if is_dir(&st) && level < depth {
+            let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW;
+            if let Ok(sub) = sys::openat(dir.as_fd(), &d.name, flags, 0) {
+                walk(sub, &child, level + 1, depth, out, truncated)?;
+                if *truncated {
+                    return Ok(());
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Cuts `entries` so that a reply holding them fits in one frame header;
+/// returns whether anything was cut.
+fn fit_entries(entries: &mut Vec<Entry>) -> bool {
+    // Room for `{"kind":"reply","id":..,"reply":{"type":"entries",...,"truncated":true}}`.
+    let budget = proto::MAX_HEADER - 256;
+    let mut used = 0;
+    for (i, e) in entries.iter().enumerate() {
+        used += serde_json::to_vec(e).map(|v| v.len() + 1).unwrap_or(budget);
+        if used > budget {
+            entries.truncate(i);
+            return true;
+        }
+    }
+    false
+}
+
+/// Removes the directory `name` in `parent` and everything below it.
+fn remove_tree(parent: BorrowedFd<'_>, name: &CString) -> Result<(), Errno> {
+    let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW;
+    match sys::openat(parent, name, flags, 0) {
+        Ok(dir) => {
+            for d in sys::read_dir(dir.as_fd())? {
+                let st = match sys::fstatat(dir.as_fd(), &d.name, libc::AT_SYMLINK_NOFOLLOW) {
+                    Ok(st) => st,
+                    Err(Errno(libc::ENOENT)) => continue,
+                    Err(e) => return Err(e),
+                };
+                let r = if is_dir(&st) {
+                    remove_tree(dir.as_fd(), &d.name)
+                } else {
+                    sys::unlinkat(dir.as_fd(), &d.name, 0)
+                };
+                match r {
+                    Ok(()) | Err(Errno(libc::ENOENT)) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Err(Errno(libc::ENOENT)) => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    sys::unlinkat(parent, name, libc::AT_REMOVEDIR)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn join_does_not_double_the_root_slash() {
+        assert_eq!(join("/", "a"), "/a");
+        assert_eq!(join("/a", "b"), "/a/b");
+    }
+
+    #[test]
+    fn entries_are_cut_to_fit_one_header() {
+        let st: libc::stat = {
+            // SAFETY: stat is plain data; all-zero is a valid value.
+            unsafe { std::mem::zeroed() }
+        };
+        let mut entries: Vec<Entry> =
+            (0..5000).map(|i| entry(format!("/some/longish/path/{i:06}"), format!("{i:06}"), &st, None)).collect();
+        assert!(fit_entries(&mut entries));
+        assert!(!entries.is_empty());
+        let reply = proto::FromAgent::Reply { id: u64::MAX, reply: Reply::Entries { entries, truncated: true } };
+        let mut out = Vec::new();
+        proto::encode(&reply, &[], &mut out).expect("fits in a header");
+    }
+
+    #[test]
+    fn normalize_reports_invalid_path() {
+        assert_eq!(normalize("../x", "/home/u").map_err(|e| e.code).err(), Some(ErrorCode::InvalidPath));
+        assert_eq!(normalize("x", "/home/u").ok().as_deref(), Some("/home/u/x"));
+    }
+}

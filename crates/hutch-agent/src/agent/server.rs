@@ -1,0 +1,1092 @@
+//! The agent's single-threaded epoll loop: accepts host connections, answers
+//! their requests, streams process output to subscribers with backpressure,
+//! reaps supervisors, and runs the timers (command timeouts, pty drains).
+//!
+//! Architecture invariant: nothing a client does ends the agent; a broken
+//! client loses its own connection and nothing else, and a closed
+//! connection never kills a process.
+
+use std::collections::{BTreeSet, HashMap};
+use std::ffi::CString;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use hutch_agent::proto::{
+    self, Cmd, ErrorCode, ExitStatus, FrameError, FromAgent, ProcessInfo, Reply, Request, Spawn, Stream, Target,
+    ToAgent, PROTOCOL_VERSION,
+};
+
+use super::child::{self, ChildPlan};
+use super::config::Config;
+use super::conn::{Conn, HARD_CAP, HIGH_WATER};
+use super::env;
+use super::files::{self, Fs, FsCreds, FsError};
+use super::output::{exit_status, Ring};
+use super::sys::{self, CStrArray, Epoll, Errno};
+use super::users::Users;
+use super::watch::Watches;
+
+const T_LISTEN: u64 = 1;
+const T_SIGNAL: u64 = 2;
+const T_INOTIFY: u64 = 3;
+const T_CONN: u64 = 4;
+const T_STDOUT: u64 = 5;
+const T_STDERR: u64 = 6;
+const T_STDIN: u64 = 7;
+const T_STATUS: u64 = 8;
+
+fn token(kind: u64, id: u64) -> u64 {
+    kind << 56 | id
+}
+
+const IN: u32 = libc::EPOLLIN as u32;
+const OUT: u32 = libc::EPOLLOUT as u32;
+const HUP_ERR: u32 = (libc::EPOLLHUP | libc::EPOLLERR) as u32;
+
+/// Most processes started through the agent alive at once.
+const MAX_PROCS: usize = 1024;
+/// Most client connections at once.
+const MAX_CONNS: usize = 1024;
+/// Largest read from an output pipe.
+const READ_CHUNK: usize = 64 * 1024;
+/// Most output read from a process's pipes once it has exited.
+const EXIT_DRAIN: usize = 16 * 1024 * 1024;
+/// Stdin bytes buffered per process while its pipe is full.
+const STDIN_BUFFER: usize = 1024 * 1024;
+/// How long output of an exited pty process may trail its exit.
+const PTY_GRACE: Duration = Duration::from_millis(50);
+/// How long a spawn waits for the supervisor to report the child's pid.
+const SPAWN_WAIT_MS: i32 = 10_000;
+/// How long the listener rests after running out of descriptors.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+fn error(code: ErrorCode, message: impl Into<String>) -> Reply {
+    Reply::Error { code, message: message.into() }
+}
+
+type SpawnError = (ErrorCode, String);
+
+struct OutStream {
+    fd: Option<OwnedFd>,
+    events: u32,
+    ring: Ring,
+}
+
+struct Proc {
+    /// Pid of its supervisor, the agent's child.
+    sup: i32,
+    info: ProcessInfo,
+    /// stdout and stderr; with a pty, stdout is the terminal's master side.
+    streams: [OutStream; 2],
+    /// Write end of the stdin pipe (not used with a pty).
+    stdin: Option<OwnedFd>,
+    stdin_events: u32,
+    stdin_buf: Vec<u8>,
+    /// Close stdin once `stdin_buf` is written.
+    stdin_close: bool,
+    status: Option<OwnedFd>,
+    status_events: u32,
+    /// Connections receiving output and exit.
+    subs: Vec<u64>,
+    timeout_at: Option<Instant>,
+    timed_out: bool,
+    /// Wait status of the main child, while a pty's output still drains.
+    exited: Option<(i32, Instant)>,
+}
+
+impl Proc {
+    fn stream_kind(idx: usize) -> Stream {
+        if idx == 0 {
+            Stream::Stdout
+        } else {
+            Stream::Stderr
+        }
+    }
+
+    /// The descriptor stdin bytes go to.
+    fn stdin_fd(&self) -> Option<&OwnedFd> {
+        if self.info.pty {
+            self.streams[0].fd.as_ref()
+        } else {
+            self.stdin.as_ref()
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum TimerKind {
+    Timeout,
+    PtyDrain,
+}
+
+/// Connections and what is queued for them.
+#[derive(Default)]
+struct Outbox {
+    conns: HashMap<u64, Conn>,
+    /// Connections with bytes to flush.
+    dirty: Vec<u64>,
+    /// Connections to close.
+    doomed: Vec<u64>,
+}
+
+impl Outbox {
+    fn send(&mut self, id: u64, msg: &FromAgent, data: &[u8]) -> Result<(), FrameError> {
+        let Some(c) = self.conns.get_mut(&id) else { return Ok(()) };
+        if c.closing {
+            return Ok(());
+        }
+        proto::encode(msg, data, c.out_buf())?;
+        if !c.dirty {
+            c.dirty = true;
+            self.dirty.push(id);
+        }
+        Ok(())
+    }
+
+    fn doom(&mut self, id: u64) {
+        if let Some(c) = self.conns.get_mut(&id) {
+            if !c.closing {
+                c.closing = true;
+                self.doomed.push(id);
+            }
+        }
+    }
+
+    fn congested(&self, id: u64) -> bool {
+        self.conns.get(&id).is_some_and(|c| c.congested)
+    }
+}
+
+fn close_fd(epoll: &Epoll, fd: &mut Option<OwnedFd>, events: &mut u32) {
+    if let Some(f) = fd.take() {
+        epoll.update(f.as_raw_fd(), 0, events, 0);
+    }
+}
+
+/// Brings a process's epoll registrations in line with its state: output
+/// is read unless a subscriber is congested, stdin is polled while bytes
+/// wait for it.
+fn sync_proc(epoll: &Epoll, out: &Outbox, serial: u64, p: &mut Proc) {
+    let paused = p.subs.iter().any(|&c| out.congested(c));
+    let stdin_waiting = !p.stdin_buf.is_empty();
+    for (i, s) in p.streams.iter_mut().enumerate() {
+        let Some(fd) = &s.fd else { continue };
+        let mut want = if paused { 0 } else { IN };
+        if i == 0 && p.info.pty && stdin_waiting {
+            want |= OUT;
+        }
+        epoll.update(fd.as_raw_fd(), token(T_STDOUT + i as u64, serial), &mut s.events, want);
+    }
+    if let Some(fd) = &p.stdin {
+        let want = if stdin_waiting { OUT } else { 0 };
+        epoll.update(fd.as_raw_fd(), token(T_STDIN, serial), &mut p.stdin_events, want);
+    }
+    if let Some(fd) = &p.status {
+        epoll.update(fd.as_raw_fd(), token(T_STATUS, serial), &mut p.status_events, IN);
+    }
+}
+
+/// Hands output to the subscribers, or to the replay ring when there are none.
+fn deliver(out: &mut Outbox, p: &mut Proc, idx: usize, data: &[u8]) {
+    if p.subs.is_empty() {
+        p.streams[idx].ring.push(data);
+        return;
+    }
+    let msg = FromAgent::Output { pid: p.info.pid, stream: Proc::stream_kind(idx) };
+    for &c in &p.subs {
+        let _ = out.send(c, &msg, data);
+    }
+}
+
+/// Writes buffered stdin until the pipe is full; closes stdin afterwards
+/// when asked to. `Err` when the reading side is gone.
+fn pump_stdin(epoll: &Epoll, p: &mut Proc) -> Result<(), Errno> {
+    let Some(fd) = p.stdin_fd().map(|f| f.as_raw_fd()) else {
+        p.stdin_buf.clear();
+        return Err(Errno(libc::EPIPE));
+    };
+    let mut done = 0;
+    let result = loop {
+        if done == p.stdin_buf.len() {
+            break Ok(());
+        }
+        match sys::write(fd, &p.stdin_buf[done..]) {
+            Ok(n) => done += n,
+            Err(Errno(libc::EAGAIN)) => break Ok(()),
+            Err(Errno(libc::EINTR)) => {}
+            Err(e) => break Err(e),
+        }
+    };
+    if result.is_err() {
+        p.stdin_buf.clear();
+    } else {
+        p.stdin_buf.drain(..done);
+    }
+    if p.stdin_buf.is_empty() && p.stdin_close {
+        p.stdin_close = false;
+        close_fd(epoll, &mut p.stdin, &mut p.stdin_events);
+    }
+    result
+}
+
+fn is_executable(path: &str) -> bool {
+    let Ok(c) = CString::new(path) else { return false };
+    sys::stat(&c).is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFREG && st.st_mode & 0o111 != 0)
+}
+
+pub struct Agent {
+    cfg: Config,
+    nofile: Option<libc::rlimit>,
+    bounding_reduced: bool,
+    epoll: Epoll,
+    listener: OwnedFd,
+    listen_events: u32,
+    listen_retry: Option<Instant>,
+    sigfd: OwnedFd,
+    fs: Fs,
+    users: Users,
+    devnull: Option<OwnedFd>,
+    out: Outbox,
+    congestion_changed: bool,
+    next_conn: u64,
+    procs: HashMap<u64, Proc>,
+    by_pid: HashMap<u32, u64>,
+    by_sup: HashMap<i32, u64>,
+    tags: HashMap<String, u64>,
+    next_proc: u64,
+    timers: BTreeSet<(Instant, u64, TimerKind)>,
+    watches: Watches,
+    scratch: Vec<u8>,
+}
+
+impl Agent {
+    /// Sets the agent up around the host's listening socket.
+    pub fn new(
+        cfg: Config,
+        listener: OwnedFd,
+        nofile: Option<libc::rlimit>,
+        bounding_reduced: bool,
+    ) -> Result<Agent, Errno> {
+        let epoll = Epoll::new()?;
+        sys::set_nonblocking(listener.as_fd())?;
+        let sigfd = sys::signalfd(&[libc::SIGCHLD])?;
+        let root = sys::open(c"/", libc::O_PATH | libc::O_DIRECTORY)?;
+        let mut listen_events = 0;
+        epoll.update(listener.as_raw_fd(), token(T_LISTEN, 0), &mut listen_events, IN);
+        epoll.add(sigfd.as_raw_fd(), IN, token(T_SIGNAL, 0))?;
+        Ok(Agent {
+            cfg,
+            nofile,
+            bounding_reduced,
+            epoll,
+            listener,
+            listen_events,
+            listen_retry: None,
+            sigfd,
+            fs: Fs::new(root),
+            users: Users::default(),
+            devnull: None,
+            out: Outbox::default(),
+            congestion_changed: false,
+            next_conn: 1,
+            procs: HashMap::new(),
+            by_pid: HashMap::new(),
+            by_sup: HashMap::new(),
+            tags: HashMap::new(),
+            next_proc: 1,
+            timers: BTreeSet::new(),
+            watches: Watches::default(),
+            scratch: Vec::with_capacity(READ_CHUNK),
+        })
+    }
+
+    /// Runs until the listening socket fails; returns that error.
+    pub fn run(&mut self) -> Errno {
+        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 256];
+        loop {
+            let n = match self.epoll.wait(&mut events, self.timeout_ms()) {
+                Ok(n) => n,
+                Err(Errno(libc::EINTR)) => 0,
+                Err(e) => return e,
+            };
+            for ev in &events[..n] {
+                let (tok, evs) = (ev.u64, ev.events);
+                if let Err(e) = self.dispatch(tok, evs) {
+                    return e;
+                }
+                self.settle();
+            }
+            self.fire_timers();
+            self.settle();
+        }
+    }
+
+    fn dispatch(&mut self, tok: u64, events: u32) -> Result<(), Errno> {
+        let (kind, id) = (tok >> 56, tok & ((1 << 56) - 1));
+        match kind {
+            T_LISTEN => return self.accept(),
+            T_SIGNAL => self.reap(),
+            T_INOTIFY => self.watch_events(),
+            T_CONN => {
+                if events & (IN | HUP_ERR) != 0 {
+                    self.conn_readable(id);
+                }
+                if events & OUT != 0 {
+                    self.mark_dirty(id);
+                }
+            }
+            T_STDOUT | T_STDERR => {
+                let idx = (kind - T_STDOUT) as usize;
+                if events & (IN | HUP_ERR) != 0 {
+                    self.read_stream(id, idx);
+                }
+                if idx == 0 && events & (OUT | HUP_ERR) != 0 {
+                    self.stdin_writable(id);
+                }
+            }
+            T_STDIN => self.stdin_writable(id),
+            T_STATUS => self.status_readable(id),
+            _ => {}
+        }
+        Ok(())
+    }
+
+    // -- connections -------------------------------------------------------
+
+    fn accept(&mut self) -> Result<(), Errno> {
+        loop {
+            match sys::accept(self.listener.as_fd()) {
+                Ok(fd) => {
+                    if self.out.conns.len() >= MAX_CONNS {
+                        continue;
+                    }
+                    let id = self.next_conn;
+                    self.next_conn += 1;
+                    let mut c = Conn::new(fd);
+                    self.epoll.update(c.fd.as_raw_fd(), token(T_CONN, id), &mut c.events, IN);
+                    self.out.conns.insert(id, c);
+                }
+                Err(Errno(libc::EAGAIN)) => return Ok(()),
+                Err(Errno(libc::EINTR | libc::ECONNABORTED | libc::EPROTO | libc::EPERM)) => {}
+                Err(Errno(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)) => {
+                    self.epoll.update(self.listener.as_raw_fd(), 0, &mut self.listen_events, 0);
+                    self.listen_retry = Some(Instant::now() + ACCEPT_BACKOFF);
+                    return Ok(());
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn mark_dirty(&mut self, id: u64) {
+        if let Some(c) = self.out.conns.get_mut(&id) {
+            if !c.dirty {
+                c.dirty = true;
+                self.out.dirty.push(id);
+            }
+        }
+    }
+
+    /// Reads what a connection sent and answers the complete requests.
+    fn conn_readable(&mut self, id: u64) {
+        let Some(c) = self.out.conns.get_mut(&id) else { return };
+        if c.closing || c.congested {
+            return;
+        }
+        match sys::read_append(c.fd.as_fd(), &mut c.input, 256 * 1024) {
+            Ok(0) => return self.out.doom(id),
+            Ok(_) => {}
+            Err(Errno(libc::EAGAIN | libc::EINTR)) => return,
+            Err(_) => return self.out.doom(id),
+        }
+        self.process_input(id);
+    }
+
+    /// Answers the complete requests in a connection's input, until its
+    /// replies pile up past the high-water mark; the rest waits until the
+    /// connection drains (see `settle`), so that a client cannot make the
+    /// agent queue more than it reads.
+    fn process_input(&mut self, id: u64) {
+        let Some(c) = self.out.conns.get_mut(&id) else { return };
+        let mut input = std::mem::take(&mut c.input);
+        let mut pos = 0;
+        let mut held = false;
+        loop {
+            if self.out.conns.get(&id).is_none_or(|c| c.pending() > HIGH_WATER) {
+                held = true;
+                break;
+            }
+            let frame = match proto::split_frame(&input[pos..]) {
+                Ok(Some(f)) => f,
+                Ok(None) => break,
+                Err(_) => return self.out.doom(id),
+            };
+            let Ok(msg) = proto::parse_header::<ToAgent>(frame.header) else { return self.out.doom(id) };
+            pos += frame.consumed;
+            self.handle(id, msg.id, msg.req, frame.data);
+            if self.out.conns.get(&id).is_none_or(|c| c.closing) {
+                return;
+            }
+        }
+        input.drain(..pos);
+        if let Some(c) = self.out.conns.get_mut(&id) {
+            c.input = input;
+            c.held = held;
+        }
+    }
+
+    /// Flushes connections, drops the broken ones, re-evaluates
+    /// backpressure and resumes requests held back by it; runs after every
+    /// event.
+    fn settle(&mut self) {
+        loop {
+            let mut relieved = Vec::new();
+            for id in std::mem::take(&mut self.out.dirty) {
+                let Some(c) = self.out.conns.get_mut(&id) else { continue };
+                c.dirty = false;
+                if c.closing {
+                    continue;
+                }
+                if c.flush().is_err() || c.pending() > HARD_CAP {
+                    self.out.doom(id);
+                    continue;
+                }
+                if c.update_congestion() {
+                    self.congestion_changed = true;
+                }
+                if c.held && !c.congested && c.pending() <= HIGH_WATER {
+                    relieved.push(id);
+                }
+                let want = c.wanted_events();
+                self.epoll.update(c.fd.as_raw_fd(), token(T_CONN, id), &mut c.events, want);
+            }
+            if relieved.is_empty() {
+                break;
+            }
+            for id in relieved {
+                self.process_input(id);
+            }
+        }
+        for id in std::mem::take(&mut self.out.doomed) {
+            self.out.conns.remove(&id);
+            self.watches.remove_conn(id);
+            for p in self.procs.values_mut() {
+                p.subs.retain(|&c| c != id);
+            }
+            self.congestion_changed = true;
+        }
+        if std::mem::take(&mut self.congestion_changed) {
+            for (&serial, p) in self.procs.iter_mut() {
+                sync_proc(&self.epoll, &self.out, serial, p);
+            }
+        }
+    }
+
+    fn reply(&mut self, conn: u64, id: u64, reply: Reply, data: &[u8]) {
+        if let Err(e) = self.out.send(conn, &FromAgent::Reply { id, reply }, data) {
+            let reply = error(ErrorCode::InvalidRequest, format!("the reply does not fit in a frame: {e}"));
+            let _ = self.out.send(conn, &FromAgent::Reply { id, reply }, &[]);
+        }
+    }
+
+    fn handle(&mut self, conn: u64, id: u64, req: Request, data: &[u8]) {
+        let (reply, bytes) = match req {
+            Request::Ping => (Reply::Pong { version: PROTOCOL_VERSION }, Vec::new()),
+            Request::Spawn(s) => (self.spawn(conn, s), Vec::new()),
+            Request::Attach { target } => return self.attach(conn, id, target),
+            Request::Detach { pid } => (self.detach(conn, pid), Vec::new()),
+            Request::Stdin { pid } => (self.stdin(pid, data), Vec::new()),
+            Request::CloseStdin { pid } => (self.close_stdin(pid), Vec::new()),
+            Request::Signal { pid, signal } => (self.signal(pid, signal), Vec::new()),
+            Request::Resize { pid, size } => (self.resize(pid, size.cols, size.rows), Vec::new()),
+            Request::List => (self.list(), Vec::new()),
+            Request::Unwatch { watch } => {
+                let reply = if self.watches.owner(watch) == Some(conn) && self.watches.remove(watch) {
+                    Reply::Ok
+                } else {
+                    error(ErrorCode::InvalidRequest, format!("no watch {watch} on this connection"))
+                };
+                (reply, Vec::new())
+            }
+            other => match self.file_op(conn, other, data) {
+                Ok(r) => r,
+                Err(e) => (error(e.code, e.message), Vec::new()),
+            },
+        };
+        self.reply(conn, id, reply, &bytes);
+    }
+
+    // -- processes -----------------------------------------------------------
+
+    fn spawn(&mut self, conn: u64, req: Spawn) -> Reply {
+        match self.try_spawn(conn, req) {
+            Ok(pid) => Reply::Spawned { pid },
+            Err((code, message)) => error(code, message),
+        }
+    }
+
+    fn try_spawn(&mut self, conn: u64, req: Spawn) -> Result<u32, SpawnError> {
+        if self.procs.len() >= MAX_PROCS {
+            return Err((ErrorCode::Capacity, format!("at most {MAX_PROCS} processes")));
+        }
+        if let Some(tag) = &req.tag {
+            if self.tags.contains_key(tag) {
+                return Err((ErrorCode::TagInUse, format!("tag {tag:?} is in use")));
+            }
+        }
+        let name = req.user.as_deref().unwrap_or("user");
+        let user = self
+            .users
+            .lookup(self.fs.root(), name)
+            .ok_or_else(|| (ErrorCode::UnknownUser, format!("unknown user {name:?}")))?;
+        let cwd = files::normalize(req.cwd.as_deref().unwrap_or("/workspace"), &user.home)
+            .map_err(|e| (e.code, e.message))?;
+        let env = env::build(&self.cfg.env, &user, req.pty.is_some(), &req.env)
+            .map_err(|m| (ErrorCode::InvalidRequest, m))?;
+        let argv: Vec<String> = match &req.cmd {
+            Cmd::Argv(v) if v.is_empty() => return Err((ErrorCode::InvalidRequest, "empty argv".into())),
+            Cmd::Argv(v) => v.clone(),
+            Cmd::Shell(s) => {
+                let shell = if is_executable("/bin/bash") { "/bin/bash" } else { "/bin/sh" };
+                vec![shell.into(), "-c".into(), s.clone()]
+            }
+        };
+        let bad_nul = || (ErrorCode::InvalidRequest, "argv holds a NUL byte".to_string());
+        let argv_c: Vec<CString> =
+            argv.iter().map(|a| CString::new(a.as_str())).collect::<Result<_, _>>().map_err(|_| bad_nul())?;
+        let envp_c: Vec<CString> = env
+            .iter()
+            .map(|(k, v)| CString::new(format!("{k}={v}")))
+            .collect::<Result<_, _>>()
+            .map_err(|_| (ErrorCode::InvalidRequest, "environment holds a NUL byte".to_string()))?;
+        let path_var = env.iter().find(|(k, _)| k == "PATH").map(|(_, v)| v.as_str());
+        let exe = env::search_path(&argv[0], path_var, &cwd, is_executable);
+        let exe = exe.map(CString::new).transpose().map_err(|_| bad_nul())?;
+        let cwd_fd = {
+            let _creds = FsCreds::switch(user.uid, user.gid);
+            self.fs.open_dir(&cwd).map_err(|e| (e.code, e.message))?
+        };
+
+        let io = |what: &str, e: Errno| (ErrorCode::Io, format!("{what}: {e}"));
+        // Output: a pty's master, or a pipe per stream.
+        let (out_r, out_w, err, slave) = match req.pty {
+            Some(size) => {
+                let (master, slave) = sys::open_pty(size.cols, size.rows).map_err(|e| io("pty", e))?;
+                let _ = sys::fchown(slave.as_fd(), user.uid, user.gid);
+                (master, None, None, Some(slave))
+            }
+            None => {
+                let (out_r, out_w) = sys::pipe().map_err(|e| io("pipe", e))?;
+                let (err_r, err_w) = sys::pipe().map_err(|e| io("pipe", e))?;
+                sys::set_nonblocking_fresh(out_r.as_fd()).map_err(|e| io("pipe", e))?;
+                sys::set_nonblocking_fresh(err_r.as_fd()).map_err(|e| io("pipe", e))?;
+                (out_r, Some(out_w), Some((err_r, err_w)), None)
+            }
+        };
+        let (stdin_r, stdin_w) = if slave.is_none() && req.stdin {
+            let (r, w) = sys::pipe().map_err(|e| io("pipe", e))?;
+            sys::set_nonblocking_fresh(w.as_fd()).map_err(|e| io("pipe", e))?;
+            (Some(r), Some(w))
+        } else {
+            (None, None)
+        };
+        let (status_r, status_w) = sys::pipe().map_err(|e| io("pipe", e))?;
+        sys::set_nonblocking_fresh(status_r.as_fd()).map_err(|e| io("pipe", e))?;
+
+        let devnull = self.devnull()?;
+        let (stdin_fd, stdout_fd, stderr_fd) = match (&slave, &out_w, &err) {
+            (Some(s), _, _) => (s.as_raw_fd(), s.as_raw_fd(), s.as_raw_fd()),
+            (None, Some(o), Some((_, e))) => {
+                (stdin_r.as_ref().map_or(devnull, |r| r.as_raw_fd()), o.as_raw_fd(), e.as_raw_fd())
+            }
+            _ => return Err((ErrorCode::Io, "inconsistent process descriptors".into())),
+        };
+        let plan = ChildPlan {
+            exe,
+            argv0: argv_c[0].clone(),
+            argv: CStrArray::new(argv_c),
+            envp: CStrArray::new(envp_c),
+            uid: user.uid,
+            gid: user.gid,
+            root_caps: self.cfg.root_caps,
+            bounding_reduced: self.bounding_reduced,
+            stdin: stdin_fd,
+            stdout: stdout_fd,
+            stderr: stderr_fd,
+            tty: slave.is_some(),
+            cwd: cwd_fd.as_raw_fd(),
+            status: status_w.as_raw_fd(),
+            nofile: self.nofile,
+            filter: &self.cfg.filter,
+        };
+        // SAFETY: the agent is single threaded.
+        let sup = match unsafe { sys::fork() } {
+            Ok(0) => child::supervise(&plan),
+            Ok(pid) => pid,
+            Err(e) => return Err(io("fork", e)),
+        };
+        // The child's ends must close here, so that EOF reaches the agent.
+        drop((plan, out_w, slave, stdin_r, status_w, cwd_fd));
+        let err_r = err.map(|(r, w)| {
+            drop(w);
+            r
+        });
+        let pid = match wait_for_pid(&status_r) {
+            Ok(pid) => pid,
+            Err(e) => {
+                let _ = sys::kill(sup, libc::SIGKILL);
+                return Err(e);
+            }
+        };
+
+        let serial = self.next_proc;
+        self.next_proc += 1;
+        let timeout_at = req.timeout_ms.and_then(|ms| Instant::now().checked_add(Duration::from_millis(ms)));
+        let replay = self.cfg.replay_bytes;
+        let stream = |fd: Option<OwnedFd>| OutStream { fd, events: 0, ring: Ring::new(replay) };
+        let mut p = Proc {
+            sup,
+            info: ProcessInfo {
+                pid,
+                tag: req.tag.clone(),
+                cmd: req.cmd,
+                user: user.name,
+                cwd,
+                pty: req.pty.is_some(),
+                stdin: req.stdin,
+                env: req.env,
+            },
+            streams: [stream(Some(out_r)), stream(err_r)],
+            stdin: stdin_w,
+            stdin_events: 0,
+            stdin_buf: Vec::new(),
+            stdin_close: false,
+            status: Some(status_r),
+            status_events: 0,
+            subs: if req.subscribe { vec![conn] } else { Vec::new() },
+            timeout_at,
+            timed_out: false,
+            exited: None,
+        };
+        sync_proc(&self.epoll, &self.out, serial, &mut p);
+        if let Some(at) = timeout_at {
+            self.timers.insert((at, serial, TimerKind::Timeout));
+        }
+        if let Some(tag) = req.tag {
+            self.tags.insert(tag, serial);
+        }
+        self.by_pid.insert(pid, serial);
+        self.by_sup.insert(sup, serial);
+        self.procs.insert(serial, p);
+        Ok(pid)
+    }
+
+    /// /dev/null for a stdin nobody writes to, opened once.
+    fn devnull(&mut self) -> Result<i32, SpawnError> {
+        if self.devnull.is_none() {
+            let fd = sys::open(c"/dev/null", libc::O_RDONLY).map_err(|e| (ErrorCode::Io, format!("/dev/null: {e}")))?;
+            self.devnull = Some(fd);
+        }
+        Ok(self.devnull.as_ref().map_or(-1, |f| f.as_raw_fd()))
+    }
+
+    fn find(&self, pid: u32) -> Result<u64, Reply> {
+        self.by_pid.get(&pid).copied().ok_or_else(|| error(ErrorCode::UnknownProcess, format!("no process {pid}")))
+    }
+
+    fn attach(&mut self, conn: u64, id: u64, target: Target) {
+        let serial = match &target {
+            Target::Pid(pid) => self.by_pid.get(pid),
+            Target::Tag(tag) => self.tags.get(tag),
+        };
+        let Some(p) = serial.and_then(|s| self.procs.get_mut(s)) else {
+            let reply = error(ErrorCode::UnknownProcess, format!("no process {target:?}"));
+            return self.reply(conn, id, reply, &[]);
+        };
+        let pid = p.info.pid;
+        let _ = self.out.send(conn, &FromAgent::Reply { id, reply: Reply::Attached { pid } }, &[]);
+        for idx in 0..2 {
+            let stream = Proc::stream_kind(idx);
+            let (dropped, kept) = p.streams[idx].ring.take();
+            if dropped > 0 {
+                let _ = self.out.send(conn, &FromAgent::Dropped { pid, stream, bytes: dropped }, &[]);
+            }
+            for chunk in kept.chunks(proto::MAX_DATA) {
+                let _ = self.out.send(conn, &FromAgent::Output { pid, stream }, chunk);
+            }
+        }
+        if !p.subs.contains(&conn) {
+            p.subs.push(conn);
+        }
+        self.congestion_changed = true;
+    }
+
+    fn detach(&mut self, conn: u64, pid: u32) -> Reply {
+        let serial = match self.find(pid) {
+            Ok(s) => s,
+            Err(r) => return r,
+        };
+        if let Some(p) = self.procs.get_mut(&serial) {
+            p.subs.retain(|&c| c != conn);
+        }
+        self.congestion_changed = true;
+        Reply::Ok
+    }
+
+    fn stdin(&mut self, pid: u32, data: &[u8]) -> Reply {
+        let serial = match self.find(pid) {
+            Ok(s) => s,
+            Err(r) => return r,
+        };
+        let Some(p) = self.procs.get_mut(&serial) else { return error(ErrorCode::UnknownProcess, "gone") };
+        if p.stdin_fd().is_none() || p.stdin_close {
+            return error(ErrorCode::InvalidRequest, format!("stdin of process {pid} is not open"));
+        }
+        if !p.stdin_buf.is_empty() && p.stdin_buf.len() + data.len() > STDIN_BUFFER {
+            return error(ErrorCode::Capacity, format!("stdin of process {pid} is full; retry later"));
+        }
+        p.stdin_buf.extend_from_slice(data);
+        let r = pump_stdin(&self.epoll, p);
+        sync_proc(&self.epoll, &self.out, serial, p);
+        match r {
+            Ok(()) => Reply::Ok,
+            Err(e) => error(ErrorCode::Io, format!("stdin of process {pid}: {e}")),
+        }
+    }
+
+    fn stdin_writable(&mut self, serial: u64) {
+        let Some(p) = self.procs.get_mut(&serial) else { return };
+        if !p.stdin_buf.is_empty() {
+            let _ = pump_stdin(&self.epoll, p);
+        }
+        sync_proc(&self.epoll, &self.out, serial, p);
+    }
+
+    fn close_stdin(&mut self, pid: u32) -> Reply {
+        let serial = match self.find(pid) {
+            Ok(s) => s,
+            Err(r) => return r,
+        };
+        let Some(p) = self.procs.get_mut(&serial) else { return error(ErrorCode::UnknownProcess, "gone") };
+        if p.info.pty {
+            // End of file on a terminal is the EOF character at a line start.
+            if p.streams[0].fd.is_some() {
+                p.stdin_buf.push(0x04);
+                let _ = pump_stdin(&self.epoll, p);
+            }
+        } else if !p.info.stdin {
+            return error(ErrorCode::InvalidRequest, format!("process {pid} has no stdin"));
+        } else if p.stdin_buf.is_empty() {
+            close_fd(&self.epoll, &mut p.stdin, &mut p.stdin_events);
+        } else {
+            p.stdin_close = true;
+        }
+        sync_proc(&self.epoll, &self.out, serial, p);
+        Reply::Ok
+    }
+
+    fn signal(&mut self, pid: u32, signal: i32) -> Reply {
+        if !(1..=64).contains(&signal) {
+            return error(ErrorCode::InvalidRequest, format!("signal {signal} out of range"));
+        }
+        if let Err(r) = self.find(pid) {
+            return r;
+        }
+        let r = sys::kill(-(pid as i32), signal).or_else(|e| match e {
+            Errno(libc::ESRCH) => sys::kill(pid as i32, signal),
+            e => Err(e),
+        });
+        match r {
+            Ok(()) => Reply::Ok,
+            Err(e) => error(ErrorCode::Io, format!("signal {signal} to {pid}: {e}")),
+        }
+    }
+
+    fn resize(&mut self, pid: u32, cols: u16, rows: u16) -> Reply {
+        let serial = match self.find(pid) {
+            Ok(s) => s,
+            Err(r) => return r,
+        };
+        let Some(p) = self.procs.get(&serial) else { return error(ErrorCode::UnknownProcess, "gone") };
+        match (&p.streams[0].fd, p.info.pty) {
+            (Some(master), true) => match sys::set_winsize(master.as_fd(), cols, rows) {
+                Ok(()) => Reply::Ok,
+                Err(e) => error(ErrorCode::Io, format!("resize {pid}: {e}")),
+            },
+            (None, true) => error(ErrorCode::InvalidRequest, format!("terminal of {pid} is closed")),
+            _ => error(ErrorCode::InvalidRequest, format!("process {pid} has no terminal")),
+        }
+    }
+
+    /// Running processes, sorted by pid; cut to fit one frame header (first
+    /// without their environments, then fewer of them).
+    fn list(&self) -> Reply {
+        let mut processes: Vec<ProcessInfo> =
+            self.procs.values().filter(|p| p.exited.is_none()).map(|p| p.info.clone()).collect();
+        processes.sort_by_key(|p| p.pid);
+        let budget = proto::MAX_HEADER - 256;
+        let size = |ps: &[ProcessInfo]| serde_json::to_vec(ps).map_or(usize::MAX, |v| v.len());
+        if size(&processes) > budget {
+            for p in &mut processes {
+                p.env.clear();
+            }
+            while size(&processes) > budget {
+                let keep = processes.len() * 9 / 10;
+                processes.truncate(keep);
+            }
+        }
+        Reply::Processes { processes }
+    }
+
+    fn read_stream(&mut self, serial: u64, idx: usize) {
+        let Some(p) = self.procs.get_mut(&serial) else { return };
+        let Some(fd) = p.streams[idx].fd.as_ref() else { return };
+        self.scratch.clear();
+        match sys::read_append(fd.as_fd(), &mut self.scratch, READ_CHUNK) {
+            Ok(0) | Err(Errno(libc::EIO)) => {}
+            Ok(_) => return deliver(&mut self.out, p, idx, &self.scratch),
+            Err(Errno(libc::EAGAIN | libc::EINTR)) => return,
+            Err(_) => {}
+        }
+        // End of the stream (EIO: a pty whose slave side is closed).
+        let s = &mut p.streams[idx];
+        close_fd(&self.epoll, &mut s.fd, &mut s.events);
+        if p.exited.is_some() && p.streams.iter().all(|s| s.fd.is_none()) {
+            self.finalize(serial, None);
+        }
+    }
+
+    fn status_readable(&mut self, serial: u64) {
+        loop {
+            let Some(p) = self.procs.get_mut(&serial) else { return };
+            let Some(fd) = p.status.as_ref() else { return };
+            let mut m = [0u8; 8];
+            match sys::read(fd.as_fd(), &mut m) {
+                Ok(8) => {
+                    if let (child::MSG_STATUS, status) = child::decode_msg(m) {
+                        return self.main_exited(serial, status);
+                    }
+                }
+                Err(Errno(libc::EAGAIN)) => return,
+                Err(Errno(libc::EINTR)) => {}
+                // EOF (or garbage): the supervisor is gone; its reaping decides.
+                _ => {
+                    close_fd(&self.epoll, &mut p.status, &mut p.status_events);
+                    return;
+                }
+            }
+        }
+    }
+
+    fn main_exited(&mut self, serial: u64, status: i32) {
+        let Some(p) = self.procs.get_mut(&serial) else { return };
+        close_fd(&self.epoll, &mut p.status, &mut p.status_events);
+        if p.info.pty && p.streams[0].fd.is_some() {
+            // A pty hands output to the master asynchronously: give it a moment.
+            let at = Instant::now() + PTY_GRACE;
+            p.exited = Some((status, at));
+            self.timers.insert((at, serial, TimerKind::PtyDrain));
+        } else {
+            p.exited = Some((status, Instant::now()));
+            self.finalize(serial, None);
+        }
+    }
+
+    /// Sends the rest of the output and the exit, and forgets the process.
+    /// `died` is the supervisor's own status when it never reported.
+    fn finalize(&mut self, serial: u64, died: Option<i32>) {
+        let Some(mut p) = self.procs.remove(&serial) else { return };
+        let mut budget = EXIT_DRAIN;
+        for idx in 0..2 {
+            while budget > 0 {
+                let Some(fd) = p.streams[idx].fd.as_ref() else { break };
+                self.scratch.clear();
+                match sys::read_append(fd.as_fd(), &mut self.scratch, READ_CHUNK.min(budget)) {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        budget -= n;
+                        deliver(&mut self.out, &mut p, idx, &self.scratch);
+                    }
+                    Err(Errno(libc::EINTR)) => {}
+                    Err(_) => break,
+                }
+            }
+        }
+        let status = match (p.exited, died) {
+            (Some((ws, _)), _) => exit_status(ws, p.timed_out),
+            (None, Some(sup)) => exit_status(sup, p.timed_out),
+            (None, None) => ExitStatus { code: None, signal: None, timed_out: p.timed_out },
+        };
+        let msg = FromAgent::Exit { pid: p.info.pid, status };
+        for &c in &p.subs {
+            let _ = self.out.send(c, &msg, &[]);
+        }
+        for s in &mut p.streams {
+            close_fd(&self.epoll, &mut s.fd, &mut s.events);
+        }
+        close_fd(&self.epoll, &mut p.stdin, &mut p.stdin_events);
+        close_fd(&self.epoll, &mut p.status, &mut p.status_events);
+        if let Some(at) = p.timeout_at {
+            self.timers.remove(&(at, serial, TimerKind::Timeout));
+        }
+        if let Some((_, at)) = p.exited {
+            self.timers.remove(&(at, serial, TimerKind::PtyDrain));
+        }
+        if let Some(tag) = &p.info.tag {
+            self.tags.remove(tag);
+        }
+        self.by_pid.remove(&p.info.pid);
+        if self.by_sup.get(&p.sup) == Some(&serial) {
+            self.by_sup.remove(&p.sup);
+        }
+    }
+
+    /// Reaps every exited child: supervisors, and orphans PID 1 inherits.
+    fn reap(&mut self) {
+        sys::drain_signalfd(self.sigfd.as_fd());
+        loop {
+            match sys::waitpid(-1, libc::WNOHANG) {
+                Ok(Some((pid, status))) => {
+                    if let Some(serial) = self.by_sup.remove(&pid) {
+                        self.supervisor_gone(serial, status);
+                    }
+                }
+                Err(Errno(libc::EINTR)) => {}
+                Ok(None) | Err(_) => return,
+            }
+        }
+    }
+
+    fn supervisor_gone(&mut self, serial: u64, status: i32) {
+        // A report may still sit in the pipe.
+        self.status_readable(serial);
+        match self.procs.get(&serial) {
+            Some(p) if p.exited.is_none() => self.finalize(serial, Some(status)),
+            _ => {}
+        }
+    }
+
+    // -- files and watches ---------------------------------------------------
+
+    fn file_op(&mut self, conn: u64, req: Request, data: &[u8]) -> Result<(Reply, Vec<u8>), FsError> {
+        let user = match &req {
+            Request::ReadFile { user, .. }
+            | Request::Stat { user, .. }
+            | Request::ListDir { user, .. }
+            | Request::Mkdir { user, .. }
+            | Request::Rename { user, .. }
+            | Request::Remove { user, .. }
+            | Request::Watch { user, .. }
+            | Request::SetXattrs { user, .. }
+            | Request::GetXattrs { user, .. } => user.as_deref(),
+            Request::WriteFile(w) => w.user.as_deref(),
+            _ => return Err(FsError::new(ErrorCode::InvalidRequest, "not a file operation")),
+        };
+        let name = user.unwrap_or("user");
+        let user = self
+            .users
+            .lookup(self.fs.root(), name)
+            .ok_or_else(|| FsError::new(ErrorCode::UnknownUser, format!("unknown user {name:?}")))?;
+        let base = user.home.as_str();
+        let _creds = FsCreds::switch(user.uid, user.gid);
+        let fs = &self.fs;
+        let norm = |p: &str| files::normalize(p, base);
+        let none = Vec::new;
+        Ok(match req {
+            Request::ReadFile { path, offset, len, .. } => fs.read_file(&norm(&path)?, offset, len)?,
+            Request::WriteFile(w) => (fs.write_file(&norm(&w.path)?, &w, data)?, none()),
+            Request::Stat { path, .. } => (Reply::Stat { entry: fs.stat(&norm(&path)?)? }, none()),
+            Request::ListDir { path, depth, .. } => (fs.list_dir(&norm(&path)?, depth)?, none()),
+            Request::Mkdir { path, parents, .. } => (fs.mkdir(&norm(&path)?, parents)?, none()),
+            Request::Rename { from, to, .. } => (fs.rename(&norm(&from)?, &norm(&to)?)?, none()),
+            Request::Remove { path, .. } => (fs.remove(&norm(&path)?)?, none()),
+            Request::SetXattrs { path, attrs, .. } => (fs.set_xattrs(&norm(&path)?, &attrs)?, none()),
+            Request::GetXattrs { path, .. } => (fs.get_xattrs(&norm(&path)?)?, none()),
+            Request::Watch { path, recursive, .. } => {
+                let path = norm(&path)?;
+                fs.open_dir(&path)?;
+                let (watch, created) = self.watches.add(conn, &path, recursive)?;
+                if created {
+                    if let Some(fd) = self.watches.fd() {
+                        self.epoll
+                            .add(fd.as_raw_fd(), IN, token(T_INOTIFY, 0))
+                            .map_err(|e| FsError::os("watch", &path, e))?;
+                    }
+                }
+                (Reply::Watching { watch }, none())
+            }
+            _ => return Err(FsError::new(ErrorCode::InvalidRequest, "not a file operation")),
+        })
+    }
+
+    fn watch_events(&mut self) {
+        let out = &self.out;
+        let deliveries = self.watches.read_events(|c| out.congested(c));
+        for d in deliveries {
+            let _ = self.out.send(d.conn, &FromAgent::Watch { watch: d.watch, event: d.event }, &[]);
+        }
+    }
+
+    // -- timers --------------------------------------------------------------
+
+    fn timeout_ms(&self) -> i32 {
+        let next = [self.timers.first().map(|t| t.0), self.listen_retry].into_iter().flatten().min();
+        let Some(at) = next else { return -1 };
+        let left = at.saturating_duration_since(Instant::now());
+        // Round up, so that the loop does not wake just before the deadline.
+        let ms = left.as_micros().div_ceil(1000);
+        ms.min(i32::MAX as u128) as i32
+    }
+
+    fn fire_timers(&mut self) {
+        let now = Instant::now();
+        while let Some(&(at, serial, kind)) = self.timers.first() {
+            if at > now {
+                break;
+            }
+            self.timers.pop_first();
+            match kind {
+                TimerKind::Timeout => {
+                    if let Some(p) = self.procs.get_mut(&serial) {
+                        p.timeout_at = None;
+                        if p.exited.is_none() {
+                            p.timed_out = true;
+                            let _ = sys::kill(p.sup, libc::SIGUSR1);
+                        }
+                    }
+                }
+                TimerKind::PtyDrain => self.finalize(serial, None),
+            }
+        }
+        if self.listen_retry.is_some_and(|at| at <= now) {
+            self.listen_retry = None;
+            self.epoll.update(self.listener.as_raw_fd(), token(T_LISTEN, 0), &mut self.listen_events, IN);
+        }
+    }
+}
+
+/// Reads the supervisor's first report: the real child's pid.
+fn wait_for_pid(status: &OwnedFd) -> Result<u32, SpawnError> {
+    let deadline = Instant::now() + Duration::from_millis(SPAWN_WAIT_MS as u64);
+    let mut m = [0u8; 8];
+    let mut got = 0;
+    while got < 8 {
+        match sys::read(status.as_fd(), &mut m[got..]) {
+            Ok(0) => return Err((ErrorCode::Io, "the process supervisor exited at start".into())),
+            Ok(n) => got += n,
+            Err(Errno(libc::EINTR)) => {}
+            Err(Errno(libc::EAGAIN)) => {
+                let left = deadline.saturating_duration_since(Instant::now()).as_millis() as i32;
+                if left == 0 || !sys::poll_in(status.as_fd(), left).unwrap_or(true) {
+                    return Err((ErrorCode::Io, "the process supervisor did not start".into()));
+                }
+            }
+            Err(e) => return Err((ErrorCode::Io, format!("supervisor status: {e}"))),
+        }
+    }
+    match child::decode_msg(m) {
+        (child::MSG_PID, pid) if pid > 0 => Ok(pid as u32),
+        (child::MSG_FORK_FAILED, errno) => Err((ErrorCode::Io, format!("fork: {}", Errno(errno)))),
+        (kind, value) => Err((ErrorCode::Io, format!("unexpected supervisor report {kind}/{value}"))),
+    }
+}

@@ -1,0 +1,770 @@
+//! Checked wrappers over the Linux system calls the agent makes: the agent's
+//! one module of `unsafe`, so that everything else is ordinary safe Rust.
+//!
+//! Every wrapper returns `Result<_, Errno>`; nothing here panics or retries
+//! except on `EINTR` where noted. The wrappers that run between `fork` and
+//! `execve` (see `child.rs`) allocate nothing.
+
+use std::ffi::{c_char, CStr, CString};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+
+/// An `errno` value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Errno(pub i32);
+
+impl Errno {
+    /// The calling thread's current `errno`.
+    pub fn last() -> Errno {
+        // SAFETY: __errno_location always returns a valid pointer to this
+        // thread's errno.
+        Errno(unsafe { *libc::__errno_location() })
+    }
+
+    /// Writes the message for this errno into `buf`, returning its length.
+    /// Allocates nothing, so it may run between fork and exec.
+    pub fn describe(self, buf: &mut [u8; 128]) -> usize {
+        // SAFETY: the buffer is valid for writes of its length; the XSI
+        // strerror_r (which libc binds on glibc) NUL-terminates within it.
+        let r = unsafe { libc::strerror_r(self.0, buf.as_mut_ptr().cast(), buf.len()) };
+        if r != 0 {
+            buf[..13].copy_from_slice(b"unknown error");
+            return 13;
+        }
+        buf.iter().position(|&b| b == 0).unwrap_or(buf.len())
+    }
+}
+
+impl std::fmt::Display for Errno {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut buf = [0u8; 128];
+        let n = self.describe(&mut buf);
+        f.write_str(&String::from_utf8_lossy(&buf[..n]))
+    }
+}
+
+pub type SysResult<T> = Result<T, Errno>;
+
+fn cvt(r: libc::c_int) -> SysResult<libc::c_int> {
+    if r < 0 {
+        Err(Errno::last())
+    } else {
+        Ok(r)
+    }
+}
+
+fn cvt_size(r: isize) -> SysResult<usize> {
+    if r < 0 {
+        Err(Errno::last())
+    } else {
+        Ok(r as usize)
+    }
+}
+
+fn cvt_long(r: libc::c_long) -> SysResult<libc::c_long> {
+    if r < 0 {
+        Err(Errno::last())
+    } else {
+        Ok(r)
+    }
+}
+
+fn owned(fd: libc::c_int) -> SysResult<OwnedFd> {
+    let fd = cvt(fd)?;
+    // SAFETY: the kernel just returned this descriptor to us; nothing else
+    // owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Owned C strings together with the NULL-terminated pointer array `execve`
+/// wants. Moving the struct does not move the strings' heap buffers, so the
+/// pointers stay valid for as long as the struct lives.
+pub struct CStrArray {
+    _owned: Vec<CString>,
+    ptrs: Vec<*const c_char>,
+}
+
+impl CStrArray {
+    pub fn new(items: Vec<CString>) -> CStrArray {
+        let mut ptrs: Vec<*const c_char> = items.iter().map(|s| s.as_ptr()).collect();
+        ptrs.push(std::ptr::null());
+        CStrArray { _owned: items, ptrs }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Descriptors, pipes, plain IO
+
+pub fn set_cloexec(fd: RawFd) -> SysResult<()> {
+    // SAFETY: F_GETFD/F_SETFD take no pointers; a bad fd yields EBADF.
+    let flags = cvt(unsafe { libc::fcntl(fd, libc::F_GETFD) })?;
+    // SAFETY: as above.
+    cvt(unsafe { libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC) })?;
+    Ok(())
+}
+
+/// Makes a descriptor that has no other status flags (a fresh pipe end)
+/// non-blocking, in one call.
+pub fn set_nonblocking_fresh(fd: BorrowedFd<'_>) -> SysResult<()> {
+    // SAFETY: F_SETFL takes an integer argument.
+    cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) }).map(|_| ())
+}
+
+pub fn set_nonblocking(fd: BorrowedFd<'_>) -> SysResult<()> {
+    // SAFETY: F_GETFL/F_SETFL take no pointers.
+    let flags = cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) })?;
+    // SAFETY: as above.
+    cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) })?;
+    Ok(())
+}
+
+/// A close-on-exec pipe: (read end, write end).
+pub fn pipe() -> SysResult<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: fds is a valid array of two ints for the kernel to fill.
+    cvt(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) })?;
+    // SAFETY: pipe2 succeeded, so both descriptors are new and ours.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+pub fn read(fd: BorrowedFd<'_>, buf: &mut [u8]) -> SysResult<usize> {
+    // SAFETY: buf is valid for writes of buf.len() bytes.
+    cvt_size(unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) })
+}
+
+/// Reads up to `max` bytes, appending them to `buf` without zero-filling.
+pub fn read_append(fd: BorrowedFd<'_>, buf: &mut Vec<u8>, max: usize) -> SysResult<usize> {
+    buf.reserve(max);
+    let spare = buf.spare_capacity_mut();
+    // SAFETY: the spare capacity is valid for writes of `max` bytes (reserved
+    // above); the kernel initialises the bytes it reports as read.
+    let n = cvt_size(unsafe { libc::read(fd.as_raw_fd(), spare.as_mut_ptr().cast(), max) })?;
+    // SAFETY: the first n bytes of the spare capacity were just written.
+    unsafe { buf.set_len(buf.len() + n) };
+    Ok(n)
+}
+
+pub fn write(fd: RawFd, buf: &[u8]) -> SysResult<usize> {
+    // SAFETY: buf is valid for reads of buf.len() bytes.
+    cvt_size(unsafe { libc::write(fd, buf.as_ptr().cast(), buf.len()) })
+}
+
+/// Writes all of `buf`, retrying on EINTR and short writes (blocking fds).
+pub fn write_all(fd: RawFd, mut buf: &[u8]) -> SysResult<()> {
+    while !buf.is_empty() {
+        match write(fd, buf) {
+            Ok(n) => buf = &buf[n..],
+            Err(Errno(libc::EINTR)) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+pub fn pread(fd: BorrowedFd<'_>, buf: &mut [u8], offset: u64) -> SysResult<usize> {
+    // SAFETY: buf is valid for writes of buf.len() bytes.
+    cvt_size(unsafe { libc::pread(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), offset as libc::off_t) })
+}
+
+pub fn pwrite(fd: BorrowedFd<'_>, buf: &[u8], offset: u64) -> SysResult<usize> {
+    // SAFETY: buf is valid for reads of buf.len() bytes.
+    cvt_size(unsafe { libc::pwrite(fd.as_raw_fd(), buf.as_ptr().cast(), buf.len(), offset as libc::off_t) })
+}
+
+/// Sends on a socket without blocking and without raising SIGPIPE.
+pub fn send(fd: BorrowedFd<'_>, buf: &[u8]) -> SysResult<usize> {
+    // SAFETY: buf is valid for reads of buf.len() bytes.
+    cvt_size(unsafe {
+        libc::send(fd.as_raw_fd(), buf.as_ptr().cast(), buf.len(), libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
+    })
+}
+
+/// Accepts one connection as a non-blocking, close-on-exec socket.
+pub fn accept(fd: BorrowedFd<'_>) -> SysResult<OwnedFd> {
+    // SAFETY: null address pointers are allowed when the peer address is not wanted.
+    owned(unsafe {
+        libc::accept4(
+            fd.as_raw_fd(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+        )
+    })
+}
+
+/// Waits up to `timeout_ms` for `fd` to become readable.
+pub fn poll_in(fd: BorrowedFd<'_>, timeout_ms: i32) -> SysResult<bool> {
+    let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: p is one valid pollfd.
+    let n = cvt(unsafe { libc::poll(&mut p, 1, timeout_ms) })?;
+    Ok(n > 0)
+}
+
+/// Closes every descriptor from 3 up except those in `keep` (sorted or not).
+pub fn close_all_except(keep: &mut [RawFd]) {
+    keep.sort_unstable();
+    let mut next: u32 = 3;
+    for &k in keep.iter() {
+        if k < 0 || (k as u32) < next {
+            continue;
+        }
+        if k as u32 > next {
+            close_range(next, k as u32 - 1);
+        }
+        next = k as u32 + 1;
+    }
+    close_range(next, u32::MAX);
+}
+
+fn close_range(first: u32, last: u32) {
+    // SAFETY: close_range takes no pointers; it only closes descriptors,
+    // which the caller (a freshly forked supervisor) no longer needs.
+    let r = unsafe { libc::syscall(libc::SYS_close_range, first, last, 0u32) };
+    if r < 0 {
+        // Kernels before 5.9: close one by one, up to a sane bound.
+        for fd in first..=last.min(4096) {
+            // SAFETY: closing a descriptor number we do not use; EBADF is fine.
+            unsafe { libc::close(fd as RawFd) };
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// epoll, signals
+
+pub struct Epoll {
+    fd: OwnedFd,
+}
+
+impl Epoll {
+    pub fn new() -> SysResult<Epoll> {
+        // SAFETY: epoll_create1 takes no pointers.
+        Ok(Epoll { fd: owned(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })? })
+    }
+
+    fn ctl(&self, op: libc::c_int, fd: RawFd, events: u32, token: u64) -> SysResult<()> {
+        let mut ev = libc::epoll_event { events, u64: token };
+        // SAFETY: ev is a valid epoll_event for the duration of the call.
+        cvt(unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), op, fd, &mut ev) })?;
+        Ok(())
+    }
+
+    pub fn add(&self, fd: RawFd, events: u32, token: u64) -> SysResult<()> {
+        self.ctl(libc::EPOLL_CTL_ADD, fd, events, token)
+    }
+
+    /// Moves `fd`'s registration from `*cur` to `want` events; a descriptor
+    /// that wants nothing is removed, because epoll reports EPOLLHUP even
+    /// for an empty event mask and a level-triggered HUP would spin.
+    pub fn update(&self, fd: RawFd, token: u64, cur: &mut u32, want: u32) {
+        if *cur == want {
+            return;
+        }
+        let r = if want == 0 {
+            self.ctl(libc::EPOLL_CTL_DEL, fd, 0, 0)
+        } else if *cur == 0 {
+            self.ctl(libc::EPOLL_CTL_ADD, fd, want, token)
+        } else {
+            self.ctl(libc::EPOLL_CTL_MOD, fd, want, token)
+        };
+        if r.is_ok() || want == 0 {
+            *cur = want;
+        }
+    }
+
+    pub fn wait(&self, events: &mut [libc::epoll_event], timeout_ms: i32) -> SysResult<usize> {
+        // SAFETY: events is valid for writes of events.len() entries.
+        cvt(unsafe {
+            libc::epoll_wait(self.fd.as_raw_fd(), events.as_mut_ptr(), events.len() as libc::c_int, timeout_ms)
+        })
+        .map(|n| n as usize)
+    }
+}
+
+fn sigset(signals: &[libc::c_int]) -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data; sigemptyset initialises it.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: set is a valid sigset_t.
+    unsafe { libc::sigemptyset(&mut set) };
+    for &s in signals {
+        // SAFETY: set is a valid sigset_t; invalid numbers yield EINVAL.
+        unsafe { libc::sigaddset(&mut set, s) };
+    }
+    set
+}
+
+/// Sets the signal mask to exactly `signals`.
+pub fn set_sigmask(signals: &[libc::c_int]) -> SysResult<()> {
+    let set = sigset(signals);
+    // SAFETY: set is a valid sigset_t; the old mask is not wanted.
+    let r = unsafe { libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut()) };
+    cvt(r).map(|_| ())
+}
+
+/// A non-blocking signalfd for `signals` (which the caller has blocked).
+pub fn signalfd(signals: &[libc::c_int]) -> SysResult<OwnedFd> {
+    let set = sigset(signals);
+    // SAFETY: set is a valid sigset_t.
+    owned(unsafe { libc::signalfd(-1, &set, libc::SFD_NONBLOCK | libc::SFD_CLOEXEC) })
+}
+
+/// Reads and discards everything queued on a signalfd.
+pub fn drain_signalfd(fd: BorrowedFd<'_>) {
+    let mut buf = [0u8; 128 * 8];
+    while let Ok(n) = read(fd, &mut buf) {
+        if n == 0 {
+            break;
+        }
+    }
+}
+
+/// Waits for one of `signals` (blocked by the caller) and returns it.
+pub fn sigwait(signals: &[libc::c_int]) -> SysResult<libc::c_int> {
+    let set = sigset(signals);
+    // SAFETY: set is valid; a null siginfo pointer is allowed.
+    cvt(unsafe { libc::sigwaitinfo(&set, std::ptr::null_mut()) })
+}
+
+pub fn ignore_signal(sig: libc::c_int) {
+    // SAFETY: SIG_IGN is a valid disposition; no handler code is involved.
+    unsafe { libc::signal(sig, libc::SIG_IGN) };
+}
+
+pub fn default_signal(sig: libc::c_int) {
+    // SAFETY: SIG_DFL is a valid disposition; no handler code is involved.
+    unsafe { libc::signal(sig, libc::SIG_DFL) };
+}
+
+/// Resets every signal's disposition to the default.
+pub fn reset_signal_dispositions() {
+    for sig in 1..=64 {
+        if sig == libc::SIGKILL || sig == libc::SIGSTOP {
+            continue;
+        }
+        // SAFETY: SIG_DFL is a valid disposition; invalid or reserved
+        // numbers yield EINVAL, which is ignored.
+        unsafe { libc::signal(sig, libc::SIG_DFL) };
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Processes
+
+/// `fork(2)`.
+///
+/// # Safety
+/// The caller must be single threaded (the agent and its supervisors are),
+/// so that the child may keep using the allocator and any lock.
+pub unsafe fn fork() -> SysResult<libc::pid_t> {
+    // SAFETY: guaranteed by the caller, see above.
+    cvt(unsafe { libc::fork() })
+}
+
+/// `waitpid`; `Ok(None)` when WNOHANG found nothing to reap.
+pub fn waitpid(pid: libc::pid_t, flags: libc::c_int) -> SysResult<Option<(libc::pid_t, i32)>> {
+    let mut status = 0;
+    // SAFETY: status is a valid int for the kernel to fill.
+    let r = cvt(unsafe { libc::waitpid(pid, &mut status, flags) })?;
+    Ok(if r == 0 { None } else { Some((r, status)) })
+}
+
+pub fn kill(pid: libc::pid_t, sig: libc::c_int) -> SysResult<()> {
+    // SAFETY: kill takes no pointers.
+    cvt(unsafe { libc::kill(pid, sig) }).map(|_| ())
+}
+
+pub fn getpid() -> libc::pid_t {
+    // SAFETY: getpid cannot fail.
+    unsafe { libc::getpid() }
+}
+
+/// `_exit(2)`: ends the process without running destructors or atexit hooks
+/// (what a forked child must do).
+pub fn exit_now(code: i32) -> ! {
+    // SAFETY: _exit never returns and touches no Rust state.
+    unsafe { libc::_exit(code) }
+}
+
+pub fn execve(path: &CStr, argv: &CStrArray, envp: &CStrArray) -> Errno {
+    // SAFETY: path is NUL-terminated; argv and envp are NULL-terminated
+    // arrays of pointers to NUL-terminated strings that CStrArray keeps alive.
+    unsafe { libc::execve(path.as_ptr(), argv.ptrs.as_ptr(), envp.ptrs.as_ptr()) };
+    Errno::last()
+}
+
+fn prctl(option: libc::c_int, a: libc::c_ulong, b: libc::c_ulong) -> SysResult<()> {
+    // SAFETY: every option used here takes integer arguments only.
+    cvt(unsafe { libc::prctl(option, a, b, 0 as libc::c_ulong, 0 as libc::c_ulong) }).map(|_| ())
+}
+
+pub fn set_dumpable(on: bool) -> SysResult<()> {
+    prctl(libc::PR_SET_DUMPABLE, on as libc::c_ulong, 0)
+}
+
+pub fn set_child_subreaper() -> SysResult<()> {
+    prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0)
+}
+
+pub fn set_no_new_privs() -> SysResult<()> {
+    prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0)
+}
+
+/// Drops capability `cap` from the bounding set; EINVAL means `cap` is past
+/// the last capability the kernel knows.
+pub fn capbset_drop(cap: u32) -> SysResult<()> {
+    prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0)
+}
+
+/// Drops every capability in `mask` from the bounding set, stopping at the
+/// first number past the kernel's last capability.
+pub fn drop_bounding(mask: u64) -> SysResult<()> {
+    for cap in 0..64u32 {
+        if mask & (1u64 << cap) == 0 {
+            continue;
+        }
+        match capbset_drop(cap) {
+            Ok(()) => {}
+            Err(Errno(libc::EINVAL)) => return Ok(()),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+pub fn clear_ambient_caps() -> SysResult<()> {
+    prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong, 0)
+}
+
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+const CAP_V3: u32 = 0x2008_0522;
+
+/// The calling thread's permitted capability set.
+pub fn cap_permitted() -> SysResult<u64> {
+    let mut hdr = CapHeader { version: CAP_V3, pid: 0 };
+    let mut data = [CapData::default(); 2];
+    // SAFETY: hdr and data are the v3 layout capget expects (two data words).
+    cvt_long(unsafe { libc::syscall(libc::SYS_capget, &mut hdr, data.as_mut_ptr()) })?;
+    Ok(data[0].permitted as u64 | (data[1].permitted as u64) << 32)
+}
+
+/// Sets the effective, permitted and inheritable sets all to `caps`.
+pub fn capset_all(caps: u64) -> SysResult<()> {
+    let mut hdr = CapHeader { version: CAP_V3, pid: 0 };
+    let lo = caps as u32;
+    let hi = (caps >> 32) as u32;
+    let data = [
+        CapData { effective: lo, permitted: lo, inheritable: lo },
+        CapData { effective: hi, permitted: hi, inheritable: hi },
+    ];
+    // SAFETY: hdr and data are the v3 layout capset expects (two data words).
+    cvt_long(unsafe { libc::syscall(libc::SYS_capset, &mut hdr, data.as_ptr()) }).map(|_| ())
+}
+
+/// Installs a classic-BPF seccomp filter (no_new_privs must be set).
+pub fn install_seccomp(filter: &[libc::sock_filter]) -> SysResult<()> {
+    let prog = libc::sock_fprog { len: filter.len() as u16, filter: filter.as_ptr().cast_mut() };
+    // SAFETY: prog points at `filter`, which outlives the call; the kernel
+    // copies the program.
+    cvt(unsafe { libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_FILTER as libc::c_ulong, &prog) }).map(|_| ())
+}
+
+pub fn setsid() -> SysResult<()> {
+    // SAFETY: setsid takes no arguments.
+    cvt(unsafe { libc::setsid() }).map(|_| ())
+}
+
+pub fn set_controlling_tty(fd: RawFd) -> SysResult<()> {
+    // SAFETY: TIOCSCTTY takes an integer argument.
+    cvt(unsafe { libc::ioctl(fd, libc::TIOCSCTTY, 0) }).map(|_| ())
+}
+
+/// `dup2`; when `from == to` it clears close-on-exec instead, which dup2
+/// would not.
+pub fn dup_to(from: RawFd, to: RawFd) -> SysResult<()> {
+    if from == to {
+        // SAFETY: F_SETFD takes an integer argument.
+        return cvt(unsafe { libc::fcntl(from, libc::F_SETFD, 0) }).map(|_| ());
+    }
+    // SAFETY: dup2 takes no pointers.
+    cvt(unsafe { libc::dup2(from, to) }).map(|_| ())
+}
+
+pub fn fchdir(fd: RawFd) -> SysResult<()> {
+    // SAFETY: fchdir takes no pointers.
+    cvt(unsafe { libc::fchdir(fd) }).map(|_| ())
+}
+
+pub fn setgroups(groups: &[libc::gid_t]) -> SysResult<()> {
+    // SAFETY: groups is valid for reads of groups.len() entries.
+    cvt(unsafe { libc::setgroups(groups.len(), groups.as_ptr()) }).map(|_| ())
+}
+
+/// Number of supplementary groups of the calling process.
+pub fn group_count() -> SysResult<usize> {
+    // SAFETY: a zero size with a null list only queries the count.
+    cvt(unsafe { libc::getgroups(0, std::ptr::null_mut()) }).map(|n| n as usize)
+}
+
+pub fn setresgid(gid: libc::gid_t) -> SysResult<()> {
+    // SAFETY: no pointers.
+    cvt(unsafe { libc::setresgid(gid, gid, gid) }).map(|_| ())
+}
+
+pub fn setresuid(uid: libc::uid_t) -> SysResult<()> {
+    // SAFETY: no pointers.
+    cvt(unsafe { libc::setresuid(uid, uid, uid) }).map(|_| ())
+}
+
+/// Switches the file system uid and gid used for permission checks; the
+/// previous values are not reported because the agent always restores 0.
+pub fn set_fs_ids(uid: libc::uid_t, gid: libc::gid_t) {
+    // SAFETY: no pointers; setfsgid/setfsuid cannot fail in a way that
+    // reports an error.
+    unsafe {
+        libc::setfsgid(gid);
+        libc::setfsuid(uid);
+    }
+}
+
+pub fn umask(mode: libc::mode_t) {
+    // SAFETY: no pointers; umask cannot fail.
+    unsafe { libc::umask(mode) };
+}
+
+/// Raises the soft open-file limit to the hard limit and returns the
+/// original, which children get back.
+pub fn raise_nofile() -> Option<libc::rlimit> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: lim is a valid rlimit to fill.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return None;
+    }
+    let raised = libc::rlimit { rlim_cur: lim.rlim_max, rlim_max: lim.rlim_max };
+    // SAFETY: raised is a valid rlimit.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+        return None;
+    }
+    Some(lim)
+}
+
+pub fn set_nofile(lim: &libc::rlimit) -> SysResult<()> {
+    // SAFETY: lim is a valid rlimit.
+    cvt(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, lim) }).map(|_| ())
+}
+
+// ---------------------------------------------------------------------------
+// Terminals
+
+/// Opens a new pseudo-terminal: (master, slave), both close-on-exec, the
+/// master non-blocking.
+pub fn open_pty(cols: u16, rows: u16) -> SysResult<(OwnedFd, OwnedFd)> {
+    let master = owned(
+        // SAFETY: the path is a valid C string.
+        unsafe {
+            libc::open(c"/dev/ptmx".as_ptr(), libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        },
+    )?;
+    let unlock: libc::c_int = 0;
+    // SAFETY: TIOCSPTLCK reads one int.
+    cvt(unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSPTLCK, &unlock) })?;
+    // SAFETY: TIOCGPTPEER takes open flags and returns a new descriptor.
+    let slave = owned(unsafe {
+        libc::ioctl(master.as_raw_fd(), libc::TIOCGPTPEER, libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC)
+    })?;
+    set_winsize(master.as_fd(), cols, rows)?;
+    Ok((master, slave))
+}
+
+pub fn set_winsize(fd: BorrowedFd<'_>, cols: u16, rows: u16) -> SysResult<()> {
+    let ws = libc::winsize { ws_row: rows, ws_col: cols, ws_xpixel: 0, ws_ypixel: 0 };
+    // SAFETY: TIOCSWINSZ reads one winsize.
+    cvt(unsafe { libc::ioctl(fd.as_raw_fd(), libc::TIOCSWINSZ, &ws) }).map(|_| ())
+}
+
+// ---------------------------------------------------------------------------
+// Files
+
+#[repr(C)]
+struct OpenHow {
+    flags: u64,
+    mode: u64,
+    resolve: u64,
+}
+
+/// `openat2(2)`; retries the EAGAIN that RESOLVE_IN_ROOT reports when a
+/// concurrent rename raced the lookup.
+pub fn openat2(
+    dir: BorrowedFd<'_>,
+    path: &CStr,
+    flags: libc::c_int,
+    mode: libc::mode_t,
+    resolve: u64,
+) -> SysResult<OwnedFd> {
+    let flags = flags | libc::O_CLOEXEC;
+    let creates = flags & (libc::O_CREAT | libc::O_TMPFILE) != 0;
+    let how = OpenHow { flags: flags as u32 as u64, mode: if creates { mode as u64 } else { 0 }, resolve };
+    let mut tries = 0;
+    loop {
+        // SAFETY: path is NUL-terminated; how is a valid open_how of the
+        // size passed.
+        let r = unsafe {
+            libc::syscall(libc::SYS_openat2, dir.as_raw_fd(), path.as_ptr(), &how, std::mem::size_of::<OpenHow>())
+        };
+        match cvt_long(r) {
+            Ok(fd) => {
+                // SAFETY: openat2 returned a new descriptor that we now own.
+                return Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) });
+            }
+            Err(Errno(libc::EAGAIN)) | Err(Errno(libc::EINTR)) if tries < 16 => tries += 1,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// `open(2)` of an absolute path, close-on-exec.
+pub fn open(path: &CStr, flags: libc::c_int) -> SysResult<OwnedFd> {
+    // SAFETY: path is NUL-terminated.
+    owned(unsafe { libc::open(path.as_ptr(), flags | libc::O_CLOEXEC) })
+}
+
+pub fn openat(dir: BorrowedFd<'_>, name: &CStr, flags: libc::c_int, mode: libc::mode_t) -> SysResult<OwnedFd> {
+    // SAFETY: name is NUL-terminated.
+    owned(unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_CLOEXEC, mode as libc::c_uint) })
+}
+
+pub fn fstat(fd: BorrowedFd<'_>) -> SysResult<libc::stat> {
+    // SAFETY: stat is plain data, filled by the kernel.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: st is valid for writes.
+    cvt(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) })?;
+    Ok(st)
+}
+
+pub fn fstatat(dir: BorrowedFd<'_>, name: &CStr, flags: libc::c_int) -> SysResult<libc::stat> {
+    // SAFETY: stat is plain data, filled by the kernel.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: name is NUL-terminated; st is valid for writes.
+    cvt(unsafe { libc::fstatat(dir.as_raw_fd(), name.as_ptr(), &mut st, flags) })?;
+    Ok(st)
+}
+
+pub fn stat(path: &CStr) -> SysResult<libc::stat> {
+    // SAFETY: stat is plain data, filled by the kernel.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: path is NUL-terminated; st is valid for writes.
+    cvt(unsafe { libc::stat(path.as_ptr(), &mut st) })?;
+    Ok(st)
+}
+
+pub fn mkdirat(dir: BorrowedFd<'_>, name: &CStr, mode: libc::mode_t) -> SysResult<()> {
+    // SAFETY: name is NUL-terminated.
+    cvt(unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), mode) }).map(|_| ())
+}
+
+pub fn unlinkat(dir: BorrowedFd<'_>, name: &CStr, flags: libc::c_int) -> SysResult<()> {
+    // SAFETY: name is NUL-terminated.
+    cvt(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), flags) }).map(|_| ())
+}
+
+pub fn renameat(from_dir: BorrowedFd<'_>, from: &CStr, to_dir: BorrowedFd<'_>, to: &CStr) -> SysResult<()> {
+    // SAFETY: both names are NUL-terminated.
+    cvt(unsafe { libc::renameat(from_dir.as_raw_fd(), from.as_ptr(), to_dir.as_raw_fd(), to.as_ptr()) }).map(|_| ())
+}
+
+pub fn readlinkat(dir: BorrowedFd<'_>, name: &CStr) -> SysResult<Vec<u8>> {
+    let mut buf = vec![0u8; libc::PATH_MAX as usize];
+    // SAFETY: name is NUL-terminated; buf is valid for writes of its length.
+    let n = cvt_size(unsafe { libc::readlinkat(dir.as_raw_fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) })?;
+    buf.truncate(n);
+    Ok(buf)
+}
+
+pub fn ftruncate(fd: BorrowedFd<'_>, len: u64) -> SysResult<()> {
+    // SAFETY: no pointers.
+    cvt(unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) }).map(|_| ())
+}
+
+pub fn fchown(fd: BorrowedFd<'_>, uid: libc::uid_t, gid: libc::gid_t) -> SysResult<()> {
+    // SAFETY: no pointers.
+    cvt(unsafe { libc::fchown(fd.as_raw_fd(), uid, gid) }).map(|_| ())
+}
+
+/// One directory entry from `getdents64`: its name and `d_type`.
+pub struct DirEntry {
+    pub name: CString,
+    pub d_type: u8,
+}
+
+/// Reads all entries of an open directory except `.` and `..`.
+pub fn read_dir(fd: BorrowedFd<'_>) -> SysResult<Vec<DirEntry>> {
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 32 * 1024];
+    loop {
+        // SAFETY: buf is valid for writes of its length.
+        let n = cvt_long(unsafe { libc::syscall(libc::SYS_getdents64, fd.as_raw_fd(), buf.as_mut_ptr(), buf.len()) })?
+            as usize;
+        if n == 0 {
+            return Ok(out);
+        }
+        let mut pos = 0;
+        // struct linux_dirent64 { u64 ino; i64 off; u16 reclen; u8 type; char name[]; }
+        while pos + 19 <= n {
+            let reclen = u16::from_ne_bytes([buf[pos + 16], buf[pos + 17]]) as usize;
+            if reclen < 19 || pos + reclen > n {
+                break;
+            }
+            let d_type = buf[pos + 18];
+            let raw = &buf[pos + 19..pos + reclen];
+            let len = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
+            let name = &raw[..len];
+            if name != b"." && name != b".." {
+                if let Ok(name) = CString::new(name) {
+                    out.push(DirEntry { name, d_type });
+                }
+            }
+            pos += reclen;
+        }
+    }
+}
+
+pub fn fsetxattr(fd: BorrowedFd<'_>, name: &CStr, value: &[u8]) -> SysResult<()> {
+    // SAFETY: name is NUL-terminated; value is valid for reads of its length.
+    cvt(unsafe { libc::fsetxattr(fd.as_raw_fd(), name.as_ptr(), value.as_ptr().cast(), value.len(), 0) }).map(|_| ())
+}
+
+pub fn fgetxattr(fd: BorrowedFd<'_>, name: &CStr, buf: &mut [u8]) -> SysResult<usize> {
+    // SAFETY: name is NUL-terminated; buf is valid for writes of its length.
+    cvt_size(unsafe { libc::fgetxattr(fd.as_raw_fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) })
+}
+
+pub fn flistxattr(fd: BorrowedFd<'_>, buf: &mut [u8]) -> SysResult<usize> {
+    // SAFETY: buf is valid for writes of its length.
+    cvt_size(unsafe { libc::flistxattr(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) })
+}
+
+pub fn inotify_init() -> SysResult<OwnedFd> {
+    // SAFETY: no pointers.
+    owned(unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) })
+}
+
+pub fn inotify_add_watch(fd: BorrowedFd<'_>, path: &CStr, mask: u32) -> SysResult<i32> {
+    // SAFETY: path is NUL-terminated.
+    cvt(unsafe { libc::inotify_add_watch(fd.as_raw_fd(), path.as_ptr(), mask) })
+}
+
+pub fn inotify_rm_watch(fd: BorrowedFd<'_>, wd: i32) {
+    // SAFETY: no pointers; an unknown wd yields EINVAL, which is ignored.
+    unsafe { libc::inotify_rm_watch(fd.as_raw_fd(), wd) };
+}

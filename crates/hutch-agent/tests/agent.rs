@@ -1,0 +1,643 @@
+//! End-to-end tests of the agent binary outside a sandbox: each test starts
+//! the real binary with the host's start-up contract (fd 3 a listening
+//! socket, fd 4 the config frame, fd 5 a lock file), talks the protocol to
+//! it, and kills it at the end. The agent's root is the host's "/" here, and
+//! commands run as root (the host has no "user"). Needs root, as CI has.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use hutch_agent::proto::{
+    self, AgentConfig, Cmd, EntryKind, ErrorCode, ExitStatus, FromAgent, PtySize, Reply, Request, Spawn, Stream,
+    Target, ToAgent, WatchKind, WriteFile,
+};
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// A running agent; killed (by pid) and cleaned up on drop, also when a test fails.
+struct Agent {
+    child: Child,
+    dir: PathBuf,
+    sock: PathBuf,
+}
+
+impl Agent {
+    fn start() -> Agent {
+        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+        let dir = std::env::temp_dir().join(format!("hutch-agent-test-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let sock = dir.join("agent.sock");
+        let listener = UnixListener::bind(&sock).expect("bind");
+        let lock = File::create(dir.join("lock")).expect("lock file");
+
+        let mut fds = [0i32; 2];
+        // SAFETY: fds is a valid array of two ints.
+        assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+        // SAFETY: pipe2 returned two new descriptors that we now own.
+        let (cfg_r, mut cfg_w) = unsafe {
+            use std::os::fd::FromRawFd;
+            (std::os::fd::OwnedFd::from_raw_fd(fds[0]), File::from_raw_fd(fds[1]))
+        };
+        let cfg = AgentConfig {
+            version: proto::PROTOCOL_VERSION,
+            env: vec![("HUTCH_TEST".into(), "1".into())],
+            root_caps: 0,
+            replay_bytes: 65536,
+        };
+        let mut frame = Vec::new();
+        proto::encode(&cfg, &[], &mut frame).expect("encode config");
+        cfg_w.write_all(&frame).expect("write config");
+        drop(cfg_w);
+
+        let (l, c, k) = (listener.as_raw_fd(), cfg_r.as_raw_fd(), lock.as_raw_fd());
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_hutch-agent"));
+        cmd.arg0("hutch-agent").env_clear().stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
+        // SAFETY: the closure only calls async-signal-safe fcntl/dup2.
+        unsafe {
+            cmd.pre_exec(move || {
+                let moved = [l, c, k].map(|fd| libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 10));
+                for (i, fd) in moved.into_iter().enumerate() {
+                    if fd < 0 || libc::dup2(fd, 3 + i as i32) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().expect("start the agent");
+        Agent { child, dir, sock }
+    }
+
+    fn connect(&self) -> Client {
+        let s = UnixStream::connect(&self.sock).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout");
+        Client { s, next: 1, queue: VecDeque::new(), buf: Vec::new(), pos: 0 }
+    }
+
+    fn alive(&mut self) -> bool {
+        self.child.try_wait().expect("try_wait").is_none()
+    }
+}
+
+/// Pids below `pid`, from /proc/<pid>/task/*/children.
+fn descendants(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut stack = vec![pid];
+    while let Some(p) = stack.pop() {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) else { continue };
+        for t in tasks.flatten() {
+            let children = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+            for c in children.split_whitespace().filter_map(|c| c.parse().ok()) {
+                out.push(c);
+                stack.push(c);
+            }
+        }
+    }
+    out
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        // Outside a pid namespace the agent's death does not end its
+        // supervisors and their commands: stop them first, by pid.
+        // The agent (a subreaper) reaps them; give it a moment to.
+        let pid = self.child.id();
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            let below = descendants(pid);
+            if below.is_empty() || Instant::now() > deadline {
+                break;
+            }
+            for p in below {
+                // SAFETY: kill takes no pointers; p descends from our agent.
+                unsafe { libc::kill(p as i32, libc::SIGKILL) };
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // SAFETY: kill takes no pointers; the pid is our own child's.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+struct Client {
+    s: UnixStream,
+    next: u64,
+    /// Messages read while waiting for a reply.
+    queue: VecDeque<(FromAgent, Vec<u8>)>,
+    buf: Vec<u8>,
+    pos: usize,
+}
+
+#[derive(Default, Debug)]
+struct Collected {
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+    dropped: u64,
+    status: Option<ExitStatus>,
+}
+
+impl Client {
+    fn send(&mut self, req: Request, data: &[u8]) -> u64 {
+        let id = self.next;
+        self.next += 1;
+        let mut frame = Vec::new();
+        proto::encode(&ToAgent { id, req }, data, &mut frame).expect("encode");
+        self.s.write_all(&frame).expect("send");
+        id
+    }
+
+    /// The next message from the socket; None on EOF.
+    fn read_msg(&mut self) -> Option<(FromAgent, Vec<u8>)> {
+        loop {
+            if let Some(f) = proto::split_frame(&self.buf[self.pos..]).expect("valid frame from agent") {
+                let msg = proto::parse_header::<FromAgent>(f.header).expect("valid header");
+                let data = f.data.to_vec();
+                self.pos += f.consumed;
+                if self.pos > 8 << 20 {
+                    self.buf.drain(..self.pos);
+                    self.pos = 0;
+                }
+                return Some((msg, data));
+            }
+            let mut chunk = vec![0u8; 256 * 1024];
+            let n = self.s.read(&mut chunk).expect("read from agent (timed out?)");
+            if n == 0 {
+                return None;
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+
+    fn next_event(&mut self) -> (FromAgent, Vec<u8>) {
+        match self.queue.pop_front() {
+            Some(m) => m,
+            None => self.read_msg().expect("agent closed the connection"),
+        }
+    }
+
+    fn call(&mut self, req: Request, data: &[u8]) -> (Reply, Vec<u8>) {
+        let id = self.send(req, data);
+        loop {
+            let (msg, data) = self.read_msg().expect("agent closed the connection");
+            match msg {
+                FromAgent::Reply { id: got, reply } if got == id => return (reply, data),
+                other => self.queue.push_back((other, data)),
+            }
+        }
+    }
+
+    fn ok(&mut self, req: Request) {
+        let (reply, _) = self.call(req, &[]);
+        assert_eq!(reply, Reply::Ok);
+    }
+
+    fn spawn(&mut self, spawn: Spawn) -> u32 {
+        match self.call(Request::Spawn(spawn), &[]).0 {
+            Reply::Spawned { pid } => pid,
+            other => panic!("spawn failed: {other:?}"),
+        }
+    }
+
+    /// Output and exit of `pid`, up to its Exit message.
+    fn collect(&mut self, pid: u32) -> Collected {
+        let mut c = Collected::default();
+        loop {
+            match self.next_event() {
+                (FromAgent::Output { pid: p, stream }, data) if p == pid => match stream {
+                    Stream::Stdout => c.stdout.extend_from_slice(&data),
+                    Stream::Stderr => c.stderr.extend_from_slice(&data),
+                },
+                (FromAgent::Dropped { pid: p, bytes, .. }, _) if p == pid => c.dropped += bytes,
+                (FromAgent::Exit { pid: p, status }, _) if p == pid => {
+                    c.status = Some(status);
+                    return c;
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+fn root_spawn(cmd: Cmd) -> Spawn {
+    Spawn {
+        cmd,
+        env: Vec::new(),
+        cwd: Some("/".into()),
+        user: Some("root".into()),
+        stdin: false,
+        pty: None,
+        tag: None,
+        timeout_ms: None,
+        subscribe: true,
+    }
+}
+
+fn argv(args: &[&str]) -> Cmd {
+    Cmd::Argv(args.iter().map(|s| s.to_string()).collect())
+}
+
+fn exited(code: i32) -> Option<ExitStatus> {
+    Some(ExitStatus { code: Some(code), signal: None, timed_out: false })
+}
+
+fn path_str(p: &Path) -> String {
+    p.to_str().expect("utf-8 temp path").to_string()
+}
+
+#[test]
+fn ping_and_echo_run_as_root() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    assert_eq!(c.call(Request::Ping, &[]).0, Reply::Pong { version: proto::PROTOCOL_VERSION });
+    let pid = c.spawn(root_spawn(argv(&["echo", "hi"])));
+    let out = c.collect(pid);
+    assert_eq!(out.stdout, b"hi\n");
+    assert_eq!(out.status, exited(0));
+
+    let mut s = root_spawn(Cmd::Shell("echo $HOME:$USER:$HUTCH_TEST:$FOO:$PWD; echo err >&2".into()));
+    s.env = vec![("FOO".into(), "bar".into())];
+    s.cwd = Some("/tmp".into());
+    let pid = c.spawn(s);
+    let out = c.collect(pid);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "/root:root:1:bar:/tmp\n");
+    assert_eq!(out.stderr, b"err\n");
+    assert_eq!(out.status, exited(0));
+}
+
+#[test]
+fn shell_reads_stdin_until_closed() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    let mut s = root_spawn(Cmd::Shell("cat; echo done".into()));
+    s.stdin = true;
+    let pid = c.spawn(s);
+    let (reply, _) = c.call(Request::Stdin { pid }, b"hello\n");
+    assert_eq!(reply, Reply::Ok);
+    c.ok(Request::CloseStdin { pid });
+    let out = c.collect(pid);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "hello\ndone\n");
+    assert_eq!(out.status, exited(0));
+}
+
+#[test]
+fn timeout_kills_the_whole_tree_including_setsid_descendants() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    let mut s = root_spawn(argv(&["sh", "-c", "setsid sleep 100 & echo $!; sleep 100"]));
+    s.timeout_ms = Some(500);
+    let started = Instant::now();
+    let pid = c.spawn(s);
+    let out = c.collect(pid);
+    let status = out.status.expect("exit");
+    assert!(status.timed_out, "{status:?}");
+    assert_eq!(status.signal, Some(libc::SIGKILL));
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let orphan: u32 = text.trim().parse().expect("pid of the setsid'd sleep");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let gone = match std::fs::read_to_string(format!("/proc/{orphan}/stat")) {
+            Err(_) => true,
+            // A zombie is dead; also a recycled pid no longer runs our sleep.
+            Ok(stat) => stat.contains(") Z") || !stat.contains("(sleep)"),
+        };
+        if gone {
+            break;
+        }
+        assert!(Instant::now() < deadline, "setsid'd sleep {orphan} survived the timeout");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn fifty_megabytes_of_output_arrive_in_full_and_in_order() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    let pid = c.spawn(root_spawn(argv(&["seq", "1", "6500000"])));
+    let out = c.collect(pid);
+    assert_eq!(out.status, exited(0));
+    let mut expected = Vec::with_capacity(52 << 20);
+    for i in 1..=6_500_000u32 {
+        writeln!(expected, "{i}").expect("vec write");
+    }
+    assert!(expected.len() > 50_000_000);
+    assert_eq!(out.stdout.len(), expected.len());
+    assert!(out.stdout == expected, "output differs from seq's");
+}
+
+#[test]
+fn missing_command_exits_127_with_a_message() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    let pid = c.spawn(root_spawn(argv(&["hutch-no-such-command"])));
+    let out = c.collect(pid);
+    assert_eq!(out.status, exited(127));
+    assert_eq!(String::from_utf8_lossy(&out.stderr), "hutch: hutch-no-such-command: No such file or directory\n");
+    let pid = c.spawn(root_spawn(argv(&["/nonexistent/tool"])));
+    assert_eq!(c.collect(pid).status, exited(127));
+}
+
+#[test]
+fn spawn_errors_are_replies_not_processes() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    let mut s = root_spawn(argv(&["true"]));
+    s.user = Some("hutch-no-such-user".into());
+    assert!(matches!(c.call(Request::Spawn(s), &[]).0, Reply::Error { code: ErrorCode::UnknownUser, .. }));
+    let mut s = root_spawn(argv(&["true"]));
+    s.cwd = Some("/hutch-no-such-dir".into());
+    assert!(matches!(c.call(Request::Spawn(s), &[]).0, Reply::Error { code: ErrorCode::NotFound, .. }));
+    let mut s = root_spawn(argv(&["true"]));
+    s.env = vec![("A=B".into(), "x".into())];
+    assert!(matches!(c.call(Request::Spawn(s), &[]).0, Reply::Error { code: ErrorCode::InvalidRequest, .. }));
+    let s = root_spawn(Cmd::Argv(Vec::new()));
+    assert!(matches!(c.call(Request::Spawn(s), &[]).0, Reply::Error { code: ErrorCode::InvalidRequest, .. }));
+
+    let mut s = root_spawn(argv(&["sleep", "100"]));
+    s.tag = Some("t".into());
+    let pid = c.spawn(s.clone());
+    assert!(matches!(c.call(Request::Spawn(s), &[]).0, Reply::Error { code: ErrorCode::TagInUse, .. }));
+    match c.call(Request::List, &[]).0 {
+        Reply::Processes { processes } => {
+            assert_eq!(processes.len(), 1);
+            assert_eq!((processes[0].pid, processes[0].tag.as_deref()), (pid, Some("t")));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        c.call(Request::Signal { pid, signal: 0 }, &[]).0,
+        Reply::Error { code: ErrorCode::InvalidRequest, .. }
+    ));
+    c.ok(Request::Signal { pid, signal: libc::SIGTERM });
+    let status = c.collect(pid).status.expect("exit");
+    assert_eq!((status.code, status.signal, status.timed_out), (None, Some(libc::SIGTERM), false));
+    assert!(matches!(
+        c.call(Request::Attach { target: Target::Pid(pid) }, &[]).0,
+        Reply::Error { code: ErrorCode::UnknownProcess, .. }
+    ));
+}
+
+#[test]
+fn attach_replays_detach_buffers_and_processes_outlive_connections() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+
+    // Output while nobody is attached is replayed on attach.
+    let mut s = root_spawn(Cmd::Shell("echo replayed; sleep 0.5".into()));
+    s.subscribe = false;
+    s.tag = Some("r".into());
+    let pid = c.spawn(s);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(c.call(Request::Attach { target: Target::Tag("r".into()) }, &[]).0, Reply::Attached { pid });
+    let out = c.collect(pid);
+    assert_eq!((out.stdout.as_slice(), out.dropped), (&b"replayed\n"[..], 0));
+    assert_eq!(out.status, exited(0));
+
+    // More than the replay buffer: the head is dropped and counted.
+    let mut s = root_spawn(Cmd::Shell("head -c 100000 /dev/zero; sleep 0.5".into()));
+    s.subscribe = false;
+    let pid = c.spawn(s);
+    std::thread::sleep(Duration::from_millis(250));
+    assert_eq!(c.call(Request::Attach { target: Target::Pid(pid) }, &[]).0, Reply::Attached { pid });
+    let out = c.collect(pid);
+    assert_eq!((out.stdout.len(), out.dropped), (65536, 100000 - 65536));
+
+    // Detached output is kept for the next attach; a closed connection
+    // neither kills the process nor loses it.
+    let mut s = root_spawn(Cmd::Shell("sleep 0.4; echo late; sleep 0.6".into()));
+    s.tag = Some("d".into());
+    let pid = c.spawn(s);
+    c.ok(Request::Detach { pid });
+    drop(c);
+    std::thread::sleep(Duration::from_millis(700));
+    let mut c = agent.connect();
+    match c.call(Request::List, &[]).0 {
+        Reply::Processes { processes } => assert!(processes.iter().any(|p| p.pid == pid)),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(c.call(Request::Attach { target: Target::Tag("d".into()) }, &[]).0, Reply::Attached { pid });
+    let out = c.collect(pid);
+    assert_eq!(out.stdout, b"late\n");
+    assert_eq!(out.status, exited(0));
+}
+
+#[test]
+fn pty_process_sees_a_terminal() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    let mut s = root_spawn(Cmd::Shell("tty; echo $TERM; stty size".into()));
+    s.pty = Some(PtySize { cols: 100, rows: 30 });
+    let pid = c.spawn(s);
+    let out = c.collect(pid);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("/dev/pts/"), "{text:?}");
+    assert!(text.contains("xterm-256color"), "{text:?}");
+    assert!(text.contains("30 100"), "{text:?}");
+    assert_eq!(out.status, exited(0));
+}
+
+#[test]
+fn file_operations_work_in_a_temp_dir() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    let base = path_str(&agent.dir.join("files"));
+    let root = Some("root".to_string());
+    let write = |path: &str| WriteFile {
+        path: path.into(),
+        offset: 0,
+        truncate: false,
+        append: false,
+        parents: false,
+        mode: None,
+        user: root.clone(),
+    };
+
+    let mkdir = |path: &str, parents: bool| Request::Mkdir { path: path.into(), parents, user: root.clone() };
+    assert_eq!(c.call(mkdir(&format!("{base}/a/b"), true), &[]).0, Reply::Created { created: true });
+    assert_eq!(c.call(mkdir(&format!("{base}/a/b"), true), &[]).0, Reply::Created { created: false });
+    assert!(matches!(
+        c.call(mkdir(&format!("{base}/a/b"), false), &[]).0,
+        Reply::Error { code: ErrorCode::AlreadyExists, .. }
+    ));
+
+    let file = format!("{base}/a/b/f.txt");
+    let (reply, _) = c.call(Request::WriteFile(write(&file)), b"hello world");
+    assert_eq!(reply, Reply::Written { len: 11 });
+    let mut w = write(&file);
+    w.append = true;
+    assert_eq!(c.call(Request::WriteFile(w), b"!").0, Reply::Written { len: 1 });
+    let mut w = write(&format!("{base}/new/deep/g.txt"));
+    w.parents = true;
+    w.mode = Some(0o600);
+    assert_eq!(c.call(Request::WriteFile(w), b"x").0, Reply::Written { len: 1 });
+
+    let read = |path: &str, offset, len| Request::ReadFile { path: path.into(), offset, len, user: root.clone() };
+    let (reply, data) = c.call(read(&file, 0, 1000), &[]);
+    assert_eq!((reply, data.as_slice()), (Reply::Data { eof: true, size: 12 }, &b"hello world!"[..]));
+    let (reply, data) = c.call(read(&file, 6, 5), &[]);
+    assert_eq!((reply, data.as_slice()), (Reply::Data { eof: false, size: 12 }, &b"world"[..]));
+    assert!(matches!(
+        c.call(read(&format!("{base}/a"), 0, 10), &[]).0,
+        Reply::Error { code: ErrorCode::IsADirectory, .. }
+    ));
+
+    match c.call(Request::Stat { path: file.clone(), user: root.clone() }, &[]).0 {
+        Reply::Stat { entry } => {
+            assert_eq!((entry.kind, entry.size, entry.name.as_str()), (EntryKind::File, 12, "f.txt"));
+            assert_eq!(entry.mode, 0o644);
+        }
+        other => panic!("{other:?}"),
+    }
+    match c.call(Request::Stat { path: format!("{base}/new/deep/g.txt"), user: root.clone() }, &[]).0 {
+        Reply::Stat { entry } => assert_eq!(entry.mode, 0o600),
+        other => panic!("{other:?}"),
+    }
+
+    std::os::unix::fs::symlink("/etc/passwd", agent.dir.join("files/link")).expect("symlink");
+    match c.call(Request::ListDir { path: base.clone(), depth: 3, user: root.clone() }, &[]).0 {
+        Reply::Entries { entries, truncated } => {
+            assert!(!truncated);
+            let names: Vec<&str> = entries.iter().map(|e| e.path.strip_prefix(&base).unwrap_or("?")).collect();
+            assert_eq!(names, ["/a", "/a/b", "/a/b/f.txt", "/link", "/new", "/new/deep", "/new/deep/g.txt"]);
+            let link = &entries[3];
+            assert_eq!((link.kind, link.target.as_deref()), (EntryKind::Symlink, Some("/etc/passwd")));
+        }
+        other => panic!("{other:?}"),
+    }
+    match c.call(Request::ListDir { path: base.clone(), depth: 1, user: root.clone() }, &[]).0 {
+        Reply::Entries { entries, .. } => assert_eq!(entries.len(), 3),
+        other => panic!("{other:?}"),
+    }
+
+    // The symlink is followed inside the root (here the host's /).
+    let (reply, data) = c.call(read(&format!("{base}/link"), 0, 4096), &[]);
+    assert!(matches!(reply, Reply::Data { .. }), "{reply:?}");
+    assert!(data.starts_with(b"root:"));
+
+    let renamed = format!("{base}/a/renamed.txt");
+    c.ok(Request::Rename { from: file.clone(), to: renamed.clone(), user: root.clone() });
+    assert!(matches!(
+        c.call(Request::Stat { path: file.clone(), user: root.clone() }, &[]).0,
+        Reply::Error { code: ErrorCode::NotFound, .. }
+    ));
+    let mut attrs = std::collections::BTreeMap::new();
+    attrs.insert("user.hutch".to_string(), "yes".to_string());
+    let set = Request::SetXattrs { path: renamed.clone(), attrs: attrs.clone(), user: root.clone() };
+    match c.call(set, &[]).0 {
+        Reply::Ok => match c.call(Request::GetXattrs { path: renamed.clone(), user: root.clone() }, &[]).0 {
+            Reply::Xattrs { attrs: got } => assert_eq!(got, attrs),
+            other => panic!("{other:?}"),
+        },
+        // tmpfs without user xattrs (older kernels) refuses; that is the file system's call.
+        Reply::Error { code: ErrorCode::Io, message } => assert!(message.contains("setxattr"), "{message}"),
+        other => panic!("{other:?}"),
+    }
+    let mut bad = std::collections::BTreeMap::new();
+    bad.insert("trusted.x".to_string(), "1".to_string());
+    assert!(matches!(
+        c.call(Request::SetXattrs { path: renamed.clone(), attrs: bad, user: root.clone() }, &[]).0,
+        Reply::Error { code: ErrorCode::InvalidRequest, .. }
+    ));
+
+    c.ok(Request::Remove { path: format!("{base}/a"), user: root.clone() });
+    c.ok(Request::Remove { path: format!("{base}/link"), user: root.clone() });
+    assert!(!agent.dir.join("files/a").exists());
+    assert!(Path::new("/etc/passwd").exists(), "removing a symlink must not touch its target");
+
+    for bad in [format!("{base}/../etc/passwd"), String::new(), "a\0b".to_string()] {
+        assert!(matches!(c.call(read(&bad, 0, 10), &[]).0, Reply::Error { code: ErrorCode::InvalidPath, .. }));
+    }
+    assert!(matches!(
+        c.call(Request::Remove { path: "/".into(), user: root.clone() }, &[]).0,
+        Reply::Error { code: ErrorCode::InvalidRequest, .. }
+    ));
+}
+
+#[test]
+fn watch_reports_created_files() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    let dir = agent.dir.join("watched");
+    std::fs::create_dir_all(dir.join("sub")).expect("mkdir");
+    let req = Request::Watch { path: path_str(&dir), recursive: true, user: Some("root".into()) };
+    let watch = match c.call(req, &[]).0 {
+        Reply::Watching { watch } => watch,
+        other => panic!("{other:?}"),
+    };
+    std::fs::write(dir.join("sub/new.txt"), b"x").expect("write");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        assert!(Instant::now() < deadline, "no create event");
+        if let (FromAgent::Watch { watch: w, event }, _) = c.next_event() {
+            assert_eq!(w, watch);
+            if event.kind == WatchKind::Create {
+                assert_eq!(event.name, "sub/new.txt");
+                break;
+            }
+        }
+    }
+    c.ok(Request::Unwatch { watch });
+}
+
+#[test]
+fn oversized_frame_closes_only_that_connection() {
+    let mut agent = Agent::start();
+    let mut c = agent.connect();
+    assert_eq!(c.call(Request::Ping, &[]).0, Reply::Pong { version: proto::PROTOCOL_VERSION });
+    c.s.write_all(&u32::MAX.to_le_bytes()).expect("send");
+    assert!(c.read_msg().is_none(), "the agent must close the connection");
+
+    let mut c = agent.connect();
+    c.s.write_all(&[12, 0, 0, 0, 4, 0, 0, 0, b'n', b'u', b'l', b'l', 0, 0, 0, 0]).expect("send");
+    assert!(c.read_msg().is_none(), "a header that is no request closes the connection");
+
+    let mut c = agent.connect();
+    assert_eq!(c.call(Request::Ping, &[]).0, Reply::Pong { version: proto::PROTOCOL_VERSION });
+    assert!(agent.alive());
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("agent status");
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).expect("VmRSS line");
+    line.split_whitespace().nth(1).and_then(|v| v.parse().ok()).expect("VmRSS value")
+}
+
+#[test]
+fn pipelined_requests_are_held_back_while_replies_are_unread() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    let file = agent.dir.join("one-mib");
+    std::fs::write(&file, vec![7u8; 1 << 20]).expect("write");
+    let read = Request::ReadFile { path: path_str(&file), offset: 0, len: 1 << 20, user: Some("root".into()) };
+    let mut batch = Vec::new();
+    for id in 0..400u64 {
+        proto::encode(&ToAgent { id: 1000 + id, req: read.clone() }, &[], &mut batch).expect("encode");
+    }
+    c.s.write_all(&batch).expect("send the whole batch");
+    std::thread::sleep(Duration::from_millis(500));
+    // 400 MiB of replies were asked for; the agent holds at most the
+    // high-water mark plus one reply beyond what the socket buffers.
+    let rss = rss_kib(agent.child.id());
+    assert!(rss < 64 * 1024, "agent RSS {rss} KiB while replies are unread");
+    let mut got = 0;
+    while got < 400 {
+        match c.read_msg().expect("reply") {
+            (FromAgent::Reply { reply: Reply::Data { size, .. }, .. }, data) => {
+                assert_eq!((size, data.len()), (1 << 20, 1 << 20));
+                got += 1;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
