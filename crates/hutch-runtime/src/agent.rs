@@ -13,7 +13,7 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How long the agent has to answer a request.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -45,7 +45,17 @@ pub struct AgentConn {
     /// Messages that arrived while `call` waited for a reply.
     pending: VecDeque<Message>,
     wbuf: Vec<u8>,
+    reply_timeout: Duration,
+    /// Bytes read from the socket; `rbuf[rpos..rend]` is not yet consumed.
+    rbuf: Vec<u8>,
+    rpos: usize,
+    rend: usize,
+    /// Whether a read timeout is set on the socket now.
+    timeout_set: bool,
 }
+
+/// Bytes asked of the socket per read.
+const READ_CHUNK: usize = 256 * 1024;
 
 /// A handle that can send requests on a connection from another thread
 /// (stdin forwarding, signals); replies arrive on the connection.
@@ -71,7 +81,22 @@ impl AgentConn {
     }
 
     pub fn from_stream(stream: UnixStream) -> AgentConn {
-        AgentConn { stream, ids: Arc::new(AtomicU64::new(1)), pending: VecDeque::new(), wbuf: Vec::new() }
+        AgentConn {
+            stream,
+            ids: Arc::new(AtomicU64::new(1)),
+            pending: VecDeque::new(),
+            wbuf: Vec::new(),
+            reply_timeout: REPLY_TIMEOUT,
+            rbuf: Vec::new(),
+            rpos: 0,
+            rend: 0,
+            timeout_set: false,
+        }
+    }
+
+    /// How long [`AgentConn::call`] waits for a reply.
+    pub fn set_reply_timeout(&mut self, timeout: Duration) {
+        self.reply_timeout = timeout;
     }
 
     pub fn sender(&self) -> Result<Sender, AgentError> {
@@ -97,7 +122,7 @@ impl AgentConn {
     /// Waits for the reply to request `id`.
     pub fn wait_reply(&mut self, id: u64) -> Result<(Reply, Vec<u8>), AgentError> {
         loop {
-            let (msg, data) = self.read_message(Some(REPLY_TIMEOUT))?;
+            let (msg, data) = self.read_message(Some(self.reply_timeout))?;
             match msg {
                 FromAgent::Reply { id: got, reply } if got == id => {
                     if let Reply::Error { code, message } = reply {
@@ -128,29 +153,60 @@ impl AgentConn {
     }
 
     fn read_message(&mut self, timeout: Option<Duration>) -> Result<Message, AgentError> {
-        self.stream.set_read_timeout(timeout)?;
-        let mut word = [0u8; 4];
-        self.read_exact(&mut word, timeout)?;
-        let len = u32::from_le_bytes(word);
+        // One deadline for the whole frame: an agent that drips a byte at a
+        // time must not hold the host longer than a silent one.
+        let deadline = timeout.map(|t| (Instant::now() + t, t));
+        self.fill(4, deadline)?;
+        let word = &self.rbuf[self.rpos..self.rpos + 4];
+        let len = u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
         proto::check_len(len)?;
-        let mut frame = vec![0u8; 4 + len as usize];
-        frame[..4].copy_from_slice(&word);
-        self.read_exact(&mut frame[4..], timeout)?;
-        let raw = proto::split_frame(&frame)?.ok_or(proto::FrameError::BadLength(len))?;
+        self.fill(4 + len as usize, deadline)?;
+        let raw = proto::split_frame(&self.rbuf[self.rpos..self.rend])?.ok_or(proto::FrameError::BadLength(len))?;
         let msg: FromAgent = proto::parse_header(raw.header)?;
         let data = raw.data.to_vec();
+        self.rpos += raw.consumed;
         Ok((msg, data))
     }
 
-    fn read_exact(&mut self, buf: &mut [u8], timeout: Option<Duration>) -> Result<(), AgentError> {
-        match self.stream.read_exact(buf) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Err(AgentError::Closed),
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
-                Err(AgentError::Timeout(timeout.unwrap_or_default()))
-            }
-            Err(e) => Err(AgentError::Io(e)),
+    /// Reads until at least `want` unread bytes are buffered. `want` is
+    /// bounded by the frame limit, checked by the caller.
+    fn fill(&mut self, want: usize, deadline: Option<(Instant, Duration)>) -> Result<(), AgentError> {
+        if self.rend - self.rpos >= want {
+            return Ok(());
         }
+        // Move the unread tail to the front, and grow only for a large frame.
+        self.rbuf.copy_within(self.rpos..self.rend, 0);
+        self.rend -= self.rpos;
+        self.rpos = 0;
+        if self.rbuf.len() < want.max(READ_CHUNK) {
+            self.rbuf.resize(want.max(READ_CHUNK), 0);
+        }
+        while self.rend < want {
+            let remaining = match deadline {
+                Some((at, total)) => {
+                    let left = at.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(AgentError::Timeout(total));
+                    }
+                    Some(left)
+                }
+                None => None,
+            };
+            if remaining.is_some() || self.timeout_set {
+                self.stream.set_read_timeout(remaining)?;
+                self.timeout_set = remaining.is_some();
+            }
+            match self.stream.read(&mut self.rbuf[self.rend..]) {
+                Ok(0) => return Err(AgentError::Closed),
+                Ok(n) => self.rend += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                    return Err(AgentError::Timeout(deadline.map(|d| d.1).unwrap_or_default()));
+                }
+                Err(e) => return Err(AgentError::Io(e)),
+            }
+        }
+        Ok(())
     }
 
     /// Checks the agent answers and speaks our protocol version.

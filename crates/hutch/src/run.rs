@@ -26,7 +26,8 @@ pub struct RunArgs {
     /// Memory limit (hard): 512M, 1G, ...
     #[arg(long, default_value = "512M", value_parser = parse_size)]
     memory: u64,
-    /// Size of the sandbox's writable layer.
+    /// Size of the sandbox's writable layer (held in memory: it counts
+    /// toward --memory too).
     #[arg(long, default_value = "1G", value_parser = parse_size)]
     disk: u64,
     /// Most processes and threads alive at once.
@@ -47,12 +48,19 @@ pub struct RunArgs {
     /// Working directory inside the sandbox.
     #[arg(long, short = 'w')]
     workdir: Option<String>,
+    /// Name of the sandbox (its cgroup and socket are named after it).
+    #[arg(long, value_parser = parse_name)]
+    name: Option<String>,
     /// Print sandbox start and teardown timings to stderr.
     #[arg(long, hide = true)]
     timings: bool,
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<String>,
+}
+
+fn parse_name(s: &str) -> Result<String, String> {
+    hutch_runtime::container::valid_id(s).map_err(|e| e.to_string())
 }
 
 pub fn main(args: RunArgs) -> i32 {
@@ -83,7 +91,13 @@ fn run(args: &RunArgs) -> Result<i32, String> {
         pids: args.pids,
         cpu_millis: (args.vcpus * 1000.0).round().max(1.0) as u32,
     };
-    let spec = SandboxSpec { limits, disk_bytes: args.disk, die_with_parent: true, ..SandboxSpec::default() };
+    let spec = SandboxSpec {
+        id: args.name.clone(),
+        limits,
+        disk_bytes: args.disk,
+        die_with_parent: true,
+        ..SandboxSpec::default()
+    };
     let sandbox = runtime.start(&spec).map_err(|e| e.to_string())?;
     let started = t0.elapsed();
     let result = drive(&sandbox, args, env);

@@ -1,0 +1,275 @@
+//! The host-agent link inside a real sandbox: file operations stay inside
+//! the sandbox root, a timeout kills a command's whole tree while the
+//! sandbox lives on, and a hostile agent cannot crash, hang or leak the host.
+
+mod common;
+
+use common::*;
+use hutch_agent::proto::{Cmd, ErrorCode, ExitStatus, FromAgent, Reply, Request, Spawn, Stream, WriteFile};
+use hutch_runtime::agent::{AgentConn, AgentError};
+use hutch_runtime::{Config, Runtime, Sandbox, SandboxSpec};
+use std::time::Duration;
+
+fn runtime(env: &Env) -> Runtime {
+    let cfg = Config { state_dir: env.state.clone(), run_dir: env.run.clone(), agent: agent(), ..Config::from_env() };
+    Runtime::new(cfg).expect("runtime")
+}
+
+/// Destroys the sandbox even when the test panics.
+struct Guard(Option<Sandbox>);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let Some(sb) = self.0.take() {
+            let _ = sb.destroy();
+        }
+    }
+}
+
+impl std::ops::Deref for Guard {
+    type Target = Sandbox;
+    fn deref(&self) -> &Sandbox {
+        self.0.as_ref().expect("live sandbox")
+    }
+}
+
+fn start(rt: &Runtime, spec: &SandboxSpec) -> Guard {
+    Guard(Some(rt.start(spec).expect("start sandbox")))
+}
+
+fn spawn(cmd: &str, user: &str, timeout_ms: Option<u64>) -> Request {
+    Request::Spawn(Spawn {
+        cmd: Cmd::Shell(cmd.into()),
+        env: vec![],
+        cwd: None,
+        user: Some(user.into()),
+        stdin: false,
+        pty: None,
+        tag: None,
+        timeout_ms,
+        subscribe: true,
+    })
+}
+
+/// Runs a shell command to completion; returns (stdout, status).
+fn sh(conn: &mut AgentConn, cmd: &str, user: &str, timeout_ms: Option<u64>) -> (String, ExitStatus) {
+    let (reply, _) = conn.call(spawn(cmd, user, timeout_ms), &[]).expect("spawn");
+    let Reply::Spawned { pid } = reply else { panic!("unexpected {reply:?}") };
+    let mut out = Vec::new();
+    loop {
+        let (msg, data) = conn.recv(Some(Duration::from_secs(30))).expect("recv");
+        match msg {
+            FromAgent::Output { pid: p, stream: Stream::Stdout } if p == pid => out.extend(data),
+            FromAgent::Exit { pid: p, status } if p == pid => {
+                return (String::from_utf8_lossy(&out).into_owned(), status)
+            }
+            _ => {}
+        }
+    }
+}
+
+fn refused(r: Result<(Reply, Vec<u8>), AgentError>) -> ErrorCode {
+    match r {
+        Err(AgentError::Refused { code, .. }) => code,
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn file_operations_never_follow_a_symlink_out_of_the_sandbox() {
+    let env = Env::new("link-files");
+    let rt = runtime(&env);
+    let sb = start(&rt, &SandboxSpec::default());
+    let mut conn = sb.connect().expect("connect");
+    let (_, st) = sh(
+        &mut conn,
+        "ln -s /etc/passwd /workspace/to-passwd; ln -s /proc/1/root /workspace/to-root; ln -s ../../../../../../etc /workspace/up",
+        "user",
+        None,
+    );
+    assert_eq!(st.code, Some(0));
+    // An absolute link resolves inside the sandbox: its passwd, not the host's.
+    let read = |conn: &mut AgentConn, path: &str| {
+        conn.call(Request::ReadFile { path: path.into(), offset: 0, len: 1 << 20, user: None }, &[])
+    };
+    let (_, data) = read(&mut conn, "/workspace/to-passwd").expect("read through link");
+    let text = String::from_utf8_lossy(&data);
+    assert!(text.contains("user:x:1000:1000"), "{text}");
+    assert_eq!(text, hutch_runtime::rootfs::PASSWD);
+    // `..` past the root stays at the sandbox's root.
+    let (_, data) = read(&mut conn, "/workspace/up/passwd").expect("read through ../ link");
+    assert_eq!(String::from_utf8_lossy(&data), hutch_runtime::rootfs::PASSWD);
+    // /proc magic links would leave the root: refused.
+    assert_eq!(refused(read(&mut conn, "/workspace/to-root/etc/hostname")), ErrorCode::SymlinkRefused);
+    // Paths with `..` or NUL are refused outright.
+    assert_eq!(refused(read(&mut conn, "/workspace/../etc/passwd")), ErrorCode::InvalidPath);
+    assert_eq!(refused(read(&mut conn, "/etc/pass\0wd")), ErrorCode::InvalidPath);
+    // Writes through a link land inside the sandbox too.
+    let w = WriteFile { path: "/workspace/up/evil".into(), truncate: true, ..blank_write() };
+    let r = conn.call(Request::WriteFile(w), b"x");
+    if r.is_ok() {
+        let (_, data) = read(&mut conn, "/etc/evil").expect("written inside");
+        assert_eq!(data, b"x");
+    }
+    assert!(!std::path::Path::new("/etc/evil").exists(), "a write escaped to the host");
+}
+
+fn blank_write() -> WriteFile {
+    WriteFile { path: String::new(), offset: 0, truncate: false, append: false, parents: false, mode: None, user: None }
+}
+
+#[test]
+fn file_operations_round_trip_as_the_sandbox_user() {
+    let env = Env::new("link-fileops");
+    let rt = runtime(&env);
+    // The writable layer is memory-backed: keep it below the memory limit.
+    let sb = start(&rt, &SandboxSpec { disk_bytes: 64 << 20, ..SandboxSpec::default() });
+    let mut conn = sb.connect().expect("connect");
+    let w = WriteFile { path: "/workspace/a/b/c.txt".into(), parents: true, truncate: true, ..blank_write() };
+    conn.call(Request::WriteFile(w), b"hello").expect("write");
+    let (reply, _) = conn.call(Request::Stat { path: "/workspace/a/b/c.txt".into(), user: None }, &[]).expect("stat");
+    let Reply::Stat { entry } = reply else { panic!("{reply:?}") };
+    assert_eq!((entry.size, entry.uid), (5, 1000));
+    let (reply, _) =
+        conn.call(Request::ListDir { path: "/workspace".into(), depth: 3, user: None }, &[]).expect("list");
+    let Reply::Entries { entries, .. } = reply else { panic!("{reply:?}") };
+    let paths: Vec<&str> = entries.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(paths, ["/workspace/a", "/workspace/a/b", "/workspace/a/b/c.txt"]);
+    conn.call(Request::Rename { from: "/workspace/a/b/c.txt".into(), to: "/workspace/d.txt".into(), user: None }, &[])
+        .expect("rename");
+    let (out, _) = sh(&mut conn, "cat /workspace/d.txt; stat -c %U /workspace/d.txt", "user", None);
+    assert_eq!(out, "hellouser\n");
+    conn.call(Request::Remove { path: "/workspace/a".into(), user: None }, &[]).expect("remove");
+    let r = conn.call(Request::Stat { path: "/workspace/a".into(), user: None }, &[]);
+    assert_eq!(refused(r), ErrorCode::NotFound);
+    // The sandbox user cannot read root's files through the API.
+    let r = conn.call(Request::ReadFile { path: "/etc/shadow".into(), offset: 0, len: 100, user: None }, &[]);
+    assert_eq!(refused(r), ErrorCode::PermissionDenied);
+    // A full writable layer is reported as such.
+    let w = WriteFile { path: "/workspace/big".into(), truncate: true, ..blank_write() };
+    let chunk = vec![7u8; 4 << 20];
+    let mut full = None;
+    for i in 0..64u64 {
+        let w = WriteFile { offset: i * chunk.len() as u64, truncate: false, ..w.clone() };
+        if let Err(e) = conn.call(Request::WriteFile(w), &chunk) {
+            full = Some(e);
+            break;
+        }
+    }
+    match full {
+        Some(AgentError::Refused { code: ErrorCode::NoSpace, .. }) => {}
+        other => panic!("expected no_space from a 64 MiB layer, got {other:?}"),
+    }
+}
+
+#[test]
+fn timeout_kills_the_commands_whole_tree_and_the_sandbox_lives_on() {
+    let env = Env::new("link-timeout");
+    let rt = runtime(&env);
+    let sb = start(&rt, &SandboxSpec::default());
+    let mut conn = sb.connect().expect("connect");
+    let (_, st) =
+        sh(&mut conn, "setsid sleep 7343 & (setsid sh -c 'sleep 7343 & wait' &); sleep 7343", "user", Some(500));
+    assert!(st.timed_out, "{st:?}");
+    std::thread::sleep(Duration::from_millis(200));
+    let (out, _) = sh(&mut conn, "pgrep -c -f 'sleep [7]343' || true", "user", None);
+    assert_eq!(out.trim(), "0", "descendants survived the timeout");
+    // A background process of a finished command keeps running.
+    let (_, st) = sh(&mut conn, "setsid sleep 7344 >/dev/null 2>&1 &", "user", None);
+    assert_eq!(st.code, Some(0));
+    let (out, _) = sh(&mut conn, "pgrep -c -f 'sleep [7]344'", "user", None);
+    assert_eq!(out.trim(), "1");
+}
+
+#[test]
+fn processes_outlive_the_client_that_started_them() {
+    let env = Env::new("link-detach");
+    let rt = runtime(&env);
+    let sb = start(&rt, &SandboxSpec::default());
+    let mut first = sb.connect().expect("connect");
+    let req = Request::Spawn(Spawn {
+        cmd: Cmd::Shell("for i in 1 2 3 4 5 6; do echo tick $i; sleep 0.2; done".into()),
+        env: vec![],
+        cwd: None,
+        user: None,
+        stdin: false,
+        pty: None,
+        tag: Some("ticker".into()),
+        timeout_ms: None,
+        // Output nobody is attached to is kept for replay.
+        subscribe: false,
+    });
+    let (reply, _) = first.call(req, &[]).expect("spawn");
+    let Reply::Spawned { pid } = reply else { panic!("{reply:?}") };
+    drop(first);
+    std::thread::sleep(Duration::from_millis(300));
+    let mut second = sb.connect().expect("reconnect");
+    let (reply, _) =
+        second.call(Request::Attach { target: hutch_agent::proto::Target::Tag("ticker".into()) }, &[]).expect("attach");
+    assert_eq!(reply, Reply::Attached { pid });
+    let mut out = Vec::new();
+    loop {
+        let (msg, data) = second.recv(Some(Duration::from_secs(10))).expect("recv");
+        match msg {
+            FromAgent::Output { .. } => out.extend(data),
+            FromAgent::Exit { status, .. } => {
+                assert_eq!(status.code, Some(0));
+                break;
+            }
+            _ => {}
+        }
+    }
+    let text = String::from_utf8_lossy(&out);
+    // Output from before the attach was kept and replayed.
+    assert!(text.starts_with("tick 1\n") && text.ends_with("tick 6\n"), "{text}");
+}
+
+/// A liar in the agent's place: Python run as PID 1, speaking garbage.
+fn liar(rt: &Runtime, script: &str) -> Guard {
+    let spec = SandboxSpec {
+        agent_override: Some(("/usr/bin/python3".into(), vec!["python3".into(), "-c".into(), script.into()])),
+        ..SandboxSpec::default()
+    };
+    start(rt, &spec)
+}
+
+const ACCEPT: &str = "import socket, struct, time\ns = socket.socket(fileno=3)\nc, _ = s.accept()\nc.recv(65536)\n";
+
+#[test]
+fn a_hostile_agent_cannot_crash_hang_or_bloat_the_host() {
+    let env = Env::new("liar");
+    let rt = runtime(&env);
+    // An oversized length word: refused before any allocation.
+    let sb = liar(&rt, &format!("{ACCEPT}c.sendall(struct.pack('<I', 0xffffffff) + b'x' * 64)\ntime.sleep(30)"));
+    let mut conn = sb.connect().expect("connect");
+    match conn.call(Request::Ping, &[]) {
+        Err(AgentError::Protocol(_)) => {}
+        other => panic!("oversized frame not refused: {other:?}"),
+    }
+    drop(sb);
+    // A header that is not a message.
+    let sb = liar(&rt, &format!("{ACCEPT}h = b'{{\"kind\":\"format_disk\"}}'\nc.sendall(struct.pack('<II', 4 + len(h), len(h)) + h)\ntime.sleep(30)"));
+    let mut conn = sb.connect().expect("connect");
+    assert!(matches!(conn.call(Request::Ping, &[]), Err(AgentError::Protocol(_))));
+    drop(sb);
+    // A header length beyond the frame.
+    let sb = liar(&rt, &format!("{ACCEPT}c.sendall(struct.pack('<II', 8, 1 << 30) + b'xxxx')\ntime.sleep(30)"));
+    let mut conn = sb.connect().expect("connect");
+    assert!(matches!(conn.call(Request::Ping, &[]), Err(AgentError::Protocol(_))));
+    drop(sb);
+    // Silence: the host gives up at its deadline instead of hanging.
+    let sb = liar(&rt, &format!("{ACCEPT}time.sleep(30)"));
+    let mut conn = sb.connect().expect("connect");
+    conn.set_reply_timeout(Duration::from_millis(300));
+    let t = std::time::Instant::now();
+    assert!(matches!(conn.call(Request::Ping, &[]), Err(AgentError::Timeout(_))));
+    assert!(t.elapsed() < Duration::from_secs(5));
+    drop(sb);
+    // A flood of unsolicited messages is bounded too.
+    let flood = "h = b'{\"kind\":\"dropped\",\"pid\":1,\"stream\":\"stdout\",\"bytes\":1}'\nf = struct.pack('<II', 4 + len(h), len(h)) + h\nc.sendall(f * 10000)\ntime.sleep(30)";
+    let sb = liar(&rt, &format!("{ACCEPT}{flood}"));
+    let mut conn = sb.connect().expect("connect");
+    assert!(conn.call(Request::Ping, &[]).is_err());
+    drop(sb);
+    env.assert_no_residue();
+}

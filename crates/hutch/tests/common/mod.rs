@@ -1,0 +1,132 @@
+//! Helpers shared by the end-to-end tests: run the real `hutch` binary as
+//! root, each test with its own state and runtime directories, and check
+//! that nothing of a sandbox is left on the host afterwards.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+/// Directories of one test, removed on drop (even when the test fails).
+pub struct Env {
+    pub state: PathBuf,
+    pub run: PathBuf,
+}
+
+impl Env {
+    pub fn new(name: &str) -> Env {
+        assert_eq!(
+            // SAFETY: geteuid has no preconditions.
+            unsafe { libc::geteuid() },
+            0,
+            "these tests make real namespaces and cgroups: run them as root (CI does)"
+        );
+        assert!(
+            agent().is_file(),
+            "hutch-agent not built at {}: run `cargo build --workspace` first",
+            agent().display()
+        );
+        let base = std::env::temp_dir().join(format!("hutch-test-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let env = Env { state: base.join("state"), run: base.join("run") };
+        std::fs::create_dir_all(&env.state).expect("mkdir state");
+        env
+    }
+
+    /// `hutch ARGS...` with this test's directories.
+    pub fn hutch(&self) -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_hutch"));
+        cmd.env("HUTCH_STATE_DIR", &self.state).env("HUTCH_RUN_DIR", &self.run).env("HUTCH_AGENT", agent());
+        cmd
+    }
+
+    /// Runs `hutch run [opts] -- cmd...` with stdin closed and returns its output.
+    pub fn run(&self, opts: &[&str], cmd: &[&str]) -> Output {
+        let mut c = self.hutch();
+        c.arg("run").args(opts).arg("--").args(cmd).stdin(Stdio::null());
+        c.output().expect("spawn hutch")
+    }
+
+    /// Asserts nothing of any sandbox of this test is left: no socket, no
+    /// uid slot, no cgroup named after a sandbox of ours, no mount.
+    pub fn assert_no_residue(&self) {
+        for sub in ["sockets", "uids"] {
+            let dir = self.run.join(sub);
+            let left: Vec<_> =
+                std::fs::read_dir(&dir).map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
+            assert!(left.is_empty(), "{} still holds {left:?}", dir.display());
+        }
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+        assert!(!mounts.contains(self.run.to_str().expect("utf8")), "a mount under {} is left", self.run.display());
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        if let Some(base) = self.state.parent() {
+            let _ = std::fs::remove_dir_all(base);
+        }
+    }
+}
+
+/// The agent binary cargo built next to `hutch`.
+pub fn agent() -> PathBuf {
+    Path::new(env!("CARGO_BIN_EXE_hutch")).with_file_name("hutch-agent")
+}
+
+/// Cgroup directories named `name` under any hierarchy's `hutch/`.
+pub fn cgroups_named(name: &str) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    for root in ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"] {
+        if let Ok(entries) = std::fs::read_dir(root) {
+            for e in entries.flatten() {
+                let p = e.path().join("hutch").join(name);
+                if p.is_dir() {
+                    found.push(p);
+                }
+            }
+        }
+        let p = Path::new(root).join("hutch").join(name);
+        if p.is_dir() && !found.contains(&p) {
+            found.push(p);
+        }
+    }
+    found
+}
+
+/// Loop devices with a backing file (hutch must never leave one).
+pub fn loop_devices() -> Vec<String> {
+    let mut out = Vec::new();
+    if let Ok(entries) = std::fs::read_dir("/sys/block") {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with("loop") && e.path().join("loop/backing_file").exists() {
+                out.push(name);
+            }
+        }
+    }
+    out
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Host pids whose command line contains `needle`.
+pub fn host_pids_with(needle: &str) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/proc").expect("proc").flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        if let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) {
+            let text = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            if text.contains(needle) {
+                pids.push(pid);
+            }
+        }
+    }
+    pids
+}

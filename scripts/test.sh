@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh Debian machine with the Rust toolchain:
+# installs what the tests need, builds everything, runs every test as root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "$(id -u)" != 0 ]; then
+    echo "test.sh: the tests make real namespaces and cgroups; run as root" >&2
+    exit 1
+fi
+
+# Tools the sandboxed probes use (the base template is the host's /usr).
+need=()
+for pkg_cmd in python3:python3 procps:pgrep util-linux:unshare mount:mount coreutils:sha256sum; do
+    pkg=${pkg_cmd%%:*} cmd=${pkg_cmd##*:}
+    [ -x "/usr/bin/$cmd" ] || [ -x "/bin/$cmd" ] || need+=("$pkg")
+done
+if [ ${#need[@]} -gt 0 ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
+fi
+
+cargo build --workspace --all-targets
+cargo test --workspace -- --test-threads=2
