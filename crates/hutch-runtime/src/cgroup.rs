@@ -465,6 +465,60 @@ impl Cgroup {
     }
 }
 
+/// The mount whose `favordynmods` option governs task migrations here: the
+/// v2 tree, else the first v1 hierarchy hutch joins.
+fn dynmods_mount(layout: &Layout) -> Option<PathBuf> {
+    if let Some(v2) = &layout.v2 {
+        return Some(v2.clone());
+    }
+    Controller::ALL.iter().find_map(|c| match layout.placement(*c) {
+        Some(Placement::V1(dir)) => Some(dir.clone()),
+        _ => None,
+    })
+}
+
+/// Super-block options of the mount at `path`, from a mountinfo text.
+fn super_options(mountinfo: &str, path: &Path) -> Option<String> {
+    let path = path.to_str()?;
+    mountinfo.lines().find_map(|l| {
+        let (pre, post) = l.split_once(" - ")?;
+        (pre.split(' ').nth(4)? == path).then(|| post.split(' ').nth(2).map(str::to_owned))?
+    })
+}
+
+/// Whether moving a task between v1 cgroups is fast on this host. Joining a
+/// v1 cgroup takes the kernel's global threadgroup lock for writing, which
+/// waits for an RCU grace period (about 10 ms here) unless some cgroup
+/// hierarchy is mounted with `favordynmods`. Pure v2 never migrates: the
+/// child is cloned straight into its cgroup.
+pub fn migrations_fast(layout: &Layout) -> bool {
+    if layout.kind() == LayoutKind::V2 {
+        return true;
+    }
+    let info = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    dynmods_mount(layout)
+        .and_then(|m| super_options(&info, &m))
+        .is_some_and(|o| o.split(',').any(|x| x == "favordynmods"))
+}
+
+/// Remounts the governing hierarchy with `favordynmods` (keeping its other
+/// options), trading a little fork and exit speed host-wide for migrations
+/// that no longer wait for RCU. Returns whether it is on now.
+pub fn enable_fast_migrations(layout: &Layout) -> Result<bool, CgroupError> {
+    if migrations_fast(layout) {
+        return Ok(true);
+    }
+    let Some(mount) = dynmods_mount(layout) else { return Ok(false) };
+    let info = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let Some(opts) = super_options(&info, &mount) else { return Ok(false) };
+    // Keep every option the mount has (cgroup2 clears those not given on
+    // remount), minus the read-write flag, which is not a cgroup option.
+    let mut keep: Vec<&str> = opts.split(',').filter(|o| *o != "rw" && *o != "ro").collect();
+    keep.push("favordynmods");
+    crate::sys::remount(&mount, &keep.join(",")).map_err(io_err(&mount))?;
+    Ok(migrations_fast(layout))
+}
+
 /// Names of the sandbox cgroups that exist under `hutch/` in any hierarchy.
 pub fn list_sandboxes(layout: &Layout) -> BTreeSet<String> {
     let mut roots: Vec<PathBuf> = layout.v2.iter().cloned().collect();
@@ -619,6 +673,19 @@ mod tests {
         assert_eq!(fs::read_to_string(root.join("cpu/hutch/sb2/cpu.cfs_quota_us")).expect("read"), "50000");
         assert_eq!(cg.v1_procs_files().len(), 4);
         fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    #[test]
+    fn super_options_are_read_from_mountinfo() {
+        let info = "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n\
+32 31 0:29 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n\
+41 31 0:37 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw,nsdelegate,favordynmods\n";
+        assert_eq!(super_options(info, Path::new("/sys/fs/cgroup/memory")).as_deref(), Some("rw,memory"));
+        assert_eq!(
+            super_options(info, Path::new("/sys/fs/cgroup/unified")).as_deref(),
+            Some("rw,nsdelegate,favordynmods")
+        );
+        assert_eq!(super_options(info, Path::new("/nope")), None);
     }
 
     #[test]

@@ -155,6 +155,9 @@ impl Runtime {
     /// sure the `base` root filesystem exists.
     pub fn new(cfg: Config) -> Result<Runtime, RuntimeError> {
         let layout = Layout::detect(&cfg.cgroup_root)?;
+        // Best effort: without it every start on a v1 host waits ~10 ms for
+        // RCU (see cgroup::migrations_fast); `hutch doctor` reports it.
+        let _ = cgroup::enable_fast_migrations(&layout);
         let seccomp = seccomp::to_bytes(&seccomp::compile(seccomp::PROFILE)?);
         for dir in [cfg.run_dir.clone(), cfg.run_dir.join("sockets"), cfg.run_dir.join("stage")] {
             fs::DirBuilder::new()

@@ -104,6 +104,17 @@ pub fn check(cfg: &Config) -> Report {
                 detail,
                 "mount the memory, pids, cpu (and freezer, on v1) controllers, or enable them in cgroup.subtree_control",
             ));
+            let fast = crate::cgroup::migrations_fast(l);
+            f.push(finding(
+                "cgroup moves",
+                fast,
+                if fast {
+                    "fast (v2 clone into cgroup, or favordynmods)".to_owned()
+                } else {
+                    "each v1 cgroup join waits for an RCU grace period (~10 ms)".to_owned()
+                },
+                "remount the cgroup2 tree with -o remount,favordynmods (hutch does this itself when it runs as root)",
+            ));
             ok
         }
         Err(e) => {

@@ -114,6 +114,20 @@ pub fn set_cloexec(fd: RawFd, on: bool) -> io::Result<()> {
     Ok(())
 }
 
+/// Remounts a mount point with new file-system options.
+pub fn remount(target: &std::path::Path, options: &str) -> io::Result<()> {
+    let target = crate::launch::cstr(target)?;
+    let options = crate::launch::cstr(options)?;
+    // SAFETY: both are valid C strings for the duration of the call.
+    let ret = unsafe {
+        libc::mount(std::ptr::null(), target.as_ptr(), std::ptr::null(), libc::MS_REMOUNT, options.as_ptr().cast())
+    };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Mount flags of the sandbox's own mounts.
 pub const MS_RO_NOSUID_NODEV_NOEXEC: libc::c_ulong =
     libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;

@@ -86,6 +86,7 @@ fn run(args: &RunArgs) -> Result<i32, String> {
     }
     let t0 = std::time::Instant::now();
     let runtime = Runtime::new(Config::from_env()).map_err(|e| e.to_string())?;
+    let t_new = t0.elapsed();
     let limits = Limits {
         memory_bytes: args.memory,
         pids: args.pids,
@@ -100,7 +101,9 @@ fn run(args: &RunArgs) -> Result<i32, String> {
     };
     let sandbox = runtime.start(&spec).map_err(|e| e.to_string())?;
     let started = t0.elapsed();
+    let t_d = std::time::Instant::now();
     let result = drive(&sandbox, args, env);
+    let t_drive = t_d.elapsed();
     let status = match result {
         Ok(s) => s,
         Err(e) => {
@@ -113,7 +116,11 @@ fn run(args: &RunArgs) -> Result<i32, String> {
     let destroyed = sandbox.destroy();
     runtime.sweep();
     if args.timings {
-        eprintln!("hutch: start {:?}, teardown {:?}", started, t1.elapsed());
+        eprintln!(
+            "hutch: runtime {t_new:?}, start {:?}, command {t_drive:?}, teardown {:?}",
+            started - t_new,
+            t1.elapsed()
+        );
     }
     destroyed.map_err(|e| format!("teardown: {e}"))?;
     if let Some(msg) = verdict.message {
