@@ -148,6 +148,26 @@ pub struct Sandbox {
     pub socket: PathBuf,
     pub cgroup: Cgroup,
     slot: Option<Slot>,
+    /// How long each phase of the start took, for `hutch run --timings`.
+    pub timings: Vec<(&'static str, Duration)>,
+}
+
+/// Phase durations of a start.
+struct Marks {
+    last: std::time::Instant,
+    done: Vec<(&'static str, Duration)>,
+}
+
+impl Marks {
+    fn new() -> Marks {
+        Marks { last: std::time::Instant::now(), done: Vec::new() }
+    }
+
+    fn mark(&mut self, phase: &'static str) {
+        let now = std::time::Instant::now();
+        self.done.push((phase, now - self.last));
+        self.last = now;
+    }
 }
 
 impl Runtime {
@@ -187,7 +207,9 @@ impl Runtime {
             Some(id) => valid_id(id)?,
             None => random_id()?,
         };
+        let mut marks = Marks::new();
         let slot = uids::allocate(&self.cfg.run_dir.join("uids"), &id)?;
+        marks.mark("uid range");
         let cgroup = match Cgroup::create(&self.layout, &id, &spec.limits) {
             Ok(c) => c,
             Err(e) => {
@@ -196,9 +218,13 @@ impl Runtime {
             }
         };
         let socket = self.cfg.run_dir.join("sockets").join(format!("{id}.sock"));
-        let mut sandbox = Sandbox { id, pid: 0, socket, cgroup, slot: Some(slot) };
-        match self.launch(&mut sandbox, spec) {
-            Ok(()) => Ok(sandbox),
+        marks.mark("cgroup");
+        let mut sandbox = Sandbox { id, pid: 0, socket, cgroup, slot: Some(slot), timings: Vec::new() };
+        match self.launch(&mut sandbox, spec, &mut marks) {
+            Ok(()) => {
+                sandbox.timings = marks.done;
+                Ok(sandbox)
+            }
             Err(e) => {
                 let _ = sandbox.destroy();
                 Err(e)
@@ -206,9 +232,10 @@ impl Runtime {
         }
     }
 
-    fn launch(&self, sb: &mut Sandbox, spec: &SandboxSpec) -> Result<(), RuntimeError> {
+    fn launch(&self, sb: &mut Sandbox, spec: &SandboxSpec, marks: &mut Marks) -> Result<(), RuntimeError> {
         let slot = sb.slot.as_ref().expect("a starting sandbox holds its uid slot");
         let userns = launch::make_userns(slot.base(), uids::RANGE).map_err(io_err("create user namespace"))?;
+        marks.mark("user namespace");
         let _ = fs::remove_file(&sb.socket);
         let listener = UnixListener::bind(&sb.socket).map_err(io_err(format!("bind {}", sb.socket.display())))?;
 
@@ -298,7 +325,9 @@ impl Runtime {
         })()
         .map_err(io_err("prepare the sandbox plan"))?;
 
+        marks.mark("prepare");
         let child = launch::spawn(&plan, v2.as_ref().map(|f| f.as_raw_fd())).map_err(io_err("clone3 the sandbox"))?;
+        marks.mark("clone");
         sb.pid = child.pid;
         // The OOM killer should pick a workload, never the agent; workloads
         // raise their own score back to 0 before they exec. Best effort: it
@@ -307,6 +336,7 @@ impl Runtime {
         let _ = fs::write(format!("/proc/{}/oom_score_adj", child.pid), "-1000");
         drop((listener, cfg_rd, userns, agent, procs, v2, parent));
         child.wait_started(&plan)?;
+        marks.mark("setup and exec");
         Ok(())
     }
 

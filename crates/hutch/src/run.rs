@@ -99,7 +99,7 @@ fn run(args: &RunArgs) -> Result<i32, String> {
         die_with_parent: true,
         ..SandboxSpec::default()
     };
-    let sandbox = runtime.start(&spec).map_err(|e| e.to_string())?;
+    let mut sandbox = runtime.start(&spec).map_err(|e| e.to_string())?;
     let started = t0.elapsed();
     let t_d = std::time::Instant::now();
     let result = drive(&sandbox, args, env);
@@ -112,13 +112,16 @@ fn run(args: &RunArgs) -> Result<i32, String> {
         }
     };
     let verdict = verdict(&sandbox, args, &status);
+    let timings = std::mem::take(&mut sandbox.timings);
     let t1 = std::time::Instant::now();
     let destroyed = sandbox.destroy();
     runtime.sweep();
     if args.timings {
+        let phases: Vec<String> = timings.iter().map(|(p, d)| format!("{p} {d:?}")).collect();
         eprintln!(
-            "hutch: runtime {t_new:?}, start {:?}, command {t_drive:?}, teardown {:?}",
+            "hutch: runtime {t_new:?}, start {:?} ({}), command {t_drive:?}, teardown {:?}",
             started - t_new,
+            phases.join(", "),
             t1.elapsed()
         );
     }
