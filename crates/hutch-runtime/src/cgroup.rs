@@ -279,15 +279,10 @@ impl Cgroup {
         Ok(())
     }
 
-    /// The v2 directory, for `CLONE_INTO_CGROUP`.
-    pub fn v2_dir(&self) -> Option<&Path> {
-        self.v2.as_deref()
-    }
-
-    /// `cgroup.procs` files a new process must write itself into: every
-    /// directory except the v2 one, which it enters through `clone3`.
-    pub fn v1_procs_files(&self) -> Vec<PathBuf> {
-        self.dirs.iter().filter(|d| Some(d.as_path()) != self.v2.as_deref()).map(|d| d.join("cgroup.procs")).collect()
+    /// `cgroup.procs` files a new process writes itself into, one per
+    /// hierarchy. Such a move is cheap once [`enable_fast_migrations`] ran.
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
     }
 
     /// How many times the kernel's OOM killer ran in this cgroup.
@@ -486,15 +481,11 @@ fn super_options(mountinfo: &str, path: &Path) -> Option<String> {
     })
 }
 
-/// Whether moving a task between v1 cgroups is fast on this host. Joining a
-/// v1 cgroup takes the kernel's global threadgroup lock for writing, which
-/// waits for an RCU grace period (about 10 ms here) unless some cgroup
-/// hierarchy is mounted with `favordynmods`. Pure v2 never migrates: the
-/// child is cloned straight into its cgroup.
+/// Whether moving a task into a cgroup is fast on this host. Writing to
+/// `cgroup.procs` takes the kernel's global threadgroup lock for writing,
+/// which waits for an RCU grace period (about 10 ms here) unless a cgroup
+/// hierarchy is mounted with `favordynmods`.
 pub fn migrations_fast(layout: &Layout) -> bool {
-    if layout.kind() == LayoutKind::V2 {
-        return true;
-    }
     let info = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     dynmods_mount(layout)
         .and_then(|m| super_options(&info, &m))
@@ -649,7 +640,7 @@ mod tests {
         assert_eq!(fs::read_to_string(dir.join("pids.max")).expect("read"), "64");
         assert_eq!(fs::read_to_string(dir.join("cpu.max")).expect("read"), "150000 100000");
         assert_eq!(fs::read_to_string(root.join("cgroup.subtree_control")).expect("read"), "+memory +pids +cpu");
-        assert!(cg.v1_procs_files().is_empty(), "v2 is entered through clone3");
+        assert_eq!(cg.procs_files(), [root.join("hutch/sb1/cgroup.procs")]);
         fs::remove_dir_all(&root).expect("cleanup");
     }
 
@@ -671,7 +662,7 @@ mod tests {
             Cgroup::create(&layout, "sb2", &Limits { memory_bytes: 4096, pids: 9, cpu_millis: 500 }).expect("create");
         assert_eq!(fs::read_to_string(root.join("memory/hutch/sb2/memory.limit_in_bytes")).expect("read"), "4096");
         assert_eq!(fs::read_to_string(root.join("cpu/hutch/sb2/cpu.cfs_quota_us")).expect("read"), "50000");
-        assert_eq!(cg.v1_procs_files().len(), 4);
+        assert_eq!(cg.procs_files().len(), 4);
         fs::remove_dir_all(&root).expect("cleanup");
     }
 

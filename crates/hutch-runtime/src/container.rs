@@ -260,20 +260,10 @@ impl Runtime {
         let agent = open_path(&agent_path).map_err(io_err(format!("open agent {}", agent_path.display())))?;
 
         let mut procs = Vec::new();
-        for path in sb.cgroup.v1_procs_files() {
+        for path in sb.cgroup.procs_files() {
             let f = fs::OpenOptions::new().write(true).custom_flags(libc::O_CLOEXEC).open(&path);
             procs.push((f.map_err(io_err(format!("open {}", path.display())))?, path));
         }
-        let v2 = match sb.cgroup.v2_dir() {
-            Some(dir) => Some(
-                fs::OpenOptions::new()
-                    .read(true)
-                    .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
-                    .open(dir)
-                    .map_err(io_err(format!("open {}", dir.display())))?,
-            ),
-            None => None,
-        };
 
         let parent =
             if spec.die_with_parent { Some(launch::pidfd_self().map_err(io_err("pidfd_open"))?) } else { None };
@@ -326,7 +316,7 @@ impl Runtime {
         .map_err(io_err("prepare the sandbox plan"))?;
 
         marks.mark("prepare");
-        let child = launch::spawn(&plan, v2.as_ref().map(|f| f.as_raw_fd())).map_err(io_err("clone3 the sandbox"))?;
+        let child = launch::spawn(&plan).map_err(io_err("clone the sandbox"))?;
         marks.mark("clone");
         sb.pid = child.pid;
         // The OOM killer should pick a workload, never the agent; workloads
@@ -334,7 +324,7 @@ impl Runtime {
         // needs CAP_SYS_RESOURCE, which some hosts (containers) withhold, and
         // the agent's small size already makes it the OOM killer's last pick.
         let _ = fs::write(format!("/proc/{}/oom_score_adj", child.pid), "-1000");
-        drop((listener, cfg_rd, userns, agent, procs, v2, parent));
+        drop((listener, cfg_rd, userns, agent, procs, parent));
         child.wait_started(&plan)?;
         marks.mark("setup and exec");
         Ok(())

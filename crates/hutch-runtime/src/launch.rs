@@ -1,14 +1,15 @@
 //! Starting a sandbox's PID 1: a plan of steps prepared in the parent, one
-//! `clone3` into fresh namespaces, the plan executed in the child with
+//! `clone` into fresh namespaces, the plan executed in the child with
 //! nothing but system calls, and an `execveat` of the agent.
 //!
-//! The child of `clone3` in a multithreaded program (the daemon) may only
-//! make async-signal-safe calls: no allocation, no locks. So everything the
-//! child needs (C strings, pointer arrays, file descriptors) is made before
-//! the clone and held by the [`Plan`]; the child walks the steps and, on the
-//! first failure, writes the step's index and errno to a close-on-exec pipe
-//! and exits. A successful `execveat` closes that pipe, which is how the
-//! parent learns the agent is running.
+//! The child shares the parent's memory until it execs (`CLONE_VM |
+//! CLONE_VFORK`, on a stack of its own) and may run in a multithreaded
+//! program (the daemon), so it may only make system calls: no allocation,
+//! no locks, no writes outside its stack. Everything it needs (C strings,
+//! pointer arrays, file descriptors) is made before the clone and held by
+//! the [`Plan`]; the child walks the steps and, on the first failure, writes
+//! the step's index and errno to a close-on-exec pipe and exits. A
+//! successful `execveat` closes that pipe.
 
 use std::ffi::CString;
 use std::fmt;
@@ -209,53 +210,85 @@ pub struct Child {
 pub const NAMESPACES: u64 =
     (libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS | libc::CLONE_NEWNET) as u64;
 
-const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
-
-#[repr(C)]
-#[derive(Default)]
-struct CloneArgs {
-    flags: u64,
-    pidfd: u64,
-    child_tid: u64,
-    parent_tid: u64,
-    exit_signal: u64,
-    stack: u64,
-    stack_size: u64,
-    tls: u64,
-    set_tid: u64,
-    set_tid_size: u64,
-    cgroup: u64,
+/// A stack for a child that shares our memory (`CLONE_VM`), with a guard
+/// page below it. Such a child copies no page tables and, more to the point
+/// on virtual machines where page faults are costly, makes neither side take
+/// copy-on-write faults afterwards.
+struct Stack {
+    base: *mut libc::c_void,
+    len: usize,
 }
 
-/// `clone3` without a new stack: returns 0 in the child like fork.
-///
-/// # Safety
-/// In the child only async-signal-safe code may run before exec or _exit.
-unsafe fn clone3(flags: u64, cgroup: Option<RawFd>) -> io::Result<libc::pid_t> {
-    let mut args = CloneArgs { flags, exit_signal: libc::SIGCHLD as u64, ..Default::default() };
-    if let Some(fd) = cgroup {
-        args.flags |= CLONE_INTO_CGROUP;
-        args.cgroup = fd as u64;
+impl Stack {
+    fn new(len: usize) -> io::Result<Stack> {
+        // SAFETY: an anonymous private mapping; no existing memory is touched.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: the first page of our own mapping becomes the guard page.
+        if unsafe { libc::mprotect(base, 4096, libc::PROT_NONE) } != 0 {
+            let e = io::Error::last_os_error();
+            // SAFETY: unmapping the mapping made above.
+            unsafe { libc::munmap(base, len) };
+            return Err(e);
+        }
+        Ok(Stack { base, len })
     }
-    // SAFETY: args is a valid clone_args of the size passed; no stack is
-    // given, so the child runs on a copy of ours, as with fork.
-    let ret = unsafe { libc::syscall(libc::SYS_clone3, &args as *const CloneArgs, std::mem::size_of::<CloneArgs>()) };
-    if ret < 0 {
-        return Err(io::Error::last_os_error());
+
+    fn top(&self) -> *mut libc::c_void {
+        // Stacks grow down; keep the top 16-byte aligned.
+        (self.base as usize + self.len - 64) as *mut libc::c_void
     }
-    Ok(ret as libc::pid_t)
 }
 
-/// Clones a child into the sandbox namespaces (and `cgroup`, a v2 cgroup
-/// directory fd, if given) and runs `plan` in it.
-pub fn spawn(plan: &Plan, cgroup: Option<RawFd>) -> io::Result<Child> {
+impl Drop for Stack {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping; callers drop a Stack only when
+        // no child runs on it any more.
+        unsafe { libc::munmap(self.base, self.len) };
+    }
+}
+
+/// What the sandbox child gets: the plan and where to report a failure.
+struct ChildArgs<'a> {
+    plan: &'a Plan,
+    report: RawFd,
+}
+
+extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: arg points at the ChildArgs on the parent's stack, which lives
+    // until clone returns, and with CLONE_VFORK clone returns only once this
+    // child has exec'd or exited.
+    let args = unsafe { &*(arg as *const ChildArgs) };
+    // SAFETY: we are the freshly cloned child; run_plan only makes system
+    // calls on the plan's memory and its own stack.
+    unsafe { run_plan(args.plan, args.report) }
+}
+
+/// Clones a child into the sandbox namespaces and runs `plan` in it. The
+/// child shares our memory and we are suspended until it execs the agent or
+/// exits (`CLONE_VM | CLONE_VFORK`, as posix_spawn does), so it must not
+/// write anything but its own stack: `run_plan` only makes system calls.
+pub fn spawn(plan: &Plan) -> io::Result<Child> {
     let (rd, wr) = crate::sys::pipe()?;
-    // SAFETY: the child only runs `run_plan`, which makes raw system calls
-    // on memory prepared before the clone, then execs or _exits.
-    let pid = unsafe { clone3(NAMESPACES, cgroup)? };
-    if pid == 0 {
-        // SAFETY: we are the child; see above.
-        unsafe { run_plan(plan, wr.as_raw_fd()) }
+    let stack = Stack::new(64 * 1024)?;
+    let args = ChildArgs { plan, report: wr.as_raw_fd() };
+    let flags = libc::CLONE_VM | libc::CLONE_VFORK | NAMESPACES as libc::c_int | libc::SIGCHLD;
+    // SAFETY: child_main runs on `stack`, which outlives the child's use of
+    // it (CLONE_VFORK), with a pointer to `args`, which does too.
+    let pid = unsafe { libc::clone(child_main, stack.top(), flags, &args as *const ChildArgs as *mut libc::c_void) };
+    if pid < 0 {
+        return Err(io::Error::last_os_error());
     }
     drop(wr);
     Ok(Child { pid, report: rd })
@@ -546,15 +579,25 @@ pub fn pidfd_self() -> io::Result<OwnedFd> {
 /// the host and returns a descriptor of it. A short-lived helper process
 /// creates it; the descriptor keeps it alive afterwards.
 pub fn make_userns(base: u32, count: u32) -> io::Result<OwnedFd> {
-    // SAFETY: the child only calls pause and _exit.
-    let pid = unsafe { clone3(libc::CLONE_NEWUSER as u64, None)? };
-    if pid == 0 {
-        // SAFETY: async-signal-safe calls only, in the cloned child.
-        unsafe {
-            loop {
-                libc::pause();
-            }
+    extern "C" fn wait_forever(_: *mut libc::c_void) -> libc::c_int {
+        loop {
+            // SAFETY: pause has no memory effects.
+            unsafe { libc::pause() };
         }
+    }
+    let stack = Stack::new(16 * 1024)?;
+    // SAFETY: the helper shares our memory but only ever calls pause on its
+    // own stack, which outlives it (it is killed and reaped below).
+    let pid = unsafe {
+        libc::clone(
+            wait_forever,
+            stack.top(),
+            libc::CLONE_VM | libc::CLONE_NEWUSER | libc::SIGCHLD,
+            std::ptr::null_mut(),
+        )
+    };
+    if pid < 0 {
+        return Err(io::Error::last_os_error());
     }
     let result = (|| {
         let map = format!("0 {base} {count}\n");
@@ -571,5 +614,6 @@ pub fn make_userns(base: u32, count: u32) -> io::Result<OwnedFd> {
     })();
     crate::sys::kill(pid, libc::SIGKILL);
     crate::sys::reap(pid);
+    drop(stack);
     result
 }

@@ -69,9 +69,13 @@ pub fn supervise(plan: &ChildPlan<'_>) -> ! {
     if sys::set_sigmask(&SUPERVISOR_SIGNALS).is_err() {
         sys::exit_now(1);
     }
-    // SAFETY: the supervisor is single threaded (a fork of the single-threaded agent).
-    let child = match unsafe { sys::fork() } {
-        Ok(0) => exec_child(plan),
+    extern "C" fn child_entry(arg: *mut libc::c_void) -> libc::c_int {
+        // SAFETY: arg is the supervisor's `plan`, alive until spawn_vm returns.
+        exec_child(unsafe { &*(arg as *const ChildPlan<'_>) })
+    }
+    // SAFETY: exec_child allocates nothing and writes only its own stack
+    // and descriptors before execve or _exit; `plan` outlives the call.
+    let child = match unsafe { sys::spawn_vm(child_entry, plan as *const ChildPlan<'_> as *mut libc::c_void) } {
         Ok(pid) => pid,
         Err(e) => {
             let _ = sys::write_all(plan.status, &encode_msg(MSG_FORK_FAILED, e.0));
