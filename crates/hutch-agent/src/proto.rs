@@ -674,4 +674,42 @@ mod tests {
         assert_eq!(normalize_path("/etc/hosts", "/workspace").as_deref(), Ok("/etc/hosts"));
         assert_eq!(normalize_path("...", "/w").as_deref(), Ok("/w/..."));
     }
+
+    /// Random and mutated frames: the parser refuses or accepts, never
+    /// panics, never reads past the buffer, never consumes more than it has.
+    #[test]
+    fn random_and_mutated_frames_never_panic() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mut valid = Vec::new();
+        encode(&FromAgent::Output { pid: 3, stream: Stream::Stdout }, b"abc", &mut valid).expect("encode");
+        encode(&ToAgent { id: 9, req: Request::Stat { path: "/x".into(), user: None } }, b"", &mut valid)
+            .expect("encode");
+        for round in 0..20_000 {
+            let mut buf = if round % 2 == 0 {
+                let len = (next() % 64) as usize;
+                (0..len).map(|_| next() as u8).collect::<Vec<u8>>()
+            } else {
+                let mut b = valid.clone();
+                for _ in 0..(next() % 4 + 1) {
+                    let i = (next() as usize) % b.len();
+                    b[i] = next() as u8;
+                }
+                b
+            };
+            if round % 7 == 0 {
+                buf.truncate((next() as usize) % (buf.len() + 1));
+            }
+            if let Ok(Some(frame)) = split_frame(&buf) {
+                assert!(frame.consumed <= buf.len());
+                let _ = parse_header::<FromAgent>(frame.header);
+                let _ = parse_header::<ToAgent>(frame.header);
+            }
+        }
+    }
 }

@@ -273,3 +273,32 @@ fn a_hostile_agent_cannot_crash_hang_or_bloat_the_host() {
     drop(sb);
     env.assert_no_residue();
 }
+
+#[test]
+fn freeze_stops_every_process_and_thaw_resumes_them() {
+    let env = Env::new("link-freeze");
+    let rt = runtime(&env);
+    let sb = start(&rt, &SandboxSpec::default());
+    let mut conn = sb.connect().expect("connect");
+    let (_, st) =
+        sh(&mut conn, "(while :; do date +%s%N >> /tmp/ticks; sleep 0.01; done) >/dev/null 2>&1 &", "user", None);
+    assert_eq!(st.code, Some(0));
+    let count = |conn: &mut AgentConn| -> usize {
+        let (_, data) = conn
+            .call(Request::ReadFile { path: "/tmp/ticks".into(), offset: 0, len: 1 << 20, user: None }, &[])
+            .expect("read ticks");
+        data.iter().filter(|b| **b == b'\n').count()
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    // The agent is frozen with everything else, so count before and after.
+    let before = count(&mut conn);
+    sb.freeze().expect("freeze");
+    std::thread::sleep(Duration::from_millis(600));
+    sb.thaw().expect("thaw");
+    let after = count(&mut conn);
+    // Unfrozen, the loop ticks ~60 times in 600 ms; frozen, a handful at most.
+    assert!(after - before < 20, "the loop kept running while frozen ({before} -> {after})");
+    std::thread::sleep(Duration::from_millis(300));
+    let later = count(&mut conn);
+    assert!(later > after + 5, "the loop did not resume after thaw ({after} -> {later})");
+}
