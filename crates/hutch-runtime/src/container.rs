@@ -210,9 +210,18 @@ impl Runtime {
         let mut marks = Marks::new();
         let slot = uids::allocate(&self.cfg.run_dir.join("uids"), &id)?;
         marks.mark("uid range");
+        // The namespaces are made on the other CPU while we make the cgroup.
+        let helper = match launch::NsHelper::start(slot.base(), uids::RANGE, true) {
+            Ok(h) => h,
+            Err(e) => {
+                slot.release();
+                return Err(RuntimeError::Io { what: "start the namespace helper".into(), source: e });
+            }
+        };
         let cgroup = match Cgroup::create(&self.layout, &id, &spec.limits) {
             Ok(c) => c,
             Err(e) => {
+                drop(helper);
                 slot.release();
                 return Err(e.into());
             }
@@ -220,7 +229,11 @@ impl Runtime {
         let socket = self.cfg.run_dir.join("sockets").join(format!("{id}.sock"));
         marks.mark("cgroup");
         let mut sandbox = Sandbox { id, pid: 0, socket, cgroup, slot: Some(slot), timings: Vec::new() };
-        match self.launch(&mut sandbox, spec, &mut marks) {
+        let launched = helper.finish().map_err(io_err("create the sandbox's namespaces")).and_then(|ns| {
+            marks.mark("namespaces");
+            self.launch(&mut sandbox, spec, ns, &mut marks)
+        });
+        match launched {
             Ok(()) => {
                 sandbox.timings = marks.done;
                 Ok(sandbox)
@@ -232,10 +245,16 @@ impl Runtime {
         }
     }
 
-    fn launch(&self, sb: &mut Sandbox, spec: &SandboxSpec, marks: &mut Marks) -> Result<(), RuntimeError> {
+    fn launch(
+        &self,
+        sb: &mut Sandbox,
+        spec: &SandboxSpec,
+        ns: launch::Namespaces,
+        marks: &mut Marks,
+    ) -> Result<(), RuntimeError> {
         let slot = sb.slot.as_ref().expect("a starting sandbox holds its uid slot");
-        let userns = launch::make_userns(slot.base(), uids::RANGE).map_err(io_err("create user namespace"))?;
-        marks.mark("user namespace");
+        let userns = ns.user;
+        let netns = ns.net;
         let _ = fs::remove_file(&sb.socket);
         let listener = UnixListener::bind(&sb.socket).map_err(io_err(format!("bind {}", sb.socket.display())))?;
 
@@ -276,6 +295,10 @@ impl Runtime {
                 plan.push(Step::JoinCgroup { fd: f.as_raw_fd(), what: path.display().to_string() });
             }
             plan.push(Step::Unshare { flags: libc::CLONE_NEWCGROUP });
+            // Before /sys is mounted, which shows the mounter's network.
+            if let Some(net) = &netns {
+                plan.push(Step::SetNs { fd: net.as_raw_fd(), nstype: libc::CLONE_NEWNET });
+            }
             let stage = self.cfg.run_dir.join("stage");
             let usr = Path::new("/usr");
             rootfs::plan_root(
@@ -290,18 +313,6 @@ impl Runtime {
                     shm_bytes: (spec.limits.memory_bytes / 2).min(64 << 20),
                 },
             )?;
-            plan.push(Step::LoopbackUp);
-            // Per network namespace, so written through the host's /proc before
-            // the pivot: any user of the sandbox may bind low ports and ping, as
-            // the namespace is the sandbox's alone.
-            plan.push(Step::WriteFile {
-                path: cstr("/proc/sys/net/ipv4/ip_unprivileged_port_start")?,
-                data: cstr("0")?,
-            });
-            plan.push(Step::WriteFile {
-                path: cstr("/proc/sys/net/ipv4/ping_group_range")?,
-                data: cstr(format!("{} {}", slot.base(), slot.base() + uids::RANGE - 1))?,
-            });
             plan.push(Step::SetHostname { name: cstr("sandbox")? });
             plan.push(Step::PivotRoot { new_root: cstr(stage.join("root"))? });
             plan.push(Step::EnterUserns { fd: userns.as_raw_fd() });
@@ -324,7 +335,7 @@ impl Runtime {
         // needs CAP_SYS_RESOURCE, which some hosts (containers) withhold, and
         // the agent's small size already makes it the OOM killer's last pick.
         let _ = fs::write(format!("/proc/{}/oom_score_adj", child.pid), "-1000");
-        drop((listener, cfg_rd, userns, agent, procs, parent));
+        drop((listener, cfg_rd, userns, netns, agent, procs, parent));
         child.wait_started(&plan)?;
         marks.mark("setup and exec");
         Ok(())

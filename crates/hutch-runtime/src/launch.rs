@@ -91,6 +91,17 @@ pub enum Step {
     EnterUserns {
         fd: RawFd,
     },
+    /// setns into an existing namespace of another type.
+    SetNs {
+        fd: RawFd,
+        nstype: libc::c_int,
+    },
+    /// Tells the parent the plan got this far (see [`NsHelper`]).
+    Notify {
+        fd: RawFd,
+    },
+    /// Waits, forever, to be killed.
+    Pause,
     /// Puts `fds[i].0` at descriptor `fds[i].1`, makes 0, 1 and 2 /dev/null,
     /// closes everything else and execs `exe_fd` with `argv`, empty environment.
     Exec {
@@ -131,6 +142,9 @@ impl fmt::Display for Step {
             Step::SetHostname { .. } => write!(f, "set the hostname"),
             Step::PivotRoot { new_root } => write!(f, "pivot_root into {}", s(new_root)),
             Step::EnterUserns { .. } => write!(f, "enter the sandbox's user namespace"),
+            Step::SetNs { nstype, .. } => write!(f, "setns({nstype:#x})"),
+            Step::Notify { .. } => write!(f, "notify the parent"),
+            Step::Pause => write!(f, "pause"),
             Step::Exec { .. } => write!(f, "exec the agent"),
         }
     }
@@ -203,12 +217,15 @@ pub struct Child {
     report: OwnedFd,
 }
 
-/// Namespaces every sandbox gets at clone time. The user namespace is
+/// Namespaces every sandbox gets at clone time. The network namespace is
+/// made beforehand by an [`NsHelper`] and joined, and the user namespace is
 /// entered last, by [`Step::EnterUserns`], so that all the others are owned
 /// by the host's initial user namespace: root in the sandbox then holds no
 /// capability over its own mounts, network or pid namespace.
-pub const NAMESPACES: u64 =
-    (libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS | libc::CLONE_NEWNET) as u64;
+pub const NAMESPACES: libc::c_int = libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
+
+/// What a [`Step::Notify`] writes: an index no plan reaches, errno 0.
+const READY: [u8; 8] = [0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0];
 
 /// A stack for a child that shares our memory (`CLONE_VM`), with a guard
 /// page below it. Such a child copies no page tables and, more to the point
@@ -283,7 +300,7 @@ pub fn spawn(plan: &Plan) -> io::Result<Child> {
     let (rd, wr) = crate::sys::pipe()?;
     let stack = Stack::new(64 * 1024)?;
     let args = ChildArgs { plan, report: wr.as_raw_fd() };
-    let flags = libc::CLONE_VM | libc::CLONE_VFORK | NAMESPACES as libc::c_int | libc::SIGCHLD;
+    let flags = libc::CLONE_VM | libc::CLONE_VFORK | NAMESPACES | libc::SIGCHLD;
     // SAFETY: child_main runs on `stack`, which outlives the child's use of
     // it (CLONE_VFORK), with a pointer to `args`, which does too.
     let pid = unsafe { libc::clone(child_main, stack.top(), flags, &args as *const ChildArgs as *mut libc::c_void) };
@@ -505,6 +522,17 @@ unsafe fn run_step(step: &Step) -> Result<(), i32> {
                 check(libc::umount2(c".".as_ptr(), libc::MNT_DETACH) as libc::c_long)?;
                 check(libc::chdir(c"/".as_ptr()) as libc::c_long)
             }
+            Step::SetNs { fd, nstype } => check(libc::setns(*fd, *nstype) as libc::c_long),
+            Step::Notify { fd } => {
+                let msg = READY;
+                if libc::write(*fd, msg.as_ptr().cast(), msg.len()) != msg.len() as isize {
+                    return Err(errno());
+                }
+                Ok(())
+            }
+            Step::Pause => loop {
+                libc::pause();
+            },
             Step::EnterUserns { fd } => {
                 check(libc::setns(*fd, libc::CLONE_NEWUSER) as libc::c_long)?;
                 check(libc::syscall(libc::SYS_setgroups, 0usize, std::ptr::null::<libc::gid_t>()))?;
@@ -575,45 +603,127 @@ pub fn pidfd_self() -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
-/// Makes a user namespace mapping `0..count` inside to `base..base+count` on
-/// the host and returns a descriptor of it. A short-lived helper process
-/// creates it; the descriptor keeps it alive afterwards.
-pub fn make_userns(base: u32, count: u32) -> io::Result<OwnedFd> {
-    extern "C" fn wait_forever(_: *mut libc::c_void) -> libc::c_int {
-        loop {
-            // SAFETY: pause has no memory effects.
-            unsafe { libc::pause() };
+/// Makes a sandbox's user namespace (ids `0..count` inside mapped to
+/// `base..base+count` on the host) and, optionally, its network namespace
+/// (owned by the host, with `lo` up and the per-namespace sysctls set), in a
+/// helper that shares our memory and runs on the other CPU while the caller
+/// does other work. Descriptors keep the namespaces alive after the helper
+/// is gone.
+pub struct NsHelper {
+    pid: libc::pid_t,
+    report: OwnedFd,
+    base: u32,
+    count: u32,
+    with_net: bool,
+    // Referenced by the running helper: dropped only after it is reaped.
+    plan: Box<Plan>,
+    args: Box<ChildArgs<'static>>,
+    stack: Stack,
+    done: bool,
+}
+
+/// Namespaces made by an [`NsHelper`].
+#[derive(Debug)]
+pub struct Namespaces {
+    pub user: OwnedFd,
+    pub net: Option<OwnedFd>,
+}
+
+impl NsHelper {
+    pub fn start(base: u32, count: u32, with_net: bool) -> io::Result<NsHelper> {
+        let (rd, wr) = crate::sys::pipe()?;
+        let mut plan = Plan::default();
+        if with_net {
+            plan.push(Step::Unshare { flags: libc::CLONE_NEWNET });
+            plan.push(Step::LoopbackUp);
+            // Per network namespace: any user of the sandbox may bind low
+            // ports and ping, as the namespace is the sandbox's alone.
+            plan.push(Step::WriteFile {
+                path: cstr("/proc/sys/net/ipv4/ip_unprivileged_port_start")?,
+                data: cstr("0")?,
+            });
+            plan.push(Step::WriteFile {
+                path: cstr("/proc/sys/net/ipv4/ping_group_range")?,
+                data: cstr(format!("{base} {}", base + count - 1))?,
+            });
         }
-    }
-    let stack = Stack::new(16 * 1024)?;
-    // SAFETY: the helper shares our memory but only ever calls pause on its
-    // own stack, which outlives it (it is killed and reaped below).
-    let pid = unsafe {
-        libc::clone(
-            wait_forever,
-            stack.top(),
-            libc::CLONE_VM | libc::CLONE_NEWUSER | libc::SIGCHLD,
-            std::ptr::null_mut(),
-        )
-    };
-    if pid < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let result = (|| {
-        let map = format!("0 {base} {count}\n");
-        std::fs::write(format!("/proc/{pid}/uid_map"), &map)?;
-        std::fs::write(format!("/proc/{pid}/gid_map"), &map)?;
-        let path = cstr(format!("/proc/{pid}/ns/user"))?;
-        // SAFETY: path is a valid C string; the returned fd is owned below.
-        let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
-        if fd < 0 {
+        plan.push(Step::Unshare { flags: libc::CLONE_NEWUSER });
+        plan.push(Step::Notify { fd: wr.as_raw_fd() });
+        plan.push(Step::Pause);
+        let plan = Box::new(plan);
+        // SAFETY: the reference is only used by the helper, which is killed
+        // and reaped before `plan` is dropped (see Drop and finish).
+        let plan_ref: &'static Plan = unsafe { &*(plan.as_ref() as *const Plan) };
+        let args = Box::new(ChildArgs { plan: plan_ref, report: wr.as_raw_fd() });
+        let stack = Stack::new(16 * 1024)?;
+        // SAFETY: the helper runs `run_plan` (system calls only) on its own
+        // stack; `args`, `plan` and `stack` outlive it (kept in the result).
+        let pid = unsafe {
+            libc::clone(
+                child_main,
+                stack.top(),
+                libc::CLONE_VM | libc::SIGCHLD,
+                args.as_ref() as *const ChildArgs as *mut libc::c_void,
+            )
+        };
+        if pid < 0 {
             return Err(io::Error::last_os_error());
         }
-        // SAFETY: fd was just opened and is owned by nobody else.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-    })();
-    crate::sys::kill(pid, libc::SIGKILL);
-    crate::sys::reap(pid);
-    drop(stack);
-    result
+        drop(wr);
+        Ok(NsHelper { pid, report: rd, base, count, with_net, plan, args, stack, done: false })
+    }
+
+    /// Waits for the helper to reach its user namespace, maps the ids, and
+    /// takes descriptors of the namespaces.
+    pub fn finish(mut self) -> io::Result<Namespaces> {
+        let result = self.collect();
+        self.end();
+        result
+    }
+
+    fn collect(&mut self) -> io::Result<Namespaces> {
+        let mut buf = [0u8; 8];
+        let n = crate::sys::read_full(self.report.as_raw_fd(), &mut buf)?;
+        if n != 8 || buf != READY {
+            let index = u32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+            let errno = i32::from_ne_bytes([buf[4], buf[5], buf[6], buf[7]]);
+            let step = self.plan.steps.get(index).map(|s| s.to_string()).unwrap_or_else(|| "start".into());
+            let source = if n == 8 { io::Error::from_raw_os_error(errno) } else { io::ErrorKind::UnexpectedEof.into() };
+            return Err(io::Error::new(source.kind(), format!("namespace helper: {step}: {source}")));
+        }
+        let pid = self.pid;
+        let map = format!("0 {} {}\n", self.base, self.count);
+        std::fs::write(format!("/proc/{pid}/uid_map"), &map)?;
+        std::fs::write(format!("/proc/{pid}/gid_map"), &map)?;
+        let user = open_ns(pid, "user")?;
+        let net = if self.with_net { Some(open_ns(pid, "net")?) } else { None };
+        Ok(Namespaces { user, net })
+    }
+
+    fn end(&mut self) {
+        if !self.done {
+            crate::sys::kill(self.pid, libc::SIGKILL);
+            crate::sys::reap(self.pid);
+            self.done = true;
+        }
+    }
+}
+
+impl Drop for NsHelper {
+    fn drop(&mut self) {
+        // Before plan, args and stack go: the helper must be gone first.
+        self.end();
+        let _ = (&self.args, &self.stack);
+    }
+}
+
+fn open_ns(pid: libc::pid_t, kind: &str) -> io::Result<OwnedFd> {
+    let path = cstr(format!("/proc/{pid}/ns/{kind}"))?;
+    // SAFETY: path is a valid C string; the returned fd is owned below.
+    let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd was just opened and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
