@@ -8,6 +8,7 @@
 //! only async-signal-safe system calls on memory prepared before the clone.
 
 pub mod agent;
+pub mod agent_async;
 pub mod cgroup;
 pub mod container;
 pub mod doctor;

@@ -1,0 +1,511 @@
+//! Wire types of hutch's native HTTP API and its stable error codes.
+//!
+//! Serde and OpenAPI schemas only: no IO. The server renders these, the CLI
+//! and clients parse them, and the OpenAPI document is generated from them.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use utoipa::ToSchema;
+
+/// Most bytes of each output stream kept in a command's JSON result.
+pub const OUTPUT_CAP: usize = 1 << 20;
+/// Most bytes in one base64 file read or write.
+pub const FILE_DATA_CAP: usize = 8 << 20;
+/// Most commands holding slots in one sandbox.
+pub const COMMAND_SLOTS: usize = 64;
+
+/// Every error the API answers with: `{"error": "...", "code": "..."}`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct ErrorBody {
+    /// Human-readable; may change. Use `code`.
+    pub error: String,
+    pub code: ErrorCode,
+}
+
+/// Stable error codes. Clients must accept codes they do not know.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// Missing, malformed or revoked API key.
+    Unauthorized,
+    /// The request body, query or a header is malformed or out of range.
+    InvalidRequest,
+    /// No such route, sandbox, process or file.
+    NotFound,
+    /// The template named does not exist.
+    UnknownTemplate,
+    /// The same Idempotency-Key was used with a different request.
+    IdempotencyConflict,
+    /// A command with this Idempotency-Key is running, or its outcome was
+    /// lost; it will not be run again.
+    ExecutionOutcomeUnknown,
+    /// The sandbox is not running (starting, suspended, terminating or
+    /// terminated); the command was not sent.
+    SandboxSessionNotRunning,
+    /// All command slots of the sandbox are in use; nothing was started.
+    SandboxCommandCapacity,
+    /// The host cannot start another sandbox now.
+    SandboxCapacityUnavailable,
+    /// The sandbox failed to start; the command did not run.
+    SandboxStartFailed,
+    /// The sandbox's writable layer is full.
+    SandboxDiskFull,
+    /// A path is malformed (empty, `..`, NUL, too long).
+    InvalidPath,
+    /// A file or directory is in the way, or the user cannot write there.
+    SandboxPathConflict,
+    /// The path is not a directory (or passes through a symlink).
+    SandboxPathNotDirectory,
+    /// The sandbox user cannot read the path.
+    SandboxPathUnreadable,
+    /// An archive is malformed or holds an entry that is not allowed.
+    SandboxArchiveInvalid,
+    /// An archive exceeds a per-request limit.
+    SandboxArchiveTooLarge,
+    /// A file part starts past the bytes received.
+    SandboxFilePartOutOfOrder,
+    /// The finished file does not match its size or digest.
+    SandboxFilePartMismatch,
+    /// A request body exceeds its limit.
+    PayloadTooLarge,
+    /// A lifetime extension past the template's maximum.
+    LifetimeExceeded,
+    /// The service is shutting down or a dependency is unavailable.
+    Unavailable,
+    /// An internal error; details are in the server's log, never here.
+    Internal,
+}
+
+impl ErrorCode {
+    /// The HTTP status of each code; one place, no wildcard.
+    pub fn status(self) -> u16 {
+        match self {
+            ErrorCode::Unauthorized => 401,
+            ErrorCode::InvalidRequest
+            | ErrorCode::UnknownTemplate
+            | ErrorCode::InvalidPath
+            | ErrorCode::SandboxPathNotDirectory
+            | ErrorCode::SandboxPathUnreadable
+            | ErrorCode::SandboxArchiveInvalid
+            | ErrorCode::LifetimeExceeded => 400,
+            ErrorCode::NotFound => 404,
+            ErrorCode::IdempotencyConflict
+            | ErrorCode::ExecutionOutcomeUnknown
+            | ErrorCode::SandboxSessionNotRunning
+            | ErrorCode::SandboxDiskFull
+            | ErrorCode::SandboxPathConflict
+            | ErrorCode::SandboxFilePartOutOfOrder
+            | ErrorCode::SandboxFilePartMismatch => 409,
+            ErrorCode::SandboxArchiveTooLarge | ErrorCode::PayloadTooLarge => 413,
+            ErrorCode::SandboxCommandCapacity | ErrorCode::SandboxCapacityUnavailable => 429,
+            ErrorCode::Internal => 500,
+            ErrorCode::SandboxStartFailed | ErrorCode::Unavailable => 503,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::Unauthorized => "unauthorized",
+            ErrorCode::InvalidRequest => "invalid_request",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::UnknownTemplate => "unknown_template",
+            ErrorCode::IdempotencyConflict => "idempotency_conflict",
+            ErrorCode::ExecutionOutcomeUnknown => "execution_outcome_unknown",
+            ErrorCode::SandboxSessionNotRunning => "sandbox_session_not_running",
+            ErrorCode::SandboxCommandCapacity => "sandbox_command_capacity",
+            ErrorCode::SandboxCapacityUnavailable => "sandbox_capacity_unavailable",
+            ErrorCode::SandboxStartFailed => "sandbox_start_failed",
+            ErrorCode::SandboxDiskFull => "sandbox_disk_full",
+            ErrorCode::InvalidPath => "invalid_path",
+            ErrorCode::SandboxPathConflict => "sandbox_path_conflict",
+            ErrorCode::SandboxPathNotDirectory => "sandbox_path_not_directory",
+            ErrorCode::SandboxPathUnreadable => "sandbox_path_unreadable",
+            ErrorCode::SandboxArchiveInvalid => "sandbox_archive_invalid",
+            ErrorCode::SandboxArchiveTooLarge => "sandbox_archive_too_large",
+            ErrorCode::SandboxFilePartOutOfOrder => "sandbox_file_part_out_of_order",
+            ErrorCode::SandboxFilePartMismatch => "sandbox_file_part_mismatch",
+            ErrorCode::PayloadTooLarge => "payload_too_large",
+            ErrorCode::LifetimeExceeded => "lifetime_exceeded",
+            ErrorCode::Unavailable => "unavailable",
+            ErrorCode::Internal => "internal",
+        }
+    }
+}
+
+/// Lifecycle states of a sandbox.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum SandboxState {
+    Starting,
+    Running,
+    Suspended,
+    Terminating,
+    Terminated,
+}
+
+impl SandboxState {
+    pub const ALL: [SandboxState; 5] = [
+        SandboxState::Starting,
+        SandboxState::Running,
+        SandboxState::Suspended,
+        SandboxState::Terminating,
+        SandboxState::Terminated,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxState::Starting => "starting",
+            SandboxState::Running => "running",
+            SandboxState::Suspended => "suspended",
+            SandboxState::Terminating => "terminating",
+            SandboxState::Terminated => "terminated",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<SandboxState> {
+        SandboxState::ALL.into_iter().find(|st| st.as_str() == s)
+    }
+}
+
+/// Resource caps requested for a sandbox.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsRequest {
+    /// CPUs worth of time (fractions allowed), 0.05 to 64. Default 1.
+    #[serde(default)]
+    pub vcpus: Option<f64>,
+    /// Writable layer size in MiB, 16 to 65536. Default 1024.
+    #[serde(default)]
+    pub disk_mib: Option<u64>,
+    /// Most processes and threads at once, 16 to 65536. Default 512.
+    #[serde(default)]
+    pub pids: Option<u32>,
+}
+
+/// `POST /v1/sandboxes`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandbox {
+    /// Template name; `base` when absent.
+    #[serde(default)]
+    pub template: Option<String>,
+    /// Lifetime in seconds from now; the template's default when absent.
+    #[serde(default)]
+    pub ttl_seconds: Option<u64>,
+    /// Memory limit in MiB, 64 to 262144. Default 1024.
+    #[serde(default)]
+    pub memory_mb: Option<u64>,
+    #[serde(default)]
+    pub limits: Option<LimitsRequest>,
+    /// Environment of every process in the sandbox.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Free-form labels, returned as given (at most 64, each at most 256 bytes).
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    /// Wait up to this long (0 to 60 s) for the sandbox to run before
+    /// answering. Default 10.
+    #[serde(default)]
+    pub wait_seconds: Option<u64>,
+}
+
+/// Limits as requested and as enforced.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Limits {
+    pub vcpus: f64,
+    pub disk_mib: u64,
+    pub pids: u32,
+    /// `enforced` once the host applied every cap, `unknown` before.
+    pub applied: String,
+}
+
+/// A sandbox as the API shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Sandbox {
+    pub id: String,
+    pub template: String,
+    pub state: SandboxState,
+    /// RFC 3339, UTC.
+    pub created_at: String,
+    pub expires_at: String,
+    pub memory_mb: u64,
+    pub limits: Limits,
+    pub metadata: BTreeMap<String, String>,
+    /// The last recorded lifecycle reason, when one is known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_error_code: Option<String>,
+}
+
+/// `GET /v1/sandboxes`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct SandboxList {
+    pub sandboxes: Vec<Sandbox>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/extend`: exactly one of the two.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Extend {
+    /// Seconds to add to the current expiry.
+    #[serde(default)]
+    pub by: Option<u64>,
+    /// New expiry, RFC 3339.
+    #[serde(default)]
+    pub until: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/exec`: exactly one of `command` and `argv`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ExecRequest {
+    /// A shell command line (bash -c, or sh -c without bash).
+    #[serde(default)]
+    pub command: Option<String>,
+    /// A program and its arguments, run without a shell.
+    #[serde(default)]
+    pub argv: Option<Vec<String>>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory; /workspace when absent.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// `user` (default) or `root`.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Kill the command's process tree after this long (1 to 86400 s).
+    #[serde(default)]
+    pub timeout_seconds: Option<u64>,
+    /// Whether the result is stored for replays (default true).
+    #[serde(default)]
+    pub keep_output: Option<bool>,
+    /// Answer at once with the pid; reattach through the process routes.
+    #[serde(default)]
+    pub background: Option<bool>,
+    /// Data written to stdin, then closed (base64 not needed: UTF-8 text).
+    #[serde(default)]
+    pub stdin: Option<String>,
+}
+
+/// The result of a foreground command.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct ExecResult {
+    pub stdout: String,
+    pub stderr: String,
+    pub exit_code: i32,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+    pub timed_out: bool,
+    pub duration_ms: u64,
+    pub output_kept: bool,
+}
+
+/// The answer to a background command.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Started {
+    pub pid: u32,
+}
+
+/// One event of an NDJSON command stream.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ExecEvent {
+    Start { pid: u32 },
+    Stdout { data: String },
+    Stderr { data: String },
+    Ping,
+    Exit { exit_code: i32, timed_out: bool, duration_ms: u64 },
+    Error { code: ErrorCode, error: String },
+}
+
+/// `POST /v1/executions`: a command in a fresh sandbox.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ExecutionRequest {
+    #[serde(default)]
+    pub template: Option<String>,
+    #[serde(default)]
+    pub memory_mb: Option<u64>,
+    #[serde(default)]
+    pub limits: Option<LimitsRequest>,
+    #[serde(default)]
+    pub command: Option<String>,
+    #[serde(default)]
+    pub argv: Option<Vec<String>>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub cwd: Option<String>,
+    #[serde(default)]
+    pub user: Option<String>,
+    #[serde(default)]
+    pub timeout_seconds: Option<u64>,
+    #[serde(default)]
+    pub keep_output: Option<bool>,
+    #[serde(default)]
+    pub stdin: Option<String>,
+}
+
+/// The result of a one-shot execution.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct ExecutionResult {
+    pub sandbox_id: String,
+    #[serde(flatten)]
+    pub result: ExecResult,
+}
+
+/// A running command.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Process {
+    pub pid: u32,
+    pub tag: Option<String>,
+    pub command: Vec<String>,
+    pub user: String,
+    pub cwd: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct ProcessList {
+    pub processes: Vec<Process>,
+}
+
+/// `POST .../processes/{pid}/signal`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SignalRequest {
+    /// A number (9) or a name (`SIGKILL`, `KILL`).
+    pub signal: serde_json::Value,
+}
+
+/// `POST .../processes/{pid}/stdin`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StdinRequest {
+    #[serde(default)]
+    pub data: String,
+    /// Close stdin after writing.
+    #[serde(default)]
+    pub eof: bool,
+}
+
+/// `POST .../files/read`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FileRef {
+    pub path: String,
+}
+
+/// `POST .../files/write`, and the answer of `.../files/read`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FileData {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// Base64, at most 8 MiB decoded.
+    pub data: String,
+}
+
+/// One entry of a listing.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct ListEntry {
+    /// Relative to the listed directory.
+    pub path: String,
+    /// `file`, `directory`, `symlink` or `other`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub size: u64,
+    pub mode: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sha256_skipped: Option<String>,
+    #[serde(skip_serializing_if = "std::ops::Not::not", default)]
+    pub unreadable: bool,
+}
+
+/// `GET .../files/list`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Listing {
+    pub entries: Vec<ListEntry>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
+}
+
+/// The answer to an archive upload.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct ArchiveResult {
+    pub path: String,
+    pub files: u64,
+    pub bytes: u64,
+}
+
+/// `POST .../file-parts`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FilePart {
+    pub path: String,
+    pub offset: u64,
+    /// Size of the whole file.
+    pub size: u64,
+    /// Lowercase hex SHA-256 of the whole file.
+    pub sha256: String,
+    /// Base64, at most 8 MiB decoded.
+    pub data: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct FilePartResult {
+    pub path: String,
+    pub offset: u64,
+    pub size: u64,
+    pub received: u64,
+    pub complete: bool,
+}
+
+/// An API key as listed (the secret is shown once, at creation).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct ApiKey {
+    pub id: String,
+    pub name: String,
+    pub created_at: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub revoked_at: Option<String>,
+    /// Only in the answer to a create.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CreateKey {
+    pub name: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_serialize_as_their_names() {
+        for code in [ErrorCode::SandboxCommandCapacity, ErrorCode::IdempotencyConflict, ErrorCode::Internal] {
+            let json = serde_json::to_string(&code).expect("serialize");
+            assert_eq!(json, format!("\"{}\"", code.as_str()));
+        }
+        assert_eq!(ErrorCode::SandboxCommandCapacity.status(), 429);
+        assert_eq!(ErrorCode::SandboxSessionNotRunning.status(), 409);
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        assert!(serde_json::from_str::<CreateSandbox>(r#"{"templat":"base"}"#).is_err());
+        assert!(serde_json::from_str::<ExecRequest>(r#"{"command":"true","bogus":1}"#).is_err());
+    }
+
+    #[test]
+    fn states_round_trip() {
+        for st in SandboxState::ALL {
+            assert_eq!(SandboxState::parse(st.as_str()), Some(st));
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! File transfers (being written).

@@ -1,0 +1,8 @@
+//! The control plane of hutch: sandboxes and their lifetimes, commands and
+//! their idempotency, file transfers, and the reconciler.
+//!
+//! Architecture invariant: this crate knows no HTTP and no SQL. It takes
+//! typed requests (hutch-api), keeps state through the `Store` trait
+//! (hutch-store), and drives sandboxes through hutch-runtime.
+
+pub mod files;
