@@ -5,4 +5,12 @@
 //! typed requests (hutch-api), keeps state through the `Store` trait
 //! (hutch-store), and drives sandboxes through hutch-runtime.
 
+pub mod control;
+pub mod error;
+pub mod exec;
 pub mod files;
+pub mod keys;
+pub mod metrics;
+
+pub use control::Control;
+pub use error::ControlError;

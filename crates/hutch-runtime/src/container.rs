@@ -226,7 +226,7 @@ impl Runtime {
                 return Err(e.into());
             }
         };
-        let socket = self.cfg.run_dir.join("sockets").join(format!("{id}.sock"));
+        let socket = self.socket_path(&id);
         marks.mark("cgroup");
         let mut sandbox = Sandbox { id, pid: 0, socket, cgroup, slot: Some(slot), timings: Vec::new() };
         let launched = helper.finish().map_err(io_err("create the sandbox's namespaces")).and_then(|ns| {
@@ -360,6 +360,25 @@ impl Runtime {
         cleaned
     }
 
+    /// Where the agent socket of sandbox `id` lives.
+    pub fn socket_path(&self, id: &str) -> PathBuf {
+        self.cfg.run_dir.join("sockets").join(format!("{id}.sock"))
+    }
+
+    /// Takes charge of a sandbox started by an earlier run of the daemon: its
+    /// PID 1 is no longer our child, and its uid range is held by its PID 1
+    /// alone ([`Runtime::sweep`] frees it once the sandbox is destroyed).
+    pub fn adopt(&self, id: &str) -> Sandbox {
+        Sandbox {
+            id: id.to_owned(),
+            pid: 0,
+            socket: self.socket_path(id),
+            cgroup: Cgroup::existing(&self.layout, id),
+            slot: None,
+            timings: Vec::new(),
+        }
+    }
+
     /// Ids of sandbox cgroups that exist on the host.
     pub fn cgroups(&self) -> std::collections::BTreeSet<String> {
         cgroup::list_sandboxes(&self.layout)
@@ -376,6 +395,21 @@ impl Sandbox {
         self.cgroup.freeze()
     }
 
+    /// Whether any process of the sandbox still runs.
+    pub fn is_alive(&self) -> bool {
+        if self.pid > 0 && self.slot.is_some() {
+            // Our own child: reap it if it died, so it leaves no zombie.
+            // SAFETY: waitpid with WNOHANG on our child; status is a valid out-pointer.
+            let mut status = 0;
+            let r = unsafe { libc::waitpid(self.pid, &mut status, libc::WNOHANG) };
+            if r == self.pid || r < 0 {
+                return false;
+            }
+            return true;
+        }
+        self.cgroup.has_processes()
+    }
+
     pub fn thaw(&self) -> Result<(), CgroupError> {
         self.cgroup.thaw()
     }
@@ -385,7 +419,9 @@ impl Sandbox {
     pub fn destroy(self) -> Result<(), RuntimeError> {
         let Sandbox { pid, socket, cgroup, slot, .. } = self;
         let _ = cgroup.kill_all();
-        if pid > 0 {
+        // Only a sandbox we started is our child; an adopted one's PID 1 was
+        // reparented, and its pid may have been reused since.
+        if pid > 0 && slot.is_some() {
             crate::sys::kill(pid, libc::SIGKILL);
             crate::sys::reap(pid);
         }

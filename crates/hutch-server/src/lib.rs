@@ -1,1 +1,133 @@
-//! The HTTP layer (being written).
+//! hutch's HTTP layer: the native API, authentication, metrics and the
+//! OpenAPI document, over the control plane.
+//!
+//! Architecture invariant: this is the only crate that knows HTTP. Handlers
+//! parse a request into typed values (hutch-api), call the control plane,
+//! and render its typed answer; every error goes through one mapping
+//! (`ApiError`), and the internals of a 5xx are logged, never sent.
+
+mod openapi;
+mod routes;
+
+use axum::body::Body;
+use axum::extract::{FromRequest, Request};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use hutch_api::{ErrorBody, ErrorCode};
+use hutch_control::{Control, ControlError};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+pub use routes::router;
+
+/// Shared state of every handler.
+pub struct App {
+    pub control: Arc<Control>,
+}
+
+/// An error as the API answers it.
+#[derive(Debug)]
+pub struct ApiError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> ApiError {
+        ApiError { code, message: message.into() }
+    }
+
+    pub fn invalid(message: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorCode::InvalidRequest, message)
+    }
+}
+
+impl From<ControlError> for ApiError {
+    fn from(e: ControlError) -> ApiError {
+        if e.code() == ErrorCode::Internal {
+            hutch_control::control::log("error", &e.to_string());
+        }
+        ApiError { code: e.code(), message: e.public_message() }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.code.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let body = ErrorBody { error: self.message, code: self.code };
+        let mut resp = (status, axum::Json(body)).into_response();
+        if self.code == ErrorCode::Unauthorized {
+            resp.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+        }
+        resp
+    }
+}
+
+pub type ApiResult<T> = Result<T, ApiError>;
+
+/// A JSON body: malformed or unknown fields are a 400 with our error body,
+/// and the size is bounded.
+pub struct JsonBody<T>(pub T);
+
+/// Largest JSON body (a base64 file of 8 MiB plus envelope).
+pub const JSON_LIMIT: usize = 12 << 20;
+
+impl<S, T> FromRequest<S> for JsonBody<T>
+where
+    T: serde::de::DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
+        let bytes = axum::body::to_bytes(req.into_body(), JSON_LIMIT)
+            .await
+            .map_err(|_| ApiError::new(ErrorCode::PayloadTooLarge, format!("body above {JSON_LIMIT} bytes")))?;
+        if bytes.is_empty() {
+            return serde_json::from_slice(b"{}").map(JsonBody).map_err(|e| ApiError::invalid(format!("body: {e}")));
+        }
+        serde_json::from_slice(&bytes).map(JsonBody).map_err(|e| ApiError::invalid(format!("body: {e}")))
+    }
+}
+
+/// The `Idempotency-Key` header, if any.
+pub fn idempotency_key(headers: &HeaderMap) -> ApiResult<Option<String>> {
+    match headers.get("idempotency-key") {
+        None => Ok(None),
+        Some(v) => {
+            let s = v.to_str().map_err(|_| ApiError::invalid("Idempotency-Key must be ASCII"))?;
+            if s.is_empty() || s.len() > 256 {
+                return Err(ApiError::invalid("Idempotency-Key must be 1 to 256 characters"));
+            }
+            Ok(Some(s.to_owned()))
+        }
+    }
+}
+
+/// A stream of body chunks fed by a channel.
+pub struct ChannelBody(pub tokio::sync::mpsc::Receiver<Result<bytes::Bytes, std::io::Error>>);
+
+impl futures_core::Stream for ChannelBody {
+    type Item = Result<bytes::Bytes, std::io::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.0.poll_recv(cx)
+    }
+}
+
+impl ChannelBody {
+    pub fn into_body(self) -> Body {
+        Body::from_stream(self)
+    }
+}
+
+/// Serves the API on `listener` until `shutdown` completes, then lets
+/// in-flight requests finish.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Arc<App>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(app)).with_graceful_shutdown(shutdown).await
+}

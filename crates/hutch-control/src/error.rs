@@ -1,0 +1,73 @@
+//! The control plane's errors, and the one place that maps them onto the
+//! API's stable codes.
+
+use hutch_api::ErrorCode;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("unknown template {0:?}")]
+    UnknownTemplate(String),
+    #[error("no sandbox {0}")]
+    NoSandbox(String),
+    #[error("no process {pid} in sandbox {sandbox}")]
+    NoProcess { sandbox: String, pid: u32 },
+    #[error("sandbox {id} is {state}, not running; the command was not sent")]
+    NotRunning { id: String, state: &'static str },
+    #[error("all {0} command slots of the sandbox are in use; nothing was started")]
+    Capacity(usize),
+    #[error("this Idempotency-Key was used with a different request")]
+    IdempotencyConflict,
+    #[error("sandbox execution outcome is unknown; the command will not be repeated")]
+    OutcomeUnknown,
+    #[error("sandbox failed to start; command was not executed; reason: {0}")]
+    StartFailed(String),
+    #[error("the host cannot start another sandbox: {0}")]
+    NoCapacity(String),
+    /// A stored refusal replayed for its Idempotency-Key.
+    #[error("{message}")]
+    Replayed { code: ErrorCode, message: String },
+    /// A file operation's refusal, already carrying its API code.
+    #[error("{message}")]
+    Files { code: ErrorCode, message: String },
+    #[error("store: {0}")]
+    Store(#[from] hutch_store::StoreError),
+    #[error("sandbox {sandbox}: agent: {source}")]
+    Agent { sandbox: String, source: hutch_runtime::agent::AgentError },
+    #[error("runtime: {0}")]
+    Runtime(String),
+    #[error("shutting down")]
+    ShuttingDown,
+}
+
+impl ControlError {
+    /// The API code of each error: one exhaustive match, no wildcard.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            ControlError::Invalid(_) => ErrorCode::InvalidRequest,
+            ControlError::UnknownTemplate(_) => ErrorCode::UnknownTemplate,
+            ControlError::NoSandbox(_) | ControlError::NoProcess { .. } => ErrorCode::NotFound,
+            ControlError::NotRunning { .. } => ErrorCode::SandboxSessionNotRunning,
+            ControlError::Capacity(_) => ErrorCode::SandboxCommandCapacity,
+            ControlError::IdempotencyConflict => ErrorCode::IdempotencyConflict,
+            ControlError::OutcomeUnknown => ErrorCode::ExecutionOutcomeUnknown,
+            ControlError::StartFailed(_) => ErrorCode::SandboxStartFailed,
+            ControlError::NoCapacity(_) => ErrorCode::SandboxCapacityUnavailable,
+            ControlError::Replayed { code, .. } => *code,
+            ControlError::Files { code, .. } => *code,
+            ControlError::Store(_) | ControlError::Agent { .. } | ControlError::Runtime(_) => ErrorCode::Internal,
+            ControlError::ShuttingDown => ErrorCode::Unavailable,
+        }
+    }
+
+    /// The message shown to clients: internals of a 5xx are logged, never sent.
+    pub fn public_message(&self) -> String {
+        match self.code() {
+            ErrorCode::Internal => "internal error; see the server log".to_owned(),
+            _ => self.to_string(),
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, ControlError>;

@@ -1,0 +1,566 @@
+//! Commands in a running sandbox: foreground (a capped JSON result or a
+//! stream of events), background, reattach, signals, stdin; the 64 command
+//! slots; the Idempotency-Key journal; and one-shot executions.
+//!
+//! Idempotency: a key's first use takes it (`running`); the outcome is
+//! stored when the command ends (without output when output is not kept).
+//! A retry with the same key and body replays it; another body is a
+//! conflict; a key whose command still runs, or whose outcome was lost in a
+//! restart, is refused and never run twice. A capacity refusal frees the key;
+//! a not-running refusal is stored and replayed.
+
+use crate::control::{request_hash, Control, Live};
+use crate::error::{ControlError, Result};
+use hutch_agent::proto::{self, Cmd, FromAgent, Reply, Request, Spawn, Stream, Target};
+use hutch_api::{
+    CreateSandbox, ErrorBody, ErrorCode, ExecEvent, ExecRequest, ExecResult, ExecutionRequest, ExecutionResult, Process,
+    ProcessList, Started, COMMAND_SLOTS, OUTPUT_CAP,
+};
+use hutch_runtime::agent_async::AsyncConn;
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// How often a quiet event stream carries a ping.
+pub const PING_EVERY: Duration = Duration::from_secs(15);
+
+/// What an exec answers.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum ExecReply {
+    Result(ExecResult),
+    Background(Started),
+}
+
+/// The journal form of an outcome: a reply or a stored refusal.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(untagged)]
+enum Stored {
+    Refused(ErrorBody),
+    Reply(ExecReply),
+}
+
+fn validate(req: &ExecRequest) -> Result<Cmd> {
+    let cmd = match (&req.command, &req.argv) {
+        (Some(c), None) if !c.is_empty() && c.len() <= 256 * 1024 && !c.contains('\0') => Cmd::Shell(c.clone()),
+        (None, Some(a))
+            if !a.is_empty()
+                && a.len() <= 4096
+                && a.iter().all(|s| !s.contains('\0'))
+                && a.iter().map(String::len).sum::<usize>() <= 256 * 1024 =>
+        {
+            Cmd::Argv(a.clone())
+        }
+        (Some(_), Some(_)) | (None, None) => {
+            return Err(ControlError::Invalid("give exactly one of command and argv".into()));
+        }
+        _ => return Err(ControlError::Invalid("command or argv is empty, too long or holds NUL".into())),
+    };
+    if req.env.len() > 256
+        || req.env.iter().any(|(k, v)| k.is_empty() || k.contains(['=', '\0']) || v.contains('\0') || v.len() > 32 * 1024)
+    {
+        return Err(ControlError::Invalid("env: invalid entry".into()));
+    }
+    if let Some(t) = req.timeout_seconds {
+        if !(1..=86_400).contains(&t) {
+            return Err(ControlError::Invalid("timeout_seconds must be 1 to 86400".into()));
+        }
+    }
+    if let Some(u) = &req.user {
+        if u.is_empty() || u.len() > 32 || !u.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') {
+            return Err(ControlError::Invalid("user must be a plain user name".into()));
+        }
+    }
+    if let Some(c) = &req.cwd {
+        proto::normalize_path(c, "/workspace").map_err(|_| ControlError::Invalid("cwd is not a valid path".into()))?;
+    }
+    if req.stdin.as_ref().is_some_and(|s| s.len() > proto::MAX_DATA) {
+        return Err(ControlError::Invalid("stdin above 4 MiB".into()));
+    }
+    Ok(cmd)
+}
+
+/// Output of one stream, kept up to the cap.
+#[derive(Default)]
+struct Capped {
+    data: Vec<u8>,
+    truncated: bool,
+}
+
+impl Capped {
+    fn push(&mut self, bytes: &[u8]) {
+        let room = OUTPUT_CAP - self.data.len();
+        if bytes.len() > room {
+            self.truncated = true;
+        }
+        self.data.extend_from_slice(&bytes[..bytes.len().min(room)]);
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.data).into_owned()
+    }
+}
+
+/// Releases a command slot when dropped.
+struct Slot(Arc<Live>, Arc<crate::metrics::Metrics>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.slots.fetch_sub(1, Ordering::SeqCst);
+        self.1.commands_running.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+fn agent_err(sandbox: &str) -> impl Fn(hutch_runtime::agent::AgentError) -> ControlError + '_ {
+    move |e| match e {
+        hutch_runtime::agent::AgentError::Refused { code, message } => ControlError::Files {
+            code: match code {
+                proto::ErrorCode::UnknownUser | proto::ErrorCode::InvalidRequest | proto::ErrorCode::InvalidPath => {
+                    ErrorCode::InvalidRequest
+                }
+                proto::ErrorCode::NotFound | proto::ErrorCode::NotADirectory => ErrorCode::InvalidRequest,
+                proto::ErrorCode::UnknownProcess => ErrorCode::NotFound,
+                proto::ErrorCode::Capacity | proto::ErrorCode::TagInUse => ErrorCode::SandboxCommandCapacity,
+                proto::ErrorCode::NoSpace => ErrorCode::SandboxDiskFull,
+                _ => ErrorCode::Internal,
+            },
+            message,
+        },
+        source => ControlError::Agent { sandbox: sandbox.to_owned(), source },
+    }
+}
+
+impl Control {
+    /// Runs a command. With `events`, output is also streamed there as it
+    /// comes (the stream ends when the command does; a dropped receiver does
+    /// not stop the command).
+    pub async fn exec(
+        self: &Arc<Self>,
+        owner: &str,
+        id: &str,
+        req: &ExecRequest,
+        key: Option<&str>,
+        events: Option<mpsc::Sender<ExecEvent>>,
+    ) -> Result<ExecReply> {
+        let cmd = validate(req)?;
+        // The sandbox must exist (404) before a key is taken for it.
+        self.record(owner, id)?;
+        let hash = request_hash(req);
+        if let Some(key) = key {
+            if let Some(replay) = self.journal_begin(id, key, &hash)? {
+                return replay;
+            }
+        }
+        let live = match self.running(owner, id) {
+            Ok(l) => l,
+            Err(e) => {
+                if let Some(key) = key {
+                    self.journal_finish(id, key, &Stored::Refused(ErrorBody { error: e.to_string(), code: e.code() }));
+                }
+                return Err(e);
+            }
+        };
+        if live.slots.fetch_add(1, Ordering::SeqCst) >= COMMAND_SLOTS {
+            live.slots.fetch_sub(1, Ordering::SeqCst);
+            if let Some(key) = key {
+                let _ = self.store.release_exec(id, key);
+            }
+            return Err(ControlError::Capacity(COMMAND_SLOTS));
+        }
+        self.metrics.commands_running.fetch_add(1, Ordering::Relaxed);
+        self.metrics.commands_total.fetch_add(1, Ordering::Relaxed);
+        let slot = Slot(live.clone(), self.metrics.clone());
+        let keep = req.keep_output.unwrap_or(true);
+        let outcome = self.run(&live, cmd, req, events, slot).await;
+        if let Some(key) = key {
+            match &outcome {
+                Ok(ExecReply::Result(r)) if !keep => {
+                    let stripped = ExecResult { stdout: String::new(), stderr: String::new(), ..r.clone() };
+                    self.journal_finish(id, key, &Stored::Reply(ExecReply::Result(stripped)));
+                }
+                Ok(reply) => self.journal_finish(id, key, &Stored::Reply(reply.clone())),
+                // A refusal before the spawn frees the key; anything after
+                // it leaves the outcome unknown (the key stays `running`).
+                Err(ControlError::Files { .. }) => {
+                    let _ = self.store.release_exec(id, key);
+                }
+                Err(_) => {}
+            }
+        }
+        outcome
+    }
+
+    /// Takes the key, or answers what it holds.
+    fn journal_begin(&self, scope: &str, key: &str, hash: &str) -> Result<Option<Result<ExecReply>>> {
+        if key.is_empty() || key.len() > 256 {
+            return Err(ControlError::Invalid("Idempotency-Key must be 1 to 256 characters".into()));
+        }
+        match self.store.begin_exec(scope, key, hash, crate::control::now_ms())? {
+            hutch_store::Begin::Started => Ok(None),
+            hutch_store::Begin::Existing(e) if e.request_hash != hash => Err(ControlError::IdempotencyConflict),
+            hutch_store::Begin::Existing(e) if e.state == "done" => {
+                let stored: Stored = e
+                    .result
+                    .as_deref()
+                    .and_then(|r| serde_json::from_str(r).ok())
+                    .ok_or_else(|| ControlError::Runtime("unreadable journal entry".into()))?;
+                Ok(Some(match stored {
+                    Stored::Reply(r) => Ok(r),
+                    Stored::Refused(b) => Err(ControlError::Replayed { code: b.code, message: b.error }),
+                }))
+            }
+            hutch_store::Begin::Existing(_) => Err(ControlError::OutcomeUnknown),
+        }
+    }
+
+    fn journal_finish(&self, scope: &str, key: &str, stored: &Stored) {
+        match serde_json::to_string(stored) {
+            Ok(json) => {
+                if let Err(e) = self.store.finish_exec(scope, key, &json) {
+                    crate::control::log_warn(&format!("journal {scope}/{key}: {e}"));
+                }
+            }
+            Err(e) => crate::control::log_warn(&format!("journal {scope}/{key}: {e}")),
+        }
+    }
+
+    async fn run(
+        self: &Arc<Self>,
+        live: &Arc<Live>,
+        cmd: Cmd,
+        req: &ExecRequest,
+        events: Option<mpsc::Sender<ExecEvent>>,
+        slot: Slot,
+    ) -> Result<ExecReply> {
+        let t0 = Instant::now();
+        let sid = live.id.as_str();
+        let mut conn = AsyncConn::connect(&live.socket).await.map_err(agent_err(sid))?;
+        let background = req.background.unwrap_or(false);
+        let spawn = Spawn {
+            cmd,
+            env: req.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            cwd: req.cwd.clone(),
+            user: req.user.clone(),
+            stdin: req.stdin.is_some() || background,
+            pty: None,
+            tag: None,
+            timeout_ms: req.timeout_seconds.map(|s| s * 1000),
+            subscribe: true,
+        };
+        let pid = match conn.call(Request::Spawn(spawn), &[]).await.map_err(agent_err(sid))? {
+            (Reply::Spawned { pid }, _) => pid,
+            (other, _) => return Err(ControlError::Runtime(format!("agent answered {other:?} to spawn"))),
+        };
+        if let Some(input) = &req.stdin {
+            conn.call(Request::Stdin { pid }, input.as_bytes()).await.map_err(agent_err(sid))?;
+            conn.call(Request::CloseStdin { pid }, &[]).await.map_err(agent_err(sid))?;
+        }
+        if background {
+            // The connection stays open in a task that holds the slot until
+            // the command exits; its output is kept by the agent for replay.
+            let _ = conn.send(Request::Detach { pid }, &[]).await;
+            tokio::spawn(async move {
+                let _slot = slot;
+                if let Ok(mut watch) = AsyncConn::connect(&_slot.0.socket).await {
+                    if watch.call(Request::Attach { target: Target::Pid(pid) }, &[]).await.is_ok() {
+                        while let Ok((msg, _)) = watch.recv().await {
+                            if matches!(msg, FromAgent::Exit { pid: p, .. } if p == pid) {
+                                break;
+                            }
+                        }
+                    }
+                }
+            });
+            return Ok(ExecReply::Background(Started { pid }));
+        }
+        let mut events = events;
+        if let Some(tx) = &events {
+            if tx.send(ExecEvent::Start { pid }).await.is_err() {
+                events = None;
+            }
+        }
+        let (mut out, mut err) = (Capped::default(), Capped::default());
+        let status = loop {
+            let next = tokio::time::timeout(PING_EVERY, conn.recv()).await;
+            let (msg, data) = match next {
+                Err(_) => {
+                    if let Some(tx) = &events {
+                        if tx.send(ExecEvent::Ping).await.is_err() {
+                            events = None;
+                        }
+                    }
+                    continue;
+                }
+                Ok(m) => m.map_err(agent_err(sid))?,
+            };
+            match msg {
+                FromAgent::Output { pid: p, stream } if p == pid => {
+                    if let Some(tx) = &events {
+                        let text = String::from_utf8_lossy(&data).into_owned();
+                        let ev = match stream {
+                            Stream::Stdout => ExecEvent::Stdout { data: text },
+                            Stream::Stderr => ExecEvent::Stderr { data: text },
+                        };
+                        if tx.send(ev).await.is_err() {
+                            // The client left; the command goes on.
+                            events = None;
+                        }
+                    }
+                    match stream {
+                        Stream::Stdout => out.push(&data),
+                        Stream::Stderr => err.push(&data),
+                    }
+                }
+                FromAgent::Exit { pid: p, status } if p == pid => break status,
+                _ => {}
+            }
+        };
+        drop(slot);
+        let duration_ms = t0.elapsed().as_millis() as u64;
+        self.metrics.exec_latency.observe(t0.elapsed().as_secs_f64());
+        let exit_code = status.shell_code();
+        if let Some(tx) = &events {
+            let _ = tx.send(ExecEvent::Exit { exit_code, timed_out: status.timed_out, duration_ms }).await;
+        }
+        Ok(ExecReply::Result(ExecResult {
+            stdout: out.text(),
+            stderr: err.text(),
+            exit_code,
+            stdout_truncated: out.truncated,
+            stderr_truncated: err.truncated,
+            timed_out: status.timed_out,
+            duration_ms,
+            output_kept: req.keep_output.unwrap_or(true),
+        }))
+    }
+
+    pub async fn processes(&self, owner: &str, id: &str) -> Result<ProcessList> {
+        let live = self.running(owner, id)?;
+        let mut conn = AsyncConn::connect(&live.socket).await.map_err(agent_err(id))?;
+        match conn.call(Request::List, &[]).await.map_err(agent_err(id))? {
+            (Reply::Processes { processes }, _) => Ok(ProcessList {
+                processes: processes
+                    .into_iter()
+                    .map(|p| Process {
+                        pid: p.pid,
+                        tag: p.tag,
+                        command: match p.cmd {
+                            Cmd::Argv(a) => a,
+                            Cmd::Shell(s) => vec!["/bin/sh".into(), "-c".into(), s],
+                        },
+                        user: p.user,
+                        cwd: p.cwd,
+                    })
+                    .collect(),
+            }),
+            (other, _) => Err(ControlError::Runtime(format!("agent answered {other:?} to list"))),
+        }
+    }
+
+    pub async fn signal(&self, owner: &str, id: &str, pid: u32, signal: &serde_json::Value) -> Result<()> {
+        let sig = parse_signal(signal).ok_or_else(|| ControlError::Invalid("unknown signal".into()))?;
+        let live = self.running(owner, id)?;
+        let mut conn = AsyncConn::connect(&live.socket).await.map_err(agent_err(id))?;
+        conn.call(Request::Signal { pid, signal: sig }, &[]).await.map_err(|e| self.no_process(id, pid, e))?;
+        Ok(())
+    }
+
+    pub async fn stdin(&self, owner: &str, id: &str, pid: u32, data: &[u8], eof: bool) -> Result<()> {
+        let live = self.running(owner, id)?;
+        let mut conn = AsyncConn::connect(&live.socket).await.map_err(agent_err(id))?;
+        if !data.is_empty() {
+            conn.call(Request::Stdin { pid }, data).await.map_err(|e| self.no_process(id, pid, e))?;
+        }
+        if eof {
+            conn.call(Request::CloseStdin { pid }, &[]).await.map_err(|e| self.no_process(id, pid, e))?;
+        }
+        Ok(())
+    }
+
+    fn no_process(&self, id: &str, pid: u32, e: hutch_runtime::agent::AgentError) -> ControlError {
+        match e {
+            hutch_runtime::agent::AgentError::Refused { code: proto::ErrorCode::UnknownProcess, .. } => {
+                ControlError::NoProcess { sandbox: id.to_owned(), pid }
+            }
+            other => agent_err(id)(other),
+        }
+    }
+
+    /// Reattaches to a running command: its kept output, then live output,
+    /// then its exit, as events.
+    pub async fn attach(&self, owner: &str, id: &str, pid: u32, tx: mpsc::Sender<ExecEvent>) -> Result<()> {
+        let live = self.running(owner, id)?;
+        let mut conn = AsyncConn::connect(&live.socket).await.map_err(agent_err(id))?;
+        conn.call(Request::Attach { target: Target::Pid(pid) }, &[]).await.map_err(|e| self.no_process(id, pid, e))?;
+        let sid = id.to_owned();
+        tokio::spawn(async move {
+            if tx.send(ExecEvent::Start { pid }).await.is_err() {
+                return;
+            }
+            loop {
+                let ev = match tokio::time::timeout(PING_EVERY, conn.recv()).await {
+                    Err(_) => ExecEvent::Ping,
+                    Ok(Err(e)) => ExecEvent::Error { code: ErrorCode::Internal, error: format!("sandbox {sid}: {e}") },
+                    Ok(Ok((FromAgent::Output { pid: p, stream }, data))) if p == pid => {
+                        let data = String::from_utf8_lossy(&data).into_owned();
+                        match stream {
+                            Stream::Stdout => ExecEvent::Stdout { data },
+                            Stream::Stderr => ExecEvent::Stderr { data },
+                        }
+                    }
+                    Ok(Ok((FromAgent::Exit { pid: p, status }, _))) if p == pid => {
+                        ExecEvent::Exit { exit_code: status.shell_code(), timed_out: status.timed_out, duration_ms: 0 }
+                    }
+                    Ok(Ok(_)) => continue,
+                };
+                let last = matches!(ev, ExecEvent::Exit { .. } | ExecEvent::Error { .. });
+                if tx.send(ev).await.is_err() || last {
+                    return;
+                }
+            }
+        });
+        Ok(())
+    }
+
+    /// One command in a fresh sandbox, destroyed before the answer.
+    pub async fn execution(
+        self: &Arc<Self>,
+        owner: &str,
+        req: &ExecutionRequest,
+        key: Option<&str>,
+    ) -> Result<ExecutionResult> {
+        let exec = ExecRequest {
+            command: req.command.clone(),
+            argv: req.argv.clone(),
+            env: req.env.clone(),
+            cwd: req.cwd.clone(),
+            user: req.user.clone(),
+            timeout_seconds: req.timeout_seconds,
+            keep_output: req.keep_output,
+            background: None,
+            stdin: req.stdin.clone(),
+        };
+        validate(&exec)?;
+        crate::control::template(req.template.as_deref())?;
+        crate::control::resolve_limits(req.memory_mb, req.limits.as_ref())?;
+        let scope = format!("owner:{owner}");
+        let hash = request_hash(req);
+        if let Some(key) = key {
+            if let Some(replay) = self.journal_begin(&scope, key, &hash)? {
+                return match replay? {
+                    ExecReply::Result(result) => {
+                        Ok(ExecutionResult { sandbox_id: String::new(), result })
+                    }
+                    ExecReply::Background(_) => Err(ControlError::OutcomeUnknown),
+                };
+            }
+        }
+        let create = CreateSandbox {
+            template: req.template.clone(),
+            ttl_seconds: Some(req.timeout_seconds.unwrap_or(3600).saturating_add(60).min(24 * 3600)),
+            memory_mb: req.memory_mb,
+            limits: req.limits.clone(),
+            wait_seconds: Some(60),
+            ..CreateSandbox::default()
+        };
+        let created = self.create(owner, &create, None).await;
+        let (sb, _) = match created {
+            Ok(c) => c,
+            Err(e) => {
+                if let Some(key) = key {
+                    let _ = self.store.release_exec(&scope, key);
+                }
+                return Err(e);
+            }
+        };
+        let outcome = self.exec(owner, &sb.id, &exec, None, None).await;
+        let _ = self.destroy_now(&sb.id, None).await;
+        let result = match outcome? {
+            ExecReply::Result(r) => r,
+            ExecReply::Background(_) => return Err(ControlError::Runtime("one-shot ran in the background".into())),
+        };
+        if let Some(key) = key {
+            let kept = if req.keep_output.unwrap_or(true) {
+                result.clone()
+            } else {
+                ExecResult { stdout: String::new(), stderr: String::new(), ..result.clone() }
+            };
+            self.journal_finish(&scope, key, &Stored::Reply(ExecReply::Result(kept)));
+        }
+        Ok(ExecutionResult { sandbox_id: sb.id, result })
+    }
+}
+
+/// A signal as a number (1..=64) or a name, with or without `SIG`.
+pub fn parse_signal(v: &serde_json::Value) -> Option<i32> {
+    if let Some(n) = v.as_i64() {
+        return (1..=64).contains(&n).then_some(n as i32);
+    }
+    let name = v.as_str()?.to_ascii_uppercase();
+    let name = name.strip_prefix("SIG").unwrap_or(&name);
+    Some(match name {
+        "HUP" => libc::SIGHUP,
+        "INT" => libc::SIGINT,
+        "QUIT" => libc::SIGQUIT,
+        "KILL" => libc::SIGKILL,
+        "USR1" => libc::SIGUSR1,
+        "USR2" => libc::SIGUSR2,
+        "TERM" => libc::SIGTERM,
+        "CONT" => libc::SIGCONT,
+        "STOP" => libc::SIGSTOP,
+        "TSTP" => libc::SIGTSTP,
+        "WINCH" => libc::SIGWINCH,
+        "ALRM" => libc::SIGALRM,
+        "PIPE" => libc::SIGPIPE,
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exactly_one_of_command_and_argv() {
+        let both = ExecRequest { command: Some("x".into()), argv: Some(vec!["x".into()]), ..Default::default() };
+        assert!(validate(&both).is_err());
+        assert!(validate(&ExecRequest::default()).is_err());
+        let nul = ExecRequest { command: Some("a\0b".into()), ..Default::default() };
+        assert!(validate(&nul).is_err());
+        let ok = ExecRequest { argv: Some(vec!["true".into()]), ..Default::default() };
+        assert_eq!(validate(&ok).expect("valid"), Cmd::Argv(vec!["true".into()]));
+        let bad_cwd = ExecRequest { command: Some("x".into()), cwd: Some("../etc".into()), ..Default::default() };
+        assert!(validate(&bad_cwd).is_err());
+    }
+
+    #[test]
+    fn output_is_capped_with_a_flag() {
+        let mut c = Capped::default();
+        c.push(&vec![b'a'; OUTPUT_CAP - 1]);
+        assert!(!c.truncated);
+        c.push(b"bc");
+        assert!(c.truncated);
+        assert_eq!(c.data.len(), OUTPUT_CAP);
+    }
+
+    #[test]
+    fn signals_parse_by_number_and_name() {
+        assert_eq!(parse_signal(&serde_json::json!(9)), Some(9));
+        assert_eq!(parse_signal(&serde_json::json!("SIGTERM")), Some(libc::SIGTERM));
+        assert_eq!(parse_signal(&serde_json::json!("kill")), Some(libc::SIGKILL));
+        assert_eq!(parse_signal(&serde_json::json!(0)), None);
+        assert_eq!(parse_signal(&serde_json::json!("BOGUS")), None);
+    }
+
+    #[test]
+    fn stored_outcomes_round_trip() {
+        let r = Stored::Reply(ExecReply::Background(Started { pid: 7 }));
+        let json = serde_json::to_string(&r).expect("ser");
+        assert!(matches!(serde_json::from_str::<Stored>(&json).expect("de"), Stored::Reply(ExecReply::Background(_))));
+        let e = Stored::Refused(ErrorBody { error: "no".into(), code: ErrorCode::SandboxSessionNotRunning });
+        let json = serde_json::to_string(&e).expect("ser");
+        assert!(matches!(serde_json::from_str::<Stored>(&json).expect("de"), Stored::Refused(_)));
+    }
+}

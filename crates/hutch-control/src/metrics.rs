@@ -1,0 +1,125 @@
+//! Counters, gauges and histograms of the control plane, rendered in the
+//! Prometheus text format. Lock-free on the hot paths.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+
+/// A histogram with fixed buckets (upper bounds in seconds).
+pub struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<AtomicU64>,
+    sum_micros: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    pub fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            counts: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
+            sum_micros: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    pub fn observe(&self, secs: f64) {
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            if secs <= *b {
+                c.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.sum_micros.fetch_add((secs.max(0.0) * 1e6) as u64, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn render(&self, name: &str, help: &str, out: &mut String) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {}", c.load(Ordering::Relaxed));
+        }
+        let count = self.count.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(out, "{name}_sum {}", self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6);
+        let _ = writeln!(out, "{name}_count {count}");
+    }
+}
+
+const LATENCY: &[f64] = &[0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+
+pub struct Metrics {
+    pub create_to_ready: Histogram,
+    pub exec_latency: Histogram,
+    pub commands_running: AtomicI64,
+    pub commands_total: AtomicU64,
+    /// Seconds, as f64 bits.
+    reconciler_lag: AtomicU64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            create_to_ready: Histogram::new(LATENCY),
+            exec_latency: Histogram::new(LATENCY),
+            commands_running: AtomicI64::new(0),
+            commands_total: AtomicU64::new(0),
+            reconciler_lag: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Metrics {
+    pub fn set_reconciler_lag(&self, secs: f64) {
+        self.reconciler_lag.store(secs.to_bits(), Ordering::Relaxed);
+    }
+
+    /// The whole exposition; `states` is the count of sandboxes per state.
+    pub fn render(&self, states: &[(String, u64)]) -> String {
+        let mut out = String::with_capacity(4096);
+        let _ = writeln!(out, "# HELP hutch_sandboxes Sandboxes by state.\n# TYPE hutch_sandboxes gauge");
+        for st in hutch_api::SandboxState::ALL {
+            let n = states.iter().find(|(s, _)| s == st.as_str()).map_or(0, |(_, n)| *n);
+            let _ = writeln!(out, "hutch_sandboxes{{state=\"{}\"}} {n}", st.as_str());
+        }
+        self.create_to_ready.render(
+            "hutch_sandbox_create_to_ready_seconds",
+            "Time from a create request to a running sandbox.",
+            &mut out,
+        );
+        self.exec_latency.render("hutch_exec_seconds", "Time from an exec request to the command's exit.", &mut out);
+        let _ = writeln!(
+            out,
+            "# HELP hutch_commands_running Commands running now.\n# TYPE hutch_commands_running gauge\nhutch_commands_running {}",
+            self.commands_running.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP hutch_commands_total Commands started.\n# TYPE hutch_commands_total counter\nhutch_commands_total {}",
+            self.commands_total.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP hutch_reconciler_lag_seconds How long past its expiry the latest expired sandbox was reaped.\n\
+             # TYPE hutch_reconciler_lag_seconds gauge\nhutch_reconciler_lag_seconds {}",
+            f64::from_bits(self.reconciler_lag.load(Ordering::Relaxed))
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_buckets_cumulatively() {
+        let m = Metrics::default();
+        m.exec_latency.observe(0.0015);
+        m.exec_latency.observe(0.3);
+        let text = m.render(&[("running".into(), 3)]);
+        assert!(text.contains("hutch_sandboxes{state=\"running\"} 3"));
+        assert!(text.contains("hutch_sandboxes{state=\"suspended\"} 0"));
+        assert!(text.contains("hutch_exec_seconds_bucket{le=\"0.002\"} 1"));
+        assert!(text.contains("hutch_exec_seconds_bucket{le=\"0.5\"} 2"));
+        assert!(text.contains("hutch_exec_seconds_count 2"));
+    }
+}

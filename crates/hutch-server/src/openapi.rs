@@ -1,0 +1,50 @@
+//! The OpenAPI document, generated from the handlers' annotations and the
+//! wire types; served at `/v1/openapi.json`.
+
+use axum::Json;
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "hutch", description = "The native API of hutch, a sandbox host for code you do not trust."),
+    paths(
+        crate::routes::create_sandbox,
+        crate::routes::list_sandboxes,
+        crate::routes::get_sandbox,
+        crate::routes::delete_sandbox,
+        crate::routes::extend_sandbox,
+        crate::routes::suspend_sandbox,
+        crate::routes::resume_sandbox,
+        crate::routes::exec,
+        crate::routes::processes,
+        crate::routes::signal,
+        crate::routes::stdin,
+        crate::routes::stream,
+        crate::routes::execution,
+    ),
+    components(schemas(
+        hutch_api::ErrorBody, hutch_api::ErrorCode, hutch_api::Sandbox, hutch_api::SandboxList, hutch_api::SandboxState,
+        hutch_api::CreateSandbox, hutch_api::LimitsRequest, hutch_api::Limits, hutch_api::Extend, hutch_api::ExecRequest,
+        hutch_api::ExecResult, hutch_api::ExecEvent, hutch_api::Started, hutch_api::ExecutionRequest,
+        hutch_api::ExecutionResult, hutch_api::Process, hutch_api::ProcessList, hutch_api::SignalRequest,
+        hutch_api::StdinRequest,
+    )),
+    modifiers(&BearerAuth),
+    security(("bearer" = []))
+)]
+struct Doc;
+
+struct BearerAuth;
+
+impl Modify for BearerAuth {
+    fn modify(&self, api: &mut utoipa::openapi::OpenApi) {
+        if let Some(c) = api.components.as_mut() {
+            c.add_security_scheme("bearer", SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()));
+        }
+    }
+}
+
+pub fn document() -> Json<utoipa::openapi::OpenApi> {
+    Json(Doc::openapi())
+}

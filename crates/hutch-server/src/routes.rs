@@ -1,0 +1,323 @@
+//! The native API's routes and their handlers.
+
+use crate::{idempotency_key, ApiError, ApiResult, App, ChannelBody, JsonBody};
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use hutch_api::{
+    CreateSandbox, ErrorCode, ExecEvent, ExecRequest, ExecutionRequest, ExecutionResult, Extend, ProcessList, Sandbox,
+    SandboxList, SignalRequest, StdinRequest,
+};
+use hutch_control::exec::ExecReply;
+use serde::Deserialize;
+use std::sync::Arc;
+
+/// Who is calling: the id of their API key.
+#[derive(Clone, Debug)]
+pub struct Caller {
+    pub key_id: String,
+}
+
+type AppState = State<Arc<App>>;
+
+pub fn router(app: Arc<App>) -> Router {
+    let api = Router::new()
+        .route("/v1/sandboxes", post(create_sandbox).get(list_sandboxes))
+        .route("/v1/sandboxes/{id}", get(get_sandbox).delete(delete_sandbox))
+        .route("/v1/sandboxes/{id}/extend", post(extend_sandbox))
+        .route("/v1/sandboxes/{id}/suspend", post(suspend_sandbox))
+        .route("/v1/sandboxes/{id}/resume", post(resume_sandbox))
+        .route("/v1/sandboxes/{id}/exec", post(exec))
+        .route("/v1/sandboxes/{id}/processes", get(processes))
+        .route("/v1/sandboxes/{id}/processes/{pid}/signal", post(signal))
+        .route("/v1/sandboxes/{id}/processes/{pid}/stdin", post(stdin))
+        .route("/v1/sandboxes/{id}/processes/{pid}/stream", get(stream))
+        .route("/v1/executions", post(execution))
+        .route("/metrics", get(metrics))
+        .route_layer(middleware::from_fn_with_state(app.clone(), authenticate));
+    Router::new()
+        .merge(api)
+        .route("/healthz", get(healthz))
+        .route("/v1/openapi.json", get(openapi))
+        .fallback(not_found)
+        .with_state(app)
+}
+
+async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
+    let secret = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .unwrap_or("");
+    match hutch_control::keys::authenticate(app.control.store.as_ref(), secret) {
+        Ok(Some(key)) => {
+            req.extensions_mut().insert(Caller { key_id: key.id });
+            next.run(req).await
+        }
+        Ok(None) => ApiError::new(ErrorCode::Unauthorized, "a valid API key is required: Authorization: Bearer <key>")
+            .into_response(),
+        Err(e) => ApiError::from(hutch_control::ControlError::Store(e)).into_response(),
+    }
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(ErrorCode::NotFound, "no such route")
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn openapi() -> Response {
+    let mut resp = crate::openapi::document().into_response();
+    resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    resp
+}
+
+async fn metrics(State(app): AppState) -> ApiResult<Response> {
+    let states = app.control.store.count_by_state().map_err(|e| ApiError::from(hutch_control::ControlError::Store(e)))?;
+    let text = app.control.metrics.render(&states);
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
+}
+
+/// Sandbox ids in paths: malformed ones can name nothing.
+fn sandbox_id(id: &str) -> ApiResult<&str> {
+    hutch_runtime::container::valid_id(id).map_err(|_| ApiError::new(ErrorCode::NotFound, format!("no sandbox {id}")))?;
+    Ok(id)
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes", request_body = CreateSandbox,
+    params(("Idempotency-Key" = Option<String>, Header, description = "Replays the create for the same key and body")),
+    responses((status = 201, body = Sandbox), (status = 200, body = Sandbox, description = "replayed"),
+              (status = 400, body = hutch_api::ErrorBody), (status = 409, body = hutch_api::ErrorBody),
+              (status = 429, body = hutch_api::ErrorBody), (status = 503, body = hutch_api::ErrorBody)))]
+pub(crate) async fn create_sandbox(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    JsonBody(req): JsonBody<CreateSandbox>,
+) -> ApiResult<Response> {
+    let key = idempotency_key(&headers)?;
+    let (sb, created) = app.control.create(&caller.key_id, &req, key.as_deref()).await?;
+    let status = if created { StatusCode::CREATED } else { StatusCode::OK };
+    Ok((status, Json(sb)).into_response())
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ListQuery {
+    limit: Option<u32>,
+    cursor: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes", params(ListQuery),
+    responses((status = 200, body = SandboxList), (status = 400, body = hutch_api::ErrorBody)))]
+pub(crate) async fn list_sandboxes(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult<Json<SandboxList>> {
+    let Query(q) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
+    Ok(Json(app.control.list(&caller.key_id, q.limit, q.cursor.as_deref())?))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}", params(("id" = String, Path)),
+    responses((status = 200, body = Sandbox), (status = 404, body = hutch_api::ErrorBody)))]
+pub(crate) async fn get_sandbox(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Sandbox>> {
+    Ok(Json(app.control.get(&caller.key_id, sandbox_id(&id)?)?))
+}
+
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}", params(("id" = String, Path)),
+    responses((status = 200, body = Sandbox), (status = 404, body = hutch_api::ErrorBody)))]
+pub(crate) async fn delete_sandbox(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Sandbox>> {
+    Ok(Json(app.control.delete(&caller.key_id, sandbox_id(&id)?).await?))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/extend", params(("id" = String, Path)), request_body = Extend,
+    responses((status = 200, body = Sandbox), (status = 400, body = hutch_api::ErrorBody),
+              (status = 404, body = hutch_api::ErrorBody), (status = 409, body = hutch_api::ErrorBody)))]
+pub(crate) async fn extend_sandbox(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    JsonBody(req): JsonBody<Extend>,
+) -> ApiResult<Json<Sandbox>> {
+    Ok(Json(app.control.extend(&caller.key_id, sandbox_id(&id)?, &req)?))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/suspend", params(("id" = String, Path)),
+    responses((status = 200, body = Sandbox), (status = 404, body = hutch_api::ErrorBody), (status = 409, body = hutch_api::ErrorBody)))]
+pub(crate) async fn suspend_sandbox(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Sandbox>> {
+    Ok(Json(app.control.suspend(&caller.key_id, sandbox_id(&id)?).await?))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", params(("id" = String, Path)),
+    responses((status = 200, body = Sandbox), (status = 404, body = hutch_api::ErrorBody), (status = 409, body = hutch_api::ErrorBody)))]
+pub(crate) async fn resume_sandbox(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Sandbox>> {
+    Ok(Json(app.control.resume(&caller.key_id, sandbox_id(&id)?).await?))
+}
+
+fn wants_ndjson(headers: &HeaderMap) -> bool {
+    headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|v| v.contains("application/x-ndjson"))
+}
+
+/// Streams events as NDJSON, one flushed line each.
+fn ndjson(mut rx: tokio::sync::mpsc::Receiver<ExecEvent>) -> Response {
+    let (tx, body_rx) = tokio::sync::mpsc::channel(16);
+    tokio::spawn(async move {
+        while let Some(ev) = rx.recv().await {
+            let mut line = serde_json::to_vec(&ev).unwrap_or_default();
+            line.push(b'\n');
+            if tx.send(Ok(bytes::Bytes::from(line))).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut resp = ChannelBody(body_rx).into_body().into_response();
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/x-ndjson"));
+    resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    resp
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/exec", params(("id" = String, Path),
+    ("Idempotency-Key" = Option<String>, Header, description = "Replays the command's stored result for the same key and body")),
+    request_body = ExecRequest,
+    responses((status = 200, body = hutch_api::ExecResult, description = "JSON result, an NDJSON stream of ExecEvent with Accept: application/x-ndjson, or {pid} for background"),
+              (status = 400, body = hutch_api::ErrorBody), (status = 404, body = hutch_api::ErrorBody),
+              (status = 409, body = hutch_api::ErrorBody), (status = 429, body = hutch_api::ErrorBody)))]
+pub(crate) async fn exec(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    JsonBody(req): JsonBody<ExecRequest>,
+) -> ApiResult<Response> {
+    let id = sandbox_id(&id)?.to_owned();
+    let key = idempotency_key(&headers)?;
+    if wants_ndjson(&headers) && !req.background.unwrap_or(false) {
+        let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+        let control = app.control.clone();
+        let mut task = tokio::spawn(async move { control.exec(&caller.key_id, &id, &req, key.as_deref(), Some(tx)).await });
+        // Until the first event, a failure is still a plain JSON error with
+        // its status; after it, the stream carries everything.
+        tokio::select! {
+            first = rx.recv() => {
+                let (out_tx, out_rx) = tokio::sync::mpsc::channel(64);
+                tokio::spawn(async move {
+                    let mut next = first;
+                    while let Some(ev) = next {
+                        if out_tx.send(ev).await.is_err() {
+                            break;
+                        }
+                        next = rx.recv().await;
+                    }
+                    // A client that left does not stop the command.
+                    let _ = task.await;
+                });
+                return Ok(ndjson(out_rx));
+            }
+            done = &mut task => {
+                let reply = done.map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))??;
+                // A replayed result: send it as the events it was.
+                let (out_tx, out_rx) = tokio::sync::mpsc::channel(4);
+                if let ExecReply::Result(r) = reply {
+                    for ev in [
+                        ExecEvent::Stdout { data: r.stdout },
+                        ExecEvent::Stderr { data: r.stderr },
+                        ExecEvent::Exit { exit_code: r.exit_code, timed_out: r.timed_out, duration_ms: r.duration_ms },
+                    ] {
+                        let _ = out_tx.try_send(ev);
+                    }
+                }
+                return Ok(ndjson(out_rx));
+            }
+        }
+    }
+    match app.control.exec(&caller.key_id, &id, &req, key.as_deref(), None).await? {
+        ExecReply::Result(r) => Ok(Json(r).into_response()),
+        ExecReply::Background(s) => Ok(Json(s).into_response()),
+    }
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/processes", params(("id" = String, Path)),
+    responses((status = 200, body = ProcessList), (status = 404, body = hutch_api::ErrorBody), (status = 409, body = hutch_api::ErrorBody)))]
+pub(crate) async fn processes(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<ProcessList>> {
+    Ok(Json(app.control.processes(&caller.key_id, sandbox_id(&id)?).await?))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/processes/{pid}/signal", params(("id" = String, Path), ("pid" = u32, Path)),
+    request_body = SignalRequest,
+    responses((status = 204), (status = 400, body = hutch_api::ErrorBody), (status = 404, body = hutch_api::ErrorBody)))]
+pub(crate) async fn signal(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path((id, pid)): Path<(String, u32)>,
+    JsonBody(req): JsonBody<SignalRequest>,
+) -> ApiResult<StatusCode> {
+    app.control.signal(&caller.key_id, sandbox_id(&id)?, pid, &req.signal).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/processes/{pid}/stdin", params(("id" = String, Path), ("pid" = u32, Path)),
+    request_body = StdinRequest,
+    responses((status = 204), (status = 404, body = hutch_api::ErrorBody)))]
+pub(crate) async fn stdin(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path((id, pid)): Path<(String, u32)>,
+    JsonBody(req): JsonBody<StdinRequest>,
+) -> ApiResult<StatusCode> {
+    app.control.stdin(&caller.key_id, sandbox_id(&id)?, pid, req.data.as_bytes(), req.eof).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/processes/{pid}/stream", params(("id" = String, Path), ("pid" = u32, Path)),
+    responses((status = 200, description = "NDJSON stream of ExecEvent"), (status = 404, body = hutch_api::ErrorBody)))]
+pub(crate) async fn stream(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path((id, pid)): Path<(String, u32)>,
+) -> ApiResult<Response> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    app.control.attach(&caller.key_id, sandbox_id(&id)?, pid, tx).await?;
+    Ok(ndjson(rx))
+}
+
+#[utoipa::path(post, path = "/v1/executions", request_body = ExecutionRequest,
+    params(("Idempotency-Key" = Option<String>, Header, description = "Replays the stored result for the same key and body")),
+    responses((status = 200, body = ExecutionResult), (status = 400, body = hutch_api::ErrorBody),
+              (status = 409, body = hutch_api::ErrorBody), (status = 429, body = hutch_api::ErrorBody), (status = 503, body = hutch_api::ErrorBody)))]
+pub(crate) async fn execution(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    JsonBody(req): JsonBody<ExecutionRequest>,
+) -> ApiResult<Json<ExecutionResult>> {
+    let key = idempotency_key(&headers)?;
+    Ok(Json(app.control.execution(&caller.key_id, &req, key.as_deref()).await?))
+}
