@@ -240,6 +240,70 @@ pub enum Request {
         #[serde(default)]
         user: Option<String>,
     },
+    /// One page of a listing of the directory `path`, in [`cmp_paths`]
+    /// order (a directory right before its contents), starting after the
+    /// relative path `after`. Never follows a symlink, not even for `path`
+    /// itself. Replies [`Reply::Page`]; the entries are a JSON array of
+    /// [`PageEntry`] in the frame's data part, because a page of them does
+    /// not fit in a header.
+    ListPage {
+        path: String,
+        /// Everything below `path`, or only its direct entries.
+        recursive: bool,
+        /// Resume after this path, relative to `path`.
+        #[serde(default)]
+        after: Option<String>,
+        /// Most entries in the page, 1 to [`MAX_PAGE_ENTRIES`].
+        limit: u32,
+        #[serde(default)]
+        user: Option<String>,
+    },
+    /// Sets the permission bits of a file or directory; refuses a symlink.
+    Chmod {
+        path: String,
+        mode: u32,
+        #[serde(default)]
+        user: Option<String>,
+    },
+    /// Runs the file operation `req` with no symlink followed anywhere on
+    /// its paths (`RESOLVE_NO_SYMLINKS`, `AT_SYMLINK_NOFOLLOW`): a symlink
+    /// on the way answers [`ErrorCode::SymlinkRefused`]. Hosts use it for
+    /// writes, so that a symlink the workload planted never redirects them.
+    NoFollow { req: Box<Request> },
+}
+
+/// Most entries in one [`Request::ListPage`] reply.
+pub const MAX_PAGE_ENTRIES: u32 = 10_000;
+
+/// One entry of a [`Request::ListPage`] reply.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PageEntry {
+    /// Relative to the listed directory; UTF-8, no empty, `.` or `..`
+    /// component (names that are not UTF-8 are skipped and counted).
+    pub path: String,
+    pub kind: EntryKind,
+    pub size: u64,
+    /// Permission bits (the low 12 bits of st_mode).
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    /// Modification time, nanoseconds since the epoch.
+    pub mtime_ns: i64,
+    /// Where a symlink points, as stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
+    /// A directory the user cannot list (lacks read or search permission);
+    /// it is not entered.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unreadable: bool,
+}
+
+/// The order of listings: paths compared one `/`-separated element at a
+/// time, by bytes, so that a directory comes right before its contents
+/// (`a`, `a/b`, `a.txt`), unlike a plain byte comparison (`a`, `a.txt`, `a/b`).
+pub fn cmp_paths(a: &str, b: &str) -> std::cmp::Ordering {
+    a.split('/').map(str::as_bytes).cmp(b.split('/').map(str::as_bytes))
 }
 
 /// What to run.
@@ -408,6 +472,14 @@ pub enum Reply {
     },
     Xattrs {
         attrs: BTreeMap<String, String>,
+    },
+    /// A page of a listing: the entries are a JSON array of [`PageEntry`]
+    /// in the frame's data part. `more` says entries remain after the last
+    /// one; `skipped` counts names that could not be listed (not UTF-8, or
+    /// a path over [`MAX_PATH`]) with everything below them.
+    Page {
+        more: bool,
+        skipped: u64,
     },
     Error {
         code: ErrorCode,
@@ -656,6 +728,34 @@ mod tests {
         encode(&msg, b"", &mut buf).expect("encode");
         let frame = split_frame(&buf).expect("valid").expect("complete");
         assert_eq!(parse_header::<FromAgent>(frame.header).expect("decodes"), msg);
+    }
+
+    #[test]
+    fn cmp_paths_puts_a_directory_right_before_its_contents() {
+        let mut v = vec!["a.txt", "a/b", "a", "a/b/c", "a-b", "b", "a/a"];
+        v.sort_by(|x, y| cmp_paths(x, y));
+        assert_eq!(v, ["a", "a/a", "a/b", "a/b/c", "a-b", "a.txt", "b"]);
+    }
+
+    #[test]
+    fn old_request_shapes_still_parse_and_new_ones_round_trip() {
+        let old = br#"{"id":1,"req":{"op":"list_dir","path":"/w","depth":2}}"#;
+        assert!(parse_header::<ToAgent>(old).is_ok());
+        let req = Request::NoFollow {
+            req: Box::new(Request::ListPage {
+                path: "/w".into(),
+                recursive: true,
+                after: Some("a/b".into()),
+                limit: 10,
+                user: None,
+            }),
+        };
+        let mut buf = Vec::new();
+        encode(&ToAgent { id: 2, req: req.clone() }, b"", &mut buf).expect("encode");
+        let frame = split_frame(&buf).expect("valid").expect("complete");
+        assert_eq!(parse_header::<ToAgent>(frame.header).expect("parse").req, req);
+        let short = br#"{"id":1,"req":{"op":"list_page","path":"/w","recursive":false,"limit":5}}"#;
+        assert!(parse_header::<ToAgent>(short).is_ok());
     }
 
     #[test]

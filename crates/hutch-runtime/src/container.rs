@@ -399,8 +399,8 @@ impl Sandbox {
     pub fn is_alive(&self) -> bool {
         if self.pid > 0 && self.slot.is_some() {
             // Our own child: reap it if it died, so it leaves no zombie.
-            // SAFETY: waitpid with WNOHANG on our child; status is a valid out-pointer.
             let mut status = 0;
+            // SAFETY: waitpid with WNOHANG on our child; status is a valid out-pointer.
             let r = unsafe { libc::waitpid(self.pid, &mut status, libc::WNOHANG) };
             if r == self.pid || r < 0 {
                 return false;

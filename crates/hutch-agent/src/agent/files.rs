@@ -4,11 +4,12 @@
 //! done relative to a directory descriptor, never through a path string.
 //! Operations run with the file system ids of the requesting user.
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use hutch_agent::proto::{self, Entry, EntryKind, ErrorCode, Reply, WriteFile};
+use hutch_agent::proto::{self, Entry, EntryKind, ErrorCode, PageEntry, Reply, WriteFile};
 
 use super::sys::{self, Errno};
 
@@ -109,21 +110,46 @@ fn join(dir: &str, name: &str) -> String {
 /// The sandbox's tree, reached through a descriptor of its root.
 pub struct Fs {
     root: OwnedFd,
+    /// Set while a [`proto::Request::NoFollow`] runs: no symlink anywhere.
+    no_follow: Cell<bool>,
+}
+
+/// Turns [`Fs`]'s no-follow mode off again when dropped.
+pub struct NoFollowGuard<'a>(&'a Fs);
+
+impl Drop for NoFollowGuard<'_> {
+    fn drop(&mut self) {
+        self.0.no_follow.set(false);
+    }
 }
 
 impl Fs {
     pub fn new(root: OwnedFd) -> Fs {
-        Fs { root }
+        Fs { root, no_follow: Cell::new(false) }
     }
 
     pub fn root(&self) -> BorrowedFd<'_> {
         self.root.as_fd()
     }
 
+    /// Refuses every symlink on every path until the guard is dropped.
+    pub fn no_follow(&self) -> NoFollowGuard<'_> {
+        self.no_follow.set(true);
+        NoFollowGuard(self)
+    }
+
+    fn resolve(&self) -> u64 {
+        if self.no_follow.get() {
+            RESOLVE | libc::RESOLVE_NO_SYMLINKS
+        } else {
+            RESOLVE
+        }
+    }
+
     /// Opens a normalised absolute path inside the root.
     pub fn open(&self, path: &str, flags: libc::c_int, mode: u32) -> Result<OwnedFd, Errno> {
         let c = CString::new(path).map_err(|_| Errno(libc::EINVAL))?;
-        sys::openat2(self.root.as_fd(), &c, flags, mode, RESOLVE)
+        sys::openat2(self.root.as_fd(), &c, flags, mode, self.resolve())
     }
 
     /// Opens the directory holding `path`'s final component, and that name.
@@ -240,6 +266,56 @@ impl Fs {
         Ok(Reply::Entries { entries, truncated })
     }
 
+    /// One page of a listing, see [`proto::Request::ListPage`]. The root
+    /// is opened with no symlink followed; entries below it are reached
+    /// through directory descriptors opened with `O_NOFOLLOW`.
+    pub fn list_page(
+        &self,
+        path: &str,
+        recursive: bool,
+        after: Option<&str>,
+        limit: u32,
+    ) -> FsResult<(Reply, Vec<u8>)> {
+        if limit == 0 || limit > proto::MAX_PAGE_ENTRIES {
+            return Err(FsError::new(
+                ErrorCode::InvalidRequest,
+                format!("limit {limit} out of range 1..={}", proto::MAX_PAGE_ENTRIES),
+            ));
+        }
+        let after: Option<Vec<&[u8]>> = match after {
+            None => None,
+            Some(a) => {
+                let parts: Vec<&[u8]> = a.split('/').map(str::as_bytes).collect();
+                if a.len() > proto::MAX_PATH || parts.iter().any(|p| p.is_empty() || *p == b"." || *p == b"..") {
+                    return Err(FsError::new(ErrorCode::InvalidRequest, format!("invalid resume path {a:?}")));
+                }
+                Some(parts)
+            }
+        };
+        let flags = libc::O_RDONLY | libc::O_DIRECTORY;
+        let c = cpath(path)?;
+        let fd = sys::openat2(self.root.as_fd(), &c, flags, 0, RESOLVE | libc::RESOLVE_NO_SYMLINKS)
+            .map_err(|e| FsError::os("list", path, e))?;
+        // Listing needs search permission too: look up "." through it.
+        sys::openat(fd.as_fd(), c".", libc::O_PATH | libc::O_DIRECTORY, 0).map_err(|e| FsError::os("list", path, e))?;
+        let mut page = Page { data: vec![b'['], count: 0, limit: limit as usize, more: false, skipped: 0 };
+        walk_page(&fd, "", after.as_deref(), recursive, &mut page).map_err(|e| FsError::os("list", path, e))?;
+        page.data.push(b']');
+        Ok((Reply::Page { more: page.more, skipped: page.skipped }, page.data))
+    }
+
+    /// Sets permission bits, refusing a symlink as the final component.
+    pub fn chmod(&self, path: &str, mode: u32) -> FsResult<Reply> {
+        let (dir, name) = self.parent(path, "chmod")?;
+        let st =
+            sys::fstatat(dir.as_fd(), &name, libc::AT_SYMLINK_NOFOLLOW).map_err(|e| FsError::os("chmod", path, e))?;
+        if st.st_mode & libc::S_IFMT == libc::S_IFLNK {
+            return Err(FsError::new(ErrorCode::SymlinkRefused, format!("chmod {path}: is a symlink")));
+        }
+        sys::fchmodat(dir.as_fd(), &name, mode & 0o7777).map_err(|e| FsError::os("chmod", path, e))?;
+        Ok(Reply::Ok)
+    }
+
     pub fn mkdir(&self, path: &str, parents: bool) -> FsResult<Reply> {
         if parents {
             return Ok(Reply::Created { created: self.mkdir_parents(path)? });
@@ -260,7 +336,8 @@ impl Fs {
             created = match sys::mkdirat(dir.as_fd(), &name, 0o755) {
                 Ok(()) => true,
                 Err(Errno(libc::EEXIST)) => {
-                    let st = sys::fstatat(dir.as_fd(), &name, 0).map_err(|e| FsError::os("mkdir", &prefix, e))?;
+                    let flags = if self.no_follow.get() { libc::AT_SYMLINK_NOFOLLOW } else { 0 };
+                    let st = sys::fstatat(dir.as_fd(), &name, flags).map_err(|e| FsError::os("mkdir", &prefix, e))?;
                     if !is_dir(&st) {
                         return Err(FsError::new(
                             ErrorCode::AlreadyExists,
@@ -393,6 +470,126 @@ fn walk(
         }
     }
     Ok(())
+}
+
+/// A page being filled: the JSON array so far and its bounds.
+struct Page {
+    data: Vec<u8>,
+    count: usize,
+    limit: usize,
+    more: bool,
+    skipped: u64,
+}
+
+impl Page {
+    /// Adds an entry; false when the page is full (and `more` is set).
+    fn push(&mut self, e: &PageEntry) -> bool {
+        let Ok(bytes) = serde_json::to_vec(e) else { return true };
+        if self.count >= self.limit || self.data.len() + bytes.len() + 2 > proto::MAX_DATA {
+            self.more = true;
+            return false;
+        }
+        if self.count > 0 {
+            self.data.push(b',');
+        }
+        self.data.extend_from_slice(&bytes);
+        self.count += 1;
+        true
+    }
+}
+
+/// Whether the user can list a directory: read it and search it.
+fn open_listable(dir: BorrowedFd<'_>, name: &CString) -> Result<Option<OwnedFd>, Errno> {
+    let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW;
+    let sub = match sys::openat(dir, name, flags, 0) {
+        Ok(sub) => sub,
+        Err(Errno(libc::EACCES)) | Err(Errno(libc::EPERM)) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    match sys::openat(sub.as_fd(), c".", libc::O_PATH | libc::O_DIRECTORY, 0) {
+        Ok(_) => Ok(Some(sub)),
+        Err(Errno(libc::EACCES)) | Err(Errno(libc::EPERM)) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Depth-first listing in [`proto::cmp_paths`] order: each directory's
+/// names sorted by bytes, a directory before its contents. `after` holds the
+/// remaining elements of the resume path below this directory. Returns
+/// false once the page is full.
+fn walk_page(
+    dir: &OwnedFd,
+    rel: &str,
+    after: Option<&[&[u8]]>,
+    recursive: bool,
+    page: &mut Page,
+) -> Result<bool, Errno> {
+    let mut names: Vec<CString> = sys::read_dir(dir.as_fd())?.into_iter().map(|d| d.name).collect();
+    names.sort_unstable_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
+    for name in names {
+        let (emit, below) = match after {
+            Some([first, rest @ ..]) => match name.as_bytes().cmp(first) {
+                std::cmp::Ordering::Less => continue,
+                std::cmp::Ordering::Equal => (false, if rest.is_empty() { None } else { Some(rest) }),
+                std::cmp::Ordering::Greater => (true, None),
+            },
+            _ => (true, None),
+        };
+        let Ok(utf8) = std::str::from_utf8(name.as_bytes()) else {
+            if emit {
+                page.skipped += 1;
+            }
+            continue;
+        };
+        let child = if rel.is_empty() { utf8.to_string() } else { format!("{rel}/{utf8}") };
+        if child.len() > proto::MAX_PATH {
+            if emit {
+                page.skipped += 1;
+            }
+            continue;
+        }
+        let st = match sys::fstatat(dir.as_fd(), &name, libc::AT_SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(Errno(libc::ENOENT)) => continue,
+            Err(e) => return Err(e),
+        };
+        let (sub, unreadable) = if is_dir(&st) {
+            match open_listable(dir.as_fd(), &name) {
+                Ok(Some(sub)) => (Some(sub), false),
+                Ok(None) => (None, true),
+                Err(Errno(libc::ENOENT)) | Err(Errno(libc::ENOTDIR)) | Err(Errno(libc::ELOOP)) => continue,
+                Err(e) => return Err(e),
+            }
+        } else {
+            (None, false)
+        };
+        if emit {
+            let kind = kind_of(st.st_mode);
+            let e = PageEntry {
+                path: child.clone(),
+                kind,
+                size: if kind == EntryKind::File { st.st_size as u64 } else { 0 },
+                mode: st.st_mode & 0o7777,
+                uid: st.st_uid,
+                gid: st.st_gid,
+                mtime_ns: (st.st_mtime as i128 * 1_000_000_000 + st.st_mtime_nsec as i128)
+                    .clamp(i64::MIN as i128, i64::MAX as i128) as i64,
+                target: link_target(dir.as_fd(), &name, &st),
+                unreadable,
+            };
+            if !page.push(&e) {
+                return Ok(false);
+            }
+        }
+        if recursive {
+            if let Some(sub) = sub {
+                if !walk_page(&sub, &child, below, recursive, page)? {
+                    return Ok(false);
+                }
+            }
+        }
+    }
+    Ok(true)
 }
 
 /// Cuts `entries` so that a reply holding them fits in one frame header;

@@ -969,6 +969,15 @@ impl Agent {
     // -- files and watches ---------------------------------------------------
 
     fn file_op(&mut self, conn: u64, req: Request, data: &[u8]) -> Result<(Reply, Vec<u8>), FsError> {
+        let (req, _no_follow) = match req {
+            Request::NoFollow { req } => match *req {
+                Request::NoFollow { .. } | Request::Watch { .. } => {
+                    return Err(FsError::new(ErrorCode::InvalidRequest, "no_follow cannot wrap this operation"))
+                }
+                inner => (inner, Some(self.fs.no_follow())),
+            },
+            other => (other, None),
+        };
         let user = match &req {
             Request::ReadFile { user, .. }
             | Request::Stat { user, .. }
@@ -978,7 +987,9 @@ impl Agent {
             | Request::Remove { user, .. }
             | Request::Watch { user, .. }
             | Request::SetXattrs { user, .. }
-            | Request::GetXattrs { user, .. } => user.as_deref(),
+            | Request::GetXattrs { user, .. }
+            | Request::ListPage { user, .. }
+            | Request::Chmod { user, .. } => user.as_deref(),
             Request::WriteFile(w) => w.user.as_deref(),
             _ => return Err(FsError::new(ErrorCode::InvalidRequest, "not a file operation")),
         };
@@ -1002,6 +1013,10 @@ impl Agent {
             Request::Remove { path, .. } => (fs.remove(&norm(&path)?)?, none()),
             Request::SetXattrs { path, attrs, .. } => (fs.set_xattrs(&norm(&path)?, &attrs)?, none()),
             Request::GetXattrs { path, .. } => (fs.get_xattrs(&norm(&path)?)?, none()),
+            Request::ListPage { path, recursive, after, limit, .. } => {
+                fs.list_page(&norm(&path)?, recursive, after.as_deref(), limit)?
+            }
+            Request::Chmod { path, mode, .. } => (fs.chmod(&norm(&path)?, mode)?, none()),
             Request::Watch { path, recursive, .. } => {
                 let path = norm(&path)?;
                 fs.open_dir(&path)?;

@@ -713,6 +713,11 @@ pub fn mkdirat(dir: BorrowedFd<'_>, name: &CStr, mode: libc::mode_t) -> SysResul
     cvt(unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), mode) }).map(|_| ())
 }
 
+pub fn fchmodat(dir: BorrowedFd<'_>, name: &CStr, mode: libc::mode_t) -> SysResult<()> {
+    // SAFETY: name is NUL-terminated.
+    cvt(unsafe { libc::fchmodat(dir.as_raw_fd(), name.as_ptr(), mode, 0) }).map(|_| ())
+}
+
 pub fn unlinkat(dir: BorrowedFd<'_>, name: &CStr, flags: libc::c_int) -> SysResult<()> {
     // SAFETY: name is NUL-terminated.
     cvt(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), flags) }).map(|_| ())
