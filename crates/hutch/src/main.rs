@@ -1,7 +1,10 @@
-//! The `hutch` binary: one-shot runs and host checks today; the daemon and
-//! its command line client build on the same runtime.
+//! The `hutch` binary: the daemon (`serve`), its command line client, one-shot
+//! runs without a daemon (`run`), and host checks (`doctor`). Thin: the work
+//! is in the library crates.
 
+mod cli;
 mod run;
+mod serve;
 mod units;
 
 use clap::{Parser, Subcommand};
@@ -17,6 +20,16 @@ struct Cli {
 enum Command {
     /// Run one command in a fresh sandbox, without a daemon.
     Run(run::RunArgs),
+    /// Run the daemon: the HTTP API on --listen, state in --state-dir.
+    Serve(serve::ServeArgs),
+    /// Create, list and manage sandboxes of a running daemon.
+    Sandbox(cli::sandbox::SandboxArgs),
+    /// Run a command in a sandbox of a running daemon.
+    Exec(cli::exec::ExecArgs),
+    /// Copy files into and out of a sandbox of a running daemon.
+    Files(cli::files::FilesArgs),
+    /// Manage API keys in the daemon's database (on its host, no HTTP).
+    Key(cli::keys::KeyArgs),
     /// Report what this host offers for sandboxes and what it lacks.
     Doctor {
         /// Print the report as JSON.
@@ -29,6 +42,11 @@ fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
         Command::Run(args) => run::main(args),
+        Command::Serve(args) => serve::main(args),
+        Command::Sandbox(args) => cli::sandbox::main(args),
+        Command::Exec(args) => cli::exec::main(args),
+        Command::Files(args) => cli::files::main(args),
+        Command::Key(args) => cli::keys::main(args),
         Command::Doctor { json } => doctor(json),
     };
     std::process::exit(code);

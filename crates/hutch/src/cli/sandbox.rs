@@ -1,0 +1,366 @@
+//! `hutch sandbox ...`: create, list, inspect, extend, suspend, resume and
+//! delete sandboxes of a running daemon.
+
+use super::output::{self, table};
+use super::{parse_mib, parse_pairs, parse_seconds, report, ClientOpts};
+use clap::{Args, Subcommand};
+use hutch_api::{CreateSandbox, Extend, LimitsRequest, Sandbox};
+
+#[derive(Args, Debug)]
+pub struct SandboxArgs {
+    #[command(flatten)]
+    pub conn: ClientOpts,
+    #[command(subcommand)]
+    pub command: SandboxCommand,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum SandboxCommand {
+    /// Create a sandbox and print it.
+    Create(CreateArgs),
+    /// List sandboxes, newest first.
+    List {
+        /// Sandboxes per page.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        limit: Option<u32>,
+        /// Start after this cursor (from a previous page).
+        #[arg(long)]
+        cursor: Option<String>,
+        /// Follow the cursors and list every sandbox.
+        #[arg(long)]
+        all: bool,
+        /// Print JSON (a SandboxList).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one sandbox.
+    Get {
+        id: String,
+        /// Print JSON (a Sandbox).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete sandboxes (their processes are killed and their files lost).
+    #[command(visible_alias = "rm")]
+    Delete {
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+    /// Push a sandbox's expiry later.
+    Extend {
+        id: String,
+        /// Add this much to the current expiry: 10m, 1h, ...
+        #[arg(long, value_parser = parse_seconds, group = "how", value_name = "DURATION")]
+        by: Option<u64>,
+        /// Set the expiry to this time (RFC 3339, as 2030-01-02T15:04:05Z).
+        #[arg(long, group = "how", value_name = "RFC3339")]
+        until: Option<String>,
+    },
+    /// Freeze a sandbox's processes; its files and memory are kept.
+    Suspend { id: String },
+    /// Thaw a suspended sandbox.
+    Resume { id: String },
+}
+
+#[derive(Args, Debug)]
+pub struct CreateArgs {
+    /// Template name (the daemon's default, `base`, when absent).
+    #[arg(long)]
+    template: Option<String>,
+    /// Lifetime from now: 10m, 1h, ... (the template's default when absent).
+    #[arg(long, value_parser = parse_seconds, value_name = "DURATION")]
+    ttl: Option<u64>,
+    /// Memory limit: 512M, 1G, ...
+    #[arg(long, value_parser = parse_mib, value_name = "SIZE")]
+    memory: Option<u64>,
+    /// CPUs worth of time (fractions allowed).
+    #[arg(long)]
+    vcpus: Option<f64>,
+    /// Size of the writable layer: 2G, ...
+    #[arg(long, value_parser = parse_mib, value_name = "SIZE")]
+    disk: Option<u64>,
+    /// Most processes and threads at once.
+    #[arg(long)]
+    pids: Option<u32>,
+    /// Environment of every process in the sandbox (repeatable).
+    #[arg(long = "env", short = 'e', value_name = "K=V")]
+    env: Vec<String>,
+    /// A label returned as given (repeatable).
+    #[arg(long = "meta", value_name = "K=V")]
+    meta: Vec<String>,
+    /// Wait up to this long for the sandbox to run (0 to 60s).
+    #[arg(long, value_parser = parse_seconds, value_name = "DURATION")]
+    wait: Option<u64>,
+    /// Make the request safe to retry: the same key gives the same sandbox.
+    #[arg(long)]
+    idempotency_key: Option<String>,
+    /// Print only the new sandbox's id.
+    #[arg(long, short = 'q', conflicts_with = "json")]
+    quiet: bool,
+    /// Print JSON (a Sandbox).
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn main(args: SandboxArgs) -> i32 {
+    report(run(args), 1)
+}
+
+fn run(args: SandboxArgs) -> anyhow::Result<i32> {
+    let client = args.conn.client()?;
+    match args.command {
+        SandboxCommand::Create(c) => {
+            let req = create_request(&c)?;
+            let sb = client.create_sandbox(&req, c.idempotency_key.as_deref())?;
+            if c.quiet {
+                println!("{}", sb.id);
+            } else {
+                show(&sb, c.json)?;
+            }
+            Ok(0)
+        }
+        SandboxCommand::List { limit, cursor, all, json } => {
+            let mut page = client.list_sandboxes(limit, cursor.as_deref())?;
+            if all {
+                while let Some(next) = page.next_cursor.take() {
+                    let more = client.list_sandboxes(limit, Some(&next))?;
+                    page.sandboxes.extend(more.sandboxes);
+                    page.next_cursor = more.next_cursor;
+                }
+            }
+            if json {
+                print!("{}", output::json(&page)?);
+            } else {
+                print!("{}", list_table(&page.sandboxes, output::now_ms()));
+                if let Some(c) = &page.next_cursor {
+                    eprintln!("(more sandboxes: --all, or --cursor {c})");
+                }
+            }
+            Ok(0)
+        }
+        SandboxCommand::Get { id, json } => {
+            show(&client.get_sandbox(&id)?, json)?;
+            Ok(0)
+        }
+        SandboxCommand::Delete { ids } => {
+            let mut code = 0;
+            for id in &ids {
+                match client.delete_sandbox(id) {
+                    Ok(sb) => println!("{} {}", sb.id, sb.state.as_str()),
+                    Err(e) => {
+                        eprintln!("hutch: {id}: {e}");
+                        code = 1;
+                    }
+                }
+            }
+            Ok(code)
+        }
+        SandboxCommand::Extend { id, by, until } => {
+            let req = extend_request(by, until)?;
+            let sb = client.extend_sandbox(&id, &req)?;
+            println!("{} expires {} ({})", sb.id, sb.expires_at, output::expires(&sb.expires_at, output::now_ms()));
+            Ok(0)
+        }
+        SandboxCommand::Suspend { id } => {
+            let sb = client.suspend_sandbox(&id)?;
+            println!("{} {}", sb.id, sb.state.as_str());
+            Ok(0)
+        }
+        SandboxCommand::Resume { id } => {
+            let sb = client.resume_sandbox(&id)?;
+            println!("{} {}", sb.id, sb.state.as_str());
+            Ok(0)
+        }
+    }
+}
+
+/// The API request of `sandbox create`'s flags.
+fn create_request(c: &CreateArgs) -> anyhow::Result<CreateSandbox> {
+    let limits = if c.vcpus.is_some() || c.disk.is_some() || c.pids.is_some() {
+        Some(LimitsRequest { vcpus: c.vcpus, disk_mib: c.disk, pids: c.pids })
+    } else {
+        None
+    };
+    Ok(CreateSandbox {
+        template: c.template.clone(),
+        ttl_seconds: c.ttl,
+        memory_mb: c.memory,
+        limits,
+        env: parse_pairs("--env", &c.env)?,
+        metadata: parse_pairs("--meta", &c.meta)?,
+        wait_seconds: c.wait,
+    })
+}
+
+/// The API request of `sandbox extend`'s flags: exactly one of the two.
+fn extend_request(by: Option<u64>, until: Option<String>) -> anyhow::Result<Extend> {
+    match (by, until) {
+        (Some(by), None) => Ok(Extend { by: Some(by), until: None }),
+        (None, Some(until)) => {
+            if output::parse_rfc3339(&until).is_none() {
+                anyhow::bail!("--until {until:?}: expected an RFC 3339 time, as 2030-01-02T15:04:05Z");
+            }
+            Ok(Extend { by: None, until: Some(until) })
+        }
+        _ => anyhow::bail!("give --by DURATION or --until TIME"),
+    }
+}
+
+fn show(sb: &Sandbox, json: bool) -> anyhow::Result<()> {
+    if json {
+        print!("{}", output::json(sb)?);
+    } else {
+        print!("{}", detail(sb, output::now_ms()));
+    }
+    Ok(())
+}
+
+/// Columns of `sandbox list`.
+pub fn list_table(sbs: &[Sandbox], now_ms: i64) -> String {
+    let rows: Vec<Vec<String>> = sbs
+        .iter()
+        .map(|s| {
+            vec![
+                s.id.clone(),
+                s.state.as_str().to_owned(),
+                s.template.clone(),
+                crate::units::show_size(s.memory_mb << 20),
+                format!("{}", s.limits.vcpus),
+                crate::units::show_size(s.limits.disk_mib << 20),
+                output::expires(&s.created_at, now_ms),
+                if matches!(s.state, hutch_api::SandboxState::Terminated) {
+                    "-".to_owned()
+                } else {
+                    output::expires(&s.expires_at, now_ms)
+                },
+            ]
+        })
+        .collect();
+    table(&["ID", "STATE", "TEMPLATE", "MEMORY", "VCPUS", "DISK", "CREATED", "EXPIRES"], &rows)
+}
+
+/// Every field of one sandbox, one per line.
+pub fn detail(sb: &Sandbox, now_ms: i64) -> String {
+    let mut rows = vec![
+        vec!["id".to_owned(), sb.id.clone()],
+        vec!["state".to_owned(), sb.state.as_str().to_owned()],
+        vec!["template".to_owned(), sb.template.clone()],
+        vec!["created".to_owned(), format!("{} ({})", sb.created_at, output::expires(&sb.created_at, now_ms))],
+        vec!["expires".to_owned(), format!("{} ({})", sb.expires_at, output::expires(&sb.expires_at, now_ms))],
+        vec!["memory".to_owned(), crate::units::show_size(sb.memory_mb << 20)],
+        vec!["vcpus".to_owned(), format!("{}", sb.limits.vcpus)],
+        vec!["disk".to_owned(), crate::units::show_size(sb.limits.disk_mib << 20)],
+        vec!["pids".to_owned(), sb.limits.pids.to_string()],
+        vec!["limits".to_owned(), sb.limits.applied.clone()],
+    ];
+    if let Some(code) = &sb.last_error_code {
+        rows.push(vec!["last error".to_owned(), code.clone()]);
+    }
+    for (k, v) in &sb.metadata {
+        rows.push(vec![format!("meta {k}"), v.clone()]);
+    }
+    let t = table(&["", ""], &rows);
+    // The header row of two empty cells is a blank line: drop it.
+    t.split_once('\n').map(|(_, rest)| rest.to_owned()).unwrap_or(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use hutch_api::{Limits, SandboxState};
+
+    #[derive(Parser)]
+    struct T {
+        #[command(subcommand)]
+        c: SandboxCommand,
+    }
+
+    fn sandbox(id: &str, state: SandboxState) -> Sandbox {
+        Sandbox {
+            id: id.into(),
+            template: "base".into(),
+            state,
+            created_at: "2023-11-14T22:03:20Z".into(),
+            expires_at: "2023-11-14T22:23:20Z".into(),
+            memory_mb: 1024,
+            limits: Limits { vcpus: 0.5, disk_mib: 2048, pids: 512, applied: "enforced".into() },
+            metadata: [("team".to_owned(), "ci".to_owned())].into(),
+            last_error_code: None,
+        }
+    }
+
+    #[test]
+    fn create_flags_become_the_request() {
+        let t = T::try_parse_from([
+            "x",
+            "create",
+            "--template",
+            "py",
+            "--ttl",
+            "10m",
+            "--memory",
+            "1G",
+            "--disk",
+            "2G",
+            "--pids",
+            "256",
+            "--env",
+            "A=1",
+            "--meta",
+            "team=ci",
+            "--wait",
+            "0",
+        ])
+        .expect("parse");
+        let SandboxCommand::Create(c) = t.c else { panic!("not create") };
+        let req = create_request(&c).expect("request");
+        assert_eq!(req.template.as_deref(), Some("py"));
+        assert_eq!(req.ttl_seconds, Some(600));
+        assert_eq!(req.memory_mb, Some(1024));
+        assert_eq!(req.wait_seconds, Some(0));
+        assert_eq!(req.limits, Some(LimitsRequest { vcpus: None, disk_mib: Some(2048), pids: Some(256) }));
+        assert_eq!(req.env.get("A").map(String::as_str), Some("1"));
+        assert_eq!(req.metadata.get("team").map(String::as_str), Some("ci"));
+        let bare = T::try_parse_from(["x", "create"]).expect("parse");
+        let SandboxCommand::Create(c) = bare.c else { panic!("not create") };
+        assert_eq!(create_request(&c).expect("request"), CreateSandbox::default());
+        assert!(T::try_parse_from(["x", "create", "--memory", "512"]).is_err());
+        assert!(T::try_parse_from(["x", "create", "--env", "NOPE"])
+            .map(|t| match t.c {
+                SandboxCommand::Create(c) => create_request(&c).is_err(),
+                _ => false,
+            })
+            .unwrap_or(false));
+    }
+
+    #[test]
+    fn extend_takes_exactly_one_of_by_and_until() {
+        assert!(T::try_parse_from(["x", "extend", "sb-1", "--by", "10m", "--until", "2030-01-01T00:00:00Z"]).is_err());
+        let t = T::try_parse_from(["x", "extend", "sb-1", "--by", "10m"]).expect("parse");
+        let SandboxCommand::Extend { by, until, .. } = t.c else { panic!("not extend") };
+        assert_eq!(extend_request(by, until).expect("req"), Extend { by: Some(600), until: None });
+        assert!(extend_request(None, Some("next week".into())).is_err());
+        assert!(extend_request(None, None).is_err());
+        let e = extend_request(None, Some("2030-01-01T00:00:00Z".into())).expect("req");
+        assert_eq!(e.until.as_deref(), Some("2030-01-01T00:00:00Z"));
+    }
+
+    #[test]
+    fn list_table_shows_one_aligned_row_per_sandbox() {
+        let now = 1_700_000_000_000; // 2023-11-14T22:13:20Z
+        let t = list_table(&[sandbox("sb-1", SandboxState::Running), sandbox("sb-22", SandboxState::Terminated)], now);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines[0], "ID     STATE       TEMPLATE  MEMORY  VCPUS  DISK  CREATED  EXPIRES");
+        assert_eq!(lines[1], "sb-1   running     base      1G      0.5    2G    10m ago  in 10m");
+        assert_eq!(lines[2], "sb-22  terminated  base      1G      0.5    2G    10m ago  -");
+    }
+
+    #[test]
+    fn detail_lists_fields_and_metadata() {
+        let d = detail(&sandbox("sb-1", SandboxState::Running), 1_700_000_000_000);
+        assert!(d.starts_with("id         sb-1\nstate      running\n"), "{d}");
+        assert!(d.contains("expires    2023-11-14T22:23:20Z (in 10m)\n"), "{d}");
+        assert!(d.contains("meta team  ci\n"), "{d}");
+    }
+}
