@@ -227,7 +227,12 @@ impl Control {
     /// Creates a sandbox and waits for it to run (up to `wait_seconds`).
     /// Returns the sandbox and whether it was created now (false: replayed
     /// for its Idempotency-Key).
-    pub async fn create(self: &Arc<Self>, owner: &str, req: &CreateSandbox, key: Option<&str>) -> Result<(Sandbox, bool)> {
+    pub async fn create(
+        self: &Arc<Self>,
+        owner: &str,
+        req: &CreateSandbox,
+        key: Option<&str>,
+    ) -> Result<(Sandbox, bool)> {
         if self.shutting_down.load(Ordering::SeqCst) {
             return Err(ControlError::ShuttingDown);
         }
@@ -242,7 +247,10 @@ impl Control {
             None => tpl.default_ttl,
         };
         if ttl > tpl.max_ttl {
-            return Err(ControlError::Invalid(format!("ttl_seconds above the template's maximum of {}", tpl.max_ttl.as_secs())));
+            return Err(ControlError::Invalid(format!(
+                "ttl_seconds above the template's maximum of {}",
+                tpl.max_ttl.as_secs()
+            )));
         }
         let wait = Duration::from_secs(req.wait_seconds.unwrap_or(10).min(60));
         let hash = request_hash(req);
@@ -280,7 +288,8 @@ impl Control {
             Ok(()) => {}
             Err(StoreError::Conflict) => {
                 // A concurrent create with the same key won the race.
-                let existing = self.store.sandbox_by_key(owner, key.unwrap_or_default())?.ok_or(ControlError::OutcomeUnknown)?;
+                let existing =
+                    self.store.sandbox_by_key(owner, key.unwrap_or_default())?.ok_or(ControlError::OutcomeUnknown)?;
                 return Ok((view(&existing), false));
             }
             Err(e) => return Err(e.into()),
@@ -292,7 +301,9 @@ impl Control {
             Ok(Ok(Err(e))) => Err(e),
             Ok(Err(_)) => Err(ControlError::Runtime("sandbox start task failed".into())),
             // Still starting: the caller polls.
-            Err(_) => Ok((view(&self.store.get_sandbox(&id)?.ok_or_else(|| ControlError::NoSandbox(id.clone()))?), true)),
+            Err(_) => {
+                Ok((view(&self.store.get_sandbox(&id)?.ok_or_else(|| ControlError::NoSandbox(id.clone()))?), true))
+            }
         }
     }
 

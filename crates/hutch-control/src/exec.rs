@@ -13,8 +13,8 @@ use crate::control::{request_hash, Control, Live};
 use crate::error::{ControlError, Result};
 use hutch_agent::proto::{self, Cmd, FromAgent, Reply, Request, Spawn, Stream, Target};
 use hutch_api::{
-    CreateSandbox, ErrorBody, ErrorCode, ExecEvent, ExecRequest, ExecResult, ExecutionRequest, ExecutionResult, Process,
-    ProcessList, Started, COMMAND_SLOTS, OUTPUT_CAP,
+    CreateSandbox, ErrorBody, ErrorCode, ExecEvent, ExecRequest, ExecResult, ExecutionRequest, ExecutionResult,
+    Process, ProcessList, Started, COMMAND_SLOTS, OUTPUT_CAP,
 };
 use hutch_runtime::agent_async::AsyncConn;
 use serde::{Deserialize, Serialize};
@@ -59,7 +59,10 @@ fn validate(req: &ExecRequest) -> Result<Cmd> {
         _ => return Err(ControlError::Invalid("command or argv is empty, too long or holds NUL".into())),
     };
     if req.env.len() > 256
-        || req.env.iter().any(|(k, v)| k.is_empty() || k.contains(['=', '\0']) || v.contains('\0') || v.len() > 32 * 1024)
+        || req
+            .env
+            .iter()
+            .any(|(k, v)| k.is_empty() || k.contains(['=', '\0']) || v.contains('\0') || v.len() > 32 * 1024)
     {
         return Err(ControlError::Invalid("env: invalid entry".into()));
     }
@@ -450,9 +453,7 @@ impl Control {
         if let Some(key) = key {
             if let Some(replay) = self.journal_begin(&scope, key, &hash)? {
                 return match replay? {
-                    ExecReply::Result(result) => {
-                        Ok(ExecutionResult { sandbox_id: String::new(), result })
-                    }
+                    ExecReply::Result(result) => Ok(ExecutionResult { sandbox_id: String::new(), result }),
                     ExecReply::Background(_) => Err(ControlError::OutcomeUnknown),
                 };
             }

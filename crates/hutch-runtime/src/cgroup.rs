@@ -456,7 +456,9 @@ impl Cgroup {
 
     /// Whether any process is in the cgroup.
     pub fn has_processes(&self) -> bool {
-        self.dirs.iter().any(|d| fs::read_to_string(d.join("cgroup.procs")).map(|t| !t.trim().is_empty()).unwrap_or(false))
+        self.dirs
+            .iter()
+            .any(|d| fs::read_to_string(d.join("cgroup.procs")).map(|t| !t.trim().is_empty()).unwrap_or(false))
     }
 
     /// Whether any directory of this cgroup still exists.

@@ -40,7 +40,10 @@ struct BearerAuth;
 impl Modify for BearerAuth {
     fn modify(&self, api: &mut utoipa::openapi::OpenApi) {
         if let Some(c) = api.components.as_mut() {
-            c.add_security_scheme("bearer", SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()));
+            c.add_security_scheme(
+                "bearer",
+                SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+            );
         }
     }
 }

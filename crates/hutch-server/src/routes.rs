@@ -80,14 +80,16 @@ async fn openapi() -> Response {
 }
 
 async fn metrics(State(app): AppState) -> ApiResult<Response> {
-    let states = app.control.store.count_by_state().map_err(|e| ApiError::from(hutch_control::ControlError::Store(e)))?;
+    let states =
+        app.control.store.count_by_state().map_err(|e| ApiError::from(hutch_control::ControlError::Store(e)))?;
     let text = app.control.metrics.render(&states);
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }
 
 /// Sandbox ids in paths: malformed ones can name nothing.
 fn sandbox_id(id: &str) -> ApiResult<&str> {
-    hutch_runtime::container::valid_id(id).map_err(|_| ApiError::new(ErrorCode::NotFound, format!("no sandbox {id}")))?;
+    hutch_runtime::container::valid_id(id)
+        .map_err(|_| ApiError::new(ErrorCode::NotFound, format!("no sandbox {id}")))?;
     Ok(id)
 }
 
@@ -218,7 +220,8 @@ pub(crate) async fn exec(
     if wants_ndjson(&headers) && !req.background.unwrap_or(false) {
         let (tx, mut rx) = tokio::sync::mpsc::channel(64);
         let control = app.control.clone();
-        let mut task = tokio::spawn(async move { control.exec(&caller.key_id, &id, &req, key.as_deref(), Some(tx)).await });
+        let mut task =
+            tokio::spawn(async move { control.exec(&caller.key_id, &id, &req, key.as_deref(), Some(tx)).await });
         // Until the first event, a failure is still a plain JSON error with
         // its status; after it, the stream carries everything.
         tokio::select! {

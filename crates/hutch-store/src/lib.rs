@@ -98,7 +98,8 @@ pub trait Store: Send + Sync {
     fn update_sandbox(&self, sb: &SandboxRecord) -> Result<()>;
     /// Newest first; `after` is the (created_at, id) of the last row of the
     /// previous page.
-    fn list_sandboxes(&self, owner: Option<&str>, after: Option<(i64, &str)>, limit: u32) -> Result<Vec<SandboxRecord>>;
+    fn list_sandboxes(&self, owner: Option<&str>, after: Option<(i64, &str)>, limit: u32)
+        -> Result<Vec<SandboxRecord>>;
     /// Sandboxes in any of these states, oldest first.
     fn sandboxes_in(&self, states: &[&str]) -> Result<Vec<SandboxRecord>>;
     /// How many sandboxes are in each state.
@@ -161,7 +162,9 @@ impl SqliteStore {
 
 fn conflict(e: rusqlite::Error) -> StoreError {
     match &e {
-        rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::ConstraintViolation => StoreError::Conflict,
+        rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::ConstraintViolation => {
+            StoreError::Conflict
+        }
         _ => StoreError::Sqlite(e),
     }
 }
@@ -239,7 +242,8 @@ impl Store for SqliteStore {
 
     fn list_keys(&self) -> Result<Vec<KeyRecord>> {
         self.with(|c| {
-            let mut st = c.prepare("SELECT id, name, hash, admin, created_at, revoked_at FROM api_keys ORDER BY created_at")?;
+            let mut st =
+                c.prepare("SELECT id, name, hash, admin, created_at, revoked_at FROM api_keys ORDER BY created_at")?;
             let rows = st.query_map([], key_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
             Ok(rows)
         })
@@ -247,7 +251,8 @@ impl Store for SqliteStore {
 
     fn revoke_key(&self, id: &str, at: i64) -> Result<bool> {
         self.with(|c| {
-            let n = c.execute("UPDATE api_keys SET revoked_at = ?2 WHERE id = ?1 AND revoked_at IS NULL", params![id, at])?;
+            let n =
+                c.execute("UPDATE api_keys SET revoked_at = ?2 WHERE id = ?1 AND revoked_at IS NULL", params![id, at])?;
             Ok(n == 1)
         })
     }
@@ -315,7 +320,12 @@ impl Store for SqliteStore {
         })
     }
 
-    fn list_sandboxes(&self, owner: Option<&str>, after: Option<(i64, &str)>, limit: u32) -> Result<Vec<SandboxRecord>> {
+    fn list_sandboxes(
+        &self,
+        owner: Option<&str>,
+        after: Option<(i64, &str)>,
+        limit: u32,
+    ) -> Result<Vec<SandboxRecord>> {
         self.with(|c| {
             let (ts, id) = after.unwrap_or((i64::MAX, ""));
             let sql = format!(
@@ -475,7 +485,9 @@ mod tests {
         }
         s.finish_exec("sb", "k", "{\"exit_code\":0}").expect("finish");
         match s.begin_exec("sb", "k", "h1", 3).expect("begin") {
-            Begin::Existing(e) => assert_eq!((e.state.as_str(), e.result.as_deref()), ("done", Some("{\"exit_code\":0}"))),
+            Begin::Existing(e) => {
+                assert_eq!((e.state.as_str(), e.result.as_deref()), ("done", Some("{\"exit_code\":0}")))
+            }
             other => panic!("{other:?}"),
         }
         assert_eq!(s.begin_exec("sb", "k2", "h", 4).expect("begin"), Begin::Started);
@@ -493,7 +505,14 @@ mod tests {
     #[test]
     fn keys_are_found_by_hash_and_revoked() {
         let s = SqliteStore::open_in_memory().expect("open");
-        let k = KeyRecord { id: "k1".into(), name: "admin".into(), hash: "abc".into(), admin: true, created_at: 1, revoked_at: None };
+        let k = KeyRecord {
+            id: "k1".into(),
+            name: "admin".into(),
+            hash: "abc".into(),
+            admin: true,
+            created_at: 1,
+            revoked_at: None,
+        };
         s.insert_key(&k).expect("insert");
         assert_eq!(s.key_by_hash("abc").expect("get"), Some(k));
         assert!(s.revoke_key("k1", 5).expect("revoke"));
