@@ -495,6 +495,17 @@ impl Control {
         Ok(live)
     }
 
+    /// File access to a running sandbox, as its user. A terminated sandbox is
+    /// not found; one that is starting or suspended is not running.
+    pub fn fs(&self, owner: &str, id: &str) -> Result<crate::files::SandboxFs> {
+        let r = self.record(owner, id)?;
+        if r.state == "terminated" {
+            return Err(ControlError::NoSandbox(id.to_owned()));
+        }
+        let live = self.running(owner, id)?;
+        Ok(crate::files::SandboxFs::new(live.socket.clone(), None))
+    }
+
     /// After a restart: takes charge of sandboxes that outlived the last
     /// daemon, finishes interrupted deletions, cleans up interrupted creates.
     pub async fn recover(self: &Arc<Self>) -> Result<()> {

@@ -52,6 +52,16 @@ impl From<ControlError> for ApiError {
     }
 }
 
+impl From<hutch_control::files::FilesError> for ApiError {
+    fn from(e: hutch_control::files::FilesError) -> ApiError {
+        if e.code == ErrorCode::Internal {
+            hutch_control::control::log("error", &e.message);
+            return ApiError::new(ErrorCode::Internal, "internal error; see the server log");
+        }
+        ApiError { code: e.code, message: e.message }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.code.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);

@@ -36,6 +36,17 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/sandboxes/{id}/processes/{pid}/stdin", post(stdin))
         .route("/v1/sandboxes/{id}/processes/{pid}/stream", get(stream))
         .route("/v1/executions", post(execution))
+        .route("/v1/sandboxes/{id}/files", get(files_get).put(files_put))
+        .route("/v1/sandboxes/{id}/files/read", post(files_read))
+        .route("/v1/sandboxes/{id}/files/write", post(files_write))
+        .route("/v1/sandboxes/{id}/files/list", get(files_list))
+        .route(
+            "/v1/sandboxes/{id}/archives",
+            post(archive_upload)
+                .get(archive_download)
+                .layer(axum::extract::DefaultBodyLimit::max(hutch_control::files::ARCHIVE_CAP + (1 << 20))),
+        )
+        .route("/v1/sandboxes/{id}/file-parts", post(file_part))
         .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(app.clone(), authenticate));
     Router::new()
@@ -323,4 +334,227 @@ pub(crate) async fn execution(
 ) -> ApiResult<Json<ExecutionResult>> {
     let key = idempotency_key(&headers)?;
     Ok(Json(app.control.execution(&caller.key_id, &req, key.as_deref()).await?))
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PathQuery {
+    /// Absolute, or relative to /workspace.
+    path: String,
+}
+
+fn query<T>(q: Result<Query<T>, axum::extract::rejection::QueryRejection>) -> ApiResult<T> {
+    q.map(|Query(v)| v).map_err(|e| ApiError::invalid(e.body_text()))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/files", params(("id" = String, Path), PathQuery),
+    responses((status = 200, description = "the file's bytes", content_type = "application/octet-stream"),
+              (status = 400, body = hutch_api::ErrorBody), (status = 404, body = hutch_api::ErrorBody)))]
+pub(crate) async fn files_get(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult<Response> {
+    let q = query(q)?;
+    let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
+    let mut chunks = fs.read_stream(&q.path).await?;
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tokio::spawn(async move {
+        while let Some(chunk) = chunks.recv().await {
+            let item = chunk.map(bytes::Bytes::from).map_err(|e| std::io::Error::other(e.message));
+            if tx.send(item).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut resp = ChannelBody(rx).into_body().into_response();
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+    Ok(resp)
+}
+
+#[utoipa::path(put, path = "/v1/sandboxes/{id}/files", params(("id" = String, Path), PathQuery),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 204), (status = 400, body = hutch_api::ErrorBody), (status = 404, body = hutch_api::ErrorBody),
+              (status = 409, body = hutch_api::ErrorBody), (status = 413, body = hutch_api::ErrorBody)))]
+pub(crate) async fn files_put(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    body: axum::body::Body,
+) -> ApiResult<StatusCode> {
+    let q = query(q)?;
+    let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
+    let (tx, rx) = tokio::sync::mpsc::channel::<Vec<u8>>(4);
+    // The body streams into the sandbox; it is never held whole.
+    let feed = tokio::spawn(async move {
+        let mut stream = body.into_data_stream();
+        while let Some(chunk) =
+            std::future::poll_fn(|cx| futures_core::Stream::poll_next(std::pin::Pin::new(&mut stream), cx)).await
+        {
+            match chunk {
+                Ok(bytes) => {
+                    if tx.send(bytes.to_vec()).await.is_err() {
+                        return Ok(());
+                    }
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        Ok(())
+    });
+    let written = fs.write_stream(&q.path, rx).await;
+    let fed = feed.await.map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
+    fed.map_err(|e| ApiError::invalid(format!("request body: {e}")))?;
+    written?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/files/read", params(("id" = String, Path)), request_body = hutch_api::FileRef,
+    responses((status = 200, body = hutch_api::FileData), (status = 400, body = hutch_api::ErrorBody),
+              (status = 404, body = hutch_api::ErrorBody), (status = 413, body = hutch_api::ErrorBody)))]
+pub(crate) async fn files_read(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    JsonBody(req): JsonBody<hutch_api::FileRef>,
+) -> ApiResult<Json<hutch_api::FileData>> {
+    use base64::Engine;
+    let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
+    let data = fs.read(&req.path).await?;
+    Ok(Json(hutch_api::FileData { path: None, data: base64::engine::general_purpose::STANDARD.encode(data) }))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/files/write", params(("id" = String, Path)), request_body = hutch_api::FileData,
+    responses((status = 204), (status = 400, body = hutch_api::ErrorBody), (status = 404, body = hutch_api::ErrorBody),
+              (status = 409, body = hutch_api::ErrorBody), (status = 413, body = hutch_api::ErrorBody)))]
+pub(crate) async fn files_write(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    JsonBody(req): JsonBody<hutch_api::FileData>,
+) -> ApiResult<StatusCode> {
+    use base64::Engine;
+    let path = req.path.ok_or_else(|| ApiError::invalid("path is required"))?;
+    if req.data.len() > hutch_api::FILE_DATA_CAP / 3 * 4 + 4 {
+        return Err(ApiError::new(ErrorCode::PayloadTooLarge, "data above 8 MiB"));
+    }
+    let data = base64::engine::general_purpose::STANDARD
+        .decode(req.data.as_bytes())
+        .map_err(|_| ApiError::invalid("data is not base64"))?;
+    let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
+    fs.write(&path, &data).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ListFilesQuery {
+    /// Directory to list; /workspace when absent.
+    path: Option<String>,
+    /// Everything below (default true), or only direct entries.
+    recursive: Option<bool>,
+    include_sha256: Option<bool>,
+    /// 1 to 10000 (default 10000).
+    limit: Option<u32>,
+    cursor: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/files/list", params(("id" = String, Path), ListFilesQuery),
+    responses((status = 200, body = hutch_api::Listing), (status = 400, body = hutch_api::ErrorBody), (status = 404, body = hutch_api::ErrorBody)))]
+pub(crate) async fn files_list(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    q: Result<Query<ListFilesQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult<Json<hutch_api::Listing>> {
+    let q = query(q)?;
+    let limit = q.limit.unwrap_or(10_000);
+    if !(1..=10_000).contains(&limit) {
+        return Err(ApiError::invalid("limit must be 1 to 10000"));
+    }
+    let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
+    let opts = hutch_control::files::ListOptions {
+        recursive: q.recursive.unwrap_or(true),
+        include_sha256: q.include_sha256.unwrap_or(false),
+        limit,
+        cursor: q.cursor,
+    };
+    Ok(Json(fs.list(q.path.as_deref().unwrap_or("/workspace"), opts).await?))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/archives", params(("id" = String, Path)),
+    request_body(content_type = "multipart/form-data", description = "a `path` field and an `archive` part (tar, gzip detected)"),
+    responses((status = 200, body = hutch_api::ArchiveResult), (status = 400, body = hutch_api::ErrorBody),
+              (status = 404, body = hutch_api::ErrorBody), (status = 409, body = hutch_api::ErrorBody), (status = 413, body = hutch_api::ErrorBody)))]
+pub(crate) async fn archive_upload(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    multipart: Result<axum::extract::Multipart, axum::extract::multipart::MultipartRejection>,
+) -> ApiResult<Json<hutch_api::ArchiveResult>> {
+    let invalid = |m: String| ApiError::new(ErrorCode::SandboxArchiveInvalid, m);
+    let mut multipart = multipart.map_err(|e| invalid(e.body_text()))?;
+    let id = sandbox_id(&id)?.to_owned();
+    let (mut path, mut archive) = (None, None);
+    loop {
+        let field = match multipart.next_field().await {
+            Ok(Some(f)) => f,
+            Ok(None) => break,
+            Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                return Err(ApiError::new(ErrorCode::SandboxArchiveTooLarge, "archive above 32 MiB"));
+            }
+            Err(e) => return Err(invalid(format!("malformed form: {}", e.body_text()))),
+        };
+        match field.name() {
+            Some("path") => path = Some(field.text().await.map_err(|e| invalid(e.body_text()))?),
+            Some("archive") => {
+                let bytes = field.bytes().await.map_err(|e| {
+                    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                        ApiError::new(ErrorCode::SandboxArchiveTooLarge, "archive above 32 MiB")
+                    } else {
+                        invalid(format!("malformed form: {}", e.body_text()))
+                    }
+                })?;
+                archive = Some(bytes.to_vec());
+            }
+            _ => {}
+        }
+    }
+    let path = path.ok_or_else(|| invalid("the form has no path field".into()))?;
+    let archive = archive.ok_or_else(|| invalid("the form has no archive part".into()))?;
+    if archive.len() > hutch_control::files::ARCHIVE_CAP {
+        return Err(ApiError::new(ErrorCode::SandboxArchiveTooLarge, "archive above 32 MiB"));
+    }
+    let fs = app.control.fs(&caller.key_id, &id)?;
+    Ok(Json(fs.upload_archive(&path, archive).await?))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/archives", params(("id" = String, Path), PathQuery),
+    responses((status = 200, description = "a tar of the directory", content_type = "application/x-tar"),
+              (status = 400, body = hutch_api::ErrorBody), (status = 404, body = hutch_api::ErrorBody)))]
+pub(crate) async fn archive_download(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult<Response> {
+    let q = query(q)?;
+    let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
+    let tar = fs.download_archive(&q.path).await?;
+    Ok(([(header::CONTENT_TYPE, "application/x-tar")], tar).into_response())
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/file-parts", params(("id" = String, Path)), request_body = hutch_api::FilePart,
+    responses((status = 200, body = hutch_api::FilePartResult), (status = 400, body = hutch_api::ErrorBody),
+              (status = 404, body = hutch_api::ErrorBody), (status = 409, body = hutch_api::ErrorBody), (status = 413, body = hutch_api::ErrorBody)))]
+pub(crate) async fn file_part(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    JsonBody(part): JsonBody<hutch_api::FilePart>,
+) -> ApiResult<Json<hutch_api::FilePartResult>> {
+    let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
+    Ok(Json(fs.put_part(part).await?))
 }
