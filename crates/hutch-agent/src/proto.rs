@@ -141,6 +141,18 @@ pub struct AgentConfig {
     pub root_caps: u64,
     /// Bytes of output kept per stream for a process nobody is attached to.
     pub replay_bytes: u32,
+    /// Most commands whose process trees are alive at once: a command holds
+    /// its slot until every process it started has exited. A spawn past it
+    /// is refused with [`ErrorCode::Capacity`] and starts nothing.
+    #[serde(default = "default_max_commands")]
+    pub max_commands: u32,
+}
+
+/// The default of [`AgentConfig::max_commands`].
+pub const MAX_COMMANDS: u32 = 64;
+
+fn default_max_commands() -> u32 {
+    MAX_COMMANDS
 }
 
 /// A request from the host, with the id its reply will carry.

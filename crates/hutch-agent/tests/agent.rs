@@ -52,6 +52,7 @@ impl Agent {
             env: vec![("HUTCH_TEST".into(), "1".into())],
             root_caps: 0,
             replay_bytes: 65536,
+            max_commands: 64,
         };
         let mut frame = Vec::new();
         proto::encode(&cfg, &[], &mut frame).expect("encode config");

@@ -125,7 +125,8 @@ fn agent_err(sandbox: &str) -> impl Fn(hutch_runtime::agent::AgentError) -> Cont
                 }
                 proto::ErrorCode::NotFound | proto::ErrorCode::NotADirectory => ErrorCode::InvalidRequest,
                 proto::ErrorCode::UnknownProcess => ErrorCode::NotFound,
-                proto::ErrorCode::Capacity | proto::ErrorCode::TagInUse => ErrorCode::SandboxCommandCapacity,
+                proto::ErrorCode::Capacity => ErrorCode::SandboxCommandCapacity,
+                proto::ErrorCode::TagInUse => ErrorCode::InvalidRequest,
                 proto::ErrorCode::NoSpace => ErrorCode::SandboxDiskFull,
                 _ => ErrorCode::Internal,
             },
@@ -165,13 +166,9 @@ impl Control {
                 return Err(e);
             }
         };
-        if live.slots.fetch_add(1, Ordering::SeqCst) >= COMMAND_SLOTS {
-            live.slots.fetch_sub(1, Ordering::SeqCst);
-            if let Some(key) = key {
-                let _ = self.store.release_exec(id, key);
-            }
-            return Err(ControlError::Capacity(COMMAND_SLOTS));
-        }
+        // The agent holds the authoritative count of command slots (it sees
+        // every process tree); this counter only feeds the metrics.
+        live.slots.fetch_add(1, Ordering::SeqCst);
         self.metrics.commands_running.fetch_add(1, Ordering::Relaxed);
         self.metrics.commands_total.fetch_add(1, Ordering::Relaxed);
         let slot = Slot(live.clone(), self.metrics.clone());
@@ -186,7 +183,7 @@ impl Control {
                 Ok(reply) => self.journal_finish(id, key, &Stored::Reply(reply.clone())),
                 // A refusal before the spawn frees the key; anything after
                 // it leaves the outcome unknown (the key stays `running`).
-                Err(ControlError::Files { .. }) => {
+                Err(ControlError::Files { .. } | ControlError::Capacity(_)) => {
                     let _ = self.store.release_exec(id, key);
                 }
                 Err(_) => {}
@@ -252,7 +249,11 @@ impl Control {
             timeout_ms: req.timeout_seconds.map(|s| s * 1000),
             subscribe: true,
         };
-        let pid = match conn.call(Request::Spawn(spawn), &[]).await.map_err(agent_err(sid))? {
+        let spawned = conn.call(Request::Spawn(spawn), &[]).await;
+        if let Err(hutch_runtime::agent::AgentError::Refused { code: proto::ErrorCode::Capacity, .. }) = &spawned {
+            return Err(ControlError::Capacity(COMMAND_SLOTS));
+        }
+        let pid = match spawned.map_err(agent_err(sid))? {
             (Reply::Spawned { pid }, _) => pid,
             (other, _) => return Err(ControlError::Runtime(format!("agent answered {other:?} to spawn"))),
         };

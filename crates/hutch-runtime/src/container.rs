@@ -264,6 +264,7 @@ impl Runtime {
             env: spec.env.clone(),
             root_caps: ROOT_CAPS.iter().fold(0u64, |m, c| m | 1 << c),
             replay_bytes: 64 * 1024,
+            max_commands: hutch_agent::proto::MAX_COMMANDS,
         };
         let mut frame = Vec::with_capacity(512 + self.seccomp.len());
         proto::encode(&config, &self.seccomp, &mut frame).map_err(|e| RuntimeError::Io {

@@ -18,6 +18,8 @@ pub struct Config {
     pub env: Vec<(String, String)>,
     pub root_caps: u64,
     pub replay_bytes: usize,
+    /// Most live command trees (see `AgentConfig::max_commands`).
+    pub max_commands: usize,
     pub filter: Vec<libc::sock_filter>,
 }
 
@@ -45,7 +47,13 @@ pub fn parse(bytes: &[u8]) -> Result<Config, String> {
         })
         .collect();
     let env = cfg.env.into_iter().filter(|(k, v)| env::check_var(k, v).is_ok()).collect();
-    Ok(Config { env, root_caps: cfg.root_caps, replay_bytes: (cfg.replay_bytes as usize).min(MAX_REPLAY), filter })
+    Ok(Config {
+        env,
+        root_caps: cfg.root_caps,
+        replay_bytes: (cfg.replay_bytes as usize).min(MAX_REPLAY),
+        max_commands: (cfg.max_commands as usize).clamp(1, super::server::MAX_PROCS),
+        filter,
+    })
 }
 
 #[cfg(test)]
@@ -64,6 +72,7 @@ mod tests {
             env: vec![("A".into(), "1".into()), ("B=C".into(), "2".into())],
             root_caps: 5,
             replay_bytes: 1024,
+            max_commands: 64,
         }
     }
 

@@ -44,7 +44,7 @@ const OUT: u32 = libc::EPOLLOUT as u32;
 const HUP_ERR: u32 = (libc::EPOLLHUP | libc::EPOLLERR) as u32;
 
 /// Most processes started through the agent alive at once.
-const MAX_PROCS: usize = 1024;
+pub const MAX_PROCS: usize = 1024;
 /// Most client connections at once.
 const MAX_CONNS: usize = 1024;
 /// Largest read from an output pipe.
@@ -252,6 +252,8 @@ pub struct Agent {
     procs: HashMap<u64, Proc>,
     by_pid: HashMap<u32, u64>,
     by_sup: HashMap<i32, u64>,
+    /// Supervisors not yet reaped: commands whose process tree still lives.
+    trees: std::collections::HashSet<i32>,
     tags: HashMap<String, u64>,
     next_proc: u64,
     timers: BTreeSet<(Instant, u64, TimerKind)>,
@@ -292,6 +294,7 @@ impl Agent {
             procs: HashMap::new(),
             by_pid: HashMap::new(),
             by_sup: HashMap::new(),
+            trees: std::collections::HashSet::new(),
             tags: HashMap::new(),
             next_proc: 1,
             timers: BTreeSet::new(),
@@ -529,6 +532,15 @@ impl Agent {
         if self.procs.len() >= MAX_PROCS {
             return Err((ErrorCode::Capacity, format!("at most {MAX_PROCS} processes")));
         }
+        if self.trees.len() >= self.cfg.max_commands {
+            return Err((
+                ErrorCode::Capacity,
+                format!(
+                    "all {} command slots are in use; a command holds its slot while any process it started lives",
+                    self.cfg.max_commands
+                ),
+            ));
+        }
         if let Some(tag) = &req.tag {
             if self.tags.contains_key(tag) {
                 return Err((ErrorCode::TagInUse, format!("tag {tag:?} is in use")));
@@ -677,6 +689,7 @@ impl Agent {
         }
         self.by_pid.insert(pid, serial);
         self.by_sup.insert(sup, serial);
+        self.trees.insert(sup);
         self.procs.insert(serial, p);
         Ok(pid)
     }
@@ -947,6 +960,7 @@ impl Agent {
         loop {
             match sys::waitpid(-1, libc::WNOHANG) {
                 Ok(Some((pid, status))) => {
+                    self.trees.remove(&pid);
                     if let Some(serial) = self.by_sup.remove(&pid) {
                         self.supervisor_gone(serial, status);
                     }
