@@ -266,8 +266,10 @@ impl Runtime {
             replay_bytes: 64 * 1024,
             max_commands: hutch_agent::proto::MAX_COMMANDS,
         };
-        let mut frame = Vec::with_capacity(512 + self.seccomp.len());
-        proto::encode(&config, &self.seccomp, &mut frame).map_err(|e| RuntimeError::Io {
+        let mut frame = Vec::with_capacity(512);
+        // The filter is installed by the plan, before the agent's exec (see
+        // Step::Seccomp); the agent adds none of its own.
+        proto::encode(&config, &[], &mut frame).map_err(|e| RuntimeError::Io {
             what: "encode agent config".into(),
             source: io::Error::new(io::ErrorKind::InvalidData, e),
         })?;
@@ -317,6 +319,9 @@ impl Runtime {
             plan.push(Step::SetHostname { name: cstr("sandbox")? });
             plan.push(Step::PivotRoot { new_root: cstr(stage.join("root"))? });
             plan.push(Step::EnterUserns { fd: userns.as_raw_fd() });
+            // Root of the sandbox's user namespace may install a filter
+            // without no_new_privs; every process after this one inherits it.
+            plan.push(Step::Seccomp { filter: self.seccomp.clone() });
             let args: Vec<&str> = agent_args.iter().map(String::as_str).collect();
             plan.exec(
                 agent.as_raw_fd(),

@@ -96,6 +96,12 @@ pub enum Step {
         fd: RawFd,
         nstype: libc::c_int,
     },
+    /// Installs a seccomp filter (classic BPF, `struct sock_filter` bytes).
+    /// Inherited by the agent and everything it starts, so the kernel
+    /// compiles it once per sandbox instead of once per command.
+    Seccomp {
+        filter: Vec<u8>,
+    },
     /// Tells the parent the plan got this far (see [`NsHelper`]).
     Notify {
         fd: RawFd,
@@ -144,6 +150,7 @@ impl fmt::Display for Step {
             Step::EnterUserns { .. } => write!(f, "enter the sandbox's user namespace"),
             Step::SetNs { nstype, .. } => write!(f, "setns({nstype:#x})"),
             Step::Notify { .. } => write!(f, "notify the parent"),
+            Step::Seccomp { .. } => write!(f, "install the seccomp filter"),
             Step::Pause => write!(f, "pause"),
             Step::Exec { .. } => write!(f, "exec the agent"),
         }
@@ -523,6 +530,12 @@ unsafe fn run_step(step: &Step) -> Result<(), i32> {
                 check(libc::chdir(c"/".as_ptr()) as libc::c_long)
             }
             Step::SetNs { fd, nstype } => check(libc::setns(*fd, *nstype) as libc::c_long),
+            Step::Seccomp { filter } => {
+                let prog =
+                    libc::sock_fprog { len: (filter.len() / 8) as u16, filter: filter.as_ptr().cast_mut().cast() };
+                check(libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_FILTER as libc::c_ulong, &prog)
+                    as libc::c_long)
+            }
             Step::Notify { fd } => {
                 let msg = READY;
                 if libc::write(*fd, msg.as_ptr().cast(), msg.len()) != msg.len() as isize {

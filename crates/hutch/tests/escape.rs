@@ -119,7 +119,7 @@ fn new_user_namespaces_are_refused_but_threads_and_forks_work() {
 fn pid_one_cannot_be_traced_read_or_killed() {
     let env = Env::new("esc-pid1");
     let script = format!(
-        "{SYSCALL}import signal\nprint('ptrace', call(101, 16, 1, 0, 0))\nprint('seize', call(101, 0x4206, 1, 0, 0))\ntry:\n    open('/proc/1/environ').read(); print('environ readable')\nexcept OSError as e: print('environ', e.errno)\nfor s in [signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP, signal.SIGINT]:\n    os.kill(1, s)\nimport time; time.sleep(0.2)\nprint('agent state', open('/proc/1/stat').read().rsplit(')', 1)[1].split()[0])"
+        "{SYSCALL}import signal\nprint('ptrace', call(101, 16, 1, 0, 0))\nprint('seize', call(101, 0x4206, 1, 0, 0))\ntry:\n    open('/proc/1/environ').read(); print('environ readable')\nexcept OSError as e: print('environ', e.errno)\nfor s in [signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP, signal.SIGINT]:\n    os.kill(1, s)\nimport time; time.sleep(0.2)\nprint('agent state', open('/proc/1/stat').read().rsplit(')', 1)[1].split()[0])\nprint('agent', [l for l in open('/proc/1/status') if l.startswith('Seccomp:')][0].strip())"
     );
     let text = probe(&env, &script);
     assert!(text.contains("ptrace Operation not permitted"), "{text}");
@@ -128,6 +128,8 @@ fn pid_one_cannot_be_traced_read_or_killed() {
     // The agent ignores signals from inside its namespace and keeps serving:
     // the probe's output arrived through it after the signals.
     assert!(text.contains("agent state S"), "{text}");
+    // The agent runs under the same seccomp filter as the workload.
+    assert!(text.contains("agent Seccomp:\t2"), "{text}");
 }
 
 #[test]
