@@ -44,6 +44,35 @@ pub struct Live {
     pub slots: AtomicUsize,
     /// Set while frozen: no new commands.
     pub suspended: AtomicBool,
+    /// Idle agent connections, reused by commands (a connect and an accept
+    /// saved per command).
+    idle: Mutex<Vec<hutch_runtime::agent_async::AsyncConn>>,
+}
+
+/// Idle connections kept per sandbox.
+const IDLE_CONNS: usize = 4;
+
+impl Live {
+    /// An agent connection: an idle one, or a new one.
+    pub async fn conn(
+        &self,
+    ) -> std::result::Result<hutch_runtime::agent_async::AsyncConn, hutch_runtime::agent::AgentError> {
+        if let Some(c) = self.idle.lock().ok().and_then(|mut v| v.pop()) {
+            return Ok(c);
+        }
+        hutch_runtime::agent_async::AsyncConn::connect(&self.socket).await
+    }
+
+    /// Gives a connection back when nothing unread is left on it.
+    pub fn reuse(&self, conn: hutch_runtime::agent_async::AsyncConn) {
+        if conn.is_clean() {
+            if let Ok(mut v) = self.idle.lock() {
+                if v.len() < IDLE_CONNS {
+                    v.push(conn);
+                }
+            }
+        }
+    }
 }
 
 impl Live {
@@ -54,6 +83,7 @@ impl Live {
             handle: Mutex::new(Some(sb)),
             slots: AtomicUsize::new(0),
             suspended: AtomicBool::new(false),
+            idle: Mutex::new(Vec::new()),
         })
     }
 }

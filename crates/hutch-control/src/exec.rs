@@ -236,7 +236,7 @@ impl Control {
     ) -> Result<ExecReply> {
         let t0 = Instant::now();
         let sid = live.id.as_str();
-        let mut conn = AsyncConn::connect(&live.socket).await.map_err(agent_err(sid))?;
+        let mut conn = live.conn().await.map_err(agent_err(sid))?;
         let background = req.background.unwrap_or(false);
         let spawn = Spawn {
             cmd,
@@ -322,6 +322,7 @@ impl Control {
             }
         };
         drop(slot);
+        live.reuse(conn);
         let duration_ms = t0.elapsed().as_millis() as u64;
         self.metrics.exec_latency.observe(t0.elapsed().as_secs_f64());
         let exit_code = status.shell_code();

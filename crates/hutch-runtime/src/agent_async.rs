@@ -43,6 +43,12 @@ impl AsyncConn {
         })
     }
 
+    /// Whether nothing unread is buffered: the connection can serve another
+    /// caller.
+    pub fn is_clean(&self) -> bool {
+        self.pending.is_empty() && self.rpos == self.rend
+    }
+
     pub async fn send(&mut self, req: Request, data: &[u8]) -> Result<u64, AgentError> {
         let id = self.next_id;
         self.next_id += 1;

@@ -30,6 +30,9 @@ pub fn decode_msg(m: [u8; 8]) -> (u32, i32) {
 
 /// Everything the supervisor and the child need, built before forking.
 pub struct ChildPlan<'a> {
+    /// Whether the agent's OOM score differs from the default, so that
+    /// children must set theirs back to 0.
+    pub reset_oom: bool,
     /// The resolved executable; `None` when the PATH search found nothing.
     pub exe: Option<CString>,
     /// argv[0], for error messages.
@@ -240,7 +243,7 @@ fn exec_child(plan: &ChildPlan<'_>) -> ! {
         let _ = sys::set_nofile(lim);
     }
     // The agent runs at -1000 so the OOM killer spares it; workloads must not.
-    if let Err(e) = reset_oom_score() {
+    if let Err(e) = if plan.reset_oom { reset_oom_score() } else { Ok(()) } {
         fail(b"/proc/self/oom_score_adj", e, 126);
     }
     if let Err(e) = sys::fchdir(plan.cwd) {

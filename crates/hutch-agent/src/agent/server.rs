@@ -237,6 +237,8 @@ fn is_executable(path: &str) -> bool {
 pub struct Agent {
     cfg: Config,
     nofile: Option<libc::rlimit>,
+    /// The host lowered our OOM score (it may lack the privilege to).
+    reset_oom: bool,
     bounding_reduced: bool,
     epoll: Epoll,
     listener: OwnedFd,
@@ -279,6 +281,7 @@ impl Agent {
         Ok(Agent {
             cfg,
             nofile,
+            reset_oom: std::fs::read("/proc/self/oom_score_adj").map(|v| v.trim_ascii() != b"0").unwrap_or(true),
             bounding_reduced,
             epoll,
             listener,
@@ -629,6 +632,7 @@ impl Agent {
             cwd: cwd_fd.as_raw_fd(),
             status: status_w.as_raw_fd(),
             nofile: self.nofile,
+            reset_oom: self.reset_oom,
             filter: &self.cfg.filter,
         };
         // SAFETY: the agent is single threaded.
