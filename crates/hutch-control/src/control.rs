@@ -12,7 +12,7 @@ use hutch_store::{SandboxRecord, Store, StoreError};
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -40,13 +40,13 @@ pub struct Live {
     pub socket: PathBuf,
     /// The runtime's handle; taken by the deletion.
     handle: Mutex<Option<hutch_runtime::Sandbox>>,
-    /// Commands holding slots.
-    pub slots: AtomicUsize,
     /// Set while frozen: no new commands.
     pub suspended: AtomicBool,
     /// Idle agent connections, reused by commands (a connect and an accept
     /// saved per command).
     idle: Mutex<Vec<hutch_runtime::agent_async::AsyncConn>>,
+    /// When background commands started, by pid, for reattached streams.
+    pub started: Mutex<HashMap<u32, Instant>>,
 }
 
 /// Idle connections kept per sandbox.
@@ -81,9 +81,9 @@ impl Live {
             id: sb.id.clone(),
             socket: sb.socket.clone(),
             handle: Mutex::new(Some(sb)),
-            slots: AtomicUsize::new(0),
             suspended: AtomicBool::new(false),
             idle: Mutex::new(Vec::new()),
+            started: Mutex::new(HashMap::new()),
         })
     }
 }
@@ -534,6 +534,30 @@ impl Control {
         }
         let live = self.running(owner, id)?;
         Ok(crate::files::SandboxFs::new(live.socket.clone(), None))
+    }
+
+    /// Commands running in every running sandbox, as their agents count them
+    /// (background ones included). Suspended sandboxes are skipped: a frozen
+    /// agent cannot answer.
+    pub async fn commands_running(&self) -> u64 {
+        let lives: Vec<Arc<Live>> = self.live_map().values().cloned().collect();
+        let mut total = 0u64;
+        for live in lives {
+            if live.suspended.load(Ordering::SeqCst) {
+                continue;
+            }
+            let count = async {
+                let mut conn = live.conn().await.ok()?;
+                let n = match conn.call(hutch_agent::proto::Request::List, &[]).await.ok()? {
+                    (hutch_agent::proto::Reply::Processes { processes }, _) => processes.len() as u64,
+                    _ => 0,
+                };
+                live.reuse(conn);
+                Some(n)
+            };
+            total += tokio::time::timeout(Duration::from_millis(200), count).await.ok().flatten().unwrap_or(0);
+        }
+        total
     }
 
     /// After a restart: takes charge of sandboxes that outlived the last

@@ -30,6 +30,8 @@ pub const PING_EVERY: Duration = Duration::from_secs(15);
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(untagged)]
 pub enum ExecReply {
+    /// A one-shot execution replayed from the journal.
+    Execution(ExecutionResult),
     Result(ExecResult),
     Background(Started),
 }
@@ -39,6 +41,8 @@ pub enum ExecReply {
 #[serde(untagged)]
 enum Stored {
     Refused(ErrorBody),
+    /// A one-shot execution's result, with the sandbox it ran in.
+    Execution(ExecutionResult),
     Reply(ExecReply),
 }
 
@@ -106,16 +110,6 @@ impl Capped {
     }
 }
 
-/// Releases a command slot when dropped.
-struct Slot(Arc<Live>, Arc<crate::metrics::Metrics>);
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.slots.fetch_sub(1, Ordering::SeqCst);
-        self.1.commands_running.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
 fn agent_err(sandbox: &str) -> impl Fn(hutch_runtime::agent::AgentError) -> ControlError + '_ {
     move |e| match e {
         hutch_runtime::agent::AgentError::Refused { code, message } => ControlError::Files {
@@ -166,14 +160,11 @@ impl Control {
                 return Err(e);
             }
         };
-        // The agent holds the authoritative count of command slots (it sees
-        // every process tree); this counter only feeds the metrics.
-        live.slots.fetch_add(1, Ordering::SeqCst);
-        self.metrics.commands_running.fetch_add(1, Ordering::Relaxed);
+        // The agent counts command slots (it sees every process tree) and
+        // refuses a spawn past them; see `run`.
         self.metrics.commands_total.fetch_add(1, Ordering::Relaxed);
-        let slot = Slot(live.clone(), self.metrics.clone());
         let keep = req.keep_output.unwrap_or(true);
-        let outcome = self.run(&live, cmd, req, events, slot).await;
+        let outcome = self.run(&live, cmd, req, events).await;
         if let Some(key) = key {
             match &outcome {
                 Ok(ExecReply::Result(r)) if !keep => {
@@ -208,6 +199,7 @@ impl Control {
                     .ok_or_else(|| ControlError::Runtime("unreadable journal entry".into()))?;
                 Ok(Some(match stored {
                     Stored::Reply(r) => Ok(r),
+                    Stored::Execution(e) => Ok(ExecReply::Execution(e)),
                     Stored::Refused(b) => Err(ControlError::Replayed { code: b.code, message: b.error }),
                 }))
             }
@@ -232,7 +224,6 @@ impl Control {
         cmd: Cmd,
         req: &ExecRequest,
         events: Option<mpsc::Sender<ExecEvent>>,
-        slot: Slot,
     ) -> Result<ExecReply> {
         let t0 = Instant::now();
         let sid = live.id.as_str();
@@ -241,13 +232,16 @@ impl Control {
         let spawn = Spawn {
             cmd,
             env: req.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            cwd: req.cwd.clone(),
+            // Relative to /workspace (validated), not to the user's home.
+            cwd: req.cwd.as_deref().and_then(|c| proto::normalize_path(c, "/workspace").ok()),
             user: req.user.clone(),
             stdin: req.stdin.is_some() || background,
             pty: None,
             tag: None,
             timeout_ms: req.timeout_seconds.map(|s| s * 1000),
-            subscribe: true,
+            // A background command's output is kept by the agent for whoever
+            // reattaches; nothing here consumes it.
+            subscribe: !background,
         };
         let spawned = conn.call(Request::Spawn(spawn), &[]).await;
         if let Err(hutch_runtime::agent::AgentError::Refused { code: proto::ErrorCode::Capacity, .. }) = &spawned {
@@ -262,21 +256,14 @@ impl Control {
             conn.call(Request::CloseStdin { pid }, &[]).await.map_err(agent_err(sid))?;
         }
         if background {
-            // The connection stays open in a task that holds the slot until
-            // the command exits; its output is kept by the agent for replay.
-            let _ = conn.send(Request::Detach { pid }, &[]).await;
-            tokio::spawn(async move {
-                let _slot = slot;
-                if let Ok(mut watch) = AsyncConn::connect(&_slot.0.socket).await {
-                    if watch.call(Request::Attach { target: Target::Pid(pid) }, &[]).await.is_ok() {
-                        while let Ok((msg, _)) = watch.recv().await {
-                            if matches!(msg, FromAgent::Exit { pid: p, .. } if p == pid) {
-                                break;
-                            }
-                        }
-                    }
+            // The agent holds the command's slot until its tree exits.
+            if let Ok(mut started) = live.started.lock() {
+                if started.len() >= 4096 {
+                    started.clear();
                 }
-            });
+                started.insert(pid, t0);
+            }
+            live.reuse(conn);
             return Ok(ExecReply::Background(Started { pid }));
         }
         let mut events = events;
@@ -321,7 +308,6 @@ impl Control {
                 _ => {}
             }
         };
-        drop(slot);
         live.reuse(conn);
         let duration_ms = t0.elapsed().as_millis() as u64;
         self.metrics.exec_latency.observe(t0.elapsed().as_secs_f64());
@@ -400,6 +386,7 @@ impl Control {
         let mut conn = AsyncConn::connect(&live.socket).await.map_err(agent_err(id))?;
         conn.call(Request::Attach { target: Target::Pid(pid) }, &[]).await.map_err(|e| self.no_process(id, pid, e))?;
         let sid = id.to_owned();
+        let attached = live.started.lock().ok().and_then(|s| s.get(&pid).copied()).unwrap_or_else(Instant::now);
         tokio::spawn(async move {
             if tx.send(ExecEvent::Start { pid }).await.is_err() {
                 return;
@@ -416,7 +403,10 @@ impl Control {
                         }
                     }
                     Ok(Ok((FromAgent::Exit { pid: p, status }, _))) if p == pid => {
-                        ExecEvent::Exit { exit_code: status.shell_code(), timed_out: status.timed_out, duration_ms: 0 }
+                        // From the start of a background command; from the
+                        // attach for a command started otherwise.
+                        let duration_ms = attached.elapsed().as_millis() as u64;
+                        ExecEvent::Exit { exit_code: status.shell_code(), timed_out: status.timed_out, duration_ms }
                     }
                     Ok(Ok(_)) => continue,
                 };
@@ -455,8 +445,8 @@ impl Control {
         if let Some(key) = key {
             if let Some(replay) = self.journal_begin(&scope, key, &hash)? {
                 return match replay? {
-                    ExecReply::Result(result) => Ok(ExecutionResult { sandbox_id: String::new(), result }),
-                    ExecReply::Background(_) => Err(ControlError::OutcomeUnknown),
+                    ExecReply::Execution(e) => Ok(e),
+                    ExecReply::Result(_) | ExecReply::Background(_) => Err(ControlError::OutcomeUnknown),
                 };
             }
         }
@@ -482,7 +472,9 @@ impl Control {
         let _ = self.destroy_now(&sb.id, None).await;
         let result = match outcome? {
             ExecReply::Result(r) => r,
-            ExecReply::Background(_) => return Err(ControlError::Runtime("one-shot ran in the background".into())),
+            ExecReply::Background(_) | ExecReply::Execution(_) => {
+                return Err(ControlError::Runtime("one-shot ran in the background".into()));
+            }
         };
         if let Some(key) = key {
             let kept = if req.keep_output.unwrap_or(true) {
@@ -490,7 +482,11 @@ impl Control {
             } else {
                 ExecResult { stdout: String::new(), stderr: String::new(), ..result.clone() }
             };
-            self.journal_finish(&scope, key, &Stored::Reply(ExecReply::Result(kept)));
+            self.journal_finish(
+                &scope,
+                key,
+                &Stored::Execution(ExecutionResult { sandbox_id: sb.id.clone(), result: kept }),
+            );
         }
         Ok(ExecutionResult { sandbox_id: sb.id, result })
     }

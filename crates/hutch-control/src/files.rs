@@ -51,10 +51,10 @@ pub const LIST_LIMIT: u32 = 10_000;
 /// Chunk size of a raw download.
 pub const STREAM_CHUNK: u32 = 1 << 20;
 /// Permission bits of files written by [`SandboxFs::write`],
-/// [`SandboxFs::write_stream`] and [`SandboxFs::put_part`]: readable by every
-/// user of the sandbox, writable by its owner (as E2B's files are; a file
+/// [`SandboxFs::write_stream`] and [`SandboxFs::put_part`]: the file belongs
+/// to the sandbox user, and only that user can read or write it (a file
 /// replaced by a write gets these bits, not the old ones).
-pub const FILE_MODE: u32 = 0o644;
+pub const FILE_MODE: u32 = 0o600;
 /// Longest cursor accepted.
 const MAX_CURSOR: usize = 3 * MAX_PATH + 256;
 /// Chunk of a read or write through the agent: the most one frame carries.
@@ -634,7 +634,15 @@ impl SandboxFs {
         let mut more = true;
         'pages: while more && entries.len() < limit {
             let want = (limit - entries.len()) as u32;
-            let (page, agent_more) = link.list_page(&path, opts.recursive, after.as_deref(), want).await?;
+            let (page, agent_more) =
+                link.list_page(&path, opts.recursive, after.as_deref(), want).await.map_err(|e| {
+                    // A missing path is not a directory to list.
+                    if e.code == ErrorCode::NotFound {
+                        FilesError::new(ErrorCode::SandboxPathNotDirectory, format!("{path}: no such directory"))
+                    } else {
+                        e
+                    }
+                })?;
             more = agent_more;
             for e in page {
                 let mut out = ListEntry {

@@ -2,7 +2,7 @@
 //! Prometheus text format. Lock-free on the hot paths.
 
 use std::fmt::Write;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A histogram with fixed buckets (upper bounds in seconds).
 pub struct Histogram {
@@ -49,7 +49,6 @@ const LATENCY: &[f64] = &[0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 pub struct Metrics {
     pub create_to_ready: Histogram,
     pub exec_latency: Histogram,
-    pub commands_running: AtomicI64,
     pub commands_total: AtomicU64,
     /// Seconds, as f64 bits.
     reconciler_lag: AtomicU64,
@@ -60,7 +59,6 @@ impl Default for Metrics {
         Metrics {
             create_to_ready: Histogram::new(LATENCY),
             exec_latency: Histogram::new(LATENCY),
-            commands_running: AtomicI64::new(0),
             commands_total: AtomicU64::new(0),
             reconciler_lag: AtomicU64::new(0),
         }
@@ -72,8 +70,9 @@ impl Metrics {
         self.reconciler_lag.store(secs.to_bits(), Ordering::Relaxed);
     }
 
-    /// The whole exposition; `states` is the count of sandboxes per state.
-    pub fn render(&self, states: &[(String, u64)]) -> String {
+    /// The whole exposition; `states` is the count of sandboxes per state,
+    /// `running` the commands running now.
+    pub fn render(&self, states: &[(String, u64)], running: u64) -> String {
         let mut out = String::with_capacity(4096);
         let _ = writeln!(out, "# HELP hutch_sandboxes Sandboxes by state.\n# TYPE hutch_sandboxes gauge");
         for st in hutch_api::SandboxState::ALL {
@@ -88,8 +87,7 @@ impl Metrics {
         self.exec_latency.render("hutch_exec_seconds", "Time from an exec request to the command's exit.", &mut out);
         let _ = writeln!(
             out,
-            "# HELP hutch_commands_running Commands running now.\n# TYPE hutch_commands_running gauge\nhutch_commands_running {}",
-            self.commands_running.load(Ordering::Relaxed)
+            "# HELP hutch_commands_running Commands running now, background ones included.\n# TYPE hutch_commands_running gauge\nhutch_commands_running {running}"
         );
         let _ = writeln!(
             out,
@@ -115,7 +113,8 @@ mod tests {
         let m = Metrics::default();
         m.exec_latency.observe(0.0015);
         m.exec_latency.observe(0.3);
-        let text = m.render(&[("running".into(), 3)]);
+        let text = m.render(&[("running".into(), 3)], 2);
+        assert!(text.contains("hutch_commands_running 2"));
         assert!(text.contains("hutch_sandboxes{state=\"running\"} 3"));
         assert!(text.contains("hutch_sandboxes{state=\"suspended\"} 0"));
         assert!(text.contains("hutch_exec_seconds_bucket{le=\"0.002\"} 1"));

@@ -143,7 +143,7 @@ async fn write_read_round_trip_and_the_8_mib_cap() {
     let fs = t.fs();
     fs.write("hello.txt", b"hello\n").await.expect("write");
     assert_eq!(fs.read("/workspace/hello.txt").await.expect("read"), b"hello\n");
-    assert_eq!(t.sh("stat -c '%a %U' hello.txt", "user").await.trim(), "644 user");
+    assert_eq!(t.sh("stat -c '%a %U' hello.txt", "user").await.trim(), "600 user");
     fs.write("hello.txt", b"again").await.expect("overwrite");
     assert_eq!(fs.read("hello.txt").await.expect("read"), b"again");
 
@@ -282,7 +282,7 @@ async fn listings_page_with_cursors_and_digests() {
     assert_eq!(code(fs.list("tree/a.txt", ListOptions::default()).await), ErrorCode::SandboxPathNotDirectory);
     assert_eq!(code(fs.list("tree/link", ListOptions::default()).await), ErrorCode::SandboxPathNotDirectory);
     assert_eq!(code(fs.list("tree/secret", ListOptions::default()).await), ErrorCode::SandboxPathUnreadable);
-    assert_eq!(code(fs.list("tree/none", ListOptions::default()).await), ErrorCode::NotFound);
+    assert_eq!(code(fs.list("tree/none", ListOptions::default()).await), ErrorCode::SandboxPathNotDirectory);
     // Root lists what the user cannot.
     let (as_root, _) = list_all(&t.root_fs(), "tree", 10_000, true).await;
     assert!(as_root.iter().any(|e| e.path == "secret/hidden"));

@@ -186,6 +186,18 @@ impl Runtime {
                 .create(&dir)
                 .map_err(io_err(format!("mkdir {}", dir.display())))?;
         }
+        // A unix socket path holds at most 107 bytes: refuse a run directory
+        // too long for an agent socket now, not at every create.
+        let probe = cfg.run_dir.join("sockets").join(format!("{}.sock", "x".repeat(RANDOM_ID_LEN)));
+        if probe.as_os_str().len() > MAX_SOCKET_PATH {
+            return Err(RuntimeError::Io {
+                what: format!("run directory {}", cfg.run_dir.display()),
+                source: io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "too long for agent socket paths; use a shorter one",
+                ),
+            });
+        }
         let base = rootfs::ensure_base(&cfg.state_dir)?;
         if !cfg.agent.is_file() {
             return Err(RuntimeError::NoAgent { path: cfg.agent.clone() });
@@ -207,6 +219,9 @@ impl Runtime {
             Some(id) => valid_id(id)?,
             None => random_id()?,
         };
+        if self.socket_path(&id).as_os_str().len() > MAX_SOCKET_PATH {
+            return Err(RuntimeError::InvalidId(format!("{id} (its socket path would pass {MAX_SOCKET_PATH} bytes)")));
+        }
         let mut marks = Marks::new();
         let slot = uids::allocate(&self.cfg.run_dir.join("uids"), &id)?;
         marks.mark("uid range");
@@ -464,6 +479,11 @@ pub fn valid_id(id: &str) -> Result<String, RuntimeError> {
         Err(RuntimeError::InvalidId(id.to_owned()))
     }
 }
+
+/// Length of a random id.
+const RANDOM_ID_LEN: usize = 19;
+/// Longest path a unix socket address holds.
+const MAX_SOCKET_PATH: usize = 107;
 
 /// A random id: "sb-" and 16 hex digits.
 pub fn random_id() -> Result<String, RuntimeError> {

@@ -108,6 +108,15 @@ pub enum Step {
     },
     /// Waits, forever, to be killed.
     Pause,
+    /// Closes every descriptor from 3 up but `keep`.
+    CloseFds {
+        keep: RawFd,
+    },
+    /// Dies with the thread that cloned us (`PR_SET_PDEATHSIG`), and fails
+    /// at once if `parent` is already gone (we were reparented).
+    DieWithParentPid {
+        parent: libc::pid_t,
+    },
     /// Puts `fds[i].0` at descriptor `fds[i].1`, makes 0, 1 and 2 /dev/null,
     /// closes everything else and execs `exe_fd` with `argv`, empty environment.
     Exec {
@@ -152,6 +161,8 @@ impl fmt::Display for Step {
             Step::Notify { .. } => write!(f, "notify the parent"),
             Step::Seccomp { .. } => write!(f, "install the seccomp filter"),
             Step::Pause => write!(f, "pause"),
+            Step::CloseFds { .. } => write!(f, "close inherited descriptors"),
+            Step::DieWithParentPid { .. } => write!(f, "set the parent-death signal"),
             Step::Exec { .. } => write!(f, "exec the agent"),
         }
     }
@@ -546,6 +557,19 @@ unsafe fn run_step(step: &Step) -> Result<(), i32> {
             Step::Pause => loop {
                 libc::pause();
             },
+            Step::CloseFds { keep } => {
+                if *keep > 3 {
+                    check(libc::syscall(libc::SYS_close_range, 3 as libc::c_uint, (*keep - 1) as libc::c_uint, 0))?;
+                }
+                check(libc::syscall(libc::SYS_close_range, (*keep + 1) as libc::c_uint, libc::c_uint::MAX, 0))
+            }
+            Step::DieWithParentPid { parent } => {
+                check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) as libc::c_long)?;
+                if libc::getppid() != *parent {
+                    return Err(libc::ESRCH);
+                }
+                Ok(())
+            }
             Step::EnterUserns { fd } => {
                 check(libc::setns(*fd, libc::CLONE_NEWUSER) as libc::c_long)?;
                 check(libc::syscall(libc::SYS_setgroups, 0usize, std::ptr::null::<libc::gid_t>()))?;
@@ -646,6 +670,12 @@ impl NsHelper {
     pub fn start(base: u32, count: u32, with_net: bool) -> io::Result<NsHelper> {
         let (rd, wr) = crate::sys::pipe()?;
         let mut plan = Plan::default();
+        // The helper must neither outlive us (if the daemon is killed
+        // mid-create) nor hold our descriptors (the listening socket, the
+        // database, uid slot locks) while it lives.
+        plan.push(Step::CloseFds { keep: wr.as_raw_fd() });
+        // SAFETY: getpid has no preconditions.
+        plan.push(Step::DieWithParentPid { parent: unsafe { libc::getpid() } });
         if with_net {
             plan.push(Step::Unshare { flags: libc::CLONE_NEWNET });
             plan.push(Step::LoopbackUp);

@@ -93,7 +93,8 @@ async fn openapi() -> Response {
 async fn metrics(State(app): AppState) -> ApiResult<Response> {
     let states =
         app.control.store.count_by_state().map_err(|e| ApiError::from(hutch_control::ControlError::Store(e)))?;
-    let text = app.control.metrics.render(&states);
+    let running = app.control.commands_running().await;
+    let text = app.control.metrics.render(&states, running);
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }
 
@@ -234,43 +235,57 @@ pub(crate) async fn exec(
         let mut task =
             tokio::spawn(async move { control.exec(&caller.key_id, &id, &req, key.as_deref(), Some(tx)).await });
         // Until the first event, a failure is still a plain JSON error with
-        // its status; after it, the stream carries everything.
-        tokio::select! {
-            first = rx.recv() => {
-                let (out_tx, out_rx) = tokio::sync::mpsc::channel(64);
-                tokio::spawn(async move {
-                    let mut next = first;
-                    while let Some(ev) = next {
-                        if out_tx.send(ev).await.is_err() {
-                            break;
-                        }
-                        next = rx.recv().await;
+        // its status; after it, the stream carries everything. Events are
+        // looked at first: a command that ran and ended before we looked has
+        // them all buffered.
+        let first = tokio::select! {
+            biased;
+            first = rx.recv() => first,
+            _ = &mut task => None,
+        };
+        if let Some(first) = first {
+            let (out_tx, out_rx) = tokio::sync::mpsc::channel(64);
+            tokio::spawn(async move {
+                let mut next = Some(first);
+                while let Some(ev) = next {
+                    if out_tx.send(ev).await.is_err() {
+                        break;
                     }
-                    // A client that left does not stop the command.
-                    let _ = task.await;
-                });
-                return Ok(ndjson(out_rx));
-            }
-            done = &mut task => {
-                let reply = done.map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))??;
-                // A replayed result: send it as the events it was.
-                let (out_tx, out_rx) = tokio::sync::mpsc::channel(4);
-                if let ExecReply::Result(r) = reply {
-                    for ev in [
-                        ExecEvent::Stdout { data: r.stdout },
-                        ExecEvent::Stderr { data: r.stderr },
-                        ExecEvent::Exit { exit_code: r.exit_code, timed_out: r.timed_out, duration_ms: r.duration_ms },
-                    ] {
-                        let _ = out_tx.try_send(ev);
-                    }
+                    next = rx.recv().await;
                 }
-                return Ok(ndjson(out_rx));
+                // A client that left does not stop the command.
+                let _ = task.await;
+            });
+            return Ok(ndjson(out_rx));
+        }
+        // No event: the task ended, having refused or replayed. Events it
+        // sent before ending are still in the channel.
+        let done = task.await.map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
+        if let Ok(first) = rx.try_recv() {
+            let (out_tx, out_rx) = tokio::sync::mpsc::channel(64);
+            let _ = out_tx.try_send(first);
+            while let Ok(ev) = rx.try_recv() {
+                let _ = out_tx.try_send(ev);
+            }
+            return Ok(ndjson(out_rx));
+        }
+        let (out_tx, out_rx) = tokio::sync::mpsc::channel(4);
+        if let ExecReply::Result(r) = done? {
+            // A replayed result: sent as the events it was.
+            for ev in [
+                ExecEvent::Stdout { data: r.stdout },
+                ExecEvent::Stderr { data: r.stderr },
+                ExecEvent::Exit { exit_code: r.exit_code, timed_out: r.timed_out, duration_ms: r.duration_ms },
+            ] {
+                let _ = out_tx.try_send(ev);
             }
         }
+        return Ok(ndjson(out_rx));
     }
     match app.control.exec(&caller.key_id, &id, &req, key.as_deref(), None).await? {
         ExecReply::Result(r) => Ok(Json(r).into_response()),
         ExecReply::Background(s) => Ok(Json(s).into_response()),
+        ExecReply::Execution(e) => Ok(Json(e).into_response()),
     }
 }
 
