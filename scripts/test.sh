@@ -20,5 +20,9 @@ if [ ${#need[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
 fi
 
+# Python packages of the end-to-end suite of hutch serve.
+python3 -m pip install --quiet --disable-pip-version-check -r tests/api/requirements.txt
+
 cargo build --workspace --all-targets
 cargo test --workspace -- --test-threads=2
+python3 -m pytest tests/api -q -p no:cacheprovider

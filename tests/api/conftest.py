@@ -1,0 +1,611 @@
+"""End-to-end tests of `hutch serve`: fixtures and helpers.
+
+Each test session starts its own daemon (a free port, its own state and run
+directories under a temp dir), stops it with SIGTERM by its pid at the end,
+and deletes every sandbox any of its API keys created. A test that restarts
+the daemon manages its own instance through `Daemon`.
+
+The suite runs as root against real sandboxes (namespaces, cgroups). A
+missing binary or a missing privilege fails loudly; nothing is skipped.
+
+Nothing here may hang: every request has a timeout, the daemon has a start
+timeout, every wait loop is bounded, and pytest-timeout caps each test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import pytest
+import requests
+
+REPO = Path(__file__).resolve().parents[2]
+TRIPLE = "x86_64-unknown-linux-gnu"
+DEBUG_BIN = REPO / "target" / TRIPLE / "debug" / "hutch"
+
+# Seconds: every HTTP request, the daemon's start, its stop.
+REQUEST_TIMEOUT = 60
+START_TIMEOUT = 30
+STOP_TIMEOUT = 15
+# Per test, enforced by pytest-timeout.
+TEST_TIMEOUT = 300
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+# --------------------------------------------------------------------------
+# pytest configuration
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Caps every test's run time so the suite can never hang."""
+    if not config.pluginmanager.hasplugin("timeout"):
+        raise pytest.UsageError("pytest-timeout is required: pip install -r tests/api/requirements.txt")
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT))
+
+
+# --------------------------------------------------------------------------
+# Small helpers
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.05):
+    """Polls `predicate` until it returns something truthy; fails after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        last = predicate()
+        if last:
+            return last
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+        time.sleep(interval)
+
+
+def cgroup_dirs(sandbox_id: str) -> list[Path]:
+    """Every `hutch/<id>` cgroup directory of a sandbox, in any hierarchy."""
+    return [p for p in CGROUP_ROOT.glob(f"*/hutch/{sandbox_id}") if p.exists()]
+
+
+def host_processes_of(ids: Iterable[str]) -> dict[int, str]:
+    """Host processes whose cgroup path names one of `ids` (pid -> cgroup line)."""
+    wanted = [f"/hutch/{i}" for i in ids]
+    found: dict[int, str] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            text = (d / "cgroup").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if any(w in line for w in wanted):
+                found[int(d.name)] = line
+                break
+    return found
+
+
+def slot_owners(run_dir: Path) -> dict[str, str]:
+    """uid slot files in `run_dir/uids`: file name -> the sandbox id it holds."""
+    out: dict[str, str] = {}
+    d = run_dir / "uids"
+    if not d.is_dir():
+        return out
+    for f in d.iterdir():
+        try:
+            out[f.name] = f.read_text()[:256]
+        except OSError:
+            continue
+    return out
+
+
+def leftovers(run_dir: Path, sandbox_id: str) -> list[str]:
+    """What a destroyed sandbox must no longer hold on the host."""
+    left = [f"cgroup {p}" for p in cgroup_dirs(sandbox_id)]
+    sock = run_dir / "sockets" / f"{sandbox_id}.sock"
+    if sock.exists():
+        left.append(f"socket {sock}")
+    left += [f"uid slot {run_dir / 'uids' / n}" for n, owner in slot_owners(run_dir).items() if owner == sandbox_id]
+    left += [f"process {pid} ({line})" for pid, line in host_processes_of([sandbox_id]).items()]
+    return left
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        pytest.fail("the end-to-end suite runs as root (real namespaces and cgroups); run it as root", pytrace=False)
+
+
+# --------------------------------------------------------------------------
+# The API client
+
+
+class ApiError(AssertionError):
+    pass
+
+
+class Client:
+    """A keep-alive HTTP client for one API key. Every request has a timeout."""
+
+    def __init__(self, base: str, key: str | None, registry: list["Client"] | None = None):
+        self.base = base
+        self.key = key
+        # Set by a test that revokes the key: nothing left to clean up.
+        self.revoked = False
+        self.session = requests.Session()
+        if key is not None:
+            self.session.headers["Authorization"] = f"Bearer {key}"
+        if registry is not None:
+            registry.append(self)
+
+    def clone(self) -> "Client":
+        """Another session with the same key, for use from another thread."""
+        return Client(self.base, self.key)
+
+    def request(self, method: str, path: str, *, timeout: float = REQUEST_TIMEOUT, **kw) -> requests.Response:
+        return self.session.request(method, self.base + path, timeout=timeout, **kw)
+
+    def get(self, path: str, **kw) -> requests.Response:
+        return self.request("GET", path, **kw)
+
+    def post(self, path: str, body=None, *, headers: dict | None = None, **kw) -> requests.Response:
+        if body is not None:
+            kw["data"] = json.dumps(body)
+            headers = {"Content-Type": "application/json", **(headers or {})}
+        return self.request("POST", path, headers=headers, **kw)
+
+    def delete(self, path: str, **kw) -> requests.Response:
+        return self.request("DELETE", path, **kw)
+
+    # ---- sandboxes
+
+    def create(self, expect: int = 201, idempotency_key: str | None = None, **body) -> dict:
+        body.setdefault("ttl_seconds", 900)
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        r = self.post("/v1/sandboxes", body, headers=headers)
+        expect_status(r, expect)
+        sb = r.json()
+        assert sb["state"] == "running", sb
+        return sb
+
+    def sandbox(self, sandbox_id: str) -> dict:
+        r = self.get(f"/v1/sandboxes/{sandbox_id}")
+        expect_status(r, 200)
+        return r.json()
+
+    def destroy(self, sandbox_id: str) -> dict:
+        r = self.delete(f"/v1/sandboxes/{sandbox_id}")
+        expect_status(r, 200)
+        return r.json()
+
+    def list_all(self, page: int = 1000) -> list[dict]:
+        out, cursor = [], None
+        for _ in range(1000):
+            params = {"limit": page}
+            if cursor:
+                params["cursor"] = cursor
+            r = self.get("/v1/sandboxes", params=params)
+            expect_status(r, 200)
+            body = r.json()
+            out += body["sandboxes"]
+            cursor = body.get("next_cursor")
+            if not cursor:
+                return out
+        raise AssertionError("sandbox listing did not end after 1000 pages")
+
+    # ---- commands
+
+    def exec_raw(self, sandbox_id: str, body: dict, idempotency_key: str | None = None, **kw) -> requests.Response:
+        headers = dict(kw.pop("headers", None) or {})
+        if idempotency_key:
+            headers["Idempotency-Key"] = idempotency_key
+        return self.post(f"/v1/sandboxes/{sandbox_id}/exec", body, headers=headers, **kw)
+
+    def exec(self, sandbox_id: str, command: str | None = None, **body) -> dict:
+        """Runs a foreground command and returns its result (any exit code)."""
+        if command is not None:
+            body["command"] = command
+        key = body.pop("idempotency_key", None)
+        r = self.exec_raw(sandbox_id, body, key)
+        expect_status(r, 200)
+        return r.json()
+
+    def sh(self, sandbox_id: str, command: str, **body) -> str:
+        """Runs a command that must succeed; returns its stdout."""
+        res = self.exec(sandbox_id, command, **body)
+        assert res["exit_code"] == 0, f"{command!r} failed: {res}"
+        return res["stdout"]
+
+    def background(self, sandbox_id: str, command: str, **body) -> int:
+        body.update(command=command, background=True)
+        r = self.exec_raw(sandbox_id, body)
+        expect_status(r, 200)
+        pid = r.json()["pid"]
+        assert isinstance(pid, int) and pid > 0, r.text
+        return pid
+
+    def processes(self, sandbox_id: str) -> list[dict]:
+        r = self.get(f"/v1/sandboxes/{sandbox_id}/processes")
+        expect_status(r, 200)
+        return r.json()["processes"]
+
+    def cleanup(self) -> list[str]:
+        """Deletes every sandbox this key can see that is not terminated."""
+        problems = []
+        if self.revoked:
+            return problems
+        try:
+            sandboxes = self.list_all()
+        except (requests.RequestException, AssertionError) as e:
+            return [f"list with key {self.key and self.key[:12]}...: {e}"]
+        for sb in sandboxes:
+            if sb["state"] == "terminated":
+                continue
+            try:
+                r = self.delete(f"/v1/sandboxes/{sb['id']}")
+                if r.status_code != 200:
+                    problems.append(f"delete {sb['id']}: {r.status_code} {r.text}")
+            except requests.RequestException as e:
+                problems.append(f"delete {sb['id']}: {e}")
+        return problems
+
+
+def expect_status(r: requests.Response, status: int | tuple[int, ...]) -> None:
+    ok = status if isinstance(status, tuple) else (status,)
+    if r.status_code not in ok:
+        raise ApiError(f"{r.request.method} {r.request.url} -> {r.status_code}, expected {status}: {r.text[:2000]}")
+
+
+def expect_error(r: requests.Response, status: int, code: str) -> dict:
+    """Asserts an API error: status, JSON body `{"error", "code"}`."""
+    assert r.status_code == status, (
+        f"{r.request.method} {r.request.url} -> {r.status_code}, expected {status} {code}: {r.text[:2000]}"
+    )
+    try:
+        body = r.json()
+    except ValueError:
+        raise AssertionError(f"error body is not JSON: {r.text[:500]!r}") from None
+    assert body.get("code") == code, f"expected code {code}, got {body}"
+    assert isinstance(body.get("error"), str) and body["error"], body
+    return body
+
+
+def ndjson_events(r: requests.Response) -> list[dict]:
+    return [json.loads(line) for line in r.iter_lines() if line]
+
+
+# --------------------------------------------------------------------------
+# The daemon
+
+
+class Daemon:
+    """One `hutch serve` process with its own port, state and run dirs."""
+
+    def __init__(self, root: Path, binary: Path = DEBUG_BIN, port: int | None = None, name: str = "daemon"):
+        if not binary.is_file():
+            pytest.fail(
+                f"hutch binary not found at {binary}: build it first (cargo build --workspace)", pytrace=False
+            )
+        agent = binary.parent / "hutch-agent"
+        if not agent.is_file():
+            pytest.fail(f"hutch-agent not found next to hutch at {agent}: build the workspace", pytrace=False)
+        self.binary = binary
+        self.root = root
+        self.state_dir = root / "state"
+        self.run_dir = root / "run"
+        self.port = port or free_port()
+        self.name = name
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+        self.clients: list[Client] = []
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / f"{self.name}.{self.starts}.log"
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def start(self, new_port: bool = False) -> "Daemon":
+        assert self.proc is None or self.proc.poll() is not None, "daemon already running"
+        if new_port:
+            self.port = free_port()
+            self.base = f"http://127.0.0.1:{self.port}"
+            for c in self.clients:
+                c.base = self.base
+        self.starts += 1
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
+        env["HUTCH_RUN_DIR"] = str(self.run_dir)
+        log = open(self.log_path, "wb")
+        try:
+            self.proc = subprocess.Popen(
+                [str(self.binary), "serve", "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.state_dir)],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"hutch serve exited with {self.proc.returncode} while starting; log:\n{self.log_tail()}"
+                )
+            try:
+                r = requests.get(self.base + "/healthz", timeout=2)
+                if r.status_code == 200 and r.text.strip() == "ok":
+                    return self
+            except requests.RequestException:
+                pass
+            if time.monotonic() >= deadline:
+                self.kill9()
+                raise AssertionError(f"hutch serve not healthy after {START_TIMEOUT}s; log:\n{self.log_tail()}")
+            time.sleep(0.05)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> int | None:
+        """SIGTERM by pid, then SIGKILL if it does not exit in time."""
+        if not self.alive():
+            return self.proc.returncode if self.proc else None
+        os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=STOP_TIMEOUT)
+            raise AssertionError(f"hutch serve ignored SIGTERM for {STOP_TIMEOUT}s; log:\n{self.log_tail()}")
+
+    def kill9(self) -> None:
+        if self.alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=STOP_TIMEOUT)
+
+    def admin_key(self) -> str:
+        path = self.state_dir / "admin.key"
+        mode = path.stat().st_mode & 0o777
+        assert mode == 0o600, f"{path} has mode {oct(mode)}, expected 0600"
+        return path.read_text().strip()
+
+    def client(self, key: str | None = "admin") -> Client:
+        """A client for `key` ("admin": the admin key; None: no header)."""
+        if key == "admin":
+            key = self.admin_key()
+        return Client(self.base, key, self.clients if key else None)
+
+    def cli(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
+        return subprocess.run(
+            [str(self.binary), *args, "--state-dir", str(self.state_dir)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def new_key(self, name: str) -> tuple[str, str]:
+        """A fresh non-admin key: (id, secret). Uses `hutch key create`."""
+        p = self.cli("key", "create", "--name", name, "--json")
+        assert p.returncode == 0, f"hutch key create failed ({p.returncode}): {p.stderr}"
+        k = json.loads(p.stdout)
+        assert k["name"] == name and k["secret"], k
+        return k["id"], k["secret"]
+
+    def new_client(self, name: str) -> Client:
+        """A client with a key of its own: it sees only its own sandboxes."""
+        _, secret = self.new_key(name)
+        return Client(self.base, secret, self.clients)
+
+    def strays(self) -> dict[int, str]:
+        """Processes running this daemon's binary for this state dir that are
+        not the daemon itself (forked helpers left behind): pid -> status line."""
+        me = self.proc.pid if self.alive() else None
+        found = {}
+        needle = str(self.state_dir).encode()
+        for p in Path("/proc").iterdir():
+            if not p.name.isdigit() or int(p.name) == me:
+                continue
+            try:
+                cmd = (p / "cmdline").read_bytes()
+                if needle not in cmd or b" serve" not in cmd.replace(b"\0", b" "):
+                    continue
+                status = (p / "status").read_text()
+            except OSError:
+                continue
+            ppid = next((l.split()[1] for l in status.splitlines() if l.startswith("PPid:")), "?")
+            line = cmd.replace(b"\0", b" ").decode(errors="replace")
+            found[int(p.name)] = f"pid {p.name} ppid {ppid}: {line}"
+        return found
+
+    def kill_strays(self) -> dict[int, str]:
+        """SIGKILLs (by pid) what `strays` finds; returns what it killed."""
+        found = self.strays()
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return found
+
+    def force_clean(self) -> None:
+        """Last resort when the API could not clean up: SIGKILL (by pid) every
+        process in this daemon's sandboxes' cgroups and remove the cgroups."""
+        try:
+            ids = self.db_sandbox_ids()
+        except sqlite3.Error:
+            return
+        for pid in host_processes_of(ids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5
+        while host_processes_of(ids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for i in ids:
+            for d in cgroup_dirs(i):
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
+
+    def db_sandbox_ids(self) -> list[str]:
+        with sqlite3.connect(f"file:{self.state_dir / 'hutch.db'}?mode=ro", uri=True, timeout=10) as db:
+            return [row[0] for row in db.execute("SELECT id FROM sandboxes")]
+
+    def cleanup_all(self) -> list[str]:
+        problems = []
+        for c in self.clients:
+            problems += c.cleanup()
+        return problems
+
+    def host_leftovers(self) -> list[str]:
+        """Anything on the host still held by a sandbox this daemon ever recorded."""
+        ids = self.db_sandbox_ids()
+        left = []
+        for i in ids:
+            left += [f"{i}: {x}" for x in leftovers(self.run_dir, i)]
+        socks = list((self.run_dir / "sockets").glob("*")) if (self.run_dir / "sockets").is_dir() else []
+        left += [f"socket {s}" for s in socks]
+        left += [f"uid slot {n} held for {o!r}" for n, o in slot_owners(self.run_dir).items()]
+        return sorted(set(left))
+
+
+def wait_cleaned(d: Daemon, sandbox_id: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = leftovers(d.run_dir, sandbox_id)
+        if not left:
+            return
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"sandbox {sandbox_id} left on the host after {timeout}s: {left}")
+        time.sleep(0.1)
+
+
+# --------------------------------------------------------------------------
+# Fixtures
+
+
+@pytest.fixture(scope="session")
+def tmp_root():
+    require_root()
+    root = Path(tempfile.mkdtemp(prefix="hutch-api-tests-"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_root: Path):
+    """The session's daemon. At the end: delete every sandbox, check the host
+    holds nothing of them, SIGTERM the daemon."""
+    d = Daemon(tmp_root / "session")
+    d.root.mkdir(parents=True)
+    d.start()
+    yield d
+    problems = []
+    if d.alive():
+        problems += d.cleanup_all()
+        try:
+            wait_for("sandboxes of the session to leave the host", lambda: not d.host_leftovers(), timeout=15)
+        except AssertionError:
+            problems += d.host_leftovers()
+    code = d.stop()
+    if problems:
+        d.force_clean()
+    strays = d.kill_strays()
+    if strays:
+        problems.append(f"processes of the daemon left after it stopped: {list(strays.values())}")
+    if problems:
+        pytest.fail("session teardown: " + "; ".join(problems) + f"\ndaemon log:\n{d.log_tail()}", pytrace=False)
+    assert code == 0, f"hutch serve exited {code} on SIGTERM; log:\n{d.log_tail()}"
+
+
+@pytest.fixture(scope="session")
+def api(daemon: Daemon) -> Client:
+    """The admin key's client."""
+    return daemon.client("admin")
+
+
+@pytest.fixture
+def sandbox(api: Client):
+    """A running sandbox, deleted after the test."""
+    sb = api.create()
+    yield sb
+    api.delete(f"/v1/sandboxes/{sb['id']}")
+
+
+@pytest.fixture
+def own_daemon(tmp_root: Path, request: pytest.FixtureRequest):
+    """A daemon the test manages itself (restarts, kills). At the end: every
+    sandbox deleted and the daemon stopped."""
+    # Short: agent socket paths under the run dir must fit in sun_path (108 bytes).
+    n = sum(1 for _ in tmp_root.glob("own-*"))
+    root = tmp_root / f"own-{n}"
+    root.mkdir(parents=True)
+    d = Daemon(root, name="own")
+    yield d
+    problems = []
+    if d.starts == 0:
+        return
+    # Helpers a killed daemon left behind hold its port: end them first.
+    if not d.alive():
+        d.kill_strays()
+    if d.alive():
+        problems += d.cleanup_all()
+        d.stop()
+    else:
+        # Bring it back once to delete what the test left.
+        try:
+            d.start()
+            problems += d.cleanup_all()
+            d.stop()
+        except AssertionError as e:
+            problems.append(str(e))
+    d.kill_strays()
+    left = wait_for_host_clean(d)
+    if left:
+        problems.append(f"left on the host after the test: {left}")
+        d.force_clean()
+    assert not problems, problems
+
+
+def wait_for_host_clean(d: Daemon, timeout: float = 10.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = d.host_leftovers()
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.2)

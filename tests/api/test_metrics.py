@@ -1,0 +1,56 @@
+"""/metrics (Prometheus text) and /v1/openapi.json."""
+
+from __future__ import annotations
+
+import re
+
+from conftest import Client, Daemon, expect_status
+
+
+def sample(text: str, name: str, labels: str = "") -> float:
+    pat = "^" + re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else "") + r" (\S+)$"
+    m = re.search(pat, text, re.M)
+    assert m, f"no sample {name}{{{labels}}} in metrics:\n{text[:3000]}"
+    return float(m.group(1))
+
+
+def test_metrics_count_sandboxes_commands_and_latencies(api: Client, sandbox: dict):
+    sid = sandbox["id"]
+    api.sh(sid, "true")
+    pid = api.background(sid, "sleep 300")
+    r = api.get("/metrics")
+    expect_status(r, 200)
+    assert r.headers["Content-Type"].startswith("text/plain")
+    text = r.text
+    assert sample(text, "hutch_sandboxes", 'state="running"') >= 1
+    for st in ("starting", "suspended", "terminating", "terminated"):
+        sample(text, "hutch_sandboxes", f'state="{st}"')
+    assert sample(text, "hutch_sandbox_create_to_ready_seconds_count") >= 1
+    assert sample(text, "hutch_sandbox_create_to_ready_seconds_sum") > 0
+    assert sample(text, "hutch_sandbox_create_to_ready_seconds_bucket", 'le="+Inf"') >= 1
+    assert sample(text, "hutch_exec_seconds_count") >= 1
+    assert sample(text, "hutch_exec_seconds_bucket", 'le="+Inf"') == sample(text, "hutch_exec_seconds_count")
+    assert sample(text, "hutch_commands_running") >= 1
+    assert sample(text, "hutch_reconciler_lag_seconds") >= 0
+    for line in text.splitlines():
+        assert line.startswith("#") or re.match(r"^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[^}]*\})? \S+$", line), line
+    api.post(f"/v1/sandboxes/{sid}/processes/{pid}/signal", {"signal": 9})
+
+
+def test_openapi_document_is_openapi_3_1_and_names_the_routes(daemon: Daemon):
+    r = Client(daemon.base, None).get("/v1/openapi.json")
+    expect_status(r, 200)
+    doc = r.json()
+    assert doc["openapi"].startswith("3.1"), doc["openapi"]
+    paths = doc["paths"]
+    for p in ("/v1/sandboxes", "/v1/sandboxes/{id}", "/v1/sandboxes/{id}/exec", "/v1/sandboxes/{id}/extend",
+              "/v1/sandboxes/{id}/suspend", "/v1/sandboxes/{id}/resume", "/v1/sandboxes/{id}/processes",
+              "/v1/executions"):
+        assert p in paths, f"{p} missing from the OpenAPI document"
+    assert "bearer" in doc["components"]["securitySchemes"]
+
+
+def test_unknown_routes_are_json_404(api: Client):
+    r = api.get("/v1/nope")
+    assert r.status_code == 404
+    assert r.json()["code"] == "not_found"

@@ -1,0 +1,232 @@
+"""Sandbox lifecycle: create (idempotent), read, list, delete, extend, expiry."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from conftest import Client, Daemon, cgroup_dirs, expect_error, expect_status, leftovers, wait_cleaned, wait_for
+
+
+def ts(s: str) -> datetime:
+    return datetime.fromisoformat(s.replace("Z", "+00:00"))
+
+
+def rfc3339(dt: datetime) -> str:
+    return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+FULL_BODY = {
+    "template": "base",
+    "ttl_seconds": 600,
+    "memory_mb": 1024,
+    "limits": {"vcpus": 1, "disk_mib": 2048, "pids": 512},
+    "env": {"GREETING": "hello from env"},
+    "metadata": {"owner": "tests", "purpose": "e2e"},
+    "wait_seconds": 10,
+}
+
+
+def test_create_answers_a_running_sandbox_with_enforced_limits(api: Client, daemon: Daemon):
+    before = datetime.now(timezone.utc)
+    r = api.post("/v1/sandboxes", FULL_BODY)
+    expect_status(r, 201)
+    sb = r.json()
+    try:
+        assert sb["id"].startswith("sb-"), sb
+        assert sb["state"] == "running"
+        assert sb["template"] == "base"
+        assert sb["memory_mb"] == 1024
+        assert sb["limits"] == {"vcpus": 1.0, "disk_mib": 2048, "pids": 512, "applied": "enforced"}
+        assert sb["metadata"] == FULL_BODY["metadata"]
+        created, expires = ts(sb["created_at"]), ts(sb["expires_at"])
+        assert before - timedelta(seconds=2) <= created <= datetime.now(timezone.utc) + timedelta(seconds=2)
+        assert abs((expires - created).total_seconds() - 600) < 1.5, sb
+        # The sandbox environment reaches commands.
+        assert api.sh(sb["id"], "echo $GREETING") == "hello from env\n"
+        # It exists on the host: a cgroup of its own.
+        assert cgroup_dirs(sb["id"]), f"no hutch/{sb['id']} cgroup on the host"
+        # GET answers the same sandbox.
+        assert api.sandbox(sb["id"]) == sb
+    finally:
+        api.destroy(sb["id"])
+
+
+def test_create_limits_are_applied_to_the_cgroup(api: Client):
+    sb = api.create(memory_mb=256, limits={"pids": 64, "vcpus": 0.5, "disk_mib": 64})
+    try:
+        sid = sb["id"]
+        mem = [p for p in (Path(f"/sys/fs/cgroup/memory/hutch/{sid}/memory.limit_in_bytes"),
+                           Path(f"/sys/fs/cgroup/unified/hutch/{sid}/memory.max"),
+                           Path(f"/sys/fs/cgroup/hutch/{sid}/memory.max")) if p.exists()]
+        assert mem, f"no memory limit file for {sid}"
+        assert int(mem[0].read_text()) == 256 << 20
+        pids = [p for p in (Path(f"/sys/fs/cgroup/pids/hutch/{sid}/pids.max"),
+                            Path(f"/sys/fs/cgroup/unified/hutch/{sid}/pids.max"),
+                            Path(f"/sys/fs/cgroup/hutch/{sid}/pids.max")) if p.exists()]
+        assert pids, f"no pids limit file for {sid}"
+        assert pids[0].read_text().strip() == "64"
+        # The writable layer is capped by disk_mib: 100 MiB do not fit in 64.
+        res = api.exec(sid, "head -c 100M /dev/zero > /workspace/big; echo rc=$?", timeout_seconds=60)
+        assert "rc=0" not in res["stdout"], f"wrote 100 MiB into a 64 MiB disk: {res}"
+    finally:
+        api.destroy(sb["id"])
+
+
+def test_create_with_the_same_idempotency_key_and_body_replays_the_sandbox(api: Client):
+    key = f"create-{uuid.uuid4()}"
+    body = {"ttl_seconds": 300, "metadata": {"k": "v"}}
+    r1 = api.post("/v1/sandboxes", body, headers={"Idempotency-Key": key})
+    expect_status(r1, 201)
+    try:
+        r2 = api.post("/v1/sandboxes", body, headers={"Idempotency-Key": key})
+        expect_status(r2, 200)
+        assert r2.json()["id"] == r1.json()["id"]
+        r3 = api.post("/v1/sandboxes", {**body, "metadata": {"k": "other"}}, headers={"Idempotency-Key": key})
+        expect_error(r3, 409, "idempotency_conflict")
+        # Only one sandbox was made for the key.
+        ids = [s["id"] for s in api.list_all() if s["metadata"] == {"k": "v"} and s["state"] != "terminated"]
+        assert ids == [r1.json()["id"]], ids
+    finally:
+        api.destroy(r1.json()["id"])
+
+
+def test_create_refuses_an_unknown_template(api: Client):
+    expect_error(api.post("/v1/sandboxes", {"template": "no-such-template"}), 400, "unknown_template")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"templat": "base"},
+        {"limits": {"cpus": 2}},
+        {"memory_mb": 32},
+        {"memory_mb": 10**9},
+        {"limits": {"vcpus": 0}},
+        {"limits": {"pids": 1}},
+        {"limits": {"disk_mib": 1}},
+        {"ttl_seconds": 0},
+        {"ttl_seconds": 24 * 3600 + 1},
+        {"env": {"A=B": "x"}},
+        {"metadata": {f"k{i}": "v" for i in range(65)}},
+        {"ttl_seconds": "ten"},
+    ],
+    ids=lambda b: ",".join(b) if isinstance(b, dict) else str(b),
+)
+def test_create_refuses_invalid_bodies(api: Client, body: dict):
+    expect_error(api.post("/v1/sandboxes", body), 400, "invalid_request")
+
+
+def test_create_refuses_malformed_json(api: Client):
+    r = api.request("POST", "/v1/sandboxes", data="{not json", headers={"Content-Type": "application/json"})
+    expect_error(r, 400, "invalid_request")
+
+
+def test_get_and_delete_of_unknown_ids_are_404(api: Client):
+    for sid in ("sb-0000000000000000", "nonsense", "sb-"):
+        expect_error(api.get(f"/v1/sandboxes/{sid}"), 404, "not_found")
+        expect_error(api.delete(f"/v1/sandboxes/{sid}"), 404, "not_found")
+
+
+def test_delete_is_idempotent_and_frees_the_host(api: Client, daemon: Daemon):
+    sb = api.create()
+    api.background(sb["id"], "sleep 300")
+    first = api.destroy(sb["id"])
+    assert first["state"] == "terminated", first
+    again = api.destroy(sb["id"])
+    assert again["state"] == "terminated"
+    assert api.sandbox(sb["id"])["state"] == "terminated"
+    wait_cleaned(daemon, sb["id"])
+    # A terminated sandbox refuses commands.
+    expect_error(api.exec_raw(sb["id"], {"command": "true"}), 409, "sandbox_session_not_running")
+
+
+def test_list_is_newest_first_and_pages_with_a_cursor(daemon: Daemon):
+    c = daemon.new_client("pager")
+    made = [c.create(metadata={"n": str(i)})["id"] for i in range(5)]
+    try:
+        r = c.get("/v1/sandboxes")
+        expect_status(r, 200)
+        assert [s["id"] for s in r.json()["sandboxes"]] == made[::-1]
+        assert "next_cursor" not in r.json() or r.json()["next_cursor"] is None
+        seen, cursor = [], None
+        for _ in range(10):
+            params = {"limit": 2, **({"cursor": cursor} if cursor else {})}
+            r = c.get("/v1/sandboxes", params=params)
+            expect_status(r, 200)
+            page = r.json()
+            assert len(page["sandboxes"]) <= 2
+            seen += [s["id"] for s in page["sandboxes"]]
+            cursor = page.get("next_cursor")
+            if not cursor:
+                break
+        assert seen == made[::-1]
+        expect_error(c.get("/v1/sandboxes", params={"limit": 0}), 400, "invalid_request")
+        expect_error(c.get("/v1/sandboxes", params={"cursor": "garbage"}), 400, "invalid_request")
+        expect_error(c.get("/v1/sandboxes", params={"bogus": 1}), 400, "invalid_request")
+    finally:
+        for sid in made:
+            c.destroy(sid)
+
+
+def test_extend_by_and_until(api: Client, sandbox: dict):
+    sid = sandbox["id"]
+    exp0 = ts(sandbox["expires_at"])
+    r = api.post(f"/v1/sandboxes/{sid}/extend", {"by": 120})
+    expect_status(r, 200)
+    exp1 = ts(r.json()["expires_at"])
+    assert abs((exp1 - exp0).total_seconds() - 120) < 0.01, (exp0, exp1)
+    target = datetime.now(timezone.utc).replace(microsecond=0) + timedelta(hours=2)
+    r = api.post(f"/v1/sandboxes/{sid}/extend", {"until": rfc3339(target)})
+    expect_status(r, 200)
+    assert ts(r.json()["expires_at"]) == target
+    assert api.sandbox(sid)["expires_at"] == r.json()["expires_at"]
+
+
+def test_extend_is_capped_at_24_hours_after_creation(api: Client, sandbox: dict):
+    sid = sandbox["id"]
+    created = ts(sandbox["created_at"])
+    r = api.post(f"/v1/sandboxes/{sid}/extend", {"by": 48 * 3600})
+    expect_status(r, 200)
+    assert ts(r.json()["expires_at"]) == created + timedelta(hours=24), r.json()
+    far = rfc3339(datetime.now(timezone.utc) + timedelta(days=30))
+    r = api.post(f"/v1/sandboxes/{sid}/extend", {"until": far})
+    expect_status(r, 200)
+    assert ts(r.json()["expires_at"]) == created + timedelta(hours=24), r.json()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{}, {"by": 10, "until": "2099-01-01T00:00:00Z"}, {"until": "tomorrow"}, {"until": "2000-01-01T00:00:00Z"},
+     {"by": -5}, {"for": 10}],
+    ids=["neither", "both", "not-rfc3339", "past", "negative", "unknown-field"],
+)
+def test_extend_refuses_invalid_bodies(api: Client, sandbox: dict, body: dict):
+    r = api.post(f"/v1/sandboxes/{sandbox['id']}/extend", body)
+    expect_error(r, 400, "invalid_request")
+
+
+def test_extend_of_an_unknown_sandbox_is_404(api: Client):
+    expect_error(api.post("/v1/sandboxes/sb-0000000000000000/extend", {"by": 10}), 404, "not_found")
+
+
+def test_an_expired_sandbox_is_terminated_and_leaves_the_host(api: Client, daemon: Daemon):
+    sb = api.create(ttl_seconds=2)
+    sid = sb["id"]
+    api.background(sid, "sleep 300")
+    assert cgroup_dirs(sid)
+    expires = ts(sb["expires_at"])
+    final = wait_for(
+        "the expired sandbox to be terminated",
+        lambda: (lambda s: s if s["state"] == "terminated" else None)(api.sandbox(sid)),
+        timeout=10,
+        interval=0.2,
+    )
+    done_at = datetime.now(timezone.utc)
+    assert (done_at - expires).total_seconds() < 5, f"terminated {done_at - expires} after expiry"
+    assert final.get("last_error_code") == "sandbox_expired", final
+    wait_cleaned(daemon, sid, timeout=5)
+    assert not leftovers(daemon.run_dir, sid)
