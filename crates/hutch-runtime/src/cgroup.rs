@@ -187,18 +187,15 @@ pub struct Cgroup {
 }
 
 impl Cgroup {
+    /// A cgroup with a name and no directory yet.
+    fn named(name: &str) -> Cgroup {
+        Cgroup { name: name.to_owned(), dirs: Vec::new(), memory: None, pids: None, cpu: None, v2: None, v1_freezer: None }
+    }
+
     /// Creates the sandbox's cgroup in every hierarchy it needs and writes
     /// the limits. On error, whatever was created is removed again.
     pub fn create(layout: &Layout, name: &str, limits: &Limits) -> Result<Cgroup, CgroupError> {
-        let mut cg = Cgroup {
-            name: name.to_owned(),
-            dirs: Vec::new(),
-            memory: None,
-            pids: None,
-            cpu: None,
-            v2: None,
-            v1_freezer: None,
-        };
+        let mut cg = Cgroup::named(name);
         match cg.populate(layout, limits) {
             Ok(()) => Ok(cg),
             Err(e) => {
@@ -415,15 +412,7 @@ impl Cgroup {
     /// Re-opens the cgroup of a sandbox that already exists (after a
     /// restart), without creating anything.
     pub fn existing(layout: &Layout, name: &str) -> Cgroup {
-        let mut cg = Cgroup {
-            name: name.to_owned(),
-            dirs: Vec::new(),
-            memory: None,
-            pids: None,
-            cpu: None,
-            v2: None,
-            v1_freezer: None,
-        };
+        let mut cg = Cgroup::named(name);
         let add = |dir: PathBuf, dirs: &mut Vec<PathBuf>| {
             if !dirs.contains(&dir) && dir.is_dir() {
                 dirs.push(dir.clone());
