@@ -514,7 +514,12 @@ impl Control {
 
     /// The live sandbox for a command, or why not.
     pub fn running(&self, owner: &str, id: &str) -> Result<Arc<Live>> {
-        let r = self.record(owner, id)?;
+        self.running_record(&self.record(owner, id)?)
+    }
+
+    /// The live sandbox of a record the caller already read.
+    pub fn running_record(&self, r: &SandboxRecord) -> Result<Arc<Live>> {
+        let id = r.id.as_str();
         if r.state != "running" {
             return Err(ControlError::NotRunning { id: id.to_owned(), state: static_state(&r.state) });
         }
@@ -532,7 +537,7 @@ impl Control {
         if r.state == "terminated" {
             return Err(ControlError::NoSandbox(id.to_owned()));
         }
-        let live = self.running(owner, id)?;
+        let live = self.running_record(&r)?;
         Ok(crate::files::SandboxFs::new(live.socket.clone(), None))
     }
 

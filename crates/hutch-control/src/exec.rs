@@ -144,14 +144,17 @@ impl Control {
     ) -> Result<ExecReply> {
         let cmd = validate(req)?;
         // The sandbox must exist (404) before a key is taken for it.
-        self.record(owner, id)?;
+        let record = self.record(owner, id)?;
         let hash = request_hash(req);
         if let Some(key) = key {
             if let Some(replay) = self.journal_begin(id, key, &hash)? {
                 return replay;
             }
         }
-        let live = match self.running(owner, id) {
+        // Re-read only when a key was taken: the state may have moved while
+        // the journal was written; without one, the record is fresh enough.
+        let current = if key.is_some() { self.record(owner, id)? } else { record };
+        let live = match self.running_record(&current) {
             Ok(l) => l,
             Err(e) => {
                 if let Some(key) = key {
