@@ -68,8 +68,6 @@ pub enum ErrorCode {
     SandboxFilePartMismatch,
     /// A request body exceeds its limit.
     PayloadTooLarge,
-    /// A lifetime extension past the template's maximum.
-    LifetimeExceeded,
     /// The service is shutting down or a dependency is unavailable.
     Unavailable,
     /// An internal error; details are in the server's log, never here.
@@ -86,8 +84,7 @@ impl ErrorCode {
             | ErrorCode::InvalidPath
             | ErrorCode::SandboxPathNotDirectory
             | ErrorCode::SandboxPathUnreadable
-            | ErrorCode::SandboxArchiveInvalid
-            | ErrorCode::LifetimeExceeded => 400,
+            | ErrorCode::SandboxArchiveInvalid => 400,
             ErrorCode::NotFound => 404,
             ErrorCode::IdempotencyConflict
             | ErrorCode::ExecutionOutcomeUnknown
@@ -125,7 +122,6 @@ impl ErrorCode {
             ErrorCode::SandboxFilePartOutOfOrder => "sandbox_file_part_out_of_order",
             ErrorCode::SandboxFilePartMismatch => "sandbox_file_part_mismatch",
             ErrorCode::PayloadTooLarge => "payload_too_large",
-            ErrorCode::LifetimeExceeded => "lifetime_exceeded",
             ErrorCode::Unavailable => "unavailable",
             ErrorCode::Internal => "internal",
         }
