@@ -251,3 +251,31 @@ fn a_killed_hutch_run_takes_its_sandbox_down_and_the_next_run_sweeps_it() {
     assert!(cgroups_named("t-sweep").is_empty(), "stale cgroup not swept");
     env.assert_no_residue();
 }
+
+#[test]
+fn a_missing_workdir_is_refused_before_anything_runs() {
+    let env = Env::new("noworkdir");
+    let out = env.run(&["-w", "/no/such/dir"], &["sh", "-c", "echo ran"]);
+    assert_eq!(out.status.code(), Some(125), "{}", stderr(&out));
+    assert!(stderr(&out).contains("/no/such/dir"), "{}", stderr(&out));
+    assert!(!stdout(&out).contains("ran"));
+    env.assert_no_residue();
+}
+
+#[test]
+fn doctor_reports_the_host_and_the_container_class() {
+    let env = Env::new("doctor");
+    let out = env.hutch().args(["doctor", "--json"]).output().expect("doctor");
+    assert!(out.status.success(), "the container class must run on the CI host: {}", stdout(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("doctor --json prints JSON");
+    let findings = report["findings"].as_array().expect("findings");
+    for name in ["kernel", "user namespaces", "cgroups", "overlayfs", "seccomp", "landlock", "kvm"] {
+        assert!(findings.iter().any(|f| f["name"] == name), "doctor says nothing about {name}");
+    }
+    let classes = report["classes"].as_array().expect("classes");
+    assert!(classes.iter().any(|c| c["class"] == "container" && c["available"] == true));
+    // A host without the agent cannot run the default class: non-zero exit.
+    let out = env.hutch().args(["doctor"]).env("HUTCH_AGENT", "/nonexistent/hutch-agent").output().expect("doctor");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stdout(&out).contains("MISS agent"), "{}", stdout(&out));
+}
