@@ -249,11 +249,30 @@ class Client:
         expect_status(r, 200)
         return r.json()["processes"]
 
+    def cleanup_templates(self) -> list[str]:
+        """Deletes every template of this key (which drains its warm pool)."""
+        try:
+            r = self.get("/v1/templates")
+            expect_status(r, 200)
+        except (requests.RequestException, AssertionError) as e:
+            return [f"list templates: {e}"]
+        problems = []
+        for t in r.json()["templates"]:
+            try:
+                d = self.delete(f"/v1/templates/{t['id']}")
+                if d.status_code not in (204, 404):
+                    problems.append(f"delete template {t['id']}: {d.status_code} {d.text}")
+            except requests.RequestException as e:
+                problems.append(f"delete template {t['id']}: {e}")
+        return problems
+
     def cleanup(self) -> list[str]:
-        """Deletes every sandbox this key can see that is not terminated."""
+        """Deletes every template (draining warm pools) and every sandbox
+        this key can see that is not terminated."""
         problems = []
         if self.revoked:
             return problems
+        problems += self.cleanup_templates()
         try:
             sandboxes = self.list_all()
         except (requests.RequestException, AssertionError) as e:

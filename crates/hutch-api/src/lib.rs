@@ -34,6 +34,8 @@ pub enum ErrorCode {
     NotFound,
     /// The template named does not exist.
     UnknownTemplate,
+    /// The caller already has a template of this name.
+    TemplateNameTaken,
     /// The same Idempotency-Key was used with a different request.
     IdempotencyConflict,
     /// A command with this Idempotency-Key is running, or its outcome was
@@ -92,7 +94,8 @@ impl ErrorCode {
             | ErrorCode::SandboxDiskFull
             | ErrorCode::SandboxPathConflict
             | ErrorCode::SandboxFilePartOutOfOrder
-            | ErrorCode::SandboxFilePartMismatch => 409,
+            | ErrorCode::SandboxFilePartMismatch
+            | ErrorCode::TemplateNameTaken => 409,
             ErrorCode::SandboxArchiveTooLarge | ErrorCode::PayloadTooLarge => 413,
             ErrorCode::SandboxCommandCapacity | ErrorCode::SandboxCapacityUnavailable => 429,
             ErrorCode::Internal => 500,
@@ -106,6 +109,7 @@ impl ErrorCode {
             ErrorCode::InvalidRequest => "invalid_request",
             ErrorCode::NotFound => "not_found",
             ErrorCode::UnknownTemplate => "unknown_template",
+            ErrorCode::TemplateNameTaken => "template_name_taken",
             ErrorCode::IdempotencyConflict => "idempotency_conflict",
             ErrorCode::ExecutionOutcomeUnknown => "execution_outcome_unknown",
             ErrorCode::SandboxSessionNotRunning => "sandbox_session_not_running",
@@ -230,6 +234,107 @@ pub struct Sandbox {
     /// The last recorded lifecycle reason, when one is known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_error_code: Option<String>,
+    /// Claimed from its template's warm pool (its lifetime started at the claim).
+    #[serde(default)]
+    pub warm: bool,
+    /// The template it runs (absent for `base`) and that template's version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template_version: Option<u64>,
+}
+
+/// A warm pool's bounds: the daemon keeps `min` sandboxes started and
+/// unclaimed, and drains any beyond `max`.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Warm {
+    #[serde(default)]
+    pub min: u32,
+    #[serde(default)]
+    pub max: u32,
+}
+
+/// `POST /v1/templates`: a named, versioned recipe for sandboxes.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CreateTemplate {
+    /// Unique per owner: 1 to 64 of `a-z0-9-_.`, starting with a letter or digit; not `base`.
+    pub name: String,
+    /// Root filesystem; only `base` for now.
+    #[serde(default)]
+    pub image: Option<String>,
+    /// Isolation class; only `container`.
+    #[serde(default)]
+    pub class: Option<String>,
+    /// Memory limit in MiB of its sandboxes, 64 to 262144. Default 1024.
+    #[serde(default)]
+    pub memory_mb: Option<u64>,
+    #[serde(default)]
+    pub limits: Option<LimitsRequest>,
+    /// Environment of every process in its sandboxes (a create's `env` adds to it).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Lifetime of a sandbox whose create gives none. Default 600.
+    #[serde(default)]
+    pub default_ttl_seconds: Option<u64>,
+    /// Most lifetime a create or an extension may reach. Default 86400.
+    #[serde(default)]
+    pub max_ttl_seconds: Option<u64>,
+    #[serde(default)]
+    pub warm: Option<Warm>,
+}
+
+/// `PATCH /v1/templates/{id}`: the fields given replace the template's. A
+/// change to what runs (image, env, memory, limits) raises `version`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateTemplate {
+    #[serde(default)]
+    pub image: Option<String>,
+    #[serde(default)]
+    pub class: Option<String>,
+    #[serde(default)]
+    pub memory_mb: Option<u64>,
+    /// Replaces the limits whole (fields absent take their defaults).
+    #[serde(default)]
+    pub limits: Option<LimitsRequest>,
+    /// Replaces the environment whole.
+    #[serde(default)]
+    pub env: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    pub default_ttl_seconds: Option<u64>,
+    #[serde(default)]
+    pub max_ttl_seconds: Option<u64>,
+    #[serde(default)]
+    pub warm: Option<Warm>,
+}
+
+/// A template as the API shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Template {
+    pub id: String,
+    pub name: String,
+    pub version: u64,
+    pub image: String,
+    pub class: String,
+    pub memory_mb: u64,
+    pub limits: LimitsRequest,
+    pub env: BTreeMap<String, String>,
+    pub default_ttl_seconds: u64,
+    pub max_ttl_seconds: u64,
+    pub warm: Warm,
+    /// Warm sandboxes of the current version ready to be claimed now.
+    pub warm_ready: u64,
+    /// RFC 3339, UTC.
+    pub created_at: String,
+    pub updated_at: String,
+}
+
+/// `GET /v1/templates`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct TemplateList {
+    pub templates: Vec<Template>,
 }
 
 /// `GET /v1/sandboxes`.

@@ -95,6 +95,7 @@ pub struct Control {
     pub metrics: Arc<Metrics>,
     live: Mutex<HashMap<String, Arc<Live>>>,
     shutting_down: AtomicBool,
+    pub(crate) pool: crate::pool::PoolState,
 }
 
 pub fn now_ms() -> i64 {
@@ -162,7 +163,7 @@ pub fn template(name: Option<&str>) -> Result<Template> {
     }
 }
 
-fn check_map(what: &str, map: &BTreeMap<String, String>, max: usize) -> Result<()> {
+pub(crate) fn check_map(what: &str, map: &BTreeMap<String, String>, max: usize) -> Result<()> {
     if map.len() > max {
         return Err(ControlError::Invalid(format!("{what}: at most {max} entries")));
     }
@@ -208,6 +209,9 @@ pub fn view(r: &SandboxRecord) -> Sandbox {
         limits: Limits { vcpus: r.vcpus, disk_mib: r.disk_mib, pids: r.pids, applied: r.limits_applied.clone() },
         metadata: serde_json::from_str(&r.metadata).unwrap_or_default(),
         last_error_code: r.last_error_code.clone(),
+        warm: r.warm,
+        template_id: r.template_id.clone(),
+        template_version: r.template_version.map(|v| v as u64),
     }
 }
 
@@ -231,11 +235,16 @@ impl Control {
             metrics: Arc::new(Metrics::default()),
             live: Mutex::new(HashMap::new()),
             shutting_down: AtomicBool::new(false),
+            pool: crate::pool::PoolState::default(),
         })
     }
 
     pub fn shut_down(&self) {
         self.shutting_down.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
     }
 
     fn live_map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Live>>> {
@@ -246,10 +255,11 @@ impl Control {
         self.live_map().get(id).cloned()
     }
 
-    /// The stored record of a sandbox the caller may see.
+    /// The stored record of a sandbox the caller may see (an unclaimed warm
+    /// sandbox is nobody's yet).
     pub fn record(&self, owner: &str, id: &str) -> Result<SandboxRecord> {
         match self.store.get_sandbox(id)? {
-            Some(r) if r.owner == owner => Ok(r),
+            Some(r) if r.owner == owner && !r.pooled => Ok(r),
             _ => Err(ControlError::NoSandbox(id.to_owned())),
         }
     }
@@ -267,10 +277,20 @@ impl Control {
             return Err(ControlError::ShuttingDown);
         }
         // Everything is checked before anything is reserved.
-        let tpl = template(req.template.as_deref())?;
-        let (memory, vcpus, disk, pids) = resolve_limits(req.memory_mb, req.limits.as_ref())?;
+        let tpl = self.recipe(owner, req.template.as_deref())?;
+        // The template's limits, field by field unless the request overrides.
+        let asked = req.limits.clone().unwrap_or_default();
+        let limits = LimitsRequest {
+            vcpus: asked.vcpus.or(Some(tpl.vcpus)),
+            disk_mib: asked.disk_mib.or(Some(tpl.disk_mib)),
+            pids: asked.pids.or(Some(tpl.pids)),
+        };
+        let (memory, vcpus, disk, pids) = resolve_limits(req.memory_mb.or(Some(tpl.memory_mb)), Some(&limits))?;
         check_map("env", &req.env, 256)?;
         check_map("metadata", &req.metadata, 64)?;
+        let mut env = tpl.env.clone();
+        env.extend(req.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+        check_map("env", &env, 256)?;
         let ttl = match req.ttl_seconds {
             Some(0) => return Err(ControlError::Invalid("ttl_seconds must be at least 1".into())),
             Some(s) => Duration::from_secs(s),
@@ -292,12 +312,30 @@ impl Control {
                 return Ok((view(&existing), false));
             }
         }
+        let metadata = serde_json::to_string(&req.metadata).unwrap_or_else(|_| "{}".into());
+        // A warm sandbox runs exactly the template: claim one only when the
+        // request changes nothing that would need a restart (metadata and
+        // lifetime are record fields).
+        if req.env.is_empty() && (memory, vcpus, disk, pids) == tpl.limits() {
+            match self.claim_warm(owner, &tpl, ttl, &metadata, key, &hash) {
+                Ok(Some(r)) => return Ok((view(&r), true)),
+                Ok(None) => {}
+                Err(StoreError::Conflict) => {
+                    let existing = self
+                        .store
+                        .sandbox_by_key(owner, key.unwrap_or_default())?
+                        .ok_or(ControlError::OutcomeUnknown)?;
+                    return Ok((view(&existing), false));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
         let id = hutch_runtime::container::random_id().map_err(|e| ControlError::Runtime(e.to_string()))?;
         let now = now_ms();
         let record = SandboxRecord {
             id: id.clone(),
             owner: owner.to_owned(),
-            template: tpl.name.to_owned(),
+            template: tpl.name.clone(),
             state: "starting".into(),
             created_at: now,
             expires_at: now + ttl.as_millis() as i64,
@@ -306,13 +344,17 @@ impl Control {
             vcpus,
             disk_mib: disk,
             pids,
-            env: serde_json::to_string(&req.env).unwrap_or_else(|_| "{}".into()),
-            metadata: serde_json::to_string(&req.metadata).unwrap_or_else(|_| "{}".into()),
+            env: serde_json::to_string(&env).unwrap_or_else(|_| "{}".into()),
+            metadata,
             limits_applied: "unknown".into(),
             last_error_code: None,
             host_pid: None,
             idempotency_key: key.map(str::to_owned),
             request_hash: Some(hash),
+            template_id: tpl.id.clone(),
+            template_version: tpl.version,
+            warm: false,
+            pooled: false,
         };
         match self.store.insert_sandbox(&record) {
             Ok(()) => {}
@@ -338,7 +380,7 @@ impl Control {
     }
 
     /// Starts the runtime sandbox of a `starting` record.
-    async fn boot(self: Arc<Self>, mut record: SandboxRecord) -> Result<SandboxRecord> {
+    pub(crate) async fn boot(self: Arc<Self>, mut record: SandboxRecord) -> Result<SandboxRecord> {
         let t0 = Instant::now();
         let env: BTreeMap<String, String> = serde_json::from_str(&record.env).unwrap_or_default();
         let spec = SandboxSpec {
@@ -612,18 +654,28 @@ impl Control {
                 continue;
             }
             if r.expires_at <= now {
+                // A warm sandbox is taken from its pool first, so that no
+                // claim gets it while it is destroyed.
+                if r.pooled && !self.store.drain_pooled(&r.id)? {
+                    continue;
+                }
                 lag = lag.max((now - r.expires_at) as f64 / 1000.0);
                 let _ = self.destroy_now(&r.id, Some("sandbox_expired")).await;
                 continue;
             }
             if let Some(live) = self.live(&r.id) {
                 let dead = live.handle.lock().ok().and_then(|h| h.as_ref().map(|sb| !sb.is_alive())).unwrap_or(false);
-                if dead {
+                if dead && (!r.pooled || self.store.drain_pooled(&r.id)?) {
                     let _ = self.destroy_now(&r.id, Some("sandbox_agent_exited")).await;
                 }
             }
         }
         self.metrics.set_reconciler_lag(lag);
+        if !self.is_shutting_down() {
+            if let Err(e) = self.tend_pools().await {
+                log_warn(&format!("warm pools: {e}; retrying next tick"));
+            }
+        }
         Ok(())
     }
 }

@@ -11,6 +11,10 @@ pub enum ControlError {
     UnknownTemplate(String),
     #[error("no sandbox {0}")]
     NoSandbox(String),
+    #[error("no template {0}")]
+    NoTemplate(String),
+    #[error("you already have a template named {0:?}")]
+    TemplateNameTaken(String),
     #[error("no process {pid} in sandbox {sandbox}")]
     NoProcess { sandbox: String, pid: u32 },
     #[error("sandbox {id} is {state}, not running; the command was not sent")]
@@ -47,7 +51,10 @@ impl ControlError {
         match self {
             ControlError::Invalid(_) => ErrorCode::InvalidRequest,
             ControlError::UnknownTemplate(_) => ErrorCode::UnknownTemplate,
-            ControlError::NoSandbox(_) | ControlError::NoProcess { .. } => ErrorCode::NotFound,
+            ControlError::NoSandbox(_) | ControlError::NoProcess { .. } | ControlError::NoTemplate(_) => {
+                ErrorCode::NotFound
+            }
+            ControlError::TemplateNameTaken(_) => ErrorCode::TemplateNameTaken,
             ControlError::NotRunning { .. } => ErrorCode::SandboxSessionNotRunning,
             ControlError::Capacity(_) => ErrorCode::SandboxCommandCapacity,
             ControlError::IdempotencyConflict => ErrorCode::IdempotencyConflict,

@@ -441,7 +441,7 @@ impl Control {
             stdin: req.stdin.clone(),
         };
         validate(&exec)?;
-        crate::control::template(req.template.as_deref())?;
+        let recipe = self.recipe(owner, req.template.as_deref())?;
         crate::control::resolve_limits(req.memory_mb, req.limits.as_ref())?;
         let scope = format!("owner:{owner}");
         let hash = request_hash(req);
@@ -455,7 +455,7 @@ impl Control {
         }
         let create = CreateSandbox {
             template: req.template.clone(),
-            ttl_seconds: Some(req.timeout_seconds.unwrap_or(3600).saturating_add(60).min(24 * 3600)),
+            ttl_seconds: Some(req.timeout_seconds.unwrap_or(3600).saturating_add(60).min(recipe.max_ttl.as_secs())),
             memory_mb: req.memory_mb,
             limits: req.limits.clone(),
             wait_seconds: Some(60),

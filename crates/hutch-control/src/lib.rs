@@ -11,6 +11,8 @@ pub mod exec;
 pub mod files;
 pub mod keys;
 pub mod metrics;
+pub mod pool;
+pub mod templates;
 
 pub use control::Control;
 pub use error::ControlError;

@@ -3,6 +3,7 @@
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
 /// A histogram with fixed buckets (upper bounds in seconds).
 pub struct Histogram {
@@ -52,6 +53,15 @@ pub struct Metrics {
     pub commands_total: AtomicU64,
     /// Seconds, as f64 bits.
     reconciler_lag: AtomicU64,
+    /// Creates served by a warm sandbox, and creates of a template with a
+    /// warm pool that found none ready.
+    pub warm_claims_total: AtomicU64,
+    pub warm_misses_total: AtomicU64,
+    /// Time to start one warm sandbox.
+    pub warm_refill: Histogram,
+    /// Ready warm sandboxes per template: (name, id, count), as of the last
+    /// reconciler tick.
+    warm_pool_sizes: Mutex<Vec<(String, String, u64)>>,
 }
 
 impl Default for Metrics {
@@ -61,6 +71,10 @@ impl Default for Metrics {
             exec_latency: Histogram::new(LATENCY),
             commands_total: AtomicU64::new(0),
             reconciler_lag: AtomicU64::new(0),
+            warm_claims_total: AtomicU64::new(0),
+            warm_misses_total: AtomicU64::new(0),
+            warm_refill: Histogram::new(LATENCY),
+            warm_pool_sizes: Mutex::new(Vec::new()),
         }
     }
 }
@@ -68,6 +82,10 @@ impl Default for Metrics {
 impl Metrics {
     pub fn set_reconciler_lag(&self, secs: f64) {
         self.reconciler_lag.store(secs.to_bits(), Ordering::Relaxed);
+    }
+
+    pub fn set_warm_pool_sizes(&self, sizes: Vec<(String, String, u64)>) {
+        *self.warm_pool_sizes.lock().unwrap_or_else(|p| p.into_inner()) = sizes;
     }
 
     /// The whole exposition; `states` is the count of sandboxes per state,
@@ -100,6 +118,27 @@ impl Metrics {
              # TYPE hutch_reconciler_lag_seconds gauge\nhutch_reconciler_lag_seconds {}",
             f64::from_bits(self.reconciler_lag.load(Ordering::Relaxed))
         );
+        let _ = writeln!(
+            out,
+            "# HELP hutch_warm_pool_size Warm sandboxes ready to be claimed, per template.\n\
+             # TYPE hutch_warm_pool_size gauge"
+        );
+        for (name, id, n) in self.warm_pool_sizes.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            let _ = writeln!(out, "hutch_warm_pool_size{{template=\"{name}\",template_id=\"{id}\"}} {n}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP hutch_warm_claims_total Creates served by a warm sandbox.\n# TYPE hutch_warm_claims_total counter\n\
+             hutch_warm_claims_total {}",
+            self.warm_claims_total.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP hutch_warm_misses_total Creates of a template with a warm pool that found none ready.\n\
+             # TYPE hutch_warm_misses_total counter\nhutch_warm_misses_total {}",
+            self.warm_misses_total.load(Ordering::Relaxed)
+        );
+        self.warm_refill.render("hutch_warm_refill_seconds", "Time to start one warm sandbox.", &mut out);
         out
     }
 }
@@ -120,5 +159,12 @@ mod tests {
         assert!(text.contains("hutch_exec_seconds_bucket{le=\"0.002\"} 1"));
         assert!(text.contains("hutch_exec_seconds_bucket{le=\"0.5\"} 2"));
         assert!(text.contains("hutch_exec_seconds_count 2"));
+        m.set_warm_pool_sizes(vec![("py".into(), "tpl-1".into(), 3)]);
+        m.warm_claims_total.fetch_add(1, Ordering::Relaxed);
+        let text = m.render(&[], 0);
+        assert!(text.contains("hutch_warm_pool_size{template=\"py\",template_id=\"tpl-1\"} 3"), "{text}");
+        assert!(text.contains("hutch_warm_claims_total 1"));
+        assert!(text.contains("hutch_warm_misses_total 0"));
+        assert!(text.contains("hutch_warm_refill_seconds_count 0"));
     }
 }

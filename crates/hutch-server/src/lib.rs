@@ -8,6 +8,7 @@
 
 mod openapi;
 mod routes;
+mod templates;
 
 use axum::body::Body;
 use axum::extract::{FromRequest, Request};

@@ -30,6 +30,11 @@ use utoipa::{Modify, OpenApi};
         crate::routes::archive_upload,
         crate::routes::archive_download,
         crate::routes::file_part,
+        crate::templates::create_template,
+        crate::templates::list_templates,
+        crate::templates::get_template,
+        crate::templates::update_template,
+        crate::templates::delete_template,
     ),
     components(schemas(
         hutch_api::ErrorBody, hutch_api::ErrorCode, hutch_api::Sandbox, hutch_api::SandboxList, hutch_api::SandboxState,
@@ -38,6 +43,8 @@ use utoipa::{Modify, OpenApi};
         hutch_api::ExecutionResult, hutch_api::Process, hutch_api::ProcessList, hutch_api::SignalRequest,
         hutch_api::StdinRequest, hutch_api::FileRef, hutch_api::FileData, hutch_api::ListEntry, hutch_api::Listing,
         hutch_api::ArchiveResult, hutch_api::FilePart, hutch_api::FilePartResult,
+        hutch_api::Template, hutch_api::CreateTemplate, hutch_api::UpdateTemplate, hutch_api::Warm,
+        hutch_api::TemplateList,
     )),
     modifiers(&BearerAuth),
     security(("bearer" = []))

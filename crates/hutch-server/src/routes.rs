@@ -51,13 +51,14 @@ pub fn router(app: Arc<App>) -> Router {
         .route_layer(middleware::from_fn_with_state(app.clone(), authenticate));
     Router::new()
         .merge(api)
+        .merge(crate::templates::router(app.clone()))
         .route("/healthz", get(healthz))
         .route("/v1/openapi.json", get(openapi))
         .fallback(not_found)
         .with_state(app)
 }
 
-async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
+pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
     let secret = req
         .headers()
         .get(header::AUTHORIZATION)

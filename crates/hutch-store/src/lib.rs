@@ -57,6 +57,51 @@ pub struct SandboxRecord {
     pub host_pid: Option<i64>,
     pub idempotency_key: Option<String>,
     pub request_hash: Option<String>,
+    /// The template it runs (None for the builtin `base`) and its version.
+    pub template_id: Option<String>,
+    pub template_version: Option<i64>,
+    /// Started by a warm pool (stays true once claimed).
+    pub warm: bool,
+    /// In a warm pool, unclaimed: hidden from its owner's reads.
+    pub pooled: bool,
+}
+
+/// A template as stored. Times are Unix milliseconds; lifetimes seconds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TemplateRecord {
+    pub id: String,
+    pub owner: String,
+    pub name: String,
+    pub version: i64,
+    pub image: String,
+    pub class: String,
+    pub memory_mb: u64,
+    pub vcpus: f64,
+    pub disk_mib: u64,
+    pub pids: u32,
+    /// JSON object.
+    pub env: String,
+    pub default_ttl_s: u64,
+    pub max_ttl_s: u64,
+    pub warm_min: u32,
+    pub warm_max: u32,
+    pub created_at: i64,
+    pub updated_at: i64,
+    pub deleted_at: Option<i64>,
+}
+
+/// What a claim of a warm sandbox sets on it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Claim<'a> {
+    pub template_id: &'a str,
+    pub owner: &'a str,
+    pub now: i64,
+    pub expires_at: i64,
+    pub max_expires_at: i64,
+    /// JSON object.
+    pub metadata: &'a str,
+    pub idempotency_key: Option<&'a str>,
+    pub request_hash: &'a str,
 }
 
 /// The journal entry of an idempotent command.
@@ -114,6 +159,29 @@ pub trait Store: Send + Sync {
     fn release_exec(&self, scope: &str, key: &str) -> Result<()>;
     /// After a restart: commands that were running have lost their outcome.
     fn mark_running_execs_lost(&self) -> Result<u64>;
+
+    /// Inserts a template; [`StoreError::Conflict`] when its owner has a
+    /// live template of that name.
+    fn insert_template(&self, t: &TemplateRecord) -> Result<()>;
+    /// A template by id, deleted ones included.
+    fn get_template(&self, id: &str) -> Result<Option<TemplateRecord>>;
+    /// The owner's live template of this name.
+    fn template_by_name(&self, owner: &str, name: &str) -> Result<Option<TemplateRecord>>;
+    /// Live templates (of one owner, or all), oldest first.
+    fn list_templates(&self, owner: Option<&str>) -> Result<Vec<TemplateRecord>>;
+    /// Rewrites every field but id, owner and created_at; [`StoreError::Conflict`]
+    /// on a name clash.
+    fn update_template(&self, t: &TemplateRecord) -> Result<()>;
+
+    /// Claims the oldest running pooled sandbox of the template's current
+    /// version, in one transaction: it leaves the pool and its lifetime
+    /// starts now. None when the pool has none ready.
+    fn claim_warm(&self, claim: &Claim<'_>) -> Result<Option<SandboxRecord>>;
+    /// Takes a running pooled sandbox out of its pool for draining (state
+    /// `terminating`); false when a claim took it first.
+    fn drain_pooled(&self, id: &str) -> Result<bool>;
+    /// Pooled sandboxes (any state but terminated), oldest first.
+    fn pooled_sandboxes(&self) -> Result<Vec<SandboxRecord>>;
 }
 
 /// The embedded SQLite store (WAL mode) in one file.
@@ -121,7 +189,10 @@ pub struct SqliteStore {
     conn: Mutex<Connection>,
 }
 
-const MIGRATIONS: &[(&str, &str)] = &[("0001_init", include_str!("../migrations/0001_init.sql"))];
+const MIGRATIONS: &[(&str, &str)] = &[
+    ("0001_init", include_str!("../migrations/0001_init.sql")),
+    ("0002_templates", include_str!("../migrations/0002_templates.sql")),
+];
 
 impl SqliteStore {
     pub fn open(path: &Path) -> Result<SqliteStore> {
@@ -170,7 +241,34 @@ fn conflict(e: rusqlite::Error) -> StoreError {
 }
 
 const SANDBOX_COLUMNS: &str = "id, owner, template, state, created_at, expires_at, max_expires_at, memory_mb, vcpus, \
-     disk_mib, pids, env, metadata, limits_applied, last_error_code, host_pid, idempotency_key, request_hash";
+     disk_mib, pids, env, metadata, limits_applied, last_error_code, host_pid, idempotency_key, request_hash, \
+     template_id, template_version, warm, pooled";
+
+const TEMPLATE_COLUMNS: &str = "id, owner, name, version, image, class, memory_mb, vcpus, disk_mib, pids, env, \
+     default_ttl_s, max_ttl_s, warm_min, warm_max, created_at, updated_at, deleted_at";
+
+fn template_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<TemplateRecord> {
+    Ok(TemplateRecord {
+        id: r.get(0)?,
+        owner: r.get(1)?,
+        name: r.get(2)?,
+        version: r.get(3)?,
+        image: r.get(4)?,
+        class: r.get(5)?,
+        memory_mb: r.get::<_, i64>(6)? as u64,
+        vcpus: r.get(7)?,
+        disk_mib: r.get::<_, i64>(8)? as u64,
+        pids: r.get::<_, i64>(9)? as u32,
+        env: r.get(10)?,
+        default_ttl_s: r.get::<_, i64>(11)? as u64,
+        max_ttl_s: r.get::<_, i64>(12)? as u64,
+        warm_min: r.get::<_, i64>(13)? as u32,
+        warm_max: r.get::<_, i64>(14)? as u32,
+        created_at: r.get(15)?,
+        updated_at: r.get(16)?,
+        deleted_at: r.get(17)?,
+    })
+}
 
 fn sandbox_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRecord> {
     Ok(SandboxRecord {
@@ -192,6 +290,10 @@ fn sandbox_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRecord> {
         host_pid: r.get(15)?,
         idempotency_key: r.get(16)?,
         request_hash: r.get(17)?,
+        template_id: r.get(18)?,
+        template_version: r.get(19)?,
+        warm: r.get::<_, i64>(20)? != 0,
+        pooled: r.get::<_, i64>(21)? != 0,
     })
 }
 
@@ -264,7 +366,7 @@ impl Store for SqliteStore {
     fn insert_sandbox(&self, s: &SandboxRecord) -> Result<()> {
         self.with(|c| {
             c.execute(
-                &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18)"),
+                &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22)"),
                 params![
                     s.id,
                     s.owner,
@@ -283,7 +385,11 @@ impl Store for SqliteStore {
                     s.last_error_code,
                     s.host_pid,
                     s.idempotency_key,
-                    s.request_hash
+                    s.request_hash,
+                    s.template_id,
+                    s.template_version,
+                    s.warm as i64,
+                    s.pooled as i64
                 ],
             )
             .map_err(conflict)?;
@@ -329,7 +435,7 @@ impl Store for SqliteStore {
         self.with(|c| {
             let (ts, id) = after.unwrap_or((i64::MAX, ""));
             let sql = format!(
-                "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE (?1 IS NULL OR owner = ?1) \
+                "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE (?1 IS NULL OR owner = ?1) AND pooled = 0 \
                  AND (created_at < ?2 OR (created_at = ?2 AND id < ?3) OR ?4) \
                  ORDER BY created_at DESC, id DESC LIMIT ?5"
             );
@@ -407,6 +513,151 @@ impl Store for SqliteStore {
     fn mark_running_execs_lost(&self) -> Result<u64> {
         self.with(|c| Ok(c.execute("UPDATE executions SET state = 'lost' WHERE state = 'running'", [])? as u64))
     }
+
+    fn insert_template(&self, t: &TemplateRecord) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                &format!(
+                    "INSERT INTO templates ({TEMPLATE_COLUMNS}) VALUES \
+                     (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18)"
+                ),
+                params![
+                    t.id,
+                    t.owner,
+                    t.name,
+                    t.version,
+                    t.image,
+                    t.class,
+                    t.memory_mb as i64,
+                    t.vcpus,
+                    t.disk_mib as i64,
+                    t.pids as i64,
+                    t.env,
+                    t.default_ttl_s as i64,
+                    t.max_ttl_s as i64,
+                    t.warm_min as i64,
+                    t.warm_max as i64,
+                    t.created_at,
+                    t.updated_at,
+                    t.deleted_at
+                ],
+            )
+            .map_err(conflict)?;
+            Ok(())
+        })
+    }
+
+    fn get_template(&self, id: &str) -> Result<Option<TemplateRecord>> {
+        self.with(|c| {
+            Ok(c.query_row(&format!("SELECT {TEMPLATE_COLUMNS} FROM templates WHERE id = ?1"), [id], template_row)
+                .optional()?)
+        })
+    }
+
+    fn template_by_name(&self, owner: &str, name: &str) -> Result<Option<TemplateRecord>> {
+        self.with(|c| {
+            Ok(c.query_row(
+                &format!(
+                    "SELECT {TEMPLATE_COLUMNS} FROM templates WHERE owner = ?1 AND name = ?2 AND deleted_at IS NULL"
+                ),
+                [owner, name],
+                template_row,
+            )
+            .optional()?)
+        })
+    }
+
+    fn list_templates(&self, owner: Option<&str>) -> Result<Vec<TemplateRecord>> {
+        self.with(|c| {
+            let mut st = c.prepare(&format!(
+                "SELECT {TEMPLATE_COLUMNS} FROM templates WHERE (?1 IS NULL OR owner = ?1) AND deleted_at IS NULL \
+                 ORDER BY created_at, id"
+            ))?;
+            let rows = st.query_map(params![owner], template_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn update_template(&self, t: &TemplateRecord) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE templates SET name = ?2, version = ?3, image = ?4, class = ?5, memory_mb = ?6, vcpus = ?7, \
+                 disk_mib = ?8, pids = ?9, env = ?10, default_ttl_s = ?11, max_ttl_s = ?12, warm_min = ?13, \
+                 warm_max = ?14, updated_at = ?15, deleted_at = ?16 WHERE id = ?1",
+                params![
+                    t.id,
+                    t.name,
+                    t.version,
+                    t.image,
+                    t.class,
+                    t.memory_mb as i64,
+                    t.vcpus,
+                    t.disk_mib as i64,
+                    t.pids as i64,
+                    t.env,
+                    t.default_ttl_s as i64,
+                    t.max_ttl_s as i64,
+                    t.warm_min as i64,
+                    t.warm_max as i64,
+                    t.updated_at,
+                    t.deleted_at
+                ],
+            )
+            .map_err(conflict)?;
+            Ok(())
+        })
+    }
+
+    fn claim_warm(&self, cl: &Claim<'_>) -> Result<Option<SandboxRecord>> {
+        self.with(|c| {
+            let tx = c.transaction()?;
+            // The version is read in the same transaction: a sandbox of an
+            // older version is never claimed, whatever raced with us.
+            let id: Option<String> = tx
+                .query_row(
+                    "SELECT s.id FROM sandboxes s JOIN templates t ON t.id = s.template_id \
+                     WHERE s.pooled = 1 AND s.state = 'running' AND s.template_id = ?1 AND s.owner = ?2 \
+                     AND t.deleted_at IS NULL AND s.template_version = t.version \
+                     ORDER BY s.created_at, s.id LIMIT 1",
+                    [cl.template_id, cl.owner],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            let Some(id) = id else { return Ok(None) };
+            tx.execute(
+                "UPDATE sandboxes SET pooled = 0, created_at = ?2, expires_at = ?3, max_expires_at = ?4, \
+                 metadata = ?5, idempotency_key = ?6, request_hash = ?7 WHERE id = ?1",
+                params![id, cl.now, cl.expires_at, cl.max_expires_at, cl.metadata, cl.idempotency_key, cl.request_hash],
+            )
+            .map_err(conflict)?;
+            let r =
+                tx.query_row(&format!("SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE id = ?1"), [&id], sandbox_row)?;
+            tx.commit()?;
+            Ok(Some(r))
+        })
+    }
+
+    fn drain_pooled(&self, id: &str) -> Result<bool> {
+        self.with(|c| {
+            let n = c.execute(
+                "UPDATE sandboxes SET state = 'terminating', last_error_code = 'warm_pool_drained' \
+                 WHERE id = ?1 AND pooled = 1 AND state = 'running'",
+                [id],
+            )?;
+            Ok(n == 1)
+        })
+    }
+
+    fn pooled_sandboxes(&self) -> Result<Vec<SandboxRecord>> {
+        self.with(|c| {
+            let mut st = c.prepare(&format!(
+                "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE pooled = 1 AND state != 'terminated' \
+                 ORDER BY created_at, id"
+            ))?;
+            let rows = st.query_map([], sandbox_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
+    }
 }
 
 #[cfg(test)]
@@ -433,6 +684,10 @@ mod tests {
             host_pid: None,
             idempotency_key: Some(format!("key-{id}")),
             request_hash: Some("h".into()),
+            template_id: None,
+            template_version: None,
+            warm: false,
+            pooled: false,
         }
     }
 
@@ -500,6 +755,93 @@ mod tests {
         assert_eq!(s.begin_exec("sb", "k3", "h", 6).expect("begin"), Begin::Started);
         s.release_exec("sb", "k3").expect("release");
         assert_eq!(s.begin_exec("sb", "k3", "h", 7).expect("begin"), Begin::Started);
+    }
+
+    fn template(id: &str, version: i64) -> TemplateRecord {
+        TemplateRecord {
+            id: id.into(),
+            owner: "k1".into(),
+            name: "py".into(),
+            version,
+            image: "base".into(),
+            class: "container".into(),
+            memory_mb: 512,
+            vcpus: 1.0,
+            disk_mib: 1024,
+            pids: 512,
+            env: "{}".into(),
+            default_ttl_s: 600,
+            max_ttl_s: 3600,
+            warm_min: 2,
+            warm_max: 2,
+            created_at: 1,
+            updated_at: 1,
+            deleted_at: None,
+        }
+    }
+
+    fn pooled(id: &str, created_at: i64, version: i64) -> SandboxRecord {
+        SandboxRecord {
+            template_id: Some("tpl-1".into()),
+            template_version: Some(version),
+            warm: true,
+            pooled: true,
+            idempotency_key: None,
+            ..sandbox(id, created_at)
+        }
+    }
+
+    fn claim(now: i64) -> Claim<'static> {
+        Claim {
+            template_id: "tpl-1",
+            owner: "k1",
+            now,
+            expires_at: now + 60,
+            max_expires_at: now + 3600,
+            metadata: "{\"a\":\"b\"}",
+            idempotency_key: None,
+            request_hash: "h",
+        }
+    }
+
+    #[test]
+    fn warm_claims_take_the_oldest_of_the_current_version_only() {
+        let s = SqliteStore::open_in_memory().expect("open");
+        s.insert_template(&template("tpl-1", 1)).expect("insert");
+        s.insert_sandbox(&pooled("old", 1, 1)).expect("insert");
+        s.insert_sandbox(&pooled("new", 2, 1)).expect("insert");
+        // Pooled sandboxes are nobody's yet.
+        assert!(s.list_sandboxes(Some("k1"), None, 10).expect("list").is_empty());
+        let got = s.claim_warm(&claim(100)).expect("claim").expect("one ready");
+        assert_eq!((got.id.as_str(), got.pooled, got.warm, got.created_at), ("old", false, true, 100));
+        assert_eq!(got.metadata, "{\"a\":\"b\"}");
+        assert_eq!(s.list_sandboxes(Some("k1"), None, 10).expect("list").len(), 1);
+        // A new version: the remaining v1 sandbox can no longer be claimed.
+        let mut t = template("tpl-1", 2);
+        s.update_template(&t).expect("update");
+        assert_eq!(s.claim_warm(&claim(101)).expect("claim"), None);
+        // A drained one cannot be claimed either, and a deleted template has no pool.
+        s.insert_sandbox(&pooled("v2", 3, 2)).expect("insert");
+        assert!(s.drain_pooled("v2").expect("drain"));
+        assert_eq!(s.claim_warm(&claim(102)).expect("claim"), None);
+        s.insert_sandbox(&pooled("v2b", 4, 2)).expect("insert");
+        t.deleted_at = Some(5);
+        s.update_template(&t).expect("delete");
+        assert_eq!(s.claim_warm(&claim(103)).expect("claim"), None);
+        assert!(s.template_by_name("k1", "py").expect("get").is_none());
+        assert_eq!(s.pooled_sandboxes().expect("pooled").len(), 3);
+    }
+
+    #[test]
+    fn template_names_are_unique_among_live_templates() {
+        let s = SqliteStore::open_in_memory().expect("open");
+        s.insert_template(&template("tpl-1", 1)).expect("insert");
+        assert!(matches!(s.insert_template(&template("tpl-2", 1)), Err(StoreError::Conflict)));
+        let mut t = template("tpl-1", 1);
+        t.deleted_at = Some(2);
+        s.update_template(&t).expect("delete");
+        s.insert_template(&template("tpl-2", 1)).expect("the name is free again");
+        assert_eq!(s.list_templates(Some("k1")).expect("list").len(), 1);
     }
 
     #[test]

@@ -287,6 +287,9 @@ mod tests {
             limits: Limits { vcpus: 0.5, disk_mib: 2048, pids: 512, applied: "enforced".into() },
             metadata: [("team".to_owned(), "ci".to_owned())].into(),
             last_error_code: None,
+            warm: false,
+            template_id: None,
+            template_version: None,
         }
     }
 

@@ -1,0 +1,233 @@
+//! Warm pools: for each template with `warm.min > 0`, sandboxes of its
+//! current version started ahead of demand, hidden from their owner until a
+//! create claims one (the oldest first). The reconciler tends the pools every
+//! tick: it refills up to `min`, drains sandboxes beyond `max`, of an older
+//! version or of a deleted template, and a refill that fails is logged and
+//! tried again on the next tick.
+//!
+//! Invariant: a claim is one store transaction that checks the template's
+//! current version, so no sandbox of an older version is ever claimed, and a
+//! sandbox being drained (state `terminating`) can no longer be claimed.
+
+use crate::control::{log_warn, now_ms, Control};
+use crate::error::Result;
+use crate::templates::Recipe;
+use hutch_store::{Claim, SandboxRecord, StoreError};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Warm sandboxes starting at once, across every pool.
+const REFILLS_IN_FLIGHT: usize = 4;
+/// Most warm sandboxes (ready or starting) on the host, across every pool.
+const POOLED_TOTAL: usize = 64;
+
+/// The pools' bookkeeping inside [`Control`].
+#[derive(Default)]
+pub struct PoolState {
+    refilling: AtomicUsize,
+}
+
+/// Releases a refill slot when the refill ends, however it ends.
+struct RefillSlot(Arc<Control>);
+
+impl Drop for RefillSlot {
+    fn drop(&mut self) {
+        self.0.pool.refilling.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Control {
+    /// Claims a ready warm sandbox of `recipe` for a create, or None (a miss).
+    /// `ttl` runs from now; `metadata` is set on the claimed sandbox.
+    /// [`StoreError::Conflict`]: a concurrent create took the idempotency key.
+    pub(crate) fn claim_warm(
+        &self,
+        owner: &str,
+        recipe: &Recipe,
+        ttl: Duration,
+        metadata: &str,
+        key: Option<&str>,
+        hash: &str,
+    ) -> std::result::Result<Option<SandboxRecord>, StoreError> {
+        let Some(template_id) = recipe.id.as_deref() else { return Ok(None) };
+        let now = now_ms();
+        let claim = Claim {
+            template_id,
+            owner,
+            now,
+            expires_at: now + ttl.as_millis() as i64,
+            max_expires_at: now + recipe.max_ttl.as_millis() as i64,
+            metadata,
+            idempotency_key: key,
+            request_hash: hash,
+        };
+        let claimed = self.store.claim_warm(&claim)?;
+        if claimed.is_some() {
+            self.metrics.warm_claims_total.fetch_add(1, Ordering::Relaxed);
+        } else if recipe.warm_min > 0 {
+            self.metrics.warm_misses_total.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(claimed)
+    }
+
+    /// Takes a pooled sandbox out of service and destroys it. A running one
+    /// is first marked `terminating` in the store so no claim can take it; one
+    /// still starting is torn down by its boot.
+    async fn drain(self: &Arc<Self>, r: &SandboxRecord) {
+        let take = match r.state.as_str() {
+            "running" => self.store.drain_pooled(&r.id).unwrap_or(false),
+            "starting" => true,
+            _ => false,
+        };
+        if take {
+            if let Err(e) = self.destroy_now(&r.id, Some("warm_pool_drained")).await {
+                log_warn(&format!("warm sandbox {}: drain failed, will retry: {e}", r.id));
+            }
+        }
+    }
+
+    /// Drains every warm sandbox of a template (after its delete).
+    pub(crate) async fn drain_template(self: &Arc<Self>, template_id: &str) {
+        let pooled = match self.store.pooled_sandboxes() {
+            Ok(p) => p,
+            Err(e) => {
+                log_warn(&format!("template {template_id}: cannot list its warm pool: {e}"));
+                return;
+            }
+        };
+        for r in pooled.iter().filter(|r| r.template_id.as_deref() == Some(template_id)) {
+            self.drain(r).await;
+        }
+    }
+
+    /// One pass over every pool: drain what must go, refill what is short,
+    /// and publish the pool sizes.
+    pub(crate) async fn tend_pools(self: &Arc<Self>) -> Result<()> {
+        let templates = self.store.list_templates(None)?;
+        let by_id: HashMap<&str, &hutch_store::TemplateRecord> = templates.iter().map(|t| (t.id.as_str(), t)).collect();
+        let pooled = self.store.pooled_sandboxes()?;
+        // Per template: (ready, starting) of the current version.
+        let mut counts: HashMap<&str, (u32, u32)> = HashMap::new();
+        let mut total = 0usize;
+        for r in &pooled {
+            if !matches!(r.state.as_str(), "running" | "starting") {
+                // Terminating: the reconciler finishes it.
+                continue;
+            }
+            let current =
+                r.template_id.as_deref().and_then(|id| by_id.get(id)).filter(|t| Some(t.version) == r.template_version);
+            let Some(t) = current else {
+                self.drain(r).await;
+                continue;
+            };
+            let c = counts.entry(t.id.as_str()).or_default();
+            if c.0 + c.1 >= t.warm_max {
+                self.drain(r).await;
+                continue;
+            }
+            if r.state == "running" {
+                c.0 += 1;
+            } else {
+                c.1 += 1;
+            }
+            total += 1;
+        }
+        let mut sizes = Vec::new();
+        for t in &templates {
+            let (ready, starting) = counts.get(t.id.as_str()).copied().unwrap_or_default();
+            if t.warm_min > 0 || ready > 0 {
+                sizes.push((t.name.clone(), t.id.clone(), u64::from(ready)));
+            }
+            for _ in (ready + starting)..t.warm_min {
+                if self.is_shutting_down() {
+                    break;
+                }
+                if total >= POOLED_TOTAL {
+                    log_warn(&format!(
+                        "warm pool of template {} ({}) is short: the host keeps at most {POOLED_TOTAL} warm sandboxes",
+                        t.name, t.id
+                    ));
+                    break;
+                }
+                if self.pool.refilling.fetch_add(1, Ordering::SeqCst) >= REFILLS_IN_FLIGHT {
+                    self.pool.refilling.fetch_sub(1, Ordering::SeqCst);
+                    break;
+                }
+                let slot = RefillSlot(self.clone());
+                total += 1;
+                let this = self.clone();
+                let recipe = Recipe::from_record(t);
+                let owner = t.owner.clone();
+                tokio::spawn(async move {
+                    let _slot = slot;
+                    this.refill(&owner, &recipe).await;
+                });
+            }
+        }
+        self.metrics.set_warm_pool_sizes(sizes);
+        Ok(())
+    }
+
+    /// Starts one warm sandbox of `recipe`'s current version.
+    async fn refill(self: &Arc<Self>, owner: &str, recipe: &Recipe) {
+        let t0 = Instant::now();
+        let id = match hutch_runtime::container::random_id() {
+            Ok(id) => id,
+            Err(e) => {
+                log_warn(&format!("warm pool of template {}: no sandbox id: {e}", recipe.name));
+                return;
+            }
+        };
+        let now = now_ms();
+        let life = now + recipe.max_ttl.as_millis() as i64;
+        let record = SandboxRecord {
+            id,
+            owner: owner.to_owned(),
+            template: recipe.name.clone(),
+            state: "starting".into(),
+            created_at: now,
+            expires_at: life,
+            max_expires_at: life,
+            memory_mb: recipe.memory_mb,
+            vcpus: recipe.vcpus,
+            disk_mib: recipe.disk_mib,
+            pids: recipe.pids,
+            env: serde_json::to_string(&recipe.env).unwrap_or_else(|_| "{}".into()),
+            metadata: "{}".into(),
+            limits_applied: "unknown".into(),
+            last_error_code: None,
+            host_pid: None,
+            idempotency_key: None,
+            request_hash: None,
+            template_id: recipe.id.clone(),
+            template_version: recipe.version,
+            warm: true,
+            pooled: true,
+        };
+        if let Err(e) = self.store.insert_sandbox(&record) {
+            log_warn(&format!("warm pool of template {}: cannot record a sandbox: {e}; retrying", recipe.name));
+            return;
+        }
+        match self.clone().boot(record).await {
+            Ok(r) => {
+                // Agent up: it answers a ping, on a connection that the first
+                // command after the claim reuses (no connect on the claim path).
+                if let Some(live) = self.live(&r.id) {
+                    if let Ok(mut conn) = live.conn().await {
+                        if conn.call(hutch_agent::proto::Request::Ping, &[]).await.is_ok() {
+                            live.reuse(conn);
+                        }
+                    }
+                }
+                self.metrics.warm_refill.observe(t0.elapsed().as_secs_f64());
+            }
+            Err(e) => log_warn(&format!(
+                "warm pool of template {} ({}) cannot refill: {e}; retrying next tick",
+                recipe.name,
+                recipe.id.as_deref().unwrap_or("base")
+            )),
+        }
+    }
+}

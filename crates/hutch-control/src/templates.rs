@@ -1,0 +1,349 @@
+//! Templates: named, versioned recipes for sandboxes, one namespace per
+//! owner (API key). A template fixes what runs (image, env, memory, limits),
+//! the lifetimes of its sandboxes and the bounds of its warm pool. A change
+//! to what runs raises the version; sandboxes already running keep theirs.
+//! Delete hides the template; its sandboxes live until they end.
+
+use crate::control::{now_ms, resolve_limits, rfc3339, Control, BASE};
+use crate::error::{ControlError, Result};
+use hutch_api::{CreateTemplate, LimitsRequest, Template, TemplateList, UpdateTemplate, Warm};
+use hutch_store::{StoreError, TemplateRecord};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+/// Most warm sandboxes one template may ask for.
+pub const WARM_MAX: u32 = 16;
+/// Longest `max_ttl_seconds` a template may set (7 days).
+pub const MAX_TTL_CAP: u64 = 7 * 86_400;
+/// The only image and class until images land.
+const IMAGE: &str = "base";
+const CLASS: &str = "container";
+
+/// A template's id: `tpl-` and 16 hex digits.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TemplateId(String);
+
+impl TemplateId {
+    fn random() -> Result<TemplateId> {
+        let id = hutch_runtime::container::random_id().map_err(|e| ControlError::Runtime(e.to_string()))?;
+        Ok(TemplateId(format!("tpl-{}", id.trim_start_matches("sb-"))))
+    }
+
+    /// A path segment that may name a template; anything else names none.
+    pub fn parse(s: &str) -> Result<TemplateId> {
+        let ok = s.len() == 20
+            && s.starts_with("tpl-")
+            && s[4..].bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        if ok {
+            Ok(TemplateId(s.to_owned()))
+        } else {
+            Err(ControlError::NoTemplate(s.to_owned()))
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for TemplateId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// What a create runs: the builtin `base` or one of the caller's templates,
+/// resolved to concrete values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recipe {
+    /// The name a sandbox shows in `template`.
+    pub name: String,
+    /// None for `base`.
+    pub id: Option<String>,
+    pub version: Option<i64>,
+    pub memory_mb: u64,
+    pub vcpus: f64,
+    pub disk_mib: u64,
+    pub pids: u32,
+    pub env: BTreeMap<String, String>,
+    pub default_ttl: Duration,
+    pub max_ttl: Duration,
+    pub warm_min: u32,
+}
+
+impl Recipe {
+    fn base() -> Recipe {
+        let (memory_mb, vcpus, disk_mib, pids) = resolve_limits(None, None).unwrap_or((1024, 1.0, 1024, 512));
+        Recipe {
+            name: BASE.name.to_owned(),
+            id: None,
+            version: None,
+            memory_mb,
+            vcpus,
+            disk_mib,
+            pids,
+            env: BTreeMap::new(),
+            default_ttl: BASE.default_ttl,
+            max_ttl: BASE.max_ttl,
+            warm_min: 0,
+        }
+    }
+
+    pub fn from_record(t: &TemplateRecord) -> Recipe {
+        Recipe {
+            name: t.name.clone(),
+            id: Some(t.id.clone()),
+            version: Some(t.version),
+            memory_mb: t.memory_mb,
+            vcpus: t.vcpus,
+            disk_mib: t.disk_mib,
+            pids: t.pids,
+            env: serde_json::from_str(&t.env).unwrap_or_default(),
+            default_ttl: Duration::from_secs(t.default_ttl_s),
+            max_ttl: Duration::from_secs(t.max_ttl_s),
+            warm_min: t.warm_min,
+        }
+    }
+
+    /// The limits a create gets when it overrides none.
+    pub fn limits(&self) -> (u64, f64, u64, u32) {
+        (self.memory_mb, self.vcpus, self.disk_mib, self.pids)
+    }
+}
+
+fn check_name(name: &str) -> Result<()> {
+    let ok = (1..=64).contains(&name.len())
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'_' | b'.'))
+        && name.as_bytes()[0].is_ascii_alphanumeric();
+    if !ok {
+        return Err(ControlError::Invalid(
+            "name must be 1 to 64 of a-z, 0-9, '-', '_', '.', starting with a letter or digit".into(),
+        ));
+    }
+    if name == BASE.name {
+        return Err(ControlError::Invalid("the name `base` is reserved for the builtin template".into()));
+    }
+    Ok(())
+}
+
+fn check_image(image: Option<&str>) -> Result<()> {
+    match image {
+        None | Some(IMAGE) => Ok(()),
+        Some(other) => Err(ControlError::Invalid(format!(
+            "image {other:?}: images are not available yet; only `base` (the host-based root filesystem) is"
+        ))),
+    }
+}
+
+fn check_class(class: Option<&str>) -> Result<()> {
+    match class {
+        None | Some(CLASS) => Ok(()),
+        Some(other) => Err(ControlError::Invalid(format!("class {other:?}: only `container` is available"))),
+    }
+}
+
+fn check_lifetimes(default_ttl: u64, max_ttl: u64) -> Result<()> {
+    if !(1..=MAX_TTL_CAP).contains(&max_ttl) {
+        return Err(ControlError::Invalid(format!("max_ttl_seconds must be 1 to {MAX_TTL_CAP}")));
+    }
+    if !(1..=max_ttl).contains(&default_ttl) {
+        return Err(ControlError::Invalid("default_ttl_seconds must be 1 to max_ttl_seconds".into()));
+    }
+    Ok(())
+}
+
+fn check_warm(w: Warm) -> Result<()> {
+    if w.max > WARM_MAX {
+        return Err(ControlError::Invalid(format!("warm.max must be at most {WARM_MAX}")));
+    }
+    if w.min > w.max {
+        return Err(ControlError::Invalid("warm.min must be at most warm.max".into()));
+    }
+    Ok(())
+}
+
+fn env_json(env: &BTreeMap<String, String>) -> String {
+    serde_json::to_string(env).unwrap_or_else(|_| "{}".into())
+}
+
+impl Control {
+    /// What a create of `name` (None: `base`) runs for `owner`.
+    pub fn recipe(&self, owner: &str, name: Option<&str>) -> Result<Recipe> {
+        match name {
+            None => Ok(Recipe::base()),
+            Some(n) if n == BASE.name => Ok(Recipe::base()),
+            Some(n) => match self.store.template_by_name(owner, n)? {
+                Some(t) => Ok(Recipe::from_record(&t)),
+                None => Err(ControlError::UnknownTemplate(n.to_owned())),
+            },
+        }
+    }
+
+    /// The API view of a template, with its ready warm sandboxes counted.
+    fn template_view(&self, t: &TemplateRecord) -> Result<Template> {
+        let ready = self
+            .store
+            .pooled_sandboxes()?
+            .iter()
+            .filter(|s| {
+                s.state == "running" && s.template_id.as_deref() == Some(&t.id) && s.template_version == Some(t.version)
+            })
+            .count() as u64;
+        Ok(Template {
+            id: t.id.clone(),
+            name: t.name.clone(),
+            version: t.version as u64,
+            image: t.image.clone(),
+            class: t.class.clone(),
+            memory_mb: t.memory_mb,
+            limits: LimitsRequest { vcpus: Some(t.vcpus), disk_mib: Some(t.disk_mib), pids: Some(t.pids) },
+            env: serde_json::from_str(&t.env).unwrap_or_default(),
+            default_ttl_seconds: t.default_ttl_s,
+            max_ttl_seconds: t.max_ttl_s,
+            warm: Warm { min: t.warm_min, max: t.warm_max },
+            warm_ready: ready,
+            created_at: rfc3339(t.created_at),
+            updated_at: rfc3339(t.updated_at),
+        })
+    }
+
+    /// The caller's live template with this id.
+    fn own_template(&self, owner: &str, id: &TemplateId) -> Result<TemplateRecord> {
+        match self.store.get_template(id.as_str())? {
+            Some(t) if t.owner == owner && t.deleted_at.is_none() => Ok(t),
+            _ => Err(ControlError::NoTemplate(id.to_string())),
+        }
+    }
+
+    pub fn create_template(&self, owner: &str, req: &CreateTemplate) -> Result<Template> {
+        check_name(&req.name)?;
+        check_image(req.image.as_deref())?;
+        check_class(req.class.as_deref())?;
+        let (memory_mb, vcpus, disk_mib, pids) = resolve_limits(req.memory_mb, req.limits.as_ref())?;
+        crate::control::check_map("env", &req.env, 256)?;
+        let max_ttl = req.max_ttl_seconds.unwrap_or(BASE.max_ttl.as_secs());
+        let default_ttl = req.default_ttl_seconds.unwrap_or(BASE.default_ttl.as_secs().min(max_ttl));
+        check_lifetimes(default_ttl, max_ttl)?;
+        let warm = req.warm.unwrap_or_default();
+        check_warm(warm)?;
+        let now = now_ms();
+        let t = TemplateRecord {
+            id: TemplateId::random()?.0,
+            owner: owner.to_owned(),
+            name: req.name.clone(),
+            version: 1,
+            image: IMAGE.into(),
+            class: CLASS.into(),
+            memory_mb,
+            vcpus,
+            disk_mib,
+            pids,
+            env: env_json(&req.env),
+            default_ttl_s: default_ttl,
+            max_ttl_s: max_ttl,
+            warm_min: warm.min,
+            warm_max: warm.max,
+            created_at: now,
+            updated_at: now,
+            deleted_at: None,
+        };
+        match self.store.insert_template(&t) {
+            Ok(()) => self.template_view(&t),
+            Err(StoreError::Conflict) => Err(ControlError::TemplateNameTaken(req.name.clone())),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub fn list_templates(&self, owner: &str) -> Result<TemplateList> {
+        let templates =
+            self.store.list_templates(Some(owner))?.iter().map(|t| self.template_view(t)).collect::<Result<_>>()?;
+        Ok(TemplateList { templates })
+    }
+
+    pub fn get_template(&self, owner: &str, id: &TemplateId) -> Result<Template> {
+        self.template_view(&self.own_template(owner, id)?)
+    }
+
+    pub fn update_template(&self, owner: &str, id: &TemplateId, req: &UpdateTemplate) -> Result<Template> {
+        let old = self.own_template(owner, id)?;
+        check_image(req.image.as_deref())?;
+        check_class(req.class.as_deref())?;
+        let mut t = old.clone();
+        if req.memory_mb.is_some() || req.limits.is_some() {
+            let limits = req.limits.clone().unwrap_or(LimitsRequest {
+                vcpus: Some(old.vcpus),
+                disk_mib: Some(old.disk_mib),
+                pids: Some(old.pids),
+            });
+            let (m, v, d, p) = resolve_limits(Some(req.memory_mb.unwrap_or(old.memory_mb)), Some(&limits))?;
+            (t.memory_mb, t.vcpus, t.disk_mib, t.pids) = (m, v, d, p);
+        }
+        if let Some(env) = &req.env {
+            crate::control::check_map("env", env, 256)?;
+            t.env = env_json(env);
+        }
+        t.max_ttl_s = req.max_ttl_seconds.unwrap_or(old.max_ttl_s);
+        t.default_ttl_s = req.default_ttl_seconds.unwrap_or(old.default_ttl_s);
+        check_lifetimes(t.default_ttl_s, t.max_ttl_s)?;
+        if let Some(w) = req.warm {
+            check_warm(w)?;
+            (t.warm_min, t.warm_max) = (w.min, w.max);
+        }
+        // What runs changed: a new version. Lifetimes and the pool do not count.
+        let old_env: BTreeMap<String, String> = serde_json::from_str(&old.env).unwrap_or_default();
+        let new_env: BTreeMap<String, String> = serde_json::from_str(&t.env).unwrap_or_default();
+        let changed = t.image != old.image
+            || new_env != old_env
+            || (t.memory_mb, t.vcpus, t.disk_mib, t.pids) != (old.memory_mb, old.vcpus, old.disk_mib, old.pids);
+        if changed {
+            t.version += 1;
+        }
+        t.updated_at = now_ms();
+        if t != old {
+            self.store.update_template(&t)?;
+        }
+        self.template_view(&t)
+    }
+
+    /// Hides a template and drains its warm pool now; sandboxes already
+    /// claimed live until they end.
+    pub async fn delete_template(self: &std::sync::Arc<Self>, owner: &str, id: &TemplateId) -> Result<()> {
+        let mut t = self.own_template(owner, id)?;
+        t.deleted_at = Some(now_ms());
+        t.updated_at = now_ms();
+        self.store.update_template(&t)?;
+        self.drain_template(&t.id).await;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn template_ids_are_plain() {
+        let id = TemplateId::random().expect("random");
+        assert_eq!(TemplateId::parse(id.as_str()).expect("parse"), id);
+        for bad in ["", "tpl-", "tpl-../../etc/passwd", "sb-0123456789abcdef", "tpl-0123456789ABCDEF"] {
+            assert!(TemplateId::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn names_images_and_pools_are_checked() {
+        assert!(check_name("py-3.12_x").is_ok());
+        for bad in ["", "base", "-x", "Upper", "a/b", &"x".repeat(65)] {
+            assert!(check_name(bad).is_err(), "{bad}");
+        }
+        assert!(check_image(Some("debian")).is_err());
+        assert!(check_image(Some("base")).is_ok());
+        assert!(check_class(Some("microvm")).is_err());
+        assert!(check_warm(Warm { min: 3, max: 2 }).is_err());
+        assert!(check_warm(Warm { min: 0, max: WARM_MAX + 1 }).is_err());
+        assert!(check_warm(Warm { min: 2, max: 4 }).is_ok());
+        assert!(check_lifetimes(601, 600).is_err());
+        assert!(check_lifetimes(60, MAX_TTL_CAP + 1).is_err());
+    }
+}
