@@ -189,7 +189,15 @@ pub struct Cgroup {
 impl Cgroup {
     /// A cgroup with a name and no directory yet.
     fn named(name: &str) -> Cgroup {
-        Cgroup { name: name.to_owned(), dirs: Vec::new(), memory: None, pids: None, cpu: None, v2: None, v1_freezer: None }
+        Cgroup {
+            name: name.to_owned(),
+            dirs: Vec::new(),
+            memory: None,
+            pids: None,
+            cpu: None,
+            v2: None,
+            v1_freezer: None,
+        }
     }
 
     /// Creates the sandbox's cgroup in every hierarchy it needs and writes
