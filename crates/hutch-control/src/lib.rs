@@ -12,6 +12,7 @@ pub mod files;
 pub mod keys;
 pub mod metrics;
 pub mod pool;
+pub mod session;
 pub mod templates;
 
 pub use control::Control;

@@ -6,6 +6,7 @@
 //! and render its typed answer; every error goes through one mapping
 //! (`ApiError`), and the internals of a 5xx are logged, never sent.
 
+mod e2b;
 mod openapi;
 mod routes;
 mod templates;
@@ -20,11 +21,14 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+pub use e2b::access_token as e2b_access_token;
 pub use routes::router;
 
 /// Shared state of every handler.
 pub struct App {
     pub control: Arc<Control>,
+    /// Key of the E2B API's per-sandbox access tokens (see `e2b`).
+    pub e2b_secret: Vec<u8>,
 }
 
 /// An error as the API answers it.

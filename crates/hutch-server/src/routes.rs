@@ -51,6 +51,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route_layer(middleware::from_fn_with_state(app.clone(), authenticate));
     Router::new()
         .merge(api)
+        .merge(crate::e2b::router(app.clone()))
         .merge(crate::templates::router(app.clone()))
         .route("/healthz", get(healthz))
         .route("/v1/openapi.json", get(openapi))

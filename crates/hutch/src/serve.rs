@@ -27,6 +27,28 @@ pub struct ServeArgs {
     pub state_dir: PathBuf,
 }
 
+/// The key of the E2B API's sandbox access tokens: 32 random bytes in
+/// `<state>/e2b.secret` (mode 0600), made on first start. Deleting it
+/// revokes every token at the next start.
+fn e2b_secret(state_dir: &std::path::Path) -> Result<Vec<u8>> {
+    let path = state_dir.join("e2b.secret");
+    match std::fs::read_to_string(&path) {
+        Ok(text) => return hex::decode(text.trim()).with_context(|| format!("{} is not hex", path.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("read {}", path.display())),
+    }
+    let mut raw = [0u8; 32];
+    hutch_runtime::sys::random_bytes(&mut raw)?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("write {}", path.display()))?;
+    writeln!(f, "{}", hex::encode(raw))?;
+    Ok(raw.to_vec())
+}
+
 pub fn main(args: ServeArgs) -> i32 {
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
@@ -85,7 +107,8 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let listener =
         tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("listen on {}", args.listen))?;
     log_info(&format!("hutch serve listening on http://{}", listener.local_addr()?));
-    let app = Arc::new(hutch_server::App { control: control.clone() });
+    let e2b_secret = e2b_secret(&args.state_dir)?;
+    let app = Arc::new(hutch_server::App { control: control.clone(), e2b_secret });
     let shutdown = async {
         let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
             Ok(s) => s,

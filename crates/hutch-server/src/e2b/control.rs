@@ -1,0 +1,410 @@
+//! E2B's control REST API (`/sandboxes`, `/v2/sandboxes`): create, get,
+//! list, kill, timeout, pause, connect and metrics, over `Control`, with the
+//! API key in `X-API-KEY`.
+
+use super::{access_token, E2bError, ENVD_VERSION};
+use crate::routes::Caller;
+use crate::App;
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use hutch_api::{CreateSandbox, Extend, Sandbox, SandboxState};
+use hutch_control::control::{now_ms, parse_rfc3339, rfc3339};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+type AppState = State<Arc<App>>;
+type E2bResult<T> = Result<T, E2bError>;
+
+/// Default lifetime of a sandbox created without a timeout, in seconds.
+const DEFAULT_TIMEOUT: u64 = 300;
+
+pub fn router(app: Arc<App>) -> Router<Arc<App>> {
+    Router::new()
+        .route("/sandboxes", post(create).get(list_v1))
+        .route("/v2/sandboxes", post(create).get(list_v2))
+        .route("/sandboxes/{id}", get(detail).delete(kill))
+        .route("/sandboxes/{id}/timeout", post(set_timeout))
+        .route("/sandboxes/{id}/pause", post(pause))
+        .route("/sandboxes/{id}/resume", post(resume))
+        .route("/sandboxes/{id}/connect", post(connect))
+        .route("/v2/sandboxes/{id}/connect", post(connect))
+        .route("/sandboxes/{id}/metrics", get(metrics))
+        .route_layer(middleware::from_fn_with_state(app, authenticate))
+}
+
+async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
+    let secret = super::header(req.headers(), "x-api-key").map(str::trim).unwrap_or("");
+    match hutch_control::keys::authenticate(app.control.store.as_ref(), secret) {
+        Ok(Some(key)) => {
+            req.extensions_mut().insert(Caller { key_id: key.id });
+            next.run(req).await
+        }
+        Ok(None) => E2bError::new(StatusCode::UNAUTHORIZED, "Invalid API key").into_response(),
+        Err(e) => E2bError::from(hutch_control::ControlError::Store(e)).into_response(),
+    }
+}
+
+/// A JSON body, tolerant of fields hutch does not use; malformed is a 400.
+async fn body<T: serde::de::DeserializeOwned + Default>(req: Request) -> E2bResult<T> {
+    let bytes = axum::body::to_bytes(req.into_body(), 1 << 20)
+        .await
+        .map_err(|_| E2bError::new(StatusCode::PAYLOAD_TOO_LARGE, "body above 1 MiB"))?;
+    if bytes.is_empty() {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(&bytes).map_err(|e| E2bError::new(StatusCode::BAD_REQUEST, format!("body: {e}")))
+}
+
+fn valid(id: &str) -> E2bResult<&str> {
+    hutch_runtime::container::valid_id(id).map_err(|_| not_found(id))?;
+    Ok(id)
+}
+
+fn not_found(id: &str) -> E2bError {
+    E2bError::new(StatusCode::NOT_FOUND, format!("sandbox \"{id}\" doesn't exist or you don't have access to it"))
+}
+
+/// E2B's state of a sandbox; `None` for one that is gone.
+fn e2b_state(s: SandboxState) -> Option<&'static str> {
+    match s {
+        SandboxState::Starting | SandboxState::Running => Some("running"),
+        SandboxState::Suspended => Some("paused"),
+        SandboxState::Terminating | SandboxState::Terminated => None,
+    }
+}
+
+/// A sandbox that is not gone, as the caller may see it; 404 otherwise.
+fn live_view(app: &App, caller: &Caller, id: &str) -> E2bResult<(Sandbox, &'static str)> {
+    let sb = app.control.get(&caller.key_id, valid(id)?).map_err(|e| match e.code() {
+        hutch_api::ErrorCode::NotFound => not_found(id),
+        _ => E2bError::from(e),
+    })?;
+    let state = e2b_state(sb.state).ok_or_else(|| not_found(id))?;
+    Ok((sb, state))
+}
+
+/// The `Sandbox` model (create and connect answers).
+fn created(app: &App, sb: &Sandbox) -> Value {
+    json!({
+        "templateID": sb.template,
+        "sandboxID": sb.id,
+        "clientID": "hutch",
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": access_token(&app.e2b_secret, &sb.id),
+    })
+}
+
+/// The `ListedSandbox` model, and with `detail` the `SandboxDetail` one.
+fn listed(app: &App, sb: &Sandbox, state: &str, detail: bool) -> Value {
+    let mut v = json!({
+        "templateID": sb.template,
+        "sandboxID": sb.id,
+        "clientID": "hutch",
+        "startedAt": sb.created_at,
+        "endAt": sb.expires_at,
+        "cpuCount": sb.limits.vcpus.ceil().max(1.0) as u64,
+        "memoryMB": sb.memory_mb,
+        "diskSizeMB": sb.limits.disk_mib,
+        "metadata": sb.metadata,
+        "state": state,
+        "envdVersion": ENVD_VERSION,
+    });
+    if detail {
+        v["envdAccessToken"] = json!(access_token(&app.e2b_secret, &sb.id));
+    }
+    v
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct NewSandbox {
+    #[serde(rename = "templateID")]
+    template_id: Option<String>,
+    timeout: Option<u64>,
+    metadata: Option<BTreeMap<String, String>>,
+    env_vars: Option<BTreeMap<String, String>>,
+}
+
+async fn create(State(app): AppState, Extension(caller): Extension<Caller>, req: Request) -> E2bResult<Response> {
+    let new: NewSandbox = body(req).await?;
+    let template = match new.template_id.as_deref() {
+        None | Some("base") | Some("") => None,
+        Some(other) => {
+            return Err(E2bError::new(StatusCode::NOT_FOUND, format!("template '{other}' not found")));
+        }
+    };
+    let ttl = new.timeout.unwrap_or(DEFAULT_TIMEOUT).max(1);
+    let create = CreateSandbox {
+        template,
+        ttl_seconds: Some(ttl),
+        env: new.env_vars.unwrap_or_default(),
+        metadata: new.metadata.unwrap_or_default(),
+        wait_seconds: Some(60),
+        ..CreateSandbox::default()
+    };
+    let (sb, _) = app.control.create(&caller.key_id, &create, None).await?;
+    if sb.state != SandboxState::Running {
+        let _ = app.control.delete(&caller.key_id, &sb.id).await;
+        return Err(E2bError::new(StatusCode::SERVICE_UNAVAILABLE, "the sandbox did not start in time"));
+    }
+    Ok((StatusCode::CREATED, Json(created(&app, &sb))).into_response())
+}
+
+async fn detail(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> E2bResult<Json<Value>> {
+    let (sb, state) = live_view(&app, &caller, &id)?;
+    Ok(Json(listed(&app, &sb, state, true)))
+}
+
+async fn kill(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> E2bResult<StatusCode> {
+    live_view(&app, &caller, &id)?;
+    app.control.delete(&caller.key_id, &id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize, Default)]
+struct Timeout {
+    timeout: Option<u64>,
+}
+
+/// Sets the expiry to `timeout` seconds from now (shorter or longer).
+fn expire_in(app: &App, caller: &Caller, id: &str, seconds: u64) -> E2bResult<()> {
+    let until = now_ms().saturating_add((seconds.clamp(1, 86_400) * 1000) as i64);
+    app.control.extend(&caller.key_id, id, &Extend { by: None, until: Some(rfc3339(until)) })?;
+    Ok(())
+}
+
+async fn set_timeout(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    req: Request,
+) -> E2bResult<StatusCode> {
+    let t: Timeout = body(req).await?;
+    let seconds = t.timeout.ok_or_else(|| E2bError::new(StatusCode::BAD_REQUEST, "timeout is required"))?;
+    live_view(&app, &caller, &id)?;
+    expire_in(&app, &caller, &id, seconds)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn pause(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> E2bResult<StatusCode> {
+    let (_, state) = live_view(&app, &caller, &id)?;
+    if state == "paused" {
+        return Err(E2bError::new(StatusCode::CONFLICT, format!("sandbox \"{id}\" is already paused")));
+    }
+    app.control.suspend(&caller.key_id, &id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// The legacy resume: 201 when resumed, 409 when it already runs.
+async fn resume(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    req: Request,
+) -> E2bResult<Response> {
+    let t: Timeout = body(req).await?;
+    let (_, state) = live_view(&app, &caller, &id)?;
+    if state == "running" {
+        return Err(E2bError::new(StatusCode::CONFLICT, format!("sandbox \"{id}\" is already running")));
+    }
+    let sb = app.control.resume(&caller.key_id, &id).await?;
+    if let Some(s) = t.timeout {
+        expire_in(&app, &caller, &id, s)?;
+    }
+    Ok((StatusCode::CREATED, Json(created(&app, &sb))).into_response())
+}
+
+/// Connect: 200 for a running sandbox, 201 for a paused one now resumed. A
+/// timeout only ever lengthens the sandbox's life here.
+async fn connect(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    req: Request,
+) -> E2bResult<Response> {
+    let t: Timeout = body(req).await?;
+    let (mut sb, state) = live_view(&app, &caller, &id)?;
+    let status = if state == "paused" {
+        sb = app.control.resume(&caller.key_id, &id).await?;
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    if let Some(s) = t.timeout {
+        let wanted = now_ms().saturating_add((s.min(86_400) * 1000) as i64);
+        if parse_rfc3339(&sb.expires_at).is_some_and(|e| e < wanted) {
+            expire_in(&app, &caller, &id, s)?;
+        }
+    }
+    Ok((status, Json(created(&app, &sb))).into_response())
+}
+
+async fn metrics(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> E2bResult<Json<Value>> {
+    live_view(&app, &caller, &id)?;
+    // Usage sampling is not kept yet: no samples.
+    Ok(Json(json!([])))
+}
+
+/// Every sandbox of the caller that is not gone, newest first.
+fn all_live(app: &App, caller: &Caller) -> E2bResult<Vec<(Sandbox, &'static str)>> {
+    let mut out = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let page = app.control.list(&caller.key_id, Some(1000), cursor.as_deref())?;
+        for sb in page.sandboxes {
+            if let Some(state) = e2b_state(sb.state) {
+                out.push((sb, state));
+            }
+        }
+        match page.next_cursor {
+            Some(c) => cursor = Some(c),
+            None => break,
+        }
+    }
+    out.sort_by(|a, b| b.0.created_at.cmp(&a.0.created_at).then_with(|| b.0.id.cmp(&a.0.id)));
+    Ok(out)
+}
+
+/// Decodes `%XX` and `+`.
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' if i + 2 < b.len() => {
+                match u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("zz"), 16) {
+                    Ok(v) => {
+                        out.push(v);
+                        i += 3;
+                        continue;
+                    }
+                    Err(_) => out.push(b'%'),
+                }
+            }
+            b'+' => out.push(b' '),
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The metadata filter: `k=v&k2=v2`, each part percent-encoded once more.
+fn metadata_filter(s: &str) -> Vec<(String, String)> {
+    s.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (percent_decode(k), percent_decode(v))
+        })
+        .collect()
+}
+
+async fn list_v1(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Query(q): Query<HashMap<String, String>>,
+) -> E2bResult<Json<Value>> {
+    let filter = q.get("metadata").map(|m| metadata_filter(m)).unwrap_or_default();
+    let rows: Vec<Value> = all_live(&app, &caller)?
+        .iter()
+        .filter(|(sb, _)| filter.iter().all(|(k, v)| sb.metadata.get(k) == Some(v)))
+        .map(|(sb, state)| listed(&app, sb, state, false))
+        .collect();
+    Ok(Json(Value::Array(rows)))
+}
+
+async fn list_v2(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Query(q): Query<HashMap<String, String>>,
+) -> E2bResult<Response> {
+    let bad = |m: &str| E2bError::new(StatusCode::BAD_REQUEST, m.to_owned());
+    let filter = q.get("metadata").map(|m| metadata_filter(m)).unwrap_or_default();
+    let states: Vec<String> = match q.get("state") {
+        Some(s) => s.split(',').map(|x| x.trim().to_owned()).filter(|x| !x.is_empty()).collect(),
+        None => vec!["running".into(), "paused".into()],
+    };
+    if states.iter().any(|s| s != "running" && s != "paused") {
+        return Err(bad("state must be running or paused"));
+    }
+    let limit: usize = match q.get("limit") {
+        Some(l) => l.parse().map_err(|_| bad("limit must be a number"))?,
+        None => 100,
+    };
+    if !(1..=1000).contains(&limit) {
+        return Err(bad("limit must be 1 to 1000"));
+    }
+    let started_after = match q.get("startedAfter") {
+        Some(s) => Some(parse_rfc3339(s).ok_or_else(|| bad("startedAfter must be RFC 3339 in UTC"))?),
+        None => None,
+    };
+    let template = q.get("template");
+    let mut rows: Vec<(Sandbox, &'static str)> = all_live(&app, &caller)?
+        .into_iter()
+        .filter(|(sb, state)| {
+            states.iter().any(|s| s == state)
+                && filter.iter().all(|(k, v)| sb.metadata.get(k) == Some(v))
+                && template.is_none_or(|t| *t == sb.template)
+                && started_after.is_none_or(|after| parse_rfc3339(&sb.created_at).is_some_and(|c| c >= after))
+        })
+        .collect();
+    if q.get("order").is_some_and(|o| o.eq_ignore_ascii_case("asc")) {
+        rows.reverse();
+    }
+    // The token is the id of the last sandbox of the previous page.
+    let start = match q.get("nextToken") {
+        Some(t) => {
+            rows.iter().position(|(sb, _)| sb.id == *t).map(|i| i + 1).ok_or_else(|| bad("invalid nextToken"))?
+        }
+        None => 0,
+    };
+    let page = &rows[start.min(rows.len())..(start + limit).min(rows.len())];
+    let more = start + limit < rows.len();
+    let body: Vec<Value> = page.iter().map(|(sb, state)| listed(&app, sb, state, false)).collect();
+    let mut resp = Json(Value::Array(body)).into_response();
+    if more {
+        if let Some(v) = page.last().and_then(|(sb, _)| HeaderValue::from_str(&sb.id).ok()) {
+            resp.headers_mut().insert("x-next-token", v);
+        }
+    }
+    Ok(resp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metadata_filters_decode_twice_encoded_pairs() {
+        assert_eq!(
+            metadata_filter("a%20b=c%26d&e=f"),
+            vec![("a b".to_owned(), "c&d".to_owned()), ("e".to_owned(), "f".to_owned())]
+        );
+        assert_eq!(percent_decode("100%"), "100%");
+        assert_eq!(percent_decode("%4"), "%4");
+    }
+}

@@ -1,0 +1,73 @@
+"""Sandbox lifecycle through the SDK's control API client."""
+
+import time
+
+import pytest
+from e2b import Sandbox, SandboxQuery, SandboxState, SandboxNotFoundException, NotFoundException
+from conftest import wait_for
+
+
+def test_create_with_metadata_and_info(shared):
+    info = shared.get_info()
+    assert info.sandbox_id == shared.sandbox_id
+    assert info.metadata == {"suite": "e2b", "kind": "shared"}
+    assert info.template_id == "base" and info.state == SandboxState.RUNNING
+
+
+def test_kill_then_not_running_and_not_found(daemon):
+    sb = Sandbox.create()
+    assert sb.is_running()
+    sb.kill()
+    assert not sb.is_running()
+    assert Sandbox.kill(sb.sandbox_id) is False
+    with pytest.raises((SandboxNotFoundException, NotFoundException)):
+        Sandbox.get_info(sb.sandbox_id)
+
+
+def test_set_timeout_then_expiry(daemon):
+    sb = Sandbox.create(timeout=300)
+    sb.set_timeout(2)
+    wait_for("expiry", lambda: not sb.is_running(), timeout=20, interval=0.25)
+
+
+def test_list_with_metadata_filter_and_pages(daemon):
+    tag = str(time.time())
+    made = [Sandbox.create(metadata={"page": tag}) for _ in range(3)]
+    try:
+        pager = Sandbox.list(query=SandboxQuery(metadata={"page": tag}), limit=2)
+        first = pager.next_items()
+        assert len(first) == 2 and pager.has_next
+        second = pager.next_items()
+        assert len(second) == 1 and not pager.has_next
+        assert {s.sandbox_id for s in first + second} == {s.sandbox_id for s in made}
+    finally:
+        for s in made:
+            s.kill()
+
+
+def test_pause_and_connect_keep_files(daemon):
+    sb = Sandbox.create()
+    try:
+        sb.files.write("kept.txt", "still here")
+        sb.pause()
+        assert not sb.is_running()
+        paused = Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()
+        assert sb.sandbox_id in {s.sandbox_id for s in paused}
+        again = Sandbox.connect(sb.sandbox_id)
+        assert again.is_running()
+        assert again.files.read("kept.txt") == "still here"
+        assert again.commands.run("echo up").stdout == "up\n"
+    finally:
+        sb.kill()
+
+
+def test_connect_to_unknown_is_not_found(daemon):
+    with pytest.raises((SandboxNotFoundException, NotFoundException)):
+        Sandbox.connect("nosuchsandbox0")
+
+
+def test_bad_api_key_is_refused(daemon):
+    from e2b import AuthenticationException
+
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(api_key="e2b_" + "0" * 40)
