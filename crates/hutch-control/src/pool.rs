@@ -217,7 +217,14 @@ impl Control {
                 if let Some(live) = self.live(&r.id) {
                     if let Ok(mut conn) = live.conn().await {
                         if conn.call(hutch_agent::proto::Request::Ping, &[]).await.is_ok() {
-                            live.reuse(conn);
+                            // One throwaway command pays what a fresh agent pays
+                            // on its first spawn (its pages, the passwd file),
+                            // here rather than on the claim's first exec.
+                            let warmed =
+                                tokio::time::timeout(std::time::Duration::from_secs(5), warm_up(&mut conn)).await;
+                            if matches!(warmed, Ok(true)) {
+                                live.reuse(conn);
+                            }
                         }
                     }
                 }
@@ -228,6 +235,31 @@ impl Control {
                 recipe.name,
                 recipe.id.as_deref().unwrap_or("base")
             )),
+        }
+    }
+}
+
+/// Runs `true` as the sandbox user and waits for it; false if it did not
+/// run cleanly (the connection is then not reused).
+async fn warm_up(conn: &mut hutch_runtime::agent_async::AsyncConn) -> bool {
+    use hutch_agent::proto::{Cmd, FromAgent, Reply, Request, Spawn};
+    let spawn = Spawn {
+        cmd: Cmd::Argv(vec!["true".into()]),
+        env: Vec::new(),
+        cwd: None,
+        user: None,
+        stdin: false,
+        pty: None,
+        tag: None,
+        timeout_ms: Some(5_000),
+        subscribe: true,
+    };
+    let Ok((Reply::Spawned { pid }, _)) = conn.call(Request::Spawn(spawn), &[]).await else { return false };
+    loop {
+        match conn.recv().await {
+            Ok((FromAgent::Exit { pid: p, .. }, _)) if p == pid => return true,
+            Ok(_) => {}
+            Err(_) => return false,
         }
     }
 }
