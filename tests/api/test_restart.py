@@ -6,6 +6,10 @@ everything is deleted, nothing of any sandbox is left."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import socket
 import threading
 import time
 
@@ -212,3 +216,37 @@ def test_a_sandbox_that_dies_while_the_daemon_is_down_is_terminated_and_cleaned(
                   lambda: (lambda s: s if s["state"] == "terminated" else None)(api.sandbox(sid)), timeout=10)
     assert sb.get("last_error_code"), sb
     wait_cleaned(d, sid)
+
+
+def test_sigterm_with_a_command_stream_open_exits_within_the_grace_period(own_daemon: Daemon):
+    """An open NDJSON stream of a long command must not hold the daemon up
+    forever after SIGTERM; the command itself goes on in its sandbox."""
+    d = own_daemon
+    d.start()
+    api = d.client("admin")
+    sid = api.create()["id"]
+    # A raw connection that keeps reading, as a streaming client does.
+    conn = socket.create_connection(("127.0.0.1", d.port), timeout=60)
+    body = json.dumps({"command": "sleep 120"}).encode()
+    conn.sendall(
+        f"POST /v1/sandboxes/{sid}/exec HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {api.key}\r\n"
+        f"Accept: application/x-ndjson\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    head = conn.recv(65536)
+    assert b" 200 " in head.split(b"\r\n", 1)[0], head[:200]
+    reader = threading.Thread(target=lambda: [None for _ in iter(lambda: conn.recv(65536), b"")], daemon=True)
+    reader.start()
+    t0 = time.monotonic()
+    os.kill(d.pid, signal.SIGTERM)
+    d.proc.wait(timeout=30)
+    took = time.monotonic() - t0
+    conn.close()
+    assert took < 20, f"hutch serve took {took:.1f} s to stop after SIGTERM"
+    # The sandbox and its command outlived the daemon; a new one adopts it.
+    d.start()
+    procs = api.get(f"/v1/sandboxes/{sid}/processes", timeout=10)
+    assert procs.status_code == 200, procs.text
+    assert any("sleep 120" in " ".join(p["command"]) for p in procs.json()["processes"]), procs.json()
+    final_cleanup_check(d, api)
+    d.stop()

@@ -14,6 +14,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// How long in-flight requests may run on after SIGTERM.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
 /// Default address of the API.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7700";
 
@@ -109,7 +112,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
     log_info(&format!("hutch serve listening on http://{}", listener.local_addr()?));
     let e2b_secret = e2b_secret(&args.state_dir)?;
     let app = Arc::new(hutch_server::App { control: control.clone(), e2b_secret });
-    let shutdown = async {
+    let stopping = Arc::new(tokio::sync::Notify::new());
+    let notify = stopping.clone();
+    let shutdown = async move {
         let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
             Ok(s) => s,
             Err(_) => return,
@@ -119,8 +124,19 @@ async fn serve(args: ServeArgs) -> Result<()> {
             _ = tokio::signal::ctrl_c() => {}
         }
         log_info("shutting down; sandboxes keep running");
+        notify.notify_one();
     };
-    hutch_server::serve(listener, app, shutdown).await?;
+    // In-flight requests get a grace period; a long command stream must not
+    // hold the daemon up forever (the command itself goes on in its sandbox).
+    let grace = async {
+        stopping.notified().await;
+        tokio::time::sleep(SHUTDOWN_GRACE).await;
+        log_warn(&format!("requests still open after {SHUTDOWN_GRACE:?}; exiting anyway"));
+    };
+    tokio::select! {
+        served = hutch_server::serve(listener, app, shutdown) => served?,
+        () = grace => {}
+    }
     control.shut_down();
     Ok(())
 }
