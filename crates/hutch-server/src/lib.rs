@@ -144,5 +144,12 @@ pub async fn serve(
     app: Arc<App>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    use axum::serve::ListenerExt;
+    // Event streams and Connect messages are small writes: without
+    // TCP_NODELAY, Nagle's algorithm and the peer's delayed ACK hold some of
+    // them for 40 ms.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, router(app)).with_graceful_shutdown(shutdown).await
 }
