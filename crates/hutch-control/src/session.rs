@@ -7,7 +7,7 @@ use crate::control::{Control, Live};
 use crate::error::{ControlError, Result};
 use crate::files::{Access, FilesError};
 use hutch_agent::proto::{
-    self, Cmd, ExitStatus, FromAgent, ProcessInfo, PtySize, Reply, Request, Spawn, Stream, Target,
+    self, Cmd, ExitStatus, FromAgent, ProcessInfo, PtySize, Reply, Request, Spawn, Stream, Target, WatchEvent,
 };
 use hutch_runtime::agent::AgentError;
 use hutch_runtime::agent_async::AsyncConn;
@@ -52,6 +52,15 @@ pub enum ProcEvent {
     },
     Keepalive,
     /// The session broke (the agent went away); the process may still run.
+    Failed(ControlError),
+}
+
+/// One event of a directory watch.
+#[derive(Debug)]
+pub enum WatchItem {
+    Event(WatchEvent),
+    Keepalive,
+    /// The watch broke (the agent or the sandbox went away).
     Failed(ControlError),
 }
 
@@ -191,6 +200,51 @@ impl Control {
         let pid = self.resolve(&mut conn, id, target).await?;
         conn.call(Request::Resize { pid, size }, &[]).await.map_err(|e| agent_error(id, e))?;
         Ok(())
+    }
+
+    /// Watches a directory (as `user`, recursively or not) and streams its
+    /// events. The watch lives on its own agent connection: dropping the
+    /// receiver closes that connection, which ends the watch in the agent.
+    pub async fn session_watch(
+        &self,
+        owner: &str,
+        id: &str,
+        path: String,
+        recursive: bool,
+        user: String,
+        keepalive: Duration,
+    ) -> Result<mpsc::Receiver<WatchItem>> {
+        let mut conn = self.session_conn(owner, id).await?;
+        let req = Request::Watch { path, recursive, user: Some(user) };
+        let watch = match conn.call(req, &[]).await {
+            Ok((Reply::Watching { watch }, _)) => watch,
+            Ok((other, _)) => return Err(ControlError::Runtime(format!("agent answered {other:?} to watch"))),
+            Err(e @ AgentError::Refused { .. }) => {
+                let f = FilesError::from_agent(e, Access::Read);
+                return Err(ControlError::Files { code: f.code, message: f.message });
+            }
+            Err(source) => return Err(ControlError::Agent { sandbox: id.to_owned(), source }),
+        };
+        let (tx, rx) = mpsc::channel(256);
+        let sid = id.to_owned();
+        tokio::spawn(async move {
+            loop {
+                let item = tokio::select! {
+                    () = tx.closed() => return,
+                    got = tokio::time::timeout(keepalive, conn.recv()) => match got {
+                        Err(_) => WatchItem::Keepalive,
+                        Ok(Err(e)) => WatchItem::Failed(ControlError::Agent { sandbox: sid.clone(), source: e }),
+                        Ok(Ok((FromAgent::Watch { watch: w, event }, _))) if w == watch => WatchItem::Event(event),
+                        Ok(Ok(_)) => continue,
+                    },
+                };
+                let last = matches!(item, WatchItem::Failed(_));
+                if tx.send(item).await.is_err() || last {
+                    return;
+                }
+            }
+        });
+        Ok(rx)
     }
 
     /// One file operation (stat, list, mkdir, rename, remove) as the agent

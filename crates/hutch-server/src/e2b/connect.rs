@@ -36,6 +36,7 @@ pub fn routes() -> Router<Arc<App>> {
         .route("/process.Process/Connect", post(connect))
         .route("/process.Process/List", post(list))
         .route("/process.Process/SendInput", post(send_input))
+        .route("/process.Process/StreamInput", post(stream_input))
         .route("/process.Process/CloseStdin", post(close_stdin))
         .route("/process.Process/SendSignal", post(send_signal))
         .route("/process.Process/Update", post(update))
@@ -119,12 +120,12 @@ pub fn stream_error(e: EnvdError) -> Response {
 }
 
 /// `Connect-Timeout-Ms`, if any.
-fn timeout_ms(headers: &HeaderMap) -> Option<u64> {
+pub fn timeout_ms(headers: &HeaderMap) -> Option<u64> {
     super::header(headers, "connect-timeout-ms").and_then(|v| v.trim().parse().ok()).filter(|&ms| ms > 0)
 }
 
 /// How often a quiet stream carries a keepalive.
-fn keepalive(headers: &HeaderMap) -> Duration {
+pub fn keepalive(headers: &HeaderMap) -> Duration {
     let secs = super::header(headers, "keepalive-ping-interval").and_then(|v| v.trim().parse().ok()).unwrap_or(15u64);
     Duration::from_secs(secs.clamp(1, 30))
 }
@@ -403,4 +404,83 @@ async fn update(State(app): AppState, Extension(ctx): Extension<Envd>, body: Byt
         Ok::<_, EnvdError>(json!({}))
     };
     run.await.map_or_else(unary_error, unary)
+}
+
+#[derive(Deserialize, Default)]
+struct StreamInputStart {
+    process: Option<Selector>,
+}
+
+#[derive(Deserialize, Default)]
+struct StreamInputData {
+    input: Option<Input>,
+}
+
+/// One message of a `StreamInput` client stream.
+#[derive(Deserialize, Default)]
+struct StreamInputRequest {
+    start: Option<StreamInputStart>,
+    data: Option<StreamInputData>,
+}
+
+/// Splits the complete enveloped messages off the front of `buf`.
+fn take_messages(buf: &mut Vec<u8>) -> Result<Vec<StreamInputRequest>, EnvdError> {
+    let bad = |m: String| EnvdError::new(ErrorCode::InvalidRequest, m);
+    let mut out = Vec::new();
+    let mut at = 0;
+    while buf.len() - at >= 5 {
+        let len = u32::from_be_bytes([buf[at + 1], buf[at + 2], buf[at + 3], buf[at + 4]]) as usize;
+        if buf[at] & 0x01 != 0 {
+            return Err(bad("compressed messages are not supported".into()));
+        }
+        if len > MAX_MESSAGE {
+            return Err(bad("an enveloped message is too large".into()));
+        }
+        if buf.len() - at < 5 + len {
+            break;
+        }
+        let msg: &[u8] = if len == 0 { b"{}" } else { &buf[at + 5..at + 5 + len] };
+        out.push(serde_json::from_slice(msg).map_err(|e| bad(format!("request: {e}")))?);
+        at += 5 + len;
+    }
+    buf.drain(..at);
+    Ok(out)
+}
+
+/// `StreamInput`: a client stream of a start message naming the process,
+/// then input messages, each written as it arrives, in order.
+async fn stream_input(State(app): AppState, Extension(ctx): Extension<Envd>, body: axum::body::Body) -> Response {
+    let run = async {
+        let mut chunks = body.into_data_stream();
+        let mut buf = Vec::new();
+        let mut target_of: Option<Target> = None;
+        loop {
+            let next =
+                std::future::poll_fn(|cx| futures_core::Stream::poll_next(std::pin::Pin::new(&mut chunks), cx)).await;
+            let Some(chunk) = next else { break };
+            let chunk = chunk.map_err(|e| EnvdError::new(ErrorCode::InvalidRequest, format!("request body: {e}")))?;
+            buf.extend_from_slice(&chunk);
+            for msg in take_messages(&mut buf)? {
+                if let Some(start) = msg.start {
+                    target_of = Some(target(start.process)?);
+                } else if let Some(data) = msg.data {
+                    let t = target_of
+                        .as_ref()
+                        .ok_or_else(|| EnvdError::new(ErrorCode::InvalidRequest, "the first message must be start"))?;
+                    let input = data.input.unwrap_or_default();
+                    let bytes = B64
+                        .decode(input.stdin.or(input.pty).unwrap_or_default().as_bytes())
+                        .map_err(|_| EnvdError::new(ErrorCode::InvalidRequest, "input is not base64"))?;
+                    app.control.session_input(&ctx.owner, &ctx.id, t, &bytes).await?;
+                }
+            }
+        }
+        if !buf.is_empty() {
+            return Err(EnvdError::new(ErrorCode::InvalidRequest, "the request ends inside a message"));
+        }
+        Ok::<_, EnvdError>(json!({}))
+    };
+    let (tx, rx) = mpsc::channel(1);
+    let _ = tx.try_send(run.await);
+    server_stream(rx)
 }

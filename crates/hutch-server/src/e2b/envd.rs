@@ -68,6 +68,7 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
         .route("/filesystem.Filesystem/Move", post(move_entry))
         .route("/filesystem.Filesystem/Remove", post(remove))
         .merge(connect::routes())
+        .merge(super::watch::routes())
         .route_layer(middleware::from_fn_with_state(app, authenticate))
 }
 

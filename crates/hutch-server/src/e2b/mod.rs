@@ -16,6 +16,7 @@
 mod connect;
 mod control;
 mod envd;
+mod watch;
 
 use crate::App;
 use axum::http::{HeaderMap, StatusCode};
@@ -146,6 +147,11 @@ impl EnvdError {
             message: "the command ran past its timeout and was killed".into(),
             deadline: true,
         }
+    }
+
+    /// A stream (`what`) ran past `Connect-Timeout-Ms` and was ended.
+    pub fn deadline_of(what: &str) -> EnvdError {
+        EnvdError { code: ErrorCode::Unavailable, message: format!("{what} ran past its timeout"), deadline: true }
     }
 
     /// The Connect code name and HTTP status.
