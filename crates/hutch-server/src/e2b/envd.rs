@@ -1,6 +1,7 @@
 //! envd's API inside a sandbox, answered by the daemon: the sandbox headers
 //! and access token, `/health`, `/files` (download; multipart and
-//! octet-stream uploads, gzip) and the `filesystem.Filesystem` RPCs. Paths
+//! octet-stream uploads, gzip; signed URLs; `X-Metadata-*` headers as
+//! `user.e2b.*` xattrs) and the `filesystem.Filesystem` RPCs. Paths
 //! and commands run as the user of `Authorization: Basic` (default `user`),
 //! relative paths against that user's home.
 
@@ -20,7 +21,9 @@ use hutch_api::ErrorCode;
 use hutch_control::files::{Access, SandboxFs};
 use serde::Deserialize;
 use serde_json::{json, Value};
+use sha2::Digest;
 
+use std::collections::BTreeMap;
 use std::io::Read;
 use std::sync::Arc;
 
@@ -89,17 +92,123 @@ fn basic_user(headers: &HeaderMap) -> Result<String, E2bError> {
     Ok(user.to_owned())
 }
 
-/// Checks the sandbox headers and token. A sandbox that is gone answers
-/// 502 "was not found", as E2B's proxy does.
+/// The signed-URL parameters of a `/files` request.
+#[derive(Deserialize, Default)]
+struct SignedQuery {
+    path: Option<String>,
+    username: Option<String>,
+    signature: Option<String>,
+    signature_expiration: Option<String>,
+}
+
+/// A signed `/files` request: what the SDK's `get_signature` covers.
+struct Signed {
+    signature: String,
+    /// `path:operation:user` (the token and expiration follow).
+    prefix: String,
+    expiration: Option<i64>,
+}
+
+impl Signed {
+    /// The signature parameters of a `/files` request without a token, if any.
+    fn of(req: &Request) -> Result<Option<Signed>, E2bError> {
+        if req.uri().path() != "/files" {
+            return Ok(None);
+        }
+        let Ok(Query(q)) = Query::<SignedQuery>::try_from_uri(req.uri()) else { return Ok(None) };
+        let Some(signature) = q.signature else { return Ok(None) };
+        let operation = if req.method() == axum::http::Method::GET { "read" } else { "write" };
+        let expiration = match q.signature_expiration.as_deref() {
+            None => None,
+            Some(e) => Some(e.parse::<i64>().map_err(|_| {
+                E2bError::new(StatusCode::BAD_REQUEST, "signature_expiration must be a unix timestamp")
+            })?),
+        };
+        let prefix =
+            format!("{}:{}:{}", q.path.as_deref().unwrap_or(""), operation, q.username.as_deref().unwrap_or(""));
+        Ok(Some(Signed { signature, prefix, expiration }))
+    }
+
+    /// Whether the signature is the one `sandbox`'s access token makes:
+    /// `v1_` + unpadded base64 of SHA-256 over
+    /// `path:operation:user:token[:expiration]`, compared without an early exit.
+    fn matches(&self, secret: &[u8], sandbox: &str) -> bool {
+        let token = access_token(secret, sandbox);
+        let raw = match self.expiration {
+            None => format!("{}:{}", self.prefix, token),
+            Some(e) => format!("{}:{}:{}", self.prefix, token, e),
+        };
+        let digest = sha2::Sha256::digest(raw.as_bytes());
+        let expected = format!("v1_{}", base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest));
+        same(self.signature.as_bytes(), expected.as_bytes())
+    }
+
+    /// Whether the expiration has passed.
+    fn expired(&self) -> bool {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+        self.expiration.is_some_and(|e| e < now)
+    }
+}
+
+/// The sandbox a signed URL is for. E2B puts the id in the host
+/// (`<port>-<id>.<domain>`); with `E2B_SANDBOX_URL` the SDK's URL names no
+/// sandbox at all, so the running sandboxes are tried in turn (one hash
+/// each). `None` if none matches.
+fn signed_sandbox(app: &App, headers: &HeaderMap, signed: &Signed) -> Result<Option<String>, E2bError> {
+    let named = super::header(headers, "e2b-sandbox-id").map(str::to_owned).or_else(|| {
+        let host = super::header(headers, "host")?;
+        let (first, _) = host.split_once('.')?;
+        let (port, id) = first.split_once('-')?;
+        port.parse::<u16>().ok()?;
+        Some(id.to_owned())
+    });
+    if let Some(id) = named {
+        return Ok(signed.matches(&app.e2b_secret, &id).then_some(id));
+    }
+    let live = app
+        .control
+        .store
+        .sandboxes_in(&["running", "starting"])
+        .map_err(|e| E2bError::from(hutch_control::ControlError::Store(e)))?;
+    Ok(live.into_iter().map(|r| r.id).find(|id| signed.matches(&app.e2b_secret, id)))
+}
+
+/// Checks the sandbox headers and token, or a `/files` URL's signature. A
+/// sandbox that is gone answers 502 "was not found", as E2B's proxy does.
 async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
     let headers = req.headers();
-    let Some(id) = super::header(headers, "e2b-sandbox-id").map(str::to_owned) else {
-        return E2bError::new(StatusCode::BAD_REQUEST, "the E2b-Sandbox-Id header is required").into_response();
+    let has_token = super::header(headers, "x-access-token").is_some();
+    let signed = if has_token {
+        None
+    } else {
+        match Signed::of(&req) {
+            Ok(s) => s,
+            Err(e) => return e.into_response(),
+        }
     };
-    let token = super::header(headers, "x-access-token").unwrap_or("");
-    if !same(token.as_bytes(), access_token(&app.e2b_secret, &id).as_bytes()) {
-        return E2bError::new(StatusCode::UNAUTHORIZED, "a valid X-Access-Token is required").into_response();
-    }
+    let headers = req.headers();
+    let id = if let Some(signed) = signed {
+        let id = match signed_sandbox(&app, headers, &signed) {
+            Ok(Some(id)) => id,
+            Ok(None) => return E2bError::new(StatusCode::UNAUTHORIZED, "invalid signature").into_response(),
+            Err(e) => return e.into_response(),
+        };
+        if signed.expired() {
+            return E2bError::new(StatusCode::UNAUTHORIZED, "signature is already expired").into_response();
+        }
+        id
+    } else {
+        let Some(id) = super::header(headers, "e2b-sandbox-id").map(str::to_owned) else {
+            return E2bError::new(StatusCode::BAD_REQUEST, "the E2b-Sandbox-Id header is required").into_response();
+        };
+        let token = super::header(headers, "x-access-token").unwrap_or("");
+        if !same(token.as_bytes(), access_token(&app.e2b_secret, &id).as_bytes()) {
+            return E2bError::new(StatusCode::UNAUTHORIZED, "a valid X-Access-Token is required").into_response();
+        }
+        id
+    };
     let user = match basic_user(headers) {
         Ok(u) => u,
         Err(e) => return e.into_response(),
@@ -182,8 +291,63 @@ async fn download(State(app): AppState, Extension(ctx): Extension<Envd>, Query(q
     resp
 }
 
-/// Writes one file, making its missing parent directories, as the user.
-async fn write_one(app: &App, ctx: &Envd, path: &str, data: Vec<u8>) -> Result<Value, EnvdError> {
+/// The xattr prefix of E2B file metadata: `X-Metadata-<key>` is stored as
+/// `user.e2b.<key>`.
+const META_PREFIX: &str = "user.e2b.";
+/// At most this many metadata keys per upload.
+const META_KEYS: usize = 64;
+/// At most this many bytes of metadata keys and values per upload (the
+/// agent caps a file's xattrs at 64 KiB).
+const META_BYTES: usize = 16 << 10;
+
+/// The `X-Metadata-*` headers as `user.e2b.*` xattrs (header names arrive
+/// lowercased, so keys are lowercased, as envd does).
+fn metadata_attrs(headers: &HeaderMap) -> Result<BTreeMap<String, String>, EnvdError> {
+    let mut attrs = BTreeMap::new();
+    let mut total = 0;
+    for (name, value) in headers {
+        let Some(key) = name.as_str().strip_prefix("x-metadata-") else { continue };
+        let bad = |why: &str| EnvdError::new(ErrorCode::InvalidRequest, format!("metadata key {key:?}: {why}"));
+        if key.is_empty() {
+            return Err(bad("must not be empty"));
+        }
+        let value = value.to_str().map_err(|_| bad("the value must be printable ASCII"))?;
+        total += key.len() + value.len();
+        if attrs.len() >= META_KEYS || total > META_BYTES {
+            return Err(EnvdError::new(
+                ErrorCode::InvalidRequest,
+                format!("metadata is limited to {META_KEYS} keys and {META_BYTES} bytes"),
+            ));
+        }
+        attrs.insert(format!("{META_PREFIX}{key}"), value.to_owned());
+    }
+    Ok(attrs)
+}
+
+/// The E2B metadata (`user.e2b.*` xattrs) of an entry; empty when it has
+/// none or they cannot be read (a file the user may not open).
+async fn metadata_of(app: &App, ctx: &Envd, path: &str) -> Value {
+    let op = AgentRequest::GetXattrs { path: path.to_owned(), user: Some(ctx.user.clone()) };
+    let mut out = serde_json::Map::new();
+    if let Ok(Reply::Xattrs { attrs }) = app.control.session_file_op(&ctx.owner, &ctx.id, op, Access::Read).await {
+        for (k, v) in attrs {
+            if let Some(key) = k.strip_prefix(META_PREFIX) {
+                out.insert(key.to_owned(), Value::String(v));
+            }
+        }
+    }
+    Value::Object(out)
+}
+
+/// Writes one file with its metadata, making its missing parent
+/// directories, as the user.
+async fn write_one(
+    app: &App,
+    ctx: &Envd,
+    path: &str,
+    data: Vec<u8>,
+    meta: &BTreeMap<String, String>,
+) -> Result<Value, EnvdError> {
     let path = ctx.resolve(path)?;
     if let Some((parent, _)) = path.rsplit_once('/') {
         if !parent.is_empty() {
@@ -203,8 +367,16 @@ async fn write_one(app: &App, ctx: &Envd, path: &str, data: Vec<u8>) -> Result<V
     let written = fs.write_stream(&path, rx).await;
     let _ = feed.await;
     written?;
+    if !meta.is_empty() {
+        let op = AgentRequest::SetXattrs { path: path.clone(), attrs: meta.clone(), user: Some(ctx.user.clone()) };
+        app.control.session_file_op(&ctx.owner, &ctx.id, op, Access::Write).await?;
+    }
     let name = path.rsplit('/').next().unwrap_or("").to_owned();
-    Ok(json!({"name": name, "type": "file", "path": path}))
+    let metadata: serde_json::Map<String, Value> = meta
+        .iter()
+        .filter_map(|(k, v)| Some((k.strip_prefix(META_PREFIX)?.to_owned(), Value::String(v.clone()))))
+        .collect();
+    Ok(json!({"name": name, "type": "file", "path": path, "metadata": metadata}))
 }
 
 fn gunzip(data: &[u8]) -> Result<Vec<u8>, EnvdError> {
@@ -227,6 +399,7 @@ async fn upload(
         let headers = req.headers().clone();
         let content_type = super::header(&headers, "content-type").unwrap_or("").to_owned();
         let gzip = super::header(&headers, "content-encoding").is_some_and(|v| v.eq_ignore_ascii_case("gzip"));
+        let meta = metadata_attrs(&headers)?;
         let mut written = Vec::new();
         if content_type.starts_with("multipart/form-data") {
             let mut form = axum::extract::Multipart::from_request(req, &())
@@ -246,7 +419,7 @@ async fn upload(
                     (None, Some(n)) => n,
                     (None, None) => return Err(EnvdError::new(ErrorCode::InvalidRequest, "a file part has no name")),
                 };
-                written.push(write_one(&app, &ctx, &path, data.to_vec()).await?);
+                written.push(write_one(&app, &ctx, &path, data.to_vec(), &meta).await?);
             }
         } else {
             let path = q.path.clone().ok_or_else(|| EnvdError::new(ErrorCode::InvalidRequest, "path is required"))?;
@@ -254,7 +427,7 @@ async fn upload(
                 .await
                 .map_err(|_| EnvdError::new(ErrorCode::PayloadTooLarge, "the upload is too large"))?;
             let data = if gzip { gunzip(&body)? } else { body.to_vec() };
-            written.push(write_one(&app, &ctx, &path, data).await?);
+            written.push(write_one(&app, &ctx, &path, data, &meta).await?);
         }
         Ok::<_, EnvdError>(Value::Array(written))
     };
@@ -317,6 +490,16 @@ fn entry_info(e: &Entry) -> Value {
     v
 }
 
+/// envd's `EntryInfo` with the entry's E2B metadata (files and directories;
+/// a symlink's are its target's, so none are read for it).
+async fn with_metadata(app: &App, ctx: &Envd, e: &Entry) -> Value {
+    let mut v = entry_info(e);
+    if matches!(e.kind, EntryKind::File | EntryKind::Dir) {
+        v["metadata"] = metadata_of(app, ctx, &e.path).await;
+    }
+    v
+}
+
 #[derive(Deserialize, Default)]
 struct PathRequest {
     path: Option<String>,
@@ -337,7 +520,7 @@ async fn stat(State(app): AppState, Extension(ctx): Extension<Envd>, body: Bytes
         let path = rpc_path(&ctx, req.path)?;
         let op = AgentRequest::Stat { path, user: Some(ctx.user.clone()) };
         match app.control.session_file_op(&ctx.owner, &ctx.id, op, Access::Read).await? {
-            Reply::Stat { entry } => Ok(json!({"entry": entry_info(&entry)})),
+            Reply::Stat { entry } => Ok(json!({"entry": with_metadata(&app, &ctx, &entry).await})),
             other => Err(unexpected(&other)),
         }
     };
@@ -356,7 +539,11 @@ async fn list_dir(State(app): AppState, Extension(ctx): Extension<Envd>, body: B
         let op = AgentRequest::ListDir { path, depth, user: Some(ctx.user.clone()) };
         match app.control.session_file_op(&ctx.owner, &ctx.id, op, Access::List).await? {
             Reply::Entries { entries, .. } => {
-                Ok(json!({"entries": entries.iter().map(entry_info).collect::<Vec<_>>()}))
+                let mut out = Vec::with_capacity(entries.len());
+                for e in &entries {
+                    out.push(with_metadata(&app, &ctx, e).await);
+                }
+                Ok(json!({"entries": out}))
             }
             other => Err(unexpected(&other)),
         }
@@ -367,7 +554,7 @@ async fn list_dir(State(app): AppState, Extension(ctx): Extension<Envd>, body: B
 async fn stat_entry(app: &App, ctx: &Envd, path: String) -> Result<Value, EnvdError> {
     let op = AgentRequest::Stat { path, user: Some(ctx.user.clone()) };
     match app.control.session_file_op(&ctx.owner, &ctx.id, op, Access::Read).await? {
-        Reply::Stat { entry } => Ok(entry_info(&entry)),
+        Reply::Stat { entry } => Ok(with_metadata(app, ctx, &entry).await),
         other => Err(unexpected(&other)),
     }
 }
