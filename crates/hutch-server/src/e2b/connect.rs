@@ -262,7 +262,10 @@ async fn start(State(app): AppState, Extension(ctx): Extension<Envd>, headers: H
         pty,
         tag: req.tag,
         stdin: req.stdin.unwrap_or(pty.is_some()),
-        timeout_ms: timeout_ms(&headers),
+        // The client gives up at the same deadline: kill the command a little
+        // before it, so that by the time the client sees its timeout the
+        // command is gone, not still dying.
+        timeout_ms: timeout_ms(&headers).map(|ms| ms.saturating_sub((ms / 10).min(100)).max(1)),
     };
     match app.control.session_start(&ctx.owner, &ctx.id, spec, keepalive(&headers)).await {
         Ok(events) => server_stream(forward(events)),
