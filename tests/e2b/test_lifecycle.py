@@ -71,3 +71,21 @@ def test_bad_api_key_is_refused(daemon):
 
     with pytest.raises(AuthenticationException):
         Sandbox.create(api_key="e2b_" + "0" * 40)
+
+
+def test_metrics_sample_the_sandbox_now(daemon):
+    sb = Sandbox.create(timeout=120)
+    try:
+        sb.commands.run("python3 -c 'import time; t = time.time()\nwhile time.time() - t < 0.3: pass'")
+        sb.files.write("/home/user/blob", b"x" * (3 << 20))
+        metrics = sb.get_metrics()
+        assert len(metrics) == 1, metrics
+        m = metrics[0]
+        assert m.cpu_count >= 1
+        assert m.cpu_used_pct > 0, m
+        assert m.mem_total == 1024 << 20, m
+        assert 0 < m.mem_used <= m.mem_total, m
+        assert m.disk_used >= 3 << 20, m
+        assert m.disk_total >= m.disk_used, m
+    finally:
+        sb.kill()

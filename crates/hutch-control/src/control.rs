@@ -583,6 +583,17 @@ impl Control {
         Ok(crate::files::SandboxFs::new(live.socket.clone(), None))
     }
 
+    /// A running sandbox's resource use now, with when it started.
+    pub fn usage(&self, owner: &str, id: &str) -> Result<(hutch_runtime::container::Usage, SandboxRecord)> {
+        let r = self.record(owner, id)?;
+        let live = self
+            .live(id)
+            .ok_or_else(|| ControlError::NotRunning { id: id.to_owned(), state: static_state(&r.state) })?;
+        let guard = live.handle.lock().map_err(|_| ControlError::Runtime("sandbox lock poisoned".into()))?;
+        let sb = guard.as_ref().ok_or_else(|| ControlError::NotRunning { id: id.to_owned(), state: "terminating" })?;
+        Ok((sb.usage(), r))
+    }
+
     /// Commands running in every running sandbox, as their agents count them
     /// (background ones included). Suspended sandboxes are skipped: a frozen
     /// agent cannot answer.

@@ -318,6 +318,28 @@ impl Cgroup {
         }
     }
 
+    /// Page cache charged to the sandbox, in bytes.
+    pub fn memory_cache(&self) -> u64 {
+        match &self.memory {
+            Some((dir, true)) => read_key(&dir.join("memory.stat"), "file"),
+            Some((dir, false)) => read_key(&dir.join("memory.stat"), "cache"),
+            None => 0,
+        }
+    }
+
+    /// CPU time the sandbox used, in nanoseconds. A v2 tree keeps this in
+    /// `cpu.stat` whether or not the cpu controller is enabled there; a
+    /// v1-only host has it where cpuacct is co-mounted with cpu.
+    pub fn cpu_usage_ns(&self) -> u64 {
+        if let Some(dir) = &self.v2 {
+            return read_key(&dir.join("cpu.stat"), "usage_usec") * 1000;
+        }
+        match &self.cpu {
+            Some((dir, false)) => read_u64(&dir.join("cpuacct.usage")),
+            _ => 0,
+        }
+    }
+
     /// Stops every process of the sandbox, keeping its memory.
     pub fn freeze(&self) -> Result<(), CgroupError> {
         self.set_frozen(true)

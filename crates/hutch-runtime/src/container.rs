@@ -416,6 +416,20 @@ impl Sandbox {
         self.cgroup.freeze()
     }
 
+    /// What the sandbox uses now. Disk figures come from its writable layer,
+    /// seen through PID 1's root (statfs of an overlay reports its upper
+    /// layer).
+    pub fn usage(&self) -> Usage {
+        let (disk_used, disk_total) = statfs_used(&format!("/proc/{}/root/", self.pid)).unwrap_or((0, 0));
+        Usage {
+            memory_bytes: self.cgroup.memory_current(),
+            memory_cache_bytes: self.cgroup.memory_cache(),
+            cpu_ns: self.cgroup.cpu_usage_ns(),
+            disk_used_bytes: disk_used,
+            disk_total_bytes: disk_total,
+        }
+    }
+
     /// Whether any process of the sandbox still runs.
     pub fn is_alive(&self) -> bool {
         if self.pid > 0 && self.slot.is_some() {
@@ -454,6 +468,30 @@ impl Sandbox {
         }
         Ok(())
     }
+}
+
+/// A sandbox's resource use at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub memory_bytes: u64,
+    pub memory_cache_bytes: u64,
+    /// CPU time used since the sandbox started.
+    pub cpu_ns: u64,
+    pub disk_used_bytes: u64,
+    pub disk_total_bytes: u64,
+}
+
+/// (used, total) bytes of the file system holding `path`.
+fn statfs_used(path: &str) -> Option<(u64, u64)> {
+    let c = cstr(path).ok()?;
+    // SAFETY: st is a valid out-pointer; c a valid C string.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    let bsize = st.f_bsize as u64;
+    Some(((st.f_blocks - st.f_bfree) as u64 * bsize, st.f_blocks as u64 * bsize))
 }
 
 fn open_path(path: &Path) -> io::Result<OwnedFd> {

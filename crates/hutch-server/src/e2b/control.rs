@@ -262,9 +262,28 @@ async fn metrics(
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> E2bResult<Json<Value>> {
-    live_view(&app, &caller, &id)?;
-    // Usage sampling is not kept yet: no samples.
-    Ok(Json(json!([])))
+    let (sb, _) = live_view(&app, &caller, &id)?;
+    // One sample, taken now; hutch keeps no history of samples yet.
+    let (u, record) = match app.control.usage(&caller.key_id, &sb.id) {
+        Ok(x) => x,
+        // Not running (paused, gone): no samples, as E2B answers.
+        Err(_) => return Ok(Json(json!([]))),
+    };
+    let now_ms = hutch_control::keys::now_ms();
+    let alive_ms = (now_ms - record.created_at).max(1) as f64;
+    let cpus = record.vcpus.ceil().max(1.0);
+    let cpu_pct = (u.cpu_ns as f64 / 1e6) / alive_ms / cpus * 100.0;
+    Ok(Json(json!([{
+        "timestamp": hutch_control::control::rfc3339(now_ms),
+        "timestampUnix": now_ms / 1000,
+        "cpuCount": cpus as u64,
+        "cpuUsedPct": (cpu_pct * 100.0).round() / 100.0,
+        "memUsed": u.memory_bytes,
+        "memTotal": record.memory_mb << 20,
+        "memCache": u.memory_cache_bytes,
+        "diskUsed": u.disk_used_bytes,
+        "diskTotal": u.disk_total_bytes,
+    }])))
 }
 
 /// Every sandbox of the caller that is not gone, newest first.
