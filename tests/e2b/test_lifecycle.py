@@ -89,3 +89,26 @@ def test_metrics_sample_the_sandbox_now(daemon):
         assert m.disk_total >= m.disk_used, m
     finally:
         sb.kill()
+
+
+def test_commands_on_a_killed_sandbox_raise_sandbox_not_running(daemon):
+    from e2b import SandboxNotRunningException
+
+    sb = Sandbox.create()
+    sb.kill()
+    with pytest.raises(SandboxNotRunningException):
+        sb.commands.run("true")
+    with pytest.raises(SandboxNotRunningException):
+        sb.files.read("anything.txt")
+
+
+def test_pause_and_resume_keep_running_processes(daemon):
+    sb = Sandbox.create()
+    try:
+        handle = sb.commands.run("sleep 300", background=True)
+        sb.pause()
+        again = Sandbox.connect(sb.sandbox_id)
+        pids = {p.pid for p in again.commands.list()}
+        assert handle.pid in pids, pids
+    finally:
+        sb.kill()
