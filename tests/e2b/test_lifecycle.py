@@ -112,3 +112,36 @@ def test_pause_and_resume_keep_running_processes(daemon):
         assert handle.pid in pids, pids
     finally:
         sb.kill()
+
+
+def test_list_filters_by_template_start_time_and_order_over_plain_http(daemon):
+    """Filters the SDK's query object does not expose, on the same route."""
+    import os
+    import datetime
+
+    import requests
+
+    base, key = os.environ["E2B_API_URL"], os.environ["E2B_API_KEY"]
+    tag = {"suite": f"order-{time.time_ns()}"}
+    first = Sandbox.create(metadata=tag)
+    time.sleep(0.05)
+    cut = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    time.sleep(0.05)
+    second = Sandbox.create(metadata=tag)
+    try:
+        def ids(**params):
+            params["metadata"] = f"suite={tag['suite']}"
+            r = requests.get(f"{base}/v2/sandboxes", params=params, headers={"X-API-KEY": key}, timeout=10)
+            assert r.status_code == 200, r.text
+            return [s["sandboxID"] for s in r.json()]
+
+        assert ids() == [second.sandbox_id, first.sandbox_id]
+        assert ids(order="asc") == [first.sandbox_id, second.sandbox_id]
+        assert ids(startedAfter=cut) == [second.sandbox_id]
+        assert ids(template="base") == [second.sandbox_id, first.sandbox_id]
+        assert ids(template="no-such-template") == []
+        bad = requests.get(f"{base}/v2/sandboxes", params={"startedAfter": "yesterday"}, headers={"X-API-KEY": key}, timeout=10)
+        assert bad.status_code == 400, bad.text
+    finally:
+        first.kill()
+        second.kill()

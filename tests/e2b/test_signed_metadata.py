@@ -98,3 +98,26 @@ def test_too_much_metadata_refused(shared):
     r = requests.post(url, data=b"x", headers=headers, timeout=30)
     assert r.status_code == 400
     assert not shared.files.exists("meta/big.bin")
+
+
+def test_gzip_octet_stream_upload_is_unpacked(shared):
+    import gzip
+
+    url = shared.upload_url("zipped/plain.txt")
+    r = requests.post(
+        url,
+        data=gzip.compress(b"unpacked on arrival\n" * 100),
+        headers={"Content-Type": "application/octet-stream", "Content-Encoding": "gzip"},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    assert shared.files.read("zipped/plain.txt") == "unpacked on arrival\n" * 100
+    # A body that is not gzip is refused, and nothing is written.
+    bad = requests.post(
+        shared.upload_url("zipped/bad.txt"),
+        data=b"not gzip at all",
+        headers={"Content-Type": "application/octet-stream", "Content-Encoding": "gzip"},
+        timeout=30,
+    )
+    assert bad.status_code == 400, bad.text
+    assert not shared.files.exists("zipped/bad.txt")
