@@ -59,13 +59,15 @@ async def test_async_watch_dir_streams_events(daemon):
         await sb.commands.run("echo more >> /home/user/w/a.txt && chmod 600 /home/user/w/a.txt"
                               " && mv /home/user/w/a.txt /home/user/w/b.txt")
         deadline = time.monotonic() + 10
-        # A move shows as remove of the old name and create of the new one.
+        # A move shows as rename of the old name and create of the new one,
+        # as E2B's envd (fsnotify) reports it.
         want = {FilesystemEventType.CREATE, FilesystemEventType.WRITE, FilesystemEventType.CHMOD,
-                FilesystemEventType.REMOVE}
+                FilesystemEventType.RENAME}
         while not want <= {e.type for e in got} and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         assert want <= {e.type for e in got}, got
         assert any(e.name == "b.txt" and e.type == FilesystemEventType.CREATE for e in got), got
+        assert any(e.name == "a.txt" and e.type == FilesystemEventType.RENAME for e in got), got
         await handle.stop()
         assert exited == [None]
     finally:

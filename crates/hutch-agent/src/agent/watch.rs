@@ -57,7 +57,11 @@ fn map_kind(mask: u32) -> Option<WatchKind> {
         Some(WatchKind::Overflow)
     } else if mask & (libc::IN_CREATE | libc::IN_MOVED_TO) != 0 {
         Some(WatchKind::Create)
-    } else if mask & (libc::IN_DELETE | libc::IN_MOVED_FROM) != 0 {
+    } else if mask & libc::IN_MOVED_FROM != 0 {
+        // As fsnotify reports a move: rename of the old name, create of the
+        // new one (when it lands in a watched directory).
+        Some(WatchKind::Rename)
+    } else if mask & libc::IN_DELETE != 0 {
         Some(WatchKind::Remove)
     } else if mask & (libc::IN_MODIFY | libc::IN_CLOSE_WRITE) != 0 {
         Some(WatchKind::Write)
@@ -251,7 +255,7 @@ mod tests {
         assert_eq!(map_kind(libc::IN_CLOSE_WRITE), Some(WatchKind::Write));
         assert_eq!(map_kind(libc::IN_MODIFY), Some(WatchKind::Write));
         assert_eq!(map_kind(libc::IN_DELETE), Some(WatchKind::Remove));
-        assert_eq!(map_kind(libc::IN_MOVED_FROM), Some(WatchKind::Remove));
+        assert_eq!(map_kind(libc::IN_MOVED_FROM), Some(WatchKind::Rename));
         assert_eq!(map_kind(libc::IN_ATTRIB), Some(WatchKind::Chmod));
         assert_eq!(map_kind(libc::IN_Q_OVERFLOW), Some(WatchKind::Overflow));
         assert_eq!(map_kind(libc::IN_IGNORED), None);
