@@ -292,12 +292,7 @@ impl Control {
             match msg {
                 FromAgent::Output { pid: p, stream } if p == pid => {
                     if let Some(tx) = &events {
-                        let text = String::from_utf8_lossy(&data).into_owned();
-                        let ev = match stream {
-                            Stream::Stdout => ExecEvent::Stdout { data: text },
-                            Stream::Stderr => ExecEvent::Stderr { data: text },
-                        };
-                        if tx.send(ev).await.is_err() {
+                        if tx.send(output_event(stream, &data)).await.is_err() {
                             // The client left; the command goes on.
                             events = None;
                         }
@@ -398,13 +393,7 @@ impl Control {
                 let ev = match tokio::time::timeout(PING_EVERY, conn.recv()).await {
                     Err(_) => ExecEvent::Ping,
                     Ok(Err(e)) => ExecEvent::Error { code: ErrorCode::Internal, error: format!("sandbox {sid}: {e}") },
-                    Ok(Ok((FromAgent::Output { pid: p, stream }, data))) if p == pid => {
-                        let data = String::from_utf8_lossy(&data).into_owned();
-                        match stream {
-                            Stream::Stdout => ExecEvent::Stdout { data },
-                            Stream::Stderr => ExecEvent::Stderr { data },
-                        }
-                    }
+                    Ok(Ok((FromAgent::Output { pid: p, stream }, data))) if p == pid => output_event(stream, &data),
                     Ok(Ok((FromAgent::Exit { pid: p, status }, _))) if p == pid => {
                         // From the start of a background command; from the
                         // attach for a command started otherwise.
@@ -492,6 +481,15 @@ impl Control {
             );
         }
         Ok(ExecutionResult { sandbox_id: sb.id, result })
+    }
+}
+
+/// An output chunk as a stream event (bytes shown as UTF-8, lossily).
+fn output_event(stream: Stream, data: &[u8]) -> ExecEvent {
+    let data = String::from_utf8_lossy(data).into_owned();
+    match stream {
+        Stream::Stdout => ExecEvent::Stdout { data },
+        Stream::Stderr => ExecEvent::Stderr { data },
     }
 }
 
