@@ -317,10 +317,33 @@ def ndjson_events(r: requests.Response) -> list[dict]:
 # The daemon
 
 
+# Each daemon of a test session gets a hutch network of its own (subnet,
+# nftables table, links), so daemons side by side never touch each other's.
+_NET_INSTANCES = iter(range(1, 32))
+
+
+def net_table(instance: int) -> str:
+    return "hutch" if instance == 0 else f"hutch{instance}"
+
+
+def net_links(instance: int) -> list[str]:
+    """Host links of a hutch network instance (veths' host ends)."""
+    prefix = f"h{instance:02x}s"
+    return sorted(p.name for p in Path("/sys/class/net").iterdir() if p.name.startswith(prefix))
+
+
+def net_table_exists(instance: int) -> bool:
+    r = subprocess.run(["nft", "list", "table", "inet", net_table(instance)], capture_output=True, timeout=10)
+    return r.returncode == 0
+
+
 class Daemon:
     """One `hutch serve` process with its own port, state and run dirs."""
 
     def __init__(self, root: Path, binary: Path = DEBUG_BIN, port: int | None = None, name: str = "daemon"):
+        self.net_instance = next(_NET_INSTANCES)
+        # Extra environment (HUTCH_DNS_UPSTREAM, ...) for every start.
+        self.extra_env: dict[str, str] = {}
         if not binary.is_file():
             pytest.fail(
                 f"hutch binary not found at {binary}: build it first (cargo build --workspace)", pytrace=False
@@ -359,6 +382,8 @@ class Daemon:
         self.starts += 1
         env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
         env["HUTCH_RUN_DIR"] = str(self.run_dir)
+        env["HUTCH_NET_INSTANCE"] = str(self.net_instance)
+        env.update(self.extra_env)
         log = open(self.log_path, "wb")
         try:
             self.proc = subprocess.Popen(
@@ -501,6 +526,18 @@ class Daemon:
                 except OSError:
                     pass
 
+    def network_leftovers(self) -> list[str]:
+        """What a stopped daemon with no sandboxes left of its network."""
+        left = [f"link {n}" for n in net_links(self.net_instance)]
+        if net_table_exists(self.net_instance):
+            left.append(f"nftables table inet {net_table(self.net_instance)}")
+        return left
+
+    def force_clean_network(self) -> None:
+        for name in net_links(self.net_instance):
+            subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=10)
+        subprocess.run(["nft", "delete", "table", "inet", net_table(self.net_instance)], capture_output=True, timeout=10)
+
     def db_sandbox_ids(self) -> list[str]:
         with sqlite3.connect(f"file:{self.state_dir / 'hutch.db'}?mode=ro", uri=True, timeout=10) as db:
             return [row[0] for row in db.execute("SELECT id FROM sandboxes")]
@@ -562,8 +599,14 @@ def daemon(tmp_root: Path):
         except AssertionError:
             problems += d.host_leftovers()
     code = d.stop()
+    if not problems:
+        try:
+            wait_for("the network to leave the host", lambda: not d.network_leftovers(), timeout=10)
+        except AssertionError:
+            problems += d.network_leftovers()
     if problems:
         d.force_clean()
+        d.force_clean_network()
     strays = d.kill_strays()
     if strays:
         problems.append(f"processes of the daemon left after it stopped: {list(strays.values())}")
@@ -618,6 +661,11 @@ def own_daemon(tmp_root: Path, request: pytest.FixtureRequest):
     if left:
         problems.append(f"left on the host after the test: {left}")
         d.force_clean()
+    try:
+        wait_for("the network to leave the host", lambda: not d.network_leftovers(), timeout=10)
+    except AssertionError:
+        problems.append(f"network left on the host: {d.network_leftovers()}")
+        d.force_clean_network()
     assert not problems, problems
 
 

@@ -70,6 +70,10 @@ pub enum ErrorCode {
     SandboxFilePartMismatch,
     /// A request body exceeds its limit.
     PayloadTooLarge,
+    /// The host cannot provide what was asked (e.g. networking is not set up).
+    FeatureUnavailable,
+    /// The sandbox's network policy (`deny_all`) forbids this.
+    SandboxNetworkIsolated,
     /// The service is shutting down or a dependency is unavailable.
     Unavailable,
     /// An internal error; details are in the server's log, never here.
@@ -86,7 +90,9 @@ impl ErrorCode {
             | ErrorCode::InvalidPath
             | ErrorCode::SandboxPathNotDirectory
             | ErrorCode::SandboxPathUnreadable
-            | ErrorCode::SandboxArchiveInvalid => 400,
+            | ErrorCode::SandboxArchiveInvalid
+            | ErrorCode::FeatureUnavailable
+            | ErrorCode::SandboxNetworkIsolated => 400,
             ErrorCode::NotFound => 404,
             ErrorCode::IdempotencyConflict
             | ErrorCode::ExecutionOutcomeUnknown
@@ -126,6 +132,8 @@ impl ErrorCode {
             ErrorCode::SandboxFilePartOutOfOrder => "sandbox_file_part_out_of_order",
             ErrorCode::SandboxFilePartMismatch => "sandbox_file_part_mismatch",
             ErrorCode::PayloadTooLarge => "payload_too_large",
+            ErrorCode::FeatureUnavailable => "feature_unavailable",
+            ErrorCode::SandboxNetworkIsolated => "sandbox_network_isolated",
             ErrorCode::Unavailable => "unavailable",
             ErrorCode::Internal => "internal",
         }
@@ -207,6 +215,56 @@ pub struct CreateSandbox {
     /// answering. Default 10.
     #[serde(default)]
     pub wait_seconds: Option<u64>,
+    /// Network policy; `{"egress": "default"}` when absent.
+    #[serde(default)]
+    pub network: Option<NetworkRequest>,
+}
+
+/// What a sandbox may reach.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Egress {
+    /// The internet, but not the host, its networks, link-local addresses
+    /// or other sandboxes.
+    #[default]
+    Default,
+    /// Loopback only: no interface but `lo`, no DNS.
+    DenyAll,
+    /// Only the other `private` sandboxes of the same owner and template.
+    Private,
+}
+
+/// A network policy as asked for.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkRequest {
+    #[serde(default)]
+    pub egress: Egress,
+    /// With `default` egress: only these are reachable. CIDRs
+    /// (`203.0.113.0/24`), addresses, names (`pypi.org`) and wildcards
+    /// (`*.github.com`, names below it). At most 64 entries.
+    #[serde(default)]
+    pub allow: Vec<String>,
+    /// With `default` egress: never reachable (CIDRs), never resolved (names).
+    #[serde(default)]
+    pub deny: Vec<String>,
+}
+
+/// A sandbox's network as the API shows it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Network {
+    pub egress: Egress,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deny: Vec<String>,
+    /// What the daemon last observed on the host: the policy whose rules
+    /// are loaded for this sandbox (`default`, `deny_all`, `private`), or
+    /// `unknown` (not observed yet, or not matching).
+    pub applied: String,
+    /// The sandbox's addresses, when it has a network interface.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub addresses: Vec<String>,
 }
 
 /// Limits as requested and as enforced.
@@ -242,6 +300,8 @@ pub struct Sandbox {
     pub template_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub template_version: Option<u64>,
+    #[serde(default)]
+    pub network: Network,
 }
 
 /// A warm pool's bounds: the daemon keeps `min` sandboxes started and

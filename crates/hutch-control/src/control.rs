@@ -5,8 +5,10 @@
 
 use crate::error::{ControlError, Result};
 use crate::metrics::Metrics;
+use crate::network::NetRecord;
 use hutch_api::{CreateSandbox, Extend, Limits, LimitsRequest, Sandbox, SandboxList, SandboxState};
 use hutch_runtime::cgroup::Limits as CgLimits;
+use hutch_runtime::net::{Attached, Network};
 use hutch_runtime::{Runtime, SandboxSpec};
 use hutch_store::{SandboxRecord, Store, StoreError};
 use sha2::{Digest, Sha256};
@@ -96,6 +98,9 @@ pub struct Control {
     live: Mutex<HashMap<String, Arc<Live>>>,
     shutting_down: AtomicBool,
     pub(crate) pool: crate::pool::PoolState,
+    /// Sandbox networks; `Err` says why the host has none (then only
+    /// `deny_all` sandboxes start).
+    pub network: std::result::Result<Arc<Network>, String>,
 }
 
 pub fn now_ms() -> i64 {
@@ -212,6 +217,7 @@ pub fn view(r: &SandboxRecord) -> Sandbox {
         warm: r.warm,
         template_id: r.template_id.clone(),
         template_version: r.template_version.map(|v| v as u64),
+        network: NetRecord::parse(&r.network).view(),
     }
 }
 
@@ -229,6 +235,14 @@ fn decode_cursor(c: &str) -> Result<(i64, String)> {
 
 impl Control {
     pub fn new(store: Arc<dyn Store>, runtime: Arc<Runtime>) -> Arc<Control> {
+        Control::with_network(store, runtime, Err("networking is not set up".into()))
+    }
+
+    pub fn with_network(
+        store: Arc<dyn Store>,
+        runtime: Arc<Runtime>,
+        network: std::result::Result<Arc<Network>, String>,
+    ) -> Arc<Control> {
         Arc::new(Control {
             store,
             runtime,
@@ -236,7 +250,22 @@ impl Control {
             live: Mutex::new(HashMap::new()),
             shutting_down: AtomicBool::new(false),
             pool: crate::pool::PoolState::default(),
+            network,
         })
+    }
+
+    /// Checks a network request against what the host can do.
+    pub fn network_record(&self, req: Option<&hutch_api::NetworkRequest>) -> Result<NetRecord> {
+        let rec = NetRecord::from_request(req)?;
+        if rec.egress != hutch_api::Egress::DenyAll {
+            if let Err(why) = &self.network {
+                return Err(ControlError::FeatureUnavailable(format!(
+                    "egress {:?} needs sandbox networking, which this host lacks: {why}",
+                    rec.egress
+                )));
+            }
+        }
+        Ok(rec)
     }
 
     pub fn shut_down(&self) {
@@ -303,6 +332,7 @@ impl Control {
             )));
         }
         let wait = Duration::from_secs(req.wait_seconds.unwrap_or(10).min(60));
+        let net = self.network_record(req.network.as_ref())?;
         let hash = request_hash(req);
         if let Some(key) = key {
             if let Some(existing) = self.store.sandbox_by_key(owner, key)? {
@@ -316,7 +346,8 @@ impl Control {
         // A warm sandbox runs exactly the template: claim one only when the
         // request changes nothing that would need a restart (metadata and
         // lifetime are record fields).
-        if req.env.is_empty() && (memory, vcpus, disk, pids) == tpl.limits() {
+        let net_as_template = req.network.as_ref().is_none_or(|n| *n == hutch_api::NetworkRequest::default());
+        if req.env.is_empty() && (memory, vcpus, disk, pids) == tpl.limits() && net_as_template {
             match self.claim_warm(owner, &tpl, ttl, &metadata, key, &hash) {
                 Ok(Some(r)) => return Ok((view(&r), true)),
                 Ok(None) => {}
@@ -355,6 +386,7 @@ impl Control {
             template_version: tpl.version,
             warm: false,
             pooled: false,
+            network: net.to_json(),
         };
         match self.store.insert_sandbox(&record) {
             Ok(()) => {}
@@ -394,9 +426,25 @@ impl Control {
             env: env.into_iter().collect(),
             die_with_parent: false,
             agent_override: None,
+            netns: None,
+            resolv_conf: None,
         };
         let rt = self.runtime.clone();
-        let result = tokio::task::spawn_blocking(move || rt.start(&spec)).await;
+        let mut net = NetRecord::parse(&record.network);
+        let policy = net.policy(&record.owner, record.template_id.as_deref().unwrap_or(&record.template));
+        let network = self.network.clone();
+        let id = record.id.clone();
+        let result = tokio::task::spawn_blocking(move || start_with_network(&rt, spec, network, &id, &policy)).await;
+        let result = result.map(|r| {
+            r.map(|(sb, attached, applied)| {
+                if let Some(a) = &attached {
+                    net.attached(a);
+                }
+                net.applied = applied;
+                record.network = net.to_json();
+                sb
+            })
+        });
         match result {
             Ok(Ok(sb)) => {
                 record.host_pid = Some(sb.pid as i64);
@@ -416,7 +464,7 @@ impl Control {
                 self.metrics.create_to_ready.observe(t0.elapsed().as_secs_f64());
                 Ok(record)
             }
-            Ok(Err(e)) => {
+            Ok(Err(BootError::Runtime(e))) => {
                 let reason = e.to_string();
                 record.state = "terminated".into();
                 record.last_error_code = Some(start_failure_code(&e).into());
@@ -426,6 +474,13 @@ impl Control {
                     hutch_runtime::RuntimeError::Uids(_) => Err(ControlError::NoCapacity(reason)),
                     _ => Err(ControlError::StartFailed(start_failure_code(&e).into())),
                 }
+            }
+            Ok(Err(BootError::Network(code, reason))) => {
+                record.state = "terminated".into();
+                record.last_error_code = Some(code.into());
+                self.store.update_sandbox(&record)?;
+                log_warn(&format!("sandbox {}: network policy not enforceable, not started: {reason}", record.id));
+                Err(ControlError::StartFailed(code.into()))
             }
             Err(join) => Err(ControlError::Runtime(format!("start task: {join}"))),
         }
@@ -495,6 +550,10 @@ impl Control {
             log_warn(&format!("sandbox {id}: teardown failed, will retry: {e}"));
             return Err(ControlError::Runtime(e.to_string()));
         }
+        if let Ok(net) = &self.network {
+            let (net, id) = (net.clone(), id.to_owned());
+            let _ = tokio::task::spawn_blocking(move || net.release(&id)).await;
+        }
         r.state = "terminated".into();
         self.store.update_sandbox(&r)?;
         Ok(())
@@ -550,6 +609,13 @@ impl Control {
         res.map_err(ControlError::Runtime)?;
         live.suspended.store(frozen, Ordering::SeqCst);
         r.state = to.into();
+        // Not observed since the change: a resume looks again.
+        let mut net = NetRecord::parse(&r.network);
+        net.applied = match (&self.network, frozen, r.host_pid) {
+            (Ok(n), false, Some(pid)) => crate::network::applied(n.observe(id, pid as libc::pid_t)),
+            _ => "unknown".into(),
+        };
+        r.network = net.to_json();
         self.store.update_sandbox(&r)?;
         Ok(view(&r))
     }
@@ -630,6 +696,13 @@ impl Control {
             let alive = handle.is_alive() && hutch_runtime::agent::AgentConn::connect(&handle.socket).is_ok();
             match (r.state.as_str(), alive) {
                 ("running" | "suspended", true) => {
+                    let pid = r.host_pid.map(|p| p as libc::pid_t).unwrap_or(handle.pid);
+                    if let Err(e) = self.adopt_network(&r, pid) {
+                        log_warn(&format!("sandbox {}: its network cannot be taken back ({e}); ending it", r.id));
+                        self.live_map().insert(r.id.clone(), Live::new(handle));
+                        let _ = self.destroy_now(&r.id, Some("sandbox_network_unavailable")).await;
+                        continue;
+                    }
                     let live = Live::new(handle);
                     live.suspended.store(r.state == "suspended", Ordering::SeqCst);
                     self.live_map().insert(r.id.clone(), live);
@@ -652,6 +725,22 @@ impl Control {
         let rt = self.runtime.clone();
         let _ = tokio::task::spawn_blocking(move || rt.sweep()).await;
         Ok(())
+    }
+
+    fn adopt_network(&self, r: &SandboxRecord, pid: libc::pid_t) -> std::result::Result<(), String> {
+        let net = NetRecord::parse(&r.network);
+        let policy = net.policy(&r.owner, r.template_id.as_deref().unwrap_or(&r.template));
+        match (&self.network, net.host_if.as_deref()) {
+            (Ok(n), Some(host_if)) => {
+                let learned: Vec<std::net::IpAddr> =
+                    serde_json::from_str(&self.store.net_learned(&r.id).map_err(|e| e.to_string())?)
+                        .unwrap_or_default();
+                n.adopt(&r.id, pid, net.index, host_if, &policy, &learned).map_err(|e| e.to_string())
+            }
+            (Ok(n), None) => n.attach(&r.id, &policy).map(|_| ()).map_err(|e| e.to_string()),
+            // Without networking only namespaces with `lo` exist.
+            (Err(_), _) => Ok(()),
+        }
     }
 
     /// One pass of the reconciler: expire sandboxes, retry deletions, notice
@@ -689,6 +778,60 @@ impl Control {
         }
         Ok(())
     }
+}
+
+enum BootError {
+    Runtime(hutch_runtime::RuntimeError),
+    /// A policy that cannot be enforced: the code and why.
+    Network(&'static str, String),
+}
+
+type Booted = (hutch_runtime::Sandbox, Option<Attached>, String);
+
+/// Attaches the sandbox's network, starts it inside, and reads back what
+/// the host enforces. Anything short of the asked policy ends the sandbox.
+fn start_with_network(
+    rt: &Runtime,
+    mut spec: SandboxSpec,
+    network: std::result::Result<Arc<Network>, String>,
+    id: &str,
+    policy: &hutch_runtime::net::Policy,
+) -> std::result::Result<Booted, BootError> {
+    use hutch_runtime::net::Egress;
+    let net = match network {
+        Ok(n) => n,
+        Err(why) if policy.egress != Egress::DenyAll => {
+            return Err(BootError::Network("sandbox_network_unavailable", why))
+        }
+        Err(_) => {
+            // No networking on this host: the sandbox's own namespace with
+            // only `lo` is exactly deny_all; observe it all the same.
+            let sb = rt.start(&spec).map_err(BootError::Runtime)?;
+            return Ok((sb, None, "deny_all".into()));
+        }
+    };
+    let attached =
+        net.attach(id, policy).map_err(|e| BootError::Network("sandbox_network_unavailable", e.to_string()))?;
+    spec.netns = attached.netns.clone();
+    if spec.netns.is_some() {
+        spec.resolv_conf = Some(net.resolv_conf().to_path_buf());
+    }
+    let sb = match rt.start(&spec) {
+        Ok(sb) => sb,
+        Err(e) => {
+            net.release(id);
+            return Err(BootError::Runtime(e));
+        }
+    };
+    let seen = net.observe(id, sb.pid);
+    if seen != Some(policy.egress) {
+        let _ = sb.destroy();
+        net.release(id);
+        let code =
+            if policy.egress == Egress::DenyAll { "sandbox_network_untrusted" } else { "sandbox_network_unavailable" };
+        return Err(BootError::Network(code, format!("asked {:?}, observed {seen:?}", policy.egress)));
+    }
+    Ok((sb, Some(attached), crate::network::applied(seen)))
 }
 
 fn start_failure_code(e: &hutch_runtime::RuntimeError) -> &'static str {

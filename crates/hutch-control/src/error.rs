@@ -43,6 +43,12 @@ pub enum ControlError {
     Runtime(String),
     #[error("shutting down")]
     ShuttingDown,
+    /// The host cannot provide a feature the request needs.
+    #[error("{0}")]
+    FeatureUnavailable(String),
+    /// The sandbox's `deny_all` policy forbids the request.
+    #[error("sandbox {0} has no network (`deny_all`)")]
+    NetworkIsolated(String),
 }
 
 impl ControlError {
@@ -65,6 +71,8 @@ impl ControlError {
             ControlError::Files { code, .. } => *code,
             ControlError::Store(_) | ControlError::Agent { .. } | ControlError::Runtime(_) => ErrorCode::Internal,
             ControlError::ShuttingDown => ErrorCode::Unavailable,
+            ControlError::FeatureUnavailable(_) => ErrorCode::FeatureUnavailable,
+            ControlError::NetworkIsolated(_) => ErrorCode::SandboxNetworkIsolated,
         }
     }
 

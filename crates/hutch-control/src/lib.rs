@@ -6,11 +6,13 @@
 //! (hutch-store), and drives sandboxes through hutch-runtime.
 
 pub mod control;
+pub mod dns;
 pub mod error;
 pub mod exec;
 pub mod files;
 pub mod keys;
 pub mod metrics;
+pub mod network;
 pub mod pool;
 pub mod session;
 pub mod templates;

@@ -11,6 +11,7 @@
 
 use crate::control::{log_warn, now_ms, Control};
 use crate::error::Result;
+use crate::network::NetRecord;
 use crate::templates::Recipe;
 use hutch_store::{Claim, SandboxRecord, StoreError};
 use std::collections::HashMap;
@@ -205,6 +206,7 @@ impl Control {
             template_version: recipe.version,
             warm: true,
             pooled: true,
+            network: NetRecord::default().to_json(),
         };
         if let Err(e) = self.store.insert_sandbox(&record) {
             log_warn(&format!("warm pool of template {}: cannot record a sandbox: {e}; retrying", recipe.name));

@@ -115,6 +115,11 @@ pub struct SandboxSpec {
     /// Replaces the agent (program and arguments); tests use this to put a
     /// hostile agent in the sandbox.
     pub agent_override: Option<(PathBuf, Vec<String>)>,
+    /// A network namespace from `net::Network` (veth, addresses, routes);
+    /// `None`: a namespace of the sandbox's own with only `lo`.
+    pub netns: Option<std::sync::Arc<std::os::fd::OwnedFd>>,
+    /// Bound read-only over the sandbox's /etc/resolv.conf.
+    pub resolv_conf: Option<PathBuf>,
 }
 
 impl Default for SandboxSpec {
@@ -126,6 +131,8 @@ impl Default for SandboxSpec {
             env: Vec::new(),
             die_with_parent: false,
             agent_override: None,
+            netns: None,
+            resolv_conf: None,
         }
     }
 }
@@ -226,7 +233,7 @@ impl Runtime {
         let slot = uids::allocate(&self.cfg.run_dir.join("uids"), &id)?;
         marks.mark("uid range");
         // The namespaces are made on the other CPU while we make the cgroup.
-        let helper = match launch::NsHelper::start(slot.base(), uids::RANGE, true) {
+        let helper = match launch::NsHelper::start(slot.base(), uids::RANGE, spec.netns.is_none()) {
             Ok(h) => h,
             Err(e) => {
                 slot.release();
@@ -314,7 +321,7 @@ impl Runtime {
             }
             plan.push(Step::Unshare { flags: libc::CLONE_NEWCGROUP });
             // Before /sys is mounted, which shows the mounter's network.
-            if let Some(net) = &netns {
+            if let Some(net) = spec.netns.as_deref().or(netns.as_ref()) {
                 plan.push(Step::SetNs { fd: net.as_raw_fd(), nstype: libc::CLONE_NEWNET });
             }
             let stage = self.cfg.run_dir.join("stage");
@@ -331,6 +338,21 @@ impl Runtime {
                     shm_bytes: (spec.limits.memory_bytes / 2).min(64 << 20),
                 },
             )?;
+            if let Some(resolv) = &spec.resolv_conf {
+                let target = stage.join("root/etc/resolv.conf");
+                let mut bind = Plan::default();
+                bind.mount(Some(&resolv.to_string_lossy()), &target, None, libc::MS_BIND, None)?;
+                bind.mount(
+                    None,
+                    &target,
+                    None,
+                    libc::MS_BIND | libc::MS_REMOUNT | crate::sys::MS_RO_NOSUID_NODEV_NOEXEC,
+                    None,
+                )?;
+                for step in bind.steps {
+                    plan.push(Step::IfExists(Box::new(step)));
+                }
+            }
             plan.push(Step::SetHostname { name: cstr("sandbox")? });
             plan.push(Step::PivotRoot { new_root: cstr(stage.join("root"))? });
             plan.push(Step::EnterUserns { fd: userns.as_raw_fd() });

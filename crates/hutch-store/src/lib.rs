@@ -64,6 +64,8 @@ pub struct SandboxRecord {
     pub warm: bool,
     /// In a warm pool, unclaimed: hidden from its owner's reads.
     pub pooled: bool,
+    /// JSON: the network policy, what was observed, and host addressing.
+    pub network: String,
 }
 
 /// A template as stored. Times are Unix milliseconds; lifetimes seconds.
@@ -141,6 +143,10 @@ pub trait Store: Send + Sync {
     fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>>;
     fn sandbox_by_key(&self, owner: &str, key: &str) -> Result<Option<SandboxRecord>>;
     fn update_sandbox(&self, sb: &SandboxRecord) -> Result<()>;
+    /// Addresses admitted for a sandbox by the resolver (JSON array); kept
+    /// apart from `update_sandbox`, which never writes them.
+    fn set_net_learned(&self, id: &str, json: &str) -> Result<()>;
+    fn net_learned(&self, id: &str) -> Result<String>;
     /// Newest first; `after` is the (created_at, id) of the last row of the
     /// previous page.
     fn list_sandboxes(&self, owner: Option<&str>, after: Option<(i64, &str)>, limit: u32)
@@ -192,6 +198,7 @@ pub struct SqliteStore {
 const MIGRATIONS: &[(&str, &str)] = &[
     ("0001_init", include_str!("../migrations/0001_init.sql")),
     ("0002_templates", include_str!("../migrations/0002_templates.sql")),
+    ("0004_network", include_str!("../migrations/0004_network.sql")),
 ];
 
 impl SqliteStore {
@@ -242,7 +249,7 @@ fn conflict(e: rusqlite::Error) -> StoreError {
 
 const SANDBOX_COLUMNS: &str = "id, owner, template, state, created_at, expires_at, max_expires_at, memory_mb, vcpus, \
      disk_mib, pids, env, metadata, limits_applied, last_error_code, host_pid, idempotency_key, request_hash, \
-     template_id, template_version, warm, pooled";
+     template_id, template_version, warm, pooled, network";
 
 const TEMPLATE_COLUMNS: &str = "id, owner, name, version, image, class, memory_mb, vcpus, disk_mib, pids, env, \
      default_ttl_s, max_ttl_s, warm_min, warm_max, created_at, updated_at, deleted_at";
@@ -294,6 +301,7 @@ fn sandbox_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRecord> {
         template_version: r.get(19)?,
         warm: r.get::<_, i64>(20)? != 0,
         pooled: r.get::<_, i64>(21)? != 0,
+        network: r.get(22)?,
     })
 }
 
@@ -366,7 +374,7 @@ impl Store for SqliteStore {
     fn insert_sandbox(&self, s: &SandboxRecord) -> Result<()> {
         self.with(|c| {
             c.execute(
-                &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22)"),
+                &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23)"),
                 params![
                     s.id,
                     s.owner,
@@ -389,7 +397,8 @@ impl Store for SqliteStore {
                     s.template_id,
                     s.template_version,
                     s.warm as i64,
-                    s.pooled as i64
+                    s.pooled as i64,
+                    s.network
                 ],
             )
             .map_err(conflict)?;
@@ -415,12 +424,27 @@ impl Store for SqliteStore {
         })
     }
 
+    fn set_net_learned(&self, id: &str, json: &str) -> Result<()> {
+        self.with(|c| {
+            c.execute("UPDATE sandboxes SET net_learned = ?2 WHERE id = ?1", params![id, json])?;
+            Ok(())
+        })
+    }
+
+    fn net_learned(&self, id: &str) -> Result<String> {
+        self.with(|c| {
+            Ok(c.query_row("SELECT net_learned FROM sandboxes WHERE id = ?1", [id], |r| r.get(0))
+                .optional()?
+                .unwrap_or_else(|| "[]".into()))
+        })
+    }
+
     fn update_sandbox(&self, s: &SandboxRecord) -> Result<()> {
         self.with(|c| {
             c.execute(
-                "UPDATE sandboxes SET state = ?2, expires_at = ?3, limits_applied = ?4, last_error_code = ?5, host_pid = ?6 \
-                 WHERE id = ?1",
-                params![s.id, s.state, s.expires_at, s.limits_applied, s.last_error_code, s.host_pid],
+                "UPDATE sandboxes SET state = ?2, expires_at = ?3, limits_applied = ?4, last_error_code = ?5, host_pid = ?6, \
+                 network = ?7 WHERE id = ?1",
+                params![s.id, s.state, s.expires_at, s.limits_applied, s.last_error_code, s.host_pid, s.network],
             )?;
             Ok(())
         })
@@ -688,7 +712,19 @@ mod tests {
             template_version: None,
             warm: false,
             pooled: false,
+            network: "{}".into(),
         }
+    }
+
+    #[test]
+    fn learned_addresses_survive_other_updates() {
+        let s = SqliteStore::open_in_memory().expect("open");
+        let r = sandbox("a", 1);
+        s.insert_sandbox(&r).expect("insert");
+        s.set_net_learned("a", "[\"198.51.100.3\"]").expect("learn");
+        s.update_sandbox(&SandboxRecord { state: "suspended".into(), ..r }).expect("update");
+        assert_eq!(s.net_learned("a").expect("read"), "[\"198.51.100.3\"]");
+        assert_eq!(s.net_learned("missing").expect("read"), "[]");
     }
 
     #[test]

@@ -28,6 +28,91 @@ pub struct ServeArgs {
     /// Directory for the database, keys and root filesystems (HUTCH_STATE_DIR).
     #[arg(long, env = "HUTCH_STATE_DIR", default_value = "/var/lib/hutch")]
     pub state_dir: PathBuf,
+    /// Which hutch network of this host to use, 0 to 31: its own subnet
+    /// 100.(96+N).0.0/16, nftables table and links, for daemons side by
+    /// side (HUTCH_NET_INSTANCE).
+    #[arg(long, env = "HUTCH_NET_INSTANCE", default_value_t = 0)]
+    pub net_instance: u8,
+    /// Resolvers the sandboxes' queries go to, comma-separated (the
+    /// host's /etc/resolv.conf when absent) (HUTCH_DNS_UPSTREAM).
+    #[arg(long, env = "HUTCH_DNS_UPSTREAM", value_delimiter = ',')]
+    pub dns_upstream: Vec<String>,
+    /// IPv6 for sandboxes: on, off, or auto (on when the host has a
+    /// default route) (HUTCH_NET_IPV6).
+    #[arg(long, env = "HUTCH_NET_IPV6", default_value = "auto")]
+    pub ipv6: String,
+}
+
+/// Warm network namespaces kept ready.
+const NET_POOL: usize = 8;
+
+/// Prepares sandbox networking; on failure, says why (the daemon then runs
+/// `deny_all` sandboxes only).
+async fn setup_network(
+    args: &ServeArgs,
+    run_dir: &std::path::Path,
+    store: &Arc<dyn Store>,
+) -> std::result::Result<Arc<hutch_runtime::net::Network>, String> {
+    use hutch_runtime::net::{NetConfig, Network, MAX_INSTANCES};
+    if args.net_instance >= MAX_INSTANCES {
+        return Err(format!("--net-instance must be below {MAX_INSTANCES}"));
+    }
+    let mut cfg = NetConfig::new(run_dir, args.net_instance);
+    if !args.dns_upstream.is_empty() {
+        let mut ups = Vec::new();
+        for u in &args.dns_upstream {
+            let addr = u
+                .parse::<std::net::SocketAddr>()
+                .or_else(|_| u.parse::<std::net::IpAddr>().map(|ip| std::net::SocketAddr::new(ip, 53)))
+                .map_err(|_| format!("--dns-upstream {u:?} is not an address"))?;
+            ups.push(addr);
+        }
+        cfg.upstream_dns = ups;
+    }
+    cfg.ipv6 = match args.ipv6.as_str() {
+        "on" | "1" | "true" => Some(true),
+        "off" | "0" | "false" => Some(false),
+        _ => None,
+    };
+    // Links of sandboxes that outlived the last daemon stay.
+    let keep = store
+        .sandboxes_in(&["starting", "running", "suspended", "terminating"])
+        .map_err(|e| e.to_string())?
+        .iter()
+        .filter_map(|r| {
+            let n = hutch_control::network::NetRecord::parse(&r.network);
+            n.host_if.map(|h| (h, n.index))
+        })
+        .collect();
+    let net = tokio::task::spawn_blocking(move || Network::setup(cfg, &keep))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
+    let net = Arc::new(net);
+    let learned_store = store.clone();
+    let on_admit: hutch_control::dns::OnAdmit = Arc::new(move |id: &str, addrs: &[std::net::IpAddr]| {
+        let json = serde_json::to_string(addrs).unwrap_or_else(|_| "[]".into());
+        if let Err(e) = learned_store.set_net_learned(id, &json) {
+            log_warn(&format!("sandbox {id}: cannot store resolved addresses: {e}"));
+        }
+    });
+    hutch_control::dns::serve(net.clone(), on_admit)
+        .await
+        .map_err(|e| format!("start the sandboxes' resolver: {e}"))?;
+    let filler = net.clone();
+    tokio::spawn(async move {
+        loop {
+            if filler.pooled() < NET_POOL {
+                let f = filler.clone();
+                if let Ok(Err(e)) = tokio::task::spawn_blocking(move || f.fill_pool(NET_POOL)).await {
+                    log_warn(&format!("network pool: {e}"));
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    Ok(net)
 }
 
 /// The key of the E2B API's sandbox access tokens: 32 random bytes in
@@ -93,7 +178,16 @@ async fn serve(args: ServeArgs) -> Result<()> {
     }
     let cfg = hutch_runtime::Config { state_dir: args.state_dir.clone(), ..hutch_runtime::Config::from_env() };
     let runtime = Arc::new(hutch_runtime::Runtime::new(cfg).context("start the container runtime")?);
-    let control = Control::new(store, runtime);
+    let network = setup_network(&args, &runtime.config().run_dir, &store).await;
+    match &network {
+        Ok(n) => log_info(&format!(
+            "sandbox network {}/16{} ready",
+            n.config().subnet4,
+            if n.ipv6() { " and IPv6" } else { "" }
+        )),
+        Err(why) => log_warn(&format!("no sandbox networking ({why}); only deny_all sandboxes can start")),
+    }
+    let control = Control::with_network(store.clone(), runtime, network.clone());
     control.recover().await?;
 
     let reconciler = control.clone();
@@ -138,5 +232,12 @@ async fn serve(args: ServeArgs) -> Result<()> {
         () = grace => {}
     }
     control.shut_down();
+    // With no sandbox left, nothing of the network needs to stay.
+    if let Ok(net) = network {
+        let running = store.sandboxes_in(&["starting", "running", "suspended", "terminating"])?;
+        if running.is_empty() {
+            tokio::task::spawn_blocking(move || net.teardown()).await?;
+        }
+    }
     Ok(())
 }

@@ -104,6 +104,9 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
             ("already_exists", StatusCode::CONFLICT)
         }
         ErrorCode::SandboxPathUnreadable => ("permission_denied", StatusCode::FORBIDDEN),
+        ErrorCode::FeatureUnavailable | ErrorCode::SandboxNetworkIsolated => {
+            ("failed_precondition", StatusCode::BAD_REQUEST)
+        }
         ErrorCode::ExecutionOutcomeUnknown | ErrorCode::Internal => ("internal", StatusCode::INTERNAL_SERVER_ERROR),
         ErrorCode::SandboxSessionNotRunning
         | ErrorCode::SandboxStartFailed

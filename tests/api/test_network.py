@@ -1,0 +1,478 @@
+"""Sandbox networks and egress policies, end to end, against real network
+namespaces the suite makes itself:
+
+- "the internet": a network namespace behind a router hop from the host,
+  with addresses in 198.51.100.0/24 and 2001:db8:77::/64 on its loopback, a
+  TCP server (port 8080, IPv4 and IPv6), a UDP echo (port 9090), a DNS server
+  (port 53) that knows `allowed.test`, `other.test` and `*.wild.test`, and a
+  fake cloud metadata service at 169.254.169.254:80 routed through it;
+- a TCP service on the host itself (all its addresses, loopback included);
+- other sandboxes, of the same and of another owner.
+
+For each policy, what must connect connects and what must not does not.
+Everything the suite makes is removed at the end, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import Client, Daemon, expect_error, wait_for
+
+PID = os.getpid()
+NETNS = f"hutch-inet-{PID}"
+LINK_HOST = f"hti{PID % 100000}"
+# The hop between the host and "the internet" (a private link, as a real
+# uplink's would be; the daemon counts it among the host's networks).
+HOP4_HOST, HOP4_NS = "192.168.250.1", "192.168.250.2"
+HOP6_HOST, HOP6_NS = "fd99:77::1", "fd99:77::2"
+INET = "198.51.100.2"  # DNS and servers
+ALLOWED = "198.51.100.3"  # allowed.test, *.wild.test
+OTHER = "198.51.100.4"  # other.test
+INET6 = "2001:db8:77::2"
+ALLOWED6 = "2001:db8:77::3"
+METADATA = "169.254.169.254"
+
+SERVERS = textwrap.dedent(
+    r'''
+    import socket, struct, threading, sys
+
+    NAMES = {"allowed.test": ("198.51.100.3", "2001:db8:77::3"), "other.test": ("198.51.100.4", None)}
+
+    def lookup(name):
+        if name.endswith(".wild.test"):
+            return NAMES["allowed.test"]
+        return NAMES.get(name)
+
+    def tcp(family, addr, port, greeting):
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        s.bind((addr, port)); s.listen(64)
+        while True:
+            c, peer = s.accept()
+            try:
+                local = c.getsockname()[0].removeprefix("::ffff:")
+                c.sendall(f"{greeting} {local}\n".encode())
+            finally:
+                c.close()
+
+    def udp(family, addr):
+        # Bound to the address itself, so replies leave from it.
+        s = socket.socket(family, socket.SOCK_DGRAM)
+        s.bind((addr, 9090))
+        while True:
+            data, peer = s.recvfrom(2048)
+            s.sendto(b"echo " + data, peer)
+
+    def dns():
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("198.51.100.2", 53))
+        while True:
+            q, peer = s.recvfrom(2048)
+            try:
+                off, labels = 12, []
+                while q[off]:
+                    labels.append(q[off + 1 : off + 1 + q[off]].decode().lower()); off += 1 + q[off]
+                qtype = struct.unpack(">H", q[off + 1 : off + 3])[0]
+                qend = off + 5
+                name = ".".join(labels)
+                found = lookup(name)
+                answers = []
+                if found:
+                    v4, v6 = found
+                    if qtype == 1 and v4:
+                        answers.append(struct.pack(">HHHIH", 0xC00C, 1, 1, 30, 4) + socket.inet_aton(v4))
+                    if qtype == 28 and v6:
+                        answers.append(struct.pack(">HHHIH", 0xC00C, 28, 1, 30, 16) + socket.inet_pton(socket.AF_INET6, v6))
+                rcode = 0 if found else 3
+                hdr = q[:2] + struct.pack(">BBHHHH", 0x81, 0x80 | rcode, 1, len(answers), 0, 0)
+                s.sendto(hdr + q[12:qend] + b"".join(answers), peer)
+            except Exception as e:
+                print("dns:", e, file=sys.stderr)
+
+    for args in [(socket.AF_INET6, "::", 8080, "hello"), (socket.AF_INET, "169.254.169.254", 80, "metadata")]:
+        threading.Thread(target=tcp, args=args, daemon=True).start()
+    for args in [(socket.AF_INET, "198.51.100.2"), (socket.AF_INET6, "2001:db8:77::2")]:
+        threading.Thread(target=udp, args=args, daemon=True).start()
+    threading.Thread(target=dns, daemon=True).start()
+    print("ready", flush=True)
+    threading.Event().wait()
+    '''
+)
+
+
+def ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = (["ip", "netns", "exec", ns] if ns else []) + ["ip", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    if check and r.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)}: {r.stderr}")
+    return r
+
+
+def host_address() -> str:
+    """The host's own address on its default route."""
+    r = subprocess.run(["ip", "-j", "route", "get", "1.1.1.1"], capture_output=True, text=True, timeout=10)
+    return json.loads(r.stdout)[0]["prefsrc"]
+
+
+def remove_internet() -> None:
+    subprocess.run(["ip", "link", "del", LINK_HOST], capture_output=True, timeout=10)
+    subprocess.run(["ip", "netns", "del", NETNS], capture_output=True, timeout=10)
+    for route in ["198.51.100.0/24", f"{METADATA}/32"]:
+        subprocess.run(["ip", "route", "del", route], capture_output=True, timeout=10)
+    subprocess.run(["ip", "-6", "route", "del", "2001:db8:77::/64"], capture_output=True, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def internet(tmp_root: Path):
+    remove_internet()
+    servers = None
+    try:
+        ip("netns", "add", NETNS)
+        ip("link", "add", LINK_HOST, "type", "veth", "peer", "name", "eth0", "netns", NETNS)
+        ip("addr", "add", f"{HOP4_HOST}/30", "dev", LINK_HOST)
+        ip("-6", "addr", "add", f"{HOP6_HOST}/64", "dev", LINK_HOST, "nodad")
+        ip("link", "set", LINK_HOST, "up")
+        ip("link", "set", "lo", "up", ns=NETNS)
+        ip("addr", "add", f"{HOP4_NS}/30", "dev", "eth0", ns=NETNS)
+        ip("-6", "addr", "add", f"{HOP6_NS}/64", "dev", "eth0", "nodad", ns=NETNS)
+        ip("link", "set", "eth0", "up", ns=NETNS)
+        for a in [INET, ALLOWED, OTHER, METADATA]:
+            ip("addr", "add", f"{a}/32", "dev", "lo", ns=NETNS)
+        for a in [INET6, ALLOWED6]:
+            ip("-6", "addr", "add", f"{a}/128", "dev", "lo", "nodad", ns=NETNS)
+        ip("route", "add", "default", "via", HOP4_HOST, ns=NETNS)
+        ip("-6", "route", "add", "default", "via", HOP6_HOST, ns=NETNS)
+        ip("route", "add", "198.51.100.0/24", "via", HOP4_NS)
+        ip("route", "add", f"{METADATA}/32", "via", HOP4_NS)
+        ip("-6", "route", "add", "2001:db8:77::/64", "via", HOP6_NS)
+        script = tmp_root / "internet.py"
+        script.write_text(SERVERS)
+        servers = subprocess.Popen(
+            ["ip", "netns", "exec", NETNS, "python3", str(script)],
+            stdout=subprocess.PIPE,
+            stderr=open(tmp_root / "internet.log", "wb"),
+            start_new_session=True,
+        )
+        assert servers.stdout is not None and servers.stdout.readline().strip() == b"ready"
+        yield
+    finally:
+        if servers is not None:
+            servers.kill()
+            servers.wait(timeout=10)
+        remove_internet()
+
+
+@pytest.fixture(scope="module")
+def host_service():
+    """A TCP service on every address of the host, loopback included."""
+    srv = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    srv.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("::", 0))
+    srv.listen(16)
+    stop = threading.Event()
+
+    def serve():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                continue
+            c.sendall(b"host\n")
+            c.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield srv.getsockname()[1]
+    stop.set()
+    t.join(timeout=5)
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def netd(tmp_root: Path, internet):
+    """A daemon whose sandboxes' resolver forwards to "the internet"."""
+    root = tmp_root / "net"
+    root.mkdir(parents=True)
+    d = Daemon(root, name="net")
+    d.extra_env = {"HUTCH_DNS_UPSTREAM": f"{INET}:53", "HUTCH_NET_IPV6": "on"}
+    d.start()
+    yield d
+    problems = d.cleanup_all() if d.alive() else []
+    d.stop()
+    d.kill_strays()
+    try:
+        wait_for("the network to leave the host", lambda: not d.network_leftovers(), timeout=10)
+    except AssertionError:
+        problems.append(f"network left on the host: {d.network_leftovers()}")
+        d.force_clean_network()
+    assert not problems, problems
+
+
+@pytest.fixture(scope="module")
+def napi(netd: Daemon) -> Client:
+    return netd.client("admin")
+
+
+PROBE = textwrap.dedent(
+    """
+    import socket, sys
+    kind, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    try:
+        if kind == "tcp":
+            s = socket.create_connection((host, port), timeout=3)
+            print("OK", s.recv(100).decode().strip())
+        elif kind == "udp":
+            fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+            s = socket.socket(fam, socket.SOCK_DGRAM); s.settimeout(3)
+            s.sendto(b"ping", (host, port))
+            print("OK", s.recv(100).decode())
+        elif kind == "dns":
+            fam = socket.AF_INET6 if port == 6 else socket.AF_INET
+            print("OK", socket.getaddrinfo(host, 80, fam, socket.SOCK_STREAM)[0][4][0])
+    except Exception as e:
+        print("FAIL", type(e).__name__, e)
+    """
+)
+
+
+# A TCP service inside a sandbox: greets and closes (IPv4 and IPv6, or
+# loopback only).
+SERVE = (
+    "import socket,sys\n"
+    "s=socket.socket(socket.AF_INET6)\n"
+    "s.setsockopt(socket.IPPROTO_IPV6,socket.IPV6_V6ONLY,0)\n"
+    "s.bind((sys.argv[1],7000)); s.listen(16)\n"
+    "while True:\n"
+    "    c,_=s.accept(); c.sendall(b'hi\\n'); c.close()\n"
+)
+
+
+def serve(api: Client, sb: str, bind: str = "::") -> None:
+    api.exec_raw(sb, {"argv": ["python3", "-c", SERVE, bind], "background": True})
+    local = "::1" if bind == "::1" else "127.0.0.1"
+    wait_for("the sandbox's server", lambda: reaches(api, sb, "tcp", local, 7000), timeout=15)
+
+
+def probe(api: Client, sb: str, kind: str, host: str, port: int = 0, user: str = "user") -> str:
+    res = api.exec(sb, argv=["python3", "-c", PROBE, kind, host, str(port)], user=user, timeout_seconds=20)
+    assert res["exit_code"] == 0, res
+    return res["stdout"].strip()
+
+
+def reaches(api: Client, sb: str, kind: str, host: str, port: int = 0, user: str = "user") -> bool:
+    out = probe(api, sb, kind, host, port, user)
+    assert out.startswith(("OK", "FAIL")), out
+    return out.startswith("OK")
+
+
+def create(api: Client, **network) -> dict:
+    sb = api.create(network=network) if network else api.create()
+    assert sb["state"] == "running", sb
+    return sb
+
+
+def test_default_reaches_the_internet_over_tcp_udp_ipv4_ipv6_and_dns(napi: Client):
+    sb = create(napi, egress="default")
+    assert sb["network"]["egress"] == "default"
+    assert sb["network"]["applied"] == "default"
+    assert len(sb["network"]["addresses"]) == 2, sb["network"]
+    i = sb["id"]
+    assert probe(napi, i, "tcp", INET, 8080) == f"OK hello {INET}"
+    assert probe(napi, i, "tcp", INET6, 8080) == f"OK hello {INET6}"
+    assert probe(napi, i, "udp", INET, 9090) == "OK echo ping"
+    assert probe(napi, i, "udp", INET6, 9090) == "OK echo ping"
+    assert probe(napi, i, "dns", "allowed.test", 4) == f"OK {ALLOWED}"
+    assert probe(napi, i, "dns", "allowed.test", 6) == f"OK {ALLOWED6}"
+    assert probe(napi, i, "dns", "other.test", 4) == f"OK {OTHER}"
+    resolv = napi.sh(i, "cat /etc/resolv.conf")
+    assert "nameserver 100." in resolv
+    # The resolver file is the host's, read-only: root cannot point it elsewhere.
+    res = napi.exec(i, "echo nameserver 1.1.1.1 > /etc/resolv.conf", user="root")
+    assert res["exit_code"] != 0, res
+
+
+def test_default_never_reaches_the_host_metadata_or_link_local(napi: Client, host_service: int):
+    sb = create(napi)
+    i = sb["id"]
+    gateway = sb["network"]["addresses"][0].rsplit(".", 2)[0] + ".0.1"
+    # Positive control: the service is up and reachable from the host.
+    with socket.create_connection((host_address(), host_service), timeout=3) as c:
+        assert c.recv(10) == b"host\n"
+    for target in [host_address(), gateway, HOP4_HOST]:
+        assert not reaches(napi, i, "tcp", target, host_service), target
+    assert not reaches(napi, i, "tcp", "fe80::1%eth0", host_service)
+    assert not reaches(napi, i, "tcp", HOP6_HOST, host_service)
+    # The metadata address is routed to a live service: only the policy stops it.
+    assert not reaches(napi, i, "tcp", METADATA, 80)
+    assert not reaches(napi, i, "udp", host_address(), 53)
+
+
+def test_default_sandboxes_cannot_reach_each_other(napi: Client):
+    a, b = create(napi), create(napi)
+    serve(napi, b["id"])
+    assert not reaches(napi, a["id"], "tcp", b["network"]["addresses"][0], 7000)
+    assert not reaches(napi, a["id"], "tcp", b["network"]["addresses"][1], 7000)
+
+
+def test_deny_all_has_only_loopback_and_root_cannot_lift_it(napi: Client):
+    sb = create(napi, egress="deny_all")
+    assert sb["network"]["applied"] == "deny_all"
+    assert sb["network"].get("addresses", []) == []
+    i = sb["id"]
+    links = napi.sh(i, "ls /sys/class/net").split()
+    assert links == ["lo"], links
+    serve(napi, i, "::1")
+    assert not reaches(napi, i, "dns", "allowed.test", 4)
+    # Root tries to lift the policy: flush every rule, add links and routes.
+    for cmd in ["nft flush ruleset", "ip link add x type veth peer name y", "ip route add default dev lo",
+                "ip link set lo down"]:
+        res = napi.exec(i, cmd, user="root")
+        assert res["exit_code"] != 0, (cmd, res)
+    for user in ["root", "user"]:
+        assert not reaches(napi, i, "tcp", INET, 8080, user)
+        assert not reaches(napi, i, "tcp", INET6, 8080, user)
+        assert not reaches(napi, i, "udp", INET, 9090, user)
+        assert not reaches(napi, i, "tcp", METADATA, 80, user)
+    assert reaches(napi, i, "tcp", "::1", 7000)
+
+
+def test_private_reaches_its_group_only(napi: Client, netd: Daemon):
+    a, b = create(napi, egress="private"), create(napi, egress="private")
+    assert a["network"]["applied"] == "private"
+    other = netd.new_client("net-other")
+    c = other.create(network={"egress": "private"})
+    plain = create(napi)
+    for sb, api in [(b, napi), (c, other), (plain, napi)]:
+        serve(api, sb["id"])
+    assert reaches(napi, a["id"], "tcp", b["network"]["addresses"][0], 7000)
+    assert reaches(napi, a["id"], "tcp", b["network"]["addresses"][1], 7000)
+    assert not reaches(napi, a["id"], "tcp", c["network"]["addresses"][0], 7000), "another owner's group"
+    assert not reaches(napi, a["id"], "tcp", plain["network"]["addresses"][0], 7000), "a default sandbox"
+    assert not reaches(napi, plain["id"], "tcp", b["network"]["addresses"][0], 7000), "into the group"
+    assert not reaches(napi, a["id"], "tcp", INET, 8080)
+    assert not reaches(napi, a["id"], "dns", "allowed.test", 4)
+    other.destroy(c["id"])
+
+
+def test_domain_allowlist_admits_only_what_it_resolved(napi: Client):
+    sb = create(napi, allow=["allowed.test", "*.wild.test"])
+    assert sb["network"]["applied"] == "default"
+    i = sb["id"]
+    # Before any lookup, not even the allowed address is reachable.
+    assert not reaches(napi, i, "tcp", ALLOWED, 8080)
+    assert probe(napi, i, "dns", "allowed.test", 4) == f"OK {ALLOWED}"
+    assert probe(napi, i, "tcp", "allowed.test", 8080) == f"OK hello {ALLOWED}"
+    assert probe(napi, i, "dns", "allowed.test", 6) == f"OK {ALLOWED6}"
+    assert reaches(napi, i, "tcp", ALLOWED6, 8080)
+    assert probe(napi, i, "dns", "x.wild.test", 4) == f"OK {ALLOWED}"
+    assert not reaches(napi, i, "dns", "other.test", 4)
+    assert not reaches(napi, i, "dns", "wild.test", 4), "a wildcard covers names below it only"
+    assert not reaches(napi, i, "tcp", OTHER, 8080), "the raw IP of other.test"
+    assert not reaches(napi, i, "tcp", INET, 8080)
+    # /etc/hosts pointing an allowed name at another address does not help.
+    napi.sh(i, f"echo '{OTHER} sneaky.allowed.test' >> /etc/hosts", user="root")
+    assert not reaches(napi, i, "tcp", "sneaky.allowed.test", 8080)
+    assert not reaches(napi, i, "tcp", METADATA, 80)
+
+
+def test_cidr_allow_and_deny_lists(napi: Client):
+    allowed = create(napi, allow=[f"{OTHER}/32", "2001:db8:77::/64"])
+    assert reaches(napi, allowed["id"], "tcp", OTHER, 8080)
+    assert reaches(napi, allowed["id"], "tcp", INET6, 8080)
+    assert not reaches(napi, allowed["id"], "tcp", ALLOWED, 8080)
+    assert not reaches(napi, allowed["id"], "dns", "other.test", 4), "names are not on the list"
+    denied = create(napi, deny=[f"{ALLOWED}/32", "other.test"])
+    assert not reaches(napi, denied["id"], "tcp", ALLOWED, 8080)
+    assert reaches(napi, denied["id"], "tcp", OTHER, 8080)
+    assert not reaches(napi, denied["id"], "dns", "other.test", 4)
+    assert reaches(napi, denied["id"], "dns", "allowed.test", 4)
+
+
+def test_bad_policies_are_refused_before_anything_starts(napi: Client):
+    before = len(napi.list_all())
+    for network in [
+        {"egress": "open"},
+        {"egress": "deny_all", "allow": ["pypi.org"]},
+        {"egress": "default", "allow": ["not a name"]},
+        {"egress": "default", "allow": ["10.0.0.0/99"]},
+        {"egress": "default", "allow": [f"10.0.{n}.0/24" for n in range(65)]},
+        {"egress": "default", "surprise": True},
+    ]:
+        r = napi.post("/v1/sandboxes", {"network": network})
+        expect_error(r, 400, "invalid_request")
+    assert len(napi.list_all()) == before
+
+
+def test_a_policy_that_cannot_be_enforced_fails_closed(own_daemon: Daemon):
+    d = own_daemon
+    d.start()
+    api = d.client("admin")
+    ok = api.create()
+    assert ok["network"]["applied"] == "default"
+    # The host's rules vanish behind the daemon's back.
+    table = f"hutch{d.net_instance}"
+    subprocess.run(["nft", "delete", "table", "inet", table], check=True, timeout=10)
+    r = api.post("/v1/sandboxes", {})
+    expect_error(r, 503, "sandbox_start_failed")
+    failed = [s for s in api.list_all() if s["id"] != ok["id"]]
+    assert len(failed) == 1 and failed[0]["state"] == "terminated", failed
+    assert failed[0]["last_error_code"] == "sandbox_network_unavailable", failed[0]
+    # deny_all needs no host rules and still starts.
+    assert api.create(network={"egress": "deny_all"})["network"]["applied"] == "deny_all"
+    # A restart loads the rules again.
+    d.stop()
+    d.start()
+    again = api.create()
+    assert again["network"]["applied"] == "default"
+
+
+def test_networks_survive_a_daemon_restart(own_daemon: Daemon, internet):
+    d = own_daemon
+    d.extra_env = {"HUTCH_DNS_UPSTREAM": f"{INET}:53", "HUTCH_NET_IPV6": "on"}
+    d.start()
+    api = d.client("admin")
+    sb = create(api, allow=["allowed.test"])
+    assert probe(api, sb["id"], "tcp", "allowed.test", 8080) == f"OK hello {ALLOWED}"
+    d.stop()
+    d.start()
+    after = api.sandbox(sb["id"])
+    assert after["state"] == "running" and after["network"] == sb["network"], after
+    # The policy came back with it: what was admitted, and nothing more.
+    assert reaches(api, sb["id"], "tcp", ALLOWED, 8080)
+    assert not reaches(api, sb["id"], "tcp", OTHER, 8080)
+    assert probe(api, sb["id"], "dns", "allowed.test", 4) == f"OK {ALLOWED}"
+
+
+def test_suspend_makes_applied_unknown_until_resume(napi: Client):
+    sb = create(napi)
+    r = napi.post(f"/v1/sandboxes/{sb['id']}/suspend")
+    assert r.status_code in (200, 202), r.text
+    assert napi.sandbox(sb["id"])["network"]["applied"] == "unknown"
+    r = napi.post(f"/v1/sandboxes/{sb['id']}/resume")
+    assert r.status_code in (200, 202), r.text
+    assert napi.sandbox(sb["id"])["network"]["applied"] == "default"
+
+
+def test_many_creates_reuse_namespaces_and_leave_nothing(napi: Client, netd: Daemon):
+    links_before = set(Path("/sys/class/net").iterdir())
+    for _ in range(12):
+        sb = create(napi)
+        napi.destroy(sb["id"])
+    time.sleep(0.5)
+    grown = {p.name for p in set(Path("/sys/class/net").iterdir()) - links_before}
+    # Namespaces are recycled: a dozen sandboxes in a row need no dozen links.
+    assert len(grown) <= 4, grown
