@@ -1008,6 +1008,7 @@ mod tests {
             assert!(!text.contains(placeholder), "{text}");
         }
         assert!(text.contains("100.96.0.0/16, 192.0.2.0/24, 192.0.2.2 }"), "{text}");
-        assert!(text.contains("ip daddr 100.96.0.1 meta l4proto"));
+        assert!(text.contains("ip daddr 100.96.0.1 udp dport 53 accept"));
+        assert!(text.contains("table inet hutch {") && text.contains("iifname \"h00s*\" jump from_sandbox"));
     }
 }
