@@ -145,3 +145,27 @@ def test_list_filters_by_template_start_time_and_order_over_plain_http(daemon):
     finally:
         first.kill()
         second.kill()
+
+
+def test_internet_access_and_egress_rules_become_hutch_policies(daemon):
+    """`allow_internet_access=False` and E2B's `network` rules map onto hutch's
+    egress policies, which the host enforces."""
+    made = []
+    try:
+        off = Sandbox.create(allow_internet_access=False)
+        made.append(off)
+        assert off.commands.run("ls /sys/class/net").stdout.split() == ["lo"]
+        on = Sandbox.create()
+        made.append(on)
+        assert "eth0" in on.commands.run("ls /sys/class/net").stdout.split()
+        denied = Sandbox.create(network={"deny_out": ["0.0.0.0/0"]})
+        made.append(denied)
+        assert denied.commands.run("ls /sys/class/net").stdout.split() == ["lo"]
+        listed = Sandbox.create(network={"allow_out": ["pypi.org"], "deny_out": ["0.0.0.0/0"]})
+        made.append(listed)
+        # Only names on the list resolve through the sandbox's resolver.
+        probe = "import socket\ntry:\n    socket.getaddrinfo('example.com', 80)\n    print('resolved')\nexcept OSError:\n    print('refused')"
+        assert listed.commands.run(f"python3 -c \"{probe}\"").stdout.strip() == "refused"
+    finally:
+        for sb in made:
+            sb.kill()

@@ -129,6 +129,36 @@ struct NewSandbox {
     timeout: Option<u64>,
     metadata: Option<BTreeMap<String, String>>,
     env_vars: Option<BTreeMap<String, String>>,
+    #[serde(rename = "allow_internet_access", alias = "allowInternetAccess")]
+    allow_internet_access: Option<bool>,
+    network: Option<NewNetwork>,
+}
+
+/// E2B's egress rules: CIDRs, addresses and names out of the sandbox.
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct NewNetwork {
+    #[serde(default)]
+    allow_out: Vec<String>,
+    #[serde(default)]
+    deny_out: Vec<String>,
+}
+
+/// E2B's network settings as a hutch policy: `allowOut` entries always win
+/// (an allow list); no internet (`allow_internet_access: false`, or
+/// denying 0.0.0.0/0) without any is `deny_all`; other `denyOut` entries
+/// are a deny list.
+fn network_policy(allow_internet: Option<bool>, net: Option<NewNetwork>) -> Option<hutch_api::NetworkRequest> {
+    let net = net.unwrap_or_default();
+    let deny_everything = allow_internet == Some(false) || net.deny_out.iter().any(|d| d == "0.0.0.0/0");
+    let egress = hutch_api::Egress::Default;
+    if !net.allow_out.is_empty() {
+        return Some(hutch_api::NetworkRequest { egress, allow: net.allow_out, deny: vec![] });
+    }
+    if deny_everything {
+        return Some(hutch_api::NetworkRequest { egress: hutch_api::Egress::DenyAll, ..Default::default() });
+    }
+    (!net.deny_out.is_empty()).then(|| hutch_api::NetworkRequest { egress, allow: vec![], deny: net.deny_out })
 }
 
 async fn create(State(app): AppState, Extension(caller): Extension<Caller>, req: Request) -> E2bResult<Response> {
@@ -146,6 +176,7 @@ async fn create(State(app): AppState, Extension(caller): Extension<Caller>, req:
         env: new.env_vars.unwrap_or_default(),
         metadata: new.metadata.unwrap_or_default(),
         wait_seconds: Some(60),
+        network: network_policy(new.allow_internet_access, new.network),
         ..CreateSandbox::default()
     };
     let (sb, _) = app.control.create(&caller.key_id, &create, None).await?;
