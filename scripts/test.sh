@@ -9,11 +9,17 @@ if [ "$(id -u)" != 0 ]; then
     exit 1
 fi
 
-# Tools the sandboxed probes use (the base template is the host's /usr).
+# Tools the sandboxed probes use (the base template is the host's /usr), and
+# what sandbox networks and their tests need (nft, ip).
 need=()
-for pkg_cmd in python3:python3 procps:pgrep util-linux:unshare mount:mount coreutils:sha256sum; do
+for pkg_cmd in python3:python3 procps:pgrep util-linux:unshare mount:mount coreutils:sha256sum \
+    nftables:nft iproute2:ip; do
     pkg=${pkg_cmd%%:*} cmd=${pkg_cmd##*:}
-    [ -x "/usr/bin/$cmd" ] || [ -x "/bin/$cmd" ] || need+=("$pkg")
+    found=
+    for dir in /usr/bin /bin /usr/sbin /sbin; do
+        [ -x "$dir/$cmd" ] && found=1
+    done
+    [ -n "$found" ] || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then
     apt-get update -qq

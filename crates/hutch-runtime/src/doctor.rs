@@ -144,6 +144,19 @@ pub fn check(cfg: &Config) -> Report {
         "boot with lsm=landlock,... (needed by the process class)",
     ));
 
+    let nft = ["/usr/sbin/nft", "/sbin/nft", "/usr/bin/nft"].iter().any(|p| std::path::Path::new(p).is_file());
+    let nfnl = crate::net::netlink::Netlink::netfilter().is_ok();
+    f.push(finding(
+        "network",
+        nft && nfnl,
+        match (nft, nfnl) {
+            (true, true) => "nftables available: sandboxes get networks and egress policies".to_owned(),
+            (false, _) => "nft not found: only deny_all sandboxes (loopback only) can start".to_owned(),
+            (true, false) => "no nfnetlink: only deny_all sandboxes (loopback only) can start".to_owned(),
+        },
+        "apt-get install nftables (the kernel needs nf_tables, veth and NAT)",
+    ));
+
     let agent_ok = cfg.agent.is_file();
     f.push(finding(
         "agent",
