@@ -476,3 +476,12 @@ def test_many_creates_reuse_namespaces_and_leave_nothing(napi: Client, netd: Dae
     grown = {p.name for p in set(Path("/sys/class/net").iterdir()) - links_before}
     # Namespaces are recycled: a dozen sandboxes in a row need no dozen links.
     assert len(grown) <= 4, grown
+
+
+def test_one_shot_executions_take_a_policy(napi: Client):
+    r = napi.post("/v1/executions", {"command": "ls /sys/class/net", "network": {"egress": "deny_all"}})
+    assert r.status_code == 200, r.text
+    assert r.json()["stdout"].split() == ["lo"]
+    r = napi.post("/v1/executions", {"argv": ["python3", "-c", PROBE, "tcp", INET, "8080"]})
+    assert r.status_code == 200, r.text
+    assert r.json()["stdout"].strip() == f"OK hello {INET}"

@@ -506,6 +506,9 @@ pub struct ExecutionRequest {
     pub keep_output: Option<bool>,
     #[serde(default)]
     pub stdin: Option<String>,
+    /// The sandbox's network policy; `{"egress": "default"}` when absent.
+    #[serde(default)]
+    pub network: Option<NetworkRequest>,
 }
 
 /// The result of a one-shot execution.

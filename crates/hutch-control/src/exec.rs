@@ -448,6 +448,7 @@ impl Control {
             memory_mb: req.memory_mb,
             limits: req.limits.clone(),
             wait_seconds: Some(60),
+            network: req.network.clone(),
             ..CreateSandbox::default()
         };
         let created = self.create(owner, &create, None).await;
