@@ -417,27 +417,20 @@ def test_bad_policies_are_refused_before_anything_starts(napi: Client):
     assert len(napi.list_all()) == before
 
 
-def test_a_policy_that_cannot_be_enforced_fails_closed(own_daemon: Daemon):
-    d = own_daemon
-    d.start()
-    api = d.client("admin")
-    ok = api.create()
-    assert ok["network"]["applied"] == "default"
-    # The host's rules vanish behind the daemon's back.
-    table = f"hutch{d.net_instance}"
-    subprocess.run(["nft", "delete", "table", "inet", table], check=True, timeout=10)
-    r = api.post("/v1/sandboxes", {})
-    expect_error(r, 503, "sandbox_start_failed")
-    failed = [s for s in api.list_all() if s["id"] != ok["id"]]
-    assert len(failed) == 1 and failed[0]["state"] == "terminated", failed
-    assert failed[0]["last_error_code"] == "sandbox_network_unavailable", failed[0]
-    # deny_all needs no host rules and still starts.
-    assert api.create(network={"egress": "deny_all"})["network"]["applied"] == "deny_all"
-    # A restart loads the rules again.
-    d.stop()
-    d.start()
-    again = api.create()
-    assert again["network"]["applied"] == "default"
+def test_flushed_host_rules_come_back_with_every_policy(napi: Client, netd: Daemon, host_service: int):
+    sb = create(napi)
+    listed = create(napi, allow=["allowed.test"])
+    assert probe(napi, listed["id"], "dns", "allowed.test", 4) == f"OK {ALLOWED}"
+    # A host admin flushes the table behind the daemon's back.
+    subprocess.run(["nft", "delete", "table", "inet", f"hutch{netd.net_instance}"], check=True, timeout=10)
+    wait_for("the table to be loaded again", lambda: subprocess.run(
+        ["nft", "list", "set", "inet", f"hutch{netd.net_instance}", "listed4"], capture_output=True, text=True,
+        timeout=10).stdout.count(listed["network"]["addresses"][0]) == 1, timeout=10)
+    assert not reaches(napi, sb["id"], "tcp", host_address(), host_service)
+    assert reaches(napi, sb["id"], "tcp", INET, 8080)
+    assert reaches(napi, listed["id"], "tcp", ALLOWED, 8080), "what was admitted is admitted again"
+    assert not reaches(napi, listed["id"], "tcp", OTHER, 8080)
+    assert create(napi)["network"]["applied"] == "default"
 
 
 def test_networks_survive_a_daemon_restart(own_daemon: Daemon, internet):

@@ -102,6 +102,14 @@ async fn setup_network(
     let filler = net.clone();
     tokio::spawn(async move {
         loop {
+            // The host's rules must stay loaded: put them back at once if
+            // someone flushed them.
+            let f = filler.clone();
+            match tokio::task::spawn_blocking(move || f.heal()).await {
+                Ok(Ok(false)) => log_warn("the sandboxes' nftables table was gone; loaded it again"),
+                Ok(Err(e)) => log_warn(&format!("cannot load the sandboxes' nftables table again: {e}")),
+                _ => {}
+            }
             if filler.pooled() < NET_POOL {
                 let f = filler.clone();
                 if let Ok(Err(e)) = tokio::task::spawn_blocking(move || f.fill_pool(NET_POOL)).await {

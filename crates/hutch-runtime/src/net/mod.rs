@@ -277,6 +277,8 @@ struct State {
 pub struct Network {
     cfg: NetConfig,
     ipv6: bool,
+    /// The ruleset as loaded, to load again if it disappears.
+    rules: String,
     mtu: u32,
     resolv_conf: PathBuf,
     rtnl: Mutex<Netlink>,
@@ -312,8 +314,8 @@ impl Network {
             write_sysctl("net/ipv6/conf/all/forwarding", "1")?;
         }
         let mut rtnl = Netlink::route().map_err(io_err("open rtnetlink"))?;
-        let host = host_networks();
-        load_ruleset(&ruleset(&cfg, ipv6, &host))?;
+        let rules = ruleset(&cfg, ipv6, &host_networks());
+        load_ruleset(&rules)?;
         let mut stale = Vec::new();
         for name in rtnl.link_names().map_err(io_err("list links"))? {
             if name.starts_with(&cfg.host_prefix()) && !keep.contains_key(&name) {
@@ -334,6 +336,7 @@ impl Network {
         Ok(Network {
             cfg,
             ipv6,
+            rules,
             mtu,
             resolv_conf,
             rtnl: Mutex::new(rtnl),
@@ -569,6 +572,24 @@ impl Network {
             .iter()
             .find(|(_, l)| l.slot.as_ref().map(|s| s.index) == Some(index))
             .map(|(id, l)| (id.clone(), l.policy.clone()))
+    }
+
+    /// Whether the host still holds this daemon's table. If not (someone
+    /// flushed the ruleset), loads it again with every running sandbox's
+    /// elements, and answers `Ok(false)`. Until then, the sandboxes'
+    /// traffic through the host is not judged: call this often.
+    pub fn heal(&self) -> Result<bool, NetError> {
+        let gw = self.cfg.gateway4().octets();
+        let present = lock(&self.nft).has_element(NFPROTO_INET, &self.cfg.table(), "loaded", &gw).unwrap_or(false);
+        if present {
+            return Ok(true);
+        }
+        load_ruleset(&self.rules)?;
+        let elements: Vec<SetOp> = lock(&self.state).leases.values().flat_map(|l| l.elements.clone()).collect();
+        lock(&self.nft)
+            .set_elements(NFPROTO_INET, &self.cfg.table(), &elements)
+            .map_err(io_err("restore the sandboxes' policies"))?;
+        Ok(false)
     }
 
     /// Every address admitted for sandbox `id` so far.

@@ -262,6 +262,12 @@ impl Netlink {
                 let ty = u16::from_ne_bytes([buf[off + 4], buf[off + 5]]);
                 let seq = u32::from_ne_bytes([buf[off + 8], buf[off + 9], buf[off + 10], buf[off + 11]]);
                 let payload = &buf[off + 16..off + len];
+                off += (len + 3) & !3;
+                // A reply to an earlier request (the rest of a batch that
+                // failed part way) is not ours to act on.
+                if !seqs.contains(&seq) {
+                    continue;
+                }
                 if ty == NLMSG_ERROR {
                     let errno = payload.get(0..4).map(|b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]])).unwrap_or(0);
                     pending.retain(|s| *s != seq);
@@ -274,7 +280,6 @@ impl Netlink {
                 } else {
                     on_msg(ty, payload);
                 }
-                off += (len + 3) & !3;
             }
         }
         Ok(())
