@@ -12,10 +12,11 @@ pub mod agent_async;
 pub mod cgroup;
 pub mod container;
 pub mod doctor;
+pub mod image;
 pub mod launch;
 pub mod rootfs;
 pub mod seccomp;
 pub mod sys;
 pub mod uids;
 
-pub use container::{Config, Runtime, RuntimeError, Sandbox, SandboxSpec};
+pub use container::{Config, RootSource, Runtime, RuntimeError, Sandbox, SandboxSpec};
