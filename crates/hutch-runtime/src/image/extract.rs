@@ -250,6 +250,13 @@ impl Root {
                     mkdirat(at, c, 0o755).map_err(|e| refuse(format!("{}: mkdir: {e}", show(entry))))?;
                     open_dir(at, c).map_err(|e| refuse(format!("{}: {e}", show(entry))))?
                 }
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                    return Err(refuse(format!(
+                        "{}: {:?} is not in this layer",
+                        show(entry),
+                        String::from_utf8_lossy(c)
+                    )))
+                }
                 Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP) | Some(libc::ENOTDIR)) => {
                     return Err(refuse(format!(
                         "{}: its parent {:?} is a symlink or not a directory; nothing is written through it",
@@ -567,5 +574,249 @@ pub fn import_layer<R: Read>(
             let _ = fs::remove_dir_all(&tmp);
             Err(e)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+
+    /// A tar written entry by entry with raw names, so that hostile names
+    /// (absolute, `..`) reach the archive as they would from an attacker.
+    struct RawTar(tar::Builder<Vec<u8>>);
+
+    impl RawTar {
+        fn new() -> RawTar {
+            RawTar(tar::Builder::new(Vec::new()))
+        }
+
+        fn entry(mut self, name: &str, kind: tar::EntryType, link: &str, data: &[u8]) -> RawTar {
+            let mut h = tar::Header::new_gnu();
+            {
+                let gnu = h.as_gnu_mut().expect("gnu header");
+                gnu.name[..name.len()].copy_from_slice(name.as_bytes());
+                gnu.linkname[..link.len()].copy_from_slice(link.as_bytes());
+            }
+            h.set_entry_type(kind);
+            h.set_size(data.len() as u64);
+            h.set_mode(if kind == tar::EntryType::Directory { 0o755 } else { 0o644 });
+            h.set_uid(0);
+            h.set_gid(0);
+            h.set_mtime(1_700_000_000);
+            h.set_cksum();
+            self.0.append(&h, data).expect("append");
+            self
+        }
+
+        fn file(self, name: &str, data: &[u8]) -> RawTar {
+            self.entry(name, tar::EntryType::Regular, "", data)
+        }
+
+        fn dir(self, name: &str) -> RawTar {
+            self.entry(name, tar::EntryType::Directory, "", b"")
+        }
+
+        fn symlink(self, name: &str, target: &str) -> RawTar {
+            self.entry(name, tar::EntryType::Symlink, target, b"")
+        }
+
+        fn hardlink(self, name: &str, target: &str) -> RawTar {
+            self.entry(name, tar::EntryType::Link, target, b"")
+        }
+
+        fn bytes(self) -> Vec<u8> {
+            self.0.into_inner().expect("finish")
+        }
+    }
+
+    struct TestStore {
+        state: std::path::PathBuf,
+        store: ImageStore,
+    }
+
+    impl TestStore {
+        fn new() -> TestStore {
+            let state = std::env::temp_dir().join(format!("hutch-extract-{}", super::super::random_suffix()));
+            let store = ImageStore::open(&state).expect("open");
+            TestStore { state, store }
+        }
+
+        fn import(&self, tar: &[u8], limits: &Limits) -> Result<String, ImageError> {
+            import_layer(&self.store, tar, None, None, limits)
+        }
+
+        /// Imports what must be refused, and checks nothing stayed behind.
+        fn refused(&self, tar: &[u8], says: &str) {
+            let err = self.import(tar, &Limits::default()).expect_err("a hostile layer must be refused");
+            assert_eq!(err.code(), "image_layer_refused", "{err}");
+            assert!(err.to_string().contains(says), "{err} should say {says:?}");
+            let left: Vec<_> = fs::read_dir(self.state.join("images/tmp")).expect("tmp").flatten().collect();
+            assert!(left.is_empty(), "a refused layer leaves nothing: {left:?}");
+            let layers: Vec<_> = fs::read_dir(self.state.join("images/layers")).expect("layers").flatten().collect();
+            assert!(layers.is_empty(), "a refused layer commits nothing: {layers:?}");
+        }
+    }
+
+    impl Drop for TestStore {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.state);
+        }
+    }
+
+    fn host_probe(name: &str) -> std::path::PathBuf {
+        let p = Path::new("/etc").join(name);
+        let _ = fs::remove_file(&p);
+        p
+    }
+
+    #[test]
+    fn a_file_written_through_a_symlink_to_etc_is_refused() {
+        let t = TestStore::new();
+        let probe = host_probe(&format!("hutch-evil-{}", std::process::id()));
+        let name = probe.file_name().and_then(|n| n.to_str()).expect("name");
+        let tar = RawTar::new().symlink("x", "/etc").file(&format!("x/{name}"), b"owned").bytes();
+        t.refused(&tar, "symlink");
+        let tar = RawTar::new().symlink("x", "../../../../../../etc").file(&format!("x/{name}"), b"owned").bytes();
+        t.refused(&tar, "symlink");
+        // A symlink to a directory inside the layer is not followed either.
+        let tar = RawTar::new().dir("d").symlink("x", "d").file("x/f", b"owned").bytes();
+        t.refused(&tar, "symlink");
+        assert!(!probe.exists(), "a layer wrote {} on the host", probe.display());
+    }
+
+    #[test]
+    fn parent_and_absolute_names_are_refused() {
+        let t = TestStore::new();
+        let probe = host_probe(&format!("hutch-abs-{}", std::process::id()));
+        t.refused(&RawTar::new().file("../escape", b"x").bytes(), "`..`");
+        t.refused(&RawTar::new().file("a/../../escape", b"x").bytes(), "`..`");
+        t.refused(&RawTar::new().file(probe.to_str().expect("utf8"), b"x").bytes(), "absolute");
+        assert!(!probe.exists());
+    }
+
+    #[test]
+    fn whiteouts_outside_the_layer_are_refused() {
+        let t = TestStore::new();
+        t.refused(&RawTar::new().file("../.wh.x", b"").bytes(), "`..`");
+        t.refused(&RawTar::new().file(".wh...", b"").bytes(), "whiteout");
+        t.refused(&RawTar::new().file("a/.wh..", b"").bytes(), "whiteout");
+        t.refused(&RawTar::new().symlink("l", "/etc").file("l/.wh.passwd", b"").bytes(), "symlink");
+        t.refused(&RawTar::new().symlink("l", "/etc").file("l/.wh..wh..opq", b"").bytes(), "symlink");
+    }
+
+    #[test]
+    fn hard_links_only_reach_entries_of_the_same_layer() {
+        let t = TestStore::new();
+        t.refused(&RawTar::new().hardlink("h", "/etc/passwd").bytes(), "absolute");
+        t.refused(&RawTar::new().hardlink("h", "../../../../etc/passwd").bytes(), "`..`");
+        t.refused(&RawTar::new().hardlink("h", "etc/passwd").bytes(), "not in this layer");
+        t.refused(&RawTar::new().symlink("s", "/etc").hardlink("h", "s/passwd").bytes(), "symlink");
+        // A link to a symlink links the symlink itself; a later entry of the
+        // same name replaces the link, it never writes the host file.
+        let before = fs::read("/etc/passwd").expect("host passwd");
+        let tar = RawTar::new().symlink("s", "/etc/passwd").hardlink("h", "s").file("h", b"x").bytes();
+        let hex = t.import(&tar, &Limits::default()).expect("a harmless layer");
+        assert_eq!(fs::read("/etc/passwd").expect("host passwd"), before);
+        assert_eq!(fs::read(t.store.layer_dir(&hex).join("h")).expect("h"), b"x");
+        assert!(fs::symlink_metadata(t.store.layer_dir(&hex).join("s")).expect("s").file_type().is_symlink());
+        let hex =
+            t.import(&RawTar::new().file("a", b"data").hardlink("b", "a").bytes(), &Limits::default()).expect("ok");
+        let dir = t.store.layer_dir(&hex);
+        let (a, b) = (fs::metadata(dir.join("a")).expect("a"), fs::metadata(dir.join("b")).expect("b"));
+        assert_eq!(a.ino(), b.ino(), "a real hard link inside the layer");
+    }
+
+    #[test]
+    fn bombs_and_oversized_entries_stop_at_the_bounds() {
+        let t = TestStore::new();
+        // 64 MiB of zeros in one entry, gzipped to ~64 KiB; the layer may hold 1 MiB.
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        let mut h = tar::Header::new_gnu();
+        h.set_path("bomb").expect("path");
+        h.set_size(64 << 20);
+        h.set_mode(0o644);
+        h.set_cksum();
+        gz.write_all(h.as_bytes()).expect("header");
+        let zeros = vec![0u8; 1 << 20];
+        for _ in 0..64 {
+            gz.write_all(&zeros).expect("zeros");
+        }
+        gz.write_all(&[0u8; 1024]).expect("end");
+        let bomb = gz.finish().expect("gzip");
+        assert!(bomb.len() < 1 << 20, "the bomb is small: {}", bomb.len());
+        let small = Limits { max_entries: 100, max_bytes: 1 << 20 };
+        let err = t.import(&bomb, &small).expect_err("refused");
+        assert!(err.to_string().contains("more than the layer may hold"), "{err}");
+        // The same bound on the stream, when the header lies low.
+        let mut tar = RawTar::new();
+        for i in 0..3 {
+            tar = tar.file(&format!("f{i}"), &vec![7u8; 600 << 10]);
+        }
+        let err = t.import(&tar.bytes(), &small).expect_err("refused");
+        assert!(err.to_string().contains("larger than 1048576 bytes"), "{err}");
+        let mut tar = RawTar::new();
+        for i in 0..101 {
+            tar = tar.file(&format!("f{i}"), b"");
+        }
+        let err = t.import(&tar.bytes(), &small).expect_err("refused");
+        assert!(err.to_string().contains("more than 100 entries"), "{err}");
+        let deep = vec!["d"; MAX_DEPTH + 1].join("/");
+        let mut tar = RawTar::new();
+        let mut h = tar::Header::new_gnu();
+        h.set_size(0);
+        h.set_mode(0o644);
+        tar.0.append_data(&mut h, &deep, &b""[..]).expect("long name");
+        let err = t.import(&tar.bytes(), &Limits::default()).expect_err("refused");
+        assert!(err.to_string().contains("deeper than"), "{err}");
+        assert!(fs::read_dir(t.state.join("images/tmp")).expect("tmp").next().is_none());
+    }
+
+    #[test]
+    fn whiteouts_opaque_dirs_and_devices_take_overlay_form() {
+        let t = TestStore::new();
+        let mut h = tar::Header::new_gnu();
+        h.set_path("dev/sda").expect("path");
+        h.set_entry_type(tar::EntryType::Block);
+        h.set_mode(0o600);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(0);
+        h.set_device_major(8).expect("major");
+        h.set_device_minor(0).expect("minor");
+        h.set_size(0);
+        h.set_cksum();
+        let mut b =
+            RawTar::new().dir("data").file("data/.wh.gone", b"").file("opq/.wh..wh..opq", b"").file("opq/new", b"n");
+        b.0.append(&h, &b""[..]).expect("append");
+        let b = b.file("bin/su", b"#!/bin/sh\n").entry(".wh..wh.plnk", tar::EntryType::Directory, "", b"");
+        let tar = b.bytes();
+        let hex = t.import(&tar, &Limits::default()).expect("import");
+        assert_eq!(hex, hex::encode(Sha256::digest(&tar)), "the layer is named by its diff_id");
+        let dir = t.store.layer_dir(&hex);
+        let gone = fs::symlink_metadata(dir.join("data/gone")).expect("whiteout");
+        assert!(gone.file_type().is_char_device() && gone.rdev() == 0, "a 0:0 character device");
+        assert!(get_opaque(&dir.join("opq")).expect("xattr"), "opaque");
+        assert!(!get_opaque(&dir.join("data")).expect("xattr"));
+        assert!(!dir.join("dev/sda").exists(), "device nodes are left out");
+        assert!(!dir.join(".wh..wh.plnk").exists());
+        // Digest checks: a wrong diff_id refuses the layer.
+        let wrong = format!("sha256:{}", "0".repeat(64));
+        let err = import_layer(&t.store, &tar[..], None, Some(&wrong), &Limits::default()).expect_err("mismatch");
+        assert!(err.to_string().contains("digest mismatch"), "{err}");
+    }
+
+    #[test]
+    fn a_lower_layers_symlink_does_not_redirect_a_later_layer() {
+        let t = TestStore::new();
+        let probe = host_probe(&format!("hutch-redir-{}", std::process::id()));
+        let name = probe.file_name().and_then(|n| n.to_str()).expect("name");
+        let lower = t.import(&RawTar::new().symlink("redir", "/etc").bytes(), &Limits::default()).expect("lower");
+        let upper =
+            t.import(&RawTar::new().file(&format!("redir/{name}"), b"x").bytes(), &Limits::default()).expect("upper");
+        assert!(!probe.exists(), "written on the host through the lower layer's symlink");
+        assert!(fs::symlink_metadata(t.store.layer_dir(&lower).join("redir")).expect("link").file_type().is_symlink());
+        assert!(t.store.layer_dir(&upper).join("redir").join(name).is_file(), "extracted in its own layer");
     }
 }

@@ -56,6 +56,15 @@ impl Reference {
             Some((r, t)) if !t.contains('/') => (r.to_owned(), Some(t.to_owned())),
             _ => (path, None),
         };
+        let (host, port) = registry.split_once(':').unwrap_or((&registry, "0"));
+        let host_ok = !host.is_empty()
+            && host.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-'))
+            && !port.is_empty()
+            && port.len() <= 5
+            && port.bytes().all(|b| b.is_ascii_digit());
+        if !host_ok {
+            return Err(bad());
+        }
         let repository = if registry == "docker.io" && !repository.contains('/') {
             format!("library/{repository}")
         } else {
