@@ -11,7 +11,11 @@ fi
 
 # Tools the sandboxed probes use (the base template is the host's /usr).
 need=()
-for pkg_cmd in python3:python3 procps:pgrep util-linux:unshare mount:mount coreutils:sha256sum; do
+# Images: mmdebstrap builds the Debian presets; docker-registry serves pulls
+# in the image tests (each test starts its own on a free loopback port; the
+# package's own service is not used).
+for pkg_cmd in python3:python3 procps:pgrep util-linux:unshare mount:mount coreutils:sha256sum \
+    mmdebstrap:mmdebstrap docker-registry:docker-registry; do
     pkg=${pkg_cmd%%:*} cmd=${pkg_cmd##*:}
     [ -x "/usr/bin/$cmd" ] || [ -x "/bin/$cmd" ] || need+=("$pkg")
 done

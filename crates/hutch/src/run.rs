@@ -67,7 +67,7 @@ pub struct RunArgs {
 fn image_root(
     state_dir: &std::path::Path,
     name: &str,
-) -> Result<(Vec<std::path::PathBuf>, Vec<(String, String)>), String> {
+) -> Result<(hutch_runtime::RootSource, Vec<(String, String)>), String> {
     use hutch_runtime::image::{debian, ImageStore};
     let show = |e: hutch_runtime::image::ImageError| format!("{e} [{}]", e.code());
     let store = ImageStore::open(state_dir).map_err(show)?;
@@ -76,7 +76,7 @@ fn image_root(
     } else {
         store.get(name).map_err(show)?
     };
-    Ok((store.layer_dirs(&img).map_err(show)?, img.env_pairs()))
+    Ok((hutch_runtime::RootSource::Layers(store.layer_dirs(&img).map_err(show)?), img.env_pairs()))
 }
 
 fn parse_name(s: &str) -> Result<String, String> {
@@ -114,8 +114,8 @@ fn run(args: &RunArgs) -> Result<i32, String> {
     };
     let mut root = hutch_runtime::RootSource::Base;
     if args.image != hutch_runtime::image::BASE {
-        let (layers, image_env) = image_root(&runtime.config().state_dir, &args.image)?;
-        root = hutch_runtime::RootSource::Layers(layers);
+        let (image, image_env) = image_root(&runtime.config().state_dir, &args.image)?;
+        root = image;
         // The image's environment, under the command line's.
         let mut all: Vec<(String, String)> =
             image_env.into_iter().filter(|(k, _)| !env.iter().any(|(e, _)| e == k)).collect();

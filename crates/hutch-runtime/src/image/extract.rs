@@ -476,11 +476,13 @@ struct Tally {
     n: u64,
 }
 
-/// A reader that hashes and counts what it reads, and fails past `limit`.
+/// A reader that counts (and, if `hash`, hashes) what it reads, and fails
+/// past `limit`.
 struct Counted<R> {
     inner: R,
     tally: Rc<RefCell<Tally>>,
     limit: u64,
+    hash: bool,
 }
 
 impl<R: Read> Read for Counted<R> {
@@ -491,7 +493,9 @@ impl<R: Read> Read for Counted<R> {
         if t.n > self.limit {
             return Err(io::Error::other(Bounded(self.limit)));
         }
-        t.h.update(&buf[..n]);
+        if self.hash {
+            t.h.update(&buf[..n]);
+        }
         Ok(n)
     }
 }
@@ -532,7 +536,10 @@ pub fn import_layer<R: Read>(
     }
     let outer = Rc::new(RefCell::new(Tally::default()));
     let inner = Rc::new(RefCell::new(Tally::default()));
-    let counted = Counted { inner: blob, tally: outer.clone(), limit: u64::MAX };
+    // Compressed bytes are bounded too: a stream of empty gzip members
+    // would otherwise never end.
+    let outer_limit = limits.max_bytes.saturating_add(limits.max_bytes / 64 + (1 << 20));
+    let counted = Counted { inner: blob, tally: outer.clone(), limit: outer_limit, hash: blob_digest.is_some() };
     let mut buffered = BufReader::with_capacity(256 * 1024, counted);
     let magic = buffered.fill_buf().map_err(super::io_err("read layer"))?.to_vec();
     let decoded: Box<dyn Read> = if magic.starts_with(&[0x1f, 0x8b]) {
@@ -542,7 +549,7 @@ pub fn import_layer<R: Read>(
     } else {
         Box::new(buffered)
     };
-    let mut tar = Counted { inner: decoded, tally: inner.clone(), limit: limits.max_bytes };
+    let mut tar = Counted { inner: decoded, tally: inner.clone(), limit: limits.max_bytes, hash: true };
     let tmp = store.temp_dir()?;
     let result = (|| {
         extract_tar(&mut tar, &tmp, limits).map_err(|e| match e {

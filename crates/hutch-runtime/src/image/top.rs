@@ -148,7 +148,7 @@ mod tests {
         }
         fs::write(l0.join("etc/passwd"), "lower:x:5:5::/:/bin/sh\n").expect("write");
         std::os::unix::fs::symlink("/etc/shadow", l1.join("etc/passwd")).expect("symlink");
-        assert_eq!(read_layered(&[l0.clone()], b"passwd").as_deref(), Some("lower:x:5:5::/:/bin/sh\n"));
+        assert_eq!(read_layered(std::slice::from_ref(&l0), b"passwd").as_deref(), Some("lower:x:5:5::/:/bin/sh\n"));
         assert_eq!(read_layered(&[l0.clone(), l1.clone()], b"passwd"), None, "the symlink hides, is not followed");
         build(&top, &[l0, l1]).expect("build");
         let passwd = fs::read_to_string(top.join("etc/passwd")).expect("read");
