@@ -324,7 +324,13 @@ fn import_oci(
     let label = &outer.label;
     let index = outer.json("index.json", None)?;
     let first = index["manifests"].as_array().and_then(|a| a.first()).cloned().unwrap_or_default();
-    let tag = first["annotations"]["org.opencontainers.image.ref.name"].as_str().map(str::to_owned);
+    // Docker's own OCI export names the image fully in a containerd
+    // annotation and only the tag in the OCI one.
+    let notes = &first["annotations"];
+    let tag = notes["io.containerd.image.name"]
+        .as_str()
+        .or_else(|| notes["org.opencontainers.image.ref.name"].as_str())
+        .map(str::to_owned);
     let mut doc = index;
     let mut digest: Option<String> = None;
     // An index may name an index (docker's OCI export does): up to 4 levels.

@@ -33,7 +33,8 @@ use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-pub use extract::Limits;
+pub use debian::ensure_preset;
+pub use extract::{import_layer, Limits};
 
 /// Most layers an image may stack (overlayfs allows 500; the mount options
 /// must also fit one page).
@@ -659,6 +660,17 @@ mod tests {
         fs::File::open(store.layer_dir(&a)).and_then(|f| f.set_modified(old)).expect("age");
         assert_eq!(store.gc().expect("gc"), vec![b.clone()]);
         assert!(store.has_layer(&a), "a layer in use is kept");
+        // A tree with host ids or a device node is no layer.
+        let bad = make("three");
+        std::os::unix::fs::chown(bad.join("etc/hello"), Some(70_000), None).expect("chown");
+        let err = store.commit_layer(&bad).expect_err("ids outside the image");
+        assert_eq!(err.code(), "image_layer_refused");
+        assert!(!bad.exists(), "a refused tree is removed");
+        let bad = make("four");
+        let dev = std::ffi::CString::new(bad.join("etc/null").into_os_string().into_encoded_bytes()).expect("c");
+        // SAFETY: dev is a valid C string.
+        assert_eq!(unsafe { libc::mknod(dev.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) }, 0);
+        assert!(store.commit_layer(&bad).expect_err("a device node").to_string().contains("device"));
         store.remove("t1").expect("rm");
         assert!(matches!(store.remove("t1"), Err(ImageError::NotFound(_))));
         fs::remove_dir_all(&state).expect("cleanup");

@@ -146,7 +146,7 @@ impl Client {
                     let body = r.into_string().unwrap_or_default();
                     return Err(reg(format!("GET {url}: HTTP {code}: {}", body.chars().take(300).collect::<String>())));
                 }
-                Err(ureq::Error::Transport(t)) => return Err(reg(format!("GET {url}: {t}"))),
+                Err(ureq::Error::Transport(t)) => return Err(reg(t.to_string())),
             }
         }
     }
