@@ -95,15 +95,20 @@ def shell_layer() -> Layer:
     )
 
 
-def two_layers() -> list[bytes]:
-    """A shell with data, then a layer that hides some of it."""
+def two_layers(marker: str = "") -> list[bytes]:
+    """A shell with data, then a layer that hides some of it; a `marker`
+    file makes layers no other test has imported."""
     lower = (
         shell_layer()
+        .file("marker", marker.encode())
         .dir("data").file("data/gone", b"lower\n").file("data/kept", b"kept\n")
         .dir("opq").file("opq/old", b"old\n")
         .bytes()
     )
-    upper = Layer().file("data/.wh.gone", b"").file("opq/.wh..wh..opq", b"").file("opq/new", b"new\n").bytes()
+    upper = (
+        Layer().file("data/.wh.gone", b"").file("opq/.wh..wh..opq", b"").file("opq/new", b"new\n")
+        .file("marker", marker.encode()).bytes()
+    )
     return [lower, upper]
 
 
@@ -262,7 +267,7 @@ def test_oci_layout_import_with_gzip_layers_and_an_index(daemon: Daemon, api: Cl
 def test_imports_with_a_wrong_digest_or_a_hostile_layer_are_refused_whole(daemon: Daemon, api: Client):
     before = image_names(api)
     # An OCI blob whose content does not match its name.
-    layers = two_layers()
+    layers = two_layers(uuid.uuid4().hex)
     good = oci_layout(layers, [], "tampered")
     buf = io.BytesIO(good)
     members = {}
@@ -370,7 +375,8 @@ def registry(tmp_root: Path):
 
 
 def test_pull_from_a_local_registry_then_run(daemon: Daemon, api: Client, registry: Registry):
-    blobs, manifest, _ = oci_image(two_layers(), ["PULLED=1"])
+    # Layers no earlier test imported, so that the pull downloads them.
+    blobs, manifest, _ = oci_image(two_layers(uuid.uuid4().hex), ["PULLED=1"])
     repo = "test/app"
     for d, b in blobs.items():
         if b != manifest:
@@ -407,6 +413,7 @@ class LyingRegistry:
     def __init__(self, blobs: dict[str, bytes], manifests: dict[str, bytes]):
         self.blobs, self.manifests = blobs, manifests
         self.token_requests: list[str] = []
+        self.blob_gets = 0
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -433,6 +440,7 @@ class LyingRegistry:
                 if len(parts) == 5 and parts[3] == "manifests" and parts[4] in outer.manifests:
                     return self._send(200, outer.manifests[parts[4]], {"Content-Type": OCI_MANIFEST})
                 if len(parts) == 5 and parts[3] == "blobs" and parts[4] in outer.blobs:
+                    outer.blob_gets += 1
                     return self._send(200, outer.blobs[parts[4]])
                 return self._send(404, b"{}")
 
@@ -448,7 +456,7 @@ class LyingRegistry:
 
 
 def test_pulls_use_bearer_tokens_and_refuse_digest_mismatches(daemon: Daemon, api: Client):
-    layers = two_layers()
+    layers = two_layers(uuid.uuid4().hex)
     blobs, manifest, _ = oci_image(layers, [])
     reg = LyingRegistry(dict(blobs), {"good": manifest})
     try:
@@ -456,6 +464,7 @@ def test_pulls_use_bearer_tokens_and_refuse_digest_mismatches(daemon: Daemon, ap
         p = daemon.cli("image", "pull", ref, "--name", "lying-good", timeout=120)
         assert p.returncode == 0, p.stderr
         assert reg.token_requests and "service=lying" in reg.token_requests[0], reg.token_requests
+        assert reg.blob_gets == 3, f"config and both layers downloaded: {reg.blob_gets}"
         # Now the registry swaps a layer's content under the same digest.
         evil = Layer().file("evil", b"not what the digest says").bytes()
         victim = json.loads(manifest)["layers"][1]["digest"]
