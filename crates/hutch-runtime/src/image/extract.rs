@@ -817,6 +817,53 @@ mod tests {
         assert!(err.to_string().contains("digest mismatch"), "{err}");
     }
 
+    /// Random layers from a hostile alphabet (symlinks into a canary
+    /// directory outside the store, `..`, whiteouts, hard links, repeated
+    /// names): whatever is accepted or refused, nothing appears in the
+    /// canary and no temporary directory is left.
+    #[test]
+    fn random_hostile_layers_never_write_outside() {
+        let t = TestStore::new();
+        let canary = std::env::temp_dir().join(format!("hutch-canary-{}", super::super::random_suffix()));
+        fs::create_dir(&canary).expect("canary");
+        let canary_s = canary.to_str().expect("utf8").to_owned();
+        let back = "../".repeat(12) + canary_s.trim_start_matches('/');
+        let names = ["a", "b", "a/b", "a/b/c", "l", "l/x", "a/l", "a/l/y", ".wh.a", "a/.wh.b", "l/.wh.z", ".", "a/.."];
+        let targets = [canary_s.as_str(), back.as_str(), "a", "..", "/", "a/b", "l"];
+        let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        let (mut accepted, mut refused) = (0, 0);
+        for _ in 0..300 {
+            let mut tar = RawTar::new();
+            for _ in 0..1 + next(6) {
+                let name = names[next(names.len())];
+                let target = targets[next(targets.len())];
+                tar = match next(4) {
+                    0 => tar.dir(name),
+                    1 => tar.file(name, b"payload"),
+                    2 => tar.symlink(name, target),
+                    _ => tar.hardlink(name, target),
+                };
+            }
+            match t.import(&tar.bytes(), &Limits::default()) {
+                Ok(_) => accepted += 1,
+                Err(e) => {
+                    assert_eq!(e.code(), "image_layer_refused", "{e}");
+                    refused += 1;
+                }
+            }
+            assert!(fs::read_dir(&canary).expect("canary").next().is_none(), "a layer wrote into the canary");
+        }
+        assert!(fs::read_dir(t.state.join("images/tmp")).expect("tmp").next().is_none());
+        assert!(accepted > 20 && refused > 20, "both kinds exercised: {accepted} accepted, {refused} refused");
+        fs::remove_dir(&canary).expect("the canary is still empty");
+    }
+
     #[test]
     fn a_lower_layers_symlink_does_not_redirect_a_later_layer() {
         let t = TestStore::new();
