@@ -385,24 +385,23 @@ impl Control {
         ImageStore::open(&self.runtime.config().state_dir).map_err(|e| ControlError::Runtime(e.to_string()))
     }
 
-    /// The root file system and the image's environment for a sandbox of
-    /// `record`'s template: `base`, or an image's layers (a preset is built
-    /// here on its first use, which takes a while).
-    fn root_for(&self, record: &SandboxRecord) -> Result<(RootSource, Vec<(String, String)>)> {
-        let image = match &record.template_id {
+    /// The image a sandbox of `record` runs: its template's, else `base`.
+    fn image_of(&self, record: &SandboxRecord) -> Result<String> {
+        Ok(match &record.template_id {
             Some(id) => self.store.get_template(id)?.map(|t| t.image).unwrap_or_else(|| BASE.name.into()),
             None => BASE.name.into(),
-        };
-        if image == hutch_runtime::image::BASE {
-            return Ok((RootSource::Base, Vec::new()));
-        }
+        })
+    }
+
+    /// The layers and environment of image `name` (not `base`); a preset is
+    /// built here on its first use, which takes a while: call it on the
+    /// blocking pool.
+    fn image_root(&self, name: &str) -> Result<(RootSource, Vec<(String, String)>)> {
         let store = self.images()?;
-        let found = if hutch_runtime::image::debian::is_preset(&image) {
-            hutch_runtime::image::debian::ensure_preset(&store, &image, &|line| {
-                log_info(&format!("image {image}: {line}"))
-            })
+        let found = if hutch_runtime::image::debian::is_preset(name) {
+            hutch_runtime::image::ensure_preset(&store, name, &|line| log_info(&format!("image {name}: {line}")))
         } else {
-            store.get(&image)
+            store.get(name)
         };
         let img = found.map_err(|e| match e {
             ImageError::NotFound(n) => ControlError::NoImage(n),
@@ -415,12 +414,16 @@ impl Control {
     /// Starts the runtime sandbox of a `starting` record.
     pub(crate) async fn boot(self: Arc<Self>, mut record: SandboxRecord) -> Result<SandboxRecord> {
         let t0 = Instant::now();
-        let this = self.clone();
-        let rec = record.clone();
-        let root = match tokio::task::spawn_blocking(move || this.root_for(&rec)).await {
-            Ok(Ok(r)) => Ok(r),
-            Ok(Err(e)) => Err(e),
-            Err(join) => Err(ControlError::Runtime(format!("image task: {join}"))),
+        let root = match self.image_of(&record) {
+            Ok(image) if image == hutch_runtime::image::BASE => Ok((RootSource::Base, Vec::new())),
+            Ok(image) => {
+                let this = self.clone();
+                match tokio::task::spawn_blocking(move || this.image_root(&image)).await {
+                    Ok(r) => r,
+                    Err(join) => Err(ControlError::Runtime(format!("image task: {join}"))),
+                }
+            }
+            Err(e) => Err(e),
         };
         let (root, image_env) = match root {
             Ok(r) => r,
