@@ -331,8 +331,11 @@ impl ImageStore {
     /// into the store under its [`tree_digest`], and returns the digest. If
     /// the store has that layer already, `tmp_dir` is removed instead. The
     /// tree must hold image ids (below 65536) and no device node but
-    /// whiteouts; anything else refuses it (and removes it).
+    /// whiteouts (sockets are deleted first); anything else refuses it (and
+    /// removes it).
     pub fn commit_layer(&self, tmp_dir: &Path) -> Result<String, ImageError> {
+        // Sockets a build's processes left behind mean nothing in an image.
+        prune_sockets(tmp_dir, 0);
         let hex = match tree_digest(tmp_dir) {
             Ok(h) => h,
             Err(e) => {
@@ -506,6 +509,24 @@ impl ImageConfig {
     }
 }
 
+/// Deletes the unix sockets under `dir` (never following a symlink).
+fn prune_sockets(dir: &Path, depth: usize) {
+    use std::os::unix::fs::FileTypeExt;
+    if depth > extract::MAX_DEPTH {
+        return;
+    }
+    let Ok(rd) = fs::read_dir(dir) else { return };
+    for e in rd.flatten() {
+        match e.file_type() {
+            Ok(t) if t.is_socket() => {
+                let _ = fs::remove_file(e.path());
+            }
+            Ok(t) if t.is_dir() => prune_sockets(&e.path(), depth + 1),
+            _ => {}
+        }
+    }
+}
+
 fn dir_size(dir: &Path) -> u64 {
     let mut total = 0;
     let mut stack = vec![dir.to_path_buf()];
@@ -671,6 +692,9 @@ mod tests {
         // SAFETY: dev is a valid C string.
         assert_eq!(unsafe { libc::mknod(dev.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) }, 0);
         assert!(store.commit_layer(&bad).expect_err("a device node").to_string().contains("device"));
+        let with_socket = make("one");
+        let _listener = std::os::unix::net::UnixListener::bind(with_socket.join("etc/sock")).expect("bind");
+        assert_eq!(store.commit_layer(&with_socket).expect("sockets are dropped"), a);
         store.remove("t1").expect("rm");
         assert!(matches!(store.remove("t1"), Err(ImageError::NotFound(_))));
         fs::remove_dir_all(&state).expect("cleanup");
