@@ -12,8 +12,11 @@ fi
 # Tools the sandboxed probes use (the base template is the host's /usr), and
 # what sandbox networks and their tests need (nft, ip).
 need=()
+# Images: mmdebstrap builds the Debian presets; docker-registry serves pulls
+# in the image tests (each test starts its own on a free loopback port; the
+# package's own service is not used).
 for pkg_cmd in python3:python3 procps:pgrep util-linux:unshare mount:mount coreutils:sha256sum \
-    nftables:nft iproute2:ip; do
+    nftables:nft iproute2:ip mmdebstrap:mmdebstrap docker-registry:docker-registry; do
     pkg=${pkg_cmd%%:*} cmd=${pkg_cmd##*:}
     found=
     for dir in /usr/bin /bin /usr/sbin /sbin; do

@@ -143,8 +143,8 @@ def test_template_names_are_unique_per_owner(daemon: Daemon, api: Client):
 
 
 def test_template_requests_are_validated(api: Client):
-    r = expect_error(api.post("/v1/templates", {"name": tname(), "image": "debian"}), 400, "invalid_request")
-    assert "images are not available yet" in r["error"]
+    r = expect_error(api.post("/v1/templates", {"name": tname(), "image": "no-such-image"}), 400, "image_not_found")
+    assert "no-such-image" in r["error"]
     expect_error(api.post("/v1/templates", {"name": tname(), "class": "microvm"}), 400, "invalid_request")
     expect_error(api.post("/v1/templates", {"name": "base"}), 400, "invalid_request")
     expect_error(api.post("/v1/templates", {"name": "Bad/Name"}), 400, "invalid_request")
@@ -157,7 +157,7 @@ def test_template_requests_are_validated(api: Client):
     expect_error(api.post("/v1/templates", {"name": tname(), "memory_mb": 1}), 400, "invalid_request")
     expect_error(api.post("/v1/templates", {"name": tname(), "bogus": 1}), 400, "invalid_request")
     t = make_template(api)
-    expect_error(api.request("PATCH", f"/v1/templates/{t['id']}", json={"image": "node"}), 400, "invalid_request")
+    expect_error(api.request("PATCH", f"/v1/templates/{t['id']}", json={"image": "nope"}), 400, "image_not_found")
     expect_error(api.request("PATCH", f"/v1/templates/{t['id']}", json={"name": "x"}), 400, "invalid_request")
     delete_template(api, t["id"])
 

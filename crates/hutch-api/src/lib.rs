@@ -36,6 +36,8 @@ pub enum ErrorCode {
     UnknownTemplate,
     /// The caller already has a template of this name.
     TemplateNameTaken,
+    /// The image named is neither `base`, a preset, nor in the image store.
+    ImageNotFound,
     /// The same Idempotency-Key was used with a different request.
     IdempotencyConflict,
     /// A command with this Idempotency-Key is running, or its outcome was
@@ -87,6 +89,7 @@ impl ErrorCode {
             ErrorCode::Unauthorized => 401,
             ErrorCode::InvalidRequest
             | ErrorCode::UnknownTemplate
+            | ErrorCode::ImageNotFound
             | ErrorCode::InvalidPath
             | ErrorCode::SandboxPathNotDirectory
             | ErrorCode::SandboxPathUnreadable
@@ -116,6 +119,7 @@ impl ErrorCode {
             ErrorCode::NotFound => "not_found",
             ErrorCode::UnknownTemplate => "unknown_template",
             ErrorCode::TemplateNameTaken => "template_name_taken",
+            ErrorCode::ImageNotFound => "image_not_found",
             ErrorCode::IdempotencyConflict => "idempotency_conflict",
             ErrorCode::ExecutionOutcomeUnknown => "execution_outcome_unknown",
             ErrorCode::SandboxSessionNotRunning => "sandbox_session_not_running",
@@ -395,6 +399,28 @@ pub struct Template {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
 pub struct TemplateList {
     pub templates: Vec<Template>,
+}
+
+/// One image of the store, in `GET /v1/images`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct ImageInfo {
+    pub name: String,
+    /// Layers stacked, including hutch's generated top layer.
+    pub layers: u64,
+    /// Bytes of the image's layers on disk (layers shared with other images
+    /// are counted in each).
+    pub size_bytes: u64,
+    /// Where it came from: `debian:SUITE+PACKAGES`, `import:FILE`, `pull:REF`.
+    pub source: String,
+    /// RFC 3339.
+    pub created_at: String,
+}
+
+/// `GET /v1/images`: every image of the host's store (`base` is not listed:
+/// it is built in).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct ImageList {
+    pub images: Vec<ImageInfo>,
 }
 
 /// `GET /v1/sandboxes`.

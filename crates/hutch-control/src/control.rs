@@ -8,8 +8,9 @@ use crate::metrics::Metrics;
 use crate::network::NetRecord;
 use hutch_api::{CreateSandbox, Extend, Limits, LimitsRequest, Sandbox, SandboxList, SandboxState};
 use hutch_runtime::cgroup::Limits as CgLimits;
+use hutch_runtime::image::{ImageError, ImageStore};
 use hutch_runtime::net::{Attached, Network};
-use hutch_runtime::{Runtime, SandboxSpec};
+use hutch_runtime::{RootSource, Runtime, SandboxSpec};
 use hutch_store::{SandboxRecord, Store, StoreError};
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap};
@@ -411,11 +412,66 @@ impl Control {
         }
     }
 
+    /// The host's image store.
+    pub fn images(&self) -> Result<ImageStore> {
+        ImageStore::open(&self.runtime.config().state_dir).map_err(|e| ControlError::Runtime(e.to_string()))
+    }
+
+    /// The image a sandbox of `record` runs: its template's, else `base`.
+    fn image_of(&self, record: &SandboxRecord) -> Result<String> {
+        Ok(match &record.template_id {
+            Some(id) => self.store.get_template(id)?.map(|t| t.image).unwrap_or_else(|| BASE.name.into()),
+            None => BASE.name.into(),
+        })
+    }
+
+    /// The layers and environment of image `name` (not `base`); a preset is
+    /// built here on its first use, which takes a while: call it on the
+    /// blocking pool.
+    fn image_root(&self, name: &str) -> Result<(RootSource, Vec<(String, String)>)> {
+        let store = self.images()?;
+        let found = if hutch_runtime::image::debian::is_preset(name) {
+            hutch_runtime::image::ensure_preset(&store, name, &|line| log_info(&format!("image {name}: {line}")))
+        } else {
+            store.get(name)
+        };
+        let img = found.map_err(|e| match e {
+            ImageError::NotFound(n) => ControlError::NoImage(n),
+            e => ControlError::StartFailed(format!("{}: {e}", e.code())),
+        })?;
+        let dirs = store.layer_dirs(&img).map_err(|e| ControlError::StartFailed(format!("{}: {e}", e.code())))?;
+        Ok((RootSource::Layers(dirs), img.env_pairs()))
+    }
+
     /// Starts the runtime sandbox of a `starting` record.
     pub(crate) async fn boot(self: Arc<Self>, mut record: SandboxRecord) -> Result<SandboxRecord> {
         let t0 = Instant::now();
-        let env: BTreeMap<String, String> = serde_json::from_str(&record.env).unwrap_or_default();
+        let root = match self.image_of(&record) {
+            Ok(image) if image == hutch_runtime::image::BASE => Ok((RootSource::Base, Vec::new())),
+            Ok(image) => {
+                let this = self.clone();
+                match tokio::task::spawn_blocking(move || this.image_root(&image)).await {
+                    Ok(r) => r,
+                    Err(join) => Err(ControlError::Runtime(format!("image task: {join}"))),
+                }
+            }
+            Err(e) => Err(e),
+        };
+        let (root, image_env) = match root {
+            Ok(r) => r,
+            Err(e) => {
+                record.state = "terminated".into();
+                record.last_error_code = Some(e.code().as_str().into());
+                self.store.update_sandbox(&record)?;
+                log_warn(&format!("sandbox {} failed to start: {e}", record.id));
+                return Err(e);
+            }
+        };
+        // The image's environment, under the template's and the request's.
+        let mut env: BTreeMap<String, String> = image_env.into_iter().collect();
+        env.extend(serde_json::from_str::<BTreeMap<String, String>>(&record.env).unwrap_or_default());
         let spec = SandboxSpec {
+            root,
             id: Some(record.id.clone()),
             limits: CgLimits {
                 memory_bytes: record.memory_mb << 20,

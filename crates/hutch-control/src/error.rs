@@ -13,6 +13,8 @@ pub enum ControlError {
     NoSandbox(String),
     #[error("no template {0}")]
     NoTemplate(String),
+    #[error("image {0:?} is neither `base`, a preset (python, node) nor in the image store (hutch image list)")]
+    NoImage(String),
     #[error("you already have a template named {0:?}")]
     TemplateNameTaken(String),
     #[error("no process {pid} in sandbox {sandbox}")]
@@ -61,6 +63,7 @@ impl ControlError {
                 ErrorCode::NotFound
             }
             ControlError::TemplateNameTaken(_) => ErrorCode::TemplateNameTaken,
+            ControlError::NoImage(_) => ErrorCode::ImageNotFound,
             ControlError::NotRunning { .. } => ErrorCode::SandboxSessionNotRunning,
             ControlError::Capacity(_) => ErrorCode::SandboxCommandCapacity,
             ControlError::IdempotencyConflict => ErrorCode::IdempotencyConflict,

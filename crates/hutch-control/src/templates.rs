@@ -16,8 +16,8 @@ use std::time::Duration;
 pub const WARM_MAX: u32 = 16;
 /// Longest `max_ttl_seconds` a template may set (7 days).
 pub const MAX_TTL_CAP: u64 = 7 * 86_400;
-/// The only image and class until images land.
-const IMAGE: &str = "base";
+/// The builtin image and the only class.
+const IMAGE: &str = hutch_runtime::image::BASE;
 const CLASS: &str = "container";
 
 /// A template's id: `tpl-` and 16 hex digits.
@@ -127,15 +127,6 @@ fn check_name(name: &str) -> Result<()> {
     Ok(())
 }
 
-fn check_image(image: Option<&str>) -> Result<()> {
-    match image {
-        None | Some(IMAGE) => Ok(()),
-        Some(other) => Err(ControlError::Invalid(format!(
-            "image {other:?}: images are not available yet; only `base` (the host-based root filesystem) is"
-        ))),
-    }
-}
-
 fn check_class(class: Option<&str>) -> Result<()> {
     match class {
         None | Some(CLASS) => Ok(()),
@@ -216,9 +207,23 @@ impl Control {
         }
     }
 
+    /// The image a template may name: `base`, a preset (built on first
+    /// use), or one in the image store.
+    fn check_image(&self, image: Option<&str>) -> Result<String> {
+        let name = image.unwrap_or(IMAGE);
+        if name == IMAGE || hutch_runtime::image::debian::is_preset(name) {
+            return Ok(name.to_owned());
+        }
+        match self.images()?.get(name) {
+            Ok(_) => Ok(name.to_owned()),
+            Err(hutch_runtime::image::ImageError::NotFound(_)) => Err(ControlError::NoImage(name.to_owned())),
+            Err(e) => Err(ControlError::Runtime(e.to_string())),
+        }
+    }
+
     pub fn create_template(&self, owner: &str, req: &CreateTemplate) -> Result<Template> {
         check_name(&req.name)?;
-        check_image(req.image.as_deref())?;
+        let image = self.check_image(req.image.as_deref())?;
         check_class(req.class.as_deref())?;
         let (memory_mb, vcpus, disk_mib, pids) = resolve_limits(req.memory_mb, req.limits.as_ref())?;
         crate::control::check_map("env", &req.env, 256)?;
@@ -233,7 +238,7 @@ impl Control {
             owner: owner.to_owned(),
             name: req.name.clone(),
             version: 1,
-            image: IMAGE.into(),
+            image,
             class: CLASS.into(),
             memory_mb,
             vcpus,
@@ -267,9 +272,11 @@ impl Control {
 
     pub fn update_template(&self, owner: &str, id: &TemplateId, req: &UpdateTemplate) -> Result<Template> {
         let old = self.own_template(owner, id)?;
-        check_image(req.image.as_deref())?;
         check_class(req.class.as_deref())?;
         let mut t = old.clone();
+        if req.image.is_some() {
+            t.image = self.check_image(req.image.as_deref())?;
+        }
         if req.memory_mb.is_some() || req.limits.is_some() {
             let limits = req.limits.clone().unwrap_or(LimitsRequest {
                 vcpus: Some(old.vcpus),
@@ -337,8 +344,6 @@ mod tests {
         for bad in ["", "base", "-x", "Upper", "a/b", &"x".repeat(65)] {
             assert!(check_name(bad).is_err(), "{bad}");
         }
-        assert!(check_image(Some("debian")).is_err());
-        assert!(check_image(Some("base")).is_ok());
         assert!(check_class(Some("microvm")).is_err());
         assert!(check_warm(Warm { min: 3, max: 2 }).is_err());
         assert!(check_warm(Warm { min: 0, max: WARM_MAX + 1 }).is_err());

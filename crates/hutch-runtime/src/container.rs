@@ -99,9 +99,22 @@ impl Config {
     }
 }
 
+/// What a sandbox's root file system is made of.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum RootSource {
+    /// The host-based `base` tree with the host's /usr.
+    #[default]
+    Base,
+    /// An image's layers (see [`crate::image::ImageStore::layer_dirs`]),
+    /// bottom first, stacked as overlay lower layers; no host /usr.
+    Layers(Vec<PathBuf>),
+}
+
 /// What one sandbox gets.
 #[derive(Debug, Clone)]
 pub struct SandboxSpec {
+    /// The root file system.
+    pub root: RootSource,
     /// Chosen by the caller, or random when `None`.
     pub id: Option<String>,
     pub limits: Limits,
@@ -125,6 +138,7 @@ pub struct SandboxSpec {
 impl Default for SandboxSpec {
     fn default() -> Self {
         SandboxSpec {
+            root: RootSource::Base,
             id: None,
             limits: Limits { memory_bytes: 512 << 20, pids: 256, cpu_millis: 1000 },
             disk_bytes: 1 << 30,
@@ -325,13 +339,17 @@ impl Runtime {
                 plan.push(Step::SetNs { fd: net.as_raw_fd(), nstype: libc::CLONE_NEWNET });
             }
             let stage = self.cfg.run_dir.join("stage");
-            let usr = Path::new("/usr");
+            let base = [self.base.clone()];
+            let (lowers, usr) = match &spec.root {
+                RootSource::Base => (&base[..], Some(Path::new("/usr"))),
+                RootSource::Layers(layers) => (&layers[..], None),
+            };
             rootfs::plan_root(
                 &mut plan,
                 &FsSpec {
                     stage: &stage,
-                    lower: &self.base,
-                    usr: Some(usr),
+                    lowers,
+                    usr,
                     disk_bytes: spec.disk_bytes,
                     id_base: slot.base(),
                     userns_fd: userns.as_raw_fd(),

@@ -12,6 +12,7 @@ pub mod agent_async;
 pub mod cgroup;
 pub mod container;
 pub mod doctor;
+pub mod image;
 pub mod launch;
 pub mod net;
 pub mod rootfs;
@@ -19,4 +20,4 @@ pub mod seccomp;
 pub mod sys;
 pub mod uids;
 
-pub use container::{Config, Runtime, RuntimeError, Sandbox, SandboxSpec};
+pub use container::{Config, RootSource, Runtime, RuntimeError, Sandbox, SandboxSpec};

@@ -167,9 +167,10 @@ pub struct FsSpec<'a> {
     /// Empty directory on the host over which the child mounts its private
     /// staging tmpfs (inside its own mount namespace, invisible to the host).
     pub stage: &'a Path,
-    /// The read-only lower layer (e.g. from [`ensure_base`]).
-    pub lower: &'a Path,
-    /// Host directory bind mounted read-only at /usr, if any.
+    /// The read-only lower layers, bottom first: [`ensure_base`]'s tree,
+    /// or an image's layers. Each is mounted id-mapped.
+    pub lowers: &'a [PathBuf],
+    /// Host directory bind mounted read-only at /usr, if any (`base` only).
     pub usr: Option<&'a Path>,
     /// Size cap of the writable layer.
     pub disk_bytes: u64,
@@ -223,19 +224,36 @@ pub fn plan_root(plan: &mut Plan, spec: &FsSpec) -> io::Result<()> {
         plan.push(Step::Chmod { path: cstr(&p)?, mode });
         plan.push(Step::Chown { path: cstr(&p)?, uid: base + owner, gid: base + owner });
     }
-    // The lower layer appears owned by the sandbox's root, not by nobody.
-    plan.push(Step::IdmapBind {
-        source: cstr(spec.lower)?,
-        target: cstr(&lower)?,
-        attrs: crate::launch::MOUNT_ATTR_RDONLY,
-        userns: spec.userns_fd,
-    });
+    // Lower layers appear owned by the sandbox's root, not by nobody. Each
+    // gets its own mount point; overlay wants the topmost first.
+    if spec.lowers.is_empty() || spec.lowers.len() > crate::image::MAX_LAYERS {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "a root needs 1 to 128 lower layers"));
+    }
+    let mut lowerdirs = Vec::with_capacity(spec.lowers.len());
+    for (i, layer) in spec.lowers.iter().enumerate() {
+        let target = lower.join(i.to_string());
+        plan.mkdir(&target, 0o755)?;
+        plan.push(Step::IdmapBind {
+            source: cstr(layer)?,
+            target: cstr(&target)?,
+            attrs: crate::launch::MOUNT_ATTR_RDONLY
+                | crate::launch::MOUNT_ATTR_NOSUID
+                | crate::launch::MOUNT_ATTR_NODEV,
+            userns: spec.userns_fd,
+        });
+        lowerdirs.push(target.display().to_string());
+    }
+    lowerdirs.reverse();
     let data = format!(
         "lowerdir={},upperdir={},workdir={},volatile",
-        lower.display(),
+        lowerdirs.join(":"),
         upper.display(),
         stage.join("work").display()
     );
+    // Mount options must fit in one page.
+    if data.len() >= 4000 {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "overlay options too long: too many layers"));
+    }
     plan.mount(Some("overlay"), &root, Some("overlay"), libc::MS_NOSUID, Some(&data))?;
     if let Some(usr) = spec.usr {
         plan.push(Step::IdmapBind {
@@ -351,7 +369,7 @@ mod tests {
         let mut plan = Plan::default();
         let spec = FsSpec {
             stage: Path::new("/run/hutch/stage"),
-            lower: Path::new("/var/lib/hutch/rootfs/base-v1"),
+            lowers: &[PathBuf::from("/var/lib/hutch/rootfs/base-v1")],
             usr: Some(Path::new("/usr")),
             disk_bytes: 1 << 30,
             id_base: 1 << 31,

@@ -35,6 +35,7 @@ use utoipa::{Modify, OpenApi};
         crate::templates::get_template,
         crate::templates::update_template,
         crate::templates::delete_template,
+        crate::templates::list_images,
     ),
     components(schemas(
         hutch_api::ErrorBody, hutch_api::ErrorCode, hutch_api::Sandbox, hutch_api::SandboxList, hutch_api::SandboxState,
@@ -44,7 +45,7 @@ use utoipa::{Modify, OpenApi};
         hutch_api::StdinRequest, hutch_api::FileRef, hutch_api::FileData, hutch_api::ListEntry, hutch_api::Listing,
         hutch_api::ArchiveResult, hutch_api::FilePart, hutch_api::FilePartResult,
         hutch_api::Template, hutch_api::CreateTemplate, hutch_api::UpdateTemplate, hutch_api::Warm,
-        hutch_api::TemplateList,
+        hutch_api::TemplateList, hutch_api::ImageInfo, hutch_api::ImageList,
     )),
     modifiers(&BearerAuth),
     security(("bearer" = []))

@@ -30,6 +30,8 @@ enum Command {
     Files(cli::files::FilesArgs),
     /// Manage API keys in the daemon's database (on its host, no HTTP).
     Key(cli::keys::KeyArgs),
+    /// Build, import, pull and list images (on the daemon's host, no HTTP).
+    Image(cli::image::ImageArgs),
     /// Report what this host offers for sandboxes and what it lacks.
     Doctor {
         /// Print the report as JSON.
@@ -47,6 +49,7 @@ fn main() {
         Command::Exec(args) => cli::exec::main(args),
         Command::Files(args) => cli::files::main(args),
         Command::Key(args) => cli::keys::main(args),
+        Command::Image(args) => cli::image::main(args),
         Command::Doctor { json } => doctor(json),
     };
     std::process::exit(code);

@@ -48,6 +48,10 @@ pub struct RunArgs {
     /// Working directory inside the sandbox.
     #[arg(long, short = 'w')]
     workdir: Option<String>,
+    /// Root file system: `base` (the host's /usr) or an image of the store
+    /// (`hutch image list`); a preset is built first if missing.
+    #[arg(long, default_value = "base")]
+    image: String,
     /// Name of the sandbox (its cgroup and socket are named after it).
     #[arg(long, value_parser = parse_name)]
     name: Option<String>,
@@ -57,6 +61,22 @@ pub struct RunArgs {
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<String>,
+}
+
+/// The layers and environment of image `name` (a preset is built if missing).
+fn image_root(
+    state_dir: &std::path::Path,
+    name: &str,
+) -> Result<(hutch_runtime::RootSource, Vec<(String, String)>), String> {
+    use hutch_runtime::image::{debian, ImageStore};
+    let show = |e: hutch_runtime::image::ImageError| format!("{e} [{}]", e.code());
+    let store = ImageStore::open(state_dir).map_err(show)?;
+    let img = if debian::is_preset(name) {
+        debian::ensure_preset(&store, name, &|line| eprintln!("hutch: image {name}: {line}")).map_err(show)?
+    } else {
+        store.get(name).map_err(show)?
+    };
+    Ok((hutch_runtime::RootSource::Layers(store.layer_dirs(&img).map_err(show)?), img.env_pairs()))
 }
 
 fn parse_name(s: &str) -> Result<String, String> {
@@ -92,7 +112,18 @@ fn run(args: &RunArgs) -> Result<i32, String> {
         pids: args.pids,
         cpu_millis: (args.vcpus * 1000.0).round().max(1.0) as u32,
     };
+    let mut root = hutch_runtime::RootSource::Base;
+    if args.image != hutch_runtime::image::BASE {
+        let (image, image_env) = image_root(&runtime.config().state_dir, &args.image)?;
+        root = image;
+        // The image's environment, under the command line's.
+        let mut all: Vec<(String, String)> =
+            image_env.into_iter().filter(|(k, _)| !env.iter().any(|(e, _)| e == k)).collect();
+        all.append(&mut env);
+        env = all;
+    }
     let spec = SandboxSpec {
+        root,
         id: args.name.clone(),
         limits,
         disk_bytes: args.disk,

@@ -96,6 +96,7 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
             ("invalid_argument", StatusCode::BAD_REQUEST)
         }
         ErrorCode::UnknownTemplate
+        | ErrorCode::ImageNotFound
         | ErrorCode::SandboxArchiveInvalid
         | ErrorCode::SandboxFilePartOutOfOrder
         | ErrorCode::SandboxFilePartMismatch => ("invalid_argument", StatusCode::BAD_REQUEST),

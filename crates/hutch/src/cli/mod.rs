@@ -6,6 +6,7 @@
 pub mod client;
 pub mod exec;
 pub mod files;
+pub mod image;
 pub mod keys;
 pub mod output;
 pub mod sandbox;

@@ -1,0 +1,702 @@
+//! The image store: root filesystems as stacks of content-addressed layers
+//! on the host, shared between images and mounted read-only (id-mapped) as
+//! overlay lower layers of every sandbox that runs on them.
+//!
+//! On disk, under `<state_dir>/images/` (mode 0700: layers hold files owned
+//! by the image's own ids, setuid bits included, and no host user may reach
+//! them):
+//!
+//! - `layers/<sha256hex>/`: one extracted layer in overlayfs form (a whiteout
+//!   is a 0:0 character device, an opaque directory carries
+//!   `trusted.overlay.opaque=y`). Imported layers are named by the sha256 of
+//!   their uncompressed tar (the OCI diff_id); layers made elsewhere (builds,
+//!   our generated top layers) by [`tree_digest`]. A layer is built in
+//!   `tmp/` and renamed into place; it is never written after that.
+//! - `images/<name>.json`: an [`Image`], written to a temporary file and
+//!   renamed.
+//! - `tmp/`: layers and downloads being made.
+//!
+//! Every layer that comes from outside is untrusted: see [`extract`].
+
+pub mod archive;
+pub mod debian;
+pub mod extract;
+pub mod registry;
+mod top;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::fs;
+use std::io::{self, Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+pub use debian::ensure_preset;
+pub use extract::{import_layer, Limits};
+
+/// Most layers an image may stack (overlayfs allows 500; the mount options
+/// must also fit one page).
+pub const MAX_LAYERS: usize = 128;
+
+/// Layers younger than this are never collected: an import or a build may
+/// have committed them and not yet written the image that names them.
+const GC_GRACE: Duration = Duration::from_secs(3600);
+
+/// The name reserved for the host-based root filesystem (not in the store).
+pub const BASE: &str = "base";
+
+/// An image: a named stack of layers and the metadata a sandbox on it gets.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Image {
+    pub name: String,
+    /// Layer digests (hex), bottom first; the last is our generated layer.
+    pub layers: Vec<String>,
+    /// `K=V` entries from the image's configuration.
+    #[serde(default)]
+    pub env: Vec<String>,
+    #[serde(default)]
+    pub cmd: Vec<String>,
+    #[serde(default)]
+    pub workdir: Option<String>,
+    /// Where it came from: `debian:bookworm+python3`, `import:FILE`, `pull:REF`.
+    pub source: String,
+    /// Unix seconds.
+    pub created_at: u64,
+}
+
+impl Image {
+    /// The image's environment as pairs; malformed entries are skipped.
+    pub fn env_pairs(&self) -> Vec<(String, String)> {
+        self.env
+            .iter()
+            .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned())))
+            .filter(|(k, _)| !k.is_empty())
+            .collect()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error("no image {0:?}")]
+    NotFound(String),
+    #[error("image {name:?}: {reason}")]
+    Invalid { name: String, reason: String },
+    #[error("layer refused: {0}")]
+    LayerRefused(String),
+    #[error("registry: {0}")]
+    Registry(String),
+    #[error("building image {name:?}: {reason}")]
+    Build { name: String, reason: String },
+    #[error("image store: {what}: {source}")]
+    Io { what: String, source: io::Error },
+}
+
+impl ImageError {
+    /// The stable code of each error: one exhaustive match.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ImageError::NotFound(_) => "image_not_found",
+            ImageError::Invalid { .. } => "image_invalid",
+            ImageError::LayerRefused(_) => "image_layer_refused",
+            ImageError::Registry(_) => "registry_error",
+            ImageError::Build { .. } => "image_build_failed",
+            ImageError::Io { .. } => "internal",
+        }
+    }
+}
+
+pub(crate) fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> ImageError {
+    let what = what.into();
+    move |source| ImageError::Io { what, source }
+}
+
+/// Whether `name` may name an image: `[a-z0-9][a-z0-9._-]{0,62}`.
+pub fn valid_name(name: &str) -> bool {
+    let b = name.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && (b[0].is_ascii_lowercase() || b[0].is_ascii_digit())
+        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, b'.' | b'_' | b'-'))
+}
+
+/// The local name of a registry reference or a file: lowercased, every run
+/// of other characters turned into one `-`, leading punctuation dropped, cut
+/// to 63 bytes. `localhost:5000/x/y:tag` becomes `localhost-5000-x-y-tag`.
+pub fn local_name(reference: &str) -> String {
+    let mut out = String::new();
+    for c in reference.chars().map(|c| c.to_ascii_lowercase()) {
+        if c.is_ascii_lowercase() || c.is_ascii_digit() || c == '.' || c == '_' {
+            out.push(c);
+        } else if !out.ends_with('-') {
+            out.push('-');
+        }
+    }
+    let trimmed = out.trim_start_matches(|c: char| !c.is_ascii_alphanumeric());
+    let mut name: String = trimmed.chars().take(63).collect();
+    while name.ends_with('-') {
+        name.pop();
+    }
+    if name.is_empty() {
+        "image".into()
+    } else {
+        name
+    }
+}
+
+fn valid_hex(hex: &str) -> bool {
+    hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+pub(crate) fn now_secs() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// A random name for something temporary.
+pub(crate) fn random_suffix() -> String {
+    let mut b = [0u8; 8];
+    if crate::sys::random_bytes(&mut b).is_err() {
+        b = (now_secs() ^ u64::from(std::process::id())).to_le_bytes();
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The image store of one state directory.
+#[derive(Debug, Clone)]
+pub struct ImageStore {
+    root: PathBuf,
+}
+
+/// An image's summary, for listings.
+#[derive(Debug, Clone, Serialize)]
+pub struct ImageSummary {
+    pub name: String,
+    pub layers: usize,
+    /// Bytes of the image's layers on disk (shared layers counted in full).
+    pub size_bytes: u64,
+    pub source: String,
+    pub created_at: u64,
+}
+
+impl ImageStore {
+    /// Opens (and creates) the store under `state_dir`.
+    pub fn open(state_dir: &Path) -> Result<ImageStore, ImageError> {
+        let root = state_dir.join("images");
+        for dir in [root.clone(), root.join("layers"), root.join("images"), root.join("tmp")] {
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&dir)
+                .map_err(io_err(format!("mkdir {}", dir.display())))?;
+        }
+        // Layers hold setuid files owned by the image's ids: no host user may
+        // reach them, whatever the state directory's own mode.
+        fs::set_permissions(&root, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .map_err(io_err(format!("chmod {}", root.display())))?;
+        Ok(ImageStore { root })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Where the layer `hex` lives (whether or not it exists).
+    pub fn layer_dir(&self, hex: &str) -> PathBuf {
+        self.root.join("layers").join(hex)
+    }
+
+    pub fn has_layer(&self, hex: &str) -> bool {
+        valid_hex(hex) && self.layer_dir(hex).is_dir()
+    }
+
+    /// A new empty directory beside the layers, for a layer being made (then
+    /// [`ImageStore::commit_layer`]) or a download.
+    pub fn temp_dir(&self) -> Result<PathBuf, ImageError> {
+        let dir = self.root.join("tmp").join(random_suffix());
+        fs::DirBuilder::new().mode(0o755).create(&dir).map_err(io_err(format!("mkdir {}", dir.display())))?;
+        Ok(dir)
+    }
+
+    fn image_path(&self, name: &str) -> PathBuf {
+        self.root.join("images").join(format!("{name}.json"))
+    }
+
+    pub fn get(&self, name: &str) -> Result<Image, ImageError> {
+        if !valid_name(name) {
+            return Err(ImageError::NotFound(name.to_owned()));
+        }
+        let text = match fs::read(self.image_path(name)) {
+            Ok(t) => t,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(ImageError::NotFound(name.to_owned())),
+            Err(e) => return Err(io_err(format!("read image {name}"))(e)),
+        };
+        let image: Image = serde_json::from_slice(&text)
+            .map_err(|e| ImageError::Invalid { name: name.to_owned(), reason: format!("unreadable record: {e}") })?;
+        if image.name != name || image.layers.iter().any(|h| !valid_hex(h)) {
+            return Err(ImageError::Invalid { name: name.to_owned(), reason: "inconsistent record".into() });
+        }
+        Ok(image)
+    }
+
+    /// Every readable image, by name.
+    pub fn list(&self) -> Vec<Image> {
+        let mut out = Vec::new();
+        if let Ok(rd) = fs::read_dir(self.root.join("images")) {
+            for e in rd.flatten() {
+                let file = e.file_name();
+                let Some(name) = file.to_str().and_then(|f| f.strip_suffix(".json")) else { continue };
+                if let Ok(img) = self.get(name) {
+                    out.push(img);
+                }
+            }
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out
+    }
+
+    /// Listings with sizes.
+    pub fn summaries(&self) -> Vec<ImageSummary> {
+        self.list()
+            .into_iter()
+            .map(|img| ImageSummary {
+                layers: img.layers.len(),
+                size_bytes: img.layers.iter().map(|h| self.layer_size(h)).sum(),
+                name: img.name,
+                source: img.source,
+                created_at: img.created_at,
+            })
+            .collect()
+    }
+
+    /// Bytes of a layer's regular files, from a `size` file written at commit
+    /// (computed once and kept).
+    fn layer_size(&self, hex: &str) -> u64 {
+        let meta = self.root.join("layers").join(format!(".{hex}.size"));
+        if let Some(n) = fs::read_to_string(&meta).ok().and_then(|s| s.trim().parse().ok()) {
+            return n;
+        }
+        let n = dir_size(&self.layer_dir(hex));
+        let _ = fs::write(&meta, n.to_string());
+        n
+    }
+
+    /// Records an image (atomically). Every layer must exist.
+    pub fn put(&self, image: &Image) -> Result<(), ImageError> {
+        if !valid_name(&image.name) || image.name == BASE {
+            return Err(ImageError::Invalid {
+                name: image.name.clone(),
+                reason: "names are 1 to 63 of a-z, 0-9, '.', '_', '-', starting with a letter or digit; \
+                         `base` is reserved"
+                    .into(),
+            });
+        }
+        if image.layers.is_empty() || image.layers.len() > MAX_LAYERS {
+            return Err(ImageError::Invalid {
+                name: image.name.clone(),
+                reason: format!("an image has 1 to {MAX_LAYERS} layers"),
+            });
+        }
+        if let Some(missing) = image.layers.iter().find(|h| !self.has_layer(h)) {
+            return Err(ImageError::Invalid { name: image.name.clone(), reason: format!("no layer {missing}") });
+        }
+        let body = serde_json::to_vec_pretty(image)
+            .map_err(|e| ImageError::Invalid { name: image.name.clone(), reason: format!("cannot encode: {e}") })?;
+        let tmp = self.root.join("images").join(format!(".{}.{}", image.name, random_suffix()));
+        let write = || -> io::Result<()> {
+            let mut f = fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?;
+            f.write_all(&body)?;
+            f.sync_all()?;
+            fs::rename(&tmp, self.image_path(&image.name))
+        };
+        write().map_err(|e| {
+            let _ = fs::remove_file(&tmp);
+            io_err(format!("write image {}", image.name))(e)
+        })
+    }
+
+    /// Forgets an image. Its layers stay until [`ImageStore::gc`].
+    pub fn remove(&self, name: &str) -> Result<(), ImageError> {
+        if !valid_name(name) {
+            return Err(ImageError::NotFound(name.to_owned()));
+        }
+        match fs::remove_file(self.image_path(name)) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Err(ImageError::NotFound(name.to_owned())),
+            Err(e) => Err(io_err(format!("remove image {name}"))(e)),
+        }
+    }
+
+    /// Moves a finished layer directory (made under [`ImageStore::temp_dir`])
+    /// into the store under its [`tree_digest`], and returns the digest. If
+    /// the store has that layer already, `tmp_dir` is removed instead. The
+    /// tree must hold image ids (below 65536) and no device node but
+    /// whiteouts (sockets are deleted first); anything else refuses it (and
+    /// removes it).
+    pub fn commit_layer(&self, tmp_dir: &Path) -> Result<String, ImageError> {
+        // Sockets a build's processes left behind mean nothing in an image.
+        prune_sockets(tmp_dir, 0);
+        let hex = match tree_digest(tmp_dir) {
+            Ok(h) => h,
+            Err(e) => {
+                let _ = fs::remove_dir_all(tmp_dir);
+                return Err(e);
+            }
+        };
+        self.commit_as(tmp_dir, &hex)?;
+        Ok(hex)
+    }
+
+    /// Moves `tmp_dir` to `layers/<hex>` (or drops it if that exists).
+    pub(crate) fn commit_as(&self, tmp_dir: &Path, hex: &str) -> Result<(), ImageError> {
+        let dst = self.layer_dir(hex);
+        if dst.is_dir() {
+            let _ = fs::remove_dir_all(tmp_dir);
+            return Ok(());
+        }
+        match fs::rename(tmp_dir, &dst) {
+            Ok(()) => Ok(()),
+            Err(_) if dst.is_dir() => {
+                // A concurrent commit of the same content won.
+                let _ = fs::remove_dir_all(tmp_dir);
+                Ok(())
+            }
+            Err(e) => {
+                let _ = fs::remove_dir_all(tmp_dir);
+                Err(io_err(format!("commit layer {hex}"))(e))
+            }
+        }
+    }
+
+    /// Removes layers no image names (older than an hour, so that imports
+    /// and builds in progress keep theirs) and stale temporary files.
+    /// Returns the digests removed. Sandboxes still running on a removed
+    /// image keep their mounts, but files they have not opened yet vanish:
+    /// run it when none do.
+    pub fn gc(&self) -> Result<Vec<String>, ImageError> {
+        let _lock = self.lock(libc::LOCK_EX)?;
+        let used: std::collections::HashSet<String> = self.list().into_iter().flat_map(|i| i.layers).collect();
+        let old = |p: &Path| {
+            fs::symlink_metadata(p)
+                .and_then(|m| m.modified())
+                .map(|t| t.elapsed().unwrap_or_default() > GC_GRACE)
+                .unwrap_or(false)
+        };
+        let mut removed = Vec::new();
+        let layers = self.root.join("layers");
+        for e in fs::read_dir(&layers).map_err(io_err("list layers"))?.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if valid_hex(&name) && !used.contains(&name) && old(&e.path()) {
+                fs::remove_dir_all(e.path()).map_err(io_err(format!("remove layer {name}")))?;
+                let _ = fs::remove_file(layers.join(format!(".{name}.size")));
+                removed.push(name);
+            }
+        }
+        for e in fs::read_dir(self.root.join("tmp")).map_err(io_err("list tmp"))?.flatten() {
+            if old(&e.path()) {
+                let _ = fs::remove_dir_all(e.path()).or_else(|_| fs::remove_file(e.path()));
+            }
+        }
+        Ok(removed)
+    }
+
+    /// A lock over the whole store: imports and builds hold it shared, the
+    /// collector exclusive, preset builds exclusive on their own file.
+    pub(crate) fn lock(&self, how: libc::c_int) -> Result<fs::File, ImageError> {
+        self.lock_file(".lock", how)
+    }
+
+    pub(crate) fn lock_file(&self, name: &str, how: libc::c_int) -> Result<fs::File, ImageError> {
+        let path = self.root.join(name);
+        let f = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(io_err(format!("open {}", path.display())))?;
+        loop {
+            // SAFETY: flock on a descriptor we own; no memory is involved.
+            if unsafe { libc::flock(f.as_raw_fd(), how) } == 0 {
+                return Ok(f);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(io_err(format!("lock {}", path.display()))(e));
+            }
+        }
+    }
+
+    /// Records an image made of `layers` (bottom first) plus our generated
+    /// top layer (see [`top`]), under `name`.
+    pub fn finish_image(
+        &self,
+        name: &str,
+        layers: Vec<String>,
+        config: ImageConfig,
+        source: String,
+    ) -> Result<Image, ImageError> {
+        if !valid_name(name) || name == BASE {
+            return Err(ImageError::Invalid { name: name.to_owned(), reason: "not a valid image name".into() });
+        }
+        if layers.len() + 1 > MAX_LAYERS {
+            return Err(ImageError::Invalid {
+                name: name.to_owned(),
+                reason: format!("{} layers; at most {} are allowed", layers.len(), MAX_LAYERS - 1),
+            });
+        }
+        let dirs: Vec<PathBuf> = layers.iter().map(|h| self.layer_dir(h)).collect();
+        let tmp = self.temp_dir()?;
+        if let Err(e) = top::build(&tmp, &dirs) {
+            let _ = fs::remove_dir_all(&tmp);
+            return Err(io_err("generate the image's top layer")(e));
+        }
+        let top = self.commit_layer(&tmp)?;
+        let mut all = layers;
+        all.push(top);
+        let image = Image {
+            name: name.to_owned(),
+            layers: all,
+            env: config.env,
+            cmd: config.cmd,
+            workdir: config.workdir,
+            source,
+            created_at: now_secs(),
+        };
+        self.put(&image)?;
+        Ok(image)
+    }
+
+    /// The directories of an image's layers, bottom first, all present.
+    pub fn layer_dirs(&self, image: &Image) -> Result<Vec<PathBuf>, ImageError> {
+        image
+            .layers
+            .iter()
+            .map(|h| {
+                if self.has_layer(h) {
+                    Ok(self.layer_dir(h))
+                } else {
+                    Err(ImageError::Invalid { name: image.name.clone(), reason: format!("layer {h} is missing") })
+                }
+            })
+            .collect()
+    }
+}
+
+/// What an image's configuration says about how to run it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ImageConfig {
+    pub env: Vec<String>,
+    pub cmd: Vec<String>,
+    pub workdir: Option<String>,
+}
+
+impl ImageConfig {
+    /// Reads the `config` object of an OCI or Docker image configuration.
+    pub fn from_oci(config: &serde_json::Value) -> ImageConfig {
+        let c = &config["config"];
+        let strings = |v: &serde_json::Value| -> Vec<String> {
+            v.as_array()
+                .map(|a| {
+                    a.iter().filter_map(|s| s.as_str()).take(1024).map(|s| s.chars().take(8192).collect()).collect()
+                })
+                .unwrap_or_default()
+        };
+        let mut cmd = strings(&c["Entrypoint"]);
+        cmd.extend(strings(&c["Cmd"]));
+        let workdir = c["WorkingDir"].as_str().filter(|w| w.starts_with('/') && w.len() <= 4096).map(str::to_owned);
+        ImageConfig { env: strings(&c["Env"]), cmd, workdir }
+    }
+}
+
+/// Deletes the unix sockets under `dir` (never following a symlink).
+fn prune_sockets(dir: &Path, depth: usize) {
+    use std::os::unix::fs::FileTypeExt;
+    if depth > extract::MAX_DEPTH {
+        return;
+    }
+    let Ok(rd) = fs::read_dir(dir) else { return };
+    for e in rd.flatten() {
+        match e.file_type() {
+            Ok(t) if t.is_socket() => {
+                let _ = fs::remove_file(e.path());
+            }
+            Ok(t) if t.is_dir() => prune_sockets(&e.path(), depth + 1),
+            _ => {}
+        }
+    }
+}
+
+fn dir_size(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = fs::read_dir(&d) else { continue };
+        for e in rd.flatten() {
+            let Ok(m) = e.path().symlink_metadata() else { continue };
+            if m.is_dir() {
+                stack.push(e.path());
+            } else if m.is_file() {
+                total += m.len();
+            }
+        }
+    }
+    total
+}
+
+/// The content digest of a layer directory: sha256 over every entry in
+/// byte order of its path, with its type, mode, owner, and content (file
+/// bytes, link target, device number, opaque flag). Deterministic for the
+/// same tree; timestamps are left out. Refuses what no layer may hold:
+/// device nodes other than whiteouts, ids outside the image's 65536, and
+/// files other than regular, directory, symlink, fifo and whiteout.
+pub fn tree_digest(dir: &Path) -> Result<String, ImageError> {
+    let mut h = Sha256::new();
+    digest_dir(dir, Path::new(""), &mut h, 0)?;
+    Ok(hex::encode(h.finalize()))
+}
+
+fn digest_dir(root: &Path, rel: &Path, h: &mut Sha256, depth: usize) -> Result<(), ImageError> {
+    if depth > extract::MAX_DEPTH {
+        return Err(ImageError::LayerRefused(format!("{}: deeper than {}", rel.display(), extract::MAX_DEPTH)));
+    }
+    let path = root.join(rel);
+    let mut names: Vec<_> = fs::read_dir(&path)
+        .map_err(io_err(format!("list {}", path.display())))?
+        .map(|e| e.map(|e| e.file_name()))
+        .collect::<io::Result<_>>()
+        .map_err(io_err(format!("list {}", path.display())))?;
+    names.sort();
+    let meta = fs::symlink_metadata(&path).map_err(io_err(format!("stat {}", path.display())))?;
+    entry_header(h, rel, &meta, b'd')?;
+    let opaque = extract::get_opaque(&path).map_err(io_err(format!("xattr {}", path.display())))?;
+    h.update([u8::from(opaque)]);
+    for name in names {
+        let child_rel = rel.join(&name);
+        let child = root.join(&child_rel);
+        let m = fs::symlink_metadata(&child).map_err(io_err(format!("stat {}", child.display())))?;
+        let ft = m.file_type();
+        use std::os::unix::fs::FileTypeExt;
+        if ft.is_dir() {
+            digest_dir(root, &child_rel, h, depth + 1)?;
+        } else if ft.is_file() {
+            entry_header(h, &child_rel, &m, b'f')?;
+            let mut f = fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&child)
+                .map_err(io_err(format!("open {}", child.display())))?;
+            let mut buf = vec![0u8; 64 * 1024];
+            let mut n_total = 0u64;
+            loop {
+                let n = f.read(&mut buf).map_err(io_err(format!("read {}", child.display())))?;
+                if n == 0 {
+                    break;
+                }
+                n_total += n as u64;
+                h.update(&buf[..n]);
+            }
+            h.update(n_total.to_le_bytes());
+        } else if ft.is_symlink() {
+            entry_header(h, &child_rel, &m, b'l')?;
+            let t = fs::read_link(&child).map_err(io_err(format!("readlink {}", child.display())))?;
+            h.update(t.as_os_str().as_encoded_bytes());
+            h.update([0]);
+        } else if ft.is_char_device() && m.rdev() == 0 {
+            entry_header(h, &child_rel, &m, b'w')?;
+        } else if ft.is_fifo() {
+            entry_header(h, &child_rel, &m, b'p')?;
+        } else {
+            return Err(ImageError::LayerRefused(format!(
+                "{}: device nodes and sockets are not allowed in a layer",
+                child_rel.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn entry_header(h: &mut Sha256, rel: &Path, m: &fs::Metadata, kind: u8) -> Result<(), ImageError> {
+    if m.uid() >= extract::MAX_ID || m.gid() >= extract::MAX_ID {
+        return Err(ImageError::LayerRefused(format!(
+            "{}: owner {}:{} is outside the image's ids (0 to 65535)",
+            rel.display(),
+            m.uid(),
+            m.gid()
+        )));
+    }
+    h.update([kind]);
+    h.update(rel.as_os_str().as_encoded_bytes());
+    h.update([0]);
+    h.update((m.mode() & 0o7777).to_le_bytes());
+    h.update(m.uid().to_le_bytes());
+    h.update(m.gid().to_le_bytes());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_references() {
+        for ok in ["python", "a", "x.y_z-1", &"a".repeat(63)] {
+            assert!(valid_name(ok), "{ok}");
+        }
+        for bad in ["", "-a", ".a", "A", "a/b", "a:b", &"a".repeat(64), "../x"] {
+            assert!(!valid_name(bad), "{bad}");
+        }
+        assert_eq!(local_name("localhost:5000/x/y:tag"), "localhost-5000-x-y-tag");
+        assert_eq!(local_name("/tmp/My Image.tar"), "tmp-my-image.tar");
+        assert_eq!(local_name("::"), "image");
+        assert!(valid_name(&local_name(&"Z/".repeat(100))));
+    }
+
+    #[test]
+    fn store_round_trip_commit_dedupe_and_gc() {
+        let state = std::env::temp_dir().join(format!("hutch-images-{}", random_suffix()));
+        let store = ImageStore::open(&state).expect("open");
+        let make = |content: &str| {
+            let d = store.temp_dir().expect("tmp");
+            fs::create_dir(d.join("etc")).expect("mkdir");
+            fs::write(d.join("etc/hello"), content).expect("write");
+            d
+        };
+        let a = store.commit_layer(&make("one")).expect("commit");
+        let tmp = make("one");
+        assert_eq!(store.commit_layer(&tmp).expect("commit again"), a, "same content, same digest");
+        assert!(!tmp.exists(), "a duplicate is dropped");
+        let b = store.commit_layer(&make("two")).expect("commit");
+        assert_ne!(a, b);
+        let img = store.finish_image("t1", vec![a.clone()], ImageConfig::default(), "test".into()).expect("finish");
+        assert_eq!(img.layers.len(), 2);
+        assert_eq!(store.get("t1").expect("get"), img);
+        assert_eq!(store.list().len(), 1);
+        assert!(matches!(store.get("nope"), Err(ImageError::NotFound(_))));
+        assert!(store.put(&Image { name: "base".into(), ..img.clone() }).is_err());
+        // Layer b is unused but young: kept. Make it old, then it goes.
+        assert!(store.gc().expect("gc").is_empty());
+        let old = SystemTime::now() - Duration::from_secs(7200);
+        fs::File::open(store.layer_dir(&b)).and_then(|f| f.set_modified(old)).expect("age");
+        fs::File::open(store.layer_dir(&a)).and_then(|f| f.set_modified(old)).expect("age");
+        assert_eq!(store.gc().expect("gc"), vec![b.clone()]);
+        assert!(store.has_layer(&a), "a layer in use is kept");
+        // A tree with host ids or a device node is no layer.
+        let bad = make("three");
+        std::os::unix::fs::chown(bad.join("etc/hello"), Some(70_000), None).expect("chown");
+        let err = store.commit_layer(&bad).expect_err("ids outside the image");
+        assert_eq!(err.code(), "image_layer_refused");
+        assert!(!bad.exists(), "a refused tree is removed");
+        let bad = make("four");
+        let dev = std::ffi::CString::new(bad.join("etc/null").into_os_string().into_encoded_bytes()).expect("c");
+        // SAFETY: dev is a valid C string.
+        assert_eq!(unsafe { libc::mknod(dev.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) }, 0);
+        assert!(store.commit_layer(&bad).expect_err("a device node").to_string().contains("device"));
+        let with_socket = make("one");
+        let _listener = std::os::unix::net::UnixListener::bind(with_socket.join("etc/sock")).expect("bind");
+        assert_eq!(store.commit_layer(&with_socket).expect("sockets are dropped"), a);
+        store.remove("t1").expect("rm");
+        assert!(matches!(store.remove("t1"), Err(ImageError::NotFound(_))));
+        fs::remove_dir_all(&state).expect("cleanup");
+    }
+}

@@ -1,0 +1,525 @@
+"""Images: `docker save` and OCI-layout imports, pulls from a registry (Debian's
+`docker-registry` started here on loopback, and a small lying registry for
+digest and token checks), the `python` preset built with mmdebstrap, and
+sandboxes created on each through the daemon's API with a template.
+
+Every image is built by the tests themselves: a layer holding the host's dash
+as /bin/sh, cat, and the C library they need, plus layers of whiteouts."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import http.server
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tarfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import Client, Daemon, expect_error, expect_status, free_port, wait_for
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
+OCI_LAYER_GZ = "application/vnd.oci.image.layer.v1.tar+gzip"
+OCI_LAYER = "application/vnd.oci.image.layer.v1.tar"
+
+
+def sha(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def uname(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+# --------------------------------------------------------------------------
+# Building layers and archives
+
+
+class Layer:
+    """A layer tar built in memory, every entry owned by the image's root."""
+
+    def __init__(self):
+        self.buf = io.BytesIO()
+        self.tar = tarfile.open(fileobj=self.buf, mode="w", format=tarfile.PAX_FORMAT)
+
+    def _info(self, name: str, kind, mode: int) -> tarfile.TarInfo:
+        ti = tarfile.TarInfo(name)
+        ti.type, ti.mode, ti.uid, ti.gid, ti.mtime = kind, mode, 0, 0, 1_700_000_000
+        return ti
+
+    def file(self, name: str, data: bytes, mode: int = 0o644) -> "Layer":
+        ti = self._info(name, tarfile.REGTYPE, mode)
+        ti.size = len(data)
+        self.tar.addfile(ti, io.BytesIO(data))
+        return self
+
+    def dir(self, name: str, mode: int = 0o755) -> "Layer":
+        self.tar.addfile(self._info(name, tarfile.DIRTYPE, mode))
+        return self
+
+    def symlink(self, name: str, target: str) -> "Layer":
+        ti = self._info(name, tarfile.SYMTYPE, 0o777)
+        ti.linkname = target
+        self.tar.addfile(ti)
+        return self
+
+    def bytes(self) -> bytes:
+        self.tar.close()
+        return self.buf.getvalue()
+
+
+def shell_layer() -> Layer:
+    """The host's dash as /bin/sh, cat, and the loader and libc they need."""
+    ld = os.path.realpath("/lib64/ld-linux-x86-64.so.2")
+    libc = os.path.realpath("/lib/x86_64-linux-gnu/libc.so.6")
+    return (
+        Layer()
+        .dir("usr").dir("usr/bin").dir("usr/lib64").dir("usr/lib").dir("usr/lib/x86_64-linux-gnu")
+        .symlink("bin", "usr/bin").symlink("lib", "usr/lib").symlink("lib64", "usr/lib64")
+        .file("usr/bin/sh", Path("/bin/dash").read_bytes(), 0o755)
+        .file("usr/bin/cat", Path("/usr/bin/cat").read_bytes(), 0o755)
+        .file("usr/lib64/ld-linux-x86-64.so.2", Path(ld).read_bytes(), 0o755)
+        .file("usr/lib/x86_64-linux-gnu/libc.so.6", Path(libc).read_bytes(), 0o755)
+    )
+
+
+def two_layers(marker: str = "") -> list[bytes]:
+    """A shell with data, then a layer that hides some of it; a `marker`
+    file makes layers no other test has imported."""
+    lower = (
+        shell_layer()
+        .file("marker", marker.encode())
+        .dir("data").file("data/gone", b"lower\n").file("data/kept", b"kept\n")
+        .dir("opq").file("opq/old", b"old\n")
+        .bytes()
+    )
+    upper = (
+        Layer().file("data/.wh.gone", b"").file("opq/.wh..wh..opq", b"").file("opq/new", b"new\n")
+        .file("marker", marker.encode()).bytes()
+    )
+    return [lower, upper]
+
+
+def config_json(layers: list[bytes], env: list[str]) -> bytes:
+    return json.dumps({
+        "architecture": "amd64",
+        "os": "linux",
+        "config": {"Env": env, "Cmd": ["/bin/sh"], "WorkingDir": "/workspace"},
+        "rootfs": {"type": "layers", "diff_ids": [f"sha256:{sha(l)}" for l in layers]},
+    }).encode()
+
+
+def tar_of(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:
+        for name, data in members.items():
+            ti = tarfile.TarInfo(name)
+            ti.size, ti.mode, ti.mtime = len(data), 0o644, 1_700_000_000
+            t.addfile(ti, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def docker_save(layers: list[bytes], env: list[str], tag: str) -> bytes:
+    """The classic `docker save` layout: <id>/layer.tar and <hex>.json."""
+    config = config_json(layers, env)
+    members = {f"{sha(config)}.json": config}
+    names = []
+    for i, l in enumerate(layers):
+        names.append(f"{i:064x}/layer.tar")
+        members[names[-1]] = l
+    manifest = [{"Config": f"{sha(config)}.json", "RepoTags": [tag], "Layers": names}]
+    return tar_of({"manifest.json": json.dumps(manifest).encode(), **members})
+
+
+def oci_image(layers: list[bytes], env: list[str], compress: bool = True) -> tuple[dict[str, bytes], bytes, bytes]:
+    """Blobs by digest, the manifest and the config of an OCI image."""
+    config = config_json(layers, env)
+    blobs = {f"sha256:{sha(config)}": config}
+    descs = []
+    for l in layers:
+        blob = gzip.compress(l, mtime=0) if compress else l
+        blobs[f"sha256:{sha(blob)}"] = blob
+        descs.append({"mediaType": OCI_LAYER_GZ if compress else OCI_LAYER, "digest": f"sha256:{sha(blob)}",
+                      "size": len(blob)})
+    manifest = json.dumps({
+        "schemaVersion": 2, "mediaType": OCI_MANIFEST,
+        "config": {"mediaType": OCI_CONFIG, "digest": f"sha256:{sha(config)}", "size": len(config)},
+        "layers": descs,
+    }).encode()
+    blobs[f"sha256:{sha(manifest)}"] = manifest
+    return blobs, manifest, config
+
+
+def index_of(manifest: bytes) -> bytes:
+    """An index naming an arm64 decoy and the linux/amd64 manifest."""
+    return json.dumps({
+        "schemaVersion": 2, "mediaType": OCI_INDEX,
+        "manifests": [
+            {"mediaType": OCI_MANIFEST, "digest": "sha256:" + "1" * 64, "size": 10,
+             "platform": {"architecture": "arm64", "os": "linux"}},
+            {"mediaType": OCI_MANIFEST, "digest": f"sha256:{sha(manifest)}", "size": len(manifest),
+             "platform": {"architecture": "amd64", "os": "linux"}},
+        ],
+    }).encode()
+
+
+def oci_layout(layers: list[bytes], env: list[str], tag: str) -> bytes:
+    blobs, manifest, _ = oci_image(layers, env)
+    index = index_of(manifest)
+    blobs[f"sha256:{sha(index)}"] = index
+    top = json.dumps({
+        "schemaVersion": 2,
+        "manifests": [{"mediaType": OCI_INDEX, "digest": f"sha256:{sha(index)}", "size": len(index),
+                       "annotations": {"org.opencontainers.image.ref.name": tag}}],
+    }).encode()
+    members = {"oci-layout": b'{"imageLayoutVersion": "1.0.0"}', "index.json": top}
+    members.update({f"blobs/sha256/{d.split(':')[1]}": b for d, b in blobs.items()})
+    return tar_of(members)
+
+
+# --------------------------------------------------------------------------
+# Running on an image
+
+
+def import_archive(daemon: Daemon, data: bytes, *args: str) -> subprocess.CompletedProcess:
+    path = daemon.root / f"{uuid.uuid4().hex}.tar"
+    path.write_bytes(data)
+    try:
+        return daemon.cli("image", "import", str(path), *args, timeout=120)
+    finally:
+        path.unlink()
+
+
+def sandbox_on(api: Client, image: str, env: dict | None = None, wait: int = 30) -> tuple[dict, dict]:
+    """A template on `image` and a running sandbox of it."""
+    r = api.post("/v1/templates", {"name": uname("img"), "image": image, "env": env or {}})
+    expect_status(r, 201)
+    tpl = r.json()
+    assert tpl["image"] == image, tpl
+    sb = api.create(template=tpl["name"], wait_seconds=wait)
+    return tpl, sb
+
+
+def check_layers_apply(api: Client, sb: dict) -> None:
+    out = api.sh(sb["id"], "for p in /data/gone /data/kept /opq/old /opq/new; do "
+                           "if [ -e $p ]; then echo $p yes; else echo $p no; fi; done; cat /data/kept")
+    assert out.split("\n")[:5] == ["/data/gone no", "/data/kept yes", "/opq/old no", "/opq/new yes", "kept"], out
+
+
+def image_names(api: Client) -> dict[str, dict]:
+    r = api.get("/v1/images")
+    expect_status(r, 200)
+    return {i["name"]: i for i in r.json()["images"]}
+
+
+# --------------------------------------------------------------------------
+# Imports
+
+
+def test_docker_save_import_runs_a_sandbox_with_the_images_env(daemon: Daemon, api: Client):
+    name = uname("dsave")
+    p = import_archive(daemon, docker_save(two_layers(), ["FROM_IMAGE=yes", "OVERRIDE=image"], "x/y:1"),
+                       "--name", name)
+    assert p.returncode == 0, p.stderr
+    assert f"{name} (3 layers" in p.stdout, p.stdout
+    info = image_names(api)[name]
+    assert info["layers"] == 3 and info["size_bytes"] > 100_000 and info["source"].startswith("import:"), info
+    tpl, sb = sandbox_on(api, name, env={"OVERRIDE": "template"})
+    check_layers_apply(api, sb)
+    # The image's env is applied; the template's wins where both set a name.
+    assert api.sh(sb["id"], "echo $FROM_IMAGE $OVERRIDE") == "yes template\n"
+    # The agent's assumptions hold: user 1000 in /workspace, root available.
+    assert api.sh(sb["id"], "echo $HOME; pwd; cat /etc/passwd").split("\n")[:2] == ["/home/user", "/workspace"]
+    assert api.sh(sb["id"], "echo hi > /workspace/f && cat /workspace/f") == "hi\n"
+    out = api.sh(sb["id"], "cat /etc/passwd")
+    assert "user:x:1000:1000:user:/home/user:/bin/sh" in out and out.startswith("root:"), out
+    api.destroy(sb["id"])
+    expect_status(api.delete(f"/v1/templates/{tpl['id']}"), 204)
+
+
+def test_oci_layout_import_with_gzip_layers_and_an_index(daemon: Daemon, api: Client):
+    # The archive itself compressed too, as `docker save | gzip` makes them.
+    p = import_archive(daemon, gzip.compress(oci_layout(two_layers(), ["A=1"], "oci-test"), mtime=0))
+    assert p.returncode == 0, p.stderr
+    # The ref name annotation names the image.
+    assert "oci-test (3 layers" in p.stdout, p.stdout
+    tpl, sb = sandbox_on(api, "oci-test")
+    check_layers_apply(api, sb)
+    assert api.sh(sb["id"], "echo $A") == "1\n"
+    api.destroy(sb["id"])
+    expect_status(api.delete(f"/v1/templates/{tpl['id']}"), 204)
+    p = daemon.cli("image", "rm", "oci-test")
+    assert p.returncode == 0, p.stderr
+    assert "oci-test" not in image_names(api)
+
+
+def test_imports_with_a_wrong_digest_or_a_hostile_layer_are_refused_whole(daemon: Daemon, api: Client):
+    before = image_names(api)
+    # An OCI blob whose content does not match its name.
+    layers = two_layers(uuid.uuid4().hex)
+    good = oci_layout(layers, [], "tampered")
+    buf = io.BytesIO(good)
+    members = {}
+    with tarfile.open(fileobj=buf) as t:
+        for m in t.getmembers():
+            members[m.name] = t.extractfile(m).read()
+    victim = next(n for n, b in members.items() if n.startswith("blobs/") and b[:2] == b"\x1f\x8b")
+    # Same size, same content once decompressed: only the gzip header's
+    # timestamp differs, so only the blob digest can tell.
+    blob = bytearray(members[victim])
+    blob[4] ^= 0xFF
+    members[victim] = bytes(blob)
+    p = import_archive(daemon, tar_of(members))
+    assert p.returncode != 0
+    assert "digest mismatch" in p.stderr and "image_layer_refused" in p.stderr, p.stderr
+    # A layer that writes through its own symlink to /etc.
+    probe = f"hutch-probe-{uuid.uuid4().hex[:8]}"
+    hostile = Layer().symlink("x", "/etc").file(f"x/{probe}", b"owned").bytes()
+    p = import_archive(daemon, docker_save([hostile], [], "hostile:1"))
+    assert p.returncode != 0 and "image_layer_refused" in p.stderr and "symlink" in p.stderr, p.stderr
+    assert not Path("/etc", probe).exists()
+    # Not an image archive at all.
+    p = import_archive(daemon, tar_of({"hello.txt": b"hi"}))
+    assert p.returncode != 0 and "image_invalid" in p.stderr, p.stderr
+    assert image_names(api) == before
+    assert not any((daemon.state_dir / "images" / "tmp").iterdir())
+
+
+def test_templates_name_only_existing_images(api: Client):
+    expect_error(api.post("/v1/templates", {"name": uname("t"), "image": "nothing-here"}), 400, "image_not_found")
+    # Presets are accepted before they are built (they build on first use).
+    r = api.post("/v1/templates", {"name": uname("t"), "image": "node"})
+    expect_status(r, 201)
+    expect_status(api.delete(f"/v1/templates/{r.json()['id']}"), 204)
+
+
+# --------------------------------------------------------------------------
+# Pulls
+
+
+class Registry:
+    """Debian's docker-registry on a free loopback port, storage in a temp dir."""
+
+    def __init__(self, root: Path):
+        self.port = free_port()
+        self.dir = root / f"registry-{self.port}"
+        self.dir.mkdir(parents=True)
+        cfg = self.dir / "config.yml"
+        cfg.write_text(
+            "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n"
+            f"    rootdirectory: {self.dir / 'data'}\n  delete:\n    enabled: true\n"
+            f"http:\n  addr: 127.0.0.1:{self.port}\n"
+        )
+        binary = shutil.which("docker-registry") or "/usr/bin/docker-registry"
+        if not Path(binary).exists():
+            pytest.fail("docker-registry is not installed (apt-get install docker-registry)", pytrace=False)
+        self.log = open(self.dir / "registry.log", "wb")
+        self.proc = subprocess.Popen([binary, "serve", str(cfg)], stdin=subprocess.DEVNULL, stdout=self.log,
+                                     stderr=self.log, start_new_session=True)
+        self.base = f"http://127.0.0.1:{self.port}"
+        wait_for("the registry to answer", self._up, timeout=20, interval=0.1)
+
+    def _up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"docker-registry exited: {(self.dir / 'registry.log').read_text()[-2000:]}")
+        try:
+            return requests.get(self.base + "/v2/", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def push_blob(self, repo: str, digest: str, data: bytes) -> None:
+        r = requests.post(f"{self.base}/v2/{repo}/blobs/uploads/", timeout=30)
+        assert r.status_code == 202, r.text
+        loc = r.headers["Location"]
+        if loc.startswith("/"):
+            loc = self.base + loc
+        r = requests.put(loc, params={"digest": digest}, data=data,
+                         headers={"Content-Type": "application/octet-stream"}, timeout=60)
+        assert r.status_code == 201, r.text
+
+    def push_manifest(self, repo: str, ref: str, body: bytes, media: str) -> None:
+        r = requests.put(f"{self.base}/v2/{repo}/manifests/{ref}", data=body, headers={"Content-Type": media},
+                         timeout=30)
+        assert r.status_code == 201, r.text
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def registry(tmp_root: Path):
+    reg = Registry(tmp_root)
+    try:
+        yield reg
+    finally:
+        reg.stop()
+
+
+def test_pull_from_a_local_registry_then_run(daemon: Daemon, api: Client, registry: Registry):
+    # Layers no earlier test imported, so that the pull downloads them.
+    blobs, manifest, _ = oci_image(two_layers(uuid.uuid4().hex), ["PULLED=1"])
+    repo = "test/app"
+    for d, b in blobs.items():
+        if b != manifest:
+            registry.push_blob(repo, d, b)
+    registry.push_manifest(repo, "1", manifest, OCI_MANIFEST)
+    # A multi-platform tag: the index names the manifest by digest.
+    registry.push_manifest(repo, f"sha256:{sha(manifest)}", manifest, OCI_MANIFEST)
+    index = json.loads(index_of(manifest))
+    index["manifests"] = index["manifests"][1:]
+    registry.push_manifest(repo, "multi", json.dumps(index).encode(), OCI_INDEX)
+
+    ref = f"127.0.0.1:{registry.port}/{repo}:1"
+    p = daemon.cli("image", "pull", ref, timeout=120)
+    assert p.returncode == 0, p.stderr
+    local = f"127.0.0.1-{registry.port}-test-app-1"
+    assert f"{local} (3 layers" in p.stdout, p.stdout
+    p = daemon.cli("image", "pull", f"127.0.0.1:{registry.port}/{repo}:multi", "--name", "pulled-multi", timeout=120)
+    assert p.returncode == 0, p.stderr
+    images = image_names(api)
+    assert images[local]["source"] == f"pull:{ref}", images[local]
+    tpl, sb = sandbox_on(api, "pulled-multi")
+    check_layers_apply(api, sb)
+    assert api.sh(sb["id"], "echo $PULLED") == "1\n"
+    api.destroy(sb["id"])
+    expect_status(api.delete(f"/v1/templates/{tpl['id']}"), 204)
+    p = daemon.cli("image", "pull", f"127.0.0.1:{registry.port}/{repo}:nope", timeout=60)
+    assert p.returncode != 0 and "registry_error" in p.stderr, p.stderr
+
+
+class LyingRegistry:
+    """A registry that asks for a Bearer token and serves what it is told to,
+    including blobs that do not match their digest."""
+
+    def __init__(self, blobs: dict[str, bytes], manifests: dict[str, bytes]):
+        self.blobs, self.manifests = blobs, manifests
+        self.token_requests: list[str] = []
+        self.blob_gets = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code: int, body: bytes, headers: dict | None = None):
+                self.send_response(code)
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path.startswith("/token"):
+                    outer.token_requests.append(self.path)
+                    return self._send(200, b'{"token": "t0ken"}')
+                if self.headers.get("Authorization") != "Bearer t0ken":
+                    realm = f"http://127.0.0.1:{outer.port}/token"
+                    return self._send(401, b"{}", {
+                        "WWW-Authenticate": f'Bearer realm="{realm}",service="lying",scope="repository:x:pull"'})
+                parts = self.path.split("/")
+                if len(parts) == 5 and parts[3] == "manifests" and parts[4] in outer.manifests:
+                    return self._send(200, outer.manifests[parts[4]], {"Content-Type": OCI_MANIFEST})
+                if len(parts) == 5 and parts[3] == "blobs" and parts[4] in outer.blobs:
+                    outer.blob_gets += 1
+                    return self._send(200, outer.blobs[parts[4]])
+                return self._send(404, b"{}")
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+def test_pulls_use_bearer_tokens_and_refuse_digest_mismatches(daemon: Daemon, api: Client):
+    layers = two_layers(uuid.uuid4().hex)
+    blobs, manifest, _ = oci_image(layers, [])
+    reg = LyingRegistry(dict(blobs), {"good": manifest})
+    try:
+        ref = f"127.0.0.1:{reg.port}/x:good"
+        p = daemon.cli("image", "pull", ref, "--name", "lying-good", timeout=120)
+        assert p.returncode == 0, p.stderr
+        assert reg.token_requests and "service=lying" in reg.token_requests[0], reg.token_requests
+        assert reg.blob_gets == 3, f"config and both layers downloaded: {reg.blob_gets}"
+        # Now the registry swaps a layer's content under the same digest.
+        evil = Layer().file("evil", b"not what the digest says").bytes()
+        victim = json.loads(manifest)["layers"][1]["digest"]
+        reg.blobs[victim] = gzip.compress(evil, mtime=0)
+        # A distinct config so the layer is not already in the store.
+        blobs2, manifest2, config2 = oci_image([layers[0], evil], ["X=1"])
+        fake = json.loads(manifest2)
+        fake["layers"][1]["digest"] = victim
+        reg.blobs.update({d: b for d, b in blobs2.items() if b == config2})
+        reg.manifests["evil"] = json.dumps(fake).encode()
+        p = daemon.cli("image", "pull", f"127.0.0.1:{reg.port}/x:evil", "--name", "lying-evil", timeout=120)
+        assert p.returncode != 0 and "digest mismatch" in p.stderr, p.stderr
+        # A manifest asked for by digest must match it.
+        reg.manifests[f"sha256:{sha(manifest)}"] = manifest + b" "
+        p = daemon.cli("image", "pull", f"127.0.0.1:{reg.port}/x@sha256:{sha(manifest)}", "--name", "lying-d",
+                       timeout=120)
+        assert p.returncode != 0 and "digest mismatch" in p.stderr, p.stderr
+        # Plain HTTP is for loopback only, unless --insecure.
+        p = daemon.cli("image", "pull", "registry.invalid/x:1", timeout=60)
+        assert p.returncode != 0 and "https://registry.invalid" in p.stderr, p.stderr
+    finally:
+        reg.stop()
+    names = image_names(api)
+    assert "lying-good" in names and "lying-evil" not in names and "lying-d" not in names
+    assert not any((daemon.state_dir / "images" / "tmp").iterdir())
+
+
+# --------------------------------------------------------------------------
+# The python preset (mmdebstrap)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_python_preset_is_built_on_first_use_and_runs_python(api: Client):
+    r = api.post("/v1/templates", {"name": uname("py"), "image": "python"})
+    expect_status(r, 201)
+    tpl = r.json()
+    t0 = time.monotonic()
+    r = api.post("/v1/sandboxes", {"template": tpl["name"], "wait_seconds": 60, "ttl_seconds": 900})
+    expect_status(r, 201)
+    sb = r.json()
+    sb = wait_for("the python preset to build and its sandbox to run",
+                  lambda: (lambda s: s if s["state"] != "starting" else None)(api.sandbox(sb["id"])),
+                  timeout=600, interval=1)
+    assert sb["state"] == "running", sb
+    built = time.monotonic() - t0
+    res = api.exec(sb["id"], "python3 -c 'print(42)'")
+    assert (res["exit_code"], res["stdout"]) == (0, "42\n"), res
+    assert image_names(api)["python"]["source"] == "debian:bookworm+python3"
+    api.destroy(sb["id"])
+    # Built once: a second sandbox starts at once.
+    t1 = time.monotonic()
+    sb2 = api.create(template=tpl["name"])
+    assert time.monotonic() - t1 < 10, f"second start took {time.monotonic() - t1:.1f}s (first: {built:.0f}s)"
+    assert api.sh(sb2["id"], "python3 -c 'import sys; print(sys.version_info[0])'") == "3\n"
+    api.destroy(sb2["id"])
+    expect_status(api.delete(f"/v1/templates/{tpl['id']}"), 204)
