@@ -39,7 +39,7 @@ pub struct Live {
     pub id: String,
     pub socket: PathBuf,
     /// The runtime's handle; taken by the deletion.
-    handle: Mutex<Option<hutch_runtime::Sandbox>>,
+    pub(crate) handle: Mutex<Option<hutch_runtime::Sandbox>>,
     /// Set while frozen: no new commands.
     pub suspended: AtomicBool,
     /// Idle agent connections, reused by commands (a connect and an accept
@@ -96,6 +96,8 @@ pub struct Control {
     live: Mutex<HashMap<String, Arc<Live>>>,
     shutting_down: AtomicBool,
     pub(crate) pool: crate::pool::PoolState,
+    /// Port access grants (see access.rs).
+    pub(crate) access: crate::access::Grants,
 }
 
 pub fn now_ms() -> i64 {
@@ -236,6 +238,7 @@ impl Control {
             live: Mutex::new(HashMap::new()),
             shutting_down: AtomicBool::new(false),
             pool: crate::pool::PoolState::default(),
+            access: crate::access::Grants::default(),
         })
     }
 
@@ -477,6 +480,7 @@ impl Control {
             r.last_error_code = Some(reason.to_owned());
         }
         self.store.update_sandbox(&r)?;
+        self.access.revoke_sandbox(id);
         let live = self.live_map().remove(id);
         let handle = match live.as_ref().and_then(|l| l.handle.lock().ok().and_then(|mut h| h.take())) {
             Some(h) => h,
@@ -549,6 +553,10 @@ impl Control {
         .map_err(|e| ControlError::Runtime(e.to_string()))?;
         res.map_err(ControlError::Runtime)?;
         live.suspended.store(frozen, Ordering::SeqCst);
+        if frozen {
+            // Open proxied connections end with the grants.
+            self.access.revoke_sandbox(id);
+        }
         r.state = to.into();
         self.store.update_sandbox(&r)?;
         Ok(view(&r))

@@ -43,6 +43,21 @@ pub enum ControlError {
     Runtime(String),
     #[error("shutting down")]
     ShuttingDown,
+    #[error("an access token is required: send it in X-Hutch-Sandbox-Token, or POST it to <url>_hutch/access for a cookie")]
+    AccessTokenRequired,
+    #[error("{0}")]
+    AccessTokenInvalid(&'static str),
+    #[error("the access token expired at {0}")]
+    AccessTokenExpired(String),
+    #[error("the access token is for another sandbox or port")]
+    AccessTokenWrongTarget,
+    #[error("sandbox {id} already has {max} live access grants; revoke some first")]
+    AccessGrantCapacity { id: String, max: usize },
+    #[error("no access grant {0}")]
+    NoGrant(String),
+    /// Nothing accepted a connection on the port (the message says which).
+    #[error("{0}")]
+    PortUnreachable(String),
 }
 
 impl ControlError {
@@ -65,6 +80,13 @@ impl ControlError {
             ControlError::Files { code, .. } => *code,
             ControlError::Store(_) | ControlError::Agent { .. } | ControlError::Runtime(_) => ErrorCode::Internal,
             ControlError::ShuttingDown => ErrorCode::Unavailable,
+            ControlError::AccessTokenRequired => ErrorCode::AccessTokenRequired,
+            ControlError::AccessTokenInvalid(_) => ErrorCode::AccessTokenInvalid,
+            ControlError::AccessTokenExpired(_) => ErrorCode::AccessTokenExpired,
+            ControlError::AccessTokenWrongTarget => ErrorCode::AccessTokenWrongTarget,
+            ControlError::AccessGrantCapacity { .. } => ErrorCode::AccessGrantCapacity,
+            ControlError::NoGrant(_) => ErrorCode::NotFound,
+            ControlError::PortUnreachable(_) => ErrorCode::SandboxPortUnreachable,
         }
     }
 

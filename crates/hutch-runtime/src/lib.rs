@@ -13,6 +13,7 @@ pub mod cgroup;
 pub mod container;
 pub mod doctor;
 pub mod launch;
+pub mod portconnect;
 pub mod rootfs;
 pub mod seccomp;
 pub mod sys;

@@ -35,6 +35,10 @@ use utoipa::{Modify, OpenApi};
         crate::templates::get_template,
         crate::templates::update_template,
         crate::templates::delete_template,
+        crate::access::create,
+        crate::access::list,
+        crate::access::revoke,
+        crate::access::revoke_all,
     ),
     components(schemas(
         hutch_api::ErrorBody, hutch_api::ErrorCode, hutch_api::Sandbox, hutch_api::SandboxList, hutch_api::SandboxState,
@@ -44,7 +48,7 @@ use utoipa::{Modify, OpenApi};
         hutch_api::StdinRequest, hutch_api::FileRef, hutch_api::FileData, hutch_api::ListEntry, hutch_api::Listing,
         hutch_api::ArchiveResult, hutch_api::FilePart, hutch_api::FilePartResult,
         hutch_api::Template, hutch_api::CreateTemplate, hutch_api::UpdateTemplate, hutch_api::Warm,
-        hutch_api::TemplateList,
+        hutch_api::TemplateList, hutch_api::CreateAccess, hutch_api::AccessGrant, hutch_api::AccessGrantList,
     )),
     modifiers(&BearerAuth),
     security(("bearer" = []))
