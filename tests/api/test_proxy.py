@@ -656,3 +656,28 @@ def test_cli_prints_the_url_and_token(daemon: Daemon, app_box: dict):
         env=env, capture_output=True, text=True, timeout=30,
     )
     assert p.returncode != 0 and "65532" in p.stderr, p.stderr
+
+
+def test_a_restarted_daemon_reaches_ports_of_adopted_sandboxes_and_forgot_old_grants(own_daemon: Daemon):
+    """After a restart the sandbox's init is no child of the daemon: the
+    proxy finds it through the sandbox's cgroup. Grants lived in memory:
+    the old token is refused."""
+    d = own_daemon.start()
+    api = d.client()
+    sb = api.create()
+    start_app(api, sb["id"])
+    old = grant(api, sb["id"])
+    expect_status(via_host(d, sb["id"], "/hello", old["token"]), 200)
+    d.kill9()
+    d.start()
+    expect_error(via_host(d, sb["id"], "/hello", old["token"]), 401, "access_token_invalid")
+    g = grant(api, sb["id"])
+    r = via_host(d, sb["id"], "/hello", g["token"])
+    expect_status(r, 200)
+    assert r.text == "hello"
+    ws = ws_open(d, sb["id"], g["token"])
+    try:
+        ws_send(ws, "after restart")
+        assert ws_recv(ws) == "after restart"
+    finally:
+        ws.close()

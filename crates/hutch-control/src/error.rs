@@ -43,7 +43,9 @@ pub enum ControlError {
     Runtime(String),
     #[error("shutting down")]
     ShuttingDown,
-    #[error("an access token is required: send it in X-Hutch-Sandbox-Token, or POST it to <url>_hutch/access for a cookie")]
+    #[error(
+        "an access token is required: send it in X-Hutch-Sandbox-Token, or POST it to <url>_hutch/access for a cookie"
+    )]
     AccessTokenRequired,
     #[error("{0}")]
     AccessTokenInvalid(&'static str),

@@ -77,8 +77,11 @@ impl Sandbox {
 /// namespace directly below the one /proc shows, and in the sandbox's cgroup.
 fn is_init_of(pid: libc::pid_t, id: &str) -> bool {
     let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else { return false };
-    let nspid: Vec<&str> =
-        status.lines().find_map(|l| l.strip_prefix("NSpid:")).map(|v| v.split_whitespace().collect()).unwrap_or_default();
+    let nspid: Vec<&str> = status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .map(|v| v.split_whitespace().collect())
+        .unwrap_or_default();
     if nspid.len() != 2 || nspid[1] != "1" {
         return false;
     }

@@ -38,7 +38,14 @@ fn api_host(headers: &HeaderMap) -> String {
 }
 
 /// A grant as the API shows it, with its two urls.
-fn view(headers: &HeaderMap, sandbox: &str, id: String, port: u16, expires_at: i64, token: Option<String>) -> AccessGrant {
+fn view(
+    headers: &HeaderMap,
+    sandbox: &str,
+    id: String,
+    port: u16,
+    expires_at: i64,
+    token: Option<String>,
+) -> AccessGrant {
     let host = api_host(headers);
     let port_part = if host.starts_with('[') { host.split_once("]:") } else { host.rsplit_once(':') };
     let api_port = match port_part {
@@ -125,6 +132,9 @@ mod tests {
         h.insert(header::HOST, "hutch.example".parse().expect("host"));
         assert_eq!(view(&h, "sb-1", "ag-1".into(), 80, 0, None).url, "http://sb-1--80.sandboxes.localhost/");
         h.insert(header::HOST, "evil/path".parse().expect("host"));
-        assert_eq!(view(&h, "sb-1", "ag-1".into(), 80, 0, None).path_url, "http://localhost/v1/sandboxes/sb-1/ports/80/");
+        assert_eq!(
+            view(&h, "sb-1", "ag-1".into(), 80, 0, None).path_url,
+            "http://localhost/v1/sandboxes/sb-1/ports/80/"
+        );
     }
 }

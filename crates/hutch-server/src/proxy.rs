@@ -318,9 +318,10 @@ struct Target {
 /// Middleware in front of every route: requests for a proxy host name go to
 /// the proxy, the rest to the API.
 pub(crate) async fn by_host(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
-    let host = req.uri().host().map(str::to_owned).or_else(|| {
-        req.headers().get(header::HOST).and_then(|h| h.to_str().ok()).map(|h| strip_port(h).to_owned())
-    });
+    let host =
+        req.uri().host().map(str::to_owned).or_else(|| {
+            req.headers().get(header::HOST).and_then(|h| h.to_str().ok()).map(|h| strip_port(h).to_owned())
+        });
     let Some(label) = host.as_deref().and_then(proxy_label) else { return next.run(req).await };
     let target = parse_label(&label).map(|(sandbox, port)| {
         let path_and_query = req.uri().path_and_query().map(|p| p.as_str()).unwrap_or("/");
@@ -347,7 +348,9 @@ pub(crate) async fn by_path(State(app): State<Arc<App>>, req: Request) -> Respon
         };
         Some((id.to_owned(), port.to_owned(), rest.map(str::to_owned)))
     })();
-    let Some((id, port, rest)) = parsed else { return ApiError::new(ErrorCode::NotFound, "no such route").into_response() };
+    let Some((id, port, rest)) = parsed else {
+        return ApiError::new(ErrorCode::NotFound, "no such route").into_response();
+    };
     let (sandbox, port) = match target_of(&id, &port) {
         Ok(t) => t,
         Err(e) => return e.into_response(),
@@ -831,7 +834,10 @@ mod tests {
 
     #[test]
     fn the_token_comes_from_the_header_first_then_the_cookie() {
-        assert_eq!(request_token(&headers(&[("x-hutch-sandbox-token", "h"), ("cookie", "hutch_sandbox_token=c")])).as_deref(), Some("h"));
+        assert_eq!(
+            request_token(&headers(&[("x-hutch-sandbox-token", "h"), ("cookie", "hutch_sandbox_token=c")])).as_deref(),
+            Some("h")
+        );
         assert_eq!(request_token(&headers(&[("cookie", "a=1; hutch_sandbox_token=c")])).as_deref(), Some("c"));
         assert_eq!(request_token(&headers(&[("cookie", "a=1")])), None);
     }

@@ -190,7 +190,10 @@ fn run(args: SandboxArgs) -> anyhow::Result<i32> {
                 expires_in_seconds: expires_in,
             };
             if req.port == 0 {
-                anyhow::bail!("port must be 1 to {} (65533 and above are reserved), not {port}", hutch_api::MAX_ACCESS_PORT);
+                anyhow::bail!(
+                    "port must be 1 to {} (65533 and above are reserved), not {port}",
+                    hutch_api::MAX_ACCESS_PORT
+                );
             }
             let g = client.create_access(&id, &req)?;
             if json {
