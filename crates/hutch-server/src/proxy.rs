@@ -617,7 +617,8 @@ fn is_https(headers: &HeaderMap, uri: &Uri) -> bool {
 /// (the first of them, should the client send several).
 fn request_token(headers: &HeaderMap) -> Option<String> {
     if let Some(v) = headers.get(TOKEN_HEADER) {
-        return Some(v.to_str().unwrap_or("\u{0}invalid").to_owned());
+        // Bytes that are not text match no token (and are refused as invalid).
+        return Some(String::from_utf8_lossy(v.as_bytes()).into_owned());
     }
     headers
         .get_all(header::COOKIE)
