@@ -30,6 +30,9 @@ WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Headers and body are separate writes: without TCP_NODELAY, Nagle and
+    # the client's delayed ACK add 40 ms to every keep-alive response.
+    disable_nagle_algorithm = True
 
     def log_message(self, *args) -> None:
         pass

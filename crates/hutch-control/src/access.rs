@@ -152,10 +152,12 @@ pub fn valid_port(port: u32) -> Result<u16> {
 }
 
 impl Control {
-    /// Whether the sandbox's policy lets the proxy reach `port` at all.
-    /// The one place for policy checks on port access: both grant creation
-    /// and every proxied request pass here. (A `deny_all` network policy
-    /// refuses here with `sandbox_network_isolated`.)
+    /// Whether the sandbox's policy lets the proxy reach `port` at all: the
+    /// one place for policy checks on port access (a `deny_all` network
+    /// policy refuses here with `sandbox_network_isolated`). It runs when a
+    /// grant is made; no grant means no proxied request. A policy that
+    /// changes while the sandbox runs must revoke its grants
+    /// (`Grants::revoke_sandbox`).
     pub fn check_port_access(&self, _sandbox: &SandboxRecord, _port: u16) -> Result<()> {
         Ok(())
     }
@@ -229,11 +231,18 @@ impl Control {
 
     /// Checks a request of the proxy for `port` of sandbox `id`: the sandbox
     /// exists (else not found), the token is a live grant for exactly this
-    /// sandbox and port, the sandbox runs, and its policy allows the port.
+    /// sandbox and port, and the sandbox runs. A running sandbox is found in
+    /// memory; only the others cost a store read.
     pub fn authorize_access(&self, id: &str, port: u16, token: Option<&str>) -> Result<AccessPass> {
-        let r = match self.store.get_sandbox(id)? {
-            Some(r) if !r.pooled && r.state != "terminated" => r,
-            _ => return Err(ControlError::NoSandbox(id.to_owned())),
+        let not_running = match self.live(id) {
+            Some(live) if live.suspended.load(std::sync::atomic::Ordering::SeqCst) => Some("suspended"),
+            Some(_) => None,
+            None => match self.store.get_sandbox(id)? {
+                Some(r) if !r.pooled && r.state != "terminated" => {
+                    Some(hutch_api::SandboxState::parse(&r.state).map(|s| s.as_str()).unwrap_or("unknown"))
+                }
+                _ => return Err(ControlError::NoSandbox(id.to_owned())),
+            },
         };
         let token = token.map(str::trim).filter(|t| !t.is_empty()).ok_or(ControlError::AccessTokenRequired)?;
         if token.len() > 256 {
@@ -255,8 +264,9 @@ impl Control {
         if grant.sandbox != id || grant.port != port {
             return Err(ControlError::AccessTokenWrongTarget);
         }
-        self.running_record(&r)?;
-        self.check_port_access(&r, port)?;
+        if let Some(state) = not_running {
+            return Err(ControlError::NotRunning { id: id.to_owned(), state });
+        }
         Ok(AccessPass {
             grant_id: grant.id.clone(),
             sandbox: grant.sandbox.clone(),
