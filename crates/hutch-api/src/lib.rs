@@ -80,13 +80,29 @@ pub enum ErrorCode {
     Unavailable,
     /// An internal error; details are in the server's log, never here.
     Internal,
+    /// The port proxy got no access token (header or cookie).
+    AccessTokenRequired,
+    /// The access token is unknown, malformed or revoked.
+    AccessTokenInvalid,
+    /// The access token expired.
+    AccessTokenExpired,
+    /// The access token is for another sandbox or port.
+    AccessTokenWrongTarget,
+    /// A sandbox has as many live access grants as it may have.
+    AccessGrantCapacity,
+    /// Nothing accepts connections on the port inside the sandbox.
+    SandboxPortUnreachable,
 }
 
 impl ErrorCode {
     /// The HTTP status of each code; one place, no wildcard.
     pub fn status(self) -> u16 {
         match self {
-            ErrorCode::Unauthorized => 401,
+            ErrorCode::Unauthorized
+            | ErrorCode::AccessTokenRequired
+            | ErrorCode::AccessTokenInvalid
+            | ErrorCode::AccessTokenExpired => 401,
+            ErrorCode::AccessTokenWrongTarget => 403,
             ErrorCode::InvalidRequest
             | ErrorCode::UnknownTemplate
             | ErrorCode::ImageNotFound
@@ -106,8 +122,11 @@ impl ErrorCode {
             | ErrorCode::SandboxFilePartMismatch
             | ErrorCode::TemplateNameTaken => 409,
             ErrorCode::SandboxArchiveTooLarge | ErrorCode::PayloadTooLarge => 413,
-            ErrorCode::SandboxCommandCapacity | ErrorCode::SandboxCapacityUnavailable => 429,
+            ErrorCode::SandboxCommandCapacity
+            | ErrorCode::SandboxCapacityUnavailable
+            | ErrorCode::AccessGrantCapacity => 429,
             ErrorCode::Internal => 500,
+            ErrorCode::SandboxPortUnreachable => 502,
             ErrorCode::SandboxStartFailed | ErrorCode::Unavailable => 503,
         }
     }
@@ -140,6 +159,12 @@ impl ErrorCode {
             ErrorCode::SandboxNetworkIsolated => "sandbox_network_isolated",
             ErrorCode::Unavailable => "unavailable",
             ErrorCode::Internal => "internal",
+            ErrorCode::AccessTokenRequired => "access_token_required",
+            ErrorCode::AccessTokenInvalid => "access_token_invalid",
+            ErrorCode::AccessTokenExpired => "access_token_expired",
+            ErrorCode::AccessTokenWrongTarget => "access_token_wrong_target",
+            ErrorCode::AccessGrantCapacity => "access_grant_capacity",
+            ErrorCode::SandboxPortUnreachable => "sandbox_port_unreachable",
         }
     }
 }
@@ -672,6 +697,47 @@ pub struct CreateKey {
     pub name: String,
 }
 
+/// Ports 65533 and above are reserved for hutch's own use in a sandbox.
+pub const MAX_ACCESS_PORT: u16 = 65532;
+/// The longest an access grant lives, in seconds (also the default).
+pub const MAX_ACCESS_SECONDS: u64 = 300;
+
+/// `POST /v1/sandboxes/{id}/access`: a short-lived credential for one port.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CreateAccess {
+    /// The TCP port inside the sandbox, 1 to 65532.
+    pub port: u16,
+    /// 1 to 300 (the default); never past the sandbox's own expiry.
+    #[serde(default)]
+    pub expires_in_seconds: Option<u64>,
+}
+
+/// An access grant. The token is shown once, in the answer to its create;
+/// the daemon keeps only its SHA-256.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct AccessGrant {
+    pub id: String,
+    pub port: u16,
+    /// Where the port is served: `http://<id>--<port>.sandboxes.localhost:<api port>/`.
+    pub url: String,
+    /// The same, for clients without wildcard DNS:
+    /// `http://<api host>/v1/sandboxes/<id>/ports/<port>/`.
+    pub path_url: String,
+    /// Send as `X-Hutch-Sandbox-Token`, or POST it as the form field `token`
+    /// to `{url}_hutch/access` for a cookie.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
+    /// RFC 3339, UTC.
+    pub expires_at: String,
+}
+
+/// `GET /v1/sandboxes/{id}/access`: the sandbox's live grants (no tokens).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct AccessGrantList {
+    pub grants: Vec<AccessGrant>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -684,6 +750,9 @@ mod tests {
         }
         assert_eq!(ErrorCode::SandboxCommandCapacity.status(), 429);
         assert_eq!(ErrorCode::SandboxSessionNotRunning.status(), 409);
+        assert_eq!(ErrorCode::AccessTokenWrongTarget.status(), 403);
+        assert_eq!(ErrorCode::SandboxPortUnreachable.status(), 502);
+        assert_eq!(serde_json::to_string(&ErrorCode::AccessTokenExpired).expect("json"), "\"access_token_expired\"");
     }
 
     #[test]

@@ -42,7 +42,7 @@ pub struct Live {
     pub id: String,
     pub socket: PathBuf,
     /// The runtime's handle; taken by the deletion.
-    handle: Mutex<Option<hutch_runtime::Sandbox>>,
+    pub(crate) handle: Mutex<Option<hutch_runtime::Sandbox>>,
     /// Set while frozen: no new commands.
     pub suspended: AtomicBool,
     /// Idle agent connections, reused by commands (a connect and an accept
@@ -102,6 +102,8 @@ pub struct Control {
     /// Sandbox networks; `Err` says why the host has none (then only
     /// `deny_all` sandboxes start).
     pub network: std::result::Result<Arc<Network>, String>,
+    /// Port access grants (see access.rs).
+    pub(crate) access: crate::access::Grants,
 }
 
 pub fn now_ms() -> i64 {
@@ -252,6 +254,7 @@ impl Control {
             shutting_down: AtomicBool::new(false),
             pool: crate::pool::PoolState::default(),
             network,
+            access: crate::access::Grants::default(),
         })
     }
 
@@ -588,6 +591,7 @@ impl Control {
             r.last_error_code = Some(reason.to_owned());
         }
         self.store.update_sandbox(&r)?;
+        self.access.revoke_sandbox(id);
         let live = self.live_map().remove(id);
         let handle = match live.as_ref().and_then(|l| l.handle.lock().ok().and_then(|mut h| h.take())) {
             Some(h) => h,
@@ -664,6 +668,10 @@ impl Control {
         .map_err(|e| ControlError::Runtime(e.to_string()))?;
         res.map_err(ControlError::Runtime)?;
         live.suspended.store(frozen, Ordering::SeqCst);
+        if frozen {
+            // Open proxied connections end with the grants.
+            self.access.revoke_sandbox(id);
+        }
         r.state = to.into();
         // Not observed since the change: a resume looks again.
         let mut net = NetRecord::parse(&r.network);

@@ -51,6 +51,23 @@ pub enum ControlError {
     /// The sandbox's `deny_all` policy forbids the request.
     #[error("sandbox {0} has no network (`deny_all`)")]
     NetworkIsolated(String),
+    #[error(
+        "an access token is required: send it in X-Hutch-Sandbox-Token, or POST it to <url>_hutch/access for a cookie"
+    )]
+    AccessTokenRequired,
+    #[error("{0}")]
+    AccessTokenInvalid(&'static str),
+    #[error("the access token expired at {0}")]
+    AccessTokenExpired(String),
+    #[error("the access token is for another sandbox or port")]
+    AccessTokenWrongTarget,
+    #[error("sandbox {id} already has {max} live access grants; revoke some first")]
+    AccessGrantCapacity { id: String, max: usize },
+    #[error("no access grant {0}")]
+    NoGrant(String),
+    /// Nothing accepted a connection on the port (the message says which).
+    #[error("{0}")]
+    PortUnreachable(String),
 }
 
 impl ControlError {
@@ -76,6 +93,13 @@ impl ControlError {
             ControlError::ShuttingDown => ErrorCode::Unavailable,
             ControlError::FeatureUnavailable(_) => ErrorCode::FeatureUnavailable,
             ControlError::NetworkIsolated(_) => ErrorCode::SandboxNetworkIsolated,
+            ControlError::AccessTokenRequired => ErrorCode::AccessTokenRequired,
+            ControlError::AccessTokenInvalid(_) => ErrorCode::AccessTokenInvalid,
+            ControlError::AccessTokenExpired(_) => ErrorCode::AccessTokenExpired,
+            ControlError::AccessTokenWrongTarget => ErrorCode::AccessTokenWrongTarget,
+            ControlError::AccessGrantCapacity { .. } => ErrorCode::AccessGrantCapacity,
+            ControlError::NoGrant(_) => ErrorCode::NotFound,
+            ControlError::PortUnreachable(_) => ErrorCode::SandboxPortUnreachable,
         }
     }
 

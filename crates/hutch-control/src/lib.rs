@@ -5,6 +5,7 @@
 //! typed requests (hutch-api), keeps state through the `Store` trait
 //! (hutch-store), and drives sandboxes through hutch-runtime.
 
+pub mod access;
 pub mod control;
 pub mod dns;
 pub mod error;

@@ -15,6 +15,7 @@ pub mod doctor;
 pub mod image;
 pub mod launch;
 pub mod net;
+pub mod portconnect;
 pub mod rootfs;
 pub mod seccomp;
 pub mod sys;

@@ -6,8 +6,10 @@
 //! and render its typed answer; every error goes through one mapping
 //! (`ApiError`), and the internals of a 5xx are logged, never sent.
 
+mod access;
 mod e2b;
 mod openapi;
+pub mod proxy;
 mod routes;
 mod templates;
 
@@ -144,12 +146,9 @@ pub async fn serve(
     app: Arc<App>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    use axum::serve::ListenerExt;
-    // Event streams and Connect messages are small writes: without
-    // TCP_NODELAY, Nagle's algorithm and the peer's delayed ACK hold some of
-    // them for 40 ms.
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(listener, router(app)).with_graceful_shutdown(shutdown).await
+    // Connections the port proxy can close when a grant ends (see proxy.rs);
+    // the listener also sets TCP_NODELAY.
+    let listener = proxy::ProxyListener(listener);
+    let service = router(app).into_make_service_with_connect_info::<proxy::Conn>();
+    axum::serve(listener, service).with_graceful_shutdown(shutdown).await
 }

@@ -36,6 +36,10 @@ use utoipa::{Modify, OpenApi};
         crate::templates::update_template,
         crate::templates::delete_template,
         crate::templates::list_images,
+        crate::access::create,
+        crate::access::list,
+        crate::access::revoke,
+        crate::access::revoke_all,
     ),
     components(schemas(
         hutch_api::ErrorBody, hutch_api::ErrorCode, hutch_api::Sandbox, hutch_api::SandboxList, hutch_api::SandboxState,
@@ -46,6 +50,8 @@ use utoipa::{Modify, OpenApi};
         hutch_api::ArchiveResult, hutch_api::FilePart, hutch_api::FilePartResult,
         hutch_api::Template, hutch_api::CreateTemplate, hutch_api::UpdateTemplate, hutch_api::Warm,
         hutch_api::TemplateList, hutch_api::ImageInfo, hutch_api::ImageList,
+        hutch_api::CreateAccess, hutch_api::AccessGrant, hutch_api::AccessGrantList, hutch_api::NetworkRequest,
+        hutch_api::Network, hutch_api::Egress,
     )),
     modifiers(&BearerAuth),
     security(("bearer" = []))

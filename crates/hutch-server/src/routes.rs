@@ -53,9 +53,16 @@ pub fn router(app: Arc<App>) -> Router {
         .merge(api)
         .merge(crate::e2b::router(app.clone()))
         .merge(crate::templates::router(app.clone()))
+        .merge(crate::access::router(app.clone()))
         .route("/healthz", get(healthz))
         .route("/v1/openapi.json", get(openapi))
+        // The port proxy's path form authenticates with access tokens, not API keys.
+        .route("/v1/sandboxes/{id}/ports/{port}", axum::routing::any(crate::proxy::by_path))
+        .route("/v1/sandboxes/{id}/ports/{port}/", axum::routing::any(crate::proxy::by_path))
+        .route("/v1/sandboxes/{id}/ports/{port}/{*rest}", axum::routing::any(crate::proxy::by_path))
         .fallback(not_found)
+        // Proxy host names are served by the proxy whatever the path.
+        .layer(middleware::from_fn_with_state(app.clone(), crate::proxy::by_host))
         .with_state(app)
 }
 
@@ -101,7 +108,7 @@ async fn metrics(State(app): AppState) -> ApiResult<Response> {
 }
 
 /// Sandbox ids in paths: malformed ones can name nothing.
-fn sandbox_id(id: &str) -> ApiResult<&str> {
+pub(crate) fn sandbox_id(id: &str) -> ApiResult<&str> {
     hutch_runtime::container::valid_id(id)
         .map_err(|_| ApiError::new(ErrorCode::NotFound, format!("no sandbox {id}")))?;
     Ok(id)

@@ -117,6 +117,12 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         | ErrorCode::SandboxDiskFull
         | ErrorCode::PayloadTooLarge
         | ErrorCode::SandboxArchiveTooLarge => ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS),
+        ErrorCode::AccessTokenRequired | ErrorCode::AccessTokenInvalid | ErrorCode::AccessTokenExpired => {
+            ("unauthenticated", StatusCode::UNAUTHORIZED)
+        }
+        ErrorCode::AccessTokenWrongTarget => ("permission_denied", StatusCode::FORBIDDEN),
+        ErrorCode::AccessGrantCapacity => ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS),
+        ErrorCode::SandboxPortUnreachable => ("unavailable", StatusCode::BAD_GATEWAY),
     }
 }
 

@@ -175,6 +175,12 @@ impl Client {
         self.json(&url, self.authed("POST", &url), Payload::Empty)
     }
 
+    /// `POST /v1/sandboxes/{id}/access`: a short-lived credential for one port.
+    pub fn create_access(&self, id: &str, req: &hutch_api::CreateAccess) -> Result<hutch_api::AccessGrant> {
+        let url = self.url(&["sandboxes", id, "access"]);
+        self.json(&url, self.authed("POST", &url), Payload::Json(to_value(req)))
+    }
+
     /// `POST /v1/sandboxes/{id}/exec`, waiting for the whole result.
     pub fn exec(&self, id: &str, req: &ExecRequest, idempotency_key: &str) -> Result<ExecResult> {
         let url = self.url(&["sandboxes", id, "exec"]);

@@ -60,6 +60,19 @@ pub enum SandboxCommand {
     Suspend { id: String },
     /// Thaw a suspended sandbox.
     Resume { id: String },
+    /// Give short-lived access to a TCP port of the sandbox: prints the url
+    /// and the token to send in X-Hutch-Sandbox-Token.
+    Access {
+        id: String,
+        /// The port inside the sandbox (1 to 65532).
+        port: u32,
+        /// How long the credential lives: 1s to 5m (the default).
+        #[arg(long, value_parser = parse_seconds, value_name = "DURATION")]
+        expires_in: Option<u64>,
+        /// Print JSON (an AccessGrant).
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -178,6 +191,29 @@ fn run(args: SandboxArgs) -> anyhow::Result<i32> {
         SandboxCommand::Resume { id } => {
             let sb = client.resume_sandbox(&id)?;
             println!("{} {}", sb.id, sb.state.as_str());
+            Ok(0)
+        }
+        SandboxCommand::Access { id, port, expires_in, json } => {
+            let req = hutch_api::CreateAccess {
+                port: u16::try_from(port).ok().filter(|p| *p <= hutch_api::MAX_ACCESS_PORT).unwrap_or(0),
+                expires_in_seconds: expires_in,
+            };
+            if req.port == 0 {
+                anyhow::bail!(
+                    "port must be 1 to {} (65533 and above are reserved), not {port}",
+                    hutch_api::MAX_ACCESS_PORT
+                );
+            }
+            let g = client.create_access(&id, &req)?;
+            if json {
+                print!("{}", output::json(&g)?);
+            } else {
+                println!("url         {}", g.url);
+                println!("path_url    {}", g.path_url);
+                println!("token       {}", g.token.as_deref().unwrap_or("-"));
+                println!("expires_at  {} ({})", g.expires_at, output::expires(&g.expires_at, output::now_ms()));
+                println!("(send the token as X-Hutch-Sandbox-Token, or POST it as the form field `token` to <url>_hutch/access)");
+            }
             Ok(0)
         }
     }
