@@ -115,6 +115,12 @@ pub struct SandboxSpec {
     /// Replaces the agent (program and arguments); tests use this to put a
     /// hostile agent in the sandbox.
     pub agent_override: Option<(PathBuf, Vec<String>)>,
+    /// Read-only layers stacked over `base`, bottom first (a built image).
+    pub extra_lowers: Vec<PathBuf>,
+    /// A host directory holding `upper/` and `work/` that becomes the
+    /// writable layer instead of the size-capped tmpfs: build sandboxes only,
+    /// whose layer is captured after they end (see [`crate::capture`]).
+    pub upper_dir: Option<PathBuf>,
 }
 
 impl Default for SandboxSpec {
@@ -126,6 +132,8 @@ impl Default for SandboxSpec {
             env: Vec::new(),
             die_with_parent: false,
             agent_override: None,
+            extra_lowers: Vec::new(),
+            upper_dir: None,
         }
     }
 }
@@ -329,6 +337,8 @@ impl Runtime {
                     id_base: slot.base(),
                     userns_fd: userns.as_raw_fd(),
                     shm_bytes: (spec.limits.memory_bytes / 2).min(64 << 20),
+                    extra_lowers: &spec.extra_lowers,
+                    upper: spec.upper_dir.as_deref(),
                 },
             )?;
             plan.push(Step::SetHostname { name: cstr("sandbox")? });
@@ -410,6 +420,12 @@ impl Sandbox {
     /// Opens a new connection to the sandbox's agent.
     pub fn connect(&self) -> Result<AgentConn, AgentError> {
         AgentConn::connect(&self.socket)
+    }
+
+    /// Host id of the sandbox's root (the start of its uid range), while it
+    /// holds the range; an adopted sandbox does not know it.
+    pub fn id_base(&self) -> Option<u32> {
+        self.slot.as_ref().map(Slot::base)
     }
 
     pub fn freeze(&self) -> Result<(), CgroupError> {
