@@ -70,6 +70,13 @@ pub enum ErrorCode {
     SandboxFilePartMismatch,
     /// A request body exceeds its limit.
     PayloadTooLarge,
+    /// The template's startup command exited before the sandbox was ready.
+    SandboxStartupFailed,
+    /// The template's readiness check did not pass within its timeout.
+    SandboxReadinessTimeout,
+    /// A build's Dockerfile holds an instruction hutch does not run (FROM,
+    /// ENTRYPOINT, USER, ADD, ...) or one that is malformed; nothing was built.
+    BuildInstructionRefused,
     /// The service is shutting down or a dependency is unavailable.
     Unavailable,
     /// An internal error; details are in the server's log, never here.
@@ -86,7 +93,8 @@ impl ErrorCode {
             | ErrorCode::InvalidPath
             | ErrorCode::SandboxPathNotDirectory
             | ErrorCode::SandboxPathUnreadable
-            | ErrorCode::SandboxArchiveInvalid => 400,
+            | ErrorCode::SandboxArchiveInvalid
+            | ErrorCode::BuildInstructionRefused => 400,
             ErrorCode::NotFound => 404,
             ErrorCode::IdempotencyConflict
             | ErrorCode::ExecutionOutcomeUnknown
@@ -99,7 +107,10 @@ impl ErrorCode {
             ErrorCode::SandboxArchiveTooLarge | ErrorCode::PayloadTooLarge => 413,
             ErrorCode::SandboxCommandCapacity | ErrorCode::SandboxCapacityUnavailable => 429,
             ErrorCode::Internal => 500,
-            ErrorCode::SandboxStartFailed | ErrorCode::Unavailable => 503,
+            ErrorCode::SandboxStartFailed
+            | ErrorCode::SandboxStartupFailed
+            | ErrorCode::SandboxReadinessTimeout
+            | ErrorCode::Unavailable => 503,
         }
     }
 
@@ -126,6 +137,9 @@ impl ErrorCode {
             ErrorCode::SandboxFilePartOutOfOrder => "sandbox_file_part_out_of_order",
             ErrorCode::SandboxFilePartMismatch => "sandbox_file_part_mismatch",
             ErrorCode::PayloadTooLarge => "payload_too_large",
+            ErrorCode::SandboxStartupFailed => "sandbox_startup_failed",
+            ErrorCode::SandboxReadinessTimeout => "sandbox_readiness_timeout",
+            ErrorCode::BuildInstructionRefused => "build_instruction_refused",
             ErrorCode::Unavailable => "unavailable",
             ErrorCode::Internal => "internal",
         }
@@ -283,6 +297,12 @@ pub struct CreateTemplate {
     pub max_ttl_seconds: Option<u64>,
     #[serde(default)]
     pub warm: Option<Warm>,
+    /// Started in the background when one of its sandboxes boots.
+    #[serde(default)]
+    pub startup: Option<Startup>,
+    /// What makes one of its sandboxes ready; `running` only once it passes.
+    #[serde(default)]
+    pub readiness: Option<Readiness>,
 }
 
 /// `PATCH /v1/templates/{id}`: the fields given replace the template's. A
@@ -308,6 +328,91 @@ pub struct UpdateTemplate {
     pub max_ttl_seconds: Option<u64>,
     #[serde(default)]
     pub warm: Option<Warm>,
+    /// Replaces the startup command; `null` removes it. Raises the version.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<Startup>)]
+    pub startup: Option<Option<Startup>>,
+    /// Replaces the readiness check; `null` removes it.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<Readiness>)]
+    pub readiness: Option<Option<Readiness>>,
+}
+
+/// Tells a field given as `null` (`Some(None)`) from an absent one (`None`).
+fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<Option<T>>, D::Error> {
+    Option::<T>::deserialize(d).map(Some)
+}
+
+/// A command started in the background in every sandbox of a template as it
+/// boots (as `user`, in the image's working directory, tagged `startup`).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Startup {
+    /// Run with `bash -c`.
+    pub command: String,
+}
+
+/// What makes a sandbox ready: exactly one of `command` (exits 0) and
+/// `port` (accepts a TCP connection on 127.0.0.1 inside the sandbox).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Readiness {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// How long a boot waits for it, 1 to 300. Default 30. A build's check
+    /// waits at most 30.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_seconds: Option<u32>,
+}
+
+/// Where a template build is.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum BuildState {
+    Queued,
+    Building,
+    Succeeded,
+    Failed,
+}
+
+impl BuildState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BuildState::Queued => "queued",
+            BuildState::Building => "building",
+            BuildState::Succeeded => "succeeded",
+            BuildState::Failed => "failed",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<BuildState> {
+        [BuildState::Queued, BuildState::Building, BuildState::Succeeded, BuildState::Failed]
+            .into_iter()
+            .find(|b| b.as_str() == s)
+    }
+}
+
+/// A template build (`POST /v1/templates/{id}/builds`).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Build {
+    pub id: String,
+    pub template_id: String,
+    pub state: BuildState,
+    /// RFC 3339, UTC.
+    pub created_at: String,
+    pub finished_at: Option<String>,
+    /// Why it failed: the step and its exit code, or the check that did not pass.
+    pub error: Option<String>,
+    /// The template version it produced, once it succeeded.
+    pub version: Option<u64>,
+}
+
+/// `GET /v1/templates/{id}/builds`, newest first.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct BuildList {
+    pub builds: Vec<Build>,
 }
 
 /// A template as the API shows it.
@@ -326,6 +431,8 @@ pub struct Template {
     pub warm: Warm,
     /// Warm sandboxes of the current version ready to be claimed now.
     pub warm_ready: u64,
+    pub startup: Option<Startup>,
+    pub readiness: Option<Readiness>,
     /// RFC 3339, UTC.
     pub created_at: String,
     pub updated_at: String,
