@@ -96,6 +96,7 @@ pub struct Control {
     live: Mutex<HashMap<String, Arc<Live>>>,
     shutting_down: AtomicBool,
     pub(crate) pool: crate::pool::PoolState,
+    pub(crate) builds: crate::build::Builds,
 }
 
 pub fn now_ms() -> i64 {
@@ -236,6 +237,7 @@ impl Control {
             live: Mutex::new(HashMap::new()),
             shutting_down: AtomicBool::new(false),
             pool: crate::pool::PoolState::default(),
+            builds: crate::build::Builds::default(),
         })
     }
 
@@ -262,6 +264,45 @@ impl Control {
             Some(r) if r.owner == owner && !r.pooled => Ok(r),
             _ => Err(ControlError::NoSandbox(id.to_owned())),
         }
+    }
+
+    /// Runs a template's startup command in a booting sandbox and waits for
+    /// its readiness check; on failure the sandbox is destroyed with the
+    /// reason as its `last_error_code`.
+    async fn until_ready(
+        self: &Arc<Self>,
+        record: &SandboxRecord,
+        live: &Arc<Live>,
+        recipe: &crate::templates::Recipe,
+        workdir: Option<String>,
+    ) -> Result<()> {
+        let timeout = recipe
+            .readiness
+            .as_ref()
+            .and_then(|r| r.timeout_seconds)
+            .unwrap_or(crate::templates::READINESS_TIMEOUT)
+            .min(crate::templates::READINESS_TIMEOUT_MAX);
+        let check = crate::ready::ReadyCheck {
+            startup: recipe.startup.as_ref(),
+            readiness: recipe.readiness.as_ref(),
+            cwd: workdir,
+            timeout: Duration::from_secs(u64::from(timeout)),
+            grace: Duration::ZERO,
+        };
+        let store = self.store.clone();
+        let id = record.id.clone();
+        let wanted = move || store.get_sandbox(&id).ok().flatten().is_some_and(|r| r.state == "starting");
+        let Err(failed) = crate::ready::until_ready(&live.socket, &check, |_| {}, wanted).await else {
+            return Ok(());
+        };
+        log_warn(&format!("sandbox {} did not become ready: {}", record.id, failed.message()));
+        self.live_map().insert(record.id.clone(), live.clone());
+        let _ = self.destroy_now(&record.id, Some(failed.code())).await;
+        Err(match failed {
+            crate::ready::NotReady::StartupFailed(m) => ControlError::StartupFailed(m),
+            crate::ready::NotReady::Timeout(m) => ControlError::ReadinessTimeout(m),
+            crate::ready::NotReady::Gone(m) => ControlError::StartFailed(m),
+        })
     }
 
     /// Creates a sandbox and waits for it to run (up to `wait_seconds`).
@@ -367,7 +408,7 @@ impl Control {
             Err(e) => return Err(e.into()),
         }
         let this = self.clone();
-        let started = tokio::spawn(async move { this.boot(record).await });
+        let started = tokio::spawn(async move { this.boot(record, &tpl).await });
         match tokio::time::timeout(wait, started).await {
             Ok(Ok(Ok(r))) => Ok((view(&r), true)),
             Ok(Ok(Err(e))) => Err(e),
@@ -379,10 +420,26 @@ impl Control {
         }
     }
 
-    /// Starts the runtime sandbox of a `starting` record.
-    pub(crate) async fn boot(self: Arc<Self>, mut record: SandboxRecord) -> Result<SandboxRecord> {
+    /// Starts the runtime sandbox of a `starting` record, then its
+    /// template's startup command, and waits until it is ready.
+    pub(crate) async fn boot(
+        self: Arc<Self>,
+        mut record: SandboxRecord,
+        recipe: &crate::templates::Recipe,
+    ) -> Result<SandboxRecord> {
         let t0 = Instant::now();
-        let env: BTreeMap<String, String> = serde_json::from_str(&record.env).unwrap_or_default();
+        let image = match crate::build::image_root(&self.runtime.config().state_dir, &recipe.image) {
+            Ok(i) => i,
+            Err(e) => {
+                record.state = "terminated".into();
+                record.last_error_code = Some("sandbox_start_failed".into());
+                self.store.update_sandbox(&record)?;
+                return Err(e);
+            }
+        };
+        // The image's environment, under the template's and the request's.
+        let mut env: BTreeMap<String, String> = image.env.iter().cloned().collect();
+        env.extend(serde_json::from_str::<BTreeMap<String, String>>(&record.env).unwrap_or_default());
         let spec = SandboxSpec {
             id: Some(record.id.clone()),
             limits: CgLimits {
@@ -394,6 +451,8 @@ impl Control {
             env: env.into_iter().collect(),
             die_with_parent: false,
             agent_override: None,
+            extra_lowers: image.layers,
+            upper_dir: None,
         };
         let rt = self.runtime.clone();
         let result = tokio::task::spawn_blocking(move || rt.start(&spec)).await;
@@ -402,6 +461,9 @@ impl Control {
                 record.host_pid = Some(sb.pid as i64);
                 record.limits_applied = "enforced".into();
                 let live = Live::new(sb);
+                if recipe.startup.is_some() || recipe.readiness.is_some() {
+                    self.until_ready(&record, &live, recipe, image.workdir).await?;
+                }
                 // A delete may have come while we started: honour it.
                 let current = self.store.get_sandbox(&record.id)?;
                 if current.as_ref().map(|r| r.state.as_str()) != Some("starting") {
@@ -621,6 +683,7 @@ impl Control {
     /// After a restart: takes charge of sandboxes that outlived the last
     /// daemon, finishes interrupted deletions, cleans up interrupted creates.
     pub async fn recover(self: &Arc<Self>) -> Result<()> {
+        self.recover_builds()?;
         let lost = self.store.mark_running_execs_lost()?;
         if lost > 0 {
             log_info(&format!("{lost} commands were running when the daemon stopped; their outcome is unknown"));

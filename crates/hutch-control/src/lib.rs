@@ -5,6 +5,7 @@
 //! typed requests (hutch-api), keeps state through the `Store` trait
 //! (hutch-store), and drives sandboxes through hutch-runtime.
 
+pub mod build;
 pub mod control;
 pub mod error;
 pub mod exec;
@@ -12,6 +13,7 @@ pub mod files;
 pub mod keys;
 pub mod metrics;
 pub mod pool;
+pub mod ready;
 pub mod session;
 pub mod templates;
 
