@@ -35,6 +35,10 @@ use utoipa::{Modify, OpenApi};
         crate::templates::get_template,
         crate::templates::update_template,
         crate::templates::delete_template,
+        crate::templates::start_build,
+        crate::templates::list_builds,
+        crate::templates::get_build,
+        crate::templates::build_logs,
     ),
     components(schemas(
         hutch_api::ErrorBody, hutch_api::ErrorCode, hutch_api::Sandbox, hutch_api::SandboxList, hutch_api::SandboxState,
@@ -44,7 +48,8 @@ use utoipa::{Modify, OpenApi};
         hutch_api::StdinRequest, hutch_api::FileRef, hutch_api::FileData, hutch_api::ListEntry, hutch_api::Listing,
         hutch_api::ArchiveResult, hutch_api::FilePart, hutch_api::FilePartResult,
         hutch_api::Template, hutch_api::CreateTemplate, hutch_api::UpdateTemplate, hutch_api::Warm,
-        hutch_api::TemplateList,
+        hutch_api::TemplateList, hutch_api::Startup, hutch_api::Readiness, hutch_api::Build, hutch_api::BuildState,
+        hutch_api::BuildList,
     )),
     modifiers(&BearerAuth),
     security(("bearer" = []))
