@@ -9,6 +9,7 @@ pub mod files;
 pub mod keys;
 pub mod output;
 pub mod sandbox;
+pub mod template;
 
 use clap::Args;
 use std::collections::BTreeMap;
