@@ -297,7 +297,12 @@ impl Control {
         };
         log_warn(&format!("sandbox {} did not become ready: {}", record.id, failed.message()));
         self.live_map().insert(record.id.clone(), live.clone());
-        let _ = self.destroy_now(&record.id, Some(failed.code())).await;
+        // Gone: deleted or drained meanwhile; that reason stands.
+        let reason = match failed {
+            crate::ready::NotReady::Gone(_) => None,
+            _ => Some(failed.code()),
+        };
+        let _ = self.destroy_now(&record.id, reason).await;
         Err(match failed {
             crate::ready::NotReady::StartupFailed(m) => ControlError::StartupFailed(m),
             crate::ready::NotReady::Timeout(m) => ControlError::ReadinessTimeout(m),
