@@ -144,7 +144,7 @@ def test_template_names_are_unique_per_owner(daemon: Daemon, api: Client):
 
 def test_template_requests_are_validated(api: Client):
     r = expect_error(api.post("/v1/templates", {"name": tname(), "image": "debian"}), 400, "invalid_request")
-    assert "images are not available yet" in r["error"]
+    assert "only `base`" in r["error"]
     expect_error(api.post("/v1/templates", {"name": tname(), "class": "microvm"}), 400, "invalid_request")
     expect_error(api.post("/v1/templates", {"name": "base"}), 400, "invalid_request")
     expect_error(api.post("/v1/templates", {"name": "Bad/Name"}), 400, "invalid_request")

@@ -326,7 +326,7 @@ impl Log {
     }
 
     fn line(&mut self, text: &str) {
-        if self.written + text.len() as u64 + 1 <= LOG_CAP + LOG_SLACK {
+        if self.written + (text.len() as u64) < LOG_CAP + LOG_SLACK {
             self.put(format!("{text}\n").as_bytes());
         }
     }

@@ -184,7 +184,7 @@ fn run(args: TemplateArgs) -> anyhow::Result<i32> {
 }
 
 fn create_request(c: &CreateArgs) -> anyhow::Result<CreateTemplate> {
-    let limits = (c.vcpus.is_some() || c.disk.is_some() || c.pids.is_some()).then(|| LimitsRequest {
+    let limits = (c.vcpus.is_some() || c.disk.is_some() || c.pids.is_some()).then_some(LimitsRequest {
         vcpus: c.vcpus,
         disk_mib: c.disk,
         pids: c.pids,
