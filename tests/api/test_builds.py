@@ -225,8 +225,16 @@ def test_a_rebuild_caches_unchanged_steps_and_new_creates_get_the_new_image(api:
     r = api.get(f"/v1/templates/{t['id']}/builds")
     expect_status(r, 200)
     assert [b["version"] for b in r.json()["builds"]][:2] == [3, 2]
-    api.destroy(old["id"])
-    api.destroy(new["id"])
+    # An earlier build's image can be made active again (a new version).
+    r = api.request("PATCH", f"/v1/templates/{t['id']}", json={"image": f"{t['id']}-v2"})
+    expect_status(r, 200)
+    assert r.json()["version"] == 4
+    back = api.create(template=t["name"])
+    assert api.sh(back["id"], "cat /workspace/app/app.py") == "print('v1')\n"
+    r = api.request("PATCH", f"/v1/templates/{t['id']}", json={"image": f"{t['id']}-v99"})
+    expect_error(r, 400, "invalid_request")
+    for sid in (old["id"], new["id"], back["id"]):
+        api.destroy(sid)
 
 
 def test_a_step_cannot_write_past_the_templates_disk(api: Client):
@@ -359,3 +367,25 @@ def test_startup_and_readiness_are_validated(api: Client):
     ]:
         r = api.post("/v1/templates", {"name": tname(), **body})
         expect_error(r, 400, "invalid_request")
+
+
+def test_a_build_interrupted_by_kill_9_is_failed_and_cleaned_on_restart(own_daemon: Daemon):
+    d = own_daemon
+    d.start()
+    api = d.client("admin")
+    t = make_template(api)
+    b = start_build(api, t["id"], {"Dockerfile": "RUN echo started; exec sleep 600\n"})
+    wait_for("the step to run", lambda: "started" in build_log(api, t["id"], b["id"]), timeout=30, interval=0.1)
+    cgroup_root = Path("/sys/fs/cgroup")
+    running = [p for p in cgroup_root.glob("*/hutch/bs-*") if p.exists()]
+    assert running, "no build sandbox cgroup while a step runs"
+    d.kill9()
+    d.start()
+    done = wait_build(api, t["id"], b["id"], timeout=10)
+    assert done["state"] == "failed" and "interrupted" in done["error"], done
+    assert template(api, t["id"])["version"] == 1
+    left = [p for p in running if p.exists()]
+    assert left == [], f"build sandboxes left after the restart: {left}"
+    scratch = str(d.state_dir / "images" / "scratch")
+    assert [m for m in Path("/proc/mounts").read_text().splitlines() if scratch in m] == []
+    api.delete(f"/v1/templates/{t['id']}")

@@ -303,6 +303,19 @@ impl Control {
             _ => Some(failed.code()),
         };
         let _ = self.destroy_now(&record.id, reason).await;
+        // A drain may have finished the record meanwhile through the
+        // reconciler, which could not reach our handle: what we started
+        // (PID 1, its uid range) is ours to end.
+        self.live_map().remove(&record.id);
+        if let Some(sb) = live.handle.lock().ok().and_then(|mut h| h.take()) {
+            let rt = self.runtime.clone();
+            let _ = tokio::task::spawn_blocking(move || {
+                let destroyed = sb.destroy();
+                rt.sweep();
+                destroyed
+            })
+            .await;
+        }
         Err(match failed {
             crate::ready::NotReady::StartupFailed(m) => ControlError::StartupFailed(m),
             crate::ready::NotReady::Timeout(m) => ControlError::ReadinessTimeout(m),

@@ -335,6 +335,9 @@ impl Control {
         check_class(req.class.as_deref())?;
         let mut t = old.clone();
         if let Some(image) = &req.image {
+            if image != IMAGE && crate::build::image_root(&self.runtime.config().state_dir, image).is_err() {
+                return Err(ControlError::Invalid(format!("image {image:?} does not exist (or lost a layer)")));
+            }
             t.image = image.clone();
         }
         if let Some(startup) = &req.startup {

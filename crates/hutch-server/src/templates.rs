@@ -84,7 +84,8 @@ pub(crate) async fn delete_template(
 const CONTEXT_CAP: usize = hutch_control::files::ARCHIVE_CAP;
 
 #[utoipa::path(post, path = "/v1/templates/{id}/builds", params(("id" = String, Path)),
-    request_body(content_type = "application/gzip", description = "a tar.gz of a directory holding `Dockerfile` and the files it copies"),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream",
+        description = "a tar.gz of a directory holding `Dockerfile` and the files it copies (sent as application/gzip or application/octet-stream)"),
     responses((status = 202, body = Build), (status = 400, body = hutch_api::ErrorBody),
               (status = 404, body = hutch_api::ErrorBody), (status = 413, body = hutch_api::ErrorBody)))]
 pub(crate) async fn start_build(

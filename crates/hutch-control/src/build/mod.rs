@@ -474,11 +474,18 @@ impl Control {
     }
 
     /// Marks builds a stopped daemon left unfinished as failed, and removes
-    /// their scratch layers and half-made layers.
+    /// their sandboxes, scratch layers and half-made layers.
     pub(crate) fn recover_builds(&self) -> Result<()> {
         let n = self.store.fail_unfinished_builds(now_ms(), "interrupted: the daemon stopped during the build")?;
         if n > 0 {
             log_warn(&format!("{n} template builds were interrupted by a daemon restart; marked failed"));
+        }
+        for id in self.runtime.cgroups() {
+            if id.starts_with(BUILD_SANDBOX_PREFIX) {
+                if let Err(e) = self.runtime.adopt(&id).destroy() {
+                    log_warn(&format!("build sandbox {id} left by the last daemon: {e}"));
+                }
+            }
         }
         let images = self.state_dir().join("images");
         hutch_runtime::capture::sweep_scratch(&images.join("scratch"));
@@ -612,7 +619,7 @@ impl Control {
             sandbox_env.retain(|(ek, _)| ek != k);
             sandbox_env.push((k.clone(), v.clone()));
         }
-        let spec = build_spec(&t, all_layers, sandbox_env, None);
+        let spec = build_spec(&t, all_layers, sandbox_env, None)?;
         let rt = self.runtime.clone();
         let sb = blocking(move || rt.start(&spec).map_err(|e| format!("the result does not start: {e}"))).await?;
         let timeout =
@@ -702,7 +709,7 @@ impl Control {
             .map(|n| state.join("images").join("scratch").join(n))
             .ok_or("scratch: no name")?;
         let disk = t.disk_mib << 20;
-        let spec = build_spec(t, lowers, env, Some(scratch_dir.clone()));
+        let spec = build_spec(t, lowers, env, Some(scratch_dir.clone()))?;
         let rt = self.runtime.clone();
         let (scratch, sb) = blocking(move || {
             let scratch = Scratch::create(&scratch_dir, disk).map_err(|e| format!("scratch layer: {e}"))?;
@@ -757,16 +764,22 @@ fn short(text: &str) -> String {
     s
 }
 
-/// A sandbox for a build step or check: the template's limits, dies with
-/// the daemon (a build does not outlive it).
+/// Prefix of build sandboxes' ids: they have no sandbox record, and a
+/// restarted daemon destroys any it finds.
+const BUILD_SANDBOX_PREFIX: &str = "bs-";
+
+/// A sandbox for a build step or check: the template's limits. Not tied to
+/// the daemon by a parent-death signal (that fires when the blocking-pool
+/// thread that started it exits); a restart destroys leftovers by prefix.
 fn build_spec(
     t: &TemplateRecord,
     extra_lowers: Vec<PathBuf>,
     env: Vec<(String, String)>,
     upper_dir: Option<PathBuf>,
-) -> SandboxSpec {
-    SandboxSpec {
-        id: None,
+) -> std::result::Result<SandboxSpec, Failure> {
+    let id = hutch_runtime::container::random_id().map_err(|e| e.to_string())?;
+    Ok(SandboxSpec {
+        id: Some(format!("{BUILD_SANDBOX_PREFIX}{}", id.trim_start_matches("sb-"))),
         limits: CgLimits {
             memory_bytes: t.memory_mb << 20,
             pids: t.pids,
@@ -774,11 +787,11 @@ fn build_spec(
         },
         disk_bytes: t.disk_mib << 20,
         env,
-        die_with_parent: true,
+        die_with_parent: false,
         agent_override: None,
         extra_lowers,
         upper_dir,
-    }
+    })
 }
 
 async fn blocking<T: Send + 'static>(
