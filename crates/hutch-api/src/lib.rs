@@ -711,6 +711,19 @@ mod tests {
     }
 
     #[test]
+    fn a_null_startup_removes_it_and_an_absent_one_keeps_it() {
+        let absent: UpdateTemplate = serde_json::from_str("{}").expect("parse");
+        assert_eq!(absent.startup, None);
+        let null: UpdateTemplate = serde_json::from_str(r#"{"startup": null}"#).expect("parse");
+        assert_eq!(null.startup, Some(None));
+        let set: UpdateTemplate = serde_json::from_str(r#"{"readiness": {"port": 80}}"#).expect("parse");
+        assert_eq!(set.readiness, Some(Some(Readiness { command: None, port: Some(80), timeout_seconds: None })));
+        assert!(serde_json::from_str::<UpdateTemplate>(r#"{"startup": {"cmd": "x"}}"#).is_err());
+        assert_eq!(ErrorCode::BuildInstructionRefused.status(), 400);
+        assert_eq!(ErrorCode::SandboxReadinessTimeout.as_str(), "sandbox_readiness_timeout");
+    }
+
+    #[test]
     fn states_round_trip() {
         for st in SandboxState::ALL {
             assert_eq!(SandboxState::parse(st.as_str()), Some(st));
