@@ -317,9 +317,12 @@ impl Log {
     }
 
     fn output(&mut self, bytes: &[u8]) {
+        if self.truncated {
+            return;
+        }
         if self.written + bytes.len() as u64 <= LOG_CAP {
             self.put(bytes);
-        } else if !self.truncated {
+        } else {
             self.truncated = true;
             self.put(format!("\n[log truncated: output past {} MiB is dropped]\n", LOG_CAP >> 20).as_bytes());
         }
@@ -1018,6 +1021,25 @@ mod tests {
         let (_, text) = Context::new(context(&[("Dockerfile", "RUN true\n")])).expect("context");
         assert_eq!(text, "RUN true\n");
         assert!(Context::new(b"not a tar at all, certainly not".to_vec()).is_err());
+    }
+
+    #[test]
+    fn the_log_drops_output_past_its_cap_but_keeps_the_outcome() {
+        let path = std::env::temp_dir().join(format!("hutch-build-log-{}", std::process::id()));
+        let _ = fs::remove_file(&path);
+        let mut log = Log::create(&path).expect("log");
+        log.line("Step 1/1: RUN yes");
+        let chunk = vec![b'y'; 1 << 20];
+        for _ in 0..10 {
+            log.output(&chunk);
+        }
+        log.output(b"small, but after the cut");
+        log.line("Build failed: step 1/1");
+        let text = fs::read_to_string(&path).expect("read");
+        assert!(text.len() as u64 <= LOG_CAP + LOG_SLACK, "{}", text.len());
+        assert!(text.contains("[log truncated") && text.ends_with("Build failed: step 1/1\n"));
+        assert!(!text.contains("small, but after the cut"));
+        fs::remove_file(&path).expect("cleanup");
     }
 
     #[test]
