@@ -76,6 +76,13 @@ pub enum ErrorCode {
     FeatureUnavailable,
     /// The sandbox's network policy (`deny_all`) forbids this.
     SandboxNetworkIsolated,
+    /// The template's startup command exited before the sandbox was ready.
+    SandboxStartupFailed,
+    /// The template's readiness check did not pass within its timeout.
+    SandboxReadinessTimeout,
+    /// A build's Dockerfile holds an instruction hutch does not run (FROM,
+    /// ENTRYPOINT, USER, ADD, ...) or one that is malformed; nothing was built.
+    BuildInstructionRefused,
     /// The service is shutting down or a dependency is unavailable.
     Unavailable,
     /// An internal error; details are in the server's log, never here.
@@ -111,7 +118,8 @@ impl ErrorCode {
             | ErrorCode::SandboxPathUnreadable
             | ErrorCode::SandboxArchiveInvalid
             | ErrorCode::FeatureUnavailable
-            | ErrorCode::SandboxNetworkIsolated => 400,
+            | ErrorCode::SandboxNetworkIsolated
+            | ErrorCode::BuildInstructionRefused => 400,
             ErrorCode::NotFound => 404,
             ErrorCode::IdempotencyConflict
             | ErrorCode::ExecutionOutcomeUnknown
@@ -127,7 +135,10 @@ impl ErrorCode {
             | ErrorCode::AccessGrantCapacity => 429,
             ErrorCode::Internal => 500,
             ErrorCode::SandboxPortUnreachable => 502,
-            ErrorCode::SandboxStartFailed | ErrorCode::Unavailable => 503,
+            ErrorCode::SandboxStartFailed
+            | ErrorCode::SandboxStartupFailed
+            | ErrorCode::SandboxReadinessTimeout
+            | ErrorCode::Unavailable => 503,
         }
     }
 
@@ -157,6 +168,9 @@ impl ErrorCode {
             ErrorCode::PayloadTooLarge => "payload_too_large",
             ErrorCode::FeatureUnavailable => "feature_unavailable",
             ErrorCode::SandboxNetworkIsolated => "sandbox_network_isolated",
+            ErrorCode::SandboxStartupFailed => "sandbox_startup_failed",
+            ErrorCode::SandboxReadinessTimeout => "sandbox_readiness_timeout",
+            ErrorCode::BuildInstructionRefused => "build_instruction_refused",
             ErrorCode::Unavailable => "unavailable",
             ErrorCode::Internal => "internal",
             ErrorCode::AccessTokenRequired => "access_token_required",
@@ -372,6 +386,12 @@ pub struct CreateTemplate {
     pub max_ttl_seconds: Option<u64>,
     #[serde(default)]
     pub warm: Option<Warm>,
+    /// Started in the background when one of its sandboxes boots.
+    #[serde(default)]
+    pub startup: Option<Startup>,
+    /// What makes one of its sandboxes ready; `running` only once it passes.
+    #[serde(default)]
+    pub readiness: Option<Readiness>,
 }
 
 /// `PATCH /v1/templates/{id}`: the fields given replace the template's. A
@@ -397,6 +417,91 @@ pub struct UpdateTemplate {
     pub max_ttl_seconds: Option<u64>,
     #[serde(default)]
     pub warm: Option<Warm>,
+    /// Replaces the startup command; `null` removes it. Raises the version.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<Startup>)]
+    pub startup: Option<Option<Startup>>,
+    /// Replaces the readiness check; `null` removes it.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<Readiness>)]
+    pub readiness: Option<Option<Readiness>>,
+}
+
+/// Tells a field given as `null` (`Some(None)`) from an absent one (`None`).
+fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<Option<T>>, D::Error> {
+    Option::<T>::deserialize(d).map(Some)
+}
+
+/// A command started in the background in every sandbox of a template as it
+/// boots (as `user`, in the image's working directory, tagged `startup`).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Startup {
+    /// Run with `bash -c`.
+    pub command: String,
+}
+
+/// What makes a sandbox ready: exactly one of `command` (exits 0) and
+/// `port` (accepts a TCP connection on 127.0.0.1 inside the sandbox).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Readiness {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// How long a boot waits for it, 1 to 300. Default 30. A build's check
+    /// waits at most 30.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_seconds: Option<u32>,
+}
+
+/// Where a template build is.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum BuildState {
+    Queued,
+    Building,
+    Succeeded,
+    Failed,
+}
+
+impl BuildState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BuildState::Queued => "queued",
+            BuildState::Building => "building",
+            BuildState::Succeeded => "succeeded",
+            BuildState::Failed => "failed",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<BuildState> {
+        [BuildState::Queued, BuildState::Building, BuildState::Succeeded, BuildState::Failed]
+            .into_iter()
+            .find(|b| b.as_str() == s)
+    }
+}
+
+/// A template build (`POST /v1/templates/{id}/builds`).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Build {
+    pub id: String,
+    pub template_id: String,
+    pub state: BuildState,
+    /// RFC 3339, UTC.
+    pub created_at: String,
+    pub finished_at: Option<String>,
+    /// Why it failed: the step and its exit code, or the check that did not pass.
+    pub error: Option<String>,
+    /// The template version it produced, once it succeeded.
+    pub version: Option<u64>,
+}
+
+/// `GET /v1/templates/{id}/builds`, newest first.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct BuildList {
+    pub builds: Vec<Build>,
 }
 
 /// A template as the API shows it.
@@ -415,6 +520,8 @@ pub struct Template {
     pub warm: Warm,
     /// Warm sandboxes of the current version ready to be claimed now.
     pub warm_ready: u64,
+    pub startup: Option<Startup>,
+    pub readiness: Option<Readiness>,
     /// RFC 3339, UTC.
     pub created_at: String,
     pub updated_at: String,
@@ -759,6 +866,19 @@ mod tests {
     fn unknown_fields_are_refused() {
         assert!(serde_json::from_str::<CreateSandbox>(r#"{"templat":"base"}"#).is_err());
         assert!(serde_json::from_str::<ExecRequest>(r#"{"command":"true","bogus":1}"#).is_err());
+    }
+
+    #[test]
+    fn a_null_startup_removes_it_and_an_absent_one_keeps_it() {
+        let absent: UpdateTemplate = serde_json::from_str("{}").expect("parse");
+        assert_eq!(absent.startup, None);
+        let null: UpdateTemplate = serde_json::from_str(r#"{"startup": null}"#).expect("parse");
+        assert_eq!(null.startup, Some(None));
+        let set: UpdateTemplate = serde_json::from_str(r#"{"readiness": {"port": 80}}"#).expect("parse");
+        assert_eq!(set.readiness, Some(Some(Readiness { command: None, port: Some(80), timeout_seconds: None })));
+        assert!(serde_json::from_str::<UpdateTemplate>(r#"{"startup": {"cmd": "x"}}"#).is_err());
+        assert_eq!(ErrorCode::BuildInstructionRefused.status(), 400);
+        assert_eq!(ErrorCode::SandboxReadinessTimeout.as_str(), "sandbox_readiness_timeout");
     }
 
     #[test]

@@ -104,6 +104,7 @@ pub struct Control {
     pub network: std::result::Result<Arc<Network>, String>,
     /// Port access grants (see access.rs).
     pub(crate) access: crate::access::Grants,
+    pub(crate) builds: crate::build::Builds,
 }
 
 pub fn now_ms() -> i64 {
@@ -255,6 +256,7 @@ impl Control {
             pool: crate::pool::PoolState::default(),
             network,
             access: crate::access::Grants::default(),
+            builds: crate::build::Builds::default(),
         })
     }
 
@@ -295,6 +297,63 @@ impl Control {
             Some(r) if r.owner == owner && !r.pooled => Ok(r),
             _ => Err(ControlError::NoSandbox(id.to_owned())),
         }
+    }
+
+    /// Runs a template's startup command in a booting sandbox and waits for
+    /// its readiness check; on failure the sandbox is destroyed with the
+    /// reason as its `last_error_code`.
+    async fn until_ready(
+        self: &Arc<Self>,
+        record: &SandboxRecord,
+        live: &Arc<Live>,
+        recipe: &crate::templates::Recipe,
+        workdir: Option<String>,
+    ) -> Result<()> {
+        let timeout = recipe
+            .readiness
+            .as_ref()
+            .and_then(|r| r.timeout_seconds)
+            .unwrap_or(crate::templates::READINESS_TIMEOUT)
+            .min(crate::templates::READINESS_TIMEOUT_MAX);
+        let check = crate::ready::ReadyCheck {
+            startup: recipe.startup.as_ref(),
+            readiness: recipe.readiness.as_ref(),
+            cwd: workdir,
+            timeout: Duration::from_secs(u64::from(timeout)),
+            grace: Duration::ZERO,
+        };
+        let store = self.store.clone();
+        let id = record.id.clone();
+        let wanted = move || store.get_sandbox(&id).ok().flatten().is_some_and(|r| r.state == "starting");
+        let Err(failed) = crate::ready::until_ready(&live.socket, &check, |_| {}, wanted).await else {
+            return Ok(());
+        };
+        log_warn(&format!("sandbox {} did not become ready: {}", record.id, failed.message()));
+        self.live_map().insert(record.id.clone(), live.clone());
+        // Gone: deleted or drained meanwhile; that reason stands.
+        let reason = match failed {
+            crate::ready::NotReady::Gone(_) => None,
+            _ => Some(failed.code()),
+        };
+        let _ = self.destroy_now(&record.id, reason).await;
+        // A drain may have finished the record meanwhile through the
+        // reconciler, which could not reach our handle: what we started
+        // (PID 1, its uid range) is ours to end.
+        self.live_map().remove(&record.id);
+        if let Some(sb) = live.handle.lock().ok().and_then(|mut h| h.take()) {
+            let rt = self.runtime.clone();
+            let _ = tokio::task::spawn_blocking(move || {
+                let destroyed = sb.destroy();
+                rt.sweep();
+                destroyed
+            })
+            .await;
+        }
+        Err(match failed {
+            crate::ready::NotReady::StartupFailed(m) => ControlError::StartupFailed(m),
+            crate::ready::NotReady::Timeout(m) => ControlError::ReadinessTimeout(m),
+            crate::ready::NotReady::Gone(m) => ControlError::StartFailed(m),
+        })
     }
 
     /// Creates a sandbox and waits for it to run (up to `wait_seconds`).
@@ -403,7 +462,7 @@ impl Control {
             Err(e) => return Err(e.into()),
         }
         let this = self.clone();
-        let started = tokio::spawn(async move { this.boot(record).await });
+        let started = tokio::spawn(async move { this.boot(record, &tpl).await });
         match tokio::time::timeout(wait, started).await {
             Ok(Ok(Ok(r))) => Ok((view(&r), true)),
             Ok(Ok(Err(e))) => Err(e),
@@ -418,14 +477,6 @@ impl Control {
     /// The host's image store.
     pub fn images(&self) -> Result<ImageStore> {
         ImageStore::open(&self.runtime.config().state_dir).map_err(|e| ControlError::Runtime(e.to_string()))
-    }
-
-    /// The image a sandbox of `record` runs: its template's, else `base`.
-    fn image_of(&self, record: &SandboxRecord) -> Result<String> {
-        Ok(match &record.template_id {
-            Some(id) => self.store.get_template(id)?.map(|t| t.image).unwrap_or_else(|| BASE.name.into()),
-            None => BASE.name.into(),
-        })
     }
 
     /// The layers and environment of image `name` (not `base`); a preset is
@@ -446,21 +497,42 @@ impl Control {
         Ok((RootSource::Layers(dirs), img.env_pairs()))
     }
 
-    /// Starts the runtime sandbox of a `starting` record.
-    pub(crate) async fn boot(self: Arc<Self>, mut record: SandboxRecord) -> Result<SandboxRecord> {
+    /// What image `name` puts under a sandbox: the root, layers a build
+    /// stacked over `base`, and the image's environment. A preset is built
+    /// here on first use, which takes a while: call it on the blocking pool.
+    fn resolve_image(&self, name: &str) -> Result<Resolved> {
+        if name == hutch_runtime::image::BASE {
+            return Ok(Resolved { root: RootSource::Base, ..Resolved::default() });
+        }
+        let state = &self.runtime.config().state_dir;
+        if crate::build::is_built_over_base(state, name) {
+            let img = crate::build::image_root(state, name)?;
+            return Ok(Resolved {
+                root: RootSource::Base,
+                extra_lowers: img.layers,
+                env: img.env,
+                workdir: img.workdir,
+            });
+        }
+        let (root, env) = self.image_root(name)?;
+        Ok(Resolved { root, env, ..Resolved::default() })
+    }
+
+    /// Starts the runtime sandbox of a `starting` record, then its
+    /// template's startup command, and waits until it is ready.
+    pub(crate) async fn boot(
+        self: Arc<Self>,
+        mut record: SandboxRecord,
+        recipe: &crate::templates::Recipe,
+    ) -> Result<SandboxRecord> {
         let t0 = Instant::now();
-        let root = match self.image_of(&record) {
-            Ok(image) if image == hutch_runtime::image::BASE => Ok((RootSource::Base, Vec::new())),
-            Ok(image) => {
-                let this = self.clone();
-                match tokio::task::spawn_blocking(move || this.image_root(&image)).await {
-                    Ok(r) => r,
-                    Err(join) => Err(ControlError::Runtime(format!("image task: {join}"))),
-                }
-            }
-            Err(e) => Err(e),
+        let this = self.clone();
+        let name = recipe.image.clone();
+        let resolved = match tokio::task::spawn_blocking(move || this.resolve_image(&name)).await {
+            Ok(r) => r,
+            Err(join) => Err(ControlError::Runtime(format!("image task: {join}"))),
         };
-        let (root, image_env) = match root {
+        let Resolved { root, extra_lowers, env: image_env, workdir } = match resolved {
             Ok(r) => r,
             Err(e) => {
                 record.state = "terminated".into();
@@ -487,6 +559,8 @@ impl Control {
             agent_override: None,
             netns: None,
             resolv_conf: None,
+            extra_lowers,
+            upper_dir: None,
         };
         let rt = self.runtime.clone();
         let mut net = NetRecord::parse(&record.network);
@@ -509,6 +583,9 @@ impl Control {
                 record.host_pid = Some(sb.pid as i64);
                 record.limits_applied = "enforced".into();
                 let live = Live::new(sb);
+                if recipe.startup.is_some() || recipe.readiness.is_some() {
+                    self.until_ready(&record, &live, recipe, workdir).await?;
+                }
                 // A delete may have come while we started: honour it.
                 let current = self.store.get_sandbox(&record.id)?;
                 if current.as_ref().map(|r| r.state.as_str()) != Some("starting") {
@@ -751,6 +828,7 @@ impl Control {
     /// After a restart: takes charge of sandboxes that outlived the last
     /// daemon, finishes interrupted deletions, cleans up interrupted creates.
     pub async fn recover(self: &Arc<Self>) -> Result<()> {
+        self.recover_builds()?;
         let lost = self.store.mark_running_execs_lost()?;
         if lost > 0 {
             log_info(&format!("{lost} commands were running when the daemon stopped; their outcome is unknown"));
@@ -842,6 +920,17 @@ impl Control {
         }
         Ok(())
     }
+}
+
+/// What an image puts under a sandbox.
+#[derive(Default)]
+struct Resolved {
+    root: RootSource,
+    /// Layers a build stacked over `base`, bottom first.
+    extra_lowers: Vec<std::path::PathBuf>,
+    env: Vec<(String, String)>,
+    /// Where the startup command runs (a build's WORKDIR).
+    workdir: Option<String>,
 }
 
 enum BootError {

@@ -68,6 +68,15 @@ pub enum ControlError {
     /// Nothing accepted a connection on the port (the message says which).
     #[error("{0}")]
     PortUnreachable(String),
+    #[error("no build {0}")]
+    NoBuild(String),
+    /// A build's Dockerfile or context instruction that is not run.
+    #[error("Dockerfile line {line}: {message}")]
+    BuildRefused { line: usize, message: String },
+    #[error("the template's startup command failed: {0}")]
+    StartupFailed(String),
+    #[error("the sandbox did not become ready: {0}")]
+    ReadinessTimeout(String),
 }
 
 impl ControlError {
@@ -76,9 +85,13 @@ impl ControlError {
         match self {
             ControlError::Invalid(_) => ErrorCode::InvalidRequest,
             ControlError::UnknownTemplate(_) => ErrorCode::UnknownTemplate,
-            ControlError::NoSandbox(_) | ControlError::NoProcess { .. } | ControlError::NoTemplate(_) => {
-                ErrorCode::NotFound
-            }
+            ControlError::NoSandbox(_)
+            | ControlError::NoProcess { .. }
+            | ControlError::NoTemplate(_)
+            | ControlError::NoBuild(_) => ErrorCode::NotFound,
+            ControlError::BuildRefused { .. } => ErrorCode::BuildInstructionRefused,
+            ControlError::StartupFailed(_) => ErrorCode::SandboxStartupFailed,
+            ControlError::ReadinessTimeout(_) => ErrorCode::SandboxReadinessTimeout,
             ControlError::TemplateNameTaken(_) => ErrorCode::TemplateNameTaken,
             ControlError::NoImage(_) => ErrorCode::ImageNotFound,
             ControlError::NotRunning { .. } => ErrorCode::SandboxSessionNotRunning,

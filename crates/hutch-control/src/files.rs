@@ -17,7 +17,7 @@
 //! stall every command's output for seconds; it also keeps the agent's
 //! dependencies at three.
 
-mod archive;
+pub(crate) mod archive;
 
 pub use archive::{ArchiveError, ARCHIVE_CAP, ARCHIVE_ENTRIES, ARCHIVE_UNPACKED_CAP};
 

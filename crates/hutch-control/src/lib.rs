@@ -6,6 +6,7 @@
 //! (hutch-store), and drives sandboxes through hutch-runtime.
 
 pub mod access;
+pub mod build;
 pub mod control;
 pub mod dns;
 pub mod error;
@@ -15,6 +16,7 @@ pub mod keys;
 pub mod metrics;
 pub mod network;
 pub mod pool;
+pub mod ready;
 pub mod session;
 pub mod templates;
 

@@ -212,7 +212,7 @@ impl Control {
             log_warn(&format!("warm pool of template {}: cannot record a sandbox: {e}; retrying", recipe.name));
             return;
         }
-        match self.clone().boot(record).await {
+        match self.clone().boot(record, recipe).await {
             Ok(r) => {
                 // Agent up: it answers a ping, on a connection that the first
                 // command after the claim reuses (no connect on the claim path).

@@ -1,12 +1,13 @@
 //! Templates: named, versioned recipes for sandboxes, one namespace per
 //! owner (API key). A template fixes what runs (image, env, memory, limits),
 //! the lifetimes of its sandboxes and the bounds of its warm pool. A change
-//! to what runs raises the version; sandboxes already running keep theirs.
+//! to what runs (image, env, memory, limits, startup command, readiness
+//! check) raises the version; sandboxes already running keep theirs.
 //! Delete hides the template; its sandboxes live until they end.
 
 use crate::control::{now_ms, resolve_limits, rfc3339, Control, BASE};
 use crate::error::{ControlError, Result};
-use hutch_api::{CreateTemplate, LimitsRequest, Template, TemplateList, UpdateTemplate, Warm};
+use hutch_api::{CreateTemplate, LimitsRequest, Readiness, Startup, Template, TemplateList, UpdateTemplate, Warm};
 use hutch_store::{StoreError, TemplateRecord};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -70,6 +71,10 @@ pub struct Recipe {
     pub default_ttl: Duration,
     pub max_ttl: Duration,
     pub warm_min: u32,
+    /// The root filesystem: `base` or a built image's name.
+    pub image: String,
+    pub startup: Option<Startup>,
+    pub readiness: Option<Readiness>,
 }
 
 impl Recipe {
@@ -87,6 +92,9 @@ impl Recipe {
             default_ttl: BASE.default_ttl,
             max_ttl: BASE.max_ttl,
             warm_min: 0,
+            image: IMAGE.into(),
+            startup: None,
+            readiness: None,
         }
     }
 
@@ -103,6 +111,9 @@ impl Recipe {
             default_ttl: Duration::from_secs(t.default_ttl_s),
             max_ttl: Duration::from_secs(t.max_ttl_s),
             warm_min: t.warm_min,
+            image: t.image.clone(),
+            startup: t.startup.as_deref().and_then(|s| serde_json::from_str(s).ok()),
+            readiness: t.readiness.as_deref().and_then(|s| serde_json::from_str(s).ok()),
         }
     }
 
@@ -125,6 +136,64 @@ fn check_name(name: &str) -> Result<()> {
         return Err(ControlError::Invalid("the name `base` is reserved for the builtin template".into()));
     }
     Ok(())
+}
+
+/// A build's image, `tpl-<id>-v<n>`, may be named only by the template
+/// whose build made it (others' builds are not theirs to read).
+fn check_build_image(image: Option<&str>, own: Option<&str>) -> Result<()> {
+    match image {
+        Some(name) if name.starts_with("tpl-") => {
+            if own.is_some_and(|id| crate::build::is_build_image_of(name, id)) {
+                Ok(())
+            } else {
+                Err(ControlError::Invalid(format!("image {name:?}: only this template's own builds may be named")))
+            }
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Longest startup or readiness command.
+const COMMAND_MAX: usize = 16 * 1024;
+/// Default and largest readiness timeout.
+pub const READINESS_TIMEOUT: u32 = 30;
+pub const READINESS_TIMEOUT_MAX: u32 = 300;
+
+fn check_startup(s: Option<&Startup>) -> Result<()> {
+    if let Some(s) = s {
+        if s.command.trim().is_empty() || s.command.len() > COMMAND_MAX || s.command.contains('\0') {
+            return Err(ControlError::Invalid(format!("startup.command must be 1 to {COMMAND_MAX} bytes, no NUL")));
+        }
+    }
+    Ok(())
+}
+
+fn check_readiness(r: Option<&Readiness>) -> Result<()> {
+    let Some(r) = r else { return Ok(()) };
+    match (&r.command, r.port) {
+        (Some(c), None) => {
+            if c.trim().is_empty() || c.len() > COMMAND_MAX || c.contains('\0') {
+                return Err(ControlError::Invalid(format!(
+                    "readiness.command must be 1 to {COMMAND_MAX} bytes, no NUL"
+                )));
+            }
+        }
+        (None, Some(p)) if p > 0 => {}
+        (None, Some(_)) => return Err(ControlError::Invalid("readiness.port must be 1 to 65535".into())),
+        _ => return Err(ControlError::Invalid("readiness: give exactly one of command and port".into())),
+    }
+    if let Some(t) = r.timeout_seconds {
+        if !(1..=READINESS_TIMEOUT_MAX).contains(&t) {
+            return Err(ControlError::Invalid(format!(
+                "readiness.timeout_seconds must be 1 to {READINESS_TIMEOUT_MAX}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn to_json<T: serde::Serialize>(v: Option<&T>) -> Option<String> {
+    v.and_then(|v| serde_json::to_string(v).ok())
 }
 
 fn check_class(class: Option<&str>) -> Result<()> {
@@ -194,13 +263,15 @@ impl Control {
             max_ttl_seconds: t.max_ttl_s,
             warm: Warm { min: t.warm_min, max: t.warm_max },
             warm_ready: ready,
+            startup: t.startup.as_deref().and_then(|s| serde_json::from_str(s).ok()),
+            readiness: t.readiness.as_deref().and_then(|s| serde_json::from_str(s).ok()),
             created_at: rfc3339(t.created_at),
             updated_at: rfc3339(t.updated_at),
         })
     }
 
     /// The caller's live template with this id.
-    fn own_template(&self, owner: &str, id: &TemplateId) -> Result<TemplateRecord> {
+    pub(crate) fn own_template(&self, owner: &str, id: &TemplateId) -> Result<TemplateRecord> {
         match self.store.get_template(id.as_str())? {
             Some(t) if t.owner == owner && t.deleted_at.is_none() => Ok(t),
             _ => Err(ControlError::NoTemplate(id.to_string())),
@@ -223,7 +294,10 @@ impl Control {
 
     pub fn create_template(&self, owner: &str, req: &CreateTemplate) -> Result<Template> {
         check_name(&req.name)?;
+        check_build_image(req.image.as_deref(), None)?;
         let image = self.check_image(req.image.as_deref())?;
+        check_startup(req.startup.as_ref())?;
+        check_readiness(req.readiness.as_ref())?;
         check_class(req.class.as_deref())?;
         let (memory_mb, vcpus, disk_mib, pids) = resolve_limits(req.memory_mb, req.limits.as_ref())?;
         crate::control::check_map("env", &req.env, 256)?;
@@ -252,6 +326,8 @@ impl Control {
             created_at: now,
             updated_at: now,
             deleted_at: None,
+            startup: to_json(req.startup.as_ref()),
+            readiness: to_json(req.readiness.as_ref()),
         };
         match self.store.insert_template(&t) {
             Ok(()) => self.template_view(&t),
@@ -272,10 +348,27 @@ impl Control {
 
     pub fn update_template(&self, owner: &str, id: &TemplateId, req: &UpdateTemplate) -> Result<Template> {
         let old = self.own_template(owner, id)?;
+        check_build_image(req.image.as_deref(), Some(&old.id))?;
         check_class(req.class.as_deref())?;
         let mut t = old.clone();
-        if req.image.is_some() {
-            t.image = self.check_image(req.image.as_deref())?;
+        if let Some(image) = &req.image {
+            let state = &self.runtime.config().state_dir;
+            if crate::build::is_build_image_of(image, &old.id) {
+                if crate::build::image_root(state, image).is_err() {
+                    return Err(ControlError::Invalid(format!("image {image:?} does not exist (or lost a layer)")));
+                }
+                t.image = image.clone();
+            } else {
+                t.image = self.check_image(Some(image))?;
+            }
+        }
+        if let Some(startup) = &req.startup {
+            check_startup(startup.as_ref())?;
+            t.startup = to_json(startup.as_ref());
+        }
+        if let Some(readiness) = &req.readiness {
+            check_readiness(readiness.as_ref())?;
+            t.readiness = to_json(readiness.as_ref());
         }
         if req.memory_mb.is_some() || req.limits.is_some() {
             let limits = req.limits.clone().unwrap_or(LimitsRequest {
@@ -301,6 +394,8 @@ impl Control {
         let old_env: BTreeMap<String, String> = serde_json::from_str(&old.env).unwrap_or_default();
         let new_env: BTreeMap<String, String> = serde_json::from_str(&t.env).unwrap_or_default();
         let changed = t.image != old.image
+            || t.startup != old.startup
+            || t.readiness != old.readiness
             || new_env != old_env
             || (t.memory_mb, t.vcpus, t.disk_mib, t.pids) != (old.memory_mb, old.vcpus, old.disk_mib, old.pids);
         if changed {
@@ -344,6 +439,22 @@ mod tests {
         for bad in ["", "base", "-x", "Upper", "a/b", &"x".repeat(65)] {
             assert!(check_name(bad).is_err(), "{bad}");
         }
+        assert!(check_build_image(Some("base"), None).is_ok());
+        assert!(check_build_image(Some("tpl-0123456789abcdef-v2"), Some("tpl-0123456789abcdef")).is_ok());
+        assert!(check_build_image(Some("tpl-0123456789abcdef-v2"), Some("tpl-fedcba9876543210")).is_err());
+        assert!(check_build_image(Some("tpl-0123456789abcdef-v2"), None).is_err());
+        assert!(check_readiness(Some(&Readiness { command: None, port: None, timeout_seconds: None })).is_err());
+        assert!(check_readiness(Some(&Readiness {
+            command: Some("true".into()),
+            port: Some(80),
+            timeout_seconds: None
+        }))
+        .is_err());
+        assert!(
+            check_readiness(Some(&Readiness { command: None, port: Some(80), timeout_seconds: Some(301) })).is_err()
+        );
+        assert!(check_readiness(Some(&Readiness { command: None, port: Some(80), timeout_seconds: Some(5) })).is_ok());
+        assert!(check_startup(Some(&Startup { command: " ".into() })).is_err());
         assert!(check_class(Some("microvm")).is_err());
         assert!(check_warm(Warm { min: 3, max: 2 }).is_err());
         assert!(check_warm(Warm { min: 0, max: WARM_MAX + 1 }).is_err());

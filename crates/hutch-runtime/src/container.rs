@@ -133,6 +133,12 @@ pub struct SandboxSpec {
     pub netns: Option<std::sync::Arc<std::os::fd::OwnedFd>>,
     /// Bound read-only over the sandbox's /etc/resolv.conf.
     pub resolv_conf: Option<PathBuf>,
+    /// Read-only layers stacked over `base`, bottom first (a built image).
+    pub extra_lowers: Vec<PathBuf>,
+    /// A host directory holding `upper/` and `work/` that becomes the
+    /// writable layer instead of the size-capped tmpfs: build sandboxes only,
+    /// whose layer is captured after they end (see [`crate::capture`]).
+    pub upper_dir: Option<PathBuf>,
 }
 
 impl Default for SandboxSpec {
@@ -147,6 +153,8 @@ impl Default for SandboxSpec {
             agent_override: None,
             netns: None,
             resolv_conf: None,
+            extra_lowers: Vec::new(),
+            upper_dir: None,
         }
     }
 }
@@ -339,21 +347,23 @@ impl Runtime {
                 plan.push(Step::SetNs { fd: net.as_raw_fd(), nstype: libc::CLONE_NEWNET });
             }
             let stage = self.cfg.run_dir.join("stage");
-            let base = [self.base.clone()];
-            let (lowers, usr) = match &spec.root {
-                RootSource::Base => (&base[..], Some(Path::new("/usr"))),
-                RootSource::Layers(layers) => (&layers[..], None),
+            // Bottom first: the root's layers, then a build's layers on top.
+            let (mut lowers, usr) = match &spec.root {
+                RootSource::Base => (vec![self.base.clone()], Some(Path::new("/usr"))),
+                RootSource::Layers(layers) => (layers.clone(), None),
             };
+            lowers.extend(spec.extra_lowers.iter().cloned());
             rootfs::plan_root(
                 &mut plan,
                 &FsSpec {
                     stage: &stage,
-                    lowers,
+                    lowers: &lowers,
                     usr,
                     disk_bytes: spec.disk_bytes,
                     id_base: slot.base(),
                     userns_fd: userns.as_raw_fd(),
                     shm_bytes: (spec.limits.memory_bytes / 2).min(64 << 20),
+                    upper: spec.upper_dir.as_deref(),
                 },
             )?;
             if let Some(resolv) = &spec.resolv_conf {
@@ -450,6 +460,12 @@ impl Sandbox {
     /// Opens a new connection to the sandbox's agent.
     pub fn connect(&self) -> Result<AgentConn, AgentError> {
         AgentConn::connect(&self.socket)
+    }
+
+    /// Host id of the sandbox's root (the start of its uid range), while it
+    /// holds the range; an adopted sandbox does not know it.
+    pub fn id_base(&self) -> Option<u32> {
+        self.slot.as_ref().map(Slot::base)
     }
 
     pub fn freeze(&self) -> Result<(), CgroupError> {

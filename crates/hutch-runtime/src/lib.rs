@@ -9,6 +9,7 @@
 
 pub mod agent;
 pub mod agent_async;
+pub mod capture;
 pub mod cgroup;
 pub mod container;
 pub mod doctor;

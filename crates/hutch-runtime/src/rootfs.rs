@@ -180,6 +180,10 @@ pub struct FsSpec<'a> {
     pub userns_fd: i32,
     /// Size cap of /dev/shm.
     pub shm_bytes: u64,
+    /// A host directory holding `upper/` and `work/` to use as the writable
+    /// layer instead of the staging tmpfs (build sandboxes, whose layer is
+    /// captured after they end; see [`crate::capture`]).
+    pub upper: Option<&'a Path>,
 }
 
 /// /proc entries hidden behind an empty file or directory (they leak host
@@ -199,7 +203,10 @@ const DEVICES: &[(&str, u32, u32)] =
 pub fn plan_root(plan: &mut Plan, spec: &FsSpec) -> io::Result<()> {
     let stage = spec.stage;
     let root = stage.join("root");
-    let upper = stage.join("upper");
+    let (upper, work) = match spec.upper {
+        Some(dir) => (dir.join("upper"), dir.join("work")),
+        None => (stage.join("upper"), stage.join("work")),
+    };
     let lower = stage.join("lower");
     let base = spec.id_base;
     // Nothing we mount may propagate back to the host.
@@ -211,8 +218,13 @@ pub fn plan_root(plan: &mut Plan, spec: &FsSpec) -> io::Result<()> {
         libc::MS_NOSUID | libc::MS_NODEV,
         Some(&format!("size={},mode=0755", spec.disk_bytes.max(1 << 20))),
     )?;
-    for d in [&root, &upper, &lower, &stage.join("work")] {
+    for d in [&root, &lower] {
         plan.mkdir(d, 0o755)?;
+    }
+    if spec.upper.is_none() {
+        for d in [&upper, &work] {
+            plan.mkdir(d, 0o755)?;
+        }
     }
     // The writable layer's own directories: owned by the sandbox's users.
     plan.push(Step::Chown { path: cstr(&upper)?, uid: base, gid: base });
@@ -244,12 +256,13 @@ pub fn plan_root(plan: &mut Plan, spec: &FsSpec) -> io::Result<()> {
         lowerdirs.push(target.display().to_string());
     }
     lowerdirs.reverse();
-    let data = format!(
-        "lowerdir={},upperdir={},workdir={},volatile",
-        lowerdirs.join(":"),
-        upper.display(),
-        stage.join("work").display()
-    );
+    let mut data =
+        format!("lowerdir={},upperdir={},workdir={},volatile", lowerdirs.join(":"), upper.display(), work.display());
+    if spec.upper.is_some() {
+        // A captured layer must be self-contained: no file whose data stays
+        // in a lower layer (metacopy), no directory renamed by reference.
+        data.push_str(",redirect_dir=off,metacopy=off");
+    }
     // Mount options must fit in one page.
     if data.len() >= 4000 {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "overlay options too long: too many layers"));
@@ -375,6 +388,7 @@ mod tests {
             id_base: 1 << 31,
             userns_fd: 9,
             shm_bytes: 64 << 20,
+            upper: None,
         };
         plan_root(&mut plan, &spec).expect("plan");
         let text: Vec<String> = plan.steps.iter().map(|s| s.to_string()).collect();
@@ -382,5 +396,47 @@ mod tests {
         assert!(text.iter().any(|s| s == "mknod /run/hutch/stage/root/dev/null"));
         assert!(text.iter().any(|s| s.starts_with("mount overlay on /run/hutch/stage/root")));
         assert!(text.iter().any(|s| s == "id-mapped bind of /usr on /run/hutch/stage/root/usr"));
+    }
+
+    #[test]
+    fn plan_stacks_extra_lowers_and_takes_a_given_upper() {
+        let mut plan = Plan::default();
+        let layers = [
+            PathBuf::from("/var/lib/hutch/rootfs/base-v1"),
+            PathBuf::from("/state/images/layers/aa"),
+            PathBuf::from("/state/images/layers/bb"),
+        ];
+        let spec = FsSpec {
+            stage: Path::new("/run/hutch/stage"),
+            lowers: &layers,
+            usr: Some(Path::new("/usr")),
+            disk_bytes: 1 << 30,
+            id_base: 1 << 31,
+            userns_fd: 9,
+            shm_bytes: 64 << 20,
+            upper: Some(Path::new("/state/images/scratch/b1")),
+        };
+        plan_root(&mut plan, &spec).expect("plan");
+        let text: Vec<String> = plan.steps.iter().map(|s| s.to_string()).collect();
+        assert!(text.iter().any(|s| s == "id-mapped bind of /state/images/layers/bb on /run/hutch/stage/lower/2"));
+        assert!(!text.iter().any(|s| s == "mkdir /run/hutch/stage/upper"), "{text:#?}");
+        let overlay = plan
+            .steps
+            .iter()
+            .find_map(|s| match s {
+                Step::Mount { data: Some(d), .. } if d.to_string_lossy().contains("lowerdir") => {
+                    Some(d.to_string_lossy().into_owned())
+                }
+                _ => None,
+            })
+            .expect("an overlay mount");
+        assert!(
+            overlay.starts_with(
+                "lowerdir=/run/hutch/stage/lower/2:/run/hutch/stage/lower/1:/run/hutch/stage/lower/0,\
+                 upperdir=/state/images/scratch/b1/upper,workdir=/state/images/scratch/b1/work"
+            ),
+            "{overlay}"
+        );
+        assert!(overlay.contains("metacopy=off"));
     }
 }

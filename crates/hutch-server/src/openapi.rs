@@ -40,6 +40,10 @@ use utoipa::{Modify, OpenApi};
         crate::access::list,
         crate::access::revoke,
         crate::access::revoke_all,
+        crate::templates::start_build,
+        crate::templates::list_builds,
+        crate::templates::get_build,
+        crate::templates::build_logs,
     ),
     components(schemas(
         hutch_api::ErrorBody, hutch_api::ErrorCode, hutch_api::Sandbox, hutch_api::SandboxList, hutch_api::SandboxState,
@@ -52,6 +56,8 @@ use utoipa::{Modify, OpenApi};
         hutch_api::TemplateList, hutch_api::ImageInfo, hutch_api::ImageList,
         hutch_api::CreateAccess, hutch_api::AccessGrant, hutch_api::AccessGrantList, hutch_api::NetworkRequest,
         hutch_api::Network, hutch_api::Egress,
+        hutch_api::TemplateList, hutch_api::Startup, hutch_api::Readiness, hutch_api::Build, hutch_api::BuildState,
+        hutch_api::BuildList,
     )),
     modifiers(&BearerAuth),
     security(("bearer" = []))

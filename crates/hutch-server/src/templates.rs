@@ -1,16 +1,19 @@
-//! The template routes: `/v1/templates` and `/v1/templates/{id}`, and the
-//! read-only list of images templates may name (`/v1/images`). Parsing and
-//! rendering only; the control plane owns templates and warm pools.
+//! The template routes: `/v1/templates`, `/v1/templates/{id}` and its
+//! builds, and the read-only list of images templates may name
+//! (`/v1/images`). Parsing and rendering only; the control plane owns
+//! templates, warm pools and builds.
 
 use crate::routes::Caller;
-use crate::{ApiResult, App, JsonBody};
-use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use crate::{ApiError, ApiResult, App, ChannelBody, JsonBody};
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use hutch_api::{CreateTemplate, ImageInfo, ImageList, Template, TemplateList, UpdateTemplate};
+use hutch_api::{
+    Build, BuildList, CreateTemplate, ErrorCode, ImageInfo, ImageList, Template, TemplateList, UpdateTemplate,
+};
 use hutch_control::templates::TemplateId;
 use std::sync::Arc;
 
@@ -22,6 +25,9 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
         .route("/v1/templates", post(create_template).get(list_templates))
         .route("/v1/templates/{id}", get(get_template).patch(update_template).delete(delete_template))
         .route("/v1/images", get(list_images))
+        .route("/v1/templates/{id}/builds", post(start_build).get(list_builds))
+        .route("/v1/templates/{id}/builds/{build}", get(get_build))
+        .route("/v1/templates/{id}/builds/{build}/logs", get(build_logs))
         .route_layer(middleware::from_fn_with_state(app, crate::routes::authenticate))
 }
 
@@ -95,4 +101,86 @@ pub(crate) async fn delete_template(
 ) -> ApiResult<StatusCode> {
     app.control.delete_template(&caller.key_id, &TemplateId::parse(&id)?).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// Largest build context accepted (the archive limit of uploads).
+const CONTEXT_CAP: usize = hutch_control::files::ARCHIVE_CAP;
+
+#[utoipa::path(post, path = "/v1/templates/{id}/builds", params(("id" = String, Path)),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream",
+        description = "a tar.gz of a directory holding `Dockerfile` and the files it copies (sent as application/gzip or application/octet-stream)"),
+    responses((status = 202, body = Build), (status = 400, body = hutch_api::ErrorBody),
+              (status = 404, body = hutch_api::ErrorBody), (status = 413, body = hutch_api::ErrorBody)))]
+pub(crate) async fn start_build(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> ApiResult<Response> {
+    let kind = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let kind = kind.split(';').next().unwrap_or("").trim();
+    if !matches!(kind, "application/gzip" | "application/x-gzip" | "application/x-tar" | "application/octet-stream") {
+        return Err(ApiError::invalid(format!(
+            "Content-Type {kind:?}: send the build context as application/gzip (a tar.gz)"
+        )));
+    }
+    let id = TemplateId::parse(&id)?;
+    let bytes = axum::body::to_bytes(body, CONTEXT_CAP).await.map_err(|_| {
+        ApiError::new(ErrorCode::SandboxArchiveTooLarge, format!("build context above {} MiB", CONTEXT_CAP >> 20))
+    })?;
+    let build = app.control.start_build(&caller.key_id, &id, bytes.to_vec())?;
+    Ok((StatusCode::ACCEPTED, Json(build)).into_response())
+}
+
+#[utoipa::path(get, path = "/v1/templates/{id}/builds", params(("id" = String, Path)),
+    responses((status = 200, body = BuildList), (status = 404, body = hutch_api::ErrorBody)))]
+pub(crate) async fn list_builds(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<BuildList>> {
+    Ok(Json(app.control.list_builds(&caller.key_id, &TemplateId::parse(&id)?)?))
+}
+
+#[utoipa::path(get, path = "/v1/templates/{id}/builds/{build}", params(("id" = String, Path), ("build" = String, Path)),
+    responses((status = 200, body = Build), (status = 404, body = hutch_api::ErrorBody)))]
+pub(crate) async fn get_build(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path((id, build)): Path<(String, String)>,
+) -> ApiResult<Json<Build>> {
+    Ok(Json(app.control.get_build(&caller.key_id, &TemplateId::parse(&id)?, &build)?))
+}
+
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+pub(crate) struct LogQuery {
+    /// Stream the log until the build ends.
+    #[serde(default)]
+    follow: Option<bool>,
+}
+
+#[utoipa::path(get, path = "/v1/templates/{id}/builds/{build}/logs",
+    params(("id" = String, Path), ("build" = String, Path), LogQuery),
+    responses((status = 200, description = "the build's log", content_type = "text/plain"),
+              (status = 404, body = hutch_api::ErrorBody)))]
+pub(crate) async fn build_logs(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    Path((id, build)): Path<(String, String)>,
+    q: Result<Query<LogQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult<Response> {
+    let Query(q) = q.map_err(|e| ApiError::invalid(e.body_text()))?;
+    let mut rx = app.control.build_log(&caller.key_id, &TemplateId::parse(&id)?, &build, q.follow.unwrap_or(false))?;
+    let (tx, body_rx) = tokio::sync::mpsc::channel(8);
+    tokio::spawn(async move {
+        while let Some(chunk) = rx.recv().await {
+            if tx.send(chunk.map(bytes::Bytes::from)).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut resp = ChannelBody(body_rx).into_body().into_response();
+    resp.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/plain; charset=utf-8"));
+    Ok(resp)
 }

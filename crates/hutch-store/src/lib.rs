@@ -90,6 +90,28 @@ pub struct TemplateRecord {
     pub created_at: i64,
     pub updated_at: i64,
     pub deleted_at: Option<i64>,
+    /// JSON `{"command"}`, or None.
+    pub startup: Option<String>,
+    /// JSON `{"command"|"port", "timeout_seconds"}`, or None.
+    pub readiness: Option<String>,
+}
+
+/// A template build as stored. Times are Unix milliseconds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BuildRecord {
+    pub id: String,
+    pub template_id: String,
+    pub owner: String,
+    /// `queued`, `building`, `succeeded` or `failed`.
+    pub state: String,
+    pub created_at: i64,
+    pub finished_at: Option<i64>,
+    pub error: Option<String>,
+    /// The image built on (`base`).
+    pub parent: String,
+    /// The image made and the template version it became, on success.
+    pub image: Option<String>,
+    pub version: Option<i64>,
 }
 
 /// What a claim of a warm sandbox sets on it.
@@ -188,6 +210,16 @@ pub trait Store: Send + Sync {
     fn drain_pooled(&self, id: &str) -> Result<bool>;
     /// Pooled sandboxes (any state but terminated), oldest first.
     fn pooled_sandboxes(&self) -> Result<Vec<SandboxRecord>>;
+
+    // Template builds.
+    fn insert_build(&self, b: &BuildRecord) -> Result<()>;
+    /// Writes state, finished_at, error, image and version.
+    fn update_build(&self, b: &BuildRecord) -> Result<()>;
+    fn get_build(&self, id: &str) -> Result<Option<BuildRecord>>;
+    /// A template's builds, newest first (at most 100).
+    fn list_builds(&self, template_id: &str) -> Result<Vec<BuildRecord>>;
+    /// Marks builds that a stopped daemon left queued or building as failed.
+    fn fail_unfinished_builds(&self, now: i64, error: &str) -> Result<u64>;
 }
 
 /// The embedded SQLite store (WAL mode) in one file.
@@ -198,6 +230,7 @@ pub struct SqliteStore {
 const MIGRATIONS: &[(&str, &str)] = &[
     ("0001_init", include_str!("../migrations/0001_init.sql")),
     ("0002_templates", include_str!("../migrations/0002_templates.sql")),
+    ("0003_builds", include_str!("../migrations/0003_builds.sql")),
     ("0004_network", include_str!("../migrations/0004_network.sql")),
 ];
 
@@ -252,7 +285,24 @@ const SANDBOX_COLUMNS: &str = "id, owner, template, state, created_at, expires_a
      template_id, template_version, warm, pooled, network";
 
 const TEMPLATE_COLUMNS: &str = "id, owner, name, version, image, class, memory_mb, vcpus, disk_mib, pids, env, \
-     default_ttl_s, max_ttl_s, warm_min, warm_max, created_at, updated_at, deleted_at";
+     default_ttl_s, max_ttl_s, warm_min, warm_max, created_at, updated_at, deleted_at, startup, readiness";
+
+const BUILD_COLUMNS: &str = "id, template_id, owner, state, created_at, finished_at, error, parent, image, version";
+
+fn build_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<BuildRecord> {
+    Ok(BuildRecord {
+        id: r.get(0)?,
+        template_id: r.get(1)?,
+        owner: r.get(2)?,
+        state: r.get(3)?,
+        created_at: r.get(4)?,
+        finished_at: r.get(5)?,
+        error: r.get(6)?,
+        parent: r.get(7)?,
+        image: r.get(8)?,
+        version: r.get(9)?,
+    })
+}
 
 fn template_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<TemplateRecord> {
     Ok(TemplateRecord {
@@ -274,6 +324,8 @@ fn template_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<TemplateRecord> {
         created_at: r.get(15)?,
         updated_at: r.get(16)?,
         deleted_at: r.get(17)?,
+        startup: r.get(18)?,
+        readiness: r.get(19)?,
     })
 }
 
@@ -543,7 +595,7 @@ impl Store for SqliteStore {
             c.execute(
                 &format!(
                     "INSERT INTO templates ({TEMPLATE_COLUMNS}) VALUES \
-                     (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18)"
+                     (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20)"
                 ),
                 params![
                     t.id,
@@ -563,7 +615,9 @@ impl Store for SqliteStore {
                     t.warm_max as i64,
                     t.created_at,
                     t.updated_at,
-                    t.deleted_at
+                    t.deleted_at,
+                    t.startup,
+                    t.readiness
                 ],
             )
             .map_err(conflict)?;
@@ -607,7 +661,7 @@ impl Store for SqliteStore {
             c.execute(
                 "UPDATE templates SET name = ?2, version = ?3, image = ?4, class = ?5, memory_mb = ?6, vcpus = ?7, \
                  disk_mib = ?8, pids = ?9, env = ?10, default_ttl_s = ?11, max_ttl_s = ?12, warm_min = ?13, \
-                 warm_max = ?14, updated_at = ?15, deleted_at = ?16 WHERE id = ?1",
+                 warm_max = ?14, updated_at = ?15, deleted_at = ?16, startup = ?17, readiness = ?18 WHERE id = ?1",
                 params![
                     t.id,
                     t.name,
@@ -624,11 +678,72 @@ impl Store for SqliteStore {
                     t.warm_min as i64,
                     t.warm_max as i64,
                     t.updated_at,
-                    t.deleted_at
+                    t.deleted_at,
+                    t.startup,
+                    t.readiness
                 ],
             )
             .map_err(conflict)?;
             Ok(())
+        })
+    }
+
+    fn insert_build(&self, b: &BuildRecord) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                &format!("INSERT INTO builds ({BUILD_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"),
+                params![
+                    b.id,
+                    b.template_id,
+                    b.owner,
+                    b.state,
+                    b.created_at,
+                    b.finished_at,
+                    b.error,
+                    b.parent,
+                    b.image,
+                    b.version
+                ],
+            )
+            .map_err(conflict)?;
+            Ok(())
+        })
+    }
+
+    fn update_build(&self, b: &BuildRecord) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE builds SET state = ?2, finished_at = ?3, error = ?4, image = ?5, version = ?6 WHERE id = ?1",
+                params![b.id, b.state, b.finished_at, b.error, b.image, b.version],
+            )?;
+            Ok(())
+        })
+    }
+
+    fn get_build(&self, id: &str) -> Result<Option<BuildRecord>> {
+        self.with(|c| {
+            Ok(c.query_row(&format!("SELECT {BUILD_COLUMNS} FROM builds WHERE id = ?1"), [id], build_row).optional()?)
+        })
+    }
+
+    fn list_builds(&self, template_id: &str) -> Result<Vec<BuildRecord>> {
+        self.with(|c| {
+            let mut st = c.prepare(&format!(
+                "SELECT {BUILD_COLUMNS} FROM builds WHERE template_id = ?1 ORDER BY created_at DESC, id DESC LIMIT 100"
+            ))?;
+            let rows = st.query_map([template_id], build_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn fail_unfinished_builds(&self, now: i64, error: &str) -> Result<u64> {
+        self.with(|c| {
+            let n = c.execute(
+                "UPDATE builds SET state = 'failed', finished_at = ?1, error = ?2 \
+                 WHERE state IN ('queued', 'building')",
+                params![now, error],
+            )?;
+            Ok(n as u64)
         })
     }
 
@@ -813,6 +928,8 @@ mod tests {
             created_at: 1,
             updated_at: 1,
             deleted_at: None,
+            startup: None,
+            readiness: None,
         }
     }
 
@@ -878,6 +995,39 @@ mod tests {
         s.update_template(&t).expect("delete");
         s.insert_template(&template("tpl-2", 1)).expect("the name is free again");
         assert_eq!(s.list_templates(Some("k1")).expect("list").len(), 1);
+    }
+
+    #[test]
+    fn builds_are_listed_newest_first_and_unfinished_ones_fail_on_restart() {
+        let s = SqliteStore::open_in_memory().expect("open");
+        let mut t = template("tpl-1", 1);
+        t.startup = Some(r#"{"command":"serve"}"#.into());
+        s.insert_template(&t).expect("template");
+        assert_eq!(
+            s.get_template("tpl-1").expect("get").and_then(|t| t.startup).as_deref(),
+            Some(r#"{"command":"serve"}"#)
+        );
+        for (i, state) in ["succeeded", "building", "queued"].iter().enumerate() {
+            let b = BuildRecord {
+                id: format!("bld-{i}"),
+                template_id: "tpl-1".into(),
+                owner: "k1".into(),
+                state: (*state).into(),
+                created_at: i as i64,
+                finished_at: None,
+                error: None,
+                parent: "base".into(),
+                image: None,
+                version: None,
+            };
+            s.insert_build(&b).expect("insert");
+        }
+        let ids: Vec<String> = s.list_builds("tpl-1").expect("list").into_iter().map(|b| b.id).collect();
+        assert_eq!(ids, ["bld-2", "bld-1", "bld-0"]);
+        assert_eq!(s.fail_unfinished_builds(9, "interrupted").expect("fail"), 2);
+        let b = s.get_build("bld-1").expect("get").expect("some");
+        assert_eq!((b.state.as_str(), b.finished_at, b.error.as_deref()), ("failed", Some(9), Some("interrupted")));
+        assert_eq!(s.get_build("bld-0").expect("get").expect("some").state, "succeeded");
     }
 
     #[test]

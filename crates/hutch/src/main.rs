@@ -28,6 +28,8 @@ enum Command {
     Exec(cli::exec::ExecArgs),
     /// Copy files into and out of a sandbox of a running daemon.
     Files(cli::files::FilesArgs),
+    /// Create, list, build and delete templates of a running daemon.
+    Template(cli::template::TemplateArgs),
     /// Manage API keys in the daemon's database (on its host, no HTTP).
     Key(cli::keys::KeyArgs),
     /// Build, import, pull and list images (on the daemon's host, no HTTP).
@@ -48,6 +50,7 @@ fn main() {
         Command::Sandbox(args) => cli::sandbox::main(args),
         Command::Exec(args) => cli::exec::main(args),
         Command::Files(args) => cli::files::main(args),
+        Command::Template(args) => cli::template::main(args),
         Command::Key(args) => cli::keys::main(args),
         Command::Image(args) => cli::image::main(args),
         Command::Doctor { json } => doctor(json),

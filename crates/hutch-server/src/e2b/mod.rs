@@ -99,7 +99,8 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         | ErrorCode::ImageNotFound
         | ErrorCode::SandboxArchiveInvalid
         | ErrorCode::SandboxFilePartOutOfOrder
-        | ErrorCode::SandboxFilePartMismatch => ("invalid_argument", StatusCode::BAD_REQUEST),
+        | ErrorCode::SandboxFilePartMismatch
+        | ErrorCode::BuildInstructionRefused => ("invalid_argument", StatusCode::BAD_REQUEST),
         ErrorCode::NotFound => ("not_found", StatusCode::NOT_FOUND),
         ErrorCode::IdempotencyConflict | ErrorCode::SandboxPathConflict | ErrorCode::TemplateNameTaken => {
             ("already_exists", StatusCode::CONFLICT)
@@ -111,6 +112,8 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         ErrorCode::ExecutionOutcomeUnknown | ErrorCode::Internal => ("internal", StatusCode::INTERNAL_SERVER_ERROR),
         ErrorCode::SandboxSessionNotRunning
         | ErrorCode::SandboxStartFailed
+        | ErrorCode::SandboxStartupFailed
+        | ErrorCode::SandboxReadinessTimeout
         | ErrorCode::SandboxCapacityUnavailable
         | ErrorCode::Unavailable => ("unavailable", StatusCode::SERVICE_UNAVAILABLE),
         ErrorCode::SandboxCommandCapacity

@@ -295,6 +295,50 @@ impl Client {
         self.json(&url, self.authed("POST", &url), Payload::Json(to_value(part)))
     }
 
+    /// `POST /v1/templates`.
+    pub fn create_template(&self, req: &hutch_api::CreateTemplate) -> Result<hutch_api::Template> {
+        let url = self.url(&["templates"]);
+        self.json(&url, self.authed("POST", &url), Payload::Json(to_value(req)))
+    }
+
+    /// `GET /v1/templates`.
+    pub fn list_templates(&self) -> Result<hutch_api::TemplateList> {
+        let url = self.url(&["templates"]);
+        self.json(&url, self.authed("GET", &url), Payload::None)
+    }
+
+    /// `GET /v1/templates/{id}`.
+    pub fn get_template(&self, id: &str) -> Result<hutch_api::Template> {
+        let url = self.url(&["templates", id]);
+        self.json(&url, self.authed("GET", &url), Payload::None)
+    }
+
+    /// `DELETE /v1/templates/{id}`.
+    pub fn delete_template(&self, id: &str) -> Result<()> {
+        let url = self.url(&["templates", id]);
+        self.send(&url, self.authed("DELETE", &url), Payload::None).map(drop)
+    }
+
+    /// `POST /v1/templates/{id}/builds` with a tar.gz build context.
+    pub fn start_build(&self, id: &str, context: &[u8]) -> Result<hutch_api::Build> {
+        let url = self.url(&["templates", id, "builds"]);
+        let r = self.authed("POST", &url).set("Content-Type", "application/gzip");
+        self.json(&url, r, Payload::Bytes(context))
+    }
+
+    /// `GET /v1/templates/{id}/builds/{build}`.
+    pub fn get_build(&self, id: &str, build: &str) -> Result<hutch_api::Build> {
+        let url = self.url(&["templates", id, "builds", build]);
+        self.json(&url, self.authed("GET", &url), Payload::None)
+    }
+
+    /// `GET /v1/templates/{id}/builds/{build}/logs`, streamed when `follow`.
+    pub fn build_log(&self, id: &str, build: &str, follow: bool) -> Result<Body> {
+        let url = self.url(&["templates", id, "builds", build, "logs"]);
+        let r = self.authed("GET", &url).query("follow", if follow { "true" } else { "false" });
+        self.body(&url, r, Payload::None)
+    }
+
     fn url(&self, segments: &[&str]) -> String {
         let mut u = format!("{}/v1", self.base);
         for s in segments {

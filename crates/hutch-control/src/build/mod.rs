@@ -1,0 +1,1110 @@
+//! Template builds: a Dockerfile fragment and the files it copies (a tar.gz
+//! build context) run over the template's image, one step at a time, into
+//! new image layers; the result is checked (its startup command starts and
+//! becomes ready) and activated as the template's next version. A failed
+//! build leaves the active version serving.
+//!
+//! Each RUN step runs in a build sandbox with the template's limits, as
+//! root, whose writable layer is a size-capped tmpfs of the host
+//! ([`hutch_runtime::capture::Scratch`]); after the step the sandbox is
+//! destroyed and its layer captured ([`hutch_runtime::capture::capture`]).
+//! COPY and WORKDIR write their layer directly from the validated context.
+//! A step's cache key chains the key before it, the instruction and the
+//! digests of the files it copies; an unchanged step reuses its layer.
+//!
+//! The context is validated whole before anything runs, with the same rules
+//! as archive uploads (`files/archive.rs`); so is the Dockerfile, whose
+//! refusal names the line. Builds of one template run one at a time.
+
+pub mod dockerfile;
+mod imagestore;
+
+use crate::control::{log_warn, now_ms, rfc3339, Control};
+use crate::error::{ControlError, Result};
+use crate::files::archive::{self, ArchiveError, ArchivePlan, PlannedKind};
+use crate::ready::{describe_exit, until_ready, ReadyCheck};
+use crate::templates::TemplateId;
+use dockerfile::{Command, Instruction, Step};
+use hutch_agent::proto::{Cmd, ExitStatus, FromAgent, Reply, Request, Spawn};
+use hutch_api::{Build, BuildList, BuildState, ErrorCode, Readiness, Startup};
+use hutch_runtime::capture::{capture, CaptureLimits, Scratch};
+use hutch_runtime::cgroup::Limits as CgLimits;
+use hutch_runtime::SandboxSpec;
+use hutch_store::{BuildRecord, TemplateRecord};
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{self, File};
+use std::io::{self, Read, Seek, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+pub use imagestore::ImageJson;
+
+/// Most bytes of a build's log; output past it is dropped with a note.
+pub const LOG_CAP: u64 = 8 << 20;
+/// Room kept past the cap for step headers and the outcome.
+const LOG_SLACK: u64 = 64 << 10;
+/// Longest one RUN step may run.
+const STEP_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+/// A build's readiness check waits at most this long.
+pub const VALIDATE_TIMEOUT: u32 = 30;
+/// Without a readiness check, the startup command must keep running this long.
+const STARTUP_GRACE: Duration = Duration::from_secs(1);
+/// The working directory when the image names none.
+const DEFAULT_WORKDIR: &str = "/workspace";
+/// Owner of directories WORKDIR makes: the sandbox user.
+const USER_ID: u32 = 1000;
+/// Bumped when what a cache key covers changes.
+const CACHE_VERSION: &str = "hutch-build-v1";
+
+/// Whether `name` is an image that a build of template `id` made.
+pub fn is_build_image_of(name: &str, id: &str) -> bool {
+    name.strip_prefix(id)
+        .and_then(|r| r.strip_prefix("-v"))
+        .is_some_and(|n| !n.is_empty() && n.len() <= 12 && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// A build's id: `bld-` and 16 hex digits.
+pub fn parse_build_id(s: &str) -> Result<&str> {
+    let ok = s.len() == 20 && s.starts_with("bld-") && s[4..].bytes().all(|b| b.is_ascii_hexdigit());
+    if ok && !s[4..].bytes().any(|b| b.is_ascii_uppercase()) {
+        Ok(s)
+    } else {
+        Err(ControlError::NoBuild(s.to_owned()))
+    }
+}
+
+/// Per-template build queues inside [`Control`].
+#[derive(Default)]
+pub struct Builds {
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl Builds {
+    fn lock_for(&self, template_id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut map = self.locks.lock().unwrap_or_else(|p| p.into_inner());
+        map.entry(template_id.to_owned()).or_default().clone()
+    }
+}
+
+/// What a sandbox of an image mounts and runs with.
+#[derive(Debug, Clone, Default)]
+pub struct ImageRoot {
+    /// Layers over `base`, bottom first.
+    pub layers: Vec<PathBuf>,
+    pub env: Vec<(String, String)>,
+    pub workdir: Option<String>,
+}
+
+/// Whether `name` is an image a build made over `base`.
+pub fn is_built_over_base(state_dir: &Path, name: &str) -> bool {
+    imagestore::get(state_dir, name).ok().flatten().is_some_and(|i| i.parent.as_deref() == Some("base"))
+}
+
+/// Resolves an image name for a boot: `base`, or a built image over it.
+pub fn image_root(state_dir: &Path, name: &str) -> Result<ImageRoot> {
+    if name == "base" {
+        return Ok(ImageRoot::default());
+    }
+    let gone = |why: String| ControlError::StartFailed(format!("image {name}: {why}"));
+    let img =
+        imagestore::get(state_dir, name).map_err(|e| gone(e.to_string()))?.ok_or_else(|| gone("not found".into()))?;
+    if img.parent.as_deref() != Some("base") {
+        return Err(gone("not built over base".into()));
+    }
+    let mut layers = Vec::new();
+    for hex in &img.layers {
+        let path = imagestore::layer_path(state_dir, hex);
+        if !imagestore::valid_hex(hex) || !path.is_dir() {
+            return Err(gone(format!("layer {hex} is missing")));
+        }
+        layers.push(path);
+    }
+    let env = img.env.iter().filter_map(|kv| kv.split_once('=')).map(|(k, v)| (k.to_owned(), v.to_owned())).collect();
+    Ok(ImageRoot { layers, env, workdir: img.workdir })
+}
+
+/// The validated build context: the archive, its plan, and each regular
+/// file's SHA-256.
+struct Context {
+    bytes: Vec<u8>,
+    plan: ArchivePlan,
+    digests: BTreeMap<String, String>,
+}
+
+impl Context {
+    fn new(bytes: Vec<u8>) -> Result<(Context, String)> {
+        let plan = archive::validate(&bytes).map_err(context_error)?;
+        let mut digests = BTreeMap::new();
+        let mut hashers: Vec<Sha256> = plan.files_in_order.iter().map(|_| Sha256::new()).collect();
+        let dockerfile_index = plan.files_in_order.iter().position(|p| p == "Dockerfile");
+        let mut dockerfile = Vec::new();
+        archive::stream_files(&bytes, &plan, 64 * 1024, |i, chunk| {
+            if Some(i) == dockerfile_index && dockerfile.len() <= dockerfile::MAX_DOCKERFILE {
+                dockerfile.extend_from_slice(&chunk);
+            }
+            if let Some(h) = hashers.get_mut(i) {
+                h.update(&chunk);
+            }
+            true
+        })
+        .map_err(context_error)?;
+        for (path, h) in plan.files_in_order.iter().zip(hashers) {
+            digests.insert(path.clone(), hex::encode(h.finalize()));
+        }
+        if dockerfile_index.is_none() {
+            return Err(ControlError::Files {
+                code: ErrorCode::SandboxArchiveInvalid,
+                message: "the build context has no Dockerfile at its top".into(),
+            });
+        }
+        let text = String::from_utf8(dockerfile)
+            .map_err(|_| ControlError::BuildRefused { line: 1, message: "the Dockerfile is not UTF-8".into() })?;
+        Ok((Context { bytes, plan, digests }, text))
+    }
+
+    fn kind(&self, path: &str) -> Option<PlannedKind> {
+        if path.is_empty() {
+            return Some(PlannedKind::Dir);
+        }
+        self.plan.entries.iter().find(|e| e.path == path).map(|e| e.kind)
+    }
+
+    /// Entries at or below `src` ("" is the root), with their paths
+    /// relative to `src`.
+    fn below<'a>(&'a self, src: &'a str) -> impl Iterator<Item = (&'a archive::PlannedEntry, &'a str)> + 'a {
+        self.plan.entries.iter().filter_map(move |e| {
+            if src.is_empty() {
+                Some((e, e.path.as_str()))
+            } else {
+                e.path.strip_prefix(src).and_then(|r| r.strip_prefix('/')).map(|r| (e, r))
+            }
+        })
+    }
+}
+
+fn context_error(e: ArchiveError) -> ControlError {
+    let (code, message) = match e {
+        ArchiveError::Invalid(m) => (ErrorCode::SandboxArchiveInvalid, format!("build context refused: {m}")),
+        ArchiveError::TooLarge(m) => (ErrorCode::SandboxArchiveTooLarge, format!("build context too large: {m}")),
+    };
+    ControlError::Files { code, message }
+}
+
+/// A step ready to run: its instruction resolved against the WORKDIR.
+#[derive(Debug, Clone)]
+enum Action {
+    Run(Command),
+    /// (layer-relative destination, context path) of files and directories.
+    Copy {
+        files: Vec<(String, String)>,
+        dirs: Vec<(String, u32)>,
+        chown: (u32, u32),
+    },
+    Env(Vec<(String, String)>),
+    Workdir(String),
+    Cmd(Command),
+}
+
+#[derive(Debug, Clone)]
+struct Planned {
+    step: Step,
+    action: Action,
+    /// The WORKDIR in effect for this step.
+    cwd: String,
+    /// Digest of what a COPY copies (names, modes, contents).
+    inputs: String,
+}
+
+fn refused(line: usize, message: impl Into<String>) -> ControlError {
+    ControlError::BuildRefused { line, message: message.into() }
+}
+
+/// Resolves every step before anything runs; a problem refuses the build.
+fn plan_steps(steps: Vec<Step>, ctx: &Context, workdir: &str) -> Result<Vec<Planned>> {
+    let mut cwd = workdir.to_owned();
+    let mut out = Vec::new();
+    for step in steps {
+        let line = step.line;
+        let mut inputs = String::new();
+        let action = match &step.instruction {
+            Instruction::Run(c) => Action::Run(c.clone()),
+            Instruction::Cmd(c) => Action::Cmd(c.clone()),
+            Instruction::Env(pairs) => Action::Env(pairs.clone()),
+            Instruction::Workdir(dir) => {
+                cwd = dockerfile::resolve_workdir(line, &cwd, dir)
+                    .map_err(|r| ControlError::BuildRefused { line: r.line, message: r.message })?;
+                Action::Workdir(cwd.clone())
+            }
+            Instruction::Copy { sources, dest, chown } => {
+                let abs = dockerfile::absolute(&cwd, dest)
+                    .ok_or_else(|| refused(line, format!("COPY destination {dest:?} is not a path")))?;
+                let into_dir = dest.ends_with('/') || sources.len() > 1;
+                let base = abs.trim_start_matches('/').to_owned();
+                let (mut files, mut dirs) = (Vec::new(), Vec::new());
+                let mut h = Sha256::new();
+                for src in sources {
+                    match ctx.kind(src) {
+                        None => return Err(refused(line, format!("COPY {src:?}: not in the build context"))),
+                        Some(PlannedKind::File(_)) => {
+                            let name = src.rsplit('/').next().unwrap_or(src);
+                            let target = if into_dir { join(&base, name) } else { base.clone() };
+                            if target.is_empty() {
+                                return Err(refused(line, "COPY cannot replace the root directory with a file"));
+                            }
+                            h.update(format!("f {target} {src} {}\n", ctx.digests.get(src.as_str()).map_or("", |d| d)));
+                            files.push((target, src.clone()));
+                        }
+                        Some(PlannedKind::Dir) => {
+                            for (e, rel) in ctx.below(src) {
+                                let target = join(&base, rel);
+                                match e.kind {
+                                    PlannedKind::Dir => {
+                                        h.update(format!("d {target} {:o}\n", e.mode));
+                                        dirs.push((target, e.mode));
+                                    }
+                                    PlannedKind::File(_) => {
+                                        let digest = ctx.digests.get(&e.path).map_or("", |d| d);
+                                        h.update(format!("f {target} {:o} {digest}\n", e.mode));
+                                        files.push((target, e.path.clone()));
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+                inputs = hex::encode(h.finalize());
+                Action::Copy { files, dirs, chown: chown.unwrap_or((0, 0)) }
+            }
+        };
+        out.push(Planned { step, action, cwd: cwd.clone(), inputs });
+    }
+    Ok(out)
+}
+
+fn join(base: &str, rel: &str) -> String {
+    match (base.is_empty(), rel.is_empty()) {
+        (true, _) => rel.to_owned(),
+        (_, true) => base.to_owned(),
+        _ => format!("{base}/{rel}"),
+    }
+}
+
+fn cache_key(parent: &str, text: &str, inputs: &str) -> String {
+    let mut h = Sha256::new();
+    for part in [CACHE_VERSION, parent, text, inputs] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    hex::encode(h.finalize())
+}
+
+/// A build's log file, bounded: output past [`LOG_CAP`] is dropped with a
+/// note; step headers and the outcome still fit in the slack after it.
+struct Log {
+    file: File,
+    written: u64,
+    truncated: bool,
+}
+
+impl Log {
+    fn create(path: &Path) -> io::Result<Log> {
+        let file = fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
+        Ok(Log { file, written: 0, truncated: false })
+    }
+
+    fn put(&mut self, bytes: &[u8]) {
+        if self.file.write_all(bytes).is_ok() {
+            self.written += bytes.len() as u64;
+        }
+    }
+
+    fn output(&mut self, bytes: &[u8]) {
+        if self.truncated {
+            return;
+        }
+        if self.written + bytes.len() as u64 <= LOG_CAP {
+            self.put(bytes);
+        } else {
+            self.truncated = true;
+            self.put(format!("\n[log truncated: output past {} MiB is dropped]\n", LOG_CAP >> 20).as_bytes());
+        }
+    }
+
+    fn line(&mut self, text: &str) {
+        if self.written + (text.len() as u64) < LOG_CAP + LOG_SLACK {
+            self.put(format!("{text}\n").as_bytes());
+        }
+    }
+}
+
+fn view(b: &BuildRecord) -> Build {
+    Build {
+        id: b.id.clone(),
+        template_id: b.template_id.clone(),
+        state: BuildState::parse(&b.state).unwrap_or(BuildState::Failed),
+        created_at: rfc3339(b.created_at),
+        finished_at: b.finished_at.map(rfc3339),
+        error: b.error.clone(),
+        version: b.version.map(|v| v as u64),
+    }
+}
+
+/// Why a build failed, for its record (the log says more).
+type Failure = String;
+
+impl Control {
+    fn state_dir(&self) -> PathBuf {
+        self.runtime.config().state_dir.clone()
+    }
+
+    fn log_path(&self, build_id: &str) -> PathBuf {
+        self.state_dir().join("images").join("builds").join(format!("{build_id}.log"))
+    }
+
+    /// Checks a build context and its Dockerfile, records the build
+    /// (`queued`) and starts it in the background.
+    pub fn start_build(self: &Arc<Self>, owner: &str, id: &TemplateId, context: Vec<u8>) -> Result<Build> {
+        if self.is_shutting_down() {
+            return Err(ControlError::ShuttingDown);
+        }
+        let t = self.own_template(owner, id)?;
+        let state = self.state_dir();
+        let (ctx, text) = Context::new(context)?;
+        let steps =
+            dockerfile::parse(&text).map_err(|r| ControlError::BuildRefused { line: r.line, message: r.message })?;
+        let parent = self.build_parent(&t)?;
+        let workdir = image_root(&state, &parent)?.workdir.unwrap_or_else(|| DEFAULT_WORKDIR.into());
+        let planned = plan_steps(steps, &ctx, &workdir)?;
+        imagestore::root(&state).map_err(|e| ControlError::Runtime(format!("image store: {e}")))?;
+        let rid = hutch_runtime::container::random_id().map_err(|e| ControlError::Runtime(e.to_string()))?;
+        let record = BuildRecord {
+            id: format!("bld-{}", rid.trim_start_matches("sb-")),
+            template_id: t.id.clone(),
+            owner: owner.to_owned(),
+            state: "queued".into(),
+            created_at: now_ms(),
+            finished_at: None,
+            error: None,
+            parent,
+            image: None,
+            version: None,
+        };
+        let log = Log::create(&self.log_path(&record.id))
+            .map_err(|e| ControlError::Runtime(format!("build log {}: {e}", record.id)))?;
+        self.store.insert_build(&record)?;
+        let this = self.clone();
+        let answer = view(&record);
+        tokio::spawn(async move { this.run_build(record, ctx, planned, log).await });
+        Ok(answer)
+    }
+
+    /// The image a build of `t` starts from: the parent of the template's
+    /// current built image, else its image.
+    fn build_parent(&self, t: &TemplateRecord) -> Result<String> {
+        if is_build_image_of(&t.image, &t.id) {
+            let img = imagestore::get(&self.state_dir(), &t.image)
+                .map_err(|e| ControlError::Runtime(format!("image {}: {e}", t.image)))?;
+            return Ok(img.and_then(|i| i.parent).unwrap_or_else(|| "base".into()));
+        }
+        Ok(t.image.clone())
+    }
+
+    pub fn list_builds(&self, owner: &str, id: &TemplateId) -> Result<BuildList> {
+        let t = self.own_template(owner, id)?;
+        Ok(BuildList { builds: self.store.list_builds(&t.id)?.iter().map(view).collect() })
+    }
+
+    fn own_build(&self, owner: &str, id: &TemplateId, build: &str) -> Result<BuildRecord> {
+        let t = self.own_template(owner, id)?;
+        let build = parse_build_id(build)?;
+        match self.store.get_build(build)? {
+            Some(b) if b.template_id == t.id && b.owner == owner => Ok(b),
+            _ => Err(ControlError::NoBuild(build.to_owned())),
+        }
+    }
+
+    pub fn get_build(&self, owner: &str, id: &TemplateId, build: &str) -> Result<Build> {
+        Ok(view(&self.own_build(owner, id, build)?))
+    }
+
+    /// A build's log as it is now, or (`follow`) a stream of it that ends
+    /// when the build does.
+    pub fn build_log(
+        self: &Arc<Self>,
+        owner: &str,
+        id: &TemplateId,
+        build: &str,
+        follow: bool,
+    ) -> Result<tokio::sync::mpsc::Receiver<io::Result<Vec<u8>>>> {
+        let b = self.own_build(owner, id, build)?;
+        let path = self.log_path(&b.id);
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut offset = 0u64;
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(6 * 3600);
+            loop {
+                let finished = !follow
+                    || this
+                        .store
+                        .get_build(&b.id)
+                        .ok()
+                        .flatten()
+                        .is_none_or(|r| matches!(r.state.as_str(), "succeeded" | "failed"));
+                // Read everything written so far (after the state, so that a
+                // finished build's last lines are in).
+                loop {
+                    let chunk = read_from(&path, offset);
+                    match chunk {
+                        Ok(c) if c.is_empty() => break,
+                        Ok(c) => {
+                            offset += c.len() as u64;
+                            if tx.send(Ok(c)).await.is_err() {
+                                return;
+                            }
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Err(e)).await;
+                            return;
+                        }
+                    }
+                }
+                if finished || tokio::time::Instant::now() >= deadline {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        Ok(rx)
+    }
+
+    /// Marks builds a stopped daemon left unfinished as failed, and removes
+    /// their sandboxes, scratch layers and half-made layers.
+    pub(crate) fn recover_builds(&self) -> Result<()> {
+        let n = self.store.fail_unfinished_builds(now_ms(), "interrupted: the daemon stopped during the build")?;
+        if n > 0 {
+            log_warn(&format!("{n} template builds were interrupted by a daemon restart; marked failed"));
+        }
+        for id in self.runtime.cgroups() {
+            if id.starts_with(BUILD_SANDBOX_PREFIX) {
+                if let Err(e) = self.runtime.adopt(&id).destroy() {
+                    log_warn(&format!("build sandbox {id} left by the last daemon: {e}"));
+                }
+            }
+        }
+        let images = self.state_dir().join("images");
+        hutch_runtime::capture::sweep_scratch(&images.join("scratch"));
+        if let Ok(entries) = fs::read_dir(images.join("tmp")) {
+            for e in entries.flatten() {
+                let _ = fs::remove_dir_all(e.path());
+            }
+        }
+        Ok(())
+    }
+
+    async fn run_build(self: Arc<Self>, mut rec: BuildRecord, ctx: Context, planned: Vec<Planned>, mut log: Log) {
+        let queue = self.builds.lock_for(&rec.template_id);
+        let _turn = queue.lock().await;
+        rec.state = "building".into();
+        if let Err(e) = self.store.update_build(&rec) {
+            log_warn(&format!("build {}: cannot record its state: {e}", rec.id));
+        }
+        let outcome = self.build(&rec, Arc::new(ctx), &planned, &mut log).await;
+        rec.finished_at = Some(now_ms());
+        match outcome {
+            Ok((image, version)) => {
+                log.line(&format!("Build succeeded: image {image}, template version {version}"));
+                rec.state = "succeeded".into();
+                rec.image = Some(image);
+                rec.version = Some(version);
+            }
+            Err(why) => {
+                log.line(&format!("Build failed: {why}"));
+                rec.state = "failed".into();
+                rec.error = Some(why);
+            }
+        }
+        if let Err(e) = self.store.update_build(&rec) {
+            log_warn(&format!("build {}: cannot record its outcome: {e}", rec.id));
+        }
+    }
+
+    /// Runs the steps, checks the result and activates it: (image, version).
+    async fn build(
+        self: &Arc<Self>,
+        rec: &BuildRecord,
+        ctx: Arc<Context>,
+        planned: &[Planned],
+        log: &mut Log,
+    ) -> std::result::Result<(String, i64), Failure> {
+        let state = self.state_dir();
+        let t = self
+            .store
+            .get_template(&rec.template_id)
+            .map_err(|e| format!("store: {e}"))?
+            .filter(|t| t.deleted_at.is_none())
+            .ok_or("the template was deleted")?;
+        let parent = image_root(&state, &rec.parent).map_err(|e| e.to_string())?;
+        let tpl_env: BTreeMap<String, String> = serde_json::from_str(&t.env).unwrap_or_default();
+        let mut env: Vec<(String, String)> = parent.env.clone();
+        let mut layers: Vec<String> = Vec::new();
+        let mut cmd: Option<Command> = None;
+        let mut key = cache_key(&rec.parent, &serde_json::to_string(&tpl_env).unwrap_or_default(), "");
+        let total = planned.len();
+        let mut workdir = parent.workdir.clone().unwrap_or_else(|| DEFAULT_WORKDIR.into());
+        for (i, p) in planned.iter().enumerate() {
+            let n = i + 1;
+            log.line(&format!("Step {n}/{total}: {}", p.step.text));
+            key = cache_key(&key, &p.step.text, &p.inputs);
+            match &p.action {
+                Action::Env(pairs) => {
+                    for (k, v) in pairs {
+                        env.retain(|(ek, _)| ek != k);
+                        env.push((k.clone(), v.clone()));
+                    }
+                    continue;
+                }
+                Action::Cmd(c) => {
+                    cmd = Some(c.clone());
+                    continue;
+                }
+                Action::Workdir(dir) => workdir = dir.clone(),
+                Action::Run(_) | Action::Copy { .. } => {}
+            }
+            if let Some(hex) = imagestore::cached(&state, &key) {
+                log.line(&format!("---> cached {}", &hex[..12]));
+                layers.push(hex);
+                continue;
+            }
+            let made = match &p.action {
+                Action::Run(c) => {
+                    let mut step_env: Vec<(String, String)> = tpl_env.clone().into_iter().collect();
+                    for (k, v) in &env {
+                        step_env.retain(|(ek, _)| ek != k);
+                        step_env.push((k.clone(), v.clone()));
+                    }
+                    self.run_step(&t, &parent.layers, &layers, step_env, &p.cwd, c, log).await
+                }
+                Action::Copy { files, dirs, chown } => {
+                    let (st, ctx, files, dirs, chown) =
+                        (state.clone(), ctx.clone(), files.clone(), dirs.clone(), *chown);
+                    blocking(move || copy_layer(&st, &ctx, &files, &dirs, chown)).await
+                }
+                Action::Workdir(dir) => {
+                    let (st, dir) = (state.clone(), dir.clone());
+                    blocking(move || workdir_layer(&st, &dir)).await
+                }
+                Action::Env(_) | Action::Cmd(_) => continue,
+            };
+            match made {
+                Ok(hex) => {
+                    if let Err(e) = imagestore::remember(&state, &key, &hex) {
+                        log_warn(&format!("build cache: {e}"));
+                    }
+                    log.line(&format!("---> layer {}", &hex[..12]));
+                    layers.push(hex);
+                }
+                Err(why) => {
+                    log.line(&format!("---> failed: {why}"));
+                    return Err(format!("step {n}/{total} ({}) failed: {why}", short(&p.step.text)));
+                }
+            }
+        }
+        // Check the result as its sandboxes will run it.
+        let startup = cmd
+            .as_ref()
+            .map(|c| Startup { command: c.to_shell() })
+            .or_else(|| t.startup.as_deref().and_then(|s| serde_json::from_str(s).ok()));
+        let readiness: Option<Readiness> = t.readiness.as_deref().and_then(|s| serde_json::from_str(s).ok());
+        log.line("Validating: starting a sandbox from the result");
+        let all_layers: Vec<PathBuf> =
+            parent.layers.iter().cloned().chain(layers.iter().map(|h| imagestore::layer_path(&state, h))).collect();
+        let mut sandbox_env: Vec<(String, String)> = env.clone();
+        for (k, v) in &tpl_env {
+            sandbox_env.retain(|(ek, _)| ek != k);
+            sandbox_env.push((k.clone(), v.clone()));
+        }
+        let spec = build_spec(&t, all_layers, sandbox_env, None)?;
+        let rt = self.runtime.clone();
+        let net = self.network.clone().ok();
+        let (n1, group) = (net.clone(), format!("{}/{}", t.owner, t.id));
+        let sb = blocking(move || {
+            start_build_sandbox(&rt, spec, n1.as_deref(), &group).map_err(|e| format!("the result does not start: {e}"))
+        })
+        .await?;
+        let timeout =
+            readiness.as_ref().and_then(|r| r.timeout_seconds).unwrap_or(VALIDATE_TIMEOUT).min(VALIDATE_TIMEOUT);
+        let check = ReadyCheck {
+            startup: startup.as_ref(),
+            readiness: readiness.as_ref(),
+            cwd: Some(workdir.clone()),
+            timeout: Duration::from_secs(u64::from(timeout)),
+            grace: if startup.is_some() && readiness.is_none() { STARTUP_GRACE } else { Duration::ZERO },
+        };
+        let ready = until_ready(&sb.socket, &check, |out| log.output(out), || true).await;
+        let destroyed = blocking(move || end_build_sandbox(sb, net.as_deref())).await;
+        match ready {
+            Ok(()) => log.line("---> ready"),
+            Err(e) => {
+                log.line(&format!("---> not ready: {}", e.message()));
+                return Err(format!("validation failed: {}", e.message()));
+            }
+        }
+        if let Err(e) = destroyed {
+            log_warn(&format!("build {}: validation sandbox teardown: {e}", rec.id));
+        }
+        self.activate(rec, &layers, &env, cmd.as_ref(), &workdir)
+    }
+
+    /// Writes the image and makes it the template's next version.
+    fn activate(
+        &self,
+        rec: &BuildRecord,
+        layers: &[String],
+        env: &[(String, String)],
+        cmd: Option<&Command>,
+        workdir: &str,
+    ) -> std::result::Result<(String, i64), Failure> {
+        let mut t = self
+            .store
+            .get_template(&rec.template_id)
+            .map_err(|e| format!("store: {e}"))?
+            .filter(|t| t.deleted_at.is_none())
+            .ok_or("the template was deleted during the build")?;
+        let version = t.version + 1;
+        let name = format!("{}-v{version}", t.id);
+        let image = ImageJson {
+            name: name.clone(),
+            layers: layers.to_vec(),
+            env: env.iter().map(|(k, v)| format!("{k}={v}")).collect(),
+            cmd: match cmd {
+                Some(Command::Exec(argv)) => argv.clone(),
+                Some(Command::Shell(s)) => vec!["/bin/sh".into(), "-c".into(), s.clone()],
+                None => Vec::new(),
+            },
+            workdir: Some(workdir.to_owned()),
+            source: format!("build {} of template {}", rec.id, t.id),
+            created_at: (now_ms() / 1000) as u64,
+            parent: Some(rec.parent.clone()),
+        };
+        imagestore::put(&self.state_dir(), &image).map_err(|e| format!("cannot write image {name}: {e}"))?;
+        t.image = name.clone();
+        if let Some(c) = cmd {
+            t.startup = serde_json::to_string(&Startup { command: c.to_shell() }).ok();
+        }
+        t.version = version;
+        t.updated_at = now_ms();
+        self.store.update_template(&t).map_err(|e| format!("store: {e}"))?;
+        Ok((name, version))
+    }
+
+    /// Runs one RUN step in a build sandbox and captures its layer.
+    #[allow(clippy::too_many_arguments)]
+    async fn run_step(
+        &self,
+        t: &TemplateRecord,
+        parent: &[PathBuf],
+        layers: &[String],
+        env: Vec<(String, String)>,
+        cwd: &str,
+        cmd: &Command,
+        log: &mut Log,
+    ) -> std::result::Result<String, Failure> {
+        let state = self.state_dir();
+        let lowers: Vec<PathBuf> =
+            parent.iter().cloned().chain(layers.iter().map(|h| imagestore::layer_path(&state, h))).collect();
+        let scratch_dir = imagestore::tmp_dir(&state, "run")
+            .map_err(|e| format!("scratch: {e}"))?
+            .file_name()
+            .map(|n| state.join("images").join("scratch").join(n))
+            .ok_or("scratch: no name")?;
+        let disk = t.disk_mib << 20;
+        let spec = build_spec(t, lowers, env, Some(scratch_dir.clone()))?;
+        let rt = self.runtime.clone();
+        let net = self.network.clone().ok();
+        let (n1, group) = (net.clone(), format!("{}/{}", t.owner, t.id));
+        let (scratch, sb) = blocking(move || {
+            let scratch = Scratch::create(&scratch_dir, disk).map_err(|e| format!("scratch layer: {e}"))?;
+            let sb = start_build_sandbox(&rt, spec, n1.as_deref(), &group)
+                .map_err(|e| format!("the build sandbox did not start: {e}"))?;
+            Ok((scratch, sb))
+        })
+        .await?;
+        let spawn = Spawn {
+            cmd: match cmd {
+                Command::Shell(s) => Cmd::Argv(vec!["/bin/sh".into(), "-c".into(), s.clone()]),
+                Command::Exec(argv) => Cmd::Argv(argv.clone()),
+            },
+            env: Vec::new(),
+            cwd: Some(cwd.to_owned()),
+            user: Some("root".into()),
+            stdin: false,
+            pty: None,
+            tag: None,
+            timeout_ms: Some(STEP_TIMEOUT.as_millis() as u64),
+            subscribe: true,
+        };
+        let status = run_logged(&sb.socket, spawn, log).await;
+        let id_base = sb.id_base().ok_or("the build sandbox lost its uid range")?;
+        let st = state.clone();
+        blocking(move || {
+            end_build_sandbox(sb, net.as_deref()).map_err(|e| format!("build sandbox teardown: {e}"))?;
+            let status = status?;
+            if status.code != Some(0) || status.timed_out {
+                return Err(describe_exit(&status));
+            }
+            let tmp = imagestore::tmp_dir(&st, "layer").map_err(|e| e.to_string())?;
+            let captured = capture(&scratch.upper(), &tmp, id_base, CaptureLimits::default())
+                .map_err(|e| format!("the step's layer was refused: {e}"));
+            drop(scratch);
+            match captured {
+                Ok(_) => imagestore::commit_layer(&st, &tmp).map_err(|e| format!("commit layer: {e}")),
+                Err(e) => {
+                    let _ = fs::remove_dir_all(&tmp);
+                    Err(e)
+                }
+            }
+        })
+        .await
+    }
+}
+
+fn short(text: &str) -> String {
+    let mut s: String = text.chars().take(60).collect();
+    if s.len() < text.len() {
+        s.push_str("...");
+    }
+    s
+}
+
+/// Prefix of build sandboxes' ids: they have no sandbox record, and a
+/// restarted daemon destroys any it finds.
+const BUILD_SANDBOX_PREFIX: &str = "bs-";
+
+/// A sandbox for a build step or check: the template's limits. Not tied to
+/// the daemon by a parent-death signal (that fires when the blocking-pool
+/// thread that started it exits); a restart destroys leftovers by prefix.
+fn build_spec(
+    t: &TemplateRecord,
+    extra_lowers: Vec<PathBuf>,
+    env: Vec<(String, String)>,
+    upper_dir: Option<PathBuf>,
+) -> std::result::Result<SandboxSpec, Failure> {
+    let id = hutch_runtime::container::random_id().map_err(|e| e.to_string())?;
+    Ok(SandboxSpec {
+        id: Some(format!("{BUILD_SANDBOX_PREFIX}{}", id.trim_start_matches("sb-"))),
+        limits: CgLimits {
+            memory_bytes: t.memory_mb << 20,
+            pids: t.pids,
+            cpu_millis: (t.vcpus * 1000.0).round() as u32,
+        },
+        disk_bytes: t.disk_mib << 20,
+        env,
+        die_with_parent: false,
+        agent_override: None,
+        extra_lowers,
+        upper_dir,
+        root: hutch_runtime::RootSource::Base,
+        netns: None,
+        resolv_conf: None,
+    })
+}
+
+/// Starts a build sandbox with the default egress when the host has sandbox
+/// networking (a RUN step that installs packages needs it), none otherwise.
+/// The network is released by [`end_build_sandbox`].
+fn start_build_sandbox(
+    rt: &hutch_runtime::Runtime,
+    mut spec: SandboxSpec,
+    net: Option<&hutch_runtime::net::Network>,
+    group: &str,
+) -> std::result::Result<hutch_runtime::Sandbox, String> {
+    let Some(net) = net else { return rt.start(&spec).map_err(|e| e.to_string()) };
+    let id = spec.id.clone().unwrap_or_default();
+    let policy = hutch_runtime::net::Policy {
+        egress: hutch_runtime::net::Egress::Default,
+        allow: Vec::new(),
+        deny: Vec::new(),
+        group: group.to_owned(),
+    };
+    let attached = net.attach(&id, &policy).map_err(|e| format!("network: {e}"))?;
+    spec.netns = attached.netns;
+    spec.resolv_conf = Some(net.resolv_conf().to_path_buf());
+    rt.start(&spec).map_err(|e| {
+        net.release(&id);
+        e.to_string()
+    })
+}
+
+/// Destroys a build sandbox and releases its network.
+fn end_build_sandbox(
+    sb: hutch_runtime::Sandbox,
+    net: Option<&hutch_runtime::net::Network>,
+) -> std::result::Result<(), String> {
+    let id = sb.id.clone();
+    let result = sb.destroy().map_err(|e| e.to_string());
+    if let Some(net) = net {
+        net.release(&id);
+    }
+    result
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> std::result::Result<T, Failure> + Send + 'static,
+) -> std::result::Result<T, Failure> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| format!("build task: {e}"))?
+}
+
+/// Runs a command to its end, its output into the log.
+async fn run_logged(socket: &Path, spawn: Spawn, log: &mut Log) -> std::result::Result<ExitStatus, Failure> {
+    let mut conn = hutch_runtime::agent_async::AsyncConn::connect(socket)
+        .await
+        .map_err(|e| format!("cannot reach the build sandbox's agent: {e}"))?;
+    let pid = match conn.call(Request::Spawn(spawn), &[]).await {
+        Ok((Reply::Spawned { pid }, _)) => pid,
+        Ok(_) => return Err("the agent did not start the step".into()),
+        Err(e) => return Err(format!("the step did not start: {e}")),
+    };
+    loop {
+        match conn.recv().await {
+            Ok((FromAgent::Output { pid: p, .. }, data)) if p == pid => log.output(&data),
+            Ok((FromAgent::Dropped { pid: p, bytes, .. }, _)) if p == pid => {
+                log.line(&format!("[{bytes} bytes of output dropped]"))
+            }
+            Ok((FromAgent::Exit { pid: p, status }, _)) if p == pid => return Ok(status),
+            Ok(_) => {}
+            Err(e) => return Err(format!("lost the build sandbox's agent: {e}")),
+        }
+    }
+}
+
+fn read_from(path: &Path, offset: u64) -> io::Result<Vec<u8>> {
+    let mut f = File::open(path)?;
+    f.seek(io::SeekFrom::Start(offset))?;
+    let mut buf = Vec::new();
+    f.take(256 * 1024).read_to_end(&mut buf)?;
+    Ok(buf)
+}
+
+fn new_layer_dir(state: &Path, what: &str) -> std::result::Result<PathBuf, Failure> {
+    let tmp = imagestore::tmp_dir(state, what).map_err(|e| e.to_string())?;
+    fs::DirBuilder::new().mode(0o755).create(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
+    Ok(tmp)
+}
+
+/// Makes every missing directory of `rel` (relative to `root`), mode 0755,
+/// owned by `owner`.
+fn mkdirs(root: &Path, rel: &str, owner: (u32, u32)) -> io::Result<()> {
+    let mut path = root.to_path_buf();
+    for part in rel.split('/').filter(|p| !p.is_empty()) {
+        path.push(part);
+        match fs::symlink_metadata(&path) {
+            Ok(m) if m.is_dir() => continue,
+            Ok(_) => return Err(io::Error::new(io::ErrorKind::AlreadyExists, format!("{rel}: a file is in the way"))),
+            Err(_) => {
+                fs::DirBuilder::new().mode(0o755).create(&path)?;
+                std::os::unix::fs::lchown(&path, Some(owner.0), Some(owner.1))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The layer of a COPY: the context's files and directories at their
+/// destinations, owned by `chown` (parents made on the way: root, 0755).
+fn copy_layer(
+    state: &Path,
+    ctx: &Context,
+    files: &[(String, String)],
+    dirs: &[(String, u32)],
+    chown: (u32, u32),
+) -> std::result::Result<String, Failure> {
+    let tmp = new_layer_dir(state, "copy")?;
+    let made = (|| -> io::Result<()> {
+        for (target, mode) in dirs {
+            let parent = target.rsplit_once('/').map_or("", |(p, _)| p);
+            mkdirs(&tmp, parent, (0, 0))?;
+            let path = tmp.join(target);
+            match fs::symlink_metadata(&path) {
+                Ok(m) if m.is_dir() => {}
+                Ok(_) => {
+                    return Err(io::Error::new(io::ErrorKind::AlreadyExists, format!("{target}: a file is in the way")))
+                }
+                Err(_) => fs::DirBuilder::new().mode(0o755).create(&path)?,
+            }
+            fs::set_permissions(&path, fs::Permissions::from_mode(mode & 0o777))?;
+            std::os::unix::fs::lchown(&path, Some(chown.0), Some(chown.1))?;
+        }
+        // Context path -> its destinations (one file may be copied twice).
+        let mut wanted: HashMap<&str, Vec<&str>> = HashMap::new();
+        for (target, src) in files {
+            let parent = target.rsplit_once('/').map_or("", |(p, _)| p);
+            mkdirs(&tmp, parent, (0, 0))?;
+            wanted.entry(src.as_str()).or_default().push(target.as_str());
+        }
+        let mut failure: Option<io::Error> = None;
+        let mut open: Option<(usize, Vec<File>)> = None;
+        archive::stream_files(&ctx.bytes, &ctx.plan, 64 * 1024, |i, chunk| {
+            let Some(src) = ctx.plan.files_in_order.get(i) else { return true };
+            let Some(targets) = wanted.get(src.as_str()) else { return true };
+            let mut step = || -> io::Result<()> {
+                if open.as_ref().map(|(j, _)| *j) != Some(i) {
+                    let mode = ctx.plan.entries.iter().find(|e| &e.path == src).map_or(0o644, |e| e.mode & 0o777);
+                    let mut handles = Vec::new();
+                    for target in targets {
+                        let path = tmp.join(target);
+                        if fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir()) {
+                            return Err(io::Error::new(
+                                io::ErrorKind::AlreadyExists,
+                                format!("{target}: a directory is in the way"),
+                            ));
+                        }
+                        let f = fs::OpenOptions::new()
+                            .write(true)
+                            .create(true)
+                            .truncate(true)
+                            .custom_flags(libc::O_NOFOLLOW)
+                            .mode(mode)
+                            .open(&path)?;
+                        f.set_permissions(fs::Permissions::from_mode(mode))?;
+                        std::os::unix::fs::lchown(&path, Some(chown.0), Some(chown.1))?;
+                        handles.push(f);
+                    }
+                    open = Some((i, handles));
+                }
+                if let Some((_, handles)) = open.as_mut() {
+                    for f in handles {
+                        f.write_all(&chunk)?;
+                    }
+                }
+                Ok(())
+            };
+            match step() {
+                Ok(()) => true,
+                Err(e) => {
+                    failure = Some(e);
+                    false
+                }
+            }
+        })
+        .map_err(io::Error::other)?;
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    })();
+    match made {
+        Ok(()) => imagestore::commit_layer(state, &tmp).map_err(|e| format!("commit layer: {e}")),
+        Err(e) => {
+            let _ = fs::remove_dir_all(&tmp);
+            Err(format!("copy: {e}"))
+        }
+    }
+}
+
+/// The layer of a WORKDIR: the directory and its parents below /workspace,
+/// owned by the sandbox user.
+fn workdir_layer(state: &Path, dir: &str) -> std::result::Result<String, Failure> {
+    let tmp = new_layer_dir(state, "workdir")?;
+    match mkdirs(&tmp, dir.trim_start_matches('/'), (USER_ID, USER_ID)) {
+        Ok(()) => imagestore::commit_layer(state, &tmp).map_err(|e| format!("commit layer: {e}")),
+        Err(e) => {
+            let _ = fs::remove_dir_all(&tmp);
+            Err(format!("workdir: {e}"))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn context(files: &[(&str, &str)]) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        for (path, data) in files {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(data.len() as u64);
+            h.set_mode(0o644);
+            h.set_entry_type(tar::EntryType::Regular);
+            b.append_data(&mut h, path, data.as_bytes()).expect("append");
+        }
+        b.into_inner().expect("tar")
+    }
+
+    #[test]
+    fn build_images_and_ids_are_recognized() {
+        assert!(is_build_image_of("tpl-0123456789abcdef-v3", "tpl-0123456789abcdef"));
+        assert!(!is_build_image_of("tpl-0123456789abcdef-v", "tpl-0123456789abcdef"));
+        assert!(!is_build_image_of("tpl-0123456789abcdef-v3x", "tpl-0123456789abcdef"));
+        assert!(!is_build_image_of("base", "tpl-0123456789abcdef"));
+        assert!(parse_build_id("bld-0123456789abcdef").is_ok());
+        assert!(parse_build_id("bld-../../etc/passwd").is_err());
+        assert!(parse_build_id("bld-0123456789ABCDEF").is_err());
+    }
+
+    #[test]
+    fn copy_destinations_follow_docker_rules_and_sources_must_exist() {
+        let bytes = context(&[("Dockerfile", "x"), ("app.py", "print(1)"), ("lib/a.py", "a"), ("lib/sub/b.py", "b")]);
+        let (ctx, _) = Context::new(bytes).expect("context");
+        let steps = dockerfile::parse(
+            "COPY app.py /opt/app.py\nCOPY app.py lib /srv/\nWORKDIR /workspace/x\nCOPY lib ./l\nCOPY . /ctx\n",
+        )
+        .expect("parse");
+        let planned = plan_steps(steps, &ctx, "/workspace").expect("plan");
+        let files = |i: usize| match &planned[i].action {
+            Action::Copy { files, .. } => files.iter().map(|(t, _)| t.clone()).collect::<Vec<_>>(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(files(0), ["opt/app.py"]);
+        assert_eq!(files(1), ["srv/app.py", "srv/a.py", "srv/sub/b.py"]);
+        assert_eq!(files(3), ["workspace/x/l/a.py", "workspace/x/l/sub/b.py"]);
+        assert!(files(4).contains(&"ctx/Dockerfile".to_owned()));
+        assert_ne!(planned[0].inputs, planned[1].inputs);
+        let missing = dockerfile::parse("RUN true\nCOPY nothere /x\n").expect("parse");
+        let err = plan_steps(missing, &ctx, "/workspace").expect_err("missing source");
+        assert!(matches!(err, ControlError::BuildRefused { line: 2, .. }), "{err}");
+        let outside = dockerfile::parse("WORKDIR /tmp\n").expect("parse");
+        assert!(plan_steps(outside, &ctx, "/workspace").is_err());
+    }
+
+    #[test]
+    fn a_context_needs_a_dockerfile_and_valid_entries() {
+        assert!(Context::new(context(&[("app.py", "x")])).is_err());
+        let (_, text) = Context::new(context(&[("Dockerfile", "RUN true\n")])).expect("context");
+        assert_eq!(text, "RUN true\n");
+        assert!(Context::new(b"not a tar at all, certainly not".to_vec()).is_err());
+    }
+
+    #[test]
+    fn the_log_drops_output_past_its_cap_but_keeps_the_outcome() {
+        let path = std::env::temp_dir().join(format!("hutch-build-log-{}", std::process::id()));
+        let _ = fs::remove_file(&path);
+        let mut log = Log::create(&path).expect("log");
+        log.line("Step 1/1: RUN yes");
+        let chunk = vec![b'y'; 1 << 20];
+        for _ in 0..10 {
+            log.output(&chunk);
+        }
+        log.output(b"small, but after the cut");
+        log.line("Build failed: step 1/1");
+        let text = fs::read_to_string(&path).expect("read");
+        assert!(text.len() as u64 <= LOG_CAP + LOG_SLACK, "{}", text.len());
+        assert!(text.contains("[log truncated") && text.ends_with("Build failed: step 1/1\n"));
+        assert!(!text.contains("small, but after the cut"));
+        fs::remove_file(&path).expect("cleanup");
+    }
+
+    #[test]
+    fn cache_keys_chain_and_cover_inputs() {
+        let a = cache_key("base", "RUN true", "");
+        assert_eq!(a, cache_key("base", "RUN true", ""));
+        assert_ne!(a, cache_key("base", "RUN  true", ""));
+        assert_ne!(a, cache_key(&a, "RUN true", ""));
+        assert_ne!(cache_key("p", "COPY a /a", "x"), cache_key("p", "COPY a /a", "y"));
+        // Length-prefixed: no two splits of the same bytes collide.
+        assert_ne!(cache_key("ab", "c", ""), cache_key("a", "bc", ""));
+    }
+}
