@@ -478,3 +478,31 @@ def test_one_shot_executions_take_a_policy(napi: Client):
     r = napi.post("/v1/executions", {"argv": ["python3", "-c", PROBE, "tcp", INET, "8080"]})
     assert r.status_code == 200, r.text
     assert r.json()["stdout"].strip() == f"OK hello {INET}"
+
+
+def test_templates_carry_a_network_policy(napi: Client):
+    r = napi.post("/v1/templates", {"name": f"net-{PID}", "network": {"egress": "deny_all"}, "warm": {"min": 1, "max": 2}})
+    assert r.status_code == 201, r.text
+    tpl = r.json()
+    assert tpl["network"]["egress"] == "deny_all"
+    try:
+        wait_for("a warm sandbox", lambda: napi.get(f"/v1/templates/{tpl['id']}").json()["warm_ready"] >= 1, timeout=30)
+        warm = napi.create(template=tpl["name"])
+        assert warm["warm"] and warm["network"]["applied"] == "deny_all", warm
+        assert napi.sh(warm["id"], "ls /sys/class/net").split() == ["lo"]
+        # A create may choose its own policy; it then starts cold.
+        own = napi.create(template=tpl["name"], network={"egress": "default"})
+        assert not own["warm"] and own["network"]["applied"] == "default", own
+        # A new policy is a new version: old warm sandboxes are never claimed.
+        r = napi.request("PATCH", f"/v1/templates/{tpl['id']}", json={"network": {"egress": "private"}})
+        assert r.status_code == 200 and r.json()["version"] == tpl["version"] + 1, r.text
+        a = napi.create(template=tpl["name"])
+        b = napi.create(template=tpl["name"])
+        for sb in (a, b):
+            assert sb["network"]["applied"] == "private" and sb["template_version"] == tpl["version"] + 1, sb
+        serve(napi, b["id"])
+        assert reaches(napi, a["id"], "tcp", b["network"]["addresses"][0], 7000), "same template, same owner"
+        bad = napi.post("/v1/templates", {"name": f"net2-{PID}", "network": {"egress": "deny_all", "allow": ["x.org"]}})
+        expect_error(bad, 400, "invalid_request")
+    finally:
+        napi.delete(f"/v1/templates/{tpl['id']}")

@@ -392,6 +392,10 @@ pub struct CreateTemplate {
     /// What makes one of its sandboxes ready; `running` only once it passes.
     #[serde(default)]
     pub readiness: Option<Readiness>,
+    /// Network policy of its sandboxes (a create's `network` replaces it);
+    /// `{"egress": "default"}` when absent.
+    #[serde(default)]
+    pub network: Option<NetworkRequest>,
 }
 
 /// `PATCH /v1/templates/{id}`: the fields given replace the template's. A
@@ -425,6 +429,9 @@ pub struct UpdateTemplate {
     #[serde(default, deserialize_with = "present")]
     #[schema(value_type = Option<Readiness>)]
     pub readiness: Option<Option<Readiness>>,
+    /// Replaces the network policy. Raises the version.
+    #[serde(default)]
+    pub network: Option<NetworkRequest>,
 }
 
 /// Tells a field given as `null` (`Some(None)`) from an absent one (`None`).
@@ -522,6 +529,7 @@ pub struct Template {
     pub warm_ready: u64,
     pub startup: Option<Startup>,
     pub readiness: Option<Readiness>,
+    pub network: NetworkRequest,
     /// RFC 3339, UTC.
     pub created_at: String,
     pub updated_at: String,

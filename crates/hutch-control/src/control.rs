@@ -395,7 +395,8 @@ impl Control {
             )));
         }
         let wait = Duration::from_secs(req.wait_seconds.unwrap_or(10).min(60));
-        let net = self.network_record(req.network.as_ref())?;
+        // The template's policy unless the request sets one.
+        let net = self.network_record(Some(req.network.as_ref().unwrap_or(&tpl.network)))?;
         let hash = request_hash(req);
         if let Some(key) = key {
             if let Some(existing) = self.store.sandbox_by_key(owner, key)? {
@@ -409,7 +410,7 @@ impl Control {
         // A warm sandbox runs exactly the template: claim one only when the
         // request changes nothing that would need a restart (metadata and
         // lifetime are record fields).
-        let net_as_template = req.network.as_ref().is_none_or(|n| *n == hutch_api::NetworkRequest::default());
+        let net_as_template = req.network.as_ref().is_none_or(|n| *n == tpl.network);
         if req.env.is_empty() && (memory, vcpus, disk, pids) == tpl.limits() && net_as_template {
             match self.claim_warm(owner, &tpl, ttl, &metadata, key, &hash) {
                 Ok(Some(r)) => return Ok((view(&r), true)),

@@ -206,7 +206,15 @@ impl Control {
             template_version: recipe.version,
             warm: true,
             pooled: true,
-            network: NetRecord::default().to_json(),
+            // The template's policy; a host without networking runs none
+            // but deny_all, and the refill says why.
+            network: match NetRecord::from_request(Some(&recipe.network)) {
+                Ok(n) => n.to_json(),
+                Err(e) => {
+                    log_warn(&format!("warm pool of template {}: {e}", recipe.name));
+                    return;
+                }
+            },
         };
         if let Err(e) = self.store.insert_sandbox(&record) {
             log_warn(&format!("warm pool of template {}: cannot record a sandbox: {e}; retrying", recipe.name));

@@ -75,6 +75,13 @@ pub struct Recipe {
     pub image: String,
     pub startup: Option<Startup>,
     pub readiness: Option<Readiness>,
+    /// The network policy of its sandboxes unless a create sets one.
+    pub network: hutch_api::NetworkRequest,
+}
+
+/// A template's stored network policy.
+fn network_of(t: &TemplateRecord) -> hutch_api::NetworkRequest {
+    serde_json::from_str(&t.network).unwrap_or_default()
 }
 
 impl Recipe {
@@ -95,6 +102,7 @@ impl Recipe {
             image: IMAGE.into(),
             startup: None,
             readiness: None,
+            network: hutch_api::NetworkRequest::default(),
         }
     }
 
@@ -114,6 +122,7 @@ impl Recipe {
             image: t.image.clone(),
             startup: t.startup.as_deref().and_then(|s| serde_json::from_str(s).ok()),
             readiness: t.readiness.as_deref().and_then(|s| serde_json::from_str(s).ok()),
+            network: network_of(t),
         }
     }
 
@@ -241,6 +250,13 @@ impl Control {
     }
 
     /// The API view of a template, with its ready warm sandboxes counted.
+    /// A template's network policy, checked as a create's would be, stored
+    /// as given (JSON).
+    fn template_network(&self, req: Option<&hutch_api::NetworkRequest>) -> Result<String> {
+        self.network_record(req)?;
+        Ok(serde_json::to_string(&req.cloned().unwrap_or_default()).unwrap_or_else(|_| "{}".into()))
+    }
+
     fn template_view(&self, t: &TemplateRecord) -> Result<Template> {
         let ready = self
             .store
@@ -265,6 +281,7 @@ impl Control {
             warm_ready: ready,
             startup: t.startup.as_deref().and_then(|s| serde_json::from_str(s).ok()),
             readiness: t.readiness.as_deref().and_then(|s| serde_json::from_str(s).ok()),
+            network: network_of(t),
             created_at: rfc3339(t.created_at),
             updated_at: rfc3339(t.updated_at),
         })
@@ -328,6 +345,7 @@ impl Control {
             deleted_at: None,
             startup: to_json(req.startup.as_ref()),
             readiness: to_json(req.readiness.as_ref()),
+            network: self.template_network(req.network.as_ref())?,
         };
         match self.store.insert_template(&t) {
             Ok(()) => self.template_view(&t),
@@ -393,7 +411,11 @@ impl Control {
         // What runs changed: a new version. Lifetimes and the pool do not count.
         let old_env: BTreeMap<String, String> = serde_json::from_str(&old.env).unwrap_or_default();
         let new_env: BTreeMap<String, String> = serde_json::from_str(&t.env).unwrap_or_default();
+        if let Some(network) = &req.network {
+            t.network = self.template_network(Some(network))?;
+        }
         let changed = t.image != old.image
+            || network_of(&t) != network_of(&old)
             || t.startup != old.startup
             || t.readiness != old.readiness
             || new_env != old_env

@@ -4,3 +4,5 @@ ALTER TABLE sandboxes ADD COLUMN network TEXT NOT NULL DEFAULT '{}';
 -- Addresses the daemon's resolver admitted for an allow-listed sandbox
 -- (JSON array), written on their own so no other update overwrites them.
 ALTER TABLE sandboxes ADD COLUMN net_learned TEXT NOT NULL DEFAULT '[]';
+-- A template's network policy for its sandboxes (JSON: egress, allow, deny).
+ALTER TABLE templates ADD COLUMN network TEXT NOT NULL DEFAULT '{}';

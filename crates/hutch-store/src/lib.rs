@@ -94,6 +94,8 @@ pub struct TemplateRecord {
     pub startup: Option<String>,
     /// JSON `{"command"|"port", "timeout_seconds"}`, or None.
     pub readiness: Option<String>,
+    /// JSON: the network policy of its sandboxes (`{}` is `default`).
+    pub network: String,
 }
 
 /// A template build as stored. Times are Unix milliseconds.
@@ -285,7 +287,7 @@ const SANDBOX_COLUMNS: &str = "id, owner, template, state, created_at, expires_a
      template_id, template_version, warm, pooled, network";
 
 const TEMPLATE_COLUMNS: &str = "id, owner, name, version, image, class, memory_mb, vcpus, disk_mib, pids, env, \
-     default_ttl_s, max_ttl_s, warm_min, warm_max, created_at, updated_at, deleted_at, startup, readiness";
+     default_ttl_s, max_ttl_s, warm_min, warm_max, created_at, updated_at, deleted_at, startup, readiness, network";
 
 const BUILD_COLUMNS: &str = "id, template_id, owner, state, created_at, finished_at, error, parent, image, version";
 
@@ -326,6 +328,7 @@ fn template_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<TemplateRecord> {
         deleted_at: r.get(17)?,
         startup: r.get(18)?,
         readiness: r.get(19)?,
+        network: r.get(20)?,
     })
 }
 
@@ -595,7 +598,7 @@ impl Store for SqliteStore {
             c.execute(
                 &format!(
                     "INSERT INTO templates ({TEMPLATE_COLUMNS}) VALUES \
-                     (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20)"
+                     (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21)"
                 ),
                 params![
                     t.id,
@@ -617,7 +620,8 @@ impl Store for SqliteStore {
                     t.updated_at,
                     t.deleted_at,
                     t.startup,
-                    t.readiness
+                    t.readiness,
+                    t.network
                 ],
             )
             .map_err(conflict)?;
@@ -661,7 +665,8 @@ impl Store for SqliteStore {
             c.execute(
                 "UPDATE templates SET name = ?2, version = ?3, image = ?4, class = ?5, memory_mb = ?6, vcpus = ?7, \
                  disk_mib = ?8, pids = ?9, env = ?10, default_ttl_s = ?11, max_ttl_s = ?12, warm_min = ?13, \
-                 warm_max = ?14, updated_at = ?15, deleted_at = ?16, startup = ?17, readiness = ?18 WHERE id = ?1",
+                 warm_max = ?14, updated_at = ?15, deleted_at = ?16, startup = ?17, readiness = ?18, \
+                 network = ?19 WHERE id = ?1",
                 params![
                     t.id,
                     t.name,
@@ -680,7 +685,8 @@ impl Store for SqliteStore {
                     t.updated_at,
                     t.deleted_at,
                     t.startup,
-                    t.readiness
+                    t.readiness,
+                    t.network
                 ],
             )
             .map_err(conflict)?;
