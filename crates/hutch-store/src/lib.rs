@@ -936,6 +936,7 @@ mod tests {
             deleted_at: None,
             startup: None,
             readiness: None,
+            network: "{}".into(),
         }
     }
 
