@@ -389,3 +389,30 @@ def test_a_build_interrupted_by_kill_9_is_failed_and_cleaned_on_restart(own_daem
     scratch = str(d.state_dir / "images" / "scratch")
     assert [m for m in Path("/proc/mounts").read_text().splitlines() if scratch in m] == []
     api.delete(f"/v1/templates/{t['id']}")
+
+
+@pytest.mark.slow
+def test_a_build_on_the_python_preset_stacks_its_layers_over_the_image(api: Client):
+    """Builds start from the template's image: here the `python` preset (a
+    Debian root file system of its own, built with mmdebstrap on first use),
+    not the host-based `base`. A RUN step can write anywhere in it, /usr
+    included, and reach the network to do so."""
+    t = make_template(api, name=tname("py"), image="python")
+    dockerfile = (
+        "RUN python3 -c \"open('/usr/local/lib/marker', 'w').write('in-usr')\"\n"
+        "ENV STAGE=built\n"
+        "RUN test -f /etc/debian_version && ls /sys/class/net | grep -q eth0 && echo networked\n"
+    )
+    done, log = build(api, t["id"], {"Dockerfile": dockerfile}, timeout=600)
+    assert done["state"] == "succeeded", log
+    assert "networked" in log, log
+    now = template(api, t["id"])
+    assert now["image"] == f"{t['id']}-v2", now
+    sb = api.create(template=t["name"])
+    try:
+        out = api.sh(sb["id"], "cat /usr/local/lib/marker; echo \" $STAGE\"; python3 -c 'print(42)'")
+        assert out == "in-usr built\n42\n", out
+        # The preset's own files are there, from its layers, not the host's.
+        assert api.sh(sb["id"], "cat /etc/debian_version").strip().startswith("12"), "bookworm"
+    finally:
+        api.destroy(sb["id"])

@@ -480,43 +480,13 @@ impl Control {
         ImageStore::open(&self.runtime.config().state_dir).map_err(|e| ControlError::Runtime(e.to_string()))
     }
 
-    /// The layers and environment of image `name` (not `base`); a preset is
-    /// built here on its first use, which takes a while: call it on the
-    /// blocking pool.
-    fn image_root(&self, name: &str) -> Result<(RootSource, Vec<(String, String)>)> {
-        let store = self.images()?;
-        let found = if hutch_runtime::image::debian::is_preset(name) {
-            hutch_runtime::image::ensure_preset(&store, name, &|line| log_info(&format!("image {name}: {line}")))
-        } else {
-            store.get(name)
-        };
-        let img = found.map_err(|e| match e {
-            ImageError::NotFound(n) => ControlError::NoImage(n),
-            e => ControlError::StartFailed(format!("{}: {e}", e.code())),
-        })?;
-        let dirs = store.layer_dirs(&img).map_err(|e| ControlError::StartFailed(format!("{}: {e}", e.code())))?;
-        Ok((RootSource::Layers(dirs), img.env_pairs()))
-    }
-
-    /// What image `name` puts under a sandbox: the root, layers a build
-    /// stacked over `base`, and the image's environment. A preset is built
-    /// here on first use, which takes a while: call it on the blocking pool.
+    /// What image `name` puts under a sandbox: its root (`base`, or a store
+    /// image's layers), the layers a build stacked over it, and the image's
+    /// environment. A preset is built here on first use, which takes a
+    /// while: call it on the blocking pool.
     fn resolve_image(&self, name: &str) -> Result<Resolved> {
-        if name == hutch_runtime::image::BASE {
-            return Ok(Resolved { root: RootSource::Base, ..Resolved::default() });
-        }
-        let state = &self.runtime.config().state_dir;
-        if crate::build::is_built_over_base(state, name) {
-            let img = crate::build::image_root(state, name)?;
-            return Ok(Resolved {
-                root: RootSource::Base,
-                extra_lowers: img.layers,
-                env: img.env,
-                workdir: img.workdir,
-            });
-        }
-        let (root, env) = self.image_root(name)?;
-        Ok(Resolved { root, env, ..Resolved::default() })
+        let img = crate::build::image_root(&self.runtime.config().state_dir, name)?;
+        Ok(Resolved { root: img.root, extra_lowers: img.layers, env: img.env, workdir: img.workdir })
     }
 
     /// Starts the runtime sandbox of a `starting` record, then its
@@ -921,6 +891,23 @@ impl Control {
         }
         Ok(())
     }
+}
+
+/// The layers and environment of store image or preset `name`; a preset is
+/// built on its first use, which takes a while: call it on the blocking pool.
+pub(crate) fn store_image_root(state_dir: &std::path::Path, name: &str) -> Result<(RootSource, Vec<(String, String)>)> {
+    let store = ImageStore::open(state_dir).map_err(|e| ControlError::Runtime(e.to_string()))?;
+    let found = if hutch_runtime::image::debian::is_preset(name) {
+        hutch_runtime::image::ensure_preset(&store, name, &|line| log_info(&format!("image {name}: {line}")))
+    } else {
+        store.get(name)
+    };
+    let img = found.map_err(|e| match e {
+        ImageError::NotFound(n) => ControlError::NoImage(n),
+        e => ControlError::StartFailed(format!("{}: {e}", e.code())),
+    })?;
+    let dirs = store.layer_dirs(&img).map_err(|e| ControlError::StartFailed(format!("{}: {e}", e.code())))?;
+    Ok((RootSource::Layers(dirs), img.env_pairs()))
 }
 
 /// What an image puts under a sandbox.

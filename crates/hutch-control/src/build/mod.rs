@@ -29,6 +29,7 @@ use hutch_agent::proto::{Cmd, ExitStatus, FromAgent, Reply, Request, Spawn};
 use hutch_api::{Build, BuildList, BuildState, ErrorCode, Readiness, Startup};
 use hutch_runtime::capture::{capture, CaptureLimits, Scratch};
 use hutch_runtime::cgroup::Limits as CgLimits;
+use hutch_runtime::RootSource;
 use hutch_runtime::SandboxSpec;
 use hutch_store::{BuildRecord, TemplateRecord};
 use sha2::{Digest, Sha256};
@@ -92,28 +93,43 @@ impl Builds {
 /// What a sandbox of an image mounts and runs with.
 #[derive(Debug, Clone, Default)]
 pub struct ImageRoot {
-    /// Layers over `base`, bottom first.
+    /// `base`, or a store image's (or preset's) own layers.
+    pub root: RootSource,
+    /// Layers a build stacked over `root`, bottom first.
     pub layers: Vec<PathBuf>,
     pub env: Vec<(String, String)>,
     pub workdir: Option<String>,
 }
 
-/// Whether `name` is an image a build made over `base`.
-pub fn is_built_over_base(state_dir: &Path, name: &str) -> bool {
-    imagestore::get(state_dir, name).ok().flatten().is_some_and(|i| i.parent.as_deref() == Some("base"))
+/// Whether `name` is an image a build made (it names its parent).
+pub fn is_built_image(state_dir: &Path, name: &str) -> bool {
+    imagestore::get(state_dir, name).ok().flatten().is_some_and(|i| i.parent.is_some())
 }
 
-/// Resolves an image name for a boot: `base`, or a built image over it.
+/// The working directory of image `name`, without resolving its layers
+/// (nor building a preset).
+fn image_workdir(state_dir: &Path, name: &str) -> Option<String> {
+    imagestore::get(state_dir, name).ok().flatten().and_then(|i| i.workdir)
+}
+
+/// Resolves an image name for a boot or a build: `base`, a store image or
+/// preset (built here on first use: call it on the blocking pool), or a
+/// built image over one of those.
 pub fn image_root(state_dir: &Path, name: &str) -> Result<ImageRoot> {
     if name == "base" {
         return Ok(ImageRoot::default());
     }
     let gone = |why: String| ControlError::StartFailed(format!("image {name}: {why}"));
-    let img =
-        imagestore::get(state_dir, name).map_err(|e| gone(e.to_string()))?.ok_or_else(|| gone("not found".into()))?;
-    if img.parent.as_deref() != Some("base") {
-        return Err(gone("not built over base".into()));
-    }
+    let img = imagestore::get(state_dir, name).map_err(|e| gone(e.to_string()))?;
+    let Some(img) = img.filter(|i| i.parent.is_some()) else {
+        // A store image or a preset: a whole root file system of its own.
+        let (root, env) = crate::control::store_image_root(state_dir, name)?;
+        return Ok(ImageRoot { root, env, ..ImageRoot::default() });
+    };
+    let root = match img.parent.as_deref() {
+        Some("base") | None => RootSource::Base,
+        Some(parent) => crate::control::store_image_root(state_dir, parent)?.0,
+    };
     let mut layers = Vec::new();
     for hex in &img.layers {
         let path = imagestore::layer_path(state_dir, hex);
@@ -122,8 +138,9 @@ pub fn image_root(state_dir: &Path, name: &str) -> Result<ImageRoot> {
         }
         layers.push(path);
     }
+    // A build's env began as its parent's: it holds both.
     let env = img.env.iter().filter_map(|kv| kv.split_once('=')).map(|(k, v)| (k.to_owned(), v.to_owned())).collect();
-    Ok(ImageRoot { layers, env, workdir: img.workdir })
+    Ok(ImageRoot { root, layers, env, workdir: img.workdir })
 }
 
 /// The validated build context: the archive, its plan, and each regular
@@ -376,7 +393,7 @@ impl Control {
         let steps =
             dockerfile::parse(&text).map_err(|r| ControlError::BuildRefused { line: r.line, message: r.message })?;
         let parent = self.build_parent(&t)?;
-        let workdir = image_root(&state, &parent)?.workdir.unwrap_or_else(|| DEFAULT_WORKDIR.into());
+        let workdir = image_workdir(&state, &parent).unwrap_or_else(|| DEFAULT_WORKDIR.into());
         let planned = plan_steps(steps, &ctx, &workdir)?;
         imagestore::root(&state).map_err(|e| ControlError::Runtime(format!("image store: {e}")))?;
         let rid = hutch_runtime::container::random_id().map_err(|e| ControlError::Runtime(e.to_string()))?;
@@ -547,7 +564,8 @@ impl Control {
             .map_err(|e| format!("store: {e}"))?
             .filter(|t| t.deleted_at.is_none())
             .ok_or("the template was deleted")?;
-        let parent = image_root(&state, &rec.parent).map_err(|e| e.to_string())?;
+        let (st, name) = (state.clone(), rec.parent.clone());
+        let parent = blocking(move || image_root(&st, &name).map_err(|e| e.to_string())).await?;
         let tpl_env: BTreeMap<String, String> = serde_json::from_str(&t.env).unwrap_or_default();
         let mut env: Vec<(String, String)> = parent.env.clone();
         let mut layers: Vec<String> = Vec::new();
@@ -586,7 +604,7 @@ impl Control {
                         step_env.retain(|(ek, _)| ek != k);
                         step_env.push((k.clone(), v.clone()));
                     }
-                    self.run_step(&t, &parent.layers, &layers, step_env, &p.cwd, c, log).await
+                    self.run_step(&t, &parent, &layers, step_env, &p.cwd, c, log).await
                 }
                 Action::Copy { files, dirs, chown } => {
                     let (st, ctx, files, dirs, chown) =
@@ -627,7 +645,7 @@ impl Control {
             sandbox_env.retain(|(ek, _)| ek != k);
             sandbox_env.push((k.clone(), v.clone()));
         }
-        let spec = build_spec(&t, all_layers, sandbox_env, None)?;
+        let spec = build_spec(&t, parent.root.clone(), all_layers, sandbox_env, None)?;
         let rt = self.runtime.clone();
         let net = self.network.clone().ok();
         let (n1, group) = (net.clone(), format!("{}/{}", t.owner, t.id));
@@ -706,7 +724,7 @@ impl Control {
     async fn run_step(
         &self,
         t: &TemplateRecord,
-        parent: &[PathBuf],
+        parent: &ImageRoot,
         layers: &[String],
         env: Vec<(String, String)>,
         cwd: &str,
@@ -715,14 +733,14 @@ impl Control {
     ) -> std::result::Result<String, Failure> {
         let state = self.state_dir();
         let lowers: Vec<PathBuf> =
-            parent.iter().cloned().chain(layers.iter().map(|h| imagestore::layer_path(&state, h))).collect();
+            parent.layers.iter().cloned().chain(layers.iter().map(|h| imagestore::layer_path(&state, h))).collect();
         let scratch_dir = imagestore::tmp_dir(&state, "run")
             .map_err(|e| format!("scratch: {e}"))?
             .file_name()
             .map(|n| state.join("images").join("scratch").join(n))
             .ok_or("scratch: no name")?;
         let disk = t.disk_mib << 20;
-        let spec = build_spec(t, lowers, env, Some(scratch_dir.clone()))?;
+        let spec = build_spec(t, parent.root.clone(), lowers, env, Some(scratch_dir.clone()))?;
         let rt = self.runtime.clone();
         let net = self.network.clone().ok();
         let (n1, group) = (net.clone(), format!("{}/{}", t.owner, t.id));
@@ -789,6 +807,7 @@ const BUILD_SANDBOX_PREFIX: &str = "bs-";
 /// thread that started it exits); a restart destroys leftovers by prefix.
 fn build_spec(
     t: &TemplateRecord,
+    root: RootSource,
     extra_lowers: Vec<PathBuf>,
     env: Vec<(String, String)>,
     upper_dir: Option<PathBuf>,
@@ -807,7 +826,7 @@ fn build_spec(
         agent_override: None,
         extra_lowers,
         upper_dir,
-        root: hutch_runtime::RootSource::Base,
+        root,
         netns: None,
         resolv_conf: None,
     })
