@@ -169,3 +169,26 @@ def test_internet_access_and_egress_rules_become_hutch_policies(daemon):
     finally:
         for sb in made:
             sb.kill()
+
+
+def test_a_template_id_names_one_of_the_callers_templates(daemon):
+    """`Sandbox.create("name")` runs the caller's hutch template of that name:
+    its env and network policy come with it; an unknown name is a 404."""
+    import requests
+
+    r = requests.post(
+        daemon["base"] + "/v1/templates",
+        headers={"Authorization": f"Bearer {daemon['key']}"},
+        json={"name": "e2b-tpl", "env": {"FROM_TPL": "yes"}, "network": {"egress": "deny_all"}},
+        timeout=30,
+    )
+    assert r.status_code == 201, r.text
+    sb = Sandbox.create("e2b-tpl")
+    try:
+        assert sb.get_info().template_id == "e2b-tpl"
+        assert sb.commands.run("echo $FROM_TPL; ls /sys/class/net").stdout.split() == ["yes", "lo"]
+    finally:
+        sb.kill()
+    with pytest.raises(Exception) as e:
+        Sandbox.create("no-such-template")
+    assert "not found" in str(e.value).lower(), e.value

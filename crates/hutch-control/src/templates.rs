@@ -249,7 +249,6 @@ impl Control {
         }
     }
 
-    /// The API view of a template, with its ready warm sandboxes counted.
     /// A template's network policy, checked as a create's would be, stored
     /// as given (JSON).
     fn template_network(&self, req: Option<&hutch_api::NetworkRequest>) -> Result<String> {
@@ -257,6 +256,7 @@ impl Control {
         Ok(serde_json::to_string(&req.cloned().unwrap_or_default()).unwrap_or_else(|_| "{}".into()))
     }
 
+    /// The API view of a template, with its ready warm sandboxes counted.
     fn template_view(&self, t: &TemplateRecord) -> Result<Template> {
         let ready = self
             .store

@@ -163,11 +163,11 @@ fn network_policy(allow_internet: Option<bool>, net: Option<NewNetwork>) -> Opti
 
 async fn create(State(app): AppState, Extension(caller): Extension<Caller>, req: Request) -> E2bResult<Response> {
     let new: NewSandbox = body(req).await?;
+    // E2B's templateID names one of the caller's templates (warm pools,
+    // images, builds and network policy included).
     let template = match new.template_id.as_deref() {
         None | Some("base") | Some("") => None,
-        Some(other) => {
-            return Err(E2bError::new(StatusCode::NOT_FOUND, format!("template '{other}' not found")));
-        }
+        Some(other) => Some(other.to_owned()),
     };
     let ttl = new.timeout.unwrap_or(DEFAULT_TIMEOUT).max(1);
     let create = CreateSandbox {
@@ -179,7 +179,12 @@ async fn create(State(app): AppState, Extension(caller): Extension<Caller>, req:
         network: network_policy(new.allow_internet_access, new.network),
         ..CreateSandbox::default()
     };
-    let (sb, _) = app.control.create(&caller.key_id, &create, None).await?;
+    let (sb, _) = match app.control.create(&caller.key_id, &create, None).await {
+        Err(hutch_control::ControlError::UnknownTemplate(name)) => {
+            return Err(E2bError::new(StatusCode::NOT_FOUND, format!("template '{name}' not found")));
+        }
+        r => r?,
+    };
     if sb.state != SandboxState::Running {
         let _ = app.control.delete(&caller.key_id, &sb.id).await;
         return Err(E2bError::new(StatusCode::SERVICE_UNAVAILABLE, "the sandbox did not start in time"));
