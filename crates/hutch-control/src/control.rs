@@ -850,7 +850,12 @@ impl Control {
                         .unwrap_or_default();
                 n.adopt(&r.id, pid, net.index, host_if, &policy, &learned).map_err(|e| e.to_string())
             }
-            (Ok(n), None) => n.attach(&r.id, &policy).map(|_| ()).map_err(|e| e.to_string()),
+            // No host link: its namespace holds only `lo` (deny_all, or a
+            // sandbox started before networking), whatever it asked.
+            (Ok(n), None) => {
+                let lo_only = hutch_runtime::net::Policy { egress: hutch_runtime::net::Egress::DenyAll, ..policy };
+                n.attach(&r.id, &lo_only).map(|_| ()).map_err(|e| e.to_string())
+            }
             // Without networking only namespaces with `lo` exist.
             (Err(_), _) => Ok(()),
         }
