@@ -16,7 +16,7 @@ use crate::uids::{self, Slot, UidError};
 use hutch_agent::proto::{self, AgentConfig};
 use std::fs::{self, File};
 use std::io::{self, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
@@ -551,14 +551,7 @@ fn statfs_used(path: &str) -> Option<(u64, u64)> {
 }
 
 fn open_path(path: &Path) -> io::Result<OwnedFd> {
-    let c = cstr(path)?;
-    // SAFETY: c is a valid C string; the fd is owned below.
-    let fd = unsafe { libc::open(c.as_ptr(), libc::O_PATH | libc::O_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fd was just opened and is owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    crate::sys::open(path, libc::O_PATH)
 }
 
 /// Sandbox ids name cgroups, sockets and slot files: keep them plain.

@@ -761,12 +761,5 @@ impl Drop for NsHelper {
 }
 
 fn open_ns(pid: libc::pid_t, kind: &str) -> io::Result<OwnedFd> {
-    let path = cstr(format!("/proc/{pid}/ns/{kind}"))?;
-    // SAFETY: path is a valid C string; the returned fd is owned below.
-    let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fd was just opened and is owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    crate::sys::open(format!("/proc/{pid}/ns/{kind}"), libc::O_RDONLY)
 }

@@ -79,6 +79,33 @@ pub fn random_bytes(buf: &mut [u8]) -> io::Result<()> {
     Ok(())
 }
 
+/// `open(path, flags | O_CLOEXEC)`: namespace files (`O_RDONLY`), binaries
+/// to exec by descriptor (`O_PATH`).
+pub fn open(path: impl AsRef<std::ffi::OsStr>, flags: libc::c_int) -> io::Result<OwnedFd> {
+    let c = crate::launch::cstr(path)?;
+    // SAFETY: c is a valid C string; the returned fd is owned below.
+    let fd = unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd was just opened and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `bytes` random bytes as hex, for names of temporary things; should the
+/// kernel's source fail, the time and pid stand in (names, not secrets).
+pub fn random_hex(bytes: usize) -> String {
+    let mut b = vec![0u8; bytes];
+    if random_bytes(&mut b).is_err() {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        let seed = (t as u64 ^ u64::from(std::process::id())).to_le_bytes();
+        for (i, x) in b.iter_mut().enumerate() {
+            *x = seed[i % 8];
+        }
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
 /// Takes an exclusive lock without blocking; false when someone holds it.
 pub fn try_lock(fd: RawFd) -> io::Result<bool> {
     // SAFETY: flock has no memory effects.

@@ -155,11 +155,7 @@ pub(crate) fn now_secs() -> u64 {
 
 /// A random name for something temporary.
 pub(crate) fn random_suffix() -> String {
-    let mut b = [0u8; 8];
-    if crate::sys::random_bytes(&mut b).is_err() {
-        b = (now_secs() ^ u64::from(std::process::id())).to_le_bytes();
-    }
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    crate::sys::random_hex(8)
 }
 
 /// The image store of one state directory.

@@ -392,7 +392,7 @@ impl Network {
 
     fn make_slot(&self) -> Result<Slot, NetError> {
         let index = self.take_index()?;
-        let host_if = format!("{}{}", self.cfg.host_prefix(), random_hex(4));
+        let host_if = format!("{}{}", self.cfg.host_prefix(), crate::sys::random_hex(4));
         let made = std::thread::scope(|s| {
             s.spawn(|| self.build_slot(index, &host_if))
                 .join()
@@ -956,20 +956,7 @@ fn write_sysctl(key: &str, value: &str) -> Result<(), NetError> {
 }
 
 fn open_fd(path: &str) -> io::Result<OwnedFd> {
-    let c = crate::launch::cstr(path)?;
-    // SAFETY: c is a valid C string; the fd is owned below.
-    let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fd was just opened and is owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-fn random_hex(bytes: usize) -> String {
-    let mut buf = vec![0u8; bytes];
-    let _ = crate::sys::random_bytes(&mut buf);
-    buf.iter().map(|b| format!("{b:02x}")).collect()
+    crate::sys::open(path, libc::O_RDONLY)
 }
 
 #[cfg(test)]
