@@ -480,15 +480,6 @@ impl Control {
         ImageStore::open(&self.runtime.config().state_dir).map_err(|e| ControlError::Runtime(e.to_string()))
     }
 
-    /// What image `name` puts under a sandbox: its root (`base`, or a store
-    /// image's layers), the layers a build stacked over it, and the image's
-    /// environment. A preset is built here on first use, which takes a
-    /// while: call it on the blocking pool.
-    fn resolve_image(&self, name: &str) -> Result<Resolved> {
-        let img = crate::build::image_root(&self.runtime.config().state_dir, name)?;
-        Ok(Resolved { root: img.root, extra_lowers: img.layers, env: img.env, workdir: img.workdir })
-    }
-
     /// Starts the runtime sandbox of a `starting` record, then its
     /// template's startup command, and waits until it is ready.
     pub(crate) async fn boot(
@@ -497,13 +488,13 @@ impl Control {
         recipe: &crate::templates::Recipe,
     ) -> Result<SandboxRecord> {
         let t0 = Instant::now();
-        let this = self.clone();
-        let name = recipe.image.clone();
-        let resolved = match tokio::task::spawn_blocking(move || this.resolve_image(&name)).await {
+        // A preset is built on its first use: on the blocking pool.
+        let (state, name) = (self.runtime.config().state_dir.clone(), recipe.image.clone());
+        let resolved = match tokio::task::spawn_blocking(move || crate::build::image_root(&state, &name)).await {
             Ok(r) => r,
             Err(join) => Err(ControlError::Runtime(format!("image task: {join}"))),
         };
-        let Resolved { root, extra_lowers, env: image_env, workdir } = match resolved {
+        let crate::build::ImageRoot { root, layers: extra_lowers, env: image_env, workdir } = match resolved {
             Ok(r) => r,
             Err(e) => {
                 record.state = "terminated".into();
@@ -913,17 +904,6 @@ pub(crate) fn store_image_root(state_dir: &std::path::Path, name: &str) -> Resul
     })?;
     let dirs = store.layer_dirs(&img).map_err(|e| ControlError::StartFailed(format!("{}: {e}", e.code())))?;
     Ok((RootSource::Layers(dirs), img.env_pairs()))
-}
-
-/// What an image puts under a sandbox.
-#[derive(Default)]
-struct Resolved {
-    root: RootSource,
-    /// Layers a build stacked over `base`, bottom first.
-    extra_lowers: Vec<std::path::PathBuf>,
-    env: Vec<(String, String)>,
-    /// Where the startup command runs (a build's WORKDIR).
-    workdir: Option<String>,
 }
 
 enum BootError {

@@ -11,30 +11,14 @@
 //! lower layer (the store's own images are whole root filesystems).
 
 use hutch_runtime::capture::{tree_digest, CaptureLimits};
-use serde::{Deserialize, Serialize};
 use std::fs;
 use std::io::{self, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-/// An image as `images/<name>.json` holds it.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct ImageJson {
-    pub name: String,
-    /// Layer digests, bottom first.
-    pub layers: Vec<String>,
-    #[serde(default)]
-    pub env: Vec<String>,
-    #[serde(default)]
-    pub cmd: Vec<String>,
-    #[serde(default)]
-    pub workdir: Option<String>,
-    pub source: String,
-    pub created_at: u64,
-    /// `base` for a build's image: its layers go over the `base` lower layer.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub parent: Option<String>,
-}
+/// An image as `images/<name>.json` holds it: the store's own record, whose
+/// `parent` names what a build's layers go over.
+pub use hutch_runtime::image::Image as ImageJson;
 
 /// `<state>/images`, made (0700: layers hold files owned by image root,
 /// some setuid, which no host user may reach) when missing.

@@ -139,8 +139,7 @@ pub fn image_root(state_dir: &Path, name: &str) -> Result<ImageRoot> {
         layers.push(path);
     }
     // A build's env began as its parent's: it holds both.
-    let env = img.env.iter().filter_map(|kv| kv.split_once('=')).map(|(k, v)| (k.to_owned(), v.to_owned())).collect();
-    Ok(ImageRoot { root, layers, env, workdir: img.workdir })
+    Ok(ImageRoot { root, layers, env: img.env_pairs(), workdir: img.workdir })
 }
 
 /// The validated build context: the archive, its plan, and each regular

@@ -64,6 +64,10 @@ pub struct Image {
     pub source: String,
     /// Unix seconds.
     pub created_at: u64,
+    /// Set on a template build's image: the image (`base`, a preset, a
+    /// store image) its `layers` go over; they are then only the build's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
 }
 
 impl Image {
@@ -458,6 +462,7 @@ impl ImageStore {
             workdir: config.workdir,
             source,
             created_at: now_secs(),
+            parent: None,
         };
         self.put(&image)?;
         Ok(image)
