@@ -12,13 +12,14 @@
 
 use hutch_runtime::capture::{tree_digest, CaptureLimits};
 use std::fs;
-use std::io::{self, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::io;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 /// An image as `images/<name>.json` holds it: the store's own record, whose
 /// `parent` names what a build's layers go over.
 pub use hutch_runtime::image::Image as ImageJson;
+use hutch_runtime::image::{ImageError, ImageStore};
 
 /// `<state>/images`, made (0700: layers hold files owned by image root,
 /// some setuid, which no host user may reach) when missing.
@@ -65,35 +66,19 @@ pub fn commit_layer(state_dir: &Path, tmp: &Path) -> io::Result<String> {
     }
 }
 
-fn image_path(state_dir: &Path, name: &str) -> io::Result<PathBuf> {
-    let ok = !name.is_empty()
-        && name.len() <= 128
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-        && !name.starts_with('.');
-    if !ok {
-        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("invalid image name {name:?}")));
-    }
-    Ok(state_dir.join("images").join("images").join(format!("{name}.json")))
-}
-
-/// Writes an image atomically (a temporary file, fsync, rename).
+/// Records an image through the store (atomically; its name and layer
+/// rules).
 pub fn put(state_dir: &Path, image: &ImageJson) -> io::Result<()> {
-    root(state_dir)?;
-    let path = image_path(state_dir, &image.name)?;
-    let tmp = path.with_extension(format!("json.tmp-{}", std::process::id()));
-    let json = serde_json::to_vec_pretty(image).map_err(io::Error::other)?;
-    let mut f = fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
-    f.write_all(&json)?;
-    f.sync_all()?;
-    fs::rename(&tmp, &path)
+    ImageStore::open(state_dir).and_then(|store| store.put(image)).map_err(io::Error::other)
 }
 
+/// An image's record, read by the store itself (its name and layer rules).
 pub fn get(state_dir: &Path, name: &str) -> io::Result<Option<ImageJson>> {
-    let path = image_path(state_dir, name)?;
-    match fs::read(&path) {
-        Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(io::Error::other),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e),
+    let store = ImageStore::open(state_dir).map_err(io::Error::other)?;
+    match store.get(name) {
+        Ok(image) => Ok(Some(image)),
+        Err(ImageError::NotFound(_)) => Ok(None),
+        Err(e) => Err(io::Error::other(e)),
     }
 }
 

@@ -291,10 +291,12 @@ impl ImageStore {
                     .into(),
             });
         }
-        if image.layers.is_empty() || image.layers.len() > MAX_LAYERS {
+        // A build's image may add no layer to its parent; a root needs one.
+        let least = usize::from(image.parent.is_none());
+        if image.layers.len() < least || image.layers.len() > MAX_LAYERS {
             return Err(ImageError::Invalid {
                 name: image.name.clone(),
-                reason: format!("an image has 1 to {MAX_LAYERS} layers"),
+                reason: format!("an image has {least} to {MAX_LAYERS} layers"),
             });
         }
         if let Some(missing) = image.layers.iter().find(|h| !self.has_layer(h)) {
@@ -675,6 +677,12 @@ mod tests {
         assert_eq!(store.list().len(), 1);
         assert!(matches!(store.get("nope"), Err(ImageError::NotFound(_))));
         assert!(store.put(&Image { name: "base".into(), ..img.clone() }).is_err());
+        // A root needs a layer; a build over a parent may add none.
+        assert!(store.put(&Image { name: "empty".into(), layers: vec![], ..img.clone() }).is_err());
+        let over = Image { name: "over".into(), layers: vec![], parent: Some("t1".into()), ..img.clone() };
+        store.put(&over).expect("a build that added no layer");
+        assert_eq!(store.get("over").expect("get"), over);
+        store.remove("over").expect("remove");
         // Layer b is unused but young: kept. Make it old, then it goes.
         assert!(store.gc().expect("gc").is_empty());
         let old = SystemTime::now() - Duration::from_secs(7200);
