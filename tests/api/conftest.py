@@ -21,6 +21,7 @@ import signal
 import socket
 import sqlite3
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -317,9 +318,11 @@ def ndjson_events(r: requests.Response) -> list[dict]:
 # The daemon
 
 
-# Each daemon of a test session gets a hutch network of its own (subnet,
-# nftables table, links), so daemons side by side never touch each other's.
-_NET_INSTANCES = iter(range(1, 32))
+# Each daemon gets a hutch network instance of its own (subnet, nftables
+# table, links), so daemons side by side never touch each other's, also
+# those of another test session running at the same time on this host.
+sys.path.insert(0, str(REPO / "tests"))
+from net_instances import NetInstance  # noqa: E402
 
 
 def net_table(instance: int) -> str:
@@ -341,7 +344,8 @@ class Daemon:
     """One `hutch serve` process with its own port, state and run dirs."""
 
     def __init__(self, root: Path, binary: Path = DEBUG_BIN, port: int | None = None, name: str = "daemon"):
-        self.net_instance = next(_NET_INSTANCES)
+        self._net = NetInstance.claim()
+        self.net_instance = self._net.number
         # Extra environment (HUTCH_DNS_UPSTREAM, ...) for every start.
         self.extra_env: dict[str, str] = {}
         if not binary.is_file():
@@ -533,6 +537,10 @@ class Daemon:
             left.append(f"nftables table inet {net_table(self.net_instance)}")
         return left
 
+    def release_net(self) -> None:
+        """Gives the network instance back (the daemon has stopped)."""
+        self._net.release()
+
     def force_clean_network(self) -> None:
         for name in net_links(self.net_instance):
             subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=10)
@@ -610,6 +618,7 @@ def daemon(tmp_root: Path):
     strays = d.kill_strays()
     if strays:
         problems.append(f"processes of the daemon left after it stopped: {list(strays.values())}")
+    d.release_net()
     if problems:
         pytest.fail("session teardown: " + "; ".join(problems) + f"\ndaemon log:\n{d.log_tail()}", pytrace=False)
     assert code == 0, f"hutch serve exited {code} on SIGTERM; log:\n{d.log_tail()}"
@@ -641,6 +650,7 @@ def own_daemon(tmp_root: Path, request: pytest.FixtureRequest):
     yield d
     problems = []
     if d.starts == 0:
+        d.release_net()
         return
     # Helpers a killed daemon left behind hold its port: end them first.
     if not d.alive():
@@ -666,6 +676,7 @@ def own_daemon(tmp_root: Path, request: pytest.FixtureRequest):
     except AssertionError:
         problems.append(f"network left on the host: {d.network_leftovers()}")
         d.force_clean_network()
+    d.release_net()
     assert not problems, problems
 
 

@@ -219,6 +219,7 @@ def netd(tmp_root: Path, internet):
     except AssertionError:
         problems.append(f"network left on the host: {d.network_leftovers()}")
         d.force_clean_network()
+    d.release_net()
     assert not problems, problems
 
 

@@ -14,12 +14,16 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from net_instances import NetInstance  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = REPO / "target" / "x86_64-unknown-linux-gnu" / "debug" / "hutch"
@@ -63,6 +67,8 @@ def daemon():
     base = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
     env["HUTCH_RUN_DIR"] = str(run)
+    net = NetInstance.claim()
+    env["HUTCH_NET_INSTANCE"] = str(net.number)
     log = open(root / "daemon.log", "wb")
     proc = subprocess.Popen(
         [str(BIN), "serve", "--listen", f"127.0.0.1:{port}", "--state-dir", str(state)],
@@ -109,6 +115,7 @@ def daemon():
             except subprocess.TimeoutExpired:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=5)
+            net.release()
 
 
 @pytest.fixture(scope="session")
