@@ -328,7 +328,7 @@ impl Control {
         let Err(failed) = crate::ready::until_ready(&live.socket, &check, |_| {}, wanted).await else {
             return Ok(());
         };
-        log_warn(&format!("sandbox {} did not become ready: {}", record.id, failed.message()));
+        tracing::warn!("sandbox {} did not become ready: {}", record.id, failed.message());
         self.live_map().insert(record.id.clone(), live.clone());
         // Gone: deleted or drained meanwhile; that reason stands.
         let reason = match failed {
@@ -500,7 +500,7 @@ impl Control {
                 record.state = "terminated".into();
                 record.last_error_code = Some(e.code().as_str().into());
                 self.store.update_sandbox(&record)?;
-                log_warn(&format!("sandbox {} failed to start: {e}", record.id));
+                tracing::warn!("sandbox {} failed to start: {e}", record.id);
                 return Err(e);
             }
         };
@@ -567,7 +567,7 @@ impl Control {
                 record.state = "terminated".into();
                 record.last_error_code = Some(start_failure_code(&e).into());
                 self.store.update_sandbox(&record)?;
-                log_warn(&format!("sandbox {} failed to start: {reason}", record.id));
+                tracing::warn!("sandbox {} failed to start: {reason}", record.id);
                 match &e {
                     hutch_runtime::RuntimeError::Uids(_) => Err(ControlError::NoCapacity(reason)),
                     _ => Err(ControlError::StartFailed(start_failure_code(&e).into())),
@@ -577,7 +577,7 @@ impl Control {
                 record.state = "terminated".into();
                 record.last_error_code = Some(code.into());
                 self.store.update_sandbox(&record)?;
-                log_warn(&format!("sandbox {}: network policy not enforceable, not started: {reason}", record.id));
+                tracing::warn!("sandbox {}: network policy not enforceable, not started: {reason}", record.id);
                 Err(ControlError::StartFailed(code.into()))
             }
             Err(join) => Err(ControlError::Runtime(format!("start task: {join}"))),
@@ -646,7 +646,7 @@ impl Control {
         .map_err(|e| ControlError::Runtime(format!("destroy task: {e}")))?;
         if let Err(e) = destroyed {
             // Stays `terminating`: the reconciler tries again.
-            log_warn(&format!("sandbox {id}: teardown failed, will retry: {e}"));
+            tracing::warn!("sandbox {id}: teardown failed, will retry: {e}");
             return Err(ControlError::Runtime(e.to_string()));
         }
         if let Ok(net) = &self.network {
@@ -793,7 +793,7 @@ impl Control {
         self.recover_builds()?;
         let lost = self.store.mark_running_execs_lost()?;
         if lost > 0 {
-            log_info(&format!("{lost} commands were running when the daemon stopped; their outcome is unknown"));
+            tracing::info!("{lost} commands were running when the daemon stopped; their outcome is unknown");
         }
         for r in self.store.sandboxes_in(&["starting", "running", "suspended", "terminating"])? {
             let handle = self.runtime.adopt(&r.id);
@@ -802,7 +802,7 @@ impl Control {
                 ("running" | "suspended", true) => {
                     let pid = r.host_pid.map(|p| p as libc::pid_t).unwrap_or(handle.pid);
                     if let Err(e) = self.adopt_network(&r, pid) {
-                        log_warn(&format!("sandbox {}: its network cannot be taken back ({e}); ending it", r.id));
+                        tracing::warn!("sandbox {}: its network cannot be taken back ({e}); ending it", r.id);
                         self.live_map().insert(r.id.clone(), Live::new(handle));
                         let _ = self.destroy_now(&r.id, Some("sandbox_network_unavailable")).await;
                         continue;
@@ -810,7 +810,7 @@ impl Control {
                     let live = Live::new(handle);
                     live.suspended.store(r.state == "suspended", Ordering::SeqCst);
                     self.live_map().insert(r.id.clone(), live);
-                    log_info(&format!("adopted sandbox {}", r.id));
+                    tracing::info!("adopted sandbox {}", r.id);
                 }
                 (state, _) => {
                     let reason = if state == "terminating" { None } else { Some("sandbox_lost_on_restart") };
@@ -882,7 +882,7 @@ impl Control {
         self.metrics.set_reconciler_lag(lag);
         if !self.is_shutting_down() {
             if let Err(e) = self.tend_pools().await {
-                log_warn(&format!("warm pools: {e}; retrying next tick"));
+                tracing::warn!("warm pools: {e}; retrying next tick");
             }
         }
         Ok(())
@@ -894,7 +894,7 @@ impl Control {
 pub(crate) fn store_image_root(state_dir: &std::path::Path, name: &str) -> Result<(RootSource, Vec<(String, String)>)> {
     let store = ImageStore::open(state_dir).map_err(|e| ControlError::Runtime(e.to_string()))?;
     let found = if hutch_runtime::image::debian::is_preset(name) {
-        hutch_runtime::image::ensure_preset(&store, name, &|line| log_info(&format!("image {name}: {line}")))
+        hutch_runtime::image::ensure_preset(&store, name, &|line| tracing::info!("image {name}: {line}"))
     } else {
         store.get(name)
     };
@@ -972,20 +972,6 @@ fn start_failure_code(e: &hutch_runtime::RuntimeError) -> &'static str {
 
 fn static_state(s: &str) -> &'static str {
     SandboxState::parse(s).map(SandboxState::as_str).unwrap_or("unknown")
-}
-
-/// Structured log lines on stderr: one JSON object each.
-pub fn log(level: &str, msg: &str) {
-    let line = serde_json::json!({"ts": rfc3339(now_ms()), "level": level, "msg": msg});
-    eprintln!("{line}");
-}
-
-pub fn log_info(msg: &str) {
-    log("info", msg)
-}
-
-pub fn log_warn(msg: &str) {
-    log("warn", msg)
 }
 
 #[cfg(test)]

@@ -43,7 +43,7 @@ pub async fn serve(net: Arc<Network>, on_admit: OnAdmit) -> std::io::Result<toki
             let (n, from) = match sock.recv_from(&mut buf).await {
                 Ok(x) => x,
                 Err(e) => {
-                    crate::control::log_warn(&format!("resolver: {e}"));
+                    tracing::warn!("resolver: {e}");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }

@@ -214,10 +214,10 @@ impl Control {
         match serde_json::to_string(stored) {
             Ok(json) => {
                 if let Err(e) = self.store.finish_exec(scope, key, &json) {
-                    crate::control::log_warn(&format!("journal {scope}/{key}: {e}"));
+                    tracing::warn!("journal {scope}/{key}: {e}");
                 }
             }
-            Err(e) => crate::control::log_warn(&format!("journal {scope}/{key}: {e}")),
+            Err(e) => tracing::warn!("journal {scope}/{key}: {e}"),
         }
     }
 

@@ -9,7 +9,7 @@
 //! current version, so no sandbox of an older version is ever claimed, and a
 //! sandbox being drained (state `terminating`) can no longer be claimed.
 
-use crate::control::{log_warn, now_ms, Control};
+use crate::control::{now_ms, Control};
 use crate::error::Result;
 use crate::network::NetRecord;
 use crate::templates::Recipe;
@@ -84,7 +84,7 @@ impl Control {
         };
         if take {
             if let Err(e) = self.destroy_now(&r.id, Some("warm_pool_drained")).await {
-                log_warn(&format!("warm sandbox {}: drain failed, will retry: {e}", r.id));
+                tracing::warn!("warm sandbox {}: drain failed, will retry: {e}", r.id);
             }
         }
     }
@@ -94,7 +94,7 @@ impl Control {
         let pooled = match self.store.pooled_sandboxes() {
             Ok(p) => p,
             Err(e) => {
-                log_warn(&format!("template {template_id}: cannot list its warm pool: {e}"));
+                tracing::warn!("template {template_id}: cannot list its warm pool: {e}");
                 return;
             }
         };
@@ -146,10 +146,11 @@ impl Control {
                     break;
                 }
                 if total >= POOLED_TOTAL {
-                    log_warn(&format!(
+                    tracing::warn!(
                         "warm pool of template {} ({}) is short: the host keeps at most {POOLED_TOTAL} warm sandboxes",
-                        t.name, t.id
-                    ));
+                        t.name,
+                        t.id
+                    );
                     break;
                 }
                 if self.pool.refilling.fetch_add(1, Ordering::SeqCst) >= REFILLS_IN_FLIGHT {
@@ -177,7 +178,7 @@ impl Control {
         let id = match hutch_runtime::container::random_id() {
             Ok(id) => id,
             Err(e) => {
-                log_warn(&format!("warm pool of template {}: no sandbox id: {e}", recipe.name));
+                tracing::warn!("warm pool of template {}: no sandbox id: {e}", recipe.name);
                 return;
             }
         };
@@ -211,13 +212,13 @@ impl Control {
             network: match NetRecord::from_request(Some(&recipe.network)) {
                 Ok(n) => n.to_json(),
                 Err(e) => {
-                    log_warn(&format!("warm pool of template {}: {e}", recipe.name));
+                    tracing::warn!("warm pool of template {}: {e}", recipe.name);
                     return;
                 }
             },
         };
         if let Err(e) = self.store.insert_sandbox(&record) {
-            log_warn(&format!("warm pool of template {}: cannot record a sandbox: {e}; retrying", recipe.name));
+            tracing::warn!("warm pool of template {}: cannot record a sandbox: {e}; retrying", recipe.name);
             return;
         }
         match self.clone().boot(record, recipe).await {
@@ -240,11 +241,11 @@ impl Control {
                 }
                 self.metrics.warm_refill.observe(t0.elapsed().as_secs_f64());
             }
-            Err(e) => log_warn(&format!(
+            Err(e) => tracing::warn!(
                 "warm pool of template {} ({}) cannot refill: {e}; retrying next tick",
                 recipe.name,
                 recipe.id.as_deref().unwrap_or("base")
-            )),
+            ),
         }
     }
 }

@@ -53,7 +53,7 @@ impl ApiError {
 impl From<ControlError> for ApiError {
     fn from(e: ControlError) -> ApiError {
         if e.code() == ErrorCode::Internal {
-            hutch_control::control::log("error", &e.to_string());
+            tracing::error!("{e}");
         }
         ApiError { code: e.code(), message: e.public_message() }
     }
@@ -62,7 +62,7 @@ impl From<ControlError> for ApiError {
 impl From<hutch_control::files::FilesError> for ApiError {
     fn from(e: hutch_control::files::FilesError) -> ApiError {
         if e.code == ErrorCode::Internal {
-            hutch_control::control::log("error", &e.message);
+            tracing::error!("{}", e.message);
             return ApiError::new(ErrorCode::Internal, "internal error; see the server log");
         }
         ApiError { code: e.code, message: e.message }

@@ -78,7 +78,7 @@ impl axum::serve::Listener for ProxyListener {
                 Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset) => {}
                 Err(e) => {
                     // Out of descriptors or memory: wait rather than spin.
-                    hutch_control::control::log_warn(&format!("accept: {e}"));
+                    tracing::warn!("accept: {e}");
                     tokio::time::sleep(std::time::Duration::from_secs(1)).await;
                 }
             }

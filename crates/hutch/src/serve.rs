@@ -5,7 +5,6 @@
 
 use anyhow::{Context, Result};
 use clap::Args;
-use hutch_control::control::{log_info, log_warn};
 use hutch_control::Control;
 use hutch_store::{SqliteStore, Store};
 use std::io::Write;
@@ -93,7 +92,7 @@ async fn setup_network(
     let on_admit: hutch_control::dns::OnAdmit = Arc::new(move |id: &str, addrs: &[std::net::IpAddr]| {
         let json = serde_json::to_string(addrs).unwrap_or_else(|_| "[]".into());
         if let Err(e) = learned_store.set_net_learned(id, &json) {
-            log_warn(&format!("sandbox {id}: cannot store resolved addresses: {e}"));
+            tracing::warn!("sandbox {id}: cannot store resolved addresses: {e}");
         }
     });
     hutch_control::dns::serve(net.clone(), on_admit)
@@ -106,14 +105,14 @@ async fn setup_network(
             // someone flushed them.
             let f = filler.clone();
             match tokio::task::spawn_blocking(move || f.heal()).await {
-                Ok(Ok(false)) => log_warn("the sandboxes' nftables table was gone; loaded it again"),
-                Ok(Err(e)) => log_warn(&format!("cannot load the sandboxes' nftables table again: {e}")),
+                Ok(Ok(false)) => tracing::warn!("the sandboxes' nftables table was gone; loaded it again"),
+                Ok(Err(e)) => tracing::warn!("cannot load the sandboxes' nftables table again: {e}"),
                 _ => {}
             }
             if filler.pooled() < NET_POOL {
                 let f = filler.clone();
                 if let Ok(Err(e)) = tokio::task::spawn_blocking(move || f.fill_pool(NET_POOL)).await {
-                    log_warn(&format!("network pool: {e}"));
+                    tracing::warn!("network pool: {e}");
                     tokio::time::sleep(Duration::from_secs(5)).await;
                 }
             }
@@ -145,7 +144,22 @@ fn e2b_secret(state_dir: &std::path::Path) -> Result<Vec<u8>> {
     Ok(raw.to_vec())
 }
 
+/// Logs go to stderr as JSON lines (`RUST_LOG` filters them; `info` by
+/// default).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .json()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .flatten_event(true)
+        .with_current_span(false)
+        .try_init();
+}
+
 pub fn main(args: ServeArgs) -> i32 {
+    init_logging();
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -156,7 +170,7 @@ pub fn main(args: ServeArgs) -> i32 {
     match rt.block_on(serve(args)) {
         Ok(()) => 0,
         Err(e) => {
-            hutch_control::control::log("error", &format!("{e:#}"));
+            tracing::error!("{e:#}");
             1
         }
     }
@@ -182,18 +196,16 @@ async fn serve(args: ServeArgs) -> Result<()> {
             .open(&path)
             .with_context(|| format!("write {}", path.display()))?;
         writeln!(f, "{}", key.secret)?;
-        log_info(&format!("created the admin API key; it is in {} (mode 0600)", path.display()));
+        tracing::info!("created the admin API key; it is in {} (mode 0600)", path.display());
     }
     let cfg = hutch_runtime::Config { state_dir: args.state_dir.clone(), ..hutch_runtime::Config::from_env() };
     let runtime = Arc::new(hutch_runtime::Runtime::new(cfg).context("start the container runtime")?);
     let network = setup_network(&args, &runtime.config().run_dir, &store).await;
     match &network {
-        Ok(n) => log_info(&format!(
-            "sandbox network {}/16{} ready",
-            n.config().subnet4,
-            if n.ipv6() { " and IPv6" } else { "" }
-        )),
-        Err(why) => log_warn(&format!("no sandbox networking ({why}); only deny_all sandboxes can start")),
+        Ok(n) => {
+            tracing::info!("sandbox network {}/16{} ready", n.config().subnet4, if n.ipv6() { " and IPv6" } else { "" })
+        }
+        Err(why) => tracing::warn!("no sandbox networking ({why}); only deny_all sandboxes can start"),
     }
     let control = Control::with_network(store.clone(), runtime, network.clone());
     control.recover().await?;
@@ -204,14 +216,14 @@ async fn serve(args: ServeArgs) -> Result<()> {
         loop {
             tick.tick().await;
             if let Err(e) = reconciler.reconcile().await {
-                log_warn(&format!("reconciler: {e}"));
+                tracing::warn!("reconciler: {e}");
             }
         }
     });
 
     let listener =
         tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("listen on {}", args.listen))?;
-    log_info(&format!("hutch serve listening on http://{}", listener.local_addr()?));
+    tracing::info!("hutch serve listening on http://{}", listener.local_addr()?);
     let e2b_secret = e2b_secret(&args.state_dir)?;
     let app = Arc::new(hutch_server::App { control: control.clone(), e2b_secret });
     let stopping = Arc::new(tokio::sync::Notify::new());
@@ -225,7 +237,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             _ = term.recv() => {}
             _ = tokio::signal::ctrl_c() => {}
         }
-        log_info("shutting down; sandboxes keep running");
+        tracing::info!("shutting down; sandboxes keep running");
         notify.notify_one();
     };
     // In-flight requests get a grace period; a long command stream must not
@@ -233,7 +245,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let grace = async {
         stopping.notified().await;
         tokio::time::sleep(SHUTDOWN_GRACE).await;
-        log_warn(&format!("requests still open after {SHUTDOWN_GRACE:?}; exiting anyway"));
+        tracing::warn!("requests still open after {SHUTDOWN_GRACE:?}; exiting anyway");
     };
     tokio::select! {
         served = hutch_server::serve(listener, app, shutdown) => served?,

@@ -19,7 +19,7 @@
 pub mod dockerfile;
 mod imagestore;
 
-use crate::control::{log_warn, now_ms, rfc3339, Control};
+use crate::control::{now_ms, rfc3339, Control};
 use crate::error::{ControlError, Result};
 use crate::files::archive::{self, ArchiveError, ArchivePlan, PlannedKind};
 use crate::ready::{describe_exit, until_ready, ReadyCheck};
@@ -502,12 +502,12 @@ impl Control {
     pub(crate) fn recover_builds(&self) -> Result<()> {
         let n = self.store.fail_unfinished_builds(now_ms(), "interrupted: the daemon stopped during the build")?;
         if n > 0 {
-            log_warn(&format!("{n} template builds were interrupted by a daemon restart; marked failed"));
+            tracing::warn!("{n} template builds were interrupted by a daemon restart; marked failed");
         }
         for id in self.runtime.cgroups() {
             if id.starts_with(BUILD_SANDBOX_PREFIX) {
                 if let Err(e) = self.runtime.adopt(&id).destroy() {
-                    log_warn(&format!("build sandbox {id} left by the last daemon: {e}"));
+                    tracing::warn!("build sandbox {id} left by the last daemon: {e}");
                 }
             }
         }
@@ -526,7 +526,7 @@ impl Control {
         let _turn = queue.lock().await;
         rec.state = "building".into();
         if let Err(e) = self.store.update_build(&rec) {
-            log_warn(&format!("build {}: cannot record its state: {e}", rec.id));
+            tracing::warn!("build {}: cannot record its state: {e}", rec.id);
         }
         let outcome = self.build(&rec, Arc::new(ctx), &planned, &mut log).await;
         rec.finished_at = Some(now_ms());
@@ -544,7 +544,7 @@ impl Control {
             }
         }
         if let Err(e) = self.store.update_build(&rec) {
-            log_warn(&format!("build {}: cannot record its outcome: {e}", rec.id));
+            tracing::warn!("build {}: cannot record its outcome: {e}", rec.id);
         }
     }
 
@@ -619,7 +619,7 @@ impl Control {
             match made {
                 Ok(hex) => {
                     if let Err(e) = imagestore::remember(&state, &key, &hex) {
-                        log_warn(&format!("build cache: {e}"));
+                        tracing::warn!("build cache: {e}");
                     }
                     log.line(&format!("---> layer {}", &hex[..12]));
                     layers.push(hex);
@@ -671,7 +671,7 @@ impl Control {
             }
         }
         if let Err(e) = destroyed {
-            log_warn(&format!("build {}: validation sandbox teardown: {e}", rec.id));
+            tracing::warn!("build {}: validation sandbox teardown: {e}", rec.id);
         }
         self.activate(rec, &layers, &env, cmd.as_ref(), &workdir)
     }

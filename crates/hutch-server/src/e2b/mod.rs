@@ -132,7 +132,7 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
 /// A public message for a code: internals of a 5xx are logged, never sent.
 fn public(code: ErrorCode, message: String) -> String {
     if code == ErrorCode::Internal {
-        hutch_control::control::log("error", &message);
+        tracing::error!("{message}");
         return "internal error; see the server log".into();
     }
     message
