@@ -186,14 +186,17 @@ def test_extend_by_and_until(api: Client, sandbox: dict):
     assert api.sandbox(sid)["expires_at"] == r.json()["expires_at"]
 
 
-def test_extend_is_capped_at_24_hours_after_creation(api: Client, sandbox: dict):
+def test_extend_past_24_hours_after_creation_is_refused_and_changes_nothing(api: Client, sandbox: dict):
     sid = sandbox["id"]
     created = ts(sandbox["created_at"])
-    r = api.post(f"/v1/sandboxes/{sid}/extend", {"by": 48 * 3600})
-    expect_status(r, 200)
-    assert ts(r.json()["expires_at"]) == created + timedelta(hours=24), r.json()
+    before = api.sandbox(sid)["expires_at"]
+    body = expect_error(api.post(f"/v1/sandboxes/{sid}/extend", {"by": 48 * 3600}), 400, "invalid_request")
+    assert "latest" in body["error"], body
     far = rfc3339(datetime.now(timezone.utc) + timedelta(days=30))
-    r = api.post(f"/v1/sandboxes/{sid}/extend", {"until": far})
+    expect_error(api.post(f"/v1/sandboxes/{sid}/extend", {"until": far}), 400, "invalid_request")
+    assert api.sandbox(sid)["expires_at"] == before
+    # Up to the cap itself is fine.
+    r = api.post(f"/v1/sandboxes/{sid}/extend", {"until": rfc3339(created + timedelta(hours=24))})
     expect_status(r, 200)
     assert ts(r.json()["expires_at"]) == created + timedelta(hours=24), r.json()
 

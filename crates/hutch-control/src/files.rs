@@ -78,6 +78,8 @@ pub enum Access {
     Read,
     Write,
     List,
+    /// A process operation: start, signal, stdin, attach.
+    Process,
 }
 
 impl FilesError {
@@ -97,23 +99,34 @@ impl FilesError {
                     A::PermissionDenied => match access {
                         Access::Write => ErrorCode::SandboxPathConflict,
                         Access::Read | Access::List => ErrorCode::SandboxPathUnreadable,
+                        Access::Process => ErrorCode::InvalidRequest,
                     },
                     A::NotADirectory | A::SymlinkRefused => match access {
                         Access::List => ErrorCode::SandboxPathNotDirectory,
                         Access::Read | Access::Write => ErrorCode::SandboxPathConflict,
+                        Access::Process => ErrorCode::InvalidRequest,
                     },
                     A::IsADirectory => match access {
-                        Access::Read => ErrorCode::InvalidRequest,
+                        Access::Read | Access::Process => ErrorCode::InvalidRequest,
                         Access::Write | Access::List => ErrorCode::SandboxPathConflict,
                     },
                     A::AlreadyExists => ErrorCode::SandboxPathConflict,
                     A::UnknownUser => ErrorCode::InvalidRequest,
                     A::InvalidRequest => match access {
                         // "not a regular file": a FIFO or a device.
-                        Access::Read => ErrorCode::InvalidRequest,
+                        Access::Read | Access::Process => ErrorCode::InvalidRequest,
                         Access::Write | Access::List => ErrorCode::Internal,
                     },
-                    A::UnknownProcess | A::TagInUse | A::Capacity | A::Io => ErrorCode::Internal,
+                    A::UnknownProcess => match access {
+                        Access::Process => ErrorCode::NotFound,
+                        Access::Read | Access::Write | Access::List => ErrorCode::Internal,
+                    },
+                    A::TagInUse => match access {
+                        Access::Process => ErrorCode::InvalidRequest,
+                        Access::Read | Access::Write | Access::List => ErrorCode::Internal,
+                    },
+                    A::Capacity => ErrorCode::SandboxCommandCapacity,
+                    A::Io => ErrorCode::Internal,
                 };
                 (code, message)
             }

@@ -90,11 +90,11 @@ impl Metrics {
 
     /// The whole exposition; `states` is the count of sandboxes per state,
     /// `running` the commands running now.
-    pub fn render(&self, states: &[(String, u64)], running: u64) -> String {
+    pub fn render(&self, states: &[(hutch_api::SandboxState, u64)], running: u64) -> String {
         let mut out = String::with_capacity(4096);
         let _ = writeln!(out, "# HELP hutch_sandboxes Sandboxes by state.\n# TYPE hutch_sandboxes gauge");
         for st in hutch_api::SandboxState::ALL {
-            let n = states.iter().find(|(s, _)| s == st.as_str()).map_or(0, |(_, n)| *n);
+            let n = states.iter().find(|(s, _)| *s == st).map_or(0, |(_, n)| *n);
             let _ = writeln!(out, "hutch_sandboxes{{state=\"{}\"}} {n}", st.as_str());
         }
         self.create_to_ready.render(
@@ -143,6 +143,15 @@ impl Metrics {
     }
 }
 
+impl crate::control::Control {
+    /// The Prometheus exposition.
+    pub async fn metrics_text(&self, _caller: &crate::ids::Caller) -> crate::error::Result<String> {
+        let states = self.db(|s| s.count_by_state()).await?;
+        let running: u64 = self.commands_running().await.iter().map(|(_, n)| n).sum();
+        Ok(self.metrics.render(&states, running))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -152,7 +161,7 @@ mod tests {
         let m = Metrics::default();
         m.exec_latency.observe(0.0015);
         m.exec_latency.observe(0.3);
-        let text = m.render(&[("running".into(), 3)], 2);
+        let text = m.render(&[(hutch_api::SandboxState::Running, 3)], 2);
         assert!(text.contains("hutch_commands_running 2"));
         assert!(text.contains("hutch_sandboxes{state=\"running\"} 3"));
         assert!(text.contains("hutch_sandboxes{state=\"suspended\"} 0"));

@@ -61,6 +61,19 @@ pub fn reap(pid: libc::pid_t) -> Option<i32> {
     }
 }
 
+/// The size in bytes of the file system holding `path`.
+pub fn fs_size(path: &std::path::Path) -> io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| io::ErrorKind::InvalidInput)?;
+    // SAFETY: zeroed is a valid statvfs (plain integers).
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: c is a NUL-terminated path, st a valid out-pointer.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st.f_blocks.saturating_mul(st.f_frsize))
+}
+
 /// Fills `buf` from the kernel's random source.
 pub fn random_bytes(buf: &mut [u8]) -> io::Result<()> {
     let mut done = 0;

@@ -40,6 +40,16 @@ pub struct ServeArgs {
     /// default route) (HUTCH_NET_IPV6).
     #[arg(long, env = "HUTCH_NET_IPV6", default_value = "auto")]
     pub ipv6: String,
+    /// How far the sandboxes' memory and disk limits may add up past the
+    /// host's memory and the state directory's file system: 8 lets the
+    /// limits of the sandboxes alive sum to 8 times the host's memory
+    /// (HUTCH_OVERCOMMIT). One sandbox never gets more than the host has.
+    #[arg(long, env = "HUTCH_OVERCOMMIT", default_value_t = hutch_control::control::DEFAULT_OVERCOMMIT)]
+    pub overcommit: f64,
+    /// Most sandboxes (not terminated, warm ones included) at once
+    /// (HUTCH_MAX_SANDBOXES).
+    #[arg(long, env = "HUTCH_MAX_SANDBOXES", default_value_t = hutch_control::control::DEFAULT_MAX_SANDBOXES)]
+    pub max_sandboxes: u64,
 }
 
 /// Warm network namespaces kept ready.
@@ -75,7 +85,7 @@ async fn setup_network(
     };
     // Links of sandboxes that outlived the last daemon stay.
     let keep = store
-        .sandboxes_in(&["starting", "running", "suspended", "terminating"])
+        .sandboxes_in(&hutch_control::lifecycle::HOLDING_STATES)
         .map_err(|e| e.to_string())?
         .iter()
         .filter_map(|r| {
@@ -185,7 +195,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let db = args.state_dir.join("hutch.db");
     let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&db).with_context(|| format!("open {}", db.display()))?);
     if store.count_keys()? == 0 {
-        let key = hutch_control::keys::generate("admin", true, false, hutch_control::keys::now_ms())?;
+        let key = hutch_control::keys::generate("admin", true, false, hutch_store::Quotas::default())?;
         store.insert_key(&key.record)?;
         let path = args.state_dir.join("admin.key");
         let mut f = std::fs::OpenOptions::new()
@@ -207,7 +217,24 @@ async fn serve(args: ServeArgs) -> Result<()> {
         }
         Err(why) => tracing::warn!("no sandbox networking ({why}); only deny_all sandboxes can start"),
     }
-    let control = Control::with_network(store.clone(), runtime, network.clone());
+    if !(args.overcommit.is_finite() && args.overcommit > 0.0) {
+        anyhow::bail!("--overcommit must be a positive number");
+    }
+    let capacity = hutch_control::Capacity::of_host(
+        std::path::Path::new("/proc"),
+        &args.state_dir,
+        args.overcommit,
+        args.max_sandboxes,
+    );
+    tracing::info!(
+        "capacity: {} sandboxes, {} MiB of memory limits, {} MiB of disk limits",
+        capacity.sandboxes,
+        capacity.memory_mb,
+        capacity.disk_mib
+    );
+    let e2b_secret = e2b_secret(&args.state_dir)?;
+    let config = hutch_control::Config { network: network.clone(), capacity, e2b_secret };
+    let control = Control::new(store.clone(), runtime, config);
     control.recover().await?;
 
     let reconciler = control.clone();
@@ -224,8 +251,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let listener =
         tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("listen on {}", args.listen))?;
     tracing::info!("hutch serve listening on http://{}", listener.local_addr()?);
-    let e2b_secret = e2b_secret(&args.state_dir)?;
-    let app = Arc::new(hutch_server::App { control: control.clone(), e2b_secret });
+    let app = Arc::new(hutch_server::App { control: control.clone() });
     let stopping = Arc::new(tokio::sync::Notify::new());
     let notify = stopping.clone();
     let shutdown = async move {
@@ -254,7 +280,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     control.shut_down();
     // With no sandbox left, nothing of the network needs to stay.
     if let Ok(net) = network {
-        let running = store.sandboxes_in(&["starting", "running", "suspended", "terminating"])?;
+        let running = store.sandboxes_in(&hutch_control::lifecycle::HOLDING_STATES)?;
         if running.is_empty() {
             tokio::task::spawn_blocking(move || net.teardown()).await?;
         }

@@ -22,6 +22,7 @@ mod imagestore;
 use crate::control::{now_ms, rfc3339, Control};
 use crate::error::{ControlError, Result};
 use crate::files::archive::{self, ArchiveError, ArchivePlan, PlannedKind};
+use crate::ids::Caller;
 use crate::ready::{describe_exit, until_ready, ReadyCheck};
 use crate::templates::TemplateId;
 use dockerfile::{Command, Instruction, Step};
@@ -119,16 +120,16 @@ pub fn image_root(state_dir: &Path, name: &str) -> Result<ImageRoot> {
     if name == "base" {
         return Ok(ImageRoot::default());
     }
-    let gone = |why: String| ControlError::StartFailed(format!("image {name}: {why}"));
+    let gone = |why: String| ControlError::ImageUnavailable(format!("{name}: {why}"));
     let img = imagestore::get(state_dir, name).map_err(|e| gone(e.to_string()))?;
     let Some(img) = img.filter(|i| i.parent.is_some()) else {
         // A store image or a preset: a whole root file system of its own.
-        let (root, env) = crate::control::store_image_root(state_dir, name)?;
+        let (root, env) = crate::sandboxes::store_image_root(state_dir, name)?;
         return Ok(ImageRoot { root, env, ..ImageRoot::default() });
     };
     let root = match img.parent.as_deref() {
         Some("base") | None => RootSource::Base,
-        Some(parent) => crate::control::store_image_root(state_dir, parent)?.0,
+        Some(parent) => crate::sandboxes::store_image_root(state_dir, parent)?.0,
     };
     let mut layers = Vec::new();
     for hex in &img.layers {
@@ -171,10 +172,10 @@ impl Context {
             digests.insert(path.clone(), hex::encode(h.finalize()));
         }
         if dockerfile_index.is_none() {
-            return Err(ControlError::Files {
-                code: ErrorCode::SandboxArchiveInvalid,
-                message: "the build context has no Dockerfile at its top".into(),
-            });
+            return Err(ControlError::Files(crate::files::FilesError::new(
+                ErrorCode::SandboxArchiveInvalid,
+                "the build context has no Dockerfile at its top",
+            )));
         }
         let text = String::from_utf8(dockerfile)
             .map_err(|_| ControlError::BuildRefused { line: 1, message: "the Dockerfile is not UTF-8".into() })?;
@@ -206,7 +207,7 @@ fn context_error(e: ArchiveError) -> ControlError {
         ArchiveError::Invalid(m) => (ErrorCode::SandboxArchiveInvalid, format!("build context refused: {m}")),
         ArchiveError::TooLarge(m) => (ErrorCode::SandboxArchiveTooLarge, format!("build context too large: {m}")),
     };
-    ControlError::Files { code, message }
+    ControlError::Files(crate::files::FilesError::new(code, message))
 }
 
 /// A step ready to run: its instruction resolved against the WORKDIR.
@@ -360,7 +361,7 @@ fn view(b: &BuildRecord) -> Build {
     Build {
         id: b.id.clone(),
         template_id: b.template_id.clone(),
-        state: BuildState::parse(&b.state).unwrap_or(BuildState::Failed),
+        state: b.state,
         created_at: rfc3339(b.created_at),
         finished_at: b.finished_at.map(rfc3339),
         error: b.error.clone(),
@@ -382,11 +383,15 @@ impl Control {
 
     /// Checks a build context and its Dockerfile, records the build
     /// (`queued`) and starts it in the background.
-    pub fn start_build(self: &Arc<Self>, owner: &str, id: &TemplateId, context: Vec<u8>) -> Result<Build> {
+    pub async fn start_build(self: &Arc<Self>, caller: &Caller, id: &TemplateId, context: Vec<u8>) -> Result<Build> {
         if self.is_shutting_down() {
             return Err(ControlError::ShuttingDown);
         }
-        let t = self.own_template(owner, id)?;
+        let t = self.template_of(caller, id).await?;
+        if !caller.may_use(&t.owner) {
+            return Err(ControlError::Forbidden("only a template's owner may build it".into()));
+        }
+        let owner = caller.owner.as_str();
         let state = self.state_dir();
         let (ctx, text) = Context::new(context)?;
         let steps =
@@ -400,7 +405,7 @@ impl Control {
             id: format!("bld-{}", rid.trim_start_matches("sb-")),
             template_id: t.id.clone(),
             owner: owner.to_owned(),
-            state: "queued".into(),
+            state: BuildState::Queued,
             created_at: now_ms(),
             finished_at: None,
             error: None,
@@ -410,7 +415,20 @@ impl Control {
         };
         let log = Log::create(&self.log_path(&record.id))
             .map_err(|e| ControlError::Runtime(format!("build log {}: {e}", record.id)))?;
-        self.store.insert_build(&record)?;
+        let quotas = match self.store.get_key(owner)? {
+            Some(k) if k.revoked_at.is_none() => k.quotas,
+            _ => return Err(ControlError::Unauthorized("the API key was revoked")),
+        };
+        if !self.store.insert_build(&record, quotas.builds)? {
+            let limit = quotas.builds.unwrap_or(0);
+            return Err(ControlError::Exceeded(hutch_store::Exceeded {
+                scope: hutch_store::Scope::Owner,
+                resource: hutch_store::Resource::Builds,
+                limit,
+                used: limit,
+                asked: 1,
+            }));
+        }
         let this = self.clone();
         let answer = view(&record);
         tokio::spawn(async move { this.run_build(record, ctx, planned, log).await });
@@ -428,34 +446,37 @@ impl Control {
         Ok(t.image.clone())
     }
 
-    pub fn list_builds(&self, owner: &str, id: &TemplateId) -> Result<BuildList> {
-        let t = self.own_template(owner, id)?;
-        Ok(BuildList { builds: self.store.list_builds(&t.id)?.iter().map(view).collect() })
+    pub async fn list_builds(&self, caller: &Caller, id: &TemplateId) -> Result<BuildList> {
+        let t = self.template_of(caller, id).await?;
+        let tid = t.id.clone();
+        Ok(BuildList { builds: self.db(move |s| s.list_builds(&tid)).await?.iter().map(view).collect() })
     }
 
-    fn own_build(&self, owner: &str, id: &TemplateId, build: &str) -> Result<BuildRecord> {
-        let t = self.own_template(owner, id)?;
-        let build = parse_build_id(build)?;
-        match self.store.get_build(build)? {
-            Some(b) if b.template_id == t.id && b.owner == owner => Ok(b),
-            _ => Err(ControlError::NoBuild(build.to_owned())),
+    /// A build of a template the caller may see (its own; any, for an admin).
+    async fn build_of(&self, caller: &Caller, id: &TemplateId, build: &str) -> Result<BuildRecord> {
+        let t = self.template_of(caller, id).await?;
+        let build = parse_build_id(build)?.to_owned();
+        let bid = build.clone();
+        match self.db(move |s| s.get_build(&bid)).await? {
+            Some(b) if b.template_id == t.id && b.owner == t.owner => Ok(b),
+            _ => Err(ControlError::NoBuild(build)),
         }
     }
 
-    pub fn get_build(&self, owner: &str, id: &TemplateId, build: &str) -> Result<Build> {
-        Ok(view(&self.own_build(owner, id, build)?))
+    pub async fn get_build(&self, caller: &Caller, id: &TemplateId, build: &str) -> Result<Build> {
+        Ok(view(&self.build_of(caller, id, build).await?))
     }
 
     /// A build's log as it is now, or (`follow`) a stream of it that ends
     /// when the build does.
-    pub fn build_log(
+    pub async fn build_log(
         self: &Arc<Self>,
-        owner: &str,
+        caller: &Caller,
         id: &TemplateId,
         build: &str,
         follow: bool,
     ) -> Result<tokio::sync::mpsc::Receiver<io::Result<Vec<u8>>>> {
-        let b = self.own_build(owner, id, build)?;
+        let b = self.build_of(caller, id, build).await?;
         let path = self.log_path(&b.id);
         let (tx, rx) = tokio::sync::mpsc::channel(8);
         let this = self.clone();
@@ -469,7 +490,7 @@ impl Control {
                         .get_build(&b.id)
                         .ok()
                         .flatten()
-                        .is_none_or(|r| matches!(r.state.as_str(), "succeeded" | "failed"));
+                        .is_none_or(|r| matches!(r.state, BuildState::Succeeded | BuildState::Failed));
                 // Read everything written so far (after the state, so that a
                 // finished build's last lines are in).
                 loop {
@@ -524,8 +545,8 @@ impl Control {
     async fn run_build(self: Arc<Self>, mut rec: BuildRecord, ctx: Context, planned: Vec<Planned>, mut log: Log) {
         let queue = self.builds.lock_for(&rec.template_id);
         let _turn = queue.lock().await;
-        rec.state = "building".into();
-        if let Err(e) = self.store.update_build(&rec) {
+        rec.state = BuildState::Building;
+        if let Err(e) = self.store.update_build(&rec, &[BuildState::Queued]) {
             tracing::warn!("build {}: cannot record its state: {e}", rec.id);
         }
         let outcome = self.build(&rec, Arc::new(ctx), &planned, &mut log).await;
@@ -533,17 +554,17 @@ impl Control {
         match outcome {
             Ok((image, version)) => {
                 log.line(&format!("Build succeeded: image {image}, template version {version}"));
-                rec.state = "succeeded".into();
+                rec.state = BuildState::Succeeded;
                 rec.image = Some(image);
                 rec.version = Some(version);
             }
             Err(why) => {
                 log.line(&format!("Build failed: {why}"));
-                rec.state = "failed".into();
+                rec.state = BuildState::Failed;
                 rec.error = Some(why);
             }
         }
-        if let Err(e) = self.store.update_build(&rec) {
+        if let Err(e) = self.store.update_build(&rec, &[BuildState::Building]) {
             tracing::warn!("build {}: cannot record its outcome: {e}", rec.id);
         }
     }
@@ -713,8 +734,11 @@ impl Control {
             t.startup = serde_json::to_string(&Startup { command: c.to_shell() }).ok();
         }
         t.version = version;
-        t.updated_at = now_ms();
-        self.store.update_template(&t).map_err(|e| format!("store: {e}"))?;
+        let read_at = t.updated_at;
+        t.updated_at = now_ms().max(read_at + 1);
+        if !self.store.update_template(&t, read_at).map_err(|e| format!("store: {e}"))? {
+            return Err("the template was changed or deleted during the build; build again".into());
+        }
         Ok((name, version))
     }
 
