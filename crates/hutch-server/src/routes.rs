@@ -15,10 +15,12 @@ use hutch_control::exec::ExecReply;
 use serde::Deserialize;
 use std::sync::Arc;
 
-/// Who is calling: the id of their API key.
+/// Who is calling: the id of their API key, and whether it is the admin
+/// key (which sees every owner's images and metrics).
 #[derive(Clone, Debug)]
 pub struct Caller {
     pub key_id: String,
+    pub admin: bool,
 }
 
 type AppState = State<Arc<App>>;
@@ -76,7 +78,7 @@ pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: N
         .unwrap_or("");
     match hutch_control::keys::authenticate(app.control.store.as_ref(), secret) {
         Ok(Some(key)) => {
-            req.extensions_mut().insert(Caller { key_id: key.id });
+            req.extensions_mut().insert(Caller { key_id: key.id, admin: key.admin });
             next.run(req).await
         }
         Ok(None) => ApiError::new(ErrorCode::Unauthorized, "a valid API key is required: Authorization: Bearer <key>")
@@ -99,11 +101,16 @@ async fn openapi() -> Response {
     resp
 }
 
-async fn metrics(State(app): AppState) -> ApiResult<Response> {
+async fn metrics(State(app): AppState, Extension(caller): Extension<Caller>) -> ApiResult<Response> {
     let states =
         app.control.store.count_by_state().map_err(|e| ApiError::from(hutch_control::ControlError::Store(e)))?;
     let running = app.control.commands_running().await;
-    let text = app.control.metrics.render(&states, running);
+    let viewer = if caller.admin {
+        hutch_control::metrics::Viewer::Admin
+    } else {
+        hutch_control::metrics::Viewer::Owner(&caller.key_id)
+    };
+    let text = app.control.metrics.render(&states, running, viewer);
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }
 

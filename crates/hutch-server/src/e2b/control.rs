@@ -42,7 +42,7 @@ async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Res
     let secret = super::header(req.headers(), "x-api-key").map(str::trim).unwrap_or("");
     match hutch_control::keys::authenticate(app.control.store.as_ref(), secret) {
         Ok(Some(key)) => {
-            req.extensions_mut().insert(Caller { key_id: key.id });
+            req.extensions_mut().insert(Caller { key_id: key.id, admin: key.admin });
             next.run(req).await
         }
         Ok(None) => E2bError::new(StatusCode::UNAUTHORIZED, "Invalid API key").into_response(),
