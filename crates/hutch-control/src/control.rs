@@ -480,6 +480,14 @@ impl Control {
         ImageStore::open(&self.runtime.config().state_dir).map_err(|e| ControlError::Runtime(e.to_string()))
     }
 
+    /// The images `owner` may name: the host's shared ones and its own
+    /// builds' (the admin key: every image). Reads the disk: call it on
+    /// the blocking pool.
+    pub fn list_images(&self, owner: &str, admin: bool) -> Result<Vec<hutch_runtime::image::ImageSummary>> {
+        let all = self.images()?.summaries();
+        Ok(all.into_iter().filter(|i| admin || i.shared || i.owner.as_deref() == Some(owner)).collect())
+    }
+
     /// Starts the runtime sandbox of a `starting` record, then its
     /// template's startup command, and waits until it is ready.
     pub(crate) async fn boot(
@@ -489,11 +497,13 @@ impl Control {
     ) -> Result<SandboxRecord> {
         let t0 = Instant::now();
         // A preset is built on its first use: on the blocking pool.
-        let (state, name) = (self.runtime.config().state_dir.clone(), recipe.image.clone());
-        let resolved = match tokio::task::spawn_blocking(move || crate::build::image_root(&state, &name)).await {
-            Ok(r) => r,
-            Err(join) => Err(ControlError::Runtime(format!("image task: {join}"))),
-        };
+        let (state, name, owner) =
+            (self.runtime.config().state_dir.clone(), recipe.image.clone(), record.owner.clone());
+        let resolved =
+            match tokio::task::spawn_blocking(move || crate::build::image_root(&state, &name, Some(&owner))).await {
+                Ok(r) => r,
+                Err(join) => Err(ControlError::Runtime(format!("image task: {join}"))),
+            };
         let crate::build::ImageRoot { root, layers: extra_lowers, env: image_env, workdir } = match resolved {
             Ok(r) => r,
             Err(e) => {

@@ -303,7 +303,9 @@ impl Control {
             return Ok(name.to_owned());
         }
         match self.images()?.get(name) {
-            Ok(_) => Ok(name.to_owned()),
+            // A build's image is its owner's, named only by its template.
+            Ok(img) if img.is_shared() => Ok(name.to_owned()),
+            Ok(_) => Err(ControlError::NoImage(name.to_owned())),
             Err(hutch_runtime::image::ImageError::NotFound(_)) => Err(ControlError::NoImage(name.to_owned())),
             Err(e) => Err(ControlError::Runtime(e.to_string())),
         }
@@ -372,7 +374,7 @@ impl Control {
         if let Some(image) = &req.image {
             let state = &self.runtime.config().state_dir;
             if crate::build::is_build_image_of(image, &old.id) {
-                if crate::build::image_root(state, image).is_err() {
+                if crate::build::image_root(state, image, Some(owner)).is_err() {
                     return Err(ControlError::Invalid(format!("image {image:?} does not exist (or lost a layer)")));
                 }
                 t.image = image.clone();

@@ -1,5 +1,5 @@
 //! The template routes: `/v1/templates`, `/v1/templates/{id}` and its
-//! builds, and the read-only list of images templates may name
+//! builds, and the read-only list of the images the caller may name
 //! (`/v1/images`). Parsing and rendering only; the control plane owns
 //! templates, warm pools and builds.
 
@@ -44,9 +44,12 @@ pub(crate) async fn create_template(
 }
 
 #[utoipa::path(get, path = "/v1/images", responses((status = 200, body = ImageList)))]
-pub(crate) async fn list_images(State(app): AppState) -> ApiResult<Json<ImageList>> {
+pub(crate) async fn list_images(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+) -> ApiResult<Json<ImageList>> {
     let control = app.control.clone();
-    let images = tokio::task::spawn_blocking(move || control.images().map(|s| s.summaries()))
+    let images = tokio::task::spawn_blocking(move || control.list_images(&caller.key_id, caller.admin))
         .await
         .map_err(|e| hutch_control::ControlError::Runtime(format!("image list: {e}")))??;
     let images = images
