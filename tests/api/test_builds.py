@@ -370,9 +370,10 @@ def test_startup_and_readiness_are_validated(api: Client):
 
 
 def build_sandbox_cgroups(d: Daemon) -> list[Path]:
-    """The cgroups of the build sandboxes daemon `d` runs now (those whose
-    agent socket is in its run dir: other daemons on the host have theirs)."""
-    ids = [s.name[: -len(".sock")] for s in (d.run_dir / "sockets").glob("bs-*.sock")]
+    """The cgroups of the build sandboxes daemon `d` runs now (`bi-*`, or
+    `bs-*` of earlier versions, whose agent socket is in its run dir: other
+    daemons on the host have theirs)."""
+    ids = [s.name[: -len(".sock")] for s in (d.run_dir / "sockets").glob("b[is]-*.sock")]
     return [p for i in ids for p in cgroup_dirs(i)]
 
 
@@ -555,3 +556,37 @@ def test_two_daemons_restarting_one_leaves_the_others_build_running(own_daemon: 
     left = [p for p in ours if p.exists()]
     assert left == [], f"build sandboxes left after the restart: {left}"
     api.delete(f"/v1/templates/{t['id']}")
+
+
+def test_a_store_of_an_earlier_version_is_brought_up_to_date_at_start(own_daemon: Daemon):
+    """What older daemons wrote: step cache entries keyed without their
+    owner (`images/cache/<key>`) are dropped at start, and a build's image
+    that names no owner gets its template's owner (so its owner lists it
+    and no one else does)."""
+    import json
+
+    d = own_daemon
+    d.start()
+    a, b = d.new_client("upgrade-a"), d.new_client("upgrade-b")
+    t = make_template(a)
+    done, log = build(a, t["id"], {"Dockerfile": "RUN echo old > /opt/old\n"})
+    assert done["state"] == "succeeded", log
+    image = f"{t['id']}-v2"
+    d.stop()
+    images = d.state_dir / "images"
+    record = images / "images" / f"{image}.json"
+    body = json.loads(record.read_text())
+    assert body.get("owner"), body
+    del body["owner"]
+    record.write_text(json.dumps(body))
+    layer = body["layers"][0]
+    old_entry = images / "cache" / ("a" * 64)
+    old_entry.write_text(layer)
+    d.start()
+    assert not old_entry.exists(), "an unowned cache entry survived the start"
+    assert json.loads(record.read_text()).get("owner"), "the image did not get its owner back"
+    names = lambda c: {i["name"] for i in c.get("/v1/images").json()["images"]}
+    assert image in names(a) and image not in names(b)
+    sb = a.create(template=t["name"])
+    assert a.sh(sb["id"], "cat /opt/old") == "old\n"
+    a.destroy(sb["id"])

@@ -94,7 +94,7 @@ impl Builds {
         map.entry(template_id.to_owned()).or_default().clone()
     }
 
-    /// The prefix of this daemon's build sandboxes' ids, `bs-<instance>-`:
+    /// The prefix of this daemon's build sandboxes' ids, `bi-<instance>-`:
     /// see [`instance_tag`].
     fn sandbox_prefix(&self, state_dir: &Path) -> io::Result<String> {
         if let Some(tag) = self.instance.get() {
@@ -106,7 +106,7 @@ impl Builds {
 }
 
 /// Length of an instance tag, and of the random part of a build sandbox's
-/// id after it: `bs-` 8 + 1 + 7 is 19 bytes, the length of every random
+/// id after it: `bi-` 8 + 1 + 7 is 19 bytes, the length of every random
 /// sandbox id (the run directory was checked to fit agent sockets of it).
 const INSTANCE_TAG_LEN: usize = 8;
 const BUILD_SANDBOX_RANDOM_LEN: usize = 7;
@@ -156,7 +156,7 @@ fn is_own_build_sandbox(id: &str, prefix: &str) -> bool {
 /// Whether `id` has the form build sandboxes had before they carried their
 /// daemon's instance (`bs-` and 16 hex digits).
 fn is_unscoped_build_sandbox(id: &str) -> bool {
-    id.strip_prefix(BUILD_SANDBOX_PREFIX)
+    id.strip_prefix(UNSCOPED_BUILD_SANDBOX_PREFIX)
         .is_some_and(|r| r.len() == 16 && r.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
 }
 
@@ -916,7 +916,12 @@ fn short(text: &str) -> String {
 /// Prefix of build sandboxes' ids: they have no sandbox record; their id
 /// carries their daemon's instance ([`instance_tag`]), and a restarted
 /// daemon destroys the ones of its instance that it finds.
-const BUILD_SANDBOX_PREFIX: &str = "bs-";
+/// (Not `bs-`, the prefix of earlier versions, whose daemons destroy every
+/// `bs-*` they find when they start: a host that runs an old daemon beside
+/// a new one must not lose the new one's builds to it.)
+const BUILD_SANDBOX_PREFIX: &str = "bi-";
+/// Build sandboxes of earlier versions: `bs-` and 16 hex digits.
+const UNSCOPED_BUILD_SANDBOX_PREFIX: &str = "bs-";
 
 impl Control {
     /// A sandbox for a build step or check: the template's limits. Not tied to
@@ -1265,11 +1270,11 @@ mod tests {
         assert_ne!(instance_tag(&other).expect("made"), tag);
         let builds = Builds::default();
         let prefix = builds.sandbox_prefix(&dir).expect("prefix");
-        assert_eq!(prefix, format!("bs-{tag}-"));
+        assert_eq!(prefix, format!("bi-{tag}-"));
         let id = format!("{prefix}0123abc");
         assert_eq!(id.len(), 19, "as long as any random sandbox id");
         assert!(is_own_build_sandbox(&id, &prefix));
-        let theirs = format!("bs-{}-0123abc", instance_tag(&other).expect("tag"));
+        let theirs = format!("bi-{}-0123abc", instance_tag(&other).expect("tag"));
         assert!(!is_own_build_sandbox(&theirs, &prefix), "another daemon's");
         assert!(!is_own_build_sandbox("sb-0123456789abcdef", &prefix));
         assert!(!is_own_build_sandbox(&format!("{prefix}0123abc/x"), &prefix));
