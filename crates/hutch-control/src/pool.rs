@@ -158,7 +158,12 @@ impl Control {
         for t in &templates {
             let (ready, starting) = counts.get(t.id.as_str()).copied().unwrap_or_default();
             if t.warm_min > 0 || ready > 0 {
-                sizes.push((t.name.clone(), t.id.clone(), u64::from(ready)));
+                sizes.push(crate::metrics::WarmPoolSize {
+                    owner: t.owner.clone(),
+                    template: t.name.clone(),
+                    template_id: t.id.clone(),
+                    ready: u64::from(ready),
+                });
             }
             for _ in (ready + starting)..t.warm_min {
                 if self.is_shutting_down() {

@@ -268,8 +268,8 @@ impl Control {
         let id = SandboxId::from_record(&record.id);
         let owner = OwnerId::from_record(&record.owner);
         // A preset is built on its first use: on the blocking pool.
-        let (state, name) = (self.runtime.config().state_dir.clone(), recipe.image.clone());
-        let resolved = tokio::task::spawn_blocking(move || crate::build::image_root(&state, &name)).await?;
+        let (state, name, o) = (self.runtime.config().state_dir.clone(), recipe.image.clone(), record.owner.clone());
+        let resolved = tokio::task::spawn_blocking(move || crate::build::image_root(&state, &name, Some(&o))).await?;
         let crate::build::ImageRoot { root, layers: extra_lowers, env: image_env, workdir } = match resolved {
             Ok(r) => r,
             Err(e) => {

@@ -271,12 +271,14 @@ impl Control {
         }
     }
 
-    /// The images the caller may name in a template.
-    pub async fn list_images(&self, _caller: &Caller) -> Result<hutch_api::ImageList> {
+    /// The images the caller may name: the host's shared ones and its own
+    /// builds' (the admin key: every image).
+    pub async fn list_images(&self, caller: &Caller) -> Result<hutch_api::ImageList> {
         let store = self.images()?;
         let images = tokio::task::spawn_blocking(move || store.summaries()).await?;
         let images = images
             .into_iter()
+            .filter(|i| caller.admin || i.shared || i.owner.as_deref() == Some(caller.owner.as_str()))
             .map(|i| hutch_api::ImageInfo {
                 name: i.name,
                 layers: i.layers as u64,
@@ -296,7 +298,9 @@ impl Control {
             return Ok(name.to_owned());
         }
         match self.images()?.get(name) {
-            Ok(_) => Ok(name.to_owned()),
+            // A build's image is its owner's, named only by its template.
+            Ok(img) if img.is_shared() => Ok(name.to_owned()),
+            Ok(_) => Err(ControlError::NoImage(name.to_owned())),
             Err(hutch_runtime::image::ImageError::NotFound(_)) => Err(ControlError::NoImage(name.to_owned())),
             Err(e) => Err(ControlError::Runtime(e.to_string())),
         }
@@ -376,7 +380,7 @@ impl Control {
         if let Some(image) = &req.image {
             let state = &self.runtime.config().state_dir;
             if crate::build::is_build_image_of(image, &old.id) {
-                if crate::build::image_root(state, image).is_err() {
+                if crate::build::image_root(state, image, Some(&old.owner)).is_err() {
                     return Err(ControlError::Invalid(format!("image {image:?} does not exist (or lost a layer)")));
                 }
                 t.image = image.clone();

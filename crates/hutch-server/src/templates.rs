@@ -1,5 +1,5 @@
 //! The template routes: `/v1/templates`, `/v1/templates/{id}` and its
-//! builds, and the read-only list of images templates may name
+//! builds, and the read-only list of the images the caller may name
 //! (`/v1/images`). Parsing and rendering only; the control plane owns
 //! templates, warm pools and builds.
 
