@@ -153,6 +153,8 @@ class Client:
         self.key = key
         # Set by a test that revokes the key: nothing left to clean up.
         self.revoked = False
+        # The key's id, when known.
+        self.key_id: str | None = None
         self.session = requests.Session()
         if key is not None:
             self.session.headers["Authorization"] = f"Bearer {key}"
@@ -464,18 +466,21 @@ class Daemon:
             timeout=timeout,
         )
 
-    def new_key(self, name: str) -> tuple[str, str]:
-        """A fresh non-admin key: (id, secret). Uses `hutch key create`."""
-        p = self.cli("key", "create", "--name", name, "--json")
+    def new_key(self, name: str, *flags: str) -> tuple[str, str]:
+        """A fresh non-admin key: (id, secret). Uses `hutch key create`
+        (`flags`: `--e2b`, `--max-sandboxes`, `N`, ...)."""
+        p = self.cli("key", "create", "--name", name, "--json", *flags)
         assert p.returncode == 0, f"hutch key create failed ({p.returncode}): {p.stderr}"
         k = json.loads(p.stdout)
         assert k["name"] == name and k["secret"], k
         return k["id"], k["secret"]
 
-    def new_client(self, name: str) -> Client:
+    def new_client(self, name: str, *flags: str) -> Client:
         """A client with a key of its own: it sees only its own sandboxes."""
-        _, secret = self.new_key(name)
-        return Client(self.base, secret, self.clients)
+        key_id, secret = self.new_key(name, *flags)
+        c = Client(self.base, secret, self.clients)
+        c.key_id = key_id
+        return c
 
     def strays(self) -> dict[int, str]:
         """Processes running this daemon's binary for this state dir that are

@@ -262,17 +262,18 @@ impl Control {
             }
         };
         if let Some(input) = &req.stdin {
-            // A command that exits before reading its input has run: its
-            // outcome is collected below, the input dropped.
-            let gone = |e: &hutch_runtime::agent::AgentError| {
-                matches!(e, hutch_runtime::agent::AgentError::Refused { code: proto::ErrorCode::UnknownProcess, .. })
-            };
+            // A command that exits (or closes its stdin) before reading its
+            // input has run all the same: the agent refuses the write, the
+            // input is dropped, and the outcome is collected below. Only a
+            // broken link ends the call.
+            let refused =
+                |e: &hutch_runtime::agent::AgentError| matches!(e, hutch_runtime::agent::AgentError::Refused { .. });
             match conn.call(Request::Stdin { pid }, input.as_bytes()).await {
                 Ok(_) => match conn.call(Request::CloseStdin { pid }, &[]).await {
-                    Err(e) if !gone(&e) => return Err(broken(e)),
+                    Err(e) if !refused(&e) => return Err(broken(e)),
                     _ => {}
                 },
-                Err(e) if gone(&e) => {}
+                Err(e) if refused(&e) => {}
                 Err(e) => return Err(broken(e)),
             }
         }
