@@ -1403,6 +1403,25 @@ mod tests {
     }
 
     #[test]
+    fn a_sandbox_holds_at_most_max_learned_addresses() {
+        let t = TestNet::new();
+        let net = &t.net;
+        let a = net.attach("sb-cap", &listed()).expect("attach");
+        let now = Instant::now();
+        let addr = |i: usize| IpAddr::V4(Ipv4Addr::from(0xcb00_0000 + i as u32));
+        // Each expires a second after the one before.
+        let many: Vec<(IpAddr, Duration)> =
+            (0..MAX_LEARNED).map(|i| (addr(i), LEARNED_TTL_FLOOR + Duration::from_secs(i as u64))).collect();
+        assert_eq!(net.admit_at("sb-cap", &many, now).expect("admit"), MAX_LEARNED);
+        let one_more = addr(MAX_LEARNED);
+        assert_eq!(net.admit_at("sb-cap", &[(one_more, LEARNED_TTL_CAP)], now).expect("admit"), 1);
+        assert_eq!(net.learned("sb-cap").len(), MAX_LEARNED);
+        assert!(!allowed(net, a.index, addr(0)), "the address closest to expiry made room");
+        assert!(allowed(net, a.index, addr(1)) && allowed(net, a.index, one_more));
+        net.release("sb-cap");
+    }
+
+    #[test]
     fn a_network_the_host_joins_later_becomes_special() {
         let t = TestNet::new();
         let mut rtnl = Netlink::route().expect("rtnetlink");

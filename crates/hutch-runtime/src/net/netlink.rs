@@ -98,6 +98,9 @@ pub const NFPROTO_INET: u8 = 1;
 
 /// Replies larger than this are not ours to read.
 const RECV_BUF: usize = 64 * 1024;
+/// Set elements in one nf_tables transaction (about 120 bytes each, and
+/// an acknowledgement each).
+const BATCH: usize = 256;
 
 /// A netlink message under construction.
 struct Msg {
@@ -485,9 +488,25 @@ impl Netlink {
         }
     }
 
-    /// Adds or removes elements of nf_tables sets in one transaction: all
-    /// apply or none does.
+    /// Adds or removes elements of nf_tables sets: all apply or none does.
+    /// One transaction holds at most `BATCH` elements (a socket's send
+    /// buffer bounds a message, and each element is acknowledged); when a
+    /// later transaction fails, the earlier ones are undone.
     pub fn set_elements(&mut self, family: u8, table: &str, ops: &[SetOp]) -> io::Result<()> {
+        for (i, chunk) in ops.chunks(BATCH).enumerate() {
+            if let Err(e) = self.set_elements_once(family, table, chunk) {
+                let undo: Vec<SetOp> = ops[..i * BATCH].iter().rev().map(SetOp::inverse).collect();
+                for part in undo.chunks(BATCH) {
+                    let _ = self.set_elements_once(family, table, part);
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// One transaction.
+    fn set_elements_once(&mut self, family: u8, table: &str, ops: &[SetOp]) -> io::Result<()> {
         if ops.is_empty() {
             return Ok(());
         }
@@ -738,6 +757,17 @@ fn ip_of(family: i32, data: &[u8]) -> Option<IpAddr> {
             Some(IpAddr::from(b))
         }
         _ => None,
+    }
+}
+
+impl SetOp {
+    /// The operation that undoes this one.
+    pub fn inverse(&self) -> SetOp {
+        let kind = match self.kind {
+            SetOpKind::Add => SetOpKind::Remove,
+            SetOpKind::Remove => SetOpKind::Add,
+        };
+        SetOp { kind, ..self.clone() }
     }
 }
 
