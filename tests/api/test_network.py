@@ -2,12 +2,16 @@
 namespaces the suite makes itself:
 
 - "the internet": a network namespace behind a router hop from the host,
-  with addresses in 198.51.100.0/24 and 2001:db8:77::/64 on its loopback, a
-  TCP server (port 8080, IPv4 and IPv6), a UDP echo (port 9090), a DNS server
-  (port 53) that knows `allowed.test`, `other.test` and `*.wild.test`, and a
-  fake cloud metadata service at 169.254.169.254:80 routed through it;
+  with addresses in 198.51.100.0/24 and 2001:db8:77::/64 on its loopback
+  (and INET's NAT64 and 6to4 forms, and a site-local address, routed there
+  too), a TCP server (port 8080, IPv4 and IPv6), a UDP echo (port 9090), a
+  DNS server (port 53) that knows `allowed.test`, `other.test`,
+  `*.wild.test`, a few aliases (CNAMEs), an answer with a record of
+  another name, and `*.silent.test`, which it never answers; and a fake
+  cloud metadata service at 169.254.169.254:80 routed through it;
 - a TCP service on the host itself (all its addresses, loopback included);
-- other sandboxes, of the same and of another owner.
+- other sandboxes, of the same and of another owner, some of them
+  flooding what sandboxes share (the resolver, conntrack).
 
 For each policy, what must connect connects and what must not does not.
 Everything the suite makes is removed at the end, also when a test fails.
