@@ -121,17 +121,17 @@ fn pump(r: &Arc<Resolver>) {
 
 async fn answer(net: &Arc<Network>, on_admit: &OnAdmit, from: IpAddr, query: &[u8]) -> Option<Vec<u8>> {
     let q = parse_query(query)?;
-    let Some((id, policy)) = net.policy_of(from) else { return Some(refuse(&q, ResponseCode::Refused)) };
+    let Some((id, policy)) = net.policy_of(from) else { return refuse(&q, ResponseCode::Refused) };
     if policy.egress != hutch_runtime::net::Egress::Default {
-        return Some(refuse(&q, ResponseCode::Refused));
+        return refuse(&q, ResponseCode::Refused);
     }
     if !policy.resolves(&q.name) {
-        return Some(refuse(&q, ResponseCode::NXDomain));
+        return refuse(&q, ResponseCode::NXDomain);
     }
     let reply = forward(&net.config().upstream_dns, query).await?;
     let found = parse_answer(&q, &reply)?;
     if !chain_allowed(&policy, &found) {
-        return Some(refuse(&q, ResponseCode::NXDomain));
+        return refuse(&q, ResponseCode::NXDomain);
     }
     if policy.listed() && !found.addrs.is_empty() {
         let addrs: Vec<(IpAddr, Duration)> =
@@ -147,7 +147,7 @@ async fn answer(net: &Arc<Network>, on_admit: &OnAdmit, from: IpAddr, query: &[u
         .await;
         if !matches!(admitted, Ok(Ok(()))) {
             // Not admitted: an answer would point at addresses it cannot reach.
-            return Some(refuse(&q, ResponseCode::Refused));
+            return refuse(&q, ResponseCode::Refused);
         }
     }
     Some(reply)
@@ -284,13 +284,14 @@ fn follow(qname: &str, answers: &[Record]) -> Found {
     found
 }
 
-/// An answer with no records and `rcode`, to question `q`.
-fn refuse(q: &Question, rcode: ResponseCode) -> Vec<u8> {
+/// An answer with no records and `rcode`, to question `q` (`None` if it
+/// cannot be encoded: then nothing is sent).
+fn refuse(q: &Question, rcode: ResponseCode) -> Option<Vec<u8>> {
     let mut m = Message::error_msg(q.id, OpCode::Query, rcode);
     m.metadata.recursion_desired = q.recursion_desired;
     m.metadata.recursion_available = true;
     m.add_query(q.query.clone());
-    m.to_vec().unwrap_or_default()
+    m.to_vec().ok()
 }
 
 /// Bounds of the fair queue.
@@ -433,7 +434,7 @@ mod tests {
         let q = query("Allowed.Test", A);
         let parsed = parse_query(&q).expect("parse");
         assert_eq!((parsed.name.as_str(), parsed.qtype), ("allowed.test", RecordType::A));
-        let r = refuse(&parsed, ResponseCode::NXDomain);
+        let r = refuse(&parsed, ResponseCode::NXDomain).expect("encode");
         assert_eq!(&r[0..2], &[0x12, 0x34]);
         assert_eq!(r[2] & 0x80, 0x80, "a response");
         assert_eq!(r[3] & 0x0f, 3, "NXDOMAIN");
@@ -529,6 +530,43 @@ mod tests {
         let last = chaos.len() - 1;
         chaos[last] = 3; // class CH
         assert!(parse_query(&chaos).is_none());
+    }
+
+    /// Mutated messages never panic the parsers (a smoke test until the
+    /// fuzz targets run: deterministic, bounded).
+    #[test]
+    fn mutated_messages_never_panic() {
+        let q = parse_query(&query("a.wild.test", A)).expect("q");
+        let seeds = [
+            query("a.wild.test", A),
+            answer_msg(
+                "a.wild.test",
+                A,
+                &[("a.wild.test", CNAME, wire_name("b.test")), ("b.test", A, vec![1, 2, 3, 4])],
+            ),
+        ];
+        let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut rand = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for i in 0..20_000 {
+            let mut m = seeds[i % 2].clone();
+            for _ in 0..(rand() % 4 + 1) {
+                let at = (rand() as usize) % m.len();
+                match rand() % 3 {
+                    0 => m[at] = rand() as u8,
+                    1 => m.truncate(at.max(1)),
+                    _ => m.insert(at, rand() as u8),
+                }
+            }
+            let _ = parse_query(&m);
+            if let Some(found) = parse_answer(&q, &m) {
+                assert!(found.chain.len() <= MAX_CHAIN);
+            }
+        }
     }
 
     fn ip(i: u8) -> IpAddr {

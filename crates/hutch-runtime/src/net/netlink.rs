@@ -879,6 +879,43 @@ mod tests {
         assert!(parse_link(&[0; 15]).is_none());
     }
 
+    /// Mutated replies never panic the parsers (a smoke test until the
+    /// fuzz targets run: deterministic, bounded).
+    #[test]
+    fn mutated_replies_never_panic() {
+        let mut m = Msg::new(RTM_NEWROUTE, 0);
+        m.bytes(&[libc::AF_INET as u8, 24, 0, 0, RT_TABLE_MAIN, 2, RT_SCOPE_LINK, RTN_UNICAST, 0, 0, 0, 0]);
+        m.attr(RTA_DST, &[10, 8, 0, 0]).attr_u32(RTA_OIF, 3).attr_u32(RTA_TABLE, 254);
+        let seed = m.finish(1);
+        let mut x = 0x2545_f491_4f6c_dd1d_u64;
+        let mut rand = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..20_000 {
+            let mut b = seed.clone();
+            for _ in 0..(rand() % 4 + 1) {
+                if b.is_empty() {
+                    break;
+                }
+                let at = (rand() as usize) % b.len();
+                match rand() % 3 {
+                    0 => b[at] = rand() as u8,
+                    1 => b.truncate(at),
+                    _ => b.insert(at, rand() as u8),
+                }
+            }
+            for msg in messages(&b).flatten() {
+                let _ = msg.reply();
+                let _ = (parse_route(msg.payload), parse_addr(msg.payload), parse_link(msg.payload));
+            }
+            let payload = b.get(16..).unwrap_or_default();
+            let _ = (parse_route(payload), parse_addr(payload), parse_link(payload), Attrs(payload).count());
+        }
+    }
+
     #[test]
     fn attribute_iterator_stops_at_garbage() {
         assert_eq!(Attrs(&[8, 0, 1, 0, 1, 2]).count(), 0, "length past the end");
