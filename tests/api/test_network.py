@@ -576,6 +576,10 @@ def test_a_cname_into_a_denied_or_unlisted_name_is_refused_and_not_admitted(napi
     denied = create(napi, deny=["other.test"])
     assert not reaches(napi, denied["id"], "dns", "alias.test", 4)
     assert not reaches(napi, denied["id"], "dns", "other.test", 4)
+    # Denied beats allowed, through an alias too.
+    both = create(napi, allow=["*.wild.test", "other.test"], deny=["other.test"])
+    assert not reaches(napi, both["id"], "dns", "tricky.wild.test", 4)
+    assert not reaches(napi, both["id"], "tcp", OTHER, 8080)
     plain = create(napi)
     assert probe(napi, plain["id"], "dns", "alias.test", 4) == f"OK {OTHER}"
 
