@@ -1312,10 +1312,10 @@ fn open_fd(path: &str) -> io::Result<OwnedFd> {
 mod tests {
     use super::*;
 
-    /// A network instance no other test on this host holds: the same
-    /// per-instance lock files as tests/net_instances.py, then the
+    /// A network instance no other test or daemon on this host holds: the
+    /// same per-instance lock files as tests/net_instances.py, then the
     /// daemon's own instance lock.
-    fn claim_instance() -> (std::fs::File, u8) {
+    fn claim_instance() -> (std::fs::File, InstanceLock) {
         std::fs::create_dir_all("/run/hutch-tests").expect("lock dir");
         for n in 1..MAX_INSTANCES {
             let f = std::fs::OpenOptions::new()
@@ -1325,8 +1325,11 @@ mod tests {
                 .open(format!("/run/hutch-tests/net-{n}.lock"))
                 .expect("lock file");
             // SAFETY: flock on a descriptor we own.
-            if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-                return (f, n);
+            if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                continue;
+            }
+            if let Ok(held) = InstanceLock::acquire(n) {
+                return (f, held);
             }
         }
         panic!("every network instance is held");
@@ -1342,12 +1345,12 @@ mod tests {
 
     impl TestNet {
         fn new() -> TestNet {
-            let (lock, n) = claim_instance();
+            let (lock, held) = claim_instance();
+            let n = held.instance();
             let dir = std::env::temp_dir().join(format!("hutch-net-test-{}-{n}", std::process::id()));
             std::fs::create_dir_all(&dir).expect("run dir");
             let mut cfg = NetConfig::new(&dir, n);
             cfg.ipv6 = Some(false);
-            let held = InstanceLock::acquire(n).expect("instance lock");
             let net = Network::setup(cfg, &BTreeMap::new(), &held).expect("network setup (run the tests as root)");
             TestNet { net: Arc::new(net), _lock: lock, _held: held, _dir: dir }
         }
