@@ -61,11 +61,9 @@ async fn setup_network(
     args: &ServeArgs,
     run_dir: &std::path::Path,
     store: &Arc<dyn Store>,
+    held: Arc<hutch_runtime::net::InstanceLock>,
 ) -> std::result::Result<Arc<hutch_runtime::net::Network>, String> {
-    use hutch_runtime::net::{NetConfig, Network, MAX_INSTANCES};
-    if args.net_instance >= MAX_INSTANCES {
-        return Err(format!("--net-instance must be below {MAX_INSTANCES}"));
-    }
+    use hutch_runtime::net::{NetConfig, Network};
     let mut cfg = NetConfig::new(run_dir, args.net_instance);
     if !args.dns_upstream.is_empty() {
         let mut ups = Vec::new();
@@ -93,11 +91,17 @@ async fn setup_network(
             n.host_if.map(|h| (h, n.index))
         })
         .collect();
-    let net = tokio::task::spawn_blocking(move || Network::setup(cfg, &keep))
+    let net = tokio::task::spawn_blocking(move || Network::setup(cfg, &keep, &held))
         .await
         .map_err(|e| e.to_string())?
         .map_err(|e| e.to_string())?;
     let net = Arc::new(net);
+    // Networks the host joins later are special as soon as it is on them.
+    net.follow_host(|r| match r {
+        Ok(()) => tracing::info!("the host's networks changed; the sandboxes' rules follow"),
+        Err(e) => tracing::warn!("cannot follow the host's networks: {e}"),
+    })
+    .map_err(|e| format!("follow the host's networks: {e}"))?;
     let learned_store = store.clone();
     let on_admit: hutch_control::dns::OnAdmit = Arc::new(move |id: &str, addrs: &[std::net::IpAddr]| {
         let json = serde_json::to_string(addrs).unwrap_or_else(|_| "[]".into());
@@ -105,12 +109,24 @@ async fn setup_network(
             tracing::warn!("sandbox {id}: cannot store resolved addresses: {e}");
         }
     });
-    hutch_control::dns::serve(net.clone(), on_admit)
+    hutch_control::dns::serve(net.clone(), on_admit.clone())
         .await
         .map_err(|e| format!("start the sandboxes' resolver: {e}"))?;
     let filler = net.clone();
     tokio::spawn(async move {
+        let mut expired_at = std::time::Instant::now();
         loop {
+            // Resolved addresses leave when their answers expire.
+            if expired_at.elapsed() >= Duration::from_secs(1) {
+                expired_at = std::time::Instant::now();
+                let (f, on_admit) = (filler.clone(), on_admit.clone());
+                let _ = tokio::task::spawn_blocking(move || {
+                    for id in f.expire(std::time::Instant::now()) {
+                        on_admit(&id, &f.learned(&id));
+                    }
+                })
+                .await;
+            }
             // The host's rules must stay loaded: put them back at once if
             // someone flushed them.
             let f = filler.clone();
@@ -187,6 +203,13 @@ pub fn main(args: ServeArgs) -> i32 {
 }
 
 async fn serve(args: ServeArgs) -> Result<()> {
+    // The network instance is this daemon's alone, for its whole life:
+    // another live daemon holding it means this one must not start (it
+    // would sweep the other's links and rules).
+    if args.net_instance >= hutch_runtime::net::MAX_INSTANCES {
+        anyhow::bail!("--net-instance must be below {}", hutch_runtime::net::MAX_INSTANCES);
+    }
+    let instance = Arc::new(hutch_runtime::net::InstanceLock::acquire(args.net_instance)?);
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -210,7 +233,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     }
     let cfg = hutch_runtime::Config { state_dir: args.state_dir.clone(), ..hutch_runtime::Config::from_env() };
     let runtime = Arc::new(hutch_runtime::Runtime::new(cfg).context("start the container runtime")?);
-    let network = setup_network(&args, &runtime.config().run_dir, &store).await;
+    let network = setup_network(&args, &runtime.config().run_dir, &store, instance.clone()).await;
     match &network {
         Ok(n) => {
             tracing::info!("sandbox network {}/16{} ready", n.config().subnet4, if n.ipv6() { " and IPv6" } else { "" })
@@ -278,6 +301,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         () = grace => {}
     }
     control.shut_down();
+    let _held = instance;
     // With no sandbox left, nothing of the network needs to stay.
     if let Ok(net) = network {
         let running = store.sandboxes_in(&hutch_control::lifecycle::HOLDING_STATES)?;
