@@ -107,17 +107,23 @@ def host_processes_of(ids: Iterable[str]) -> dict[int, str]:
     return found
 
 
+UID_SLOTS = Path("/run/hutch/uids")
+
+
 def slot_owners(run_dir: Path) -> dict[str, str]:
-    """uid slot files in `run_dir/uids`: file name -> the sandbox id it holds."""
+    """Host-wide uid slot files taken by the runtime of `run_dir`: file name -> the sandbox id it holds.
+
+    A slot file holds the sandbox id, then the run directory of the runtime that took it."""
     out: dict[str, str] = {}
-    d = run_dir / "uids"
-    if not d.is_dir():
+    if not UID_SLOTS.is_dir():
         return out
-    for f in d.iterdir():
+    for f in UID_SLOTS.iterdir():
         try:
-            out[f.name] = f.read_text()[:256]
+            lines = f.read_text()[:4096].splitlines()
         except OSError:
             continue
+        if len(lines) >= 2 and lines[1] == str(run_dir):
+            out[f.name] = lines[0]
     return out
 
 
@@ -127,7 +133,7 @@ def leftovers(run_dir: Path, sandbox_id: str) -> list[str]:
     sock = run_dir / "sockets" / f"{sandbox_id}.sock"
     if sock.exists():
         left.append(f"socket {sock}")
-    left += [f"uid slot {run_dir / 'uids' / n}" for n, owner in slot_owners(run_dir).items() if owner == sandbox_id]
+    left += [f"uid slot {UID_SLOTS / n}" for n, owner in slot_owners(run_dir).items() if owner == sandbox_id]
     left += [f"process {pid} ({line})" for pid, line in host_processes_of([sandbox_id]).items()]
     return left
 

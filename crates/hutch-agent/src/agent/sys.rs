@@ -371,32 +371,11 @@ pub unsafe fn spawn_vm(
     f: extern "C" fn(*mut libc::c_void) -> libc::c_int,
     arg: *mut libc::c_void,
 ) -> SysResult<libc::pid_t> {
-    const STACK: usize = 64 * 1024;
-    // SAFETY: a fresh anonymous mapping for the child's stack.
-    let base = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            STACK,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK,
-            -1,
-            0,
-        )
-    };
-    if base == libc::MAP_FAILED {
-        return Err(Errno::last());
-    }
-    let top = (base as usize + STACK - 64) as *mut libc::c_void;
+    let errno = |e: std::io::Error| Errno(e.raw_os_error().unwrap_or(libc::EIO));
+    let stack = hutch_agent::vm::VmStack::new(64 * 1024).map_err(errno)?;
     // SAFETY: guaranteed by the caller; the stack outlives the child's use
     // of it because CLONE_VFORK suspends us until the child execs or exits.
-    let pid = unsafe { libc::clone(f, top, libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD, arg) };
-    let err = Errno::last();
-    // SAFETY: the child no longer runs on the stack (it exec'd or exited).
-    unsafe { libc::munmap(base, STACK) };
-    if pid < 0 {
-        return Err(err);
-    }
-    Ok(pid)
+    unsafe { hutch_agent::vm::clone_vm(f, &stack, libc::CLONE_VFORK | libc::SIGCHLD, arg) }.map_err(errno)
 }
 
 /// `waitpid`; `Ok(None)` when WNOHANG found nothing to reap.
