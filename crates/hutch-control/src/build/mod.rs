@@ -496,11 +496,9 @@ impl Control {
         };
         let log = Log::create(&store.build_log(&record.id))
             .map_err(|e| ControlError::Runtime(format!("build log {}: {e}", record.id)))?;
-        let quotas = match self.store.get_key(owner)? {
-            Some(k) if k.revoked_at.is_none() => k.quotas,
-            _ => return Err(ControlError::Unauthorized("the API key was revoked")),
-        };
-        if !self.store.insert_build(&record, quotas.builds)? {
+        let quotas = self.quotas_of(&caller.owner).await?;
+        let rec = record.clone();
+        if !self.db(move |s| s.insert_build(&rec, quotas.builds)).await? {
             let limit = quotas.builds.unwrap_or(0);
             return Err(ControlError::Exceeded(hutch_store::Exceeded {
                 scope: hutch_store::Scope::Owner,
@@ -568,10 +566,11 @@ impl Control {
             let mut offset = 0u64;
             let deadline = tokio::time::Instant::now() + Duration::from_secs(6 * 3600);
             loop {
+                let bid = b.id.clone();
                 let finished = !follow
                     || this
-                        .store
-                        .get_build(&b.id)
+                        .db(move |s| s.get_build(&bid))
+                        .await
                         .ok()
                         .flatten()
                         .is_none_or(|r| matches!(r.state, BuildState::Succeeded | BuildState::Failed));
@@ -663,7 +662,8 @@ impl Control {
         let queue = self.builds.lock_for(&rec.template_id);
         let _turn = queue.lock().await;
         rec.state = BuildState::Building;
-        if let Err(e) = self.store.update_build(&rec, &[BuildState::Queued]) {
+        let r = rec.clone();
+        if let Err(e) = self.db(move |s| s.update_build(&r, &[BuildState::Queued])).await {
             tracing::warn!("build {}: cannot record its state: {e}", rec.id);
         }
         let outcome = self.build(&rec, Arc::new(ctx), &planned, &mut log).await;
@@ -681,7 +681,8 @@ impl Control {
                 rec.error = Some(why);
             }
         }
-        if let Err(e) = self.store.update_build(&rec, &[BuildState::Building]) {
+        let r = rec.clone();
+        if let Err(e) = self.db(move |s| s.update_build(&r, &[BuildState::Building])).await {
             tracing::warn!("build {}: cannot record its outcome: {e}", rec.id);
         }
     }
@@ -812,7 +813,9 @@ impl Control {
         if let Err(e) = destroyed {
             tracing::warn!("build {}: validation sandbox teardown: {e}", rec.id);
         }
-        self.activate(&store, rec, &layers, &env, cmd.as_ref(), &workdir)
+        // It writes the image and the template's record: on the blocking pool.
+        let (this, rec) = (self.clone(), rec.clone());
+        blocking(move || this.activate(&store, &rec, &layers, &env, cmd.as_ref(), &workdir)).await
     }
 
     /// Writes the image and makes it the template's next version.
