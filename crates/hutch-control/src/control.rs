@@ -707,6 +707,10 @@ impl Control {
         .map_err(|e| ControlError::Runtime(e.to_string()))?;
         res.map_err(ControlError::Runtime)?;
         live.suspended.store(frozen, Ordering::SeqCst);
+        if !frozen {
+            // Uploads a stopped daemon left while this sandbox was frozen.
+            crate::files::journal::recover(&self.upload_journal(id), &live.socket).await;
+        }
         if frozen {
             // Open proxied connections end with the grants.
             self.access.revoke_sandbox(id);
@@ -749,7 +753,12 @@ impl Control {
             return Err(ControlError::NoSandbox(id.to_owned()));
         }
         let live = self.running_record(&r)?;
-        Ok(crate::files::SandboxFs::new(live.socket.clone(), None))
+        Ok(crate::files::SandboxFs::new(live.socket.clone(), None).with_journal(self.upload_journal(id)))
+    }
+
+    /// Where archive uploads into sandbox `id` keep their undo journal.
+    fn upload_journal(&self, id: &str) -> crate::files::JournalDir {
+        crate::files::JournalDir { dir: self.runtime.config().state_dir.join("uploads"), sandbox: id.to_owned() }
     }
 
     /// A running sandbox's resource use now, with when it started.
@@ -809,8 +818,15 @@ impl Control {
                     }
                     let live = Live::new(handle);
                     live.suspended.store(r.state == "suspended", Ordering::SeqCst);
+                    let socket = live.socket.clone();
                     self.live_map().insert(r.id.clone(), live);
                     tracing::info!("adopted sandbox {}", r.id);
+                    // Archive uploads the last daemon left half done are
+                    // undone (or finished); a frozen agent cannot answer,
+                    // so a suspended sandbox's wait for its resume.
+                    if r.state == "running" {
+                        crate::files::journal::recover(&self.upload_journal(&r.id), &socket).await;
+                    }
                 }
                 (state, _) => {
                     let reason = if state == "terminating" { None } else { Some("sandbox_lost_on_restart") };
@@ -824,6 +840,10 @@ impl Control {
                 }
             }
         }
+        // Upload journals of sandboxes that are gone describe nothing left.
+        let live: std::collections::HashSet<String> = self.live_map().keys().cloned().collect();
+        crate::files::journal::sweep(&self.runtime.config().state_dir.join("uploads"), move |id| live.contains(id))
+            .await;
         // Anything on the host with no record (a create interrupted before
         // its row was written cannot happen; rows come first) is swept.
         let rt = self.runtime.clone();
