@@ -12,6 +12,7 @@ mod openapi;
 pub mod proxy;
 mod routes;
 mod templates;
+mod transfer;
 
 use axum::body::Body;
 use axum::extract::{FromRequest, Request};

@@ -40,12 +40,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/sandboxes/{id}/files/read", post(files_read))
         .route("/v1/sandboxes/{id}/files/write", post(files_write))
         .route("/v1/sandboxes/{id}/files/list", get(files_list))
-        .route(
-            "/v1/sandboxes/{id}/archives",
-            post(archive_upload)
-                .get(archive_download)
-                .layer(axum::extract::DefaultBodyLimit::max(hutch_control::files::ARCHIVE_CAP + (1 << 20))),
-        )
+        .route("/v1/sandboxes/{id}/archives", post(archive_upload).get(archive_download))
         .route("/v1/sandboxes/{id}/file-parts", post(file_part))
         .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(app.clone(), authenticate));
@@ -382,17 +377,8 @@ pub(crate) async fn files_get(
 ) -> ApiResult<Response> {
     let q = query(q)?;
     let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
-    let mut chunks = fs.read_stream(&q.path).await?;
-    let (tx, rx) = tokio::sync::mpsc::channel(4);
-    tokio::spawn(async move {
-        while let Some(chunk) = chunks.recv().await {
-            let item = chunk.map(bytes::Bytes::from).map_err(|e| std::io::Error::other(e.message));
-            if tx.send(item).await.is_err() {
-                return;
-            }
-        }
-    });
-    let mut resp = ChannelBody(rx).into_body().into_response();
+    let chunks = fs.read_stream(&q.path).await?;
+    let mut resp = crate::transfer::body_of(chunks).into_response();
     resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
     Ok(resp)
 }
@@ -410,28 +396,10 @@ pub(crate) async fn files_put(
 ) -> ApiResult<StatusCode> {
     let q = query(q)?;
     let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
-    let (tx, rx) = tokio::sync::mpsc::channel::<Vec<u8>>(4);
-    // The body streams into the sandbox; it is never held whole.
-    let feed = tokio::spawn(async move {
-        let mut stream = body.into_data_stream();
-        while let Some(chunk) =
-            std::future::poll_fn(|cx| futures_core::Stream::poll_next(std::pin::Pin::new(&mut stream), cx)).await
-        {
-            match chunk {
-                Ok(bytes) => {
-                    if tx.send(bytes.to_vec()).await.is_err() {
-                        return Ok(());
-                    }
-                }
-                Err(e) => return Err(e.to_string()),
-            }
-        }
-        Ok(())
-    });
-    let written = fs.write_stream(&q.path, rx).await;
-    let fed = feed.await.map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
-    fed.map_err(|e| ApiError::invalid(format!("request body: {e}")))?;
-    written?;
+    // The body streams into the sandbox; it is never held whole, and a
+    // body that breaks leaves nothing.
+    let (chunks, feed) = crate::transfer::chunks_of(body);
+    crate::transfer::with_feed(feed, fs.write_stream(&q.path, chunks)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -509,54 +477,72 @@ pub(crate) async fn files_list(
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/archives", params(("id" = String, Path)),
-    request_body(content_type = "multipart/form-data", description = "a `path` field and an `archive` part (tar, gzip detected)"),
+    request_body(content_type = "multipart/form-data", description = "a `path` field, then an `archive` part (tar, gzip detected)"),
     responses((status = 200, body = hutch_api::ArchiveResult), (status = 400, body = hutch_api::ErrorBody),
               (status = 404, body = hutch_api::ErrorBody), (status = 409, body = hutch_api::ErrorBody), (status = 413, body = hutch_api::ErrorBody)))]
 pub(crate) async fn archive_upload(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
-    multipart: Result<axum::extract::Multipart, axum::extract::multipart::MultipartRejection>,
+    req: Request,
 ) -> ApiResult<Json<hutch_api::ArchiveResult>> {
-    let invalid = |m: String| ApiError::new(ErrorCode::SandboxArchiveInvalid, m);
-    let mut multipart = multipart.map_err(|e| invalid(e.body_text()))?;
-    let id = sandbox_id(&id)?.to_owned();
-    let (mut path, mut archive) = (None, None);
-    loop {
-        let field = match multipart.next_field().await {
-            Ok(Some(f)) => f,
-            Ok(None) => break,
-            Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
-                return Err(ApiError::new(ErrorCode::SandboxArchiveTooLarge, "archive above 32 MiB"));
-            }
-            Err(e) => return Err(invalid(format!("malformed form: {}", e.body_text()))),
-        };
-        match field.name() {
-            Some("path") => path = Some(field.text().await.map_err(|e| invalid(e.body_text()))?),
-            Some("archive") => {
-                let bytes = field.bytes().await.map_err(|e| {
-                    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                        ApiError::new(ErrorCode::SandboxArchiveTooLarge, "archive above 32 MiB")
-                    } else {
-                        invalid(format!("malformed form: {}", e.body_text()))
-                    }
-                })?;
-                archive = Some(bytes.to_vec());
-            }
-            _ => {}
+    use axum::extract::FromRequest;
+    use hutch_control::files::{pipe, FilesError, UPLOAD_PACKED_CAP};
+    let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
+    // Form-level trouble reads as a refused archive; limits as too large.
+    let archive_err = |e: FilesError| match e.code {
+        ErrorCode::PayloadTooLarge | ErrorCode::SandboxArchiveTooLarge => {
+            ApiError::new(ErrorCode::SandboxArchiveTooLarge, e.message)
         }
-    }
-    let path = path.ok_or_else(|| invalid("the form has no path field".into()))?;
-    let archive = archive.ok_or_else(|| invalid("the form has no archive part".into()))?;
-    if archive.len() > hutch_control::files::ARCHIVE_CAP {
-        return Err(ApiError::new(ErrorCode::SandboxArchiveTooLarge, "archive above 32 MiB"));
-    }
-    let fs = app.control.fs(&caller.key_id, &id)?;
-    Ok(Json(fs.upload_archive(&path, archive).await?))
+        ErrorCode::InvalidRequest => ApiError::new(ErrorCode::SandboxArchiveInvalid, e.message),
+        _ => ApiError::from(e),
+    };
+    let (parts, body) = req.into_parts();
+    let (wire, feed) = crate::transfer::chunks_of(body);
+    let wire = pipe::cap(wire, UPLOAD_PACKED_CAP + (1 << 20), "the form");
+    let tap = crate::transfer::FormTap::default();
+    let form = Request::from_parts(parts, tap.body(wire));
+    let work = async {
+        let mut form = axum::extract::Multipart::from_request(form, &())
+            .await
+            .map_err(|e| ApiError::new(ErrorCode::SandboxArchiveInvalid, e.body_text()))?;
+        let mut path = None;
+        loop {
+            let field = match form.next_field().await {
+                Ok(Some(f)) => f,
+                Ok(None) => break,
+                Err(e) => {
+                    return Err(archive_err(tap.broken().unwrap_or_else(|| {
+                        FilesError::new(ErrorCode::InvalidRequest, format!("malformed form: {}", e.body_text()))
+                    })))
+                }
+            };
+            match field.name() {
+                Some("path") => path = Some(tap.text(field, 4096).await.map_err(archive_err)?),
+                Some("archive") => {
+                    // Streamed into the sandbox as it arrives: the path
+                    // must be known by then.
+                    let Some(path) = path.take() else {
+                        return Err(ApiError::new(
+                            ErrorCode::SandboxArchiveInvalid,
+                            "the form's path field must come before its archive part",
+                        ));
+                    };
+                    let (chunks, part_feed) = tap.part(field);
+                    let done = crate::transfer::with_feed(part_feed, fs.upload_archive_stream(&path, chunks)).await;
+                    return done.map_err(archive_err);
+                }
+                _ => tap.skip(field).await.map_err(archive_err)?,
+            }
+        }
+        let missing = if path.is_some() { "the form has no archive part" } else { "the form has no path field" };
+        Err(ApiError::new(ErrorCode::SandboxArchiveInvalid, missing))
+    };
+    Ok(Json(crate::transfer::with_feed(feed, work).await?))
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/archives", params(("id" = String, Path), PathQuery),
-    responses((status = 200, description = "a tar of the directory", content_type = "application/x-tar"),
+    responses((status = 200, description = "a tar of the directory, streamed; an error after the first byte cuts it short", content_type = "application/x-tar"),
               (status = 400, body = hutch_api::ErrorBody), (status = 404, body = hutch_api::ErrorBody)))]
 pub(crate) async fn archive_download(
     State(app): AppState,
@@ -566,8 +552,8 @@ pub(crate) async fn archive_download(
 ) -> ApiResult<Response> {
     let q = query(q)?;
     let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
-    let tar = fs.download_archive(&q.path).await?;
-    Ok(([(header::CONTENT_TYPE, "application/x-tar")], tar).into_response())
+    let chunks = fs.download_archive(&q.path).await?;
+    Ok(([(header::CONTENT_TYPE, "application/x-tar")], crate::transfer::body_of(chunks)).into_response())
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/file-parts", params(("id" = String, Path)), request_body = hutch_api::FilePart,
