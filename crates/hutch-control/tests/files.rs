@@ -574,3 +574,85 @@ async fn planted_symlinks_are_never_followed_by_writes() {
     let after = root.list("/etc", ListOptions { include_sha256: true, ..ListOptions::default() }).await.expect("etc");
     assert_eq!(after, etc, "/etc changed");
 }
+
+/// Interrupted uploads, as a daemon killed with -9 leaves them, are settled
+/// from their journal: undone before the commit, finished after it.
+#[tokio::test]
+async fn interrupted_uploads_are_settled_from_their_journal() {
+    use hutch_control::files::journal::{self, Journal, JournalDir, Move, Phase};
+    let t = TestSandbox::start("journal", 1 << 30);
+    let dir = JournalDir { dir: t.base.join("state/uploads"), sandbox: "sb-test".into() };
+    let user = |s: &str| s.to_owned();
+
+    // Half way through the moves: `a` replaced (its old copy in the
+    // backup), `b` between its two renames (old in the backup, new still
+    // staged), `c` fresh and placed, `sub` fresh and not yet placed; `t`
+    // and `t/deep` were made for the upload.
+    t.sh(
+        "mkdir -p m && cd m && echo old-a > a && echo old-b > b && \
+         mkdir -p .hutch-archive-1/sub && cd .hutch-archive-1 && \
+         echo old-a > .old-1 && echo old-b > .old-2 && echo new-b > b && echo new-s > sub/s && \
+         cd .. && echo new-a > a && rm b && echo new-c > c",
+        "user",
+    )
+    .await;
+    let moving = Journal {
+        version: 1,
+        user: user("user"),
+        target: "/workspace/m".into(),
+        staging: "/workspace/m/.hutch-archive-1".into(),
+        made: vec![],
+        phase: Phase::Moving,
+        moves: vec![
+            Move { path: "a".into(), backup: Some(".old-1".into()) },
+            Move { path: "b".into(), backup: Some(".old-2".into()) },
+            Move { path: "c".into(), backup: None },
+            Move { path: "sub".into(), backup: None },
+        ],
+        chmods: vec![("/workspace/m/sub".into(), 0o500)],
+    };
+    dir.save("1", &moving).await.expect("save");
+    // Staged into a target the upload made: undone down to nothing.
+    t.sh("mkdir -p made/deep/.hutch-archive-2/x && echo new > made/deep/.hutch-archive-2/x/f", "user").await;
+    let staging = Journal {
+        version: 1,
+        user: user("user"),
+        target: "/workspace/made/deep".into(),
+        staging: "/workspace/made/deep/.hutch-archive-2".into(),
+        made: vec!["/workspace/made".into(), "/workspace/made/deep".into()],
+        phase: Phase::Staging,
+        moves: vec![],
+        chmods: vec![],
+    };
+    dir.save("2", &staging).await.expect("save");
+    // Committed: finished (bits set, staging gone), never undone.
+    t.sh(
+        "mkdir -p done/.hutch-archive-3 done/ro && echo new > done/f && echo old > done/.hutch-archive-3/.old-1",
+        "user",
+    )
+    .await;
+    let committed = Journal {
+        version: 1,
+        user: user("user"),
+        target: "/workspace/done".into(),
+        staging: "/workspace/done/.hutch-archive-3".into(),
+        made: vec![],
+        phase: Phase::Committed,
+        moves: vec![Move { path: "f".into(), backup: Some(".old-1".into()) }],
+        chmods: vec![("/workspace/done/ro".into(), 0o555)],
+    };
+    dir.save("3", &committed).await.expect("save");
+
+    assert_eq!(journal::recover(&dir, t.socket()).await, 3);
+    assert_eq!(t.sh("cd m && ls -A && cat a b", "user").await, "a\nb\nold-a\nold-b\n");
+    assert_eq!(t.sh("ls -A /workspace | grep -c '^made$' || true", "user").await.trim(), "0");
+    assert_eq!(t.sh("cd done && ls -A && cat f && stat -c %a ro", "user").await, "f\nro\nnew\n555\n");
+    // The records are gone, and settling again changes nothing.
+    assert_eq!(journal::recover(&dir, t.socket()).await, 0);
+    for (upload, j) in [("1", &moving), ("2", &staging), ("3", &committed)] {
+        dir.save(upload, j).await.expect("save");
+    }
+    assert_eq!(journal::recover(&dir, t.socket()).await, 3);
+    assert_eq!(t.sh("cd m && ls -A && cat a b", "user").await, "a\nb\nold-a\nold-b\n");
+    assert_eq!(t.sh("cd done && ls -A && cat f", "user").await, "f\nro\nnew\n");
+}

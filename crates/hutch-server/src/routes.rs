@@ -40,7 +40,11 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/sandboxes/{id}/files/read", post(files_read))
         .route("/v1/sandboxes/{id}/files/write", post(files_write))
         .route("/v1/sandboxes/{id}/files/list", get(files_list))
-        .route("/v1/sandboxes/{id}/archives", post(archive_upload).get(archive_download))
+        // Uploads stream under their own caps (`UPLOAD_PACKED_CAP`).
+        .route(
+            "/v1/sandboxes/{id}/archives",
+            post(archive_upload).get(archive_download).layer(axum::extract::DefaultBodyLimit::disable()),
+        )
         .route("/v1/sandboxes/{id}/file-parts", post(file_part))
         .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(app.clone(), authenticate));

@@ -720,4 +720,148 @@ mod tests {
         .expect("stream");
         assert_eq!(got, [(0, b"he".to_vec()), (0, b"ll".to_vec()), (0, b"o".to_vec()), (1, Vec::new())]);
     }
+
+    /// Reads one byte at a time: a stream that arrives in the smallest
+    /// pieces parses the same.
+    struct Trickle<'a>(&'a [u8]);
+
+    impl Read for Trickle<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            if self.0.is_empty() || buf.is_empty() {
+                return Ok(0);
+            }
+            buf[0] = self.0[0];
+            self.0 = &self.0[1..];
+            Ok(1)
+        }
+    }
+
+    fn events(input: impl Read, limits: &Limits) -> (Result<ArchivePlan, ArchiveError>, Vec<String>) {
+        let mut seen = Vec::new();
+        let r = validate_stream(input, limits, 3, |ev| {
+            seen.push(match ev {
+                Event::Dir { path } => format!("dir {path}"),
+                Event::File { index, path, mode, size } => format!("file {index} {path} {mode:o} {size}"),
+                Event::Data(d) => format!("data {}", String::from_utf8_lossy(d)),
+            });
+            true
+        });
+        (r, seen)
+    }
+
+    #[test]
+    fn a_stream_hands_on_each_checked_entry_once_parents_first() {
+        let mut out = Vec::new();
+        raw_entry(&mut out, b"a/b/f", tar::EntryType::Regular, b"hello", None);
+        raw_entry(&mut out, b"a/", tar::EntryType::Directory, b"", None);
+        raw_entry(&mut out, b"a/e", tar::EntryType::Regular, b"", None);
+        let tar = finish(out);
+        let (plan, seen) = events(Trickle(&tar), &Limits::UPLOAD);
+        assert_eq!(
+            seen,
+            ["dir a", "dir a/b", "file 0 a/b/f 644 5", "data hel", "data lo", "file 1 a/e 644 0"],
+            "a directory made implicitly is not handed on again"
+        );
+        let plan = plan.expect("valid");
+        let a = plan.entries.iter().find(|e| e.path == "a").expect("a");
+        assert!(!a.implicit, "the archive's own entry for a made directory counts");
+        assert_eq!(plan, validate(&tar).expect("valid in memory"));
+    }
+
+    #[test]
+    fn a_sink_that_stops_ends_the_parse() {
+        let mut calls = 0;
+        let r = validate_stream(good_tar().as_slice(), &Limits::UPLOAD, 1, |_| {
+            calls += 1;
+            calls < 2
+        });
+        assert_eq!(r, Err(ArchiveError::Invalid(STOPPED.into())));
+        assert_eq!(calls, 2);
+    }
+
+    /// One pax record: its length counts its own digits.
+    fn pax(key: &str, value: &str) -> String {
+        let body = format!(" {key}={value}\n");
+        let mut n = body.len() + 1;
+        while n.to_string().len() + body.len() != n {
+            n += 1;
+        }
+        format!("{n}{body}")
+    }
+
+    /// A GNU long-name or pax entry of `size` bytes holding `data`.
+    fn extension(out: &mut Vec<u8>, kind: u8, size: u64, data: &[u8]) {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::new(kind));
+        h.set_size(size);
+        h.as_gnu_mut().expect("gnu").name[..13].copy_from_slice(b"././@LongLink");
+        h.set_cksum();
+        out.extend_from_slice(h.as_bytes());
+        out.extend_from_slice(data);
+        out.resize(out.len().div_ceil(512) * 512, 0);
+    }
+
+    #[test]
+    fn long_names_and_pax_headers_name_entries_and_are_bounded_before_they_are_read() {
+        // A long name and a pax path both name the next entry.
+        let long = "d/".repeat(60) + "f";
+        let mut out = Vec::new();
+        extension(&mut out, b'L', long.len() as u64 + 1, format!("{long}\0").as_bytes());
+        raw_entry(&mut out, b"short", tar::EntryType::Regular, b"x", None);
+        let record = pax("path", "p/q");
+        extension(&mut out, b'x', record.len() as u64, record.as_bytes());
+        raw_entry(&mut out, b"ignored", tar::EntryType::Regular, b"y", None);
+        let plan = validate(&finish(out)).expect("valid");
+        assert_eq!(plan.files_in_order, [long, "p/q".to_owned()]);
+        // Claims too large to read are refused at once, whatever follows
+        // (here nothing does: a reader would fail as truncated instead).
+        for (kind, size) in [(b'L', 4098), (b'L', 1 << 30), (b'x', (64 << 10) + 1), (b'g', 1 << 30)] {
+            let mut out = Vec::new();
+            extension(&mut out, kind, size, b"");
+            let r = validate(&out);
+            assert!(
+                matches!(&r, Err(ArchiveError::Invalid(m)) if m.contains("over")),
+                "{} of {size}: {r:?}",
+                kind as char
+            );
+        }
+        // A long link name, two long names, a pax size other than the
+        // header's, and a header that describes nothing are refused.
+        let cases: [Vec<(u8, String)>; 4] = [
+            vec![(b'K', "target\0".into())],
+            vec![(b'L', "a\0".into()), (b'L', "b\0".into())],
+            vec![(b'x', pax("size", "99"))],
+            vec![(b'x', pax("path", "z"))],
+        ];
+        for (n, case) in cases.iter().enumerate() {
+            let mut out = Vec::new();
+            for (kind, data) in case {
+                extension(&mut out, *kind, data.len() as u64, data.as_bytes());
+            }
+            if n < 3 {
+                raw_entry(&mut out, b"f", tar::EntryType::Regular, b"x", None);
+            }
+            let r = validate(&finish(out));
+            assert!(matches!(r, Err(ArchiveError::Invalid(_))), "case {n}: {r:?}");
+        }
+    }
+
+    #[test]
+    fn names_and_packed_bytes_are_capped() {
+        let small = Limits { name_bytes: 20, ..Limits::UPLOAD };
+        let mut out = Vec::new();
+        raw_entry(&mut out, b"0123456789/abcdefghij", tar::EntryType::Regular, b"", None);
+        assert!(matches!(
+            validate_stream(finish(out).as_slice(), &small, 64, |_| true),
+            Err(ArchiveError::TooLarge(_))
+        ));
+        // Empty gzip members inflate to nothing: the input's own cap ends them.
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(b"").expect("gzip");
+        let member = gz.finish().expect("gzip");
+        let packed = Limits { packed: 64 << 10, ..Limits::UPLOAD };
+        let many: Vec<u8> = member.iter().copied().cycle().take(member.len() * 10_000).collect();
+        let r = validate_stream(many.as_slice(), &packed, 64, |_| true);
+        assert!(matches!(&r, Err(ArchiveError::TooLarge(m)) if m.contains("of archive")), "{r:?}");
+    }
 }
