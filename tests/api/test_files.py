@@ -586,7 +586,7 @@ def old_content(i: int) -> bytes:
 
 
 def new_content(i: int) -> bytes:
-    return f"new-{i}\n".encode() + b"." * 16384
+    return f"new-{i}\n".encode() + b"." * 8000
 
 
 def agent_root(sid: str) -> Path:
