@@ -165,6 +165,18 @@ impl Default for ListOptions {
     }
 }
 
+/// One part of a file sent in parts, borrowed from the request (see
+/// [`SandboxFs::put_part_base64`]).
+#[derive(Debug, Clone, Copy)]
+pub struct PartRef<'a> {
+    pub path: &'a str,
+    pub offset: u64,
+    pub size: u64,
+    pub sha256: &'a str,
+    /// Base64.
+    pub data: &'a str,
+}
+
 /// The files of one sandbox, as one of its users.
 #[derive(Debug, Clone)]
 pub struct SandboxFs {
@@ -565,6 +577,55 @@ impl SandboxFs {
         Ok(())
     }
 
+    /// [`SandboxFs::write`] of base64 `data`: checked whole first (nothing
+    /// is written for bad base64), then decoded and written a piece at a
+    /// time, never held decoded.
+    pub async fn write_base64(&self, path: &str, data: &str) -> Result<(), FilesError> {
+        let len = base64_len(data).map_err(|_| FilesError::new(ErrorCode::InvalidRequest, "data is not base64"))?;
+        if len > FILE_DATA_CAP {
+            return Err(FilesError::new(
+                ErrorCode::PayloadTooLarge,
+                format!("{len} bytes exceed the {FILE_DATA_CAP} bytes of one write; send the file in parts"),
+            ));
+        }
+        let path = normalize(path)?;
+        let (parent, _) = split_parent(&path)?;
+        let tmp = join(parent, &format!(".hutch-upload-{}", random_suffix()));
+        let mut link = self.link().await?;
+        if let Err(e) = write_base64_at(&mut link, &tmp, 0, data, true).await {
+            link.discard(&tmp).await;
+            return Err(missing_parent(e, parent));
+        }
+        if let Err(e) = link.rename(&tmp, &path).await {
+            link.discard(&tmp).await;
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// A regular file of at most [`FILE_DATA_CAP`] bytes, as chunks: the
+    /// size is checked before the first chunk (`payload_too_large`), and
+    /// the bytes it held when the read started are streamed, so a caller
+    /// that renders them (base64 in JSON) holds a chunk, not the file.
+    /// Files that report no size (`/proc`) are read whole first, bounded.
+    pub async fn read_capped(&self, path: &str) -> Result<Chunks, FilesError> {
+        let norm = normalize(path)?;
+        let mut link = self.link().await?;
+        let (first, eof, size) = link.read_chunk(&norm, 0, STREAM_CHUNK, false).await?;
+        if size > FILE_DATA_CAP as u64 {
+            return Err(FilesError::new(
+                ErrorCode::PayloadTooLarge,
+                format!("{norm} is larger than {FILE_DATA_CAP} bytes; download it raw"),
+            ));
+        }
+        if size == 0 && !(eof || first.is_empty()) {
+            drop(link);
+            let data = self.read(path).await?;
+            return Ok(pipe::from_bytes(data, STREAM_CHUNK as usize));
+        }
+        Ok(stream_rest(link, norm, first, eof, size).await)
+    }
+
     /// Streams a regular file in chunks of [`STREAM_CHUNK`] bytes: the
     /// bytes it held when the download started (a growing file is cut
     /// there). Errors about the path come back before any chunk; later
@@ -575,30 +636,7 @@ impl SandboxFs {
         let (first, eof, size) = link.read_chunk(&path, 0, STREAM_CHUNK, false).await?;
         // Files of /proc report size 0: read those to their end, bounded.
         let end = if size > 0 { size } else { FILE_DATA_CAP as u64 };
-        let (tx, rx) = mpsc::channel(2);
-        let mut offset = first.len() as u64;
-        let done = eof || first.is_empty() || offset >= end;
-        if tx.send(Ok(first)).await.is_err() || done {
-            return Ok(rx);
-        }
-        tokio::spawn(async move {
-            while offset < end {
-                let want = (end - offset).min(STREAM_CHUNK as u64) as u32;
-                let (data, eof) = match link.read_chunk(&path, offset, want, false).await {
-                    Ok((data, eof, _)) => (data, eof),
-                    Err(e) => {
-                        let _ = tx.send(Err(e)).await;
-                        return;
-                    }
-                };
-                offset += data.len() as u64;
-                let stop = eof || data.is_empty();
-                if tx.send(Ok(data)).await.is_err() || stop {
-                    return;
-                }
-            }
-        });
-        Ok(rx)
+        Ok(stream_rest(link, path, first, eof, end).await)
     }
 
     /// Writes a file of any size up to [`FILE_CAP`] from a stream of chunks,
@@ -835,36 +873,39 @@ impl SandboxFs {
     /// Resending that final part answers the same completion while the file
     /// at `path` still matches.
     pub async fn put_part(&self, part: FilePart) -> Result<FilePartResult, FilesError> {
-        check_sha256(&part.sha256)?;
+        let FilePart { path, offset, size, sha256, data } = part;
+        self.put_part_base64(PartRef { path: &path, offset, size, sha256: &sha256, data: &data }).await
+    }
+
+    /// [`SandboxFs::put_part`] over borrowed fields: the base64 is checked
+    /// whole, then decoded and written a piece at a time, never held
+    /// decoded.
+    pub async fn put_part_base64(&self, part: PartRef<'_>) -> Result<FilePartResult, FilesError> {
+        check_sha256(part.sha256)?;
         if part.size > FILE_CAP {
             return Err(FilesError::new(ErrorCode::PayloadTooLarge, format!("files are at most {FILE_CAP} bytes")));
         }
+        let too_large =
+            || FilesError::new(ErrorCode::PayloadTooLarge, format!("a part is at most {FILE_DATA_CAP} bytes"));
         if part.data.len() > FILE_DATA_CAP.div_ceil(3) * 4 + 4 {
-            return Err(FilesError::new(
-                ErrorCode::PayloadTooLarge,
-                format!("a part is at most {FILE_DATA_CAP} bytes"),
-            ));
+            return Err(too_large());
         }
-        let data = base64::engine::general_purpose::STANDARD
-            .decode(part.data.as_bytes())
+        let len = base64_len(part.data)
             .map_err(|_| FilesError::new(ErrorCode::InvalidRequest, "part data is not valid base64"))?;
-        if data.len() > FILE_DATA_CAP {
-            return Err(FilesError::new(
-                ErrorCode::PayloadTooLarge,
-                format!("a part is at most {FILE_DATA_CAP} bytes"),
-            ));
+        if len > FILE_DATA_CAP {
+            return Err(too_large());
         }
-        let end = part.offset.checked_add(data.len() as u64).filter(|&e| e <= part.size).ok_or_else(|| {
+        let end = part.offset.checked_add(len as u64).filter(|&e| e <= part.size).ok_or_else(|| {
             FilesError::new(ErrorCode::InvalidRequest, format!("the part ends past the file's size {}", part.size))
         })?;
-        let path = normalize(&part.path)?;
+        let path = normalize(part.path)?;
         let (parent, name) = split_parent(&path)?;
         let staging = join(parent, &format!(".hutch-part-{name}"));
         if staging.len() > MAX_PATH {
             return Err(FilesError::new(ErrorCode::InvalidPath, format!("{path}: name too long for parts")));
         }
         let result = |received, complete| FilePartResult {
-            path: part.path.clone(),
+            path: part.path.to_owned(),
             offset: part.offset,
             size: part.size,
             received,
@@ -883,7 +924,7 @@ impl SandboxFs {
         };
         if part.offset > received {
             // The final part again, after the file completed?
-            if received == 0 && end == part.size && self.matches(&mut link, &path, part.size, &part.sha256).await? {
+            if received == 0 && end == part.size && self.matches(&mut link, &path, part.size, part.sha256).await? {
                 return Ok(result(part.size, true));
             }
             return Err(FilesError::new(
@@ -894,11 +935,11 @@ impl SandboxFs {
         if part.offset == 0 {
             link.mkdir(parent, true).await?;
         }
-        link.write_at(&staging, part.offset, &data, true, FILE_MODE).await?;
+        write_base64_at(&mut link, &staging, part.offset, part.data, true).await?;
         if end < part.size {
             return Ok(result(end, false));
         }
-        if !self.matches(&mut link, &staging, part.size, &part.sha256).await? {
+        if !self.matches(&mut link, &staging, part.size, part.sha256).await? {
             link.discard(&staging).await;
             return Err(FilesError::new(
                 ErrorCode::SandboxFilePartMismatch,
@@ -957,6 +998,77 @@ async fn save_journal(store: Option<&JournalDir>, upload: &str, j: &Journal) -> 
         Some(dir) => dir.save(upload, j).await,
         None => Ok(()),
     }
+}
+
+/// Streams a file from `link` after its `first` chunk, up to `end` bytes
+/// (the rest of what it held when the first chunk was read), in chunks of
+/// [`STREAM_CHUNK`] bytes; a failed read breaks the stream.
+async fn stream_rest(mut link: Link, path: String, first: Vec<u8>, eof: bool, end: u64) -> Chunks {
+    let (tx, rx) = mpsc::channel(2);
+    let mut offset = first.len() as u64;
+    let done = eof || first.is_empty() || offset >= end;
+    if tx.send(Ok(first)).await.is_err() || done {
+        return rx;
+    }
+    tokio::spawn(async move {
+        while offset < end {
+            let want = (end - offset).min(u64::from(STREAM_CHUNK)) as u32;
+            let (data, eof) = match link.read_chunk(&path, offset, want, false).await {
+                Ok((data, eof, _)) => (data, eof),
+                Err(e) => {
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+            };
+            offset += data.len() as u64;
+            let stop = eof || data.is_empty();
+            if tx.send(Ok(data)).await.is_err() || stop {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// Base64 text decoded per piece: a multiple of 4 characters, so pieces
+/// decode as the whole would (padding only ends the text).
+const B64_PIECE: usize = 1 << 20;
+
+/// The decoded length of standard, padded base64 `data`, checked whole
+/// without holding what it decodes to.
+fn base64_len(data: &str) -> Result<usize, base64::DecodeSliceError> {
+    let mut scratch = vec![0u8; B64_PIECE / 4 * 3];
+    let mut total = 0;
+    for piece in data.as_bytes().chunks(B64_PIECE) {
+        total += base64::engine::general_purpose::STANDARD.decode_slice(piece, &mut scratch)?;
+    }
+    Ok(total)
+}
+
+/// Writes base64 `data` (checked by [`base64_len`]) decoded into `path` at
+/// `offset`, a piece at a time; the first write creates the file with
+/// [`FILE_MODE`] and, with `truncate`, cuts it at `offset`.
+async fn write_base64_at(
+    link: &mut Link,
+    path: &str,
+    offset: u64,
+    data: &str,
+    truncate: bool,
+) -> Result<(), FilesError> {
+    let mut buf = vec![0u8; B64_PIECE / 4 * 3];
+    let mut at = offset;
+    let mut pieces = data.as_bytes().chunks(B64_PIECE).peekable();
+    if pieces.peek().is_none() {
+        return link.write_at(path, offset, &[], truncate, FILE_MODE).await;
+    }
+    for piece in pieces {
+        let n = base64::engine::general_purpose::STANDARD
+            .decode_slice(piece, &mut buf)
+            .map_err(|_| FilesError::new(ErrorCode::InvalidRequest, "data is not base64"))?;
+        link.write_at(path, at, &buf[..n], truncate && at == offset, FILE_MODE).await?;
+        at += n as u64;
+    }
+    Ok(())
 }
 
 /// Runs a transfer in a task of its own, so that a caller that goes away

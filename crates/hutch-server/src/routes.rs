@@ -397,14 +397,22 @@ pub(crate) async fn files_put(
     Path(id): Path<String>,
     q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
     body: axum::body::Body,
-) -> ApiResult<StatusCode> {
-    let q = query(q)?;
-    let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
+) -> Response {
+    let fs = match query(q).and_then(|q| Ok((app.control.fs(&caller.key_id, sandbox_id(&id)?)?, q))) {
+        Ok(v) => v,
+        // Refused before the body was read: the connection cannot carry on.
+        Err(e) => return crate::transfer::close_unless(false, e.into_response()),
+    };
+    let (fs, q) = fs;
     // The body streams into the sandbox; it is never held whole, and a
     // body that breaks leaves nothing.
     let (chunks, feed) = crate::transfer::chunks_of(body);
-    crate::transfer::with_feed(feed, fs.write_stream(&q.path, chunks)).await?;
-    Ok(StatusCode::NO_CONTENT)
+    let (written, whole) = crate::transfer::with_feed(feed, fs.write_stream(&q.path, chunks)).await;
+    let resp = match written {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => ApiError::from(e).into_response(),
+    };
+    crate::transfer::close_unless(whole, resp)
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/files/read", params(("id" = String, Path)), request_body = hutch_api::FileRef,
@@ -415,11 +423,45 @@ pub(crate) async fn files_read(
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     JsonBody(req): JsonBody<hutch_api::FileRef>,
-) -> ApiResult<Json<hutch_api::FileData>> {
-    use base64::Engine;
+) -> ApiResult<Response> {
     let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
-    let data = fs.read(&req.path).await?;
-    Ok(Json(hutch_api::FileData { path: None, data: base64::engine::general_purpose::STANDARD.encode(data) }))
+    // Checked against the cap first, then encoded as it is read.
+    let chunks = fs.read_capped(&req.path).await?;
+    let mut resp = crate::transfer::base64_json_of(chunks).into_response();
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    Ok(resp)
+}
+
+/// The body of `files/write`, borrowed from the request's bytes: the base64
+/// is not copied, and it is decoded a piece at a time.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileDataIn<'a> {
+    #[serde(default, borrow)]
+    path: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow)]
+    data: std::borrow::Cow<'a, str>,
+}
+
+/// The body of `file-parts`, borrowed likewise.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FilePartIn<'a> {
+    #[serde(borrow)]
+    path: std::borrow::Cow<'a, str>,
+    offset: u64,
+    size: u64,
+    #[serde(borrow)]
+    sha256: std::borrow::Cow<'a, str>,
+    #[serde(borrow)]
+    data: std::borrow::Cow<'a, str>,
+}
+
+/// A JSON body's bytes, bounded as `JsonBody` bounds them.
+async fn json_bytes(body: axum::body::Body) -> ApiResult<bytes::Bytes> {
+    axum::body::to_bytes(body, crate::JSON_LIMIT)
+        .await
+        .map_err(|_| ApiError::new(ErrorCode::PayloadTooLarge, format!("body above {} bytes", crate::JSON_LIMIT)))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/files/write", params(("id" = String, Path)), request_body = hutch_api::FileData,
@@ -429,18 +471,16 @@ pub(crate) async fn files_write(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
-    JsonBody(req): JsonBody<hutch_api::FileData>,
+    body: axum::body::Body,
 ) -> ApiResult<StatusCode> {
-    use base64::Engine;
+    let bytes = json_bytes(body).await?;
+    let req: FileDataIn<'_> = serde_json::from_slice(&bytes).map_err(|e| ApiError::invalid(format!("body: {e}")))?;
     let path = req.path.ok_or_else(|| ApiError::invalid("path is required"))?;
     if req.data.len() > hutch_api::FILE_DATA_CAP / 3 * 4 + 4 {
         return Err(ApiError::new(ErrorCode::PayloadTooLarge, "data above 8 MiB"));
     }
-    let data = base64::engine::general_purpose::STANDARD
-        .decode(req.data.as_bytes())
-        .map_err(|_| ApiError::invalid("data is not base64"))?;
     let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
-    fs.write(&path, &data).await?;
+    fs.write_base64(&path, &req.data).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -489,10 +529,13 @@ pub(crate) async fn archive_upload(
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     req: Request,
-) -> ApiResult<Json<hutch_api::ArchiveResult>> {
+) -> Response {
     use axum::extract::FromRequest;
     use hutch_control::files::{pipe, FilesError, UPLOAD_PACKED_CAP};
-    let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
+    let fs = match sandbox_id(&id).and_then(|id| Ok(app.control.fs(&caller.key_id, id)?)) {
+        Ok(fs) => fs,
+        Err(e) => return crate::transfer::close_unless(false, e.into_response()),
+    };
     // Form-level trouble reads as a refused archive; limits as too large.
     let archive_err = |e: FilesError| match e.code {
         ErrorCode::PayloadTooLarge | ErrorCode::SandboxArchiveTooLarge => {
@@ -533,7 +576,7 @@ pub(crate) async fn archive_upload(
                         ));
                     };
                     let (chunks, part_feed) = tap.part(field);
-                    let done = crate::transfer::with_feed(part_feed, fs.upload_archive_stream(&path, chunks)).await;
+                    let done = crate::transfer::with_part(part_feed, fs.upload_archive_stream(&path, chunks)).await;
                     return done.map_err(archive_err);
                 }
                 _ => tap.skip(field).await.map_err(archive_err)?,
@@ -542,7 +585,12 @@ pub(crate) async fn archive_upload(
         let missing = if path.is_some() { "the form has no archive part" } else { "the form has no path field" };
         Err(ApiError::new(ErrorCode::SandboxArchiveInvalid, missing))
     };
-    Ok(Json(crate::transfer::with_feed(feed, work).await?))
+    let (done, whole) = crate::transfer::with_feed(feed, work).await;
+    let resp = match done {
+        Ok(result) => Json(result).into_response(),
+        Err(e) => e.into_response(),
+    };
+    crate::transfer::close_unless(whole, resp)
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/archives", params(("id" = String, Path), PathQuery),
@@ -567,8 +615,17 @@ pub(crate) async fn file_part(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
-    JsonBody(part): JsonBody<hutch_api::FilePart>,
+    body: axum::body::Body,
 ) -> ApiResult<Json<hutch_api::FilePartResult>> {
+    let bytes = json_bytes(body).await?;
+    let part: FilePartIn<'_> = serde_json::from_slice(&bytes).map_err(|e| ApiError::invalid(format!("body: {e}")))?;
     let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
-    Ok(Json(fs.put_part(part).await?))
+    let part = hutch_control::files::PartRef {
+        path: &part.path,
+        offset: part.offset,
+        size: part.size,
+        sha256: &part.sha256,
+        data: &part.data,
+    };
+    Ok(Json(fs.put_part_base64(part).await?))
 }

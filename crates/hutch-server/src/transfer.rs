@@ -37,31 +37,70 @@ impl futures_core::Stream for ChunkStream {
     }
 }
 
+/// Bytes of a request body read and dropped after its transfer ended early
+/// (a refusal, a limit), so that the connection stays usable; past this
+/// the connection is closed instead.
+pub const DRAIN_LIMIT: u64 = 8 << 20;
+
 /// A request body as a transfer's chunks: the returned future feeds them
 /// (run it beside the transfer with [`with_feed`]); a body that fails
-/// breaks the stream with `invalid_request`.
-pub fn chunks_of(body: Body) -> (Chunks, impl std::future::Future<Output = ()>) {
+/// breaks the stream with `invalid_request`. Once the transfer stops
+/// taking chunks, the rest of the body is read and dropped, up to
+/// [`DRAIN_LIMIT`]; the future answers whether the body was read to its end.
+pub fn chunks_of(body: Body) -> (Chunks, impl std::future::Future<Output = bool>) {
     let (tx, rx) = mpsc::channel(PIPE_DEPTH);
     let feed = async move {
         let mut stream = body.into_data_stream();
+        let mut drained: Option<u64> = None;
         while let Some(chunk) =
             std::future::poll_fn(|cx| futures_core::Stream::poll_next(Pin::new(&mut stream), cx)).await
         {
-            let item = chunk
-                .map(|b| b.to_vec())
-                .map_err(|e| FilesError::new(ErrorCode::InvalidRequest, format!("request body: {e}")));
-            let stop = item.is_err();
-            if tx.send(item).await.is_err() || stop {
-                return;
+            let Ok(chunk) = chunk else {
+                let _ = tx.send(Err(FilesError::new(ErrorCode::InvalidRequest, "request body: it broke off"))).await;
+                return false;
+            };
+            if let Some(n) = drained.as_mut() {
+                *n += chunk.len() as u64;
+                if *n > DRAIN_LIMIT {
+                    return false;
+                }
+                continue;
+            }
+            if tx.send(Ok(chunk.to_vec())).await.is_err() {
+                drained = Some(chunk.len() as u64);
             }
         }
+        true
     };
     (rx, feed)
 }
 
-/// Runs `work` with `feed` beside it until `work` ends; then `feed` is
-/// dropped (so a transfer that stopped early never waits on a client).
+/// Runs `work` with `feed` beside it; once `work` ends, lets `feed` finish
+/// (it drains what is left of a body, bounded). Answers the work's result
+/// and whether the body was read to its end (if not, the connection must
+/// close: see [`close_unless`]).
 pub async fn with_feed<T>(
+    feed: impl std::future::Future<Output = bool>,
+    work: impl std::future::Future<Output = T>,
+) -> (T, bool) {
+    tokio::pin!(feed);
+    tokio::pin!(work);
+    let mut fed = None;
+    let result = loop {
+        tokio::select! {
+            r = &mut work => break r,
+            whole = &mut feed, if fed.is_none() => fed = Some(whole),
+        }
+    };
+    let whole = match fed {
+        Some(whole) => whole,
+        None => feed.await,
+    };
+    (result, whole)
+}
+
+/// Runs a part's feed beside its transfer; the feed ends with the transfer.
+pub async fn with_part<T>(
     feed: impl std::future::Future<Output = ()>,
     work: impl std::future::Future<Output = T>,
 ) -> T {
@@ -74,6 +113,15 @@ pub async fn with_feed<T>(
             () = &mut feed, if !fed => fed = true,
         }
     }
+}
+
+/// `Connection: close` on `resp` unless the request body was read whole:
+/// a connection with unread body bytes cannot carry the next request.
+pub fn close_unless(whole: bool, mut resp: axum::response::Response) -> axum::response::Response {
+    if !whole {
+        resp.headers_mut().insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
+    }
+    resp
 }
 
 /// What a form's body and its reader share: bytes handed to the parser,
@@ -191,6 +239,64 @@ impl futures_core::Stream for FormBody {
             }
             Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(self.tap.record(e)))),
             Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// A JSON body `{"data": "<base64>"}` encoded from a transfer's chunks as
+/// they come (the shape of `hutch_api::FileData` without a path); a stream
+/// that breaks cuts the body short, so it never parses as a whole answer.
+pub fn base64_json_of(rx: Chunks) -> Body {
+    Body::from_stream(Base64Json { rx, carry: Vec::new(), state: Json::Start })
+}
+
+#[derive(PartialEq, Eq)]
+enum Json {
+    Start,
+    Data,
+    Done,
+}
+
+struct Base64Json {
+    rx: Chunks,
+    /// Bytes of the last chunk that did not fill a 3-byte group.
+    carry: Vec<u8>,
+    state: Json,
+}
+
+impl futures_core::Stream for Base64Json {
+    type Item = Result<Bytes, std::io::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        use base64::Engine as _;
+        let engine = base64::engine::general_purpose::STANDARD;
+        match self.state {
+            Json::Done => return Poll::Ready(None),
+            Json::Start => {
+                self.state = Json::Data;
+                return Poll::Ready(Some(Ok(Bytes::from_static(b"{\"data\":\""))));
+            }
+            Json::Data => {}
+        }
+        match self.rx.poll_recv(cx) {
+            Poll::Ready(Some(Ok(chunk))) => {
+                let mut bytes = std::mem::take(&mut self.carry);
+                bytes.extend_from_slice(&chunk);
+                let whole = bytes.len() / 3 * 3;
+                self.carry = bytes.split_off(whole);
+                Poll::Ready(Some(Ok(Bytes::from(engine.encode(&bytes)))))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                self.state = Json::Done;
+                Poll::Ready(Some(Err(std::io::Error::other(e.message))))
+            }
+            Poll::Ready(None) => {
+                self.state = Json::Done;
+                let mut tail = engine.encode(&self.carry).into_bytes();
+                tail.extend_from_slice(b"\"}");
+                Poll::Ready(Some(Ok(Bytes::from(tail))))
+            }
             Poll::Pending => Poll::Pending,
         }
     }

@@ -391,7 +391,7 @@ async fn write_form(
             (None, None) => return Err(EnvdError::new(ErrorCode::InvalidRequest, "a file part has no name")),
         };
         let (chunks, feed) = tap.part(field);
-        written.push(crate::transfer::with_feed(feed, write_one(app, ctx, fs, &target, chunks, meta)).await?);
+        written.push(crate::transfer::with_part(feed, write_one(app, ctx, fs, &target, chunks, meta)).await?);
     }
     Ok(written)
 }
@@ -443,12 +443,14 @@ async fn upload(
                 Ok(vec![write_one(&app, &ctx, &fs, path, plain, &meta).await?])
             }
         };
-        let written = crate::transfer::with_feed(feed, work).await?;
-        Ok::<_, EnvdError>(Value::Array(written))
+        let (written, whole) = crate::transfer::with_feed(feed, work).await;
+        Ok::<_, EnvdError>((written.map(Value::Array), whole))
     };
     match run.await {
-        Ok(v) => axum::Json(v).into_response(),
-        Err(e) => http_error(e),
+        Ok((Ok(v), whole)) => crate::transfer::close_unless(whole, axum::Json(v).into_response()),
+        Ok((Err(e), whole)) => crate::transfer::close_unless(whole, http_error(e)),
+        // Refused before the body was looked at.
+        Err(e) => crate::transfer::close_unless(false, http_error(e)),
     }
 }
 
