@@ -513,6 +513,7 @@ def test_daemon_memory_stays_bounded_while_transfers_stream_a_gib_each_way(own_d
         busy.clear()
         poller.join(timeout=REQUEST_TIMEOUT + 5)
     peak = vm_hwm_kib(d.pid)
+    print(f"daemon peak RSS (VmHWM): {peak} KiB")
     assert peak < RSS_BOUND_KIB, f"the daemon's peak RSS was {peak // 1024} MiB (bound {RSS_BOUND_KIB // 1024} MiB)"
     assert health and all(a == 200 for a in health), f"/healthz failed meanwhile: {[a for a in health if a != 200]}"
 
