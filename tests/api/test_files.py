@@ -694,3 +694,28 @@ def test_kill_9_while_an_archive_is_moved_into_place_leaves_one_tree(own_daemon:
             pass
     assert 0 < fresh < FILES, f"{fresh} of {FILES} files were new at the kill"
     restart_and_check(d, api, sid, t, root)
+
+
+def test_e2b_files_take_gzip_forms_and_refuse_other_encodings(daemon: Daemon, api: Client, sandbox: dict):
+    sid = sandbox["id"]
+    envd = envd_headers(daemon, sid)
+    boundary = "gz-form-boundary"
+    parts = [("file", "a.txt", [b"alpha\n"]), ("file", "b.bin", [os.urandom(3 * MiB)])]
+    body = b"".join(form_stream(parts, boundary))
+    r = requests.post(daemon.base + "/files", data=gzip.compress(body), timeout=REQUEST_TIMEOUT,
+                      headers={**envd, "Content-Type": f"multipart/form-data; boundary={boundary}",
+                               "Content-Encoding": "gzip"})
+    assert r.status_code == 200, r.text[:500]
+    assert sorted(e["name"] for e in r.json()) == ["a.txt", "b.bin"]
+    assert api.sh(sid, "cat /home/user/a.txt") == "alpha\n"
+    assert api.sh(sid, "stat -c %s /home/user/b.bin").strip() == str(3 * MiB)
+    r = requests.post(daemon.base + "/files", params={"path": "/home/user/br.bin"}, data=b"x", timeout=REQUEST_TIMEOUT,
+                      headers={**envd, "Content-Type": "application/octet-stream", "Content-Encoding": "br"})
+    assert r.status_code == 400, r.text
+    # Malformed gzip: refused, nothing left.
+    r = requests.post(daemon.base + "/files", params={"path": "/home/user/bad.bin"}, timeout=REQUEST_TIMEOUT,
+                      data=b"\x1f\x8b" + os.urandom(4096),
+                      headers={**envd, "Content-Type": "application/octet-stream", "Content-Encoding": "gzip"})
+    assert r.status_code == 400, r.text
+    assert api.exec(sid, "test -e /home/user/bad.bin || test -e /home/user/br.bin")["exit_code"] != 0
+    assert ".hutch-upload-" not in api.sh(sid, "ls -A /home/user")
