@@ -16,6 +16,13 @@
 //! agent is one single-threaded event loop, and hashing 256 MiB in it would
 //! stall every command's output for seconds; it also keeps the agent's
 //! dependencies at three.
+//!
+//! Transfers stream: bodies in and out are [`Chunks`] (a channel of a few
+//! chunks), so a transfer holds a few MiB here whatever it carries; tar
+//! parsing and gzip inflation run on threads of their own ([`pipe`]);
+//! archive uploads stage as they are validated and commit under an undo
+//! journal on the host ([`journal`]), so a refused archive, a client that
+//! goes away or a daemon killed part way leaves the target as it was.
 
 pub(crate) mod archive;
 pub mod journal;
