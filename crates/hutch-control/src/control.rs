@@ -345,6 +345,11 @@ impl Control {
         self.cancelled_set().contains(id)
     }
 
+    /// Where archive uploads into sandbox `id` keep their undo journal.
+    pub(crate) fn upload_journal(&self, id: &SandboxId) -> crate::files::JournalDir {
+        crate::files::JournalDir { dir: self.runtime.config().state_dir.join("uploads"), sandbox: id.to_string() }
+    }
+
     pub(crate) fn is_revoked(&self, owner: &OwnerId) -> bool {
         self.revoked.lock().unwrap_or_else(|p| p.into_inner()).contains(owner.as_str())
     }

@@ -32,7 +32,7 @@ impl Control {
     /// File transfers of the session's sandbox, as its user.
     pub async fn envd_fs(&self, s: &EnvdSession) -> Result<SandboxFs> {
         let live = self.running_of(&s.owner, &s.id).await?;
-        Ok(SandboxFs::new(live.socket.clone(), Some(s.user().to_owned())))
+        Ok(SandboxFs::new(live.socket.clone(), Some(s.user().to_owned())).with_journal(self.upload_journal(&s.id)))
     }
 
     /// Describes a path (absolute) without following a final symlink.
@@ -128,6 +128,6 @@ impl Control {
             }
             Err(e) => return Err(e),
         };
-        Ok(SandboxFs::new(live.socket.clone(), None))
+        Ok(SandboxFs::new(live.socket.clone(), None).with_journal(self.upload_journal(id)))
     }
 }

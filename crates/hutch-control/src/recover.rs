@@ -47,6 +47,12 @@ impl Control {
                     }
                     live.set_suspended(r.state == SandboxState::Suspended);
                     tracing::info!("adopted sandbox {id}");
+                    // Archive uploads the last daemon left half done are
+                    // undone (or finished); a frozen agent cannot answer,
+                    // so a suspended sandbox's wait for its resume.
+                    if r.state == SandboxState::Running {
+                        crate::files::journal::recover(&self.upload_journal(&id), &live.socket).await;
+                    }
                 }
                 (state, _) => {
                     let reason = if state == SandboxState::Terminating { None } else { Some(Reason::LostOnRestart) };
@@ -55,6 +61,10 @@ impl Control {
                 }
             }
         }
+        // Upload journals of sandboxes that are gone describe nothing left.
+        let live: HashSet<String> = self.lives().iter().map(|l| l.id.to_string()).collect();
+        crate::files::journal::sweep(&self.runtime.config().state_dir.join("uploads"), move |id| live.contains(id))
+            .await;
         // Anything on the host with no record (rows come first, so only
         // what a stopped daemon was tearing down) is swept.
         let rt = self.runtime.clone();

@@ -524,6 +524,9 @@ impl Control {
         if frozen {
             // Open proxied connections end with the grants.
             self.access.revoke_sandbox(id.as_str());
+        } else {
+            // Uploads a stopped daemon left while this sandbox was frozen.
+            crate::files::journal::recover(&self.upload_journal(id), &live.socket).await;
         }
         // Not observed since the change: a resume looks again.
         let mut net = NetRecord::parse(&r.network);

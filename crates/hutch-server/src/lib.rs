@@ -16,6 +16,7 @@ mod openapi;
 pub mod proxy;
 mod routes;
 mod templates;
+mod transfer;
 
 use axum::body::Body;
 use axum::extract::{FromRequest, Request};
@@ -103,23 +104,32 @@ where
     type Rejection = ApiError;
 
     async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
-        let json_type = req
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .map(|v| v.split(';').next().unwrap_or("").trim().to_ascii_lowercase());
-        let bytes = axum::body::to_bytes(req.into_body(), JSON_LIMIT)
-            .await
-            .map_err(|_| ApiError::new(ErrorCode::PayloadTooLarge, format!("body above {JSON_LIMIT} bytes")))?;
-        let text: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) { b"{}" } else { &bytes };
-        if !bytes.is_empty() && !matches!(json_type.as_deref(), Some("application/json") | None) {
-            return Err(ApiError::invalid("the body must be JSON: send Content-Type: application/json"));
-        }
-        if text.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-            return Err(ApiError::invalid("the body must be a JSON object"));
-        }
-        serde_json::from_slice(text).map(JsonBody).map_err(|e| ApiError::invalid(format!("body: {e}")))
+        let bytes = json_object_bytes(req).await?;
+        serde_json::from_slice(&bytes).map(JsonBody).map_err(|e| ApiError::invalid(format!("body: {e}")))
     }
+}
+
+/// A JSON object body's bytes: bounded, sent as `application/json` (or
+/// with no type), an object; an empty body is `{}`.
+pub(crate) async fn json_object_bytes(req: Request) -> ApiResult<bytes::Bytes> {
+    let json_type = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.split(';').next().unwrap_or("").trim().to_ascii_lowercase());
+    let bytes = axum::body::to_bytes(req.into_body(), JSON_LIMIT)
+        .await
+        .map_err(|_| ApiError::new(ErrorCode::PayloadTooLarge, format!("body above {JSON_LIMIT} bytes")))?;
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(bytes::Bytes::from_static(b"{}"));
+    }
+    if !matches!(json_type.as_deref(), Some("application/json") | None) {
+        return Err(ApiError::invalid("the body must be JSON: send Content-Type: application/json"));
+    }
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ApiError::invalid("the body must be a JSON object"));
+    }
+    Ok(bytes)
 }
 
 /// The `Idempotency-Key` header, if any.

@@ -39,11 +39,10 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/sandboxes/{id}/files/read", post(files_read))
         .route("/v1/sandboxes/{id}/files/write", post(files_write))
         .route("/v1/sandboxes/{id}/files/list", get(files_list))
+        // Uploads stream under their own caps (`UPLOAD_PACKED_CAP`).
         .route(
             "/v1/sandboxes/{id}/archives",
-            post(archive_upload)
-                .get(archive_download)
-                .layer(axum::extract::DefaultBodyLimit::max(hutch_control::files::ARCHIVE_CAP + (1 << 20))),
+            post(archive_upload).get(archive_download).layer(axum::extract::DefaultBodyLimit::disable()),
         )
         .route("/v1/sandboxes/{id}/file-parts", post(file_part))
         .route("/v1/keys", get(list_keys).post(create_key))
@@ -437,17 +436,8 @@ pub(crate) async fn files_get(
     ApiQuery(q): ApiQuery<PathQuery>,
 ) -> ApiResult<Response> {
     let fs = app.control.fs(&caller, &SandboxId::parse(&id)?).await?;
-    let mut chunks = fs.read_stream(&q.path).await?;
-    let (tx, rx) = tokio::sync::mpsc::channel(4);
-    tokio::spawn(async move {
-        while let Some(chunk) = chunks.recv().await {
-            let item = chunk.map(bytes::Bytes::from).map_err(|e| std::io::Error::other(e.message));
-            if tx.send(item).await.is_err() {
-                return;
-            }
-        }
-    });
-    let mut resp = ChannelBody(rx).into_body().into_response();
+    let chunks = fs.read_stream(&q.path).await?;
+    let mut resp = crate::transfer::body_of(chunks).into_response();
     resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
     Ok(resp)
 }
@@ -460,33 +450,31 @@ pub(crate) async fn files_put(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
     ApiPath(id): ApiPath<String>,
-    ApiQuery(q): ApiQuery<PathQuery>,
+    q: Result<axum::extract::Query<PathQuery>, axum::extract::rejection::QueryRejection>,
     body: axum::body::Body,
-) -> ApiResult<StatusCode> {
-    let fs = app.control.fs(&caller, &SandboxId::parse(&id)?).await?;
-    let (tx, rx) = tokio::sync::mpsc::channel::<Vec<u8>>(4);
-    // The body streams into the sandbox; it is never held whole.
-    let feed = tokio::spawn(async move {
-        let mut stream = body.into_data_stream();
-        while let Some(chunk) =
-            std::future::poll_fn(|cx| futures_core::Stream::poll_next(std::pin::Pin::new(&mut stream), cx)).await
-        {
-            match chunk {
-                Ok(bytes) => {
-                    if tx.send(bytes.to_vec()).await.is_err() {
-                        return Ok(());
-                    }
-                }
-                Err(e) => return Err(e.to_string()),
-            }
-        }
-        Ok(())
-    });
-    let written = fs.write_stream(&q.path, rx).await;
-    let fed = feed.await.map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
-    fed.map_err(|e| ApiError::invalid(format!("request body: {e}")))?;
-    written?;
-    Ok(StatusCode::NO_CONTENT)
+) -> Response {
+    let refused = |e: ApiError| crate::transfer::close_unless(false, e.into_response());
+    // Refused before the body was read: the connection cannot carry on.
+    let q = match q {
+        Ok(axum::extract::Query(q)) => q,
+        Err(e) => return refused(ApiError::invalid(e.body_text())),
+    };
+    let fs = match SandboxId::parse(&id) {
+        Ok(sid) => match app.control.fs(&caller, &sid).await {
+            Ok(fs) => fs,
+            Err(e) => return refused(e.into()),
+        },
+        Err(e) => return refused(e.into()),
+    };
+    // The body streams into the sandbox; it is never held whole, and a
+    // body that breaks leaves nothing.
+    let (chunks, feed) = crate::transfer::chunks_of(body);
+    let (written, whole) = crate::transfer::with_feed(feed, fs.write_stream(&q.path, chunks)).await;
+    let resp = match written {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => ApiError::from(e).into_response(),
+    };
+    crate::transfer::close_unless(whole, resp)
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/files/read", params(("id" = String, Path)), request_body = hutch_api::FileRef,
@@ -497,11 +485,43 @@ pub(crate) async fn files_read(
     Extension(caller): Extension<Caller>,
     ApiPath(id): ApiPath<String>,
     JsonBody(req): JsonBody<hutch_api::FileRef>,
-) -> ApiResult<Json<hutch_api::FileData>> {
-    use base64::Engine;
+) -> ApiResult<Response> {
     let fs = app.control.fs(&caller, &SandboxId::parse(&id)?).await?;
-    let data = fs.read(&req.path).await?;
-    Ok(Json(hutch_api::FileData { path: None, data: base64::engine::general_purpose::STANDARD.encode(data) }))
+    // Checked against the cap first, then encoded as it is read.
+    let chunks = fs.read_capped(&req.path).await?;
+    let mut resp = crate::transfer::base64_json_of(chunks).into_response();
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    Ok(resp)
+}
+
+/// The body of `files/write`, borrowed from the request's bytes: the base64
+/// is not copied, and it is decoded a piece at a time.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileDataIn<'a> {
+    #[serde(default, borrow)]
+    path: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow)]
+    data: std::borrow::Cow<'a, str>,
+}
+
+/// The body of `file-parts`, borrowed likewise.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FilePartIn<'a> {
+    #[serde(borrow)]
+    path: std::borrow::Cow<'a, str>,
+    offset: u64,
+    size: u64,
+    #[serde(borrow)]
+    sha256: std::borrow::Cow<'a, str>,
+    #[serde(borrow)]
+    data: std::borrow::Cow<'a, str>,
+}
+
+/// A JSON object body's bytes, bounded and checked as `JsonBody` checks them.
+async fn json_bytes(req: Request) -> ApiResult<bytes::Bytes> {
+    crate::json_object_bytes(req).await
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/files/write", params(("id" = String, Path)), request_body = hutch_api::FileData,
@@ -511,18 +531,16 @@ pub(crate) async fn files_write(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
     ApiPath(id): ApiPath<String>,
-    JsonBody(req): JsonBody<hutch_api::FileData>,
+    req: Request,
 ) -> ApiResult<StatusCode> {
-    use base64::Engine;
+    let bytes = json_bytes(req).await?;
+    let req: FileDataIn<'_> = serde_json::from_slice(&bytes).map_err(|e| ApiError::invalid(format!("body: {e}")))?;
     let path = req.path.ok_or_else(|| ApiError::invalid("path is required"))?;
     if req.data.len() > hutch_api::FILE_DATA_CAP / 3 * 4 + 4 {
         return Err(ApiError::new(ErrorCode::PayloadTooLarge, "data above 8 MiB"));
     }
-    let data = base64::engine::general_purpose::STANDARD
-        .decode(req.data.as_bytes())
-        .map_err(|_| ApiError::invalid("data is not base64"))?;
     let fs = app.control.fs(&caller, &SandboxId::parse(&id)?).await?;
-    fs.write(&path, &data).await?;
+    fs.write_base64(&path, &req.data).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -562,54 +580,84 @@ pub(crate) async fn files_list(
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/archives", params(("id" = String, Path)),
-    request_body(content_type = "multipart/form-data", description = "a `path` field and an `archive` part (tar, gzip detected)"),
+    request_body(content_type = "multipart/form-data", description = "a `path` field, then an `archive` part (tar, gzip detected)"),
     responses((status = 200, body = hutch_api::ArchiveResult), (status = 400, body = hutch_api::ErrorBody),
               (status = 404, body = hutch_api::ErrorBody), (status = 409, body = hutch_api::ErrorBody), (status = 413, body = hutch_api::ErrorBody)))]
 pub(crate) async fn archive_upload(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
     ApiPath(id): ApiPath<String>,
-    multipart: Result<axum::extract::Multipart, axum::extract::multipart::MultipartRejection>,
-) -> ApiResult<Json<hutch_api::ArchiveResult>> {
-    let invalid = |m: String| ApiError::new(ErrorCode::SandboxArchiveInvalid, m);
-    let mut multipart = multipart.map_err(|e| invalid(e.body_text()))?;
-    let id = &SandboxId::parse(&id)?.to_owned();
-    let (mut path, mut archive) = (None, None);
-    loop {
-        let field = match multipart.next_field().await {
-            Ok(Some(f)) => f,
-            Ok(None) => break,
-            Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
-                return Err(ApiError::new(ErrorCode::SandboxArchiveTooLarge, "archive above 32 MiB"));
-            }
-            Err(e) => return Err(invalid(format!("malformed form: {}", e.body_text()))),
-        };
-        match field.name() {
-            Some("path") => path = Some(field.text().await.map_err(|e| invalid(e.body_text()))?),
-            Some("archive") => {
-                let bytes = field.bytes().await.map_err(|e| {
-                    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                        ApiError::new(ErrorCode::SandboxArchiveTooLarge, "archive above 32 MiB")
-                    } else {
-                        invalid(format!("malformed form: {}", e.body_text()))
-                    }
-                })?;
-                archive = Some(bytes.to_vec());
-            }
-            _ => {}
+    req: Request,
+) -> Response {
+    use axum::extract::FromRequest;
+    use hutch_control::files::{pipe, FilesError, UPLOAD_PACKED_CAP};
+    let sid = match SandboxId::parse(&id) {
+        Ok(sid) => sid,
+        Err(e) => return crate::transfer::close_unless(false, ApiError::from(e).into_response()),
+    };
+    let fs = match app.control.fs(&caller, &sid).await {
+        Ok(fs) => fs,
+        Err(e) => return crate::transfer::close_unless(false, ApiError::from(e).into_response()),
+    };
+    // Form-level trouble reads as a refused archive; limits as too large.
+    let archive_err = |e: FilesError| match e.code {
+        ErrorCode::PayloadTooLarge | ErrorCode::SandboxArchiveTooLarge => {
+            ApiError::new(ErrorCode::SandboxArchiveTooLarge, e.message)
         }
-    }
-    let path = path.ok_or_else(|| invalid("the form has no path field".into()))?;
-    let archive = archive.ok_or_else(|| invalid("the form has no archive part".into()))?;
-    if archive.len() > hutch_control::files::ARCHIVE_CAP {
-        return Err(ApiError::new(ErrorCode::SandboxArchiveTooLarge, "archive above 32 MiB"));
-    }
-    let fs = app.control.fs(&caller, id).await?;
-    Ok(Json(fs.upload_archive(&path, archive).await?))
+        ErrorCode::InvalidRequest => ApiError::new(ErrorCode::SandboxArchiveInvalid, e.message),
+        _ => ApiError::from(e),
+    };
+    let (parts, body) = req.into_parts();
+    let (wire, feed) = crate::transfer::chunks_of(body);
+    let wire = pipe::cap(wire, UPLOAD_PACKED_CAP + (1 << 20), "the form");
+    let tap = crate::transfer::FormTap::default();
+    let form = Request::from_parts(parts, tap.body(wire));
+    let work = async {
+        let mut form = axum::extract::Multipart::from_request(form, &())
+            .await
+            .map_err(|e| ApiError::new(ErrorCode::SandboxArchiveInvalid, e.body_text()))?;
+        let mut path = None;
+        loop {
+            let field = match form.next_field().await {
+                Ok(Some(f)) => f,
+                Ok(None) => break,
+                Err(e) => {
+                    return Err(archive_err(tap.broken().unwrap_or_else(|| {
+                        FilesError::new(ErrorCode::InvalidRequest, format!("malformed form: {}", e.body_text()))
+                    })))
+                }
+            };
+            match field.name() {
+                Some("path") => path = Some(tap.text(field, 4096).await.map_err(archive_err)?),
+                Some("archive") => {
+                    // Streamed into the sandbox as it arrives: the path
+                    // must be known by then.
+                    let Some(path) = path.take() else {
+                        return Err(ApiError::new(
+                            ErrorCode::SandboxArchiveInvalid,
+                            "the form's path field must come before its archive part",
+                        ));
+                    };
+                    let (chunks, part_feed) = tap.part(field);
+                    let done = crate::transfer::with_part(part_feed, fs.upload_archive_stream(&path, chunks)).await;
+                    return done.map_err(archive_err);
+                }
+                _ => tap.skip(field).await.map_err(archive_err)?,
+            }
+        }
+        let missing = if path.is_some() { "the form has no archive part" } else { "the form has no path field" };
+        Err(ApiError::new(ErrorCode::SandboxArchiveInvalid, missing))
+    };
+    let (done, whole) = crate::transfer::with_feed(feed, work).await;
+    let resp = match done {
+        Ok(result) => Json(result).into_response(),
+        Err(e) => e.into_response(),
+    };
+    crate::transfer::close_unless(whole, resp)
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/archives", params(("id" = String, Path), PathQuery),
-    responses((status = 200, description = "a tar of the directory", content_type = "application/x-tar"),
+    responses((status = 200, description = "a tar of the directory, streamed; an error after the first byte cuts it short", content_type = "application/x-tar"),
               (status = 400, body = hutch_api::ErrorBody), (status = 404, body = hutch_api::ErrorBody)))]
 pub(crate) async fn archive_download(
     State(app): AppState,
@@ -618,8 +666,8 @@ pub(crate) async fn archive_download(
     ApiQuery(q): ApiQuery<PathQuery>,
 ) -> ApiResult<Response> {
     let fs = app.control.fs(&caller, &SandboxId::parse(&id)?).await?;
-    let tar = fs.download_archive(&q.path).await?;
-    Ok(([(header::CONTENT_TYPE, "application/x-tar")], tar).into_response())
+    let chunks = fs.download_archive(&q.path).await?;
+    Ok(([(header::CONTENT_TYPE, "application/x-tar")], crate::transfer::body_of(chunks)).into_response())
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/file-parts", params(("id" = String, Path)), request_body = hutch_api::FilePart,
@@ -629,8 +677,17 @@ pub(crate) async fn file_part(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
     ApiPath(id): ApiPath<String>,
-    JsonBody(part): JsonBody<hutch_api::FilePart>,
+    req: Request,
 ) -> ApiResult<Json<hutch_api::FilePartResult>> {
+    let bytes = json_bytes(req).await?;
+    let part: FilePartIn<'_> = serde_json::from_slice(&bytes).map_err(|e| ApiError::invalid(format!("body: {e}")))?;
     let fs = app.control.fs(&caller, &SandboxId::parse(&id)?).await?;
-    Ok(Json(fs.put_part(part).await?))
+    let part = hutch_control::files::PartRef {
+        path: &part.path,
+        offset: part.offset,
+        size: part.size,
+        sha256: &part.sha256,
+        data: &part.data,
+    };
+    Ok(Json(fs.put_part_base64(part).await?))
 }

@@ -7,7 +7,7 @@
 
 use super::connect::{self, unary, unary_error, unary_request};
 use super::{E2bError, EnvdError};
-use crate::{App, ChannelBody};
+use crate::App;
 use axum::body::Bytes;
 use axum::extract::{Query, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -19,19 +19,16 @@ use base64::Engine;
 use hutch_api::ErrorCode;
 use hutch_control::e2b::{Operation, SignedUrl};
 use hutch_control::fileops::{META_BYTES, META_KEYS};
+use hutch_control::files::{pipe, Chunks, SandboxFs};
 use hutch_control::session::{Entry, EntryKind, EnvdSession};
 use hutch_control::{ControlError, SandboxId};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::sync::Arc;
 
 type AppState = State<Arc<App>>;
-
-/// Largest upload body (the files API's own cap applies per file).
-const UPLOAD_LIMIT: usize = 512 << 20;
 
 /// Who an envd call acts for: a session the control plane made.
 pub type Envd = EnvdSession;
@@ -39,7 +36,8 @@ pub type Envd = EnvdSession;
 pub fn router(app: Arc<App>) -> Router<Arc<App>> {
     Router::new()
         .route("/health", get(health))
-        .route("/files", get(download).post(upload).layer(axum::extract::DefaultBodyLimit::max(UPLOAD_LIMIT)))
+        // Uploads stream under their own caps (`UPLOAD_CAP`).
+        .route("/files", get(download).post(upload).layer(axum::extract::DefaultBodyLimit::disable()))
         .route("/filesystem.Filesystem/Stat", post(stat))
         .route("/filesystem.Filesystem/ListDir", post(list_dir))
         .route("/filesystem.Filesystem/MakeDir", post(make_dir))
@@ -165,6 +163,7 @@ fn http_error(e: EnvdError) -> Response {
     let (_, status) = e.connect();
     let status = if e.code == ErrorCode::SandboxPathConflict { StatusCode::BAD_REQUEST } else { status };
     let status = if e.code == ErrorCode::SandboxDiskFull { StatusCode::INSUFFICIENT_STORAGE } else { status };
+    let status = if e.code == ErrorCode::PayloadTooLarge { StatusCode::PAYLOAD_TOO_LARGE } else { status };
     E2bError::new(status, e.message).into_response()
 }
 
@@ -194,20 +193,11 @@ async fn download(State(app): AppState, Extension(ctx): Extension<Envd>, Query(q
         let chunks = fs.read_stream(&path).await?;
         Ok::<_, EnvdError>(chunks)
     };
-    let mut chunks = match run.await {
+    let chunks = match run.await {
         Ok(c) => c,
         Err(e) => return http_error(e),
     };
-    let (tx, rx) = tokio::sync::mpsc::channel(4);
-    tokio::spawn(async move {
-        while let Some(chunk) = chunks.recv().await {
-            let item = chunk.map(Bytes::from).map_err(|e| std::io::Error::other(e.message));
-            if tx.send(item).await.is_err() {
-                return;
-            }
-        }
-    });
-    let mut resp = ChannelBody(rx).into_body().into_response();
+    let mut resp = crate::transfer::body_of(chunks).into_response();
     resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
     resp
 }
@@ -243,13 +233,14 @@ async fn metadata_of(app: &App, ctx: &Envd, path: &str) -> Value {
     Value::Object(meta.into_iter().map(|(k, v)| (k, Value::String(v))).collect())
 }
 
-/// Writes one file with its metadata, making its missing parent
-/// directories, as the user.
+/// Writes one file from `data` with its metadata, making its missing
+/// parent directories, as the user.
 async fn write_one(
     app: &App,
     ctx: &Envd,
+    fs: &SandboxFs,
     path: &str,
-    data: Vec<u8>,
+    data: Chunks,
     meta: &BTreeMap<String, String>,
 ) -> Result<Value, EnvdError> {
     let path = ctx.resolve(path)?;
@@ -258,18 +249,7 @@ async fn write_one(
             app.control.fs_mkdir(ctx, parent).await?;
         }
     }
-    let fs = fs_for(app, ctx).await?;
-    let (tx, rx) = tokio::sync::mpsc::channel(4);
-    let feed = tokio::spawn(async move {
-        for chunk in data.chunks(1 << 20) {
-            if tx.send(chunk.to_vec()).await.is_err() {
-                return;
-            }
-        }
-    });
-    let written = fs.write_stream(&path, rx).await;
-    let _ = feed.await;
-    written?;
+    fs.write_stream(&path, data).await?;
     if !meta.is_empty() {
         app.control.fs_set_metadata(ctx, &path, meta).await?;
     }
@@ -279,15 +259,53 @@ async fn write_one(
     Ok(json!({"name": name, "type": "file", "path": path, "metadata": metadata}))
 }
 
-fn gunzip(data: &[u8]) -> Result<Vec<u8>, EnvdError> {
-    let mut out = Vec::new();
-    flate2::read::GzDecoder::new(data)
-        .take(hutch_control::files::FILE_CAP + 1)
-        .read_to_end(&mut out)
-        .map_err(|e| EnvdError::new(ErrorCode::InvalidRequest, format!("gzip body: {e}")))?;
-    Ok(out)
+/// Writes the files of a multipart form read from `body` (already inflated):
+/// each part streams into its file as it arrives.
+async fn write_form(
+    app: &App,
+    ctx: &Envd,
+    fs: &SandboxFs,
+    path: Option<&str>,
+    parts: axum::http::request::Parts,
+    body: Chunks,
+    meta: &BTreeMap<String, String>,
+) -> Result<Vec<Value>, EnvdError> {
+    let tap = crate::transfer::FormTap::default();
+    let form = Request::from_parts(parts, tap.body(body));
+    let mut form = axum::extract::Multipart::from_request(form, &())
+        .await
+        .map_err(|e| EnvdError::new(ErrorCode::InvalidRequest, e.body_text()))?;
+    let mut written = Vec::new();
+    loop {
+        let field = match form.next_field().await {
+            Ok(f) => f,
+            Err(e) => {
+                return Err(tap.broken().map(EnvdError::from).unwrap_or_else(|| {
+                    EnvdError::new(ErrorCode::InvalidRequest, format!("malformed form: {}", e.body_text()))
+                }))
+            }
+        };
+        let Some(field) = field else { break };
+        let target = match (path, field.file_name()) {
+            (Some(p), _) => p.to_owned(),
+            (None, Some(n)) => n.to_owned(),
+            (None, None) => return Err(EnvdError::new(ErrorCode::InvalidRequest, "a file part has no name")),
+        };
+        let (chunks, feed) = tap.part(field);
+        written.push(crate::transfer::with_part(feed, write_one(app, ctx, fs, &target, chunks, meta)).await?);
+    }
+    Ok(written)
 }
 
+/// Most bytes one upload may carry, as sent and once inflated: a file of the
+/// files API's cap, with room for a form's framing. A gzip body that
+/// inflates past it is refused with 413, having cost a bounded buffer.
+const UPLOAD_CAP: u64 = hutch_control::files::FILE_CAP + (1 << 20);
+
+/// `POST /files`: a multipart form of files, or one file as the raw body
+/// (`application/octet-stream`), optionally `Content-Encoding: gzip`. The
+/// body streams into the sandbox (inflated on a thread of its own); it is
+/// never held whole.
 async fn upload(
     State(app): AppState,
     Extension(ctx): Extension<Envd>,
@@ -296,44 +314,44 @@ async fn upload(
 ) -> Response {
     let run = async {
         let ctx = with_user(&ctx, q.username.as_deref())?;
-        let headers = req.headers().clone();
-        let content_type = super::header(&headers, "content-type").unwrap_or("").to_owned();
-        let gzip = super::header(&headers, "content-encoding").is_some_and(|v| v.eq_ignore_ascii_case("gzip"));
-        let meta = metadata_attrs(&headers)?;
-        let mut written = Vec::new();
-        if content_type.starts_with("multipart/form-data") {
-            let mut form = axum::extract::Multipart::from_request(req, &())
-                .await
-                .map_err(|e| EnvdError::new(ErrorCode::InvalidRequest, e.body_text()))?;
-            loop {
-                let field = form.next_field().await.map_err(|e| {
-                    EnvdError::new(ErrorCode::InvalidRequest, format!("malformed form: {}", e.body_text()))
-                })?;
-                let Some(field) = field else { break };
-                let name = field.file_name().map(str::to_owned);
-                let data = field.bytes().await.map_err(|e| {
-                    EnvdError::new(ErrorCode::InvalidRequest, format!("malformed form: {}", e.body_text()))
-                })?;
-                let path = match (&q.path, name) {
-                    (Some(p), _) => p.clone(),
-                    (None, Some(n)) => n,
-                    (None, None) => return Err(EnvdError::new(ErrorCode::InvalidRequest, "a file part has no name")),
-                };
-                written.push(write_one(&app, &ctx, &path, data.to_vec(), &meta).await?);
+        let headers = req.headers();
+        let multipart = super::header(headers, "content-type").unwrap_or("").starts_with("multipart/form-data");
+        let encoding = super::header(headers, "content-encoding").unwrap_or("").trim().to_ascii_lowercase();
+        let gzip = match encoding.as_str() {
+            "" | "identity" => false,
+            "gzip" | "x-gzip" => true,
+            other => {
+                return Err(EnvdError::new(
+                    ErrorCode::InvalidRequest,
+                    format!("Content-Encoding {other:?} is not supported: send gzip or none"),
+                ))
             }
-        } else {
-            let path = q.path.clone().ok_or_else(|| EnvdError::new(ErrorCode::InvalidRequest, "path is required"))?;
-            let body = axum::body::to_bytes(req.into_body(), UPLOAD_LIMIT)
-                .await
-                .map_err(|_| EnvdError::new(ErrorCode::PayloadTooLarge, "the upload is too large"))?;
-            let data = if gzip { gunzip(&body)? } else { body.to_vec() };
-            written.push(write_one(&app, &ctx, &path, data, &meta).await?);
+        };
+        let meta = metadata_attrs(headers)?;
+        if !multipart && q.path.is_none() {
+            return Err(EnvdError::new(ErrorCode::InvalidRequest, "path is required"));
         }
-        Ok::<_, EnvdError>(Value::Array(written))
+        let fs = fs_for(&app, &ctx).await?;
+        let (parts, body) = req.into_parts();
+        let (wire, feed) = crate::transfer::chunks_of(body);
+        let wire = pipe::cap(wire, UPLOAD_CAP, "the upload");
+        let plain = if gzip { pipe::inflate(wire, UPLOAD_CAP)? } else { wire };
+        let work = async {
+            if multipart {
+                write_form(&app, &ctx, &fs, q.path.as_deref(), parts, plain, &meta).await
+            } else {
+                let path = q.path.as_deref().unwrap_or_default();
+                Ok(vec![write_one(&app, &ctx, &fs, path, plain, &meta).await?])
+            }
+        };
+        let (written, whole) = crate::transfer::with_feed(feed, work).await;
+        Ok::<_, EnvdError>((written.map(Value::Array), whole))
     };
     match run.await {
-        Ok(v) => axum::Json(v).into_response(),
-        Err(e) => http_error(e),
+        Ok((Ok(v), whole)) => crate::transfer::close_unless(whole, axum::Json(v).into_response()),
+        Ok((Err(e), whole)) => crate::transfer::close_unless(whole, http_error(e)),
+        // Refused before the body was looked at.
+        Err(e) => crate::transfer::close_unless(false, http_error(e)),
     }
 }
 
