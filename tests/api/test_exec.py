@@ -364,3 +364,44 @@ def test_execution_refuses_unknown_templates_and_fields(api: Client):
     expect_error(api.post("/v1/executions", {"command": "true", "template": "nope"}), 400, "unknown_template")
     expect_error(api.post("/v1/executions", {"command": "true", "background": True}), 400, "invalid_request")
     expect_error(api.post("/v1/executions", {"command": "true", "memory_mb": 1}), 400, "invalid_request")
+
+
+# ---------------------------------------------------------------- bad input and memory (issue 10, findings 12, 14)
+
+
+@pytest.mark.parametrize(
+    "cwd, code",
+    [
+        ("/proc/1/root", "sandbox_path_not_directory"),
+        ("/proc/self/cwd", "sandbox_path_not_directory"),
+        ("/workspace/missing", "sandbox_path_not_directory"),
+        ("/etc/passwd", "sandbox_path_not_directory"),
+        ("/root", "sandbox_path_unreadable"),
+        ("", "invalid_request"),
+        ("/" + "a" * 5000, "invalid_request"),
+    ],
+    ids=["proc-root", "proc-self-cwd", "missing", "a-file", "root-home", "empty", "too-long"],
+)
+def test_exec_with_a_bad_cwd_is_a_clear_4xx(api: Client, sandbox: dict, cwd: str, code: str):
+    expect_error(api.exec_raw(sandbox["id"], {"command": "true", "cwd": cwd}), 400, code)
+
+
+@pytest.mark.parametrize("user", ["nobody", "daemon", "USER", "0", "1000"])
+def test_exec_accepts_only_the_documented_users(api: Client, sandbox: dict, user: str):
+    body = expect_error(api.exec_raw(sandbox["id"], {"command": "true", "user": user}), 400, "invalid_request")
+    assert "user" in body["error"], body
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"command": "x" * 200_000},
+        {"argv": ["echo"] + ["y" * 1000] * 200},
+        {"command": "true", "env": {f"V{i}": "z" * 30_000 for i in range(10)}},
+        {"argv": ["a\u0000b"]},
+        {"command": "true", "env": {"": "1"}},
+    ],
+    ids=["long-command", "long-argv", "big-env", "argv-nul", "env-empty-name"],
+)
+def test_exec_with_oversized_or_malformed_commands_is_400(api: Client, sandbox: dict, body: dict):
+    expect_error(api.exec_raw(sandbox["id"], body), 400, "invalid_request")

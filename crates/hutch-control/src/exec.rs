@@ -46,6 +46,9 @@ enum Stored {
     Reply(ExecReply),
 }
 
+/// The users a command may run as: the two the API documents.
+const USERS: [&str; 2] = ["user", "root"];
+
 fn validate(req: &ExecRequest) -> Result<Cmd> {
     let cmd = match (&req.command, &req.argv) {
         (Some(c), None) if !c.is_empty() && c.len() <= 256 * 1024 && !c.contains('\0') => Cmd::Shell(c.clone()),
@@ -76,17 +79,49 @@ fn validate(req: &ExecRequest) -> Result<Cmd> {
         }
     }
     if let Some(u) = &req.user {
-        if u.is_empty() || u.len() > 32 || !u.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') {
-            return Err(ControlError::Invalid("user must be a plain user name".into()));
+        if !USERS.contains(&u.as_str()) {
+            return Err(ControlError::Invalid("user must be `user` (the default) or `root`".into()));
         }
     }
     if let Some(c) = &req.cwd {
-        proto::normalize_path(c, "/workspace").map_err(|_| ControlError::Invalid("cwd is not a valid path".into()))?;
+        proto::normalize_path(c, "/workspace").map_err(|_| {
+            ControlError::Invalid("cwd must be a path of at most 4096 bytes without NUL or `..`".into())
+        })?;
     }
     if req.stdin.as_ref().is_some_and(|s| s.len() > proto::MAX_DATA) {
         return Err(ControlError::Invalid("stdin above 4 MiB".into()));
     }
     Ok(cmd)
+}
+
+/// The agent request for a command; refused when it does not fit in one
+/// frame header (the command line, argv, env and cwd together).
+fn spawn_request(cmd: Cmd, req: &ExecRequest) -> Result<Spawn> {
+    let background = req.background.unwrap_or(false);
+    let spawn = Spawn {
+        cmd,
+        env: req.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        // Relative to /workspace (validated), not to the user's home.
+        cwd: req.cwd.as_deref().and_then(|c| proto::normalize_path(c, "/workspace").ok()),
+        user: req.user.clone(),
+        stdin: req.stdin.is_some() || background,
+        pty: None,
+        tag: None,
+        timeout_ms: req.timeout_seconds.map(|s| s * 1000),
+        // A background command's output is kept by the agent for whoever
+        // reattaches; nothing here consumes it.
+        subscribe: !background,
+    };
+    // What the frame's header holds besides the request: its id and tags.
+    const SLACK: usize = 64;
+    let size = serde_json::to_vec(&spawn).map_or(usize::MAX, |v| v.len());
+    if size + SLACK > proto::MAX_HEADER {
+        return Err(ControlError::Invalid(format!(
+            "the command, its arguments, environment and cwd take {size} bytes as JSON; at most {} fit",
+            proto::MAX_HEADER - SLACK
+        )));
+    }
+    Ok(spawn)
 }
 
 /// Output of one stream, kept up to the cap.
@@ -110,22 +145,30 @@ impl Capped {
     }
 }
 
+/// The API code of an agent's refusal of a command request (spawn,
+/// stdin, signal, attach, list). The only paths in them are a command's
+/// cwd: every way it fails to resolve to a directory the user may enter is
+/// the caller's to fix. One match, no wildcard.
+fn command_refusal(code: proto::ErrorCode) -> ErrorCode {
+    use proto::ErrorCode as A;
+    match code {
+        A::InvalidRequest | A::UnknownUser | A::TagInUse => ErrorCode::InvalidRequest,
+        A::InvalidPath => ErrorCode::InvalidPath,
+        A::NotFound | A::NotADirectory | A::IsADirectory | A::SymlinkRefused => ErrorCode::SandboxPathNotDirectory,
+        A::PermissionDenied => ErrorCode::SandboxPathUnreadable,
+        A::AlreadyExists => ErrorCode::SandboxPathConflict,
+        A::UnknownProcess => ErrorCode::NotFound,
+        A::Capacity => ErrorCode::SandboxCommandCapacity,
+        A::NoSpace => ErrorCode::SandboxDiskFull,
+        A::Io => ErrorCode::Internal,
+    }
+}
+
 fn agent_err(sandbox: &str) -> impl Fn(hutch_runtime::agent::AgentError) -> ControlError + '_ {
     move |e| match e {
-        hutch_runtime::agent::AgentError::Refused { code, message } => ControlError::Files {
-            code: match code {
-                proto::ErrorCode::UnknownUser | proto::ErrorCode::InvalidRequest | proto::ErrorCode::InvalidPath => {
-                    ErrorCode::InvalidRequest
-                }
-                proto::ErrorCode::NotFound | proto::ErrorCode::NotADirectory => ErrorCode::InvalidRequest,
-                proto::ErrorCode::UnknownProcess => ErrorCode::NotFound,
-                proto::ErrorCode::Capacity => ErrorCode::SandboxCommandCapacity,
-                proto::ErrorCode::TagInUse => ErrorCode::InvalidRequest,
-                proto::ErrorCode::NoSpace => ErrorCode::SandboxDiskFull,
-                _ => ErrorCode::Internal,
-            },
-            message,
-        },
+        hutch_runtime::agent::AgentError::Refused { code, message } => {
+            ControlError::Files { code: command_refusal(code), message }
+        }
         source => ControlError::Agent { sandbox: sandbox.to_owned(), source },
     }
 }
@@ -230,22 +273,9 @@ impl Control {
     ) -> Result<ExecReply> {
         let t0 = Instant::now();
         let sid = live.id.as_str();
-        let mut conn = live.conn().await.map_err(agent_err(sid))?;
         let background = req.background.unwrap_or(false);
-        let spawn = Spawn {
-            cmd,
-            env: req.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            // Relative to /workspace (validated), not to the user's home.
-            cwd: req.cwd.as_deref().and_then(|c| proto::normalize_path(c, "/workspace").ok()),
-            user: req.user.clone(),
-            stdin: req.stdin.is_some() || background,
-            pty: None,
-            tag: None,
-            timeout_ms: req.timeout_seconds.map(|s| s * 1000),
-            // A background command's output is kept by the agent for whoever
-            // reattaches; nothing here consumes it.
-            subscribe: !background,
-        };
+        let spawn = spawn_request(cmd, req)?;
+        let mut conn = live.conn().await.map_err(agent_err(sid))?;
         let spawned = conn.call(Request::Spawn(spawn), &[]).await;
         if let Err(hutch_runtime::agent::AgentError::Refused { code: proto::ErrorCode::Capacity, .. }) = &spawned {
             return Err(ControlError::Capacity(COMMAND_SLOTS));
@@ -309,20 +339,22 @@ impl Control {
         live.reuse(conn);
         let duration_ms = t0.elapsed().as_millis() as u64;
         self.metrics.exec_latency.observe(t0.elapsed().as_secs_f64());
-        let exit_code = status.shell_code();
-        if let Some(tx) = &events {
-            let _ = tx.send(ExecEvent::Exit { exit_code, timed_out: status.timed_out, duration_ms }).await;
-        }
-        Ok(ExecReply::Result(ExecResult {
+        let result = ExecResult {
             stdout: out.text(),
             stderr: err.text(),
-            exit_code,
+            exit_code: status.shell_code(),
             stdout_truncated: out.truncated,
             stderr_truncated: err.truncated,
             timed_out: status.timed_out,
             duration_ms,
             output_kept: req.keep_output.unwrap_or(true),
-        }))
+            oom_killed: status.oom_killed,
+            descendants_alive: status.descendants_alive,
+        };
+        if let Some(tx) = &events {
+            let _ = tx.send(result.exit_event()).await;
+        }
+        Ok(ExecReply::Result(result))
     }
 
     pub async fn processes(&self, owner: &str, id: &str) -> Result<ProcessList> {
@@ -341,6 +373,8 @@ impl Control {
                         },
                         user: p.user,
                         cwd: p.cwd,
+                        main_exited: p.exited.is_some(),
+                        exit_code: p.exited.map(|s| s.shell_code()),
                     })
                     .collect(),
             }),
@@ -398,7 +432,13 @@ impl Control {
                         // From the start of a background command; from the
                         // attach for a command started otherwise.
                         let duration_ms = attached.elapsed().as_millis() as u64;
-                        ExecEvent::Exit { exit_code: status.shell_code(), timed_out: status.timed_out, duration_ms }
+                        ExecEvent::Exit {
+                            exit_code: status.shell_code(),
+                            timed_out: status.timed_out,
+                            duration_ms,
+                            oom_killed: status.oom_killed,
+                            descendants_alive: status.descendants_alive,
+                        }
                     }
                     Ok(Ok(_)) => continue,
                 };

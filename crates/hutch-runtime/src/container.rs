@@ -309,6 +309,8 @@ impl Runtime {
             root_caps: ROOT_CAPS.iter().fold(0u64, |m, c| m | 1 << c),
             replay_bytes: 64 * 1024,
             max_commands: hutch_agent::proto::MAX_COMMANDS,
+            work_cgroups: 0,
+            oom_events: false,
         };
         let mut frame = Vec::with_capacity(512);
         // The filter is installed by the plan, before the agent's exec (see
