@@ -153,18 +153,18 @@ pub struct AgentConfig {
     /// and its OOM kills, never reach the agent.
     #[serde(default)]
     pub work_cgroups: u32,
-    /// Whether descriptor [`OOM_EVENTS_FD`] is the workload cgroup's OOM
-    /// counter file, open for reading (`memory.events` on cgroup v2,
-    /// `memory.oom_control` on v1), from which exits are told apart as OOM
-    /// kills.
+    /// Whether the descriptor after those (`WORK_CGROUP_FD + work_cgroups`)
+    /// is the workload cgroup's OOM counter file, open for reading
+    /// (`memory.events` on cgroup v2, `memory.oom_control` on v1), from
+    /// which exits are told apart as OOM kills.
     #[serde(default)]
     pub oom_events: bool,
 }
 
-/// The descriptor of the workload cgroup's OOM counter (see [`AgentConfig::oom_events`]).
-pub const OOM_EVENTS_FD: i32 = 6;
-/// The first descriptor of the workload cgroup's `cgroup.procs` files (see [`AgentConfig::work_cgroups`]).
-pub const WORK_CGROUP_FD: i32 = 7;
+/// The first descriptor of the workload cgroup's `cgroup.procs` files (see
+/// [`AgentConfig::work_cgroups`]); the descriptors after the lock file (5)
+/// are numbered without gaps.
+pub const WORK_CGROUP_FD: i32 = 6;
 /// Most workload `cgroup.procs` descriptors (one per cgroup hierarchy).
 pub const MAX_WORK_CGROUPS: u32 = 4;
 

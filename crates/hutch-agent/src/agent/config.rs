@@ -24,7 +24,7 @@ pub struct Config {
     /// Descriptors of the workload cgroup's `cgroup.procs` files, from
     /// `proto::WORK_CGROUP_FD` on.
     pub work_cgroups: u32,
-    /// Whether `proto::OOM_EVENTS_FD` is the workload cgroup's OOM counter.
+    /// Whether the descriptor after those is the workload cgroup's OOM counter.
     pub oom_events: bool,
 }
 

@@ -85,11 +85,12 @@ fn work_cgroup(cfg: &config::Config) -> Option<server::WorkCgroup> {
         Some(unsafe { OwnedFd::from_raw_fd(fd) })
     };
     let mut out = server::WorkCgroup::default();
-    if cfg.oom_events {
-        out.oom_events = Some(take(proto::OOM_EVENTS_FD)?);
-    }
-    for i in 0..cfg.work_cgroups as i32 {
+    let n = cfg.work_cgroups as i32;
+    for i in 0..n {
         out.procs.push(take(proto::WORK_CGROUP_FD + i)?);
+    }
+    if cfg.oom_events {
+        out.oom_events = Some(take(proto::WORK_CGROUP_FD + n)?);
     }
     Some(out)
 }
