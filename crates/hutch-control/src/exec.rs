@@ -169,6 +169,8 @@ fn agent_err(sandbox: &str) -> impl Fn(hutch_runtime::agent::AgentError) -> Cont
         hutch_runtime::agent::AgentError::Refused { code, message } => {
             ControlError::Files { code: command_refusal(code), message }
         }
+        // Bounded by the request's validation; kept a 400 should a bound slip.
+        e @ hutch_runtime::agent::AgentError::RequestTooLarge(_) => ControlError::Invalid(e.to_string()),
         source => ControlError::Agent { sandbox: sandbox.to_owned(), source },
     }
 }

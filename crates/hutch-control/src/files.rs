@@ -119,6 +119,7 @@ impl FilesError {
             }
             e @ (AgentError::Io(_)
             | AgentError::Protocol(_)
+            | AgentError::RequestTooLarge(_)
             | AgentError::Closed
             | AgentError::Timeout(_)
             | AgentError::Unexpected(_)) => (ErrorCode::Internal, format!("sandbox agent: {e}")),

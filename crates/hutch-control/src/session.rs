@@ -78,6 +78,8 @@ fn agent_error(sandbox: &str, e: AgentError) -> ControlError {
             let f = FilesError::from_agent(e, Access::Read);
             ControlError::Files { code: f.code, message: f.message }
         }
+        // A command or path too large for one agent frame is the caller's.
+        e @ AgentError::RequestTooLarge(_) => ControlError::Invalid(e.to_string()),
         source => ControlError::Agent { sandbox: sandbox.to_owned(), source },
     }
 }
