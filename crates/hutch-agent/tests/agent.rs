@@ -788,3 +788,36 @@ fn a_signal_reaches_the_whole_tree_while_the_main_process_runs() {
     wait_dead(orphan, "setsid'd sleep");
     wait_listed(&mut c, "an empty list", |l| l.is_empty());
 }
+
+/// A killed command's exit (timeout or SIGKILL) is sent once its whole tree
+/// is gone, so a caller that gets it sees nothing of the tree left.
+#[test]
+fn a_killed_commands_exit_comes_after_its_whole_tree_is_gone() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    for (timeout_ms, kill) in [(Some(1000), false), (None, true)] {
+        let mut s = root_spawn(Cmd::Shell("setsid sleep 1000 & echo $!; sleep 1000 & sleep 1000".into()));
+        s.timeout_ms = timeout_ms;
+        let pid = c.spawn(s);
+        let mut text = Vec::new();
+        let orphan: u32 = loop {
+            match c.next_event() {
+                (FromAgent::Output { pid: p, .. }, data) if p == pid => {
+                    text.extend(data);
+                    if text.ends_with(b"\n") {
+                        break String::from_utf8_lossy(&text).trim().parse().expect("pid");
+                    }
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        };
+        wait_sleeping(orphan);
+        if kill {
+            c.ok(Request::Signal { pid, signal: libc::SIGKILL });
+        }
+        let status = c.collect(pid).status.expect("exit");
+        assert_eq!((status.timed_out, status.descendants_alive), (!kill, false), "{status:?}");
+        assert!(!std::path::Path::new(&format!("/proc/{orphan}")).exists(), "the setsid'd sleep outlived the exit");
+        assert!(listed(&mut c).is_empty());
+    }
+}

@@ -106,7 +106,14 @@ pub fn supervise(plan: &ChildPlan<'_>) -> ! {
     };
     let mut spare = [plan.status];
     sys::close_all_except(&mut spare);
-    let mut tree = Tree { main: child, state: Main::Running, status: plan.status };
+    let mut tree = Tree {
+        main: child,
+        state: Main::Running,
+        status: plan.status,
+        main_status: None,
+        reported: false,
+        killing: false,
+    };
     if sys::write_all(plan.status, &encode_msg(MSG_PID, child)).is_err() {
         // The agent is gone; nobody wants this command any more.
         tree.kill_all();
@@ -141,11 +148,20 @@ struct Tree {
     state: Main,
     /// Write end of the status pipe to the agent.
     status: RawFd,
+    /// The main process's wait status, once it exited.
+    main_status: Option<i32>,
+    /// The agent was told the main process's end.
+    reported: bool,
+    /// The tree is being killed (timeout, SIGKILL): the main process's end
+    /// is reported once nothing is left, so that a killed command's exit
+    /// means its whole tree is gone.
+    killing: bool,
 }
 
 impl Tree {
-    /// Reaps what has exited, reports the main process's end once, and ends
-    /// the supervisor when nothing of the tree is left.
+    /// Reaps what has exited, reports the main process's end once (with
+    /// whether the rest of the tree lives on), and ends the supervisor when
+    /// nothing of the tree is left.
     fn collect(&mut self) {
         if self.state == Main::Running {
             self.reap_before_main();
@@ -153,33 +169,32 @@ impl Tree {
         if self.state == Main::Exited && !self.reap_others() {
             // Nothing else was seen. /proc can miss a child that is being
             // reparented, so reap the main process and ask waitpid, which
-            // sees every child.
+            // sees every child: MSG_STATUS always means the tree is gone.
             let _ = sys::waitpid(self.main, 0);
             self.state = Main::Reaped;
         }
-        if self.state == Main::Reaped && !reap_any() {
+        let empty = self.state == Main::Reaped && !reap_any();
+        if let (Some(status), false) = (self.main_status, self.reported) {
+            if empty || !self.killing {
+                self.reported = true;
+                let kind = if empty { MSG_STATUS } else { MSG_STATUS_LIVE };
+                let _ = sys::write_all(self.status, &encode_msg(kind, status));
+            }
+        }
+        if empty {
             sys::exit_now(0);
         }
     }
 
     /// While the main process runs: reaps exited children one by one,
     /// looking at each before reaping it, so that the main process, once
-    /// it exits, is reported and left a zombie.
+    /// it exits, is left a zombie.
     fn reap_before_main(&mut self) {
         loop {
             match sys::peek_exited(None) {
                 Ok(Some((pid, status))) if pid == self.main => {
                     self.state = Main::Exited;
-                    let mut live = self.reap_others();
-                    if !live {
-                        // Make sure (see `collect`), so that MSG_STATUS
-                        // always means the tree is gone.
-                        let _ = sys::waitpid(self.main, 0);
-                        self.state = Main::Reaped;
-                        live = reap_any();
-                    }
-                    let kind = if live { MSG_STATUS_LIVE } else { MSG_STATUS };
-                    let _ = sys::write_all(self.status, &encode_msg(kind, status));
+                    self.main_status = Some(status);
                     return;
                 }
                 Ok(Some((pid, _))) => {
@@ -217,9 +232,11 @@ impl Tree {
     /// left: the tree walk finds processes that left the session or
     /// double-forked, because the supervisor inherits all of them.
     fn kill_all(&mut self) {
+        self.killing = true;
         loop {
             let pids = self.members();
             if pids.is_empty() {
+                self.killing = false;
                 return;
             }
             for pid in pids {

@@ -84,7 +84,8 @@ struct OutStream {
 struct Proc {
     /// Pid of its supervisor, the agent's child.
     sup: i32,
-    /// The supervisor has been reaped: nothing of the tree is left.
+    /// Nothing of the tree is left: the supervisor said so (it is exiting)
+    /// or was reaped. No signal goes to it any more.
     sup_gone: bool,
     info: ProcessInfo,
     /// stdout and stderr; with a pty, stdout is the terminal's master side.
@@ -645,7 +646,7 @@ impl Agent {
 
         let devnull = self.devnull()?;
         let work_fds: Vec<i32> = self.work_cgroups.iter().map(|f| f.as_raw_fd()).collect();
-        let oom_at_start = self.oom_kills();
+        let oom_at_start = oom_kills(self.oom_events.as_ref());
         let (stdin_fd, stdout_fd, stderr_fd) = match (&slave, &out_w, &err) {
             (Some(s), _, _) => (s.as_raw_fd(), s.as_raw_fd(), s.as_raw_fd()),
             (None, Some(o), Some((_, e))) => {
@@ -978,20 +979,11 @@ impl Agent {
         }
     }
 
-    /// The workload cgroup's OOM kills so far.
-    fn oom_kills(&self) -> Option<u64> {
-        let fd = self.oom_events.as_ref()?;
-        let mut buf = [0u8; 512];
-        let n = sys::pread(fd.as_fd(), &mut buf, 0).ok()?;
-        parse_oom_kills(&buf[..n])
-    }
-
     /// Sends the rest of the output and the exit, and closes the command's
     /// descriptors; forgets it when nothing of its tree is left, else keeps
     /// it listed (see `forget`). `died` is the supervisor's own status when
     /// it never reported.
     fn finish(&mut self, serial: u64, died: Option<i32>) {
-        let oom_now = self.oom_kills();
         let Some(p) = self.procs.get_mut(&serial) else { return };
         if p.finished {
             return;
@@ -1018,7 +1010,10 @@ impl Agent {
             (None, None) => ExitStatus { code: None, signal: None, timed_out: p.timed_out, ..ExitStatus::exited(0) },
         };
         status.descendants_alive = p.descendants_alive && !p.sup_gone;
-        status.oom_killed = oom_killed(&status, p.kill_requested, p.oom_at_start, oom_now);
+        status.oom_killed = killed_by_sigkill(&status)
+            && !status.timed_out
+            && !p.kill_requested
+            && matches!((p.oom_at_start, oom_kills(self.oom_events.as_ref())), (Some(b), Some(a)) if a > b);
         p.info.exited = Some(status);
         p.finished = true;
         let msg = FromAgent::Exit { pid: p.info.pid, status };
@@ -1204,14 +1199,20 @@ impl Agent {
     }
 }
 
-/// Whether an exit was the OOM killer's doing: the main process died of
-/// SIGKILL (or, as a shell, reports a child's SIGKILL as 137), nobody asked
-/// for that kill (a timeout or a signal request), and the workload cgroup's
-/// OOM kill count rose while the command ran.
-fn oom_killed(status: &ExitStatus, kill_requested: bool, before: Option<u64>, after: Option<u64>) -> bool {
-    let killed = status.signal == Some(libc::SIGKILL) || status.code == Some(128 + libc::SIGKILL);
-    let rose = matches!((before, after), (Some(b), Some(a)) if a > b);
-    killed && rose && !status.timed_out && !kill_requested
+/// Whether an exit may be the OOM killer's: the main process died of
+/// SIGKILL or, as a shell, reports a child's SIGKILL as 137. It was, when
+/// nobody asked for that kill (a timeout or a signal request) and the
+/// workload cgroup's OOM kill count rose while the command ran (the kernel
+/// counts before it sends the signal).
+fn killed_by_sigkill(status: &ExitStatus) -> bool {
+    status.signal == Some(libc::SIGKILL) || status.code == Some(128 + libc::SIGKILL)
+}
+
+/// The workload cgroup's OOM kills so far, from its counter file.
+fn oom_kills(file: Option<&OwnedFd>) -> Option<u64> {
+    let mut buf = [0u8; 512];
+    let n = sys::pread(file?.as_fd(), &mut buf, 0).ok()?;
+    parse_oom_kills(&buf[..n])
 }
 
 /// The `oom_kill` count of a cgroup's `memory.events` (v2) or
@@ -1247,5 +1248,30 @@ fn wait_for_pid(status: &OwnedFd) -> Result<u32, SpawnError> {
         (child::MSG_PID, pid) if pid > 0 => Ok(pid as u32),
         (child::MSG_FORK_FAILED, errno) => Err((ErrorCode::Io, format!("fork: {}", Errno(errno)))),
         (kind, value) => Err((ErrorCode::Io, format!("unexpected supervisor report {kind}/{value}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn oom_kill_counts_are_read_from_v1_and_v2_files() {
+        let v2 = b"low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n";
+        let v1 = b"oom_kill_disable 0\nunder_oom 0\noom_kill 7\n";
+        assert_eq!(parse_oom_kills(v2), Some(2));
+        assert_eq!(parse_oom_kills(v1), Some(7));
+        assert_eq!(parse_oom_kills(b"oom_kill_disable 0\n"), None);
+        assert_eq!(parse_oom_kills(b"oom_kill x\n"), None);
+        assert_eq!(parse_oom_kills(&[0xff, 0xfe]), None);
+    }
+
+    #[test]
+    fn only_sigkill_or_a_shells_137_can_be_an_oom_kill() {
+        let st = |code, signal| ExitStatus { code, signal, ..ExitStatus::exited(0) };
+        assert!(killed_by_sigkill(&st(None, Some(libc::SIGKILL))));
+        assert!(killed_by_sigkill(&st(Some(137), None)));
+        assert!(!killed_by_sigkill(&st(None, Some(libc::SIGTERM))));
+        assert!(!killed_by_sigkill(&st(Some(1), None)));
     }
 }
