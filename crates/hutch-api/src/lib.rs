@@ -623,10 +623,11 @@ pub struct ExecRequest {
     /// Working directory; /workspace when absent.
     #[serde(default)]
     pub cwd: Option<String>,
-    /// `user` (default) or `root`.
+    /// `user` (default) or `root`; no other name is accepted.
     #[serde(default)]
     pub user: Option<String>,
-    /// Kill the command's process tree after this long (1 to 86400 s).
+    /// Kill the command's process tree after this long (1 to 86400 s), also
+    /// the processes it started that outlive its main process.
     #[serde(default)]
     pub timeout_seconds: Option<u64>,
     /// Whether the result is stored for replays (default true).
@@ -651,6 +652,30 @@ pub struct ExecResult {
     pub timed_out: bool,
     pub duration_ms: u64,
     pub output_kept: bool,
+    /// The kernel's OOM killer ended the command (its `exit_code` is then
+    /// 137): the command's processes outgrew the sandbox's memory, files it
+    /// wrote to RAM-backed paths (/tmp, the writable layer) included.
+    #[serde(default)]
+    pub oom_killed: bool,
+    /// Processes the command started were still running when it exited. They
+    /// keep its command slot and its entry in `/processes` (with
+    /// `main_exited`) until they end; a signal to its pid reaches them, and
+    /// its timeout ends them.
+    #[serde(default)]
+    pub descendants_alive: bool,
+}
+
+impl ExecResult {
+    /// The `exit` event of a stream that carried this result.
+    pub fn exit_event(&self) -> ExecEvent {
+        ExecEvent::Exit {
+            exit_code: self.exit_code,
+            timed_out: self.timed_out,
+            duration_ms: self.duration_ms,
+            oom_killed: self.oom_killed,
+            descendants_alive: self.descendants_alive,
+        }
+    }
 }
 
 /// The answer to a background command.
@@ -663,12 +688,30 @@ pub struct Started {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ExecEvent {
-    Start { pid: u32 },
-    Stdout { data: String },
-    Stderr { data: String },
+    Start {
+        pid: u32,
+    },
+    Stdout {
+        data: String,
+    },
+    Stderr {
+        data: String,
+    },
     Ping,
-    Exit { exit_code: i32, timed_out: bool, duration_ms: u64 },
-    Error { code: ErrorCode, error: String },
+    /// The command ended; `oom_killed` and `descendants_alive` as in [`ExecResult`].
+    Exit {
+        exit_code: i32,
+        timed_out: bool,
+        duration_ms: u64,
+        #[serde(default)]
+        oom_killed: bool,
+        #[serde(default)]
+        descendants_alive: bool,
+    },
+    Error {
+        code: ErrorCode,
+        error: String,
+    },
 }
 
 /// `POST /v1/executions`: a command in a fresh sandbox.
@@ -718,6 +761,15 @@ pub struct Process {
     pub command: Vec<String>,
     pub user: String,
     pub cwd: String,
+    /// The command's main process exited while processes it started run on:
+    /// they hold its command slot, a signal to `pid` reaches all of them, and
+    /// its timeout ends them.
+    #[serde(default)]
+    pub main_exited: bool,
+    /// The main process's exit code once it exited (128 + the signal when
+    /// one ended it).
+    #[serde(default)]
+    pub exit_code: Option<i32>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]

@@ -196,6 +196,8 @@ pub(crate) fn from_agent(
         e @ hutch_runtime::agent::AgentError::Refused { .. } => {
             ControlError::Files(crate::files::FilesError::from_agent(e, access))
         }
+        // A command or path too large for one agent frame is the caller's.
+        e @ hutch_runtime::agent::AgentError::RequestTooLarge(_) => ControlError::Invalid(e.to_string()),
         source => ControlError::Agent { sandbox: sandbox.to_string(), source },
     }
 }

@@ -49,6 +49,9 @@ enum Stored {
     Reply(ExecReply),
 }
 
+/// The users a command may run as: the two the API documents.
+const USERS: [&str; 2] = ["user", "root"];
+
 fn validate(req: &ExecRequest) -> Result<Cmd> {
     let cmd = match (&req.command, &req.argv) {
         (Some(c), None) if !c.is_empty() && c.len() <= 256 * 1024 && !c.contains('\0') => Cmd::Shell(c.clone()),
@@ -79,17 +82,49 @@ fn validate(req: &ExecRequest) -> Result<Cmd> {
         }
     }
     if let Some(u) = &req.user {
-        if u.is_empty() || u.len() > 32 || !u.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') {
-            return Err(ControlError::Invalid("user must be a plain user name".into()));
+        if !USERS.contains(&u.as_str()) {
+            return Err(ControlError::Invalid("user must be `user` (the default) or `root`".into()));
         }
     }
     if let Some(c) = &req.cwd {
-        proto::normalize_path(c, "/workspace").map_err(|_| ControlError::Invalid("cwd is not a valid path".into()))?;
+        proto::normalize_path(c, "/workspace").map_err(|_| {
+            ControlError::Invalid("cwd must be a path of at most 4096 bytes without NUL or `..`".into())
+        })?;
     }
     if req.stdin.as_ref().is_some_and(|s| s.len() > proto::MAX_DATA) {
         return Err(ControlError::Invalid("stdin above 4 MiB".into()));
     }
     Ok(cmd)
+}
+
+/// The agent request for a command; refused when it does not fit in one
+/// frame header (the command line, argv, env and cwd together).
+fn spawn_request(cmd: Cmd, req: &ExecRequest) -> Result<Spawn> {
+    let background = req.background.unwrap_or(false);
+    let spawn = Spawn {
+        cmd,
+        env: req.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        // Relative to /workspace (validated), not to the user's home.
+        cwd: req.cwd.as_deref().and_then(|c| proto::normalize_path(c, "/workspace").ok()),
+        user: req.user.clone(),
+        stdin: req.stdin.is_some() || background,
+        pty: None,
+        tag: None,
+        timeout_ms: req.timeout_seconds.map(|s| s * 1000),
+        // A background command's output is kept by the agent for whoever
+        // reattaches; nothing here consumes it.
+        subscribe: !background,
+    };
+    // What the frame's header holds besides the request: its id and tags.
+    const SLACK: usize = 64;
+    let size = serde_json::to_vec(&spawn).map_or(usize::MAX, |v| v.len());
+    if size + SLACK > proto::MAX_HEADER {
+        return Err(ControlError::Invalid(format!(
+            "the command, its arguments, environment and cwd take {size} bytes as JSON; at most {} fit",
+            proto::MAX_HEADER - SLACK
+        )));
+    }
+    Ok(spawn)
 }
 
 /// Output of one stream, kept up to the cap.
@@ -232,22 +267,9 @@ impl Control {
         let t0 = Instant::now();
         let sid = &live.id;
         let broken = |e| RunError::Started(from_agent(sid, e, Access::Process));
-        let mut conn = live.conn().await.map_err(|e| RunError::NotStarted(from_agent(sid, e, Access::Process)))?;
         let background = req.background.unwrap_or(false);
-        let spawn = Spawn {
-            cmd,
-            env: req.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            // Relative to /workspace (validated), not to the user's home.
-            cwd: req.cwd.as_deref().and_then(|c| proto::normalize_path(c, "/workspace").ok()),
-            user: req.user.clone(),
-            stdin: req.stdin.is_some() || background,
-            pty: None,
-            tag: None,
-            timeout_ms: req.timeout_seconds.map(|s| s * 1000),
-            // A background command's output is kept by the agent for whoever
-            // reattaches; nothing here consumes it.
-            subscribe: !background,
-        };
+        let spawn = spawn_request(cmd, req).map_err(RunError::NotStarted)?;
+        let mut conn = live.conn().await.map_err(|e| RunError::NotStarted(from_agent(sid, e, Access::Process)))?;
         let pid = match conn.call(Request::Spawn(spawn), &[]).await {
             Ok((Reply::Spawned { pid }, _)) => pid,
             // A refusal: nothing started.
@@ -328,20 +350,22 @@ impl Control {
         live.reuse(conn);
         let duration_ms = t0.elapsed().as_millis() as u64;
         self.metrics.exec_latency.observe(t0.elapsed().as_secs_f64());
-        let exit_code = status.shell_code();
-        if let Some(tx) = &events {
-            let _ = tx.send(ExecEvent::Exit { exit_code, timed_out: status.timed_out, duration_ms }).await;
-        }
-        Ok(ExecReply::Result(ExecResult {
+        let result = ExecResult {
             stdout: out.text(),
             stderr: err.text(),
-            exit_code,
+            exit_code: status.shell_code(),
             stdout_truncated: out.truncated,
             stderr_truncated: err.truncated,
             timed_out: status.timed_out,
             duration_ms,
             output_kept: req.keep_output.unwrap_or(true),
-        }))
+            oom_killed: status.oom_killed,
+            descendants_alive: status.descendants_alive,
+        };
+        if let Some(tx) = &events {
+            let _ = tx.send(result.exit_event()).await;
+        }
+        Ok(ExecReply::Result(result))
     }
 
     pub async fn processes(&self, caller: &Caller, id: &SandboxId) -> Result<ProcessList> {
@@ -360,6 +384,8 @@ impl Control {
                         },
                         user: p.user,
                         cwd: p.cwd,
+                        main_exited: p.exited.is_some(),
+                        exit_code: p.exited.map(|s| s.shell_code()),
                     })
                     .collect(),
             }),
@@ -411,7 +437,13 @@ impl Control {
                         // From the start of a background command; from the
                         // attach for a command started otherwise.
                         let duration_ms = attached.elapsed().as_millis() as u64;
-                        ExecEvent::Exit { exit_code: status.shell_code(), timed_out: status.timed_out, duration_ms }
+                        ExecEvent::Exit {
+                            exit_code: status.shell_code(),
+                            timed_out: status.timed_out,
+                            duration_ms,
+                            oom_killed: status.oom_killed,
+                            descendants_alive: status.descendants_alive,
+                        }
                     }
                     Ok(Ok(_)) => continue,
                 };

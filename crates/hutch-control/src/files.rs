@@ -118,19 +118,22 @@ impl FilesError {
                 let code = match code {
                     A::NoSpace => ErrorCode::SandboxDiskFull,
                     A::InvalidPath => ErrorCode::InvalidPath,
-                    A::NotFound => ErrorCode::NotFound,
+                    A::NotFound => match access {
+                        // A command's only path is its cwd.
+                        Access::Process => ErrorCode::SandboxPathNotDirectory,
+                        Access::Read | Access::Write | Access::List => ErrorCode::NotFound,
+                    },
                     A::PermissionDenied => match access {
                         Access::Write => ErrorCode::SandboxPathConflict,
-                        Access::Read | Access::List => ErrorCode::SandboxPathUnreadable,
-                        Access::Process => ErrorCode::InvalidRequest,
+                        Access::Read | Access::List | Access::Process => ErrorCode::SandboxPathUnreadable,
                     },
                     A::NotADirectory | A::SymlinkRefused => match access {
-                        Access::List => ErrorCode::SandboxPathNotDirectory,
+                        Access::List | Access::Process => ErrorCode::SandboxPathNotDirectory,
                         Access::Read | Access::Write => ErrorCode::SandboxPathConflict,
-                        Access::Process => ErrorCode::InvalidRequest,
                     },
                     A::IsADirectory => match access {
-                        Access::Read | Access::Process => ErrorCode::InvalidRequest,
+                        Access::Read => ErrorCode::InvalidRequest,
+                        Access::Process => ErrorCode::SandboxPathNotDirectory,
                         Access::Write | Access::List => ErrorCode::SandboxPathConflict,
                     },
                     A::AlreadyExists => ErrorCode::SandboxPathConflict,
@@ -155,6 +158,7 @@ impl FilesError {
             }
             e @ (AgentError::Io(_)
             | AgentError::Protocol(_)
+            | AgentError::RequestTooLarge(_)
             | AgentError::Closed
             | AgentError::Timeout(_)
             | AgentError::Unexpected(_)) => (ErrorCode::Internal, format!("sandbox agent: {e}")),

@@ -312,7 +312,11 @@ impl Runtime {
                     return Err(RuntimeError::Io { what: "start the namespace helper".into(), source: e });
                 }
             };
-        let cgroup = match Cgroup::create(&self.layout, &id, &spec.limits) {
+        // Headroom for the agent: its own memory, and files it writes into
+        // the RAM-backed writable layer for the API (charged to it, the
+        // writer), which the layer's size bounds.
+        let headroom = spec.disk_bytes.saturating_add(cgroup::AGENT_RESERVE_BYTES);
+        let cgroup = match Cgroup::create(&self.layout, &id, &spec.limits, headroom) {
             Ok(c) => c,
             Err(e) => {
                 drop(helper);
@@ -352,6 +356,23 @@ impl Runtime {
         let _ = fs::remove_file(&sb.socket);
         let listener = UnixListener::bind(&sb.socket).map_err(io_err(format!("bind {}", sb.socket.display())))?;
 
+        // The workload's cgroup, which every command joins, and its OOM
+        // counter, for the agent (see AgentConfig::work_cgroups).
+        let mut extra = Vec::new();
+        for path in sb.cgroup.work_procs_files() {
+            let f = fs::OpenOptions::new().write(true).custom_flags(libc::O_CLOEXEC).open(&path);
+            extra.push(f.map_err(io_err(format!("open {}", path.display())))?);
+        }
+        let work_cgroups = extra.len() as u32;
+        let oom_events = match sb.cgroup.oom_events_file() {
+            Some(path) => {
+                let f = fs::OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC).open(&path);
+                extra.push(f.map_err(io_err(format!("open {}", path.display())))?);
+                true
+            }
+            None => false,
+        };
+
         let (cfg_rd, cfg_wr) = crate::sys::pipe().map_err(io_err("config pipe"))?;
         let config = AgentConfig {
             version: proto::PROTOCOL_VERSION,
@@ -359,6 +380,8 @@ impl Runtime {
             root_caps: ROOT_CAPS.iter().fold(0u64, |m, c| m | 1 << c),
             replay_bytes: 64 * 1024,
             max_commands: hutch_agent::proto::MAX_COMMANDS,
+            work_cgroups,
+            oom_events,
         };
         let mut frame = Vec::with_capacity(512);
         // The filter is installed by the plan, before the agent's exec (see
@@ -451,11 +474,9 @@ impl Runtime {
                 plan.push(Step::Seccomp { name: f.name.clone(), program: f.program.clone() });
             }
             let args: Vec<&str> = agent_args.iter().map(String::as_str).collect();
-            plan.exec(
-                agent.as_raw_fd(),
-                &args,
-                vec![(listener.as_raw_fd(), 3), (cfg_rd.as_raw_fd(), 4), (slot.file().as_raw_fd(), 5)],
-            )?;
+            let mut fds = vec![(listener.as_raw_fd(), 3), (cfg_rd.as_raw_fd(), 4), (slot.file().as_raw_fd(), 5)];
+            fds.extend(extra.iter().zip(proto::WORK_CGROUP_FD..).map(|(f, n)| (f.as_raw_fd(), n)));
+            plan.exec(agent.as_raw_fd(), &args, fds)?;
             Ok(plan)
         })()
         .map_err(io_err("prepare the sandbox plan"))?;
@@ -469,7 +490,7 @@ impl Runtime {
         // needs CAP_SYS_RESOURCE, which some hosts (containers) withhold, and
         // the agent's small size already makes it the OOM killer's last pick.
         let _ = fs::write(format!("/proc/{}/oom_score_adj", child.pid), "-1000");
-        drop((listener, cfg_rd, userns, netns, agent, procs, parent));
+        drop((listener, cfg_rd, userns, netns, agent, procs, parent, extra));
         child.wait_started(&plan)?;
         marks.mark("setup and exec");
         Ok(())

@@ -340,11 +340,8 @@ pub(crate) async fn exec(
         let (out_tx, out_rx) = tokio::sync::mpsc::channel(4);
         if let ExecReply::Result(r) = done? {
             // A replayed result: sent as the events it was.
-            for ev in [
-                ExecEvent::Stdout { data: r.stdout },
-                ExecEvent::Stderr { data: r.stderr },
-                ExecEvent::Exit { exit_code: r.exit_code, timed_out: r.timed_out, duration_ms: r.duration_ms },
-            ] {
+            let exit = r.exit_event();
+            for ev in [ExecEvent::Stdout { data: r.stdout }, ExecEvent::Stderr { data: r.stderr }, exit] {
                 let _ = out_tx.try_send(ev);
             }
         }

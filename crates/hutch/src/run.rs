@@ -280,10 +280,13 @@ fn verdict(sandbox: &Sandbox, args: &RunArgs, status: &ExitStatus) -> Verdict {
         return Verdict { code: EXIT_TIMEOUT, message: Some(format!("command killed: timeout {t} reached")) };
     }
     let code = status.shell_code();
-    if status.signal == Some(libc::SIGKILL) && sandbox.cgroup.oom_kills() > 0 {
+    if status.oom_killed {
         return Verdict {
             code,
-            message: Some(format!("command killed: memory limit {} exceeded", show_size(args.memory))),
+            message: Some(format!(
+                "command killed by the OOM killer: memory limit {} exceeded (files in /tmp and the writable layer count)",
+                show_size(args.memory)
+            )),
         };
     }
     if sandbox.cgroup.pids_limit_hits() > 0 {
