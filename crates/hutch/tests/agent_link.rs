@@ -8,35 +8,8 @@ use common::*;
 use hutch_agent::proto::{Cmd, ErrorCode, ExitStatus, FromAgent, Reply, Request, Spawn, Stream, WriteFile};
 use hutch_runtime::agent::{AgentConn, AgentError};
 use hutch_runtime::cgroup::Limits;
-use hutch_runtime::{Config, Runtime, Sandbox, SandboxSpec};
+use hutch_runtime::{Runtime, SandboxSpec};
 use std::time::Duration;
-
-fn runtime(env: &Env) -> Runtime {
-    let cfg = Config { state_dir: env.state.clone(), run_dir: env.run.clone(), agent: agent(), ..Config::from_env() };
-    Runtime::new(cfg).expect("runtime")
-}
-
-/// Destroys the sandbox even when the test panics.
-struct Guard(Option<Sandbox>);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        if let Some(sb) = self.0.take() {
-            let _ = sb.destroy();
-        }
-    }
-}
-
-impl std::ops::Deref for Guard {
-    type Target = Sandbox;
-    fn deref(&self) -> &Sandbox {
-        self.0.as_ref().expect("live sandbox")
-    }
-}
-
-fn start(rt: &Runtime, spec: &SandboxSpec) -> Guard {
-    Guard(Some(rt.start(spec).expect("start sandbox")))
-}
 
 fn spawn(cmd: &str, user: &str, timeout_ms: Option<u64>) -> Request {
     Request::Spawn(Spawn {
