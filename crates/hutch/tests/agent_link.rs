@@ -299,6 +299,12 @@ fn filling_memory_kills_the_command_never_the_agent() {
     // The agent still answers; the file's pages stay charged to the workload
     // until it goes.
     conn.call(Request::Remove { path: "/tmp/fill".into(), user: None }, &[]).expect("remove");
+    // The killed writer's last close of the file is deferred by the kernel
+    // (an exiting task's final fput runs from a work queue), so the space
+    // comes back shortly after its exit: wait for it.
+    wait_until("the removed file's space to come back", Duration::from_secs(10), || {
+        sb.usage().disk_used_bytes < 32 << 20
+    });
     let (out, st) = sh(&mut conn, "echo alive", "user", None);
     assert_eq!((out.as_str(), st.oom_killed), ("alive\n", false));
     // A SIGKILL that is not the OOM killer's is not reported as one.

@@ -175,3 +175,12 @@ impl std::ops::Deref for Guard {
 pub fn start(rt: &hutch_runtime::Runtime, spec: &hutch_runtime::SandboxSpec) -> Guard {
     Guard(Some(rt.start(spec).expect("start sandbox")))
 }
+
+/// Polls `cond` until it holds; panics naming `what` after `timeout`.
+pub fn wait_until(what: &str, timeout: std::time::Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + timeout;
+    while !cond() {
+        assert!(std::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
