@@ -382,6 +382,9 @@ impl Runtime {
                 }
             }
             plan.push(Step::SetHostname { name: cstr("sandbox")? });
+            if let Some((soft, hard)) = crate::sys::workload_nofile() {
+                plan.push(Step::SetNofile { soft, hard });
+            }
             plan.push(Step::PivotRoot { new_root: cstr(stage.join("root"))? });
             plan.push(Step::EnterUserns { fd: userns.as_raw_fd() });
             // Root of the sandbox's user namespace may install a filter
@@ -486,19 +489,35 @@ impl Sandbox {
         }
     }
 
-    /// Whether any process of the sandbox still runs.
-    pub fn is_alive(&self) -> bool {
+    /// Whether the sandbox still runs: [`Liveness::Dead`] only on a positive
+    /// observation (our child PID 1 was reaped, or the cgroup was read and
+    /// holds no process); a check that failed is [`Liveness::Unknown`].
+    pub fn liveness(&self) -> Liveness {
         if self.pid > 0 && self.slot.is_some() {
             // Our own child: reap it if it died, so it leaves no zombie.
             let mut status = 0;
             // SAFETY: waitpid with WNOHANG on our child; status is a valid out-pointer.
             let r = unsafe { libc::waitpid(self.pid, &mut status, libc::WNOHANG) };
-            if r == self.pid || r < 0 {
-                return false;
-            }
-            return true;
+            return match r {
+                0 => Liveness::Alive,
+                r if r == self.pid => Liveness::Dead,
+                // ECHILD: reaped already (by an earlier check), so dead.
+                _ => match io::Error::last_os_error() {
+                    e if e.raw_os_error() == Some(libc::ECHILD) => Liveness::Dead,
+                    e => Liveness::Unknown(e),
+                },
+            };
         }
-        self.cgroup.has_processes()
+        match self.cgroup.populated() {
+            Ok(true) => Liveness::Alive,
+            Ok(false) => Liveness::Dead,
+            Err(e) => Liveness::Unknown(e),
+        }
+    }
+
+    /// Whether the sandbox may still run: false only when it is known dead.
+    pub fn is_alive(&self) -> bool {
+        !matches!(self.liveness(), Liveness::Dead)
     }
 
     pub fn thaw(&self) -> Result<(), CgroupError> {
@@ -524,6 +543,16 @@ impl Sandbox {
         }
         Ok(())
     }
+}
+
+/// What a liveness check saw.
+#[derive(Debug)]
+pub enum Liveness {
+    Alive,
+    /// Positively observed: PID 1 was reaped, or the cgroup is empty.
+    Dead,
+    /// The check failed (out of descriptors, out of memory, ...): no verdict.
+    Unknown(io::Error),
 }
 
 /// A sandbox's resource use at one moment.

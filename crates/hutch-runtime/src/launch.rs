@@ -106,6 +106,12 @@ pub enum Step {
     Notify {
         fd: RawFd,
     },
+    /// Sets the open-file limit (the daemon raised its own; sandboxes get
+    /// the one it started with).
+    SetNofile {
+        soft: u64,
+        hard: u64,
+    },
     /// Waits, forever, to be killed.
     Pause,
     /// Closes every descriptor from 3 up but `keep`.
@@ -160,6 +166,7 @@ impl fmt::Display for Step {
             Step::SetNs { nstype, .. } => write!(f, "setns({nstype:#x})"),
             Step::Notify { .. } => write!(f, "notify the parent"),
             Step::Seccomp { .. } => write!(f, "install the seccomp filter"),
+            Step::SetNofile { soft, hard } => write!(f, "set the open-file limit to {soft}/{hard}"),
             Step::Pause => write!(f, "pause"),
             Step::CloseFds { .. } => write!(f, "close inherited descriptors"),
             Step::DieWithParentPid { .. } => write!(f, "set the parent-death signal"),
@@ -512,6 +519,10 @@ unsafe fn run_step(step: &Step) -> Result<(), i32> {
                     return Err(e);
                 }
                 Ok(())
+            }
+            Step::SetNofile { soft, hard } => {
+                let lim = libc::rlimit { rlim_cur: *soft, rlim_max: *hard };
+                check(libc::setrlimit(libc::RLIMIT_NOFILE, &lim) as libc::c_long)
             }
             Step::LoopbackUp => {
                 let sock = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
