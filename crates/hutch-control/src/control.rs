@@ -10,6 +10,7 @@ use hutch_api::{CreateSandbox, Extend, Limits, LimitsRequest, Sandbox, SandboxLi
 use hutch_runtime::cgroup::Limits as CgLimits;
 use hutch_runtime::image::{ImageError, ImageStore};
 use hutch_runtime::net::{Attached, Network};
+use hutch_runtime::container::Liveness;
 use hutch_runtime::{RootSource, Runtime, SandboxSpec};
 use hutch_store::{SandboxRecord, Store, StoreError};
 use sha2::{Digest, Sha256};
@@ -797,7 +798,7 @@ impl Control {
         }
         for r in self.store.sandboxes_in(&["starting", "running", "suspended", "terminating"])? {
             let handle = self.runtime.adopt(&r.id);
-            let alive = handle.is_alive() && hutch_runtime::agent::AgentConn::connect(&handle.socket).is_ok();
+            let alive = adoptable(&r.id, &handle);
             match (r.state.as_str(), alive) {
                 ("running" | "suspended", true) => {
                     let pid = r.host_pid.map(|p| p as libc::pid_t).unwrap_or(handle.pid);
@@ -857,6 +858,7 @@ impl Control {
     pub async fn reconcile(self: &Arc<Self>) -> Result<()> {
         let now = now_ms();
         let mut lag = 0.0f64;
+        let (mut unknown, mut first_unknown) = (0usize, None);
         for r in self.store.sandboxes_in(&["running", "suspended", "terminating"])? {
             if r.state == "terminating" {
                 let _ = self.destroy_now(&r.id, None).await;
@@ -873,11 +875,25 @@ impl Control {
                 continue;
             }
             if let Some(live) = self.live(&r.id) {
-                let dead = live.handle.lock().ok().and_then(|h| h.as_ref().map(|sb| !sb.is_alive())).unwrap_or(false);
-                if dead && (!r.pooled || self.store.drain_pooled(&r.id)?) {
-                    let _ = self.destroy_now(&r.id, Some("sandbox_agent_exited")).await;
+                // Only a positive observation of death ends a sandbox; a
+                // check that failed (out of descriptors) is no verdict.
+                let seen = live.handle.lock().ok().and_then(|h| h.as_ref().map(|sb| sb.liveness()));
+                match seen {
+                    Some(Liveness::Dead) => {
+                        if !r.pooled || self.store.drain_pooled(&r.id)? {
+                            let _ = self.destroy_now(&r.id, Some("sandbox_agent_exited")).await;
+                        }
+                    }
+                    Some(Liveness::Unknown(e)) => {
+                        unknown += 1;
+                        first_unknown.get_or_insert_with(|| format!("sandbox {}: {e}", r.id));
+                    }
+                    Some(Liveness::Alive) | None => {}
                 }
             }
+        }
+        if let Some(first) = first_unknown {
+            tracing::warn!("cannot tell whether {unknown} sandboxes are alive ({first}); they are left running");
         }
         self.metrics.set_reconciler_lag(lag);
         if !self.is_shutting_down() {
@@ -886,6 +902,26 @@ impl Control {
             }
         }
         Ok(())
+    }
+}
+
+/// Whether a sandbox found at start-up can be adopted: its processes are not
+/// known to be gone and its agent's socket is not known to be dead. A check
+/// that fails (EMFILE, ENOMEM) is no verdict: the sandbox is adopted and the
+/// reconciler looks again.
+fn adoptable(id: &str, handle: &hutch_runtime::container::Sandbox) -> bool {
+    if let Liveness::Dead = handle.liveness() {
+        return false;
+    }
+    match hutch_runtime::agent::AgentConn::connect(&handle.socket) {
+        Ok(_) => true,
+        Err(hutch_runtime::agent::AgentError::Io(e))
+            if !matches!(e.raw_os_error(), Some(libc::ECONNREFUSED | libc::ENOENT | libc::ENOTSOCK)) =>
+        {
+            tracing::warn!("sandbox {id}: cannot reach its agent ({e}); adopting it and checking again later");
+            true
+        }
+        Err(_) => false,
     }
 }
 
