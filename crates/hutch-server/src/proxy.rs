@@ -13,11 +13,12 @@
 //! `Cache-Control: private, no-store`, and cannot set or clear the
 //! credential cookie.
 //!
-//! Every downstream connection is wrapped ([`ProxyIo`]) so that the proxy can
+//! Every client connection is wrapped ([`crate::listener::ConnIo`]) so that the proxy can
 //! end it: when a grant that a connection used is revoked or expires, the
 //! connection is closed (idle keep-alive, streaming response or WebSocket
 //! alike), together with its connection to the sandbox.
 
+use crate::listener::Conn;
 use crate::{ApiError, App};
 use axum::body::Body;
 use axum::extract::{ConnectInfo, Request, State};
@@ -30,13 +31,7 @@ use hutch_control::access::AccessPass;
 use hutch_control::ControlError;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
-use std::io;
-use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, Waker};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::watch;
 
 /// The request header that carries an access token.
 pub const TOKEN_HEADER: &str = "x-hutch-sandbox-token";
@@ -56,157 +51,10 @@ const MAX_HEADER_BYTES: usize = 64 << 10;
 const FORM_LIMIT: usize = 4096;
 
 // ---------------------------------------------------------------------------
-// Downstream connections the proxy can end
-
-/// A listener whose connections the proxy can close.
-pub struct ProxyListener(pub tokio::net::TcpListener);
-
-impl axum::serve::Listener for ProxyListener {
-    type Io = ProxyIo;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (ProxyIo, SocketAddr) {
-        loop {
-            match self.0.accept().await {
-                Ok((tcp, addr)) => {
-                    // Event streams and Connect messages are small writes:
-                    // without TCP_NODELAY, Nagle's algorithm and the peer's
-                    // delayed ACK hold some of them for 40 ms.
-                    let _ = tcp.set_nodelay(true);
-                    return (ProxyIo::new(tcp), addr);
-                }
-                Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset) => {}
-                Err(e) => {
-                    // Out of descriptors or memory: wait rather than spin.
-                    tracing::warn!("accept: {e}");
-                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-                }
-            }
-        }
-    }
-
-    fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.0.local_addr()
-    }
-}
-
-/// A downstream TCP connection that ends (reads see EOF, writes fail) once
-/// its [`Conn`] is killed.
-pub struct ProxyIo {
-    inner: tokio::net::TcpStream,
-    conn: Conn,
-}
-
-impl ProxyIo {
-    fn new(inner: tokio::net::TcpStream) -> ProxyIo {
-        ProxyIo { inner, conn: Conn::new() }
-    }
-}
-
-impl Drop for ProxyIo {
-    fn drop(&mut self) {
-        self.conn.0.closed.send_replace(true);
-    }
-}
-
-const READ: usize = 0;
-const WRITE: usize = 1;
-
-fn killed_error() -> io::Error {
-    io::Error::new(io::ErrorKind::BrokenPipe, "closed by the port proxy: its access grant ended")
-}
-
-impl AsyncRead for ProxyIo {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        if this.conn.is_killed() {
-            return Poll::Ready(Ok(()));
-        }
-        match Pin::new(&mut this.inner).poll_read(cx, buf) {
-            Poll::Pending => {
-                this.conn.park(READ, cx.waker());
-                // A kill between the check and the park took no waker of ours.
-                if this.conn.is_killed() {
-                    return Poll::Ready(Ok(()));
-                }
-                Poll::Pending
-            }
-            ready => ready,
-        }
-    }
-}
-
-impl AsyncWrite for ProxyIo {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        if this.conn.is_killed() {
-            return Poll::Ready(Err(killed_error()));
-        }
-        match Pin::new(&mut this.inner).poll_write(cx, buf) {
-            Poll::Pending => {
-                this.conn.park(WRITE, cx.waker());
-                if this.conn.is_killed() {
-                    return Poll::Ready(Err(killed_error()));
-                }
-                Poll::Pending
-            }
-            ready => ready,
-        }
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        if this.conn.is_killed() {
-            return Poll::Ready(Err(killed_error()));
-        }
-        match Pin::new(&mut this.inner).poll_write_vectored(cx, bufs) {
-            Poll::Pending => {
-                this.conn.park(WRITE, cx.waker());
-                if this.conn.is_killed() {
-                    return Poll::Ready(Err(killed_error()));
-                }
-                Poll::Pending
-            }
-            ready => ready,
-        }
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
-    }
-}
-
-/// One downstream connection as the handlers see it (through
-/// `ConnectInfo<Conn>`): a kill switch, the connection to the sandbox it
-/// reuses, and the grants it used.
-#[derive(Clone)]
-pub struct Conn(Arc<ConnShared>);
-
-struct ConnShared {
-    killed: watch::Sender<bool>,
-    /// Set when the downstream connection is gone.
-    closed: watch::Sender<bool>,
-    wakers: Mutex<[Option<Waker>; 2]>,
-    /// The idle connection to a sandbox port, kept for the next request.
-    upstream: Mutex<Option<Upstream>>,
-    /// Grants whose end this connection waits for.
-    watched: Mutex<Vec<String>>,
-}
+// What the proxy keeps on a client connection
 
 /// A client connection to a port in a sandbox.
-struct Upstream {
+pub(crate) struct Upstream {
     sandbox: String,
     port: u16,
     sender: SendRequest<Body>,
@@ -214,56 +62,22 @@ struct Upstream {
     driver: tokio::task::AbortHandle,
 }
 
-impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, ProxyListener>> for Conn {
-    fn connect_info(stream: axum::serve::IncomingStream<'_, ProxyListener>) -> Conn {
-        stream.io().conn.clone()
+impl Upstream {
+    /// Closes the connection to the sandbox.
+    pub(crate) fn close(self) {
+        self.driver.abort();
     }
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl Conn {
-    fn new() -> Conn {
-        Conn(Arc::new(ConnShared {
-            killed: watch::channel(false).0,
-            closed: watch::channel(false).0,
-            wakers: Mutex::new([None, None]),
-            upstream: Mutex::new(None),
-            watched: Mutex::new(Vec::new()),
-        }))
-    }
-
-    fn is_killed(&self) -> bool {
-        *self.0.killed.borrow()
-    }
-
-    fn park(&self, slot: usize, waker: &Waker) {
-        let mut wakers = self.0.wakers.lock().unwrap_or_else(|p| p.into_inner());
-        match &wakers[slot] {
-            Some(w) if w.will_wake(waker) => {}
-            _ => wakers[slot] = Some(waker.clone()),
-        }
-    }
-
-    /// Ends the connection and its connection to the sandbox.
-    fn kill(&self) {
-        self.0.killed.send_replace(true);
-        let wakers = std::mem::take(&mut *self.0.wakers.lock().unwrap_or_else(|p| p.into_inner()));
-        for w in wakers.into_iter().flatten() {
-            w.wake();
-        }
-        if let Some(up) = self.0.upstream.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            up.driver.abort();
-        }
-    }
-
-    /// Completes once the connection is killed.
-    async fn killed(&self) {
-        let _ = self.0.killed.subscribe().wait_for(|k| *k).await;
-    }
-
     /// Kills this connection when the grant of `pass` ends (once per grant).
     fn watch(&self, pass: &AccessPass) {
         {
-            let mut watched = self.0.watched.lock().unwrap_or_else(|p| p.into_inner());
+            let mut watched = lock(&self.0.watched);
             if watched.contains(&pass.grant_id) {
                 return;
             }
@@ -281,24 +95,24 @@ impl Conn {
 
     /// The kept connection to `port` of `sandbox`, if it is still usable.
     async fn take_upstream(&self, sandbox: &str, port: u16) -> Option<Upstream> {
-        let mut up = self.0.upstream.lock().unwrap_or_else(|p| p.into_inner()).take()?;
+        let mut up = lock(&self.0.upstream).take()?;
         if up.sandbox == sandbox && up.port == port && up.sender.ready().await.is_ok() {
             return Some(up);
         }
-        up.driver.abort();
+        up.close();
         None
     }
 
     /// Keeps a connection to a sandbox for the next request, unless this
     /// connection was killed meanwhile.
     fn keep_upstream(&self, up: Upstream) {
-        let mut slot = self.0.upstream.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = lock(&self.0.upstream);
         if self.is_killed() {
-            up.driver.abort();
+            up.close();
             return;
         }
         if let Some(old) = slot.replace(up) {
-            old.driver.abort();
+            old.close();
         }
     }
 }
@@ -432,8 +246,9 @@ async fn proxy(app: Arc<App>, target: Target, mut req: Request) -> Result<Respon
         Some(ConnectInfo(conn)) => conn.clone(),
         // Served without our listener (tests): the kill reaches the
         // connection to the sandbox only.
-        None => Conn::new(),
+        None => Conn::detached(),
     };
+    conn.mark_authenticated();
     conn.watch(&pass);
 
     let upgrade = wants_upgrade(req.headers());
@@ -486,6 +301,8 @@ async fn proxy(app: Arc<App>, target: Target, mut req: Request) -> Result<Respon
         };
         let upstream_upgrade = hyper::upgrade::on(&mut resp);
         let headers = response_headers(resp.headers(), true);
+        // A tunnel lives as long as its grant: no idle timeout applies.
+        conn.mark_upgraded();
         tokio::spawn(tunnel(downstream_upgrade, upstream_upgrade, pass, conn.clone(), up));
         let mut out = Response::new(Body::empty());
         *out.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
@@ -565,6 +382,7 @@ async fn reserved(app: Arc<App>, target: &Target, what: &str, req: Request) -> R
         return Err(ApiError::invalid("_hutch/access takes application/x-www-form-urlencoded"));
     }
     let secure = is_https(req.headers(), req.uri());
+    let conn = req.extensions().get::<ConnectInfo<Conn>>().map(|c| c.0.clone());
     let body = axum::body::to_bytes(req.into_body(), FORM_LIMIT)
         .await
         .map_err(|_| ApiError::new(ErrorCode::PayloadTooLarge, format!("form above {FORM_LIMIT} bytes")))?;
@@ -573,6 +391,9 @@ async fn reserved(app: Arc<App>, target: &Target, what: &str, req: Request) -> R
         .control
         .authorize_access(&target.sandbox, target.port, token.as_deref())
         .map_err(|e| proxy_error(e, &target.sandbox))?;
+    if let Some(conn) = conn {
+        conn.mark_authenticated();
+    }
     let token = token.unwrap_or_default();
     if !token.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
         return Err(ApiError::new(ErrorCode::AccessTokenInvalid, "the access token is malformed"));

@@ -76,6 +76,7 @@ pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: N
         .unwrap_or("");
     match hutch_control::keys::authenticate(app.control.store.as_ref(), secret) {
         Ok(Some(key)) => {
+            crate::listener::authenticated(&req);
             req.extensions_mut().insert(Caller { key_id: key.id });
             next.run(req).await
         }

@@ -42,6 +42,7 @@ async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Res
     let secret = super::header(req.headers(), "x-api-key").map(str::trim).unwrap_or("");
     match hutch_control::keys::authenticate(app.control.store.as_ref(), secret) {
         Ok(Some(key)) => {
+            crate::listener::authenticated(&req);
             req.extensions_mut().insert(Caller { key_id: key.id });
             next.run(req).await
         }

@@ -226,6 +226,7 @@ async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Res
         // Terminated, terminating or paused: envd is not reachable.
         return gone();
     }
+    crate::listener::authenticated(&req);
     req.extensions_mut().insert(Envd { id, owner: record.owner, user });
     next.run(req).await
 }
