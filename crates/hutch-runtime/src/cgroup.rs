@@ -517,7 +517,9 @@ fn dir_populated(dir: &Path, depth: u32) -> io::Result<bool> {
                 return match v.trim() {
                     "0" => Ok(false),
                     "1" => Ok(true),
-                    other => Err(io::Error::new(io::ErrorKind::InvalidData, format!("cgroup.events: populated {other}"))),
+                    other => {
+                        Err(io::Error::new(io::ErrorKind::InvalidData, format!("cgroup.events: populated {other}")))
+                    }
                 };
             }
         }
