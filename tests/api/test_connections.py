@@ -190,6 +190,8 @@ def test_a_flood_of_idle_and_half_sent_connections_ends_no_sandbox_and_the_api_a
     for c, sid in boxes:
         sb = c.sandbox(sid)
         assert sb["state"] == "running", sb
+        # The daemon raised its own open-file limit, not its sandboxes'.
+        assert c.sh(sid, "ulimit -Sn; ulimit -Hn") == f"{DAEMON_NOFILE[0]}\n{DAEMON_NOFILE[1]}\n"
     for c, sid in adopted.items():
         assert c.exec(sid, f"kill -0 {sleeps[sid]}")["exit_code"] == 0, f"the sleep in {sid} died"
     log = d.log_path.read_text(errors="replace")

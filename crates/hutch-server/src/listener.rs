@@ -18,7 +18,8 @@
 //! - One client (an IPv4 address, an IPv6 /64) holds at most
 //!   `max_client_connections` unauthenticated connections: one more closes
 //!   its oldest. All unauthenticated connections together hold at most half
-//!   of `max_connections`: one more closes the oldest of them.
+//!   of `max_connections` (and [`MAX_UNAUTHENTICATED`]): one more closes the
+//!   oldest of them.
 //! - At `max_connections` a new connection closes the oldest
 //!   unauthenticated one; when every connection is authenticated, the new
 //!   one is refused (closed at once). Accept errors (out of descriptors) shed
@@ -52,6 +53,11 @@ use tokio::sync::watch;
 /// also bounds hyper's read buffer, so a waiting connection holds at most
 /// this much of the daemon's memory.
 pub const MAX_HEAD: usize = 64 << 10;
+
+/// Most unauthenticated connections at once. A waiting connection costs
+/// the daemon about 25 KiB (hyper's read and write buffers, its task), so a
+/// flood of them holds at most about 100 MiB.
+pub const MAX_UNAUTHENTICATED: usize = 4096;
 
 /// The listener's bounds (see the module documentation).
 #[derive(Debug, Clone)]
@@ -93,9 +99,10 @@ impl Limits {
         self
     }
 
-    /// Unauthenticated connections at once, all clients together.
+    /// Unauthenticated connections at once, all clients together: half the
+    /// table, and at most [`MAX_UNAUTHENTICATED`].
     pub fn max_unauthenticated(&self) -> usize {
-        (self.max_connections / 2).max(1)
+        (self.max_connections / 2).clamp(1, MAX_UNAUTHENTICATED)
     }
 }
 
@@ -883,6 +890,8 @@ mod tests {
         assert_eq!(fit(20000), (20000 - 5000) / 2);
         assert_eq!(fit(1024), (1024 - 256) / 2);
         assert_eq!(fit(100), 2, "never below two");
+        assert_eq!(Limits::default().fit(20000).max_unauthenticated(), 7500 / 2);
+        assert_eq!(Limits::default().fit(1 << 20).max_unauthenticated(), MAX_UNAUTHENTICATED);
         for nofile in [1024, 4096, 20000, 65536, 1 << 20] {
             let l = Limits::default().fit(nofile);
             assert!(2 * l.max_connections as u64 + Limits::reserve(nofile) <= nofile, "{nofile}");
