@@ -199,6 +199,38 @@ def test_a_flood_of_idle_and_half_sent_connections_ends_no_sandbox_and_the_api_a
     assert "sandbox_agent_exited" not in log, d.log_tail(80)
 
 
+def test_a_sandbox_starts_while_the_daemon_holds_more_descriptors_than_sandboxes_may(own_daemon: Daemon):
+    """The daemon raises its own open-file limit, not its sandboxes': a
+    sandbox started while the daemon's descriptors are numbered past the
+    sandboxes' limit still starts, with that limit."""
+    d = own_daemon
+    d.nofile = DAEMON_NOFILE
+    d.start()
+    api = d.client("admin")
+    # Authenticated keep-alive connections (never shed) fill the daemon's
+    # descriptor table past the sandboxes' soft limit.
+    held = []
+    request = f"GET /v1/sandboxes?limit=1 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {api.key}\r\n\r\n".encode()
+    for _ in range(DAEMON_NOFILE[0] + 256):
+        s = socket.create_connection(("127.0.0.1", d.port), timeout=30)
+        s.sendall(request)
+        held.append(s)
+    for s in held:
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            chunk = s.recv(65536)
+            assert chunk, buf
+            buf += chunk
+        assert buf.startswith(b"HTTP/1.1 200"), buf[:200]
+    assert daemon_fds(d) > DAEMON_NOFILE[0] + 256
+    try:
+        sid = api.create()["id"]
+        assert api.sh(sid, "ulimit -Sn; ulimit -Hn") == f"{DAEMON_NOFILE[0]}\n{DAEMON_NOFILE[1]}\n"
+    finally:
+        for s in held:
+            s.close()
+
+
 def closed_by_server(s: socket.socket, within: float = 30.0) -> bool:
     """Reads until the daemon closes `s` (EOF or reset); False if it did not within `within`."""
     s.settimeout(within)

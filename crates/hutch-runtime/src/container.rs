@@ -382,9 +382,6 @@ impl Runtime {
                 }
             }
             plan.push(Step::SetHostname { name: cstr("sandbox")? });
-            if let Some((soft, hard)) = crate::sys::workload_nofile() {
-                plan.push(Step::SetNofile { soft, hard });
-            }
             plan.push(Step::PivotRoot { new_root: cstr(stage.join("root"))? });
             plan.push(Step::EnterUserns { fd: userns.as_raw_fd() });
             // Root of the sandbox's user namespace may install a filter
@@ -395,6 +392,9 @@ impl Runtime {
                 agent.as_raw_fd(),
                 &args,
                 vec![(listener.as_raw_fd(), 3), (cfg_rd.as_raw_fd(), 4), (slot.file().as_raw_fd(), 5)],
+                // The daemon raised its own limit; the sandbox gets the one
+                // it started with.
+                crate::sys::workload_nofile(),
             )?;
             Ok(plan)
         })()

@@ -106,12 +106,6 @@ pub enum Step {
     Notify {
         fd: RawFd,
     },
-    /// Sets the open-file limit (the daemon raised its own; sandboxes get
-    /// the one it started with).
-    SetNofile {
-        soft: u64,
-        hard: u64,
-    },
     /// Waits, forever, to be killed.
     Pause,
     /// Closes every descriptor from 3 up but `keep`.
@@ -124,13 +118,17 @@ pub enum Step {
         parent: libc::pid_t,
     },
     /// Puts `fds[i].0` at descriptor `fds[i].1`, makes 0, 1 and 2 /dev/null,
-    /// closes everything else and execs `exe_fd` with `argv`, empty environment.
+    /// closes everything else, sets the open-file limit to `nofile` (soft,
+    /// hard) if given, and execs `exe_fd` with `argv`, empty environment.
+    /// The limit comes last: the daemon raised its own, and a lower one set
+    /// while its descriptors were still open here would leave no free one.
     Exec {
         exe_fd: RawFd,
         argv: Vec<CString>,
         argv_ptrs: Vec<*const libc::c_char>,
         fds: Vec<(RawFd, RawFd)>,
         devnull: CString,
+        nofile: Option<(u64, u64)>,
     },
 }
 
@@ -166,7 +164,6 @@ impl fmt::Display for Step {
             Step::SetNs { nstype, .. } => write!(f, "setns({nstype:#x})"),
             Step::Notify { .. } => write!(f, "notify the parent"),
             Step::Seccomp { .. } => write!(f, "install the seccomp filter"),
-            Step::SetNofile { soft, hard } => write!(f, "set the open-file limit to {soft}/{hard}"),
             Step::Pause => write!(f, "pause"),
             Step::CloseFds { .. } => write!(f, "close inherited descriptors"),
             Step::DieWithParentPid { .. } => write!(f, "set the parent-death signal"),
@@ -216,11 +213,17 @@ impl Plan {
         Ok(())
     }
 
-    pub fn exec(&mut self, exe_fd: RawFd, argv: &[&str], fds: Vec<(RawFd, RawFd)>) -> io::Result<()> {
+    pub fn exec(
+        &mut self,
+        exe_fd: RawFd,
+        argv: &[&str],
+        fds: Vec<(RawFd, RawFd)>,
+        nofile: Option<(u64, u64)>,
+    ) -> io::Result<()> {
         let argv: Vec<CString> = argv.iter().map(cstr).collect::<io::Result<_>>()?;
         let mut argv_ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
         argv_ptrs.push(std::ptr::null());
-        self.push(Step::Exec { exe_fd, argv, argv_ptrs, fds, devnull: cstr("/dev/null")? });
+        self.push(Step::Exec { exe_fd, argv, argv_ptrs, fds, devnull: cstr("/dev/null")?, nofile });
         Ok(())
     }
 }
@@ -520,10 +523,6 @@ unsafe fn run_step(step: &Step) -> Result<(), i32> {
                 }
                 Ok(())
             }
-            Step::SetNofile { soft, hard } => {
-                let lim = libc::rlimit { rlim_cur: *soft, rlim_max: *hard };
-                check(libc::setrlimit(libc::RLIMIT_NOFILE, &lim) as libc::c_long)
-            }
             Step::LoopbackUp => {
                 let sock = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
                 if sock < 0 {
@@ -587,7 +586,7 @@ unsafe fn run_step(step: &Step) -> Result<(), i32> {
                 check(libc::syscall(libc::SYS_setresgid, 0, 0, 0))?;
                 check(libc::syscall(libc::SYS_setresuid, 0, 0, 0))
             }
-            Step::Exec { exe_fd, argv: _, argv_ptrs, fds, devnull } => {
+            Step::Exec { exe_fd, argv: _, argv_ptrs, fds, devnull, nofile } => {
                 // Move every source above the targets first, so that no dup2
                 // overwrites a source still to be moved.
                 let mut moved = [0 as RawFd; 8];
@@ -625,6 +624,10 @@ unsafe fn run_step(step: &Step) -> Result<(), i32> {
                 // close-on-exec so execveat drops it.
                 check(libc::syscall(libc::SYS_close_range, first_free as libc::c_uint, (exe - 1) as libc::c_uint, 0))?;
                 check(libc::syscall(libc::SYS_close_range, (exe + 1) as libc::c_uint, libc::c_uint::MAX, 0))?;
+                if let Some((soft, hard)) = nofile {
+                    let lim = libc::rlimit { rlim_cur: *soft, rlim_max: *hard };
+                    check(libc::setrlimit(libc::RLIMIT_NOFILE, &lim) as libc::c_long)?;
+                }
                 let envp: [*const libc::c_char; 1] = [std::ptr::null()];
                 libc::syscall(
                     libc::SYS_execveat,
