@@ -17,9 +17,12 @@
 //!   its request does.
 //! - One client (an IPv4 address, an IPv6 /64) holds at most
 //!   `max_client_connections` unauthenticated connections: one more closes
-//!   its oldest. All unauthenticated connections together hold at most half
-//!   of `max_connections` (and [`MAX_UNAUTHENTICATED`]): one more closes the
-//!   oldest of them.
+//!   its oldest, once that one had `client_grace` to authenticate (a client
+//!   that opens many connections at once, each with its request, is not
+//!   cut before the daemon read them). All unauthenticated connections
+//!   together hold at most half of `max_connections` (and
+//!   [`MAX_UNAUTHENTICATED`]): one more closes the oldest of them, whatever
+//!   its age.
 //! - At `max_connections` a new connection closes the oldest
 //!   unauthenticated one; when every connection is authenticated, the new
 //!   one is refused (closed at once). Accept errors (out of descriptors) shed
@@ -71,6 +74,8 @@ pub struct Limits {
     pub header_timeout: Duration,
     /// Time a connection may wait between requests.
     pub idle_timeout: Duration,
+    /// Age below which a connection is not closed for its client's cap.
+    pub client_grace: Duration,
 }
 
 impl Default for Limits {
@@ -80,6 +85,7 @@ impl Default for Limits {
             max_client_connections: 256,
             header_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
+            client_grace: Duration::from_secs(1),
         }
     }
 }
@@ -120,6 +126,11 @@ pub fn client_key(ip: IpAddr) -> IpAddr {
         },
         v4 => v4,
     }
+}
+
+/// A duration in [`Gate::now`] milliseconds.
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX / 4)
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -230,7 +241,10 @@ impl Gate {
         let conn = {
             let mut t = lock(&self.table);
             if t.client_count(&client) >= self.limits.max_client_connections {
-                victims.extend(t.oldest_of(&client).and_then(|id| t.remove(id)));
+                let grace = ms(self.limits.client_grace);
+                let now = self.now();
+                let oldest = t.oldest_of(&client).filter(|id| t.all.get(id).is_some_and(|c| c.accepted + grace <= now));
+                victims.extend(oldest.and_then(|id| t.remove(id)));
             }
             if t.unauth.len() >= self.limits.max_unauthenticated() {
                 victims.extend(t.oldest_unauthenticated().and_then(|id| t.remove(id)));
@@ -395,6 +409,8 @@ pub struct Conn(pub(crate) Arc<ConnShared>);
 pub(crate) struct ConnShared {
     id: u64,
     client: IpAddr,
+    /// When it was accepted, in [`Gate::now`] milliseconds.
+    accepted: u64,
     gate: Weak<Gate>,
     /// Requests being answered (0 or 1 with HTTP/1.1).
     in_flight: AtomicU32,
@@ -425,7 +441,6 @@ impl ConnShared {
         if self.upgraded.load(SeqCst) || self.in_flight.load(SeqCst) > 0 {
             return None;
         }
-        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX / 4);
         let first = self.first_byte.load(SeqCst);
         let since = self.waiting_since.load(SeqCst);
         Some(if !self.served.load(SeqCst) {
@@ -443,6 +458,7 @@ impl Conn {
         Conn(Arc::new(ConnShared {
             id,
             client,
+            accepted: now,
             gate,
             in_flight: AtomicU32::new(0),
             served: AtomicBool::new(false),
@@ -798,7 +814,12 @@ mod tests {
     }
 
     fn limits(max: usize, per_client: usize) -> Limits {
-        Limits { max_connections: max, max_client_connections: per_client, ..Limits::default() }
+        Limits {
+            max_connections: max,
+            max_client_connections: per_client,
+            client_grace: Duration::ZERO,
+            ..Limits::default()
+        }
     }
 
     /// Bounds every wait of these tests (they wait on conditions).
@@ -919,6 +940,24 @@ mod tests {
         assert!(finish(&mut other, "/ok", true).await.starts_with("HTTP/1.1 200"));
         assert!(request(&mut fourth, "/ok").await.starts_with("HTTP/1.1 200"));
         stop(srv, held.into_iter().chain([other, fourth]).collect()).await;
+    }
+
+    /// A client that opens more connections at once than its cap, each with
+    /// its request, loses none of them before the daemon could read them.
+    #[tokio::test]
+    async fn a_burst_over_the_client_cap_is_not_cut_within_the_grace() {
+        let srv = start(Limits { client_grace: Duration::from_secs(3600), ..limits(100, 2) }).await;
+        let mut burst = Vec::new();
+        for _ in 0..5 {
+            let mut s = connect(&srv, "127.0.0.2").await;
+            half(&mut s).await;
+            burst.push(s);
+        }
+        assert_eq!(srv.gate.counts(), (5, 5), "over the cap while young");
+        for s in &mut burst {
+            assert!(finish(s, "/ok", true).await.starts_with("HTTP/1.1 200"));
+        }
+        stop(srv, burst).await;
     }
 
     #[tokio::test]

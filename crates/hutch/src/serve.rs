@@ -256,6 +256,7 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         max_client_connections: args.max_client_connections as usize,
         header_timeout: args.header_timeout,
         idle_timeout: args.idle_timeout,
+        ..hutch_server::listener::Limits::default()
     }
     .fit(nofile);
     tracing::info!(
