@@ -249,27 +249,30 @@ impl Gate {
             if t.unauth.len() >= self.limits.max_unauthenticated() {
                 victims.extend(t.oldest_unauthenticated().and_then(|id| t.remove(id)));
             }
-            if t.all.len() >= self.limits.max_connections {
-                match t.oldest_unauthenticated().and_then(|id| t.remove(id)) {
-                    Some(v) => victims.push(v),
-                    None => {
-                        self.stats.refused.fetch_add(1, SeqCst);
-                        return None;
-                    }
-                }
+            let full = t.all.len() >= self.limits.max_connections;
+            if full {
+                victims.extend(t.oldest_unauthenticated().and_then(|id| t.remove(id)));
             }
-            let id = t.next;
-            t.next += 1;
-            let conn = Conn::attached(id, client, Arc::downgrade(self), self.now());
-            t.all.insert(id, conn.0.clone());
-            t.unauth.insert(id, client);
-            t.by_client.entry(client).or_default().insert(id);
-            conn
+            if full && victims.is_empty() {
+                None
+            } else {
+                let id = t.next;
+                t.next += 1;
+                let conn = Conn::attached(id, Arc::downgrade(self), self.now());
+                t.all.insert(id, conn.0.clone());
+                t.unauth.insert(id, client);
+                t.by_client.entry(client).or_default().insert(id);
+                Some(conn)
+            }
         };
         self.stats.shed.fetch_add(victims.len() as u64, SeqCst);
         for v in victims {
             Conn(v).kill();
         }
+        let Some(conn) = conn else {
+            self.stats.refused.fetch_add(1, SeqCst);
+            return None;
+        };
         self.open.send_modify(|n| *n += 1);
         // Event streams and Connect messages are small writes: without
         // TCP_NODELAY, Nagle's algorithm and the peer's delayed ACK hold some
@@ -376,12 +379,16 @@ impl Gate {
         }
     }
 
-    /// Closes every upgraded connection (the daemon is stopping: tunnels
-    /// would hold it up).
-    fn close_upgraded(&self) {
-        let upgraded: Vec<Arc<ConnShared>> =
-            lock(&self.table).all.values().filter(|c| c.upgraded.load(SeqCst)).cloned().collect();
-        for c in upgraded {
+    /// Closes every connection but those answering a request (the daemon
+    /// is stopping: tunnels and half-sent heads would hold it up).
+    fn close_all_but_busy(&self) {
+        let closing: Vec<Arc<ConnShared>> = lock(&self.table)
+            .all
+            .values()
+            .filter(|c| c.upgraded.load(SeqCst) || c.in_flight.load(SeqCst) == 0)
+            .cloned()
+            .collect();
+        for c in closing {
             Conn(c).kill();
         }
     }
@@ -408,7 +415,6 @@ pub struct Conn(pub(crate) Arc<ConnShared>);
 
 pub(crate) struct ConnShared {
     id: u64,
-    client: IpAddr,
     /// When it was accepted, in [`Gate::now`] milliseconds.
     accepted: u64,
     gate: Weak<Gate>,
@@ -454,10 +460,9 @@ impl ConnShared {
 }
 
 impl Conn {
-    fn attached(id: u64, client: IpAddr, gate: Weak<Gate>, now: u64) -> Conn {
+    fn attached(id: u64, gate: Weak<Gate>, now: u64) -> Conn {
         Conn(Arc::new(ConnShared {
             id,
-            client,
             accepted: now,
             gate,
             in_flight: AtomicU32::new(0),
@@ -476,12 +481,7 @@ impl Conn {
 
     /// A connection no listener counts (handlers served without ours).
     pub(crate) fn detached() -> Conn {
-        Conn::attached(0, IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), Weak::new(), 1)
-    }
-
-    /// The client's key ([`client_key`]).
-    pub fn client(&self) -> IpAddr {
-        self.0.client
+        Conn::attached(0, Weak::new(), 1)
     }
 
     pub(crate) fn is_killed(&self) -> bool {
@@ -699,8 +699,8 @@ impl AsyncWrite for ConnIo {
 // Serving
 
 /// Serves `router` on `listener` under `gate`'s caps until `shutdown`
-/// completes; then answers what is in flight and returns once every
-/// connection is closed.
+/// completes; then closes idle and upgraded connections, lets requests in
+/// flight finish, and returns once every connection is closed.
 pub async fn serve_router(
     listener: TcpListener,
     router: Router,
@@ -721,7 +721,7 @@ pub async fn serve_router(
     }
     drop(listener);
     stop_tx.send_replace(true);
-    gate.close_upgraded();
+    gate.close_all_but_busy();
     let _ = gate.open.subscribe().wait_for(|n| *n == 0).await;
     sweeper.abort();
     Ok(())
@@ -940,6 +940,22 @@ mod tests {
         assert!(finish(&mut other, "/ok", true).await.starts_with("HTTP/1.1 200"));
         assert!(request(&mut fourth, "/ok").await.starts_with("HTTP/1.1 200"));
         stop(srv, held.into_iter().chain([other, fourth]).collect()).await;
+    }
+
+    #[tokio::test]
+    async fn stopping_closes_waiting_connections_at_once() {
+        let hour = Duration::from_secs(3600);
+        let mut srv = start(Limits { header_timeout: hour, idle_timeout: hour, ..limits(100, 100) }).await;
+        let mut partial = connect(&srv, "127.0.0.2").await;
+        half(&mut partial).await;
+        let mut idle = connect(&srv, "127.0.0.3").await;
+        assert!(request(&mut idle, "/ok").await.starts_with("HTTP/1.1 200"));
+        if let Some(stop) = srv.stop.take() {
+            let _ = stop.send(());
+        }
+        assert!(closed(&mut partial).await && closed(&mut idle).await);
+        let done = tokio::time::timeout(PATIENCE, &mut srv.served).await;
+        assert!(matches!(done, Ok(Ok(Ok(())))), "the server stops though the clients keep their sockets");
     }
 
     /// A client that opens more connections at once than its cap, each with
