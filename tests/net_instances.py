@@ -17,7 +17,25 @@ import weakref
 from pathlib import Path
 
 LOCK_DIR = Path("/run/hutch-tests")
+# Where each daemon locks its instance itself (`hutch serve` refuses to
+# start on an instance another live daemon holds).
+DAEMON_LOCK_DIR = Path("/run/hutch")
 INSTANCES = range(1, 32)
+
+
+def held_by_a_daemon(n: int) -> bool:
+    """Whether a live daemon (not started through this module) holds `n`."""
+    path = DAEMON_LOCK_DIR / f"net-{n}.lock"
+    if not path.exists():
+        return False
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 class NetInstance:
@@ -36,6 +54,9 @@ class NetInstance:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                os.close(fd)
+                continue
+            if held_by_a_daemon(n):
                 os.close(fd)
                 continue
             return cls(n, fd)

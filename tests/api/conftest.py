@@ -108,17 +108,23 @@ def host_processes_of(ids: Iterable[str]) -> dict[int, str]:
     return found
 
 
+UID_SLOTS = Path("/run/hutch/uids")
+
+
 def slot_owners(run_dir: Path) -> dict[str, str]:
-    """uid slot files in `run_dir/uids`: file name -> the sandbox id it holds."""
+    """Host-wide uid slot files taken by the runtime of `run_dir`: file name -> the sandbox id it holds.
+
+    A slot file holds the sandbox id, then the run directory of the runtime that took it."""
     out: dict[str, str] = {}
-    d = run_dir / "uids"
-    if not d.is_dir():
+    if not UID_SLOTS.is_dir():
         return out
-    for f in d.iterdir():
+    for f in UID_SLOTS.iterdir():
         try:
-            out[f.name] = f.read_text()[:256]
+            lines = f.read_text()[:4096].splitlines()
         except OSError:
             continue
+        if len(lines) >= 2 and lines[1] == str(run_dir):
+            out[f.name] = lines[0]
     return out
 
 
@@ -128,7 +134,7 @@ def leftovers(run_dir: Path, sandbox_id: str) -> list[str]:
     sock = run_dir / "sockets" / f"{sandbox_id}.sock"
     if sock.exists():
         left.append(f"socket {sock}")
-    left += [f"uid slot {run_dir / 'uids' / n}" for n, owner in slot_owners(run_dir).items() if owner == sandbox_id]
+    left += [f"uid slot {UID_SLOTS / n}" for n, owner in slot_owners(run_dir).items() if owner == sandbox_id]
     left += [f"process {pid} ({line})" for pid, line in host_processes_of([sandbox_id]).items()]
     return left
 
@@ -154,6 +160,8 @@ class Client:
         self.key = key
         # Set by a test that revokes the key: nothing left to clean up.
         self.revoked = False
+        # The key's id, when known.
+        self.key_id: str | None = None
         self.session = requests.Session()
         if key is not None:
             self.session.headers["Authorization"] = f"Bearer {key}"
@@ -469,18 +477,21 @@ class Daemon:
             timeout=timeout,
         )
 
-    def new_key(self, name: str) -> tuple[str, str]:
-        """A fresh non-admin key: (id, secret). Uses `hutch key create`."""
-        p = self.cli("key", "create", "--name", name, "--json")
+    def new_key(self, name: str, *flags: str) -> tuple[str, str]:
+        """A fresh non-admin key: (id, secret). Uses `hutch key create`
+        (`flags`: `--e2b`, `--max-sandboxes`, `N`, ...)."""
+        p = self.cli("key", "create", "--name", name, "--json", *flags)
         assert p.returncode == 0, f"hutch key create failed ({p.returncode}): {p.stderr}"
         k = json.loads(p.stdout)
         assert k["name"] == name and k["secret"], k
         return k["id"], k["secret"]
 
-    def new_client(self, name: str) -> Client:
+    def new_client(self, name: str, *flags: str) -> Client:
         """A client with a key of its own: it sees only its own sandboxes."""
-        _, secret = self.new_key(name)
-        return Client(self.base, secret, self.clients)
+        key_id, secret = self.new_key(name, *flags)
+        c = Client(self.base, secret, self.clients)
+        c.key_id = key_id
+        return c
 
     def strays(self) -> dict[int, str]:
         """Processes running this daemon's binary for this state dir that are

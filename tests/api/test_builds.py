@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Client, Daemon, expect_error, expect_status, wait_for
+from conftest import Client, Daemon, cgroup_dirs, expect_error, expect_status, wait_for
 
 
 def tname(prefix: str = "b") -> str:
@@ -369,6 +369,14 @@ def test_startup_and_readiness_are_validated(api: Client):
         expect_error(r, 400, "invalid_request")
 
 
+def build_sandbox_cgroups(d: Daemon) -> list[Path]:
+    """The cgroups of the build sandboxes daemon `d` runs now (`bi-*`, or
+    `bs-*` of earlier versions, whose agent socket is in its run dir: other
+    daemons on the host have theirs)."""
+    ids = [s.name[: -len(".sock")] for s in (d.run_dir / "sockets").glob("b[is]-*.sock")]
+    return [p for i in ids for p in cgroup_dirs(i)]
+
+
 def test_a_build_interrupted_by_kill_9_is_failed_and_cleaned_on_restart(own_daemon: Daemon):
     d = own_daemon
     d.start()
@@ -376,8 +384,7 @@ def test_a_build_interrupted_by_kill_9_is_failed_and_cleaned_on_restart(own_daem
     t = make_template(api)
     b = start_build(api, t["id"], {"Dockerfile": "RUN echo started; exec sleep 600\n"})
     wait_for("the step to run", lambda: "started" in build_log(api, t["id"], b["id"]), timeout=30, interval=0.1)
-    cgroup_root = Path("/sys/fs/cgroup")
-    running = [p for p in cgroup_root.glob("*/hutch/bs-*") if p.exists()]
+    running = build_sandbox_cgroups(d)
     assert running, "no build sandbox cgroup while a step runs"
     d.kill9()
     d.start()
@@ -416,3 +423,170 @@ def test_a_build_on_the_python_preset_stacks_its_layers_over_the_image(api: Clie
         assert api.sh(sb["id"], "cat /etc/debian_version").strip().startswith("12"), "bookworm"
     finally:
         api.destroy(sb["id"])
+
+
+# --------------------------------------------------------------------------
+# Tenancy: builds, their cache, images and logs belong to one owner
+
+
+def layer_ids(log: str) -> list[str]:
+    """The layer ids a build's log names, in step order ("---> layer X" or
+    "---> cached X")."""
+    out = []
+    for line in log.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == "--->" and parts[1] in ("layer", "cached"):
+            out.append(parts[2])
+    return out
+
+
+def test_a_run_step_is_never_reused_from_another_owners_cache(daemon: Daemon):
+    """Two keys build the same RUN step (as `ssh-keygen` would, it writes a
+    secret of its own): the second key's step runs, in its own sandbox, and
+    its image holds its own secret, not the first key's."""
+    a, b = daemon.new_client("cache-run-a"), daemon.new_client("cache-run-b")
+    dockerfile = "RUN head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n' > /opt/private.key\n"
+    keys, logs = {}, {}
+    for who, c in (("a", a), ("b", b)):
+        t = make_template(c)
+        done, log = build(c, t["id"], {"Dockerfile": dockerfile})
+        assert done["state"] == "succeeded", (who, done, log)
+        sb = c.create(template=t["name"])
+        keys[who] = c.sh(sb["id"], "cat /opt/private.key")
+        logs[who] = log
+        c.destroy(sb["id"])
+    assert "---> cached" not in logs["b"], logs["b"]
+    assert len(keys["a"]) == 64 and keys["a"] != keys["b"], keys
+    assert set(layer_ids(logs["a"])).isdisjoint(layer_ids(logs["b"])), logs
+    # The owner's own cache still works.
+    t = make_template(a)
+    done, log = build(a, t["id"], {"Dockerfile": dockerfile})
+    assert done["state"] == "succeeded" and "---> cached" in log, log
+    sb = a.create(template=t["name"])
+    assert a.sh(sb["id"], "cat /opt/private.key") == keys["a"]
+    a.destroy(sb["id"])
+
+
+def test_a_copy_of_a_guessed_secret_is_not_answered_from_another_owners_cache(daemon: Daemon):
+    """B copies a file holding A's secret: the build cache does not say
+    `cached`, and the layer id it shows is not A's, so B learns nothing of
+    what A built."""
+    a, b = daemon.new_client("cache-copy-a"), daemon.new_client("cache-copy-b")
+    secret = f"s3cret-{uuid.uuid4().hex}\n"
+    files = {"Dockerfile": "COPY secret.txt /opt/secret.txt\n", "secret.txt": secret}
+    ta = make_template(a)
+    done_a, log_a = build(a, ta["id"], files)
+    assert done_a["state"] == "succeeded", log_a
+    tb = make_template(b)
+    done_b, log_b = build(b, tb["id"], files)
+    assert done_b["state"] == "succeeded", log_b
+    assert "---> cached" not in log_b, log_b
+    assert layer_ids(log_a) and layer_ids(log_b), (log_a, log_b)
+    assert layer_ids(log_a) != layer_ids(log_b), (log_a, log_b)
+    # A wrong guess and a right one look alike to B: both new layers.
+    done_w, log_w = build(b, tb["id"], {**files, "secret.txt": "wrong guess\n"})
+    assert done_w["state"] == "succeeded" and "---> cached" not in log_w, log_w
+
+
+def test_another_owner_cannot_list_read_or_build_on_builds_and_images(daemon: Daemon):
+    a, b = daemon.new_client("builds-own-a"), daemon.new_client("builds-own-b")
+    t = make_template(a)
+    done, log = build(a, t["id"], {"Dockerfile": "RUN echo private-output-of-a\n"})
+    assert done["state"] == "succeeded", log
+    image = f"{t['id']}-v2"
+    base = f"/v1/templates/{t['id']}/builds"
+    for path in (base, f"{base}/{done['id']}", f"{base}/{done['id']}/logs",
+                 f"{base}/{done['id']}/logs?follow=true"):
+        expect_error(b.get(path), 404, "not_found")
+    expect_error(post_build(b, t["id"], {"Dockerfile": "RUN true\n"}), 404, "not_found")
+    # B cannot name A's image, in a new template or an update of its own.
+    r = b.post("/v1/templates", {"name": tname(), "image": image})
+    assert r.status_code == 400 and r.json()["code"] in ("invalid_request", "image_not_found"), r.text
+    mine = make_template(b)
+    r = b.request("PATCH", f"/v1/templates/{mine['id']}", json={"image": image})
+    assert r.status_code == 400 and r.json()["code"] in ("invalid_request", "image_not_found"), r.text
+    # Nor see it listed; A does.
+    listed = lambda c: {i["name"] for i in (lambda r: (expect_status(r, 200), r.json())[1])(c.get("/v1/images"))["images"]}
+    assert image in listed(a)
+    assert not any(n.startswith(t["id"]) for n in listed(b)), listed(b)
+    assert not any(n.startswith("tpl-") for n in listed(b)), listed(b)
+    # The admin sees every owner's images.
+    assert image in listed(daemon.client("admin"))
+
+
+def test_two_daemons_restarting_one_leaves_the_others_build_running(own_daemon: Daemon, tmp_root: Path):
+    """Build sandboxes are swept only by the daemon that made them: a second
+    daemon on the host (its own state dir) starting, or restarting after a
+    kill -9, leaves the first one's running step alone."""
+    d1 = own_daemon
+    d1.start()
+    api = d1.client("admin")
+    t = make_template(api)
+    b = start_build(api, t["id"], {"Dockerfile": "RUN echo started; exec sleep 600\n"})
+    wait_for("the step to run", lambda: "started" in build_log(api, t["id"], b["id"]), timeout=30, interval=0.1)
+    ours = build_sandbox_cgroups(d1)
+    assert ours, "no build sandbox cgroup while a step runs"
+    n = sum(1 for _ in tmp_root.glob("own2-*"))
+    root = tmp_root / f"own2-{n}"
+    root.mkdir(parents=True)
+    d2 = Daemon(root, name="other")
+    try:
+        d2.start()
+        d2.kill9()
+        d2.start()
+        d2.stop()
+        d2.start()
+        # d2 is up, its startup sweep done: d1's step still runs.
+        gone = [p for p in ours if not p.exists()]
+        assert gone == [], f"the other daemon's restart destroyed build sandboxes: {gone}"
+        r = api.get(f"/v1/templates/{t['id']}/builds/{b['id']}")
+        expect_status(r, 200)
+        assert r.json()["state"] == "building", r.json()
+        d2.stop()
+    finally:
+        d2.kill9()
+        d2.kill_strays()
+        d2.release_net()
+    # d1 still sweeps its own: after its kill -9 and restart the build is
+    # failed and its sandbox gone.
+    d1.kill9()
+    d1.start()
+    done = wait_build(api, t["id"], b["id"], timeout=10)
+    assert done["state"] == "failed" and "interrupted" in done["error"], done
+    left = [p for p in ours if p.exists()]
+    assert left == [], f"build sandboxes left after the restart: {left}"
+    api.delete(f"/v1/templates/{t['id']}")
+
+
+def test_a_store_of_an_earlier_version_is_brought_up_to_date_at_start(own_daemon: Daemon):
+    """What older daemons wrote: step cache entries keyed without their
+    owner (`images/cache/<key>`) are dropped at start, and a build's image
+    that names no owner gets its template's owner (so its owner lists it
+    and no one else does)."""
+    import json
+
+    d = own_daemon
+    d.start()
+    a, b = d.new_client("upgrade-a"), d.new_client("upgrade-b")
+    t = make_template(a)
+    done, log = build(a, t["id"], {"Dockerfile": "RUN echo old > /opt/old\n"})
+    assert done["state"] == "succeeded", log
+    image = f"{t['id']}-v2"
+    d.stop()
+    images = d.state_dir / "images"
+    record = images / "images" / f"{image}.json"
+    body = json.loads(record.read_text())
+    assert body.get("owner"), body
+    del body["owner"]
+    record.write_text(json.dumps(body))
+    layer = body["layers"][0]
+    old_entry = images / "cache" / ("a" * 64)
+    old_entry.write_text(layer)
+    d.start()
+    assert not old_entry.exists(), "an unowned cache entry survived the start"
+    assert json.loads(record.read_text()).get("owner"), "the image did not get its owner back"
+    names = lambda c: {i["name"] for i in c.get("/v1/images").json()["images"]}
+    assert image in names(a) and image not in names(b)
+    sb = a.create(template=t["name"])
+    assert a.sh(sb["id"], "cat /opt/old") == "old\n"
+    a.destroy(sb["id"])

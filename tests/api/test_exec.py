@@ -364,3 +364,86 @@ def test_execution_refuses_unknown_templates_and_fields(api: Client):
     expect_error(api.post("/v1/executions", {"command": "true", "template": "nope"}), 400, "unknown_template")
     expect_error(api.post("/v1/executions", {"command": "true", "background": True}), 400, "invalid_request")
     expect_error(api.post("/v1/executions", {"command": "true", "memory_mb": 1}), 400, "invalid_request")
+
+
+# ---------------------------------------------------------------- bad input and memory (issue 10, findings 12, 14)
+
+
+@pytest.mark.parametrize(
+    "cwd, code",
+    [
+        ("/proc/1/root", "sandbox_path_not_directory"),
+        ("/proc/self/cwd", "sandbox_path_not_directory"),
+        ("/workspace/missing", "sandbox_path_not_directory"),
+        ("/etc/passwd", "sandbox_path_not_directory"),
+        ("/root", "sandbox_path_unreadable"),
+        ("", "invalid_request"),
+        ("/" + "a" * 5000, "invalid_request"),
+    ],
+    ids=["proc-root", "proc-self-cwd", "missing", "a-file", "root-home", "empty", "too-long"],
+)
+def test_exec_with_a_bad_cwd_is_a_clear_4xx(api: Client, sandbox: dict, cwd: str, code: str):
+    expect_error(api.exec_raw(sandbox["id"], {"command": "true", "cwd": cwd}), 400, code)
+
+
+@pytest.mark.parametrize("user", ["nobody", "daemon", "USER", "0", "1000"])
+def test_exec_accepts_only_the_documented_users(api: Client, sandbox: dict, user: str):
+    body = expect_error(api.exec_raw(sandbox["id"], {"command": "true", "user": user}), 400, "invalid_request")
+    assert "user" in body["error"], body
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"command": "x" * 200_000},
+        {"argv": ["echo"] + ["y" * 1000] * 200},
+        {"command": "true", "env": {f"V{i}": "z" * 30_000 for i in range(10)}},
+        {"argv": ["a\u0000b"]},
+        {"command": "true", "env": {"": "1"}},
+    ],
+    ids=["long-command", "long-argv", "big-env", "argv-nul", "env-empty-name"],
+)
+def test_exec_with_oversized_or_malformed_commands_is_400(api: Client, sandbox: dict, body: dict):
+    expect_error(api.exec_raw(sandbox["id"], body), 400, "invalid_request")
+
+
+def test_filling_memory_kills_the_command_not_the_sandbox(api: Client):
+    """A 400 MB write to RAM-backed /tmp in a 128 MiB sandbox: the OOM killer
+    ends the command (reported as such), the sandbox and its agent live on.
+    The file's pages stay charged to the workload until the file goes; files
+    written through the API are charged to the agent, so an empty write
+    frees the memory even while every command would be OOM-killed."""
+    sb = api.create(memory_mb=128)
+    sid = sb["id"]
+
+    def free(path: str) -> None:
+        r = api.post(f"/v1/sandboxes/{sid}/files/write", {"path": path, "data": ""})
+        assert r.status_code == 204, r.text
+
+    try:
+        res = api.exec(sid, "head -c 400M /dev/zero > /tmp/fill", timeout_seconds=120)
+        assert res["oom_killed"] is True, res
+        assert res["exit_code"] == 137 and res["timed_out"] is False, res
+        assert api.sandbox(sid)["state"] == "running"
+        # The agent answers the next command (which may be killed at once:
+        # the file still fills the workload's memory).
+        res = api.exec(sid, "echo answered")
+        assert res["stdout"] == "answered\n" or res["oom_killed"] is True, res
+        assert api.sandbox(sid)["state"] == "running"
+        free("/tmp/fill")
+        assert api.sh(sid, "rm /tmp/fill; echo alive") == "alive\n"
+        # The NDJSON exit event says it too.
+        r = api.exec_raw(sid, {"command": "head -c 400M /dev/zero > /tmp/fill2"},
+                         headers={"Accept": "application/x-ndjson"}, stream=True)
+        expect_status(r, 200)
+        exit_event = ndjson_events(r)[-1]
+        assert exit_event["type"] == "exit" and exit_event["oom_killed"] is True, exit_event
+        assert exit_event["exit_code"] == 137, exit_event
+        free("/tmp/fill2")
+        # A command killed otherwise is not an OOM kill.
+        res = api.exec(sid, "kill -9 $$")
+        assert res["exit_code"] == 137 and res["oom_killed"] is False, res
+        assert api.sh(sid, "echo alive") == "alive\n"
+        assert api.sandbox(sid)["state"] == "running"
+    finally:
+        api.destroy(sid)

@@ -13,13 +13,20 @@ from __future__ import annotations
 import base64
 import gzip
 import hashlib
+import hmac
 import io
 import os
+import socket
 import tarfile
+import threading
+import zlib
+from pathlib import Path
+from typing import Iterable
 
 import pytest
+import requests
 
-from conftest import Client, expect_error, expect_status
+from conftest import REQUEST_TIMEOUT, Client, Daemon, expect_error, expect_status, host_processes_of, wait_for
 
 MiB = 1 << 20
 FILE_DATA_CAP = 8 * MiB
@@ -361,3 +368,354 @@ def test_list_files_refusals(api: Client, sandbox: dict):
     entries = {e["path"]: e for e in listing(api, sid)["entries"]}
     assert entries["locked"].get("unreadable") is True, entries["locked"]
     expect_error(api.get(f"/v1/sandboxes/{sid}/files/list", params={"limit": 0}), 400, "invalid_request")
+
+
+# ---------------------------------------------------------------- streaming, bounded memory
+#
+# Issue 10, finding 2: the daemon buffered what it should stream. Every
+# transfer now streams with a bounded buffer; the daemon's own peak RSS
+# (VmHWM, read from /proc) must stay under 100 MiB while a test daemon of
+# its own moves a GiB each way, inflates a gzip bomb, and takes a large
+# archive and a large form in.
+
+GiB = 1 << 30
+RSS_BOUND_KIB = 100 * 1024
+
+
+def vm_hwm_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmHWM in /proc/{pid}/status")
+
+
+def envd_headers(d: Daemon, sid: str) -> dict:
+    """The E2B in-sandbox headers of a sandbox: its id and access token
+    (HMAC-SHA256 of the id under <state>/e2b.secret)."""
+    secret = bytes.fromhex((d.state_dir / "e2b.secret").read_text().strip())
+    token = hmac.new(secret, sid.encode(), hashlib.sha256).hexdigest()
+    return {"E2b-Sandbox-Id": sid, "X-Access-Token": token}
+
+
+def gzip_of_zeros(n: int, chunk: int = MiB):
+    """A gzip stream of `n` zero bytes, made as it is sent."""
+    z = zlib.compressobj(1, zlib.DEFLATED, 31)
+    zeros = bytes(chunk)
+    left = n
+    while left:
+        take = min(left, chunk)
+        out = z.compress(zeros[:take])
+        left -= take
+        if out:
+            yield out
+    yield z.flush()
+
+
+def tar_stream(files: list[tuple[str, int]], fill: bytes = b"x"):
+    """An uncompressed tar of `files` (name, size), made as it is sent."""
+    block = fill * (MiB // len(fill))
+    for name, size in files:
+        info = tarfile.TarInfo(name)
+        info.size, info.mode = size, 0o644
+        yield info.tobuf(format=tarfile.PAX_FORMAT)
+        left = size
+        while left:
+            take = min(left, len(block))
+            yield block[:take]
+            left -= take
+        if size % 512:
+            yield bytes(512 - size % 512)
+    yield bytes(1024)
+
+
+def form_stream(fields: list[tuple[str, str | None, Iterable[bytes]]], boundary: str):
+    """A multipart/form-data body of (name, filename, chunks), made as it is sent."""
+    for name, filename, chunks in fields:
+        disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        yield f"--{boundary}\r\nContent-Disposition: {disposition}\r\n\r\n".encode()
+        yield from chunks
+        yield b"\r\n"
+    yield f"--{boundary}--\r\n".encode()
+
+
+def healthz_while(d: Daemon, busy: threading.Event) -> tuple[threading.Thread, list]:
+    """Asks /healthz again and again until `busy` is cleared; records each answer."""
+    answers: list = []
+
+    def run():
+        s = requests.Session()
+        while busy.is_set():
+            try:
+                answers.append(s.get(d.base + "/healthz", timeout=REQUEST_TIMEOUT).status_code)
+            except requests.RequestException as e:
+                answers.append(repr(e))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, answers
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_daemon_memory_stays_bounded_while_transfers_stream_a_gib_each_way(own_daemon: Daemon):
+    d = own_daemon.start()
+    api = d.client()
+    sb = api.create(memory_mb=2048, limits={"disk_mib": 1536})
+    sid = sb["id"]
+    envd = envd_headers(d, sid)
+    busy = threading.Event()
+    busy.set()
+    poller, health = healthz_while(d, busy)
+    try:
+        # 1 GiB in, gzip'd (1 MiB on the wire), through E2B's /files.
+        r = requests.post(d.base + "/files", params={"path": "/home/user/big.bin"},
+                          headers={**envd, "Content-Type": "application/octet-stream", "Content-Encoding": "gzip"},
+                          data=gzip_of_zeros(GiB), timeout=600)
+        assert r.status_code == 200, r.text[:500]
+        assert api.sh(sid, "stat -c %s /home/user/big.bin").strip() == str(GiB)
+
+        # The same GiB out, as a tar of its directory, read as it comes.
+        r = api.get(f"/v1/sandboxes/{sid}/archives", params={"path": "/home/user"}, stream=True, timeout=600)
+        expect_status(r, 200)
+        with tarfile.open(fileobj=r.raw, mode="r|") as tf:
+            sizes = {m.name: m.size for m in tf}
+        assert sizes.get("big.bin") == GiB, sizes
+        api.sh(sid, "rm -f /home/user/big.bin")
+
+        # A gzip bomb: 2 GiB of zeros in 2 MiB. Refused at the cap with
+        # 413, nothing left behind.
+        r = requests.post(d.base + "/files", params={"path": "/home/user/bomb.bin"},
+                          headers={**envd, "Content-Type": "application/octet-stream", "Content-Encoding": "gzip"},
+                          data=gzip_of_zeros(2 * GiB), timeout=600)
+        assert r.status_code == 413, (r.status_code, r.text[:500])
+        assert r.json()["code"] == 413 and str(GiB) in r.json()["message"], r.text
+        assert api.exec(sid, "test -e /home/user/bomb.bin")["exit_code"] != 0
+        assert ".hutch-upload-" not in api.sh(sid, "ls -A /home/user")
+
+        # An archive of 320 MiB (ten times the old in-memory cap) and a form
+        # of 256 MiB, both streamed in.
+        files = [(f"d/part{i}.bin", 32 * MiB) for i in range(10)]
+        boundary = "hutch-test-boundary-7d3f"
+        body = form_stream([("path", None, [b"big-archive"]), ("archive", "a.tar", tar_stream(files))], boundary)
+        r = api.request("POST", f"/v1/sandboxes/{sid}/archives", data=body, timeout=600,
+                        headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+        expect_status(r, 200)
+        assert (r.json()["files"], r.json()["bytes"]) == (10, 320 * MiB), r.json()
+        assert api.sh(sid, "cat big-archive/d/* | wc -c").strip() == str(320 * MiB)
+        api.sh(sid, "rm -rf big-archive")
+        chunks = (bytes(MiB) for _ in range(256))
+        body = form_stream([("file", "form.bin", chunks)], boundary)
+        r = requests.post(d.base + "/files", params={"path": "/home/user/form.bin"}, data=body, timeout=600,
+                          headers={**envd, "Content-Type": f"multipart/form-data; boundary={boundary}"})
+        assert r.status_code == 200, r.text[:500]
+        assert api.sh(sid, "stat -c %s /home/user/form.bin").strip() == str(256 * MiB)
+    finally:
+        busy.clear()
+        poller.join(timeout=REQUEST_TIMEOUT + 5)
+    peak = vm_hwm_kib(d.pid)
+    print(f"daemon peak RSS (VmHWM): {peak} KiB")
+    assert peak < RSS_BOUND_KIB, f"the daemon's peak RSS was {peak // 1024} MiB (bound {RSS_BOUND_KIB // 1024} MiB)"
+    assert health and all(a == 200 for a in health), f"/healthz failed meanwhile: {[a for a in health if a != 200]}"
+
+
+def test_a_raw_upload_whose_body_breaks_leaves_nothing(api: Client, daemon: Daemon, sandbox: dict):
+    sid = sandbox["id"]
+    api.sh(sid, "echo kept > kept.bin")
+    for target in ("cut.bin", "kept.bin"):
+        with socket.create_connection(("127.0.0.1", daemon.port), timeout=REQUEST_TIMEOUT) as s:
+            s.sendall((f"PUT /v1/sandboxes/{sid}/files?path={target} HTTP/1.1\r\nHost: x\r\n"
+                       f"Authorization: Bearer {api.key}\r\nContent-Length: {8 * MiB}\r\n\r\n").encode())
+            s.sendall(os.urandom(3 * MiB))
+        # The daemon sees the body end early; the temporary goes.
+        wait_for("the upload's temporary to go", lambda: ".hutch-upload-" not in api.sh(sid, "ls -A"), timeout=30)
+    assert api.exec(sid, "test -e cut.bin")["exit_code"] != 0, "a cut body was put in place"
+    assert api.sh(sid, "cat kept.bin") == "kept\n", "a cut body replaced a file"
+
+
+def test_archive_upload_needs_the_path_before_the_archive_and_bounds_part_headers(api: Client, sandbox: dict):
+    sid = sandbox["id"]
+    r = api.request("POST", f"/v1/sandboxes/{sid}/archives",
+                    files=[("archive", ("a.tar", tar_of([("f.txt", b"x", 0o644)]))), ("path", (None, "late"))])
+    expect_error(r, 400, "sandbox_archive_invalid")
+    assert "before" in r.json()["error"]
+    # A part whose headers never end is refused once it passes the bound,
+    # not held until the body's cap.
+    boundary = "b0undary"
+    body = form_stream([("path", None, [b"x"])], boundary)
+    endless = (b"X-Pad: " + b"a" * MiB for _ in range(64))
+    def gen():
+        yield from list(body)[:-1]
+        yield f"--{boundary}\r\nContent-Disposition: form-data; name=\"archive\"\r\n".encode()
+        yield from endless
+    r = api.request("POST", f"/v1/sandboxes/{sid}/archives", data=gen(),
+                    headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    expect_error(r, 400, "sandbox_archive_invalid")
+    assert api.exec(sid, "test -e x")["exit_code"] != 0
+
+
+def test_archive_entries_beyond_the_limits_are_refused(api: Client, sandbox: dict):
+    sid = sandbox["id"]
+    # A GNU long name of 300 MiB (300 KiB gzip'd): refused before it is
+    # read, not read whole into the daemon's memory.
+    hdr = tarfile.TarInfo("././@LongLink")
+    hdr.type, hdr.size = tarfile.GNUTYPE_LONGNAME, 300 * MiB
+    z = zlib.compressobj(1, zlib.DEFLATED, 31)
+    packed = z.compress(hdr.tobuf(format=tarfile.GNU_FORMAT))
+    for _ in range(300):
+        packed += z.compress(bytes(MiB))
+    packed += z.flush()
+    expect_error(upload(api, sid, "ln", packed), 400, "sandbox_archive_invalid")
+    # Content over 1 GiB, claimed by a header.
+    big = tarfile.TarInfo("big")
+    big.size = GiB + 1
+    expect_error(upload(api, sid, "big", gzip.compress(big.tobuf(format=tarfile.GNU_FORMAT) + bytes(4096))), 413,
+                 "sandbox_archive_too_large")
+    assert api.exec(sid, "test -e ln || test -e big")["exit_code"] != 0
+
+
+# ---------------------------------------------------------------- archive uploads and kill -9
+#
+# Issue 10, finding 8: an archive upload must leave the target exactly as it
+# was or exactly as the archive makes it, even when the daemon is killed
+# with -9 part way; a restarted daemon settles it when it adopts the sandbox.
+
+FILES = 3000
+
+
+def old_content(i: int) -> bytes:
+    return f"old-{i}\n".encode()
+
+
+def new_content(i: int) -> bytes:
+    return f"new-{i}\n".encode() + b"." * 8000
+
+
+def agent_root(sid: str) -> Path:
+    """The sandbox's root as its PID 1 sees it, from the host."""
+    for pid in host_processes_of([sid]):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        nspid = next((l.split()[1:] for l in status.splitlines() if l.startswith("NSpid:")), [])
+        if nspid and nspid[-1] == "1":
+            return Path(f"/proc/{pid}/root")
+    raise AssertionError(f"no PID 1 of {sid} on the host")
+
+
+def tree_digest(api: Client, sid: str, d: str) -> tuple[list[str], str]:
+    names = api.sh(sid, f"cd {d} && LC_ALL=C ls -A").split()
+    digest = api.sh(sid, f"cd {d} && LC_ALL=C cat $(LC_ALL=C ls -A) | sha256sum").split()[0]
+    return names, digest
+
+
+def expected(content) -> tuple[list[str], str]:
+    names = sorted(f"f{i}" for i in range(FILES))
+    h = hashlib.sha256()
+    for n in names:
+        h.update(content(int(n[1:])))
+    return names, h.hexdigest()
+
+
+def start_upload(d: Daemon, api: Client, sid: str) -> threading.Thread:
+    archive = tar_of([(f"f{i}", new_content(i), 0o644) for i in range(FILES)])
+    other = api.clone()
+
+    def run():
+        try:
+            upload(other, sid, "t", archive)
+        except requests.RequestException:
+            pass
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def restart_and_check(d: Daemon, api: Client, sid: str, t: threading.Thread, root: Path) -> str:
+    d.kill9()
+    t.join(timeout=REQUEST_TIMEOUT)
+    staged = [p.name for p in (root / "workspace/t").iterdir() if p.name.startswith(".hutch-archive-")]
+    assert staged, "the kill came after the upload ended: nothing was interrupted"
+    d.start()
+    names, digest = tree_digest(api, sid, "/workspace/t")
+    assert not [n for n in names if n.startswith(".hutch")], f"staging left after the restart: {names[:5]}"
+    if (names, digest) == expected(old_content):
+        return "old"
+    assert (names, digest) == expected(new_content), "the target is neither exactly the old nor the new content"
+    return "new"
+
+
+def prepare(d: Daemon) -> tuple[Client, str, Path]:
+    api = d.client()
+    sid = api.create(memory_mb=1024, limits={"disk_mib": 512})["id"]
+    api.sh(sid, f"mkdir -p t && cd t && for i in $(seq 0 {FILES - 1}); do echo old-$i > f$i; done")
+    assert tree_digest(api, sid, "/workspace/t") == expected(old_content)
+    return api, sid, agent_root(sid)
+
+
+@pytest.mark.slow
+def test_kill_9_while_an_archive_is_staged_leaves_the_old_tree(own_daemon: Daemon):
+    d = own_daemon.start()
+    api, sid, root = prepare(d)
+    t = start_upload(d, api, sid)
+
+    def staged_enough():
+        for p in (root / "workspace/t").iterdir():
+            if p.name.startswith(".hutch-archive-") and sum(1 for _ in p.iterdir()) >= 500:
+                return True
+        return False
+
+    wait_for("500 files staged", staged_enough, timeout=120, interval=0.005)
+    assert restart_and_check(d, api, sid, t, root) == "old"
+
+
+@pytest.mark.slow
+def test_kill_9_while_an_archive_is_moved_into_place_leaves_one_tree(own_daemon: Daemon):
+    d = own_daemon.start()
+    api, sid, root = prepare(d)
+    t = start_upload(d, api, sid)
+    first = root / "workspace/t/f0"
+
+    def moving():
+        try:
+            return first.read_bytes().startswith(b"new-")
+        except OSError:
+            return False
+
+    wait_for("the first file moved into place", moving, timeout=120, interval=0.0005)
+    d.kill9()
+    # The premise: the kill cut the commit half way.
+    fresh = 0
+    for i in range(FILES):
+        try:
+            fresh += (root / f"workspace/t/f{i}").read_bytes().startswith(b"new-")
+        except FileNotFoundError:
+            pass
+    assert 0 < fresh < FILES, f"{fresh} of {FILES} files were new at the kill"
+    restart_and_check(d, api, sid, t, root)
+
+
+def test_e2b_files_take_gzip_forms_and_refuse_other_encodings(daemon: Daemon, api: Client, sandbox: dict):
+    sid = sandbox["id"]
+    envd = envd_headers(daemon, sid)
+    boundary = "gz-form-boundary"
+    parts = [("file", "a.txt", [b"alpha\n"]), ("file", "b.bin", [os.urandom(3 * MiB)])]
+    body = b"".join(form_stream(parts, boundary))
+    r = requests.post(daemon.base + "/files", data=gzip.compress(body), timeout=REQUEST_TIMEOUT,
+                      headers={**envd, "Content-Type": f"multipart/form-data; boundary={boundary}",
+                               "Content-Encoding": "gzip"})
+    assert r.status_code == 200, r.text[:500]
+    assert sorted(e["name"] for e in r.json()) == ["a.txt", "b.bin"]
+    assert api.sh(sid, "cat /home/user/a.txt") == "alpha\n"
+    assert api.sh(sid, "stat -c %s /home/user/b.bin").strip() == str(3 * MiB)
+    r = requests.post(daemon.base + "/files", params={"path": "/home/user/br.bin"}, data=b"x", timeout=REQUEST_TIMEOUT,
+                      headers={**envd, "Content-Type": "application/octet-stream", "Content-Encoding": "br"})
+    assert r.status_code == 400, r.text
+    # Malformed gzip: refused, nothing left.
+    r = requests.post(daemon.base + "/files", params={"path": "/home/user/bad.bin"}, timeout=REQUEST_TIMEOUT,
+                      data=b"\x1f\x8b" + os.urandom(4096),
+                      headers={**envd, "Content-Type": "application/octet-stream", "Content-Encoding": "gzip"})
+    assert r.status_code == 400, r.text
+    assert api.exec(sid, "test -e /home/user/bad.bin || test -e /home/user/br.bin")["exit_code"] != 0
+    assert ".hutch-upload-" not in api.sh(sid, "ls -A /home/user")

@@ -523,3 +523,50 @@ def test_python_preset_is_built_on_first_use_and_runs_python(api: Client):
     assert api.sh(sb2["id"], "python3 -c 'import sys; print(sys.version_info[0])'") == "3\n"
     api.destroy(sb2["id"])
     expect_status(api.delete(f"/v1/templates/{tpl['id']}"), 204)
+
+
+# --------------------------------------------------------------------------
+# Who sees which image
+
+
+def test_images_list_only_what_the_caller_may_name(daemon: Daemon, api: Client):
+    """Operator-imported images are shared and every key sees them; a
+    template build's image `tpl-<id>-v<n>` is its owner's: another key
+    neither sees it listed nor names it; the admin sees all. A name under
+    the reserved `tpl-` prefix cannot be imported."""
+    shared = uname("shared")
+    p = import_archive(daemon, docker_save(two_layers(shared), ["S=1"], "s:1"), "--name", shared)
+    assert p.returncode == 0, p.stderr
+    a, b = daemon.new_client("images-a"), daemon.new_client("images-b")
+    r = a.post("/v1/templates", {"name": uname("mine")})
+    expect_status(r, 201)
+    t = r.json()
+    ctx = io.BytesIO()
+    with tarfile.open(fileobj=ctx, mode="w:gz") as tar:
+        data = b"RUN echo built > /opt/built\n"
+        ti = tarfile.TarInfo("Dockerfile")
+        ti.size = len(data)
+        tar.addfile(ti, io.BytesIO(data))
+    r = a.request("POST", f"/v1/templates/{t['id']}/builds", data=ctx.getvalue(),
+                  headers={"Content-Type": "application/gzip"})
+    expect_status(r, 202)
+    bid = r.json()["id"]
+
+    def finished():
+        got = a.get(f"/v1/templates/{t['id']}/builds/{bid}").json()
+        return got if got["state"] in ("succeeded", "failed") else None
+
+    assert wait_for("the build", finished, timeout=180, interval=0.2)["state"] == "succeeded"
+    built = f"{t['id']}-v2"
+    seen_a, seen_b, seen_admin = image_names(a), image_names(b), image_names(api)
+    assert shared in seen_a and shared in seen_b and shared in seen_admin
+    assert built in seen_a and built in seen_admin, (seen_a, seen_admin)
+    assert built not in seen_b and not any(n.startswith("tpl-") for n in seen_b), sorted(seen_b)
+    assert seen_a[built]["layers"] == 1, seen_a[built]
+    # B names the image: refused as if it did not exist.
+    r = b.post("/v1/templates", {"name": uname("steal"), "image": built})
+    assert r.status_code == 400, r.text
+    # The operator cannot import under a template image's name either.
+    p = import_archive(daemon, docker_save(two_layers(uname("x")), [], "t:1"), "--name", f"{t['id']}-v9")
+    assert p.returncode != 0 and "tpl-" in p.stderr, (p.stdout, p.stderr)
+    expect_status(a.delete(f"/v1/templates/{t['id']}"), 204)

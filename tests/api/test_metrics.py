@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
+import uuid
 
-from conftest import Client, Daemon, expect_status
+from conftest import Client, Daemon, expect_status, wait_for
 
 
 def sample(text: str, name: str, labels: str = "") -> float:
@@ -54,3 +55,28 @@ def test_unknown_routes_are_json_404(api: Client):
     r = api.get("/v1/nope")
     assert r.status_code == 404
     assert r.json()["code"] == "not_found"
+
+
+def test_metrics_show_a_key_only_its_own_templates(daemon: Daemon, api: Client):
+    """Per-template series (warm pool sizes) carry template names and ids:
+    a key sees its own, the admin every owner's, and no key another's."""
+    a, b = daemon.new_client("metrics-a"), daemon.new_client("metrics-b")
+    name = f"secret-name-{uuid.uuid4().hex[:8]}"
+    r = a.post("/v1/templates", {"name": name, "warm": {"min": 1, "max": 1}})
+    expect_status(r, 201)
+    tid = r.json()["id"]
+    series = f'hutch_warm_pool_size{{template="{name}",template_id="{tid}"}}'
+
+    def metrics(c: Client) -> str:
+        r = c.get("/metrics")
+        expect_status(r, 200)
+        return r.text
+
+    wait_for("A's warm pool in A's metrics", lambda: series + " 1" in metrics(a), timeout=60, interval=0.2)
+    assert series in metrics(api)
+    text = metrics(b)
+    assert name not in text and tid not in text, text
+    # B's aggregate figures are still there.
+    sample(text, "hutch_warm_claims_total")
+    sample(text, "hutch_sandboxes", 'state="running"')
+    expect_status(a.delete(f"/v1/templates/{tid}"), 204)

@@ -2,12 +2,16 @@
 namespaces the suite makes itself:
 
 - "the internet": a network namespace behind a router hop from the host,
-  with addresses in 198.51.100.0/24 and 2001:db8:77::/64 on its loopback, a
-  TCP server (port 8080, IPv4 and IPv6), a UDP echo (port 9090), a DNS server
-  (port 53) that knows `allowed.test`, `other.test` and `*.wild.test`, and a
-  fake cloud metadata service at 169.254.169.254:80 routed through it;
+  with addresses in 198.51.100.0/24 and 2001:db8:77::/64 on its loopback
+  (and INET's NAT64 and 6to4 forms, and a site-local address, routed there
+  too), a TCP server (port 8080, IPv4 and IPv6), a UDP echo (port 9090), a
+  DNS server (port 53) that knows `allowed.test`, `other.test`,
+  `*.wild.test`, a few aliases (CNAMEs), an answer with a record of
+  another name, and `*.silent.test`, which it never answers; and a fake
+  cloud metadata service at 169.254.169.254:80 routed through it;
 - a TCP service on the host itself (all its addresses, loopback included);
-- other sandboxes, of the same and of another owner.
+- other sandboxes, of the same and of another owner, some of them
+  flooding what sandboxes share (the resolver, conntrack).
 
 For each policy, what must connect connects and what must not does not.
 Everything the suite makes is removed at the end, also when a test fails.
@@ -26,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Client, Daemon, expect_error, wait_for
+from conftest import Client, Daemon, expect_error, net_links, wait_for
 
 PID = os.getpid()
 NETNS = f"hutch-inet-{PID}"
@@ -41,17 +45,35 @@ OTHER = "198.51.100.4"  # other.test
 INET6 = "2001:db8:77::2"
 ALLOWED6 = "2001:db8:77::3"
 METADATA = "169.254.169.254"
+# INET's IPv4 address in the IPv6 forms that embed it (NAT64, 6to4), and
+# an old site-local address: each is on the internet's loopback, routed
+# there from the host, so only the policy can stop a sandbox reaching it.
+NAT64_INET = "64:ff9b::c633:6402"
+SIXTOFOUR_INET = "2002:c633:6402::1"
+SITE_LOCAL = "fec0::2"
+TRANSLATED = {"64:ff9b::/96": NAT64_INET, "2002::/16": SIXTOFOUR_INET, "fec0::/10": SITE_LOCAL}
 
 SERVERS = textwrap.dedent(
     r'''
     import socket, struct, threading, sys
 
     NAMES = {"allowed.test": ("198.51.100.3", "2001:db8:77::3"), "other.test": ("198.51.100.4", None)}
+    # name -> the name it is an alias of (the server answers the CNAME and
+    # the target's records, as a recursive resolver does).
+    CNAMES = {"alias.test": "other.test", "tricky.wild.test": "other.test", "good.wild.test": "allowed.test"}
+    # name -> a record of another name slipped into its answer.
+    EXTRA = {"extra.wild.test": ("other.test", "198.51.100.4")}
 
     def lookup(name):
         if name.endswith(".wild.test"):
             return NAMES["allowed.test"]
         return NAMES.get(name)
+
+    def wire(name):
+        return b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0"
+
+    def record(owner, rtype, data, ttl=30):
+        return owner + struct.pack(">HHIH", rtype, 1, ttl, len(data)) + data
 
     def tcp(family, addr, port, greeting):
         s = socket.socket(family, socket.SOCK_STREAM)
@@ -87,14 +109,24 @@ SERVERS = textwrap.dedent(
                 qtype = struct.unpack(">H", q[off + 1 : off + 3])[0]
                 qend = off + 5
                 name = ".".join(labels)
-                found = lookup(name)
+                if name.endswith(".silent.test"):
+                    continue  # never answers
                 answers = []
+                owner = b"\xc0\x0c"
+                if name in CNAMES:
+                    target = CNAMES[name]
+                    answers.append(record(owner, 5, wire(target)))
+                    owner, name = wire(target), target
+                found = lookup(name) if name not in CNAMES else None
                 if found:
                     v4, v6 = found
                     if qtype == 1 and v4:
-                        answers.append(struct.pack(">HHHIH", 0xC00C, 1, 1, 30, 4) + socket.inet_aton(v4))
+                        answers.append(record(owner, 1, socket.inet_aton(v4)))
                     if qtype == 28 and v6:
-                        answers.append(struct.pack(">HHHIH", 0xC00C, 28, 1, 30, 16) + socket.inet_pton(socket.AF_INET6, v6))
+                        answers.append(record(owner, 28, socket.inet_pton(socket.AF_INET6, v6)))
+                    if qtype == 1 and name in EXTRA:
+                        other, addr = EXTRA[name]
+                        answers.append(record(wire(other), 1, socket.inet_aton(addr)))
                 rcode = 0 if found else 3
                 hdr = q[:2] + struct.pack(">BBHHHH", 0x81, 0x80 | rcode, 1, len(answers), 0, 0)
                 s.sendto(hdr + q[12:qend] + b"".join(answers), peer)
@@ -131,7 +163,8 @@ def remove_internet() -> None:
     subprocess.run(["ip", "netns", "del", NETNS], capture_output=True, timeout=10)
     for route in ["198.51.100.0/24", f"{METADATA}/32"]:
         subprocess.run(["ip", "route", "del", route], capture_output=True, timeout=10)
-    subprocess.run(["ip", "-6", "route", "del", "2001:db8:77::/64"], capture_output=True, timeout=10)
+    for route in ["2001:db8:77::/64", *TRANSLATED]:
+        subprocess.run(["ip", "-6", "route", "del", route], capture_output=True, timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -150,13 +183,14 @@ def internet(tmp_root: Path):
         ip("link", "set", "eth0", "up", ns=NETNS)
         for a in [INET, ALLOWED, OTHER, METADATA]:
             ip("addr", "add", f"{a}/32", "dev", "lo", ns=NETNS)
-        for a in [INET6, ALLOWED6]:
+        for a in [INET6, ALLOWED6, *TRANSLATED.values()]:
             ip("-6", "addr", "add", f"{a}/128", "dev", "lo", "nodad", ns=NETNS)
         ip("route", "add", "default", "via", HOP4_HOST, ns=NETNS)
         ip("-6", "route", "add", "default", "via", HOP6_HOST, ns=NETNS)
         ip("route", "add", "198.51.100.0/24", "via", HOP4_NS)
         ip("route", "add", f"{METADATA}/32", "via", HOP4_NS)
-        ip("-6", "route", "add", "2001:db8:77::/64", "via", HOP6_NS)
+        for route in ["2001:db8:77::/64", *TRANSLATED]:
+            ip("-6", "route", "add", route, "via", HOP6_NS)
         script = tmp_root / "internet.py"
         script.write_text(SERVERS)
         servers = subprocess.Popen(
@@ -462,12 +496,14 @@ def test_suspend_makes_applied_unknown_until_resume(napi: Client):
 
 
 def test_many_creates_reuse_namespaces_and_leave_nothing(napi: Client, netd: Daemon):
-    links_before = set(Path("/sys/class/net").iterdir())
+    # The daemon keeps 8 namespaces ready: measure once the pool is full, so
+    # that its first fill does not count as growth.
+    wait_for("the namespace pool to fill", lambda: len(net_links(netd.net_instance)) >= 8, timeout=30)
+    links_before = set(net_links(netd.net_instance))
     for _ in range(12):
         sb = create(napi)
         napi.destroy(sb["id"])
-    time.sleep(0.5)
-    grown = {p.name for p in set(Path("/sys/class/net").iterdir()) - links_before}
+    grown = set(net_links(netd.net_instance)) - links_before
     # Namespaces are recycled: a dozen sandboxes in a row need no dozen links.
     assert len(grown) <= 4, grown
 
@@ -507,3 +543,225 @@ def test_templates_carry_a_network_policy(napi: Client):
         expect_error(bad, 400, "invalid_request")
     finally:
         napi.delete(f"/v1/templates/{tpl['id']}")
+
+
+def test_ipv6_forms_of_ipv4_and_site_local_are_refused(napi: Client):
+    sb = create(napi)
+    denied = create(napi, deny=[f"{INET}/32"])
+    # Positive controls: each address answers from the host, and the plain
+    # IPv6 internet answers the sandbox.
+    for addr in TRANSLATED.values():
+        with socket.create_connection((addr, 8080), timeout=3) as c:
+            assert c.recv(100).startswith(b"hello"), addr
+    assert reaches(napi, sb["id"], "tcp", INET6, 8080)
+    for prefix, addr in TRANSLATED.items():
+        assert not reaches(napi, sb["id"], "tcp", addr, 8080), prefix
+    # A deny of an IPv4 address holds for its NAT64 form too.
+    assert not reaches(napi, denied["id"], "tcp", INET, 8080)
+    assert not reaches(napi, denied["id"], "tcp", NAT64_INET, 8080)
+    assert reaches(napi, denied["id"], "tcp", INET6, 8080)
+
+
+def test_a_cname_into_a_denied_or_unlisted_name_is_refused_and_not_admitted(napi: Client):
+    listed = create(napi, allow=["allowed.test", "*.wild.test"])
+    i = listed["id"]
+    # tricky.wild.test is an alias of other.test, which is not on the list.
+    assert not reaches(napi, i, "dns", "tricky.wild.test", 4)
+    assert not reaches(napi, i, "tcp", OTHER, 8080), "the CNAME target's address was admitted"
+    # An answer's records of another name are not admitted either.
+    assert probe(napi, i, "dns", "extra.wild.test", 4) == f"OK {ALLOWED}"
+    assert not reaches(napi, i, "tcp", OTHER, 8080), "a record of another name was admitted"
+    # An alias whose every name is allowed works.
+    assert probe(napi, i, "dns", "good.wild.test", 4) == f"OK {ALLOWED}"
+    assert probe(napi, i, "tcp", "good.wild.test", 8080) == f"OK hello {ALLOWED}"
+    # A deny of a name holds through an alias of it.
+    denied = create(napi, deny=["other.test"])
+    assert not reaches(napi, denied["id"], "dns", "alias.test", 4)
+    assert not reaches(napi, denied["id"], "dns", "other.test", 4)
+    # Denied beats allowed, through an alias too.
+    both = create(napi, allow=["*.wild.test", "other.test"], deny=["other.test"])
+    assert not reaches(napi, both["id"], "dns", "tricky.wild.test", 4)
+    assert not reaches(napi, both["id"], "tcp", OTHER, 8080)
+    plain = create(napi)
+    assert probe(napi, plain["id"], "dns", "alias.test", 4) == f"OK {OTHER}"
+
+
+# A DNS client: `count` queries for `name`, one at a time, to the
+# sandbox's resolver, each given `timeout` seconds; prints how many were
+# answered (NOERROR with an answer) and how many were not.
+DNSQ = textwrap.dedent(
+    """
+    import random, socket, struct, sys
+    name, count, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    server = next(l.split()[1] for l in open("/etc/resolv.conf") if l.startswith("nameserver"))
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(timeout)
+    answered = failed = 0
+    for _ in range(count):
+        qid = random.randrange(65536)
+        q = struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0)
+        q += b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\\0" + struct.pack(">HH", 1, 1)
+        s.sendto(q, (server, 53))
+        try:
+            while True:
+                r = s.recv(4096)
+                if r[:2] == q[:2]:
+                    break
+            ok = r[3] & 0x0F == 0 and struct.unpack(">H", r[6:8])[0] > 0
+        except socket.timeout:
+            ok = False
+        answered += ok
+        failed += not ok
+    print(answered, failed)
+    """
+)
+
+# A flood of queries to the sandbox's resolver until /tmp/stop exists (or
+# 90 s): half for names that are answered at once, half for names whose
+# server never answers; /tmp/flooding appears once it is under way.
+FLOOD_DNS = textwrap.dedent(
+    """
+    import os, random, socket, struct, time
+    server = next(l.split()[1] for l in open("/etc/resolv.conf") if l.startswith("nameserver"))
+    def q(name):
+        return struct.pack(">HHHHHH", random.randrange(65536), 0x0100, 1, 0, 0, 0) + b"".join(
+            bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\\0" + struct.pack(">HH", 1, 1)
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(8)]
+    for s in socks:
+        s.setblocking(False)
+    end, sent = time.monotonic() + 90, 0
+    while time.monotonic() < end and not os.path.exists("/tmp/stop"):
+        for s in socks:
+            name = "allowed.test" if sent % 2 else f"n{sent}.silent.test"
+            try:
+                s.sendto(q(name), (server, 53))
+                sent += 1
+            except (BlockingIOError, OSError):
+                pass
+            try:
+                while True:
+                    s.recv(4096)
+            except (BlockingIOError, OSError):
+                pass
+        if sent >= 2000 and not os.path.exists("/tmp/flooding"):
+            open("/tmp/flooding", "w").write(str(sent))
+    """
+)
+
+
+# How many FLOOD_DNS processes run (its own command line does not match).
+FLOODING = (
+    "import os\n"
+    "print(sum(b'sil' + b'ent.test' in open(f'/proc/{p}/cmdline', 'rb').read() for p in os.listdir('/proc') if p.isdigit()))"
+)
+
+
+def test_a_flooding_sandbox_does_not_starve_its_neighbours_resolver(napi: Client, netd: Daemon):
+    other = netd.new_client("dns-flooder")
+    flooder = other.create(network={"egress": "default"})
+    quiet = create(napi)
+    for _ in range(2):
+        other.exec_raw(flooder["id"], {"argv": ["python3", "-c", FLOOD_DNS], "background": True})
+    try:
+        wait_for("the flood", lambda: other.exec(flooder["id"], "test -f /tmp/flooding")["exit_code"] == 0, timeout=30)
+        res = napi.exec(quiet["id"], argv=["python3", "-c", DNSQ, "allowed.test", "20", "2"], timeout_seconds=50)
+        assert res["exit_code"] == 0, res
+        answered, failed = map(int, res["stdout"].split())
+        # Still flooding: the neighbour's answers were measured during it.
+        floods = other.exec(flooder["id"], argv=["python3", "-c", FLOODING])["stdout"].strip()
+        assert floods == "2", floods
+        assert (answered, failed) == (20, 0), f"the quiet sandbox got {answered} answers and {failed} failures"
+    finally:
+        other.exec(flooder["id"], "touch /tmp/stop")
+        other.destroy(flooder["id"])
+
+
+# New flows without end, slower than the new-flow rate limit (about 400 a
+# second), so it is the limit on flows tracked at once that stops them:
+# UDP datagrams to ever new ports of the internet (nothing listens there,
+# so each stays tracked, unreplied, for 30 s), until /tmp/stop exists (or
+# 90 s).
+FLOOD_FLOWS = textwrap.dedent(
+    """
+    import os, socket, sys, time
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    end, port = time.monotonic() + 90, 0
+    while time.monotonic() < end and not os.path.exists("/tmp/stop"):
+        for _ in range(40):
+            try:
+                s.sendto(b"x", (sys.argv[1], 20000 + port % 40000))
+            except OSError:
+                pass
+            port += 1
+        time.sleep(0.1)
+    """
+)
+
+
+def test_a_sandbox_past_its_flow_limit_is_refused_while_its_neighbour_works(napi: Client, netd: Daemon):
+    other = netd.new_client("flow-flooder")
+    flooder = other.create(network={"egress": "default"})
+    quiet = create(napi)
+    assert reaches(other, flooder["id"], "tcp", INET, 8080), "before the flood"
+    other.exec_raw(flooder["id"], {"argv": ["python3", "-c", FLOOD_FLOWS, INET], "background": True})
+    try:
+        wait_for("the flooder's new flows to be refused", lambda: not reaches(other, flooder["id"], "tcp", INET, 8080),
+                 timeout=60, interval=0.5)
+        for _ in range(3):
+            assert probe(napi, quiet["id"], "tcp", INET, 8080) == f"OK hello {INET}"
+            assert probe(napi, quiet["id"], "udp", INET, 9090) == "OK echo ping"
+        assert not reaches(other, flooder["id"], "udp", INET, 9090)
+    finally:
+        other.exec(flooder["id"], "touch /tmp/stop")
+        other.destroy(flooder["id"])
+    # Its flows went with it: the next sandbox, on the same recycled
+    # namespace and address, starts with none of them.
+    after = other.create(network={"egress": "default"})
+    assert after["network"]["addresses"] == flooder["network"]["addresses"], (after, flooder)
+    assert reaches(other, after["id"], "tcp", INET, 8080)
+    other.destroy(after["id"])
+
+
+def test_a_network_the_host_joins_later_is_refused_without_a_restart(napi: Client):
+    link, peer = f"htn{PID % 100000}", "eth1"
+    net, near, host = "203.0.113.0/24", "203.0.113.10", "203.0.113.1"
+    sb = create(napi)
+    try:
+        # 203.0.113.0/24 starts as the internet: behind the router hop.
+        ip("link", "add", link, "type", "veth", "peer", "name", peer, "netns", NETNS)
+        ip("link", "set", link, "up")
+        ip("addr", "add", f"{near}/24", "dev", peer, ns=NETNS)
+        ip("link", "set", peer, "up", ns=NETNS)
+        ip("route", "add", net, "via", HOP4_NS, "metric", "100")
+        wait_for("the internet's new address", lambda: reaches(napi, sb["id"], "tcp", near, 8080), timeout=15)
+        # Then the host joins that network (DHCP, a VPN, a new bridge).
+        ip("addr", "add", f"{host}/24", "dev", link)
+        wait_for("the host's new network to be refused", lambda: not reaches(napi, sb["id"], "tcp", near, 8080),
+                 timeout=15, interval=0.2)
+        assert reaches(napi, sb["id"], "tcp", INET, 8080), "the rest of the internet stays"
+        # And leaves it again.
+        ip("addr", "del", f"{host}/24", "dev", link)
+        wait_for("the network to be the internet again", lambda: reaches(napi, sb["id"], "tcp", near, 8080),
+                 timeout=15, interval=0.2)
+    finally:
+        subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=10)
+        subprocess.run(["ip", "route", "del", net], capture_output=True, timeout=10)
+
+
+def test_a_second_daemon_on_the_same_instance_refuses_to_start(netd: Daemon, tmp_root: Path):
+    root = tmp_root / "second"
+    root.mkdir()
+    second = Daemon(root, name="second")
+    try:
+        second.net_instance = netd.net_instance
+        with pytest.raises(AssertionError) as refused:
+            second.start()
+        assert f"network instance {netd.net_instance} is held by another hutch daemon (pid {netd.pid})" in str(
+            refused.value
+        ), refused.value
+        assert netd.alive()
+        assert netd.client("admin").get("/healthz").status_code == 200
+    finally:
+        if second.alive():
+            second.stop()
+        second.release_net()

@@ -24,7 +24,8 @@ def test_processes_lists_running_commands(api: Client, sandbox: dict):
     assert procs[pid]["cwd"] == "/tmp" and procs[pid]["user"] == "user"
     assert "sleep 300" in " ".join(procs[pid]["command"])
     assert procs[pid2]["user"] == "root"
-    assert set(procs[pid]) == {"pid", "tag", "command", "user", "cwd"}
+    assert set(procs[pid]) == {"pid", "tag", "command", "user", "cwd", "main_exited", "exit_code"}
+    assert procs[pid]["main_exited"] is False and procs[pid]["exit_code"] is None
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", 15, "TERM", "kill", 9])
@@ -96,3 +97,86 @@ def test_process_routes_of_unknown_sandbox_are_404(api: Client):
     expect_error(api.post(f"{base}/1/signal", {"signal": 9}), 404, "not_found")
     expect_error(api.post(f"{base}/1/stdin", {"data": "x"}), 404, "not_found")
     expect_error(api.get(f"{base}/1/stream"), 404, "not_found")
+
+
+# ---------------------------------------------------------------- background children (issue 10, finding 9)
+
+
+def running_cmdlines(api: Client, sid: str) -> str:
+    """Every command line in the sandbox, one a line (read as root from /proc)."""
+    return api.sh(sid, "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done 2>/dev/null",
+                  user="root")
+
+
+def test_a_command_that_leaves_children_is_listed_until_they_end_and_a_signal_reaches_them(
+        api: Client, sandbox: dict):
+    sid = sandbox["id"]
+    res = api.exec(sid, "sleep 1001 & setsid sleep 1002 & echo started")
+    assert res["exit_code"] == 0 and res["stdout"] == "started\n", res
+    assert res["descendants_alive"] is True, res
+    procs = {p["pid"]: p for p in api.processes(sid)}
+    assert len(procs) == 1, procs
+    (pid, p), = procs.items()
+    assert p["main_exited"] is True and p["exit_code"] == 0, p
+    assert "sleep 1001" in running_cmdlines(api, sid)
+    r = api.post(f"/v1/sandboxes/{sid}/processes/{pid}/signal", {"signal": "SIGTERM"})
+    assert r.status_code == 204, r.text
+    wait_for("the command's children to end", lambda: gone(api, sid, pid), timeout=10)
+    left = running_cmdlines(api, sid)
+    assert "sleep 1001" not in left and "sleep 1002" not in left, left
+    # A reattach to it now knows nothing of it.
+    expect_error(api.get(f"/v1/sandboxes/{sid}/processes/{pid}/stream"), 404, "not_found")
+
+
+def test_a_command_without_children_left_says_so(api: Client, sandbox: dict):
+    res = api.exec(sandbox["id"], "sleep 0.1 & wait; echo done")
+    assert res["stdout"] == "done\n" and res["descendants_alive"] is False, res
+    assert api.processes(sandbox["id"]) == []
+
+
+def test_the_timeout_ends_background_children_too(api: Client, sandbox: dict):
+    sid = sandbox["id"]
+    res = api.exec(sid, "sleep 1003 & setsid sleep 1004 & true", timeout_seconds=2)
+    assert res["exit_code"] == 0 and res["timed_out"] is False and res["descendants_alive"] is True, res
+    (p,) = api.processes(sid)
+    assert p["main_exited"] is True, p
+    wait_for("the timeout to end the command's tree", lambda: api.processes(sid) == [], timeout=20, interval=0.2)
+    left = running_cmdlines(api, sid)
+    assert "sleep 1003" not in left and "sleep 1004" not in left, left
+
+
+def test_reattach_to_a_command_whose_children_live_gets_its_exit(api: Client, sandbox: dict):
+    sid = sandbox["id"]
+    pid = api.background(sid, "sleep 1005 & exit 3")
+    wait_for("the main process to exit", lambda: [p for p in api.processes(sid) if p["main_exited"]], timeout=10)
+    r = api.get(f"/v1/sandboxes/{sid}/processes/{pid}/stream", stream=True, timeout=30)
+    expect_status(r, 200)
+    events = ndjson_events(r)
+    assert events[0] == {"type": "start", "pid": pid}, events
+    assert events[-1]["type"] == "exit" and events[-1]["exit_code"] == 3, events
+    assert events[-1]["descendants_alive"] is True, events
+    expect_error(api.post(f"/v1/sandboxes/{sid}/processes/{pid}/stdin", {"data": "x"}), 404, "not_found")
+    r = api.post(f"/v1/sandboxes/{sid}/processes/{pid}/signal", {"signal": "KILL"})
+    assert r.status_code == 204, r.text
+    wait_for("the tree to end", lambda: gone(api, sid, pid), timeout=10)
+
+
+def test_what_holds_a_command_slot_is_listed_and_can_be_freed(api: Client):
+    """64 commands that each leave a child behind hold all slots: the 65th is
+    refused, and /processes shows all 64, which a signal frees."""
+    sb = api.create(limits={"pids": 1024})
+    sid = sb["id"]
+    try:
+        for i in range(64):
+            res = api.exec(sid, f"sleep {2000 + i} &")
+            assert res["exit_code"] == 0 and res["descendants_alive"] is True, res
+        expect_error(api.exec_raw(sid, {"command": "true"}), 429, "sandbox_command_capacity")
+        procs = api.processes(sid)
+        assert len(procs) == 64 and all(p["main_exited"] for p in procs), procs
+        for p in procs:
+            r = api.post(f"/v1/sandboxes/{sid}/processes/{p['pid']}/signal", {"signal": 9})
+            assert r.status_code == 204, r.text
+        wait_for("the slots to be free", lambda: api.processes(sid) == [], timeout=20, interval=0.2)
+        assert api.sh(sid, "echo free") == "free\n"
+    finally:
+        api.destroy(sid)

@@ -59,16 +59,22 @@ def test_create_limits_are_applied_to_the_cgroup(api: Client):
     sb = api.create(memory_mb=256, limits={"pids": 64, "vcpus": 0.5, "disk_mib": 64})
     try:
         sid = sb["id"]
-        mem = [p for p in (Path(f"/sys/fs/cgroup/memory/hutch/{sid}/memory.limit_in_bytes"),
-                           Path(f"/sys/fs/cgroup/unified/hutch/{sid}/memory.max"),
-                           Path(f"/sys/fs/cgroup/hutch/{sid}/memory.max")) if p.exists()]
-        assert mem, f"no memory limit file for {sid}"
-        assert int(mem[0].read_text()) == 256 << 20
-        pids = [p for p in (Path(f"/sys/fs/cgroup/pids/hutch/{sid}/pids.max"),
-                            Path(f"/sys/fs/cgroup/unified/hutch/{sid}/pids.max"),
-                            Path(f"/sys/fs/cgroup/hutch/{sid}/pids.max")) if p.exists()]
-        assert pids, f"no pids limit file for {sid}"
-        assert pids[0].read_text().strip() == "64"
+
+        def limit(*candidates: str) -> int:
+            found = [Path(p) for p in candidates if Path(p).exists()]
+            assert found, f"none of {candidates}"
+            return int(found[0].read_text())
+
+        # The workload's limits are on its own cgroup, `work`; the sandbox's
+        # adds the agent's headroom: 64 MiB and the writable layer (which it
+        # may fill for the API), and a process per command and two.
+        root = "/sys/fs/cgroup"
+        mem = ("memory/hutch/{}/memory.limit_in_bytes", "unified/hutch/{}/memory.max", "hutch/{}/memory.max")
+        pids = ("pids/hutch/{}/pids.max", "unified/hutch/{}/pids.max", "hutch/{}/pids.max")
+        assert limit(*(f"{root}/{m.format(sid + '/work')}" for m in mem)) == 256 << 20
+        assert limit(*(f"{root}/{m.format(sid)}" for m in mem)) == (256 + 64 + 64) << 20
+        assert limit(*(f"{root}/{p.format(sid + '/work')}" for p in pids)) == 64
+        assert limit(*(f"{root}/{p.format(sid)}" for p in pids)) == 64 + 2 * 64 + 8
         # The writable layer is capped by disk_mib: 100 MiB do not fit in 64.
         res = api.exec(sid, "head -c 100M /dev/zero > /workspace/big; echo rc=$?", timeout_seconds=60)
         assert "rc=0" not in res["stdout"], f"wrote 100 MiB into a 64 MiB disk: {res}"
@@ -186,14 +192,17 @@ def test_extend_by_and_until(api: Client, sandbox: dict):
     assert api.sandbox(sid)["expires_at"] == r.json()["expires_at"]
 
 
-def test_extend_is_capped_at_24_hours_after_creation(api: Client, sandbox: dict):
+def test_extend_past_24_hours_after_creation_is_refused_and_changes_nothing(api: Client, sandbox: dict):
     sid = sandbox["id"]
     created = ts(sandbox["created_at"])
-    r = api.post(f"/v1/sandboxes/{sid}/extend", {"by": 48 * 3600})
-    expect_status(r, 200)
-    assert ts(r.json()["expires_at"]) == created + timedelta(hours=24), r.json()
+    before = api.sandbox(sid)["expires_at"]
+    body = expect_error(api.post(f"/v1/sandboxes/{sid}/extend", {"by": 48 * 3600}), 400, "invalid_request")
+    assert "latest" in body["error"], body
     far = rfc3339(datetime.now(timezone.utc) + timedelta(days=30))
-    r = api.post(f"/v1/sandboxes/{sid}/extend", {"until": far})
+    expect_error(api.post(f"/v1/sandboxes/{sid}/extend", {"until": far}), 400, "invalid_request")
+    assert api.sandbox(sid)["expires_at"] == before
+    # Up to the cap itself is fine.
+    r = api.post(f"/v1/sandboxes/{sid}/extend", {"until": rfc3339(created + timedelta(hours=24))})
     expect_status(r, 200)
     assert ts(r.json()["expires_at"]) == created + timedelta(hours=24), r.json()
 

@@ -180,7 +180,9 @@ def test_template_limits_env_and_lifetimes_apply_to_its_sandboxes(api: Client):
     assert sb["memory_mb"] == 256 and sb["limits"]["pids"] == 64 and sb["warm"] is False
     life = parse_time(sb["expires_at"]) - parse_time(sb["created_at"])
     assert abs(life - 120) < 2, sb
-    mem = [p / f for p in cgroup_dirs(sb["id"]) for f in ("memory.max", "memory.limit_in_bytes") if (p / f).exists()]
+    # The workload's limit is on its own cgroup, `work` (see test_sandboxes).
+    mem = [p / "work" / f for p in cgroup_dirs(sb["id"]) for f in ("memory.max", "memory.limit_in_bytes")
+           if (p / "work" / f).exists()]
     assert mem, f"no memory limit file for {sb['id']}: {cgroup_dirs(sb['id'])}"
     assert int(mem[0].read_text()) == 256 << 20
     assert api.sh(sb["id"], "echo $GREETING") == "hi\n"

@@ -1,5 +1,7 @@
 """Files through /files and the filesystem service."""
 
+import os
+
 import pytest
 from e2b import FileType, NotFoundException
 
@@ -44,3 +46,20 @@ def test_make_dir_rename_remove(shared):
     assert shared.files.read("made/g") == "x"
     shared.files.remove("made")
     assert not shared.files.exists("made")
+
+
+def test_gzip_and_streamed_uploads_round_trip(shared):
+    # gzip implies the octet-stream upload; the daemon inflates it as it
+    # streams it into the sandbox.
+    data = os.urandom(3 << 20) + bytes(5 << 20)
+    info = shared.files.write("up/gz.bin", data, gzip=True)
+    assert info.path == "/home/user/up/gz.bin"
+    assert bytes(shared.files.read("up/gz.bin", format="bytes")) == data
+    # An iterable goes as a streamed octet-stream body.
+    parts = [bytes([i]) * (1 << 20) for i in range(6)]
+    shared.files.write("up/stream.bin", iter(parts))
+    assert bytes(shared.files.read("up/stream.bin", format="bytes", gzip=True)) == b"".join(parts)
+    # A multipart form of several files.
+    infos = shared.files.write_files([{"path": f"up/m{i}", "data": parts[i]} for i in range(3)])
+    assert sorted(i.name for i in infos) == ["m0", "m1", "m2"]
+    assert bytes(shared.files.read("up/m2", format="bytes")) == parts[2]

@@ -146,7 +146,27 @@ pub struct AgentConfig {
     /// is refused with [`ErrorCode::Capacity`] and starts nothing.
     #[serde(default = "default_max_commands")]
     pub max_commands: u32,
+    /// How many `cgroup.procs` files of the sandbox's workload cgroup the
+    /// host passes, open for writing, as descriptors [`WORK_CGROUP_FD`] and
+    /// up (at most [`MAX_WORK_CGROUPS`]): every command writes itself into
+    /// them before it execs, so that the workload's memory and pids limits,
+    /// and its OOM kills, never reach the agent.
+    #[serde(default)]
+    pub work_cgroups: u32,
+    /// Whether the descriptor after those (`WORK_CGROUP_FD + work_cgroups`)
+    /// is the workload cgroup's OOM counter file, open for reading
+    /// (`memory.events` on cgroup v2, `memory.oom_control` on v1), from
+    /// which exits are told apart as OOM kills.
+    #[serde(default)]
+    pub oom_events: bool,
 }
+
+/// The first descriptor of the workload cgroup's `cgroup.procs` files (see
+/// [`AgentConfig::work_cgroups`]); the descriptors after the lock file (5)
+/// are numbered without gaps.
+pub const WORK_CGROUP_FD: i32 = 6;
+/// Most workload `cgroup.procs` descriptors (one per cgroup hierarchy).
+pub const MAX_WORK_CGROUPS: u32 = 4;
 
 /// The default of [`AgentConfig::max_commands`].
 pub const MAX_COMMANDS: u32 = 64;
@@ -181,11 +201,15 @@ pub enum Request {
     Stdin { pid: u32 },
     /// Closes the process's stdin.
     CloseStdin { pid: u32 },
-    /// Sends a signal to the process's whole process group.
+    /// Sends a signal to every process of the command's tree: its main
+    /// process (while it runs) and every process it started, including
+    /// those that left its process group or session.
     Signal { pid: u32, signal: i32 },
     /// Resizes the process's terminal.
     Resize { pid: u32, size: PtySize },
-    /// Lists the processes started through the agent that are still running.
+    /// Lists the commands that hold a slot: those whose main process runs,
+    /// and those whose main process exited while processes it started live
+    /// on ([`ProcessInfo::exited`] set).
     List,
     /// Reads up to `len` bytes of a regular file from `offset`.
     ReadFile {
@@ -431,9 +455,26 @@ pub struct ExitStatus {
     pub signal: Option<i32>,
     /// The agent killed the process tree because its timeout passed.
     pub timed_out: bool,
+    /// The kernel's OOM killer ended it: it died of SIGKILL (or, as a
+    /// shell, reported a child's SIGKILL as 137) while the OOM killer ran
+    /// in the workload's cgroup, and neither its timeout nor a requested
+    /// SIGKILL ended it.
+    #[serde(default)]
+    pub oom_killed: bool,
+    /// Processes the command started were still alive when its main process
+    /// exited: they keep the command's slot and its entry in
+    /// [`Request::List`] until they end, a [`Request::Signal`] reaches them,
+    /// and the command's timeout ends them.
+    #[serde(default)]
+    pub descendants_alive: bool,
 }
 
 impl ExitStatus {
+    /// A process that exited with `code`.
+    pub fn exited(code: i32) -> ExitStatus {
+        ExitStatus { code: Some(code), signal: None, timed_out: false, oom_killed: false, descendants_alive: false }
+    }
+
     /// The shell's convention: the code, or 128 + the signal.
     pub fn shell_code(&self) -> i32 {
         match (self.code, self.signal) {
@@ -510,6 +551,10 @@ pub struct ProcessInfo {
     pub pty: bool,
     pub stdin: bool,
     pub env: Vec<(String, String)>,
+    /// How the main process ended, once it has: the command is listed on
+    /// while processes it started live.
+    #[serde(default)]
+    pub exited: Option<ExitStatus>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
@@ -667,12 +712,7 @@ mod tests {
         let mut buf = Vec::new();
         let msg = FromAgent::Output { pid: 7, stream: Stream::Stderr };
         encode(&msg, b"hello", &mut buf).expect("encode");
-        encode(
-            &FromAgent::Exit { pid: 7, status: ExitStatus { code: Some(0), signal: None, timed_out: false } },
-            b"",
-            &mut buf,
-        )
-        .expect("encode");
+        encode(&FromAgent::Exit { pid: 7, status: ExitStatus::exited(0) }, b"", &mut buf).expect("encode");
         let first = split_frame(&buf).expect("valid").expect("complete");
         assert_eq!(parse_header::<FromAgent>(first.header).expect("parse"), msg);
         assert_eq!(first.data, b"hello");

@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use hutch_agent::proto::{
-    self, AgentConfig, Cmd, EntryKind, ErrorCode, ExitStatus, FromAgent, PtySize, Reply, Request, Spawn, Stream,
-    Target, ToAgent, WatchKind, WriteFile,
+    self, AgentConfig, Cmd, EntryKind, ErrorCode, ExitStatus, FromAgent, ProcessInfo, PtySize, Reply, Request, Spawn,
+    Stream, Target, ToAgent, WatchKind, WriteFile,
 };
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
@@ -31,6 +31,10 @@ struct Agent {
 
 impl Agent {
     fn start() -> Agent {
+        Agent::start_with(64)
+    }
+
+    fn start_with(max_commands: u32) -> Agent {
         let n = COUNTER.fetch_add(1, Ordering::SeqCst);
         let dir = std::env::temp_dir().join(format!("hutch-agent-test-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -52,7 +56,9 @@ impl Agent {
             env: vec![("HUTCH_TEST".into(), "1".into())],
             root_caps: 0,
             replay_bytes: 65536,
-            max_commands: 64,
+            max_commands,
+            work_cgroups: 0,
+            oom_events: false,
         };
         let mut frame = Vec::new();
         proto::encode(&cfg, &[], &mut frame).expect("encode config");
@@ -249,7 +255,51 @@ fn argv(args: &[&str]) -> Cmd {
 }
 
 fn exited(code: i32) -> Option<ExitStatus> {
-    Some(ExitStatus { code: Some(code), signal: None, timed_out: false })
+    Some(ExitStatus::exited(code))
+}
+
+/// The commands the agent lists.
+fn listed(c: &mut Client) -> Vec<ProcessInfo> {
+    match c.call(Request::List, &[]).0 {
+        Reply::Processes { processes } => processes,
+        other => panic!("list: {other:?}"),
+    }
+}
+
+/// Waits until `pid` no longer runs our sleep (gone, a zombie, or another program).
+fn wait_dead(pid: u32, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while alive(pid) {
+        assert!(Instant::now() < deadline, "{what} {pid} still runs");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits until `pid` runs sleep (a background job execs it a moment after
+/// its shell reported the pid).
+fn wait_sleeping(pid: u32) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !alive(pid) {
+        assert!(Instant::now() < deadline, "{pid} never ran sleep");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.contains("(sleep)") && !s.contains(") Z"))
+}
+
+/// Polls the agent's list until `done` holds for it.
+fn wait_listed(c: &mut Client, what: &str, done: impl Fn(&[ProcessInfo]) -> bool) -> Vec<ProcessInfo> {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let l = listed(c);
+        if done(&l) {
+            return l;
+        }
+        assert!(Instant::now() < deadline, "waiting for {what}: {l:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 fn path_str(p: &Path) -> String {
@@ -640,5 +690,134 @@ fn pipelined_requests_are_held_back_while_replies_are_unread() {
             }
             other => panic!("{other:?}"),
         }
+    }
+}
+
+/// Issue 10, finding 9: a command whose main process exits while processes
+/// it started live on holds its slot; it stays listed, a signal reaches
+/// those processes, and only their end frees the slot.
+#[test]
+fn children_left_behind_keep_the_command_listed_signallable_and_holding_its_slot() {
+    let agent = Agent::start_with(2);
+    let mut c = agent.connect();
+    let mut left = Vec::new();
+    let mut mains = Vec::new();
+    for _ in 0..2 {
+        let pid = c.spawn(root_spawn(Cmd::Shell("sleep 1000 & setsid sleep 1000 & echo $!".into())));
+        let out = c.collect(pid);
+        let status = out.status.expect("exit");
+        assert_eq!((status.code, status.descendants_alive), (Some(0), true), "{status:?}");
+        left.push(String::from_utf8_lossy(&out.stdout).trim().parse::<u32>().expect("pid of setsid sleep"));
+        mains.push(pid);
+    }
+    // Both slots are held: the third command is refused and starts nothing.
+    assert!(matches!(
+        c.call(Request::Spawn(root_spawn(argv(&["true"]))), &[]).0,
+        Reply::Error { code: ErrorCode::Capacity, .. }
+    ));
+    let l = listed(&mut c);
+    let mut sorted = mains.clone();
+    sorted.sort();
+    assert_eq!(l.iter().map(|p| p.pid).collect::<Vec<_>>(), sorted);
+    let lingering = ExitStatus { descendants_alive: true, ..ExitStatus::exited(0) };
+    assert!(l.iter().all(|p| p.exited == Some(lingering)), "{l:?}");
+    // Stdin is gone with the main process; a reattach gets its exit.
+    assert!(matches!(
+        c.call(Request::CloseStdin { pid: mains[0] }, &[]).0,
+        Reply::Error { code: ErrorCode::UnknownProcess, .. }
+    ));
+    let mut other = agent.connect();
+    let reply = other.call(Request::Attach { target: Target::Pid(mains[0]) }, &[]).0;
+    assert_eq!(reply, Reply::Attached { pid: mains[0] });
+    assert_eq!(other.collect(mains[0]).status, Some(lingering));
+    // SIGTERM reaches the setsid'd sleep, which left the process group.
+    c.ok(Request::Signal { pid: mains[0], signal: libc::SIGTERM });
+    wait_dead(left[0], "setsid'd sleep");
+    wait_listed(&mut c, "the first command to go", |l| l.len() == 1 && l[0].pid == mains[1]);
+    wait_sleeping(left[1]);
+    let pid = c.spawn(root_spawn(argv(&["true"])));
+    assert_eq!(c.collect(pid).status, exited(0));
+    c.ok(Request::Signal { pid: mains[1], signal: libc::SIGKILL });
+    wait_dead(left[1], "setsid'd sleep");
+    wait_listed(&mut c, "an empty list", |l| l.is_empty());
+}
+
+#[test]
+fn the_timeout_ends_children_left_after_the_main_process_exited() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    let mut s = root_spawn(Cmd::Shell("sleep 1000 & echo $!; setsid sleep 1000 & echo $!".into()));
+    s.timeout_ms = Some(1500);
+    let pid = c.spawn(s);
+    let out = c.collect(pid);
+    let status = out.status.expect("exit");
+    assert_eq!((status.code, status.timed_out, status.descendants_alive), (Some(0), false, true), "{status:?}");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let pids: Vec<u32> = text.split_whitespace().map(|p| p.parse().expect("pid")).collect();
+    assert_eq!(pids.len(), 2);
+    for &p in &pids {
+        wait_sleeping(p);
+    }
+    wait_listed(&mut c, "the timeout to end the tree", |l| l.is_empty());
+    for p in pids {
+        wait_dead(p, "background sleep");
+    }
+}
+
+#[test]
+fn a_signal_reaches_the_whole_tree_while_the_main_process_runs() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    let pid = c.spawn(root_spawn(Cmd::Shell("setsid sleep 1000 & echo $!; wait".into())));
+    let mut text = Vec::new();
+    let orphan: u32 = loop {
+        match c.next_event() {
+            (FromAgent::Output { pid: p, .. }, data) if p == pid => {
+                text.extend(data);
+                if text.ends_with(b"\n") {
+                    break String::from_utf8_lossy(&text).trim().parse().expect("pid");
+                }
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    wait_sleeping(orphan);
+    c.ok(Request::Signal { pid, signal: libc::SIGTERM });
+    let status = c.collect(pid).status.expect("exit");
+    assert_eq!(status.signal, Some(libc::SIGTERM), "{status:?}");
+    wait_dead(orphan, "setsid'd sleep");
+    wait_listed(&mut c, "an empty list", |l| l.is_empty());
+}
+
+/// A killed command's exit (timeout or SIGKILL) is sent once its whole tree
+/// is gone, so a caller that gets it sees nothing of the tree left.
+#[test]
+fn a_killed_commands_exit_comes_after_its_whole_tree_is_gone() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    for (timeout_ms, kill) in [(Some(1000), false), (None, true)] {
+        let mut s = root_spawn(Cmd::Shell("setsid sleep 1000 & echo $!; sleep 1000 & sleep 1000".into()));
+        s.timeout_ms = timeout_ms;
+        let pid = c.spawn(s);
+        let mut text = Vec::new();
+        let orphan: u32 = loop {
+            match c.next_event() {
+                (FromAgent::Output { pid: p, .. }, data) if p == pid => {
+                    text.extend(data);
+                    if text.ends_with(b"\n") {
+                        break String::from_utf8_lossy(&text).trim().parse().expect("pid");
+                    }
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        };
+        wait_sleeping(orphan);
+        if kill {
+            c.ok(Request::Signal { pid, signal: libc::SIGKILL });
+        }
+        let status = c.collect(pid).status.expect("exit");
+        assert_eq!((status.timed_out, status.descendants_alive), (!kill, false), "{status:?}");
+        assert!(!std::path::Path::new(&format!("/proc/{orphan}")).exists(), "the setsid'd sleep outlived the exit");
+        assert!(listed(&mut c).is_empty());
     }
 }

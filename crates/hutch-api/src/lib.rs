@@ -3,6 +3,8 @@
 //! Serde and OpenAPI schemas only: no IO. The server renders these, the CLI
 //! and clients parse them, and the OpenAPI document is generated from them.
 
+pub mod time;
+
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use utoipa::ToSchema;
@@ -99,6 +101,16 @@ pub enum ErrorCode {
     AccessGrantCapacity,
     /// Nothing accepts connections on the port inside the sandbox.
     SandboxPortUnreachable,
+    /// The caller's key may not do this (an admin-only operation, or
+    /// another owner's thing it may see but not use).
+    Forbidden,
+    /// The request would take the caller's key past one of its quotas
+    /// (sandboxes, memory, disk, lifetime, builds); nothing was made.
+    QuotaExceeded,
+    /// The route exists, but not with this method.
+    MethodNotAllowed,
+    /// The thing changed while the request was made; read it again and retry.
+    Conflict,
 }
 
 impl ErrorCode {
@@ -109,7 +121,7 @@ impl ErrorCode {
             | ErrorCode::AccessTokenRequired
             | ErrorCode::AccessTokenInvalid
             | ErrorCode::AccessTokenExpired => 401,
-            ErrorCode::AccessTokenWrongTarget => 403,
+            ErrorCode::AccessTokenWrongTarget | ErrorCode::Forbidden => 403,
             ErrorCode::InvalidRequest
             | ErrorCode::UnknownTemplate
             | ErrorCode::ImageNotFound
@@ -121,6 +133,7 @@ impl ErrorCode {
             | ErrorCode::SandboxNetworkIsolated
             | ErrorCode::BuildInstructionRefused => 400,
             ErrorCode::NotFound => 404,
+            ErrorCode::MethodNotAllowed => 405,
             ErrorCode::IdempotencyConflict
             | ErrorCode::ExecutionOutcomeUnknown
             | ErrorCode::SandboxSessionNotRunning
@@ -128,11 +141,13 @@ impl ErrorCode {
             | ErrorCode::SandboxPathConflict
             | ErrorCode::SandboxFilePartOutOfOrder
             | ErrorCode::SandboxFilePartMismatch
-            | ErrorCode::TemplateNameTaken => 409,
+            | ErrorCode::TemplateNameTaken
+            | ErrorCode::Conflict => 409,
             ErrorCode::SandboxArchiveTooLarge | ErrorCode::PayloadTooLarge => 413,
             ErrorCode::SandboxCommandCapacity
             | ErrorCode::SandboxCapacityUnavailable
-            | ErrorCode::AccessGrantCapacity => 429,
+            | ErrorCode::AccessGrantCapacity
+            | ErrorCode::QuotaExceeded => 429,
             ErrorCode::Internal => 500,
             ErrorCode::SandboxPortUnreachable => 502,
             ErrorCode::SandboxStartFailed
@@ -179,6 +194,10 @@ impl ErrorCode {
             ErrorCode::AccessTokenWrongTarget => "access_token_wrong_target",
             ErrorCode::AccessGrantCapacity => "access_grant_capacity",
             ErrorCode::SandboxPortUnreachable => "sandbox_port_unreachable",
+            ErrorCode::Forbidden => "forbidden",
+            ErrorCode::QuotaExceeded => "quota_exceeded",
+            ErrorCode::MethodNotAllowed => "method_not_allowed",
+            ErrorCode::Conflict => "conflict",
         }
     }
 }
@@ -345,6 +364,9 @@ pub struct Sandbox {
     pub template_version: Option<u64>,
     #[serde(default)]
     pub network: Network,
+    /// The id of the API key that owns it.
+    #[serde(default)]
+    pub owner: String,
 }
 
 /// A warm pool's bounds: the daemon keeps `min` sandboxes started and
@@ -533,6 +555,9 @@ pub struct Template {
     /// RFC 3339, UTC.
     pub created_at: String,
     pub updated_at: String,
+    /// The id of the API key that owns it.
+    #[serde(default)]
+    pub owner: String,
 }
 
 /// `GET /v1/templates`.
@@ -598,10 +623,11 @@ pub struct ExecRequest {
     /// Working directory; /workspace when absent.
     #[serde(default)]
     pub cwd: Option<String>,
-    /// `user` (default) or `root`.
+    /// `user` (default) or `root`; no other name is accepted.
     #[serde(default)]
     pub user: Option<String>,
-    /// Kill the command's process tree after this long (1 to 86400 s).
+    /// Kill the command's process tree after this long (1 to 86400 s), also
+    /// the processes it started that outlive its main process.
     #[serde(default)]
     pub timeout_seconds: Option<u64>,
     /// Whether the result is stored for replays (default true).
@@ -626,6 +652,30 @@ pub struct ExecResult {
     pub timed_out: bool,
     pub duration_ms: u64,
     pub output_kept: bool,
+    /// The kernel's OOM killer ended the command (its `exit_code` is then
+    /// 137): the command's processes outgrew the sandbox's memory, files it
+    /// wrote to RAM-backed paths (/tmp, the writable layer) included.
+    #[serde(default)]
+    pub oom_killed: bool,
+    /// Processes the command started were still running when it exited. They
+    /// keep its command slot and its entry in `/processes` (with
+    /// `main_exited`) until they end; a signal to its pid reaches them, and
+    /// its timeout ends them.
+    #[serde(default)]
+    pub descendants_alive: bool,
+}
+
+impl ExecResult {
+    /// The `exit` event of a stream that carried this result.
+    pub fn exit_event(&self) -> ExecEvent {
+        ExecEvent::Exit {
+            exit_code: self.exit_code,
+            timed_out: self.timed_out,
+            duration_ms: self.duration_ms,
+            oom_killed: self.oom_killed,
+            descendants_alive: self.descendants_alive,
+        }
+    }
 }
 
 /// The answer to a background command.
@@ -638,12 +688,30 @@ pub struct Started {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ExecEvent {
-    Start { pid: u32 },
-    Stdout { data: String },
-    Stderr { data: String },
+    Start {
+        pid: u32,
+    },
+    Stdout {
+        data: String,
+    },
+    Stderr {
+        data: String,
+    },
     Ping,
-    Exit { exit_code: i32, timed_out: bool, duration_ms: u64 },
-    Error { code: ErrorCode, error: String },
+    /// The command ended; `oom_killed` and `descendants_alive` as in [`ExecResult`].
+    Exit {
+        exit_code: i32,
+        timed_out: bool,
+        duration_ms: u64,
+        #[serde(default)]
+        oom_killed: bool,
+        #[serde(default)]
+        descendants_alive: bool,
+    },
+    Error {
+        code: ErrorCode,
+        error: String,
+    },
 }
 
 /// `POST /v1/executions`: a command in a fresh sandbox.
@@ -693,6 +761,15 @@ pub struct Process {
     pub command: Vec<String>,
     pub user: String,
     pub cwd: String,
+    /// The command's main process exited while processes it started run on:
+    /// they hold its command slot, a signal to `pid` reaches all of them, and
+    /// its timeout ends them.
+    #[serde(default)]
+    pub main_exited: bool,
+    /// The main process's exit code once it exited (128 + the signal when
+    /// one ended it).
+    #[serde(default)]
+    pub exit_code: Option<i32>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
@@ -793,23 +870,74 @@ pub struct FilePartResult {
     pub complete: bool,
 }
 
-/// An API key as listed (the secret is shown once, at creation).
+/// A key's caps; absent: no cap of the key's own (the host's still apply).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct KeyQuotas {
+    /// Sandboxes not terminated at once (its templates' warm ones included).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_sandboxes: Option<u64>,
+    /// Sum of their `memory_mb`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_memory_mb: Option<u64>,
+    /// Sum of their `limits.disk_mib`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_disk_mib: Option<u64>,
+    /// Longest lifetime of one sandbox, from its creation, extensions included.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_ttl_seconds: Option<u64>,
+    /// Template builds queued or running at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_builds: Option<u64>,
+}
+
+/// An API key as listed (`GET /v1/keys`, admin only).
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
 pub struct ApiKey {
     pub id: String,
     pub name: String,
+    #[serde(default)]
+    pub admin: bool,
     pub created_at: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub revoked_at: Option<String>,
+    #[serde(default)]
+    pub quotas: KeyQuotas,
     /// Only in the answer to a create.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub secret: Option<String>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+/// `POST /v1/keys` (admin only): a key that is not an admin key.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct CreateKey {
+    /// 1 to 64 printable characters.
     pub name: String,
+    /// Shape the secret as the E2B SDK expects (`e2b_` and 40 hex digits).
+    #[serde(default)]
+    pub e2b: bool,
+    #[serde(default)]
+    pub quotas: KeyQuotas,
+}
+
+/// `GET /v1/keys`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct ApiKeyList {
+    pub keys: Vec<ApiKey>,
+}
+
+/// What a key holds now against its quotas (`GET /v1/usage`).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Usage {
+    pub key_id: String,
+    /// Sandboxes not terminated (its templates' warm ones included).
+    pub sandboxes: u64,
+    pub memory_mb: u64,
+    pub disk_mib: u64,
+    /// Template builds queued or running.
+    pub builds: u64,
+    pub quotas: KeyQuotas,
 }
 
 /// Ports 65533 and above are reserved for hutch's own use in a sandbox.

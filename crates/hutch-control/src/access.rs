@@ -10,9 +10,10 @@
 //! waits for beside it. Revoked and expired grants stay known for a while
 //! (as tombstones) so that their tokens are refused with a precise reason.
 
-use crate::control::{now_ms, Control};
+use crate::control::{now_ms, Control, Need};
 use crate::error::{ControlError, Result};
-use hutch_api::{CreateAccess, MAX_ACCESS_PORT, MAX_ACCESS_SECONDS};
+use crate::ids::{random_hex, Caller, SandboxId};
+use hutch_api::{CreateAccess, SandboxState, MAX_ACCESS_PORT, MAX_ACCESS_SECONDS};
 use hutch_runtime::portconnect::{NetNs, PortError};
 use hutch_store::SandboxRecord;
 use sha2::{Digest, Sha256};
@@ -135,12 +136,6 @@ fn token_hash(token: &str) -> [u8; 32] {
     Sha256::digest(token.as_bytes()).into()
 }
 
-fn random_hex(n: usize) -> Result<String> {
-    let mut b = vec![0u8; n];
-    hutch_runtime::sys::random_bytes(&mut b).map_err(|e| ControlError::Runtime(format!("random bytes: {e}")))?;
-    Ok(hex::encode(b))
-}
-
 /// A port the proxy may serve: 1 to 65532.
 pub fn valid_port(port: u32) -> Result<u16> {
     match u16::try_from(port) {
@@ -158,7 +153,7 @@ impl Control {
     /// It runs when a grant is made; no grant means no proxied request. A
     /// sandbox's policy is fixed for its life, so no grant outlives a
     /// change of it.
-    pub fn check_port_access(&self, sandbox: &SandboxRecord, _port: u16) -> Result<()> {
+    pub(crate) fn check_port_access(&self, sandbox: &SandboxRecord, _port: u16) -> Result<()> {
         if crate::network::NetRecord::parse(&sandbox.network).egress == hutch_api::Egress::DenyAll {
             return Err(ControlError::NetworkIsolated(sandbox.id.clone()));
         }
@@ -166,12 +161,10 @@ impl Control {
     }
 
     /// Makes a grant for one port of a running sandbox of `owner`.
-    pub fn create_access(&self, owner: &str, id: &str, req: &CreateAccess) -> Result<NewGrant> {
-        let r = self.record(owner, id)?;
-        if r.state == "terminated" {
-            return Err(ControlError::NoSandbox(id.to_owned()));
-        }
-        self.running_record(&r)?;
+    pub async fn create_access(&self, caller: &Caller, sid: &SandboxId, req: &CreateAccess) -> Result<NewGrant> {
+        let r = self.record(caller, sid, Need::Use).await?;
+        self.running(caller, sid).await?;
+        let id = sid.as_str();
         let port = valid_port(u32::from(req.port))?;
         let secs = req.expires_in_seconds.unwrap_or(MAX_ACCESS_SECONDS);
         if !(1..=MAX_ACCESS_SECONDS).contains(&secs) {
@@ -181,7 +174,7 @@ impl Control {
         let now = now_ms();
         let expires_at = (now + secs as i64 * 1000).min(r.expires_at);
         if expires_at <= now {
-            return Err(ControlError::NotRunning { id: id.to_owned(), state: "terminating" });
+            return Err(ControlError::NotRunning { id: id.to_owned(), state: SandboxState::Terminating });
         }
         let mut raw = [0u8; 32];
         hutch_runtime::sys::random_bytes(&mut raw).map_err(|e| ControlError::Runtime(format!("random bytes: {e}")))?;
@@ -201,8 +194,9 @@ impl Control {
     }
 
     /// The live grants of a sandbox of `owner`, soonest to expire first.
-    pub fn list_access(&self, owner: &str, id: &str) -> Result<Vec<GrantInfo>> {
-        self.record(owner, id)?;
+    pub async fn list_access(&self, caller: &Caller, sid: &SandboxId) -> Result<Vec<GrantInfo>> {
+        self.record(caller, sid, Need::Manage).await?;
+        let id = sid.as_str();
         let now = now_ms();
         let inner = self.access.lock();
         let mut out: Vec<GrantInfo> = inner
@@ -216,8 +210,9 @@ impl Control {
     }
 
     /// Revokes one grant; revoking it again (or after it expired) is a no-op.
-    pub fn revoke_access(&self, owner: &str, id: &str, grant_id: &str) -> Result<()> {
-        self.record(owner, id)?;
+    pub async fn revoke_access(&self, caller: &Caller, sid: &SandboxId, grant_id: &str) -> Result<()> {
+        self.record(caller, sid, Need::Manage).await?;
+        let id = sid.as_str();
         let inner = self.access.lock();
         if !inner.by_hash.values().any(|g| g.sandbox == id && g.id == grant_id) {
             return Err(ControlError::NoGrant(grant_id.to_owned()));
@@ -227,23 +222,25 @@ impl Control {
     }
 
     /// Revokes every grant of a sandbox; returns how many were live.
-    pub fn revoke_all_access(&self, owner: &str, id: &str) -> Result<usize> {
-        self.record(owner, id)?;
-        Ok(revoke_where(&self.access.lock(), |g| g.sandbox == id))
+    pub async fn revoke_all_access(&self, caller: &Caller, sid: &SandboxId) -> Result<usize> {
+        self.record(caller, sid, Need::Manage).await?;
+        Ok(revoke_where(&self.access.lock(), |g| g.sandbox == sid.as_str()))
     }
 
     /// Checks a request of the proxy for `port` of sandbox `id`: the sandbox
     /// exists (else not found), the token is a live grant for exactly this
     /// sandbox and port, and the sandbox runs. A running sandbox is found in
     /// memory; only the others cost a store read.
-    pub fn authorize_access(&self, id: &str, port: u16, token: Option<&str>) -> Result<AccessPass> {
-        let not_running = match self.live(id) {
-            Some(live) if live.suspended.load(std::sync::atomic::Ordering::SeqCst) => Some("suspended"),
+    pub async fn authorize_access(&self, id: &str, port: u16, token: Option<&str>) -> Result<AccessPass> {
+        let sid = SandboxId::parse(id)?;
+        let not_running = match self.live(&sid) {
+            // The owner's key was revoked: its sandboxes are on their way out.
+            Some(live) if self.is_revoked(&live.owner) => return Err(ControlError::NoSandbox(id.to_owned())),
+            Some(live) if live.is_pooled() => return Err(ControlError::NoSandbox(id.to_owned())),
+            Some(live) if live.is_suspended() => Some(SandboxState::Suspended),
             Some(_) => None,
-            None => match self.store.get_sandbox(id)? {
-                Some(r) if !r.pooled && r.state != "terminated" => {
-                    Some(hutch_api::SandboxState::parse(&r.state).map(|s| s.as_str()).unwrap_or("unknown"))
-                }
+            None => match self.sandbox_record(&sid).await? {
+                Some(r) if !r.pooled && r.state != SandboxState::Terminated => Some(r.state),
                 _ => return Err(ControlError::NoSandbox(id.to_owned())),
             },
         };
@@ -284,17 +281,18 @@ impl Control {
     /// credential ([`Control::authorize_access`]).
     pub async fn connect_port(&self, id: &str, port: u16) -> Result<tokio::net::TcpStream> {
         let not_running = |state| ControlError::NotRunning { id: id.to_owned(), state };
-        let live = self.live(id).ok_or_else(|| not_running("terminated"))?;
-        if live.suspended.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(not_running("suspended"));
+        let sid = SandboxId::parse(id)?;
+        let live = self.live(&sid).ok_or_else(|| not_running(SandboxState::Terminated))?;
+        if live.is_suspended() {
+            return Err(not_running(SandboxState::Suspended));
         }
         let cached = self.access.lock().netns.get(id).cloned();
         let ns = match cached {
             Some(ns) => ns,
             None => {
                 let guard = live.handle.lock().map_err(|_| ControlError::Runtime("sandbox lock poisoned".into()))?;
-                let sb = guard.as_ref().ok_or_else(|| not_running("terminating"))?;
-                let ns = Arc::new(sb.net_ns().map_err(|_| not_running("terminated"))?);
+                let sb = guard.as_ref().ok_or_else(|| not_running(SandboxState::Terminating))?;
+                let ns = Arc::new(sb.net_ns().map_err(|_| not_running(SandboxState::Terminated))?);
                 drop(guard);
                 self.access.lock().netns.insert(id.to_owned(), ns.clone());
                 ns
@@ -307,7 +305,7 @@ impl Control {
             }
             Err(PortError::Gone(_)) => {
                 self.access.lock().netns.remove(id);
-                Err(not_running("terminated"))
+                Err(not_running(SandboxState::Terminated))
             }
             Err(e @ PortError::Io { .. }) => Err(ControlError::Runtime(e.to_string())),
         }

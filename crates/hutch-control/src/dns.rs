@@ -4,43 +4,84 @@
 //! asking sandbox's policy (known from the query's source address, which
 //! the host's rules tie to the sandbox's link): `default` egress is
 //! forwarded to the host's resolvers, minus denied names; with an allow
-//! list only allowed names are answered, and the addresses in the answer
-//! are admitted for that sandbox before it sees them, so it can reach
-//! exactly what it resolved; `private` sandboxes get no answers.
+//! list only allowed names are answered, and the addresses that answer the
+//! question are admitted for that sandbox (for their TTL, within bounds)
+//! before it sees them, so it can reach exactly what it resolved;
+//! `private` sandboxes get no answers.
 //!
-//! Queries and answers are untrusted and parsed with bounds; anything
-//! malformed is dropped.
+//! An answer counts only through its chain: from the question's name
+//! through each CNAME to the A and AAAA records of the last name. Every
+//! name of the chain must be one the sandbox may resolve (a CNAME into a
+//! denied or unlisted name is refused as that name would be), and records
+//! of other names are never admitted.
+//!
+//! The resolver is shared, so it is shared fairly: the host's rules cap
+//! each sandbox's query rate before its packets reach the socket, and here
+//! each sandbox has its own queue and at most `PER_SANDBOX` queries in
+//! flight; a free slot goes to the next sandbox in turn (round robin), so
+//! a sandbox that floods, or asks names that never answer, waits behind
+//! itself only.
+//!
+//! Queries and answers are untrusted. Messages are parsed by hickory-proto
+//! after a bounds check of our own (`precheck`): its decoder reserves
+//! room for as many questions as the header claims, so a 12-byte message
+//! claiming 65535 would cost megabytes. Anything malformed is dropped.
 
-use hutch_runtime::net::Network;
+use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
+use hickory_proto::rr::{DNSClass, RData, Record, RecordType};
+use hutch_runtime::net::{Network, Policy};
+use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::UdpSocket;
 
 const MAX_MSG: usize = 4096;
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
-/// Queries answered at once; more wait.
+/// Queries in flight to the upstreams at once, every sandbox together.
 const CONCURRENCY: usize = 256;
+/// Queries in flight at once for one sandbox.
+const PER_SANDBOX: usize = 16;
+/// Queries one sandbox may have waiting; past it, its new ones are dropped.
+const QUEUE: usize = 64;
+/// CNAMEs followed in one answer.
+const MAX_CHAIN: usize = 16;
+/// The resolver socket's receive buffer: room for bursts of many sandboxes.
+const RECV_BUFFER: usize = 4 << 20;
 
-const RCODE_NXDOMAIN: u8 = 3;
-const RCODE_REFUSED: u8 = 5;
-const TYPE_A: u16 = 1;
-const TYPE_AAAA: u16 = 28;
-
-/// Called with a sandbox's id and every address admitted for it so far,
-/// after new ones were admitted (the daemon stores them, so a restart
-/// admits them again).
+/// Called with a sandbox's id and every address admitted for it now,
+/// after that set changed (the daemon stores them, so a restart admits
+/// them again).
 pub type OnAdmit = Arc<dyn Fn(&str, &[IpAddr]) + Send + Sync>;
+
+struct Job {
+    from: SocketAddr,
+    query: Vec<u8>,
+}
+
+struct Resolver {
+    net: Arc<Network>,
+    on_admit: OnAdmit,
+    sock: UdpSocket,
+    queue: Mutex<Fair<Job>>,
+}
 
 /// Serves until the socket fails. Binds before returning.
 pub async fn serve(net: Arc<Network>, on_admit: OnAdmit) -> std::io::Result<tokio::task::JoinHandle<()>> {
     let addr = std::net::SocketAddrV4::new(net.config().gateway4(), 53);
-    let sock = Arc::new(UdpSocket::from_std(hutch_runtime::net::bind_udp_freebind(addr)?)?);
-    let permits = Arc::new(tokio::sync::Semaphore::new(CONCURRENCY));
+    let std_sock = hutch_runtime::net::bind_udp_freebind(addr)?;
+    hutch_runtime::net::set_recv_buffer(&std_sock, RECV_BUFFER);
+    let sock = UdpSocket::from_std(std_sock)?;
+    let r = Arc::new(Resolver {
+        net,
+        on_admit,
+        sock,
+        queue: Mutex::new(Fair::new(Limits { total: CONCURRENCY, per_source: PER_SANDBOX, queue: QUEUE })),
+    });
     Ok(tokio::spawn(async move {
         let mut buf = vec![0u8; MAX_MSG];
         loop {
-            let (n, from) = match sock.recv_from(&mut buf).await {
+            let (n, from) = match r.sock.recv_from(&mut buf).await {
                 Ok(x) => x,
                 Err(e) => {
                     tracing::warn!("resolver: {e}");
@@ -48,36 +89,53 @@ pub async fn serve(net: Arc<Network>, on_admit: OnAdmit) -> std::io::Result<toki
                     continue;
                 }
             };
-            let Ok(permit) = permits.clone().acquire_owned().await else { return };
-            let query = buf[..n].to_vec();
-            let (sock, net, on_admit) = (sock.clone(), net.clone(), on_admit.clone());
-            tokio::spawn(async move {
-                if let Some(reply) = answer(&net, &on_admit, from.ip(), &query).await {
-                    let _ = sock.send_to(&reply, from).await;
-                }
-                drop(permit);
-            });
+            if n < 12 {
+                continue;
+            }
+            let job = Job { from, query: buf[..n].to_vec() };
+            // Dropped when the sandbox's queue is full: its own flood.
+            let _ = lock(&r.queue).push(from.ip(), job);
+            pump(&r);
         }
     }))
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Starts every query that may start now.
+fn pump(r: &Arc<Resolver>) {
+    loop {
+        let Some((src, job)) = lock(&r.queue).next() else { return };
+        let r = r.clone();
+        tokio::spawn(async move {
+            if let Some(reply) = answer(&r.net, &r.on_admit, job.from.ip(), &job.query).await {
+                let _ = r.sock.send_to(&reply, job.from).await;
+            }
+            lock(&r.queue).done(src);
+            pump(&r);
+        });
+    }
+}
+
 async fn answer(net: &Arc<Network>, on_admit: &OnAdmit, from: IpAddr, query: &[u8]) -> Option<Vec<u8>> {
-    let q = Question::parse(query)?;
-    let Some((id, policy)) = net.policy_of(from) else { return Some(refuse(query, q.end, RCODE_REFUSED)) };
+    let q = parse_query(query)?;
+    let Some((id, policy)) = net.policy_of(from) else { return refuse(&q, ResponseCode::Refused) };
     if policy.egress != hutch_runtime::net::Egress::Default {
-        return Some(refuse(query, q.end, RCODE_REFUSED));
+        return refuse(&q, ResponseCode::Refused);
     }
     if !policy.resolves(&q.name) {
-        return Some(refuse(query, q.end, RCODE_NXDOMAIN));
+        return refuse(&q, ResponseCode::NXDomain);
     }
     let reply = forward(&net.config().upstream_dns, query).await?;
-    // The upstream's answer must be to this question.
-    let rq = Question::parse(&reply)?;
-    if reply.get(0..2) != query.get(0..2) || rq.name != q.name || rq.qtype != q.qtype {
-        return None;
+    let found = parse_answer(&q, &reply)?;
+    if !chain_allowed(&policy, &found) {
+        return refuse(&q, ResponseCode::NXDomain);
     }
-    if policy.listed() {
-        let addrs = addresses(&reply)?;
+    if policy.listed() && !found.addrs.is_empty() {
+        let addrs: Vec<(IpAddr, Duration)> =
+            found.addrs.iter().map(|(a, ttl)| (*a, Duration::from_secs(u64::from(*ttl)))).collect();
         let (net, on_admit) = (net.clone(), on_admit.clone());
         let admitted = tokio::task::spawn_blocking(move || {
             let n = net.admit(&id, &addrs)?;
@@ -89,7 +147,7 @@ async fn answer(net: &Arc<Network>, on_admit: &OnAdmit, from: IpAddr, query: &[u
         .await;
         if !matches!(admitted, Ok(Ok(()))) {
             // Not admitted: an answer would point at addresses it cannot reach.
-            return Some(refuse(query, q.end, RCODE_REFUSED));
+            return refuse(&q, ResponseCode::Refused);
         }
     }
     Some(reply)
@@ -112,159 +170,440 @@ async fn forward(upstreams: &[SocketAddr], query: &[u8]) -> Option<Vec<u8>> {
     None
 }
 
-/// The question of a query: name (lower case, no trailing dot) and type,
-/// and where the question section ends.
-#[derive(Debug, PartialEq)]
-struct Question {
-    name: String,
-    qtype: u16,
-    end: usize,
+/// Whether every name an answer went through may be resolved by `policy`.
+fn chain_allowed(policy: &Policy, found: &Found) -> bool {
+    found.chain.iter().all(|name| policy.resolves(name))
 }
 
-impl Question {
-    fn parse(msg: &[u8]) -> Option<Question> {
-        if msg.len() < 12 || u16::from_be_bytes([msg[4], msg[5]]) != 1 {
-            return None;
-        }
-        let (name, off) = read_name(msg, 12)?;
-        let qtype = u16::from_be_bytes([*msg.get(off)?, *msg.get(off + 1)?]);
-        msg.get(off + 3)?;
-        Some(Question { name, qtype, end: off + 4 })
+/// A query's question: its name (lower case, no trailing dot), type, and
+/// the query itself (to answer it with an error).
+#[derive(Debug)]
+pub struct Question {
+    pub name: String,
+    pub qtype: RecordType,
+    id: u16,
+    recursion_desired: bool,
+    query: Query,
+}
+
+/// What an answer says through its chain.
+#[derive(Debug, Default, PartialEq)]
+pub struct Found {
+    /// The CNAME targets from the question's name, in order.
+    pub chain: Vec<String>,
+    /// The A and AAAA records of the question's name or of a name of the
+    /// chain, with their TTLs.
+    pub addrs: Vec<(IpAddr, u32)>,
+}
+
+/// Checks a message's header counts against its length before it is
+/// decoded: one question, and no more records than could fit (each takes
+/// at least 11 bytes). Bounds what the decoder may reserve.
+fn precheck(msg: &[u8]) -> Option<()> {
+    if msg.len() < 12 || msg.len() > MAX_MSG {
+        return None;
     }
+    let count = |i: usize| u16::from_be_bytes([msg[i], msg[i + 1]]) as usize;
+    let records = count(6) + count(8) + count(10);
+    (count(4) == 1 && records <= (msg.len() - 12) / 11).then_some(())
 }
 
-/// Reads a (possibly compressed) name at `off`; returns it and the offset
-/// after it. Bounded: at most 128 labels and 255 bytes; pointers must go
-/// backwards.
-fn read_name(msg: &[u8], mut off: usize) -> Option<(String, usize)> {
-    let mut name = String::new();
-    let mut end = None;
-    let mut limit = off;
-    for _ in 0..128 {
-        let len = *msg.get(off)? as usize;
-        if len & 0xc0 == 0xc0 {
-            let ptr = (len & 0x3f) << 8 | *msg.get(off + 1)? as usize;
-            if ptr >= limit {
-                return None;
+/// Lower case, no trailing dot: how policies name names.
+fn name_of(name: &hickory_proto::rr::Name) -> String {
+    let s = name.to_lowercase().to_ascii();
+    s.strip_suffix('.').unwrap_or(&s).to_owned()
+}
+
+/// Parses a sandbox's query. Pure: for fuzzing.
+pub fn parse_query(msg: &[u8]) -> Option<Question> {
+    precheck(msg)?;
+    let m = Message::from_vec(msg).ok()?;
+    if m.metadata.message_type != MessageType::Query || m.metadata.op_code != OpCode::Query {
+        return None;
+    }
+    let query = m.queries.first()?.clone();
+    if query.query_class() != DNSClass::IN {
+        return None;
+    }
+    Some(Question {
+        name: name_of(query.name()),
+        qtype: query.query_type(),
+        id: m.metadata.id,
+        recursion_desired: m.metadata.recursion_desired,
+        query,
+    })
+}
+
+/// Parses an upstream's answer to question `q`: it must be a response with
+/// the query's id and question. Pure: for fuzzing.
+pub fn parse_answer(q: &Question, msg: &[u8]) -> Option<Found> {
+    precheck(msg)?;
+    let m = Message::from_vec(msg).ok()?;
+    let rq = m.queries.first()?;
+    if m.metadata.message_type != MessageType::Response
+        || m.metadata.id != q.id
+        || name_of(rq.name()) != q.name
+        || rq.query_type() != q.qtype
+    {
+        return None;
+    }
+    Some(follow(&q.name, &m.answers))
+}
+
+/// Follows the CNAMEs from `qname` through `answers` and collects the
+/// addresses of the names on the way; records of other names are left.
+fn follow(qname: &str, answers: &[Record]) -> Found {
+    let mut found = Found::default();
+    let mut names = vec![qname.to_owned()];
+    for _ in 0..MAX_CHAIN {
+        let Some(current) = names.last() else { break };
+        let next = answers.iter().find_map(|r| match &r.data {
+            RData::CNAME(target) if r.dns_class == DNSClass::IN && name_of(&r.name) == *current => {
+                Some(name_of(&target.0))
             }
-            end.get_or_insert(off + 2);
-            limit = ptr;
-            off = ptr;
+            _ => None,
+        });
+        match next {
+            Some(target) if !names.contains(&target) => {
+                found.chain.push(target.clone());
+                names.push(target);
+            }
+            _ => break,
+        }
+    }
+    for r in answers {
+        if r.dns_class != DNSClass::IN || !names.contains(&name_of(&r.name)) {
             continue;
         }
-        if len & 0xc0 != 0 {
-            return None;
-        }
-        if len == 0 {
-            return Some((name, end.unwrap_or(off + 1)));
-        }
-        let label = msg.get(off + 1..off + 1 + len)?;
-        if !name.is_empty() {
-            name.push('.');
-        }
-        name.extend(label.iter().map(|b| b.to_ascii_lowercase() as char));
-        if name.len() > 255 {
-            return None;
-        }
-        off += 1 + len;
-    }
-    None
-}
-
-/// The A and AAAA addresses in an answer's answer section.
-fn addresses(msg: &[u8]) -> Option<Vec<IpAddr>> {
-    let q = Question::parse(msg)?;
-    let ancount = u16::from_be_bytes([msg[6], msg[7]]);
-    let mut off = q.end;
-    let mut out = Vec::new();
-    for _ in 0..ancount {
-        let (_, after) = read_name(msg, off)?;
-        let h = msg.get(after..after + 10)?;
-        let rtype = u16::from_be_bytes([h[0], h[1]]);
-        let rdlen = u16::from_be_bytes([h[8], h[9]]) as usize;
-        let rdata = msg.get(after + 10..after + 10 + rdlen)?;
-        match (rtype, rdlen) {
-            (TYPE_A, 4) => out.push(IpAddr::V4(Ipv4Addr::new(rdata[0], rdata[1], rdata[2], rdata[3]))),
-            (TYPE_AAAA, 16) => {
-                let mut o = [0u8; 16];
-                o.copy_from_slice(rdata);
-                out.push(IpAddr::V6(Ipv6Addr::from(o)));
-            }
+        match &r.data {
+            RData::A(a) => found.addrs.push((IpAddr::V4(a.0), r.ttl)),
+            RData::AAAA(a) => found.addrs.push((IpAddr::V6(a.0), r.ttl)),
             _ => {}
         }
-        off = after + 10 + rdlen;
     }
-    Some(out)
+    found
 }
 
-/// An answer with no records and `rcode`, to the question of `query`.
-fn refuse(query: &[u8], question_end: usize, rcode: u8) -> Vec<u8> {
-    let mut r = query[..question_end].to_vec();
-    r[2] = 0x80 | (query[2] & 0x79); // QR, keep opcode and RD
-    r[3] = 0x80 | rcode; // RA
-    for b in &mut r[6..12] {
-        *b = 0; // no answer, authority or additional records
+/// An answer with no records and `rcode`, to question `q` (`None` if it
+/// cannot be encoded: then nothing is sent).
+fn refuse(q: &Question, rcode: ResponseCode) -> Option<Vec<u8>> {
+    let mut m = Message::error_msg(q.id, OpCode::Query, rcode);
+    m.metadata.recursion_desired = q.recursion_desired;
+    m.metadata.recursion_available = true;
+    m.add_query(q.query.clone());
+    m.to_vec().ok()
+}
+
+/// Bounds of the fair queue.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    /// Jobs running at once, every source together.
+    total: usize,
+    /// Jobs running at once for one source.
+    per_source: usize,
+    /// Jobs one source may have waiting.
+    queue: usize,
+}
+
+struct Source<J> {
+    waiting: VecDeque<J>,
+    running: usize,
+    in_ring: bool,
+}
+
+/// Jobs from many sources, started fairly: a free slot goes to the next
+/// source in turn that has a job waiting and room to run it. A source is
+/// in `ring` exactly when it has a job waiting and fewer than
+/// `per_source` running. Sources with nothing waiting or running are
+/// forgotten.
+struct Fair<J> {
+    limits: Limits,
+    sources: HashMap<IpAddr, Source<J>>,
+    ring: VecDeque<IpAddr>,
+    running: usize,
+}
+
+impl<J> Fair<J> {
+    fn new(limits: Limits) -> Fair<J> {
+        Fair { limits, sources: HashMap::new(), ring: VecDeque::new(), running: 0 }
     }
-    r
+
+    /// Queues a job; `false` (and the job dropped) when its source's queue
+    /// is full.
+    fn push(&mut self, src: IpAddr, job: J) -> bool {
+        let s =
+            self.sources.entry(src).or_insert_with(|| Source { waiting: VecDeque::new(), running: 0, in_ring: false });
+        if s.waiting.len() >= self.limits.queue {
+            return false;
+        }
+        s.waiting.push_back(job);
+        if !s.in_ring && s.running < self.limits.per_source {
+            s.in_ring = true;
+            self.ring.push_back(src);
+        }
+        true
+    }
+
+    /// The next job to start, if a slot is free; the caller calls `done`
+    /// with its source when it ends.
+    fn next(&mut self) -> Option<(IpAddr, J)> {
+        if self.running >= self.limits.total {
+            return None;
+        }
+        let src = self.ring.pop_front()?;
+        let s = self.sources.get_mut(&src)?;
+        let job = s.waiting.pop_front()?;
+        s.running += 1;
+        self.running += 1;
+        s.in_ring = !s.waiting.is_empty() && s.running < self.limits.per_source;
+        if s.in_ring {
+            self.ring.push_back(src);
+        }
+        Some((src, job))
+    }
+
+    fn done(&mut self, src: IpAddr) {
+        let Some(s) = self.sources.get_mut(&src) else { return };
+        s.running = s.running.saturating_sub(1);
+        self.running = self.running.saturating_sub(1);
+        if !s.in_ring && !s.waiting.is_empty() && s.running < self.limits.per_source {
+            s.in_ring = true;
+            self.ring.push_back(src);
+        }
+        if s.waiting.is_empty() && s.running == 0 {
+            self.sources.remove(&src);
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hutch_runtime::net::{Egress, Rule};
+
+    const A: u16 = 1;
+    const CNAME: u16 = 5;
+    const AAAA: u16 = 28;
 
     fn query(name: &str, qtype: u16) -> Vec<u8> {
         let mut m = vec![0x12, 0x34, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0];
-        for l in name.split('.') {
-            m.push(l.len() as u8);
-            m.extend(l.as_bytes());
-        }
-        m.push(0);
+        m.extend(wire_name(name));
         m.extend(qtype.to_be_bytes());
         m.extend(1u16.to_be_bytes());
         m
     }
 
-    #[test]
-    fn questions_parse_and_refusals_echo_them() {
-        let q = query("Allowed.Test", TYPE_A);
-        let parsed = Question::parse(&q).expect("parse");
-        assert_eq!((parsed.name.as_str(), parsed.qtype, parsed.end), ("allowed.test", TYPE_A, q.len()));
-        let r = refuse(&q, parsed.end, RCODE_NXDOMAIN);
-        assert_eq!(&r[0..2], &[0x12, 0x34]);
-        assert_eq!(r[3] & 0x0f, RCODE_NXDOMAIN);
-        assert_eq!(Question::parse(&r).expect("reparse").name, "allowed.test");
+    fn wire_name(name: &str) -> Vec<u8> {
+        let mut m = Vec::new();
+        for l in name.split('.') {
+            m.push(l.len() as u8);
+            m.extend(l.as_bytes());
+        }
+        m.push(0);
+        m
     }
 
-    #[test]
-    fn answers_yield_their_addresses_through_compression() {
-        let mut m = query("a.test", TYPE_A);
+    /// An answer to `query(qname, qtype)` with `records` (owner, type, data).
+    fn answer_msg(qname: &str, qtype: u16, records: &[(&str, u16, Vec<u8>)]) -> Vec<u8> {
+        let mut m = query(qname, qtype);
         m[2] = 0x81;
-        m[7] = 2; // two answers
-        for (ty, data) in
-            [(TYPE_A, vec![203, 0, 113, 7]), (TYPE_AAAA, vec![0x20, 1, 0xd, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 9])]
-        {
-            m.extend([0xc0, 12]); // pointer to the question's name
+        m[3] = 0x80;
+        m[7] = records.len() as u8;
+        for (owner, ty, data) in records {
+            m.extend(wire_name(owner));
             m.extend(ty.to_be_bytes());
             m.extend(1u16.to_be_bytes());
-            m.extend(60u32.to_be_bytes());
+            m.extend(300u32.to_be_bytes());
             m.extend((data.len() as u16).to_be_bytes());
             m.extend(data);
         }
-        let got = addresses(&m).expect("parse");
-        assert_eq!(got, vec!["203.0.113.7".parse::<IpAddr>().expect("ip"), "2001:db8::9".parse().expect("ip")]);
+        m
+    }
+
+    fn policy(allow: &[&str], deny: &[&str]) -> Policy {
+        Policy {
+            egress: Egress::Default,
+            allow: allow.iter().map(|s| Rule::parse(s).expect("rule")).collect(),
+            deny: deny.iter().map(|s| Rule::parse(s).expect("rule")).collect(),
+            group: String::new(),
+        }
+    }
+
+    #[test]
+    fn questions_parse_and_refusals_echo_them() {
+        let q = query("Allowed.Test", A);
+        let parsed = parse_query(&q).expect("parse");
+        assert_eq!((parsed.name.as_str(), parsed.qtype), ("allowed.test", RecordType::A));
+        let r = refuse(&parsed, ResponseCode::NXDomain).expect("encode");
+        assert_eq!(&r[0..2], &[0x12, 0x34]);
+        assert_eq!(r[2] & 0x80, 0x80, "a response");
+        assert_eq!(r[3] & 0x0f, 3, "NXDOMAIN");
+        // The question comes back as asked (0x20 case randomization).
+        assert_eq!(&r[12..], &q[12..]);
+    }
+
+    #[test]
+    fn answers_yield_the_addresses_of_their_question() {
+        let q = parse_query(&query("a.test", A)).expect("q");
+        let m = answer_msg(
+            "a.test",
+            A,
+            &[
+                ("a.test", A, vec![203, 0, 113, 7]),
+                ("a.test", AAAA, vec![0x20, 1, 0xd, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 9]),
+            ],
+        );
+        let found = parse_answer(&q, &m).expect("parse");
+        assert!(found.chain.is_empty());
+        assert_eq!(
+            found.addrs,
+            vec![("203.0.113.7".parse().expect("ip"), 300), ("2001:db8::9".parse().expect("ip"), 300)]
+        );
+    }
+
+    #[test]
+    fn records_of_other_names_are_not_admitted() {
+        let q = parse_query(&query("a.test", A)).expect("q");
+        let m =
+            answer_msg("a.test", A, &[("a.test", A, vec![203, 0, 113, 7]), ("other.test", A, vec![198, 51, 100, 4])]);
+        let found = parse_answer(&q, &m).expect("parse");
+        assert_eq!(found.addrs, vec![("203.0.113.7".parse().expect("ip"), 300)]);
+    }
+
+    #[test]
+    fn a_cname_into_a_denied_or_unlisted_name_is_refused() {
+        let q = parse_query(&query("x.wild.test", A)).expect("q");
+        let m = answer_msg(
+            "x.wild.test",
+            A,
+            &[("other.test", A, vec![198, 51, 100, 4]), ("x.wild.test", CNAME, wire_name("other.test"))],
+        );
+        let found = parse_answer(&q, &m).expect("parse");
+        assert_eq!(found.chain, vec!["other.test".to_owned()]);
+        assert_eq!(found.addrs, vec![("198.51.100.4".parse().expect("ip"), 300)]);
+        assert!(!chain_allowed(&policy(&["*.wild.test"], &[]), &found), "unlisted target");
+        assert!(!chain_allowed(&policy(&[], &["other.test"]), &found), "denied target");
+        assert!(chain_allowed(&policy(&["*.wild.test", "other.test"], &[]), &found));
+        assert!(chain_allowed(&policy(&[], &[]), &found));
+    }
+
+    #[test]
+    fn cname_loops_end() {
+        let q = parse_query(&query("a.test", A)).expect("q");
+        let m =
+            answer_msg("a.test", A, &[("a.test", CNAME, wire_name("b.test")), ("b.test", CNAME, wire_name("a.test"))]);
+        let found = parse_answer(&q, &m).expect("parse");
+        assert_eq!(found.chain, vec!["b.test".to_owned()]);
+    }
+
+    #[test]
+    fn answers_to_another_question_are_dropped() {
+        let q = parse_query(&query("a.test", A)).expect("q");
+        assert!(parse_answer(&q, &answer_msg("b.test", A, &[])).is_none(), "another name");
+        assert!(parse_answer(&q, &answer_msg("a.test", AAAA, &[])).is_none(), "another type");
+        let mut other_id = answer_msg("a.test", A, &[]);
+        other_id[1] ^= 1;
+        assert!(parse_answer(&q, &other_id).is_none(), "another id");
+        assert!(parse_answer(&q, &query("a.test", A)).is_none(), "not a response");
     }
 
     #[test]
     fn hostile_messages_are_dropped() {
-        assert!(Question::parse(&[0; 11]).is_none(), "short");
-        let mut loop_ptr = query("a.test", TYPE_A);
+        assert!(parse_query(&[0; 11]).is_none(), "short");
+        let mut loop_ptr = query("a.test", A);
         loop_ptr.truncate(12);
         loop_ptr.extend([0xc0, 12, 0, 1, 0, 1]); // points at itself
-        assert!(Question::parse(&loop_ptr).is_none());
-        let mut truncated = query("a.test", TYPE_A);
+        assert!(parse_query(&loop_ptr).is_none());
+        let mut truncated = answer_msg("a.test", A, &[]);
         truncated[7] = 1; // claims an answer it lacks
-        assert!(addresses(&truncated).is_none());
-        let long = query(&["a"; 200].join("."), TYPE_A);
-        assert!(Question::parse(&long).is_none(), "too many labels");
+        let q = parse_query(&query("a.test", A)).expect("q");
+        assert!(parse_answer(&q, &truncated).is_none());
+        // Counts no message of this size could hold never reach the decoder.
+        let mut counts = query("a.test", A);
+        counts[4..12].copy_from_slice(&[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]);
+        assert!(precheck(&counts).is_none());
+        counts[4..6].copy_from_slice(&[0, 1]);
+        assert!(parse_query(&counts).is_none());
+        let long = query(&["a"; 200].join("."), A);
+        assert!(parse_query(&long).is_none(), "a name past 255 bytes");
+        let mut chaos = query("version.bind", 16);
+        let last = chaos.len() - 1;
+        chaos[last] = 3; // class CH
+        assert!(parse_query(&chaos).is_none());
+    }
+
+    /// Mutated messages never panic the parsers (a smoke test until the
+    /// fuzz targets run: deterministic, bounded).
+    #[test]
+    fn mutated_messages_never_panic() {
+        let q = parse_query(&query("a.wild.test", A)).expect("q");
+        let seeds = [
+            query("a.wild.test", A),
+            answer_msg(
+                "a.wild.test",
+                A,
+                &[("a.wild.test", CNAME, wire_name("b.test")), ("b.test", A, vec![1, 2, 3, 4])],
+            ),
+        ];
+        let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut rand = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for i in 0..20_000 {
+            let mut m = seeds[i % 2].clone();
+            for _ in 0..(rand() % 4 + 1) {
+                let at = (rand() as usize) % m.len();
+                match rand() % 3 {
+                    0 => m[at] = rand() as u8,
+                    1 => m.truncate(at.max(1)),
+                    _ => m.insert(at, rand() as u8),
+                }
+            }
+            let _ = parse_query(&m);
+            if let Some(found) = parse_answer(&q, &m) {
+                assert!(found.chain.len() <= MAX_CHAIN);
+            }
+        }
+    }
+
+    fn ip(i: u8) -> IpAddr {
+        IpAddr::V4(Ipv4Addr::new(100, 96, 0, i))
+    }
+
+    #[test]
+    fn a_flooding_source_waits_behind_itself() {
+        let mut f = Fair::new(Limits { total: 4, per_source: 2, queue: 8 });
+        for n in 0..20 {
+            f.push(ip(1), n);
+        }
+        assert_eq!(f.sources[&ip(1)].waiting.len(), 8, "its queue is bounded");
+        // It gets at most its own share of slots...
+        let started: Vec<_> = std::iter::from_fn(|| f.next()).collect();
+        assert_eq!(started, vec![(ip(1), 0), (ip(1), 1)]);
+        // ...so a quiet source starts at once.
+        assert!(f.push(ip(2), 100));
+        assert_eq!(f.next(), Some((ip(2), 100)));
+        f.done(ip(2));
+        assert!(!f.sources.contains_key(&ip(2)), "an idle source is forgotten");
+        f.done(ip(1));
+        assert_eq!(f.next(), Some((ip(1), 2)));
+    }
+
+    #[test]
+    fn free_slots_go_round_robin() {
+        let mut f = Fair::new(Limits { total: 3, per_source: 3, queue: 8 });
+        for n in 0..4 {
+            f.push(ip(1), n);
+        }
+        f.push(ip(2), 10);
+        f.push(ip(3), 20);
+        let order: Vec<_> = std::iter::from_fn(|| f.next()).map(|(s, _)| s).collect();
+        assert_eq!(order, vec![ip(1), ip(2), ip(3)], "one each before a second for anyone");
+        assert_eq!(f.next(), None, "every slot taken");
+        f.done(ip(2));
+        assert_eq!(f.next(), Some((ip(1), 1)));
     }
 }

@@ -1,7 +1,11 @@
 //! The control plane's errors, and the one place that maps them onto the
-//! API's stable codes.
+//! API's stable codes: [`ControlError::code`], one exhaustive match with no
+//! wildcard. Errors of the agent link are mapped by one function too
+//! ([`crate::files::FilesError::from_agent`]), whoever made the call.
 
-use hutch_api::ErrorCode;
+use crate::lifecycle::Reason;
+use hutch_api::{ErrorCode, SandboxState};
+use hutch_store::{Exceeded, Scope};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
@@ -13,30 +17,39 @@ pub enum ControlError {
     NoSandbox(String),
     #[error("no template {0}")]
     NoTemplate(String),
-    #[error("image {0:?} is neither `base`, a preset (python, node) nor in the image store (hutch image list)")]
+    #[error("no API key {0}")]
+    NoKey(String),
+    #[error("image {0:?} is neither `base`, a preset (python, node) nor an image you may name (hutch image list)")]
     NoImage(String),
     #[error("you already have a template named {0:?}")]
     TemplateNameTaken(String),
     #[error("no process {pid} in sandbox {sandbox}")]
     NoProcess { sandbox: String, pid: u32 },
-    #[error("sandbox {id} is {state}, not running; the command was not sent")]
-    NotRunning { id: String, state: &'static str },
+    #[error("sandbox {id} is {}, not running; the command was not sent", state.as_str())]
+    NotRunning { id: String, state: SandboxState },
     #[error("all {0} command slots of the sandbox are in use; nothing was started")]
     Capacity(usize),
     #[error("this Idempotency-Key was used with a different request")]
     IdempotencyConflict,
     #[error("sandbox execution outcome is unknown; the command will not be repeated")]
     OutcomeUnknown,
-    #[error("sandbox failed to start; command was not executed; reason: {0}")]
-    StartFailed(String),
+    #[error("sandbox failed to start; command was not executed; reason: {}", .0.as_str())]
+    StartFailed(Reason),
+    /// An image's layers cannot be read (one is missing or refused).
+    #[error("image unavailable: {0}")]
+    ImageUnavailable(String),
+    /// The host cannot hold what a create asks for, now.
     #[error("the host cannot start another sandbox: {0}")]
     NoCapacity(String),
+    /// An owner's quota or the host's capacity refused an admission.
+    #[error("{}", describe(.0))]
+    Exceeded(Exceeded),
     /// A stored refusal replayed for its Idempotency-Key.
     #[error("{message}")]
     Replayed { code: ErrorCode, message: String },
-    /// A file operation's refusal, already carrying its API code.
-    #[error("{message}")]
-    Files { code: ErrorCode, message: String },
+    /// A file operation's refusal, mapped by `FilesError::from_agent`.
+    #[error("{0}")]
+    Files(#[from] crate::files::FilesError),
     #[error("store: {0}")]
     Store(#[from] hutch_store::StoreError),
     #[error("sandbox {sandbox}: agent: {source}")]
@@ -77,6 +90,33 @@ pub enum ControlError {
     StartupFailed(String),
     #[error("the sandbox did not become ready: {0}")]
     ReadinessTimeout(String),
+    /// A missing, malformed or revoked credential.
+    #[error("{0}")]
+    Unauthorized(&'static str),
+    /// The caller's key may not do this (an admin-only operation).
+    #[error("{0}")]
+    Forbidden(String),
+    /// A conditional update lost: the thing changed meanwhile.
+    #[error("{0}")]
+    Conflict(String),
+    #[error("no watcher {0}")]
+    NoWatcher(String),
+    #[error("sandbox {id} already has {max} watchers; remove some first")]
+    WatcherCapacity { id: String, max: usize },
+}
+
+fn describe(e: &Exceeded) -> String {
+    let whose = match e.scope {
+        Scope::Owner => "your key's quota",
+        Scope::Host => "what this host can hold",
+    };
+    format!(
+        "{}: {} in use plus {} asked exceeds {whose} of {}; nothing was created",
+        e.resource.as_str(),
+        e.used,
+        e.asked,
+        e.limit
+    )
 }
 
 impl ControlError {
@@ -88,20 +128,27 @@ impl ControlError {
             ControlError::NoSandbox(_)
             | ControlError::NoProcess { .. }
             | ControlError::NoTemplate(_)
-            | ControlError::NoBuild(_) => ErrorCode::NotFound,
+            | ControlError::NoKey(_)
+            | ControlError::NoBuild(_)
+            | ControlError::NoGrant(_)
+            | ControlError::NoWatcher(_) => ErrorCode::NotFound,
             ControlError::BuildRefused { .. } => ErrorCode::BuildInstructionRefused,
             ControlError::StartupFailed(_) => ErrorCode::SandboxStartupFailed,
             ControlError::ReadinessTimeout(_) => ErrorCode::SandboxReadinessTimeout,
             ControlError::TemplateNameTaken(_) => ErrorCode::TemplateNameTaken,
             ControlError::NoImage(_) => ErrorCode::ImageNotFound,
             ControlError::NotRunning { .. } => ErrorCode::SandboxSessionNotRunning,
-            ControlError::Capacity(_) => ErrorCode::SandboxCommandCapacity,
+            ControlError::Capacity(_) | ControlError::WatcherCapacity { .. } => ErrorCode::SandboxCommandCapacity,
             ControlError::IdempotencyConflict => ErrorCode::IdempotencyConflict,
             ControlError::OutcomeUnknown => ErrorCode::ExecutionOutcomeUnknown,
-            ControlError::StartFailed(_) => ErrorCode::SandboxStartFailed,
+            ControlError::StartFailed(_) | ControlError::ImageUnavailable(_) => ErrorCode::SandboxStartFailed,
             ControlError::NoCapacity(_) => ErrorCode::SandboxCapacityUnavailable,
+            ControlError::Exceeded(e) => match e.scope {
+                Scope::Owner => ErrorCode::QuotaExceeded,
+                Scope::Host => ErrorCode::SandboxCapacityUnavailable,
+            },
             ControlError::Replayed { code, .. } => *code,
-            ControlError::Files { code, .. } => *code,
+            ControlError::Files(f) => f.code,
             ControlError::Store(_) | ControlError::Agent { .. } | ControlError::Runtime(_) => ErrorCode::Internal,
             ControlError::ShuttingDown => ErrorCode::Unavailable,
             ControlError::FeatureUnavailable(_) => ErrorCode::FeatureUnavailable,
@@ -111,17 +158,54 @@ impl ControlError {
             ControlError::AccessTokenExpired(_) => ErrorCode::AccessTokenExpired,
             ControlError::AccessTokenWrongTarget => ErrorCode::AccessTokenWrongTarget,
             ControlError::AccessGrantCapacity { .. } => ErrorCode::AccessGrantCapacity,
-            ControlError::NoGrant(_) => ErrorCode::NotFound,
             ControlError::PortUnreachable(_) => ErrorCode::SandboxPortUnreachable,
+            ControlError::Unauthorized(_) => ErrorCode::Unauthorized,
+            ControlError::Forbidden(_) => ErrorCode::Forbidden,
+            ControlError::Conflict(_) => ErrorCode::Conflict,
         }
     }
 
     /// The message shown to clients: internals of a 5xx are logged, never sent.
     pub fn public_message(&self) -> String {
-        match self.code() {
-            ErrorCode::Internal => "internal error; see the server log".to_owned(),
-            _ => self.to_string(),
+        public_message(self.code(), &self.to_string())
+    }
+}
+
+/// What a client may read of an error: the message, or for an internal
+/// error a pointer to the log (where the message goes instead). Every
+/// rendering of an error to a client goes through here.
+pub fn public_message(code: ErrorCode, message: &str) -> String {
+    match code {
+        ErrorCode::Internal => {
+            tracing::error!("{message}");
+            "internal error; see the server log".to_owned()
         }
+        _ => message.to_owned(),
+    }
+}
+
+/// A failed agent call: a refusal keeps the code the one mapping of agent
+/// refusals gives it ([`crate::files::FilesError::from_agent`]); a broken
+/// link is internal.
+pub(crate) fn from_agent(
+    sandbox: &crate::ids::SandboxId,
+    e: hutch_runtime::agent::AgentError,
+    access: crate::files::Access,
+) -> ControlError {
+    match e {
+        e @ hutch_runtime::agent::AgentError::Refused { .. } => {
+            ControlError::Files(crate::files::FilesError::from_agent(e, access))
+        }
+        // A command or path too large for one agent frame is the caller's.
+        e @ hutch_runtime::agent::AgentError::RequestTooLarge(_) => ControlError::Invalid(e.to_string()),
+        source => ControlError::Agent { sandbox: sandbox.to_string(), source },
+    }
+}
+
+/// A failed background task (a panic or a cancellation), as an internal error.
+impl From<tokio::task::JoinError> for ControlError {
+    fn from(e: tokio::task::JoinError) -> ControlError {
+        ControlError::Runtime(format!("task: {e}"))
     }
 }
 

@@ -9,14 +9,17 @@
 //! restart, is refused and never run twice. A capacity refusal frees the key;
 //! a not-running refusal is stored and replayed.
 
-use crate::control::{request_hash, Control, Live};
-use crate::error::{ControlError, Result};
+use crate::control::{request_hash, Control, Need};
+use crate::error::{from_agent, ControlError, Result};
+use crate::files::Access;
+use crate::ids::{Caller, SandboxId};
+use crate::lifecycle::Live;
 use hutch_agent::proto::{self, Cmd, FromAgent, Reply, Request, Spawn, Stream, Target};
 use hutch_api::{
     CreateSandbox, ErrorBody, ErrorCode, ExecEvent, ExecRequest, ExecResult, ExecutionRequest, ExecutionResult,
-    Process, ProcessList, Started, COMMAND_SLOTS, OUTPUT_CAP,
+    Process, ProcessList, Started, OUTPUT_CAP,
 };
-use hutch_runtime::agent_async::AsyncConn;
+use hutch_store::ExecState;
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -45,6 +48,9 @@ enum Stored {
     Execution(ExecutionResult),
     Reply(ExecReply),
 }
+
+/// The users a command may run as: the two the API documents.
+const USERS: [&str; 2] = ["user", "root"];
 
 fn validate(req: &ExecRequest) -> Result<Cmd> {
     let cmd = match (&req.command, &req.argv) {
@@ -76,17 +82,49 @@ fn validate(req: &ExecRequest) -> Result<Cmd> {
         }
     }
     if let Some(u) = &req.user {
-        if u.is_empty() || u.len() > 32 || !u.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') {
-            return Err(ControlError::Invalid("user must be a plain user name".into()));
+        if !USERS.contains(&u.as_str()) {
+            return Err(ControlError::Invalid("user must be `user` (the default) or `root`".into()));
         }
     }
     if let Some(c) = &req.cwd {
-        proto::normalize_path(c, "/workspace").map_err(|_| ControlError::Invalid("cwd is not a valid path".into()))?;
+        proto::normalize_path(c, "/workspace").map_err(|_| {
+            ControlError::Invalid("cwd must be a path of at most 4096 bytes without NUL or `..`".into())
+        })?;
     }
     if req.stdin.as_ref().is_some_and(|s| s.len() > proto::MAX_DATA) {
         return Err(ControlError::Invalid("stdin above 4 MiB".into()));
     }
     Ok(cmd)
+}
+
+/// The agent request for a command; refused when it does not fit in one
+/// frame header (the command line, argv, env and cwd together).
+fn spawn_request(cmd: Cmd, req: &ExecRequest) -> Result<Spawn> {
+    let background = req.background.unwrap_or(false);
+    let spawn = Spawn {
+        cmd,
+        env: req.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        // Relative to /workspace (validated), not to the user's home.
+        cwd: req.cwd.as_deref().and_then(|c| proto::normalize_path(c, "/workspace").ok()),
+        user: req.user.clone(),
+        stdin: req.stdin.is_some() || background,
+        pty: None,
+        tag: None,
+        timeout_ms: req.timeout_seconds.map(|s| s * 1000),
+        // A background command's output is kept by the agent for whoever
+        // reattaches; nothing here consumes it.
+        subscribe: !background,
+    };
+    // What the frame's header holds besides the request: its id and tags.
+    const SLACK: usize = 64;
+    let size = serde_json::to_vec(&spawn).map_or(usize::MAX, |v| v.len());
+    if size + SLACK > proto::MAX_HEADER {
+        return Err(ControlError::Invalid(format!(
+            "the command, its arguments, environment and cwd take {size} bytes as JSON; at most {} fit",
+            proto::MAX_HEADER - SLACK
+        )));
+    }
+    Ok(spawn)
 }
 
 /// Output of one stream, kept up to the cap.
@@ -110,23 +148,19 @@ impl Capped {
     }
 }
 
-fn agent_err(sandbox: &str) -> impl Fn(hutch_runtime::agent::AgentError) -> ControlError + '_ {
-    move |e| match e {
-        hutch_runtime::agent::AgentError::Refused { code, message } => ControlError::Files {
-            code: match code {
-                proto::ErrorCode::UnknownUser | proto::ErrorCode::InvalidRequest | proto::ErrorCode::InvalidPath => {
-                    ErrorCode::InvalidRequest
-                }
-                proto::ErrorCode::NotFound | proto::ErrorCode::NotADirectory => ErrorCode::InvalidRequest,
-                proto::ErrorCode::UnknownProcess => ErrorCode::NotFound,
-                proto::ErrorCode::Capacity => ErrorCode::SandboxCommandCapacity,
-                proto::ErrorCode::TagInUse => ErrorCode::InvalidRequest,
-                proto::ErrorCode::NoSpace => ErrorCode::SandboxDiskFull,
-                _ => ErrorCode::Internal,
-            },
-            message,
-        },
-        source => ControlError::Agent { sandbox: sandbox.to_owned(), source },
+/// How a command failed: before anything started (its Idempotency-Key is
+/// freed, a retry may run it) or after its spawn (the outcome is unknown;
+/// the key is never run again).
+enum RunError {
+    NotStarted(ControlError),
+    Started(ControlError),
+}
+
+impl RunError {
+    fn into_inner(self) -> ControlError {
+        match self {
+            RunError::NotStarted(e) | RunError::Started(e) => e,
+        }
     }
 }
 
@@ -136,31 +170,30 @@ impl Control {
     /// not stop the command).
     pub async fn exec(
         self: &Arc<Self>,
-        owner: &str,
-        id: &str,
+        caller: &Caller,
+        id: &SandboxId,
         req: &ExecRequest,
         key: Option<&str>,
         events: Option<mpsc::Sender<ExecEvent>>,
     ) -> Result<ExecReply> {
         let cmd = validate(req)?;
-        // The sandbox must exist (404) before a key is taken for it.
-        let record = self.record(owner, id)?;
         let hash = request_hash(req);
-        if let Some(key) = key {
-            if let Some(replay) = self.journal_begin(id, key, &hash)? {
-                return replay;
-            }
-        }
-        // Re-read only when a key was taken: the state may have moved while
-        // the journal was written; without one, the record is fresh enough.
-        let current = if key.is_some() { self.record(owner, id)? } else { record };
-        let live = match self.running_record(&current) {
-            Ok(l) => l,
-            Err(e) => {
-                if let Some(key) = key {
-                    self.journal_finish(id, key, &Stored::Refused(ErrorBody { error: e.to_string(), code: e.code() }));
+        let live = match key {
+            None => self.running(caller, id).await?,
+            Some(key) => {
+                // The sandbox must be the caller's (404) before a key is taken for it.
+                self.record(caller, id, Need::Use).await?;
+                if let Some(replay) = self.journal_begin(id.as_str(), key, &hash).await? {
+                    return replay;
                 }
-                return Err(e);
+                match self.running(caller, id).await {
+                    Ok(l) => l,
+                    Err(e) => {
+                        let refused = Stored::Refused(ErrorBody { error: e.to_string(), code: e.code() });
+                        self.journal_finish(id.as_str(), key, &refused).await;
+                        return Err(e);
+                    }
+                }
             }
         };
         // The agent counts command slots (it sees every process tree) and
@@ -172,29 +205,31 @@ impl Control {
             match &outcome {
                 Ok(ExecReply::Result(r)) if !keep => {
                     let stripped = ExecResult { stdout: String::new(), stderr: String::new(), ..r.clone() };
-                    self.journal_finish(id, key, &Stored::Reply(ExecReply::Result(stripped)));
+                    self.journal_finish(id.as_str(), key, &Stored::Reply(ExecReply::Result(stripped))).await;
                 }
-                Ok(reply) => self.journal_finish(id, key, &Stored::Reply(reply.clone())),
-                // A refusal before the spawn frees the key; anything after
-                // it leaves the outcome unknown (the key stays `running`).
-                Err(ControlError::Files { .. } | ControlError::Capacity(_)) => {
-                    let _ = self.store.release_exec(id, key);
+                Ok(reply) => self.journal_finish(id.as_str(), key, &Stored::Reply(reply.clone())).await,
+                // Refused before the spawn: the key is free again.
+                Err(RunError::NotStarted(_)) => {
+                    let (scope, k) = (id.to_string(), key.to_owned());
+                    let _ = self.db(move |s| s.release_exec(&scope, &k)).await;
                 }
-                Err(_) => {}
+                // After it: the outcome is unknown, the key stays taken.
+                Err(RunError::Started(_)) => {}
             }
         }
-        outcome
+        outcome.map_err(RunError::into_inner)
     }
 
     /// Takes the key, or answers what it holds.
-    fn journal_begin(&self, scope: &str, key: &str, hash: &str) -> Result<Option<Result<ExecReply>>> {
+    async fn journal_begin(&self, scope: &str, key: &str, hash: &str) -> Result<Option<Result<ExecReply>>> {
         if key.is_empty() || key.len() > 256 {
             return Err(ControlError::Invalid("Idempotency-Key must be 1 to 256 characters".into()));
         }
-        match self.store.begin_exec(scope, key, hash, crate::control::now_ms())? {
+        let (sc, k, h) = (scope.to_owned(), key.to_owned(), hash.to_owned());
+        match self.db(move |s| s.begin_exec(&sc, &k, &h, crate::control::now_ms())).await? {
             hutch_store::Begin::Started => Ok(None),
             hutch_store::Begin::Existing(e) if e.request_hash != hash => Err(ControlError::IdempotencyConflict),
-            hutch_store::Begin::Existing(e) if e.state == "done" => {
+            hutch_store::Begin::Existing(e) if e.state == ExecState::Done => {
                 let stored: Stored = e
                     .result
                     .as_deref()
@@ -210,10 +245,11 @@ impl Control {
         }
     }
 
-    fn journal_finish(&self, scope: &str, key: &str, stored: &Stored) {
+    async fn journal_finish(&self, scope: &str, key: &str, stored: &Stored) {
         match serde_json::to_string(stored) {
             Ok(json) => {
-                if let Err(e) = self.store.finish_exec(scope, key, &json) {
+                let (sc, k) = (scope.to_owned(), key.to_owned());
+                if let Err(e) = self.db(move |s| s.finish_exec(&sc, &k, &json)).await {
                     tracing::warn!("journal {scope}/{key}: {e}");
                 }
             }
@@ -227,36 +263,41 @@ impl Control {
         cmd: Cmd,
         req: &ExecRequest,
         events: Option<mpsc::Sender<ExecEvent>>,
-    ) -> Result<ExecReply> {
+    ) -> std::result::Result<ExecReply, RunError> {
         let t0 = Instant::now();
-        let sid = live.id.as_str();
-        let mut conn = live.conn().await.map_err(agent_err(sid))?;
+        let sid = &live.id;
+        let broken = |e| RunError::Started(from_agent(sid, e, Access::Process));
         let background = req.background.unwrap_or(false);
-        let spawn = Spawn {
-            cmd,
-            env: req.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            // Relative to /workspace (validated), not to the user's home.
-            cwd: req.cwd.as_deref().and_then(|c| proto::normalize_path(c, "/workspace").ok()),
-            user: req.user.clone(),
-            stdin: req.stdin.is_some() || background,
-            pty: None,
-            tag: None,
-            timeout_ms: req.timeout_seconds.map(|s| s * 1000),
-            // A background command's output is kept by the agent for whoever
-            // reattaches; nothing here consumes it.
-            subscribe: !background,
-        };
-        let spawned = conn.call(Request::Spawn(spawn), &[]).await;
-        if let Err(hutch_runtime::agent::AgentError::Refused { code: proto::ErrorCode::Capacity, .. }) = &spawned {
-            return Err(ControlError::Capacity(COMMAND_SLOTS));
-        }
-        let pid = match spawned.map_err(agent_err(sid))? {
-            (Reply::Spawned { pid }, _) => pid,
-            (other, _) => return Err(ControlError::Runtime(format!("agent answered {other:?} to spawn"))),
+        let spawn = spawn_request(cmd, req).map_err(RunError::NotStarted)?;
+        let mut conn = live.conn().await.map_err(|e| RunError::NotStarted(from_agent(sid, e, Access::Process)))?;
+        let pid = match conn.call(Request::Spawn(spawn), &[]).await {
+            Ok((Reply::Spawned { pid }, _)) => pid,
+            // A refusal: nothing started.
+            Err(e @ hutch_runtime::agent::AgentError::Refused { .. }) => {
+                return Err(RunError::NotStarted(from_agent(sid, e, Access::Process)))
+            }
+            // The link broke, or the agent answered nonsense: it may have
+            // started the command.
+            Err(e) => return Err(broken(e)),
+            Ok((other, _)) => {
+                return Err(RunError::Started(ControlError::Runtime(format!("agent answered {other:?} to spawn"))))
+            }
         };
         if let Some(input) = &req.stdin {
-            conn.call(Request::Stdin { pid }, input.as_bytes()).await.map_err(agent_err(sid))?;
-            conn.call(Request::CloseStdin { pid }, &[]).await.map_err(agent_err(sid))?;
+            // A command that exits (or closes its stdin) before reading its
+            // input has run all the same: the agent refuses the write, the
+            // input is dropped, and the outcome is collected below. Only a
+            // broken link ends the call.
+            let refused =
+                |e: &hutch_runtime::agent::AgentError| matches!(e, hutch_runtime::agent::AgentError::Refused { .. });
+            match conn.call(Request::Stdin { pid }, input.as_bytes()).await {
+                Ok(_) => match conn.call(Request::CloseStdin { pid }, &[]).await {
+                    Err(e) if !refused(&e) => return Err(broken(e)),
+                    _ => {}
+                },
+                Err(e) if refused(&e) => {}
+                Err(e) => return Err(broken(e)),
+            }
         }
         if background {
             // The agent holds the command's slot until its tree exits.
@@ -287,7 +328,7 @@ impl Control {
                     }
                     continue;
                 }
-                Ok(m) => m.map_err(agent_err(sid))?,
+                Ok(m) => m.map_err(broken)?,
             };
             match msg {
                 FromAgent::Output { pid: p, stream } if p == pid => {
@@ -309,26 +350,28 @@ impl Control {
         live.reuse(conn);
         let duration_ms = t0.elapsed().as_millis() as u64;
         self.metrics.exec_latency.observe(t0.elapsed().as_secs_f64());
-        let exit_code = status.shell_code();
-        if let Some(tx) = &events {
-            let _ = tx.send(ExecEvent::Exit { exit_code, timed_out: status.timed_out, duration_ms }).await;
-        }
-        Ok(ExecReply::Result(ExecResult {
+        let result = ExecResult {
             stdout: out.text(),
             stderr: err.text(),
-            exit_code,
+            exit_code: status.shell_code(),
             stdout_truncated: out.truncated,
             stderr_truncated: err.truncated,
             timed_out: status.timed_out,
             duration_ms,
             output_kept: req.keep_output.unwrap_or(true),
-        }))
+            oom_killed: status.oom_killed,
+            descendants_alive: status.descendants_alive,
+        };
+        if let Some(tx) = &events {
+            let _ = tx.send(result.exit_event()).await;
+        }
+        Ok(ExecReply::Result(result))
     }
 
-    pub async fn processes(&self, owner: &str, id: &str) -> Result<ProcessList> {
-        let live = self.running(owner, id)?;
-        let mut conn = AsyncConn::connect(&live.socket).await.map_err(agent_err(id))?;
-        match conn.call(Request::List, &[]).await.map_err(agent_err(id))? {
+    pub async fn processes(&self, caller: &Caller, id: &SandboxId) -> Result<ProcessList> {
+        let live = self.running(caller, id).await?;
+        let mut conn = live.fresh_conn().await.map_err(|e| from_agent(id, e, Access::Process))?;
+        match conn.call(Request::List, &[]).await.map_err(|e| from_agent(id, e, Access::Process))? {
             (Reply::Processes { processes }, _) => Ok(ProcessList {
                 processes: processes
                     .into_iter()
@@ -341,6 +384,8 @@ impl Control {
                         },
                         user: p.user,
                         cwd: p.cwd,
+                        main_exited: p.exited.is_some(),
+                        exit_code: p.exited.map(|s| s.shell_code()),
                     })
                     .collect(),
             }),
@@ -348,42 +393,33 @@ impl Control {
         }
     }
 
-    pub async fn signal(&self, owner: &str, id: &str, pid: u32, signal: &serde_json::Value) -> Result<()> {
+    pub async fn signal(&self, caller: &Caller, id: &SandboxId, pid: u32, signal: &serde_json::Value) -> Result<()> {
         let sig = parse_signal(signal).ok_or_else(|| ControlError::Invalid("unknown signal".into()))?;
-        let live = self.running(owner, id)?;
-        let mut conn = AsyncConn::connect(&live.socket).await.map_err(agent_err(id))?;
-        conn.call(Request::Signal { pid, signal: sig }, &[]).await.map_err(|e| self.no_process(id, pid, e))?;
+        let live = self.running(caller, id).await?;
+        let mut conn = live.fresh_conn().await.map_err(|e| from_agent(id, e, Access::Process))?;
+        conn.call(Request::Signal { pid, signal: sig }, &[]).await.map_err(|e| no_process(id, pid, e))?;
         Ok(())
     }
 
-    pub async fn stdin(&self, owner: &str, id: &str, pid: u32, data: &[u8], eof: bool) -> Result<()> {
-        let live = self.running(owner, id)?;
-        let mut conn = AsyncConn::connect(&live.socket).await.map_err(agent_err(id))?;
+    pub async fn stdin(&self, caller: &Caller, id: &SandboxId, pid: u32, data: &[u8], eof: bool) -> Result<()> {
+        let live = self.running(caller, id).await?;
+        let mut conn = live.fresh_conn().await.map_err(|e| from_agent(id, e, Access::Process))?;
         if !data.is_empty() {
-            conn.call(Request::Stdin { pid }, data).await.map_err(|e| self.no_process(id, pid, e))?;
+            conn.call(Request::Stdin { pid }, data).await.map_err(|e| no_process(id, pid, e))?;
         }
         if eof {
-            conn.call(Request::CloseStdin { pid }, &[]).await.map_err(|e| self.no_process(id, pid, e))?;
+            conn.call(Request::CloseStdin { pid }, &[]).await.map_err(|e| no_process(id, pid, e))?;
         }
         Ok(())
-    }
-
-    fn no_process(&self, id: &str, pid: u32, e: hutch_runtime::agent::AgentError) -> ControlError {
-        match e {
-            hutch_runtime::agent::AgentError::Refused { code: proto::ErrorCode::UnknownProcess, .. } => {
-                ControlError::NoProcess { sandbox: id.to_owned(), pid }
-            }
-            other => agent_err(id)(other),
-        }
     }
 
     /// Reattaches to a running command: its kept output, then live output,
     /// then its exit, as events.
-    pub async fn attach(&self, owner: &str, id: &str, pid: u32, tx: mpsc::Sender<ExecEvent>) -> Result<()> {
-        let live = self.running(owner, id)?;
-        let mut conn = AsyncConn::connect(&live.socket).await.map_err(agent_err(id))?;
-        conn.call(Request::Attach { target: Target::Pid(pid) }, &[]).await.map_err(|e| self.no_process(id, pid, e))?;
-        let sid = id.to_owned();
+    pub async fn attach(&self, caller: &Caller, id: &SandboxId, pid: u32, tx: mpsc::Sender<ExecEvent>) -> Result<()> {
+        let live = self.running(caller, id).await?;
+        let mut conn = live.fresh_conn().await.map_err(|e| from_agent(id, e, Access::Process))?;
+        conn.call(Request::Attach { target: Target::Pid(pid) }, &[]).await.map_err(|e| no_process(id, pid, e))?;
+        let sid = id.to_string();
         let attached = live.started.lock().ok().and_then(|s| s.get(&pid).copied()).unwrap_or_else(Instant::now);
         tokio::spawn(async move {
             if tx.send(ExecEvent::Start { pid }).await.is_err() {
@@ -392,13 +428,22 @@ impl Control {
             loop {
                 let ev = match tokio::time::timeout(PING_EVERY, conn.recv()).await {
                     Err(_) => ExecEvent::Ping,
-                    Ok(Err(e)) => ExecEvent::Error { code: ErrorCode::Internal, error: format!("sandbox {sid}: {e}") },
+                    Ok(Err(e)) => {
+                        let message = crate::error::public_message(ErrorCode::Internal, &format!("sandbox {sid}: {e}"));
+                        ExecEvent::Error { code: ErrorCode::Internal, error: message }
+                    }
                     Ok(Ok((FromAgent::Output { pid: p, stream }, data))) if p == pid => output_event(stream, &data),
                     Ok(Ok((FromAgent::Exit { pid: p, status }, _))) if p == pid => {
                         // From the start of a background command; from the
                         // attach for a command started otherwise.
                         let duration_ms = attached.elapsed().as_millis() as u64;
-                        ExecEvent::Exit { exit_code: status.shell_code(), timed_out: status.timed_out, duration_ms }
+                        ExecEvent::Exit {
+                            exit_code: status.shell_code(),
+                            timed_out: status.timed_out,
+                            duration_ms,
+                            oom_killed: status.oom_killed,
+                            descendants_alive: status.descendants_alive,
+                        }
                     }
                     Ok(Ok(_)) => continue,
                 };
@@ -414,7 +459,7 @@ impl Control {
     /// One command in a fresh sandbox, destroyed before the answer.
     pub async fn execution(
         self: &Arc<Self>,
-        owner: &str,
+        caller: &Caller,
         req: &ExecutionRequest,
         key: Option<&str>,
     ) -> Result<ExecutionResult> {
@@ -430,12 +475,12 @@ impl Control {
             stdin: req.stdin.clone(),
         };
         validate(&exec)?;
-        let recipe = self.recipe(owner, req.template.as_deref())?;
+        let recipe = self.recipe(&caller.owner, req.template.as_deref()).await?;
         crate::control::resolve_limits(req.memory_mb, req.limits.as_ref())?;
-        let scope = format!("owner:{owner}");
+        let scope = format!("owner:{}", caller.owner);
         let hash = request_hash(req);
         if let Some(key) = key {
-            if let Some(replay) = self.journal_begin(&scope, key, &hash)? {
+            if let Some(replay) = self.journal_begin(&scope, key, &hash).await? {
                 return match replay? {
                     ExecReply::Execution(e) => Ok(e),
                     ExecReply::Result(_) | ExecReply::Background(_) => Err(ControlError::OutcomeUnknown),
@@ -451,18 +496,20 @@ impl Control {
             network: req.network.clone(),
             ..CreateSandbox::default()
         };
-        let created = self.create(owner, &create, None).await;
+        let created = self.create(caller, &create, None).await;
         let (sb, _) = match created {
             Ok(c) => c,
             Err(e) => {
                 if let Some(key) = key {
-                    let _ = self.store.release_exec(&scope, key);
+                    let (sc, k) = (scope.clone(), key.to_owned());
+                    let _ = self.db(move |s| s.release_exec(&sc, &k)).await;
                 }
                 return Err(e);
             }
         };
-        let outcome = self.exec(owner, &sb.id, &exec, None, None).await;
-        let _ = self.destroy_now(&sb.id, None).await;
+        let sid = SandboxId::from_record(&sb.id);
+        let outcome = self.exec(caller, &sid, &exec, None, None).await;
+        let _ = self.destroy(&sid, None).await;
         let result = match outcome? {
             ExecReply::Result(r) => r,
             ExecReply::Background(_) | ExecReply::Execution(_) => {
@@ -479,9 +526,20 @@ impl Control {
                 &scope,
                 key,
                 &Stored::Execution(ExecutionResult { sandbox_id: sb.id.clone(), result: kept }),
-            );
+            )
+            .await;
         }
         Ok(ExecutionResult { sandbox_id: sb.id, result })
+    }
+}
+
+/// An agent's refusal of a process operation: an unknown pid is not found.
+fn no_process(id: &SandboxId, pid: u32, e: hutch_runtime::agent::AgentError) -> ControlError {
+    match e {
+        hutch_runtime::agent::AgentError::Refused { code: proto::ErrorCode::UnknownProcess, .. } => {
+            ControlError::NoProcess { sandbox: id.to_string(), pid }
+        }
+        other => from_agent(id, other, Access::Process),
     }
 }
 

@@ -16,10 +16,24 @@
 //! agent is one single-threaded event loop, and hashing 256 MiB in it would
 //! stall every command's output for seconds; it also keeps the agent's
 //! dependencies at three.
+//!
+//! Transfers stream: bodies in and out are [`Chunks`] (a channel of a few
+//! chunks), so a transfer holds a few MiB here whatever it carries; tar
+//! parsing and gzip inflation run on threads of their own ([`pipe`]);
+//! archive uploads stage as they are validated and commit under an undo
+//! journal on the host ([`journal`]), so a refused archive, a client that
+//! goes away or a daemon killed part way leaves the target as it was.
 
 pub(crate) mod archive;
+pub mod journal;
+pub mod pipe;
 
-pub use archive::{ArchiveError, ARCHIVE_CAP, ARCHIVE_ENTRIES, ARCHIVE_UNPACKED_CAP};
+pub use archive::{
+    ArchiveError, ARCHIVE_CAP, ARCHIVE_ENTRIES, ARCHIVE_NAME_BYTES, ARCHIVE_UNPACKED_CAP, UPLOAD_PACKED_CAP,
+    UPLOAD_UNPACKED_CAP,
+};
+pub use journal::JournalDir;
+pub use pipe::Chunks;
 
 use std::path::PathBuf;
 
@@ -35,13 +49,22 @@ use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 
 use archive::{ArchivePlan, PlannedKind};
+use journal::{Journal, Move, Phase};
 
 /// Where relative paths resolve.
 pub const WORKSPACE: &str = "/workspace";
 /// Largest file a raw upload or a file sent in parts may make.
 pub const FILE_CAP: u64 = 1 << 30;
-/// Largest tar archive a download makes.
-pub const DOWNLOAD_CAP: u64 = 1 << 30;
+/// Largest tar archive a download makes. Downloads stream, so this bounds
+/// the work of one request (a sparse file reads as its full size), not
+/// memory.
+pub const DOWNLOAD_CAP: u64 = 16 << 30;
+/// Entries of the listing a download asks the agent for at a time.
+const DOWNLOAD_PAGE: u32 = 1000;
+/// A download sends tar headers in chunks of about this size.
+const TAR_FLUSH: usize = 64 << 10;
+/// Bytes of file content per write while an archive is staged.
+const ARCHIVE_CHUNK: usize = 1 << 20;
 /// Largest file a listing hashes; larger ones are `sha256_skipped: budget`.
 pub const HASH_FILE_CAP: u64 = 256 << 20;
 /// Most bytes one listing page hashes before it ends early.
@@ -78,6 +101,8 @@ pub enum Access {
     Read,
     Write,
     List,
+    /// A process operation: start, signal, stdin, attach.
+    Process,
 }
 
 impl FilesError {
@@ -93,32 +118,47 @@ impl FilesError {
                 let code = match code {
                     A::NoSpace => ErrorCode::SandboxDiskFull,
                     A::InvalidPath => ErrorCode::InvalidPath,
-                    A::NotFound => ErrorCode::NotFound,
+                    A::NotFound => match access {
+                        // A command's only path is its cwd.
+                        Access::Process => ErrorCode::SandboxPathNotDirectory,
+                        Access::Read | Access::Write | Access::List => ErrorCode::NotFound,
+                    },
                     A::PermissionDenied => match access {
                         Access::Write => ErrorCode::SandboxPathConflict,
-                        Access::Read | Access::List => ErrorCode::SandboxPathUnreadable,
+                        Access::Read | Access::List | Access::Process => ErrorCode::SandboxPathUnreadable,
                     },
                     A::NotADirectory | A::SymlinkRefused => match access {
-                        Access::List => ErrorCode::SandboxPathNotDirectory,
+                        Access::List | Access::Process => ErrorCode::SandboxPathNotDirectory,
                         Access::Read | Access::Write => ErrorCode::SandboxPathConflict,
                     },
                     A::IsADirectory => match access {
                         Access::Read => ErrorCode::InvalidRequest,
+                        Access::Process => ErrorCode::SandboxPathNotDirectory,
                         Access::Write | Access::List => ErrorCode::SandboxPathConflict,
                     },
                     A::AlreadyExists => ErrorCode::SandboxPathConflict,
                     A::UnknownUser => ErrorCode::InvalidRequest,
                     A::InvalidRequest => match access {
                         // "not a regular file": a FIFO or a device.
-                        Access::Read => ErrorCode::InvalidRequest,
+                        Access::Read | Access::Process => ErrorCode::InvalidRequest,
                         Access::Write | Access::List => ErrorCode::Internal,
                     },
-                    A::UnknownProcess | A::TagInUse | A::Capacity | A::Io => ErrorCode::Internal,
+                    A::UnknownProcess => match access {
+                        Access::Process => ErrorCode::NotFound,
+                        Access::Read | Access::Write | Access::List => ErrorCode::Internal,
+                    },
+                    A::TagInUse => match access {
+                        Access::Process => ErrorCode::InvalidRequest,
+                        Access::Read | Access::Write | Access::List => ErrorCode::Internal,
+                    },
+                    A::Capacity => ErrorCode::SandboxCommandCapacity,
+                    A::Io => ErrorCode::Internal,
                 };
                 (code, message)
             }
             e @ (AgentError::Io(_)
             | AgentError::Protocol(_)
+            | AgentError::RequestTooLarge(_)
             | AgentError::Closed
             | AgentError::Timeout(_)
             | AgentError::Unexpected(_)) => (ErrorCode::Internal, format!("sandbox agent: {e}")),
@@ -149,11 +189,26 @@ impl Default for ListOptions {
     }
 }
 
+/// One part of a file sent in parts, borrowed from the request (see
+/// [`SandboxFs::put_part_base64`]).
+#[derive(Debug, Clone, Copy)]
+pub struct PartRef<'a> {
+    pub path: &'a str,
+    pub offset: u64,
+    pub size: u64,
+    pub sha256: &'a str,
+    /// Base64.
+    pub data: &'a str,
+}
+
 /// The files of one sandbox, as one of its users.
 #[derive(Debug, Clone)]
 pub struct SandboxFs {
     socket: PathBuf,
     user: String,
+    /// Where archive uploads record their undo journal; without one (tests,
+    /// the CLI) a daemon crash mid-upload is not repaired.
+    journal: Option<JournalDir>,
 }
 
 /// Normalizes a request path against the workspace.
@@ -365,6 +420,15 @@ impl Link {
         self.expect_ok(Request::Remove { path: path.into(), user: self.user() }, Access::Write).await
     }
 
+    /// Removes the directory `path` if it holds nothing.
+    async fn remove_if_empty(&mut self, path: &str) -> Result<(), FilesError> {
+        let (page, _) = self.list_page(path, false, None, 1).await?;
+        if page.is_empty() {
+            self.remove(path).await?;
+        }
+        Ok(())
+    }
+
     /// Removes a temporary, ignoring failure (it is hidden and named randomly).
     async fn discard(&mut self, path: &str) {
         let _ = self.remove(path).await;
@@ -472,23 +536,16 @@ impl Link {
     }
 }
 
-/// What an archive upload did, so that a failure can be undone.
-enum Undo {
-    /// A directory made on the way to the target.
-    Made(String),
-    /// An entry moved into place where nothing was.
-    Placed(String),
-    /// A file replaced; the old one waits at the second path.
-    Replaced(String, String),
-    /// A directory whose bits were set; put back to 0755 before removal.
-    Chmodded(String),
-}
-
 impl SandboxFs {
     /// The files of the sandbox whose agent listens on `socket`, as `user`
     /// (`user`, uid 1000, when `None`; `root` allowed).
     pub fn new(socket: PathBuf, user: Option<String>) -> SandboxFs {
-        SandboxFs { socket, user: user.unwrap_or_else(|| "user".into()) }
+        SandboxFs { socket, user: user.unwrap_or_else(|| "user".into()), journal: None }
+    }
+
+    /// The same, with archive uploads journaled in `journal`.
+    pub fn with_journal(self, journal: JournalDir) -> SandboxFs {
+        SandboxFs { journal: Some(journal), ..self }
     }
 
     async fn link(&self) -> Result<Link, FilesError> {
@@ -544,47 +601,82 @@ impl SandboxFs {
         Ok(())
     }
 
+    /// [`SandboxFs::write`] of base64 `data`: checked whole first (nothing
+    /// is written for bad base64), then decoded and written a piece at a
+    /// time, never held decoded.
+    pub async fn write_base64(&self, path: &str, data: &str) -> Result<(), FilesError> {
+        let len = base64_len(data).map_err(|_| FilesError::new(ErrorCode::InvalidRequest, "data is not base64"))?;
+        if len > FILE_DATA_CAP {
+            return Err(FilesError::new(
+                ErrorCode::PayloadTooLarge,
+                format!("{len} bytes exceed the {FILE_DATA_CAP} bytes of one write; send the file in parts"),
+            ));
+        }
+        let path = normalize(path)?;
+        let (parent, _) = split_parent(&path)?;
+        let tmp = join(parent, &format!(".hutch-upload-{}", random_suffix()));
+        let mut link = self.link().await?;
+        if let Err(e) = write_base64_at(&mut link, &tmp, 0, data, true).await {
+            link.discard(&tmp).await;
+            return Err(missing_parent(e, parent));
+        }
+        if let Err(e) = link.rename(&tmp, &path).await {
+            link.discard(&tmp).await;
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// A regular file of at most [`FILE_DATA_CAP`] bytes, as chunks: the
+    /// size is checked before the first chunk (`payload_too_large`), and
+    /// the bytes it held when the read started are streamed, so a caller
+    /// that renders them (base64 in JSON) holds a chunk, not the file.
+    /// Files that report no size (`/proc`) are read whole first, bounded.
+    pub async fn read_capped(&self, path: &str) -> Result<Chunks, FilesError> {
+        let norm = normalize(path)?;
+        let mut link = self.link().await?;
+        let (first, eof, size) = link.read_chunk(&norm, 0, STREAM_CHUNK, false).await?;
+        if size > FILE_DATA_CAP as u64 {
+            return Err(FilesError::new(
+                ErrorCode::PayloadTooLarge,
+                format!("{norm} is larger than {FILE_DATA_CAP} bytes; download it raw"),
+            ));
+        }
+        if size == 0 && !(eof || first.is_empty()) {
+            drop(link);
+            let data = self.read(path).await?;
+            return Ok(pipe::from_bytes(data, STREAM_CHUNK as usize));
+        }
+        Ok(stream_rest(link, norm, first, eof, size).await)
+    }
+
     /// Streams a regular file in chunks of [`STREAM_CHUNK`] bytes: the
     /// bytes it held when the download started (a growing file is cut
     /// there). Errors about the path come back before any chunk; later
     /// failures arrive in the channel.
-    pub async fn read_stream(&self, path: &str) -> Result<mpsc::Receiver<Result<Vec<u8>, FilesError>>, FilesError> {
+    pub async fn read_stream(&self, path: &str) -> Result<Chunks, FilesError> {
         let path = normalize(path)?;
         let mut link = self.link().await?;
         let (first, eof, size) = link.read_chunk(&path, 0, STREAM_CHUNK, false).await?;
         // Files of /proc report size 0: read those to their end, bounded.
         let end = if size > 0 { size } else { FILE_DATA_CAP as u64 };
-        let (tx, rx) = mpsc::channel(4);
-        let mut offset = first.len() as u64;
-        let done = eof || first.is_empty() || offset >= end;
-        if tx.send(Ok(first)).await.is_err() || done {
-            return Ok(rx);
-        }
-        tokio::spawn(async move {
-            while offset < end {
-                let want = (end - offset).min(STREAM_CHUNK as u64) as u32;
-                let (data, eof) = match link.read_chunk(&path, offset, want, false).await {
-                    Ok((data, eof, _)) => (data, eof),
-                    Err(e) => {
-                        let _ = tx.send(Err(e)).await;
-                        return;
-                    }
-                };
-                offset += data.len() as u64;
-                let stop = eof || data.is_empty();
-                if tx.send(Ok(data)).await.is_err() || stop {
-                    return;
-                }
-            }
-        });
-        Ok(rx)
+        Ok(stream_rest(link, path, first, eof, end).await)
     }
 
     /// Writes a file of any size up to [`FILE_CAP`] from a stream of chunks,
     /// with mode [`FILE_MODE`]; the parent directory must exist. The chunks
-    /// go to a hidden `.hutch-upload-*` beside the file, renamed over it at
-    /// the end and removed on any failure. Returns the bytes written.
-    pub async fn write_stream(&self, path: &str, mut rx: mpsc::Receiver<Vec<u8>>) -> Result<u64, FilesError> {
+    /// go to a hidden `.hutch-upload-*` beside the file, renamed over it
+    /// once the stream ends, and removed on any failure: a stream that
+    /// breaks (its sender sends an error) or a file over the cap leaves
+    /// nothing. Runs in a task of its own, so a caller that goes away ends
+    /// the stream instead of leaving the temporary behind. Returns the
+    /// bytes written.
+    pub async fn write_stream(&self, path: &str, rx: Chunks) -> Result<u64, FilesError> {
+        let (this, path) = (self.clone(), path.to_owned());
+        detach(async move { this.write_stream_detached(&path, rx).await }).await
+    }
+
+    async fn write_stream_detached(&self, path: &str, mut rx: Chunks) -> Result<u64, FilesError> {
         let path = normalize(path)?;
         let (parent, _) = split_parent(&path)?;
         let tmp = join(parent, &format!(".hutch-upload-{}", random_suffix()));
@@ -595,15 +687,21 @@ impl SandboxFs {
         }
         let mut total = 0u64;
         while let Some(chunk) = rx.recv().await {
-            if total + chunk.len() as u64 > FILE_CAP {
-                link.discard(&tmp).await;
-                return Err(FilesError::new(ErrorCode::PayloadTooLarge, format!("the file exceeds {FILE_CAP} bytes")));
+            let written = match chunk {
+                Ok(chunk) if total + chunk.len() as u64 > FILE_CAP => {
+                    Err(FilesError::new(ErrorCode::PayloadTooLarge, format!("the file exceeds {FILE_CAP} bytes")))
+                }
+                Ok(chunk) => link.write_at(&tmp, total, &chunk, false, FILE_MODE).await.map(|()| chunk.len()),
+                Err(e) => Err(e),
+            };
+            match written {
+                Ok(n) => total += n as u64,
+                Err(e) => {
+                    drop(rx);
+                    link.discard(&tmp).await;
+                    return Err(e);
+                }
             }
-            if let Err(e) = link.write_at(&tmp, total, &chunk, false, FILE_MODE).await {
-                link.discard(&tmp).await;
-                return Err(e);
-            }
-            total += chunk.len() as u64;
         }
         if let Err(e) = link.rename(&tmp, &path).await {
             link.discard(&tmp).await;
@@ -680,290 +778,113 @@ impl SandboxFs {
         Ok(Listing { entries, next_cursor })
     }
 
-    /// Extracts a tar archive (gzip detected by its magic) into the
-    /// directory `dir`, made when missing. The archive is validated in full
-    /// first (see the `archive` module); it is then written into a hidden
-    /// `.hutch-archive-*` directory inside `dir`, and its top entries are
-    /// moved into place: directories that exist are merged into, files are
-    /// replaced, anything else in the way (a symlink, a file where a
-    /// directory belongs, the reverse) is a conflict. A refused archive
-    /// changes nothing; one that fails part way is undone. Permission bits
-    /// are kept without setuid, setgid and sticky; directories that already
-    /// existed keep theirs.
+    /// Extracts a tar archive held in memory; see [`SandboxFs::upload_archive_stream`].
     pub async fn upload_archive(&self, dir: &str, archive: Vec<u8>) -> Result<ArchiveResult, FilesError> {
-        if archive.len() > ARCHIVE_CAP {
-            return Err(FilesError::new(
-                ErrorCode::SandboxArchiveTooLarge,
-                format!("{} bytes of archive exceed {ARCHIVE_CAP}", archive.len()),
-            ));
-        }
-        let target = normalize(dir)?;
+        self.upload_archive_stream(dir, pipe::from_bytes(archive, ARCHIVE_CHUNK)).await
+    }
+
+    /// Extracts a tar archive (gzip detected by its magic) arriving as
+    /// `input` into the directory `dir`, made when missing. The archive is
+    /// validated as it arrives (see the `archive` module) and written at
+    /// once into a hidden `.hutch-archive-*` directory inside `dir`, so
+    /// nothing but a few chunks is held here; once it is whole and valid,
+    /// its top entries are moved into place: directories that exist are
+    /// merged into, files are replaced, anything else in the way (a symlink,
+    /// a file where a directory belongs, the reverse) is a conflict. A
+    /// refused or failed archive changes nothing in the end, and neither
+    /// does a daemon killed part way: every step is recorded in a journal
+    /// on the host first (see the `journal` module). Permission bits are
+    /// kept without setuid, setgid and sticky; directories that already
+    /// existed keep theirs.
+    ///
+    /// The work runs in a task of its own: a caller that goes away (a
+    /// client that disconnects) ends `input`, which refuses the archive as
+    /// truncated, but never leaves an upload half done.
+    pub async fn upload_archive_stream(&self, dir: &str, input: Chunks) -> Result<ArchiveResult, FilesError> {
+        let (this, dir) = (self.clone(), dir.to_owned());
+        detach(async move { this.upload_archive_detached(dir, input).await }).await
+    }
+
+    async fn upload_archive_detached(&self, dir: String, input: Chunks) -> Result<ArchiveResult, FilesError> {
+        let target = normalize(&dir)?;
         if target == "/" || target == WORKSPACE {
             return Err(FilesError::new(
                 ErrorCode::SandboxArchiveInvalid,
                 format!("{target} is not allowed: name a directory below the workspace root"),
             ));
         }
-        let archive = std::sync::Arc::new(archive);
-        let bytes = archive.clone();
-        let plan = tokio::task::spawn_blocking(move || archive::validate(&bytes))
-            .await
-            .map_err(|e| FilesError::new(ErrorCode::Internal, format!("archive validation task failed: {e}")))?
-            .map_err(archive_error)?;
         let mut link = self.link().await?;
-        // Read-only checks first: the target and everything the archive
-        // would land on.
-        let missing = self.missing_components(&mut link, &target).await?;
-        let fresh = self.check_landing(&mut link, &target, &plan, !missing.is_empty()).await?;
-        let mut undo = Vec::new();
-        let result = self.place_archive(&mut link, &target, &missing, &fresh, &plan, archive, &mut undo).await;
-        match result {
-            Ok(()) => Ok(ArchiveResult { path: dir.to_string(), files: plan.files, bytes: plan.bytes }),
+        let made = missing_components(&mut link, &target).await?;
+        let upload = random_suffix();
+        let mut journal = Journal {
+            version: 1,
+            user: self.user.clone(),
+            staging: join(&target, &format!(".hutch-archive-{upload}")),
+            target,
+            made,
+            phase: Phase::Staging,
+            moves: Vec::new(),
+            chmods: Vec::new(),
+        };
+        self.save_journal(&upload, &journal).await?;
+        let result = stage_and_commit(&mut link, &mut journal, self.journal.as_ref(), &upload, input).await;
+        // Undo what failed, or finish what committed; the journal goes once
+        // that is done (a refused step is logged: retrying cannot help).
+        let settled = match journal::settle(&mut link, &journal).await {
+            Err(_) => match self.link().await {
+                Ok(mut fresh) => journal::settle(&mut fresh, &journal).await,
+                Err(e) => Err(e),
+            },
+            done => done,
+        };
+        match settled {
+            Ok(clean) => {
+                if !clean {
+                    tracing::warn!("archive upload into {}: some steps of its settling were refused", journal.target);
+                }
+                self.remove_journal(&upload).await;
+            }
             Err(e) => {
-                undo_archive(&mut link, undo).await;
-                Err(e)
+                tracing::warn!("archive upload into {}: kept for the next adoption: {e}", journal.target);
             }
+        }
+        let plan = result?;
+        Ok(ArchiveResult { path: dir, files: plan.files, bytes: plan.bytes })
+    }
+
+    async fn save_journal(&self, upload: &str, j: &Journal) -> Result<(), FilesError> {
+        save_journal(self.journal.as_ref(), upload, j).await
+    }
+
+    async fn remove_journal(&self, upload: &str) {
+        if let Some(dir) = &self.journal {
+            dir.remove(upload).await;
         }
     }
 
-    /// The components of `target` that do not exist yet, outermost first;
-    /// a symlink or a non-directory on the way is a conflict.
-    async fn missing_components(&self, link: &mut Link, target: &str) -> Result<Vec<String>, FilesError> {
-        let mut prefix = String::new();
-        let mut missing = Vec::new();
-        for part in target.split('/').filter(|p| !p.is_empty()) {
-            prefix.push('/');
-            prefix.push_str(part);
-            if !missing.is_empty() {
-                missing.push(prefix.clone());
-                continue;
-            }
-            match link.stat(&prefix).await? {
-                None => missing.push(prefix.clone()),
-                Some(e) if e.kind == EntryKind::Dir => {}
-                Some(e) => {
-                    return Err(FilesError::new(
-                        ErrorCode::SandboxPathConflict,
-                        format!("{prefix} is a {} where a directory belongs", kind_name(e.kind)),
-                    ))
-                }
-            }
-        }
-        Ok(missing)
-    }
-
-    /// Checks where each entry lands; returns, for each planned entry,
-    /// whether nothing is there yet. A directory over a directory merges; a
-    /// file over a file replaces it; anything else is a conflict.
-    async fn check_landing(
-        &self,
-        link: &mut Link,
-        target: &str,
-        plan: &ArchivePlan,
-        target_missing: bool,
-    ) -> Result<Vec<bool>, FilesError> {
-        let mut fresh = vec![true; plan.entries.len()];
-        if target_missing {
-            return Ok(fresh);
-        }
-        // Paths known to be missing: everything below them is too.
-        let mut absent: Vec<&str> = Vec::new();
-        for (i, e) in plan.entries.iter().enumerate() {
-            if absent.iter().any(|a| e.path.strip_prefix(a).is_some_and(|r| r.starts_with('/'))) {
-                continue;
-            }
-            let at = join(target, &e.path);
-            match (link.stat(&at).await?, e.kind) {
-                (None, _) => absent.push(&e.path),
-                (Some(x), PlannedKind::Dir) if x.kind == EntryKind::Dir => fresh[i] = false,
-                (Some(x), PlannedKind::File(_)) if x.kind == EntryKind::File => fresh[i] = false,
-                (Some(x), _) => {
-                    return Err(FilesError::new(
-                        ErrorCode::SandboxPathConflict,
-                        format!("{at} is a {} where the archive has a {}", kind_name(x.kind), planned_name(e.kind)),
-                    ))
-                }
-            }
-        }
-        Ok(fresh)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn place_archive(
-        &self,
-        link: &mut Link,
-        target: &str,
-        missing: &[String],
-        fresh: &[bool],
-        plan: &ArchivePlan,
-        archive: std::sync::Arc<Vec<u8>>,
-        undo: &mut Vec<Undo>,
-    ) -> Result<(), FilesError> {
-        for dir in missing {
-            link.mkdir(dir, false).await?;
-            undo.push(Undo::Made(dir.clone()));
-        }
-        let staging = join(target, &format!(".hutch-archive-{}", random_suffix()));
-        link.mkdir(&staging, false).await?;
-        undo.push(Undo::Made(staging.clone()));
-        // Directories first (sorted: parents before children), at 0755 so
-        // that their files can be written; their own bits come last.
-        for e in plan.entries.iter().filter(|e| e.kind == PlannedKind::Dir) {
-            link.mkdir(&join(&staging, &e.path), false).await?;
-        }
-        self.write_archive_files(link, &staging, plan, archive).await?;
-        // Move into place: an entry whose parent was placed moved with it.
-        let mut placed: Vec<&str> = Vec::new();
-        let mut backups = 0u32;
-        for (i, e) in plan.entries.iter().enumerate() {
-            if placed.iter().any(|p| e.path.strip_prefix(p).is_some_and(|r| r.starts_with('/'))) {
-                continue;
-            }
-            let from = join(&staging, &e.path);
-            let to = join(target, &e.path);
-            if fresh[i] {
-                link.rename(&from, &to).await.map_err(|err| moved_meanwhile(err, &to))?;
-                undo.push(Undo::Placed(to));
-                placed.push(&e.path);
-            } else if let PlannedKind::File(_) = e.kind {
-                match link.stat(&to).await? {
-                    Some(x) if x.kind == EntryKind::File => {}
-                    _ => return Err(moved_meanwhile(FilesError::new(ErrorCode::SandboxPathConflict, ""), &to)),
-                }
-                backups += 1;
-                let old = join(&staging, &format!(".old-{backups}"));
-                link.rename(&to, &old).await?;
-                undo.push(Undo::Replaced(to.clone(), old));
-                link.rename(&from, &to).await.map_err(|err| moved_meanwhile(err, &to))?;
-            }
-        }
-        // Bits of the directories the archive made, deepest first.
-        for (i, e) in plan.entries.iter().enumerate().rev() {
-            if e.kind == PlannedKind::Dir && fresh[i] && e.mode != 0o755 {
-                let at = join(target, &e.path);
-                link.chmod(&at, e.mode).await?;
-                undo.push(Undo::Chmodded(at));
-            }
-        }
-        // The staging directory now holds only replaced files.
-        link.remove(&staging).await?;
-        Ok(())
-    }
-
-    async fn write_archive_files(
-        &self,
-        link: &mut Link,
-        staging: &str,
-        plan: &ArchivePlan,
-        archive: std::sync::Arc<Vec<u8>>,
-    ) -> Result<(), FilesError> {
-        let modes: std::collections::HashMap<&str, (u32, u64)> = plan
-            .entries
-            .iter()
-            .filter_map(|e| match e.kind {
-                PlannedKind::File(size) => Some((e.path.as_str(), (e.mode, size))),
-                PlannedKind::Dir => None,
-            })
-            .collect();
-        let (tx, mut rx) = mpsc::channel::<(usize, Vec<u8>)>(2);
-        let producer_plan = plan.clone();
-        let producer = tokio::task::spawn_blocking(move || {
-            archive::stream_files(&archive, &producer_plan, CHUNK, |i, chunk| tx.blocking_send((i, chunk)).is_ok())
-        });
-        let mut current: Option<(usize, u64)> = None;
-        let mut needs_chmod: Option<(String, u32)> = None;
-        while let Some((i, chunk)) = rx.recv().await {
-            let Some(rel) = plan.files_in_order.get(i) else {
-                return Err(FilesError::new(ErrorCode::Internal, "archive stream out of step with its plan"));
-            };
-            let path = join(staging, rel);
-            let (mode, size) = modes.get(rel.as_str()).copied().unwrap_or((0o644, 0));
-            let offset = match current {
-                Some((ci, off)) if ci == i => off,
-                _ => {
-                    if let Some((p, m)) = needs_chmod.take() {
-                        link.chmod(&p, m).await?;
-                    }
-                    // A read-only file larger than one frame is written as
-                    // 0600 and gets its bits once complete.
-                    if mode & 0o200 == 0 && size > CHUNK as u64 {
-                        needs_chmod = Some((path.clone(), mode));
-                    }
-                    0
-                }
-            };
-            let create_mode = if needs_chmod.is_some() { 0o600 } else { mode };
-            link.write_at(&path, offset, &chunk, offset == 0, create_mode).await?;
-            current = Some((i, offset + chunk.len() as u64));
-        }
-        if let Some((p, m)) = needs_chmod.take() {
-            link.chmod(&p, m).await?;
-        }
-        producer
-            .await
-            .map_err(|e| FilesError::new(ErrorCode::Internal, format!("archive extraction task failed: {e}")))?
-            .map_err(archive_error)?;
-        Ok(())
-    }
-
-    /// An uncompressed tar of the directory `dir`: regular files,
-    /// directories, and symlinks recorded as symlinks (never followed); at
-    /// most [`DOWNLOAD_CAP`] bytes, built in memory. Directories the user
+    /// An uncompressed tar of the directory `dir`, streamed in chunks:
+    /// regular files, directories, and symlinks recorded as symlinks (never
+    /// followed); at most [`DOWNLOAD_CAP`] bytes. Directories the user
     /// cannot list appear without their contents; FIFOs, sockets and devices
-    /// are left out; a file the user cannot read fails the download with
-    /// `sandbox_path_unreadable`, one that changes size with
-    /// `sandbox_path_conflict`.
-    pub async fn download_archive(&self, dir: &str) -> Result<Vec<u8>, FilesError> {
+    /// are left out. Errors about `dir` come back before any chunk; later
+    /// ones (a file the user cannot read, one that shrinks while it is
+    /// read, the cap) break the stream, so the client sees a truncated
+    /// archive, never a wrong one. Nothing but a chunk or two is held here,
+    /// however large the tree (sparse files included).
+    pub async fn download_archive(&self, dir: &str) -> Result<Chunks, FilesError> {
         let root = normalize(dir)?;
         let mut link = self.link().await?;
-        let mut builder = tar::Builder::new(Vec::new());
-        let too_large = || {
-            FilesError::new(ErrorCode::PayloadTooLarge, format!("{root} makes an archive over {DOWNLOAD_CAP} bytes"))
-        };
-        let tar_err = |e: std::io::Error| FilesError::new(ErrorCode::Internal, format!("building the archive: {e}"));
-        let mut after: Option<String> = None;
-        loop {
-            let (page, more) = link.list_page(&root, true, after.as_deref(), MAX_PAGE_ENTRIES).await?;
-            for e in page {
-                let mut h = tar::Header::new_gnu();
-                h.set_mode(e.mode & 0o7777);
-                h.set_uid(u64::from(e.uid));
-                h.set_gid(u64::from(e.gid));
-                h.set_mtime(u64::try_from(e.mtime_ns / 1_000_000_000).unwrap_or(0));
-                match e.kind {
-                    EntryKind::Dir => {
-                        h.set_entry_type(tar::EntryType::Directory);
-                        h.set_size(0);
-                        builder.append_data(&mut h, format!("{}/", e.path), std::io::empty()).map_err(tar_err)?;
-                    }
-                    EntryKind::Symlink => {
-                        h.set_entry_type(tar::EntryType::Symlink);
-                        h.set_size(0);
-                        let target = e.target.clone().unwrap_or_default();
-                        builder.append_link(&mut h, &e.path, &target).map_err(tar_err)?;
-                    }
-                    EntryKind::File => {
-                        if builder.get_ref().len() as u64 + e.size + 1024 > DOWNLOAD_CAP {
-                            return Err(too_large());
-                        }
-                        let full = join(&root, &e.path);
-                        let data = read_exact_size(&mut link, &full, e.size).await?;
-                        h.set_entry_type(tar::EntryType::Regular);
-                        h.set_size(data.len() as u64);
-                        builder.append_data(&mut h, &e.path, data.as_slice()).map_err(tar_err)?;
-                    }
-                    EntryKind::Other => {}
+        let (page, more) = link.list_page(&root, true, None, DOWNLOAD_PAGE).await?;
+        let (tx, rx) = mpsc::channel(2);
+        tokio::spawn(async move {
+            if let Err(e) = tar_out(&mut link, &root, page, more, &tx).await {
+                if !tx.is_closed() {
+                    tracing::warn!("archive download of {root} ended early: {}", e.message);
+                    let _ = tx.send(Err(e)).await;
                 }
-                if builder.get_ref().len() as u64 + 1024 > DOWNLOAD_CAP {
-                    return Err(too_large());
-                }
-                after = Some(e.path);
             }
-            if !more {
-                break;
-            }
-        }
-        builder.into_inner().map_err(tar_err)
+        });
+        Ok(rx)
     }
 
     /// Receives one part of a file of up to [`FILE_CAP`] bytes. Parts
@@ -976,36 +897,39 @@ impl SandboxFs {
     /// Resending that final part answers the same completion while the file
     /// at `path` still matches.
     pub async fn put_part(&self, part: FilePart) -> Result<FilePartResult, FilesError> {
-        check_sha256(&part.sha256)?;
+        let FilePart { path, offset, size, sha256, data } = part;
+        self.put_part_base64(PartRef { path: &path, offset, size, sha256: &sha256, data: &data }).await
+    }
+
+    /// [`SandboxFs::put_part`] over borrowed fields: the base64 is checked
+    /// whole, then decoded and written a piece at a time, never held
+    /// decoded.
+    pub async fn put_part_base64(&self, part: PartRef<'_>) -> Result<FilePartResult, FilesError> {
+        check_sha256(part.sha256)?;
         if part.size > FILE_CAP {
             return Err(FilesError::new(ErrorCode::PayloadTooLarge, format!("files are at most {FILE_CAP} bytes")));
         }
+        let too_large =
+            || FilesError::new(ErrorCode::PayloadTooLarge, format!("a part is at most {FILE_DATA_CAP} bytes"));
         if part.data.len() > FILE_DATA_CAP.div_ceil(3) * 4 + 4 {
-            return Err(FilesError::new(
-                ErrorCode::PayloadTooLarge,
-                format!("a part is at most {FILE_DATA_CAP} bytes"),
-            ));
+            return Err(too_large());
         }
-        let data = base64::engine::general_purpose::STANDARD
-            .decode(part.data.as_bytes())
+        let len = base64_len(part.data)
             .map_err(|_| FilesError::new(ErrorCode::InvalidRequest, "part data is not valid base64"))?;
-        if data.len() > FILE_DATA_CAP {
-            return Err(FilesError::new(
-                ErrorCode::PayloadTooLarge,
-                format!("a part is at most {FILE_DATA_CAP} bytes"),
-            ));
+        if len > FILE_DATA_CAP {
+            return Err(too_large());
         }
-        let end = part.offset.checked_add(data.len() as u64).filter(|&e| e <= part.size).ok_or_else(|| {
+        let end = part.offset.checked_add(len as u64).filter(|&e| e <= part.size).ok_or_else(|| {
             FilesError::new(ErrorCode::InvalidRequest, format!("the part ends past the file's size {}", part.size))
         })?;
-        let path = normalize(&part.path)?;
+        let path = normalize(part.path)?;
         let (parent, name) = split_parent(&path)?;
         let staging = join(parent, &format!(".hutch-part-{name}"));
         if staging.len() > MAX_PATH {
             return Err(FilesError::new(ErrorCode::InvalidPath, format!("{path}: name too long for parts")));
         }
         let result = |received, complete| FilePartResult {
-            path: part.path.clone(),
+            path: part.path.to_owned(),
             offset: part.offset,
             size: part.size,
             received,
@@ -1024,7 +948,7 @@ impl SandboxFs {
         };
         if part.offset > received {
             // The final part again, after the file completed?
-            if received == 0 && end == part.size && self.matches(&mut link, &path, part.size, &part.sha256).await? {
+            if received == 0 && end == part.size && self.matches(&mut link, &path, part.size, part.sha256).await? {
                 return Ok(result(part.size, true));
             }
             return Err(FilesError::new(
@@ -1035,11 +959,11 @@ impl SandboxFs {
         if part.offset == 0 {
             link.mkdir(parent, true).await?;
         }
-        link.write_at(&staging, part.offset, &data, true, FILE_MODE).await?;
+        write_base64_at(&mut link, &staging, part.offset, part.data, true).await?;
         if end < part.size {
             return Ok(result(end, false));
         }
-        if !self.matches(&mut link, &staging, part.size, &part.sha256).await? {
+        if !self.matches(&mut link, &staging, part.size, part.sha256).await? {
             link.discard(&staging).await;
             return Err(FilesError::new(
                 ErrorCode::SandboxFilePartMismatch,
@@ -1093,36 +1017,415 @@ fn moved_meanwhile(e: FilesError, at: &str) -> FilesError {
     }
 }
 
-/// Reads a whole regular file that the listing said holds `size` bytes,
-/// with no symlink followed; refuses one that changed size meanwhile.
-async fn read_exact_size(link: &mut Link, path: &str, size: u64) -> Result<Vec<u8>, FilesError> {
-    let mut out = Vec::new();
-    while (out.len() as u64) < size {
-        let want = (size - out.len() as u64).min(CHUNK as u64) as u32;
-        let (data, eof, _) = link.read_chunk(path, out.len() as u64, want, true).await?;
-        if data.is_empty() {
-            break;
-        }
-        out.extend_from_slice(&data);
-        if eof {
-            break;
-        }
+async fn save_journal(store: Option<&JournalDir>, upload: &str, j: &Journal) -> Result<(), FilesError> {
+    match store {
+        Some(dir) => dir.save(upload, j).await,
+        None => Ok(()),
     }
-    if out.len() as u64 != size {
-        return Err(FilesError::new(ErrorCode::SandboxPathConflict, format!("{path} changed while it was archived")));
-    }
-    Ok(out)
 }
 
-/// Undoes a failed archive upload, newest step first; best effort.
-async fn undo_archive(link: &mut Link, undo: Vec<Undo>) {
-    for step in undo.into_iter().rev() {
-        let _ = match step {
-            Undo::Chmodded(p) => link.chmod(&p, 0o755).await,
-            Undo::Replaced(at, old) => link.rename(&old, &at).await,
-            Undo::Placed(p) | Undo::Made(p) => link.remove(&p).await,
-        };
+/// Streams a file from `link` after its `first` chunk, up to `end` bytes
+/// (the rest of what it held when the first chunk was read), in chunks of
+/// [`STREAM_CHUNK`] bytes; a failed read breaks the stream.
+async fn stream_rest(mut link: Link, path: String, first: Vec<u8>, eof: bool, end: u64) -> Chunks {
+    let (tx, rx) = mpsc::channel(2);
+    let mut offset = first.len() as u64;
+    let done = eof || first.is_empty() || offset >= end;
+    if tx.send(Ok(first)).await.is_err() || done {
+        return rx;
     }
+    tokio::spawn(async move {
+        while offset < end {
+            let want = (end - offset).min(u64::from(STREAM_CHUNK)) as u32;
+            let (data, eof) = match link.read_chunk(&path, offset, want, false).await {
+                Ok((data, eof, _)) => (data, eof),
+                Err(e) => {
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+            };
+            offset += data.len() as u64;
+            let stop = eof || data.is_empty();
+            if tx.send(Ok(data)).await.is_err() || stop {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// Base64 text decoded per piece: a multiple of 4 characters, so pieces
+/// decode as the whole would (padding only ends the text).
+const B64_PIECE: usize = 1 << 20;
+
+/// The decoded length of standard, padded base64 `data`, checked whole
+/// without holding what it decodes to.
+fn base64_len(data: &str) -> Result<usize, base64::DecodeSliceError> {
+    let mut scratch = vec![0u8; B64_PIECE / 4 * 3];
+    let mut total = 0;
+    for piece in data.as_bytes().chunks(B64_PIECE) {
+        total += base64::engine::general_purpose::STANDARD.decode_slice(piece, &mut scratch)?;
+    }
+    Ok(total)
+}
+
+/// Writes base64 `data` (checked by [`base64_len`]) decoded into `path` at
+/// `offset`, a piece at a time; the first write creates the file with
+/// [`FILE_MODE`] and, with `truncate`, cuts it at `offset`.
+async fn write_base64_at(
+    link: &mut Link,
+    path: &str,
+    offset: u64,
+    data: &str,
+    truncate: bool,
+) -> Result<(), FilesError> {
+    let mut buf = vec![0u8; B64_PIECE / 4 * 3];
+    let mut at = offset;
+    let mut pieces = data.as_bytes().chunks(B64_PIECE).peekable();
+    if pieces.peek().is_none() {
+        return link.write_at(path, offset, &[], truncate, FILE_MODE).await;
+    }
+    for piece in pieces {
+        let n = base64::engine::general_purpose::STANDARD
+            .decode_slice(piece, &mut buf)
+            .map_err(|_| FilesError::new(ErrorCode::InvalidRequest, "data is not base64"))?;
+        link.write_at(path, at, &buf[..n], truncate && at == offset, FILE_MODE).await?;
+        at += n as u64;
+    }
+    Ok(())
+}
+
+/// Runs a transfer in a task of its own, so that a caller that goes away
+/// never cuts it half way (its input ends instead, and it cleans up).
+async fn detach<T: Send + 'static>(
+    work: impl std::future::Future<Output = Result<T, FilesError>> + Send + 'static,
+) -> Result<T, FilesError> {
+    tokio::spawn(work)
+        .await
+        .map_err(|e| FilesError::new(ErrorCode::Internal, format!("file transfer task failed: {e}")))?
+}
+
+/// The components of `target` that do not exist yet, outermost first;
+/// a symlink or a non-directory on the way is a conflict.
+async fn missing_components(link: &mut Link, target: &str) -> Result<Vec<String>, FilesError> {
+    let mut prefix = String::new();
+    let mut missing = Vec::new();
+    for part in target.split('/').filter(|p| !p.is_empty()) {
+        prefix.push('/');
+        prefix.push_str(part);
+        if !missing.is_empty() {
+            missing.push(prefix.clone());
+            continue;
+        }
+        match link.stat(&prefix).await? {
+            None => missing.push(prefix.clone()),
+            Some(e) if e.kind == EntryKind::Dir => {}
+            Some(e) => {
+                return Err(FilesError::new(
+                    ErrorCode::SandboxPathConflict,
+                    format!("{prefix} is a {} where a directory belongs", kind_name(e.kind)),
+                ))
+            }
+        }
+    }
+    Ok(missing)
+}
+
+/// Whether `path` lies below `dir` (both relative).
+fn below(path: &str, dir: &str) -> bool {
+    path.strip_prefix(dir).is_some_and(|r| r.starts_with('/'))
+}
+
+/// Checks where each entry lands; returns, for each planned entry,
+/// whether nothing is there yet. A directory over a directory merges; a
+/// file over a file replaces it; anything else is a conflict.
+async fn check_landing(
+    link: &mut Link,
+    target: &str,
+    plan: &ArchivePlan,
+    target_missing: bool,
+) -> Result<Vec<bool>, FilesError> {
+    let mut fresh = vec![true; plan.entries.len()];
+    if target_missing {
+        return Ok(fresh);
+    }
+    // A missing path: everything below it is missing too, and (in
+    // `cmp_paths` order) comes right after it.
+    let mut absent: Option<&str> = None;
+    for (i, e) in plan.entries.iter().enumerate() {
+        if absent.is_some_and(|a| below(&e.path, a)) {
+            continue;
+        }
+        let at = join(target, &e.path);
+        match (link.stat(&at).await?, e.kind) {
+            (None, _) => absent = Some(&e.path),
+            (Some(x), PlannedKind::Dir) if x.kind == EntryKind::Dir => fresh[i] = false,
+            (Some(x), PlannedKind::File(_)) if x.kind == EntryKind::File => fresh[i] = false,
+            (Some(x), _) => {
+                return Err(FilesError::new(
+                    ErrorCode::SandboxPathConflict,
+                    format!("{at} is a {} where the archive has a {}", kind_name(x.kind), planned_name(e.kind)),
+                ))
+            }
+        }
+    }
+    Ok(fresh)
+}
+
+/// The moves that put a staged archive in place (a fresh entry moves with
+/// everything below it; a file replaced first goes to a backup), and the
+/// bits of the directories it makes, deepest first.
+fn commit_moves(plan: &ArchivePlan, fresh: &[bool], target: &str) -> (Vec<Move>, Vec<(String, u32)>) {
+    let mut moves = Vec::new();
+    let mut placed: Option<&str> = None;
+    let mut backups = 0u32;
+    for (i, e) in plan.entries.iter().enumerate() {
+        if placed.is_some_and(|p| below(&e.path, p)) {
+            continue;
+        }
+        if fresh[i] {
+            moves.push(Move { path: e.path.clone(), backup: None });
+            placed = Some(&e.path);
+        } else if let PlannedKind::File(_) = e.kind {
+            backups += 1;
+            moves.push(Move { path: e.path.clone(), backup: Some(format!(".old-{backups}")) });
+        }
+    }
+    let chmods = plan
+        .entries
+        .iter()
+        .enumerate()
+        .rev()
+        .filter(|(i, e)| e.kind == PlannedKind::Dir && fresh[*i] && e.mode != 0o755)
+        .map(|(_, e)| (join(target, &e.path), e.mode))
+        .collect();
+    (moves, chmods)
+}
+
+/// Stages the archive, checks where it lands, and moves it into place,
+/// saving the journal before each phase; on success the journal is
+/// `committed`. On failure the journal says what to undo.
+async fn stage_and_commit(
+    link: &mut Link,
+    journal: &mut Journal,
+    store: Option<&JournalDir>,
+    upload: &str,
+    input: Chunks,
+) -> Result<ArchivePlan, FilesError> {
+    for dir in &journal.made {
+        link.mkdir(dir, false).await?;
+    }
+    link.mkdir(&journal.staging, false).await?;
+    let plan = stage(link, &journal.staging, input).await?;
+    let fresh = check_landing(link, &journal.target, &plan, !journal.made.is_empty()).await?;
+    let (moves, chmods) = commit_moves(&plan, &fresh, &journal.target);
+    let mut next = journal.clone();
+    next.phase = Phase::Moving;
+    next.moves = moves;
+    next.chmods = chmods;
+    save_journal(store, upload, &next).await?;
+    *journal = next;
+    for m in &journal.moves {
+        let from = join(&journal.staging, &m.path);
+        let to = join(&journal.target, &m.path);
+        if let Some(backup) = &m.backup {
+            match link.stat(&to).await? {
+                Some(x) if x.kind == EntryKind::File => {}
+                _ => return Err(moved_meanwhile(FilesError::new(ErrorCode::SandboxPathConflict, ""), &to)),
+            }
+            link.rename(&to, &join(&journal.staging, backup)).await?;
+        }
+        link.rename(&from, &to).await.map_err(|err| moved_meanwhile(err, &to))?;
+    }
+    let mut done = journal.clone();
+    done.phase = Phase::Committed;
+    save_journal(store, upload, &done).await?;
+    *journal = done;
+    Ok(plan)
+}
+
+/// What the archive parser hands the writer.
+enum Staged {
+    Dir(String),
+    File { path: String, mode: u32, size: u64 },
+    Data(Vec<u8>),
+}
+
+/// The file being staged: where, its bits, and how far it got.
+struct StagedFile {
+    path: String,
+    mode: u32,
+    offset: u64,
+    /// Read-only and written in several frames: made 0600, its bits set
+    /// once it is whole.
+    late_bits: bool,
+}
+
+impl StagedFile {
+    async fn finish(self, link: &mut Link) -> Result<(), FilesError> {
+        if self.late_bits {
+            link.chmod(&self.path, self.mode).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Parses `input` on a thread of its own and writes what it validates
+/// into `staging` as it goes: directories at 0755 (their bits come with
+/// the commit), files with their bits. Returns the plan once the archive
+/// is whole and valid.
+async fn stage(link: &mut Link, staging: &str, input: Chunks) -> Result<ArchivePlan, FilesError> {
+    let (tx, mut rx) = mpsc::channel::<Staged>(pipe::PIPE_DEPTH);
+    let parsed = pipe::spawn_thread("hutch-untar", move || {
+        let mut reader = pipe::ChannelReader::new(input);
+        let result = archive::validate_stream(&mut reader, &archive::Limits::UPLOAD, ARCHIVE_CHUNK, |ev| {
+            let staged = match ev {
+                archive::Event::Dir { path } => Staged::Dir(path.to_owned()),
+                archive::Event::File { path, mode, size, .. } => Staged::File { path: path.to_owned(), mode, size },
+                archive::Event::Data(d) => Staged::Data(d.to_vec()),
+            };
+            tx.blocking_send(staged).is_ok()
+        });
+        (result, reader.error())
+    })?;
+    let mut file: Option<StagedFile> = None;
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Staged::Dir(path) => {
+                if let Some(f) = file.take() {
+                    f.finish(link).await?;
+                }
+                link.mkdir(&join(staging, &path), false).await?;
+            }
+            Staged::File { path, mode, size } => {
+                if let Some(f) = file.take() {
+                    f.finish(link).await?;
+                }
+                let path = join(staging, &path);
+                if size == 0 {
+                    link.write_at(&path, 0, &[], true, mode).await?;
+                }
+                let late_bits = mode & 0o200 == 0 && size > ARCHIVE_CHUNK as u64;
+                file = Some(StagedFile { path, mode, offset: 0, late_bits });
+            }
+            Staged::Data(data) => {
+                let Some(f) = file.as_mut() else {
+                    return Err(FilesError::new(ErrorCode::Internal, "archive data arrived outside a file"));
+                };
+                let create_mode = if f.late_bits { FILE_MODE } else { f.mode };
+                link.write_at(&f.path, f.offset, &data, f.offset == 0, create_mode).await?;
+                f.offset += data.len() as u64;
+            }
+        }
+    }
+    if let Some(f) = file.take() {
+        f.finish(link).await?;
+    }
+    let (result, broken) = parsed
+        .await
+        .map_err(|_| FilesError::new(ErrorCode::Internal, "the archive parser thread ended without an answer"))?;
+    if let Some(e) = broken {
+        return Err(e);
+    }
+    result.map_err(archive_error)
+}
+
+/// Writes the tar of the directory `root` into `tx`, a page of its listing
+/// at a time; headers collect into chunks of about [`TAR_FLUSH`] bytes,
+/// file content goes out as the agent reads it.
+async fn tar_out(
+    link: &mut Link,
+    root: &str,
+    mut page: Vec<PageEntry>,
+    mut more: bool,
+    tx: &mpsc::Sender<Result<Vec<u8>, FilesError>>,
+) -> Result<(), FilesError> {
+    let tar_err = |e: std::io::Error| FilesError::new(ErrorCode::Internal, format!("building the archive: {e}"));
+    let closed = || FilesError::new(ErrorCode::Internal, "the client went away");
+    let too_large =
+        || FilesError::new(ErrorCode::PayloadTooLarge, format!("{root} makes an archive over {DOWNLOAD_CAP} bytes"));
+    // Headers are built into the builder's buffer and taken out of it;
+    // nothing else is ever written there, and its end blocks come last.
+    let mut b = tar::Builder::new(Vec::new());
+    let mut sent = 0u64;
+    loop {
+        let mut after = None;
+        for e in page {
+            let mut h = tar::Header::new_gnu();
+            h.set_mode(e.mode & 0o7777);
+            h.set_uid(u64::from(e.uid));
+            h.set_gid(u64::from(e.gid));
+            h.set_mtime(u64::try_from(e.mtime_ns / 1_000_000_000).unwrap_or(0));
+            match e.kind {
+                EntryKind::Dir => {
+                    h.set_entry_type(tar::EntryType::Directory);
+                    h.set_size(0);
+                    b.append_data(&mut h, format!("{}/", e.path), std::io::empty()).map_err(tar_err)?;
+                }
+                EntryKind::Symlink => {
+                    h.set_entry_type(tar::EntryType::Symlink);
+                    h.set_size(0);
+                    let target = e.target.clone().unwrap_or_default();
+                    b.append_link(&mut h, &e.path, &target).map_err(tar_err)?;
+                }
+                EntryKind::File => {
+                    h.set_entry_type(tar::EntryType::Regular);
+                    h.set_size(e.size);
+                    // The header (and a long name's blocks) only: the
+                    // content follows from the agent, then its padding.
+                    b.append_data(&mut h, &e.path, std::io::empty()).map_err(tar_err)?;
+                    let pending = b.get_ref().len() as u64;
+                    if sent + pending + e.size + 1024 + 512 > DOWNLOAD_CAP {
+                        return Err(too_large());
+                    }
+                    let head = std::mem::take(b.get_mut());
+                    sent += head.len() as u64;
+                    tx.send(Ok(head)).await.map_err(|_| closed())?;
+                    let full = join(root, &e.path);
+                    let mut offset = 0u64;
+                    while offset < e.size {
+                        let want = (e.size - offset).min(u64::from(STREAM_CHUNK)) as u32;
+                        let (data, eof, _) = link.read_chunk(&full, offset, want, true).await?;
+                        if data.is_empty() {
+                            break;
+                        }
+                        offset += data.len() as u64;
+                        sent += data.len() as u64;
+                        tx.send(Ok(data)).await.map_err(|_| closed())?;
+                        if eof {
+                            break;
+                        }
+                    }
+                    if offset != e.size {
+                        return Err(FilesError::new(
+                            ErrorCode::SandboxPathConflict,
+                            format!("{full} changed while it was archived"),
+                        ));
+                    }
+                    let pad = (512 - e.size % 512) % 512;
+                    b.get_mut().resize(pad as usize, 0);
+                }
+                EntryKind::Other => {}
+            }
+            if b.get_ref().len() >= TAR_FLUSH {
+                let chunk = std::mem::take(b.get_mut());
+                sent += chunk.len() as u64;
+                if sent > DOWNLOAD_CAP {
+                    return Err(too_large());
+                }
+                tx.send(Ok(chunk)).await.map_err(|_| closed())?;
+            }
+            after = Some(e.path);
+        }
+        if !more {
+            break;
+        }
+        let Some(last) = after else { break };
+        (page, more) = link.list_page(root, true, Some(&last), DOWNLOAD_PAGE).await?;
+    }
+    let rest = b.into_inner().map_err(tar_err)?;
+    tx.send(Ok(rest)).await.map_err(|_| closed())?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,24 +1,34 @@
 //! The control plane of hutch: sandboxes and their lifetimes, commands and
-//! their idempotency, file transfers, and the reconciler.
+//! their idempotency, file transfers, templates and builds, port access,
+//! keys and quotas, and the reconciler.
 //!
 //! Architecture invariant: this crate knows no HTTP and no SQL. It takes
-//! typed requests (hutch-api), keeps state through the `Store` trait
-//! (hutch-store), and drives sandboxes through hutch-runtime.
+//! typed requests (hutch-api) and typed ids ([`ids`]), keeps state through
+//! the `Store` trait (hutch-store) on the blocking pool, and drives
+//! sandboxes through hutch-runtime. It is the only door to them: the HTTP
+//! layer depends on this crate and hutch-api alone.
 
 pub mod access;
 pub mod build;
 pub mod control;
 pub mod dns;
+pub mod e2b;
 pub mod error;
 pub mod exec;
+pub mod fileops;
 pub mod files;
+pub mod ids;
 pub mod keys;
+pub mod lifecycle;
 pub mod metrics;
 pub mod network;
 pub mod pool;
 pub mod ready;
+pub mod recover;
+pub mod sandboxes;
 pub mod session;
 pub mod templates;
 
-pub use control::Control;
+pub use control::{Capacity, Config, Control};
 pub use error::ControlError;
+pub use ids::{Caller, OwnerId, SandboxId, TemplateId};

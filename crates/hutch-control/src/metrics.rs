@@ -1,5 +1,10 @@
 //! Counters, gauges and histograms of the control plane, rendered in the
 //! Prometheus text format. Lock-free on the hot paths.
+//!
+//! Who reads them decides what is shown ([`Viewer`]): host-wide figures
+//! carry no owner's names, and series labelled with a template's name and
+//! id (warm pool sizes) are shown to the template's owner and to the admin
+//! key only.
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -59,9 +64,36 @@ pub struct Metrics {
     pub warm_misses_total: AtomicU64,
     /// Time to start one warm sandbox.
     pub warm_refill: Histogram,
-    /// Ready warm sandboxes per template: (name, id, count), as of the last
-    /// reconciler tick.
-    warm_pool_sizes: Mutex<Vec<(String, String, u64)>>,
+    /// Ready warm sandboxes per template, as of the last reconciler tick.
+    warm_pool_sizes: Mutex<Vec<WarmPoolSize>>,
+}
+
+/// One template's warm pool, for `hutch_warm_pool_size`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WarmPoolSize {
+    /// The key that owns the template: only it (and the admin) sees it.
+    pub owner: String,
+    pub template: String,
+    pub template_id: String,
+    pub ready: u64,
+}
+
+/// Who the metrics are rendered for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Viewer<'a> {
+    /// The admin key: every owner's series.
+    Admin,
+    /// Another key: host-wide figures and its own templates' series.
+    Owner(&'a str),
+}
+
+impl Viewer<'_> {
+    fn sees(&self, owner: &str) -> bool {
+        match self {
+            Viewer::Admin => true,
+            Viewer::Owner(me) => *me == owner,
+        }
+    }
 }
 
 impl Default for Metrics {
@@ -84,17 +116,18 @@ impl Metrics {
         self.reconciler_lag.store(secs.to_bits(), Ordering::Relaxed);
     }
 
-    pub fn set_warm_pool_sizes(&self, sizes: Vec<(String, String, u64)>) {
+    pub fn set_warm_pool_sizes(&self, sizes: Vec<WarmPoolSize>) {
         *self.warm_pool_sizes.lock().unwrap_or_else(|p| p.into_inner()) = sizes;
     }
 
-    /// The whole exposition; `states` is the count of sandboxes per state,
-    /// `running` the commands running now.
-    pub fn render(&self, states: &[(String, u64)], running: u64) -> String {
+    /// The whole exposition for `viewer`; `states` is the count of
+    /// sandboxes per state, `running` the commands running now (host-wide
+    /// figures, without owners).
+    pub fn render(&self, states: &[(hutch_api::SandboxState, u64)], running: u64, viewer: Viewer<'_>) -> String {
         let mut out = String::with_capacity(4096);
         let _ = writeln!(out, "# HELP hutch_sandboxes Sandboxes by state.\n# TYPE hutch_sandboxes gauge");
         for st in hutch_api::SandboxState::ALL {
-            let n = states.iter().find(|(s, _)| s == st.as_str()).map_or(0, |(_, n)| *n);
+            let n = states.iter().find(|(s, _)| *s == st).map_or(0, |(_, n)| *n);
             let _ = writeln!(out, "hutch_sandboxes{{state=\"{}\"}} {n}", st.as_str());
         }
         self.create_to_ready.render(
@@ -123,8 +156,11 @@ impl Metrics {
             "# HELP hutch_warm_pool_size Warm sandboxes ready to be claimed, per template.\n\
              # TYPE hutch_warm_pool_size gauge"
         );
-        for (name, id, n) in self.warm_pool_sizes.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            let _ = writeln!(out, "hutch_warm_pool_size{{template=\"{name}\",template_id=\"{id}\"}} {n}");
+        for p in self.warm_pool_sizes.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            if viewer.sees(&p.owner) {
+                let (name, id, n) = (&p.template, &p.template_id, p.ready);
+                let _ = writeln!(out, "hutch_warm_pool_size{{template=\"{name}\",template_id=\"{id}\"}} {n}");
+            }
         }
         let _ = writeln!(
             out,
@@ -143,6 +179,16 @@ impl Metrics {
     }
 }
 
+impl crate::control::Control {
+    /// The Prometheus exposition.
+    pub async fn metrics_text(&self, caller: &crate::ids::Caller) -> crate::error::Result<String> {
+        let states = self.db(|s| s.count_by_state()).await?;
+        let running: u64 = self.commands_running().await.iter().map(|(_, n)| n).sum();
+        let viewer = if caller.admin { Viewer::Admin } else { Viewer::Owner(caller.owner.as_str()) };
+        Ok(self.metrics.render(&states, running, viewer))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -152,17 +198,26 @@ mod tests {
         let m = Metrics::default();
         m.exec_latency.observe(0.0015);
         m.exec_latency.observe(0.3);
-        let text = m.render(&[("running".into(), 3)], 2);
+        let text = m.render(&[(hutch_api::SandboxState::Running, 3)], 2, Viewer::Admin);
         assert!(text.contains("hutch_commands_running 2"));
         assert!(text.contains("hutch_sandboxes{state=\"running\"} 3"));
         assert!(text.contains("hutch_sandboxes{state=\"suspended\"} 0"));
         assert!(text.contains("hutch_exec_seconds_bucket{le=\"0.002\"} 1"));
         assert!(text.contains("hutch_exec_seconds_bucket{le=\"0.5\"} 2"));
         assert!(text.contains("hutch_exec_seconds_count 2"));
-        m.set_warm_pool_sizes(vec![("py".into(), "tpl-1".into(), 3)]);
+        let pool = |owner: &str, name: &str, id: &str| WarmPoolSize {
+            owner: owner.into(),
+            template: name.into(),
+            template_id: id.into(),
+            ready: 3,
+        };
+        m.set_warm_pool_sizes(vec![pool("key-a", "py", "tpl-1"), pool("key-b", "secret-name", "tpl-2")]);
         m.warm_claims_total.fetch_add(1, Ordering::Relaxed);
-        let text = m.render(&[], 0);
+        let text = m.render(&[], 0, Viewer::Owner("key-a"));
         assert!(text.contains("hutch_warm_pool_size{template=\"py\",template_id=\"tpl-1\"} 3"), "{text}");
+        assert!(!text.contains("secret-name") && !text.contains("tpl-2"), "another owner's template: {text}");
+        let admin = m.render(&[], 0, Viewer::Admin);
+        assert!(admin.contains("tpl-1") && admin.contains("template=\"secret-name\",template_id=\"tpl-2\""));
         assert!(text.contains("hutch_warm_claims_total 1"));
         assert!(text.contains("hutch_warm_misses_total 0"));
         assert!(text.contains("hutch_warm_refill_seconds_count 0"));

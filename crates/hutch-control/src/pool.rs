@@ -10,11 +10,14 @@
 //! sandbox being drained (state `terminating`) can no longer be claimed.
 
 use crate::control::{now_ms, Control};
-use crate::error::Result;
+use crate::error::{ControlError, Result};
+use crate::ids::{OwnerId, SandboxId};
+use crate::lifecycle::Reason;
 use crate::network::NetRecord;
 use crate::templates::Recipe;
-use hutch_store::{Claim, SandboxRecord, StoreError};
-use std::collections::HashMap;
+use hutch_api::SandboxState;
+use hutch_store::{Admitted, SandboxRecord};
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -42,33 +45,46 @@ impl Drop for RefillSlot {
 impl Control {
     /// Claims a ready warm sandbox of `recipe` for a create, or None (a miss).
     /// `ttl` runs from now; `metadata` is set on the claimed sandbox.
-    /// [`StoreError::Conflict`]: a concurrent create took the idempotency key.
-    pub(crate) fn claim_warm(
+    /// `StoreError::Conflict`: a concurrent create took the idempotency key.
+    pub(crate) async fn claim_warm(
         &self,
-        owner: &str,
+        owner: &OwnerId,
         recipe: &Recipe,
         ttl: Duration,
         metadata: &str,
         key: Option<&str>,
         hash: &str,
-    ) -> std::result::Result<Option<SandboxRecord>, StoreError> {
-        let Some(template_id) = recipe.id.as_deref() else { return Ok(None) };
+    ) -> Result<Option<SandboxRecord>> {
+        let Some(template_id) = recipe.id.clone() else { return Ok(None) };
         let now = now_ms();
-        let claim = Claim {
-            template_id,
-            owner,
-            now,
-            expires_at: now + ttl.as_millis() as i64,
-            max_expires_at: now + recipe.max_ttl.as_millis() as i64,
-            metadata,
-            idempotency_key: key,
-            request_hash: hash,
-        };
-        let claimed = self.store.claim_warm(&claim)?;
-        if claimed.is_some() {
-            self.metrics.warm_claims_total.fetch_add(1, Ordering::Relaxed);
-        } else if recipe.warm_min > 0 {
-            self.metrics.warm_misses_total.fetch_add(1, Ordering::Relaxed);
+        let (owner_s, metadata, key, hash) =
+            (owner.to_string(), metadata.to_owned(), key.map(str::to_owned), hash.to_owned());
+        let (expires_at, max_expires_at) = (now + ttl.as_millis() as i64, now + recipe.max_ttl.as_millis() as i64);
+        let claimed = self
+            .db(move |s| {
+                s.claim_warm(&hutch_store::Claim {
+                    template_id: &template_id,
+                    owner: &owner_s,
+                    now,
+                    expires_at,
+                    max_expires_at,
+                    metadata: &metadata,
+                    idempotency_key: key.as_deref(),
+                    request_hash: &hash,
+                })
+            })
+            .await?;
+        match &claimed {
+            Some(r) => {
+                if let Some(live) = self.live(&SandboxId::from_record(&r.id)) {
+                    live.claimed();
+                }
+                self.metrics.warm_claims_total.fetch_add(1, Ordering::Relaxed);
+            }
+            None if recipe.warm_min > 0 => {
+                self.metrics.warm_misses_total.fetch_add(1, Ordering::Relaxed);
+            }
+            None => {}
         }
         Ok(claimed)
     }
@@ -77,13 +93,14 @@ impl Control {
     /// is first marked `terminating` in the store so no claim can take it; one
     /// still starting is torn down by its boot.
     async fn drain(self: &Arc<Self>, r: &SandboxRecord) {
-        let take = match r.state.as_str() {
-            "running" => self.store.drain_pooled(&r.id).unwrap_or(false),
-            "starting" => true,
+        let id = SandboxId::from_record(&r.id);
+        let take = match r.state {
+            SandboxState::Running => self.drain_pooled(&id).await.unwrap_or(false),
+            SandboxState::Starting => true,
             _ => false,
         };
         if take {
-            if let Err(e) = self.destroy_now(&r.id, Some("warm_pool_drained")).await {
+            if let Err(e) = self.destroy(&id, Some(Reason::WarmPoolDrained)).await {
                 tracing::warn!("warm sandbox {}: drain failed, will retry: {e}", r.id);
             }
         }
@@ -91,7 +108,7 @@ impl Control {
 
     /// Drains every warm sandbox of a template (after its delete).
     pub(crate) async fn drain_template(self: &Arc<Self>, template_id: &str) {
-        let pooled = match self.store.pooled_sandboxes() {
+        let pooled = match self.db(|s| s.pooled_sandboxes()).await {
             Ok(p) => p,
             Err(e) => {
                 tracing::warn!("template {template_id}: cannot list its warm pool: {e}");
@@ -105,15 +122,17 @@ impl Control {
 
     /// One pass over every pool: drain what must go, refill what is short,
     /// and publish the pool sizes.
-    pub(crate) async fn tend_pools(self: &Arc<Self>) -> Result<()> {
-        let templates = self.store.list_templates(None)?;
+    /// Templates of `revoked` keys keep no pool.
+    pub(crate) async fn tend_pools(self: &Arc<Self>, revoked: &HashSet<String>) -> Result<()> {
+        let templates = self.db(|s| s.list_templates(None)).await?;
+        let templates: Vec<_> = templates.into_iter().filter(|t| !revoked.contains(&t.owner)).collect();
         let by_id: HashMap<&str, &hutch_store::TemplateRecord> = templates.iter().map(|t| (t.id.as_str(), t)).collect();
-        let pooled = self.store.pooled_sandboxes()?;
+        let pooled = self.db(|s| s.pooled_sandboxes()).await?;
         // Per template: (ready, starting) of the current version.
         let mut counts: HashMap<&str, (u32, u32)> = HashMap::new();
         let mut total = 0usize;
         for r in &pooled {
-            if !matches!(r.state.as_str(), "running" | "starting") {
+            if !matches!(r.state, SandboxState::Running | SandboxState::Starting) {
                 // Terminating: the reconciler finishes it.
                 continue;
             }
@@ -128,7 +147,7 @@ impl Control {
                 self.drain(r).await;
                 continue;
             }
-            if r.state == "running" {
+            if r.state == SandboxState::Running {
                 c.0 += 1;
             } else {
                 c.1 += 1;
@@ -139,7 +158,12 @@ impl Control {
         for t in &templates {
             let (ready, starting) = counts.get(t.id.as_str()).copied().unwrap_or_default();
             if t.warm_min > 0 || ready > 0 {
-                sizes.push((t.name.clone(), t.id.clone(), u64::from(ready)));
+                sizes.push(crate::metrics::WarmPoolSize {
+                    owner: t.owner.clone(),
+                    template: t.name.clone(),
+                    template_id: t.id.clone(),
+                    ready: u64::from(ready),
+                });
             }
             for _ in (ready + starting)..t.warm_min {
                 if self.is_shutting_down() {
@@ -161,7 +185,7 @@ impl Control {
                 total += 1;
                 let this = self.clone();
                 let recipe = Recipe::from_record(t);
-                let owner = t.owner.clone();
+                let owner = OwnerId::from_record(&t.owner);
                 tokio::spawn(async move {
                     let _slot = slot;
                     this.refill(&owner, &recipe).await;
@@ -173,9 +197,9 @@ impl Control {
     }
 
     /// Starts one warm sandbox of `recipe`'s current version.
-    async fn refill(self: &Arc<Self>, owner: &str, recipe: &Recipe) {
+    async fn refill(self: &Arc<Self>, owner: &OwnerId, recipe: &Recipe) {
         let t0 = Instant::now();
-        let id = match hutch_runtime::container::random_id() {
+        let id = match SandboxId::random() {
             Ok(id) => id,
             Err(e) => {
                 tracing::warn!("warm pool of template {}: no sandbox id: {e}", recipe.name);
@@ -185,10 +209,10 @@ impl Control {
         let now = now_ms();
         let life = now + recipe.max_ttl.as_millis() as i64;
         let record = SandboxRecord {
-            id,
-            owner: owner.to_owned(),
+            id: id.to_string(),
+            owner: owner.to_string(),
             template: recipe.name.clone(),
-            state: "starting".into(),
+            state: SandboxState::Starting,
             created_at: now,
             expires_at: life,
             max_expires_at: life,
@@ -217,15 +241,34 @@ impl Control {
                 }
             },
         };
-        if let Err(e) = self.store.insert_sandbox(&record) {
-            tracing::warn!("warm pool of template {}: cannot record a sandbox: {e}; retrying", recipe.name);
-            return;
+        // Warm sandboxes count toward their owner's quotas and the host's
+        // capacity like any other.
+        let admitted = match self.quotas_of(owner).await {
+            Ok(q) => match self.admission(q, record.memory_mb, record.disk_mib) {
+                Ok(adm) => {
+                    let rec = record.clone();
+                    self.db(move |s| s.insert_sandbox(&rec, &adm)).await
+                }
+                Err(e) => Err(e),
+            },
+            Err(e) => Err(e),
+        };
+        match admitted {
+            Ok(Admitted::Inserted) => {}
+            Ok(Admitted::Refused(e)) => {
+                tracing::warn!("warm pool of template {} is short: {}", recipe.name, ControlError::Exceeded(e));
+                return;
+            }
+            Err(e) => {
+                tracing::warn!("warm pool of template {}: cannot record a sandbox: {e}; retrying", recipe.name);
+                return;
+            }
         }
         match self.clone().boot(record, recipe).await {
             Ok(r) => {
                 // Agent up: it answers a ping, on a connection that the first
                 // command after the claim reuses (no connect on the claim path).
-                if let Some(live) = self.live(&r.id) {
+                if let Some(live) = self.live(&SandboxId::from_record(&r.id)) {
                     if let Ok(mut conn) = live.conn().await {
                         if conn.call(hutch_agent::proto::Request::Ping, &[]).await.is_ok() {
                             // One throwaway command pays what a fresh agent pays

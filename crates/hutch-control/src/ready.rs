@@ -50,11 +50,12 @@ pub enum NotReady {
 
 impl NotReady {
     /// The sandbox's `last_error_code` for this failure.
-    pub fn code(&self) -> &'static str {
+    pub fn reason(&self) -> crate::lifecycle::Reason {
+        use crate::lifecycle::Reason;
         match self {
-            NotReady::StartupFailed(_) => "sandbox_startup_failed",
-            NotReady::Timeout(_) => "sandbox_readiness_timeout",
-            NotReady::Gone(_) => "sandbox_agent_exited",
+            NotReady::StartupFailed(_) => Reason::StartupFailed,
+            NotReady::Timeout(_) => Reason::ReadinessTimeout,
+            NotReady::Gone(_) => Reason::AgentExited,
         }
     }
 

@@ -1,19 +1,96 @@
-//! Raw process and file sessions for compatibility APIs (E2B's envd): a
-//! process started with a terminal, a tag or an open stdin, its events as a
-//! typed stream, and single agent file operations. The same sandboxes and
-//! agent connections as the native commands; no HTTP here.
+//! Sessions of the E2B API (envd) in a sandbox: an [`EnvdSession`] proves
+//! which sandbox, owner and sandbox user a call acts for (see `e2b`); on it,
+//! processes started with a terminal, a tag or an open stdin stream their
+//! events, directory watches stream theirs (or are polled), and typed file
+//! operations run (`fileops`). The same sandboxes and agent connections as
+//! the native commands; no HTTP here, and no way to send the agent anything
+//! but these operations.
 
-use crate::control::{Control, Live};
-use crate::error::{ControlError, Result};
-use crate::files::{Access, FilesError};
-use hutch_agent::proto::{
-    self, Cmd, ExitStatus, FromAgent, ProcessInfo, PtySize, Reply, Request, Spawn, Stream, Target, WatchEvent,
-};
-use hutch_runtime::agent::AgentError;
+use crate::control::Control;
+use crate::error::{from_agent, ControlError, Result};
+use crate::files::Access;
+use crate::ids::{OwnerId, SandboxId};
+use crate::lifecycle::Live;
+use hutch_agent::proto::{self, Cmd, FromAgent, ProcessInfo, Reply, Request, Spawn, Stream};
 use hutch_runtime::agent_async::AsyncConn;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
+
+/// Plain data of the agent link that sessions hand out, read-only.
+pub use hutch_agent::proto::{Entry, EntryKind, ExitStatus, PtySize, Target, WatchEvent, WatchKind};
+
+/// Most polled watchers one sandbox may hold; they end with it.
+pub const WATCHERS_PER_SANDBOX: usize = 64;
+/// Most events a polled watcher keeps unread; older ones are dropped (an
+/// overflow event says so).
+const WATCHER_BACKLOG: usize = 4096;
+
+/// Who an envd call acts for: a sandbox, its owner (proved by the
+/// sandbox's token or a signed URL) and the sandbox user.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnvdSession {
+    pub(crate) id: SandboxId,
+    pub(crate) owner: OwnerId,
+    user: String,
+}
+
+/// A sandbox user a call may name: `user` or `root` (the users every
+/// sandbox has).
+pub fn valid_user(user: &str) -> bool {
+    matches!(user, "user" | "root")
+}
+
+impl EnvdSession {
+    pub(crate) fn new(id: SandboxId, owner: OwnerId, user: &str) -> Result<EnvdSession> {
+        if !valid_user(user) {
+            return Err(ControlError::Invalid(format!("unknown user {:?}: use `user` or `root`", truncate(user))));
+        }
+        Ok(EnvdSession { id, owner, user: user.to_owned() })
+    }
+
+    pub fn sandbox(&self) -> &SandboxId {
+        &self.id
+    }
+
+    pub fn user(&self) -> &str {
+        &self.user
+    }
+
+    /// The same session as another sandbox user (the `username` of a
+    /// `/files` call).
+    pub fn as_user(&self, user: &str) -> Result<EnvdSession> {
+        EnvdSession::new(self.id.clone(), self.owner.clone(), user)
+    }
+
+    /// The user's home directory.
+    pub fn home(&self) -> &'static str {
+        if self.user == "root" {
+            "/root"
+        } else {
+            "/home/user"
+        }
+    }
+
+    /// A path made absolute against the user's home (E2B's rule), normalized;
+    /// empty is the home itself.
+    pub fn resolve(&self, path: &str) -> Result<String> {
+        if path.is_empty() {
+            return Ok(self.home().to_owned());
+        }
+        proto::normalize_path(path, self.home()).map_err(|_| {
+            ControlError::Files(crate::files::FilesError::new(
+                hutch_api::ErrorCode::InvalidPath,
+                format!("invalid path {:?}", truncate(path)),
+            ))
+        })
+    }
+}
+
+fn truncate(s: &str) -> String {
+    s.chars().take(64).collect()
+}
 
 /// What to start.
 #[derive(Debug, Clone)]
@@ -22,7 +99,6 @@ pub struct ProcSpec {
     pub env: Vec<(String, String)>,
     /// Absolute.
     pub cwd: Option<String>,
-    pub user: String,
     pub pty: Option<PtySize>,
     pub tag: Option<String>,
     pub stdin: bool,
@@ -55,6 +131,34 @@ pub enum ProcEvent {
     Failed(ControlError),
 }
 
+/// A process as listed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcInfo {
+    pub pid: u32,
+    pub tag: Option<String>,
+    /// The program and its arguments (a shell command as `/bin/sh -c`).
+    pub argv: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub cwd: String,
+    pub pty: bool,
+}
+
+impl From<ProcessInfo> for ProcInfo {
+    fn from(p: ProcessInfo) -> ProcInfo {
+        ProcInfo {
+            pid: p.pid,
+            tag: p.tag,
+            argv: match p.cmd {
+                Cmd::Argv(a) => a,
+                Cmd::Shell(s) => vec!["/bin/sh".into(), "-c".into(), s],
+            },
+            env: p.env.into_iter().collect(),
+            cwd: p.cwd,
+            pty: p.pty,
+        }
+    }
+}
+
 /// One event of a directory watch.
 #[derive(Debug)]
 pub enum WatchItem {
@@ -64,55 +168,49 @@ pub enum WatchItem {
     Failed(ControlError),
 }
 
-/// An agent refusal or failure as a control error: an unknown process is
-/// not found, file refusals keep their file codes.
-fn agent_error(sandbox: &str, e: AgentError) -> ControlError {
-    match e {
-        AgentError::Refused { code: proto::ErrorCode::UnknownProcess, message } => {
-            ControlError::Files { code: hutch_api::ErrorCode::NotFound, message }
-        }
-        AgentError::Refused { code: proto::ErrorCode::Capacity, .. } => {
-            ControlError::Capacity(hutch_api::COMMAND_SLOTS)
-        }
-        e @ AgentError::Refused { .. } => {
-            let f = FilesError::from_agent(e, Access::Read);
-            ControlError::Files { code: f.code, message: f.message }
-        }
-        source => ControlError::Agent { sandbox: sandbox.to_owned(), source },
-    }
+/// The polled watchers of one sandbox (kept in its [`Live`], so they end
+/// with it).
+#[derive(Default)]
+pub struct Watchers {
+    next: u64,
+    by_id: BTreeMap<String, Watcher>,
+}
+
+struct Watcher {
+    events: mpsc::Receiver<WatchItem>,
+    /// Read from `events` but not yet fetched.
+    backlog: VecDeque<WatchEvent>,
+}
+
+/// What a poll of a watcher got.
+#[derive(Debug)]
+pub enum Polled {
+    Events(Vec<WatchEvent>),
+    /// The watch ended; these were its last events.
+    Ended(Vec<WatchEvent>),
 }
 
 impl Control {
-    /// The running sandbox of a record the caller proved access to.
-    fn session_live(&self, owner: &str, id: &str) -> Result<Arc<Live>> {
-        self.running(owner, id)
+    async fn session_live(&self, s: &EnvdSession) -> Result<Arc<Live>> {
+        self.running_of(&s.owner, &s.id).await
     }
 
-    async fn session_conn(&self, owner: &str, id: &str) -> Result<AsyncConn> {
-        let live = self.session_live(owner, id)?;
-        AsyncConn::connect(&live.socket).await.map_err(|e| agent_error(id, e))
+    async fn session_conn(&self, s: &EnvdSession) -> Result<AsyncConn> {
+        let live = self.session_live(s).await?;
+        live.fresh_conn().await.map_err(|e| from_agent(&s.id, e, Access::Process))
     }
 
     /// The pid a selector names.
-    async fn resolve(&self, conn: &mut AsyncConn, id: &str, target: &Target) -> Result<u32> {
+    async fn resolve_target(&self, conn: &mut AsyncConn, s: &EnvdSession, target: &Target) -> Result<u32> {
         match target {
             Target::Pid(p) => Ok(*p),
             Target::Tag(tag) => {
-                let list = self.agent_list(conn, id).await?;
-                list.into_iter().find(|p| p.tag.as_deref() == Some(tag.as_str())).map(|p| p.pid).ok_or_else(|| {
-                    ControlError::Files {
-                        code: hutch_api::ErrorCode::NotFound,
-                        message: format!("no process tagged {tag:?}"),
-                    }
-                })
+                let list = agent_list(conn, &s.id).await?;
+                list.into_iter()
+                    .find(|p| p.tag.as_deref() == Some(tag.as_str()))
+                    .map(|p| p.pid)
+                    .ok_or_else(|| ControlError::NoProcess { sandbox: s.id.to_string(), pid: 0 })
             }
-        }
-    }
-
-    async fn agent_list(&self, conn: &mut AsyncConn, id: &str) -> Result<Vec<ProcessInfo>> {
-        match conn.call(Request::List, &[]).await.map_err(|e| agent_error(id, e))? {
-            (Reply::Processes { processes }, _) => Ok(processes),
-            (other, _) => Err(ControlError::Runtime(format!("agent answered {other:?} to list"))),
         }
     }
 
@@ -120,21 +218,20 @@ impl Control {
     /// dropped receiver leaves the process running.
     pub async fn session_start(
         &self,
-        owner: &str,
-        id: &str,
+        s: &EnvdSession,
         spec: ProcSpec,
         keepalive: Duration,
     ) -> Result<mpsc::Receiver<ProcEvent>> {
         if spec.argv.is_empty() || spec.argv.iter().any(|a| a.contains('\0')) {
             return Err(ControlError::Invalid("the command is empty or holds NUL".into()));
         }
-        let mut conn = self.session_conn(owner, id).await?;
+        let mut conn = self.session_conn(s).await?;
         let pty = spec.pty.is_some();
         let spawn = Spawn {
             cmd: Cmd::Argv(spec.argv),
             env: spec.env,
             cwd: spec.cwd,
-            user: Some(spec.user),
+            user: Some(s.user.clone()),
             stdin: spec.stdin,
             pty: spec.pty,
             tag: spec.tag,
@@ -142,91 +239,88 @@ impl Control {
             subscribe: true,
         };
         self.metrics.commands_total.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let pid = match conn.call(Request::Spawn(spawn), &[]).await.map_err(|e| agent_error(id, e))? {
-            (Reply::Spawned { pid }, _) => pid,
-            (other, _) => return Err(ControlError::Runtime(format!("agent answered {other:?} to spawn"))),
-        };
-        Ok(pump(conn, id.to_owned(), pid, pty, keepalive))
+        let pid =
+            match conn.call(Request::Spawn(spawn), &[]).await.map_err(|e| from_agent(&s.id, e, Access::Process))? {
+                (Reply::Spawned { pid }, _) => pid,
+                (other, _) => return Err(ControlError::Runtime(format!("agent answered {other:?} to spawn"))),
+            };
+        Ok(pump(conn, s.id.clone(), pid, pty, keepalive))
     }
 
     /// Attaches to a running process: its kept output, live output, its end.
     pub async fn session_connect(
         &self,
-        owner: &str,
-        id: &str,
+        s: &EnvdSession,
         target: &Target,
         keepalive: Duration,
     ) -> Result<mpsc::Receiver<ProcEvent>> {
-        let mut conn = self.session_conn(owner, id).await?;
-        let pid = self.resolve(&mut conn, id, target).await?;
-        let list = self.agent_list(&mut conn, id).await?;
+        let mut conn = self.session_conn(s).await?;
+        let pid = self.resolve_target(&mut conn, s, target).await?;
+        let list = agent_list(&mut conn, &s.id).await?;
         let pty = list.iter().find(|p| p.pid == pid).is_some_and(|p| p.pty);
-        conn.call(Request::Attach { target: Target::Pid(pid) }, &[]).await.map_err(|e| agent_error(id, e))?;
-        Ok(pump(conn, id.to_owned(), pid, pty, keepalive))
+        conn.call(Request::Attach { target: Target::Pid(pid) }, &[])
+            .await
+            .map_err(|e| from_agent(&s.id, e, Access::Process))?;
+        Ok(pump(conn, s.id.clone(), pid, pty, keepalive))
     }
 
     /// The processes started through the agent that still run.
-    pub async fn session_list(&self, owner: &str, id: &str) -> Result<Vec<ProcessInfo>> {
-        let mut conn = self.session_conn(owner, id).await?;
-        self.agent_list(&mut conn, id).await
+    pub async fn session_list(&self, s: &EnvdSession) -> Result<Vec<ProcInfo>> {
+        let mut conn = self.session_conn(s).await?;
+        Ok(agent_list(&mut conn, &s.id).await?.into_iter().map(ProcInfo::from).collect())
     }
 
     /// Writes to a process's stdin (or terminal).
-    pub async fn session_input(&self, owner: &str, id: &str, target: &Target, data: &[u8]) -> Result<()> {
-        let mut conn = self.session_conn(owner, id).await?;
-        let pid = self.resolve(&mut conn, id, target).await?;
+    pub async fn session_input(&self, s: &EnvdSession, target: &Target, data: &[u8]) -> Result<()> {
+        let mut conn = self.session_conn(s).await?;
+        let pid = self.resolve_target(&mut conn, s, target).await?;
         for chunk in data.chunks(proto::MAX_DATA) {
-            conn.call(Request::Stdin { pid }, chunk).await.map_err(|e| agent_error(id, e))?;
+            conn.call(Request::Stdin { pid }, chunk).await.map_err(|e| from_agent(&s.id, e, Access::Process))?;
         }
         Ok(())
     }
 
-    pub async fn session_close_stdin(&self, owner: &str, id: &str, target: &Target) -> Result<()> {
-        let mut conn = self.session_conn(owner, id).await?;
-        let pid = self.resolve(&mut conn, id, target).await?;
-        conn.call(Request::CloseStdin { pid }, &[]).await.map_err(|e| agent_error(id, e))?;
+    pub async fn session_close_stdin(&self, s: &EnvdSession, target: &Target) -> Result<()> {
+        let mut conn = self.session_conn(s).await?;
+        let pid = self.resolve_target(&mut conn, s, target).await?;
+        conn.call(Request::CloseStdin { pid }, &[]).await.map_err(|e| from_agent(&s.id, e, Access::Process))?;
         Ok(())
     }
 
-    pub async fn session_signal(&self, owner: &str, id: &str, target: &Target, signal: i32) -> Result<()> {
-        let mut conn = self.session_conn(owner, id).await?;
-        let pid = self.resolve(&mut conn, id, target).await?;
-        conn.call(Request::Signal { pid, signal }, &[]).await.map_err(|e| agent_error(id, e))?;
+    pub async fn session_signal(&self, s: &EnvdSession, target: &Target, signal: i32) -> Result<()> {
+        let mut conn = self.session_conn(s).await?;
+        let pid = self.resolve_target(&mut conn, s, target).await?;
+        conn.call(Request::Signal { pid, signal }, &[]).await.map_err(|e| from_agent(&s.id, e, Access::Process))?;
         Ok(())
     }
 
-    pub async fn session_resize(&self, owner: &str, id: &str, target: &Target, size: PtySize) -> Result<()> {
-        let mut conn = self.session_conn(owner, id).await?;
-        let pid = self.resolve(&mut conn, id, target).await?;
-        conn.call(Request::Resize { pid, size }, &[]).await.map_err(|e| agent_error(id, e))?;
+    pub async fn session_resize(&self, s: &EnvdSession, target: &Target, size: PtySize) -> Result<()> {
+        let mut conn = self.session_conn(s).await?;
+        let pid = self.resolve_target(&mut conn, s, target).await?;
+        conn.call(Request::Resize { pid, size }, &[]).await.map_err(|e| from_agent(&s.id, e, Access::Process))?;
         Ok(())
     }
 
-    /// Watches a directory (as `user`, recursively or not) and streams its
-    /// events. The watch lives on its own agent connection: dropping the
-    /// receiver closes that connection, which ends the watch in the agent.
+    /// Watches a directory (as the session's user, recursively or not) and
+    /// streams its events. The watch lives on its own agent connection:
+    /// dropping the receiver closes that connection, which ends the watch
+    /// in the agent.
     pub async fn session_watch(
         &self,
-        owner: &str,
-        id: &str,
+        s: &EnvdSession,
         path: String,
         recursive: bool,
-        user: String,
         keepalive: Duration,
     ) -> Result<mpsc::Receiver<WatchItem>> {
-        let mut conn = self.session_conn(owner, id).await?;
-        let req = Request::Watch { path, recursive, user: Some(user) };
+        let mut conn = self.session_conn(s).await?;
+        let req = Request::Watch { path, recursive, user: Some(s.user.clone()) };
         let watch = match conn.call(req, &[]).await {
             Ok((Reply::Watching { watch }, _)) => watch,
             Ok((other, _)) => return Err(ControlError::Runtime(format!("agent answered {other:?} to watch"))),
-            Err(e @ AgentError::Refused { .. }) => {
-                let f = FilesError::from_agent(e, Access::Read);
-                return Err(ControlError::Files { code: f.code, message: f.message });
-            }
-            Err(source) => return Err(ControlError::Agent { sandbox: id.to_owned(), source }),
+            Err(e) => return Err(from_agent(&s.id, e, Access::Read)),
         };
         let (tx, rx) = mpsc::channel(256);
-        let sid = id.to_owned();
+        let sid = s.id.to_string();
         tokio::spawn(async move {
             loop {
                 let item = tokio::select! {
@@ -247,24 +341,92 @@ impl Control {
         Ok(rx)
     }
 
-    /// One file operation (stat, list, mkdir, rename, remove) as the agent
-    /// answers it.
-    pub async fn session_file_op(&self, owner: &str, id: &str, req: Request, access: Access) -> Result<Reply> {
-        let mut conn = self.session_conn(owner, id).await?;
-        match conn.call(req, &[]).await {
-            Ok((reply, _)) => Ok(reply),
-            Err(e @ AgentError::Refused { .. }) => {
-                let f = FilesError::from_agent(e, access);
-                Err(ControlError::Files { code: f.code, message: f.message })
-            }
-            Err(source) => Err(ControlError::Agent { sandbox: id.to_owned(), source }),
+    /// Starts a polled watcher: at most [`WATCHERS_PER_SANDBOX`] per
+    /// sandbox, each ending with its sandbox.
+    pub async fn create_watcher(&self, s: &EnvdSession, path: String, recursive: bool) -> Result<String> {
+        let live = self.session_live(s).await?;
+        if lock(&live).by_id.len() >= WATCHERS_PER_SANDBOX {
+            return Err(ControlError::WatcherCapacity { id: s.id.to_string(), max: WATCHERS_PER_SANDBOX });
         }
+        let events = self.session_watch(s, path, recursive, Duration::from_secs(30)).await?;
+        let mut w = lock(&live);
+        if w.by_id.len() >= WATCHERS_PER_SANDBOX {
+            return Err(ControlError::WatcherCapacity { id: s.id.to_string(), max: WATCHERS_PER_SANDBOX });
+        }
+        w.next += 1;
+        let id = format!("w{}", w.next);
+        w.by_id.insert(id.clone(), Watcher { events, backlog: VecDeque::new() });
+        Ok(id)
+    }
+
+    /// The events a polled watcher got since the last poll (at most `max`).
+    pub async fn poll_watcher(&self, s: &EnvdSession, watcher: &str, max: usize) -> Result<Polled> {
+        let live = self.session_live(s).await?;
+        let mut table = lock(&live);
+        let w = table.by_id.get_mut(watcher).ok_or_else(|| ControlError::NoWatcher(truncate(watcher)))?;
+        let mut ended = None;
+        loop {
+            match w.events.try_recv() {
+                Ok(WatchItem::Event(e)) => {
+                    if w.backlog.len() >= WATCHER_BACKLOG {
+                        w.backlog.pop_front();
+                        w.backlog.push_front(WatchEvent { kind: WatchKind::Overflow, name: String::new() });
+                    }
+                    w.backlog.push_back(e);
+                }
+                Ok(WatchItem::Keepalive) => {}
+                Ok(WatchItem::Failed(e)) => {
+                    ended = Some(Err(e));
+                    break;
+                }
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    ended = Some(Ok(()));
+                    break;
+                }
+            }
+        }
+        let n = w.backlog.len().min(max);
+        let events: Vec<WatchEvent> = w.backlog.drain(..n).collect();
+        match ended {
+            None => Ok(Polled::Events(events)),
+            Some(end) => {
+                if w.backlog.is_empty() {
+                    table.by_id.remove(watcher);
+                }
+                match end {
+                    Err(e) if events.is_empty() => Err(e),
+                    _ if events.is_empty() => {
+                        Err(ControlError::NoWatcher(format!("{} (it has ended)", truncate(watcher))))
+                    }
+                    _ => Ok(Polled::Ended(events)),
+                }
+            }
+        }
+    }
+
+    /// Ends a polled watcher (its agent connection closes with it).
+    pub async fn remove_watcher(&self, s: &EnvdSession, watcher: &str) -> Result<()> {
+        let live = self.session_live(s).await?;
+        let removed = lock(&live).by_id.remove(watcher);
+        removed.map(|_| ()).ok_or_else(|| ControlError::NoWatcher(truncate(watcher)))
+    }
+}
+
+fn lock(live: &Live) -> std::sync::MutexGuard<'_, Watchers> {
+    live.watchers.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+async fn agent_list(conn: &mut AsyncConn, id: &SandboxId) -> Result<Vec<ProcessInfo>> {
+    match conn.call(Request::List, &[]).await.map_err(|e| from_agent(id, e, Access::Process))? {
+        (Reply::Processes { processes }, _) => Ok(processes),
+        (other, _) => Err(ControlError::Runtime(format!("agent answered {other:?} to list"))),
     }
 }
 
 /// Forwards a subscribed connection's events for `pid` until it exits or
 /// the receiver goes away.
-fn pump(mut conn: AsyncConn, sid: String, pid: u32, pty: bool, keepalive: Duration) -> mpsc::Receiver<ProcEvent> {
+fn pump(mut conn: AsyncConn, sid: SandboxId, pid: u32, pty: bool, keepalive: Duration) -> mpsc::Receiver<ProcEvent> {
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(async move {
         if tx.send(ProcEvent::Start { pid }).await.is_err() {
@@ -273,7 +435,7 @@ fn pump(mut conn: AsyncConn, sid: String, pid: u32, pty: bool, keepalive: Durati
         loop {
             let ev = match tokio::time::timeout(keepalive, conn.recv()).await {
                 Err(_) => ProcEvent::Keepalive,
-                Ok(Err(e)) => ProcEvent::Failed(ControlError::Agent { sandbox: sid.clone(), source: e }),
+                Ok(Err(e)) => ProcEvent::Failed(ControlError::Agent { sandbox: sid.to_string(), source: e }),
                 Ok(Ok((FromAgent::Output { pid: p, stream }, data))) if p == pid => {
                     let stream = match (pty, stream) {
                         (true, _) => ProcStream::Pty,
@@ -292,4 +454,21 @@ fn pump(mut conn: AsyncConn, sid: String, pid: u32, pty: bool, keepalive: Durati
         }
     });
     rx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sessions_name_only_the_users_a_sandbox_has_and_resolve_against_home() {
+        let id = SandboxId::from_record("sb-0000000000000001");
+        let owner = OwnerId::from_record("key-000000000001");
+        assert!(EnvdSession::new(id.clone(), owner.clone(), "nobody").is_err());
+        let s = EnvdSession::new(id, owner, "user").expect("user");
+        assert_eq!(s.resolve("").expect("home"), "/home/user");
+        assert_eq!(s.resolve("a/b").expect("relative"), "/home/user/a/b");
+        assert_eq!(s.as_user("root").expect("root").resolve("x").expect("root's"), "/root/x");
+        assert!(s.resolve("../../etc").is_err());
+    }
 }

@@ -7,10 +7,13 @@
 
 use crate::control::{now_ms, resolve_limits, rfc3339, Control, BASE};
 use crate::error::{ControlError, Result};
-use hutch_api::{CreateTemplate, LimitsRequest, Readiness, Startup, Template, TemplateList, UpdateTemplate, Warm};
+pub use crate::ids::TemplateId;
+use crate::ids::{Caller, OwnerId};
+use hutch_api::{
+    CreateTemplate, LimitsRequest, Readiness, SandboxState, Startup, Template, TemplateList, UpdateTemplate, Warm,
+};
 use hutch_store::{StoreError, TemplateRecord};
 use std::collections::BTreeMap;
-use std::fmt;
 use std::time::Duration;
 
 /// Most warm sandboxes one template may ask for.
@@ -20,39 +23,6 @@ pub const MAX_TTL_CAP: u64 = 7 * 86_400;
 /// The builtin image and the only class.
 const IMAGE: &str = hutch_runtime::image::BASE;
 const CLASS: &str = "container";
-
-/// A template's id: `tpl-` and 16 hex digits.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct TemplateId(String);
-
-impl TemplateId {
-    fn random() -> Result<TemplateId> {
-        let id = hutch_runtime::container::random_id().map_err(|e| ControlError::Runtime(e.to_string()))?;
-        Ok(TemplateId(format!("tpl-{}", id.trim_start_matches("sb-"))))
-    }
-
-    /// A path segment that may name a template; anything else names none.
-    pub fn parse(s: &str) -> Result<TemplateId> {
-        let ok = s.len() == 20
-            && s.starts_with("tpl-")
-            && s[4..].bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-        if ok {
-            Ok(TemplateId(s.to_owned()))
-        } else {
-            Err(ControlError::NoTemplate(s.to_owned()))
-        }
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for TemplateId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
 
 /// What a create runs: the builtin `base` or one of the caller's templates,
 /// resolved to concrete values.
@@ -238,14 +208,17 @@ fn env_json(env: &BTreeMap<String, String>) -> String {
 
 impl Control {
     /// What a create of `name` (None: `base`) runs for `owner`.
-    pub fn recipe(&self, owner: &str, name: Option<&str>) -> Result<Recipe> {
+    pub(crate) async fn recipe(&self, owner: &OwnerId, name: Option<&str>) -> Result<Recipe> {
         match name {
             None => Ok(Recipe::base()),
             Some(n) if n == BASE.name => Ok(Recipe::base()),
-            Some(n) => match self.store.template_by_name(owner, n)? {
-                Some(t) => Ok(Recipe::from_record(&t)),
-                None => Err(ControlError::UnknownTemplate(n.to_owned())),
-            },
+            Some(n) => {
+                let (o, name) = (owner.to_string(), n.to_owned());
+                match self.db(move |s| s.template_by_name(&o, &name)).await? {
+                    Some(t) => Ok(Recipe::from_record(&t)),
+                    None => Err(ControlError::UnknownTemplate(n.to_owned())),
+                }
+            }
         }
     }
 
@@ -257,13 +230,14 @@ impl Control {
     }
 
     /// The API view of a template, with its ready warm sandboxes counted.
-    fn template_view(&self, t: &TemplateRecord) -> Result<Template> {
-        let ready = self
-            .store
-            .pooled_sandboxes()?
+    async fn template_view(&self, t: &TemplateRecord) -> Result<Template> {
+        let pooled = self.db(|s| s.pooled_sandboxes()).await?;
+        let ready = pooled
             .iter()
             .filter(|s| {
-                s.state == "running" && s.template_id.as_deref() == Some(&t.id) && s.template_version == Some(t.version)
+                s.state == SandboxState::Running
+                    && s.template_id.as_deref() == Some(&t.id)
+                    && s.template_version == Some(t.version)
             })
             .count() as u64;
         Ok(Template {
@@ -284,15 +258,36 @@ impl Control {
             network: network_of(t),
             created_at: rfc3339(t.created_at),
             updated_at: rfc3339(t.updated_at),
+            owner: t.owner.clone(),
         })
     }
 
-    /// The caller's live template with this id.
-    pub(crate) fn own_template(&self, owner: &str, id: &TemplateId) -> Result<TemplateRecord> {
-        match self.store.get_template(id.as_str())? {
-            Some(t) if t.owner == owner && t.deleted_at.is_none() => Ok(t),
+    /// A live template the caller may see (its own; any, for an admin).
+    pub(crate) async fn template_of(&self, caller: &Caller, id: &TemplateId) -> Result<TemplateRecord> {
+        let tid = id.to_string();
+        match self.db(move |s| s.get_template(&tid)).await? {
+            Some(t) if caller.may_manage(&t.owner) && t.deleted_at.is_none() => Ok(t),
             _ => Err(ControlError::NoTemplate(id.to_string())),
         }
+    }
+
+    /// The images the caller may name: the host's shared ones and its own
+    /// builds' (the admin key: every image).
+    pub async fn list_images(&self, caller: &Caller) -> Result<hutch_api::ImageList> {
+        let store = self.images()?;
+        let images = tokio::task::spawn_blocking(move || store.summaries()).await?;
+        let images = images
+            .into_iter()
+            .filter(|i| caller.admin || i.shared || i.owner.as_deref() == Some(caller.owner.as_str()))
+            .map(|i| hutch_api::ImageInfo {
+                name: i.name,
+                layers: i.layers as u64,
+                size_bytes: i.size_bytes,
+                source: i.source,
+                created_at: rfc3339(i.created_at.saturating_mul(1000).min(i64::MAX as u64) as i64),
+            })
+            .collect();
+        Ok(hutch_api::ImageList { images })
     }
 
     /// The image a template may name: `base`, a preset (built on first
@@ -303,13 +298,15 @@ impl Control {
             return Ok(name.to_owned());
         }
         match self.images()?.get(name) {
-            Ok(_) => Ok(name.to_owned()),
+            // A build's image is its owner's, named only by its template.
+            Ok(img) if img.is_shared() => Ok(name.to_owned()),
+            Ok(_) => Err(ControlError::NoImage(name.to_owned())),
             Err(hutch_runtime::image::ImageError::NotFound(_)) => Err(ControlError::NoImage(name.to_owned())),
             Err(e) => Err(ControlError::Runtime(e.to_string())),
         }
     }
 
-    pub fn create_template(&self, owner: &str, req: &CreateTemplate) -> Result<Template> {
+    pub async fn create_template(&self, caller: &Caller, req: &CreateTemplate) -> Result<Template> {
         check_name(&req.name)?;
         check_build_image(req.image.as_deref(), None)?;
         let image = self.check_image(req.image.as_deref())?;
@@ -325,8 +322,8 @@ impl Control {
         check_warm(warm)?;
         let now = now_ms();
         let t = TemplateRecord {
-            id: TemplateId::random()?.0,
-            owner: owner.to_owned(),
+            id: TemplateId::random()?.to_string(),
+            owner: caller.owner.to_string(),
             name: req.name.clone(),
             version: 1,
             image,
@@ -347,32 +344,43 @@ impl Control {
             readiness: to_json(req.readiness.as_ref()),
             network: self.template_network(req.network.as_ref())?,
         };
-        match self.store.insert_template(&t) {
-            Ok(()) => self.template_view(&t),
-            Err(StoreError::Conflict) => Err(ControlError::TemplateNameTaken(req.name.clone())),
-            Err(e) => Err(e.into()),
+        let rec = t.clone();
+        match self.db(move |s| s.insert_template(&rec)).await {
+            Ok(()) => self.template_view(&t).await,
+            Err(ControlError::Store(StoreError::Conflict)) => Err(ControlError::TemplateNameTaken(req.name.clone())),
+            Err(e) => Err(e),
         }
     }
 
-    pub fn list_templates(&self, owner: &str) -> Result<TemplateList> {
-        let templates =
-            self.store.list_templates(Some(owner))?.iter().map(|t| self.template_view(t)).collect::<Result<_>>()?;
+    /// The caller's live templates, or for an admin another owner's
+    /// (`owner`) or everyone's (`*`).
+    pub async fn list_templates(&self, caller: &Caller, owner: Option<&str>) -> Result<TemplateList> {
+        let owners = caller.listing(owner)?;
+        let filter = owners.filter().map(str::to_owned);
+        let records = self.db(move |s| s.list_templates(filter.as_deref())).await?;
+        let mut templates = Vec::with_capacity(records.len());
+        for t in &records {
+            templates.push(self.template_view(t).await?);
+        }
         Ok(TemplateList { templates })
     }
 
-    pub fn get_template(&self, owner: &str, id: &TemplateId) -> Result<Template> {
-        self.template_view(&self.own_template(owner, id)?)
+    pub async fn get_template(&self, caller: &Caller, id: &TemplateId) -> Result<Template> {
+        self.template_view(&self.template_of(caller, id).await?).await
     }
 
-    pub fn update_template(&self, owner: &str, id: &TemplateId, req: &UpdateTemplate) -> Result<Template> {
-        let old = self.own_template(owner, id)?;
+    pub async fn update_template(&self, caller: &Caller, id: &TemplateId, req: &UpdateTemplate) -> Result<Template> {
+        let old = self.template_of(caller, id).await?;
+        if !caller.may_use(&old.owner) {
+            return Err(ControlError::Forbidden("only a template's owner may change it".into()));
+        }
         check_build_image(req.image.as_deref(), Some(&old.id))?;
         check_class(req.class.as_deref())?;
         let mut t = old.clone();
         if let Some(image) = &req.image {
             let state = &self.runtime.config().state_dir;
             if crate::build::is_build_image_of(image, &old.id) {
-                if crate::build::image_root(state, image).is_err() {
+                if crate::build::image_root(state, image, Some(&old.owner)).is_err() {
                     return Err(ControlError::Invalid(format!("image {image:?} does not exist (or lost a layer)")));
                 }
                 t.image = image.clone();
@@ -423,20 +431,30 @@ impl Control {
         if changed {
             t.version += 1;
         }
-        t.updated_at = now_ms();
+        t.updated_at = now_ms().max(old.updated_at + 1);
         if t != old {
-            self.store.update_template(&t)?;
+            let (rec, read_at) = (t.clone(), old.updated_at);
+            if !self.db(move |s| s.update_template(&rec, read_at)).await? {
+                return Err(ControlError::Conflict(format!(
+                    "template {id} changed while this update was made; read it again and retry"
+                )));
+            }
         }
-        self.template_view(&t)
+        self.template_view(&t).await
     }
 
     /// Hides a template and drains its warm pool now; sandboxes already
     /// claimed live until they end.
-    pub async fn delete_template(self: &std::sync::Arc<Self>, owner: &str, id: &TemplateId) -> Result<()> {
-        let mut t = self.own_template(owner, id)?;
+    pub async fn delete_template(self: &std::sync::Arc<Self>, caller: &Caller, id: &TemplateId) -> Result<()> {
+        let mut t = self.template_of(caller, id).await?;
+        let read_at = t.updated_at;
         t.deleted_at = Some(now_ms());
-        t.updated_at = now_ms();
-        self.store.update_template(&t)?;
+        t.updated_at = now_ms().max(read_at + 1);
+        let rec = t.clone();
+        if !self.db(move |s| s.update_template(&rec, read_at)).await? {
+            // Deleted or changed meanwhile: gone is gone; a change, retry.
+            return Err(ControlError::NoTemplate(id.to_string()));
+        }
         self.drain_template(&t.id).await;
         Ok(())
     }
@@ -445,15 +463,6 @@ impl Control {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn template_ids_are_plain() {
-        let id = TemplateId::random().expect("random");
-        assert_eq!(TemplateId::parse(id.as_str()).expect("parse"), id);
-        for bad in ["", "tpl-", "tpl-../../etc/passwd", "sb-0123456789abcdef", "tpl-0123456789ABCDEF"] {
-            assert!(TemplateId::parse(bad).is_err(), "{bad}");
-        }
-    }
 
     #[test]
     fn names_images_and_pools_are_checked() {

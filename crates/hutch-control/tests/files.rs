@@ -9,7 +9,7 @@ use std::time::Duration;
 use base64::Engine as _;
 use hutch_agent::proto::{Cmd, FromAgent, Reply, Request, Spawn, Stream};
 use hutch_api::{ErrorCode, FilePart, Listing, FILE_DATA_CAP};
-use hutch_control::files::{ListOptions, SandboxFs};
+use hutch_control::files::{FilesError, ListOptions, SandboxFs};
 use hutch_runtime::agent_async::AsyncConn;
 use hutch_runtime::{Config, Runtime, Sandbox, SandboxSpec};
 use sha2::{Digest, Sha256};
@@ -173,7 +173,7 @@ async fn write_read_round_trip_and_the_8_mib_cap() {
     let chunks: Vec<Vec<u8>> = data.chunks(3_000_000).map(<[u8]>::to_vec).collect();
     let feeder = tokio::spawn(async move {
         for c in chunks {
-            tx.send(c).await.expect("send");
+            tx.send(Ok(c)).await.expect("send");
         }
     });
     assert_eq!(fs.write_stream("stream.bin", rx).await.expect("write_stream"), data.len() as u64);
@@ -192,6 +192,22 @@ async fn write_read_round_trip_and_the_8_mib_cap() {
     drop(tx);
     assert_eq!(fs.write_stream("empty.bin", rx).await.expect("empty"), 0);
     assert_eq!(fs.read("empty.bin").await.expect("read"), b"");
+
+    // A stream that breaks (a client that went away) leaves nothing, not
+    // even over an existing file.
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(Ok(vec![7u8; 3 << 20])).await.expect("send");
+    tx.send(Err(FilesError::new(ErrorCode::InvalidRequest, "request body: connection reset"))).await.expect("send");
+    drop(tx);
+    assert_eq!(code(fs.write_stream("stream.bin", rx).await), ErrorCode::InvalidRequest);
+    let mut rx = fs.read_stream("stream.bin").await.expect("read_stream");
+    let mut kept = Vec::new();
+    while let Some(chunk) = rx.recv().await {
+        kept.extend(chunk.expect("chunk"));
+    }
+    assert_eq!(sha_hex(&kept), sha_hex(&data), "a broken stream replaced the file");
+    let left = t.sh("ls -A /workspace", "user").await;
+    assert!(!left.contains(".hutch-upload-"), "a temporary was left: {left}");
 }
 
 #[tokio::test]
@@ -211,7 +227,7 @@ async fn a_full_disk_answers_sandbox_disk_full_and_leaves_no_temporary() {
     let (tx, rx) = tokio::sync::mpsc::channel(2);
     let feeder = tokio::spawn(async move {
         for _ in 0..40 {
-            if tx.send(vec![2u8; 1 << 20]).await.is_err() {
+            if tx.send(Ok(vec![2u8; 1 << 20])).await.is_err() {
                 return;
             }
         }
@@ -331,6 +347,27 @@ fn raw_entry(out: &mut Vec<u8>, name: &[u8], kind: tar::EntryType, data: &[u8], 
     out.resize(out.len().div_ceil(512) * 512, 0);
 }
 
+/// A gzip'd archive whose one file claims `size` bytes (and holds a few).
+fn claims(size: u64) -> Vec<u8> {
+    use std::io::Write;
+    let mut h = header(tar::EntryType::Regular, size, 0o644);
+    h.as_gnu_mut().expect("gnu").name[..3].copy_from_slice(b"big");
+    h.set_cksum();
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    gz.write_all(h.as_bytes()).expect("gzip");
+    gz.write_all(&[0u8; 4096]).expect("gzip");
+    gz.finish().expect("gzip")
+}
+
+/// Every chunk of a stream.
+async fn collect(mut rx: hutch_control::files::Chunks) -> Result<Vec<u8>, FilesError> {
+    let mut out = Vec::new();
+    while let Some(c) = rx.recv().await {
+        out.extend(c?);
+    }
+    Ok(out)
+}
+
 fn hostile(name: &[u8], kind: tar::EntryType, link: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
     raw_entry(&mut out, b"fine.txt", tar::EntryType::Regular, b"fine", b"");
@@ -371,7 +408,7 @@ async fn archives_upload_and_download_and_hostile_ones_change_nothing() {
 
     // Download: a tar of the tree, symlinks as symlinks.
     t.sh("ln -s ../README proj/src/readme-link", "user").await;
-    let tar_bytes = fs.download_archive("proj").await.expect("download");
+    let tar_bytes = collect(fs.download_archive("proj").await.expect("download")).await.expect("whole download");
     let mut got = std::collections::BTreeMap::new();
     for e in tar::Archive::new(tar_bytes.as_slice()).entries().expect("entries") {
         let mut e = e.expect("entry");
@@ -414,7 +451,7 @@ async fn archives_upload_and_download_and_hostile_ones_change_nothing() {
         ("fifo", "x", hostile(b"p", tar::EntryType::Fifo, b""), ErrorCode::SandboxArchiveInvalid),
         ("garbage", "x", vec![0x5a; 4096], ErrorCode::SandboxArchiveInvalid),
         ("many", "x", many, ErrorCode::SandboxArchiveTooLarge),
-        ("huge", "x", vec![0u8; (32 << 20) + 1], ErrorCode::SandboxArchiveTooLarge),
+        ("huge", "x", claims(hutch_control::files::UPLOAD_UNPACKED_CAP + 1), ErrorCode::SandboxArchiveTooLarge),
         ("root", "/", project_tar(false), ErrorCode::SandboxArchiveInvalid),
         ("workspace", "/workspace/.", project_tar(false), ErrorCode::SandboxArchiveInvalid),
         ("dot", ".", project_tar(false), ErrorCode::SandboxArchiveInvalid),
@@ -522,7 +559,7 @@ async fn planted_symlinks_are_never_followed_by_writes() {
     assert_eq!(code(root.write("evil/passwd", b"pwned").await), ErrorCode::SandboxPathConflict);
     assert_eq!(code(root.write("evil/new", b"pwned").await), ErrorCode::SandboxPathConflict);
     let (tx, rx) = tokio::sync::mpsc::channel(1);
-    tx.send(b"pwned".to_vec()).await.expect("send");
+    tx.send(Ok(b"pwned".to_vec())).await.expect("send");
     drop(tx);
     assert_eq!(code(root.write_stream("evil/streamed", rx).await), ErrorCode::SandboxPathConflict);
     let sha = sha_hex(b"pwned");
@@ -536,4 +573,86 @@ async fn planted_symlinks_are_never_followed_by_writes() {
     assert_eq!(root.read("evil/hostname").await.expect("read through link"), hostname);
     let after = root.list("/etc", ListOptions { include_sha256: true, ..ListOptions::default() }).await.expect("etc");
     assert_eq!(after, etc, "/etc changed");
+}
+
+/// Interrupted uploads, as a daemon killed with -9 leaves them, are settled
+/// from their journal: undone before the commit, finished after it.
+#[tokio::test]
+async fn interrupted_uploads_are_settled_from_their_journal() {
+    use hutch_control::files::journal::{self, Journal, JournalDir, Move, Phase};
+    let t = TestSandbox::start("journal", 1 << 30);
+    let dir = JournalDir { dir: t.base.join("state/uploads"), sandbox: "sb-test".into() };
+    let user = |s: &str| s.to_owned();
+
+    // Half way through the moves: `a` replaced (its old copy in the
+    // backup), `b` between its two renames (old in the backup, new still
+    // staged), `c` fresh and placed, `sub` fresh and not yet placed; `t`
+    // and `t/deep` were made for the upload.
+    t.sh(
+        "mkdir -p m && cd m && echo old-a > a && echo old-b > b && \
+         mkdir -p .hutch-archive-1/sub && cd .hutch-archive-1 && \
+         echo old-a > .old-1 && echo old-b > .old-2 && echo new-b > b && echo new-s > sub/s && \
+         cd .. && echo new-a > a && rm b && echo new-c > c",
+        "user",
+    )
+    .await;
+    let moving = Journal {
+        version: 1,
+        user: user("user"),
+        target: "/workspace/m".into(),
+        staging: "/workspace/m/.hutch-archive-1".into(),
+        made: vec![],
+        phase: Phase::Moving,
+        moves: vec![
+            Move { path: "a".into(), backup: Some(".old-1".into()) },
+            Move { path: "b".into(), backup: Some(".old-2".into()) },
+            Move { path: "c".into(), backup: None },
+            Move { path: "sub".into(), backup: None },
+        ],
+        chmods: vec![("/workspace/m/sub".into(), 0o500)],
+    };
+    dir.save("1", &moving).await.expect("save");
+    // Staged into a target the upload made: undone down to nothing.
+    t.sh("mkdir -p made/deep/.hutch-archive-2/x && echo new > made/deep/.hutch-archive-2/x/f", "user").await;
+    let staging = Journal {
+        version: 1,
+        user: user("user"),
+        target: "/workspace/made/deep".into(),
+        staging: "/workspace/made/deep/.hutch-archive-2".into(),
+        made: vec!["/workspace/made".into(), "/workspace/made/deep".into()],
+        phase: Phase::Staging,
+        moves: vec![],
+        chmods: vec![],
+    };
+    dir.save("2", &staging).await.expect("save");
+    // Committed: finished (bits set, staging gone), never undone.
+    t.sh(
+        "mkdir -p done/.hutch-archive-3 done/ro && echo new > done/f && echo old > done/.hutch-archive-3/.old-1",
+        "user",
+    )
+    .await;
+    let committed = Journal {
+        version: 1,
+        user: user("user"),
+        target: "/workspace/done".into(),
+        staging: "/workspace/done/.hutch-archive-3".into(),
+        made: vec![],
+        phase: Phase::Committed,
+        moves: vec![Move { path: "f".into(), backup: Some(".old-1".into()) }],
+        chmods: vec![("/workspace/done/ro".into(), 0o555)],
+    };
+    dir.save("3", &committed).await.expect("save");
+
+    assert_eq!(journal::recover(&dir, t.socket()).await, 3);
+    assert_eq!(t.sh("cd m && ls -A && cat a b", "user").await, "a\nb\nold-a\nold-b\n");
+    assert_eq!(t.sh("ls -A /workspace | grep -c '^made$' || true", "user").await.trim(), "0");
+    assert_eq!(t.sh("cd done && ls -A && cat f && stat -c %a ro", "user").await, "f\nro\nnew\n555\n");
+    // The records are gone, and settling again changes nothing.
+    assert_eq!(journal::recover(&dir, t.socket()).await, 0);
+    for (upload, j) in [("1", &moving), ("2", &staging), ("3", &committed)] {
+        dir.save(upload, j).await.expect("save");
+    }
+    assert_eq!(journal::recover(&dir, t.socket()).await, 3);
+    assert_eq!(t.sh("cd m && ls -A && cat a b", "user").await, "a\nb\nold-a\nold-b\n");
+    assert_eq!(t.sh("cd done && ls -A && cat f", "user").await, "f\nro\nnew\n");
 }

@@ -1,10 +1,14 @@
-//! The host side of the agent link: a connection to a sandbox's agent.
+//! The host side of the agent link: one codec ([`Codec`]: request ids, the
+//! frame reader, reply matching and the mapping of the agent's refusals)
+//! under two transports, the blocking [`AgentConn`] (`hutch run`, tests)
+//! and the async [`crate::agent_async::AsyncConn`] (the daemon).
 //!
 //! Everything read here comes from inside the sandbox and is treated as
 //! hostile: the length word is checked before any buffer is allocated, every
-//! header must parse as a known message with no unknown fields, and replies
-//! have a deadline. A lying agent can make a request fail; it cannot make
-//! the host allocate without bound, hang past the deadline, or crash.
+//! header must parse as a known message with no unknown fields, messages
+//! shown to users are bounded, and replies have a deadline. A lying agent
+//! can make a request fail; it cannot make the host allocate without bound,
+//! hang past the deadline, or crash.
 
 use hutch_agent::proto::{self, FromAgent, Reply, Request, ToAgent};
 use std::collections::VecDeque;
@@ -24,6 +28,10 @@ pub enum AgentError {
     Io(#[from] io::Error),
     #[error("agent sent a malformed frame: {0}")]
     Protocol(#[from] proto::FrameError),
+    /// The request itself does not fit in a frame (a caller's bound was
+    /// missing); nothing was sent.
+    #[error("request does not fit in an agent frame: {0}")]
+    RequestTooLarge(proto::FrameError),
     #[error("agent closed the connection")]
     Closed,
     #[error("agent did not answer within {0:?}")]
@@ -37,25 +45,146 @@ pub enum AgentError {
 /// A message from the agent with its data bytes.
 pub type Message = (FromAgent, Vec<u8>);
 
-/// One connection to an agent.
+/// Bytes asked of the socket per read, and the read buffer's resting size.
+const READ_CHUNK: usize = 64 * 1024;
+/// Most unsolicited messages kept while a caller waits for a reply.
+const MAX_PENDING: usize = 4096;
+/// Longest agent error message kept (they are shown to users).
+const MAX_MESSAGE: usize = 1024;
+
+/// The transport-free half of a connection: ids, the write buffer, the
+/// read buffer and its frame reader, and the messages that arrived while a
+/// reply was awaited.
 #[derive(Debug)]
-pub struct AgentConn {
-    stream: UnixStream,
+pub struct Codec {
     ids: Arc<AtomicU64>,
-    /// Messages that arrived while `call` waited for a reply.
-    pending: VecDeque<Message>,
     wbuf: Vec<u8>,
-    reply_timeout: Duration,
     /// Bytes read from the socket; `rbuf[rpos..rend]` is not yet consumed.
     rbuf: Vec<u8>,
     rpos: usize,
     rend: usize,
+    pending: VecDeque<Message>,
+}
+
+impl Default for Codec {
+    fn default() -> Self {
+        Codec::new()
+    }
+}
+
+impl Codec {
+    pub fn new() -> Codec {
+        Codec {
+            ids: Arc::new(AtomicU64::new(1)),
+            wbuf: Vec::new(),
+            rbuf: Vec::new(),
+            rpos: 0,
+            rend: 0,
+            pending: VecDeque::new(),
+        }
+    }
+
+    /// Encodes a request with a fresh id; returns the id and the bytes to send.
+    pub fn request(&mut self, req: Request, data: &[u8]) -> Result<(u64, &[u8]), AgentError> {
+        self.wbuf.clear();
+        let id = encode_request(&self.ids, req, data, &mut self.wbuf)?;
+        Ok((id, &self.wbuf))
+    }
+
+    /// The next complete message of the read buffer, or `None` until more
+    /// bytes arrive (see [`Codec::read_buf`]). Refuses a bad length before
+    /// anything is allocated for the frame.
+    pub fn decode(&mut self) -> Result<Option<Message>, AgentError> {
+        let buffered = &self.rbuf[self.rpos..self.rend];
+        if buffered.len() < 4 {
+            return Ok(None);
+        }
+        proto::check_len(u32::from_le_bytes([buffered[0], buffered[1], buffered[2], buffered[3]]))?;
+        let Some(raw) = proto::split_frame(buffered)? else { return Ok(None) };
+        let msg: FromAgent = proto::parse_header(raw.header)?;
+        let data = raw.data.to_vec();
+        self.rpos += raw.consumed;
+        if self.rpos == self.rend {
+            self.rpos = 0;
+            self.rend = 0;
+        }
+        Ok(Some((msg, data)))
+    }
+
+    /// Room to read into, enough for the rest of the frame being read.
+    /// Call after [`Codec::decode`] answered `None`, then [`Codec::filled`].
+    pub fn read_buf(&mut self) -> &mut [u8] {
+        let buffered = &self.rbuf[self.rpos..self.rend];
+        // decode() checked the length word, so this is at most a frame.
+        let want = match buffered {
+            [a, b, c, d, ..] => 4 + u32::from_le_bytes([*a, *b, *c, *d]) as usize,
+            _ => 4,
+        };
+        if self.rbuf.len() - self.rpos < want.max(READ_CHUNK) {
+            // Move the unread tail to the front, and grow only for a large frame.
+            self.rbuf.copy_within(self.rpos..self.rend, 0);
+            self.rend -= self.rpos;
+            self.rpos = 0;
+            if self.rbuf.len() < want.max(READ_CHUNK) {
+                self.rbuf.resize(want.max(READ_CHUNK), 0);
+            }
+        }
+        &mut self.rbuf[self.rend..]
+    }
+
+    /// Records that `n` bytes were read into [`Codec::read_buf`].
+    pub fn filled(&mut self, n: usize) {
+        self.rend = (self.rend + n).min(self.rbuf.len());
+    }
+
+    /// Whether `msg` answers request `id`: its reply (an error reply as
+    /// [`AgentError::Refused`]), or `None` after keeping `msg` for
+    /// [`Codec::pop_pending`].
+    pub fn take_reply(&mut self, id: u64, msg: Message) -> Result<Option<(Reply, Vec<u8>)>, AgentError> {
+        match msg {
+            (FromAgent::Reply { id: got, reply }, data) if got == id => match reply {
+                Reply::Error { code, message } => Err(AgentError::Refused { code, message: bounded(message) }),
+                reply => Ok(Some((reply, data))),
+            },
+            other => {
+                if self.pending.len() >= MAX_PENDING {
+                    return Err(AgentError::Protocol(proto::FrameError::BadHeader(
+                        "too many unsolicited messages".into(),
+                    )));
+                }
+                self.pending.push_back(other);
+                Ok(None)
+            }
+        }
+    }
+
+    /// A message kept while a reply was awaited, oldest first.
+    pub fn pop_pending(&mut self) -> Option<Message> {
+        self.pending.pop_front()
+    }
+
+    /// Whether nothing unread is buffered.
+    pub fn is_clean(&self) -> bool {
+        self.pending.is_empty() && self.rpos == self.rend
+    }
+}
+
+/// Encodes `req` with the next id of `ids` into `out`.
+fn encode_request(ids: &AtomicU64, req: Request, data: &[u8], out: &mut Vec<u8>) -> Result<u64, AgentError> {
+    let id = ids.fetch_add(1, Ordering::Relaxed);
+    proto::encode(&ToAgent { id, req }, data, out).map_err(AgentError::RequestTooLarge)?;
+    Ok(id)
+}
+
+/// One blocking connection to an agent.
+#[derive(Debug)]
+pub struct AgentConn {
+    stream: UnixStream,
+    codec: Codec,
+    reply_timeout: Duration,
     /// Whether a read timeout is set on the socket now.
     timeout_set: bool,
 }
-
-/// Bytes asked of the socket per read.
-const READ_CHUNK: usize = 256 * 1024;
 
 /// A handle that can send requests on a connection from another thread
 /// (stdin forwarding, signals); replies arrive on the connection.
@@ -67,9 +196,8 @@ pub struct Sender {
 
 impl Sender {
     pub fn send(&mut self, req: Request, data: &[u8]) -> Result<u64, AgentError> {
-        let id = self.ids.fetch_add(1, Ordering::Relaxed);
         let mut buf = Vec::with_capacity(64 + data.len());
-        proto::encode(&ToAgent { id, req }, data, &mut buf)?;
+        let id = encode_request(&self.ids, req, data, &mut buf)?;
         self.stream.write_all(&buf)?;
         Ok(id)
     }
@@ -81,17 +209,7 @@ impl AgentConn {
     }
 
     pub fn from_stream(stream: UnixStream) -> AgentConn {
-        AgentConn {
-            stream,
-            ids: Arc::new(AtomicU64::new(1)),
-            pending: VecDeque::new(),
-            wbuf: Vec::new(),
-            reply_timeout: REPLY_TIMEOUT,
-            rbuf: Vec::new(),
-            rpos: 0,
-            rend: 0,
-            timeout_set: false,
-        }
+        AgentConn { stream, codec: Codec::new(), reply_timeout: REPLY_TIMEOUT, timeout_set: false }
     }
 
     /// How long [`AgentConn::call`] waits for a reply.
@@ -100,15 +218,13 @@ impl AgentConn {
     }
 
     pub fn sender(&self) -> Result<Sender, AgentError> {
-        Ok(Sender { stream: self.stream.try_clone()?, ids: self.ids.clone() })
+        Ok(Sender { stream: self.stream.try_clone()?, ids: self.codec.ids.clone() })
     }
 
     /// Sends a request; its reply arrives later through [`AgentConn::recv`].
     pub fn send(&mut self, req: Request, data: &[u8]) -> Result<u64, AgentError> {
-        let id = self.ids.fetch_add(1, Ordering::Relaxed);
-        self.wbuf.clear();
-        proto::encode(&ToAgent { id, req }, data, &mut self.wbuf)?;
-        self.stream.write_all(&self.wbuf)?;
+        let (id, bytes) = self.codec.request(req, data)?;
+        self.stream.write_all(bytes)?;
         Ok(id)
     }
 
@@ -122,23 +238,9 @@ impl AgentConn {
     /// Waits for the reply to request `id`.
     pub fn wait_reply(&mut self, id: u64) -> Result<(Reply, Vec<u8>), AgentError> {
         loop {
-            let (msg, data) = self.read_message(Some(self.reply_timeout))?;
-            match msg {
-                FromAgent::Reply { id: got, reply } if got == id => {
-                    if let Reply::Error { code, message } = reply {
-                        return Err(AgentError::Refused { code, message: bounded(message) });
-                    }
-                    return Ok((reply, data));
-                }
-                other => {
-                    // Bounded: at most this many unsolicited messages wait.
-                    if self.pending.len() >= 4096 {
-                        return Err(AgentError::Protocol(proto::FrameError::BadHeader(
-                            "too many unsolicited messages".into(),
-                        )));
-                    }
-                    self.pending.push_back((other, data));
-                }
+            let msg = self.read_message(Some(self.reply_timeout))?;
+            if let Some(reply) = self.codec.take_reply(id, msg)? {
+                return Ok(reply);
             }
         }
     }
@@ -146,7 +248,7 @@ impl AgentConn {
     /// The next message: one kept by `call`, else one from the socket,
     /// waiting at most `timeout` (forever when `None`).
     pub fn recv(&mut self, timeout: Option<Duration>) -> Result<Message, AgentError> {
-        if let Some(m) = self.pending.pop_front() {
+        if let Some(m) = self.codec.pop_pending() {
             return Ok(m);
         }
         self.read_message(timeout)
@@ -156,32 +258,10 @@ impl AgentConn {
         // One deadline for the whole frame: an agent that drips a byte at a
         // time must not hold the host longer than a silent one.
         let deadline = timeout.map(|t| (Instant::now() + t, t));
-        self.fill(4, deadline)?;
-        let word = &self.rbuf[self.rpos..self.rpos + 4];
-        let len = u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
-        proto::check_len(len)?;
-        self.fill(4 + len as usize, deadline)?;
-        let raw = proto::split_frame(&self.rbuf[self.rpos..self.rend])?.ok_or(proto::FrameError::BadLength(len))?;
-        let msg: FromAgent = proto::parse_header(raw.header)?;
-        let data = raw.data.to_vec();
-        self.rpos += raw.consumed;
-        Ok((msg, data))
-    }
-
-    /// Reads until at least `want` unread bytes are buffered. `want` is
-    /// bounded by the frame limit, checked by the caller.
-    fn fill(&mut self, want: usize, deadline: Option<(Instant, Duration)>) -> Result<(), AgentError> {
-        if self.rend - self.rpos >= want {
-            return Ok(());
-        }
-        // Move the unread tail to the front, and grow only for a large frame.
-        self.rbuf.copy_within(self.rpos..self.rend, 0);
-        self.rend -= self.rpos;
-        self.rpos = 0;
-        if self.rbuf.len() < want.max(READ_CHUNK) {
-            self.rbuf.resize(want.max(READ_CHUNK), 0);
-        }
-        while self.rend < want {
+        loop {
+            if let Some(m) = self.codec.decode()? {
+                return Ok(m);
+            }
             let remaining = match deadline {
                 Some((at, total)) => {
                     let left = at.saturating_duration_since(Instant::now());
@@ -196,9 +276,9 @@ impl AgentConn {
                 self.stream.set_read_timeout(remaining)?;
                 self.timeout_set = remaining.is_some();
             }
-            match self.stream.read(&mut self.rbuf[self.rend..]) {
+            match self.stream.read(self.codec.read_buf()) {
                 Ok(0) => return Err(AgentError::Closed),
-                Ok(n) => self.rend += n,
+                Ok(n) => self.codec.filled(n),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
                     return Err(AgentError::Timeout(deadline.map(|d| d.1).unwrap_or_default()));
@@ -206,7 +286,6 @@ impl AgentConn {
                 Err(e) => return Err(AgentError::Io(e)),
             }
         }
-        Ok(())
     }
 
     /// Checks the agent answers and speaks our protocol version.
@@ -218,11 +297,11 @@ impl AgentConn {
     }
 }
 
-/// Error messages from the agent are shown to users: keep them short.
+/// Error messages from the agent are shown to users: keep them short, and
+/// cut on a character boundary.
 fn bounded(mut s: String) -> String {
-    const MAX: usize = 1024;
-    if s.len() > MAX {
-        let mut cut = MAX;
+    if s.len() > MAX_MESSAGE {
+        let mut cut = MAX_MESSAGE;
         while !s.is_char_boundary(cut) {
             cut -= 1;
         }
@@ -230,4 +309,104 @@ fn bounded(mut s: String) -> String {
         s.push('…');
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hutch_agent::proto::{ErrorCode, ExitStatus, Stream};
+
+    fn frame(msg: &FromAgent, data: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        proto::encode(msg, data, &mut out).expect("encode");
+        out
+    }
+
+    /// Feeds `bytes` to a codec `step` bytes at a time, as reads would.
+    fn feed(codec: &mut Codec, bytes: &[u8], step: usize) -> Result<Vec<Message>, AgentError> {
+        let mut out = Vec::new();
+        let mut rest = bytes;
+        loop {
+            while let Some(m) = codec.decode()? {
+                out.push(m);
+            }
+            if rest.is_empty() {
+                return Ok(out);
+            }
+            let buf = codec.read_buf();
+            let n = step.min(rest.len()).min(buf.len());
+            buf[..n].copy_from_slice(&rest[..n]);
+            codec.filled(n);
+            rest = &rest[n..];
+        }
+    }
+
+    #[test]
+    fn frames_split_anywhere_decode_whole_and_in_order() {
+        let mut bytes = frame(&FromAgent::Output { pid: 3, stream: Stream::Stdout }, &vec![7u8; 200_000]);
+        bytes.extend(frame(&FromAgent::Exit { pid: 3, status: ExitStatus::exited(0) }, b""));
+        for step in [1, 3, 4096, 1 << 20] {
+            let mut codec = Codec::new();
+            let msgs = feed(&mut codec, &bytes, step).expect("valid");
+            assert_eq!(msgs.len(), 2, "step {step}");
+            assert_eq!(msgs[0].1.len(), 200_000);
+            assert!(matches!(msgs[1].0, FromAgent::Exit { pid: 3, .. }));
+            assert!(codec.is_clean());
+        }
+    }
+
+    #[test]
+    fn an_oversized_length_is_refused_before_any_allocation() {
+        let mut codec = Codec::new();
+        let err = feed(&mut codec, &u32::MAX.to_le_bytes(), 4).expect_err("refused");
+        assert!(matches!(err, AgentError::Protocol(proto::FrameError::BadLength(_))), "{err:?}");
+        assert!(codec.rbuf.len() <= READ_CHUNK);
+    }
+
+    #[test]
+    fn replies_are_matched_by_id_and_the_rest_is_kept_in_order() {
+        let mut codec = Codec::new();
+        let (id, _) = codec.request(Request::Ping, &[]).expect("encode");
+        let out = (FromAgent::Output { pid: 1, stream: Stream::Stderr }, b"x".to_vec());
+        assert!(codec.take_reply(id, out).expect("kept").is_none());
+        let other = (FromAgent::Reply { id: id + 1, reply: Reply::Ok }, Vec::new());
+        assert!(codec.take_reply(id, other).expect("kept").is_none());
+        let pong = (FromAgent::Reply { id, reply: Reply::Pong { version: 1 } }, Vec::new());
+        assert_eq!(codec.take_reply(id, pong).expect("answer"), Some((Reply::Pong { version: 1 }, Vec::new())));
+        assert!(matches!(codec.pop_pending(), Some((FromAgent::Output { pid: 1, .. }, _))));
+        assert!(matches!(codec.pop_pending(), Some((FromAgent::Reply { .. }, _))));
+        assert!(codec.pop_pending().is_none());
+    }
+
+    #[test]
+    fn refusals_carry_a_bounded_message_cut_on_a_character_boundary() {
+        let mut codec = Codec::new();
+        // A multi-byte character straddles the cut: it must not panic.
+        let message = format!("{}é{}", "a".repeat(MAX_MESSAGE - 1), "b".repeat(5000));
+        let reply = (FromAgent::Reply { id: 9, reply: Reply::Error { code: ErrorCode::Io, message } }, Vec::new());
+        match codec.take_reply(9, reply) {
+            Err(AgentError::Refused { code: ErrorCode::Io, message }) => {
+                assert!(message.len() <= MAX_MESSAGE + '…'.len_utf8() && message.ends_with('…'), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn unsolicited_messages_are_bounded() {
+        let mut codec = Codec::new();
+        for _ in 0..MAX_PENDING {
+            let m = (FromAgent::Output { pid: 1, stream: Stream::Stdout }, Vec::new());
+            codec.take_reply(1, m).expect("kept");
+        }
+        let m = (FromAgent::Output { pid: 1, stream: Stream::Stdout }, Vec::new());
+        assert!(matches!(codec.take_reply(1, m), Err(AgentError::Protocol(_))));
+    }
+
+    #[test]
+    fn a_request_too_large_for_a_frame_is_not_a_protocol_error() {
+        let mut codec = Codec::new();
+        let huge = Request::Stat { path: "x".repeat(proto::MAX_HEADER), user: None };
+        assert!(matches!(codec.request(huge, &[]), Err(AgentError::RequestTooLarge(_))));
+    }
 }

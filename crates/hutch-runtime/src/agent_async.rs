@@ -1,60 +1,45 @@
-//! The host side of the agent link for async callers (the daemon): the same
-//! validation as [`crate::agent::AgentConn`] over a tokio socket.
+//! The host side of the agent link for async callers (the daemon): the
+//! [`Codec`] of [`crate::agent`] over a tokio socket.
 //!
 //! One connection serves one caller at a time (an exec, a file operation);
 //! callers open one per task, which costs a connect (tens of microseconds)
 //! and keeps each command's output on its own stream.
 
-use crate::agent::{AgentError, Message};
-use hutch_agent::proto::{self, FromAgent, Reply, Request, ToAgent};
-use std::collections::VecDeque;
+use crate::agent::{AgentError, Codec, Message};
+use hutch_agent::proto::{Reply, Request};
 use std::path::Path;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
-/// How long the agent has to answer a request.
-pub const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+pub use crate::agent::REPLY_TIMEOUT;
+
+/// How long a connect may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug)]
 pub struct AsyncConn {
     stream: UnixStream,
-    next_id: u64,
-    pending: VecDeque<Message>,
-    rbuf: Vec<u8>,
-    rpos: usize,
-    rend: usize,
-    wbuf: Vec<u8>,
+    codec: Codec,
 }
 
 impl AsyncConn {
     pub async fn connect(path: &Path) -> Result<AsyncConn, AgentError> {
-        let stream = tokio::time::timeout(Duration::from_secs(5), UnixStream::connect(path))
+        let stream = tokio::time::timeout(CONNECT_TIMEOUT, UnixStream::connect(path))
             .await
-            .map_err(|_| AgentError::Timeout(Duration::from_secs(5)))??;
-        Ok(AsyncConn {
-            stream,
-            next_id: 1,
-            pending: VecDeque::new(),
-            rbuf: vec![0; 64 * 1024],
-            rpos: 0,
-            rend: 0,
-            wbuf: Vec::new(),
-        })
+            .map_err(|_| AgentError::Timeout(CONNECT_TIMEOUT))??;
+        Ok(AsyncConn { stream, codec: Codec::new() })
     }
 
     /// Whether nothing unread is buffered: the connection can serve another
     /// caller.
     pub fn is_clean(&self) -> bool {
-        self.pending.is_empty() && self.rpos == self.rend
+        self.codec.is_clean()
     }
 
     pub async fn send(&mut self, req: Request, data: &[u8]) -> Result<u64, AgentError> {
-        let id = self.next_id;
-        self.next_id += 1;
-        self.wbuf.clear();
-        proto::encode(&ToAgent { id, req }, data, &mut self.wbuf)?;
-        self.stream.write_all(&self.wbuf).await?;
+        let (id, bytes) = self.codec.request(req, data)?;
+        self.stream.write_all(bytes).await?;
         Ok(id)
     }
 
@@ -68,27 +53,12 @@ impl AsyncConn {
     pub async fn wait_reply(&mut self, id: u64) -> Result<(Reply, Vec<u8>), AgentError> {
         let deadline = tokio::time::Instant::now() + REPLY_TIMEOUT;
         loop {
-            let (msg, data) = match tokio::time::timeout_at(deadline, self.read_message()).await {
+            let msg = match tokio::time::timeout_at(deadline, self.read_message()).await {
                 Ok(m) => m?,
                 Err(_) => return Err(AgentError::Timeout(REPLY_TIMEOUT)),
             };
-            match msg {
-                FromAgent::Reply { id: got, reply } if got == id => {
-                    if let Reply::Error { code, message } = reply {
-                        let mut message = message;
-                        message.truncate(1024);
-                        return Err(AgentError::Refused { code, message });
-                    }
-                    return Ok((reply, data));
-                }
-                other => {
-                    if self.pending.len() >= 4096 {
-                        return Err(AgentError::Protocol(proto::FrameError::BadHeader(
-                            "too many unsolicited messages".into(),
-                        )));
-                    }
-                    self.pending.push_back((other, data));
-                }
+            if let Some(reply) = self.codec.take_reply(id, msg)? {
+                return Ok(reply);
             }
         }
     }
@@ -96,42 +66,63 @@ impl AsyncConn {
     /// The next message, kept or read; waits as long as it takes (callers
     /// put their own deadline around it).
     pub async fn recv(&mut self) -> Result<Message, AgentError> {
-        if let Some(m) = self.pending.pop_front() {
+        if let Some(m) = self.codec.pop_pending() {
             return Ok(m);
         }
         self.read_message().await
     }
 
+    /// Cancel-safe: bytes read stay in the codec when the future is dropped.
     async fn read_message(&mut self) -> Result<Message, AgentError> {
-        self.fill(4).await?;
-        let w = &self.rbuf[self.rpos..self.rpos + 4];
-        let len = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
-        proto::check_len(len)?;
-        self.fill(4 + len as usize).await?;
-        let raw = proto::split_frame(&self.rbuf[self.rpos..self.rend])?.ok_or(proto::FrameError::BadLength(len))?;
-        let msg: FromAgent = proto::parse_header(raw.header)?;
-        let data = raw.data.to_vec();
-        self.rpos += raw.consumed;
-        Ok((msg, data))
-    }
-
-    async fn fill(&mut self, want: usize) -> Result<(), AgentError> {
-        if self.rend - self.rpos >= want {
-            return Ok(());
-        }
-        self.rbuf.copy_within(self.rpos..self.rend, 0);
-        self.rend -= self.rpos;
-        self.rpos = 0;
-        if self.rbuf.len() < want {
-            self.rbuf.resize(want, 0);
-        }
-        while self.rend < want {
-            let n = self.stream.read(&mut self.rbuf[self.rend..]).await?;
+        loop {
+            if let Some(m) = self.codec.decode()? {
+                return Ok(m);
+            }
+            let n = self.stream.read(self.codec.read_buf()).await?;
             if n == 0 {
                 return Err(AgentError::Closed);
             }
-            self.rend += n;
+            self.codec.filled(n);
         }
-        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hutch_agent::proto::{self, ErrorCode, FromAgent, ToAgent};
+    use tokio::io::AsyncWriteExt;
+
+    /// A fake agent on the other end of a socket pair: answers the first
+    /// request with `reply`, after an unsolicited message.
+    async fn fake_agent(mut peer: UnixStream, reply: Reply) {
+        let mut buf = vec![0u8; 64 * 1024];
+        let n = peer.read(&mut buf).await.expect("read request");
+        let frame = proto::split_frame(&buf[..n]).expect("valid").expect("whole");
+        let req: ToAgent = proto::parse_header(frame.header).expect("request");
+        let mut out = Vec::new();
+        let noise = FromAgent::Output { pid: 1, stream: proto::Stream::Stdout };
+        proto::encode(&noise, b"early", &mut out).expect("encode");
+        proto::encode(&FromAgent::Reply { id: req.id, reply }, &[], &mut out).expect("encode");
+        // One byte at a time: the reader must reassemble the frames.
+        for b in out {
+            peer.write_all(&[b]).await.expect("write");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_long_refusal_is_cut_without_a_panic_and_other_messages_wait() {
+        let (ours, theirs) = UnixStream::pair().expect("pair");
+        let message = format!("{}é{}", "a".repeat(1023), "b".repeat(3000));
+        let agent = tokio::spawn(fake_agent(theirs, Reply::Error { code: ErrorCode::NotFound, message }));
+        let mut conn = AsyncConn { stream: ours, codec: Codec::new() };
+        match conn.call(Request::Ping, &[]).await {
+            Err(AgentError::Refused { code: ErrorCode::NotFound, message }) => assert!(message.ends_with('…')),
+            other => panic!("{other:?}"),
+        }
+        let (msg, data) = conn.recv().await.expect("kept message");
+        assert!(matches!(msg, FromAgent::Output { pid: 1, .. }) && data == b"early");
+        assert!(conn.is_clean());
+        agent.await.expect("fake agent");
     }
 }

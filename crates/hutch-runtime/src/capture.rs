@@ -1,7 +1,8 @@
 //! Build layers: a size-capped scratch directory that serves as a build
-//! sandbox's writable layer ([`Scratch`]), the capture of that layer into
-//! an image layer once the sandbox is gone ([`capture`]), and the digest
-//! that names a layer by its content ([`tree_digest`]).
+//! sandbox's writable layer ([`Scratch`]), and the capture of that layer
+//! into an image layer once the sandbox is gone ([`capture`]). The image
+//! store names and commits the result
+//! ([`crate::image::ImageStore::commit_layer`]).
 //!
 //! What a build step left in its upper layer is the sandbox's work, so it
 //! is hostile: the walk never follows a symlink (every open is relative to
@@ -11,24 +12,18 @@
 //! than overlay's whiteout. The capture writes a fresh tree rather than
 //! fixing the upper layer in place: every file of the layer is one we made.
 
+use crate::image::tree::{names, open_dir, open_dir_at, open_file_at, read_link_at, stat_at, xattrs};
 use crate::launch::cstr;
-use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
-use std::fs::{self, File};
+use std::fs;
 use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 /// Ids of one sandbox's range (see [`crate::uids`]).
 const RANGE: u32 = crate::uids::RANGE;
-/// Longest symlink target kept.
-const MAX_LINK: usize = 4096;
-/// Most extended attributes of one entry, and bytes of one value.
-const MAX_XATTRS: usize = 64;
-const MAX_XATTR_VALUE: usize = 64 * 1024;
 /// overlayfs marks an upper directory that hides its lower ones with this.
 pub const OPAQUE: &str = "trusted.overlay.opaque";
 
@@ -151,102 +146,6 @@ pub fn sweep_scratch(parent: &Path) {
         unmount_detach(&path);
         let _ = fs::remove_dir_all(&path);
     }
-}
-
-/// An open directory, the anchor of every `*at` call below.
-fn open_dir_at(dir: RawFd, name: &CStr) -> io::Result<OwnedFd> {
-    // SAFETY: name is a valid C string; the fd returned is owned below.
-    let fd = unsafe {
-        libc::openat(dir, name.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fd was just opened and is owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-fn open_dir(path: &Path) -> io::Result<OwnedFd> {
-    open_dir_at(libc::AT_FDCWD, &cstr(path)?)
-}
-
-fn stat_at(dir: RawFd, name: &CStr) -> io::Result<libc::stat> {
-    // SAFETY: st is a valid out-pointer; name a valid C string.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: as above; AT_SYMLINK_NOFOLLOW: a symlink is described, never followed.
-    if unsafe { libc::fstatat(dir, name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(st)
-}
-
-/// Names in a directory, sorted by their bytes (the canonical order).
-fn names(dir: &OwnedFd) -> io::Result<Vec<CString>> {
-    // The magic link names the open directory itself: nothing on the way is
-    // resolved by name.
-    let mut out = Vec::new();
-    for e in fs::read_dir(format!("/proc/self/fd/{}", dir.as_raw_fd()))? {
-        out.push(CString::new(e?.file_name().as_bytes()).map_err(io::Error::other)?);
-    }
-    out.sort();
-    Ok(out)
-}
-
-fn read_link_at(dir: RawFd, name: &CStr) -> io::Result<Vec<u8>> {
-    let mut buf = vec![0u8; MAX_LINK + 1];
-    // SAFETY: buf is writable for its length; name a valid C string.
-    let n = unsafe { libc::readlinkat(dir, name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let n = n as usize;
-    if n > MAX_LINK {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "symlink target too long"));
-    }
-    buf.truncate(n);
-    Ok(buf)
-}
-
-fn open_file_at(dir: RawFd, name: &CStr, flags: libc::c_int, mode: libc::mode_t) -> io::Result<File> {
-    // SAFETY: name is a valid C string; the fd returned is owned below.
-    let fd = unsafe { libc::openat(dir, name.as_ptr(), flags | libc::O_NOFOLLOW | libc::O_CLOEXEC, mode) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fd was just opened and is owned by nobody else.
-    Ok(unsafe { File::from_raw_fd(fd) })
-}
-
-/// The extended attributes of an open file or directory, sorted by name.
-fn xattrs(fd: RawFd) -> io::Result<Vec<(String, Vec<u8>)>> {
-    let mut list = vec![0u8; 64 * 1024];
-    // SAFETY: list is writable for its length.
-    let n = unsafe { libc::flistxattr(fd, list.as_mut_ptr().cast(), list.len()) };
-    if n < 0 {
-        let e = io::Error::last_os_error();
-        return match e.raw_os_error() {
-            Some(libc::ENOTSUP) => Ok(Vec::new()),
-            _ => Err(e),
-        };
-    }
-    list.truncate(n as usize);
-    let mut out = Vec::new();
-    for name in list.split(|b| *b == 0).filter(|n| !n.is_empty()) {
-        if out.len() >= MAX_XATTRS {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "too many extended attributes"));
-        }
-        let c = CString::new(name).map_err(io::Error::other)?;
-        let mut value = vec![0u8; MAX_XATTR_VALUE];
-        // SAFETY: value is writable for its length; c a valid C string.
-        let len = unsafe { libc::fgetxattr(fd, c.as_ptr(), value.as_mut_ptr().cast(), value.len()) };
-        if len < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        value.truncate(len as usize);
-        out.push((String::from_utf8_lossy(name).into_owned(), value));
-    }
-    out.sort();
-    Ok(out)
 }
 
 fn set_xattr(fd: RawFd, name: &str, value: &[u8]) -> io::Result<()> {
@@ -458,86 +357,6 @@ pub fn capture(upper: &Path, dest: &Path, id_base: u32, limits: CaptureLimits) -
     Ok(walk.done)
 }
 
-/// The content digest of a layer directory: SHA-256 over a canonical walk
-/// (entries sorted by name; for each its path, type, permission bits,
-/// owner, and its content's SHA-256, symlink target or device number, and
-/// its extended attributes). Times are left out. Symlinks are never
-/// followed. Returned as 64 hex digits.
-pub fn tree_digest(dir: &Path, limits: CaptureLimits) -> Result<String, CaptureError> {
-    let shown = dir.display().to_string();
-    let root = open_dir(dir).map_err(io_at(&shown))?;
-    let mut h = Sha256::new();
-    let mut done = Captured::default();
-    digest_dir(&root, "", 0, limits, &mut done, &mut h)?;
-    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
-}
-
-fn digest_dir(
-    dir: &OwnedFd,
-    rel: &str,
-    depth: usize,
-    limits: CaptureLimits,
-    done: &mut Captured,
-    h: &mut Sha256,
-) -> Result<(), CaptureError> {
-    if depth > limits.max_depth {
-        return Err(CaptureError::TooDeep(rel.to_owned(), limits.max_depth));
-    }
-    for name in names(dir).map_err(io_at(rel))? {
-        let path = format!("{rel}/{}", String::from_utf8_lossy(name.as_bytes()));
-        let st = stat_at(dir.as_raw_fd(), &name).map_err(io_at(&path))?;
-        done.entries += 1;
-        if done.entries > limits.max_entries {
-            return Err(CaptureError::TooManyEntries(limits.max_entries));
-        }
-        let kind = st.st_mode & libc::S_IFMT;
-        h.update(name.as_bytes_with_nul());
-        h.update(format!("{path}\0{kind:o} {:o} {}:{}\0", st.st_mode & 0o7777, st.st_uid, st.st_gid).as_bytes());
-        match kind {
-            libc::S_IFDIR => {
-                let sub = open_dir_at(dir.as_raw_fd(), &name).map_err(io_at(&path))?;
-                digest_xattrs(sub.as_raw_fd(), &path, h)?;
-                h.update(b"{");
-                digest_dir(&sub, &path, depth + 1, limits, done, h)?;
-                h.update(b"}");
-            }
-            libc::S_IFREG => {
-                done.bytes = done.bytes.saturating_add(st.st_size as u64);
-                if done.bytes > limits.max_bytes {
-                    return Err(CaptureError::TooLarge(limits.max_bytes));
-                }
-                let mut f =
-                    open_file_at(dir.as_raw_fd(), &name, libc::O_RDONLY | libc::O_NONBLOCK, 0).map_err(io_at(&path))?;
-                let mut fh = Sha256::new();
-                let mut buf = vec![0u8; 64 * 1024];
-                loop {
-                    let n = f.read(&mut buf).map_err(io_at(&path))?;
-                    if n == 0 {
-                        break;
-                    }
-                    fh.update(&buf[..n]);
-                }
-                h.update(fh.finalize());
-                digest_xattrs(f.as_raw_fd(), &path, h)?;
-            }
-            libc::S_IFLNK => h.update(read_link_at(dir.as_raw_fd(), &name).map_err(io_at(&path))?),
-            _ => h.update(st.st_rdev.to_le_bytes()),
-        }
-        h.update(b"\n");
-    }
-    Ok(())
-}
-
-fn digest_xattrs(fd: RawFd, path: &str, h: &mut Sha256) -> Result<(), CaptureError> {
-    for (k, v) in xattrs(fd).map_err(io_at(path))? {
-        h.update(k.as_bytes());
-        h.update(b"=");
-        h.update((v.len() as u64).to_le_bytes());
-        h.update(&v);
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -596,12 +415,13 @@ mod tests {
         let attrs = xattrs(open_dir(&dest.join("etc/app")).expect("open").as_raw_fd()).expect("xattrs");
         assert_eq!(attrs, vec![(OPAQUE.to_owned(), b"y".to_vec())], "only the opaque mark is kept");
         // The digest is a function of content, not of the copy.
-        let a = tree_digest(&dest, CaptureLimits::default()).expect("digest");
+        let digest = |p: &Path| crate::image::tree_digest(p).expect("digest");
+        let a = digest(&dest);
         let dest2 = t.join("layer2");
         capture(&up, &dest2, BASE, CaptureLimits::default()).expect("capture again");
-        assert_eq!(a, tree_digest(&dest2, CaptureLimits::default()).expect("digest"));
+        assert_eq!(a, digest(&dest2));
         fs::write(dest2.join("home/user/notes"), "changed").expect("write");
-        assert_ne!(a, tree_digest(&dest2, CaptureLimits::default()).expect("digest"));
+        assert_ne!(a, digest(&dest2));
         fs::remove_dir_all(&t).expect("cleanup");
     }
 

@@ -1,6 +1,16 @@
 //! Control groups: limits, freeze and kill for one sandbox, on cgroup v1,
 //! pure cgroup v2, and the hybrid of both.
 //!
+//! A sandbox's cgroup holds its agent, and a child cgroup, `work`, holds
+//! every command (in each hierarchy whose controller limits the workload:
+//! memory and pids). The workload's limits are on `work`, so an OOM kill
+//! there can only pick a workload process, never the agent; the sandbox's
+//! cgroup allows that plus headroom for the agent (its heap, and files it
+//! writes for the API into the RAM-backed writable layer, which the kernel
+//! charges to the writer). On cgroup v2 with controllers enabled a cgroup
+//! with children cannot hold processes, so the agent lives in a leaf of its
+//! own, `agent`, next to `work`.
+//!
 //! Every function takes the cgroup mount root as a `&Path` so that tests can
 //! point it at a temporary tree. The layout is detected once: each resource
 //! controller is used from the hierarchy that has it (v1 wins where a
@@ -16,6 +26,16 @@ use std::time::{Duration, Instant};
 
 /// Name of the directory under each hierarchy that holds hutch's sandboxes.
 pub const PARENT: &str = "hutch";
+/// The child of a sandbox's cgroup that holds its commands.
+pub const WORK: &str = "work";
+/// The leaf that holds the agent where the sandbox's cgroup cannot (v2).
+pub const AGENT: &str = "agent";
+/// Memory a sandbox may use beyond its workload's limit and its writable
+/// layer: the agent's own heap, buffers and kernel memory.
+pub const AGENT_RESERVE_BYTES: u64 = 64 << 20;
+/// Processes a sandbox may hold beyond its workload's pids limit: the agent,
+/// and per command its supervisor and the child on its way into `work`.
+pub const AGENT_PIDS: u32 = 2 * hutch_agent::proto::MAX_COMMANDS + 8;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
@@ -173,22 +193,34 @@ pub struct Limits {
 
 const CPU_PERIOD_US: u64 = 100_000;
 
-/// The cgroup (one directory per hierarchy in use) of one sandbox.
+/// The cgroup (one directory per hierarchy in use, and the workload's
+/// children) of one sandbox.
 #[derive(Debug)]
 pub struct Cgroup {
     name: String,
-    /// Every directory created, v2 first when present.
+    /// Every directory created, each parent before its children.
     dirs: Vec<PathBuf>,
+    /// The sandbox's own directories, and whether they are v2.
     memory: Option<(PathBuf, bool)>,
     pids: Option<PathBuf>,
     cpu: Option<(PathBuf, bool)>,
     v2: Option<PathBuf>,
     v1_freezer: Option<PathBuf>,
+    /// The workload's memory and pids cgroups (`<sandbox>/work`).
+    work_memory: Option<(PathBuf, bool)>,
+    work_pids: Option<PathBuf>,
+    /// Where the agent lives, one directory per hierarchy.
+    agent_dirs: Vec<PathBuf>,
+    /// Where commands live, in the hierarchies where that differs from the
+    /// agent's.
+    work_dirs: Vec<PathBuf>,
+    /// Bytes the sandbox may use beyond the workload's memory limit.
+    headroom: u64,
 }
 
 impl Cgroup {
     /// A cgroup with a name and no directory yet.
-    fn named(name: &str) -> Cgroup {
+    fn named(name: &str, headroom: u64) -> Cgroup {
         Cgroup {
             name: name.to_owned(),
             dirs: Vec::new(),
@@ -197,13 +229,23 @@ impl Cgroup {
             cpu: None,
             v2: None,
             v1_freezer: None,
+            work_memory: None,
+            work_pids: None,
+            agent_dirs: Vec::new(),
+            work_dirs: Vec::new(),
+            headroom,
         }
     }
 
-    /// Creates the sandbox's cgroup in every hierarchy it needs and writes
-    /// the limits. On error, whatever was created is removed again.
-    pub fn create(layout: &Layout, name: &str, limits: &Limits) -> Result<Cgroup, CgroupError> {
-        let mut cg = Cgroup::named(name);
+    /// Creates the sandbox's cgroup in every hierarchy it needs, with the
+    /// workload's child cgroups, and writes the limits: `limits` on the
+    /// workload, and on the whole sandbox those plus `headroom` bytes of
+    /// memory (the agent's: see [`AGENT_RESERVE_BYTES`]; callers add the
+    /// writable layer's size, which the agent may fill for the API) and
+    /// [`AGENT_PIDS`] processes. On error, whatever was created is removed
+    /// again.
+    pub fn create(layout: &Layout, name: &str, limits: &Limits, headroom: u64) -> Result<Cgroup, CgroupError> {
+        let mut cg = Cgroup::named(name, headroom);
         match cg.populate(layout, limits) {
             Ok(()) => Ok(cg),
             Err(e) => {
@@ -215,42 +257,86 @@ impl Cgroup {
 
     fn populate(&mut self, layout: &Layout, limits: &Limits) -> Result<(), CgroupError> {
         if let Some(root) = &layout.v2 {
-            let needed: Vec<&str> = Controller::ALL
-                .iter()
-                .filter(|c| layout.placement(**c) == Some(&Placement::V2))
-                .map(|c| c.name())
-                .collect();
+            let on_v2 = |c: Controller| layout.placement(c) == Some(&Placement::V2);
+            let needed: Vec<&str> = Controller::ALL.iter().filter(|c| on_v2(**c)).map(|c| c.name()).collect();
             let parent = root.join(PARENT);
             ensure_parent(root, &parent, &needed)?;
-            self.v2 = Some(self.make_dir(&parent)?);
+            let sb = self.make_dir(parent.join(&self.name))?;
+            // The workload's controllers must be enabled below the sandbox,
+            // which then may hold no process itself.
+            let below: Vec<String> = [Controller::Memory, Controller::Pids]
+                .into_iter()
+                .filter(|c| on_v2(*c))
+                .map(|c| format!("+{}", c.name()))
+                .collect();
+            if below.is_empty() {
+                self.agent_dirs.push(sb.clone());
+            } else {
+                write(&sb.join("cgroup.subtree_control"), &below.join(" "))?;
+                let agent = self.make_dir(sb.join(AGENT))?;
+                let work = self.make_dir(sb.join(WORK))?;
+                self.agent_dirs.push(agent);
+                self.work_dirs.push(work);
+            }
+            self.v2 = Some(sb);
         }
         if let Some(dir) = &layout.v1_freezer {
-            self.v1_freezer = Some(self.make_dir(&dir.join(PARENT))?);
+            let sb = self.make_dir(dir.join(PARENT).join(&self.name))?;
+            self.add_agent_dir(sb.clone());
+            self.v1_freezer = Some(sb);
         }
         for c in Controller::ALL {
-            let dir = match layout.placement(c) {
+            let (dir, v2) = match layout.placement(c) {
                 None => return Err(CgroupError::MissingController { controller: c.name() }),
                 Some(Placement::V2) => (self.v2.clone().expect("v2 placement implies a v2 tree"), true),
-                Some(Placement::V1(root)) => (self.make_dir(&root.join(PARENT))?, false),
+                Some(Placement::V1(root)) => {
+                    let sb = self.make_dir(root.join(PARENT).join(&self.name))?;
+                    self.add_agent_dir(sb.clone());
+                    (sb, false)
+                }
+            };
+            let work = match c {
+                Controller::Memory | Controller::Pids if v2 => Some(dir.join(WORK)),
+                Controller::Memory | Controller::Pids => {
+                    let work = self.make_dir(dir.join(WORK))?;
+                    if !self.work_dirs.contains(&work) {
+                        self.work_dirs.push(work.clone());
+                    }
+                    Some(work)
+                }
+                Controller::Cpu => None,
             };
             match c {
-                Controller::Memory => self.memory = Some(dir),
-                Controller::Pids => self.pids = Some(dir.0),
-                Controller::Cpu => self.cpu = Some(dir),
+                Controller::Memory => {
+                    self.memory = Some((dir, v2));
+                    self.work_memory = work.map(|w| (w, v2));
+                }
+                Controller::Pids => {
+                    self.pids = Some(dir);
+                    self.work_pids = work;
+                }
+                Controller::Cpu => self.cpu = Some((dir, v2)),
             }
         }
         self.apply(limits)
     }
 
-    /// Makes `parent/<name>` unless an earlier controller made it (v1
-    /// hierarchies can be co-mounted and so share a directory).
-    fn make_dir(&mut self, parent: &Path) -> Result<PathBuf, CgroupError> {
-        let dir = parent.join(&self.name);
+    fn add_agent_dir(&mut self, dir: PathBuf) {
+        if !self.agent_dirs.contains(&dir) {
+            self.agent_dirs.push(dir);
+        }
+    }
+
+    /// Makes `dir` unless an earlier controller made it (v1 hierarchies can
+    /// be co-mounted and so share a directory).
+    fn make_dir(&mut self, dir: PathBuf) -> Result<PathBuf, CgroupError> {
         if self.dirs.contains(&dir) {
             return Ok(dir);
         }
-        if !parent.is_dir() {
-            fs::create_dir_all(parent).map_err(io_err(parent))?;
+        if let Some(parent) = dir.parent() {
+            if !parent.is_dir() {
+                fs::create_dir_all(parent).map_err(io_err(parent))?;
+            }
         }
         fs::create_dir(&dir).map_err(io_err(&dir))?;
         self.dirs.push(dir.clone());
@@ -259,17 +345,25 @@ impl Cgroup {
 
     /// Writes the limits; callable again to change them.
     pub fn apply(&self, limits: &Limits) -> Result<(), CgroupError> {
-        if let Some((dir, v2)) = &self.memory {
-            if *v2 {
-                write(&dir.join("memory.max"), &limits.memory_bytes.to_string())?;
-                write_if_present(&dir.join("memory.swap.max"), "0")?;
-            } else {
-                write(&dir.join("memory.limit_in_bytes"), &limits.memory_bytes.to_string())?;
-                // Without this a sandbox could push its memory into swap.
-                write_if_present(&dir.join("memory.memsw.limit_in_bytes"), &limits.memory_bytes.to_string())?;
+        let sandbox_memory = limits.memory_bytes.saturating_add(self.headroom);
+        for (memory, bytes) in [(&self.memory, sandbox_memory), (&self.work_memory, limits.memory_bytes)] {
+            match memory {
+                Some((dir, true)) => {
+                    write(&dir.join("memory.max"), &bytes.to_string())?;
+                    write_if_present(&dir.join("memory.swap.max"), "0")?;
+                }
+                Some((dir, false)) => {
+                    write(&dir.join("memory.limit_in_bytes"), &bytes.to_string())?;
+                    // Without this a sandbox could push its memory into swap.
+                    write_if_present(&dir.join("memory.memsw.limit_in_bytes"), &bytes.to_string())?;
+                }
+                None => {}
             }
         }
         if let Some(dir) = &self.pids {
+            write(&dir.join("pids.max"), &limits.pids.saturating_add(AGENT_PIDS).to_string())?;
+        }
+        if let Some(dir) = &self.work_pids {
             write(&dir.join("pids.max"), &limits.pids.to_string())?;
         }
         if let Some((dir, v2)) = &self.cpu {
@@ -284,24 +378,40 @@ impl Cgroup {
         Ok(())
     }
 
-    /// `cgroup.procs` files a new process writes itself into, one per
-    /// hierarchy. Such a move is cheap once [`enable_fast_migrations`] ran.
+    /// `cgroup.procs` files the sandbox's PID 1 (the agent) writes itself
+    /// into, one per hierarchy. Such a move is cheap once
+    /// [`enable_fast_migrations`] ran.
     pub fn procs_files(&self) -> Vec<PathBuf> {
-        self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
+        self.agent_dirs.iter().map(|d| d.join("cgroup.procs")).collect()
     }
 
-    /// How many times the kernel's OOM killer ran in this cgroup.
-    pub fn oom_kills(&self) -> u64 {
-        match &self.memory {
-            Some((dir, true)) => read_key(&dir.join("memory.events"), "oom_kill"),
-            Some((dir, false)) => read_key(&dir.join("memory.oom_control"), "oom_kill"),
-            None => 0,
+    /// `cgroup.procs` files every command writes itself into (on top of the
+    /// agent's, which it inherits), so that the workload's limits hold it.
+    pub fn work_procs_files(&self) -> Vec<PathBuf> {
+        self.work_dirs.iter().map(|d| d.join("cgroup.procs")).collect()
+    }
+
+    /// The file that counts the OOM kills among the sandbox's commands
+    /// (`oom_kill` in `memory.events` on v2, `memory.oom_control` on v1).
+    pub fn oom_events_file(&self) -> Option<PathBuf> {
+        match self.work_memory.as_ref().or(self.memory.as_ref())? {
+            (dir, true) => Some(dir.join("memory.events")),
+            (dir, false) => Some(dir.join("memory.oom_control")),
         }
     }
 
-    /// How many forks failed because the pids limit was reached.
+    /// How many times the kernel's OOM killer ran among the sandbox's
+    /// commands (in the whole sandbox, for one made before the split).
+    pub fn oom_kills(&self) -> u64 {
+        self.oom_events_file().map_or(0, |f| read_key(&f, "oom_kill"))
+    }
+
+    /// How many forks failed because a pids limit (the workload's or the
+    /// sandbox's) was reached.
     pub fn pids_limit_hits(&self) -> u64 {
-        self.pids.as_ref().map_or(0, |dir| read_key(&dir.join("pids.events"), "max"))
+        let hits = |dir: &Option<PathBuf>| dir.as_ref().map_or(0, |d| read_key(&d.join("pids.events"), "max"));
+        // A v2 host may count a child's events in its parent too: not a sum.
+        hits(&self.work_pids).max(hits(&self.pids))
     }
 
     /// How many CPU periods the sandbox was throttled in.
@@ -392,11 +502,11 @@ impl Cgroup {
             }
         }
         // No cgroup.kill: freeze so nothing forks while we signal, then thaw
-        // so the signals are delivered.
+        // so the signals are delivered. The agent and the workload are in
+        // different directories: signal what every one holds.
         let frozen = self.freeze().is_ok();
-        let procs = self.dirs.first().map(|d| d.join("cgroup.procs"));
-        if let Some(procs) = procs {
-            for pid in fs::read_to_string(&procs).unwrap_or_default().lines() {
+        for dir in &self.dirs {
+            for pid in fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default().lines() {
                 if let Ok(pid) = pid.trim().parse::<i32>() {
                     crate::sys::kill(pid, libc::SIGKILL);
                 }
@@ -440,9 +550,10 @@ impl Cgroup {
     }
 
     /// Re-opens the cgroup of a sandbox that already exists (after a
-    /// restart), without creating anything.
+    /// restart), without creating anything; a sandbox made before the
+    /// workload had a cgroup of its own has no `work` children.
     pub fn existing(layout: &Layout, name: &str) -> Cgroup {
-        let mut cg = Cgroup::named(name);
+        let mut cg = Cgroup::named(name, 0);
         let add = |dir: PathBuf, dirs: &mut Vec<PathBuf>| {
             if !dirs.contains(&dir) && dir.is_dir() {
                 dirs.push(dir.clone());
@@ -450,24 +561,54 @@ impl Cgroup {
             dir
         };
         if let Some(root) = &layout.v2 {
-            cg.v2 = Some(add(root.join(PARENT).join(name), &mut cg.dirs));
+            let sb = add(root.join(PARENT).join(name), &mut cg.dirs);
+            let (agent, work) = (sb.join(AGENT), sb.join(WORK));
+            if work.is_dir() {
+                cg.agent_dirs.push(add(agent, &mut cg.dirs));
+                cg.work_dirs.push(add(work, &mut cg.dirs));
+            } else {
+                cg.agent_dirs.push(sb.clone());
+            }
+            cg.v2 = Some(sb);
         }
         if let Some(root) = &layout.v1_freezer {
-            cg.v1_freezer = Some(add(root.join(PARENT).join(name), &mut cg.dirs));
+            let sb = add(root.join(PARENT).join(name), &mut cg.dirs);
+            cg.add_agent_dir(sb.clone());
+            cg.v1_freezer = Some(sb);
         }
         for c in Controller::ALL {
-            let dir = match layout.placement(c) {
+            let (dir, v2) = match layout.placement(c) {
                 None => continue,
                 Some(Placement::V2) => match &cg.v2 {
                     Some(d) => (d.clone(), true),
                     None => continue,
                 },
-                Some(Placement::V1(root)) => (add(root.join(PARENT).join(name), &mut cg.dirs), false),
+                Some(Placement::V1(root)) => {
+                    let sb = add(root.join(PARENT).join(name), &mut cg.dirs);
+                    cg.add_agent_dir(sb.clone());
+                    (sb, false)
+                }
+            };
+            let work = match c {
+                Controller::Memory | Controller::Pids if dir.join(WORK).is_dir() => {
+                    let work = add(dir.join(WORK), &mut cg.dirs);
+                    if !cg.work_dirs.contains(&work) {
+                        cg.work_dirs.push(work.clone());
+                    }
+                    Some(work)
+                }
+                _ => None,
             };
             match c {
-                Controller::Memory => cg.memory = Some(dir),
-                Controller::Pids => cg.pids = Some(dir.0),
-                Controller::Cpu => cg.cpu = Some(dir),
+                Controller::Memory => {
+                    cg.memory = Some((dir, v2));
+                    cg.work_memory = work.map(|w| (w, v2));
+                }
+                Controller::Pids => {
+                    cg.pids = Some(dir);
+                    cg.work_pids = work;
+                }
+                Controller::Cpu => cg.cpu = Some((dir, v2)),
             }
         }
         cg
@@ -699,7 +840,7 @@ mod tests {
     #[test]
     fn populated_is_a_verdict_only_when_the_kernel_was_read() {
         let root = tmp("populated");
-        let cg = |dirs: &[&str]| Cgroup { dirs: dirs.iter().map(|d| root.join(d)).collect(), ..Cgroup::named("sb") };
+        let cg = |dirs: &[&str]| Cgroup { dirs: dirs.iter().map(|d| root.join(d)).collect(), ..Cgroup::named("sb", 0) };
         touch(&root.join("live/cgroup.procs"), "42\n");
         touch(&root.join("empty/cgroup.procs"), "");
         touch(&root.join("nested/cgroup.procs"), "");
@@ -738,6 +879,17 @@ mod tests {
         assert_eq!(layout.cpu, Some(Placement::V1(root.join("cpu"))));
         assert_eq!(layout.v2, Some(root.join("unified")));
         assert_eq!(layout.v1_freezer, None, "v2 freezes when present");
+        // The v2 tree has no controller of ours: the agent and the workload
+        // share its directory; the workload's limits are on v1.
+        touch(&root.join("unified/hutch/cgroup.subtree_control"), "");
+        let cg = Cgroup::create(&layout, "sb3", &Limits { memory_bytes: 1 << 20, pids: 5, cpu_millis: 100 }, 0)
+            .expect("create");
+        assert!(cg.procs_files().contains(&root.join("unified/hutch/sb3/cgroup.procs")));
+        assert!(!root.join("unified/hutch/sb3/work").exists());
+        assert_eq!(
+            cg.work_procs_files(),
+            [root.join("memory/hutch/sb3/work/cgroup.procs"), root.join("pids/hutch/sb3/work/cgroup.procs")]
+        );
         fs::remove_dir_all(&root).expect("cleanup");
     }
 
@@ -753,13 +905,32 @@ mod tests {
         // parent's and the sandbox's control files as the kernel would.
         touch(&root.join("hutch/cgroup.subtree_control"), "");
         let limits = Limits { memory_bytes: 256 << 20, pids: 64, cpu_millis: 1500 };
-        let cg = Cgroup::create(&layout, "sb1", &limits).expect("create");
+        let cg = Cgroup::create(&layout, "sb1", &limits, 100 << 20).expect("create");
         let dir = root.join("hutch/sb1");
-        assert_eq!(fs::read_to_string(dir.join("memory.max")).expect("read"), (256u64 << 20).to_string());
-        assert_eq!(fs::read_to_string(dir.join("pids.max")).expect("read"), "64");
-        assert_eq!(fs::read_to_string(dir.join("cpu.max")).expect("read"), "150000 100000");
-        assert_eq!(fs::read_to_string(root.join("cgroup.subtree_control")).expect("read"), "+memory +pids +cpu");
-        assert_eq!(cg.procs_files(), [root.join("hutch/sb1/cgroup.procs")]);
+        let read = |p: PathBuf| fs::read_to_string(p).expect("read");
+        // The sandbox: the workload's limits plus the agent's headroom.
+        assert_eq!(read(dir.join("memory.max")), (356u64 << 20).to_string());
+        assert_eq!(read(dir.join("pids.max")), (64 + AGENT_PIDS).to_string());
+        assert_eq!(read(dir.join("cpu.max")), "150000 100000");
+        assert_eq!(read(root.join("cgroup.subtree_control")), "+memory +pids +cpu");
+        // No internal processes on v2: the agent and the workload in leaves,
+        // the workload's limits on its own.
+        assert_eq!(read(dir.join("cgroup.subtree_control")), "+memory +pids");
+        assert_eq!(read(dir.join("work/memory.max")), (256u64 << 20).to_string());
+        assert_eq!(read(dir.join("work/pids.max")), "64");
+        assert!(!dir.join("agent/memory.max").exists(), "the agent has no limit of its own");
+        assert_eq!(cg.procs_files(), [dir.join("agent/cgroup.procs")]);
+        assert_eq!(cg.work_procs_files(), [dir.join("work/cgroup.procs")]);
+        assert_eq!(cg.oom_events_file(), Some(dir.join("work/memory.events")));
+        touch(&dir.join("work/memory.events"), "low 0\nhigh 0\nmax 9\noom 2\noom_kill 2\noom_group_kill 0\n");
+        assert_eq!(cg.oom_kills(), 2);
+        // Children are removed before their parent.
+        assert_eq!(cg.dirs, [dir.clone(), dir.join("agent"), dir.join("work")]);
+        let again = Cgroup::existing(&layout, "sb1");
+        assert_eq!(
+            (again.dirs.clone(), again.procs_files(), again.work_procs_files(), again.oom_events_file()),
+            (cg.dirs.clone(), cg.procs_files(), cg.work_procs_files(), cg.oom_events_file())
+        );
         fs::remove_dir_all(&root).expect("cleanup");
     }
 
@@ -774,14 +945,29 @@ mod tests {
         assert_eq!(layout.kind(), LayoutKind::V1);
         // The directory exists already (pre-made above), so create fails:
         // the error path must remove what it made.
-        assert!(Cgroup::create(&layout, "sb2", &Limits { memory_bytes: 1, pids: 1, cpu_millis: 1 }).is_err());
+        assert!(Cgroup::create(&layout, "sb2", &Limits { memory_bytes: 1, pids: 1, cpu_millis: 1 }, 0).is_err());
         assert!(!root.join("freezer/hutch/sb2").exists());
         fs::remove_dir_all(root.join("memory/hutch/sb2")).expect("cleanup");
-        let cg =
-            Cgroup::create(&layout, "sb2", &Limits { memory_bytes: 4096, pids: 9, cpu_millis: 500 }).expect("create");
-        assert_eq!(fs::read_to_string(root.join("memory/hutch/sb2/memory.limit_in_bytes")).expect("read"), "4096");
-        assert_eq!(fs::read_to_string(root.join("cpu/hutch/sb2/cpu.cfs_quota_us")).expect("read"), "50000");
+        let limits = Limits { memory_bytes: 4096, pids: 9, cpu_millis: 500 };
+        let cg = Cgroup::create(&layout, "sb2", &limits, 1000).expect("create");
+        let read = |p: &str| fs::read_to_string(root.join(p)).expect("read");
+        assert_eq!(read("memory/hutch/sb2/memory.limit_in_bytes"), "5096");
+        assert_eq!(read("memory/hutch/sb2/work/memory.limit_in_bytes"), "4096");
+        assert_eq!(read("pids/hutch/sb2/work/pids.max"), "9");
+        assert_eq!(read("pids/hutch/sb2/pids.max"), (9 + AGENT_PIDS).to_string());
+        assert_eq!(read("cpu/hutch/sb2/cpu.cfs_quota_us"), "50000");
+        assert!(!root.join("cpu/hutch/sb2/work").exists(), "cpu is shared by agent and workload");
+        // v1 has internal processes: the agent stays in the sandbox's cgroups.
         assert_eq!(cg.procs_files().len(), 4);
+        assert_eq!(
+            cg.work_procs_files(),
+            [root.join("memory/hutch/sb2/work/cgroup.procs"), root.join("pids/hutch/sb2/work/cgroup.procs")]
+        );
+        assert_eq!(cg.oom_events_file(), Some(root.join("memory/hutch/sb2/work/memory.oom_control")));
+        let again = Cgroup::existing(&layout, "sb2");
+        assert_eq!((again.procs_files(), again.work_procs_files()), (cg.procs_files(), cg.work_procs_files()));
+        let pos = |d: &str| again.dirs.iter().position(|x| *x == root.join(d)).expect("listed");
+        assert!(pos("memory/hutch/sb2") < pos("memory/hutch/sb2/work"), "{:?}", again.dirs);
         fs::remove_dir_all(&root).expect("cleanup");
     }
 

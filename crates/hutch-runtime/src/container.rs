@@ -37,6 +37,49 @@ pub const ROOT_CAPS: &[u32] = &[
     31, // CAP_SETFCAP
 ];
 
+/// What one sandbox may hold of the kernel's per-user counters that are
+/// kept as resource limits. The kernel charges them to the owner of the
+/// sandbox's user namespace (the sandbox's own host root id, see
+/// [`launch::NsHelper`]) and caps that charge at the limits its creator
+/// had, so these are per sandbox, all of its users together. Every process
+/// of the sandbox also starts with them as its own limits (soft and hard;
+/// raising a hard limit takes CAP_SYS_RESOURCE of the host, which no
+/// sandbox has).
+///
+/// Counters kept as sysctls (inotify instances and watches, fanotify
+/// groups and marks) are capped per sandbox by the host's own per-user
+/// limits (`/proc/sys/user/max_*` of the host); pseudo-terminals by
+/// `ptys` (devpts `max=`). See docs/threat-model.md.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelCaps {
+    /// Bytes of POSIX message queues (RLIMIT_MSGQUEUE).
+    pub mqueue_bytes: u64,
+    /// Signals queued and not yet delivered, POSIX timers included
+    /// (RLIMIT_SIGPENDING).
+    pub pending_signals: u64,
+    /// Bytes of SysV shared memory locked with SHM_LOCK (RLIMIT_MEMLOCK,
+    /// which also bounds each process's mlock).
+    pub locked_bytes: u64,
+    /// Pseudo-terminals open at once.
+    pub ptys: u32,
+}
+
+/// The caps every sandbox gets: the Linux defaults for one user (800 KiB of
+/// message queues, 8 MiB locked), 16384 pending signals, 128 terminals.
+pub const KERNEL_CAPS: KernelCaps =
+    KernelCaps { mqueue_bytes: 819_200, pending_signals: 16_384, locked_bytes: 8 << 20, ptys: 128 };
+
+impl KernelCaps {
+    /// The resource limits these caps are kept as.
+    pub fn rlimits(&self) -> [(libc::c_int, u64); 3] {
+        [
+            (libc::RLIMIT_MSGQUEUE as libc::c_int, self.mqueue_bytes),
+            (libc::RLIMIT_SIGPENDING as libc::c_int, self.pending_signals),
+            (libc::RLIMIT_MEMLOCK as libc::c_int, self.locked_bytes),
+        ]
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
     #[error("invalid sandbox id {0:?}: use 1 to 64 of a-z, 0-9 and -")]
@@ -69,8 +112,13 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> RuntimeError {
 pub struct Config {
     /// Persistent state: root filesystems.
     pub state_dir: PathBuf,
-    /// Runtime state (tmpfs): agent sockets, uid slots, the staging dir.
+    /// Runtime state (tmpfs): agent sockets, the staging dir.
     pub run_dir: PathBuf,
+    /// The host-wide uid slots ([`uids::HOST_DIR`]): one directory for
+    /// every runtime on the host, whatever its run directory, so that no
+    /// two hand out the same host ids. Change it only in tests of the
+    /// slots themselves.
+    pub uid_dir: PathBuf,
     /// The cgroup mount root, normally /sys/fs/cgroup.
     pub cgroup_root: PathBuf,
     /// The agent binary run as each sandbox's PID 1.
@@ -93,6 +141,7 @@ impl Config {
                 .map(PathBuf::from)
                 .unwrap_or_else(|| "/var/lib/hutch".into()),
             run_dir: std::env::var_os("HUTCH_RUN_DIR").map(PathBuf::from).unwrap_or_else(|| "/run/hutch".into()),
+            uid_dir: uids::HOST_DIR.into(),
             cgroup_root: "/sys/fs/cgroup".into(),
             agent,
         }
@@ -164,7 +213,7 @@ impl Default for SandboxSpec {
 pub struct Runtime {
     cfg: Config,
     layout: Layout,
-    seccomp: Vec<u8>,
+    seccomp: Vec<seccomp::Filter>,
     base: PathBuf,
 }
 
@@ -207,8 +256,8 @@ impl Runtime {
         // Best effort: without it every start on a v1 host waits ~10 ms for
         // RCU (see cgroup::migrations_fast); `hutch doctor` reports it.
         let _ = cgroup::enable_fast_migrations(&layout);
-        let seccomp = seccomp::to_bytes(&seccomp::compile(seccomp::PROFILE)?);
-        for dir in [cfg.run_dir.clone(), cfg.run_dir.join("sockets"), cfg.run_dir.join("stage")] {
+        let seccomp = seccomp::compile(seccomp::PROFILE)?;
+        for dir in [cfg.run_dir.clone(), cfg.run_dir.join("sockets"), cfg.run_dir.join("stage"), cfg.uid_dir.clone()] {
             fs::DirBuilder::new()
                 .recursive(true)
                 .mode(0o700)
@@ -252,17 +301,22 @@ impl Runtime {
             return Err(RuntimeError::InvalidId(format!("{id} (its socket path would pass {MAX_SOCKET_PATH} bytes)")));
         }
         let mut marks = Marks::new();
-        let slot = uids::allocate(&self.cfg.run_dir.join("uids"), &id)?;
+        let slot = uids::allocate(&self.cfg.uid_dir, &id, &self.cfg.run_dir)?;
         marks.mark("uid range");
         // The namespaces are made on the other CPU while we make the cgroup.
-        let helper = match launch::NsHelper::start(slot.base(), uids::RANGE, spec.netns.is_none()) {
-            Ok(h) => h,
-            Err(e) => {
-                slot.release();
-                return Err(RuntimeError::Io { what: "start the namespace helper".into(), source: e });
-            }
-        };
-        let cgroup = match Cgroup::create(&self.layout, &id, &spec.limits) {
+        let helper =
+            match launch::NsHelper::start(slot.base(), uids::RANGE, spec.netns.is_none(), &KERNEL_CAPS.rlimits()) {
+                Ok(h) => h,
+                Err(e) => {
+                    slot.release();
+                    return Err(RuntimeError::Io { what: "start the namespace helper".into(), source: e });
+                }
+            };
+        // Headroom for the agent: its own memory, and files it writes into
+        // the RAM-backed writable layer for the API (charged to it, the
+        // writer), which the layer's size bounds.
+        let headroom = spec.disk_bytes.saturating_add(cgroup::AGENT_RESERVE_BYTES);
+        let cgroup = match Cgroup::create(&self.layout, &id, &spec.limits, headroom) {
             Ok(c) => c,
             Err(e) => {
                 drop(helper);
@@ -302,6 +356,23 @@ impl Runtime {
         let _ = fs::remove_file(&sb.socket);
         let listener = UnixListener::bind(&sb.socket).map_err(io_err(format!("bind {}", sb.socket.display())))?;
 
+        // The workload's cgroup, which every command joins, and its OOM
+        // counter, for the agent (see AgentConfig::work_cgroups).
+        let mut extra = Vec::new();
+        for path in sb.cgroup.work_procs_files() {
+            let f = fs::OpenOptions::new().write(true).custom_flags(libc::O_CLOEXEC).open(&path);
+            extra.push(f.map_err(io_err(format!("open {}", path.display())))?);
+        }
+        let work_cgroups = extra.len() as u32;
+        let oom_events = match sb.cgroup.oom_events_file() {
+            Some(path) => {
+                let f = fs::OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC).open(&path);
+                extra.push(f.map_err(io_err(format!("open {}", path.display())))?);
+                true
+            }
+            None => false,
+        };
+
         let (cfg_rd, cfg_wr) = crate::sys::pipe().map_err(io_err("config pipe"))?;
         let config = AgentConfig {
             version: proto::PROTOCOL_VERSION,
@@ -309,6 +380,8 @@ impl Runtime {
             root_caps: ROOT_CAPS.iter().fold(0u64, |m, c| m | 1 << c),
             replay_bytes: 64 * 1024,
             max_commands: hutch_agent::proto::MAX_COMMANDS,
+            work_cgroups,
+            oom_events,
         };
         let mut frame = Vec::with_capacity(512);
         // The filter is installed by the plan, before the agent's exec (see
@@ -341,6 +414,11 @@ impl Runtime {
             for (f, path) in &procs {
                 plan.push(Step::JoinCgroup { fd: f.as_raw_fd(), what: path.display().to_string() });
             }
+            // The agent's own limits, inherited by every process after it
+            // (the sandbox's total is capped in its user namespace).
+            for (resource, limit) in KERNEL_CAPS.rlimits() {
+                plan.push(Step::SetRlimit { resource, limit });
+            }
             plan.push(Step::Unshare { flags: libc::CLONE_NEWCGROUP });
             // Before /sys is mounted, which shows the mounter's network.
             if let Some(net) = spec.netns.as_deref().or(netns.as_ref()) {
@@ -363,6 +441,7 @@ impl Runtime {
                     id_base: slot.base(),
                     userns_fd: userns.as_raw_fd(),
                     shm_bytes: (spec.limits.memory_bytes / 2).min(64 << 20),
+                    max_ptys: KERNEL_CAPS.ptys,
                     upper: spec.upper_dir.as_deref(),
                 },
             )?;
@@ -384,18 +463,22 @@ impl Runtime {
             plan.push(Step::SetHostname { name: cstr("sandbox")? });
             plan.push(Step::PivotRoot { new_root: cstr(stage.join("root"))? });
             plan.push(Step::EnterUserns { fd: userns.as_raw_fd() });
-            // Root of the sandbox's user namespace may install a filter
-            // without no_new_privs; every process after this one inherits it.
-            plan.push(Step::Seccomp { filter: self.seccomp.clone() });
+            // Entering the user namespace changed our ids, which clears the
+            // parent-death signal: set it again.
+            if let Some(fd) = &parent {
+                plan.push(Step::DieWithParent { parent: fd.as_raw_fd() });
+            }
+            // Root of the sandbox's user namespace may install filters
+            // without no_new_privs; every process after this one inherits them.
+            for f in &self.seccomp {
+                plan.push(Step::Seccomp { name: f.name.clone(), program: f.program.clone() });
+            }
             let args: Vec<&str> = agent_args.iter().map(String::as_str).collect();
-            plan.exec(
-                agent.as_raw_fd(),
-                &args,
-                vec![(listener.as_raw_fd(), 3), (cfg_rd.as_raw_fd(), 4), (slot.file().as_raw_fd(), 5)],
-                // The daemon raised its own limit; the sandbox gets the one
-                // it started with.
-                crate::sys::workload_nofile(),
-            )?;
+            let mut fds = vec![(listener.as_raw_fd(), 3), (cfg_rd.as_raw_fd(), 4), (slot.file().as_raw_fd(), 5)];
+            fds.extend(extra.iter().zip(proto::WORK_CGROUP_FD..).map(|(f, n)| (f.as_raw_fd(), n)));
+            // The daemon raised its own open-file limit; the sandbox gets
+            // the one it started with.
+            plan.exec(agent.as_raw_fd(), &args, fds, crate::sys::workload_nofile())?;
             Ok(plan)
         })()
         .map_err(io_err("prepare the sandbox plan"))?;
@@ -409,17 +492,33 @@ impl Runtime {
         // needs CAP_SYS_RESOURCE, which some hosts (containers) withhold, and
         // the agent's small size already makes it the OOM killer's last pick.
         let _ = fs::write(format!("/proc/{}/oom_score_adj", child.pid), "-1000");
-        drop((listener, cfg_rd, userns, netns, agent, procs, parent));
+        drop((listener, cfg_rd, userns, netns, agent, procs, parent, extra));
         child.wait_started(&plan)?;
         marks.mark("setup and exec");
         Ok(())
     }
 
-    /// Removes what dead sandboxes left behind: cgroups, sockets and uid
-    /// slots whose sandbox no longer runs. Returns the ids cleaned.
+    /// Removes what dead sandboxes of this runtime (its run directory) left
+    /// behind: cgroups, sockets and uid slots whose sandbox no longer runs.
+    /// Returns the ids cleaned. Slots of other runtimes are theirs to sweep,
+    /// unless their run directory is gone, in which case only the slot is
+    /// freed (their cgroups and sockets are not ours to judge).
     pub fn sweep(&self) -> Vec<String> {
         let mut cleaned = Vec::new();
-        for stale in uids::stale(&self.cfg.run_dir.join("uids")) {
+        // Slots written before run directories were recorded belong to the
+        // runtime whose run directory held the slots.
+        let legacy_ours = self.cfg.uid_dir == self.cfg.run_dir.join("uids");
+        for stale in uids::stale(&self.cfg.uid_dir) {
+            let ours = match stale.home.as_deref() {
+                Some(home) => home == self.cfg.run_dir,
+                None => legacy_ours,
+            };
+            if !ours {
+                if stale.home.as_deref().is_some_and(|h| !h.exists()) {
+                    stale.release();
+                }
+                continue;
+            }
             let id = stale.owner.clone();
             if valid_id(&id).is_ok() {
                 let cg = Cgroup::existing(&self.layout, &id);

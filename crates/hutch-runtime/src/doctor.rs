@@ -64,7 +64,7 @@ pub fn check(cfg: &Config) -> Report {
         "kernel",
         (major, minor) >= (5, 19),
         format!("Linux {release}"),
-        "use Linux 5.19 or newer (id-mapped overlay layers, clone3 into cgroups)",
+        "use Linux 5.19 or newer (overlayfs over id-mapped lower layers)",
     ));
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;

@@ -9,7 +9,15 @@
 //! pointer arrays, file descriptors) is made before the clone and held by
 //! the [`Plan`]; the child walks the steps and, on the first failure, writes
 //! the step's index and errno to a close-on-exec pipe and exits. A
-//! successful `execveat` closes that pipe.
+//! successful `execveat` closes that pipe; a failed one reports like any
+//! other step (the Exec step keeps the pipe open, above the descriptors it
+//! arranges).
+//!
+//! The child also shares the cloning thread's TLS, where libc keeps
+//! `errno`: every system call it makes goes through [`crate::sys::raw`],
+//! which returns the kernel's answer and never touches `errno`. That matters
+//! most for the [`NsHelper`], which runs while the thread that cloned it
+//! goes on working.
 
 use std::ffi::CString;
 use std::fmt;
@@ -96,11 +104,24 @@ pub enum Step {
         fd: RawFd,
         nstype: libc::c_int,
     },
-    /// Installs a seccomp filter (classic BPF, `struct sock_filter` bytes).
+    /// Installs a seccomp filter (one of [`crate::seccomp::compile`]'s).
     /// Inherited by the agent and everything it starts, so the kernel
     /// compiles it once per sandbox instead of once per command.
     Seccomp {
-        filter: Vec<u8>,
+        name: String,
+        program: seccompiler::BpfProgram,
+    },
+    /// Sets a resource limit, soft and hard, of the calling process.
+    SetRlimit {
+        resource: libc::c_int,
+        limit: u64,
+    },
+    /// Takes `uid` and `gid` as effective ids while keeping every
+    /// capability (`SECBIT_NO_SETUID_FIXUP`): a user namespace made next is
+    /// owned by them, so the kernel charges its per-user counters to them.
+    EffectiveIds {
+        uid: libc::uid_t,
+        gid: libc::gid_t,
     },
     /// Tells the parent the plan got this far (see [`NsHelper`]).
     Notify {
@@ -163,7 +184,9 @@ impl fmt::Display for Step {
             Step::EnterUserns { .. } => write!(f, "enter the sandbox's user namespace"),
             Step::SetNs { nstype, .. } => write!(f, "setns({nstype:#x})"),
             Step::Notify { .. } => write!(f, "notify the parent"),
-            Step::Seccomp { .. } => write!(f, "install the seccomp filter"),
+            Step::Seccomp { name, .. } => write!(f, "install the seccomp filter ({name})"),
+            Step::SetRlimit { resource, limit } => write!(f, "set resource limit {resource} to {limit}"),
+            Step::EffectiveIds { uid, gid } => write!(f, "take effective ids {uid}:{gid}"),
             Step::Pause => write!(f, "pause"),
             Step::CloseFds { .. } => write!(f, "close inherited descriptors"),
             Step::DieWithParentPid { .. } => write!(f, "set the parent-death signal"),
@@ -255,54 +278,7 @@ pub const NAMESPACES: libc::c_int = libc::CLONE_NEWNS | libc::CLONE_NEWPID | lib
 /// What a [`Step::Notify`] writes: an index no plan reaches, errno 0.
 const READY: [u8; 8] = [0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0];
 
-/// A stack for a child that shares our memory (`CLONE_VM`), with a guard
-/// page below it. Such a child copies no page tables and, more to the point
-/// on virtual machines where page faults are costly, makes neither side take
-/// copy-on-write faults afterwards.
-struct Stack {
-    base: *mut libc::c_void,
-    len: usize,
-}
-
-impl Stack {
-    fn new(len: usize) -> io::Result<Stack> {
-        // SAFETY: an anonymous private mapping; no existing memory is touched.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK,
-                -1,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: the first page of our own mapping becomes the guard page.
-        if unsafe { libc::mprotect(base, 4096, libc::PROT_NONE) } != 0 {
-            let e = io::Error::last_os_error();
-            // SAFETY: unmapping the mapping made above.
-            unsafe { libc::munmap(base, len) };
-            return Err(e);
-        }
-        Ok(Stack { base, len })
-    }
-
-    fn top(&self) -> *mut libc::c_void {
-        // Stacks grow down; keep the top 16-byte aligned.
-        (self.base as usize + self.len - 64) as *mut libc::c_void
-    }
-}
-
-impl Drop for Stack {
-    fn drop(&mut self) {
-        // SAFETY: unmapping our own mapping; callers drop a Stack only when
-        // no child runs on it any more.
-        unsafe { libc::munmap(self.base, self.len) };
-    }
-}
+use hutch_agent::vm::VmStack;
 
 /// What the sandbox child gets: the plan and where to report a failure.
 struct ChildArgs<'a> {
@@ -326,15 +302,15 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
 /// write anything but its own stack: `run_plan` only makes system calls.
 pub fn spawn(plan: &Plan) -> io::Result<Child> {
     let (rd, wr) = crate::sys::pipe()?;
-    let stack = Stack::new(64 * 1024)?;
+    let stack = VmStack::new(64 * 1024)?;
     let args = ChildArgs { plan, report: wr.as_raw_fd() };
-    let flags = libc::CLONE_VM | libc::CLONE_VFORK | NAMESPACES | libc::SIGCHLD;
-    // SAFETY: child_main runs on `stack`, which outlives the child's use of
-    // it (CLONE_VFORK), with a pointer to `args`, which does too.
-    let pid = unsafe { libc::clone(child_main, stack.top(), flags, &args as *const ChildArgs as *mut libc::c_void) };
-    if pid < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let flags = libc::CLONE_VFORK | NAMESPACES | libc::SIGCHLD;
+    // SAFETY: child_main runs `run_plan` (raw system calls only) on `stack`,
+    // which outlives the child's use of it (CLONE_VFORK), with a pointer to
+    // `args`, which does too.
+    let pid = unsafe {
+        hutch_agent::vm::clone_vm(child_main, &stack, flags, &args as *const ChildArgs as *mut libc::c_void)?
+    };
     drop(wr);
     Ok(Child { pid, report: rd })
 }
@@ -375,38 +351,60 @@ impl Child {
 /// # Safety
 /// Must only be called in a freshly cloned child; see the module comment.
 unsafe fn run_plan(plan: &Plan, report: RawFd) -> ! {
+    let mut report = report;
     for (index, step) in plan.steps.iter().enumerate() {
         // SAFETY: every pointer a step passes comes from data the plan owns.
-        if let Err(errno) = unsafe { run_step(step) } {
+        if let Err(errno) = unsafe { run_step(step, &mut report) } {
             let mut msg = [0u8; 8];
             msg[..4].copy_from_slice(&(index as u32).to_ne_bytes());
             msg[4..].copy_from_slice(&errno.to_ne_bytes());
-            // SAFETY: write and _exit are async-signal-safe; msg is on our stack.
-            unsafe {
-                libc::write(report, msg.as_ptr().cast(), msg.len());
-                libc::_exit(125);
-            }
+            // SAFETY: msg is on our stack; a failed write leaves nothing to do.
+            unsafe { raw::syscall(libc::SYS_write, [report as usize, msg.as_ptr() as usize, msg.len(), 0, 0, 0]) };
+            raw::exit(125);
         }
     }
-    // SAFETY: a plan always ends with Exec; reaching here is a bug, and
-    // _exit is the only safe way out of a cloned child.
-    unsafe { libc::_exit(124) }
+    // A plan ends with Exec or Pause; reaching here is a bug.
+    raw::exit(124)
 }
 
-fn errno() -> i32 {
-    io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
-}
+use crate::sys::raw;
 
-fn check(ret: libc::c_long) -> Result<(), i32> {
-    if ret < 0 {
-        Err(errno())
-    } else {
-        Ok(())
-    }
+/// A raw system call with up to six arguments, each cast to a register
+/// (`as usize`: pointers keep their address, negative ints sign-extend as
+/// the kernel expects); `Ok(answer)` or `Err(errno)`.
+macro_rules! sc {
+    ($nr:expr $(, $a:expr)* $(,)?) => {{
+        let given: &[usize] = &[$($a as usize),*];
+        let mut args = [0usize; 6];
+        args[..given.len()].copy_from_slice(given);
+        raw::check(raw::syscall($nr, args))
+    }};
 }
 
 fn ptr_or_null(c: &Option<CString>) -> *const libc::c_char {
     c.as_ref().map_or(std::ptr::null(), |c| c.as_ptr())
+}
+
+/// Closes every descriptor from `first` up except those in `keep`.
+///
+/// # Safety
+/// Raw system calls only; closes descriptors the caller may still name.
+unsafe fn close_from_except(first: RawFd, keep: &mut [RawFd]) -> Result<(), i32> {
+    keep.sort_unstable();
+    let mut from = first as u32;
+    for &k in keep.iter() {
+        let k = k as u32;
+        if k < from {
+            continue;
+        }
+        if k > from {
+            // SAFETY: close_range takes no pointer.
+            unsafe { sc!(libc::SYS_close_range, from, k - 1, 0) }?;
+        }
+        from = k + 1;
+    }
+    // SAFETY: as above.
+    unsafe { sc!(libc::SYS_close_range, from, libc::c_uint::MAX, 0) }.map(drop)
 }
 
 #[repr(C)]
@@ -424,220 +422,197 @@ pub const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
 const OPEN_TREE_CLONE: libc::c_uint = 1;
 const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
 
+/// `SECBIT_NO_SETUID_FIXUP` (linux/securebits.h): changing uids keeps
+/// the capability sets as they are.
+const SECBIT_NO_SETUID_FIXUP: usize = 1 << 2;
+
+/// Runs one step; `report` is the report pipe, which Exec moves.
+///
 /// # Safety
-/// Async-signal-safe: raw system calls on the step's own data only.
-unsafe fn run_step(step: &Step) -> Result<(), i32> {
+/// Raw system calls on the step's own data only (see the module comment).
+unsafe fn run_step(step: &Step, report: &mut RawFd) -> Result<(), i32> {
     // SAFETY: (whole function) each call gets pointers to NUL-terminated
-    // strings or structs owned by `step`, valid for the call's duration.
+    // strings or structs owned by `step` or on our stack, valid for the
+    // call's duration; no call touches errno or any memory but those.
     unsafe {
         match step {
-            Step::IfExists(inner) => match run_step(inner) {
+            Step::IfExists(inner) => match run_step(inner, report) {
                 Err(libc::ENOENT) => Ok(()),
                 other => other,
             },
-            Step::JoinCgroup { fd, .. } => {
-                if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
-                    return Err(errno());
-                }
-                Ok(())
-            }
+            Step::JoinCgroup { fd, .. } => match sc!(libc::SYS_write, *fd, b"0".as_ptr(), 1)? {
+                1 => Ok(()),
+                _ => Err(libc::EIO),
+            },
             Step::DieWithParent { parent } => {
-                check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) as libc::c_long)?;
+                sc!(libc::SYS_prctl, libc::PR_SET_PDEATHSIG, libc::SIGKILL)?;
                 // A pidfd polls readable once its process has exited.
                 let mut pfd = libc::pollfd { fd: *parent, events: libc::POLLIN, revents: 0 };
-                check(libc::poll(&mut pfd, 1, 0) as libc::c_long)?;
+                let zero = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+                sc!(libc::SYS_ppoll, &mut pfd as *mut libc::pollfd, 1, &zero as *const libc::timespec, 0, 0)?;
                 if pfd.revents != 0 {
                     return Err(libc::ESRCH);
                 }
                 Ok(())
             }
-            Step::Unshare { flags } => check(libc::unshare(*flags) as libc::c_long),
-            Step::Mount { source, target, fstype, flags, data } => check(libc::mount(
+            Step::Unshare { flags } => sc!(libc::SYS_unshare, *flags).map(drop),
+            Step::Mount { source, target, fstype, flags, data } => sc!(
+                libc::SYS_mount,
                 ptr_or_null(source),
                 target.as_ptr(),
                 ptr_or_null(fstype),
                 *flags,
-                data.as_ref().map_or(std::ptr::null(), |d| d.as_ptr().cast()),
-            ) as libc::c_long),
-            Step::Mkdir { path, mode } => check(libc::mkdir(path.as_ptr(), *mode) as libc::c_long),
-            Step::Mknod { path, mode, dev } => check(libc::mknod(path.as_ptr(), *mode, *dev) as libc::c_long),
-            Step::Symlink { target, path } => check(libc::symlink(target.as_ptr(), path.as_ptr()) as libc::c_long),
-            Step::Chown { path, uid, gid } => check(libc::lchown(path.as_ptr(), *uid, *gid) as libc::c_long),
-            Step::Chmod { path, mode } => check(libc::chmod(path.as_ptr(), *mode) as libc::c_long),
+                ptr_or_null(data),
+            )
+            .map(drop),
+            Step::Mkdir { path, mode } => sc!(libc::SYS_mkdirat, libc::AT_FDCWD, path.as_ptr(), *mode).map(drop),
+            Step::Mknod { path, mode, dev } => {
+                sc!(libc::SYS_mknodat, libc::AT_FDCWD, path.as_ptr(), *mode, *dev).map(drop)
+            }
+            Step::Symlink { target, path } => {
+                sc!(libc::SYS_symlinkat, target.as_ptr(), libc::AT_FDCWD, path.as_ptr()).map(drop)
+            }
+            Step::Chown { path, uid, gid } => {
+                sc!(libc::SYS_fchownat, libc::AT_FDCWD, path.as_ptr(), *uid, *gid, libc::AT_SYMLINK_NOFOLLOW).map(drop)
+            }
+            Step::Chmod { path, mode } => sc!(libc::SYS_fchmodat, libc::AT_FDCWD, path.as_ptr(), *mode, 0).map(drop),
             Step::WriteFile { path, data } => {
-                let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                if fd < 0 {
-                    return Err(errno());
-                }
+                let fd = sc!(libc::SYS_openat, libc::AT_FDCWD, path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC)?;
                 let bytes = data.as_bytes();
-                let n = libc::write(fd, bytes.as_ptr().cast(), bytes.len());
-                let e = errno();
-                libc::close(fd);
-                if n != bytes.len() as isize {
-                    return Err(e);
+                let n = sc!(libc::SYS_write, fd, bytes.as_ptr(), bytes.len());
+                let _ = sc!(libc::SYS_close, fd);
+                if n? != bytes.len() {
+                    return Err(libc::EIO);
                 }
                 Ok(())
             }
             Step::IdmapBind { source, target, attrs, userns } => {
-                let tree = libc::syscall(
+                let tree = sc!(
                     libc::SYS_open_tree,
                     libc::AT_FDCWD,
                     source.as_ptr(),
                     OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
-                );
-                if tree < 0 {
-                    return Err(errno());
-                }
-                let tree = tree as libc::c_int;
+                )?;
                 let attr = MountAttr {
                     attr_set: MOUNT_ATTR_IDMAP | attrs,
                     attr_clr: 0,
                     propagation: 0,
                     userns_fd: *userns as u64,
                 };
-                let ret = libc::syscall(
+                let moved = sc!(
                     libc::SYS_mount_setattr,
                     tree,
                     c"".as_ptr(),
                     libc::AT_EMPTY_PATH,
                     &attr as *const MountAttr,
                     std::mem::size_of::<MountAttr>(),
-                );
-                if ret < 0 {
-                    let e = errno();
-                    libc::close(tree);
-                    return Err(e);
-                }
-                let ret = libc::syscall(
-                    libc::SYS_move_mount,
-                    tree,
-                    c"".as_ptr(),
-                    libc::AT_FDCWD,
-                    target.as_ptr(),
-                    MOVE_MOUNT_F_EMPTY_PATH,
-                );
-                let e = errno();
-                libc::close(tree);
-                if ret < 0 {
-                    return Err(e);
-                }
-                Ok(())
+                )
+                .and_then(|_| {
+                    sc!(
+                        libc::SYS_move_mount,
+                        tree,
+                        c"".as_ptr(),
+                        libc::AT_FDCWD,
+                        target.as_ptr(),
+                        MOVE_MOUNT_F_EMPTY_PATH
+                    )
+                });
+                let _ = sc!(libc::SYS_close, tree);
+                moved.map(drop)
             }
             Step::LoopbackUp => {
-                let sock = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
-                if sock < 0 {
-                    return Err(errno());
-                }
+                let sock = sc!(libc::SYS_socket, libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0)?;
                 let mut req: libc::ifreq = std::mem::zeroed();
                 req.ifr_name[0] = b'l' as libc::c_char;
                 req.ifr_name[1] = b'o' as libc::c_char;
                 req.ifr_ifru.ifru_flags = (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
-                let ret = libc::ioctl(sock, libc::SIOCSIFFLAGS, &req as *const libc::ifreq);
-                let e = errno();
-                libc::close(sock);
-                if ret < 0 {
-                    return Err(e);
-                }
-                Ok(())
+                let ret = sc!(libc::SYS_ioctl, sock, libc::SIOCSIFFLAGS, &req as *const libc::ifreq);
+                let _ = sc!(libc::SYS_close, sock);
+                ret.map(drop)
             }
-            Step::SetHostname { name } => {
-                check(libc::sethostname(name.as_ptr(), name.as_bytes().len()) as libc::c_long)
-            }
+            Step::SetHostname { name } => sc!(libc::SYS_sethostname, name.as_ptr(), name.as_bytes().len()).map(drop),
             Step::PivotRoot { new_root } => {
-                check(libc::chdir(new_root.as_ptr()) as libc::c_long)?;
-                check(libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()))?;
+                sc!(libc::SYS_chdir, new_root.as_ptr())?;
+                sc!(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr())?;
                 // The old root now sits on top of the new one at "/"; detach it.
-                check(libc::umount2(c".".as_ptr(), libc::MNT_DETACH) as libc::c_long)?;
-                check(libc::chdir(c"/".as_ptr()) as libc::c_long)
+                sc!(libc::SYS_umount2, c".".as_ptr(), libc::MNT_DETACH)?;
+                sc!(libc::SYS_chdir, c"/".as_ptr()).map(drop)
             }
-            Step::SetNs { fd, nstype } => check(libc::setns(*fd, *nstype) as libc::c_long),
-            Step::Seccomp { filter } => {
-                let prog =
-                    libc::sock_fprog { len: (filter.len() / 8) as u16, filter: filter.as_ptr().cast_mut().cast() };
-                check(libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_FILTER as libc::c_ulong, &prog)
-                    as libc::c_long)
+            Step::SetNs { fd, nstype } => sc!(libc::SYS_setns, *fd, *nstype).map(drop),
+            Step::Seccomp { program, .. } => {
+                let prog = libc::sock_fprog { len: program.len() as u16, filter: program.as_ptr() as *mut _ };
+                sc!(libc::SYS_seccomp, libc::SECCOMP_SET_MODE_FILTER, 0, &prog as *const libc::sock_fprog).map(drop)
             }
-            Step::Notify { fd } => {
-                let msg = READY;
-                if libc::write(*fd, msg.as_ptr().cast(), msg.len()) != msg.len() as isize {
-                    return Err(errno());
-                }
-                Ok(())
+            Step::SetRlimit { resource, limit } => {
+                let lim = libc::rlimit64 { rlim_cur: *limit, rlim_max: *limit };
+                sc!(libc::SYS_prlimit64, 0, *resource, &lim as *const libc::rlimit64, 0).map(drop)
             }
-            Step::Pause => loop {
-                libc::pause();
+            Step::EffectiveIds { uid, gid } => {
+                sc!(libc::SYS_prctl, libc::PR_SET_SECUREBITS, SECBIT_NO_SETUID_FIXUP)?;
+                // -1: leave the real and saved ids (root) as they are.
+                sc!(libc::SYS_setresgid, -1i32, *gid, -1i32)?;
+                sc!(libc::SYS_setresuid, -1i32, *uid, -1i32).map(drop)
+            }
+            Step::Notify { fd } => match sc!(libc::SYS_write, *fd, READY.as_ptr(), READY.len())? {
+                8 => Ok(()),
+                _ => Err(libc::EIO),
             },
-            Step::CloseFds { keep } => {
-                if *keep > 3 {
-                    check(libc::syscall(libc::SYS_close_range, 3 as libc::c_uint, (*keep - 1) as libc::c_uint, 0))?;
-                }
-                check(libc::syscall(libc::SYS_close_range, (*keep + 1) as libc::c_uint, libc::c_uint::MAX, 0))
-            }
+            Step::Pause => loop {
+                // ppoll of nothing, no timeout: sleeps until a signal kills us.
+                let _ = sc!(libc::SYS_ppoll, 0, 0, 0, 0, 0);
+            },
+            Step::CloseFds { keep } => close_from_except(3, &mut [*keep]),
             Step::DieWithParentPid { parent } => {
-                check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) as libc::c_long)?;
-                if libc::getppid() != *parent {
+                sc!(libc::SYS_prctl, libc::PR_SET_PDEATHSIG, libc::SIGKILL)?;
+                if sc!(libc::SYS_getppid)? != *parent as usize {
                     return Err(libc::ESRCH);
                 }
                 Ok(())
             }
             Step::EnterUserns { fd } => {
-                check(libc::setns(*fd, libc::CLONE_NEWUSER) as libc::c_long)?;
-                check(libc::syscall(libc::SYS_setgroups, 0usize, std::ptr::null::<libc::gid_t>()))?;
-                check(libc::syscall(libc::SYS_setresgid, 0, 0, 0))?;
-                check(libc::syscall(libc::SYS_setresuid, 0, 0, 0))
+                sc!(libc::SYS_setns, *fd, libc::CLONE_NEWUSER)?;
+                sc!(libc::SYS_setgroups, 0, 0)?;
+                sc!(libc::SYS_setresgid, 0, 0, 0)?;
+                sc!(libc::SYS_setresuid, 0, 0, 0).map(drop)
             }
             Step::Exec { exe_fd, argv: _, argv_ptrs, fds, devnull, nofile } => {
-                // Move every source above the targets first, so that no dup2
+                // The report pipe goes above every target first, so that no
+                // dup3 below overwrites it and a failed exec can still say so;
+                // it is close-on-exec, so a successful one closes it.
+                *report = sc!(libc::SYS_fcntl, *report, libc::F_DUPFD_CLOEXEC, 64)? as RawFd;
+                // Move every source above the targets too, so that no dup3
                 // overwrites a source still to be moved.
                 let mut moved = [0 as RawFd; 8];
                 if fds.len() > moved.len() {
                     return Err(libc::E2BIG);
                 }
                 for (i, (src, _)) in fds.iter().enumerate() {
-                    let fd = libc::fcntl(*src, libc::F_DUPFD_CLOEXEC, 64);
-                    if fd < 0 {
-                        return Err(errno());
-                    }
-                    moved[i] = fd;
+                    moved[i] = sc!(libc::SYS_fcntl, *src, libc::F_DUPFD_CLOEXEC, 64)? as RawFd;
                 }
-                let exe = libc::fcntl(*exe_fd, libc::F_DUPFD_CLOEXEC, 64);
-                if exe < 0 {
-                    return Err(errno());
-                }
+                let exe = sc!(libc::SYS_fcntl, *exe_fd, libc::F_DUPFD_CLOEXEC, 64)? as RawFd;
                 for (i, (_, dst)) in fds.iter().enumerate() {
-                    // dup2 clears close-on-exec on the target.
-                    if libc::dup2(moved[i], *dst) < 0 {
-                        return Err(errno());
-                    }
+                    // dup3 without O_CLOEXEC: the target is inherited.
+                    sc!(libc::SYS_dup3, moved[i], *dst, 0)?;
                 }
-                let null = libc::open(devnull.as_ptr(), libc::O_RDWR);
-                if null < 0 {
-                    return Err(errno());
-                }
+                let null = sc!(libc::SYS_openat, libc::AT_FDCWD, devnull.as_ptr(), libc::O_RDWR)? as RawFd;
                 for std_fd in 0..3 {
-                    if libc::dup2(null, std_fd) < 0 {
-                        return Err(errno());
+                    if null != std_fd {
+                        sc!(libc::SYS_dup3, null, std_fd, 0)?;
                     }
                 }
                 let first_free = fds.iter().map(|(_, d)| *d).max().unwrap_or(2).max(2) + 1;
-                // Close all but the targets and the exe; the exe fd is
-                // close-on-exec so execveat drops it.
-                check(libc::syscall(libc::SYS_close_range, first_free as libc::c_uint, (exe - 1) as libc::c_uint, 0))?;
-                check(libc::syscall(libc::SYS_close_range, (exe + 1) as libc::c_uint, libc::c_uint::MAX, 0))?;
+                // Close all but the targets, the exe and the report pipe;
+                // the last two are close-on-exec, so execveat drops them.
+                close_from_except(first_free, &mut [exe, *report])?;
+                // Last, once the daemon's descriptors are closed: a lower
+                // limit set before would leave none free for the steps above.
                 if let Some((soft, hard)) = nofile {
                     let lim = libc::rlimit { rlim_cur: *soft, rlim_max: *hard };
-                    check(libc::setrlimit(libc::RLIMIT_NOFILE, &lim) as libc::c_long)?;
+                    sc!(libc::SYS_prlimit64, 0, libc::RLIMIT_NOFILE, &lim as *const libc::rlimit, 0)?;
                 }
                 let envp: [*const libc::c_char; 1] = [std::ptr::null()];
-                libc::syscall(
-                    libc::SYS_execveat,
-                    exe,
-                    c"".as_ptr(),
-                    argv_ptrs.as_ptr(),
-                    envp.as_ptr(),
-                    libc::AT_EMPTY_PATH,
-                );
-                Err(errno())
+                sc!(libc::SYS_execveat, exe, c"".as_ptr(), argv_ptrs.as_ptr(), envp.as_ptr(), libc::AT_EMPTY_PATH)
+                    .map(drop)
             }
         }
     }
@@ -654,23 +629,114 @@ pub fn pidfd_self() -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// A plan run by a child that shares our memory and runs at the same time
+/// as the caller (`CLONE_VM` without `CLONE_VFORK`), until it is killed.
+/// The plan reports "ready" with [`Step::Notify`] or a failed step, as the
+/// sandbox child does; the caller waits for either with [`Helper::ready`].
+struct Helper {
+    pid: libc::pid_t,
+    report: OwnedFd,
+    // Referenced by the running helper: dropped only after it is reaped.
+    plan: Box<Plan>,
+    args: Box<ChildArgs<'static>>,
+    stack: VmStack,
+    done: bool,
+}
+
+impl Helper {
+    /// Starts `plan`, which must end in [`Step::Pause`]; `report` is the
+    /// write end of the pipe whose read end is `report_rd` (its steps may
+    /// name it, to keep it open and to notify).
+    fn start(plan: Plan, report: OwnedFd, report_rd: OwnedFd) -> io::Result<Helper> {
+        let plan = Box::new(plan);
+        // SAFETY: the reference is only used by the helper, which is killed
+        // and reaped before `plan` is dropped (see Drop and end).
+        let plan_ref: &'static Plan = unsafe { &*(plan.as_ref() as *const Plan) };
+        let args = Box::new(ChildArgs { plan: plan_ref, report: report.as_raw_fd() });
+        let stack = VmStack::new(16 * 1024)?;
+        // SAFETY: the helper runs `run_plan` (raw system calls only, none
+        // touching errno in the TLS it shares with us) on its own stack;
+        // `args`, `plan` and `stack` outlive it (kept in the result).
+        let pid = unsafe {
+            hutch_agent::vm::clone_vm(
+                child_main,
+                &stack,
+                libc::SIGCHLD,
+                args.as_ref() as *const ChildArgs as *mut libc::c_void,
+            )?
+        };
+        drop(report);
+        Ok(Helper { pid, report: report_rd, plan, args, stack, done: false })
+    }
+
+    /// Waits until the helper notified or failed; a failure names its step.
+    fn ready(&self, what: &str) -> io::Result<()> {
+        let mut buf = [0u8; 8];
+        let n = crate::sys::read_full(self.report.as_raw_fd(), &mut buf)?;
+        if n == 8 && buf == READY {
+            return Ok(());
+        }
+        let index = u32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+        let errno = i32::from_ne_bytes([buf[4], buf[5], buf[6], buf[7]]);
+        let step = self.plan.steps.get(index).map(|s| s.to_string()).unwrap_or_else(|| "start".into());
+        let source = if n == 8 { io::Error::from_raw_os_error(errno) } else { io::ErrorKind::UnexpectedEof.into() };
+        Err(io::Error::new(source.kind(), format!("{what}: {step}: {source}")))
+    }
+
+    fn end(&mut self) {
+        if !self.done {
+            crate::sys::kill(self.pid, libc::SIGKILL);
+            crate::sys::reap(self.pid);
+            self.done = true;
+        }
+    }
+}
+
+impl Drop for Helper {
+    fn drop(&mut self) {
+        // Before plan, args and stack go: the helper must be gone first.
+        self.end();
+        let _ = (&self.args, &self.stack);
+    }
+}
+
+/// `/proc/sys/user` limits set to 0 in every sandbox's user namespace: no
+/// namespace may be made from inside (seccomp refuses it too; this is the
+/// kernel's own second lock). The host makes all of a sandbox's namespaces
+/// from outside, so none of them is charged here.
+const NO_NAMESPACES: &[&str] = &[
+    "max_user_namespaces",
+    "max_pid_namespaces",
+    "max_uts_namespaces",
+    "max_ipc_namespaces",
+    "max_net_namespaces",
+    "max_mnt_namespaces",
+    "max_cgroup_namespaces",
+    "max_time_namespaces",
+];
+
 /// Makes a sandbox's user namespace (ids `0..count` inside mapped to
 /// `base..base+count` on the host) and, optionally, its network namespace
 /// (owned by the host, with `lo` up and the per-namespace sysctls set), in a
 /// helper that shares our memory and runs on the other CPU while the caller
 /// does other work. Descriptors keep the namespaces alive after the helper
 /// is gone.
+///
+/// The user namespace is owned by host id `base` (the sandbox's own root),
+/// not by host root: the kernel charges the per-user counters of everything
+/// inside the namespace (inotify, fanotify, message queue bytes, queued
+/// signals, locked shared memory, user namespaces) to its owner as well, so
+/// each sandbox draws on a share of its own and never on host root's, which
+/// the host and every other sandbox would otherwise share with it. Those
+/// charges are capped by the host's own per-user limits
+/// (`/proc/sys/user/max_*` of the host) and, for the counters kept as
+/// resource limits, by `rlimits`, which the helper takes before it makes the
+/// namespace (the kernel records the creator's limits in it).
 pub struct NsHelper {
-    pid: libc::pid_t,
-    report: OwnedFd,
+    helper: Helper,
     base: u32,
     count: u32,
     with_net: bool,
-    // Referenced by the running helper: dropped only after it is reaped.
-    plan: Box<Plan>,
-    args: Box<ChildArgs<'static>>,
-    stack: Stack,
-    done: bool,
 }
 
 /// Namespaces made by an [`NsHelper`].
@@ -681,15 +747,13 @@ pub struct Namespaces {
 }
 
 impl NsHelper {
-    pub fn start(base: u32, count: u32, with_net: bool) -> io::Result<NsHelper> {
+    pub fn start(base: u32, count: u32, with_net: bool, rlimits: &[(libc::c_int, u64)]) -> io::Result<NsHelper> {
         let (rd, wr) = crate::sys::pipe()?;
         let mut plan = Plan::default();
         // The helper must neither outlive us (if the daemon is killed
         // mid-create) nor hold our descriptors (the listening socket, the
         // database, uid slot locks) while it lives.
         plan.push(Step::CloseFds { keep: wr.as_raw_fd() });
-        // SAFETY: getpid has no preconditions.
-        plan.push(Step::DieWithParentPid { parent: unsafe { libc::getpid() } });
         if with_net {
             plan.push(Step::Unshare { flags: libc::CLONE_NEWNET });
             plan.push(Step::LoopbackUp);
@@ -704,51 +768,34 @@ impl NsHelper {
                 data: cstr(format!("{base} {}", base + count - 1))?,
             });
         }
+        for &(resource, limit) in rlimits {
+            plan.push(Step::SetRlimit { resource, limit });
+        }
+        plan.push(Step::EffectiveIds { uid: base, gid: base });
+        // After the id change, which clears the parent-death signal.
+        // SAFETY: getpid has no preconditions.
+        plan.push(Step::DieWithParentPid { parent: unsafe { libc::getpid() } });
         plan.push(Step::Unshare { flags: libc::CLONE_NEWUSER });
+        for name in NO_NAMESPACES {
+            plan.push(Step::WriteFile { path: cstr(format!("/proc/sys/user/{name}"))?, data: cstr("0")? });
+        }
         plan.push(Step::Notify { fd: wr.as_raw_fd() });
         plan.push(Step::Pause);
-        let plan = Box::new(plan);
-        // SAFETY: the reference is only used by the helper, which is killed
-        // and reaped before `plan` is dropped (see Drop and finish).
-        let plan_ref: &'static Plan = unsafe { &*(plan.as_ref() as *const Plan) };
-        let args = Box::new(ChildArgs { plan: plan_ref, report: wr.as_raw_fd() });
-        let stack = Stack::new(16 * 1024)?;
-        // SAFETY: the helper runs `run_plan` (system calls only) on its own
-        // stack; `args`, `plan` and `stack` outlive it (kept in the result).
-        let pid = unsafe {
-            libc::clone(
-                child_main,
-                stack.top(),
-                libc::CLONE_VM | libc::SIGCHLD,
-                args.as_ref() as *const ChildArgs as *mut libc::c_void,
-            )
-        };
-        if pid < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        drop(wr);
-        Ok(NsHelper { pid, report: rd, base, count, with_net, plan, args, stack, done: false })
+        let helper = Helper::start(plan, wr, rd)?;
+        Ok(NsHelper { helper, base, count, with_net })
     }
 
     /// Waits for the helper to reach its user namespace, maps the ids, and
     /// takes descriptors of the namespaces.
     pub fn finish(mut self) -> io::Result<Namespaces> {
         let result = self.collect();
-        self.end();
+        self.helper.end();
         result
     }
 
     fn collect(&mut self) -> io::Result<Namespaces> {
-        let mut buf = [0u8; 8];
-        let n = crate::sys::read_full(self.report.as_raw_fd(), &mut buf)?;
-        if n != 8 || buf != READY {
-            let index = u32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
-            let errno = i32::from_ne_bytes([buf[4], buf[5], buf[6], buf[7]]);
-            let step = self.plan.steps.get(index).map(|s| s.to_string()).unwrap_or_else(|| "start".into());
-            let source = if n == 8 { io::Error::from_raw_os_error(errno) } else { io::ErrorKind::UnexpectedEof.into() };
-            return Err(io::Error::new(source.kind(), format!("namespace helper: {step}: {source}")));
-        }
-        let pid = self.pid;
+        self.helper.ready("namespace helper")?;
+        let pid = self.helper.pid;
         let map = format!("0 {} {}\n", self.base, self.count);
         std::fs::write(format!("/proc/{pid}/uid_map"), &map)?;
         std::fs::write(format!("/proc/{pid}/gid_map"), &map)?;
@@ -756,24 +803,90 @@ impl NsHelper {
         let net = if self.with_net { Some(open_ns(pid, "net")?) } else { None };
         Ok(Namespaces { user, net })
     }
-
-    fn end(&mut self) {
-        if !self.done {
-            crate::sys::kill(self.pid, libc::SIGKILL);
-            crate::sys::reap(self.pid);
-            self.done = true;
-        }
-    }
-}
-
-impl Drop for NsHelper {
-    fn drop(&mut self) {
-        // Before plan, args and stack go: the helper must be gone first.
-        self.end();
-        let _ = (&self.args, &self.stack);
-    }
 }
 
 fn open_ns(pid: libc::pid_t, kind: &str) -> io::Result<OwnedFd> {
     crate::sys::open(format!("/proc/{pid}/ns/{kind}"), libc::O_RDONLY)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn errno_location() -> *mut libc::c_int {
+        // SAFETY: __errno_location always returns this thread's errno.
+        unsafe { libc::__errno_location() }
+    }
+
+    #[test]
+    fn a_failed_exec_reports_its_step_and_errno_instead_of_a_start() {
+        // An "agent" the kernel cannot exec: no ELF header, no #! line.
+        let dir = std::env::temp_dir().join(format!("hutch-launch-exec-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let bad = dir.join("not-an-agent");
+        std::fs::write(&bad, b"\0\0\0\0 not a program").expect("write");
+        std::fs::set_permissions(&bad, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let exe = crate::sys::open(&bad, libc::O_PATH).expect("open");
+        let keep = crate::sys::open("/dev/null", libc::O_RDONLY).expect("open");
+        let mut plan = Plan::default();
+        // A descriptor placed at 3, where the report pipe may well sit.
+        plan.exec(exe.as_raw_fd(), &["not-an-agent"], vec![(keep.as_raw_fd(), 3)], None).expect("plan");
+        let child = spawn(&plan).expect("clone");
+        let err = child.wait_started(&plan).expect_err("the exec failed; the child must not read as started");
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+        assert_eq!(err.index, 0);
+        assert_eq!(err.step, "exec the agent");
+        assert_eq!(err.source.raw_os_error(), Some(libc::ENOEXEC), "{err}");
+    }
+
+    #[test]
+    fn a_helper_reports_its_own_errno_and_leaves_the_callers_alone() {
+        let (rd, wr) = crate::sys::pipe().expect("pipe");
+        let mut plan = Plan::default();
+        plan.push(Step::CloseFds { keep: wr.as_raw_fd() });
+        plan.push(Step::WriteFile { path: cstr("/nonexistent/hutch/helper").expect("c"), data: cstr("x").expect("c") });
+        plan.push(Step::Notify { fd: wr.as_raw_fd() });
+        plan.push(Step::Pause);
+        // SAFETY: writing this thread's own errno.
+        unsafe { *errno_location() = 0 };
+        let helper = Helper::start(plan, wr, rd).expect("start");
+        let err = helper.ready("helper").expect_err("the write must fail");
+        // The helper's failure, with the helper's errno.
+        assert_eq!(err.kind(), io::ErrorKind::NotFound, "{err}");
+        assert!(err.to_string().contains("write /nonexistent/hutch/helper"), "{err}");
+        // And nothing of it in the errno of the thread that cloned it, whose
+        // TLS the helper shares.
+        // SAFETY: reading this thread's own errno.
+        assert_eq!(unsafe { *errno_location() }, 0, "the helper wrote the caller's errno");
+    }
+
+    #[test]
+    fn close_from_except_keeps_exactly_what_it_is_told() {
+        // In a forked child (closing descriptors of the test harness would
+        // break it): open a few, close from the lowest but two, report.
+        let (rd, wr) = crate::sys::pipe().expect("pipe");
+        let (w, r) = (wr.as_raw_fd(), rd.as_raw_fd());
+        // SAFETY: the child makes raw system calls only and exits.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            // SAFETY: raw system calls in the forked child.
+            unsafe {
+                let a = sc!(libc::SYS_fcntl, w, libc::F_DUPFD, 100).unwrap_or(0) as RawFd;
+                let b = sc!(libc::SYS_fcntl, w, libc::F_DUPFD, 110).unwrap_or(0) as RawFd;
+                let c = sc!(libc::SYS_fcntl, w, libc::F_DUPFD, 120).unwrap_or(0) as RawFd;
+                let _ = close_from_except(a, &mut [c, w]);
+                let open = |fd: RawFd| sc!(libc::SYS_fcntl, fd, libc::F_GETFD).is_ok() as u8;
+                let msg = [open(a), open(b), open(c), open(w)];
+                let _ = sc!(libc::SYS_write, w, msg.as_ptr(), 4);
+                raw::exit(0);
+            }
+        }
+        drop(wr);
+        let mut buf = [0u8; 4];
+        let n = crate::sys::read_full(r, &mut buf).expect("read");
+        crate::sys::reap(pid);
+        assert_eq!((n, buf), (4, [0, 0, 1, 1]));
+    }
 }

@@ -3,9 +3,10 @@
 //! link.
 //!
 //! Architecture invariant: this is the only crate of hutch with `unsafe`
-//! besides the agent's own system calls; each block carries a SAFETY note,
-//! and the code that runs between `clone3` and `execveat` (launch.rs) makes
-//! only async-signal-safe system calls on memory prepared before the clone.
+//! besides hutch-agent (its system calls, and the `CLONE_VM` stack both
+//! sides share); each block carries a SAFETY note, and the code that runs
+//! between `clone` and `execveat` (launch.rs) makes only raw system calls
+//! (`sys::raw`, no `errno`) on memory prepared before the clone.
 
 pub mod agent;
 pub mod agent_async;

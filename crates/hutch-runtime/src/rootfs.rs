@@ -184,6 +184,10 @@ pub struct FsSpec<'a> {
     /// layer instead of the staging tmpfs (build sandboxes, whose layer is
     /// captured after they end; see [`crate::capture`]).
     pub upper: Option<&'a Path>,
+    /// Most pseudo-terminals open at once (devpts `max=`): the kernel's
+    /// pool for all non-initial devpts instances (`kernel.pty.max` minus
+    /// `kernel.pty.reserve`) is shared by every sandbox.
+    pub max_ptys: u32,
 }
 
 /// /proc entries hidden behind an empty file or directory (they leak host
@@ -279,7 +283,7 @@ pub fn plan_root(plan: &mut Plan, spec: &FsSpec) -> io::Result<()> {
         });
     }
     plan_proc(plan, &root)?;
-    plan_dev(plan, &root, base, spec.shm_bytes)?;
+    plan_dev(plan, &root, base, spec.shm_bytes, spec.max_ptys)?;
     plan.mount(Some("sysfs"), &root.join("sys"), Some("sysfs"), crate::sys::MS_RO_NOSUID_NODEV_NOEXEC, None)?;
     Ok(())
 }
@@ -311,7 +315,7 @@ fn plan_proc(plan: &mut Plan, root: &Path) -> io::Result<()> {
     Ok(())
 }
 
-fn plan_dev(plan: &mut Plan, root: &Path, base: u32, shm_bytes: u64) -> io::Result<()> {
+fn plan_dev(plan: &mut Plan, root: &Path, base: u32, shm_bytes: u64, max_ptys: u32) -> io::Result<()> {
     let dev = root.join("dev");
     plan.mount(
         Some("hutch"),
@@ -334,7 +338,7 @@ fn plan_dev(plan: &mut Plan, root: &Path, base: u32, shm_bytes: u64) -> io::Resu
         &pts,
         Some("devpts"),
         libc::MS_NOSUID | libc::MS_NOEXEC,
-        Some(&format!("newinstance,ptmxmode=0666,mode=0620,gid={}", base + 5)),
+        Some(&format!("newinstance,ptmxmode=0666,mode=0620,gid={},max={max_ptys}", base + 5)),
     )?;
     let shm = dev.join("shm");
     plan.mkdir(&shm, 0o1777)?;
@@ -389,6 +393,7 @@ mod tests {
             userns_fd: 9,
             shm_bytes: 64 << 20,
             upper: None,
+            max_ptys: 128,
         };
         plan_root(&mut plan, &spec).expect("plan");
         let text: Vec<String> = plan.steps.iter().map(|s| s.to_string()).collect();
@@ -415,6 +420,7 @@ mod tests {
             userns_fd: 9,
             shm_bytes: 64 << 20,
             upper: Some(Path::new("/state/images/scratch/b1")),
+            max_ptys: 128,
         };
         plan_root(&mut plan, &spec).expect("plan");
         let text: Vec<String> = plan.steps.iter().map(|s| s.to_string()).collect();

@@ -61,6 +61,19 @@ pub fn reap(pid: libc::pid_t) -> Option<i32> {
     }
 }
 
+/// The size in bytes of the file system holding `path`.
+pub fn fs_size(path: &std::path::Path) -> io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| io::ErrorKind::InvalidInput)?;
+    // SAFETY: zeroed is a valid statvfs (plain integers).
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: c is a NUL-terminated path, st a valid out-pointer.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st.f_blocks.saturating_mul(st.f_frsize))
+}
+
 /// Fills `buf` from the kernel's random source.
 pub fn random_bytes(buf: &mut [u8]) -> io::Result<()> {
     let mut done = 0;
@@ -158,6 +171,116 @@ pub fn remount(target: &std::path::Path, options: &str) -> io::Result<()> {
 /// Mount flags of the sandbox's own mounts.
 pub const MS_RO_NOSUID_NODEV_NOEXEC: libc::c_ulong =
     libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+
+/// Signals blocked in the calling thread (and in the threads it starts
+/// afterwards), to be taken one at a time with [`BlockedSignals::wait`].
+#[derive(Clone, Copy)]
+pub struct BlockedSignals(libc::sigset_t);
+
+impl BlockedSignals {
+    pub fn block(signals: &[libc::c_int]) -> io::Result<BlockedSignals> {
+        // SAFETY: an all-zero sigset_t is a valid value, emptied right after.
+        let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: set is a valid sigset_t for these calls to fill and read.
+        unsafe {
+            libc::sigemptyset(&mut set);
+            for &s in signals {
+                if libc::sigaddset(&mut set, s) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            let e = libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+            if e != 0 {
+                return Err(io::Error::from_raw_os_error(e));
+            }
+        }
+        Ok(BlockedSignals(set))
+    }
+
+    /// Waits for one of the signals and returns its number.
+    pub fn wait(&self) -> io::Result<libc::c_int> {
+        let mut sig = 0;
+        // SAFETY: self.0 is an initialised sigset_t; sig a valid out-pointer.
+        let e = unsafe { libc::sigwait(&self.0, &mut sig) };
+        if e != 0 {
+            return Err(io::Error::from_raw_os_error(e));
+        }
+        Ok(sig)
+    }
+}
+
+/// System calls that never touch `errno`, for code that runs in a child
+/// sharing our memory (`CLONE_VM`): such a child also shares the cloning
+/// thread's TLS, so libc's wrappers would write that thread's `errno`
+/// (and read back whatever that thread wrote since). These return the
+/// kernel's own answer instead: a value >= 0, or `-errno`.
+pub mod raw {
+    /// System call `nr` with six arguments (unused ones 0); the kernel's
+    /// answer as is.
+    ///
+    /// # Safety
+    /// As the system call itself: pointers among `args` must be valid for
+    /// what the call does with them.
+    #[inline(always)]
+    pub unsafe fn syscall(nr: libc::c_long, args: [usize; 6]) -> isize {
+        let ret: isize;
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the x86_64 Linux system call convention: number in rax,
+        // arguments in rdi, rsi, rdx, r10, r8, r9; the kernel clobbers rcx
+        // and r11 and restores the flags. The caller vouches for the call.
+        unsafe {
+            core::arch::asm!(
+                "syscall",
+                inlateout("rax") nr as isize => ret,
+                in("rdi") args[0],
+                in("rsi") args[1],
+                in("rdx") args[2],
+                in("r10") args[3],
+                in("r8") args[4],
+                in("r9") args[5],
+                lateout("rcx") _,
+                lateout("r11") _,
+                options(nostack, preserves_flags),
+            );
+        }
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: the aarch64 Linux system call convention: number in x8,
+        // arguments in x0 to x5, the answer in x0. The caller vouches for
+        // the call.
+        unsafe {
+            core::arch::asm!(
+                "svc 0",
+                in("x8") nr,
+                inlateout("x0") args[0] as isize => ret,
+                in("x1") args[1],
+                in("x2") args[2],
+                in("x3") args[3],
+                in("x4") args[4],
+                in("x5") args[5],
+                options(nostack, preserves_flags),
+            );
+        }
+        ret
+    }
+
+    /// `Ok(value)` or `Err(errno)` from a raw answer.
+    pub fn check(ret: isize) -> Result<usize, i32> {
+        if (-4095..0).contains(&ret) {
+            Err(-ret as i32)
+        } else {
+            Ok(ret as usize)
+        }
+    }
+
+    /// Ends the calling process (`exit_group`) without running anything of
+    /// the parent's: no atexit handlers, no flushing of shared buffers.
+    pub fn exit(code: i32) -> ! {
+        loop {
+            // SAFETY: exit_group takes no pointer and does not return.
+            unsafe { syscall(libc::SYS_exit_group, [code as usize, 0, 0, 0, 0, 0]) };
+        }
+    }
+}
 
 /// The open-file limit the process started with, kept by [`raise_nofile`]
 /// for the sandboxes it starts.

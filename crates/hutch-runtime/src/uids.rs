@@ -7,11 +7,17 @@
 //! exactly as long as the sandbox lives, whatever happens to the process
 //! that made it, and the kernel frees it when the sandbox dies. Files of
 //! dead sandboxes are unlinked by whoever next finds them unlocked.
+//!
+//! Host ids are a host-wide resource, so the directory is one per host
+//! ([`HOST_DIR`]), whatever run directory a runtime uses: two daemons, or
+//! `hutch run` beside a daemon, never hand out the same range. A slot's file
+//! records the sandbox id and the run directory of the runtime that took
+//! it, so each runtime sweeps only what its own sandboxes left.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Seek, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 /// Ids each sandbox gets: the whole 16-bit range, so that images with
@@ -20,6 +26,8 @@ pub const RANGE: u32 = 65536;
 /// First host id handed to sandboxes: far above ordinary users and the
 /// ranges of /etc/subuid.
 pub const FIRST_ID: u32 = 1 << 31;
+/// Where every runtime on the host keeps its slots.
+pub const HOST_DIR: &str = "/run/hutch/uids";
 /// Slots that fit between FIRST_ID and the top of the 32-bit id space
 /// (leaving the last range, which holds the invalid id 2^32-1).
 pub const SLOTS: u32 = ((u32::MAX - FIRST_ID) / RANGE) - 1;
@@ -58,20 +66,43 @@ impl Slot {
     }
 }
 
-/// Takes a free slot, recording `owner` (a sandbox id) in its file.
-pub fn allocate(dir: &Path, owner: &str) -> Result<Slot, UidError> {
+/// Takes a free slot, recording `owner` (a sandbox id) and `home` (the run
+/// directory of the runtime taking it) in its file.
+pub fn allocate(dir: &Path, owner: &str, home: &Path) -> Result<Slot, UidError> {
     let err = |source| UidError::Io { dir: dir.to_path_buf(), source };
-    fs::create_dir_all(dir).map_err(err)?;
+    fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(err)?;
     let mut seed = [0u8; 4];
     crate::sys::random_bytes(&mut seed).map_err(err)?;
     let start = u32::from_ne_bytes(seed) % SLOTS;
+    let record = record(owner, home);
     for i in 0..SLOTS {
         let index = (start + i) % SLOTS;
-        if let Some(slot) = try_slot(dir, index, owner).map_err(err)? {
+        if let Some(slot) = try_slot(dir, index, &record).map_err(err)? {
             return Ok(slot);
         }
     }
     Err(UidError::Exhausted)
+}
+
+/// Takes slot `index` if it is free (`None` if someone holds it).
+pub fn take(dir: &Path, index: u32, owner: &str, home: &Path) -> Result<Option<Slot>, UidError> {
+    let err = |source| UidError::Io { dir: dir.to_path_buf(), source };
+    fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(err)?;
+    try_slot(dir, index, &record(owner, home)).map_err(err)
+}
+
+/// What a slot's file holds: the sandbox id, then the run directory.
+fn record(owner: &str, home: &Path) -> String {
+    format!("{owner}\n{}\n", home.display())
+}
+
+/// The (sandbox id, run directory) of a slot's file; files written before
+/// run directories were recorded hold the id alone.
+pub fn parse_record(text: &str) -> (String, Option<PathBuf>) {
+    let mut lines = text.lines();
+    let owner = lines.next().unwrap_or_default().to_owned();
+    let home = lines.next().filter(|l| !l.is_empty()).map(PathBuf::from);
+    (owner, home)
 }
 
 fn try_slot(dir: &Path, index: u32, owner: &str) -> io::Result<Option<Slot>> {
@@ -96,6 +127,8 @@ fn try_slot(dir: &Path, index: u32, owner: &str) -> io::Result<Option<Slot>> {
 #[derive(Debug)]
 pub struct Stale {
     pub owner: String,
+    /// The run directory of the runtime that took it, when recorded.
+    pub home: Option<PathBuf>,
     slot: Slot,
 }
 
@@ -123,10 +156,11 @@ pub fn stale(dir: &Path) -> Vec<Stale> {
         if !matches!(crate::sys::try_lock(file.as_raw_fd()), Ok(true)) {
             continue;
         }
-        let mut owner = String::new();
+        let mut text = String::new();
         let _ = file.rewind();
-        let _ = Read::by_ref(&mut file).take(256).read_to_string(&mut owner);
-        out.push(Stale { owner, slot: Slot { index, file, path } });
+        let _ = Read::by_ref(&mut file).take(4096).read_to_string(&mut text);
+        let (owner, home) = parse_record(&text);
+        out.push(Stale { owner, home, slot: Slot { index, file, path } });
     }
     out
 }
@@ -144,8 +178,8 @@ mod tests {
     #[test]
     fn held_slots_are_distinct_and_released_slots_leave_no_file() {
         let d = dir("distinct");
-        let a = allocate(&d, "a").expect("alloc");
-        let b = allocate(&d, "b").expect("alloc");
+        let a = allocate(&d, "a", Path::new("/run/x")).expect("alloc");
+        let b = allocate(&d, "b", Path::new("/run/x")).expect("alloc");
         assert_ne!(a.index, b.index);
         assert_ne!(a.base(), b.base());
         assert!(a.base() >= FIRST_ID);
@@ -159,18 +193,38 @@ mod tests {
     #[test]
     fn a_dropped_slot_without_release_is_found_stale_with_its_owner() {
         let d = dir("stale");
-        let a = allocate(&d, "sandbox-1").expect("alloc");
+        let a = allocate(&d, "sandbox-1", Path::new("/run/hutch-a")).expect("alloc");
         let index = a.index;
         drop(a);
         let found = stale(&d);
         assert_eq!(found.len(), 1);
         assert_eq!(found[0].owner, "sandbox-1");
+        assert_eq!(found[0].home.as_deref(), Some(Path::new("/run/hutch-a")));
         assert_eq!(found[0].slot.index, index);
         for s in found {
             s.release();
         }
         assert_eq!(fs::read_dir(&d).expect("readdir").count(), 0);
         fs::remove_dir(&d).expect("cleanup");
+    }
+
+    #[test]
+    fn a_held_slot_cannot_be_taken_again() {
+        let d = dir("take");
+        let a = allocate(&d, "a", Path::new("/run/one")).expect("alloc");
+        assert!(take(&d, a.index, "b", Path::new("/run/two")).expect("take").is_none());
+        let index = a.index;
+        a.release();
+        let b = take(&d, index, "b", Path::new("/run/two")).expect("take").expect("free again");
+        b.release();
+        fs::remove_dir(&d).expect("cleanup");
+    }
+
+    #[test]
+    fn records_name_the_sandbox_and_its_run_directory() {
+        assert_eq!(parse_record("sb-1\n/run/hutch\n"), ("sb-1".into(), Some(PathBuf::from("/run/hutch"))));
+        assert_eq!(parse_record("sb-1"), ("sb-1".into(), None));
+        assert_eq!(parse_record(""), (String::new(), None));
     }
 
     #[test]

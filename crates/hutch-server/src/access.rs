@@ -2,9 +2,10 @@
 //! short-lived credentials for one port). Parsing and rendering only; the
 //! control plane owns the grants, and `proxy.rs` serves the ports.
 
-use crate::routes::{sandbox_id, Caller};
+use crate::extract::ApiPath;
+use crate::routes::Caller;
 use crate::{ApiResult, App, JsonBody};
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
@@ -12,6 +13,7 @@ use axum::routing::{delete, post};
 use axum::{Extension, Json, Router};
 use hutch_api::{AccessGrant, AccessGrantList, CreateAccess};
 use hutch_control::control::rfc3339;
+use hutch_control::SandboxId;
 use std::sync::Arc;
 
 type AppState = State<Arc<App>>;
@@ -69,13 +71,13 @@ fn view(
 pub(crate) async fn create(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     headers: HeaderMap,
     JsonBody(req): JsonBody<CreateAccess>,
 ) -> ApiResult<Response> {
-    let id = sandbox_id(&id)?;
-    let g = app.control.create_access(&caller.key_id, id, &req)?;
-    let body = view(&headers, id, g.id, g.port, g.expires_at, Some(g.token));
+    let id = SandboxId::parse(&id)?;
+    let g = app.control.create_access(&caller, &id, &req).await?;
+    let body = view(&headers, id.as_str(), g.id, g.port, g.expires_at, Some(g.token));
     Ok((StatusCode::CREATED, Json(body)).into_response())
 }
 
@@ -84,13 +86,13 @@ pub(crate) async fn create(
 pub(crate) async fn list(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     headers: HeaderMap,
 ) -> ApiResult<Json<AccessGrantList>> {
-    let id = sandbox_id(&id)?;
-    let grants = app.control.list_access(&caller.key_id, id)?;
+    let id = SandboxId::parse(&id)?;
+    let grants = app.control.list_access(&caller, &id).await?;
     Ok(Json(AccessGrantList {
-        grants: grants.into_iter().map(|g| view(&headers, id, g.id, g.port, g.expires_at, None)).collect(),
+        grants: grants.into_iter().map(|g| view(&headers, id.as_str(), g.id, g.port, g.expires_at, None)).collect(),
     }))
 }
 
@@ -100,9 +102,9 @@ pub(crate) async fn list(
 pub(crate) async fn revoke(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path((id, grant)): Path<(String, String)>,
+    ApiPath((id, grant)): ApiPath<(String, String)>,
 ) -> ApiResult<StatusCode> {
-    app.control.revoke_access(&caller.key_id, sandbox_id(&id)?, &grant)?;
+    app.control.revoke_access(&caller, &SandboxId::parse(&id)?, &grant).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -112,9 +114,9 @@ pub(crate) async fn revoke(
 pub(crate) async fn revoke_all(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<StatusCode> {
-    app.control.revoke_all_access(&caller.key_id, sandbox_id(&id)?)?;
+    app.control.revoke_all_access(&caller, &SandboxId::parse(&id)?).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

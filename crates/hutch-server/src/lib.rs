@@ -1,18 +1,23 @@
 //! hutch's HTTP layer: the native API, authentication, metrics and the
 //! OpenAPI document, over the control plane.
 //!
-//! Architecture invariant: this is the only crate that knows HTTP. Handlers
-//! parse a request into typed values (hutch-api), call the control plane,
-//! and render its typed answer; every error goes through one mapping
-//! (`ApiError`), and the internals of a 5xx are logged, never sent.
+//! Architecture invariant: this is the only crate that knows HTTP, and it
+//! reaches sandboxes only through the control plane: it depends on
+//! hutch-control and hutch-api, never on the store, the runtime or the
+//! agent. Handlers parse a request into typed values (hutch-api types and
+//! hutch-control's ids), call the control plane, and render its typed
+//! answer; every error is the JSON error body with a stable code, and the
+//! internals of a 5xx are logged, never sent.
 
 mod access;
 mod e2b;
+mod extract;
 pub mod listener;
 mod openapi;
 pub mod proxy;
 mod routes;
 mod templates;
+mod transfer;
 
 use axum::body::Body;
 use axum::extract::{FromRequest, Request};
@@ -24,14 +29,11 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-pub use e2b::access_token as e2b_access_token;
 pub use routes::router;
 
 /// Shared state of every handler.
 pub struct App {
     pub control: Arc<Control>,
-    /// Key of the E2B API's per-sandbox access tokens (see `e2b`).
-    pub e2b_secret: Vec<u8>,
 }
 
 /// An error as the API answers it.
@@ -42,8 +44,11 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    /// An error with its message; an internal one's message is logged and
+    /// replaced (see `hutch_control::error::public_message`).
     pub fn new(code: ErrorCode, message: impl Into<String>) -> ApiError {
-        ApiError { code, message: message.into() }
+        let message = message.into();
+        ApiError { code, message: hutch_control::error::public_message(code, &message) }
     }
 
     pub fn invalid(message: impl Into<String>) -> ApiError {
@@ -53,20 +58,20 @@ impl ApiError {
 
 impl From<ControlError> for ApiError {
     fn from(e: ControlError) -> ApiError {
-        if e.code() == ErrorCode::Internal {
-            tracing::error!("{e}");
-        }
         ApiError { code: e.code(), message: e.public_message() }
     }
 }
 
 impl From<hutch_control::files::FilesError> for ApiError {
     fn from(e: hutch_control::files::FilesError) -> ApiError {
-        if e.code == ErrorCode::Internal {
-            tracing::error!("{}", e.message);
-            return ApiError::new(ErrorCode::Internal, "internal error; see the server log");
-        }
-        ApiError { code: e.code, message: e.message }
+        ApiError::new(e.code, e.message)
+    }
+}
+
+/// A task that panicked or was cancelled: internal, its text logged.
+impl From<tokio::task::JoinError> for ApiError {
+    fn from(e: tokio::task::JoinError) -> ApiError {
+        ApiError::new(ErrorCode::Internal, format!("task: {e}"))
     }
 }
 
@@ -84,8 +89,9 @@ impl IntoResponse for ApiError {
 
 pub type ApiResult<T> = Result<T, ApiError>;
 
-/// A JSON body: malformed or unknown fields are a 400 with our error body,
-/// and the size is bounded.
+/// A JSON object body: malformed or unknown fields, another JSON value (an
+/// array, a string) or another content type are a 400 with our error body,
+/// and the size is bounded. An empty body is `{}`.
 pub struct JsonBody<T>(pub T);
 
 /// Largest JSON body (a base64 file of 8 MiB plus envelope).
@@ -99,14 +105,32 @@ where
     type Rejection = ApiError;
 
     async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = axum::body::to_bytes(req.into_body(), JSON_LIMIT)
-            .await
-            .map_err(|_| ApiError::new(ErrorCode::PayloadTooLarge, format!("body above {JSON_LIMIT} bytes")))?;
-        if bytes.is_empty() {
-            return serde_json::from_slice(b"{}").map(JsonBody).map_err(|e| ApiError::invalid(format!("body: {e}")));
-        }
+        let bytes = json_object_bytes(req).await?;
         serde_json::from_slice(&bytes).map(JsonBody).map_err(|e| ApiError::invalid(format!("body: {e}")))
     }
+}
+
+/// A JSON object body's bytes: bounded, sent as `application/json` (or
+/// with no type), an object; an empty body is `{}`.
+pub(crate) async fn json_object_bytes(req: Request) -> ApiResult<bytes::Bytes> {
+    let json_type = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.split(';').next().unwrap_or("").trim().to_ascii_lowercase());
+    let bytes = axum::body::to_bytes(req.into_body(), JSON_LIMIT)
+        .await
+        .map_err(|_| ApiError::new(ErrorCode::PayloadTooLarge, format!("body above {JSON_LIMIT} bytes")))?;
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(bytes::Bytes::from_static(b"{}"));
+    }
+    if !matches!(json_type.as_deref(), Some("application/json") | None) {
+        return Err(ApiError::invalid("the body must be JSON: send Content-Type: application/json"));
+    }
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ApiError::invalid("the body must be a JSON object"));
+    }
+    Ok(bytes)
 }
 
 /// The `Idempotency-Key` header, if any.

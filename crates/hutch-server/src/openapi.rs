@@ -44,6 +44,11 @@ use utoipa::{Modify, OpenApi};
         crate::templates::list_builds,
         crate::templates::get_build,
         crate::templates::build_logs,
+        crate::routes::list_keys,
+        crate::routes::create_key,
+        crate::routes::revoke_key,
+        crate::routes::set_quotas,
+        crate::routes::usage,
     ),
     components(schemas(
         hutch_api::ErrorBody, hutch_api::ErrorCode, hutch_api::Sandbox, hutch_api::SandboxList, hutch_api::SandboxState,
@@ -57,7 +62,8 @@ use utoipa::{Modify, OpenApi};
         hutch_api::CreateAccess, hutch_api::AccessGrant, hutch_api::AccessGrantList, hutch_api::NetworkRequest,
         hutch_api::Network, hutch_api::Egress,
         hutch_api::TemplateList, hutch_api::Startup, hutch_api::Readiness, hutch_api::Build, hutch_api::BuildState,
-        hutch_api::BuildList,
+        hutch_api::BuildList, hutch_api::ApiKey, hutch_api::ApiKeyList, hutch_api::CreateKey, hutch_api::KeyQuotas,
+        hutch_api::Usage,
     )),
     modifiers(&BearerAuth),
     security(("bearer" = []))

@@ -217,8 +217,7 @@ pub fn parse_port_path(path: &str) -> Option<(&str, &str, Option<&str>)> {
 
 /// A sandbox id and a port number, checked.
 pub fn target_of(id: &str, port: &str) -> Result<(String, u16), ApiError> {
-    let id = hutch_runtime::container::valid_id(id)
-        .map_err(|_| ApiError::new(ErrorCode::NotFound, format!("no sandbox {id}")))?;
+    let id = hutch_control::SandboxId::parse(id)?.to_string();
     let port: u32 = port
         .parse()
         .ok()
@@ -242,9 +241,10 @@ async fn serve(app: Arc<App>, target: Target, req: Request) -> Response {
 /// control plane's message speaks of commands).
 fn proxy_error(e: ControlError, sandbox: &str) -> ApiError {
     match e {
-        ControlError::NotRunning { state, .. } => {
-            ApiError::new(ErrorCode::SandboxSessionNotRunning, format!("sandbox {sandbox} is {state}, not running"))
-        }
+        ControlError::NotRunning { state, .. } => ApiError::new(
+            ErrorCode::SandboxSessionNotRunning,
+            format!("sandbox {sandbox} is {}, not running", state.as_str()),
+        ),
         e => ApiError::from(e),
     }
 }
@@ -258,6 +258,7 @@ async fn proxy(app: Arc<App>, target: Target, mut req: Request) -> Result<Respon
     let pass = app
         .control
         .authorize_access(&target.sandbox, target.port, token.as_deref())
+        .await
         .map_err(|e| proxy_error(e, &target.sandbox))?;
     let conn = match req.extensions().get::<ConnectInfo<Conn>>() {
         Some(ConnectInfo(conn)) => conn.clone(),
@@ -417,6 +418,7 @@ async fn reserved(app: Arc<App>, target: &Target, what: &str, req: Request) -> R
     let pass = app
         .control
         .authorize_access(&target.sandbox, target.port, token.as_deref())
+        .await
         .map_err(|e| proxy_error(e, &target.sandbox))?;
     if let Some(conn) = conn {
         conn.mark_authenticated();
@@ -680,11 +682,13 @@ mod tests {
         assert_eq!(proxy_label("127.0.0.1"), None);
         assert_eq!(proxy_label("sandboxes.localhost"), None);
         assert_eq!(strip_port("sb-1--80.sandboxes.localhost:7700"), "sb-1--80.sandboxes.localhost");
-        let (id, port) = parse_label("sb-ab-cd--3000").expect("label");
-        assert_eq!((id.as_str(), port), ("sb-ab-cd", 3000));
-        assert_eq!(parse_label("sb-1--65533").map_err(|e| e.code).err(), Some(ErrorCode::InvalidRequest));
-        assert_eq!(parse_label("sb-1--0").map_err(|e| e.code).err(), Some(ErrorCode::InvalidRequest));
-        assert_eq!(parse_label("sb-1--+80").map_err(|e| e.code).err(), Some(ErrorCode::InvalidRequest));
+        let (id, port) = parse_label("sb-0123456789abcdef--3000").expect("label");
+        assert_eq!((id.as_str(), port), ("sb-0123456789abcdef", 3000));
+        let sb = "sb-0123456789abcdef";
+        assert_eq!(parse_label(&format!("{sb}--65533")).map_err(|e| e.code).err(), Some(ErrorCode::InvalidRequest));
+        assert_eq!(parse_label(&format!("{sb}--0")).map_err(|e| e.code).err(), Some(ErrorCode::InvalidRequest));
+        assert_eq!(parse_label(&format!("{sb}--+80")).map_err(|e| e.code).err(), Some(ErrorCode::InvalidRequest));
+        assert_eq!(parse_label("sb-1--80").map_err(|e| e.code).err(), Some(ErrorCode::NotFound));
         assert_eq!(parse_label("nodash").map_err(|e| e.code).err(), Some(ErrorCode::NotFound));
         assert_eq!(parse_label("SB/x--80").map_err(|e| e.code).err(), Some(ErrorCode::NotFound));
     }

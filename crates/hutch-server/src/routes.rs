@@ -1,25 +1,24 @@
 //! The native API's routes and their handlers.
 
+use crate::extract::{ApiPath, ApiQuery};
 use crate::{idempotency_key, ApiError, ApiResult, App, ChannelBody, JsonBody};
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use hutch_api::{
-    CreateSandbox, ErrorCode, ExecEvent, ExecRequest, ExecutionRequest, ExecutionResult, Extend, ProcessList, Sandbox,
-    SandboxList, SignalRequest, StdinRequest,
+    ApiKey, ApiKeyList, CreateKey, CreateSandbox, ErrorCode, ExecEvent, ExecRequest, ExecutionRequest, ExecutionResult,
+    Extend, KeyQuotas, ProcessList, Sandbox, SandboxList, SignalRequest, StdinRequest, Usage,
 };
 use hutch_control::exec::ExecReply;
+use hutch_control::{OwnerId, SandboxId};
 use serde::Deserialize;
 use std::sync::Arc;
 
-/// Who is calling: the id of their API key.
-#[derive(Clone, Debug)]
-pub struct Caller {
-    pub key_id: String,
-}
+/// Who is calling: the owner their key makes them.
+pub use hutch_control::Caller;
 
 type AppState = State<Arc<App>>;
 
@@ -40,13 +39,15 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/sandboxes/{id}/files/read", post(files_read))
         .route("/v1/sandboxes/{id}/files/write", post(files_write))
         .route("/v1/sandboxes/{id}/files/list", get(files_list))
+        // Uploads stream under their own caps (`UPLOAD_PACKED_CAP`).
         .route(
             "/v1/sandboxes/{id}/archives",
-            post(archive_upload)
-                .get(archive_download)
-                .layer(axum::extract::DefaultBodyLimit::max(hutch_control::files::ARCHIVE_CAP + (1 << 20))),
+            post(archive_upload).get(archive_download).layer(axum::extract::DefaultBodyLimit::disable()),
         )
         .route("/v1/sandboxes/{id}/file-parts", post(file_part))
+        .route("/v1/keys", get(list_keys).post(create_key))
+        .route("/v1/keys/{id}", axum::routing::delete(revoke_key).patch(set_quotas))
+        .route("/v1/usage", get(usage))
         .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(app.clone(), authenticate));
     Router::new()
@@ -61,11 +62,13 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/sandboxes/{id}/ports/{port}/", axum::routing::any(crate::proxy::by_path))
         .route("/v1/sandboxes/{id}/ports/{port}/{*rest}", axum::routing::any(crate::proxy::by_path))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         // Proxy host names are served by the proxy whatever the path.
         .layer(middleware::from_fn_with_state(app.clone(), crate::proxy::by_host))
         .with_state(app)
 }
 
+/// The bearer key's caller, or 401.
 pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
     let secret = req
         .headers()
@@ -74,20 +77,24 @@ pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: N
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim)
         .unwrap_or("");
-    match hutch_control::keys::authenticate(app.control.store.as_ref(), secret) {
-        Ok(Some(key)) => {
+    match app.control.authenticate(secret).await {
+        Ok(Some(caller)) => {
             crate::listener::authenticated(&req);
-            req.extensions_mut().insert(Caller { key_id: key.id });
+            req.extensions_mut().insert(caller);
             next.run(req).await
         }
         Ok(None) => ApiError::new(ErrorCode::Unauthorized, "a valid API key is required: Authorization: Bearer <key>")
             .into_response(),
-        Err(e) => ApiError::from(hutch_control::ControlError::Store(e)).into_response(),
+        Err(e) => ApiError::from(e).into_response(),
     }
 }
 
 async fn not_found() -> ApiError {
     ApiError::new(ErrorCode::NotFound, "no such route")
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(ErrorCode::MethodNotAllowed, "this route does not take this method")
 }
 
 async fn healthz() -> &'static str {
@@ -100,19 +107,71 @@ async fn openapi() -> Response {
     resp
 }
 
-async fn metrics(State(app): AppState) -> ApiResult<Response> {
-    let states =
-        app.control.store.count_by_state().map_err(|e| ApiError::from(hutch_control::ControlError::Store(e)))?;
-    let running = app.control.commands_running().await;
-    let text = app.control.metrics.render(&states, running);
+async fn metrics(State(app): AppState, Extension(caller): Extension<Caller>) -> ApiResult<Response> {
+    let text = app.control.metrics_text(&caller).await?;
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }
 
-/// Sandbox ids in paths: malformed ones can name nothing.
-pub(crate) fn sandbox_id(id: &str) -> ApiResult<&str> {
-    hutch_runtime::container::valid_id(id)
-        .map_err(|_| ApiError::new(ErrorCode::NotFound, format!("no sandbox {id}")))?;
-    Ok(id)
+#[utoipa::path(get, path = "/v1/keys",
+    responses((status = 200, body = ApiKeyList), (status = 403, body = hutch_api::ErrorBody)))]
+pub(crate) async fn list_keys(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+) -> ApiResult<Json<ApiKeyList>> {
+    Ok(Json(app.control.list_keys(&caller).await?))
+}
+
+#[utoipa::path(post, path = "/v1/keys", request_body = CreateKey,
+    responses((status = 201, body = ApiKey, description = "with its secret, shown once"),
+              (status = 400, body = hutch_api::ErrorBody), (status = 403, body = hutch_api::ErrorBody)))]
+pub(crate) async fn create_key(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    JsonBody(req): JsonBody<CreateKey>,
+) -> ApiResult<Response> {
+    let key = app.control.create_key(&caller, &req).await?;
+    Ok((StatusCode::CREATED, Json(key)).into_response())
+}
+
+#[utoipa::path(delete, path = "/v1/keys/{id}", params(("id" = String, Path)),
+    responses((status = 204, description = "revoked; its sandboxes are ending"),
+              (status = 403, body = hutch_api::ErrorBody), (status = 404, body = hutch_api::ErrorBody)))]
+pub(crate) async fn revoke_key(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<StatusCode> {
+    app.control.revoke_key(&caller, &OwnerId::parse(&id)?).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(patch, path = "/v1/keys/{id}", params(("id" = String, Path)), request_body = KeyQuotas,
+    responses((status = 200, body = ApiKey), (status = 400, body = hutch_api::ErrorBody),
+              (status = 403, body = hutch_api::ErrorBody), (status = 404, body = hutch_api::ErrorBody)))]
+pub(crate) async fn set_quotas(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    ApiPath(id): ApiPath<String>,
+    JsonBody(req): JsonBody<KeyQuotas>,
+) -> ApiResult<Json<ApiKey>> {
+    Ok(Json(app.control.set_key_quotas(&caller, &OwnerId::parse(&id)?, &req).await?))
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct UsageQuery {
+    /// Another key's id (admin keys only).
+    key: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/usage", params(UsageQuery),
+    responses((status = 200, body = Usage), (status = 403, body = hutch_api::ErrorBody)))]
+pub(crate) async fn usage(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    ApiQuery(q): ApiQuery<UsageQuery>,
+) -> ApiResult<Json<Usage>> {
+    Ok(Json(app.control.usage(&caller, q.key.as_deref()).await?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes", request_body = CreateSandbox,
@@ -127,7 +186,7 @@ pub(crate) async fn create_sandbox(
     JsonBody(req): JsonBody<CreateSandbox>,
 ) -> ApiResult<Response> {
     let key = idempotency_key(&headers)?;
-    let (sb, created) = app.control.create(&caller.key_id, &req, key.as_deref()).await?;
+    let (sb, created) = app.control.create(&caller, &req, key.as_deref()).await?;
     let status = if created { StatusCode::CREATED } else { StatusCode::OK };
     Ok((status, Json(sb)).into_response())
 }
@@ -137,6 +196,8 @@ pub(crate) async fn create_sandbox(
 pub(crate) struct ListQuery {
     limit: Option<u32>,
     cursor: Option<String>,
+    /// Another owner's (a key id), or `*` for every owner's: admin keys only.
+    owner: Option<String>,
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes", params(ListQuery),
@@ -144,10 +205,9 @@ pub(crate) struct ListQuery {
 pub(crate) async fn list_sandboxes(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+    ApiQuery(q): ApiQuery<ListQuery>,
 ) -> ApiResult<Json<SandboxList>> {
-    let Query(q) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
-    Ok(Json(app.control.list(&caller.key_id, q.limit, q.cursor.as_deref())?))
+    Ok(Json(app.control.list(&caller, q.owner.as_deref(), q.limit, q.cursor.as_deref()).await?))
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}", params(("id" = String, Path)),
@@ -155,9 +215,9 @@ pub(crate) async fn list_sandboxes(
 pub(crate) async fn get_sandbox(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Sandbox>> {
-    Ok(Json(app.control.get(&caller.key_id, sandbox_id(&id)?)?))
+    Ok(Json(app.control.get(&caller, &SandboxId::parse(&id)?).await?))
 }
 
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}", params(("id" = String, Path)),
@@ -165,9 +225,9 @@ pub(crate) async fn get_sandbox(
 pub(crate) async fn delete_sandbox(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Sandbox>> {
-    Ok(Json(app.control.delete(&caller.key_id, sandbox_id(&id)?).await?))
+    Ok(Json(app.control.delete(&caller, &SandboxId::parse(&id)?).await?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/extend", params(("id" = String, Path)), request_body = Extend,
@@ -176,10 +236,10 @@ pub(crate) async fn delete_sandbox(
 pub(crate) async fn extend_sandbox(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     JsonBody(req): JsonBody<Extend>,
 ) -> ApiResult<Json<Sandbox>> {
-    Ok(Json(app.control.extend(&caller.key_id, sandbox_id(&id)?, &req)?))
+    Ok(Json(app.control.extend(&caller, &SandboxId::parse(&id)?, &req, false).await?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/suspend", params(("id" = String, Path)),
@@ -187,9 +247,9 @@ pub(crate) async fn extend_sandbox(
 pub(crate) async fn suspend_sandbox(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Sandbox>> {
-    Ok(Json(app.control.suspend(&caller.key_id, sandbox_id(&id)?).await?))
+    Ok(Json(app.control.suspend(&caller, &SandboxId::parse(&id)?).await?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", params(("id" = String, Path)),
@@ -197,9 +257,9 @@ pub(crate) async fn suspend_sandbox(
 pub(crate) async fn resume_sandbox(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Sandbox>> {
-    Ok(Json(app.control.resume(&caller.key_id, sandbox_id(&id)?).await?))
+    Ok(Json(app.control.resume(&caller, &SandboxId::parse(&id)?).await?))
 }
 
 fn wants_ndjson(headers: &HeaderMap) -> bool {
@@ -233,17 +293,16 @@ fn ndjson(mut rx: tokio::sync::mpsc::Receiver<ExecEvent>) -> Response {
 pub(crate) async fn exec(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     headers: HeaderMap,
     JsonBody(req): JsonBody<ExecRequest>,
 ) -> ApiResult<Response> {
-    let id = sandbox_id(&id)?.to_owned();
+    let id = SandboxId::parse(&id)?;
     let key = idempotency_key(&headers)?;
     if wants_ndjson(&headers) && !req.background.unwrap_or(false) {
         let (tx, mut rx) = tokio::sync::mpsc::channel(64);
         let control = app.control.clone();
-        let mut task =
-            tokio::spawn(async move { control.exec(&caller.key_id, &id, &req, key.as_deref(), Some(tx)).await });
+        let mut task = tokio::spawn(async move { control.exec(&caller, &id, &req, key.as_deref(), Some(tx)).await });
         // Until the first event, a failure is still a plain JSON error with
         // its status; after it, the stream carries everything. Events are
         // looked at first: a command that ran and ended before we looked has
@@ -270,7 +329,7 @@ pub(crate) async fn exec(
         }
         // No event: the task ended, having refused or replayed. Events it
         // sent before ending are still in the channel.
-        let done = task.await.map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
+        let done = task.await?;
         if let Ok(first) = rx.try_recv() {
             let (out_tx, out_rx) = tokio::sync::mpsc::channel(64);
             let _ = out_tx.try_send(first);
@@ -282,17 +341,14 @@ pub(crate) async fn exec(
         let (out_tx, out_rx) = tokio::sync::mpsc::channel(4);
         if let ExecReply::Result(r) = done? {
             // A replayed result: sent as the events it was.
-            for ev in [
-                ExecEvent::Stdout { data: r.stdout },
-                ExecEvent::Stderr { data: r.stderr },
-                ExecEvent::Exit { exit_code: r.exit_code, timed_out: r.timed_out, duration_ms: r.duration_ms },
-            ] {
+            let exit = r.exit_event();
+            for ev in [ExecEvent::Stdout { data: r.stdout }, ExecEvent::Stderr { data: r.stderr }, exit] {
                 let _ = out_tx.try_send(ev);
             }
         }
         return Ok(ndjson(out_rx));
     }
-    match app.control.exec(&caller.key_id, &id, &req, key.as_deref(), None).await? {
+    match app.control.exec(&caller, &id, &req, key.as_deref(), None).await? {
         ExecReply::Result(r) => Ok(Json(r).into_response()),
         ExecReply::Background(s) => Ok(Json(s).into_response()),
         ExecReply::Execution(e) => Ok(Json(e).into_response()),
@@ -304,9 +360,9 @@ pub(crate) async fn exec(
 pub(crate) async fn processes(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<ProcessList>> {
-    Ok(Json(app.control.processes(&caller.key_id, sandbox_id(&id)?).await?))
+    Ok(Json(app.control.processes(&caller, &SandboxId::parse(&id)?).await?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/processes/{pid}/signal", params(("id" = String, Path), ("pid" = u32, Path)),
@@ -315,10 +371,10 @@ pub(crate) async fn processes(
 pub(crate) async fn signal(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path((id, pid)): Path<(String, u32)>,
+    ApiPath((id, pid)): ApiPath<(String, u32)>,
     JsonBody(req): JsonBody<SignalRequest>,
 ) -> ApiResult<StatusCode> {
-    app.control.signal(&caller.key_id, sandbox_id(&id)?, pid, &req.signal).await?;
+    app.control.signal(&caller, &SandboxId::parse(&id)?, pid, &req.signal).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -328,10 +384,10 @@ pub(crate) async fn signal(
 pub(crate) async fn stdin(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path((id, pid)): Path<(String, u32)>,
+    ApiPath((id, pid)): ApiPath<(String, u32)>,
     JsonBody(req): JsonBody<StdinRequest>,
 ) -> ApiResult<StatusCode> {
-    app.control.stdin(&caller.key_id, sandbox_id(&id)?, pid, req.data.as_bytes(), req.eof).await?;
+    app.control.stdin(&caller, &SandboxId::parse(&id)?, pid, req.data.as_bytes(), req.eof).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -340,10 +396,10 @@ pub(crate) async fn stdin(
 pub(crate) async fn stream(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path((id, pid)): Path<(String, u32)>,
+    ApiPath((id, pid)): ApiPath<(String, u32)>,
 ) -> ApiResult<Response> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
-    app.control.attach(&caller.key_id, sandbox_id(&id)?, pid, tx).await?;
+    app.control.attach(&caller, &SandboxId::parse(&id)?, pid, tx).await?;
     Ok(ndjson(rx))
 }
 
@@ -358,7 +414,7 @@ pub(crate) async fn execution(
     JsonBody(req): JsonBody<ExecutionRequest>,
 ) -> ApiResult<Json<ExecutionResult>> {
     let key = idempotency_key(&headers)?;
-    Ok(Json(app.control.execution(&caller.key_id, &req, key.as_deref()).await?))
+    Ok(Json(app.control.execution(&caller, &req, key.as_deref()).await?))
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -368,32 +424,18 @@ pub(crate) struct PathQuery {
     path: String,
 }
 
-fn query<T>(q: Result<Query<T>, axum::extract::rejection::QueryRejection>) -> ApiResult<T> {
-    q.map(|Query(v)| v).map_err(|e| ApiError::invalid(e.body_text()))
-}
-
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files", params(("id" = String, Path), PathQuery),
     responses((status = 200, description = "the file's bytes", content_type = "application/octet-stream"),
               (status = 400, body = hutch_api::ErrorBody), (status = 404, body = hutch_api::ErrorBody)))]
 pub(crate) async fn files_get(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<PathQuery>,
 ) -> ApiResult<Response> {
-    let q = query(q)?;
-    let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
-    let mut chunks = fs.read_stream(&q.path).await?;
-    let (tx, rx) = tokio::sync::mpsc::channel(4);
-    tokio::spawn(async move {
-        while let Some(chunk) = chunks.recv().await {
-            let item = chunk.map(bytes::Bytes::from).map_err(|e| std::io::Error::other(e.message));
-            if tx.send(item).await.is_err() {
-                return;
-            }
-        }
-    });
-    let mut resp = ChannelBody(rx).into_body().into_response();
+    let fs = app.control.fs(&caller, &SandboxId::parse(&id)?).await?;
+    let chunks = fs.read_stream(&q.path).await?;
+    let mut resp = crate::transfer::body_of(chunks).into_response();
     resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
     Ok(resp)
 }
@@ -405,35 +447,32 @@ pub(crate) async fn files_get(
 pub(crate) async fn files_put(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    ApiPath(id): ApiPath<String>,
+    q: Result<axum::extract::Query<PathQuery>, axum::extract::rejection::QueryRejection>,
     body: axum::body::Body,
-) -> ApiResult<StatusCode> {
-    let q = query(q)?;
-    let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
-    let (tx, rx) = tokio::sync::mpsc::channel::<Vec<u8>>(4);
-    // The body streams into the sandbox; it is never held whole.
-    let feed = tokio::spawn(async move {
-        let mut stream = body.into_data_stream();
-        while let Some(chunk) =
-            std::future::poll_fn(|cx| futures_core::Stream::poll_next(std::pin::Pin::new(&mut stream), cx)).await
-        {
-            match chunk {
-                Ok(bytes) => {
-                    if tx.send(bytes.to_vec()).await.is_err() {
-                        return Ok(());
-                    }
-                }
-                Err(e) => return Err(e.to_string()),
-            }
-        }
-        Ok(())
-    });
-    let written = fs.write_stream(&q.path, rx).await;
-    let fed = feed.await.map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
-    fed.map_err(|e| ApiError::invalid(format!("request body: {e}")))?;
-    written?;
-    Ok(StatusCode::NO_CONTENT)
+) -> Response {
+    let refused = |e: ApiError| crate::transfer::close_unless(false, e.into_response());
+    // Refused before the body was read: the connection cannot carry on.
+    let q = match q {
+        Ok(axum::extract::Query(q)) => q,
+        Err(e) => return refused(ApiError::invalid(e.body_text())),
+    };
+    let fs = match SandboxId::parse(&id) {
+        Ok(sid) => match app.control.fs(&caller, &sid).await {
+            Ok(fs) => fs,
+            Err(e) => return refused(e.into()),
+        },
+        Err(e) => return refused(e.into()),
+    };
+    // The body streams into the sandbox; it is never held whole, and a
+    // body that breaks leaves nothing.
+    let (chunks, feed) = crate::transfer::chunks_of(body);
+    let (written, whole) = crate::transfer::with_feed(feed, fs.write_stream(&q.path, chunks)).await;
+    let resp = match written {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => ApiError::from(e).into_response(),
+    };
+    crate::transfer::close_unless(whole, resp)
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/files/read", params(("id" = String, Path)), request_body = hutch_api::FileRef,
@@ -442,13 +481,45 @@ pub(crate) async fn files_put(
 pub(crate) async fn files_read(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     JsonBody(req): JsonBody<hutch_api::FileRef>,
-) -> ApiResult<Json<hutch_api::FileData>> {
-    use base64::Engine;
-    let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
-    let data = fs.read(&req.path).await?;
-    Ok(Json(hutch_api::FileData { path: None, data: base64::engine::general_purpose::STANDARD.encode(data) }))
+) -> ApiResult<Response> {
+    let fs = app.control.fs(&caller, &SandboxId::parse(&id)?).await?;
+    // Checked against the cap first, then encoded as it is read.
+    let chunks = fs.read_capped(&req.path).await?;
+    let mut resp = crate::transfer::base64_json_of(chunks).into_response();
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    Ok(resp)
+}
+
+/// The body of `files/write`, borrowed from the request's bytes: the base64
+/// is not copied, and it is decoded a piece at a time.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileDataIn<'a> {
+    #[serde(default, borrow)]
+    path: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow)]
+    data: std::borrow::Cow<'a, str>,
+}
+
+/// The body of `file-parts`, borrowed likewise.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FilePartIn<'a> {
+    #[serde(borrow)]
+    path: std::borrow::Cow<'a, str>,
+    offset: u64,
+    size: u64,
+    #[serde(borrow)]
+    sha256: std::borrow::Cow<'a, str>,
+    #[serde(borrow)]
+    data: std::borrow::Cow<'a, str>,
+}
+
+/// A JSON object body's bytes, bounded and checked as `JsonBody` checks them.
+async fn json_bytes(req: Request) -> ApiResult<bytes::Bytes> {
+    crate::json_object_bytes(req).await
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/files/write", params(("id" = String, Path)), request_body = hutch_api::FileData,
@@ -457,19 +528,17 @@ pub(crate) async fn files_read(
 pub(crate) async fn files_write(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
-    JsonBody(req): JsonBody<hutch_api::FileData>,
+    ApiPath(id): ApiPath<String>,
+    req: Request,
 ) -> ApiResult<StatusCode> {
-    use base64::Engine;
+    let bytes = json_bytes(req).await?;
+    let req: FileDataIn<'_> = serde_json::from_slice(&bytes).map_err(|e| ApiError::invalid(format!("body: {e}")))?;
     let path = req.path.ok_or_else(|| ApiError::invalid("path is required"))?;
     if req.data.len() > hutch_api::FILE_DATA_CAP / 3 * 4 + 4 {
         return Err(ApiError::new(ErrorCode::PayloadTooLarge, "data above 8 MiB"));
     }
-    let data = base64::engine::general_purpose::STANDARD
-        .decode(req.data.as_bytes())
-        .map_err(|_| ApiError::invalid("data is not base64"))?;
-    let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
-    fs.write(&path, &data).await?;
+    let fs = app.control.fs(&caller, &SandboxId::parse(&id)?).await?;
+    fs.write_base64(&path, &req.data).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -491,15 +560,14 @@ pub(crate) struct ListFilesQuery {
 pub(crate) async fn files_list(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
-    q: Result<Query<ListFilesQuery>, axum::extract::rejection::QueryRejection>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<ListFilesQuery>,
 ) -> ApiResult<Json<hutch_api::Listing>> {
-    let q = query(q)?;
     let limit = q.limit.unwrap_or(10_000);
     if !(1..=10_000).contains(&limit) {
         return Err(ApiError::invalid("limit must be 1 to 10000"));
     }
-    let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
+    let fs = app.control.fs(&caller, &SandboxId::parse(&id)?).await?;
     let opts = hutch_control::files::ListOptions {
         recursive: q.recursive.unwrap_or(true),
         include_sha256: q.include_sha256.unwrap_or(false),
@@ -510,65 +578,94 @@ pub(crate) async fn files_list(
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/archives", params(("id" = String, Path)),
-    request_body(content_type = "multipart/form-data", description = "a `path` field and an `archive` part (tar, gzip detected)"),
+    request_body(content_type = "multipart/form-data", description = "a `path` field, then an `archive` part (tar, gzip detected)"),
     responses((status = 200, body = hutch_api::ArchiveResult), (status = 400, body = hutch_api::ErrorBody),
               (status = 404, body = hutch_api::ErrorBody), (status = 409, body = hutch_api::ErrorBody), (status = 413, body = hutch_api::ErrorBody)))]
 pub(crate) async fn archive_upload(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
-    multipart: Result<axum::extract::Multipart, axum::extract::multipart::MultipartRejection>,
-) -> ApiResult<Json<hutch_api::ArchiveResult>> {
-    let invalid = |m: String| ApiError::new(ErrorCode::SandboxArchiveInvalid, m);
-    let mut multipart = multipart.map_err(|e| invalid(e.body_text()))?;
-    let id = sandbox_id(&id)?.to_owned();
-    let (mut path, mut archive) = (None, None);
-    loop {
-        let field = match multipart.next_field().await {
-            Ok(Some(f)) => f,
-            Ok(None) => break,
-            Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
-                return Err(ApiError::new(ErrorCode::SandboxArchiveTooLarge, "archive above 32 MiB"));
-            }
-            Err(e) => return Err(invalid(format!("malformed form: {}", e.body_text()))),
-        };
-        match field.name() {
-            Some("path") => path = Some(field.text().await.map_err(|e| invalid(e.body_text()))?),
-            Some("archive") => {
-                let bytes = field.bytes().await.map_err(|e| {
-                    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                        ApiError::new(ErrorCode::SandboxArchiveTooLarge, "archive above 32 MiB")
-                    } else {
-                        invalid(format!("malformed form: {}", e.body_text()))
-                    }
-                })?;
-                archive = Some(bytes.to_vec());
-            }
-            _ => {}
+    ApiPath(id): ApiPath<String>,
+    req: Request,
+) -> Response {
+    use axum::extract::FromRequest;
+    use hutch_control::files::{pipe, FilesError, UPLOAD_PACKED_CAP};
+    let sid = match SandboxId::parse(&id) {
+        Ok(sid) => sid,
+        Err(e) => return crate::transfer::close_unless(false, ApiError::from(e).into_response()),
+    };
+    let fs = match app.control.fs(&caller, &sid).await {
+        Ok(fs) => fs,
+        Err(e) => return crate::transfer::close_unless(false, ApiError::from(e).into_response()),
+    };
+    // Form-level trouble reads as a refused archive; limits as too large.
+    let archive_err = |e: FilesError| match e.code {
+        ErrorCode::PayloadTooLarge | ErrorCode::SandboxArchiveTooLarge => {
+            ApiError::new(ErrorCode::SandboxArchiveTooLarge, e.message)
         }
-    }
-    let path = path.ok_or_else(|| invalid("the form has no path field".into()))?;
-    let archive = archive.ok_or_else(|| invalid("the form has no archive part".into()))?;
-    if archive.len() > hutch_control::files::ARCHIVE_CAP {
-        return Err(ApiError::new(ErrorCode::SandboxArchiveTooLarge, "archive above 32 MiB"));
-    }
-    let fs = app.control.fs(&caller.key_id, &id)?;
-    Ok(Json(fs.upload_archive(&path, archive).await?))
+        ErrorCode::InvalidRequest => ApiError::new(ErrorCode::SandboxArchiveInvalid, e.message),
+        _ => ApiError::from(e),
+    };
+    let (parts, body) = req.into_parts();
+    let (wire, feed) = crate::transfer::chunks_of(body);
+    let wire = pipe::cap(wire, UPLOAD_PACKED_CAP + (1 << 20), "the form");
+    let tap = crate::transfer::FormTap::default();
+    let form = Request::from_parts(parts, tap.body(wire));
+    let work = async {
+        let mut form = axum::extract::Multipart::from_request(form, &())
+            .await
+            .map_err(|e| ApiError::new(ErrorCode::SandboxArchiveInvalid, e.body_text()))?;
+        let mut path = None;
+        loop {
+            let field = match form.next_field().await {
+                Ok(Some(f)) => f,
+                Ok(None) => break,
+                Err(e) => {
+                    return Err(archive_err(tap.broken().unwrap_or_else(|| {
+                        FilesError::new(ErrorCode::InvalidRequest, format!("malformed form: {}", e.body_text()))
+                    })))
+                }
+            };
+            match field.name() {
+                Some("path") => path = Some(tap.text(field, 4096).await.map_err(archive_err)?),
+                Some("archive") => {
+                    // Streamed into the sandbox as it arrives: the path
+                    // must be known by then.
+                    let Some(path) = path.take() else {
+                        return Err(ApiError::new(
+                            ErrorCode::SandboxArchiveInvalid,
+                            "the form's path field must come before its archive part",
+                        ));
+                    };
+                    let (chunks, part_feed) = tap.part(field);
+                    let done = crate::transfer::with_part(part_feed, fs.upload_archive_stream(&path, chunks)).await;
+                    return done.map_err(archive_err);
+                }
+                _ => tap.skip(field).await.map_err(archive_err)?,
+            }
+        }
+        let missing = if path.is_some() { "the form has no archive part" } else { "the form has no path field" };
+        Err(ApiError::new(ErrorCode::SandboxArchiveInvalid, missing))
+    };
+    let (done, whole) = crate::transfer::with_feed(feed, work).await;
+    let resp = match done {
+        Ok(result) => Json(result).into_response(),
+        Err(e) => e.into_response(),
+    };
+    crate::transfer::close_unless(whole, resp)
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/archives", params(("id" = String, Path), PathQuery),
-    responses((status = 200, description = "a tar of the directory", content_type = "application/x-tar"),
+    responses((status = 200, description = "a tar of the directory, streamed; an error after the first byte cuts it short", content_type = "application/x-tar"),
               (status = 400, body = hutch_api::ErrorBody), (status = 404, body = hutch_api::ErrorBody)))]
 pub(crate) async fn archive_download(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<PathQuery>,
 ) -> ApiResult<Response> {
-    let q = query(q)?;
-    let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
-    let tar = fs.download_archive(&q.path).await?;
-    Ok(([(header::CONTENT_TYPE, "application/x-tar")], tar).into_response())
+    let fs = app.control.fs(&caller, &SandboxId::parse(&id)?).await?;
+    let chunks = fs.download_archive(&q.path).await?;
+    Ok(([(header::CONTENT_TYPE, "application/x-tar")], crate::transfer::body_of(chunks)).into_response())
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/file-parts", params(("id" = String, Path)), request_body = hutch_api::FilePart,
@@ -577,9 +674,18 @@ pub(crate) async fn archive_download(
 pub(crate) async fn file_part(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
-    JsonBody(part): JsonBody<hutch_api::FilePart>,
+    ApiPath(id): ApiPath<String>,
+    req: Request,
 ) -> ApiResult<Json<hutch_api::FilePartResult>> {
-    let fs = app.control.fs(&caller.key_id, sandbox_id(&id)?)?;
-    Ok(Json(fs.put_part(part).await?))
+    let bytes = json_bytes(req).await?;
+    let part: FilePartIn<'_> = serde_json::from_slice(&bytes).map_err(|e| ApiError::invalid(format!("body: {e}")))?;
+    let fs = app.control.fs(&caller, &SandboxId::parse(&id)?).await?;
+    let part = hutch_control::files::PartRef {
+        path: &part.path,
+        offset: part.offset,
+        size: part.size,
+        sha256: &part.sha256,
+        data: &part.data,
+    };
+    Ok(Json(fs.put_part_base64(part).await?))
 }

@@ -1,19 +1,18 @@
 //! The template routes: `/v1/templates`, `/v1/templates/{id}` and its
-//! builds, and the read-only list of images templates may name
+//! builds, and the read-only list of the images the caller may name
 //! (`/v1/images`). Parsing and rendering only; the control plane owns
 //! templates, warm pools and builds.
 
+use crate::extract::{ApiPath, ApiQuery};
 use crate::routes::Caller;
 use crate::{ApiError, ApiResult, App, ChannelBody, JsonBody};
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use hutch_api::{
-    Build, BuildList, CreateTemplate, ErrorCode, ImageInfo, ImageList, Template, TemplateList, UpdateTemplate,
-};
+use hutch_api::{Build, BuildList, CreateTemplate, ErrorCode, ImageList, Template, TemplateList, UpdateTemplate};
 use hutch_control::templates::TemplateId;
 use std::sync::Arc;
 
@@ -39,35 +38,32 @@ pub(crate) async fn create_template(
     Extension(caller): Extension<Caller>,
     JsonBody(req): JsonBody<CreateTemplate>,
 ) -> ApiResult<Response> {
-    let t = app.control.create_template(&caller.key_id, &req)?;
+    let t = app.control.create_template(&caller, &req).await?;
     Ok((StatusCode::CREATED, Json(t)).into_response())
 }
 
 #[utoipa::path(get, path = "/v1/images", responses((status = 200, body = ImageList)))]
-pub(crate) async fn list_images(State(app): AppState) -> ApiResult<Json<ImageList>> {
-    let control = app.control.clone();
-    let images = tokio::task::spawn_blocking(move || control.images().map(|s| s.summaries()))
-        .await
-        .map_err(|e| hutch_control::ControlError::Runtime(format!("image list: {e}")))??;
-    let images = images
-        .into_iter()
-        .map(|i| ImageInfo {
-            name: i.name,
-            layers: i.layers as u64,
-            size_bytes: i.size_bytes,
-            source: i.source,
-            created_at: hutch_control::control::rfc3339(i.created_at.saturating_mul(1000).min(i64::MAX as u64) as i64),
-        })
-        .collect();
-    Ok(Json(ImageList { images }))
+pub(crate) async fn list_images(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+) -> ApiResult<Json<ImageList>> {
+    Ok(Json(app.control.list_images(&caller).await?))
 }
 
-#[utoipa::path(get, path = "/v1/templates", responses((status = 200, body = TemplateList)))]
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct OwnerQuery {
+    /// Another owner's (a key id), or `*` for every owner's: admin keys only.
+    owner: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/templates", params(OwnerQuery), responses((status = 200, body = TemplateList)))]
 pub(crate) async fn list_templates(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
+    ApiQuery(q): ApiQuery<OwnerQuery>,
 ) -> ApiResult<Json<TemplateList>> {
-    Ok(Json(app.control.list_templates(&caller.key_id)?))
+    Ok(Json(app.control.list_templates(&caller, q.owner.as_deref()).await?))
 }
 
 #[utoipa::path(get, path = "/v1/templates/{id}", params(("id" = String, Path)),
@@ -75,9 +71,9 @@ pub(crate) async fn list_templates(
 pub(crate) async fn get_template(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Template>> {
-    Ok(Json(app.control.get_template(&caller.key_id, &TemplateId::parse(&id)?)?))
+    Ok(Json(app.control.get_template(&caller, &TemplateId::parse(&id)?).await?))
 }
 
 #[utoipa::path(patch, path = "/v1/templates/{id}", params(("id" = String, Path)), request_body = UpdateTemplate,
@@ -86,10 +82,10 @@ pub(crate) async fn get_template(
 pub(crate) async fn update_template(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     JsonBody(req): JsonBody<UpdateTemplate>,
 ) -> ApiResult<Json<Template>> {
-    Ok(Json(app.control.update_template(&caller.key_id, &TemplateId::parse(&id)?, &req)?))
+    Ok(Json(app.control.update_template(&caller, &TemplateId::parse(&id)?, &req).await?))
 }
 
 #[utoipa::path(delete, path = "/v1/templates/{id}", params(("id" = String, Path)),
@@ -97,9 +93,9 @@ pub(crate) async fn update_template(
 pub(crate) async fn delete_template(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<StatusCode> {
-    app.control.delete_template(&caller.key_id, &TemplateId::parse(&id)?).await?;
+    app.control.delete_template(&caller, &TemplateId::parse(&id)?).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -114,7 +110,7 @@ const CONTEXT_CAP: usize = hutch_control::files::ARCHIVE_CAP;
 pub(crate) async fn start_build(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     headers: HeaderMap,
     body: axum::body::Body,
 ) -> ApiResult<Response> {
@@ -129,7 +125,7 @@ pub(crate) async fn start_build(
     let bytes = axum::body::to_bytes(body, CONTEXT_CAP).await.map_err(|_| {
         ApiError::new(ErrorCode::SandboxArchiveTooLarge, format!("build context above {} MiB", CONTEXT_CAP >> 20))
     })?;
-    let build = app.control.start_build(&caller.key_id, &id, bytes.to_vec())?;
+    let build = app.control.start_build(&caller, &id, bytes.to_vec()).await?;
     Ok((StatusCode::ACCEPTED, Json(build)).into_response())
 }
 
@@ -138,9 +134,9 @@ pub(crate) async fn start_build(
 pub(crate) async fn list_builds(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<BuildList>> {
-    Ok(Json(app.control.list_builds(&caller.key_id, &TemplateId::parse(&id)?)?))
+    Ok(Json(app.control.list_builds(&caller, &TemplateId::parse(&id)?).await?))
 }
 
 #[utoipa::path(get, path = "/v1/templates/{id}/builds/{build}", params(("id" = String, Path), ("build" = String, Path)),
@@ -148,9 +144,9 @@ pub(crate) async fn list_builds(
 pub(crate) async fn get_build(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path((id, build)): Path<(String, String)>,
+    ApiPath((id, build)): ApiPath<(String, String)>,
 ) -> ApiResult<Json<Build>> {
-    Ok(Json(app.control.get_build(&caller.key_id, &TemplateId::parse(&id)?, &build)?))
+    Ok(Json(app.control.get_build(&caller, &TemplateId::parse(&id)?, &build).await?))
 }
 
 #[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
@@ -167,11 +163,10 @@ pub(crate) struct LogQuery {
 pub(crate) async fn build_logs(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path((id, build)): Path<(String, String)>,
-    q: Result<Query<LogQuery>, axum::extract::rejection::QueryRejection>,
+    ApiPath((id, build)): ApiPath<(String, String)>,
+    ApiQuery(q): ApiQuery<LogQuery>,
 ) -> ApiResult<Response> {
-    let Query(q) = q.map_err(|e| ApiError::invalid(e.body_text()))?;
-    let mut rx = app.control.build_log(&caller.key_id, &TemplateId::parse(&id)?, &build, q.follow.unwrap_or(false))?;
+    let mut rx = app.control.build_log(&caller, &TemplateId::parse(&id)?, &build, q.follow.unwrap_or(false)).await?;
     let (tx, body_rx) = tokio::sync::mpsc::channel(8);
     tokio::spawn(async move {
         while let Some(chunk) = rx.recv().await {

@@ -13,7 +13,7 @@ use hutch_runtime::agent::{AgentConn, AgentError};
 use hutch_runtime::cgroup::Limits;
 use hutch_runtime::{Config, Runtime, Sandbox, SandboxSpec};
 use std::io::{Read, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::time::Duration;
 
 /// Exit code when hutch itself fails (the command did not run).
@@ -245,25 +245,11 @@ fn forward_stdin(conn: &AgentConn, pid: u32) -> Result<(), String> {
 fn forward_signals(conn: &AgentConn, pid: u32) -> Result<(), String> {
     let mut sender = conn.sender().map_err(|e| e.to_string())?;
     let signals = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT];
-    // SAFETY: set is a valid sigset_t initialised by sigemptyset before use;
-    // pthread_sigmask only reads it.
-    let set = unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        for s in signals {
-            libc::sigaddset(&mut set, s);
-        }
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        set
-    };
+    let blocked = hutch_runtime::sys::BlockedSignals::block(&signals).map_err(|e| format!("block signals: {e}"))?;
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || loop {
-            let mut sig = 0;
-            // SAFETY: set is a valid, initialised sigset_t; sig an out-pointer.
-            if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
-                return;
-            }
+            let Ok(sig) = blocked.wait() else { return };
             if sender.send(Request::Signal { pid, signal: sig }, &[]).is_err() {
                 return;
             }
@@ -274,14 +260,12 @@ fn forward_signals(conn: &AgentConn, pid: u32) -> Result<(), String> {
 
 /// True when stdin is /dev/null (or closed): the command then gets no pipe.
 fn stdin_is_null() -> bool {
-    let fd = std::io::stdin().as_raw_fd();
-    // SAFETY: st is a valid out-pointer for fstat.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: fstat on fd 0 only writes st.
-    if unsafe { libc::fstat(fd, &mut st) } != 0 {
-        return true;
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let Ok(fd) = std::io::stdin().as_fd().try_clone_to_owned() else { return true };
+    match std::fs::File::from(fd).metadata() {
+        Ok(m) => m.file_type().is_char_device() && m.rdev() == libc::makedev(1, 3),
+        Err(_) => true,
     }
-    st.st_mode & libc::S_IFMT == libc::S_IFCHR && st.st_rdev == libc::makedev(1, 3)
 }
 
 struct Verdict {
@@ -296,10 +280,13 @@ fn verdict(sandbox: &Sandbox, args: &RunArgs, status: &ExitStatus) -> Verdict {
         return Verdict { code: EXIT_TIMEOUT, message: Some(format!("command killed: timeout {t} reached")) };
     }
     let code = status.shell_code();
-    if status.signal == Some(libc::SIGKILL) && sandbox.cgroup.oom_kills() > 0 {
+    if status.oom_killed {
         return Verdict {
             code,
-            message: Some(format!("command killed: memory limit {} exceeded", show_size(args.memory))),
+            message: Some(format!(
+                "command killed by the OOM killer: memory limit {} exceeded (files in /tmp and the writable layer count)",
+                show_size(args.memory)
+            )),
         };
     }
     if sandbox.cgroup.pids_limit_hits() > 0 {

@@ -59,6 +59,16 @@ pub struct ServeArgs {
     /// WebSockets are never idle while their request runs (HUTCH_IDLE_TIMEOUT).
     #[arg(long, env = "HUTCH_IDLE_TIMEOUT", default_value = "60s", value_parser = crate::units::parse_duration)]
     pub idle_timeout: Duration,
+    /// How far the sandboxes' memory and disk limits may add up past the
+    /// host's memory and the state directory's file system: 8 lets the
+    /// limits of the sandboxes alive sum to 8 times the host's memory
+    /// (HUTCH_OVERCOMMIT). One sandbox never gets more than the host has.
+    #[arg(long, env = "HUTCH_OVERCOMMIT", default_value_t = hutch_control::control::DEFAULT_OVERCOMMIT)]
+    pub overcommit: f64,
+    /// Most sandboxes (not terminated, warm ones included) at once
+    /// (HUTCH_MAX_SANDBOXES).
+    #[arg(long, env = "HUTCH_MAX_SANDBOXES", default_value_t = hutch_control::control::DEFAULT_MAX_SANDBOXES)]
+    pub max_sandboxes: u64,
 }
 
 /// Warm network namespaces kept ready.
@@ -70,11 +80,9 @@ async fn setup_network(
     args: &ServeArgs,
     run_dir: &std::path::Path,
     store: &Arc<dyn Store>,
+    held: Arc<hutch_runtime::net::InstanceLock>,
 ) -> std::result::Result<Arc<hutch_runtime::net::Network>, String> {
-    use hutch_runtime::net::{NetConfig, Network, MAX_INSTANCES};
-    if args.net_instance >= MAX_INSTANCES {
-        return Err(format!("--net-instance must be below {MAX_INSTANCES}"));
-    }
+    use hutch_runtime::net::{NetConfig, Network};
     let mut cfg = NetConfig::new(run_dir, args.net_instance);
     if !args.dns_upstream.is_empty() {
         let mut ups = Vec::new();
@@ -94,7 +102,7 @@ async fn setup_network(
     };
     // Links of sandboxes that outlived the last daemon stay.
     let keep = store
-        .sandboxes_in(&["starting", "running", "suspended", "terminating"])
+        .sandboxes_in(&hutch_control::lifecycle::HOLDING_STATES)
         .map_err(|e| e.to_string())?
         .iter()
         .filter_map(|r| {
@@ -102,11 +110,17 @@ async fn setup_network(
             n.host_if.map(|h| (h, n.index))
         })
         .collect();
-    let net = tokio::task::spawn_blocking(move || Network::setup(cfg, &keep))
+    let net = tokio::task::spawn_blocking(move || Network::setup(cfg, &keep, &held))
         .await
         .map_err(|e| e.to_string())?
         .map_err(|e| e.to_string())?;
     let net = Arc::new(net);
+    // Networks the host joins later are special as soon as it is on them.
+    net.follow_host(|r| match r {
+        Ok(()) => tracing::info!("the host's networks changed; the sandboxes' rules follow"),
+        Err(e) => tracing::warn!("cannot follow the host's networks: {e}"),
+    })
+    .map_err(|e| format!("follow the host's networks: {e}"))?;
     let learned_store = store.clone();
     let on_admit: hutch_control::dns::OnAdmit = Arc::new(move |id: &str, addrs: &[std::net::IpAddr]| {
         let json = serde_json::to_string(addrs).unwrap_or_else(|_| "[]".into());
@@ -114,12 +128,24 @@ async fn setup_network(
             tracing::warn!("sandbox {id}: cannot store resolved addresses: {e}");
         }
     });
-    hutch_control::dns::serve(net.clone(), on_admit)
+    hutch_control::dns::serve(net.clone(), on_admit.clone())
         .await
         .map_err(|e| format!("start the sandboxes' resolver: {e}"))?;
     let filler = net.clone();
     tokio::spawn(async move {
+        let mut expired_at = std::time::Instant::now();
         loop {
+            // Resolved addresses leave when their answers expire.
+            if expired_at.elapsed() >= Duration::from_secs(1) {
+                expired_at = std::time::Instant::now();
+                let (f, on_admit) = (filler.clone(), on_admit.clone());
+                let _ = tokio::task::spawn_blocking(move || {
+                    for id in f.expire(std::time::Instant::now()) {
+                        on_admit(&id, &f.learned(&id));
+                    }
+                })
+                .await;
+            }
             // The host's rules must stay loaded: put them back at once if
             // someone flushed them.
             let f = filler.clone();
@@ -205,6 +231,13 @@ pub fn main(args: ServeArgs) -> i32 {
 }
 
 async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
+    // The network instance is this daemon's alone, for its whole life:
+    // another live daemon holding it means this one must not start (it
+    // would sweep the other's links and rules).
+    if args.net_instance >= hutch_runtime::net::MAX_INSTANCES {
+        anyhow::bail!("--net-instance must be below {}", hutch_runtime::net::MAX_INSTANCES);
+    }
+    let instance = Arc::new(hutch_runtime::net::InstanceLock::acquire(args.net_instance)?);
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -213,7 +246,7 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     let db = args.state_dir.join("hutch.db");
     let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&db).with_context(|| format!("open {}", db.display()))?);
     if store.count_keys()? == 0 {
-        let key = hutch_control::keys::generate("admin", true, false, hutch_control::keys::now_ms())?;
+        let key = hutch_control::keys::generate("admin", true, false, hutch_store::Quotas::default())?;
         store.insert_key(&key.record)?;
         let path = args.state_dir.join("admin.key");
         let mut f = std::fs::OpenOptions::new()
@@ -228,14 +261,31 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     }
     let cfg = hutch_runtime::Config { state_dir: args.state_dir.clone(), ..hutch_runtime::Config::from_env() };
     let runtime = Arc::new(hutch_runtime::Runtime::new(cfg).context("start the container runtime")?);
-    let network = setup_network(&args, &runtime.config().run_dir, &store).await;
+    let network = setup_network(&args, &runtime.config().run_dir, &store, instance.clone()).await;
     match &network {
         Ok(n) => {
             tracing::info!("sandbox network {}/16{} ready", n.config().subnet4, if n.ipv6() { " and IPv6" } else { "" })
         }
         Err(why) => tracing::warn!("no sandbox networking ({why}); only deny_all sandboxes can start"),
     }
-    let control = Control::with_network(store.clone(), runtime, network.clone());
+    if !(args.overcommit.is_finite() && args.overcommit > 0.0) {
+        anyhow::bail!("--overcommit must be a positive number");
+    }
+    let capacity = hutch_control::Capacity::of_host(
+        std::path::Path::new("/proc"),
+        &args.state_dir,
+        args.overcommit,
+        args.max_sandboxes,
+    );
+    tracing::info!(
+        "capacity: {} sandboxes, {} MiB of memory limits, {} MiB of disk limits",
+        capacity.sandboxes,
+        capacity.memory_mb,
+        capacity.disk_mib
+    );
+    let e2b_secret = e2b_secret(&args.state_dir)?;
+    let config = hutch_control::Config { network: network.clone(), capacity, e2b_secret };
+    let control = Control::new(store.clone(), runtime, config);
     control.recover().await?;
 
     let reconciler = control.clone();
@@ -267,8 +317,7 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         limits.max_unauthenticated(),
         limits.max_client_connections
     );
-    let e2b_secret = e2b_secret(&args.state_dir)?;
-    let app = Arc::new(hutch_server::App { control: control.clone(), e2b_secret });
+    let app = Arc::new(hutch_server::App { control: control.clone() });
     let stopping = Arc::new(tokio::sync::Notify::new());
     let notify = stopping.clone();
     let shutdown = async move {
@@ -295,9 +344,10 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         () = grace => {}
     }
     control.shut_down();
+    let _held = instance;
     // With no sandbox left, nothing of the network needs to stay.
     if let Ok(net) = network {
-        let running = store.sandboxes_in(&["starting", "running", "suspended", "terminating"])?;
+        let running = store.sandboxes_in(&hutch_control::lifecycle::HOLDING_STATES)?;
         if running.is_empty() {
             tokio::task::spawn_blocking(move || net.teardown()).await?;
         }

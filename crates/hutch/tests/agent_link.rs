@@ -7,6 +7,7 @@ mod common;
 use common::*;
 use hutch_agent::proto::{Cmd, ErrorCode, ExitStatus, FromAgent, Reply, Request, Spawn, Stream, WriteFile};
 use hutch_runtime::agent::{AgentConn, AgentError};
+use hutch_runtime::cgroup::Limits;
 use hutch_runtime::{Config, Runtime, Sandbox, SandboxSpec};
 use std::time::Duration;
 
@@ -177,8 +178,10 @@ fn timeout_kills_the_commands_whole_tree_and_the_sandbox_lives_on() {
     // A background process of a finished command keeps running.
     let (_, st) = sh(&mut conn, "setsid sleep 7344 >/dev/null 2>&1 &", "user", None);
     assert_eq!(st.code, Some(0));
-    let (out, _) = sh(&mut conn, "pgrep -c -f 'sleep [7]344'", "user", None);
-    assert_eq!(out.trim(), "1");
+    // It execs sleep a moment after its shell exited: wait for that.
+    let (out, _) =
+        sh(&mut conn, "for i in $(seq 500); do pgrep -f 'sleep [7]344' && break; sleep 0.02; done", "user", None);
+    assert_eq!(out.lines().count(), 1, "{out}");
 }
 
 #[test]
@@ -301,4 +304,31 @@ fn freeze_stops_every_process_and_thaw_resumes_them() {
     std::thread::sleep(Duration::from_millis(300));
     let later = count(&mut conn);
     assert!(later > after + 5, "the loop did not resume after thaw ({after} -> {later})");
+}
+
+/// Issue 10, finding 12: a workload that fills the sandbox's memory, here
+/// with a file in RAM-backed /tmp, is OOM-killed in its own cgroup; the
+/// agent is not, and its exit status says what happened.
+#[test]
+fn filling_memory_kills_the_command_never_the_agent() {
+    let env = Env::new("link-oom");
+    let rt = runtime(&env);
+    let defaults = SandboxSpec::default();
+    let spec = SandboxSpec { limits: Limits { memory_bytes: 128 << 20, ..defaults.limits }, ..defaults };
+    let sb = start(&rt, &spec);
+    let mut conn = sb.connect().expect("connect");
+    let (out, _) = sh(&mut conn, "cat /proc/self/cgroup", "user", None);
+    assert!(out.lines().any(|l| l.ends_with("/work")), "commands run in the workload's cgroup: {out}");
+    let (_, st) = sh(&mut conn, "head -c 400M /dev/zero > /tmp/fill", "user", Some(120_000));
+    assert!(st.oom_killed && st.signal == Some(libc::SIGKILL) && !st.timed_out, "{st:?}");
+    assert!(sb.cgroup.oom_kills() >= 1);
+    assert!(sb.is_alive());
+    // The agent still answers; the file's pages stay charged to the workload
+    // until it goes.
+    conn.call(Request::Remove { path: "/tmp/fill".into(), user: None }, &[]).expect("remove");
+    let (out, st) = sh(&mut conn, "echo alive", "user", None);
+    assert_eq!((out.as_str(), st.oom_killed), ("alive\n", false));
+    // A SIGKILL that is not the OOM killer's is not reported as one.
+    let (_, st) = sh(&mut conn, "kill -9 $$", "user", None);
+    assert!(st.signal == Some(libc::SIGKILL) && !st.oom_killed, "{st:?}");
 }

@@ -162,3 +162,80 @@ fn what_the_profile_allows_still_works() {
     );
     assert_eq!(stdout(&out), "1\nuser\nroot\n", "{}", stderr(&out));
 }
+
+/// Like SYSCALL, but every integer goes in a full 64-bit register, so a
+/// probe can set the upper half of an argument.
+const SYSCALL64: &str = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\ndef call(nr, *args):\n    a = [ctypes.c_ulong(x & (2**64 - 1)) if isinstance(x, int) else x for x in args]\n    r = libc.syscall(ctypes.c_long(nr), *a)\n    return 'ok' if r >= 0 else os.strerror(ctypes.get_errno())\nHIGH = 1 << 32\n";
+
+#[test]
+fn tiocsti_cannot_inject_input_even_with_the_upper_bits_of_cmd_set() {
+    // The host lets TIOCSTI inject (dev.tty.legacy_tiocsti = 1 here), so a
+    // call that passed the filter would type into the terminal for real.
+    let env = Env::new("esc-tiocsti");
+    let script = format!(
+        "{SYSCALL64}import fcntl, select, termios\nmaster, slave = os.openpty()\ntry:\n    os.setsid()\nexcept OSError:\n    pass\nfcntl.ioctl(slave, termios.TIOCSCTTY, 0)\nc = ctypes.c_char(b'x')\ndef injected():\n    r, _, _ = select.select([slave], [], [], 0.2)\n    if r:\n        os.read(slave, 64)\n    return bool(r)\nfor name, cmd in [('plain', 0x5412), ('high', 0x5412 | HIGH), ('all-high', 0x5412 | (0xffffffff << 32))]:\n    print('tiocsti', name, call(16, slave, cmd, ctypes.byref(c)), 'injected' if injected() else 'clean')\nfor name, cmd in [('plain', 0x541C), ('high', 0x541C | HIGH)]:\n    print('tioclinux', name, call(16, slave, cmd, ctypes.byref(c)))\nprint('tiocgwinsz', call(16, slave, 0x5413, ctypes.create_string_buffer(8)))\nprint('tiocgwinsz-high', call(16, slave, 0x5413 | HIGH, ctypes.create_string_buffer(8)))\n"
+    );
+    let text = probe(&env, &script);
+    for name in ["plain", "high", "all-high"] {
+        assert!(
+            text.contains(&format!("tiocsti {name} Operation not permitted clean")),
+            "TIOCSTI ({name}) not refused: {text}"
+        );
+    }
+    for name in ["plain", "high"] {
+        assert!(text.contains(&format!("tioclinux {name} Operation not permitted")), "{text}");
+    }
+    // Other terminal ioctls work, whatever the upper bits (the kernel reads 32).
+    assert!(text.contains("tiocgwinsz ok"), "{text}");
+    assert!(text.contains("tiocgwinsz-high ok"), "{text}");
+}
+
+#[test]
+fn pid_one_cannot_be_traced_even_with_the_upper_bits_of_pid_set() {
+    let env = Env::new("esc-ptrace64");
+    // PTRACE_GETREGS (12) of a process one does not trace: the kernel alone
+    // answers ESRCH, so EPERM can only be the filter (attaching to the
+    // agent the kernel refuses too: it is non-dumpable).
+    let script = format!(
+        "{SYSCALL64}import time\nfor name, pid in [('plain', 1), ('high', 1 | HIGH), ('all-high', 1 | (0xffffffff << 32))]:\n    print('getregs', name, call(101, 12, pid, 0, 0))\n    print('attach', name, call(101, 16, pid, 0, 0))\nchild = os.fork()\nif child == 0:\n    time.sleep(30); os._exit(0)\nprint('getregs-child', call(101, 12, child, 0, 0))\nprint('attach-child', call(101, 16, child, 0, 0))\nos.waitpid(child, 0)\nprint('detach-child', call(101, 17, child, 0, 0))\nos.kill(child, 9)\nos.waitpid(child, 0)\n"
+    );
+    let text = probe(&env, &script);
+    for name in ["plain", "high", "all-high"] {
+        assert!(text.contains(&format!("getregs {name} Operation not permitted")), "{text}");
+        assert!(text.contains(&format!("attach {name} Operation not permitted")), "{text}");
+    }
+    // Other pids reach the kernel, and tracing one's own child works.
+    assert!(text.contains("getregs-child No such process"), "{text}");
+    assert!(text.contains("attach-child ok"), "{text}");
+    assert!(text.contains("detach-child ok"), "{text}");
+}
+
+#[test]
+fn namespace_flags_are_refused_in_every_spelling_and_plain_clone_works() {
+    let env = Env::new("esc-nsflags");
+    // Bit 0 is no unshare flag, and CLONE_SIGHAND without CLONE_VM is
+    // invalid: the kernel alone would answer EINVAL, so EPERM is the filter.
+    let script = format!(
+        "{SYSCALL64}flags = {{'NEWNS': 0x20000, 'NEWCGROUP': 0x02000000, 'NEWUTS': 0x04000000, 'NEWIPC': 0x08000000, 'NEWUSER': 0x10000000, 'NEWPID': 0x20000000, 'NEWNET': 0x40000000, 'NEWTIME': 0x80}}\nfor name, f in flags.items():\n    print('unshare', name, call(272, f | 1))\n    print('unshare-high', name, call(272, f | 1 | HIGH))\n    print('clone', name, call(56, f | 0x800, 0, 0, 0, 0))\n    print('clone-high', name, call(56, f | 0x800 | HIGH, 0, 0, 0, 0))\nprint('unshare-files', call(272, 0x400))\nprint('clone3', call(435, None, 0))\nprint('io_setup', call(206, 1, ctypes.byref(ctypes.c_ulong(0))))\nimport subprocess\nprint('fork', subprocess.run(['true']).returncode)\n"
+    );
+    let text = probe(&env, &script);
+    for name in ["NEWNS", "NEWCGROUP", "NEWUTS", "NEWIPC", "NEWUSER", "NEWPID", "NEWNET", "NEWTIME"] {
+        for call in ["unshare", "unshare-high", "clone", "clone-high"] {
+            assert!(text.contains(&format!("{call} {name} Operation not permitted\n")), "{call} {name}: {text}");
+        }
+    }
+    assert!(text.contains("unshare-files ok"), "{text}");
+    assert!(text.contains("clone3 Function not implemented"), "{text}");
+    // One io_setup could take the host's whole AIO pool (fs.aio-max-nr).
+    assert!(text.contains("io_setup Function not implemented"), "{text}");
+    assert!(text.contains("fork 0"), "{text}");
+}
+
+#[test]
+fn a_foreign_abi_is_killed() {
+    let env = Env::new("esc-x32");
+    // getpid through the x32 numbering (bit 30): the filter kills the caller.
+    let script = "import subprocess, sys\nr = subprocess.run([sys.executable, '-c', 'import ctypes; ctypes.CDLL(None).syscall(0x40000000 | 39)'])\nprint('x32', r.returncode)\n";
+    let text = probe(&env, script);
+    assert!(text.contains("x32 -31"), "SIGSYS expected: {text}");
+}

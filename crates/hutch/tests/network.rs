@@ -3,7 +3,7 @@
 //! and `teardown` leaves nothing. Runs as root (CI does), on network
 //! instance 30 so it never meets a daemon's.
 
-use hutch_runtime::net::{Egress, NetConfig, Network, Policy};
+use hutch_runtime::net::{Egress, InstanceLock, NetConfig, Network, Policy};
 use std::collections::BTreeMap;
 use std::process::Command;
 
@@ -45,7 +45,10 @@ fn unenforceable_policies_are_refused_and_flushed_rules_come_back() {
     std::fs::create_dir_all(&run).expect("mkdir");
     let mut cfg = NetConfig::new(&run, INSTANCE);
     cfg.ipv6 = Some(false);
-    let guard = Guard(Some(Network::setup(cfg, &BTreeMap::new()).expect("set up the network")));
+    // A daemon (or another test) on this instance makes this fail, never
+    // share: the instance's lock is exclusive host-wide.
+    let held = InstanceLock::acquire(INSTANCE).expect("network instance 30 is free");
+    let guard = Guard(Some(Network::setup(cfg, &BTreeMap::new(), &held).expect("set up the network")));
     let net = guard.0.as_ref().expect("network");
     assert!(table_exists());
 
@@ -71,6 +74,10 @@ fn unenforceable_policies_are_refused_and_flushed_rules_come_back() {
     }
 
     drop(guard);
+    // Held, the instance refuses a second holder.
+    let second = InstanceLock::acquire_in(std::path::Path::new(hutch_runtime::net::INSTANCE_LOCK_DIR), INSTANCE);
+    assert!(matches!(&second, Err(e) if e.to_string().contains(&format!("pid {}", std::process::id()))), "{second:?}");
+    drop(held);
     assert!(!table_exists(), "teardown leaves no table");
     assert_eq!(links(), Vec::<String>::new(), "teardown leaves no link");
     let _ = std::fs::remove_dir_all(&run);

@@ -12,10 +12,15 @@ use super::sys::{self, CStrArray, Errno};
 
 /// Status-pipe message: the real child's pid.
 pub const MSG_PID: u32 = 1;
-/// Status-pipe message: the real child's wait status.
+/// Status-pipe message: the main process ended (value: its wait status)
+/// and no other process of its tree was left.
 pub const MSG_STATUS: u32 = 2;
 /// Status-pipe message: the supervisor could not fork (value is the errno).
 pub const MSG_FORK_FAILED: u32 = 3;
+/// Status-pipe message: the main process ended (value: its wait status)
+/// while processes it started live on. The supervisor exits once they are
+/// all gone; the agent learns that by reaping it.
+pub const MSG_STATUS_LIVE: u32 = 4;
 
 pub fn encode_msg(kind: u32, value: i32) -> [u8; 8] {
     let mut m = [0u8; 8];
@@ -26,6 +31,13 @@ pub fn encode_msg(kind: u32, value: i32) -> [u8; 8] {
 
 pub fn decode_msg(m: [u8; 8]) -> (u32, i32) {
     (u32::from_le_bytes([m[0], m[1], m[2], m[3]]), i32::from_le_bytes([m[4], m[5], m[6], m[7]]))
+}
+
+/// The signal the agent queues to a supervisor (with `sigqueue`, the value
+/// being a signal number) to have that signal sent to every process of the
+/// command's tree. A real-time signal, so that several queue up.
+pub fn tree_signal() -> libc::c_int {
+    libc::SIGRTMIN() + 1
 }
 
 /// Everything the supervisor and the child need, built before forking.
@@ -58,18 +70,25 @@ pub struct ChildPlan<'a> {
     /// The open-file limit the agent started with.
     pub nofile: Option<libc::rlimit>,
     pub filter: &'a [libc::sock_filter],
+    /// `cgroup.procs` files of the workload cgroup (close-on-exec), which
+    /// the child writes itself into before it execs.
+    pub work_cgroups: &'a [RawFd],
 }
 
-const SUPERVISOR_SIGNALS: [libc::c_int; 3] = [libc::SIGCHLD, libc::SIGUSR1, libc::SIGTERM];
+fn supervisor_signals() -> [libc::c_int; 4] {
+    [libc::SIGCHLD, libc::SIGUSR1, libc::SIGTERM, tree_signal()]
+}
 
 /// Body of the supervisor process, right after the agent forked it.
 pub fn supervise(plan: &ChildPlan<'_>) -> ! {
-    let mut keep = [plan.stdin, plan.stdout, plan.stderr, plan.cwd, plan.status];
+    let mut keep = vec![plan.stdin, plan.stdout, plan.stderr, plan.cwd, plan.status];
+    keep.extend_from_slice(plan.work_cgroups);
     sys::close_all_except(&mut keep);
     // The agent reset every other disposition at start; SIGPIPE it ignores.
     sys::default_signal(libc::SIGPIPE);
     let _ = sys::set_child_subreaper();
-    if sys::set_sigmask(&SUPERVISOR_SIGNALS).is_err() {
+    let signals = supervisor_signals();
+    if sys::set_sigmask(&signals).is_err() {
         sys::exit_now(1);
     }
     extern "C" fn child_entry(arg: *mut libc::c_void) -> libc::c_int {
@@ -87,58 +106,179 @@ pub fn supervise(plan: &ChildPlan<'_>) -> ! {
     };
     let mut spare = [plan.status];
     sys::close_all_except(&mut spare);
+    let mut tree = Tree {
+        main: child,
+        state: Main::Running,
+        status: plan.status,
+        main_status: None,
+        reported: false,
+        killing: false,
+    };
     if sys::write_all(plan.status, &encode_msg(MSG_PID, child)).is_err() {
         // The agent is gone; nobody wants this command any more.
-        kill_tree(child, plan.status, &mut true);
+        tree.kill_all();
         sys::exit_now(1);
     }
-    let mut reported = false;
     loop {
-        if reap(child, plan.status, &mut reported, libc::WNOHANG).is_err() {
-            sys::exit_now(0);
-        }
-        match sys::sigwait(&SUPERVISOR_SIGNALS) {
-            Ok(libc::SIGUSR1) | Ok(libc::SIGTERM) => kill_tree(child, plan.status, &mut reported),
+        tree.collect();
+        match sys::sigwait_value(&signals) {
+            Ok((libc::SIGUSR1 | libc::SIGTERM, _)) => tree.kill_all(),
+            Ok((sig, value)) if sig == tree_signal() => tree.signal_all(value),
             _ => {}
         }
     }
 }
 
-/// Reaps every child that has exited, reporting the main one. With
-/// `flags == 0` it first blocks for one. `Err` means no children remain.
-fn reap(main: i32, status_fd: RawFd, reported: &mut bool, mut flags: libc::c_int) -> Result<(), ()> {
-    loop {
-        match sys::waitpid(-1, flags) {
-            Ok(Some((pid, status))) => {
-                if pid == main && !*reported {
-                    *reported = true;
-                    let _ = sys::write_all(status_fd, &encode_msg(MSG_STATUS, status));
-                }
-                flags = libc::WNOHANG;
+/// Where the command's main process is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Main {
+    Running,
+    /// Exited and reported, but not reaped: a zombie holds its pid, which
+    /// names the command, and its process group, so that neither is reused
+    /// while the rest of the tree lives.
+    Exited,
+    /// Reaped; only when the tree turned out not to be empty after all.
+    Reaped,
+}
+
+/// The command's process tree, as its supervisor (a subreaper, so every
+/// orphan of the tree becomes its child) sees it.
+struct Tree {
+    main: i32,
+    state: Main,
+    /// Write end of the status pipe to the agent.
+    status: RawFd,
+    /// The main process's wait status, once it exited.
+    main_status: Option<i32>,
+    /// The agent was told the main process's end.
+    reported: bool,
+    /// The tree is being killed (timeout, SIGKILL): the main process's end
+    /// is reported once nothing is left, so that a killed command's exit
+    /// means its whole tree is gone.
+    killing: bool,
+}
+
+impl Tree {
+    /// Reaps what has exited, reports the main process's end once (with
+    /// whether the rest of the tree lives on), and ends the supervisor when
+    /// nothing of the tree is left.
+    fn collect(&mut self) {
+        if self.state == Main::Running {
+            self.reap_before_main();
+        }
+        if self.state == Main::Exited && !self.reap_others() {
+            // Nothing else was seen. /proc can miss a child that is being
+            // reparented, so reap the main process and ask waitpid, which
+            // sees every child: MSG_STATUS always means the tree is gone.
+            let _ = sys::waitpid(self.main, 0);
+            self.state = Main::Reaped;
+        }
+        let empty = self.state == Main::Reaped && !reap_any();
+        if let (Some(status), false) = (self.main_status, self.reported) {
+            if empty || !self.killing {
+                self.reported = true;
+                let kind = if empty { MSG_STATUS } else { MSG_STATUS_LIVE };
+                let _ = sys::write_all(self.status, &encode_msg(kind, status));
             }
-            Ok(None) => return Ok(()),
-            Err(Errno(libc::EINTR)) => {}
-            Err(_) => return Err(()),
+        }
+        if empty {
+            sys::exit_now(0);
+        }
+    }
+
+    /// While the main process runs: reaps exited children one by one,
+    /// looking at each before reaping it, so that the main process, once
+    /// it exits, is left a zombie.
+    fn reap_before_main(&mut self) {
+        loop {
+            match sys::peek_exited(None) {
+                Ok(Some((pid, status))) if pid == self.main => {
+                    self.state = Main::Exited;
+                    self.main_status = Some(status);
+                    return;
+                }
+                Ok(Some((pid, _))) => {
+                    let _ = sys::waitpid(pid, libc::WNOHANG);
+                }
+                Err(Errno(libc::EINTR)) => {}
+                Ok(None) | Err(_) => return,
+            }
+        }
+    }
+
+    /// Reaps every exited child but the main process; whether another child
+    /// is still alive.
+    fn reap_others(&self) -> bool {
+        let mut alive = false;
+        for pid in direct_children() {
+            if pid == self.main {
+                continue;
+            }
+            if let Ok(None) = sys::waitpid(pid, libc::WNOHANG) {
+                alive = true;
+            }
+        }
+        alive
+    }
+
+    /// The live processes of the tree: every descendant, less the main
+    /// process's zombie.
+    fn members(&self) -> Vec<i32> {
+        let zombie = (self.state == Main::Exited).then_some(self.main);
+        descendants().into_iter().filter(|&p| Some(p) != zombie).collect()
+    }
+
+    /// Kills every process of the tree, again and again, until none is
+    /// left: the tree walk finds processes that left the session or
+    /// double-forked, because the supervisor inherits all of them.
+    fn kill_all(&mut self) {
+        self.killing = true;
+        loop {
+            let pids = self.members();
+            if pids.is_empty() {
+                self.killing = false;
+                return;
+            }
+            for pid in pids {
+                let _ = sys::kill(pid, libc::SIGKILL);
+            }
+            // One of them was a child of ours: wait until it is reapable.
+            let _ = sys::sigwait(&[libc::SIGCHLD]);
+            self.collect();
+        }
+    }
+
+    /// Sends `sig` to every process of the tree once.
+    fn signal_all(&mut self, sig: i32) {
+        if sig == libc::SIGKILL {
+            return self.kill_all();
+        }
+        if !(1..=64).contains(&sig) {
+            return;
+        }
+        for pid in self.members() {
+            let _ = sys::kill(pid, sig);
         }
     }
 }
 
-/// Kills every descendant, again and again, until none are left: the tree
-/// walk finds processes that left the session or double-forked, because as
-/// a subreaper the supervisor inherits all of them.
-fn kill_tree(main: i32, status_fd: RawFd, reported: &mut bool) {
+/// Reaps every exited child; whether any child is left.
+fn reap_any() -> bool {
     loop {
-        let pids = descendants();
-        if pids.is_empty() {
-            return;
-        }
-        for pid in pids {
-            let _ = sys::kill(pid, libc::SIGKILL);
-        }
-        if reap(main, status_fd, reported, 0).is_err() {
-            return;
+        match sys::waitpid(-1, libc::WNOHANG) {
+            Ok(Some(_)) => {}
+            Ok(None) => return true,
+            Err(Errno(libc::EINTR)) => {}
+            Err(_) => return false,
         }
     }
+}
+
+/// This process's children (zombies included).
+fn direct_children() -> Vec<i32> {
+    let me = sys::getpid();
+    children_of(me)
+        .unwrap_or_else(|| parents_by_stat().into_iter().filter(|&(_, pp)| pp == me).map(|(p, _)| p).collect())
 }
 
 /// Every descendant of this process, from /proc.
@@ -172,21 +312,10 @@ fn children_of(pid: i32) -> Option<Vec<i32>> {
     Some(out)
 }
 
-/// Fallback without /proc/*/task/*/children: every process's parent from
-/// /proc/<pid>/stat.
+/// Fallback without /proc/*/task/*/children: descendants by every
+/// process's parent.
 fn descendants_by_stat(me: i32) -> Vec<i32> {
-    let mut parents = Vec::new();
-    if let Ok(dir) = std::fs::read_dir("/proc") {
-        for entry in dir.flatten() {
-            let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-            // "pid (comm) state ppid ...": comm may hold spaces and parens.
-            let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { continue };
-            if let Some(ppid) = rest.split_ascii_whitespace().nth(1).and_then(|p| p.parse::<i32>().ok()) {
-                parents.push((pid, ppid));
-            }
-        }
-    }
+    let parents = parents_by_stat();
     let mut out = Vec::new();
     let mut stack = vec![me];
     while let Some(p) = stack.pop() {
@@ -198,6 +327,28 @@ fn descendants_by_stat(me: i32) -> Vec<i32> {
         }
     }
     out
+}
+
+/// Every process's (pid, parent pid), from /proc/<pid>/stat.
+fn parents_by_stat() -> Vec<(i32, i32)> {
+    let mut parents = Vec::new();
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for entry in dir.flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+            if let Some(ppid) = parent_in_stat(&stat) {
+                parents.push((pid, ppid));
+            }
+        }
+    }
+    parents
+}
+
+/// The parent pid in a /proc/<pid>/stat line: "pid (comm) state ppid ...",
+/// where comm may hold spaces and parentheses.
+fn parent_in_stat(stat: &str) -> Option<i32> {
+    let rest = stat.rsplit_once(')')?.1;
+    rest.split_ascii_whitespace().nth(1)?.parse().ok()
 }
 
 /// Writes "hutch: <what>: <strerror>\n" to stderr and exits; allocates nothing.
@@ -222,6 +373,13 @@ fn fail(what: &[u8], err: Errno, code: i32) -> ! {
 
 /// The real child: becomes the command, or exits 126/127 with a message.
 fn exec_child(plan: &ChildPlan<'_>) -> ! {
+    // First, so that everything after runs under the workload's limits and
+    // an OOM kill there can only pick workload processes.
+    for &fd in plan.work_cgroups {
+        if let Err(e) = sys::write_all(fd, b"0") {
+            fail(b"joining the workload cgroup", e, 126);
+        }
+    }
     if let Err(e) = sys::setsid() {
         fail(b"setsid", e, 126);
     }
@@ -303,8 +461,16 @@ mod tests {
 
     #[test]
     fn status_messages_round_trip() {
-        for (k, v) in [(MSG_PID, 4242), (MSG_STATUS, 0x7f00), (MSG_FORK_FAILED, -11)] {
+        for (k, v) in [(MSG_PID, 4242), (MSG_STATUS, 0x7f00), (MSG_FORK_FAILED, -11), (MSG_STATUS_LIVE, 9)] {
             assert_eq!(decode_msg(encode_msg(k, v)), (k, v));
         }
+    }
+
+    #[test]
+    fn parent_pid_is_read_past_a_command_name_with_parens() {
+        assert_eq!(parent_in_stat("42 (sh) S 7 42 42 0 -1"), Some(7));
+        assert_eq!(parent_in_stat("43 (a) b) (c) R 1 43"), Some(1));
+        assert_eq!(parent_in_stat("44 (x"), None);
+        assert_eq!(parent_in_stat(""), None);
     }
 }

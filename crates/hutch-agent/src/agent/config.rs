@@ -21,6 +21,11 @@ pub struct Config {
     /// Most live command trees (see `AgentConfig::max_commands`).
     pub max_commands: usize,
     pub filter: Vec<libc::sock_filter>,
+    /// Descriptors of the workload cgroup's `cgroup.procs` files, from
+    /// `proto::WORK_CGROUP_FD` on.
+    pub work_cgroups: u32,
+    /// Whether the descriptor after those is the workload cgroup's OOM counter.
+    pub oom_events: bool,
 }
 
 /// Parses the bytes read from descriptor 4: exactly one frame.
@@ -46,6 +51,9 @@ pub fn parse(bytes: &[u8]) -> Result<Config, String> {
             k: u32::from_ne_bytes([c[4], c[5], c[6], c[7]]),
         })
         .collect();
+    if cfg.work_cgroups > proto::MAX_WORK_CGROUPS {
+        return Err(format!("{} workload cgroups; at most {}", cfg.work_cgroups, proto::MAX_WORK_CGROUPS));
+    }
     let env = cfg.env.into_iter().filter(|(k, v)| env::check_var(k, v).is_ok()).collect();
     Ok(Config {
         env,
@@ -53,6 +61,8 @@ pub fn parse(bytes: &[u8]) -> Result<Config, String> {
         replay_bytes: (cfg.replay_bytes as usize).min(MAX_REPLAY),
         max_commands: (cfg.max_commands as usize).clamp(1, super::server::MAX_PROCS),
         filter,
+        work_cgroups: cfg.work_cgroups,
+        oom_events: cfg.oom_events,
     })
 }
 
@@ -73,6 +83,8 @@ mod tests {
             root_caps: 5,
             replay_bytes: 1024,
             max_commands: 64,
+            work_cgroups: 2,
+            oom_events: true,
         }
     }
 
@@ -94,5 +106,7 @@ mod tests {
         bytes.push(0);
         assert!(parse(&bytes).is_err());
         assert!(parse(&[]).is_err());
+        let too_many = AgentConfig { work_cgroups: proto::MAX_WORK_CGROUPS + 1, ..sample() };
+        assert!(parse(&frame(&too_many, &[])).is_err());
     }
 }

@@ -53,6 +53,10 @@ pub fn main() -> i32 {
         Ok(c) => c,
         Err(_) => return 2,
     };
+    let cgroups = match work_cgroup(&cfg) {
+        Some(c) => c,
+        None => return 2,
+    };
     // The agent and its supervisors never exec, so the bounding set only
     // matters for workloads: cut it once here instead of in every child.
     let bounding_reduced = sys::drop_bounding(!cfg.root_caps).is_ok();
@@ -62,12 +66,33 @@ pub fn main() -> i32 {
     // SAFETY: descriptor 3 is the listening socket the host passed; from
     // here on the agent owns it.
     let listener = unsafe { OwnedFd::from_raw_fd(LISTEN_FD) };
-    let mut agent = match server::Agent::new(cfg, listener, nofile, bounding_reduced) {
+    let mut agent = match server::Agent::new(cfg, cgroups, listener, nofile, bounding_reduced) {
         Ok(a) => a,
         Err(_) => return 1,
     };
     let _fatal = agent.run();
     1
+}
+
+/// Takes the workload cgroup's descriptors the configuration announces
+/// (close-on-exec, so that no workload inherits them); `None` when one of
+/// them is not open.
+fn work_cgroup(cfg: &config::Config) -> Option<server::WorkCgroup> {
+    let take = |fd: i32| -> Option<OwnedFd> {
+        sys::set_cloexec(fd).ok()?;
+        // SAFETY: the host passed this descriptor (checked open just above)
+        // for the agent alone, which now owns it.
+        Some(unsafe { OwnedFd::from_raw_fd(fd) })
+    };
+    let mut out = server::WorkCgroup::default();
+    let n = cfg.work_cgroups as i32;
+    for i in 0..n {
+        out.procs.push(take(proto::WORK_CGROUP_FD + i)?);
+    }
+    if cfg.oom_events {
+        out.oom_events = Some(take(proto::WORK_CGROUP_FD + n)?);
+    }
+    Some(out)
 }
 
 /// Reads the configuration frame up to EOF (bounded by the largest frame).

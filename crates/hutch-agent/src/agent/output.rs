@@ -46,7 +46,7 @@ pub fn exit_status(status: i32, timed_out: bool) -> ExitStatus {
     } else {
         (None, None)
     };
-    ExitStatus { code, signal, timed_out }
+    ExitStatus { code, signal, timed_out, oom_killed: false, descendants_alive: false }
 }
 
 #[cfg(test)]
@@ -70,7 +70,7 @@ mod tests {
 
     #[test]
     fn wait_status_decodes_codes_and_signals() {
-        assert_eq!(exit_status(0, false), ExitStatus { code: Some(0), signal: None, timed_out: false });
+        assert_eq!(exit_status(0, false), ExitStatus::exited(0));
         assert_eq!(exit_status(127 << 8, false).code, Some(127));
         let killed = exit_status(libc::SIGKILL, true);
         assert_eq!((killed.code, killed.signal, killed.timed_out), (None, Some(9), true));

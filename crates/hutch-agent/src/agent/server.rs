@@ -66,15 +66,27 @@ fn error(code: ErrorCode, message: impl Into<String>) -> Reply {
 
 type SpawnError = (ErrorCode, String);
 
+/// The workload cgroup's descriptors the host passed (see `AgentConfig`).
+#[derive(Default)]
+pub struct WorkCgroup {
+    pub procs: Vec<OwnedFd>,
+    pub oom_events: Option<OwnedFd>,
+}
+
 struct OutStream {
     fd: Option<OwnedFd>,
     events: u32,
     ring: Ring,
 }
 
+/// A command: from its spawn until its supervisor is reaped, which is when
+/// its whole process tree has exited and its slot is free.
 struct Proc {
     /// Pid of its supervisor, the agent's child.
     sup: i32,
+    /// Nothing of the tree is left: the supervisor said so (it is exiting)
+    /// or was reaped. No signal goes to it any more.
+    sup_gone: bool,
     info: ProcessInfo,
     /// stdout and stderr; with a pty, stdout is the terminal's master side.
     streams: [OutStream; 2],
@@ -90,8 +102,17 @@ struct Proc {
     subs: Vec<u64>,
     timeout_at: Option<Instant>,
     timed_out: bool,
+    /// A SIGKILL was asked for through [`Request::Signal`].
+    kill_requested: bool,
+    /// The workload cgroup's OOM kill count when the command started.
+    oom_at_start: Option<u64>,
     /// Wait status of the main child, while a pty's output still drains.
     exited: Option<(i32, Instant)>,
+    /// The main child exited while other processes of its tree lived.
+    descendants_alive: bool,
+    /// The exit was sent and the streams closed (`info.exited` is set);
+    /// the record stays while the rest of the tree lives.
+    finished: bool,
 }
 
 impl Proc {
@@ -236,6 +257,11 @@ fn is_executable(path: &str) -> bool {
 
 pub struct Agent {
     cfg: Config,
+    /// `cgroup.procs` files of the workload cgroup, which every command
+    /// joins before it execs.
+    work_cgroups: Vec<OwnedFd>,
+    /// The workload cgroup's OOM counter file.
+    oom_events: Option<OwnedFd>,
     nofile: Option<libc::rlimit>,
     /// The host lowered our OOM score (it may lack the privilege to).
     reset_oom: bool,
@@ -267,6 +293,7 @@ impl Agent {
     /// Sets the agent up around the host's listening socket.
     pub fn new(
         cfg: Config,
+        cgroups: WorkCgroup,
         listener: OwnedFd,
         nofile: Option<libc::rlimit>,
         bounding_reduced: bool,
@@ -280,6 +307,8 @@ impl Agent {
         epoll.add(sigfd.as_raw_fd(), IN, token(T_SIGNAL, 0))?;
         Ok(Agent {
             cfg,
+            work_cgroups: cgroups.procs,
+            oom_events: cgroups.oom_events,
             nofile,
             reset_oom: std::fs::read("/proc/self/oom_score_adj").map(|v| v.trim_ascii() != b"0").unwrap_or(true),
             bounding_reduced,
@@ -579,7 +608,14 @@ impl Agent {
         let exe = exe.map(CString::new).transpose().map_err(|_| bad_nul())?;
         let cwd_fd = {
             let _creds = FsCreds::switch(user.uid, user.gid);
-            self.fs.open_dir(&cwd).map_err(|e| (e.code, e.message))?
+            let fd = self.fs.open_dir(&cwd).map_err(|e| (e.code, e.message))?;
+            // An O_PATH open needs no search permission on the directory
+            // itself, and the child changes into it while still root: check
+            // that the user may enter it by looking up "." through it.
+            sys::openat(fd.as_fd(), c".", libc::O_PATH | libc::O_DIRECTORY, 0)
+                .map_err(|e| FsError::os("enter", &cwd, e))
+                .map_err(|e| (e.code, e.message))?;
+            fd
         };
 
         let io = |what: &str, e: Errno| (ErrorCode::Io, format!("{what}: {e}"));
@@ -609,6 +645,8 @@ impl Agent {
         sys::set_nonblocking_fresh(status_r.as_fd()).map_err(|e| io("pipe", e))?;
 
         let devnull = self.devnull()?;
+        let work_fds: Vec<i32> = self.work_cgroups.iter().map(|f| f.as_raw_fd()).collect();
+        let oom_at_start = oom_kills(self.oom_events.as_ref());
         let (stdin_fd, stdout_fd, stderr_fd) = match (&slave, &out_w, &err) {
             (Some(s), _, _) => (s.as_raw_fd(), s.as_raw_fd(), s.as_raw_fd()),
             (None, Some(o), Some((_, e))) => {
@@ -634,6 +672,7 @@ impl Agent {
             nofile: self.nofile,
             reset_oom: self.reset_oom,
             filter: &self.cfg.filter,
+            work_cgroups: &work_fds,
         };
         // SAFETY: the agent is single threaded.
         let sup = match unsafe { sys::fork() } {
@@ -662,6 +701,7 @@ impl Agent {
         let stream = |fd: Option<OwnedFd>| OutStream { fd, events: 0, ring: Ring::new(replay) };
         let mut p = Proc {
             sup,
+            sup_gone: false,
             info: ProcessInfo {
                 pid,
                 tag: req.tag.clone(),
@@ -671,6 +711,7 @@ impl Agent {
                 pty: req.pty.is_some(),
                 stdin: req.stdin,
                 env: req.env,
+                exited: None,
             },
             streams: [stream(Some(out_r)), stream(err_r)],
             stdin: stdin_w,
@@ -682,7 +723,11 @@ impl Agent {
             subs: if req.subscribe { vec![conn] } else { Vec::new() },
             timeout_at,
             timed_out: false,
+            kill_requested: false,
+            oom_at_start,
             exited: None,
+            descendants_alive: false,
+            finished: false,
         };
         sync_proc(&self.epoll, &self.out, serial, &mut p);
         if let Some(at) = timeout_at {
@@ -711,6 +756,15 @@ impl Agent {
         self.by_pid.get(&pid).copied().ok_or_else(|| error(ErrorCode::UnknownProcess, format!("no process {pid}")))
     }
 
+    /// A command whose main process still runs (for stdin and terminals).
+    fn find_running(&self, pid: u32) -> Result<u64, Reply> {
+        let serial = self.find(pid)?;
+        match self.procs.get(&serial) {
+            Some(p) if !p.finished => Ok(serial),
+            _ => Err(error(ErrorCode::UnknownProcess, format!("process {pid} exited; processes it started still run"))),
+        }
+    }
+
     fn attach(&mut self, conn: u64, id: u64, target: Target) {
         let serial = match &target {
             Target::Pid(pid) => self.by_pid.get(pid),
@@ -722,6 +776,11 @@ impl Agent {
         };
         let pid = p.info.pid;
         let _ = self.out.send(conn, &FromAgent::Reply { id, reply: Reply::Attached { pid } }, &[]);
+        if let (true, Some(status)) = (p.finished, p.info.exited) {
+            // The main process is gone, its output with it: only the exit.
+            let _ = self.out.send(conn, &FromAgent::Exit { pid, status }, &[]);
+            return;
+        }
         for idx in 0..2 {
             let stream = Proc::stream_kind(idx);
             let (dropped, kept) = p.streams[idx].ring.take();
@@ -751,7 +810,7 @@ impl Agent {
     }
 
     fn stdin(&mut self, pid: u32, data: &[u8]) -> Reply {
-        let serial = match self.find(pid) {
+        let serial = match self.find_running(pid) {
             Ok(s) => s,
             Err(r) => return r,
         };
@@ -780,7 +839,7 @@ impl Agent {
     }
 
     fn close_stdin(&mut self, pid: u32) -> Reply {
-        let serial = match self.find(pid) {
+        let serial = match self.find_running(pid) {
             Ok(s) => s,
             Err(r) => return r,
         };
@@ -806,21 +865,27 @@ impl Agent {
         if !(1..=64).contains(&signal) {
             return error(ErrorCode::InvalidRequest, format!("signal {signal} out of range"));
         }
-        if let Err(r) = self.find(pid) {
-            return r;
+        let serial = match self.find(pid) {
+            Ok(s) => s,
+            Err(r) => return r,
+        };
+        let Some(p) = self.procs.get_mut(&serial) else { return error(ErrorCode::UnknownProcess, "gone") };
+        if signal == libc::SIGKILL {
+            p.kill_requested = true;
         }
-        let r = sys::kill(-(pid as i32), signal).or_else(|e| match e {
-            Errno(libc::ESRCH) => sys::kill(pid as i32, signal),
-            e => Err(e),
-        });
-        match r {
-            Ok(()) => Reply::Ok,
+        // The supervisor sends it to every process of the tree: processes
+        // that left the process group or the session, and those left after
+        // the main process exited, are reached too.
+        match sys::sigqueue(p.sup, child::tree_signal(), signal) {
+            // ESRCH: the supervisor exited (the tree is gone) and is not yet reaped.
+            Ok(()) | Err(Errno(libc::ESRCH)) => Reply::Ok,
+            Err(Errno(libc::EAGAIN)) => error(ErrorCode::Capacity, format!("too many signals queued for {pid}; retry")),
             Err(e) => error(ErrorCode::Io, format!("signal {signal} to {pid}: {e}")),
         }
     }
 
     fn resize(&mut self, pid: u32, cols: u16, rows: u16) -> Reply {
-        let serial = match self.find(pid) {
+        let serial = match self.find_running(pid) {
             Ok(s) => s,
             Err(r) => return r,
         };
@@ -835,11 +900,10 @@ impl Agent {
         }
     }
 
-    /// Running processes, sorted by pid; cut to fit one frame header (first
-    /// without their environments, then fewer of them).
+    /// Commands holding a slot, sorted by pid; cut to fit one frame header
+    /// (first without their environments, then fewer of them).
     fn list(&self) -> Reply {
-        let mut processes: Vec<ProcessInfo> =
-            self.procs.values().filter(|p| p.exited.is_none()).map(|p| p.info.clone()).collect();
+        let mut processes: Vec<ProcessInfo> = self.procs.values().map(|p| p.info.clone()).collect();
         processes.sort_by_key(|p| p.pid);
         let budget = proto::MAX_HEADER - 256;
         let size = |ps: &[ProcessInfo]| serde_json::to_vec(ps).map_or(usize::MAX, |v| v.len());
@@ -868,8 +932,8 @@ impl Agent {
         // End of the stream (EIO: a pty whose slave side is closed).
         let s = &mut p.streams[idx];
         close_fd(&self.epoll, &mut s.fd, &mut s.events);
-        if p.exited.is_some() && p.streams.iter().all(|s| s.fd.is_none()) {
-            self.finalize(serial, None);
+        if !p.finished && p.exited.is_some() && p.streams.iter().all(|s| s.fd.is_none()) {
+            self.finish(serial, None);
         }
     }
 
@@ -879,11 +943,11 @@ impl Agent {
             let Some(fd) = p.status.as_ref() else { return };
             let mut m = [0u8; 8];
             match sys::read(fd.as_fd(), &mut m) {
-                Ok(8) => {
-                    if let (child::MSG_STATUS, status) = child::decode_msg(m) {
-                        return self.main_exited(serial, status);
-                    }
-                }
+                Ok(8) => match child::decode_msg(m) {
+                    (child::MSG_STATUS, status) => return self.main_exited(serial, status, false),
+                    (child::MSG_STATUS_LIVE, status) => return self.main_exited(serial, status, true),
+                    _ => {}
+                },
                 Err(Errno(libc::EAGAIN)) => return,
                 Err(Errno(libc::EINTR)) => {}
                 // EOF (or garbage): the supervisor is gone; its reaping decides.
@@ -895,9 +959,15 @@ impl Agent {
         }
     }
 
-    fn main_exited(&mut self, serial: u64, status: i32) {
+    /// The main process exited; `live`: other processes of its tree did not.
+    fn main_exited(&mut self, serial: u64, status: i32, live: bool) {
         let Some(p) = self.procs.get_mut(&serial) else { return };
         close_fd(&self.epoll, &mut p.status, &mut p.status_events);
+        p.descendants_alive = live;
+        if !live {
+            // The supervisor exits right away; nothing is left to list or signal.
+            p.sup_gone = true;
+        }
         if p.info.pty && p.streams[0].fd.is_some() {
             // A pty hands output to the master asynchronously: give it a moment.
             let at = Instant::now() + PTY_GRACE;
@@ -905,14 +975,19 @@ impl Agent {
             self.timers.insert((at, serial, TimerKind::PtyDrain));
         } else {
             p.exited = Some((status, Instant::now()));
-            self.finalize(serial, None);
+            self.finish(serial, None);
         }
     }
 
-    /// Sends the rest of the output and the exit, and forgets the process.
-    /// `died` is the supervisor's own status when it never reported.
-    fn finalize(&mut self, serial: u64, died: Option<i32>) {
-        let Some(mut p) = self.procs.remove(&serial) else { return };
+    /// Sends the rest of the output and the exit, and closes the command's
+    /// descriptors; forgets it when nothing of its tree is left, else keeps
+    /// it listed (see `forget`). `died` is the supervisor's own status when
+    /// it never reported.
+    fn finish(&mut self, serial: u64, died: Option<i32>) {
+        let Some(p) = self.procs.get_mut(&serial) else { return };
+        if p.finished {
+            return;
+        }
         let mut budget = EXIT_DRAIN;
         for idx in 0..2 {
             while budget > 0 {
@@ -922,32 +997,50 @@ impl Agent {
                     Ok(0) => break,
                     Ok(n) => {
                         budget -= n;
-                        deliver(&mut self.out, &mut p, idx, &self.scratch);
+                        deliver(&mut self.out, p, idx, &self.scratch);
                     }
                     Err(Errno(libc::EINTR)) => {}
                     Err(_) => break,
                 }
             }
         }
-        let status = match (p.exited, died) {
+        let mut status = match (p.exited, died) {
             (Some((ws, _)), _) => exit_status(ws, p.timed_out),
             (None, Some(sup)) => exit_status(sup, p.timed_out),
-            (None, None) => ExitStatus { code: None, signal: None, timed_out: p.timed_out },
+            (None, None) => ExitStatus { code: None, signal: None, timed_out: p.timed_out, ..ExitStatus::exited(0) },
         };
+        status.descendants_alive = p.descendants_alive && !p.sup_gone;
+        status.oom_killed = killed_by_sigkill(&status)
+            && !status.timed_out
+            && !p.kill_requested
+            && matches!((p.oom_at_start, oom_kills(self.oom_events.as_ref())), (Some(b), Some(a)) if a > b);
+        p.info.exited = Some(status);
+        p.finished = true;
         let msg = FromAgent::Exit { pid: p.info.pid, status };
         for &c in &p.subs {
             let _ = self.out.send(c, &msg, &[]);
         }
+        p.subs.clear();
+        p.stdin_buf = Vec::new();
         for s in &mut p.streams {
             close_fd(&self.epoll, &mut s.fd, &mut s.events);
+            s.ring = Ring::new(0);
         }
         close_fd(&self.epoll, &mut p.stdin, &mut p.stdin_events);
         close_fd(&self.epoll, &mut p.status, &mut p.status_events);
-        if let Some(at) = p.timeout_at {
-            self.timers.remove(&(at, serial, TimerKind::Timeout));
-        }
         if let Some((_, at)) = p.exited {
             self.timers.remove(&(at, serial, TimerKind::PtyDrain));
+        }
+        if p.sup_gone {
+            self.forget(serial);
+        }
+    }
+
+    /// Drops a command whose tree has ended: its record, tag, pid and timer.
+    fn forget(&mut self, serial: u64) {
+        let Some(p) = self.procs.remove(&serial) else { return };
+        if let Some(at) = p.timeout_at {
+            self.timers.remove(&(at, serial, TimerKind::Timeout));
         }
         if let Some(tag) = &p.info.tag {
             self.tags.remove(tag);
@@ -978,10 +1071,14 @@ impl Agent {
     fn supervisor_gone(&mut self, serial: u64, status: i32) {
         // A report may still sit in the pipe.
         self.status_readable(serial);
-        match self.procs.get(&serial) {
-            Some(p) if p.exited.is_none() => self.finalize(serial, Some(status)),
-            _ => {}
+        let Some(p) = self.procs.get_mut(&serial) else { return };
+        p.sup_gone = true;
+        if p.finished {
+            self.forget(serial);
+        } else if p.exited.is_none() {
+            self.finish(serial, Some(status));
         }
+        // Else a pty's output drains; its timer finishes and forgets it.
     }
 
     // -- files and watches ---------------------------------------------------
@@ -1084,11 +1181,15 @@ impl Agent {
                         p.timeout_at = None;
                         if p.exited.is_none() {
                             p.timed_out = true;
+                        }
+                        // Also after the main process exited: the timeout
+                        // ends the whole tree.
+                        if !p.sup_gone {
                             let _ = sys::kill(p.sup, libc::SIGUSR1);
                         }
                     }
                 }
-                TimerKind::PtyDrain => self.finalize(serial, None),
+                TimerKind::PtyDrain => self.finish(serial, None),
             }
         }
         if self.listen_retry.is_some_and(|at| at <= now) {
@@ -1096,6 +1197,32 @@ impl Agent {
             self.epoll.update(self.listener.as_raw_fd(), token(T_LISTEN, 0), &mut self.listen_events, IN);
         }
     }
+}
+
+/// Whether an exit may be the OOM killer's: the main process died of
+/// SIGKILL or, as a shell, reports a child's SIGKILL as 137. It was, when
+/// nobody asked for that kill (a timeout or a signal request) and the
+/// workload cgroup's OOM kill count rose while the command ran (the kernel
+/// counts before it sends the signal).
+fn killed_by_sigkill(status: &ExitStatus) -> bool {
+    status.signal == Some(libc::SIGKILL) || status.code == Some(128 + libc::SIGKILL)
+}
+
+/// The workload cgroup's OOM kills so far, from its counter file.
+fn oom_kills(file: Option<&OwnedFd>) -> Option<u64> {
+    let mut buf = [0u8; 512];
+    let n = sys::pread(file?.as_fd(), &mut buf, 0).ok()?;
+    parse_oom_kills(&buf[..n])
+}
+
+/// The `oom_kill` count of a cgroup's `memory.events` (v2) or
+/// `memory.oom_control` (v1): lines of "key value".
+pub fn parse_oom_kills(text: &[u8]) -> Option<u64> {
+    let text = std::str::from_utf8(text).ok()?;
+    text.lines().find_map(|l| match l.split_once(' ') {
+        Some(("oom_kill", v)) => v.trim().parse().ok(),
+        _ => None,
+    })
 }
 
 /// Reads the supervisor's first report: the real child's pid.
@@ -1121,5 +1248,30 @@ fn wait_for_pid(status: &OwnedFd) -> Result<u32, SpawnError> {
         (child::MSG_PID, pid) if pid > 0 => Ok(pid as u32),
         (child::MSG_FORK_FAILED, errno) => Err((ErrorCode::Io, format!("fork: {}", Errno(errno)))),
         (kind, value) => Err((ErrorCode::Io, format!("unexpected supervisor report {kind}/{value}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn oom_kill_counts_are_read_from_v1_and_v2_files() {
+        let v2 = b"low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n";
+        let v1 = b"oom_kill_disable 0\nunder_oom 0\noom_kill 7\n";
+        assert_eq!(parse_oom_kills(v2), Some(2));
+        assert_eq!(parse_oom_kills(v1), Some(7));
+        assert_eq!(parse_oom_kills(b"oom_kill_disable 0\n"), None);
+        assert_eq!(parse_oom_kills(b"oom_kill x\n"), None);
+        assert_eq!(parse_oom_kills(&[0xff, 0xfe]), None);
+    }
+
+    #[test]
+    fn only_sigkill_or_a_shells_137_can_be_an_oom_kill() {
+        let st = |code, signal| ExitStatus { code, signal, ..ExitStatus::exited(0) };
+        assert!(killed_by_sigkill(&st(None, Some(libc::SIGKILL))));
+        assert!(killed_by_sigkill(&st(Some(137), None)));
+        assert!(!killed_by_sigkill(&st(None, Some(libc::SIGTERM))));
+        assert!(!killed_by_sigkill(&st(Some(1), None)));
     }
 }

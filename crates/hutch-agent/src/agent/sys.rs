@@ -324,6 +324,31 @@ pub fn sigwait(signals: &[libc::c_int]) -> SysResult<libc::c_int> {
     cvt(unsafe { libc::sigwaitinfo(&set, std::ptr::null_mut()) })
 }
 
+/// Waits for one of `signals` (blocked by the caller); returns it and the
+/// integer a [`sigqueue`] sender attached (0 for a plain `kill`).
+pub fn sigwait_value(signals: &[libc::c_int]) -> SysResult<(libc::c_int, i32)> {
+    let set = sigset(signals);
+    // SAFETY: siginfo_t is plain data the kernel fills.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: set and info are valid for the call.
+    let sig = cvt(unsafe { libc::sigwaitinfo(&set, &mut info) })?;
+    let value = if info.si_code == libc::SI_QUEUE {
+        // SAFETY: a queued signal carries a sigval; `sigqueue` below puts
+        // the integer in the pointer's value, read back the same way.
+        unsafe { info.si_value().sival_ptr as usize as i32 }
+    } else {
+        0
+    };
+    Ok((sig, value))
+}
+
+/// Queues `sig` with the integer `value` to `pid` (`sigqueue(3)`).
+pub fn sigqueue(pid: libc::pid_t, sig: libc::c_int, value: i32) -> SysResult<()> {
+    let v = libc::sigval { sival_ptr: value as u32 as usize as *mut libc::c_void };
+    // SAFETY: sigqueue takes its sigval by value; the pointer is never followed.
+    cvt(unsafe { libc::sigqueue(pid, sig, v) }).map(|_| ())
+}
+
 pub fn ignore_signal(sig: libc::c_int) {
     // SAFETY: SIG_IGN is a valid disposition; no handler code is involved.
     unsafe { libc::signal(sig, libc::SIG_IGN) };
@@ -371,32 +396,11 @@ pub unsafe fn spawn_vm(
     f: extern "C" fn(*mut libc::c_void) -> libc::c_int,
     arg: *mut libc::c_void,
 ) -> SysResult<libc::pid_t> {
-    const STACK: usize = 64 * 1024;
-    // SAFETY: a fresh anonymous mapping for the child's stack.
-    let base = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            STACK,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK,
-            -1,
-            0,
-        )
-    };
-    if base == libc::MAP_FAILED {
-        return Err(Errno::last());
-    }
-    let top = (base as usize + STACK - 64) as *mut libc::c_void;
+    let errno = |e: std::io::Error| Errno(e.raw_os_error().unwrap_or(libc::EIO));
+    let stack = hutch_agent::vm::VmStack::new(64 * 1024).map_err(errno)?;
     // SAFETY: guaranteed by the caller; the stack outlives the child's use
     // of it because CLONE_VFORK suspends us until the child execs or exits.
-    let pid = unsafe { libc::clone(f, top, libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD, arg) };
-    let err = Errno::last();
-    // SAFETY: the child no longer runs on the stack (it exec'd or exited).
-    unsafe { libc::munmap(base, STACK) };
-    if pid < 0 {
-        return Err(err);
-    }
-    Ok(pid)
+    unsafe { hutch_agent::vm::clone_vm(f, &stack, libc::CLONE_VFORK | libc::SIGCHLD, arg) }.map_err(errno)
 }
 
 /// `waitpid`; `Ok(None)` when WNOHANG found nothing to reap.
@@ -405,6 +409,31 @@ pub fn waitpid(pid: libc::pid_t, flags: libc::c_int) -> SysResult<Option<(libc::
     // SAFETY: status is a valid int for the kernel to fill.
     let r = cvt(unsafe { libc::waitpid(pid, &mut status, flags) })?;
     Ok(if r == 0 { None } else { Some((r, status)) })
+}
+
+/// Looks for an exited child without reaping it (`waitid` with `WNOWAIT`):
+/// any child for `pid == None`, else that one. Returns its pid and its wait
+/// status in `waitpid`'s encoding; `Ok(None)` when none has exited.
+pub fn peek_exited(pid: Option<libc::pid_t>) -> SysResult<Option<(libc::pid_t, i32)>> {
+    // SAFETY: siginfo_t is plain data the kernel fills.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    let (idtype, id) = match pid {
+        Some(p) => (libc::P_PID, p as libc::id_t),
+        None => (libc::P_ALL, 0),
+    };
+    // SAFETY: info is valid for writes.
+    cvt(unsafe { libc::waitid(idtype, id, &mut info, libc::WEXITED | libc::WNOHANG | libc::WNOWAIT) })?;
+    // SAFETY: after waitid the child fields are set, or si_pid is 0.
+    let (child, status) = unsafe { (info.si_pid(), info.si_status()) };
+    if child == 0 {
+        return Ok(None);
+    }
+    let ws = match info.si_code {
+        libc::CLD_EXITED => (status & 0xff) << 8,
+        libc::CLD_DUMPED => (status & 0x7f) | 0x80,
+        _ => status & 0x7f,
+    };
+    Ok(Some((child, ws)))
 }
 
 pub fn kill(pid: libc::pid_t, sig: libc::c_int) -> SysResult<()> {

@@ -10,18 +10,23 @@
 //! destroyed and its layer captured ([`hutch_runtime::capture::capture`]).
 //! COPY and WORKDIR write their layer directly from the validated context.
 //! A step's cache key chains the key before it, the instruction and the
-//! digests of the files it copies; an unchanged step reuses its layer.
+//! digests of the files it copies, from a first key that names the build's
+//! owner; an unchanged step of the same owner reuses its layer. Builds,
+//! their cache, layers, images and logs are their owner's: the image store
+//! keeps the cache per owner and names an owner's layers apart from any
+//! other's ([`hutch_runtime::image::LayerScope::Owner`]), so no answer of a
+//! build (cached or not, a layer's id) says what another owner built.
 //!
 //! The context is validated whole before anything runs, with the same rules
 //! as archive uploads (`files/archive.rs`); so is the Dockerfile, whose
 //! refusal names the line. Builds of one template run one at a time.
 
 pub mod dockerfile;
-mod imagestore;
 
 use crate::control::{now_ms, rfc3339, Control};
 use crate::error::{ControlError, Result};
 use crate::files::archive::{self, ArchiveError, ArchivePlan, PlannedKind};
+use crate::ids::Caller;
 use crate::ready::{describe_exit, until_ready, ReadyCheck};
 use crate::templates::TemplateId;
 use dockerfile::{Command, Instruction, Step};
@@ -29,6 +34,7 @@ use hutch_agent::proto::{Cmd, ExitStatus, FromAgent, Reply, Request, Spawn};
 use hutch_api::{Build, BuildList, BuildState, ErrorCode, Readiness, Startup};
 use hutch_runtime::capture::{capture, CaptureLimits, Scratch};
 use hutch_runtime::cgroup::Limits as CgLimits;
+use hutch_runtime::image::{Image, ImageError, ImageStore, LayerScope};
 use hutch_runtime::RootSource;
 use hutch_runtime::SandboxSpec;
 use hutch_store::{BuildRecord, TemplateRecord};
@@ -38,10 +44,8 @@ use std::fs::{self, File};
 use std::io::{self, Read, Seek, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
-
-pub use imagestore::ImageJson;
 
 /// Most bytes of a build's log; output past it is dropped with a note.
 pub const LOG_CAP: u64 = 8 << 20;
@@ -57,8 +61,8 @@ const STARTUP_GRACE: Duration = Duration::from_secs(1);
 const DEFAULT_WORKDIR: &str = "/workspace";
 /// Owner of directories WORKDIR makes: the sandbox user.
 const USER_ID: u32 = 1000;
-/// Bumped when what a cache key covers changes.
-const CACHE_VERSION: &str = "hutch-build-v1";
+/// Bumped when what a cache key covers changes (v2: the owner).
+const CACHE_VERSION: &str = "hutch-build-v2";
 
 /// Whether `name` is an image that a build of template `id` made.
 pub fn is_build_image_of(name: &str, id: &str) -> bool {
@@ -77,10 +81,12 @@ pub fn parse_build_id(s: &str) -> Result<&str> {
     }
 }
 
-/// Per-template build queues inside [`Control`].
+/// Per-template build queues inside [`Control`], and the daemon instance
+/// whose build sandboxes these are.
 #[derive(Default)]
 pub struct Builds {
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    instance: OnceLock<String>,
 }
 
 impl Builds {
@@ -88,6 +94,71 @@ impl Builds {
         let mut map = self.locks.lock().unwrap_or_else(|p| p.into_inner());
         map.entry(template_id.to_owned()).or_default().clone()
     }
+
+    /// The prefix of this daemon's build sandboxes' ids, `bi-<instance>-`:
+    /// see [`instance_tag`].
+    fn sandbox_prefix(&self, state_dir: &Path) -> io::Result<String> {
+        if let Some(tag) = self.instance.get() {
+            return Ok(format!("{BUILD_SANDBOX_PREFIX}{tag}-"));
+        }
+        let tag = instance_tag(state_dir)?;
+        Ok(format!("{BUILD_SANDBOX_PREFIX}{}-", self.instance.get_or_init(|| tag)))
+    }
+}
+
+/// Length of an instance tag, and of the random part of a build sandbox's
+/// id after it: `bi-` 8 + 1 + 7 is 19 bytes, the length of every random
+/// sandbox id (the run directory was checked to fit agent sockets of it).
+const INSTANCE_TAG_LEN: usize = 8;
+const BUILD_SANDBOX_RANDOM_LEN: usize = 7;
+
+/// The tag of the daemon that owns `state_dir` (8 hex digits in
+/// `<state>/instance`, made on first use). Daemons on one host share the
+/// cgroup tree: a build sandbox's id carries its daemon's tag, and a
+/// restarted daemon sweeps only the build sandboxes of its own.
+pub fn instance_tag(state_dir: &Path) -> io::Result<String> {
+    let path = state_dir.join("instance");
+    let valid = |s: &str| s.len() == INSTANCE_TAG_LEN && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+    loop {
+        match fs::read_to_string(&path) {
+            Ok(s) if valid(s.trim()) => return Ok(s.trim().to_owned()),
+            Ok(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("{}: not an instance tag ({INSTANCE_TAG_LEN} hex digits)", path.display()),
+                ))
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        let tag = hutch_runtime::sys::random_hex(INSTANCE_TAG_LEN / 2);
+        let tmp = state_dir.join(format!(".instance.{tag}"));
+        fs::write(&tmp, format!("{tag}\n"))?;
+        // A link fails if another process made the file first: then read
+        // theirs.
+        let linked = fs::hard_link(&tmp, &path);
+        let _ = fs::remove_file(&tmp);
+        match linked {
+            Ok(()) => return Ok(tag),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Whether `id` is a build sandbox of the instance whose prefix is
+/// `prefix` (as [`Builds::sandbox_prefix`] makes it).
+fn is_own_build_sandbox(id: &str, prefix: &str) -> bool {
+    id.strip_prefix(prefix).is_some_and(|r| {
+        r.len() == BUILD_SANDBOX_RANDOM_LEN && r.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    })
+}
+
+/// Whether `id` has the form build sandboxes had before they carried their
+/// daemon's instance (`bs-` and 16 hex digits).
+fn is_unscoped_build_sandbox(id: &str) -> bool {
+    id.strip_prefix(UNSCOPED_BUILD_SANDBOX_PREFIX)
+        .is_some_and(|r| r.len() == 16 && r.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
 }
 
 /// What a sandbox of an image mounts and runs with.
@@ -101,43 +172,43 @@ pub struct ImageRoot {
     pub workdir: Option<String>,
 }
 
-/// Whether `name` is an image a build made (it names its parent).
-pub fn is_built_image(state_dir: &Path, name: &str) -> bool {
-    imagestore::get(state_dir, name).ok().flatten().is_some_and(|i| i.parent.is_some())
-}
-
 /// The working directory of image `name`, without resolving its layers
 /// (nor building a preset).
-fn image_workdir(state_dir: &Path, name: &str) -> Option<String> {
-    imagestore::get(state_dir, name).ok().flatten().and_then(|i| i.workdir)
+fn image_workdir(store: &ImageStore, name: &str) -> Option<String> {
+    store.get(name).ok().and_then(|i| i.workdir)
 }
 
 /// Resolves an image name for a boot or a build: `base`, a store image or
 /// preset (built here on first use: call it on the blocking pool), or a
-/// built image over one of those.
-pub fn image_root(state_dir: &Path, name: &str) -> Result<ImageRoot> {
+/// built image over one of those. `owner` is the key the sandbox is for
+/// (`None` on the daemon's host only): a build's image resolves only for
+/// its owner, as if no other key's existed.
+pub fn image_root(state_dir: &Path, name: &str, owner: Option<&str>) -> Result<ImageRoot> {
     if name == "base" {
         return Ok(ImageRoot::default());
     }
-    let gone = |why: String| ControlError::StartFailed(format!("image {name}: {why}"));
-    let img = imagestore::get(state_dir, name).map_err(|e| gone(e.to_string()))?;
+    let gone = |why: String| ControlError::ImageUnavailable(format!("{name}: {why}"));
+    let store = ImageStore::open(state_dir).map_err(|e| gone(e.to_string()))?;
+    let img = match store.get(name) {
+        Ok(img) => Some(img),
+        Err(ImageError::NotFound(_)) => None,
+        Err(e) => return Err(gone(e.to_string())),
+    };
+    if let (Some(img), Some(owner)) = (&img, owner) {
+        if !img.is_shared() && img.owner.as_deref() != Some(owner) {
+            return Err(ControlError::NoImage(name.to_owned()));
+        }
+    }
     let Some(img) = img.filter(|i| i.parent.is_some()) else {
         // A store image or a preset: a whole root file system of its own.
-        let (root, env) = crate::control::store_image_root(state_dir, name)?;
+        let (root, env) = crate::sandboxes::store_image_root(state_dir, name)?;
         return Ok(ImageRoot { root, env, ..ImageRoot::default() });
     };
     let root = match img.parent.as_deref() {
         Some("base") | None => RootSource::Base,
-        Some(parent) => crate::control::store_image_root(state_dir, parent)?.0,
+        Some(parent) => crate::sandboxes::store_image_root(state_dir, parent)?.0,
     };
-    let mut layers = Vec::new();
-    for hex in &img.layers {
-        let path = imagestore::layer_path(state_dir, hex);
-        if !imagestore::valid_hex(hex) || !path.is_dir() {
-            return Err(gone(format!("layer {hex} is missing")));
-        }
-        layers.push(path);
-    }
+    let layers = store.layer_dirs(&img).map_err(|e| gone(e.to_string()))?;
     // A build's env began as its parent's: it holds both.
     Ok(ImageRoot { root, layers, env: img.env_pairs(), workdir: img.workdir })
 }
@@ -171,10 +242,10 @@ impl Context {
             digests.insert(path.clone(), hex::encode(h.finalize()));
         }
         if dockerfile_index.is_none() {
-            return Err(ControlError::Files {
-                code: ErrorCode::SandboxArchiveInvalid,
-                message: "the build context has no Dockerfile at its top".into(),
-            });
+            return Err(ControlError::Files(crate::files::FilesError::new(
+                ErrorCode::SandboxArchiveInvalid,
+                "the build context has no Dockerfile at its top",
+            )));
         }
         let text = String::from_utf8(dockerfile)
             .map_err(|_| ControlError::BuildRefused { line: 1, message: "the Dockerfile is not UTF-8".into() })?;
@@ -206,7 +277,7 @@ fn context_error(e: ArchiveError) -> ControlError {
         ArchiveError::Invalid(m) => (ErrorCode::SandboxArchiveInvalid, format!("build context refused: {m}")),
         ArchiveError::TooLarge(m) => (ErrorCode::SandboxArchiveTooLarge, format!("build context too large: {m}")),
     };
-    ControlError::Files { code, message }
+    ControlError::Files(crate::files::FilesError::new(code, message))
 }
 
 /// A step ready to run: its instruction resolved against the WORKDIR.
@@ -308,9 +379,21 @@ fn join(base: &str, rel: &str) -> String {
     }
 }
 
-fn cache_key(parent: &str, text: &str, inputs: &str) -> String {
+/// The first key of a build's chain: its owner (a step is never cached
+/// across owners), its parent image and the template's environment.
+fn first_cache_key(owner: &str, parent: &str, env: &str) -> String {
     let mut h = Sha256::new();
-    for part in [CACHE_VERSION, parent, text, inputs] {
+    for part in [CACHE_VERSION, "owner", owner, parent, env] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    hex::encode(h.finalize())
+}
+
+/// A step's key: the key before it, the instruction and its inputs.
+fn cache_key(before: &str, text: &str, inputs: &str) -> String {
+    let mut h = Sha256::new();
+    for part in [CACHE_VERSION, before, text, inputs] {
         h.update((part.len() as u64).to_le_bytes());
         h.update(part.as_bytes());
     }
@@ -360,7 +443,7 @@ fn view(b: &BuildRecord) -> Build {
     Build {
         id: b.id.clone(),
         template_id: b.template_id.clone(),
-        state: BuildState::parse(&b.state).unwrap_or(BuildState::Failed),
+        state: b.state,
         created_at: rfc3339(b.created_at),
         finished_at: b.finished_at.map(rfc3339),
         error: b.error.clone(),
@@ -376,31 +459,34 @@ impl Control {
         self.runtime.config().state_dir.clone()
     }
 
-    fn log_path(&self, build_id: &str) -> PathBuf {
-        self.state_dir().join("images").join("builds").join(format!("{build_id}.log"))
+    fn log_path(&self, build_id: &str) -> Result<PathBuf> {
+        Ok(self.images()?.build_log(build_id))
     }
 
     /// Checks a build context and its Dockerfile, records the build
     /// (`queued`) and starts it in the background.
-    pub fn start_build(self: &Arc<Self>, owner: &str, id: &TemplateId, context: Vec<u8>) -> Result<Build> {
+    pub async fn start_build(self: &Arc<Self>, caller: &Caller, id: &TemplateId, context: Vec<u8>) -> Result<Build> {
         if self.is_shutting_down() {
             return Err(ControlError::ShuttingDown);
         }
-        let t = self.own_template(owner, id)?;
-        let state = self.state_dir();
+        let t = self.template_of(caller, id).await?;
+        if !caller.may_use(&t.owner) {
+            return Err(ControlError::Forbidden("only a template's owner may build it".into()));
+        }
+        let owner = caller.owner.as_str();
+        let store = self.images()?;
         let (ctx, text) = Context::new(context)?;
         let steps =
             dockerfile::parse(&text).map_err(|r| ControlError::BuildRefused { line: r.line, message: r.message })?;
-        let parent = self.build_parent(&t)?;
-        let workdir = image_workdir(&state, &parent).unwrap_or_else(|| DEFAULT_WORKDIR.into());
+        let parent = self.build_parent(&store, &t)?;
+        let workdir = image_workdir(&store, &parent).unwrap_or_else(|| DEFAULT_WORKDIR.into());
         let planned = plan_steps(steps, &ctx, &workdir)?;
-        imagestore::root(&state).map_err(|e| ControlError::Runtime(format!("image store: {e}")))?;
         let rid = hutch_runtime::container::random_id().map_err(|e| ControlError::Runtime(e.to_string()))?;
         let record = BuildRecord {
             id: format!("bld-{}", rid.trim_start_matches("sb-")),
             template_id: t.id.clone(),
             owner: owner.to_owned(),
-            state: "queued".into(),
+            state: BuildState::Queued,
             created_at: now_ms(),
             finished_at: None,
             error: None,
@@ -408,9 +494,20 @@ impl Control {
             image: None,
             version: None,
         };
-        let log = Log::create(&self.log_path(&record.id))
+        let log = Log::create(&store.build_log(&record.id))
             .map_err(|e| ControlError::Runtime(format!("build log {}: {e}", record.id)))?;
-        self.store.insert_build(&record)?;
+        let quotas = self.quotas_of(&caller.owner).await?;
+        let rec = record.clone();
+        if !self.db(move |s| s.insert_build(&rec, quotas.builds)).await? {
+            let limit = quotas.builds.unwrap_or(0);
+            return Err(ControlError::Exceeded(hutch_store::Exceeded {
+                scope: hutch_store::Scope::Owner,
+                resource: hutch_store::Resource::Builds,
+                limit,
+                used: limit,
+                asked: 1,
+            }));
+        }
         let this = self.clone();
         let answer = view(&record);
         tokio::spawn(async move { this.run_build(record, ctx, planned, log).await });
@@ -419,57 +516,64 @@ impl Control {
 
     /// The image a build of `t` starts from: the parent of the template's
     /// current built image, else its image.
-    fn build_parent(&self, t: &TemplateRecord) -> Result<String> {
+    fn build_parent(&self, store: &ImageStore, t: &TemplateRecord) -> Result<String> {
         if is_build_image_of(&t.image, &t.id) {
-            let img = imagestore::get(&self.state_dir(), &t.image)
-                .map_err(|e| ControlError::Runtime(format!("image {}: {e}", t.image)))?;
+            let img = match store.get(&t.image) {
+                Ok(img) => Some(img),
+                Err(ImageError::NotFound(_)) => None,
+                Err(e) => return Err(ControlError::Runtime(format!("image {}: {e}", t.image))),
+            };
             return Ok(img.and_then(|i| i.parent).unwrap_or_else(|| "base".into()));
         }
         Ok(t.image.clone())
     }
 
-    pub fn list_builds(&self, owner: &str, id: &TemplateId) -> Result<BuildList> {
-        let t = self.own_template(owner, id)?;
-        Ok(BuildList { builds: self.store.list_builds(&t.id)?.iter().map(view).collect() })
+    pub async fn list_builds(&self, caller: &Caller, id: &TemplateId) -> Result<BuildList> {
+        let t = self.template_of(caller, id).await?;
+        let tid = t.id.clone();
+        Ok(BuildList { builds: self.db(move |s| s.list_builds(&tid)).await?.iter().map(view).collect() })
     }
 
-    fn own_build(&self, owner: &str, id: &TemplateId, build: &str) -> Result<BuildRecord> {
-        let t = self.own_template(owner, id)?;
-        let build = parse_build_id(build)?;
-        match self.store.get_build(build)? {
-            Some(b) if b.template_id == t.id && b.owner == owner => Ok(b),
-            _ => Err(ControlError::NoBuild(build.to_owned())),
+    /// A build of a template the caller may see (its own; any, for an admin).
+    async fn build_of(&self, caller: &Caller, id: &TemplateId, build: &str) -> Result<BuildRecord> {
+        let t = self.template_of(caller, id).await?;
+        let build = parse_build_id(build)?.to_owned();
+        let bid = build.clone();
+        match self.db(move |s| s.get_build(&bid)).await? {
+            Some(b) if b.template_id == t.id && b.owner == t.owner => Ok(b),
+            _ => Err(ControlError::NoBuild(build)),
         }
     }
 
-    pub fn get_build(&self, owner: &str, id: &TemplateId, build: &str) -> Result<Build> {
-        Ok(view(&self.own_build(owner, id, build)?))
+    pub async fn get_build(&self, caller: &Caller, id: &TemplateId, build: &str) -> Result<Build> {
+        Ok(view(&self.build_of(caller, id, build).await?))
     }
 
     /// A build's log as it is now, or (`follow`) a stream of it that ends
     /// when the build does.
-    pub fn build_log(
+    pub async fn build_log(
         self: &Arc<Self>,
-        owner: &str,
+        caller: &Caller,
         id: &TemplateId,
         build: &str,
         follow: bool,
     ) -> Result<tokio::sync::mpsc::Receiver<io::Result<Vec<u8>>>> {
-        let b = self.own_build(owner, id, build)?;
-        let path = self.log_path(&b.id);
+        let b = self.build_of(caller, id, build).await?;
+        let path = self.log_path(&b.id)?;
         let (tx, rx) = tokio::sync::mpsc::channel(8);
         let this = self.clone();
         tokio::spawn(async move {
             let mut offset = 0u64;
             let deadline = tokio::time::Instant::now() + Duration::from_secs(6 * 3600);
             loop {
+                let bid = b.id.clone();
                 let finished = !follow
                     || this
-                        .store
-                        .get_build(&b.id)
+                        .db(move |s| s.get_build(&bid))
+                        .await
                         .ok()
                         .flatten()
-                        .is_none_or(|r| matches!(r.state.as_str(), "succeeded" | "failed"));
+                        .is_none_or(|r| matches!(r.state, BuildState::Succeeded | BuildState::Failed));
                 // Read everything written so far (after the state, so that a
                 // finished build's last lines are in).
                 loop {
@@ -498,24 +602,57 @@ impl Control {
     }
 
     /// Marks builds a stopped daemon left unfinished as failed, and removes
-    /// their sandboxes, scratch layers and half-made layers.
+    /// their sandboxes, scratch layers and half-made layers: only this
+    /// daemon's (its instance's build sandboxes; its own state directory).
+    /// Brings a store of an earlier version up to date: drops the step
+    /// cache entries that were keyed without their owner and names the
+    /// owner of each build's image.
     pub(crate) fn recover_builds(&self) -> Result<()> {
         let n = self.store.fail_unfinished_builds(now_ms(), "interrupted: the daemon stopped during the build")?;
         if n > 0 {
             tracing::warn!("{n} template builds were interrupted by a daemon restart; marked failed");
         }
+        let prefix = self
+            .builds
+            .sandbox_prefix(&self.state_dir())
+            .map_err(|e| ControlError::Runtime(format!("daemon instance tag: {e}")))?;
         for id in self.runtime.cgroups() {
-            if id.starts_with(BUILD_SANDBOX_PREFIX) {
+            // Another daemon's build sandboxes have its tag. One of an
+            // earlier version (no tag) is ours if our run dir has its socket.
+            let ours = is_own_build_sandbox(&id, &prefix)
+                || (is_unscoped_build_sandbox(&id) && self.runtime.socket_path(&id).exists());
+            if ours {
                 if let Err(e) = self.runtime.adopt(&id).destroy() {
                     tracing::warn!("build sandbox {id} left by the last daemon: {e}");
                 }
             }
         }
-        let images = self.state_dir().join("images");
-        hutch_runtime::capture::sweep_scratch(&images.join("scratch"));
-        if let Ok(entries) = fs::read_dir(images.join("tmp")) {
-            for e in entries.flatten() {
-                let _ = fs::remove_dir_all(e.path());
+        let store = self.images()?;
+        store.sweep_builds();
+        match store.drop_unowned_cache() {
+            Ok(0) => {}
+            Ok(n) => tracing::info!("build cache: dropped {n} entries of an earlier version (not keyed by owner)"),
+            Err(e) => return Err(ControlError::Runtime(format!("build cache: {e}"))),
+        }
+        self.name_build_image_owners(&store)
+    }
+
+    /// Images of builds made before images named their owner get the owner
+    /// of the template that made them; one whose template is gone stays
+    /// no one's (only the admin sees it).
+    fn name_build_image_owners(&self, store: &ImageStore) -> Result<()> {
+        for mut img in store.list() {
+            if img.parent.is_none() || img.owner.is_some() {
+                continue;
+            }
+            let template = img.name.rsplit_once("-v").map(|(id, _)| id.to_owned());
+            let Some(t) = template.and_then(|id| self.store.get_template(&id).ok().flatten()) else { continue };
+            if !is_build_image_of(&img.name, &t.id) {
+                continue;
+            }
+            img.owner = Some(t.owner.clone());
+            if let Err(e) = store.put(&img) {
+                tracing::warn!("image {}: cannot record its owner: {e}", img.name);
             }
         }
         Ok(())
@@ -524,8 +661,9 @@ impl Control {
     async fn run_build(self: Arc<Self>, mut rec: BuildRecord, ctx: Context, planned: Vec<Planned>, mut log: Log) {
         let queue = self.builds.lock_for(&rec.template_id);
         let _turn = queue.lock().await;
-        rec.state = "building".into();
-        if let Err(e) = self.store.update_build(&rec) {
+        rec.state = BuildState::Building;
+        let r = rec.clone();
+        if let Err(e) = self.db(move |s| s.update_build(&r, &[BuildState::Queued])).await {
             tracing::warn!("build {}: cannot record its state: {e}", rec.id);
         }
         let outcome = self.build(&rec, Arc::new(ctx), &planned, &mut log).await;
@@ -533,17 +671,18 @@ impl Control {
         match outcome {
             Ok((image, version)) => {
                 log.line(&format!("Build succeeded: image {image}, template version {version}"));
-                rec.state = "succeeded".into();
+                rec.state = BuildState::Succeeded;
                 rec.image = Some(image);
                 rec.version = Some(version);
             }
             Err(why) => {
                 log.line(&format!("Build failed: {why}"));
-                rec.state = "failed".into();
+                rec.state = BuildState::Failed;
                 rec.error = Some(why);
             }
         }
-        if let Err(e) = self.store.update_build(&rec) {
+        let r = rec.clone();
+        if let Err(e) = self.db(move |s| s.update_build(&r, &[BuildState::Building])).await {
             tracing::warn!("build {}: cannot record its outcome: {e}", rec.id);
         }
     }
@@ -563,13 +702,14 @@ impl Control {
             .map_err(|e| format!("store: {e}"))?
             .filter(|t| t.deleted_at.is_none())
             .ok_or("the template was deleted")?;
-        let (st, name) = (state.clone(), rec.parent.clone());
-        let parent = blocking(move || image_root(&st, &name).map_err(|e| e.to_string())).await?;
+        let store = ImageStore::open(&state).map_err(|e| format!("image store: {e}"))?;
+        let (st, name, owner) = (state.clone(), rec.parent.clone(), rec.owner.clone());
+        let parent = blocking(move || image_root(&st, &name, Some(&owner)).map_err(|e| e.to_string())).await?;
         let tpl_env: BTreeMap<String, String> = serde_json::from_str(&t.env).unwrap_or_default();
         let mut env: Vec<(String, String)> = parent.env.clone();
         let mut layers: Vec<String> = Vec::new();
         let mut cmd: Option<Command> = None;
-        let mut key = cache_key(&rec.parent, &serde_json::to_string(&tpl_env).unwrap_or_default(), "");
+        let mut key = first_cache_key(&rec.owner, &rec.parent, &serde_json::to_string(&tpl_env).unwrap_or_default());
         let total = planned.len();
         let mut workdir = parent.workdir.clone().unwrap_or_else(|| DEFAULT_WORKDIR.into());
         for (i, p) in planned.iter().enumerate() {
@@ -591,7 +731,7 @@ impl Control {
                 Action::Workdir(dir) => workdir = dir.clone(),
                 Action::Run(_) | Action::Copy { .. } => {}
             }
-            if let Some(hex) = imagestore::cached(&state, &key) {
+            if let Some(hex) = store.cached_step(&rec.owner, &key) {
                 log.line(&format!("---> cached {}", &hex[..12]));
                 layers.push(hex);
                 continue;
@@ -603,22 +743,22 @@ impl Control {
                         step_env.retain(|(ek, _)| ek != k);
                         step_env.push((k.clone(), v.clone()));
                     }
-                    self.run_step(&t, &parent, &layers, step_env, &p.cwd, c, log).await
+                    self.run_step(&store, &t, &parent, &layers, step_env, &p.cwd, c, log).await
                 }
                 Action::Copy { files, dirs, chown } => {
-                    let (st, ctx, files, dirs, chown) =
-                        (state.clone(), ctx.clone(), files.clone(), dirs.clone(), *chown);
-                    blocking(move || copy_layer(&st, &ctx, &files, &dirs, chown)).await
+                    let (st, owner, ctx, files, dirs, chown) =
+                        (store.clone(), t.owner.clone(), ctx.clone(), files.clone(), dirs.clone(), *chown);
+                    blocking(move || copy_layer(&st, &owner, &ctx, &files, &dirs, chown)).await
                 }
                 Action::Workdir(dir) => {
-                    let (st, dir) = (state.clone(), dir.clone());
-                    blocking(move || workdir_layer(&st, &dir)).await
+                    let (st, dir, owner) = (store.clone(), dir.clone(), t.owner.clone());
+                    blocking(move || workdir_layer(&st, &owner, &dir)).await
                 }
                 Action::Env(_) | Action::Cmd(_) => continue,
             };
             match made {
                 Ok(hex) => {
-                    if let Err(e) = imagestore::remember(&state, &key, &hex) {
+                    if let Err(e) = store.remember_step(&rec.owner, &key, &hex) {
                         tracing::warn!("build cache: {e}");
                     }
                     log.line(&format!("---> layer {}", &hex[..12]));
@@ -638,13 +778,13 @@ impl Control {
         let readiness: Option<Readiness> = t.readiness.as_deref().and_then(|s| serde_json::from_str(s).ok());
         log.line("Validating: starting a sandbox from the result");
         let all_layers: Vec<PathBuf> =
-            parent.layers.iter().cloned().chain(layers.iter().map(|h| imagestore::layer_path(&state, h))).collect();
+            parent.layers.iter().cloned().chain(layers.iter().map(|h| store.layer_dir(h))).collect();
         let mut sandbox_env: Vec<(String, String)> = env.clone();
         for (k, v) in &tpl_env {
             sandbox_env.retain(|(ek, _)| ek != k);
             sandbox_env.push((k.clone(), v.clone()));
         }
-        let spec = build_spec(&t, parent.root.clone(), all_layers, sandbox_env, None)?;
+        let spec = self.build_spec(&t, parent.root.clone(), all_layers, sandbox_env, None)?;
         let rt = self.runtime.clone();
         let net = self.network.clone().ok();
         let (n1, group) = (net.clone(), format!("{}/{}", t.owner, t.id));
@@ -673,12 +813,15 @@ impl Control {
         if let Err(e) = destroyed {
             tracing::warn!("build {}: validation sandbox teardown: {e}", rec.id);
         }
-        self.activate(rec, &layers, &env, cmd.as_ref(), &workdir)
+        // It writes the image and the template's record: on the blocking pool.
+        let (this, rec) = (self.clone(), rec.clone());
+        blocking(move || this.activate(&store, &rec, &layers, &env, cmd.as_ref(), &workdir)).await
     }
 
     /// Writes the image and makes it the template's next version.
     fn activate(
         &self,
+        store: &ImageStore,
         rec: &BuildRecord,
         layers: &[String],
         env: &[(String, String)],
@@ -693,7 +836,7 @@ impl Control {
             .ok_or("the template was deleted during the build")?;
         let version = t.version + 1;
         let name = format!("{}-v{version}", t.id);
-        let image = ImageJson {
+        let image = Image {
             name: name.clone(),
             layers: layers.to_vec(),
             env: env.iter().map(|(k, v)| format!("{k}={v}")).collect(),
@@ -706,15 +849,19 @@ impl Control {
             source: format!("build {} of template {}", rec.id, t.id),
             created_at: (now_ms() / 1000) as u64,
             parent: Some(rec.parent.clone()),
+            owner: Some(rec.owner.clone()),
         };
-        imagestore::put(&self.state_dir(), &image).map_err(|e| format!("cannot write image {name}: {e}"))?;
+        store.put(&image).map_err(|e| format!("cannot write image {name}: {e}"))?;
         t.image = name.clone();
         if let Some(c) = cmd {
             t.startup = serde_json::to_string(&Startup { command: c.to_shell() }).ok();
         }
         t.version = version;
-        t.updated_at = now_ms();
-        self.store.update_template(&t).map_err(|e| format!("store: {e}"))?;
+        let read_at = t.updated_at;
+        t.updated_at = now_ms().max(read_at + 1);
+        if !self.store.update_template(&t, read_at).map_err(|e| format!("store: {e}"))? {
+            return Err("the template was changed or deleted during the build; build again".into());
+        }
         Ok((name, version))
     }
 
@@ -722,6 +869,7 @@ impl Control {
     #[allow(clippy::too_many_arguments)]
     async fn run_step(
         &self,
+        store: &ImageStore,
         t: &TemplateRecord,
         parent: &ImageRoot,
         layers: &[String],
@@ -730,16 +878,11 @@ impl Control {
         cmd: &Command,
         log: &mut Log,
     ) -> std::result::Result<String, Failure> {
-        let state = self.state_dir();
         let lowers: Vec<PathBuf> =
-            parent.layers.iter().cloned().chain(layers.iter().map(|h| imagestore::layer_path(&state, h))).collect();
-        let scratch_dir = imagestore::tmp_dir(&state, "run")
-            .map_err(|e| format!("scratch: {e}"))?
-            .file_name()
-            .map(|n| state.join("images").join("scratch").join(n))
-            .ok_or("scratch: no name")?;
+            parent.layers.iter().cloned().chain(layers.iter().map(|h| store.layer_dir(h))).collect();
+        let scratch_dir = store.scratch_dir();
         let disk = t.disk_mib << 20;
-        let spec = build_spec(t, parent.root.clone(), lowers, env, Some(scratch_dir.clone()))?;
+        let spec = self.build_spec(t, parent.root.clone(), lowers, env, Some(scratch_dir.clone()))?;
         let rt = self.runtime.clone();
         let net = self.network.clone().ok();
         let (n1, group) = (net.clone(), format!("{}/{}", t.owner, t.id));
@@ -766,19 +909,19 @@ impl Control {
         };
         let status = run_logged(&sb.socket, spawn, log).await;
         let id_base = sb.id_base().ok_or("the build sandbox lost its uid range")?;
-        let st = state.clone();
+        let (st, owner) = (store.clone(), t.owner.clone());
         blocking(move || {
             end_build_sandbox(sb, net.as_deref()).map_err(|e| format!("build sandbox teardown: {e}"))?;
             let status = status?;
             if status.code != Some(0) || status.timed_out {
                 return Err(describe_exit(&status));
             }
-            let tmp = imagestore::tmp_dir(&st, "layer").map_err(|e| e.to_string())?;
+            let tmp = st.build_temp_path("layer");
             let captured = capture(&scratch.upper(), &tmp, id_base, CaptureLimits::default())
                 .map_err(|e| format!("the step's layer was refused: {e}"));
             drop(scratch);
             match captured {
-                Ok(_) => imagestore::commit_layer(&st, &tmp).map_err(|e| format!("commit layer: {e}")),
+                Ok(_) => st.commit_layer(&tmp, LayerScope::Owner(&owner)).map_err(|e| format!("commit layer: {e}")),
                 Err(e) => {
                     let _ = fs::remove_dir_all(&tmp);
                     Err(e)
@@ -797,38 +940,48 @@ fn short(text: &str) -> String {
     s
 }
 
-/// Prefix of build sandboxes' ids: they have no sandbox record, and a
-/// restarted daemon destroys any it finds.
-const BUILD_SANDBOX_PREFIX: &str = "bs-";
+/// Prefix of build sandboxes' ids: they have no sandbox record; their id
+/// carries their daemon's instance ([`instance_tag`]), and a restarted
+/// daemon destroys the ones of its instance that it finds.
+/// (Not `bs-`, the prefix of earlier versions, whose daemons destroy every
+/// `bs-*` they find when they start: a host that runs an old daemon beside
+/// a new one must not lose the new one's builds to it.)
+const BUILD_SANDBOX_PREFIX: &str = "bi-";
+/// Build sandboxes of earlier versions: `bs-` and 16 hex digits.
+const UNSCOPED_BUILD_SANDBOX_PREFIX: &str = "bs-";
 
-/// A sandbox for a build step or check: the template's limits. Not tied to
-/// the daemon by a parent-death signal (that fires when the blocking-pool
-/// thread that started it exits); a restart destroys leftovers by prefix.
-fn build_spec(
-    t: &TemplateRecord,
-    root: RootSource,
-    extra_lowers: Vec<PathBuf>,
-    env: Vec<(String, String)>,
-    upper_dir: Option<PathBuf>,
-) -> std::result::Result<SandboxSpec, Failure> {
-    let id = hutch_runtime::container::random_id().map_err(|e| e.to_string())?;
-    Ok(SandboxSpec {
-        id: Some(format!("{BUILD_SANDBOX_PREFIX}{}", id.trim_start_matches("sb-"))),
-        limits: CgLimits {
-            memory_bytes: t.memory_mb << 20,
-            pids: t.pids,
-            cpu_millis: (t.vcpus * 1000.0).round() as u32,
-        },
-        disk_bytes: t.disk_mib << 20,
-        env,
-        die_with_parent: false,
-        agent_override: None,
-        extra_lowers,
-        upper_dir,
-        root,
-        netns: None,
-        resolv_conf: None,
-    })
+impl Control {
+    /// A sandbox for a build step or check: the template's limits. Not tied to
+    /// the daemon by a parent-death signal (that fires when the blocking-pool
+    /// thread that started it exits); a restart destroys leftovers by prefix.
+    fn build_spec(
+        &self,
+        t: &TemplateRecord,
+        root: RootSource,
+        extra_lowers: Vec<PathBuf>,
+        env: Vec<(String, String)>,
+        upper_dir: Option<PathBuf>,
+    ) -> std::result::Result<SandboxSpec, Failure> {
+        let prefix = self.builds.sandbox_prefix(&self.state_dir()).map_err(|e| format!("daemon instance tag: {e}"))?;
+        let random = hutch_runtime::sys::random_hex(BUILD_SANDBOX_RANDOM_LEN.div_ceil(2));
+        Ok(SandboxSpec {
+            id: Some(format!("{prefix}{}", &random[..BUILD_SANDBOX_RANDOM_LEN])),
+            limits: CgLimits {
+                memory_bytes: t.memory_mb << 20,
+                pids: t.pids,
+                cpu_millis: (t.vcpus * 1000.0).round() as u32,
+            },
+            disk_bytes: t.disk_mib << 20,
+            env,
+            die_with_parent: false,
+            agent_override: None,
+            extra_lowers,
+            upper_dir,
+            root,
+            netns: None,
+            resolv_conf: None,
+        })
+    }
 }
 
 /// Starts a build sandbox with the default egress when the host has sandbox
@@ -907,10 +1060,8 @@ fn read_from(path: &Path, offset: u64) -> io::Result<Vec<u8>> {
     Ok(buf)
 }
 
-fn new_layer_dir(state: &Path, what: &str) -> std::result::Result<PathBuf, Failure> {
-    let tmp = imagestore::tmp_dir(state, what).map_err(|e| e.to_string())?;
-    fs::DirBuilder::new().mode(0o755).create(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
-    Ok(tmp)
+fn new_layer_dir(store: &ImageStore, what: &str) -> std::result::Result<PathBuf, Failure> {
+    store.build_temp_dir(what).map_err(|e| e.to_string())
 }
 
 /// Makes every missing directory of `rel` (relative to `root`), mode 0755,
@@ -934,13 +1085,14 @@ fn mkdirs(root: &Path, rel: &str, owner: (u32, u32)) -> io::Result<()> {
 /// The layer of a COPY: the context's files and directories at their
 /// destinations, owned by `chown` (parents made on the way: root, 0755).
 fn copy_layer(
-    state: &Path,
+    store: &ImageStore,
+    owner: &str,
     ctx: &Context,
     files: &[(String, String)],
     dirs: &[(String, u32)],
     chown: (u32, u32),
 ) -> std::result::Result<String, Failure> {
-    let tmp = new_layer_dir(state, "copy")?;
+    let tmp = new_layer_dir(store, "copy")?;
     let made = (|| -> io::Result<()> {
         for (target, mode) in dirs {
             let parent = target.rsplit_once('/').map_or("", |(p, _)| p);
@@ -1015,7 +1167,7 @@ fn copy_layer(
         }
     })();
     match made {
-        Ok(()) => imagestore::commit_layer(state, &tmp).map_err(|e| format!("commit layer: {e}")),
+        Ok(()) => store.commit_layer(&tmp, LayerScope::Owner(owner)).map_err(|e| format!("commit layer: {e}")),
         Err(e) => {
             let _ = fs::remove_dir_all(&tmp);
             Err(format!("copy: {e}"))
@@ -1025,10 +1177,10 @@ fn copy_layer(
 
 /// The layer of a WORKDIR: the directory and its parents below /workspace,
 /// owned by the sandbox user.
-fn workdir_layer(state: &Path, dir: &str) -> std::result::Result<String, Failure> {
-    let tmp = new_layer_dir(state, "workdir")?;
+fn workdir_layer(store: &ImageStore, owner: &str, dir: &str) -> std::result::Result<String, Failure> {
+    let tmp = new_layer_dir(store, "workdir")?;
     match mkdirs(&tmp, dir.trim_start_matches('/'), (USER_ID, USER_ID)) {
-        Ok(()) => imagestore::commit_layer(state, &tmp).map_err(|e| format!("commit layer: {e}")),
+        Ok(()) => store.commit_layer(&tmp, LayerScope::Owner(owner)).map_err(|e| format!("commit layer: {e}")),
         Err(e) => {
             let _ = fs::remove_dir_all(&tmp);
             Err(format!("workdir: {e}"))
@@ -1124,5 +1276,41 @@ mod tests {
         assert_ne!(cache_key("p", "COPY a /a", "x"), cache_key("p", "COPY a /a", "y"));
         // Length-prefixed: no two splits of the same bytes collide.
         assert_ne!(cache_key("ab", "c", ""), cache_key("a", "bc", ""));
+        // The chain starts from the owner: two owners' identical steps
+        // never share a key.
+        let (ka, kb) = (first_cache_key("key-a", "base", "{}"), first_cache_key("key-b", "base", "{}"));
+        assert_ne!(ka, kb);
+        assert_ne!(cache_key(&ka, "RUN true", ""), cache_key(&kb, "RUN true", ""));
+        assert_eq!(ka, first_cache_key("key-a", "base", "{}"));
+        assert_ne!(first_cache_key("key-a", "python", "{}"), ka);
+    }
+
+    #[test]
+    fn build_sandboxes_carry_their_daemons_instance() {
+        let dir = std::env::temp_dir().join(format!("hutch-instance-{}", hutch_runtime::sys::random_hex(6)));
+        fs::create_dir_all(&dir).expect("mkdir");
+        let tag = instance_tag(&dir).expect("made");
+        assert_eq!(tag.len(), INSTANCE_TAG_LEN);
+        assert_eq!(instance_tag(&dir).expect("kept"), tag, "the same state dir, the same instance");
+        let other = std::env::temp_dir().join(format!("hutch-instance-{}", hutch_runtime::sys::random_hex(6)));
+        fs::create_dir_all(&other).expect("mkdir");
+        assert_ne!(instance_tag(&other).expect("made"), tag);
+        let builds = Builds::default();
+        let prefix = builds.sandbox_prefix(&dir).expect("prefix");
+        assert_eq!(prefix, format!("bi-{tag}-"));
+        let id = format!("{prefix}0123abc");
+        assert_eq!(id.len(), 19, "as long as any random sandbox id");
+        assert!(is_own_build_sandbox(&id, &prefix));
+        let theirs = format!("bi-{}-0123abc", instance_tag(&other).expect("tag"));
+        assert!(!is_own_build_sandbox(&theirs, &prefix), "another daemon's");
+        assert!(!is_own_build_sandbox("sb-0123456789abcdef", &prefix));
+        assert!(!is_own_build_sandbox(&format!("{prefix}0123abc/x"), &prefix));
+        assert!(is_unscoped_build_sandbox("bs-0123456789abcdef"));
+        assert!(!is_unscoped_build_sandbox(&id));
+        fs::write(dir.join("instance"), "nonsense").expect("write");
+        assert!(instance_tag(&dir).is_err(), "a damaged tag is an error, never a new instance");
+        for d in [dir, other] {
+            fs::remove_dir_all(d).expect("cleanup");
+        }
     }
 }

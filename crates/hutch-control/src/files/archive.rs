@@ -1,26 +1,80 @@
-//! Validation of an uploaded tar archive, done in full before a sandbox is
-//! touched: only regular files and directories with normalized UTF-8 names,
-//! bounded in size and count. Pure code over bytes, so that hostile archives
-//! are tested (and can be fuzzed) without a sandbox.
+//! Validation of an uploaded tar archive: only regular files and
+//! directories with normalized UTF-8 names, bounded in size, count and name
+//! bytes. [`validate_stream`] parses a stream (a `Read`) once, front to back,
+//! and hands each directory, file and chunk of file content to a sink as it
+//! is checked, so an upload can be staged while it arrives and never held
+//! whole; a refusal can come at any point, and the caller undoes what it
+//! staged. It is pure code over bytes (no IO but the reader, no clock, no
+//! randomness), so hostile archives are tested, and fuzzed, without a
+//! sandbox.
+//!
+//! The tar crate is used in raw mode: GNU long names and pax headers are
+//! read here, each bounded before it is read (the crate's own handling reads
+//! them whole, whatever size they claim).
 
-use std::collections::BTreeMap;
+use std::cell::Cell;
+use std::collections::HashMap;
 use std::io::{self, Read};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::rc::Rc;
 
 use hutch_agent::proto::{cmp_paths, MAX_PATH};
 
-/// Most bytes of archive accepted, compressed or not.
+/// Most bytes of archive accepted when it is held in memory (build
+/// contexts), compressed or not.
 pub const ARCHIVE_CAP: usize = 32 << 20;
 /// Most entries (files and directories) in one archive.
 pub const ARCHIVE_ENTRIES: usize = 10_000;
-/// Most bytes of file content in one archive.
+/// Most bytes of file content in an archive held in memory.
 pub const ARCHIVE_UNPACKED_CAP: u64 = 256 << 20;
-/// Most bytes the decompressed tar stream may hold: the file content plus
-/// room for headers, long names and padding of every entry.
-const STREAM_CAP: u64 = ARCHIVE_UNPACKED_CAP + (ARCHIVE_ENTRIES as u64 + 16) * 4096;
+/// Most bytes of file content in an archive streamed into a sandbox.
+pub const UPLOAD_UNPACKED_CAP: u64 = 1 << 30;
+/// Most bytes an upload's request may carry (compressed or not): room for
+/// the content, headers and names, and gzip's overhead; a gzip stream of
+/// empty members, which inflates to nothing, ends here too.
+pub const UPLOAD_PACKED_CAP: u64 = UPLOAD_UNPACKED_CAP + (UPLOAD_UNPACKED_CAP >> 3);
+/// Most bytes of entry names (normalized) in one archive, implicit parent
+/// directories included: a plan and an upload's journal stay small.
+pub const ARCHIVE_NAME_BYTES: usize = 4 << 20;
 /// Longest name of one path element.
 const MAX_NAME: usize = 255;
+/// Largest pax extended header read (a path, times, owners: a few KiB).
+const MAX_PAX: u64 = 64 << 10;
+
+/// The bounds of one archive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Entries, explicit and implicit.
+    pub entries: usize,
+    /// Bytes of file content.
+    pub unpacked: u64,
+    /// Bytes of normalized names.
+    pub name_bytes: usize,
+    /// Bytes read from the input, compressed or not.
+    pub packed: u64,
+}
+
+impl Limits {
+    /// Archives held in memory: build contexts.
+    pub const CONTEXT: Limits = Limits {
+        entries: ARCHIVE_ENTRIES,
+        unpacked: ARCHIVE_UNPACKED_CAP,
+        name_bytes: ARCHIVE_NAME_BYTES,
+        packed: ARCHIVE_CAP as u64,
+    };
+    /// Archives streamed into a sandbox.
+    pub const UPLOAD: Limits = Limits {
+        entries: ARCHIVE_ENTRIES,
+        unpacked: UPLOAD_UNPACKED_CAP,
+        name_bytes: ARCHIVE_NAME_BYTES,
+        packed: UPLOAD_PACKED_CAP,
+    };
+
+    /// Most bytes the decompressed tar stream may hold: the content plus
+    /// room for headers, long names and padding of every entry.
+    fn stream(&self) -> u64 {
+        self.unpacked + (self.entries as u64 + 16) * 4096 + 2 * self.name_bytes as u64
+    }
+}
 
 /// Why an archive was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -32,6 +86,10 @@ pub enum ArchiveError {
     #[error("archive too large: {0}")]
     TooLarge(String),
 }
+
+/// The message of the error [`validate_stream`] returns when its sink
+/// stopped it; the caller knows why it did.
+pub const STOPPED: &str = "stopped by the receiver";
 
 /// What an archive entry is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,17 +123,41 @@ pub struct ArchivePlan {
     pub bytes: u64,
 }
 
+/// What [`validate_stream`] hands its sink, in archive order, each only
+/// once it is checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event<'a> {
+    /// A directory to make; its parent came before it. Each directory comes
+    /// once (an archive's entry for a directory already made implicitly
+    /// changes only the plan's mode). Modes come with the plan, at the end.
+    Dir { path: &'a str },
+    /// A regular file begins: its index in `files_in_order`, its mode
+    /// (without setuid, setgid and sticky) and size. Its content follows as
+    /// [`Event::Data`], `size` bytes in all, before the next event.
+    File { index: usize, path: &'a str, mode: u32, size: u64 },
+    /// The next bytes of the current file, at most the chunk size.
+    Data(&'a [u8]),
+}
+
 /// Whether `bytes` start with the gzip magic.
 pub fn is_gzip(bytes: &[u8]) -> bool {
     bytes.starts_with(&[0x1f, 0x8b])
 }
 
-/// A reader that fails once more than `cap` bytes went through it, and
+/// Which limit a stream went over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Over {
+    Packed(u64),
+    Unpacked(u64),
+}
+
+/// A reader that fails once more than `left` bytes went through it, and
 /// records that it did (so a bomb reads as "too large", not "malformed").
 struct Capped<R> {
     inner: R,
     left: u64,
-    hit: Arc<AtomicBool>,
+    which: Over,
+    over: Rc<Cell<Option<Over>>>,
 }
 
 impl<R: Read> Read for Capped<R> {
@@ -86,23 +168,35 @@ impl<R: Read> Read for Capped<R> {
             if self.inner.read(&mut probe)? == 0 {
                 return Ok(0);
             }
-            self.hit.store(true, Ordering::Relaxed);
-            return Err(io::Error::other("decompressed archive exceeds its limit"));
+            self.over.set(Some(self.which));
+            return Err(io::Error::other("archive exceeds its limit"));
         }
-        let want = buf.len().min(self.left.min(usize::MAX as u64) as usize);
+        let want = buf.len().min(usize::try_from(self.left).unwrap_or(usize::MAX));
         let n = self.inner.read(&mut buf[..want])?;
         self.left -= n as u64;
         Ok(n)
     }
 }
 
-/// The decompressed tar stream of `bytes`, capped.
-fn open(bytes: &[u8], hit: Arc<AtomicBool>) -> Box<dyn Read + '_> {
-    if is_gzip(bytes) {
-        Box::new(Capped { inner: flate2::read::MultiGzDecoder::new(bytes), left: STREAM_CAP, hit })
-    } else {
-        Box::new(Capped { inner: bytes, left: STREAM_CAP, hit })
+/// The decompressed tar stream of `input` (gzip detected by its magic),
+/// capped on both sides.
+fn open<'r>(input: impl Read + 'r, limits: &Limits, over: &Rc<Cell<Option<Over>>>) -> io::Result<Box<dyn Read + 'r>> {
+    let mut raw = Capped { inner: input, left: limits.packed, which: Over::Packed(limits.packed), over: over.clone() };
+    let mut magic = [0u8; 2];
+    let mut got = 0;
+    while got < magic.len() {
+        match raw.read(&mut magic[got..]) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
     }
+    let joined = io::Cursor::new(magic).take(got as u64).chain(raw);
+    let stream: Box<dyn Read + 'r> =
+        if is_gzip(&magic[..got]) { Box::new(flate2::read::MultiGzDecoder::new(joined)) } else { Box::new(joined) };
+    let cap = limits.stream();
+    Ok(Box::new(Capped { inner: stream, left: cap, which: Over::Unpacked(limits.unpacked), over: over.clone() }))
 }
 
 /// Normalizes an entry name: UTF-8, relative, `.` and empty elements
@@ -137,60 +231,212 @@ pub fn normalize_name(raw: &[u8]) -> Result<Option<String>, ArchiveError> {
     Ok(Some(path))
 }
 
-fn malformed(hit: &AtomicBool, what: &str, e: io::Error) -> ArchiveError {
-    if hit.load(Ordering::Relaxed) {
-        ArchiveError::TooLarge(format!("more than {ARCHIVE_UNPACKED_CAP} bytes uncompressed"))
-    } else {
-        ArchiveError::Invalid(format!("{what}: {e}"))
+fn malformed(over: &Cell<Option<Over>>, what: &str, e: io::Error) -> ArchiveError {
+    match over.get() {
+        Some(Over::Unpacked(cap)) => ArchiveError::TooLarge(format!("more than {cap} bytes uncompressed")),
+        Some(Over::Packed(cap)) => ArchiveError::TooLarge(format!("more than {cap} bytes of archive")),
+        None => ArchiveError::Invalid(format!("{what}: {e}")),
     }
 }
 
-/// Parses and checks the whole archive; nothing is written anywhere.
-pub fn validate(bytes: &[u8]) -> Result<ArchivePlan, ArchiveError> {
-    if bytes.len() > ARCHIVE_CAP {
-        return Err(ArchiveError::TooLarge(format!("{} bytes of archive exceed {ARCHIVE_CAP}", bytes.len())));
+fn stopped() -> ArchiveError {
+    ArchiveError::Invalid(STOPPED.into())
+}
+
+/// Reads an extension header's data, at most `max` bytes.
+fn read_bounded(entry: &mut impl Read, size: u64, max: u64, what: &str) -> Result<Vec<u8>, io::Error> {
+    if size > max {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{what} of {size} bytes is over {max}")));
     }
-    let hit = Arc::new(AtomicBool::new(false));
-    let mut archive = tar::Archive::new(open(bytes, hit.clone()));
-    let mut seen: BTreeMap<String, PlannedEntry> = BTreeMap::new();
-    let mut files_in_order = Vec::new();
+    let mut v = Vec::with_capacity(size as usize);
+    entry.take(size).read_to_end(&mut v)?;
+    if v.len() as u64 != size {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("truncated {what}")));
+    }
+    Ok(v)
+}
+
+/// Fills `buf` from `r` unless the stream ends first; the bytes read.
+fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+/// The entries seen so far.
+struct Seen<'l> {
+    limits: &'l Limits,
+    by_path: HashMap<String, PlannedEntry>,
+    files_in_order: Vec<String>,
+    name_bytes: usize,
+}
+
+impl Seen<'_> {
+    fn insert(&mut self, path: &str, kind: PlannedKind, mode: u32, implicit: bool) -> Result<(), ArchiveError> {
+        if self.by_path.len() >= self.limits.entries {
+            return Err(ArchiveError::TooLarge(format!("more than {} entries", self.limits.entries)));
+        }
+        self.name_bytes += path.len();
+        if self.name_bytes > self.limits.name_bytes {
+            return Err(ArchiveError::TooLarge(format!("more than {} bytes of entry names", self.limits.name_bytes)));
+        }
+        let entry = PlannedEntry { path: path.to_owned(), kind, mode, implicit };
+        self.by_path.insert(path.to_owned(), entry);
+        Ok(())
+    }
+
+    /// Records an entry of the archive, making its missing parents first;
+    /// hands the sink what is new. `Ok(false)`: the sink stopped.
+    fn add(
+        &mut self,
+        path: &str,
+        kind: PlannedKind,
+        mode: u32,
+        sink: &mut impl FnMut(Event<'_>) -> bool,
+    ) -> Result<bool, ArchiveError> {
+        if let Some(e) = self.by_path.get_mut(path) {
+            return match (e.implicit, kind) {
+                (true, PlannedKind::Dir) => {
+                    e.mode = mode;
+                    e.implicit = false;
+                    Ok(true)
+                }
+                (true, PlannedKind::File(_)) => {
+                    Err(ArchiveError::Invalid(format!("entry {path:?} is a file, but entries before it lie below it")))
+                }
+                (false, _) => Err(ArchiveError::Invalid(format!("entry {path:?} appears twice"))),
+            };
+        }
+        for (i, _) in path.match_indices('/') {
+            let parent = &path[..i];
+            match self.by_path.get(parent) {
+                Some(PlannedEntry { kind: PlannedKind::File(_), .. }) => {
+                    return Err(ArchiveError::Invalid(format!("entry {path:?} lies below the file {parent:?}")))
+                }
+                Some(_) => {}
+                None => {
+                    self.insert(parent, PlannedKind::Dir, 0o755, true)?;
+                    if !sink(Event::Dir { path: parent }) {
+                        return Ok(false);
+                    }
+                }
+            }
+        }
+        self.insert(path, kind, mode, false)?;
+        let event = match kind {
+            PlannedKind::Dir => Event::Dir { path },
+            PlannedKind::File(size) => {
+                self.files_in_order.push(path.to_owned());
+                Event::File { index: self.files_in_order.len() - 1, path, mode, size }
+            }
+        };
+        Ok(sink(event))
+    }
+}
+
+/// Parses and checks an archive (gzip detected by its magic) from `input`,
+/// front to back, handing `sink` each directory, file and chunk of content
+/// (at most `chunk` bytes) once it is checked. Nothing is read past a
+/// limit, and nothing is held but the entries' names and one chunk. The
+/// sink returns false to stop: the answer is then `Invalid(STOPPED)`.
+///
+/// A refusal can come after the sink saw events: everything it was handed
+/// belongs to a refused archive.
+pub fn validate_stream(
+    input: impl Read,
+    limits: &Limits,
+    chunk: usize,
+    mut sink: impl FnMut(Event<'_>) -> bool,
+) -> Result<ArchivePlan, ArchiveError> {
+    let over = Rc::new(Cell::new(None));
+    let stream = open(input, limits, &over).map_err(|e| malformed(&over, "unreadable archive", e))?;
+    let mut archive = tar::Archive::new(stream);
+    let entries = archive.entries().map_err(|e| malformed(&over, "unreadable archive", e))?.raw(true);
+    let mut seen = Seen { limits, by_path: HashMap::new(), files_in_order: Vec::new(), name_bytes: 0 };
     let mut count = 0usize;
     let mut total = 0u64;
-    let entries = archive.entries().map_err(|e| malformed(&hit, "unreadable archive", e))?;
+    let mut long_name: Option<Vec<u8>> = None;
+    let mut pax: Option<Vec<u8>> = None;
+    let mut buf = vec![0u8; chunk.max(1)];
     for entry in entries {
-        let mut entry = entry.map_err(|e| malformed(&hit, "malformed archive", e))?;
-        count += 1;
-        if count > ARCHIVE_ENTRIES {
-            return Err(ArchiveError::TooLarge(format!("more than {ARCHIVE_ENTRIES} entries")));
-        }
+        let mut entry = entry.map_err(|e| malformed(&over, "malformed archive", e))?;
         let kind = entry.header().entry_type();
-        if kind == tar::EntryType::XGlobalHeader {
-            // Global attributes (git archive puts the commit id there): ignored.
+        let size = entry.size();
+        if kind.is_gnu_longname() {
+            if long_name.is_some() {
+                return Err(ArchiveError::Invalid("two long names describe one entry".into()));
+            }
+            let name = read_bounded(&mut entry, size, MAX_PATH as u64 + 1, "long name")
+                .map_err(|e| malformed(&over, "malformed long name", e))?;
+            long_name = Some(name);
             continue;
         }
-        let raw = entry.path_bytes().into_owned();
-        let shown = String::from_utf8_lossy(&raw).into_owned();
-        if let Some(pax) = entry.pax_extensions().map_err(|e| malformed(&hit, "malformed pax header", e))? {
-            for ext in pax {
-                let ext = ext.map_err(|e| malformed(&hit, "malformed pax header", e))?;
-                if ext.key_bytes().starts_with(b"GNU.sparse") {
+        if kind.is_gnu_longlink() {
+            return Err(ArchiveError::Invalid("an entry has a long link name; links are not allowed".into()));
+        }
+        if kind.is_pax_local_extensions() {
+            if pax.is_some() {
+                return Err(ArchiveError::Invalid("two pax headers describe one entry".into()));
+            }
+            let ext = read_bounded(&mut entry, size, MAX_PAX, "pax header")
+                .map_err(|e| malformed(&over, "malformed pax header", e))?;
+            pax = Some(ext);
+            continue;
+        }
+        count += 1;
+        if count > limits.entries {
+            return Err(ArchiveError::TooLarge(format!("more than {} entries", limits.entries)));
+        }
+        if kind.is_pax_global_extensions() {
+            // Global attributes (git archive puts the commit id there): ignored.
+            read_bounded(&mut entry, size, MAX_PAX, "pax global header")
+                .map_err(|e| malformed(&over, "malformed pax header", e))?;
+            continue;
+        }
+        // The entry's name: a GNU long name, else a pax path, else the header's.
+        let mut raw = match long_name.take() {
+            Some(mut n) => {
+                if n.last() == Some(&0) {
+                    n.pop();
+                }
+                Some(n)
+            }
+            None => None,
+        };
+        if let Some(ext) = pax.take() {
+            for field in tar::PaxExtensions::new(&ext) {
+                let field = field.map_err(|e| malformed(&over, "malformed pax header", e))?;
+                let key = field.key_bytes();
+                if key.starts_with(b"GNU.sparse") {
+                    let shown =
+                        String::from_utf8_lossy(raw.as_deref().unwrap_or(&entry.header().path_bytes())).into_owned();
                     return Err(ArchiveError::Invalid(format!("entry {shown:?} is a sparse file")));
+                }
+                if key == b"size" {
+                    // The crate does not apply a pax size in raw mode; a
+                    // size other than the header's would be parsed as
+                    // another archive by other tools: refused.
+                    let agrees = field.value().ok().and_then(|v| v.parse::<u64>().ok()) == Some(size);
+                    if !agrees {
+                        return Err(ArchiveError::Invalid("a pax size disagrees with its header".into()));
+                    }
+                }
+                if key == b"path" && raw.is_none() {
+                    raw = Some(field.value_bytes().to_vec());
                 }
             }
         }
+        let raw = raw.unwrap_or_else(|| entry.header().path_bytes().into_owned());
+        let shown = String::from_utf8_lossy(&raw).into_owned();
         let planned = match kind {
-            tar::EntryType::Regular => {
-                let size = entry.size();
-                total = total.saturating_add(size);
-                if total > ARCHIVE_UNPACKED_CAP {
-                    return Err(ArchiveError::TooLarge(format!("more than {ARCHIVE_UNPACKED_CAP} bytes uncompressed")));
-                }
-                let got = io::copy(&mut entry, &mut io::sink()).map_err(|e| malformed(&hit, "truncated archive", e))?;
-                if got != size {
-                    return Err(ArchiveError::Invalid(format!("entry {shown:?} is truncated")));
-                }
-                PlannedKind::File(size)
-            }
+            tar::EntryType::Regular => PlannedKind::File(size),
             tar::EntryType::Directory => PlannedKind::Dir,
             tar::EntryType::Symlink => return Err(ArchiveError::Invalid(format!("entry {shown:?} is a symlink"))),
             tar::EntryType::Link => return Err(ArchiveError::Invalid(format!("entry {shown:?} is a hard link"))),
@@ -208,48 +454,55 @@ pub fn validate(bytes: &[u8]) -> Result<ArchivePlan, ArchiveError> {
                 )))
             }
         };
+        if let PlannedKind::File(size) = planned {
+            total = total.saturating_add(size);
+            if total > limits.unpacked {
+                return Err(ArchiveError::TooLarge(format!("more than {} bytes uncompressed", limits.unpacked)));
+            }
+        }
         let Some(path) = normalize_name(&raw)? else {
             if planned == PlannedKind::Dir {
                 continue;
             }
             return Err(ArchiveError::Invalid(format!("entry {shown:?} names the target directory itself")));
         };
-        let mode = entry.header().mode().map_err(|e| malformed(&hit, "malformed mode", e))? & 0o777;
-        if seen.contains_key(&path) {
-            return Err(ArchiveError::Invalid(format!("entry {path:?} appears twice")));
+        let mode = entry.header().mode().map_err(|e| malformed(&over, "malformed mode", e))? & 0o777;
+        if !seen.add(&path, planned, mode, &mut sink)? {
+            return Err(stopped());
         }
-        if let PlannedKind::File(_) = planned {
-            files_in_order.push(path.clone());
-        }
-        seen.insert(path.clone(), PlannedEntry { path, kind: planned, mode, implicit: false });
-    }
-    // Every parent must be a directory: add the ones the archive left out,
-    // refuse a file that another entry would sit below.
-    let names: Vec<String> = seen.keys().cloned().collect();
-    for path in names {
-        let mut prefix = path.as_str();
-        while let Some((parent, _)) = prefix.rsplit_once('/') {
-            match seen.get(parent) {
-                Some(PlannedEntry { kind: PlannedKind::File(_), .. }) => {
-                    return Err(ArchiveError::Invalid(format!("entry {path:?} lies below the file {parent:?}")))
+        if let PlannedKind::File(size) = planned {
+            let mut got = 0u64;
+            loop {
+                let n = read_full(&mut entry, &mut buf).map_err(|e| malformed(&over, "truncated archive", e))?;
+                if n == 0 {
+                    break;
                 }
-                Some(_) => {}
-                None => {
-                    let dir =
-                        PlannedEntry { path: parent.to_string(), kind: PlannedKind::Dir, mode: 0o755, implicit: true };
-                    seen.insert(parent.to_string(), dir);
+                got += n as u64;
+                if !sink(Event::Data(&buf[..n])) {
+                    return Err(stopped());
                 }
             }
-            prefix = parent;
+            if got != size {
+                return Err(ArchiveError::Invalid(format!("entry {shown:?} is truncated")));
+            }
         }
     }
-    if seen.len() > ARCHIVE_ENTRIES {
-        return Err(ArchiveError::TooLarge(format!("more than {ARCHIVE_ENTRIES} entries")));
+    if long_name.is_some() || pax.is_some() {
+        return Err(ArchiveError::Invalid("the archive ends with a header that describes no entry".into()));
     }
-    let mut entries: Vec<PlannedEntry> = seen.into_values().collect();
+    let files = seen.files_in_order.len() as u64;
+    let mut entries: Vec<PlannedEntry> = seen.by_path.into_values().collect();
     entries.sort_by(|a, b| cmp_paths(&a.path, &b.path));
-    let files = files_in_order.len() as u64;
-    Ok(ArchivePlan { entries, files_in_order, files, bytes: total })
+    Ok(ArchivePlan { entries, files_in_order: seen.files_in_order, files, bytes: total })
+}
+
+/// Parses and checks a whole archive held in memory, within
+/// [`Limits::CONTEXT`]; nothing is written anywhere.
+pub fn validate(bytes: &[u8]) -> Result<ArchivePlan, ArchiveError> {
+    if bytes.len() > ARCHIVE_CAP {
+        return Err(ArchiveError::TooLarge(format!("{} bytes of archive exceed {ARCHIVE_CAP}", bytes.len())));
+    }
+    validate_stream(bytes, &Limits::CONTEXT, 64 << 10, |_| true)
 }
 
 /// Streams the content of a validated archive's regular files, in archive
@@ -263,38 +516,39 @@ pub fn stream_files(
     chunk: usize,
     mut send: impl FnMut(usize, Vec<u8>) -> bool,
 ) -> Result<(), ArchiveError> {
-    let hit = Arc::new(AtomicBool::new(false));
-    let mut archive = tar::Archive::new(open(bytes, hit.clone()));
-    let entries = archive.entries().map_err(|e| malformed(&hit, "unreadable archive", e))?;
-    let mut index = 0;
-    for entry in entries {
-        let mut entry = entry.map_err(|e| malformed(&hit, "malformed archive", e))?;
-        if entry.header().entry_type() != tar::EntryType::Regular {
-            continue;
-        }
-        let path = normalize_name(&entry.path_bytes())?;
-        if path.as_ref() != plan.files_in_order.get(index) {
-            return Err(ArchiveError::Invalid("archive changed between validation and extraction".into()));
-        }
-        let mut first = true;
-        loop {
-            let mut buf = Vec::with_capacity(chunk);
-            let n =
-                (&mut entry).take(chunk as u64).read_to_end(&mut buf).map_err(|e| malformed(&hit, "truncated", e))?;
-            if n == 0 && !first {
-                break;
+    let mut current = None;
+    let mut stopped_here = false;
+    let mut changed = false;
+    let r = validate_stream(bytes, &Limits::CONTEXT, chunk, |ev| match ev {
+        Event::Dir { .. } => true,
+        Event::File { index, path, size, .. } => {
+            if plan.files_in_order.get(index).map(String::as_str) != Some(path) {
+                changed = true;
+                return false;
             }
-            first = false;
-            if !send(index, buf) {
-                return Ok(());
+            current = Some(index);
+            if size == 0 && !send(index, Vec::new()) {
+                stopped_here = true;
+                return false;
             }
-            if n < chunk {
-                break;
-            }
+            true
         }
-        index += 1;
+        Event::Data(d) => {
+            let Some(i) = current else { return false };
+            if !send(i, d.to_vec()) {
+                stopped_here = true;
+                return false;
+            }
+            true
+        }
+    });
+    if stopped_here {
+        return Ok(());
     }
-    Ok(())
+    if changed {
+        return Err(ArchiveError::Invalid("archive changed between validation and extraction".into()));
+    }
+    r.map(|_| ())
 }
 
 #[cfg(test)]
@@ -465,5 +719,149 @@ mod tests {
         })
         .expect("stream");
         assert_eq!(got, [(0, b"he".to_vec()), (0, b"ll".to_vec()), (0, b"o".to_vec()), (1, Vec::new())]);
+    }
+
+    /// Reads one byte at a time: a stream that arrives in the smallest
+    /// pieces parses the same.
+    struct Trickle<'a>(&'a [u8]);
+
+    impl Read for Trickle<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            if self.0.is_empty() || buf.is_empty() {
+                return Ok(0);
+            }
+            buf[0] = self.0[0];
+            self.0 = &self.0[1..];
+            Ok(1)
+        }
+    }
+
+    fn events(input: impl Read, limits: &Limits) -> (Result<ArchivePlan, ArchiveError>, Vec<String>) {
+        let mut seen = Vec::new();
+        let r = validate_stream(input, limits, 3, |ev| {
+            seen.push(match ev {
+                Event::Dir { path } => format!("dir {path}"),
+                Event::File { index, path, mode, size } => format!("file {index} {path} {mode:o} {size}"),
+                Event::Data(d) => format!("data {}", String::from_utf8_lossy(d)),
+            });
+            true
+        });
+        (r, seen)
+    }
+
+    #[test]
+    fn a_stream_hands_on_each_checked_entry_once_parents_first() {
+        let mut out = Vec::new();
+        raw_entry(&mut out, b"a/b/f", tar::EntryType::Regular, b"hello", None);
+        raw_entry(&mut out, b"a/", tar::EntryType::Directory, b"", None);
+        raw_entry(&mut out, b"a/e", tar::EntryType::Regular, b"", None);
+        let tar = finish(out);
+        let (plan, seen) = events(Trickle(&tar), &Limits::UPLOAD);
+        assert_eq!(
+            seen,
+            ["dir a", "dir a/b", "file 0 a/b/f 644 5", "data hel", "data lo", "file 1 a/e 644 0"],
+            "a directory made implicitly is not handed on again"
+        );
+        let plan = plan.expect("valid");
+        let a = plan.entries.iter().find(|e| e.path == "a").expect("a");
+        assert!(!a.implicit, "the archive's own entry for a made directory counts");
+        assert_eq!(plan, validate(&tar).expect("valid in memory"));
+    }
+
+    #[test]
+    fn a_sink_that_stops_ends_the_parse() {
+        let mut calls = 0;
+        let r = validate_stream(good_tar().as_slice(), &Limits::UPLOAD, 1, |_| {
+            calls += 1;
+            calls < 2
+        });
+        assert_eq!(r, Err(ArchiveError::Invalid(STOPPED.into())));
+        assert_eq!(calls, 2);
+    }
+
+    /// One pax record: its length counts its own digits.
+    fn pax(key: &str, value: &str) -> String {
+        let body = format!(" {key}={value}\n");
+        let mut n = body.len() + 1;
+        while n.to_string().len() + body.len() != n {
+            n += 1;
+        }
+        format!("{n}{body}")
+    }
+
+    /// A GNU long-name or pax entry of `size` bytes holding `data`.
+    fn extension(out: &mut Vec<u8>, kind: u8, size: u64, data: &[u8]) {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::new(kind));
+        h.set_size(size);
+        h.as_gnu_mut().expect("gnu").name[..13].copy_from_slice(b"././@LongLink");
+        h.set_cksum();
+        out.extend_from_slice(h.as_bytes());
+        out.extend_from_slice(data);
+        out.resize(out.len().div_ceil(512) * 512, 0);
+    }
+
+    #[test]
+    fn long_names_and_pax_headers_name_entries_and_are_bounded_before_they_are_read() {
+        // A long name and a pax path both name the next entry.
+        let long = "d/".repeat(60) + "f";
+        let mut out = Vec::new();
+        extension(&mut out, b'L', long.len() as u64 + 1, format!("{long}\0").as_bytes());
+        raw_entry(&mut out, b"short", tar::EntryType::Regular, b"x", None);
+        let record = pax("path", "p/q");
+        extension(&mut out, b'x', record.len() as u64, record.as_bytes());
+        raw_entry(&mut out, b"ignored", tar::EntryType::Regular, b"y", None);
+        let plan = validate(&finish(out)).expect("valid");
+        assert_eq!(plan.files_in_order, [long, "p/q".to_owned()]);
+        // Claims too large to read are refused at once, whatever follows
+        // (here nothing does: a reader would fail as truncated instead).
+        for (kind, size) in [(b'L', 4098), (b'L', 1 << 30), (b'x', (64 << 10) + 1), (b'g', 1 << 30)] {
+            let mut out = Vec::new();
+            extension(&mut out, kind, size, b"");
+            let r = validate(&out);
+            assert!(
+                matches!(&r, Err(ArchiveError::Invalid(m)) if m.contains("over")),
+                "{} of {size}: {r:?}",
+                kind as char
+            );
+        }
+        // A long link name, two long names, a pax size other than the
+        // header's, and a header that describes nothing are refused.
+        let cases: [Vec<(u8, String)>; 4] = [
+            vec![(b'K', "target\0".into())],
+            vec![(b'L', "a\0".into()), (b'L', "b\0".into())],
+            vec![(b'x', pax("size", "99"))],
+            vec![(b'x', pax("path", "z"))],
+        ];
+        for (n, case) in cases.iter().enumerate() {
+            let mut out = Vec::new();
+            for (kind, data) in case {
+                extension(&mut out, *kind, data.len() as u64, data.as_bytes());
+            }
+            if n < 3 {
+                raw_entry(&mut out, b"f", tar::EntryType::Regular, b"x", None);
+            }
+            let r = validate(&finish(out));
+            assert!(matches!(r, Err(ArchiveError::Invalid(_))), "case {n}: {r:?}");
+        }
+    }
+
+    #[test]
+    fn names_and_packed_bytes_are_capped() {
+        let small = Limits { name_bytes: 20, ..Limits::UPLOAD };
+        let mut out = Vec::new();
+        raw_entry(&mut out, b"0123456789/abcdefghij", tar::EntryType::Regular, b"", None);
+        assert!(matches!(
+            validate_stream(finish(out).as_slice(), &small, 64, |_| true),
+            Err(ArchiveError::TooLarge(_))
+        ));
+        // Empty gzip members inflate to nothing: the input's own cap ends them.
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(b"").expect("gzip");
+        let member = gz.finish().expect("gzip");
+        let packed = Limits { packed: 64 << 10, ..Limits::UPLOAD };
+        let many: Vec<u8> = member.iter().copied().cycle().take(member.len() * 10_000).collect();
+        let r = validate_stream(many.as_slice(), &packed, 64, |_| true);
+        assert!(matches!(&r, Err(ArchiveError::TooLarge(m)) if m.contains("of archive")), "{r:?}");
     }
 }

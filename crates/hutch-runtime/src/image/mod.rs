@@ -1,20 +1,28 @@
 //! The image store: root filesystems as stacks of content-addressed layers
 //! on the host, shared between images and mounted read-only (id-mapped) as
-//! overlay lower layers of every sandbox that runs on them.
+//! overlay lower layers of every sandbox that runs on them. It is the one
+//! owner of `<state_dir>/images/` (mode 0700: layers hold files owned by
+//! the image's own ids, setuid bits included, and no host user may reach
+//! them); template builds keep their cache, scratch layers and logs there
+//! through it too:
 //!
-//! On disk, under `<state_dir>/images/` (mode 0700: layers hold files owned
-//! by the image's own ids, setuid bits included, and no host user may reach
-//! them):
-//!
-//! - `layers/<sha256hex>/`: one extracted layer in overlayfs form (a whiteout
-//!   is a 0:0 character device, an opaque directory carries
-//!   `trusted.overlay.opaque=y`). Imported layers are named by the sha256 of
-//!   their uncompressed tar (the OCI diff_id); layers made elsewhere (builds,
-//!   our generated top layers) by [`tree_digest`]. A layer is built in
-//!   `tmp/` and renamed into place; it is never written after that.
+//! - `layers/<hex>/`: one layer in overlayfs form (a whiteout is a 0:0
+//!   character device, an opaque directory carries
+//!   `trusted.overlay.opaque=y`), built in `tmp/` and renamed into place,
+//!   never written after that. An imported layer is named by the sha256 of
+//!   its uncompressed tar (the OCI diff_id); a layer made on the host by
+//!   [`ImageStore::commit_layer`]: its [`tree_digest`] for a shared layer
+//!   (an image's generated top layer), or a digest of its owner and its
+//!   tree digest for a layer of one owner's build ([`LayerScope`]), so no
+//!   owner's layer is ever the directory another owner's names.
 //! - `images/<name>.json`: an [`Image`], written to a temporary file and
-//!   renamed.
-//! - `tmp/`: layers and downloads being made.
+//!   renamed. Names `tpl-*` are reserved for template builds' images,
+//!   which name their owner.
+//! - `cache/<owner>/<key>`: the build step cache, one directory per owner
+//!   (a digest of the owner's id), each entry naming a layer.
+//! - `builds/<id>.log`: build logs. `scratch/`: build sandboxes' writable
+//!   layers (size-capped tmpfs mounts). `tmp/`: layers and downloads being
+//!   made (`tmp/build-*` for builds).
 //!
 //! Every layer that comes from outside is untrusted: see [`extract`].
 
@@ -23,18 +31,20 @@ pub mod debian;
 pub mod extract;
 pub mod registry;
 mod top;
+pub mod tree;
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::fs;
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub use debian::ensure_preset;
 pub use extract::{import_layer, Limits};
+pub use tree::tree_digest;
 
 /// Most layers an image may stack (overlayfs allows 500; the mount options
 /// must also fit one page).
@@ -68,9 +78,20 @@ pub struct Image {
     /// store image) its `layers` go over; they are then only the build's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<String>,
+    /// The key that owns a template build's image; none for the host's
+    /// shared images (imports, pulls, Debian images, presets).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 impl Image {
+    /// Whether every key may name the image: the host's own images, not a
+    /// template build's (an old build's image that names no owner is no
+    /// one's to share either).
+    pub fn is_shared(&self) -> bool {
+        self.owner.is_none() && self.parent.is_none() && !is_build_name(&self.name)
+    }
+
     /// The image's environment as pairs; malformed entries are skipped.
     pub fn env_pairs(&self) -> Vec<(String, String)> {
         self.env
@@ -125,6 +146,15 @@ pub fn valid_name(name: &str) -> bool {
         && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, b'.' | b'_' | b'-'))
 }
 
+/// Prefix of the names of template builds' images (`tpl-<id>-v<n>`),
+/// reserved for them.
+pub const BUILD_PREFIX: &str = "tpl-";
+
+/// Whether `name` is under the prefix reserved for builds' images.
+pub fn is_build_name(name: &str) -> bool {
+    name.starts_with(BUILD_PREFIX)
+}
+
 /// The local name of a registry reference or a file: lowercased, every run
 /// of other characters turned into one `-`, leading punctuation dropped, cut
 /// to 63 bytes. `localhost:5000/x/y:tag` becomes `localhost-5000-x-y-tag`.
@@ -149,7 +179,8 @@ pub fn local_name(reference: &str) -> String {
     }
 }
 
-fn valid_hex(hex: &str) -> bool {
+/// Whether `hex` is 64 lowercase hex digits (a layer's or a key's name).
+pub fn valid_hex(hex: &str) -> bool {
     hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
@@ -172,6 +203,10 @@ pub struct ImageStore {
 #[derive(Debug, Clone, Serialize)]
 pub struct ImageSummary {
     pub name: String,
+    /// Whether every key may name it ([`Image::is_shared`]).
+    pub shared: bool,
+    /// The key that owns a build's image.
+    pub owner: Option<String>,
     pub layers: usize,
     /// Bytes of the image's layers on disk (shared layers counted in full).
     pub size_bytes: u64,
@@ -183,7 +218,8 @@ impl ImageStore {
     /// Opens (and creates) the store under `state_dir`.
     pub fn open(state_dir: &Path) -> Result<ImageStore, ImageError> {
         let root = state_dir.join("images");
-        for dir in [root.clone(), root.join("layers"), root.join("images"), root.join("tmp")] {
+        let dirs = ["", "layers", "images", "tmp", "cache", "builds", "scratch"].map(|d| root.join(d));
+        for dir in dirs {
             fs::DirBuilder::new()
                 .recursive(true)
                 .mode(0o700)
@@ -260,6 +296,8 @@ impl ImageStore {
         self.list()
             .into_iter()
             .map(|img| ImageSummary {
+                shared: img.is_shared(),
+                owner: img.owner.clone(),
                 layers: img.layers.len(),
                 size_bytes: img.layers.iter().map(|h| self.layer_size(h)).sum(),
                 name: img.name,
@@ -289,6 +327,18 @@ impl ImageStore {
                 reason: "names are 1 to 63 of a-z, 0-9, '.', '_', '-', starting with a letter or digit; \
                          `base` is reserved"
                     .into(),
+            });
+        }
+        // `tpl-*` names a template build's image, which names its owner and
+        // its parent; no other image may take such a name.
+        let built = image.parent.is_some() && image.owner.is_some();
+        if is_build_name(&image.name) != built {
+            return Err(ImageError::Invalid {
+                name: image.name.clone(),
+                reason: format!(
+                    "names starting with `{BUILD_PREFIX}` are reserved for template builds' images \
+                     (which name their owner and parent)"
+                ),
             });
         }
         // A build's image may add no layer to its parent; a root needs one.
@@ -329,17 +379,19 @@ impl ImageStore {
         }
     }
 
-    /// Moves a finished layer directory (made under [`ImageStore::temp_dir`])
-    /// into the store under its [`tree_digest`], and returns the digest. If
-    /// the store has that layer already, `tmp_dir` is removed instead. The
-    /// tree must hold image ids (below 65536) and no device node but
-    /// whiteouts (sockets are deleted first); anything else refuses it (and
-    /// removes it).
-    pub fn commit_layer(&self, tmp_dir: &Path) -> Result<String, ImageError> {
+    /// The one way a layer made on the host enters the store: moves a
+    /// finished layer directory (made under [`ImageStore::temp_dir`] or
+    /// [`ImageStore::build_temp_dir`]) to `layers/<hex>`, named by its
+    /// [`tree_digest`] within `scope`, and returns that name. If the store
+    /// has that layer already, `tmp_dir` is removed instead. The tree must
+    /// hold image ids (below 65536) and no device node but whiteouts
+    /// (sockets are deleted first); anything else refuses it (and removes
+    /// it).
+    pub fn commit_layer(&self, tmp_dir: &Path, scope: LayerScope<'_>) -> Result<String, ImageError> {
         // Sockets a build's processes left behind mean nothing in an image.
         prune_sockets(tmp_dir, 0);
         let hex = match tree_digest(tmp_dir) {
-            Ok(h) => h,
+            Ok(h) => scope.name(&h),
             Err(e) => {
                 let _ = fs::remove_dir_all(tmp_dir);
                 return Err(e);
@@ -347,6 +399,101 @@ impl ImageStore {
         };
         self.commit_as(tmp_dir, &hex)?;
         Ok(hex)
+    }
+
+    /// The layer a build step of `owner` made under cache key `key`, if it
+    /// is still in the store. Only that owner's entries are ever read.
+    pub fn cached_step(&self, owner: &str, key: &str) -> Option<String> {
+        if !valid_hex(key) {
+            return None;
+        }
+        let hex = fs::read_to_string(self.owner_cache(owner).join(key)).ok()?;
+        let hex = hex.trim();
+        self.has_layer(hex).then(|| hex.to_owned())
+    }
+
+    /// Records that `owner`'s build step `key` made layer `hex`.
+    pub fn remember_step(&self, owner: &str, key: &str, hex: &str) -> Result<(), ImageError> {
+        if !valid_hex(key) || !valid_hex(hex) {
+            return Err(ImageError::Invalid { name: key.to_owned(), reason: "not a cache key or layer".into() });
+        }
+        let dir = self.owner_cache(owner);
+        fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(io_err("make the build cache"))?;
+        let tmp = dir.join(format!(".{key}.{}", random_suffix()));
+        fs::write(&tmp, hex).and_then(|()| fs::rename(&tmp, dir.join(key))).map_err(|e| {
+            let _ = fs::remove_file(&tmp);
+            io_err("record a build cache entry")(e)
+        })
+    }
+
+    /// Forgets every build cache entry of `owner` (its layers stay until
+    /// [`ImageStore::gc`]).
+    pub fn forget_owner_cache(&self, owner: &str) -> Result<(), ImageError> {
+        match fs::remove_dir_all(self.owner_cache(owner)) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(io_err("remove a build cache")(e)),
+            _ => Ok(()),
+        }
+    }
+
+    /// `cache/<digest of owner>`: the owner's id is never a path.
+    fn owner_cache(&self, owner: &str) -> PathBuf {
+        let mut h = Sha256::new();
+        h.update(b"hutch-build-cache-owner\0");
+        h.update(owner.as_bytes());
+        self.root.join("cache").join(&hex::encode(h.finalize())[..32])
+    }
+
+    /// Removes the step cache entries of earlier versions, which were
+    /// keyed without their owner (`cache/<key>` files): they could answer
+    /// one owner's step with another's layer. Returns how many went.
+    pub fn drop_unowned_cache(&self) -> Result<usize, ImageError> {
+        let mut n = 0;
+        for e in fs::read_dir(self.root.join("cache")).map_err(io_err("list the build cache"))?.flatten() {
+            if e.file_type().is_ok_and(|t| !t.is_dir()) {
+                fs::remove_file(e.path()).map_err(io_err("remove an old build cache entry"))?;
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    /// A new empty directory for a build to make a layer in (then
+    /// [`ImageStore::commit_layer`]); what a stopped build left of these
+    /// goes with [`ImageStore::sweep_builds`].
+    pub fn build_temp_dir(&self, what: &str) -> Result<PathBuf, ImageError> {
+        let dir = self.build_temp_path(what);
+        fs::DirBuilder::new().mode(0o755).create(&dir).map_err(io_err(format!("mkdir {}", dir.display())))?;
+        Ok(dir)
+    }
+
+    /// Like [`ImageStore::build_temp_dir`], but not made (for a
+    /// [`crate::capture::capture`], which makes its destination).
+    pub fn build_temp_path(&self, what: &str) -> PathBuf {
+        self.root.join("tmp").join(format!("build-{what}-{}", random_suffix()))
+    }
+
+    /// Where a build sandbox's scratch layer is mounted (not made yet).
+    pub fn scratch_dir(&self) -> PathBuf {
+        self.root.join("scratch").join(random_suffix())
+    }
+
+    /// The log of build `id` (an id the caller checked).
+    pub fn build_log(&self, id: &str) -> PathBuf {
+        self.root.join("builds").join(format!("{id}.log"))
+    }
+
+    /// Removes what builds of an earlier run of the daemon left: scratch
+    /// mounts and half-made layers. Imports (of the CLI, which may run
+    /// now) keep their temporary directories.
+    pub fn sweep_builds(&self) {
+        crate::capture::sweep_scratch(&self.root.join("scratch"));
+        if let Ok(entries) = fs::read_dir(self.root.join("tmp")) {
+            for e in entries.flatten() {
+                if e.file_name().to_string_lossy().starts_with("build-") {
+                    let _ = fs::remove_dir_all(e.path());
+                }
+            }
+        }
     }
 
     /// Moves `tmp_dir` to `layers/<hex>` (or drops it if that exists).
@@ -438,8 +585,11 @@ impl ImageStore {
         config: ImageConfig,
         source: String,
     ) -> Result<Image, ImageError> {
-        if !valid_name(name) || name == BASE {
-            return Err(ImageError::Invalid { name: name.to_owned(), reason: "not a valid image name".into() });
+        if !valid_name(name) || name == BASE || is_build_name(name) {
+            return Err(ImageError::Invalid {
+                name: name.to_owned(),
+                reason: format!("not a valid image name (`base` and `{BUILD_PREFIX}*` are reserved)"),
+            });
         }
         if layers.len() + 1 > MAX_LAYERS {
             return Err(ImageError::Invalid {
@@ -453,7 +603,7 @@ impl ImageStore {
             let _ = fs::remove_dir_all(&tmp);
             return Err(io_err("generate the image's top layer")(e));
         }
-        let top = self.commit_layer(&tmp)?;
+        let top = self.commit_layer(&tmp, LayerScope::Shared)?;
         let mut all = layers;
         all.push(top);
         let image = Image {
@@ -465,6 +615,7 @@ impl ImageStore {
             source,
             created_at: now_secs(),
             parent: None,
+            owner: None,
         };
         self.put(&image)?;
         Ok(image)
@@ -483,6 +634,35 @@ impl ImageStore {
                 }
             })
             .collect()
+    }
+}
+
+/// Whose a layer made on the host is, which decides its name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerScope<'a> {
+    /// A layer any image may share (an image's generated top layer): named
+    /// by its [`tree_digest`], one directory for the same content.
+    Shared,
+    /// A layer of one owner's build: named by a digest of the owner and
+    /// its tree digest, so the same content of two owners is two
+    /// directories, and nothing about a layer (its name, whether a commit
+    /// found it there, its files' times) says what another owner has.
+    Owner(&'a str),
+}
+
+impl LayerScope<'_> {
+    fn name(&self, tree: &str) -> String {
+        match self {
+            LayerScope::Shared => tree.to_owned(),
+            LayerScope::Owner(owner) => {
+                let mut h = Sha256::new();
+                for part in [&b"hutch-owner-layer-v1"[..], owner.as_bytes(), tree.as_bytes()] {
+                    h.update((part.len() as u64).to_le_bytes());
+                    h.update(part);
+                }
+                hex::encode(h.finalize())
+            }
+        }
     }
 }
 
@@ -547,96 +727,6 @@ fn dir_size(dir: &Path) -> u64 {
     total
 }
 
-/// The content digest of a layer directory: sha256 over every entry in
-/// byte order of its path, with its type, mode, owner, and content (file
-/// bytes, link target, device number, opaque flag). Deterministic for the
-/// same tree; timestamps are left out. Refuses what no layer may hold:
-/// device nodes other than whiteouts, ids outside the image's 65536, and
-/// files other than regular, directory, symlink, fifo and whiteout.
-pub fn tree_digest(dir: &Path) -> Result<String, ImageError> {
-    let mut h = Sha256::new();
-    digest_dir(dir, Path::new(""), &mut h, 0)?;
-    Ok(hex::encode(h.finalize()))
-}
-
-fn digest_dir(root: &Path, rel: &Path, h: &mut Sha256, depth: usize) -> Result<(), ImageError> {
-    if depth > extract::MAX_DEPTH {
-        return Err(ImageError::LayerRefused(format!("{}: deeper than {}", rel.display(), extract::MAX_DEPTH)));
-    }
-    let path = root.join(rel);
-    let mut names: Vec<_> = fs::read_dir(&path)
-        .map_err(io_err(format!("list {}", path.display())))?
-        .map(|e| e.map(|e| e.file_name()))
-        .collect::<io::Result<_>>()
-        .map_err(io_err(format!("list {}", path.display())))?;
-    names.sort();
-    let meta = fs::symlink_metadata(&path).map_err(io_err(format!("stat {}", path.display())))?;
-    entry_header(h, rel, &meta, b'd')?;
-    let opaque = extract::get_opaque(&path).map_err(io_err(format!("xattr {}", path.display())))?;
-    h.update([u8::from(opaque)]);
-    for name in names {
-        let child_rel = rel.join(&name);
-        let child = root.join(&child_rel);
-        let m = fs::symlink_metadata(&child).map_err(io_err(format!("stat {}", child.display())))?;
-        let ft = m.file_type();
-        use std::os::unix::fs::FileTypeExt;
-        if ft.is_dir() {
-            digest_dir(root, &child_rel, h, depth + 1)?;
-        } else if ft.is_file() {
-            entry_header(h, &child_rel, &m, b'f')?;
-            let mut f = fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(&child)
-                .map_err(io_err(format!("open {}", child.display())))?;
-            let mut buf = vec![0u8; 64 * 1024];
-            let mut n_total = 0u64;
-            loop {
-                let n = f.read(&mut buf).map_err(io_err(format!("read {}", child.display())))?;
-                if n == 0 {
-                    break;
-                }
-                n_total += n as u64;
-                h.update(&buf[..n]);
-            }
-            h.update(n_total.to_le_bytes());
-        } else if ft.is_symlink() {
-            entry_header(h, &child_rel, &m, b'l')?;
-            let t = fs::read_link(&child).map_err(io_err(format!("readlink {}", child.display())))?;
-            h.update(t.as_os_str().as_encoded_bytes());
-            h.update([0]);
-        } else if ft.is_char_device() && m.rdev() == 0 {
-            entry_header(h, &child_rel, &m, b'w')?;
-        } else if ft.is_fifo() {
-            entry_header(h, &child_rel, &m, b'p')?;
-        } else {
-            return Err(ImageError::LayerRefused(format!(
-                "{}: device nodes and sockets are not allowed in a layer",
-                child_rel.display()
-            )));
-        }
-    }
-    Ok(())
-}
-
-fn entry_header(h: &mut Sha256, rel: &Path, m: &fs::Metadata, kind: u8) -> Result<(), ImageError> {
-    if m.uid() >= extract::MAX_ID || m.gid() >= extract::MAX_ID {
-        return Err(ImageError::LayerRefused(format!(
-            "{}: owner {}:{} is outside the image's ids (0 to 65535)",
-            rel.display(),
-            m.uid(),
-            m.gid()
-        )));
-    }
-    h.update([kind]);
-    h.update(rel.as_os_str().as_encoded_bytes());
-    h.update([0]);
-    h.update((m.mode() & 0o7777).to_le_bytes());
-    h.update(m.uid().to_le_bytes());
-    h.update(m.gid().to_le_bytes());
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -665,11 +755,11 @@ mod tests {
             fs::write(d.join("etc/hello"), content).expect("write");
             d
         };
-        let a = store.commit_layer(&make("one")).expect("commit");
+        let a = store.commit_layer(&make("one"), LayerScope::Shared).expect("commit");
         let tmp = make("one");
-        assert_eq!(store.commit_layer(&tmp).expect("commit again"), a, "same content, same digest");
+        assert_eq!(store.commit_layer(&tmp, LayerScope::Shared).expect("commit again"), a, "same content, same digest");
         assert!(!tmp.exists(), "a duplicate is dropped");
-        let b = store.commit_layer(&make("two")).expect("commit");
+        let b = store.commit_layer(&make("two"), LayerScope::Shared).expect("commit");
         assert_ne!(a, b);
         let img = store.finish_image("t1", vec![a.clone()], ImageConfig::default(), "test".into()).expect("finish");
         assert_eq!(img.layers.len(), 2);
@@ -679,10 +769,23 @@ mod tests {
         assert!(store.put(&Image { name: "base".into(), ..img.clone() }).is_err());
         // A root needs a layer; a build over a parent may add none.
         assert!(store.put(&Image { name: "empty".into(), layers: vec![], ..img.clone() }).is_err());
-        let over = Image { name: "over".into(), layers: vec![], parent: Some("t1".into()), ..img.clone() };
+        let over = Image {
+            name: "tpl-0123456789abcdef-v2".into(),
+            layers: vec![],
+            parent: Some("t1".into()),
+            owner: Some("key-a".into()),
+            ..img.clone()
+        };
         store.put(&over).expect("a build that added no layer");
-        assert_eq!(store.get("over").expect("get"), over);
-        store.remove("over").expect("remove");
+        assert_eq!(store.get(&over.name).expect("get"), over);
+        assert!(!over.is_shared() && img.is_shared());
+        // `tpl-*` is a build's, with its owner and parent; nothing else.
+        let unowned = Image { owner: None, ..over.clone() };
+        assert!(store.put(&unowned).is_err(), "a build's image names its owner");
+        assert!(store.put(&Image { name: "over".into(), ..over.clone() }).is_err(), "a build's image is tpl-*");
+        assert!(store.put(&Image { name: "tpl-x".into(), ..img.clone() }).is_err(), "tpl-* is reserved");
+        assert!(store.finish_image("tpl-x", vec![a.clone()], ImageConfig::default(), "t".into()).is_err());
+        store.remove(&over.name).expect("remove");
         // Layer b is unused but young: kept. Make it old, then it goes.
         assert!(store.gc().expect("gc").is_empty());
         let old = SystemTime::now() - Duration::from_secs(7200);
@@ -693,19 +796,60 @@ mod tests {
         // A tree with host ids or a device node is no layer.
         let bad = make("three");
         std::os::unix::fs::chown(bad.join("etc/hello"), Some(70_000), None).expect("chown");
-        let err = store.commit_layer(&bad).expect_err("ids outside the image");
+        let err = store.commit_layer(&bad, LayerScope::Shared).expect_err("ids outside the image");
         assert_eq!(err.code(), "image_layer_refused");
         assert!(!bad.exists(), "a refused tree is removed");
         let bad = make("four");
         let dev = std::ffi::CString::new(bad.join("etc/null").into_os_string().into_encoded_bytes()).expect("c");
         // SAFETY: dev is a valid C string.
         assert_eq!(unsafe { libc::mknod(dev.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) }, 0);
-        assert!(store.commit_layer(&bad).expect_err("a device node").to_string().contains("device"));
+        assert!(store
+            .commit_layer(&bad, LayerScope::Shared)
+            .expect_err("a device node")
+            .to_string()
+            .contains("device"));
         let with_socket = make("one");
         let _listener = std::os::unix::net::UnixListener::bind(with_socket.join("etc/sock")).expect("bind");
-        assert_eq!(store.commit_layer(&with_socket).expect("sockets are dropped"), a);
+        assert_eq!(store.commit_layer(&with_socket, LayerScope::Shared).expect("sockets are dropped"), a);
         store.remove("t1").expect("rm");
         assert!(matches!(store.remove("t1"), Err(ImageError::NotFound(_))));
+        fs::remove_dir_all(&state).expect("cleanup");
+    }
+
+    #[test]
+    fn owners_layers_and_cache_entries_are_their_own() {
+        let state = std::env::temp_dir().join(format!("hutch-images-own-{}", random_suffix()));
+        let store = ImageStore::open(&state).expect("open");
+        let make = || {
+            let d = store.build_temp_dir("t").expect("tmp");
+            fs::write(d.join("secret"), "same bytes").expect("write");
+            d
+        };
+        let shared = store.commit_layer(&make(), LayerScope::Shared).expect("commit");
+        let a = store.commit_layer(&make(), LayerScope::Owner("key-a")).expect("commit");
+        let b = store.commit_layer(&make(), LayerScope::Owner("key-b")).expect("commit");
+        // The same content: three directories, none named after another's.
+        assert_eq!(shared, tree_digest(&store.layer_dir(&shared)).expect("digest"));
+        assert!(a != b && a != shared && b != shared, "{a} {b} {shared}");
+        assert_eq!(store.commit_layer(&make(), LayerScope::Owner("key-a")).expect("again"), a);
+        // A step cache entry answers its owner only.
+        let key = "1".repeat(64);
+        assert_eq!(store.cached_step("key-a", &key), None);
+        store.remember_step("key-a", &key, &a).expect("remember");
+        assert_eq!(store.cached_step("key-a", &key), Some(a.clone()));
+        assert_eq!(store.cached_step("key-b", &key), None, "another owner's entry");
+        assert_eq!(store.cached_step("key-a", "../x"), None);
+        // Entries of the old flat layout are dropped, owners' kept.
+        fs::write(store.root().join("cache").join("2".repeat(64)), &a).expect("old entry");
+        assert_eq!(store.drop_unowned_cache().expect("drop"), 1);
+        assert_eq!(store.cached_step("key-a", &key), Some(a.clone()));
+        store.forget_owner_cache("key-a").expect("forget");
+        assert_eq!(store.cached_step("key-a", &key), None);
+        // Builds' leftovers go; an import's temporary directory stays.
+        let import = store.temp_dir().expect("tmp");
+        let left = store.build_temp_dir("run").expect("tmp");
+        store.sweep_builds();
+        assert!(import.is_dir() && !left.exists());
         fs::remove_dir_all(&state).expect("cleanup");
     }
 }

@@ -22,6 +22,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 pub const RULESET: &str = include_str!("../../policy/network.nft");
 const PEER_NAME: &str = "eth0";
@@ -32,6 +33,12 @@ pub const MAX_INSTANCES: u8 = 32;
 const POOL_KEEP: usize = 64;
 /// Addresses a resolver may admit for one sandbox.
 pub const MAX_LEARNED: usize = 4096;
+/// An admitted address stays at least this long, whatever its answer's
+/// TTL (clients cache answers, and connections outlive them)...
+pub const LEARNED_TTL_FLOOR: Duration = Duration::from_secs(600);
+/// ... and at most this long, so that addresses handed out over a
+/// sandbox's life (DNS rebinding, rotation) do not pile up.
+pub const LEARNED_TTL_CAP: Duration = Duration::from_secs(24 * 3600);
 
 #[derive(Debug, thiserror::Error)]
 pub enum NetError {
@@ -41,6 +48,72 @@ pub enum NetError {
     Unavailable(String),
     #[error("no free sandbox address")]
     Exhausted,
+    #[error(
+        "network instance {instance} is held by another hutch daemon{holder} (lock {path}); \
+         give this one another --net-instance"
+    )]
+    InstanceHeld { instance: u8, path: String, holder: String },
+}
+
+/// Where daemons lock their network instances: host-wide, whatever each
+/// daemon's run directory.
+pub const INSTANCE_LOCK_DIR: &str = "/run/hutch";
+
+/// A daemon's exclusive hold on its network instance (its table, links,
+/// subnet and conntrack marks): an `flock` on
+/// `/run/hutch/net-<N>.lock`, released when the daemon's process ends,
+/// however it ends. A second daemon with the same instance refuses to
+/// start instead of sweeping the first one's links.
+#[derive(Debug)]
+pub struct InstanceLock {
+    instance: u8,
+    _file: std::fs::File,
+}
+
+impl InstanceLock {
+    pub fn acquire(instance: u8) -> Result<InstanceLock, NetError> {
+        Self::acquire_in(Path::new(INSTANCE_LOCK_DIR), instance)
+    }
+
+    pub fn acquire_in(dir: &Path, instance: u8) -> Result<InstanceLock, NetError> {
+        use std::io::{Read, Seek, Write};
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(dir)
+            .map_err(io_err(format!("create {}", dir.display())))?;
+        let path = dir.join(format!("net-{instance}.lock"));
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o644)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(io_err(format!("open {}", path.display())))?;
+        // SAFETY: flock on a descriptor this function owns.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+                return Err(io_err(format!("lock {}", path.display()))(e));
+            }
+            let mut pid = String::new();
+            let _ = file.read_to_string(&mut pid);
+            let pid = pid.trim();
+            let holder = if pid.is_empty() { String::new() } else { format!(" (pid {pid})") };
+            return Err(NetError::InstanceHeld { instance, path: path.display().to_string(), holder });
+        }
+        let _ = file.set_len(0);
+        let _ = file.rewind();
+        let _ = writeln!(file, "{}", std::process::id());
+        Ok(InstanceLock { instance, _file: file })
+    }
+
+    pub fn instance(&self) -> u8 {
+        self.instance
+    }
 }
 
 fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> NetError {
@@ -253,7 +326,8 @@ struct Lease {
     policy: Policy,
     /// Every set element added for this sandbox, removed at release.
     elements: Vec<SetOp>,
-    learned: BTreeSet<IpAddr>,
+    /// Addresses the resolver admitted, each until its answer expires.
+    learned: BTreeMap<IpAddr, Instant>,
 }
 
 #[derive(Debug, Default)]
@@ -277,13 +351,45 @@ struct State {
 pub struct Network {
     cfg: NetConfig,
     ipv6: bool,
-    /// The ruleset as loaded, to load again if it disappears.
-    rules: String,
     mtu: u32,
     resolv_conf: PathBuf,
     rtnl: Mutex<Netlink>,
+    /// Lock order: `nft`, then `state`. Every change of set elements holds
+    /// both, so the kernel's sets and the leases change together: no
+    /// element is added for a lease that a release already ended.
     nft: Mutex<Netlink>,
     state: Mutex<State>,
+    /// The host's networks as last loaded into the `host4`/`host6` sets.
+    host: Mutex<Vec<(IpAddr, u8)>>,
+    /// Called inside `admit` between recording an element and adding it,
+    /// so a test can force a `release` into that gap.
+    #[cfg(test)]
+    admit_pause: TestHook,
+}
+
+#[cfg(test)]
+#[derive(Default)]
+struct TestHook(Mutex<Option<Arc<dyn Fn() + Send + Sync>>>);
+
+#[cfg(test)]
+impl std::fmt::Debug for TestHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TestHook")
+    }
+}
+
+#[cfg(test)]
+impl TestHook {
+    fn set(&self, hook: Option<Arc<dyn Fn() + Send + Sync>>) {
+        *lock(&self.0) = hook;
+    }
+
+    fn run(&self) {
+        let hook = lock(&self.0).clone();
+        if let Some(hook) = hook {
+            hook();
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -295,8 +401,15 @@ impl Network {
     /// table (replacing an older one, so a restarted daemon starts from
     /// empty sets), links left by a previous daemon removed unless `keep`
     /// names them (host link -> address index of sandboxes that outlived
-    /// it; their addresses stay reserved until `adopt`).
-    pub fn setup(cfg: NetConfig, keep: &BTreeMap<String, u32>) -> Result<Network, NetError> {
+    /// it; their addresses stay reserved until `adopt`). Only the holder
+    /// of the instance's lock may do this: it sweeps the instance's links.
+    pub fn setup(cfg: NetConfig, keep: &BTreeMap<String, u32>, held: &InstanceLock) -> Result<Network, NetError> {
+        if held.instance != cfg.instance {
+            return Err(NetError::Unavailable(format!(
+                "network instance {} is not the one locked ({})",
+                cfg.instance, held.instance
+            )));
+        }
         let has_v6 = std::fs::read_to_string("/proc/net/ipv6_route")
             .map(|t| t.lines().any(|l| l.starts_with("00000000000000000000000000000000 00")))
             .unwrap_or(false);
@@ -314,7 +427,8 @@ impl Network {
             write_sysctl("net/ipv6/conf/all/forwarding", "1")?;
         }
         let mut rtnl = Netlink::route().map_err(io_err("open rtnetlink"))?;
-        let rules = ruleset(&cfg, ipv6, &host_networks());
+        let host = host_networks(&mut rtnl).map_err(io_err("read the host's networks"))?;
+        let rules = ruleset(&cfg, &host);
         load_ruleset(&rules)?;
         let mut stale = Vec::new();
         for name in rtnl.link_names().map_err(io_err("list links"))? {
@@ -336,17 +450,19 @@ impl Network {
         Ok(Network {
             cfg,
             ipv6,
-            rules,
             mtu,
             resolv_conf,
             rtnl: Mutex::new(rtnl),
             nft: Mutex::new(nft),
+            host: Mutex::new(host),
             state: Mutex::new(State {
                 next: 2,
                 used: keep.values().copied().collect(),
                 reserved: keep.values().copied().collect(),
                 ..State::default()
             }),
+            #[cfg(test)]
+            admit_pause: TestHook::default(),
         })
     }
 
@@ -472,7 +588,7 @@ impl Network {
         if policy.egress == Egress::DenyAll {
             lock(&self.state).leases.insert(
                 id.to_owned(),
-                Lease { slot: None, policy: policy.clone(), elements: Vec::new(), learned: BTreeSet::new() },
+                Lease { slot: None, policy: policy.clone(), elements: Vec::new(), learned: BTreeMap::new() },
             );
             return Ok(Attached { netns: None, addr4: None, addr6: None, host_if: None, index: 0 });
         }
@@ -486,10 +602,6 @@ impl Network {
 
     fn lease(&self, id: &str, slot: Slot, policy: &Policy) -> Result<Attached, NetError> {
         let elements = self.policy_elements(slot.index, policy);
-        if let Err(e) = lock(&self.nft).set_elements(NFPROTO_INET, &self.cfg.table(), &elements) {
-            lock(&self.state).pool.push(slot);
-            return Err(io_err("admit the sandbox to its policy")(e));
-        }
         let attached = Attached {
             netns: Some(slot.netns.clone()),
             addr4: Some(self.cfg.addr4(slot.index)),
@@ -497,16 +609,23 @@ impl Network {
             host_if: Some(slot.host_if.clone()),
             index: slot.index,
         };
-        lock(&self.state).leases.insert(
+        let mut nft = lock(&self.nft);
+        let mut st = lock(&self.state);
+        if let Err(e) = nft.set_elements(NFPROTO_INET, &self.cfg.table(), &elements) {
+            st.pool.push(slot);
+            return Err(io_err("admit the sandbox to its policy")(e));
+        }
+        st.leases.insert(
             id.to_owned(),
-            Lease { slot: Some(slot), policy: policy.clone(), elements, learned: BTreeSet::new() },
+            Lease { slot: Some(slot), policy: policy.clone(), elements, learned: BTreeMap::new() },
         );
         Ok(attached)
     }
 
     /// Takes back the network of a sandbox that outlived a previous daemon:
     /// its namespace (through its PID 1), its link and its policy.
-    /// `learned` are the addresses its resolver had admitted.
+    /// `learned` are the addresses its resolver had admitted; they are
+    /// admitted again for the shortest time an answer is kept.
     pub fn adopt(
         &self,
         id: &str,
@@ -528,34 +647,41 @@ impl Network {
         }
         let slot = Slot { netns: Arc::new(netns), host_if: host_if.to_owned(), index };
         self.lease(id, slot, policy)?;
-        self.admit(id, learned).map(|_| ())
+        let again: Vec<(IpAddr, Duration)> = learned.iter().map(|a| (*a, LEARNED_TTL_FLOOR)).collect();
+        self.admit(id, &again).map(|_| ())
     }
 
-    /// Ends a sandbox's network: its elements leave the sets and its
-    /// namespace returns to the pool (or is dropped beyond it).
+    /// Ends a sandbox's network: its elements leave the sets, the flows it
+    /// had tracked are forgotten (so whoever gets its address next starts
+    /// with none of them), and its namespace returns to the pool (or is
+    /// dropped beyond it).
     pub fn release(&self, id: &str) {
-        let Some(lease) = lock(&self.state).leases.remove(id) else { return };
-        let mut removals: Vec<SetOp> =
-            lease.elements.into_iter().map(|op| SetOp { kind: SetOpKind::Remove, ..op }).collect();
-        removals.dedup();
-        let mut nft = lock(&self.nft);
-        if nft.set_elements(NFPROTO_INET, &self.cfg.table(), &removals).is_err() {
-            // One missing element fails the whole batch: remove one by one.
-            for op in &removals {
-                let _ = nft.set_elements(NFPROTO_INET, &self.cfg.table(), std::slice::from_ref(op));
+        let slot = {
+            let mut nft = lock(&self.nft);
+            let mut st = lock(&self.state);
+            let Some(lease) = st.leases.remove(id) else { return };
+            let mut removals: Vec<SetOp> =
+                lease.elements.into_iter().map(|op| SetOp { kind: SetOpKind::Remove, ..op }).collect();
+            removals.dedup();
+            if nft.set_elements(NFPROTO_INET, &self.cfg.table(), &removals).is_err() {
+                // One missing element fails the whole batch: remove one by one.
+                for op in &removals {
+                    let _ = nft.set_elements(NFPROTO_INET, &self.cfg.table(), std::slice::from_ref(op));
+                }
             }
-        }
-        drop(nft);
-        let Some(slot) = lease.slot else { return };
-        let mut st = lock(&self.state);
-        if st.pool.len() < (2 * st.target).clamp(1, POOL_KEEP) && Arc::strong_count(&slot.netns) == 1 {
-            st.pool.push(slot);
-        } else {
+            let Some(slot) = lease.slot else { return };
+            if let Err(e) = nft.flush_conntrack(self.ct_mark(slot.index)) {
+                tracing::warn!("sandbox {id}: cannot forget its tracked flows: {e}");
+            }
+            if st.pool.len() < (2 * st.target).clamp(1, POOL_KEEP) && Arc::strong_count(&slot.netns) == 1 {
+                st.pool.push(slot);
+                return;
+            }
             st.used.remove(&slot.index);
-            drop(st);
-            if let Ok(i) = host_index(&slot.host_if) {
-                let _ = lock(&self.rtnl).del_link(i);
-            }
+            slot
+        };
+        if let Ok(i) = host_index(&slot.host_if) {
+            let _ = lock(&self.rtnl).del_link(i);
         }
     }
 
@@ -580,48 +706,105 @@ impl Network {
     /// traffic through the host is not judged: call this often.
     pub fn heal(&self) -> Result<bool, NetError> {
         let gw = self.cfg.gateway4().octets();
-        let present = lock(&self.nft).has_element(NFPROTO_INET, &self.cfg.table(), "loaded", &gw).unwrap_or(false);
-        if present {
+        let mut nft = lock(&self.nft);
+        if nft.has_element(NFPROTO_INET, &self.cfg.table(), "loaded", &gw).unwrap_or(false) {
             return Ok(true);
         }
-        load_ruleset(&self.rules)?;
-        let elements: Vec<SetOp> = lock(&self.state).leases.values().flat_map(|l| l.elements.clone()).collect();
-        lock(&self.nft)
-            .set_elements(NFPROTO_INET, &self.cfg.table(), &elements)
+        load_ruleset(&ruleset(&self.cfg, &lock(&self.host)))?;
+        let st = lock(&self.state);
+        let elements: Vec<SetOp> = st.leases.values().flat_map(|l| l.elements.clone()).collect();
+        nft.set_elements(NFPROTO_INET, &self.cfg.table(), &elements)
             .map_err(io_err("restore the sandboxes' policies"))?;
         Ok(false)
     }
 
-    /// Every address admitted for sandbox `id` so far.
+    /// Every address admitted for sandbox `id` and not yet expired.
     pub fn learned(&self, id: &str) -> Vec<IpAddr> {
-        lock(&self.state).leases.get(id).map(|l| l.learned.iter().copied().collect()).unwrap_or_default()
+        lock(&self.state).leases.get(id).map(|l| l.learned.keys().copied().collect()).unwrap_or_default()
     }
 
     /// Admits addresses the resolver handed out to sandbox `id` (allow-list
-    /// mode). Bounded: past MAX_LEARNED, new addresses are refused.
-    pub fn admit(&self, id: &str, addrs: &[IpAddr]) -> Result<usize, NetError> {
-        let mut ops = Vec::new();
-        {
-            let mut st = lock(&self.state);
-            let Some(lease) = st.leases.get_mut(id) else { return Ok(0) };
-            let Some(index) = lease.slot.as_ref().map(|s| s.index) else { return Ok(0) };
-            if !lease.policy.listed() {
-                return Ok(0);
-            }
-            for a in addrs {
-                if lease.learned.len() >= MAX_LEARNED || lease.learned.contains(a) {
-                    continue;
-                }
-                let Some(op) = self.pair_op("allow", index, *a, if a.is_ipv4() { 32 } else { 128 }) else { continue };
-                lease.learned.insert(*a);
-                lease.elements.push(op.clone());
-                ops.push(op);
-            }
+    /// mode), each for its answer's TTL within [LEARNED_TTL_FLOOR,
+    /// LEARNED_TTL_CAP]; an address admitted again lives on to the later
+    /// expiry. At MAX_LEARNED, the addresses closest to expiry make room.
+    /// Answers the number of addresses new to the sandbox.
+    pub fn admit(&self, id: &str, addrs: &[(IpAddr, Duration)]) -> Result<usize, NetError> {
+        self.admit_at(id, addrs, Instant::now())
+    }
+
+    fn admit_at(&self, id: &str, addrs: &[(IpAddr, Duration)], now: Instant) -> Result<usize, NetError> {
+        let mut nft = lock(&self.nft);
+        let mut st = lock(&self.state);
+        let Some(lease) = st.leases.get_mut(id) else { return Ok(0) };
+        let Some(index) = lease.slot.as_ref().map(|s| s.index) else { return Ok(0) };
+        if !lease.policy.listed() {
+            return Ok(0);
         }
-        lock(&self.nft)
-            .set_elements(NFPROTO_INET, &self.cfg.table(), &ops)
-            .map_err(io_err("admit resolved addresses"))?;
-        Ok(ops.len())
+        let before = lease.learned.clone();
+        let mut ops = Vec::new();
+        let mut added = Vec::new();
+        for (addr, ttl) in addrs {
+            let until = now + (*ttl).clamp(LEARNED_TTL_FLOOR, LEARNED_TTL_CAP);
+            if let Some(t) = lease.learned.get_mut(addr) {
+                *t = (*t).max(until);
+                continue;
+            }
+            let Some(op) = self.pair_op("allow", index, *addr, if addr.is_ipv4() { 32 } else { 128 }) else {
+                continue;
+            };
+            if lease.learned.len() >= MAX_LEARNED {
+                let Some((&oldest, _)) = lease.learned.iter().min_by_key(|(_, t)| **t) else { continue };
+                lease.learned.remove(&oldest);
+                if let Some(old) = self.pair_op("allow", index, oldest, if oldest.is_ipv4() { 32 } else { 128 }) {
+                    lease.elements.retain(|e| *e != old);
+                    ops.push(SetOp { kind: SetOpKind::Remove, ..old });
+                }
+            }
+            lease.learned.insert(*addr, until);
+            lease.elements.push(op.clone());
+            added.push(op.clone());
+            ops.push(op);
+        }
+        #[cfg(test)]
+        self.admit_pause.run();
+        if let Err(e) = nft.set_elements(NFPROTO_INET, &self.cfg.table(), &ops) {
+            // Nothing of the batch applied: the lease goes back to what the
+            // kernel holds.
+            lease.learned = before;
+            lease.elements.retain(|el| !added.contains(el));
+            return Err(io_err("admit resolved addresses")(e));
+        }
+        Ok(added.len())
+    }
+
+    /// Removes the admitted addresses whose time is over at `now`; answers
+    /// the sandboxes that lost some.
+    pub fn expire(&self, now: Instant) -> Vec<String> {
+        let mut nft = lock(&self.nft);
+        let mut st = lock(&self.state);
+        let mut changed = Vec::new();
+        for (id, lease) in st.leases.iter_mut() {
+            let Some(index) = lease.slot.as_ref().map(|s| s.index) else { continue };
+            let gone: Vec<IpAddr> = lease.learned.iter().filter(|(_, t)| **t <= now).map(|(a, _)| *a).collect();
+            if gone.is_empty() {
+                continue;
+            }
+            let mut removals = Vec::new();
+            for addr in &gone {
+                lease.learned.remove(addr);
+                if let Some(op) = self.pair_op("allow", index, *addr, if addr.is_ipv4() { 32 } else { 128 }) {
+                    lease.elements.retain(|e| *e != op);
+                    removals.push(SetOp { kind: SetOpKind::Remove, ..op });
+                }
+            }
+            if nft.set_elements(NFPROTO_INET, &self.cfg.table(), &removals).is_err() {
+                for op in &removals {
+                    let _ = nft.set_elements(NFPROTO_INET, &self.cfg.table(), std::slice::from_ref(op));
+                }
+            }
+            changed.push(id.clone());
+        }
+        changed
     }
 
     /// What the host shows for sandbox `id`: the policy whose elements are
@@ -650,6 +833,13 @@ impl Network {
             }
             (_, None) => None,
         }
+    }
+
+    /// The conntrack mark of the flows of the sandbox at address `index`:
+    /// unique on the host (instance and index), so one daemon's flush never
+    /// touches another's flows.
+    fn ct_mark(&self, index: u32) -> u32 {
+        0x4800_0000 | (self.cfg.instance as u32) << 16 | (index & 0xffff)
     }
 
     fn group_mark(&self, group: &str) -> u32 {
@@ -685,6 +875,18 @@ impl Network {
         for rule in &p.deny {
             if let Rule::Cidr(a, l) = rule {
                 ops.extend(self.pair_op("deny", index, *a, *l));
+                // The IPv6 forms that embed an IPv4 range are denied with it.
+                if let IpAddr::V4(v4) = a {
+                    for (a6, l6) in embedded_forms(*v4, *l) {
+                        ops.extend(self.pair_op("deny", index, IpAddr::V6(a6), l6));
+                    }
+                }
+            }
+        }
+        if p.egress != Egress::DenyAll {
+            let mark = self.ct_mark(index).to_ne_bytes().to_vec();
+            for (v, a) in &addrs {
+                ops.push(add(format!("ctmark{v}"), a.clone(), Some(mark.clone())));
             }
         }
         match p.egress {
@@ -717,6 +919,21 @@ impl Network {
     }
 }
 
+/// The IPv6 ranges that carry the IPv4 range `addr/len` inside them: its
+/// NAT64 form (64:ff9b::/96, RFC 6052), its IPv4-mapped form
+/// (::ffff:0:0/96) and its 6to4 form (2002::/16, RFC 3056). Every one of
+/// these prefixes is also special (never reachable); a deny list names
+/// them anyway, so a deny of an IPv4 range holds whatever the special sets
+/// say.
+pub fn embedded_forms(addr: Ipv4Addr, len: u8) -> Vec<(Ipv6Addr, u8)> {
+    let v4 = u32::from(addr) as u128;
+    let len = len.min(32);
+    let nat64 = (0x0064_ff9b_u128 << 96) | v4;
+    let mapped = (0xffff_u128 << 32) | v4;
+    let six_to_four = (0x2002_u128 << 112) | (v4 << 80);
+    vec![(Ipv6Addr::from(nat64), 96 + len), (Ipv6Addr::from(mapped), 96 + len), (Ipv6Addr::from(six_to_four), 16 + len)]
+}
+
 /// First and last address of `addr/len`, in network order.
 fn range(addr: IpAddr, len: u8) -> (Vec<u8>, Vec<u8>) {
     match addr {
@@ -733,33 +950,73 @@ fn range(addr: IpAddr, len: u8) -> (Vec<u8>, Vec<u8>) {
     }
 }
 
-/// The ruleset with this host's values in place.
-pub fn ruleset(cfg: &NetConfig, ipv6: bool, host: &[(IpAddr, u8)]) -> String {
-    let list = |v4: bool| -> String {
-        host.iter()
-            .filter(|(a, _)| a.is_ipv4() == v4)
-            .map(|(a, l)| {
-                let (lo, _) = range(*a, *l);
-                let net: IpAddr = if v4 {
-                    IpAddr::V4(Ipv4Addr::new(lo[0], lo[1], lo[2], lo[3]))
-                } else {
-                    let mut o = [0u8; 16];
-                    o.copy_from_slice(&lo);
-                    IpAddr::V6(Ipv6Addr::from(o))
-                };
-                format!(", {net}/{l}, {a}")
-            })
-            .collect()
+/// Flows one sandbox may have tracked at once (conntrack entries, and so
+/// NAT mappings toward any one destination).
+pub const MAX_FLOWS: u32 = 4096;
+/// New flows a sandbox may open, as an nftables rate.
+pub const NEW_FLOWS: &str = "1000/second burst 2000 packets";
+/// Queries a sandbox may send the resolver, as an nftables rate.
+pub const DNS_RATE: &str = "200/second burst 400 packets";
+
+/// `prefix/len` with the host bits cleared, as nftables writes it.
+fn cidr(addr: IpAddr, len: u8) -> String {
+    let (lo, _) = range(addr, len);
+    let net: IpAddr = match addr {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::new(lo[0], lo[1], lo[2], lo[3])),
+        IpAddr::V6(_) => {
+            let mut o = [0u8; 16];
+            o.copy_from_slice(&lo);
+            IpAddr::V6(Ipv6Addr::from(o))
+        }
     };
-    let _ = ipv6;
+    format!("{net}/{len}")
+}
+
+/// The nftables elements of the host's networks of one family: each
+/// network and each address.
+fn host_elements(host: &[(IpAddr, u8)], v4: bool) -> Vec<String> {
+    let mut out: Vec<String> =
+        host.iter().filter(|(a, _)| a.is_ipv4() == v4).flat_map(|(a, l)| [cidr(*a, *l), a.to_string()]).collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// The ruleset with this host's values in place.
+pub fn ruleset(cfg: &NetConfig, host: &[(IpAddr, u8)]) -> String {
+    let elements = |v4: bool| {
+        let list = host_elements(host, v4);
+        if list.is_empty() {
+            String::new()
+        } else {
+            format!("elements = {{ {} }}", list.join(", "))
+        }
+    };
     RULESET
         .replace("@SUBNET4@", &format!("{}/16", cfg.subnet4))
         .replace("@SUBNET6@", &format!("{}/64", cfg.subnet6))
-        .replace(" @HOST4@", &list(true))
-        .replace(" @HOST6@", &list(false))
+        .replace("@HOST4@", &elements(true))
+        .replace("@HOST6@", &elements(false))
         .replace("@GATEWAY4@", &cfg.gateway4().to_string())
         .replace("@TABLE@", &cfg.table())
         .replace("@PREFIX@", &cfg.host_prefix())
+        .replace("@MAX_FLOWS@", &MAX_FLOWS.to_string())
+        .replace("@NEW_FLOWS@", NEW_FLOWS)
+        .replace("@DNS_RATE@", DNS_RATE)
+}
+
+/// The commands that replace the host sets' elements with `host`, in one
+/// nftables transaction.
+fn host_update(table: &str, host: &[(IpAddr, u8)]) -> String {
+    let mut text = String::new();
+    for (v4, set) in [(true, "host4"), (false, "host6")] {
+        text.push_str(&format!("flush set inet {table} {set}\n"));
+        let list = host_elements(host, v4);
+        if !list.is_empty() {
+            text.push_str(&format!("add element inet {table} {set} {{ {} }}\n", list.join(", ")));
+        }
+    }
+    text
 }
 
 /// Loads the ruleset with `nft -f -`, once per daemon start (never per
@@ -805,53 +1062,124 @@ impl Network {
     }
 }
 
-/// The host's own addresses and the networks they are on, excluding
-/// loopback and hutch's links.
-pub fn host_networks() -> Vec<(IpAddr, u8)> {
-    let mut out = Vec::new();
-    let mut ifap: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills ifap with a list freed below.
-    if unsafe { libc::getifaddrs(&mut ifap) } != 0 {
-        return out;
-    }
-    let mut cur = ifap;
-    while !cur.is_null() {
-        // SAFETY: cur is a node of the list getifaddrs returned.
-        let ifa = unsafe { &*cur };
-        cur = ifa.ifa_next;
-        if ifa.ifa_addr.is_null() || ifa.ifa_netmask.is_null() || ifa.ifa_name.is_null() {
-            continue;
-        }
-        // SAFETY: ifa_name is a NUL-terminated string owned by the list.
-        let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) }.to_string_lossy();
-        if name == "lo" || is_hutch_link(&name) {
-            continue;
-        }
-        // SAFETY: the family says which sockaddr type both pointers hold.
-        let pair = unsafe {
-            match (*ifa.ifa_addr).sa_family as i32 {
-                libc::AF_INET => {
-                    let a = &*(ifa.ifa_addr as *const libc::sockaddr_in);
-                    let m = &*(ifa.ifa_netmask as *const libc::sockaddr_in);
-                    let len = u32::from_be(m.sin_addr.s_addr).count_ones() as u8;
-                    Some((IpAddr::V4(Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr))), len))
-                }
-                libc::AF_INET6 => {
-                    let a = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
-                    let m = &*(ifa.ifa_netmask as *const libc::sockaddr_in6);
-                    let len = m.sin6_addr.s6_addr.iter().map(|b| b.count_ones()).sum::<u32>() as u8;
-                    Some((IpAddr::V6(Ipv6Addr::from(a.sin6_addr.s6_addr)), len))
-                }
-                _ => None,
-            }
-        };
-        if let Some(p) = pair {
-            out.push(p);
+/// The host's own addresses and the networks it is directly on, read over
+/// rtnetlink: every address of a link but loopback and hutch's veths (with
+/// the network of its prefix), and every on-link route of the main table
+/// (no gateway: a VPN's or a bridge's network). Routes through a gateway
+/// lead elsewhere and are not the host's networks.
+pub fn host_networks(rtnl: &mut Netlink) -> io::Result<Vec<(IpAddr, u8)>> {
+    let links: HashMap<u32, String> = rtnl.links()?.into_iter().collect();
+    Ok(host_networks_from(&rtnl.addresses()?, &rtnl.routes()?, &links))
+}
+
+/// Pure part of `host_networks`, sorted and without duplicates.
+pub fn host_networks_from(
+    addrs: &[netlink::AddrMsg],
+    routes: &[netlink::RouteMsg],
+    links: &HashMap<u32, String>,
+) -> Vec<(IpAddr, u8)> {
+    let foreign = |index: u32| links.get(&index).is_some_and(|n| n != "lo" && !is_hutch_link(n));
+    let mut out: Vec<(IpAddr, u8)> = addrs.iter().filter(|a| foreign(a.index)).map(|a| (a.addr, a.prefix)).collect();
+    for r in routes {
+        if r.table == netlink::RT_TABLE_MAIN as u32
+            && r.kind == netlink::RTN_UNICAST
+            && !r.via_gateway
+            && r.dst_len > 0
+            && r.oif.is_some_and(foreign)
+        {
+            let (lo, _) = range(r.dst, r.dst_len);
+            let dst = match r.dst {
+                IpAddr::V4(_) => IpAddr::from(<[u8; 4]>::try_from(lo.as_slice()).unwrap_or([0; 4])),
+                IpAddr::V6(_) => IpAddr::from(<[u8; 16]>::try_from(lo.as_slice()).unwrap_or([0; 16])),
+            };
+            out.push((dst, r.dst_len));
         }
     }
-    // SAFETY: ifap came from getifaddrs and is freed once.
-    unsafe { libc::freeifaddrs(ifap) };
+    out.sort();
+    out.dedup();
     out
+}
+
+impl Network {
+    /// Reads the host's networks again and, when they changed, replaces
+    /// the `host4`/`host6` elements in one transaction. Answers whether
+    /// they changed.
+    pub fn refresh_host(&self, rtnl: &mut Netlink) -> Result<bool, NetError> {
+        let now = host_networks(rtnl).map_err(io_err("read the host's networks"))?;
+        let _nft = lock(&self.nft);
+        let mut host = lock(&self.host);
+        if *host == now {
+            return Ok(false);
+        }
+        load_ruleset(&host_update(&self.cfg.table(), &now))?;
+        *host = now;
+        Ok(true)
+    }
+
+    /// Follows the host's address and route changes (rtnetlink
+    /// notifications) on a thread of its own, for the daemon's life: a
+    /// network that appears later (a router advertisement, DHCP, a VPN, a
+    /// new bridge) is special as soon as the host is on it. Every few
+    /// seconds it also reads everything again, in case a notification was
+    /// lost.
+    pub fn follow_host(self: &Arc<Self>, on_change: impl Fn(Result<(), NetError>) + Send + 'static) -> io::Result<()> {
+        use netlink::{RTMGRP_IPV4_IFADDR, RTMGRP_IPV4_ROUTE, RTMGRP_IPV6_IFADDR, RTMGRP_IPV6_ROUTE};
+        let groups = RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE;
+        let events = Netlink::subscribe(groups, Duration::from_secs(5))?;
+        let mut rtnl = Netlink::route()?;
+        let net = Arc::downgrade(self);
+        std::thread::Builder::new().name("hutch-net-host".into()).spawn(move || {
+            let mut buf = vec![0u8; 64 * 1024];
+            // The state may have changed between setup and subscribing.
+            let mut dirty = true;
+            loop {
+                let Some(net) = net.upgrade() else { return };
+                if dirty {
+                    match net.refresh_host(&mut rtnl) {
+                        Ok(true) => on_change(Ok(())),
+                        Ok(false) => {}
+                        Err(e) => on_change(Err(e)),
+                    }
+                }
+                drop(net);
+                dirty = match events.recv_notifications(&mut buf) {
+                    Ok(n) => notifications_matter(&buf[..n]),
+                    // Timeout: read everything again, to be sure.
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => true,
+                    // ENOBUFS and the like: notifications were lost.
+                    Err(_) => true,
+                };
+            }
+        })?;
+        Ok(())
+    }
+}
+
+/// Whether a datagram of rtnetlink notifications may change the host's
+/// networks: anything but the addresses and routes of hutch's own veths
+/// (which change with every sandbox network made).
+fn notifications_matter(buf: &[u8]) -> bool {
+    use netlink::{RTM_DELADDR, RTM_DELROUTE, RTM_NEWADDR, RTM_NEWROUTE};
+    let hutch_link = |index: u32| {
+        let mut name = [0 as libc::c_char; libc::IF_NAMESIZE];
+        // SAFETY: if_indextoname writes at most IF_NAMESIZE bytes into name.
+        let p = unsafe { libc::if_indextoname(index, name.as_mut_ptr()) };
+        // SAFETY: on success, name holds a NUL-terminated string.
+        !p.is_null() && is_hutch_link(&unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy())
+    };
+    for msg in netlink::messages(buf) {
+        let Ok(msg) = msg else { return true };
+        let index = match msg.ty {
+            RTM_NEWADDR | RTM_DELADDR => netlink::parse_addr(msg.payload).map(|a| a.index),
+            RTM_NEWROUTE | RTM_DELROUTE => netlink::parse_route(msg.payload).map(|r| r.oif.unwrap_or(0)),
+            _ => continue,
+        };
+        match index {
+            Some(i) if i != 0 && hutch_link(i) => continue,
+            _ => return true,
+        }
+    }
+    false
 }
 
 /// Host ends of veths of any hutch network.
@@ -903,6 +1231,27 @@ pub fn bind_udp_freebind(addr: std::net::SocketAddrV4) -> io::Result<std::net::U
         return Err(io::Error::last_os_error());
     }
     Ok(std::net::UdpSocket::from(fd))
+}
+
+/// Asks for a receive buffer of `bytes` (past `rmem_max`, as root);
+/// best effort: a smaller buffer only drops bursts sooner.
+pub fn set_recv_buffer(sock: &std::net::UdpSocket, bytes: usize) {
+    let v = bytes.min(i32::MAX as usize) as libc::c_int;
+    for opt in [libc::SO_RCVBUFFORCE, libc::SO_RCVBUF] {
+        // SAFETY: setsockopt reads a live c_int of the size given.
+        let rc = unsafe {
+            libc::setsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                &v as *const libc::c_int as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc == 0 {
+            return;
+        }
+    }
 }
 
 /// The smallest MTU of the host's up, non-loopback links (at most 1500):
@@ -963,6 +1312,236 @@ fn open_fd(path: &str) -> io::Result<OwnedFd> {
 mod tests {
     use super::*;
 
+    /// A network instance no other test or daemon on this host holds: the
+    /// same per-instance lock files as tests/net_instances.py, then the
+    /// daemon's own instance lock.
+    fn claim_instance() -> (std::fs::File, InstanceLock) {
+        std::fs::create_dir_all("/run/hutch-tests").expect("lock dir");
+        for n in 1..MAX_INSTANCES {
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(format!("/run/hutch-tests/net-{n}.lock"))
+                .expect("lock file");
+            // SAFETY: flock on a descriptor we own.
+            if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                continue;
+            }
+            if let Ok(held) = InstanceLock::acquire(n) {
+                return (f, held);
+            }
+        }
+        panic!("every network instance is held");
+    }
+
+    /// A real network of a free instance, torn down when dropped.
+    struct TestNet {
+        net: Arc<Network>,
+        _lock: std::fs::File,
+        _held: InstanceLock,
+        _dir: PathBuf,
+    }
+
+    impl TestNet {
+        fn new() -> TestNet {
+            let (lock, held) = claim_instance();
+            let n = held.instance();
+            let dir = std::env::temp_dir().join(format!("hutch-net-test-{}-{n}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("run dir");
+            let mut cfg = NetConfig::new(&dir, n);
+            cfg.ipv6 = Some(false);
+            let net = Network::setup(cfg, &BTreeMap::new(), &held).expect("network setup (run the tests as root)");
+            TestNet { net: Arc::new(net), _lock: lock, _held: held, _dir: dir }
+        }
+    }
+
+    impl Drop for TestNet {
+        fn drop(&mut self) {
+            self.net.teardown();
+            let _ = std::fs::remove_dir_all(&self._dir);
+        }
+    }
+
+    fn listed() -> Policy {
+        Policy {
+            egress: Egress::Default,
+            allow: vec![Rule::parse("allowed.test").expect("rule")],
+            deny: vec![],
+            group: String::new(),
+        }
+    }
+
+    fn allowed(net: &Network, index: u32, dst: IpAddr) -> bool {
+        let op = net.pair_op("allow", index, dst, 32).expect("op");
+        lock(&net.nft).has_element(NFPROTO_INET, &net.cfg.table(), &op.set, &op.key).expect("read set")
+    }
+
+    #[test]
+    fn admitted_addresses_expire_within_their_bounds() {
+        let t = TestNet::new();
+        let net = &t.net;
+        let a = net.attach("sb-ttl", &listed()).expect("attach");
+        let (short, long): (IpAddr, IpAddr) = ("203.0.113.6".parse().expect("ip"), "203.0.113.7".parse().expect("ip"));
+        let now = Instant::now();
+        // A TTL of 0 is kept for the floor; a year only for the cap.
+        net.admit_at("sb-ttl", &[(short, Duration::ZERO), (long, Duration::from_secs(365 * 86400))], now)
+            .expect("admit");
+        assert!(allowed(net, a.index, short) && allowed(net, a.index, long));
+        assert!(net.expire(now + LEARNED_TTL_FLOOR - Duration::from_secs(1)).is_empty());
+        assert!(allowed(net, a.index, short), "kept for the floor");
+        assert_eq!(net.expire(now + LEARNED_TTL_FLOOR), vec!["sb-ttl".to_owned()]);
+        assert!(!allowed(net, a.index, short), "gone after the floor");
+        assert!(allowed(net, a.index, long));
+        assert_eq!(net.learned("sb-ttl"), vec![long]);
+        assert_eq!(net.expire(now + LEARNED_TTL_CAP), vec!["sb-ttl".to_owned()]);
+        assert!(!allowed(net, a.index, long), "gone at the cap");
+        // Looked up again, an address lives on to the later expiry.
+        net.admit_at("sb-ttl", &[(short, Duration::ZERO)], now).expect("admit");
+        net.admit_at("sb-ttl", &[(short, Duration::from_secs(3600))], now).expect("admit again");
+        assert!(net.expire(now + LEARNED_TTL_FLOOR).is_empty());
+        assert!(allowed(net, a.index, short));
+        net.release("sb-ttl");
+        assert!(!allowed(net, a.index, short));
+    }
+
+    #[test]
+    fn a_sandbox_holds_at_most_max_learned_addresses() {
+        let t = TestNet::new();
+        let net = &t.net;
+        let a = net.attach("sb-cap", &listed()).expect("attach");
+        let now = Instant::now();
+        let addr = |i: usize| IpAddr::V4(Ipv4Addr::from(0xcb00_0000 + i as u32));
+        // Each expires a second after the one before.
+        let many: Vec<(IpAddr, Duration)> =
+            (0..MAX_LEARNED).map(|i| (addr(i), LEARNED_TTL_FLOOR + Duration::from_secs(i as u64))).collect();
+        assert_eq!(net.admit_at("sb-cap", &many, now).expect("admit"), MAX_LEARNED);
+        let one_more = addr(MAX_LEARNED);
+        assert_eq!(net.admit_at("sb-cap", &[(one_more, LEARNED_TTL_CAP)], now).expect("admit"), 1);
+        assert_eq!(net.learned("sb-cap").len(), MAX_LEARNED);
+        assert!(!allowed(net, a.index, addr(0)), "the address closest to expiry made room");
+        assert!(allowed(net, a.index, addr(1)) && allowed(net, a.index, one_more));
+        net.release("sb-cap");
+    }
+
+    #[test]
+    fn a_network_the_host_joins_later_becomes_special() {
+        let t = TestNet::new();
+        let mut rtnl = Netlink::route().expect("rtnetlink");
+        let name = format!("hnt{}", std::process::id() % 100_000);
+        let here = open_fd("/proc/thread-self/ns/net").expect("this namespace");
+        rtnl.add_veth(&name, &format!("{name}p"), &here, 1500).expect("a veth pair on the host");
+        struct Gone(String);
+        impl Drop for Gone {
+            fn drop(&mut self) {
+                if let Ok(i) = netlink::link_index(&self.0) {
+                    let _ = Netlink::route().and_then(|mut r| r.del_link(i));
+                }
+            }
+        }
+        let _gone = Gone(name.clone());
+        let index = netlink::link_index(&name).expect("index");
+        let host4 = |a: [u8; 4]| {
+            lock(&t.net.nft).has_element(NFPROTO_INET, &t.net.cfg.table(), "host4", &a).expect("read host4")
+        };
+        assert!(!host4([203, 0, 113, 77]));
+        rtnl.link_up(index).expect("up");
+        rtnl.add_addr(index, "203.0.113.1".parse().expect("ip"), 24).expect("address");
+        assert!(t.net.refresh_host(&mut rtnl).expect("refresh"), "the host's networks changed");
+        assert!(host4([203, 0, 113, 77]), "a neighbour on the new network");
+        assert!(host4([203, 0, 113, 1]), "the host's new address");
+        assert!(!t.net.refresh_host(&mut rtnl).expect("refresh"), "nothing new");
+        rtnl.del_link(index).expect("remove the link");
+        assert!(t.net.refresh_host(&mut rtnl).expect("refresh"));
+        assert!(!host4([203, 0, 113, 77]), "gone with the link");
+    }
+
+    #[test]
+    fn ipv4_ranges_have_their_embedded_ipv6_forms() {
+        let forms = embedded_forms("198.51.100.0".parse().expect("ip"), 24);
+        let want: Vec<(Ipv6Addr, u8)> =
+            [("64:ff9b::c633:6400", 120), ("::ffff:c633:6400", 120), ("2002:c633:6400::", 40)]
+                .iter()
+                .map(|(a, l)| (a.parse().expect("ip"), *l))
+                .collect();
+        assert_eq!(forms, want);
+    }
+
+    #[test]
+    fn host_networks_are_addresses_and_on_link_routes_of_other_links() {
+        use netlink::{AddrMsg, RouteMsg};
+        let links: HashMap<u32, String> = [(1, "lo"), (2, "eth0"), (3, "h00sdeadbeef"), (4, "tun0")]
+            .iter()
+            .map(|(i, n)| (*i, n.to_string()))
+            .collect();
+        let addr = |index, a: &str, prefix| AddrMsg { index, prefix, addr: a.parse().expect("ip") };
+        let route = |oif, dst: &str, dst_len, via_gateway| RouteMsg {
+            dst: dst.parse().expect("ip"),
+            dst_len,
+            table: 254,
+            scope: 0,
+            kind: netlink::RTN_UNICAST,
+            oif: Some(oif),
+            via_gateway,
+        };
+        let got = host_networks_from(
+            &[addr(1, "127.0.0.1", 8), addr(2, "192.0.2.10", 24), addr(3, "100.96.0.1", 32)],
+            &[
+                route(4, "10.8.0.0", 24, false),
+                route(2, "0.0.0.0", 0, true),
+                route(2, "198.51.100.0", 24, true),
+                route(3, "100.96.0.5", 32, false),
+            ],
+            &links,
+        );
+        let want: Vec<(IpAddr, u8)> =
+            [("10.8.0.0", 24), ("192.0.2.10", 24)].iter().map(|(a, l)| (a.parse().expect("ip"), *l)).collect();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn release_during_admit_leaves_no_element() {
+        let t = TestNet::new();
+        let net = t.net.clone();
+        let a = net.attach("sb-race", &listed()).expect("attach");
+        let dst: IpAddr = "203.0.113.5".parse().expect("ip");
+        // Admission pauses between recording the element and adding it;
+        // a release is started in that gap.
+        let (paused_tx, paused_rx) = std::sync::mpsc::channel::<()>();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let go_rx = Mutex::new(go_rx);
+        net.admit_pause.set(Some(Arc::new(move || {
+            let _ = paused_tx.send(());
+            let _ = lock(&go_rx).recv();
+        })));
+        let admitting = {
+            let net = net.clone();
+            std::thread::spawn(move || net.admit("sb-race", &[(dst, Duration::from_secs(30))]))
+        };
+        paused_rx.recv().expect("admission reached the gap");
+        let (released_tx, released_rx) = std::sync::mpsc::channel::<()>();
+        let releasing = {
+            let net = net.clone();
+            std::thread::spawn(move || {
+                net.release("sb-race");
+                let _ = released_tx.send(());
+            })
+        };
+        // Without ordering, the release finishes inside the gap; with it,
+        // the release waits for the admission. Either way, go on after a
+        // bound: what is checked is the set, not the time.
+        let release_finished_in_gap = released_rx.recv_timeout(std::time::Duration::from_millis(500)).is_ok();
+        go_tx.send(()).expect("resume the admission");
+        let _ = admitting.join().expect("admit thread");
+        releasing.join().expect("release thread");
+        net.admit_pause.set(None);
+        assert!(
+            !allowed(&net, a.index, dst),
+            "an element outlived its lease (release finished in the gap: {release_finished_in_gap})"
+        );
+        assert!(!release_finished_in_gap, "a release ran between an admission's record and its add");
+    }
+
     #[test]
     fn rules_parse_cidrs_and_names() {
         assert_eq!(Rule::parse("10.1.2.0/24"), Ok(Rule::Cidr("10.1.2.0".parse().expect("ip"), 24)));
@@ -1011,11 +1590,19 @@ mod tests {
     #[test]
     fn ruleset_has_no_placeholders_left() {
         let cfg = NetConfig::new(Path::new("/run/hutch"), 0);
-        let text = ruleset(&cfg, true, &[("192.0.2.2".parse().expect("ip"), 24)]);
-        for placeholder in ["@SUBNET", "@HOST", "@GATEWAY"] {
+        let text = ruleset(&cfg, &[("192.0.2.2".parse().expect("ip"), 24)]);
+        for placeholder in
+            ["@SUBNET", "@HOST", "@GATEWAY", "@TABLE", "@PREFIX", "@MAX_FLOWS", "@NEW_FLOWS", "@DNS_RATE"]
+        {
             assert!(!text.contains(placeholder), "{text}");
         }
-        assert!(text.contains("100.96.0.0/16, 192.0.2.0/24, 192.0.2.2 }"), "{text}");
+        assert!(
+            text.contains(
+                "set host4 { type ipv4_addr; flags interval; auto-merge; elements = { 192.0.2.0/24, 192.0.2.2 } }"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("set host6 { type ipv6_addr; flags interval; auto-merge;  }"), "{text}");
         assert!(text.contains("ip daddr 100.96.0.1 udp dport 53 accept"));
         assert!(text.contains("table inet hutch {") && text.contains("iifname \"h00s*\" jump from_sandbox"));
     }

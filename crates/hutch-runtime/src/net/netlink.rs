@@ -6,7 +6,13 @@
 //! Messages are built into a byte buffer with the kernel's layouts
 //! (`nlmsghdr`, `ifinfomsg`, `ifaddrmsg`, `rtmsg`, `nfgenmsg`, attributes
 //! aligned to 4 bytes). Replies are parsed only for acknowledgements,
-//! errors and the few fields we read back (link names).
+//! errors and the few fields we read back (links, addresses, routes), by
+//! pure functions over byte slices (`messages`, `Attrs`, `parse_link`,
+//! `parse_addr`, `parse_route`): they are bounds-checked and fuzzable.
+//!
+//! Also: a socket subscribed to the host's address and route changes
+//! (`Netlink::subscribe`), and the conntrack flush of one sandbox's flows
+//! (`flush_conntrack`, over ctnetlink).
 
 use std::io;
 use std::net::IpAddr;
@@ -27,8 +33,18 @@ const NLA_F_NESTED: u16 = 0x8000;
 const RTM_NEWLINK: u16 = 16;
 const RTM_DELLINK: u16 = 17;
 const RTM_GETLINK: u16 = 18;
-const RTM_NEWADDR: u16 = 20;
-const RTM_NEWROUTE: u16 = 24;
+pub const RTM_NEWADDR: u16 = 20;
+pub const RTM_DELADDR: u16 = 21;
+const RTM_GETADDR: u16 = 22;
+pub const RTM_NEWROUTE: u16 = 24;
+pub const RTM_DELROUTE: u16 = 25;
+const RTM_GETROUTE: u16 = 26;
+
+/// Multicast groups of rtnetlink: address and route changes.
+pub const RTMGRP_IPV4_IFADDR: u32 = 0x10;
+pub const RTMGRP_IPV4_ROUTE: u32 = 0x40;
+pub const RTMGRP_IPV6_IFADDR: u32 = 0x100;
+pub const RTMGRP_IPV6_ROUTE: u32 = 0x400;
 
 const IFLA_ADDRESS: u16 = 1;
 const IFLA_IFNAME: u16 = 3;
@@ -47,11 +63,20 @@ const IFA_F_NODAD: u32 = 0x02;
 const RTA_DST: u16 = 1;
 const RTA_OIF: u16 = 4;
 const RTA_GATEWAY: u16 = 5;
-const RT_TABLE_MAIN: u8 = 254;
+const RTA_MULTIPATH: u16 = 9;
+const RTA_TABLE: u16 = 15;
+const RTA_VIA: u16 = 18;
+pub const RT_TABLE_MAIN: u8 = 254;
 const RTPROT_BOOT: u8 = 3;
 const RT_SCOPE_UNIVERSE: u8 = 0;
-const RT_SCOPE_LINK: u8 = 253;
-const RTN_UNICAST: u8 = 1;
+pub const RT_SCOPE_LINK: u8 = 253;
+pub const RTN_UNICAST: u8 = 1;
+
+/// ctnetlink: flush the conntrack entries of one mark.
+const NFNL_SUBSYS_CTNETLINK: u16 = 1;
+const IPCTNL_MSG_CT_DELETE: u16 = 2;
+const CTA_MARK: u16 = 8;
+const CTA_MARK_MASK: u16 = 21;
 
 /// nf_tables over nfnetlink.
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
@@ -73,6 +98,9 @@ pub const NFPROTO_INET: u8 = 1;
 
 /// Replies larger than this are not ours to read.
 const RECV_BUF: usize = 64 * 1024;
+/// Set elements in one nf_tables transaction (about 120 bytes each, and
+/// an acknowledgement each).
+const BATCH: usize = 256;
 
 /// A netlink message under construction.
 struct Msg {
@@ -253,32 +281,20 @@ impl Netlink {
         let mut buf = vec![0u8; RECV_BUF];
         while !pending.is_empty() {
             let n = self.recv(&mut buf)?;
-            let mut off = 0;
-            while off + 16 <= n {
-                let len = u32::from_ne_bytes([buf[off], buf[off + 1], buf[off + 2], buf[off + 3]]) as usize;
-                if len < 16 || off + len > n {
-                    return Err(io::Error::new(io::ErrorKind::InvalidData, "malformed netlink reply"));
-                }
-                let ty = u16::from_ne_bytes([buf[off + 4], buf[off + 5]]);
-                let seq = u32::from_ne_bytes([buf[off + 8], buf[off + 9], buf[off + 10], buf[off + 11]]);
-                let payload = &buf[off + 16..off + len];
-                off += (len + 3) & !3;
+            for msg in messages(&buf[..n]) {
+                let msg = msg?;
                 // A reply to an earlier request (the rest of a batch that
                 // failed part way) is not ours to act on.
-                if !seqs.contains(&seq) {
+                if !seqs.contains(&msg.seq) {
                     continue;
                 }
-                if ty == NLMSG_ERROR {
-                    let errno = payload.get(0..4).map(|b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]])).unwrap_or(0);
-                    pending.retain(|s| *s != seq);
-                    if errno != 0 {
-                        let e = io::Error::from_raw_os_error(-errno);
+                match msg.reply() {
+                    Reply::Ack => pending.retain(|s| *s != msg.seq),
+                    Reply::Error(errno) => {
+                        let e = io::Error::from_raw_os_error(errno);
                         return Err(io::Error::new(e.kind(), format!("{what}: {e}")));
                     }
-                } else if ty == NLMSG_DONE {
-                    pending.retain(|s| *s != seq);
-                } else {
-                    on_msg(ty, payload);
+                    Reply::Data => on_msg(msg.ty, msg.payload),
                 }
             }
         }
@@ -369,28 +385,128 @@ impl Netlink {
 
     /// Names of every link in this socket's network namespace.
     pub fn link_names(&mut self) -> io::Result<Vec<String>> {
-        let mut m = Msg::new(RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP);
-        m.bytes(&ifinfomsg(0, 0, 0, 0));
-        let seq = self.next_seq();
-        self.send(&m.finish(seq))?;
-        let mut names = Vec::new();
-        self.wait_acks(&[seq], "list links", |ty, payload| {
-            if ty != RTM_NEWLINK || payload.len() < 16 {
-                return;
-            }
-            for (aty, data) in Attrs(&payload[16..]) {
-                if aty == IFLA_IFNAME {
-                    let end = data.iter().position(|b| *b == 0).unwrap_or(data.len());
-                    names.push(String::from_utf8_lossy(&data[..end]).into_owned());
-                }
-            }
-        })?;
-        Ok(names)
+        Ok(self.links()?.into_iter().map(|(_, name)| name).collect())
     }
 
-    /// Adds or removes elements of nf_tables sets in one transaction: all
-    /// apply or none does.
+    /// Every link in this socket's network namespace: (index, name).
+    pub fn links(&mut self) -> io::Result<Vec<(u32, String)>> {
+        let mut m = Msg::new(RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP);
+        m.bytes(&ifinfomsg(0, 0, 0, 0));
+        Ok(self
+            .dump(m, "list links")?
+            .iter()
+            .filter_map(|(ty, p)| (*ty == RTM_NEWLINK).then(|| parse_link(p)).flatten())
+            .collect())
+    }
+
+    /// Every address of every link (both families).
+    pub fn addresses(&mut self) -> io::Result<Vec<AddrMsg>> {
+        let mut m = Msg::new(RTM_GETADDR, NLM_F_REQUEST | NLM_F_DUMP);
+        m.bytes(&[0u8; 8]);
+        Ok(self
+            .dump(m, "list addresses")?
+            .iter()
+            .filter_map(|(ty, p)| (*ty == RTM_NEWADDR).then(|| parse_addr(p)).flatten())
+            .collect())
+    }
+
+    /// Every route of every table (both families).
+    pub fn routes(&mut self) -> io::Result<Vec<RouteMsg>> {
+        let mut m = Msg::new(RTM_GETROUTE, NLM_F_REQUEST | NLM_F_DUMP);
+        m.bytes(&[0u8; 12]);
+        Ok(self
+            .dump(m, "list routes")?
+            .iter()
+            .filter_map(|(ty, p)| (*ty == RTM_NEWROUTE).then(|| parse_route(p)).flatten())
+            .collect())
+    }
+
+    /// Sends a dump request; answers every message of the reply.
+    fn dump(&mut self, m: Msg, what: &str) -> io::Result<Vec<(u16, Vec<u8>)>> {
+        let seq = self.next_seq();
+        self.send(&m.finish(seq))?;
+        let mut out = Vec::new();
+        self.wait_acks(&[seq], what, |ty, payload| out.push((ty, payload.to_vec())))?;
+        Ok(out)
+    }
+
+    /// A socket that receives the host's address and route changes
+    /// (`groups`: RTMGRP_* bits). Reads wait at most `timeout`.
+    pub fn subscribe(groups: u32, timeout: std::time::Duration) -> io::Result<Netlink> {
+        let nl = Netlink::open(libc::NETLINK_ROUTE)?;
+        // SAFETY: sockaddr_nl is plain old data; zero is a valid value.
+        let mut sa: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+        sa.nl_family = libc::AF_NETLINK as libc::sa_family_t;
+        sa.nl_groups = groups;
+        // SAFETY: bind reads a sockaddr_nl of the size given.
+        let rc = unsafe {
+            libc::bind(
+                nl.fd.as_raw_fd(),
+                &sa as *const libc::sockaddr_nl as *const libc::sockaddr,
+                std::mem::size_of::<libc::sockaddr_nl>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let tv = libc::timeval {
+            tv_sec: timeout.as_secs() as libc::time_t,
+            tv_usec: timeout.subsec_micros() as libc::suseconds_t,
+        };
+        // SAFETY: setsockopt reads a live timeval of the size given.
+        let rc = unsafe {
+            libc::setsockopt(
+                nl.fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                &tv as *const libc::timeval as *const libc::c_void,
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(nl)
+    }
+
+    /// Reads one datagram of notifications into `buf` (a subscribed
+    /// socket). `WouldBlock` after the timeout; `ENOBUFS` when the kernel
+    /// dropped some (the reader must then read the whole state again).
+    pub fn recv_notifications(&self, buf: &mut [u8]) -> io::Result<usize> {
+        self.recv(buf)
+    }
+
+    /// Forgets every tracked flow (conntrack entry) whose mark is `mark`,
+    /// in every family. Nothing to forget is not an error.
+    pub fn flush_conntrack(&mut self, mark: u32) -> io::Result<()> {
+        let mut m = Msg::new(NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_DELETE, NLM_F_REQUEST | NLM_F_ACK);
+        m.bytes(&[libc::AF_UNSPEC as u8, 0, 0, 0]);
+        m.attr(CTA_MARK, &mark.to_be_bytes()).attr(CTA_MARK_MASK, &u32::MAX.to_be_bytes());
+        match self.call(m, &format!("flush conntrack mark {mark:#x}")) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+            other => other,
+        }
+    }
+
+    /// Adds or removes elements of nf_tables sets: all apply or none does.
+    /// One transaction holds at most `BATCH` elements (a socket's send
+    /// buffer bounds a message, and each element is acknowledged); when a
+    /// later transaction fails, the earlier ones are undone.
     pub fn set_elements(&mut self, family: u8, table: &str, ops: &[SetOp]) -> io::Result<()> {
+        for (i, chunk) in ops.chunks(BATCH).enumerate() {
+            if let Err(e) = self.set_elements_once(family, table, chunk) {
+                let undo: Vec<SetOp> = ops[..i * BATCH].iter().rev().map(SetOp::inverse).collect();
+                for part in undo.chunks(BATCH) {
+                    let _ = self.set_elements_once(family, table, part);
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// One transaction.
+    fn set_elements_once(&mut self, family: u8, table: &str, ops: &[SetOp]) -> io::Result<()> {
         if ops.is_empty() {
             return Ok(());
         }
@@ -481,8 +597,182 @@ pub struct SetOp {
     pub timeout_ms: Option<u64>,
 }
 
+/// One netlink message in a datagram.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Message<'a> {
+    pub ty: u16,
+    pub seq: u32,
+    pub payload: &'a [u8],
+}
+
+/// What a message says about the request it answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reply {
+    /// `NLMSG_ERROR` with 0, or `NLMSG_DONE`: the request is complete.
+    Ack,
+    /// `NLMSG_ERROR` with this errno (positive).
+    Error(i32),
+    /// Anything else: data for the caller.
+    Data,
+}
+
+impl Message<'_> {
+    pub fn reply(&self) -> Reply {
+        match self.ty {
+            NLMSG_DONE => Reply::Ack,
+            NLMSG_ERROR => {
+                let errno = self.payload.get(0..4).map(|b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]])).unwrap_or(0);
+                match errno.checked_neg() {
+                    Some(0) | None => Reply::Ack,
+                    Some(e) if e > 0 => Reply::Error(e),
+                    // A positive "errno" is not the kernel's: say so.
+                    Some(_) => Reply::Error(libc::EPROTO),
+                }
+            }
+            _ => Reply::Data,
+        }
+    }
+}
+
+/// The messages of one datagram, bounds-checked: a header whose length is
+/// below 16 or past the end ends the walk with an error. Pure: for fuzzing.
+pub fn messages(buf: &[u8]) -> impl Iterator<Item = io::Result<Message<'_>>> + '_ {
+    let mut off = 0usize;
+    let mut failed = false;
+    std::iter::from_fn(move || {
+        if failed || off + 16 > buf.len() {
+            return None;
+        }
+        let word = |at: usize| u32::from_ne_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]);
+        let len = word(off) as usize;
+        if len < 16 || len > buf.len() - off {
+            failed = true;
+            return Some(Err(io::Error::new(io::ErrorKind::InvalidData, "malformed netlink reply")));
+        }
+        let msg = Message {
+            ty: u16::from_ne_bytes([buf[off + 4], buf[off + 5]]),
+            seq: word(off + 8),
+            payload: &buf[off + 16..off + len],
+        };
+        off = off.saturating_add((len + 3) & !3);
+        Some(Ok(msg))
+    })
+}
+
+/// A link from an `RTM_NEWLINK` payload: (index, name). Pure: for fuzzing.
+pub fn parse_link(payload: &[u8]) -> Option<(u32, String)> {
+    let hdr = payload.get(0..16)?;
+    let index = i32::from_ne_bytes([hdr[4], hdr[5], hdr[6], hdr[7]]);
+    let name = Attrs(&payload[16..]).find(|(ty, _)| *ty == IFLA_IFNAME).map(|(_, data)| {
+        let end = data.iter().position(|b| *b == 0).unwrap_or(data.len());
+        String::from_utf8_lossy(&data[..end]).into_owned()
+    })?;
+    Some((u32::try_from(index).ok()?, name))
+}
+
+/// An address of a link, from an `RTM_NEWADDR`/`RTM_DELADDR` payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AddrMsg {
+    pub index: u32,
+    pub prefix: u8,
+    pub addr: IpAddr,
+}
+
+/// Pure: for fuzzing. The local address (`IFA_LOCAL`, else `IFA_ADDRESS`).
+pub fn parse_addr(payload: &[u8]) -> Option<AddrMsg> {
+    let hdr = payload.get(0..8)?;
+    let family = hdr[0] as i32;
+    let prefix = hdr[1];
+    let index = u32::from_ne_bytes([hdr[4], hdr[5], hdr[6], hdr[7]]);
+    let (mut local, mut address) = (None, None);
+    for (ty, data) in Attrs(&payload[8..]) {
+        match ty {
+            IFA_LOCAL => local = ip_of(family, data),
+            IFA_ADDRESS => address = ip_of(family, data),
+            _ => {}
+        }
+    }
+    let addr = local.or(address)?;
+    let max = if addr.is_ipv4() { 32 } else { 128 };
+    (prefix <= max).then_some(AddrMsg { index, prefix, addr })
+}
+
+/// A route, from an `RTM_NEWROUTE`/`RTM_DELROUTE` payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteMsg {
+    /// The destination; the family's unspecified address for a default route.
+    pub dst: IpAddr,
+    pub dst_len: u8,
+    pub table: u32,
+    pub scope: u8,
+    pub kind: u8,
+    pub oif: Option<u32>,
+    /// Through a gateway (or several): not a network the host is on.
+    pub via_gateway: bool,
+}
+
+/// Pure: for fuzzing.
+pub fn parse_route(payload: &[u8]) -> Option<RouteMsg> {
+    let hdr = payload.get(0..12)?;
+    let family = hdr[0] as i32;
+    let unspecified = match family {
+        libc::AF_INET => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+        libc::AF_INET6 => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+        _ => return None,
+    };
+    let mut r = RouteMsg {
+        dst: unspecified,
+        dst_len: hdr[1],
+        table: hdr[4] as u32,
+        scope: hdr[6],
+        kind: hdr[7],
+        oif: None,
+        via_gateway: false,
+    };
+    for (ty, data) in Attrs(&payload[12..]) {
+        match ty {
+            RTA_DST => r.dst = ip_of(family, data)?,
+            RTA_OIF => r.oif = data.get(0..4).map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]])),
+            RTA_TABLE => {
+                if let Some(b) = data.get(0..4) {
+                    r.table = u32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            RTA_GATEWAY | RTA_VIA | RTA_MULTIPATH => r.via_gateway = true,
+            _ => {}
+        }
+    }
+    let max = if r.dst.is_ipv4() { 32 } else { 128 };
+    (r.dst_len <= max).then_some(r)
+}
+
+fn ip_of(family: i32, data: &[u8]) -> Option<IpAddr> {
+    match family {
+        libc::AF_INET => {
+            let b: [u8; 4] = data.get(0..4)?.try_into().ok()?;
+            Some(IpAddr::from(b))
+        }
+        libc::AF_INET6 => {
+            let b: [u8; 16] = data.get(0..16)?.try_into().ok()?;
+            Some(IpAddr::from(b))
+        }
+        _ => None,
+    }
+}
+
+impl SetOp {
+    /// The operation that undoes this one.
+    pub fn inverse(&self) -> SetOp {
+        let kind = match self.kind {
+            SetOpKind::Add => SetOpKind::Remove,
+            SetOpKind::Remove => SetOpKind::Add,
+        };
+        SetOp { kind, ..self.clone() }
+    }
+}
+
 /// Iterates the attributes in a payload, bounds-checked.
-struct Attrs<'a>(&'a [u8]);
+pub struct Attrs<'a>(pub &'a [u8]);
 
 impl<'a> Iterator for Attrs<'a> {
     type Item = (u16, &'a [u8]);
@@ -530,6 +820,100 @@ mod tests {
         assert_eq!(u16::from_ne_bytes([buf[18], buf[19]]), IFLA_LINKINFO | NLA_F_NESTED);
         let inner: Vec<_> = Attrs(&buf[20..]).collect();
         assert_eq!(inner, vec![(IFLA_INFO_KIND, &b"veth\0"[..])]);
+    }
+
+    fn nlmsg(ty: u16, seq: u32, payload: &[u8]) -> Vec<u8> {
+        let mut m = Msg::new(ty, 0);
+        m.bytes(payload);
+        m.finish(seq)
+    }
+
+    #[test]
+    fn replies_split_into_messages_and_stop_at_garbage() {
+        let mut buf = nlmsg(RTM_NEWLINK, 5, &[1, 2, 3, 4]);
+        buf.extend(nlmsg(NLMSG_ERROR, 5, &(-libc::EEXIST).to_ne_bytes()));
+        buf.extend(nlmsg(NLMSG_DONE, 6, &[0; 4]));
+        let msgs: Vec<_> = messages(&buf).collect::<io::Result<_>>().expect("parse");
+        assert_eq!(msgs.len(), 3);
+        assert_eq!((msgs[0].ty, msgs[0].seq, msgs[0].payload), (RTM_NEWLINK, 5, &[1u8, 2, 3, 4][..]));
+        assert_eq!(msgs[0].reply(), Reply::Data);
+        assert_eq!(msgs[1].reply(), Reply::Error(libc::EEXIST));
+        assert_eq!(msgs[2].reply(), Reply::Ack);
+        let mut bad = nlmsg(RTM_NEWLINK, 1, &[]);
+        bad[0] = 200; // longer than the datagram
+        assert!(messages(&bad).next().expect("one").is_err());
+        bad[0..4].copy_from_slice(&8u32.to_ne_bytes()); // shorter than a header
+        assert!(messages(&bad).next().expect("one").is_err());
+        let mut positive = nlmsg(NLMSG_ERROR, 1, &5i32.to_ne_bytes());
+        assert_eq!(messages(&positive).next().expect("one").expect("ok").reply(), Reply::Error(libc::EPROTO));
+        positive.truncate(17);
+        assert_eq!(messages(&positive).count(), 1, "a torn datagram yields what is whole, then an error");
+    }
+
+    #[test]
+    fn addresses_routes_and_links_parse_from_their_payloads() {
+        let mut m = Msg::new(RTM_NEWADDR, 0);
+        m.bytes(&[libc::AF_INET as u8, 24, 0, 0]).bytes(&7u32.to_ne_bytes());
+        m.attr(IFA_ADDRESS, &[192, 0, 2, 9]).attr(IFA_LOCAL, &[192, 0, 2, 10]);
+        let buf = m.finish(1);
+        let a = parse_addr(&buf[16..]).expect("addr");
+        assert_eq!(a, AddrMsg { index: 7, prefix: 24, addr: "192.0.2.10".parse().expect("ip") });
+        let mut m = Msg::new(RTM_NEWROUTE, 0);
+        m.bytes(&[libc::AF_INET6 as u8, 64, 0, 0, RT_TABLE_MAIN, 2, RT_SCOPE_LINK, RTN_UNICAST, 0, 0, 0, 0]);
+        m.attr(RTA_DST, &"2001:db8::".parse::<std::net::Ipv6Addr>().expect("ip").octets()).attr_u32(RTA_OIF, 3);
+        let buf = m.finish(1);
+        let r = parse_route(&buf[16..]).expect("route");
+        assert_eq!(
+            (r.dst.to_string(), r.dst_len, r.table, r.oif, r.via_gateway),
+            ("2001:db8::".into(), 64, 254, Some(3), false)
+        );
+        let mut m = Msg::new(RTM_NEWLINK, 0);
+        m.bytes(&ifinfomsg(0, 9, 0, 0)).attr_str(IFLA_IFNAME, "eth1");
+        let buf = m.finish(1);
+        assert_eq!(parse_link(&buf[16..]), Some((9, "eth1".to_owned())));
+        // Truncated or inconsistent payloads give nothing.
+        assert!(parse_addr(&[2, 24, 0]).is_none());
+        assert!(parse_addr(&[2, 33, 0, 0, 1, 0, 0, 0, 8, 0, 2, 0, 1, 2, 3, 4]).is_none(), "prefix past 32");
+        assert!(parse_addr(&[2, 24, 0, 0, 1, 0, 0, 0, 6, 0, 2, 0, 1, 2]).is_none(), "address too short");
+        assert!(parse_route(&[99; 12]).is_none(), "unknown family");
+        assert!(parse_link(&[0; 15]).is_none());
+    }
+
+    /// Mutated replies never panic the parsers (a smoke test until the
+    /// fuzz targets run: deterministic, bounded).
+    #[test]
+    fn mutated_replies_never_panic() {
+        let mut m = Msg::new(RTM_NEWROUTE, 0);
+        m.bytes(&[libc::AF_INET as u8, 24, 0, 0, RT_TABLE_MAIN, 2, RT_SCOPE_LINK, RTN_UNICAST, 0, 0, 0, 0]);
+        m.attr(RTA_DST, &[10, 8, 0, 0]).attr_u32(RTA_OIF, 3).attr_u32(RTA_TABLE, 254);
+        let seed = m.finish(1);
+        let mut x = 0x2545_f491_4f6c_dd1d_u64;
+        let mut rand = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..20_000 {
+            let mut b = seed.clone();
+            for _ in 0..(rand() % 4 + 1) {
+                if b.is_empty() {
+                    break;
+                }
+                let at = (rand() as usize) % b.len();
+                match rand() % 3 {
+                    0 => b[at] = rand() as u8,
+                    1 => b.truncate(at),
+                    _ => b.insert(at, rand() as u8),
+                }
+            }
+            for msg in messages(&b).flatten() {
+                let _ = msg.reply();
+                let _ = (parse_route(msg.payload), parse_addr(msg.payload), parse_link(msg.payload));
+            }
+            let payload = b.get(16..).unwrap_or_default();
+            let _ = (parse_route(payload), parse_addr(payload), parse_link(payload), Attrs(payload).count());
+        }
     }
 
     #[test]

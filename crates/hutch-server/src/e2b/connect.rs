@@ -13,9 +13,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Router};
 use base64::Engine;
-use hutch_agent::proto::{PtySize, Target};
 use hutch_api::ErrorCode;
-use hutch_control::session::{ProcEvent, ProcSpec, ProcStream};
+use hutch_control::session::{ProcEvent, ProcSpec, ProcStream, PtySize, Target};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -247,10 +246,9 @@ async fn start(State(app): AppState, Extension(ctx): Extension<Envd>, headers: H
         Ok(p) => p,
         Err(e) => return stream_error(e),
     };
-    let user = ctx.user.clone();
     let cwd = match ctx.resolve(p.cwd.as_deref().unwrap_or("")) {
         Ok(c) => c,
-        Err(e) => return stream_error(e),
+        Err(e) => return stream_error(e.into()),
     };
     let mut argv = vec![p.cmd];
     argv.extend(p.args);
@@ -258,7 +256,6 @@ async fn start(State(app): AppState, Extension(ctx): Extension<Envd>, headers: H
         argv,
         env: p.envs.into_iter().collect(),
         cwd: Some(cwd),
-        user,
         pty,
         tag: req.tag,
         stdin: req.stdin.unwrap_or(pty.is_some()),
@@ -267,7 +264,7 @@ async fn start(State(app): AppState, Extension(ctx): Extension<Envd>, headers: H
         // command is gone, not still dying.
         timeout_ms: timeout_ms(&headers).map(|ms| ms.saturating_sub((ms / 10).min(100)).max(1)),
     };
-    match app.control.session_start(&ctx.owner, &ctx.id, spec, keepalive(&headers)).await {
+    match app.control.session_start(&ctx, spec, keepalive(&headers)).await {
         Ok(events) => server_stream(forward(events)),
         Err(e) => stream_error(e.into()),
     }
@@ -287,27 +284,23 @@ async fn connect(State(app): AppState, Extension(ctx): Extension<Envd>, headers:
         Ok(t) => t,
         Err(e) => return stream_error(e),
     };
-    match app.control.session_connect(&ctx.owner, &ctx.id, &t, keepalive(&headers)).await {
+    match app.control.session_connect(&ctx, &t, keepalive(&headers)).await {
         Ok(events) => server_stream(forward(events)),
         Err(e) => stream_error(e.into()),
     }
 }
 
 async fn list(State(app): AppState, Extension(ctx): Extension<Envd>) -> Response {
-    match app.control.session_list(&ctx.owner, &ctx.id).await {
+    match app.control.session_list(&ctx).await {
         Ok(procs) => {
             let processes: Vec<Value> = procs
                 .into_iter()
                 .map(|p| {
-                    let (cmd, args) = match p.cmd {
-                        hutch_agent::proto::Cmd::Argv(mut a) => {
-                            let cmd = if a.is_empty() { String::new() } else { a.remove(0) };
-                            (cmd, a)
-                        }
-                        hutch_agent::proto::Cmd::Shell(s) => ("/bin/sh".to_owned(), vec!["-c".to_owned(), s]),
-                    };
-                    let envs: BTreeMap<String, String> = p.env.into_iter().collect();
-                    let mut v = json!({"pid": p.pid, "config": {"cmd": cmd, "args": args, "envs": envs, "cwd": p.cwd}});
+                    let mut argv = p.argv.into_iter();
+                    let cmd = argv.next().unwrap_or_default();
+                    let args: Vec<String> = argv.collect();
+                    let mut v =
+                        json!({"pid": p.pid, "config": {"cmd": cmd, "args": args, "envs": p.env, "cwd": p.cwd}});
                     if let Some(tag) = p.tag {
                         v["tag"] = json!(tag);
                     }
@@ -341,7 +334,7 @@ async fn send_input(State(app): AppState, Extension(ctx): Extension<Envd>, body:
         let data = B64
             .decode(data.as_bytes())
             .map_err(|_| EnvdError::new(ErrorCode::InvalidRequest, "input is not base64"))?;
-        app.control.session_input(&ctx.owner, &ctx.id, &t, &data).await?;
+        app.control.session_input(&ctx, &t, &data).await?;
         Ok::<_, EnvdError>(json!({}))
     };
     run.await.map_or_else(unary_error, unary)
@@ -356,7 +349,7 @@ async fn close_stdin(State(app): AppState, Extension(ctx): Extension<Envd>, body
     let run = async {
         let req: CloseStdinRequest = unary_request(&body)?;
         let t = target(req.process)?;
-        app.control.session_close_stdin(&ctx.owner, &ctx.id, &t).await?;
+        app.control.session_close_stdin(&ctx, &t).await?;
         Ok::<_, EnvdError>(json!({}))
     };
     run.await.map_or_else(unary_error, unary)
@@ -385,7 +378,7 @@ async fn send_signal(State(app): AppState, Extension(ctx): Extension<Envd>, body
                 ))
             }
         };
-        app.control.session_signal(&ctx.owner, &ctx.id, &t, sig).await?;
+        app.control.session_signal(&ctx, &t, sig).await?;
         Ok::<_, EnvdError>(json!({}))
     };
     run.await.map_or_else(unary_error, unary)
@@ -402,7 +395,7 @@ async fn update(State(app): AppState, Extension(ctx): Extension<Envd>, body: Byt
         let req: UpdateRequest = unary_request(&body)?;
         let t = target(req.process)?;
         if let Some(size) = pty_size(req.pty)? {
-            app.control.session_resize(&ctx.owner, &ctx.id, &t, size).await?;
+            app.control.session_resize(&ctx, &t, size).await?;
         }
         Ok::<_, EnvdError>(json!({}))
     };
@@ -474,7 +467,7 @@ async fn stream_input(State(app): AppState, Extension(ctx): Extension<Envd>, bod
                     let bytes = B64
                         .decode(input.stdin.or(input.pty).unwrap_or_default().as_bytes())
                         .map_err(|_| EnvdError::new(ErrorCode::InvalidRequest, "input is not base64"))?;
-                    app.control.session_input(&ctx.owner, &ctx.id, t, &bytes).await?;
+                    app.control.session_input(&ctx, t, &bytes).await?;
                 }
             }
         }

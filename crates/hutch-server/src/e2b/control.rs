@@ -2,10 +2,11 @@
 //! list, kill, timeout, pause, connect and metrics, over `Control`, with the
 //! API key in `X-API-KEY`.
 
-use super::{access_token, E2bError, ENVD_VERSION};
+use super::{E2bError, ENVD_VERSION};
+use crate::extract::{ApiPath, ApiQuery};
 use crate::routes::Caller;
 use crate::App;
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -13,6 +14,7 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use hutch_api::{CreateSandbox, Extend, Sandbox, SandboxState};
 use hutch_control::control::{now_ms, parse_rfc3339, rfc3339};
+use hutch_control::SandboxId;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
@@ -39,15 +41,15 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
 }
 
 async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
-    let secret = super::header(req.headers(), "x-api-key").map(str::trim).unwrap_or("");
-    match hutch_control::keys::authenticate(app.control.store.as_ref(), secret) {
-        Ok(Some(key)) => {
+    let secret = super::header(req.headers(), "x-api-key").map(str::trim).unwrap_or("").to_owned();
+    match app.control.authenticate(&secret).await {
+        Ok(Some(caller)) => {
             crate::listener::authenticated(&req);
-            req.extensions_mut().insert(Caller { key_id: key.id });
+            req.extensions_mut().insert(caller);
             next.run(req).await
         }
         Ok(None) => E2bError::new(StatusCode::UNAUTHORIZED, "Invalid API key").into_response(),
-        Err(e) => E2bError::from(hutch_control::ControlError::Store(e)).into_response(),
+        Err(e) => E2bError::from(e).into_response(),
     }
 }
 
@@ -62,9 +64,8 @@ async fn body<T: serde::de::DeserializeOwned + Default>(req: Request) -> E2bResu
     serde_json::from_slice(&bytes).map_err(|e| E2bError::new(StatusCode::BAD_REQUEST, format!("body: {e}")))
 }
 
-fn valid(id: &str) -> E2bResult<&str> {
-    hutch_runtime::container::valid_id(id).map_err(|_| not_found(id))?;
-    Ok(id)
+fn valid(id: &str) -> E2bResult<SandboxId> {
+    SandboxId::parse(id).map_err(|_| not_found(id))
 }
 
 fn not_found(id: &str) -> E2bError {
@@ -81,13 +82,14 @@ fn e2b_state(s: SandboxState) -> Option<&'static str> {
 }
 
 /// A sandbox that is not gone, as the caller may see it; 404 otherwise.
-fn live_view(app: &App, caller: &Caller, id: &str) -> E2bResult<(Sandbox, &'static str)> {
-    let sb = app.control.get(&caller.key_id, valid(id)?).map_err(|e| match e.code() {
+async fn live_view(app: &App, caller: &Caller, id: &str) -> E2bResult<(SandboxId, Sandbox, &'static str)> {
+    let sid = valid(id)?;
+    let sb = app.control.get(caller, &sid).await.map_err(|e| match e.code() {
         hutch_api::ErrorCode::NotFound => not_found(id),
         _ => E2bError::from(e),
     })?;
     let state = e2b_state(sb.state).ok_or_else(|| not_found(id))?;
-    Ok((sb, state))
+    Ok((sid, sb, state))
 }
 
 /// The `Sandbox` model (create and connect answers).
@@ -97,8 +99,13 @@ fn created(app: &App, sb: &Sandbox) -> Value {
         "sandboxID": sb.id,
         "clientID": "hutch",
         "envdVersion": ENVD_VERSION,
-        "envdAccessToken": access_token(&app.e2b_secret, &sb.id),
+        "envdAccessToken": token(app, &sb.id),
     })
+}
+
+/// The envd access token of a sandbox.
+fn token(app: &App, id: &str) -> String {
+    SandboxId::parse(id).map(|id| app.control.e2b_token(&id)).unwrap_or_default()
 }
 
 /// The `ListedSandbox` model, and with `detail` the `SandboxDetail` one.
@@ -117,7 +124,7 @@ fn listed(app: &App, sb: &Sandbox, state: &str, detail: bool) -> Value {
         "envdVersion": ENVD_VERSION,
     });
     if detail {
-        v["envdAccessToken"] = json!(access_token(&app.e2b_secret, &sb.id));
+        v["envdAccessToken"] = json!(token(app, &sb.id));
     }
     v
 }
@@ -180,14 +187,16 @@ async fn create(State(app): AppState, Extension(caller): Extension<Caller>, req:
         network: network_policy(new.allow_internet_access, new.network),
         ..CreateSandbox::default()
     };
-    let (sb, _) = match app.control.create(&caller.key_id, &create, None).await {
+    let (sb, _) = match app.control.create(&caller, &create, None).await {
         Err(hutch_control::ControlError::UnknownTemplate(name)) => {
             return Err(E2bError::new(StatusCode::NOT_FOUND, format!("template '{name}' not found")));
         }
         r => r?,
     };
     if sb.state != SandboxState::Running {
-        let _ = app.control.delete(&caller.key_id, &sb.id).await;
+        if let Ok(id) = SandboxId::parse(&sb.id) {
+            let _ = app.control.delete(&caller, &id).await;
+        }
         return Err(E2bError::new(StatusCode::SERVICE_UNAVAILABLE, "the sandbox did not start in time"));
     }
     Ok((StatusCode::CREATED, Json(created(&app, &sb))).into_response())
@@ -196,19 +205,19 @@ async fn create(State(app): AppState, Extension(caller): Extension<Caller>, req:
 async fn detail(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> E2bResult<Json<Value>> {
-    let (sb, state) = live_view(&app, &caller, &id)?;
+    let (_, sb, state) = live_view(&app, &caller, &id).await?;
     Ok(Json(listed(&app, &sb, state, true)))
 }
 
 async fn kill(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> E2bResult<StatusCode> {
-    live_view(&app, &caller, &id)?;
-    app.control.delete(&caller.key_id, &id).await?;
+    let (sid, _, _) = live_view(&app, &caller, &id).await?;
+    app.control.delete(&caller, &sid).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -217,36 +226,37 @@ struct Timeout {
     timeout: Option<u64>,
 }
 
-/// Sets the expiry to `timeout` seconds from now (shorter or longer).
-fn expire_in(app: &App, caller: &Caller, id: &str, seconds: u64) -> E2bResult<()> {
+/// Sets the expiry to `timeout` seconds from now (shorter or longer),
+/// clamped to the latest the sandbox may live to, as E2B clamps.
+async fn expire_in(app: &App, caller: &Caller, id: &SandboxId, seconds: u64) -> E2bResult<()> {
     let until = now_ms().saturating_add((seconds.clamp(1, 86_400) * 1000) as i64);
-    app.control.extend(&caller.key_id, id, &Extend { by: None, until: Some(rfc3339(until)) })?;
+    app.control.extend(caller, id, &Extend { by: None, until: Some(rfc3339(until)) }, true).await?;
     Ok(())
 }
 
 async fn set_timeout(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     req: Request,
 ) -> E2bResult<StatusCode> {
     let t: Timeout = body(req).await?;
     let seconds = t.timeout.ok_or_else(|| E2bError::new(StatusCode::BAD_REQUEST, "timeout is required"))?;
-    live_view(&app, &caller, &id)?;
-    expire_in(&app, &caller, &id, seconds)?;
+    let (sid, _, _) = live_view(&app, &caller, &id).await?;
+    expire_in(&app, &caller, &sid, seconds).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 async fn pause(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> E2bResult<StatusCode> {
-    let (_, state) = live_view(&app, &caller, &id)?;
+    let (sid, _, state) = live_view(&app, &caller, &id).await?;
     if state == "paused" {
         return Err(E2bError::new(StatusCode::CONFLICT, format!("sandbox \"{id}\" is already paused")));
     }
-    app.control.suspend(&caller.key_id, &id).await?;
+    app.control.suspend(&caller, &sid).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -254,17 +264,17 @@ async fn pause(
 async fn resume(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     req: Request,
 ) -> E2bResult<Response> {
     let t: Timeout = body(req).await?;
-    let (_, state) = live_view(&app, &caller, &id)?;
+    let (sid, _, state) = live_view(&app, &caller, &id).await?;
     if state == "running" {
         return Err(E2bError::new(StatusCode::CONFLICT, format!("sandbox \"{id}\" is already running")));
     }
-    let sb = app.control.resume(&caller.key_id, &id).await?;
+    let sb = app.control.resume(&caller, &sid).await?;
     if let Some(s) = t.timeout {
-        expire_in(&app, &caller, &id, s)?;
+        expire_in(&app, &caller, &sid, s).await?;
     }
     Ok((StatusCode::CREATED, Json(created(&app, &sb))).into_response())
 }
@@ -274,13 +284,13 @@ async fn resume(
 async fn connect(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     req: Request,
 ) -> E2bResult<Response> {
     let t: Timeout = body(req).await?;
-    let (mut sb, state) = live_view(&app, &caller, &id)?;
+    let (sid, mut sb, state) = live_view(&app, &caller, &id).await?;
     let status = if state == "paused" {
-        sb = app.control.resume(&caller.key_id, &id).await?;
+        sb = app.control.resume(&caller, &sid).await?;
         StatusCode::CREATED
     } else {
         StatusCode::OK
@@ -288,7 +298,7 @@ async fn connect(
     if let Some(s) = t.timeout {
         let wanted = now_ms().saturating_add((s.min(86_400) * 1000) as i64);
         if parse_rfc3339(&sb.expires_at).is_some_and(|e| e < wanted) {
-            expire_in(&app, &caller, &id, s)?;
+            expire_in(&app, &caller, &sid, s).await?;
         }
     }
     Ok((status, Json(created(&app, &sb))).into_response())
@@ -297,21 +307,21 @@ async fn connect(
 async fn metrics(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> E2bResult<Json<Value>> {
-    let (sb, _) = live_view(&app, &caller, &id)?;
+    let (sid, _, _) = live_view(&app, &caller, &id).await?;
     // One sample, taken now; hutch keeps no history of samples yet.
-    let (u, record) = match app.control.usage(&caller.key_id, &sb.id) {
+    let (u, record) = match app.control.sandbox_usage(&caller, &sid).await {
         Ok(x) => x,
         // Not running (paused, gone): no samples, as E2B answers.
         Err(_) => return Ok(Json(json!([]))),
     };
-    let now_ms = hutch_control::keys::now_ms();
-    let alive_ms = (now_ms - record.created_at).max(1) as f64;
-    let cpus = record.vcpus.ceil().max(1.0);
+    let now_ms = now_ms();
+    let alive_ms = (now_ms - parse_rfc3339(&record.created_at).unwrap_or(now_ms)).max(1) as f64;
+    let cpus = record.limits.vcpus.ceil().max(1.0);
     let cpu_pct = (u.cpu_ns as f64 / 1e6) / alive_ms / cpus * 100.0;
     Ok(Json(json!([{
-        "timestamp": hutch_control::control::rfc3339(now_ms),
+        "timestamp": rfc3339(now_ms),
         "timestampUnix": now_ms / 1000,
         "cpuCount": cpus as u64,
         "cpuUsedPct": (cpu_pct * 100.0).round() / 100.0,
@@ -324,11 +334,11 @@ async fn metrics(
 }
 
 /// Every sandbox of the caller that is not gone, newest first.
-fn all_live(app: &App, caller: &Caller) -> E2bResult<Vec<(Sandbox, &'static str)>> {
+async fn all_live(app: &App, caller: &Caller) -> E2bResult<Vec<(Sandbox, &'static str)>> {
     let mut out = Vec::new();
     let mut cursor: Option<String> = None;
     loop {
-        let page = app.control.list(&caller.key_id, Some(1000), cursor.as_deref())?;
+        let page = app.control.list(caller, None, Some(1000), cursor.as_deref()).await?;
         for sb in page.sandboxes {
             if let Some(state) = e2b_state(sb.state) {
                 out.push((sb, state));
@@ -382,10 +392,11 @@ fn metadata_filter(s: &str) -> Vec<(String, String)> {
 async fn list_v1(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Query(q): Query<HashMap<String, String>>,
+    ApiQuery(q): ApiQuery<HashMap<String, String>>,
 ) -> E2bResult<Json<Value>> {
     let filter = q.get("metadata").map(|m| metadata_filter(m)).unwrap_or_default();
-    let rows: Vec<Value> = all_live(&app, &caller)?
+    let rows: Vec<Value> = all_live(&app, &caller)
+        .await?
         .iter()
         .filter(|(sb, _)| filter.iter().all(|(k, v)| sb.metadata.get(k) == Some(v)))
         .map(|(sb, state)| listed(&app, sb, state, false))
@@ -396,7 +407,7 @@ async fn list_v1(
 async fn list_v2(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
-    Query(q): Query<HashMap<String, String>>,
+    ApiQuery(q): ApiQuery<HashMap<String, String>>,
 ) -> E2bResult<Response> {
     let bad = |m: &str| E2bError::new(StatusCode::BAD_REQUEST, m.to_owned());
     let filter = q.get("metadata").map(|m| metadata_filter(m)).unwrap_or_default();
@@ -419,7 +430,8 @@ async fn list_v2(
         None => None,
     };
     let template = q.get("template");
-    let mut rows: Vec<(Sandbox, &'static str)> = all_live(&app, &caller)?
+    let mut rows: Vec<(Sandbox, &'static str)> = all_live(&app, &caller)
+        .await?
         .into_iter()
         .filter(|(sb, state)| {
             states.iter().any(|s| s == state)

@@ -6,8 +6,8 @@
 //! relative paths against that user's home.
 
 use super::connect::{self, unary, unary_error, unary_request};
-use super::{access_token, same, E2bError, EnvdError};
-use crate::{App, ChannelBody};
+use super::{E2bError, EnvdError};
+use crate::App;
 use axum::body::Bytes;
 use axum::extract::{Query, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -16,55 +16,28 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Router};
 use base64::Engine;
-use hutch_agent::proto::{normalize_path, Entry, EntryKind, Reply, Request as AgentRequest};
 use hutch_api::ErrorCode;
-use hutch_control::files::{Access, SandboxFs};
+use hutch_control::e2b::{Operation, SignedUrl};
+use hutch_control::fileops::{META_BYTES, META_KEYS};
+use hutch_control::files::{pipe, Chunks, SandboxFs};
+use hutch_control::session::{Entry, EntryKind, EnvdSession};
+use hutch_control::{ControlError, SandboxId};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use sha2::Digest;
 
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::sync::Arc;
 
 type AppState = State<Arc<App>>;
 
-/// Largest upload body (the files API's own cap applies per file).
-const UPLOAD_LIMIT: usize = 512 << 20;
-
-/// Who an envd call acts for: the sandbox, its owner, the sandbox user.
-#[derive(Clone, Debug)]
-pub struct Envd {
-    pub id: String,
-    pub owner: String,
-    pub user: String,
-}
-
-impl Envd {
-    /// The user's home directory.
-    fn home(&self) -> String {
-        if self.user == "root" {
-            "/root".into()
-        } else {
-            format!("/home/{}", self.user)
-        }
-    }
-
-    /// A path made absolute against the user's home, normalized.
-    pub fn resolve(&self, path: &str) -> Result<String, EnvdError> {
-        let home = self.home();
-        if path.is_empty() {
-            return Ok(home);
-        }
-        normalize_path(path, &home)
-            .map_err(|_| EnvdError::new(ErrorCode::InvalidPath, format!("invalid path {path:?}")))
-    }
-}
+/// Who an envd call acts for: a session the control plane made.
+pub type Envd = EnvdSession;
 
 pub fn router(app: Arc<App>) -> Router<Arc<App>> {
     Router::new()
         .route("/health", get(health))
-        .route("/files", get(download).post(upload).layer(axum::extract::DefaultBodyLimit::max(UPLOAD_LIMIT)))
+        // Uploads stream under their own caps (`UPLOAD_CAP`).
+        .route("/files", get(download).post(upload).layer(axum::extract::DefaultBodyLimit::disable()))
         .route("/filesystem.Filesystem/Stat", post(stat))
         .route("/filesystem.Filesystem/ListDir", post(list_dir))
         .route("/filesystem.Filesystem/MakeDir", post(make_dir))
@@ -75,21 +48,15 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
         .route_layer(middleware::from_fn_with_state(app, authenticate))
 }
 
-/// The user named by `Authorization: Basic base64(user:)`, else `user`.
-fn basic_user(headers: &HeaderMap) -> Result<String, E2bError> {
-    let Some(v) = super::header(headers, "authorization") else { return Ok("user".into()) };
+/// The user named by `Authorization: Basic base64(user:)`, if any.
+fn basic_user(headers: &HeaderMap) -> Result<Option<String>, E2bError> {
+    let Some(v) = super::header(headers, "authorization") else { return Ok(None) };
     let bad = || E2bError::new(StatusCode::BAD_REQUEST, "Authorization must be Basic base64(user:)");
     let b64 = v.strip_prefix("Basic ").ok_or_else(bad)?;
     let raw = base64::engine::general_purpose::STANDARD.decode(b64.trim()).map_err(|_| bad())?;
     let text = String::from_utf8(raw).map_err(|_| bad())?;
     let user = text.split(':').next().unwrap_or("");
-    if user.is_empty() {
-        return Ok("user".into());
-    }
-    if user.len() > 32 || !user.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') {
-        return Err(bad());
-    }
-    Ok(user.to_owned())
+    Ok((!user.is_empty()).then(|| user.to_owned()))
 }
 
 /// The signed-URL parameters of a `/files` request.
@@ -101,134 +68,91 @@ struct SignedQuery {
     signature_expiration: Option<String>,
 }
 
-/// A signed `/files` request: what the SDK's `get_signature` covers.
-struct Signed {
-    signature: String,
-    /// `path:operation:user` (the token and expiration follow).
-    prefix: String,
-    expiration: Option<i64>,
+/// The signature parameters of a `/files` request without a token, if any.
+fn signed_url(req: &Request) -> Result<Option<SignedUrl>, E2bError> {
+    if req.uri().path() != "/files" {
+        return Ok(None);
+    }
+    let Ok(Query(q)) = Query::<SignedQuery>::try_from_uri(req.uri()) else { return Ok(None) };
+    let Some(signature) = q.signature else { return Ok(None) };
+    let operation = if req.method() == axum::http::Method::GET { Operation::Read } else { Operation::Write };
+    let expiration = match q.signature_expiration.as_deref() {
+        None => None,
+        Some(e) => Some(
+            e.parse::<i64>()
+                .map_err(|_| E2bError::new(StatusCode::BAD_REQUEST, "signature_expiration must be a unix timestamp"))?,
+        ),
+    };
+    Ok(Some(SignedUrl {
+        path: q.path.unwrap_or_default(),
+        operation,
+        username: q.username.unwrap_or_default(),
+        signature,
+        expiration,
+    }))
 }
 
-impl Signed {
-    /// The signature parameters of a `/files` request without a token, if any.
-    fn of(req: &Request) -> Result<Option<Signed>, E2bError> {
-        if req.uri().path() != "/files" {
-            return Ok(None);
-        }
-        let Ok(Query(q)) = Query::<SignedQuery>::try_from_uri(req.uri()) else { return Ok(None) };
-        let Some(signature) = q.signature else { return Ok(None) };
-        let operation = if req.method() == axum::http::Method::GET { "read" } else { "write" };
-        let expiration = match q.signature_expiration.as_deref() {
-            None => None,
-            Some(e) => Some(e.parse::<i64>().map_err(|_| {
-                E2bError::new(StatusCode::BAD_REQUEST, "signature_expiration must be a unix timestamp")
-            })?),
-        };
-        let prefix =
-            format!("{}:{}:{}", q.path.as_deref().unwrap_or(""), operation, q.username.as_deref().unwrap_or(""));
-        Ok(Some(Signed { signature, prefix, expiration }))
-    }
-
-    /// Whether the signature is the one `sandbox`'s access token makes:
-    /// `v1_` + unpadded base64 of SHA-256 over
-    /// `path:operation:user:token[:expiration]`, compared without an early exit.
-    fn matches(&self, secret: &[u8], sandbox: &str) -> bool {
-        let token = access_token(secret, sandbox);
-        let raw = match self.expiration {
-            None => format!("{}:{}", self.prefix, token),
-            Some(e) => format!("{}:{}:{}", self.prefix, token, e),
-        };
-        let digest = sha2::Sha256::digest(raw.as_bytes());
-        let expected = format!("v1_{}", base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest));
-        same(self.signature.as_bytes(), expected.as_bytes())
-    }
-
-    /// Whether the expiration has passed.
-    fn expired(&self) -> bool {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
-        self.expiration.is_some_and(|e| e < now)
-    }
-}
-
-/// The sandbox a signed URL is for. E2B puts the id in the host
-/// (`<port>-<id>.<domain>`); with `E2B_SANDBOX_URL` the SDK's URL names no
-/// sandbox at all, so the running sandboxes are tried in turn (one hash
-/// each). `None` if none matches.
-fn signed_sandbox(app: &App, headers: &HeaderMap, signed: &Signed) -> Result<Option<String>, E2bError> {
+/// The sandbox a request names: its `E2b-Sandbox-Id` header, or E2B's host
+/// form `<port>-<id>.<domain>`.
+fn named_sandbox(headers: &HeaderMap) -> Option<SandboxId> {
     let named = super::header(headers, "e2b-sandbox-id").map(str::to_owned).or_else(|| {
         let host = super::header(headers, "host")?;
         let (first, _) = host.split_once('.')?;
         let (port, id) = first.split_once('-')?;
         port.parse::<u16>().ok()?;
         Some(id.to_owned())
-    });
-    if let Some(id) = named {
-        return Ok(signed.matches(&app.e2b_secret, &id).then_some(id));
-    }
-    let live = app
-        .control
-        .store
-        .sandboxes_in(&["running", "starting"])
-        .map_err(|e| E2bError::from(hutch_control::ControlError::Store(e)))?;
-    Ok(live.into_iter().map(|r| r.id).find(|id| signed.matches(&app.e2b_secret, id)))
+    })?;
+    SandboxId::parse(&named).ok()
 }
 
-/// Checks the sandbox headers and token, or a `/files` URL's signature. A
-/// sandbox that is gone answers 502 "was not found", as E2B's proxy does.
+/// A refused envd call, as E2B's proxy and envd answer it: a sandbox that
+/// is gone is 502 "was not found".
+fn refused(e: ControlError, id: Option<&SandboxId>) -> Response {
+    match e {
+        ControlError::NoSandbox(_) => {
+            let id = id.map(SandboxId::to_string).unwrap_or_default();
+            let body = json!({"code": 502, "message": format!("The sandbox {id} was not found"), "sandboxId": id});
+            (StatusCode::BAD_GATEWAY, axum::Json(body)).into_response()
+        }
+        ControlError::Unauthorized(m) => E2bError::new(StatusCode::UNAUTHORIZED, m).into_response(),
+        e => E2bError::from(e).into_response(),
+    }
+}
+
+/// Checks the sandbox headers and token, or a `/files` URL's signature,
+/// through the control plane (which also checks the owner's key is live).
 async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
     let headers = req.headers();
-    let has_token = super::header(headers, "x-access-token").is_some();
-    let signed = if has_token {
-        None
-    } else {
-        match Signed::of(&req) {
-            Ok(s) => s,
-            Err(e) => return e.into_response(),
-        }
-    };
-    let headers = req.headers();
-    let id = if let Some(signed) = signed {
-        let id = match signed_sandbox(&app, headers, &signed) {
-            Ok(Some(id)) => id,
-            Ok(None) => return E2bError::new(StatusCode::UNAUTHORIZED, "invalid signature").into_response(),
-            Err(e) => return e.into_response(),
-        };
-        if signed.expired() {
-            return E2bError::new(StatusCode::UNAUTHORIZED, "signature is already expired").into_response();
-        }
-        id
-    } else {
-        let Some(id) = super::header(headers, "e2b-sandbox-id").map(str::to_owned) else {
-            return E2bError::new(StatusCode::BAD_REQUEST, "the E2b-Sandbox-Id header is required").into_response();
-        };
-        let token = super::header(headers, "x-access-token").unwrap_or("");
-        if !same(token.as_bytes(), access_token(&app.e2b_secret, &id).as_bytes()) {
-            return E2bError::new(StatusCode::UNAUTHORIZED, "a valid X-Access-Token is required").into_response();
-        }
-        id
-    };
-    let user = match basic_user(headers) {
+    let basic = match basic_user(headers) {
         Ok(u) => u,
         Err(e) => return e.into_response(),
     };
-    let gone = || {
-        let body = json!({"code": 502, "message": format!("The sandbox {id} was not found"), "sandboxId": id});
-        (StatusCode::BAD_GATEWAY, axum::Json(body)).into_response()
+    let named = named_sandbox(headers);
+    let session = match super::header(headers, "x-access-token") {
+        Some(token) => {
+            let Some(id) = named.clone() else {
+                return E2bError::new(StatusCode::BAD_REQUEST, "the E2b-Sandbox-Id header is required").into_response();
+            };
+            let token = token.to_owned();
+            app.control.envd_by_token(&id, &token, basic.as_deref().unwrap_or("user")).await
+        }
+        None => match signed_url(&req) {
+            Ok(Some(signed)) => app.control.envd_by_signature(named.as_ref(), &signed, basic.as_deref()).await,
+            Ok(None) if named.is_none() && super::header(req.headers(), "e2b-sandbox-id").is_none() => {
+                return E2bError::new(StatusCode::BAD_REQUEST, "the E2b-Sandbox-Id header is required").into_response();
+            }
+            Ok(None) => Err(ControlError::Unauthorized("a valid X-Access-Token is required")),
+            Err(e) => return e.into_response(),
+        },
     };
-    let record = match app.control.store.get_sandbox(&id) {
-        Ok(Some(r)) => r,
-        Ok(None) => return gone(),
-        Err(e) => return E2bError::from(hutch_control::ControlError::Store(e)).into_response(),
-    };
-    if !matches!(record.state.as_str(), "running" | "starting") {
-        // Terminated, terminating or paused: envd is not reachable.
-        return gone();
+    match session {
+        Ok(s) => {
+            crate::listener::authenticated(&req);
+            req.extensions_mut().insert(s);
+            next.run(req).await
+        }
+        Err(e) => refused(e, named.as_ref()),
     }
-    crate::listener::authenticated(&req);
-    req.extensions_mut().insert(Envd { id, owner: record.owner, user });
-    next.run(req).await
 }
 
 async fn health() -> StatusCode {
@@ -240,12 +164,12 @@ fn http_error(e: EnvdError) -> Response {
     let (_, status) = e.connect();
     let status = if e.code == ErrorCode::SandboxPathConflict { StatusCode::BAD_REQUEST } else { status };
     let status = if e.code == ErrorCode::SandboxDiskFull { StatusCode::INSUFFICIENT_STORAGE } else { status };
+    let status = if e.code == ErrorCode::PayloadTooLarge { StatusCode::PAYLOAD_TOO_LARGE } else { status };
     E2bError::new(status, e.message).into_response()
 }
 
-fn fs_for(app: &App, ctx: &Envd) -> Result<SandboxFs, EnvdError> {
-    let live = app.control.running(&ctx.owner, &ctx.id)?;
-    Ok(SandboxFs::new(live.socket.clone(), Some(ctx.user.clone())))
+async fn fs_for(app: &App, ctx: &Envd) -> Result<hutch_control::files::SandboxFs, EnvdError> {
+    Ok(app.control.envd_fs(ctx).await?)
 }
 
 #[derive(Deserialize, Default)]
@@ -256,50 +180,28 @@ struct FileQuery {
 
 /// The context with the `username` query parameter, if given, as the user.
 fn with_user(ctx: &Envd, username: Option<&str>) -> Result<Envd, EnvdError> {
-    let mut c = ctx.clone();
-    if let Some(u) = username.filter(|u| !u.is_empty()) {
-        if u.len() > 32 || !u.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') {
-            return Err(EnvdError::new(ErrorCode::InvalidRequest, "invalid username"));
-        }
-        c.user = u.to_owned();
+    match username.filter(|u| !u.is_empty()) {
+        Some(u) => Ok(ctx.as_user(u)?),
+        None => Ok(ctx.clone()),
     }
-    Ok(c)
 }
 
 async fn download(State(app): AppState, Extension(ctx): Extension<Envd>, Query(q): Query<FileQuery>) -> Response {
     let run = async {
         let ctx = with_user(&ctx, q.username.as_deref())?;
         let path = ctx.resolve(q.path.as_deref().unwrap_or(""))?;
-        let fs = fs_for(&app, &ctx)?;
+        let fs = fs_for(&app, &ctx).await?;
         let chunks = fs.read_stream(&path).await?;
         Ok::<_, EnvdError>(chunks)
     };
-    let mut chunks = match run.await {
+    let chunks = match run.await {
         Ok(c) => c,
         Err(e) => return http_error(e),
     };
-    let (tx, rx) = tokio::sync::mpsc::channel(4);
-    tokio::spawn(async move {
-        while let Some(chunk) = chunks.recv().await {
-            let item = chunk.map(Bytes::from).map_err(|e| std::io::Error::other(e.message));
-            if tx.send(item).await.is_err() {
-                return;
-            }
-        }
-    });
-    let mut resp = ChannelBody(rx).into_body().into_response();
+    let mut resp = crate::transfer::body_of(chunks).into_response();
     resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
     resp
 }
-
-/// The xattr prefix of E2B file metadata: `X-Metadata-<key>` is stored as
-/// `user.e2b.<key>`.
-const META_PREFIX: &str = "user.e2b.";
-/// At most this many metadata keys per upload.
-const META_KEYS: usize = 64;
-/// At most this many bytes of metadata keys and values per upload (the
-/// agent caps a file's xattrs at 64 KiB).
-const META_BYTES: usize = 16 << 10;
 
 /// The `X-Metadata-*` headers as `user.e2b.*` xattrs (header names arrive
 /// lowercased, so keys are lowercased, as envd does).
@@ -320,75 +222,91 @@ fn metadata_attrs(headers: &HeaderMap) -> Result<BTreeMap<String, String>, EnvdE
                 format!("metadata is limited to {META_KEYS} keys and {META_BYTES} bytes"),
             ));
         }
-        attrs.insert(format!("{META_PREFIX}{key}"), value.to_owned());
+        attrs.insert(key.to_owned(), value.to_owned());
     }
     Ok(attrs)
 }
 
-/// The E2B metadata (`user.e2b.*` xattrs) of an entry; empty when it has
-/// none or they cannot be read (a file the user may not open).
+/// The E2B metadata of an entry; empty when it has none or they cannot be
+/// read (a file the user may not open).
 async fn metadata_of(app: &App, ctx: &Envd, path: &str) -> Value {
-    let op = AgentRequest::GetXattrs { path: path.to_owned(), user: Some(ctx.user.clone()) };
-    let mut out = serde_json::Map::new();
-    if let Ok(Reply::Xattrs { attrs }) = app.control.session_file_op(&ctx.owner, &ctx.id, op, Access::Read).await {
-        for (k, v) in attrs {
-            if let Some(key) = k.strip_prefix(META_PREFIX) {
-                out.insert(key.to_owned(), Value::String(v));
-            }
-        }
-    }
-    Value::Object(out)
+    let meta = app.control.fs_metadata(ctx, path).await;
+    Value::Object(meta.into_iter().map(|(k, v)| (k, Value::String(v))).collect())
 }
 
-/// Writes one file with its metadata, making its missing parent
-/// directories, as the user.
+/// Writes one file from `data` with its metadata, making its missing
+/// parent directories, as the user.
 async fn write_one(
     app: &App,
     ctx: &Envd,
+    fs: &SandboxFs,
     path: &str,
-    data: Vec<u8>,
+    data: Chunks,
     meta: &BTreeMap<String, String>,
 ) -> Result<Value, EnvdError> {
     let path = ctx.resolve(path)?;
     if let Some((parent, _)) = path.rsplit_once('/') {
         if !parent.is_empty() {
-            let mkdir = AgentRequest::Mkdir { path: parent.to_owned(), parents: true, user: Some(ctx.user.clone()) };
-            app.control.session_file_op(&ctx.owner, &ctx.id, mkdir, Access::Write).await?;
+            app.control.fs_mkdir(ctx, parent).await?;
         }
     }
-    let fs = fs_for(app, ctx)?;
-    let (tx, rx) = tokio::sync::mpsc::channel(4);
-    let feed = tokio::spawn(async move {
-        for chunk in data.chunks(1 << 20) {
-            if tx.send(chunk.to_vec()).await.is_err() {
-                return;
-            }
-        }
-    });
-    let written = fs.write_stream(&path, rx).await;
-    let _ = feed.await;
-    written?;
+    fs.write_stream(&path, data).await?;
     if !meta.is_empty() {
-        let op = AgentRequest::SetXattrs { path: path.clone(), attrs: meta.clone(), user: Some(ctx.user.clone()) };
-        app.control.session_file_op(&ctx.owner, &ctx.id, op, Access::Write).await?;
+        app.control.fs_set_metadata(ctx, &path, meta).await?;
     }
     let name = path.rsplit('/').next().unwrap_or("").to_owned();
-    let metadata: serde_json::Map<String, Value> = meta
-        .iter()
-        .filter_map(|(k, v)| Some((k.strip_prefix(META_PREFIX)?.to_owned(), Value::String(v.clone()))))
-        .collect();
+    let metadata: serde_json::Map<String, Value> =
+        meta.iter().map(|(k, v)| (k.clone(), Value::String(v.clone()))).collect();
     Ok(json!({"name": name, "type": "file", "path": path, "metadata": metadata}))
 }
 
-fn gunzip(data: &[u8]) -> Result<Vec<u8>, EnvdError> {
-    let mut out = Vec::new();
-    flate2::read::GzDecoder::new(data)
-        .take(hutch_control::files::FILE_CAP + 1)
-        .read_to_end(&mut out)
-        .map_err(|e| EnvdError::new(ErrorCode::InvalidRequest, format!("gzip body: {e}")))?;
-    Ok(out)
+/// Writes the files of a multipart form read from `body` (already inflated):
+/// each part streams into its file as it arrives.
+async fn write_form(
+    app: &App,
+    ctx: &Envd,
+    fs: &SandboxFs,
+    path: Option<&str>,
+    parts: axum::http::request::Parts,
+    body: Chunks,
+    meta: &BTreeMap<String, String>,
+) -> Result<Vec<Value>, EnvdError> {
+    let tap = crate::transfer::FormTap::default();
+    let form = Request::from_parts(parts, tap.body(body));
+    let mut form = axum::extract::Multipart::from_request(form, &())
+        .await
+        .map_err(|e| EnvdError::new(ErrorCode::InvalidRequest, e.body_text()))?;
+    let mut written = Vec::new();
+    loop {
+        let field = match form.next_field().await {
+            Ok(f) => f,
+            Err(e) => {
+                return Err(tap.broken().map(EnvdError::from).unwrap_or_else(|| {
+                    EnvdError::new(ErrorCode::InvalidRequest, format!("malformed form: {}", e.body_text()))
+                }))
+            }
+        };
+        let Some(field) = field else { break };
+        let target = match (path, field.file_name()) {
+            (Some(p), _) => p.to_owned(),
+            (None, Some(n)) => n.to_owned(),
+            (None, None) => return Err(EnvdError::new(ErrorCode::InvalidRequest, "a file part has no name")),
+        };
+        let (chunks, feed) = tap.part(field);
+        written.push(crate::transfer::with_part(feed, write_one(app, ctx, fs, &target, chunks, meta)).await?);
+    }
+    Ok(written)
 }
 
+/// Most bytes one upload may carry, as sent and once inflated: a file of the
+/// files API's cap, with room for a form's framing. A gzip body that
+/// inflates past it is refused with 413, having cost a bounded buffer.
+const UPLOAD_CAP: u64 = hutch_control::files::FILE_CAP + (1 << 20);
+
+/// `POST /files`: a multipart form of files, or one file as the raw body
+/// (`application/octet-stream`), optionally `Content-Encoding: gzip`. The
+/// body streams into the sandbox (inflated on a thread of its own); it is
+/// never held whole.
 async fn upload(
     State(app): AppState,
     Extension(ctx): Extension<Envd>,
@@ -397,44 +315,44 @@ async fn upload(
 ) -> Response {
     let run = async {
         let ctx = with_user(&ctx, q.username.as_deref())?;
-        let headers = req.headers().clone();
-        let content_type = super::header(&headers, "content-type").unwrap_or("").to_owned();
-        let gzip = super::header(&headers, "content-encoding").is_some_and(|v| v.eq_ignore_ascii_case("gzip"));
-        let meta = metadata_attrs(&headers)?;
-        let mut written = Vec::new();
-        if content_type.starts_with("multipart/form-data") {
-            let mut form = axum::extract::Multipart::from_request(req, &())
-                .await
-                .map_err(|e| EnvdError::new(ErrorCode::InvalidRequest, e.body_text()))?;
-            loop {
-                let field = form.next_field().await.map_err(|e| {
-                    EnvdError::new(ErrorCode::InvalidRequest, format!("malformed form: {}", e.body_text()))
-                })?;
-                let Some(field) = field else { break };
-                let name = field.file_name().map(str::to_owned);
-                let data = field.bytes().await.map_err(|e| {
-                    EnvdError::new(ErrorCode::InvalidRequest, format!("malformed form: {}", e.body_text()))
-                })?;
-                let path = match (&q.path, name) {
-                    (Some(p), _) => p.clone(),
-                    (None, Some(n)) => n,
-                    (None, None) => return Err(EnvdError::new(ErrorCode::InvalidRequest, "a file part has no name")),
-                };
-                written.push(write_one(&app, &ctx, &path, data.to_vec(), &meta).await?);
+        let headers = req.headers();
+        let multipart = super::header(headers, "content-type").unwrap_or("").starts_with("multipart/form-data");
+        let encoding = super::header(headers, "content-encoding").unwrap_or("").trim().to_ascii_lowercase();
+        let gzip = match encoding.as_str() {
+            "" | "identity" => false,
+            "gzip" | "x-gzip" => true,
+            other => {
+                return Err(EnvdError::new(
+                    ErrorCode::InvalidRequest,
+                    format!("Content-Encoding {other:?} is not supported: send gzip or none"),
+                ))
             }
-        } else {
-            let path = q.path.clone().ok_or_else(|| EnvdError::new(ErrorCode::InvalidRequest, "path is required"))?;
-            let body = axum::body::to_bytes(req.into_body(), UPLOAD_LIMIT)
-                .await
-                .map_err(|_| EnvdError::new(ErrorCode::PayloadTooLarge, "the upload is too large"))?;
-            let data = if gzip { gunzip(&body)? } else { body.to_vec() };
-            written.push(write_one(&app, &ctx, &path, data, &meta).await?);
+        };
+        let meta = metadata_attrs(headers)?;
+        if !multipart && q.path.is_none() {
+            return Err(EnvdError::new(ErrorCode::InvalidRequest, "path is required"));
         }
-        Ok::<_, EnvdError>(Value::Array(written))
+        let fs = fs_for(&app, &ctx).await?;
+        let (parts, body) = req.into_parts();
+        let (wire, feed) = crate::transfer::chunks_of(body);
+        let wire = pipe::cap(wire, UPLOAD_CAP, "the upload");
+        let plain = if gzip { pipe::inflate(wire, UPLOAD_CAP)? } else { wire };
+        let work = async {
+            if multipart {
+                write_form(&app, &ctx, &fs, q.path.as_deref(), parts, plain, &meta).await
+            } else {
+                let path = q.path.as_deref().unwrap_or_default();
+                Ok(vec![write_one(&app, &ctx, &fs, path, plain, &meta).await?])
+            }
+        };
+        let (written, whole) = crate::transfer::with_feed(feed, work).await;
+        Ok::<_, EnvdError>((written.map(Value::Array), whole))
     };
     match run.await {
-        Ok(v) => axum::Json(v).into_response(),
-        Err(e) => http_error(e),
+        Ok((Ok(v), whole)) => crate::transfer::close_unless(whole, axum::Json(v).into_response()),
+        Ok((Err(e), whole)) => crate::transfer::close_unless(whole, http_error(e)),
+        // Refused before the body was looked at.
+        Err(e) => crate::transfer::close_unless(false, http_error(e)),
     }
 }
 
@@ -512,24 +430,17 @@ fn rpc_path(ctx: &Envd, p: Option<String>) -> Result<String, EnvdError> {
     if p.is_empty() {
         return Err(EnvdError::new(ErrorCode::InvalidRequest, "path is required"));
     }
-    ctx.resolve(&p)
+    Ok(ctx.resolve(&p)?)
 }
 
 async fn stat(State(app): AppState, Extension(ctx): Extension<Envd>, body: Bytes) -> Response {
     let run = async {
         let req: PathRequest = unary_request(&body)?;
         let path = rpc_path(&ctx, req.path)?;
-        let op = AgentRequest::Stat { path, user: Some(ctx.user.clone()) };
-        match app.control.session_file_op(&ctx.owner, &ctx.id, op, Access::Read).await? {
-            Reply::Stat { entry } => Ok(json!({"entry": with_metadata(&app, &ctx, &entry).await})),
-            other => Err(unexpected(&other)),
-        }
+        let entry = app.control.fs_stat(&ctx, &path).await?;
+        Ok::<_, EnvdError>(json!({"entry": with_metadata(&app, &ctx, &entry).await}))
     };
     run.await.map_or_else(unary_error, unary)
-}
-
-fn unexpected(r: &Reply) -> EnvdError {
-    EnvdError::new(ErrorCode::Internal, format!("sandbox agent answered {r:?} unexpectedly"))
 }
 
 async fn list_dir(State(app): AppState, Extension(ctx): Extension<Envd>, body: Bytes) -> Response {
@@ -537,40 +448,29 @@ async fn list_dir(State(app): AppState, Extension(ctx): Extension<Envd>, body: B
         let req: PathRequest = unary_request(&body)?;
         let path = rpc_path(&ctx, req.path)?;
         let depth = req.depth.unwrap_or(1).max(1);
-        let op = AgentRequest::ListDir { path, depth, user: Some(ctx.user.clone()) };
-        match app.control.session_file_op(&ctx.owner, &ctx.id, op, Access::List).await? {
-            Reply::Entries { entries, .. } => {
-                let mut out = Vec::with_capacity(entries.len());
-                for e in &entries {
-                    out.push(with_metadata(&app, &ctx, e).await);
-                }
-                Ok(json!({"entries": out}))
-            }
-            other => Err(unexpected(&other)),
+        let entries = app.control.fs_list(&ctx, &path, depth).await?;
+        let mut out = Vec::with_capacity(entries.len());
+        for e in &entries {
+            out.push(with_metadata(&app, &ctx, e).await);
         }
+        Ok::<_, EnvdError>(json!({"entries": out}))
     };
     run.await.map_or_else(unary_error, unary)
 }
 
 async fn stat_entry(app: &App, ctx: &Envd, path: String) -> Result<Value, EnvdError> {
-    let op = AgentRequest::Stat { path, user: Some(ctx.user.clone()) };
-    match app.control.session_file_op(&ctx.owner, &ctx.id, op, Access::Read).await? {
-        Reply::Stat { entry } => Ok(with_metadata(app, ctx, &entry).await),
-        other => Err(unexpected(&other)),
-    }
+    let entry = app.control.fs_stat(ctx, &path).await?;
+    Ok(with_metadata(app, ctx, &entry).await)
 }
 
 async fn make_dir(State(app): AppState, Extension(ctx): Extension<Envd>, body: Bytes) -> Response {
     let run = async {
         let req: PathRequest = unary_request(&body)?;
         let path = rpc_path(&ctx, req.path)?;
-        let op = AgentRequest::Mkdir { path: path.clone(), parents: true, user: Some(ctx.user.clone()) };
-        match app.control.session_file_op(&ctx.owner, &ctx.id, op, Access::Write).await? {
-            Reply::Created { created: true } => Ok(json!({"entry": stat_entry(&app, &ctx, path).await?})),
-            Reply::Created { created: false } => {
-                Err(EnvdError::new(ErrorCode::SandboxPathConflict, format!("directory {path} already exists")))
-            }
-            other => Err(unexpected(&other)),
+        if app.control.fs_mkdir(&ctx, &path).await? {
+            Ok(json!({"entry": stat_entry(&app, &ctx, path).await?}))
+        } else {
+            Err(EnvdError::new(ErrorCode::SandboxPathConflict, format!("directory {path} already exists")))
         }
     };
     run.await.map_or_else(unary_error, unary)
@@ -587,8 +487,7 @@ async fn move_entry(State(app): AppState, Extension(ctx): Extension<Envd>, body:
         let req: MoveRequest = unary_request(&body)?;
         let from = rpc_path(&ctx, req.source)?;
         let to = rpc_path(&ctx, req.destination)?;
-        let op = AgentRequest::Rename { from, to: to.clone(), user: Some(ctx.user.clone()) };
-        app.control.session_file_op(&ctx.owner, &ctx.id, op, Access::Write).await?;
+        app.control.fs_rename(&ctx, &from, &to).await?;
         Ok(json!({"entry": stat_entry(&app, &ctx, to).await?}))
     };
     run.await.map_or_else(unary_error, unary)
@@ -598,8 +497,7 @@ async fn remove(State(app): AppState, Extension(ctx): Extension<Envd>, body: Byt
     let run = async {
         let req: PathRequest = unary_request(&body)?;
         let path = rpc_path(&ctx, req.path)?;
-        let op = AgentRequest::Remove { path, user: Some(ctx.user.clone()) };
-        app.control.session_file_op(&ctx.owner, &ctx.id, op, Access::Write).await?;
+        app.control.fs_remove(&ctx, &path).await?;
         Ok::<_, EnvdError>(json!({}))
     };
     run.await.map_or_else(unary_error, unary)

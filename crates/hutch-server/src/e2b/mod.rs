@@ -8,10 +8,9 @@
 //! overlap the native `/v1/...` ones, so both merge into one router; the
 //! envd routes require the sandbox headers.
 //!
-//! Access tokens are stateless: HMAC-SHA256 of the sandbox id under a
-//! daemon secret kept in the state directory (`e2b.secret`), so they survive
-//! restarts like the sandboxes do, need no schema change, and are revoked for
-//! every sandbox at once by deleting the secret.
+//! Credentials (access tokens, signed URLs) are checked by the control
+//! plane (`hutch_control::e2b`), which also checks that the sandbox's owner
+//! key is live on every call.
 
 mod connect;
 mod control;
@@ -24,7 +23,6 @@ use axum::response::{IntoResponse, Response};
 use axum::Router;
 use hutch_api::ErrorCode;
 use hutch_control::ControlError;
-use sha2::{Digest, Sha256};
 use std::sync::Arc;
 
 /// The envd version announced: new enough that the SDK uses octet-stream
@@ -33,33 +31,6 @@ pub const ENVD_VERSION: &str = "0.6.2";
 
 pub fn router(app: Arc<App>) -> Router<Arc<App>> {
     control::router(app.clone()).merge(envd::router(app))
-}
-
-/// HMAC-SHA256 (RFC 2104) of `msg` under `key`.
-fn hmac_sha256(key: &[u8], msg: &[u8]) -> [u8; 32] {
-    let mut k = [0u8; 64];
-    if key.len() > 64 {
-        k[..32].copy_from_slice(&Sha256::digest(key));
-    } else {
-        k[..key.len()].copy_from_slice(key);
-    }
-    let (mut ipad, mut opad) = ([0x36u8; 64], [0x5cu8; 64]);
-    for i in 0..64 {
-        ipad[i] ^= k[i];
-        opad[i] ^= k[i];
-    }
-    let inner = Sha256::new().chain_update(ipad).chain_update(msg).finalize();
-    Sha256::new().chain_update(opad).chain_update(inner).finalize().into()
-}
-
-/// The envd access token of a sandbox.
-pub fn access_token(secret: &[u8], sandbox: &str) -> String {
-    hex::encode(hmac_sha256(secret, sandbox.as_bytes()))
-}
-
-/// Compares without an early exit.
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// A header as text, if present and ASCII.
@@ -126,16 +97,11 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         ErrorCode::AccessTokenWrongTarget => ("permission_denied", StatusCode::FORBIDDEN),
         ErrorCode::AccessGrantCapacity => ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS),
         ErrorCode::SandboxPortUnreachable => ("unavailable", StatusCode::BAD_GATEWAY),
+        ErrorCode::Forbidden => ("permission_denied", StatusCode::FORBIDDEN),
+        ErrorCode::QuotaExceeded => ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS),
+        ErrorCode::MethodNotAllowed => ("unimplemented", StatusCode::METHOD_NOT_ALLOWED),
+        ErrorCode::Conflict => ("aborted", StatusCode::CONFLICT),
     }
-}
-
-/// A public message for a code: internals of a 5xx are logged, never sent.
-fn public(code: ErrorCode, message: String) -> String {
-    if code == ErrorCode::Internal {
-        tracing::error!("{message}");
-        return "internal error; see the server log".into();
-    }
-    message
 }
 
 /// An error of the envd API, rendered per protocol by the caller.
@@ -150,7 +116,7 @@ pub struct EnvdError {
 
 impl EnvdError {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> EnvdError {
-        EnvdError { code, message: message.into(), deadline: false }
+        EnvdError { code, message: hutch_control::error::public_message(code, &message.into()), deadline: false }
     }
 
     /// The command ran past `Connect-Timeout-Ms` and was killed.
@@ -178,24 +144,20 @@ impl EnvdError {
 
 impl From<ControlError> for EnvdError {
     fn from(e: ControlError) -> EnvdError {
-        let code = e.code();
-        let message = if code == ErrorCode::Internal { e.to_string() } else { e.public_message() };
-        EnvdError { code, message: public(code, message), deadline: false }
+        EnvdError { code: e.code(), message: e.public_message(), deadline: false }
     }
 }
 
 impl From<hutch_control::files::FilesError> for EnvdError {
     fn from(e: hutch_control::files::FilesError) -> EnvdError {
-        EnvdError { code: e.code, message: public(e.code, e.message), deadline: false }
+        EnvdError::new(e.code, e.message)
     }
 }
 
 impl From<ControlError> for E2bError {
     fn from(e: ControlError) -> E2bError {
-        let code = e.code();
-        let message = public(code, if code == ErrorCode::Internal { e.to_string() } else { e.public_message() });
-        let (_, status) = connect_code(code);
-        E2bError { status, message }
+        let (_, status) = connect_code(e.code());
+        E2bError { status, message: e.public_message() }
     }
 }
 
@@ -204,15 +166,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn hmac_matches_rfc4231_case_2() {
-        let mac = hmac_sha256(b"Jefe", b"what do ya want for nothing?");
-        assert_eq!(hex::encode(mac), "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
-    }
-
-    #[test]
-    fn tokens_differ_per_sandbox_and_secret() {
-        assert_ne!(access_token(b"s", "a"), access_token(b"s", "b"));
-        assert_ne!(access_token(b"s", "a"), access_token(b"t", "a"));
-        assert!(same(b"abc", b"abc") && !same(b"abc", b"abd") && !same(b"ab", b"abc"));
+    fn internal_errors_carry_no_internals() {
+        let e = EnvdError::from(ControlError::Runtime("secret host path /var/lib/x".into()));
+        assert_eq!(e.code, ErrorCode::Internal);
+        assert!(!e.message.contains("/var/lib"), "{}", e.message);
+        let e = E2bError::from(ControlError::Runtime("JoinError: panicked at src/x.rs".into()));
+        assert!(!e.message.contains("panicked"), "{}", e.message);
     }
 }

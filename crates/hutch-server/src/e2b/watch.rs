@@ -1,9 +1,9 @@
 //! envd's directory watches over the agent's inotify watches: the
 //! `WatchDir` server stream, and the polled watchers of `CreateWatcher`,
-//! `GetWatcherEvents` and `RemoveWatcher`. A polled watcher is the receiver
-//! of one watch session kept in a table of the daemon's E2B layer; removing
-//! it (or the daemon stopping) closes its agent connection, which ends the
-//! watch in the agent.
+//! `GetWatcherEvents` and `RemoveWatcher`. Polled watchers are kept by the
+//! control plane with their sandbox (at most 64 each, ended with it);
+//! removing one closes its agent connection, which ends the watch in the
+//! agent.
 
 use super::connect::{self, server_stream, stream_error, unary, unary_error, unary_request};
 use super::envd::Envd;
@@ -15,27 +15,17 @@ use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::post;
 use axum::{Extension, Router};
-use hutch_agent::proto::{WatchEvent, WatchKind};
-use hutch_api::ErrorCode;
-use hutch_control::session::WatchItem;
+use hutch_control::session::{Polled, WatchEvent, WatchItem, WatchKind};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
 type AppState = State<Arc<App>>;
 
-/// Most polled watchers the daemon keeps at once.
-const MAX_WATCHERS: usize = 1024;
-
 /// Most events one `GetWatcherEvents` answer carries; the rest wait.
 const MAX_EVENTS: usize = 4096;
-
-/// Polled keepalive interval: polled watchers need none, so rarely.
-const POLLED_KEEPALIVE: Duration = Duration::from_secs(30);
 
 /// The name prefix of the files API's temporary upload files.
 const UPLOAD_TEMP: &str = ".hutch-upload-";
@@ -46,23 +36,6 @@ pub fn routes() -> Router<Arc<App>> {
         .route("/filesystem.Filesystem/CreateWatcher", post(create_watcher))
         .route("/filesystem.Filesystem/GetWatcherEvents", post(get_watcher_events))
         .route("/filesystem.Filesystem/RemoveWatcher", post(remove_watcher))
-}
-
-/// A polled watcher: its sandbox and the events not yet fetched.
-struct Watcher {
-    sandbox: String,
-    events: mpsc::Receiver<WatchItem>,
-}
-
-/// The polled watchers by id. Ids are scoped to their sandbox: a token for
-/// another sandbox does not reach them.
-static WATCHERS: LazyLock<Mutex<HashMap<String, Watcher>>> = LazyLock::new(Mutex::default);
-static NEXT_WATCHER: AtomicU64 = AtomicU64::new(1);
-
-fn watchers() -> MutexGuard<'static, HashMap<String, Watcher>> {
-    // A panic while holding the lock leaves the map consistent (every
-    // operation on it is a single insert, remove or drain).
-    WATCHERS.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// envd's `FilesystemEvent`, or nothing for a kind E2B has no name for
@@ -104,7 +77,7 @@ async fn open(
     keepalive: Duration,
 ) -> Result<mpsc::Receiver<WatchItem>, EnvdError> {
     let path = ctx.resolve(req.path.as_deref().unwrap_or(""))?;
-    Ok(app.control.session_watch(&ctx.owner, &ctx.id, path, req.recursive, ctx.user.clone(), keepalive).await?)
+    Ok(app.control.session_watch(ctx, path, req.recursive, keepalive).await?)
 }
 
 async fn watch_dir(State(app): AppState, Extension(ctx): Extension<Envd>, headers: HeaderMap, body: Bytes) -> Response {
@@ -154,62 +127,31 @@ async fn watch_dir(State(app): AppState, Extension(ctx): Extension<Envd>, header
 async fn create_watcher(State(app): AppState, Extension(ctx): Extension<Envd>, body: Bytes) -> Response {
     let run = async {
         let req: WatchRequest = unary_request(&body)?;
-        if watchers().len() >= MAX_WATCHERS {
-            return Err(EnvdError::new(ErrorCode::SandboxCommandCapacity, "too many watchers; remove some first"));
-        }
-        let events = open(&app, &ctx, req, POLLED_KEEPALIVE).await?;
-        let id = format!("w{}", NEXT_WATCHER.fetch_add(1, Ordering::Relaxed));
-        watchers().insert(id.clone(), Watcher { sandbox: ctx.id.clone(), events });
+        let path = ctx.resolve(req.path.as_deref().unwrap_or(""))?;
+        let id = app.control.create_watcher(&ctx, path, req.recursive).await?;
         Ok::<_, EnvdError>(json!({"watcherId": id}))
     };
     run.await.map_or_else(unary_error, unary)
 }
 
-fn unknown(id: &str) -> EnvdError {
-    EnvdError::new(ErrorCode::NotFound, format!("watcher {id} not found"))
-}
-
-async fn get_watcher_events(Extension(ctx): Extension<Envd>, body: Bytes) -> Response {
-    let run = || {
+async fn get_watcher_events(State(app): AppState, Extension(ctx): Extension<Envd>, body: Bytes) -> Response {
+    let run = async {
         let req: WatcherRequest = unary_request(&body)?;
         let id = req.watcher_id.unwrap_or_default();
-        let mut table = watchers();
-        let w = table.get_mut(&id).filter(|w| w.sandbox == ctx.id).ok_or_else(|| unknown(&id))?;
-        let mut events = Vec::new();
-        while events.len() < MAX_EVENTS {
-            match w.events.try_recv() {
-                Ok(WatchItem::Event(e)) => events.extend(fs_event(e)),
-                Ok(WatchItem::Keepalive) => {}
-                Ok(WatchItem::Failed(e)) => {
-                    table.remove(&id);
-                    return Err(EnvdError::from(e));
-                }
-                Err(mpsc::error::TryRecvError::Empty) => break,
-                Err(mpsc::error::TryRecvError::Disconnected) => {
-                    table.remove(&id);
-                    if events.is_empty() {
-                        return Err(EnvdError::new(ErrorCode::NotFound, format!("watcher {id} has ended")));
-                    }
-                    break;
-                }
-            }
-        }
+        let events = match app.control.poll_watcher(&ctx, &id, MAX_EVENTS).await? {
+            Polled::Events(e) | Polled::Ended(e) => e,
+        };
+        let events: Vec<Value> = events.into_iter().filter_map(fs_event).collect();
         Ok::<_, EnvdError>(json!({"events": events}))
     };
-    run().map_or_else(unary_error, unary)
+    run.await.map_or_else(unary_error, unary)
 }
 
-async fn remove_watcher(Extension(ctx): Extension<Envd>, body: Bytes) -> Response {
-    let run = || {
+async fn remove_watcher(State(app): AppState, Extension(ctx): Extension<Envd>, body: Bytes) -> Response {
+    let run = async {
         let req: WatcherRequest = unary_request(&body)?;
-        let id = req.watcher_id.unwrap_or_default();
-        let mut table = watchers();
-        if table.get(&id).is_none_or(|w| w.sandbox != ctx.id) {
-            return Err(unknown(&id));
-        }
-        // Dropping the receiver closes the watch's agent connection.
-        table.remove(&id);
+        app.control.remove_watcher(&ctx, &req.watcher_id.unwrap_or_default()).await?;
         Ok::<_, EnvdError>(json!({}))
     };
-    run().map_or_else(unary_error, unary)
+    run.await.map_or_else(unary_error, unary)
 }

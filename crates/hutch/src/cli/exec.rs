@@ -136,7 +136,7 @@ enum Event {
     Stdout(String),
     Stderr(String),
     Ping,
-    Exit { exit_code: i32, timed_out: bool },
+    Exit { exit_code: i32, timed_out: bool, oom_killed: bool },
     Error { error: String, code: String },
     Unknown,
 }
@@ -149,7 +149,9 @@ fn decode(line: &str) -> anyhow::Result<Event> {
             ExecEvent::Stdout { data } => Event::Stdout(data),
             ExecEvent::Stderr { data } => Event::Stderr(data),
             ExecEvent::Ping => Event::Ping,
-            ExecEvent::Exit { exit_code, timed_out, .. } => Event::Exit { exit_code, timed_out },
+            ExecEvent::Exit { exit_code, timed_out, oom_killed, .. } => {
+                Event::Exit { exit_code, timed_out, oom_killed }
+            }
             ExecEvent::Error { code, error } => Event::Error { error, code: code.as_str().to_owned() },
         });
     }
@@ -192,11 +194,17 @@ impl<O: Write, E: Write> Stream<O, E> {
                 let _ = self.err.write_all(data.as_bytes()).and_then(|()| self.err.flush());
             }
             Event::Ping | Event::Unknown => {}
-            Event::Exit { exit_code: code, timed_out } => {
+            Event::Exit { exit_code: code, timed_out, oom_killed } => {
                 let _ = self.out.flush();
                 if timed_out {
                     let _ = writeln!(self.err, "hutch: the command timed out and was killed");
                     return Ok(Some(EXIT_TIMEOUT));
+                }
+                if oom_killed {
+                    let _ = writeln!(
+                        self.err,
+                        "hutch: the command was killed by the OOM killer (the sandbox's memory is full)"
+                    );
                 }
                 return Ok(Some(exit_code(code)));
             }
@@ -278,6 +286,16 @@ mod tests {
         ]);
         assert_eq!(code.expect("code"), EXIT_TIMEOUT);
         assert!(String::from_utf8_lossy(&err).contains("timed out"));
+    }
+
+    #[test]
+    fn stream_oom_kill_is_said_and_keeps_the_code() {
+        let (_, err, code) = feed(&[
+            r#"{"type":"start","pid":1}"#,
+            r#"{"type":"exit","exit_code":137,"timed_out":false,"duration_ms":90,"oom_killed":true}"#,
+        ]);
+        assert_eq!(code.expect("code"), 137);
+        assert!(String::from_utf8_lossy(&err).contains("OOM killer"));
     }
 
     #[test]

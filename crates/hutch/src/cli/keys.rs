@@ -1,13 +1,16 @@
 //! `hutch key ...`: API keys, managed on the daemon's host directly in its
 //! database (no HTTP: whoever can read the state directory is already the
-//! daemon's equal). Secrets are printed once; the store keeps their hash.
+//! daemon's equal), through the same key functions as the daemon's admin
+//! API (`hutch_control::keys`). Secrets are printed once; the store keeps
+//! their hash. An admin key can do the same over HTTP (`/v1/keys`).
 
 use super::output::{self, table};
 use super::{report, DEFAULT_STATE_DIR};
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use hutch_api::ApiKey;
-use hutch_store::{KeyRecord, SqliteStore, Store};
+use hutch_control::keys;
+use hutch_store::{Quotas, SqliteStore};
 use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug)]
@@ -29,7 +32,18 @@ pub enum KeyCommand {
         /// Shape the secret as the E2B SDK expects (`e2b_` and 40 hex digits).
         #[arg(long)]
         e2b: bool,
+        #[command(flatten)]
+        quotas: QuotaArgs,
         /// Print JSON (an ApiKey, with its secret).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Set a key's quotas (those not given are removed).
+    Quotas {
+        id: String,
+        #[command(flatten)]
+        quotas: QuotaArgs,
+        /// Print JSON (the ApiKey).
         #[arg(long)]
         json: bool,
     },
@@ -40,8 +54,42 @@ pub enum KeyCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Revoke a key: requests with it are refused from now on.
+    /// Revoke a key: requests with it are refused from now on, and the
+    /// running daemon ends its sandboxes at its next tick.
     Revoke { id: String },
+}
+
+/// A key's caps; each left out is no cap of the key's own (the host's
+/// capacity still applies).
+#[derive(Args, Debug, Default)]
+pub struct QuotaArgs {
+    /// Sandboxes at once (its templates' warm sandboxes included).
+    #[arg(long)]
+    pub max_sandboxes: Option<u64>,
+    /// Sum of the memory limits of its sandboxes, in MiB.
+    #[arg(long)]
+    pub max_memory_mb: Option<u64>,
+    /// Sum of the disk sizes of its sandboxes, in MiB.
+    #[arg(long)]
+    pub max_disk_mib: Option<u64>,
+    /// Longest lifetime of one sandbox, in seconds.
+    #[arg(long)]
+    pub max_ttl_seconds: Option<u64>,
+    /// Template builds queued or running at once.
+    #[arg(long)]
+    pub max_builds: Option<u64>,
+}
+
+impl QuotaArgs {
+    fn quotas(&self) -> Quotas {
+        Quotas {
+            sandboxes: self.max_sandboxes,
+            memory_mb: self.max_memory_mb,
+            disk_mib: self.max_disk_mib,
+            ttl_seconds: self.max_ttl_seconds,
+            builds: self.max_builds,
+        }
+    }
 }
 
 pub fn main(args: KeyArgs) -> i32 {
@@ -51,39 +99,40 @@ pub fn main(args: KeyArgs) -> i32 {
 fn run(args: KeyArgs) -> anyhow::Result<i32> {
     let store = open(&args.state_dir)?;
     match args.command {
-        KeyCommand::Create { name, e2b, json } => {
-            let now = hutch_control::keys::now_ms();
-            let k = hutch_control::keys::generate(&name, false, e2b, now).context("generating a key")?;
-            store.insert_key(&k.record).context("storing the key")?;
+        KeyCommand::Create { name, e2b, quotas, json } => {
+            let k = keys::create(&store, &name, false, e2b, quotas.quotas()).context("making a key")?;
             if json {
-                let mut api = api_key(&k.record);
-                api.secret = Some(k.secret);
-                print!("{}", output::json(&api)?);
+                print!("{}", output::json(&k)?);
             } else {
-                println!("id:     {}", k.record.id);
-                println!("name:   {}", k.record.name);
-                println!("secret: {}", k.secret);
+                println!("id:     {}", k.id);
+                println!("name:   {}", k.name);
+                println!("secret: {}", k.secret.as_deref().unwrap_or(""));
             }
             eprintln!("Keep the secret now: hutch stores only its hash and cannot show it again.");
             Ok(0)
         }
-        KeyCommand::List { json } => {
-            let keys = store.list_keys().context("listing keys")?;
+        KeyCommand::Quotas { id, quotas, json } => {
+            let k = keys::set_quotas(&store, &id, quotas.quotas()).context("setting the key's quotas")?;
             if json {
-                let api: Vec<ApiKey> = keys.iter().map(api_key).collect();
-                print!("{}", output::json(&api)?);
+                print!("{}", output::json(&k)?);
+            } else {
+                print!("{}", keys_table(&[k]));
+            }
+            Ok(0)
+        }
+        KeyCommand::List { json } => {
+            let keys = keys::list(&store).context("listing keys")?;
+            if json {
+                print!("{}", output::json(&keys)?);
             } else {
                 print!("{}", keys_table(&keys));
             }
             Ok(0)
         }
         KeyCommand::Revoke { id } => {
-            if store.revoke_key(&id, hutch_control::keys::now_ms()).context("revoking the key")? {
-                println!("{id} revoked");
-                Ok(0)
-            } else {
-                anyhow::bail!("no live key with id {id:?} (see `hutch key list`)")
-            }
+            keys::revoke(&store, &id).with_context(|| format!("revoking {id} (see `hutch key list`)"))?;
+            println!("{id} revoked");
+            Ok(0)
         }
     }
 }
@@ -103,32 +152,24 @@ fn open(state_dir: &Path) -> anyhow::Result<SqliteStore> {
     SqliteStore::open(&db).with_context(|| format!("opening {} (run as the daemon's user?)", db.display()))
 }
 
-/// A stored key as the API lists it.
-fn api_key(k: &KeyRecord) -> ApiKey {
-    ApiKey {
-        id: k.id.clone(),
-        name: k.name.clone(),
-        created_at: output::rfc3339(k.created_at),
-        revoked_at: k.revoked_at.map(output::rfc3339),
-        secret: None,
-    }
-}
-
 /// Columns of `key list`.
-fn keys_table(keys: &[KeyRecord]) -> String {
+fn keys_table(keys: &[ApiKey]) -> String {
+    let cap = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), |v| v.to_string());
     let rows: Vec<Vec<String>> = keys
         .iter()
         .map(|k| {
             vec![
                 k.id.clone(),
                 k.name.clone(),
-                output::rfc3339(k.created_at),
-                k.revoked_at.map(output::rfc3339).unwrap_or_else(|| "-".to_owned()),
+                k.created_at.clone(),
+                k.revoked_at.clone().unwrap_or_else(|| "-".to_owned()),
                 if k.admin { "yes".to_owned() } else { "-".to_owned() },
+                cap(k.quotas.max_sandboxes),
+                cap(k.quotas.max_memory_mb),
             ]
         })
         .collect();
-    table(&["ID", "NAME", "CREATED", "REVOKED", "ADMIN"], &rows)
+    table(&["ID", "NAME", "CREATED", "REVOKED", "ADMIN", "MAX SANDBOXES", "MAX MEMORY MB"], &rows)
 }
 
 #[cfg(test)]
@@ -138,22 +179,20 @@ mod tests {
     #[test]
     fn keys_list_as_table_and_api_type() {
         let store = SqliteStore::open_in_memory().expect("store");
-        let a = hutch_control::keys::generate("ci", false, false, 1_700_000_000_000).expect("key");
-        let b = hutch_control::keys::generate("sdk", false, true, 1_700_000_060_000).expect("key");
-        store.insert_key(&a.record).expect("insert");
-        store.insert_key(&b.record).expect("insert");
-        assert!(store.revoke_key(&a.record.id, 1_700_000_120_000).expect("revoke"));
-        let keys = store.list_keys().expect("list");
-        let t = keys_table(&keys);
+        let a =
+            keys::create(&store, "ci", false, false, Quotas { sandboxes: Some(4), ..Quotas::default() }).expect("key");
+        let b = keys::create(&store, "sdk", false, true, Quotas::default()).expect("key");
+        keys::revoke(&store, &a.id).expect("revoke");
+        let listed = keys::list(&store).expect("list");
+        let t = keys_table(&listed);
         let lines: Vec<&str> = t.lines().collect();
-        assert_eq!(lines[0], "ID                NAME  CREATED               REVOKED               ADMIN");
-        assert_eq!(lines[1], format!("{}  ci    2023-11-14T22:13:20Z  2023-11-14T22:15:20Z  -", a.record.id));
-        assert_eq!(lines[2], format!("{}  sdk   2023-11-14T22:14:20Z  -                     -", b.record.id));
-        let api = api_key(&keys[0]);
-        assert_eq!(api.revoked_at.as_deref(), Some("2023-11-14T22:15:20Z"));
-        assert_eq!(api.secret, None);
-        let json = serde_json::to_string(&api).expect("json");
-        assert!(!json.contains("secret") && !json.contains(&a.record.hash), "{json}");
+        assert!(lines[0].starts_with("ID") && lines[0].contains("MAX SANDBOXES"), "{t}");
+        let row_a = lines.iter().find(|l| l.starts_with(&a.id)).expect("a listed");
+        assert!(row_a.contains(" ci ") && row_a.contains(" 4 "), "{row_a}");
+        assert!(!row_a.contains(" -  ") || row_a.matches('Z').count() == 2, "revoked shows a time: {row_a}");
+        assert!(lines.iter().any(|l| l.starts_with(&b.id)));
+        let json = serde_json::to_string(&listed).expect("json");
+        assert!(!json.contains("secret") && !json.contains("hash"), "{json}");
     }
 
     #[test]

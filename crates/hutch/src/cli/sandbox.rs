@@ -350,6 +350,7 @@ mod tests {
             template_id: None,
             template_version: None,
             network: Default::default(),
+            owner: "key-000000000001".into(),
         }
     }
 

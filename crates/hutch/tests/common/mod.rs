@@ -50,12 +50,23 @@ impl Env {
     /// Asserts nothing of any sandbox of this test is left: no socket, no
     /// uid slot, no cgroup named after a sandbox of ours, no mount.
     pub fn assert_no_residue(&self) {
-        for sub in ["sockets", "uids"] {
-            let dir = self.run.join(sub);
-            let left: Vec<_> =
-                std::fs::read_dir(&dir).map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
-            assert!(left.is_empty(), "{} still holds {left:?}", dir.display());
-        }
+        let dir = self.run.join("sockets");
+        let left: Vec<_> =
+            std::fs::read_dir(&dir).map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
+        assert!(left.is_empty(), "{} still holds {left:?}", dir.display());
+        // Uid slots are host-wide; ours are those that name our run directory.
+        let slots = Path::new(hutch_runtime::uids::HOST_DIR);
+        let ours: Vec<_> = std::fs::read_dir(slots)
+            .map(|d| d.flatten().collect::<Vec<_>>())
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|e| {
+                let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+                hutch_runtime::uids::parse_record(&text).1.as_deref() == Some(self.run.as_path())
+            })
+            .map(|e| e.file_name())
+            .collect();
+        assert!(ours.is_empty(), "{} still holds slots of {}: {ours:?}", slots.display(), self.run.display());
         let mounts = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
         assert!(!mounts.contains(self.run.to_str().expect("utf8")), "a mount under {} is left", self.run.display());
     }

@@ -1,0 +1,229 @@
+//! A sandbox's lifecycle: the typed transitions between its states, the
+//! reasons a sandbox ends with, and the handle of a sandbox this daemon
+//! runs ([`Live`]).
+//!
+//! ```text
+//!   starting ──Ready──► running ◄──Resume── suspended
+//!      │                 │  └──Suspend──────►  │
+//!      │ FailStart       └──────Terminate──────┤ (also from starting)
+//!      ▼                                       ▼
+//!   terminated ◄────────────Finish──────── terminating
+//! ```
+//!
+//! Every change of state is one of these, made by a conditional update of
+//! the store ([`hutch_store::Store::transition`]): it names the states it
+//! leaves, so two writers never both win, and nothing written meanwhile by
+//! a targeted update (an expiry, a network record) is lost.
+
+use crate::ids::{OwnerId, SandboxId};
+use hutch_api::SandboxState;
+use hutch_runtime::agent::AgentError;
+use hutch_runtime::agent_async::AsyncConn;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// One change of a sandbox's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Transition {
+    /// Its runtime sandbox started (and its template's readiness passed).
+    Ready,
+    Suspend,
+    Resume,
+    /// A delete, an expiry, or a failure: it is being torn down.
+    Terminate,
+    /// Its teardown finished.
+    Finish,
+    /// Its start failed (or it was deleted while starting).
+    FailStart,
+}
+
+impl Transition {
+    pub(crate) fn from(self) -> &'static [SandboxState] {
+        use SandboxState::*;
+        match self {
+            Transition::Ready => &[Starting],
+            Transition::Suspend => &[Running],
+            Transition::Resume => &[Suspended],
+            Transition::Terminate => &[Starting, Running, Suspended],
+            Transition::Finish => &[Terminating],
+            Transition::FailStart => &[Starting, Terminating],
+        }
+    }
+
+    pub(crate) fn to(self) -> SandboxState {
+        match self {
+            Transition::Ready | Transition::Resume => SandboxState::Running,
+            Transition::Suspend => SandboxState::Suspended,
+            Transition::Terminate => SandboxState::Terminating,
+            Transition::Finish | Transition::FailStart => SandboxState::Terminated,
+        }
+    }
+}
+
+/// States in which a sandbox holds host resources.
+pub const HOLDING_STATES: [SandboxState; 4] =
+    [SandboxState::Starting, SandboxState::Running, SandboxState::Suspended, SandboxState::Terminating];
+pub(crate) const HOLDING: &[SandboxState] = &HOLDING_STATES;
+
+/// Why a sandbox ended or failed to start: its `last_error_code`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    Expired,
+    AgentExited,
+    LostOnRestart,
+    WarmPoolDrained,
+    KeyRevoked,
+    /// Its start was cut short by a delete.
+    DeletedWhileStarting,
+    NetworkUnavailable,
+    NetworkUntrusted,
+    StartupFailed,
+    ReadinessTimeout,
+    CapacityUnavailable,
+    CgroupFailed,
+    SetupFailed,
+    AgentFailed,
+    StartRejected,
+    ImageNotFound,
+    ImageUnavailable,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Expired => "sandbox_expired",
+            Reason::AgentExited => "sandbox_agent_exited",
+            Reason::LostOnRestart => "sandbox_lost_on_restart",
+            Reason::WarmPoolDrained => "warm_pool_drained",
+            Reason::KeyRevoked => "key_revoked",
+            Reason::DeletedWhileStarting => "sandbox_deleted_while_starting",
+            Reason::NetworkUnavailable => "sandbox_network_unavailable",
+            Reason::NetworkUntrusted => "sandbox_network_untrusted",
+            Reason::StartupFailed => "sandbox_startup_failed",
+            Reason::ReadinessTimeout => "sandbox_readiness_timeout",
+            Reason::CapacityUnavailable => "sandbox_capacity_unavailable",
+            Reason::CgroupFailed => "sandbox_cgroup_failed",
+            Reason::SetupFailed => "sandbox_setup_failed",
+            Reason::AgentFailed => "sandbox_agent_failed",
+            Reason::StartRejected => "sandbox_start_rejected",
+            Reason::ImageNotFound => "image_not_found",
+            Reason::ImageUnavailable => "image_unavailable",
+        }
+    }
+
+    /// Why the runtime could not start a sandbox: one exhaustive match.
+    pub(crate) fn of_start(e: &hutch_runtime::RuntimeError) -> Reason {
+        use hutch_runtime::RuntimeError as E;
+        match e {
+            E::Uids(_) => Reason::CapacityUnavailable,
+            E::Cgroup(_) => Reason::CgroupFailed,
+            E::Setup(_) => Reason::SetupFailed,
+            E::Agent(_) | E::NoAgent { .. } => Reason::AgentFailed,
+            E::InvalidId(_) | E::Rootfs(_) | E::Seccomp(_) | E::Io { .. } => Reason::StartRejected,
+        }
+    }
+}
+
+/// Idle agent connections kept per sandbox.
+const IDLE_CONNS: usize = 4;
+
+/// A sandbox this daemon runs now: what every command, file transfer and
+/// port connection of it goes through. Its owner is fixed for its life.
+pub struct Live {
+    pub(crate) id: SandboxId,
+    pub(crate) owner: OwnerId,
+    pub(crate) socket: PathBuf,
+    /// The runtime's handle; taken by the deletion.
+    pub(crate) handle: Mutex<Option<hutch_runtime::Sandbox>>,
+    /// Set while frozen: no new commands.
+    suspended: AtomicBool,
+    /// In a warm pool, unclaimed: nobody's yet.
+    pooled: AtomicBool,
+    /// Idle agent connections, reused by commands (a connect and an accept
+    /// saved per command).
+    idle: Mutex<Vec<AsyncConn>>,
+    /// When background commands started, by pid, for reattached streams.
+    pub(crate) started: Mutex<HashMap<u32, Instant>>,
+    /// The E2B API's polled directory watchers of this sandbox; they end
+    /// with it.
+    pub(crate) watchers: Mutex<crate::session::Watchers>,
+}
+
+impl Live {
+    pub(crate) fn new(sb: hutch_runtime::Sandbox, owner: OwnerId, pooled: bool) -> Arc<Live> {
+        Arc::new(Live {
+            id: SandboxId::from_record(&sb.id),
+            owner,
+            socket: sb.socket.clone(),
+            handle: Mutex::new(Some(sb)),
+            suspended: AtomicBool::new(false),
+            pooled: AtomicBool::new(pooled),
+            idle: Mutex::new(Vec::new()),
+            started: Mutex::new(HashMap::new()),
+            watchers: Mutex::new(crate::session::Watchers::default()),
+        })
+    }
+
+    pub(crate) fn is_suspended(&self) -> bool {
+        self.suspended.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn set_suspended(&self, v: bool) {
+        self.suspended.store(v, Ordering::SeqCst);
+    }
+
+    pub(crate) fn is_pooled(&self) -> bool {
+        self.pooled.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn claimed(&self) {
+        self.pooled.store(false, Ordering::SeqCst);
+    }
+
+    /// An agent connection: an idle one, or a new one.
+    pub(crate) async fn conn(&self) -> std::result::Result<AsyncConn, AgentError> {
+        if let Some(c) = self.idle.lock().ok().and_then(|mut v| v.pop()) {
+            return Ok(c);
+        }
+        AsyncConn::connect(&self.socket).await
+    }
+
+    /// Gives a connection back when nothing unread is left on it.
+    pub(crate) fn reuse(&self, conn: AsyncConn) {
+        if conn.is_clean() {
+            if let Ok(mut v) = self.idle.lock() {
+                if v.len() < IDLE_CONNS {
+                    v.push(conn);
+                }
+            }
+        }
+    }
+
+    /// A new connection of its own (for a stream that outlives the call).
+    pub(crate) async fn fresh_conn(&self) -> std::result::Result<AsyncConn, AgentError> {
+        AsyncConn::connect(&self.socket).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_transition_leaves_states_it_does_not_enter() {
+        for t in [
+            Transition::Ready,
+            Transition::Suspend,
+            Transition::Resume,
+            Transition::Terminate,
+            Transition::Finish,
+            Transition::FailStart,
+        ] {
+            assert!(!t.from().contains(&t.to()), "{t:?}");
+            assert!(!t.from().contains(&SandboxState::Terminated), "{t:?}: terminated is final");
+        }
+    }
+}

@@ -1,0 +1,192 @@
+//! What the daemon does on its own: after a restart, take charge of the
+//! sandboxes that outlived the last daemon and finish what it left half
+//! done (`recover`); every tick, expire sandboxes, end those of revoked
+//! keys, retry deletions, notice dead ones and tend the warm pools
+//! (`reconcile`).
+
+use crate::control::{now_ms, Control};
+use crate::error::Result;
+use crate::ids::{OwnerId, SandboxId};
+use crate::lifecycle::{Live, Reason, HOLDING};
+use crate::network::NetRecord;
+use hutch_api::SandboxState;
+use hutch_runtime::container::{Liveness, Sandbox};
+use hutch_store::SandboxRecord;
+use std::collections::HashSet;
+use std::sync::Arc;
+
+impl Control {
+    /// After a restart: takes charge of sandboxes that outlived the last
+    /// daemon, finishes interrupted deletions, cleans up interrupted creates.
+    pub async fn recover(self: &Arc<Self>) -> Result<()> {
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || this.recover_builds()).await??;
+        let lost = self.db(|s| s.mark_running_execs_lost()).await?;
+        if lost > 0 {
+            tracing::info!("{lost} commands were running when the daemon stopped; their outcome is unknown");
+        }
+        for r in self.db(|s| s.sandboxes_in(HOLDING)).await? {
+            let id = SandboxId::from_record(&r.id);
+            let handle = self.runtime.adopt(&r.id);
+            let (handle, alive) = tokio::task::spawn_blocking(move || {
+                let alive = adoptable(&handle);
+                (handle, alive)
+            })
+            .await?;
+            let live = Live::new(handle, OwnerId::from_record(&r.owner), r.pooled);
+            match (r.state, alive) {
+                (SandboxState::Running | SandboxState::Suspended, true) => {
+                    let pid = r.host_pid.map(|p| p as libc::pid_t).unwrap_or(0);
+                    let this = self.clone();
+                    let rec = r.clone();
+                    let adopted = tokio::task::spawn_blocking(move || this.adopt_network(&rec, pid)).await?;
+                    self.insert_live(live.clone());
+                    if let Err(e) = adopted {
+                        tracing::warn!("sandbox {id}: its network cannot be taken back ({e}); ending it");
+                        let _ = self.destroy(&id, Some(Reason::NetworkUnavailable)).await;
+                        continue;
+                    }
+                    live.set_suspended(r.state == SandboxState::Suspended);
+                    tracing::info!("adopted sandbox {id}");
+                    // Archive uploads the last daemon left half done are
+                    // undone (or finished); a frozen agent cannot answer,
+                    // so a suspended sandbox's wait for its resume.
+                    if r.state == SandboxState::Running {
+                        crate::files::journal::recover(&self.upload_journal(&id), &live.socket).await;
+                    }
+                }
+                (state, _) => {
+                    let reason = if state == SandboxState::Terminating { None } else { Some(Reason::LostOnRestart) };
+                    self.insert_live(live);
+                    let _ = self.destroy(&id, reason).await;
+                }
+            }
+        }
+        // Upload journals of sandboxes that are gone describe nothing left.
+        let live: HashSet<String> = self.lives().iter().map(|l| l.id.to_string()).collect();
+        crate::files::journal::sweep(&self.runtime.config().state_dir.join("uploads"), move |id| live.contains(id))
+            .await;
+        // Anything on the host with no record (rows come first, so only
+        // what a stopped daemon was tearing down) is swept.
+        let rt = self.runtime.clone();
+        let _ = tokio::task::spawn_blocking(move || rt.sweep()).await;
+        Ok(())
+    }
+
+    fn adopt_network(&self, r: &SandboxRecord, pid: libc::pid_t) -> std::result::Result<(), String> {
+        let net = NetRecord::parse(&r.network);
+        let policy = net.policy(&r.owner, r.template_id.as_deref().unwrap_or(&r.template));
+        match (&self.network, net.host_if.as_deref()) {
+            (Ok(n), Some(host_if)) => {
+                let learned: Vec<std::net::IpAddr> =
+                    serde_json::from_str(&self.store.net_learned(&r.id).map_err(|e| e.to_string())?)
+                        .unwrap_or_default();
+                n.adopt(&r.id, pid, net.index, host_if, &policy, &learned).map_err(|e| e.to_string())
+            }
+            // No host link: its namespace holds only `lo` (deny_all, or a
+            // sandbox started before networking), whatever it asked.
+            (Ok(n), None) => {
+                let lo_only = hutch_runtime::net::Policy { egress: hutch_runtime::net::Egress::DenyAll, ..policy };
+                n.attach(&r.id, &lo_only).map(|_| ()).map_err(|e| e.to_string())
+            }
+            // Without networking only namespaces with `lo` exist.
+            (Err(_), _) => Ok(()),
+        }
+    }
+
+    /// Ids of revoked keys.
+    pub(crate) async fn revoked_owners(&self) -> Result<HashSet<String>> {
+        let keys = self.db(|s| s.list_keys()).await?;
+        let revoked: HashSet<String> = keys.into_iter().filter(|k| k.revoked_at.is_some()).map(|k| k.id).collect();
+        self.set_revoked(revoked.clone());
+        Ok(revoked)
+    }
+
+    /// One pass of the reconciler: expire sandboxes, end those of revoked
+    /// keys, retry deletions, notice sandboxes whose PID 1 died.
+    pub async fn reconcile(self: &Arc<Self>) -> Result<()> {
+        let now = now_ms();
+        let mut lag = 0.0f64;
+        let (mut unknown, mut first_unknown) = (0usize, None);
+        let revoked = self.revoked_owners().await?;
+        let states = [SandboxState::Running, SandboxState::Suspended, SandboxState::Terminating];
+        for r in self.db(move |s| s.sandboxes_in(&states)).await? {
+            let id = SandboxId::from_record(&r.id);
+            if r.state == SandboxState::Terminating {
+                let _ = self.destroy(&id, None).await;
+                continue;
+            }
+            let reason = if revoked.contains(&r.owner) {
+                Some(Reason::KeyRevoked)
+            } else if r.expires_at <= now {
+                lag = lag.max((now - r.expires_at) as f64 / 1000.0);
+                Some(Reason::Expired)
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                // A warm sandbox is taken from its pool first, so that no
+                // claim gets it while it is destroyed.
+                if r.pooled && !self.drain_pooled(&id).await? {
+                    continue;
+                }
+                let _ = self.destroy(&id, Some(reason)).await;
+                continue;
+            }
+            if let Some(live) = self.live(&id) {
+                // Only a positive observation of death ends a sandbox; a
+                // check that failed (out of descriptors) is no verdict.
+                let seen = live.handle.lock().ok().and_then(|h| h.as_ref().map(|sb| sb.liveness()));
+                match seen {
+                    Some(Liveness::Dead) => {
+                        if !r.pooled || self.drain_pooled(&id).await? {
+                            let _ = self.destroy(&id, Some(Reason::AgentExited)).await;
+                        }
+                    }
+                    Some(Liveness::Unknown(e)) => {
+                        unknown += 1;
+                        first_unknown.get_or_insert_with(|| format!("sandbox {id}: {e}"));
+                    }
+                    Some(Liveness::Alive) | None => {}
+                }
+            }
+        }
+        if let Some(first) = first_unknown {
+            tracing::warn!("cannot tell whether {unknown} sandboxes are alive ({first}); they are left running");
+        }
+        self.metrics.set_reconciler_lag(lag);
+        if !self.is_shutting_down() {
+            if let Err(e) = self.tend_pools(&revoked).await {
+                tracing::warn!("warm pools: {e}; retrying next tick");
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes a running warm sandbox out of its pool (state `terminating`);
+    /// false when a claim took it first.
+    pub(crate) async fn drain_pooled(&self, id: &SandboxId) -> Result<bool> {
+        let sid = id.to_string();
+        self.db(move |s| s.drain_pooled(&sid)).await
+    }
+}
+
+/// Whether a sandbox found at start-up can be adopted: its processes are not
+/// known to be gone and its agent's socket is not known to be dead. A check
+/// that fails (EMFILE, ENOMEM) is no verdict: the sandbox is adopted and the
+/// reconciler looks again.
+fn adoptable(handle: &Sandbox) -> bool {
+    if let Liveness::Dead = handle.liveness() {
+        return false;
+    }
+    match hutch_runtime::agent::AgentConn::connect(&handle.socket) {
+        Ok(_) => true,
+        Err(hutch_runtime::agent::AgentError::Io(e))
+            if !matches!(e.raw_os_error(), Some(libc::ECONNREFUSED | libc::ENOENT | libc::ENOTSOCK)) =>
+        {
+            tracing::warn!("sandbox {}: cannot reach its agent ({e}); adopting it and checking again later", handle.id);
+            true
+        }
+        Err(_) => false,
+    }
+}

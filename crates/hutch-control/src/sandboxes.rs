@@ -1,0 +1,660 @@
+//! Sandboxes and their lifetimes: create (idempotent, admitted against the
+//! owner's quotas and the host's capacity), read, list, extend, suspend,
+//! resume and delete. Every change of state is a [`Transition`]. Runtime
+//! calls block for a few milliseconds, so they run on tokio's blocking pool.
+
+use crate::control::{check_map, now_ms, parse_rfc3339, request_hash, resolve_limits, view, Control, Need, Set};
+use crate::error::{ControlError, Result};
+use crate::ids::{Caller, OwnerId, SandboxId};
+use crate::lifecycle::{Live, Reason, Transition};
+use crate::network::NetRecord;
+use hutch_api::{CreateSandbox, Extend, LimitsRequest, Sandbox, SandboxList, SandboxState};
+use hutch_runtime::cgroup::Limits as CgLimits;
+use hutch_runtime::image::{ImageError, ImageStore};
+use hutch_runtime::net::{Attached, Network};
+use hutch_runtime::{RootSource, Runtime, SandboxSpec};
+use hutch_store::{Admission, Admitted, Exceeded, Quotas, Resource, SandboxRecord, Scope, StoreError};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Longest a create waits for its sandbox to run before answering.
+const WAIT_MAX: u64 = 60;
+
+fn encode_cursor(r: &SandboxRecord) -> String {
+    format!("{}.{}", r.created_at, r.id)
+}
+
+fn decode_cursor(c: &str) -> Result<(i64, String)> {
+    let bad = || ControlError::Invalid("invalid cursor".into());
+    let (ts, id) = c.split_once('.').ok_or_else(bad)?;
+    let ts: i64 = ts.parse().map_err(|_| bad())?;
+    SandboxId::parse(id).map_err(|_| bad())?;
+    Ok((ts, id.to_owned()))
+}
+
+/// A refusal of one sandbox's size by the host, whatever else runs.
+fn too_big(resource: Resource, limit: u64, asked: u64) -> ControlError {
+    ControlError::Exceeded(Exceeded { scope: Scope::Host, resource, limit, used: 0, asked })
+}
+
+impl Control {
+    /// The quotas of a live key; a revoked or unknown one is refused.
+    pub(crate) async fn quotas_of(&self, owner: &OwnerId) -> Result<Quotas> {
+        let id = owner.as_str().to_owned();
+        match self.db(move |s| s.get_key(&id)).await? {
+            Some(k) if k.revoked_at.is_none() => Ok(k.quotas),
+            _ => Err(ControlError::Unauthorized("the API key was revoked")),
+        }
+    }
+
+    /// Checks a lifetime against the key's quota.
+    fn check_ttl(quotas: &Quotas, ttl: Duration) -> Result<()> {
+        match quotas.ttl_seconds {
+            Some(max) if ttl.as_secs() > max => Err(ControlError::Exceeded(Exceeded {
+                scope: Scope::Owner,
+                resource: Resource::TtlSeconds,
+                limit: max,
+                used: 0,
+                asked: ttl.as_secs(),
+            })),
+            _ => Ok(()),
+        }
+    }
+
+    /// What a new sandbox must fit under.
+    pub(crate) fn admission(&self, quotas: Quotas, memory_mb: u64, disk_mib: u64) -> Result<Admission> {
+        if memory_mb > self.capacity.sandbox_memory_mb {
+            return Err(too_big(Resource::MemoryMb, self.capacity.sandbox_memory_mb, memory_mb));
+        }
+        if disk_mib > self.capacity.sandbox_disk_mib {
+            return Err(too_big(Resource::DiskMib, self.capacity.sandbox_disk_mib, disk_mib));
+        }
+        Ok(Admission { owner: quotas, host: self.capacity.as_quotas() })
+    }
+
+    /// Creates a sandbox and waits for it to run (up to `wait_seconds`).
+    /// Returns the sandbox and whether it was created now (false: replayed
+    /// for its Idempotency-Key).
+    pub async fn create(
+        self: &Arc<Self>,
+        caller: &Caller,
+        req: &CreateSandbox,
+        key: Option<&str>,
+    ) -> Result<(Sandbox, bool)> {
+        if self.is_shutting_down() {
+            return Err(ControlError::ShuttingDown);
+        }
+        let owner = &caller.owner;
+        // Everything is checked before anything is reserved.
+        let tpl = self.recipe(owner, req.template.as_deref()).await?;
+        // The template's limits, field by field unless the request overrides.
+        let asked = req.limits.clone().unwrap_or_default();
+        let limits = LimitsRequest {
+            vcpus: asked.vcpus.or(Some(tpl.vcpus)),
+            disk_mib: asked.disk_mib.or(Some(tpl.disk_mib)),
+            pids: asked.pids.or(Some(tpl.pids)),
+        };
+        let (memory, vcpus, disk, pids) = resolve_limits(req.memory_mb.or(Some(tpl.memory_mb)), Some(&limits))?;
+        check_map("env", &req.env, 256)?;
+        check_map("metadata", &req.metadata, 64)?;
+        let mut env = tpl.env.clone();
+        env.extend(req.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+        check_map("env", &env, 256)?;
+        let ttl = match req.ttl_seconds {
+            Some(0) => return Err(ControlError::Invalid("ttl_seconds must be at least 1".into())),
+            Some(s) => Duration::from_secs(s),
+            None => tpl.default_ttl,
+        };
+        if ttl > tpl.max_ttl {
+            return Err(ControlError::Invalid(format!(
+                "ttl_seconds above the template's maximum of {}",
+                tpl.max_ttl.as_secs()
+            )));
+        }
+        let wait = match req.wait_seconds {
+            None => Duration::from_secs(10),
+            Some(w) if w <= WAIT_MAX => Duration::from_secs(w),
+            Some(_) => return Err(ControlError::Invalid(format!("wait_seconds must be 0 to {WAIT_MAX}"))),
+        };
+        // The template's policy unless the request sets one.
+        let net = self.network_record(Some(req.network.as_ref().unwrap_or(&tpl.network)))?;
+        let quotas = self.quotas_of(owner).await?;
+        Self::check_ttl(&quotas, ttl)?;
+        let admission = self.admission(quotas, memory, disk)?;
+        let hash = request_hash(req);
+        if let Some(key) = key {
+            let (o, k) = (owner.as_str().to_owned(), key.to_owned());
+            if let Some(existing) = self.db(move |s| s.sandbox_by_key(&o, &k)).await? {
+                if existing.request_hash.as_deref() != Some(hash.as_str()) {
+                    return Err(ControlError::IdempotencyConflict);
+                }
+                return Ok((view(&existing), false));
+            }
+        }
+        let metadata = serde_json::to_string(&req.metadata).unwrap_or_else(|_| "{}".into());
+        // A warm sandbox runs exactly the template: claim one only when the
+        // request changes nothing that would need a restart (metadata and
+        // lifetime are record fields).
+        let net_as_template = req.network.as_ref().is_none_or(|n| *n == tpl.network);
+        if req.env.is_empty() && (memory, vcpus, disk, pids) == tpl.limits() && net_as_template {
+            match self.claim_warm(owner, &tpl, ttl, &metadata, key, &hash).await {
+                Ok(Some(r)) => return Ok((view(&r), true)),
+                Ok(None) => {}
+                Err(ControlError::Store(StoreError::Conflict)) => return self.replayed(owner, key).await,
+                Err(e) => return Err(e),
+            }
+        }
+        let id = SandboxId::random()?;
+        let now = now_ms();
+        let record = SandboxRecord {
+            id: id.to_string(),
+            owner: owner.to_string(),
+            template: tpl.name.clone(),
+            state: SandboxState::Starting,
+            created_at: now,
+            expires_at: now + ttl.as_millis() as i64,
+            max_expires_at: now + tpl.max_ttl.as_millis() as i64,
+            memory_mb: memory,
+            vcpus,
+            disk_mib: disk,
+            pids,
+            env: serde_json::to_string(&env).unwrap_or_else(|_| "{}".into()),
+            metadata,
+            limits_applied: "unknown".into(),
+            last_error_code: None,
+            host_pid: None,
+            idempotency_key: key.map(str::to_owned),
+            request_hash: Some(hash),
+            template_id: tpl.id.clone(),
+            template_version: tpl.version,
+            warm: false,
+            pooled: false,
+            network: net.to_json(),
+        };
+        let rec = record.clone();
+        match self.db(move |s| s.insert_sandbox(&rec, &admission)).await {
+            Ok(Admitted::Inserted) => {}
+            Ok(Admitted::Refused(e)) => return Err(ControlError::Exceeded(e)),
+            // A concurrent create with the same key won the race.
+            Err(ControlError::Store(StoreError::Conflict)) => return self.replayed(owner, key).await,
+            Err(e) => return Err(e),
+        }
+        let this = self.clone();
+        let started = tokio::spawn(async move { this.boot(record, &tpl).await });
+        match tokio::time::timeout(wait, started).await {
+            Ok(Ok(Ok(r))) => Ok((view(&r), true)),
+            Ok(Ok(Err(e))) => Err(e),
+            Ok(Err(join)) => Err(join.into()),
+            // Still starting: the caller polls.
+            Err(_) => {
+                let r = self.sandbox_record(&id).await?.ok_or_else(|| ControlError::NoSandbox(id.to_string()))?;
+                Ok((view(&r), true))
+            }
+        }
+    }
+
+    /// The sandbox a concurrent create made with the same key.
+    async fn replayed(&self, owner: &OwnerId, key: Option<&str>) -> Result<(Sandbox, bool)> {
+        let (o, k) = (owner.as_str().to_owned(), key.unwrap_or_default().to_owned());
+        let existing = self.db(move |s| s.sandbox_by_key(&o, &k)).await?.ok_or(ControlError::OutcomeUnknown)?;
+        Ok((view(&existing), false))
+    }
+
+    /// The host's image store.
+    pub(crate) fn images(&self) -> Result<ImageStore> {
+        ImageStore::open(&self.runtime.config().state_dir).map_err(|e| ControlError::Runtime(e.to_string()))
+    }
+
+    /// Runs a template's startup command in a booting sandbox and waits for
+    /// its readiness check; on failure the sandbox is destroyed with the
+    /// reason as its `last_error_code`.
+    async fn until_ready(
+        self: &Arc<Self>,
+        record: &SandboxRecord,
+        live: &Arc<Live>,
+        recipe: &crate::templates::Recipe,
+        workdir: Option<String>,
+    ) -> Result<()> {
+        let timeout = recipe
+            .readiness
+            .as_ref()
+            .and_then(|r| r.timeout_seconds)
+            .unwrap_or(crate::templates::READINESS_TIMEOUT)
+            .min(crate::templates::READINESS_TIMEOUT_MAX);
+        let check = crate::ready::ReadyCheck {
+            startup: recipe.startup.as_ref(),
+            readiness: recipe.readiness.as_ref(),
+            cwd: workdir,
+            timeout: Duration::from_secs(u64::from(timeout)),
+            grace: Duration::ZERO,
+        };
+        let this = self.clone();
+        let id = live.id.clone();
+        let wanted = move || !this.is_cancelled(&id);
+        let Err(failed) = crate::ready::until_ready(&live.socket, &check, |_| {}, wanted).await else {
+            return Ok(());
+        };
+        tracing::warn!("sandbox {} did not become ready: {}", record.id, failed.message());
+        // Gone: deleted or drained meanwhile; that reason stands.
+        let reason = match failed {
+            crate::ready::NotReady::Gone(_) => None,
+            _ => Some(failed.reason()),
+        };
+        self.insert_live(live.clone());
+        let _ = self.destroy(&live.id, reason).await;
+        Err(match failed {
+            crate::ready::NotReady::StartupFailed(m) => ControlError::StartupFailed(m),
+            crate::ready::NotReady::Timeout(m) => ControlError::ReadinessTimeout(m),
+            crate::ready::NotReady::Gone(_) => ControlError::StartFailed(Reason::DeletedWhileStarting),
+        })
+    }
+
+    /// Ends a `starting` record that never ran, with `reason`.
+    async fn fail_start(&self, id: &SandboxId, reason: Reason) -> Result<()> {
+        self.transition(id, Transition::FailStart, Set::reason(Some(reason))).await?;
+        self.uncancel(id);
+        Ok(())
+    }
+
+    /// Starts the runtime sandbox of a `starting` record, then its
+    /// template's startup command, and waits until it is ready.
+    pub(crate) async fn boot(
+        self: Arc<Self>,
+        record: SandboxRecord,
+        recipe: &crate::templates::Recipe,
+    ) -> Result<SandboxRecord> {
+        let t0 = Instant::now();
+        let id = SandboxId::from_record(&record.id);
+        let owner = OwnerId::from_record(&record.owner);
+        // A preset is built on its first use: on the blocking pool.
+        let (state, name, o) = (self.runtime.config().state_dir.clone(), recipe.image.clone(), record.owner.clone());
+        let resolved = tokio::task::spawn_blocking(move || crate::build::image_root(&state, &name, Some(&o))).await?;
+        let crate::build::ImageRoot { root, layers: extra_lowers, env: image_env, workdir } = match resolved {
+            Ok(r) => r,
+            Err(e) => {
+                let reason = if matches!(e, ControlError::NoImage(_)) {
+                    Reason::ImageNotFound
+                } else {
+                    Reason::ImageUnavailable
+                };
+                tracing::warn!("sandbox {id} failed to start: {e}");
+                self.fail_start(&id, reason).await?;
+                return Err(e);
+            }
+        };
+        // The image's environment, under the template's and the request's.
+        let mut env: BTreeMap<String, String> = image_env.into_iter().collect();
+        env.extend(serde_json::from_str::<BTreeMap<String, String>>(&record.env).unwrap_or_default());
+        let spec = SandboxSpec {
+            root,
+            id: Some(record.id.clone()),
+            limits: CgLimits {
+                memory_bytes: record.memory_mb << 20,
+                pids: record.pids,
+                cpu_millis: (record.vcpus * 1000.0).round() as u32,
+            },
+            disk_bytes: record.disk_mib << 20,
+            env: env.into_iter().collect(),
+            die_with_parent: false,
+            agent_override: None,
+            netns: None,
+            resolv_conf: None,
+            extra_lowers,
+            upper_dir: None,
+        };
+        let rt = self.runtime.clone();
+        let mut net = NetRecord::parse(&record.network);
+        let policy = net.policy(&record.owner, record.template_id.as_deref().unwrap_or(&record.template));
+        let network = self.network.clone();
+        let sid = record.id.clone();
+        let started =
+            tokio::task::spawn_blocking(move || start_with_network(&rt, spec, network, &sid, &policy)).await?;
+        let sb = match started {
+            Ok((sb, attached, applied)) => {
+                if let Some(a) = &attached {
+                    net.attached(a);
+                }
+                net.applied = applied;
+                sb
+            }
+            Err(BootError::Runtime(e)) => {
+                let reason = Reason::of_start(&e);
+                tracing::warn!("sandbox {id} failed to start: {e}");
+                self.fail_start(&id, reason).await?;
+                return Err(match &e {
+                    hutch_runtime::RuntimeError::Uids(_) => ControlError::NoCapacity(e.to_string()),
+                    _ => ControlError::StartFailed(reason),
+                });
+            }
+            Err(BootError::Network(reason, why)) => {
+                tracing::warn!("sandbox {id}: network policy not enforceable, not started: {why}");
+                self.fail_start(&id, reason).await?;
+                return Err(ControlError::StartFailed(reason));
+            }
+        };
+        let host_pid = i64::from(sb.pid);
+        let live = Live::new(sb, owner, record.pooled);
+        if recipe.startup.is_some() || recipe.readiness.is_some() {
+            self.until_ready(&record, &live, recipe, workdir).await?;
+        }
+        let ready = Set {
+            host_pid: Some(host_pid),
+            limits_applied: Some("enforced"),
+            network: Some(net.to_json()),
+            ..Set::default()
+        };
+        let became = self.transition(&id, Transition::Ready, ready).await?;
+        self.insert_live(live);
+        self.uncancel(&id);
+        match became {
+            Some(r) => {
+                self.metrics.create_to_ready.observe(t0.elapsed().as_secs_f64());
+                Ok(r)
+            }
+            None => {
+                // A delete came while we started: it marked the record
+                // terminating; what we started is ours to end.
+                self.destroy(&id, None).await?;
+                Err(ControlError::StartFailed(Reason::DeletedWhileStarting))
+            }
+        }
+    }
+
+    pub async fn get(&self, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
+        Ok(view(&self.record(caller, id, Need::Manage).await?))
+    }
+
+    /// A page of sandboxes, newest first: the caller's own, or for an admin
+    /// another owner's (`owner`) or everyone's (`*`).
+    pub async fn list(
+        &self,
+        caller: &Caller,
+        owner: Option<&str>,
+        limit: Option<u32>,
+        cursor: Option<&str>,
+    ) -> Result<SandboxList> {
+        let owners = caller.listing(owner)?;
+        let limit = limit.unwrap_or(100);
+        if !(1..=1000).contains(&limit) {
+            return Err(ControlError::Invalid("limit must be 1 to 1000".into()));
+        }
+        let after = cursor.map(decode_cursor).transpose()?;
+        let filter = owners.filter().map(str::to_owned);
+        let rows = self
+            .db(move |s| s.list_sandboxes(filter.as_deref(), after.as_ref().map(|(t, i)| (*t, i.as_str())), limit + 1))
+            .await?;
+        let more = rows.len() > limit as usize;
+        let rows = &rows[..rows.len().min(limit as usize)];
+        Ok(SandboxList {
+            sandboxes: rows.iter().map(view).collect(),
+            next_cursor: if more { rows.last().map(encode_cursor) } else { None },
+        })
+    }
+
+    /// Deletes a sandbox; idempotent: a terminated one answers as it is.
+    pub async fn delete(self: &Arc<Self>, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
+        let r = self.record(caller, id, Need::Manage).await?;
+        if r.state == SandboxState::Terminated {
+            return Ok(view(&r));
+        }
+        self.destroy(id, None).await?;
+        Ok(view(&self.record(caller, id, Need::Manage).await?))
+    }
+
+    /// Marks a sandbox terminating, destroys it, marks it terminated. A
+    /// sandbox still starting (not yet live here) is marked terminating
+    /// and its boot tears down what it made.
+    pub(crate) async fn destroy(self: &Arc<Self>, id: &SandboxId, reason: Option<Reason>) -> Result<()> {
+        let Some(r) = self.sandbox_record(id).await? else { return Ok(()) };
+        if r.state == SandboxState::Terminated {
+            return Ok(());
+        }
+        if r.state == SandboxState::Starting && self.live(id).is_none() {
+            self.cancel(id);
+            self.transition(id, Transition::Terminate, Set::reason(reason)).await?;
+            return Ok(());
+        }
+        // Already terminating (a retry, or a drain): go on with the teardown.
+        self.transition(id, Transition::Terminate, Set::reason(reason)).await?;
+        self.access.revoke_sandbox(id.as_str());
+        let live = self.remove_live(id);
+        let handle = match live.as_ref().and_then(|l| l.handle.lock().ok().and_then(|mut h| h.take())) {
+            Some(h) => h,
+            None => self.runtime.adopt(id.as_str()),
+        };
+        let rt = self.runtime.clone();
+        let destroyed = tokio::task::spawn_blocking(move || {
+            let result = handle.destroy();
+            rt.sweep();
+            result
+        })
+        .await?;
+        if let Err(e) = destroyed {
+            // Stays `terminating`: the reconciler tries again.
+            tracing::warn!("sandbox {id}: teardown failed, will retry: {e}");
+            return Err(ControlError::Runtime(e.to_string()));
+        }
+        if let Ok(net) = &self.network {
+            let (net, sid) = (net.clone(), id.to_string());
+            tokio::task::spawn_blocking(move || net.release(&sid)).await?;
+        }
+        self.transition(id, Transition::Finish, Set::default()).await?;
+        Ok(())
+    }
+
+    /// Moves the expiry. `by` adds to the current expiry, `until` sets it.
+    /// Past the template's maximum lifetime or the key's quota it is
+    /// refused, as a create is, unless `clamp` (E2B's timeout, which
+    /// clamps).
+    pub async fn extend(&self, caller: &Caller, id: &SandboxId, req: &Extend, clamp: bool) -> Result<Sandbox> {
+        let r = self.record(caller, id, Need::Manage).await?;
+        let live = [SandboxState::Starting, SandboxState::Running, SandboxState::Suspended];
+        if !live.contains(&r.state) {
+            return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
+        }
+        let target = match (req.by, req.until.as_deref()) {
+            (Some(by), None) => r.expires_at.saturating_add((by.min(10 * 365 * 86_400) * 1000) as i64),
+            (None, Some(until)) => {
+                parse_rfc3339(until).ok_or_else(|| ControlError::Invalid("until must be RFC 3339".into()))?
+            }
+            _ => return Err(ControlError::Invalid("give exactly one of by and until".into())),
+        };
+        if target <= now_ms() {
+            return Err(ControlError::Invalid("the new expiry is in the past".into()));
+        }
+        let mut cap = r.max_expires_at;
+        let quotas = self.quotas_of(&OwnerId::from_record(&r.owner)).await?;
+        if let Some(max) = quotas.ttl_seconds {
+            cap = cap.min(r.created_at.saturating_add((max * 1000) as i64));
+        }
+        let target = if target > cap {
+            if !clamp {
+                return Err(ControlError::Invalid(format!(
+                    "the new expiry is past the latest this sandbox may live to, {}; nothing was changed",
+                    crate::control::rfc3339(cap)
+                )));
+            }
+            cap
+        } else {
+            target
+        };
+        let sid = id.to_string();
+        let updated = self.db(move |s| s.set_expiry(&sid, target, &live)).await?;
+        match updated {
+            Some(r) => Ok(view(&r)),
+            None => {
+                let r = self.record(caller, id, Need::Manage).await?;
+                Err(ControlError::NotRunning { id: id.to_string(), state: r.state })
+            }
+        }
+    }
+
+    pub async fn suspend(&self, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
+        self.freeze(caller, id, true).await
+    }
+
+    pub async fn resume(&self, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
+        self.freeze(caller, id, false).await
+    }
+
+    async fn freeze(&self, caller: &Caller, id: &SandboxId, frozen: bool) -> Result<Sandbox> {
+        let r = self.record(caller, id, Need::Manage).await?;
+        let (t, to) = if frozen {
+            (Transition::Suspend, SandboxState::Suspended)
+        } else {
+            (Transition::Resume, SandboxState::Running)
+        };
+        if r.state == to {
+            return Ok(view(&r));
+        }
+        if !t.from().contains(&r.state) {
+            return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
+        }
+        let live = self.live(id).ok_or_else(|| ControlError::NoSandbox(id.to_string()))?;
+        let l2 = live.clone();
+        tokio::task::spawn_blocking(move || {
+            let guard = l2.handle.lock().map_err(|_| "lock poisoned".to_owned())?;
+            let sb = guard.as_ref().ok_or_else(|| "sandbox is being deleted".to_owned())?;
+            if frozen { sb.freeze() } else { sb.thaw() }.map_err(|e| e.to_string())
+        })
+        .await?
+        .map_err(ControlError::Runtime)?;
+        live.set_suspended(frozen);
+        if frozen {
+            // Open proxied connections end with the grants.
+            self.access.revoke_sandbox(id.as_str());
+        } else {
+            // Uploads a stopped daemon left while this sandbox was frozen.
+            crate::files::journal::recover(&self.upload_journal(id), &live.socket).await;
+        }
+        // Not observed since the change: a resume looks again.
+        let mut net = NetRecord::parse(&r.network);
+        net.applied = match (&self.network, frozen, r.host_pid) {
+            (Ok(n), false, Some(pid)) => crate::network::applied(n.observe(id.as_str(), pid as libc::pid_t)),
+            _ => "unknown".into(),
+        };
+        match self.transition(id, t, Set { network: Some(net.to_json()), ..Set::default() }).await? {
+            Some(r) => Ok(view(&r)),
+            None => {
+                // Something else moved it meanwhile (a delete): undo ours.
+                live.set_suspended(!frozen);
+                let r = self.record(caller, id, Need::Manage).await?;
+                Err(ControlError::NotRunning { id: id.to_string(), state: r.state })
+            }
+        }
+    }
+
+    /// A running sandbox's resource use now, with its record.
+    pub async fn sandbox_usage(
+        &self,
+        caller: &Caller,
+        id: &SandboxId,
+    ) -> Result<(hutch_runtime::container::Usage, Sandbox)> {
+        let r = self.record(caller, id, Need::Manage).await?;
+        let live = self.live(id).ok_or(ControlError::NotRunning { id: id.to_string(), state: r.state })?;
+        let usage = tokio::task::spawn_blocking(move || {
+            let guard = live.handle.lock().map_err(|_| ControlError::Runtime("sandbox lock poisoned".into()))?;
+            let sb = guard
+                .as_ref()
+                .ok_or(ControlError::NotRunning { id: live.id.to_string(), state: SandboxState::Terminating })?;
+            Ok::<_, ControlError>(sb.usage())
+        })
+        .await??;
+        Ok((usage, view(&r)))
+    }
+
+    /// Commands running in every running sandbox, as their agents count them
+    /// (background ones included), with each sandbox's owner. Suspended
+    /// sandboxes are skipped: a frozen agent cannot answer.
+    pub(crate) async fn commands_running(&self) -> Vec<(OwnerId, u64)> {
+        let mut out = Vec::new();
+        for live in self.lives() {
+            if live.is_suspended() {
+                continue;
+            }
+            let count = async {
+                let mut conn = live.conn().await.ok()?;
+                let n = match conn.call(hutch_agent::proto::Request::List, &[]).await.ok()? {
+                    (hutch_agent::proto::Reply::Processes { processes }, _) => processes.len() as u64,
+                    _ => 0,
+                };
+                live.reuse(conn);
+                Some(n)
+            };
+            let n = tokio::time::timeout(Duration::from_millis(200), count).await.ok().flatten().unwrap_or(0);
+            out.push((live.owner.clone(), n));
+        }
+        out
+    }
+}
+
+/// The layers and environment of store image or preset `name`; a preset is
+/// built on its first use, which takes a while: call it on the blocking pool.
+pub(crate) fn store_image_root(state_dir: &std::path::Path, name: &str) -> Result<(RootSource, Vec<(String, String)>)> {
+    let store = ImageStore::open(state_dir).map_err(|e| ControlError::Runtime(e.to_string()))?;
+    let found = if hutch_runtime::image::debian::is_preset(name) {
+        hutch_runtime::image::ensure_preset(&store, name, &|line| tracing::info!("image {name}: {line}"))
+    } else {
+        store.get(name)
+    };
+    let img = found.map_err(|e| match e {
+        ImageError::NotFound(n) => ControlError::NoImage(n),
+        e => ControlError::ImageUnavailable(format!("{name}: {e}")),
+    })?;
+    let dirs = store.layer_dirs(&img).map_err(|e| ControlError::ImageUnavailable(format!("{name}: {e}")))?;
+    Ok((RootSource::Layers(dirs), img.env_pairs()))
+}
+
+enum BootError {
+    Runtime(hutch_runtime::RuntimeError),
+    /// A policy that cannot be enforced: the reason and why.
+    Network(Reason, String),
+}
+
+type Booted = (hutch_runtime::Sandbox, Option<Attached>, String);
+
+/// Attaches the sandbox's network, starts it inside, and reads back what
+/// the host enforces. Anything short of the asked policy ends the sandbox.
+fn start_with_network(
+    rt: &Runtime,
+    mut spec: SandboxSpec,
+    network: std::result::Result<Arc<Network>, String>,
+    id: &str,
+    policy: &hutch_runtime::net::Policy,
+) -> std::result::Result<Booted, BootError> {
+    use hutch_runtime::net::Egress;
+    let net = match network {
+        Ok(n) => n,
+        Err(why) if policy.egress != Egress::DenyAll => {
+            return Err(BootError::Network(Reason::NetworkUnavailable, why))
+        }
+        Err(_) => {
+            // No networking on this host: the sandbox's own namespace with
+            // only `lo` is exactly deny_all.
+            let sb = rt.start(&spec).map_err(BootError::Runtime)?;
+            return Ok((sb, None, "deny_all".into()));
+        }
+    };
+    let attached = net.attach(id, policy).map_err(|e| BootError::Network(Reason::NetworkUnavailable, e.to_string()))?;
+    spec.netns = attached.netns.clone();
+    if spec.netns.is_some() {
+        spec.resolv_conf = Some(net.resolv_conf().to_path_buf());
+    }
+    let sb = match rt.start(&spec) {
+        Ok(sb) => sb,
+        Err(e) => {
+            net.release(id);
+            return Err(BootError::Runtime(e));
+        }
+    };
+    let seen = net.observe(id, sb.pid);
+    if seen != Some(policy.egress) {
+        let _ = sb.destroy();
+        net.release(id);
+        let reason =
+            if policy.egress == Egress::DenyAll { Reason::NetworkUntrusted } else { Reason::NetworkUnavailable };
+        return Err(BootError::Network(reason, format!("asked {:?}, observed {seen:?}", policy.egress)));
+    }
+    Ok((sb, Some(attached), crate::network::applied(seen)))
+}

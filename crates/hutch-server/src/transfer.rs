@@ -1,0 +1,303 @@
+//! Request and response bodies of file transfers as bounded streams of
+//! chunks ([`Chunks`]), for the native file routes and E2B's `/files`:
+//! a body in, a body out, and a multipart form read one part at a time with
+//! a bound on what its parser may hold. No body is ever held whole.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use axum::body::{Body, Bytes};
+use axum::extract::multipart::Field;
+use hutch_api::ErrorCode;
+use hutch_control::files::pipe::PIPE_DEPTH;
+use hutch_control::files::{Chunks, FilesError};
+use tokio::sync::mpsc;
+
+/// Bytes a multipart parser may hold that have not come out as a part's
+/// content: its framing (boundaries, a part's headers) plus what is in
+/// flight. A part whose headers never end stops here, not at the body's cap.
+pub const FORM_SLACK: u64 = 8 << 20;
+
+/// A response body from a transfer's chunks; a stream that breaks aborts
+/// the body (the client sees a truncated response, never a complete wrong
+/// one).
+pub fn body_of(rx: Chunks) -> Body {
+    Body::from_stream(ChunkStream(rx))
+}
+
+struct ChunkStream(Chunks);
+
+impl futures_core::Stream for ChunkStream {
+    type Item = Result<Bytes, std::io::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.0.poll_recv(cx).map(|item| item.map(|r| r.map(Bytes::from).map_err(|e| std::io::Error::other(e.message))))
+    }
+}
+
+/// Bytes of a request body read and dropped after its transfer ended early
+/// (a refusal, a limit), so that the connection stays usable; past this
+/// the connection is closed instead.
+pub const DRAIN_LIMIT: u64 = 8 << 20;
+
+/// A request body as a transfer's chunks: the returned future feeds them
+/// (run it beside the transfer with [`with_feed`]); a body that fails
+/// breaks the stream with `invalid_request`. Once the transfer stops
+/// taking chunks, the rest of the body is read and dropped, up to
+/// [`DRAIN_LIMIT`]; the future answers whether the body was read to its end.
+pub fn chunks_of(body: Body) -> (Chunks, impl std::future::Future<Output = bool>) {
+    let (tx, rx) = mpsc::channel(PIPE_DEPTH);
+    let feed = async move {
+        let mut stream = body.into_data_stream();
+        let mut drained: Option<u64> = None;
+        while let Some(chunk) =
+            std::future::poll_fn(|cx| futures_core::Stream::poll_next(Pin::new(&mut stream), cx)).await
+        {
+            let Ok(chunk) = chunk else {
+                let _ = tx.send(Err(FilesError::new(ErrorCode::InvalidRequest, "request body: it broke off"))).await;
+                return false;
+            };
+            if let Some(n) = drained.as_mut() {
+                *n += chunk.len() as u64;
+                if *n > DRAIN_LIMIT {
+                    return false;
+                }
+                continue;
+            }
+            if tx.send(Ok(chunk.to_vec())).await.is_err() {
+                drained = Some(chunk.len() as u64);
+            }
+        }
+        true
+    };
+    (rx, feed)
+}
+
+/// Runs `work` with `feed` beside it; once `work` ends, lets `feed` finish
+/// (it drains what is left of a body, bounded). Answers the work's result
+/// and whether the body was read to its end (if not, the connection must
+/// close: see [`close_unless`]).
+pub async fn with_feed<T>(
+    feed: impl std::future::Future<Output = bool>,
+    work: impl std::future::Future<Output = T>,
+) -> (T, bool) {
+    tokio::pin!(feed);
+    tokio::pin!(work);
+    let mut fed = None;
+    let result = loop {
+        tokio::select! {
+            r = &mut work => break r,
+            whole = &mut feed, if fed.is_none() => fed = Some(whole),
+        }
+    };
+    let whole = match fed {
+        Some(whole) => whole,
+        None => feed.await,
+    };
+    (result, whole)
+}
+
+/// Runs a part's feed beside its transfer; the feed ends with the transfer.
+pub async fn with_part<T>(
+    feed: impl std::future::Future<Output = ()>,
+    work: impl std::future::Future<Output = T>,
+) -> T {
+    tokio::pin!(feed);
+    tokio::pin!(work);
+    let mut fed = false;
+    loop {
+        tokio::select! {
+            r = &mut work => return r,
+            () = &mut feed, if !fed => fed = true,
+        }
+    }
+}
+
+/// `Connection: close` on `resp` unless the request body was read whole:
+/// a connection with unread body bytes cannot carry the next request.
+pub fn close_unless(whole: bool, mut resp: axum::response::Response) -> axum::response::Response {
+    if !whole {
+        resp.headers_mut().insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
+    }
+    resp
+}
+
+/// What a form's body and its reader share: bytes handed to the parser,
+/// bytes taken out as content, and the error that broke the body.
+#[derive(Clone, Default)]
+pub struct FormTap {
+    taken: Arc<AtomicU64>,
+    broken: Arc<Mutex<Option<FilesError>>>,
+}
+
+impl FormTap {
+    /// Why the body broke, if it did: the error to report instead of the
+    /// parser's own.
+    pub fn broken(&self) -> Option<FilesError> {
+        self.broken.lock().ok().and_then(|b| b.clone())
+    }
+
+    fn record(&self, e: FilesError) -> std::io::Error {
+        let err = std::io::Error::other(e.message.clone());
+        if let Ok(mut b) = self.broken.lock() {
+            b.get_or_insert(e);
+        }
+        err
+    }
+
+    /// A body for a multipart parser, fed from `rx`, that breaks when the
+    /// parser holds more than [`FORM_SLACK`] bytes that did not come out as
+    /// content (read every part's content through [`FormTap::chunk`],
+    /// including parts that are skipped).
+    pub fn body(&self, rx: Chunks) -> Body {
+        Body::from_stream(FormBody { rx, delivered: 0, tap: self.clone() })
+    }
+
+    /// The next chunk of a part's content, counted.
+    pub async fn chunk(&self, field: &mut Field<'_>) -> Result<Option<Bytes>, FilesError> {
+        match field.chunk().await {
+            Ok(Some(c)) => {
+                self.taken.fetch_add(c.len() as u64, Ordering::Relaxed);
+                Ok(Some(c))
+            }
+            Ok(None) => Ok(None),
+            Err(e) => Err(self.broken().unwrap_or_else(|| {
+                FilesError::new(ErrorCode::InvalidRequest, format!("malformed form: {}", e.body_text()))
+            })),
+        }
+    }
+
+    /// A part's content as a transfer's chunks, and the future that feeds
+    /// them (run it beside the transfer with [`with_feed`]).
+    pub fn part<'f, 'a>(
+        &'f self,
+        mut field: Field<'a>,
+    ) -> (Chunks, impl std::future::Future<Output = ()> + use<'f, 'a>) {
+        let (tx, rx) = mpsc::channel(PIPE_DEPTH);
+        let feed = async move {
+            loop {
+                let item = match self.chunk(&mut field).await {
+                    Ok(Some(c)) => Ok(c.to_vec()),
+                    Ok(None) => return,
+                    Err(e) => Err(e),
+                };
+                let stop = item.is_err();
+                if tx.send(item).await.is_err() || stop {
+                    return;
+                }
+            }
+        };
+        (rx, feed)
+    }
+
+    /// Reads a part that is skipped, counted; or a small one (at most
+    /// `max` bytes) as text.
+    pub async fn text(&self, mut field: Field<'_>, max: usize) -> Result<String, FilesError> {
+        let mut out = Vec::new();
+        while let Some(c) = self.chunk(&mut field).await? {
+            if out.len() + c.len() > max {
+                return Err(FilesError::new(ErrorCode::InvalidRequest, format!("a form field is over {max} bytes")));
+            }
+            out.extend_from_slice(&c);
+        }
+        String::from_utf8(out).map_err(|_| FilesError::new(ErrorCode::InvalidRequest, "a form field is not UTF-8"))
+    }
+
+    /// Reads a part to its end, counted, keeping nothing.
+    pub async fn skip(&self, mut field: Field<'_>) -> Result<(), FilesError> {
+        while self.chunk(&mut field).await?.is_some() {}
+        Ok(())
+    }
+}
+
+struct FormBody {
+    rx: Chunks,
+    delivered: u64,
+    tap: FormTap,
+}
+
+impl futures_core::Stream for FormBody {
+    type Item = Result<Bytes, std::io::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        match self.rx.poll_recv(cx) {
+            Poll::Ready(Some(Ok(chunk))) => {
+                self.delivered += chunk.len() as u64;
+                let held = self.delivered.saturating_sub(self.tap.taken.load(Ordering::Relaxed));
+                if held > FORM_SLACK + chunk.len() as u64 {
+                    let e = FilesError::new(
+                        ErrorCode::InvalidRequest,
+                        format!(
+                            "malformed form: more than {FORM_SLACK} bytes of framing (a part's headers do not end)"
+                        ),
+                    );
+                    return Poll::Ready(Some(Err(self.tap.record(e))));
+                }
+                Poll::Ready(Some(Ok(Bytes::from(chunk))))
+            }
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(self.tap.record(e)))),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// A JSON body `{"data": "<base64>"}` encoded from a transfer's chunks as
+/// they come (the shape of `hutch_api::FileData` without a path); a stream
+/// that breaks cuts the body short, so it never parses as a whole answer.
+pub fn base64_json_of(rx: Chunks) -> Body {
+    Body::from_stream(Base64Json { rx, carry: Vec::new(), state: Json::Start })
+}
+
+#[derive(PartialEq, Eq)]
+enum Json {
+    Start,
+    Data,
+    Done,
+}
+
+struct Base64Json {
+    rx: Chunks,
+    /// Bytes of the last chunk that did not fill a 3-byte group.
+    carry: Vec<u8>,
+    state: Json,
+}
+
+impl futures_core::Stream for Base64Json {
+    type Item = Result<Bytes, std::io::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        use base64::Engine as _;
+        let engine = base64::engine::general_purpose::STANDARD;
+        match self.state {
+            Json::Done => return Poll::Ready(None),
+            Json::Start => {
+                self.state = Json::Data;
+                return Poll::Ready(Some(Ok(Bytes::from_static(b"{\"data\":\""))));
+            }
+            Json::Data => {}
+        }
+        match self.rx.poll_recv(cx) {
+            Poll::Ready(Some(Ok(chunk))) => {
+                let mut bytes = std::mem::take(&mut self.carry);
+                bytes.extend_from_slice(&chunk);
+                let whole = bytes.len() / 3 * 3;
+                self.carry = bytes.split_off(whole);
+                Poll::Ready(Some(Ok(Bytes::from(engine.encode(&bytes)))))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                self.state = Json::Done;
+                Poll::Ready(Some(Err(std::io::Error::other(e.message))))
+            }
+            Poll::Ready(None) => {
+                self.state = Json::Done;
+                let mut tail = engine.encode(&self.carry).into_bytes();
+                tail.extend_from_slice(b"\"}");
+                Poll::Ready(Some(Ok(Bytes::from(tail))))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}

@@ -1,0 +1,803 @@
+//! The embedded SQLite store (WAL mode) in one file.
+
+use crate::*;
+use rusqlite::{params, params_from_iter, Connection, OptionalExtension, Transaction};
+use std::path::Path;
+use std::sync::Mutex;
+
+/// The embedded SQLite store: one connection behind a lock.
+pub struct SqliteStore {
+    conn: Mutex<Connection>,
+}
+
+const MIGRATIONS: &[(&str, &str)] = &[
+    ("0001_init", include_str!("../migrations/0001_init.sql")),
+    ("0002_templates", include_str!("../migrations/0002_templates.sql")),
+    ("0003_builds", include_str!("../migrations/0003_builds.sql")),
+    ("0004_network", include_str!("../migrations/0004_network.sql")),
+    ("0005_trust", include_str!("../migrations/0005_trust.sql")),
+];
+
+/// States in which a sandbox holds resources.
+const HOLDING: &str = "('starting', 'running', 'suspended', 'terminating')";
+
+impl SqliteStore {
+    pub fn open(path: &Path) -> Result<SqliteStore> {
+        let conn = Connection::open(path)?;
+        Self::init(conn)
+    }
+
+    pub fn open_in_memory() -> Result<SqliteStore> {
+        Self::init(Connection::open_in_memory()?)
+    }
+
+    fn init(mut conn: Connection) -> Result<SqliteStore> {
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "NORMAL")?;
+        conn.pragma_update(None, "foreign_keys", "ON")?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.execute("CREATE TABLE IF NOT EXISTS schema_migrations (name TEXT PRIMARY KEY)", [])?;
+        for (name, sql) in MIGRATIONS {
+            let done: bool = conn
+                .query_row("SELECT 1 FROM schema_migrations WHERE name = ?1", [name], |_| Ok(true))
+                .optional()?
+                .unwrap_or(false);
+            if !done {
+                let tx = conn.transaction()?;
+                tx.execute_batch(sql)?;
+                tx.execute("INSERT INTO schema_migrations (name) VALUES (?1)", [name])?;
+                tx.commit()?;
+            }
+        }
+        Ok(SqliteStore { conn: Mutex::new(conn) })
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut Connection) -> Result<T>) -> Result<T> {
+        let mut conn = self.conn.lock().map_err(|_| StoreError::Poisoned)?;
+        f(&mut conn)
+    }
+}
+
+fn conflict(e: rusqlite::Error) -> StoreError {
+    match &e {
+        rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::ConstraintViolation => {
+            StoreError::Conflict
+        }
+        _ => StoreError::Sqlite(e),
+    }
+}
+
+/// `?N, ?N+1, ...` for `n` parameters.
+fn placeholders(first: usize, n: usize) -> String {
+    (first..first + n).map(|i| format!("?{i}")).collect::<Vec<_>>().join(", ")
+}
+
+const SANDBOX_COLUMNS: &str = "id, owner, template, state, created_at, expires_at, max_expires_at, memory_mb, vcpus, \
+     disk_mib, pids, env, metadata, limits_applied, last_error_code, host_pid, idempotency_key, request_hash, \
+     template_id, template_version, warm, pooled, network";
+
+const TEMPLATE_COLUMNS: &str = "id, owner, name, version, image, class, memory_mb, vcpus, disk_mib, pids, env, \
+     default_ttl_s, max_ttl_s, warm_min, warm_max, created_at, updated_at, deleted_at, startup, readiness, network";
+
+const BUILD_COLUMNS: &str = "id, template_id, owner, state, created_at, finished_at, error, parent, image, version";
+
+const KEY_COLUMNS: &str = "id, name, hash, admin, created_at, revoked_at, max_sandboxes, max_memory_mb, \
+     max_disk_mib, max_ttl_seconds, max_builds";
+
+/// A column that must hold one of an enum's names.
+fn parsed<T>(
+    r: &rusqlite::Row<'_>,
+    idx: usize,
+    what: &'static str,
+    parse: impl Fn(&str) -> Option<T>,
+) -> rusqlite::Result<T> {
+    let text: String = r.get(idx)?;
+    parse(&text).ok_or_else(|| {
+        let id: String = r.get(0).unwrap_or_default();
+        rusqlite::Error::FromSqlConversionFailure(
+            idx,
+            rusqlite::types::Type::Text,
+            Box::new(StoreError::Corrupt { what, id, value: text }),
+        )
+    })
+}
+
+fn opt_u64(r: &rusqlite::Row<'_>, idx: usize) -> rusqlite::Result<Option<u64>> {
+    Ok(r.get::<_, Option<i64>>(idx)?.map(|v| v.max(0) as u64))
+}
+
+fn build_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<BuildRecord> {
+    Ok(BuildRecord {
+        id: r.get(0)?,
+        template_id: r.get(1)?,
+        owner: r.get(2)?,
+        state: parsed(r, 3, "build state", BuildState::parse)?,
+        created_at: r.get(4)?,
+        finished_at: r.get(5)?,
+        error: r.get(6)?,
+        parent: r.get(7)?,
+        image: r.get(8)?,
+        version: r.get(9)?,
+    })
+}
+
+fn template_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<TemplateRecord> {
+    Ok(TemplateRecord {
+        id: r.get(0)?,
+        owner: r.get(1)?,
+        name: r.get(2)?,
+        version: r.get(3)?,
+        image: r.get(4)?,
+        class: r.get(5)?,
+        memory_mb: r.get::<_, i64>(6)? as u64,
+        vcpus: r.get(7)?,
+        disk_mib: r.get::<_, i64>(8)? as u64,
+        pids: r.get::<_, i64>(9)? as u32,
+        env: r.get(10)?,
+        default_ttl_s: r.get::<_, i64>(11)? as u64,
+        max_ttl_s: r.get::<_, i64>(12)? as u64,
+        warm_min: r.get::<_, i64>(13)? as u32,
+        warm_max: r.get::<_, i64>(14)? as u32,
+        created_at: r.get(15)?,
+        updated_at: r.get(16)?,
+        deleted_at: r.get(17)?,
+        startup: r.get(18)?,
+        readiness: r.get(19)?,
+        network: r.get(20)?,
+    })
+}
+
+fn sandbox_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRecord> {
+    Ok(SandboxRecord {
+        id: r.get(0)?,
+        owner: r.get(1)?,
+        template: r.get(2)?,
+        state: parsed(r, 3, "sandbox state", SandboxState::parse)?,
+        created_at: r.get(4)?,
+        expires_at: r.get(5)?,
+        max_expires_at: r.get(6)?,
+        memory_mb: r.get::<_, i64>(7)? as u64,
+        vcpus: r.get(8)?,
+        disk_mib: r.get::<_, i64>(9)? as u64,
+        pids: r.get::<_, i64>(10)? as u32,
+        env: r.get(11)?,
+        metadata: r.get(12)?,
+        limits_applied: r.get(13)?,
+        last_error_code: r.get(14)?,
+        host_pid: r.get(15)?,
+        idempotency_key: r.get(16)?,
+        request_hash: r.get(17)?,
+        template_id: r.get(18)?,
+        template_version: r.get(19)?,
+        warm: r.get::<_, i64>(20)? != 0,
+        pooled: r.get::<_, i64>(21)? != 0,
+        network: r.get(22)?,
+    })
+}
+
+fn key_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<KeyRecord> {
+    Ok(KeyRecord {
+        id: r.get(0)?,
+        name: r.get(1)?,
+        hash: r.get(2)?,
+        admin: r.get::<_, i64>(3)? != 0,
+        created_at: r.get(4)?,
+        revoked_at: r.get(5)?,
+        quotas: Quotas {
+            sandboxes: opt_u64(r, 6)?,
+            memory_mb: opt_u64(r, 7)?,
+            disk_mib: opt_u64(r, 8)?,
+            ttl_seconds: opt_u64(r, 9)?,
+            builds: opt_u64(r, 10)?,
+        },
+    })
+}
+
+fn exec_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ExecRecord> {
+    Ok(ExecRecord {
+        scope: r.get(0)?,
+        key: r.get(1)?,
+        request_hash: r.get(2)?,
+        state: parsed(r, 3, "execution state", ExecState::parse)?,
+        result: r.get(4)?,
+        created_at: r.get(5)?,
+    })
+}
+
+fn get_sandbox_in(c: &Connection, id: &str) -> Result<Option<SandboxRecord>> {
+    Ok(c.query_row(&format!("SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE id = ?1"), [id], sandbox_row).optional()?)
+}
+
+fn usage_in(c: &Connection, owner: Option<&str>) -> Result<Usage> {
+    Ok(c.query_row(
+        &format!(
+            "SELECT COUNT(*), COALESCE(SUM(memory_mb), 0), COALESCE(SUM(disk_mib), 0) FROM sandboxes \
+             WHERE state IN {HOLDING} AND (?1 IS NULL OR owner = ?1)"
+        ),
+        params![owner],
+        |r| {
+            Ok(Usage {
+                sandboxes: r.get::<_, i64>(0)? as u64,
+                memory_mb: r.get::<_, i64>(1)? as u64,
+                disk_mib: r.get::<_, i64>(2)? as u64,
+            })
+        },
+    )?)
+}
+
+/// The first cap of `caps` that `asked` on top of `used` would pass.
+fn over(scope: Scope, caps: &Quotas, used: Usage, asked: Usage) -> Option<Exceeded> {
+    [
+        (Resource::Sandboxes, caps.sandboxes, used.sandboxes, asked.sandboxes),
+        (Resource::MemoryMb, caps.memory_mb, used.memory_mb, asked.memory_mb),
+        (Resource::DiskMib, caps.disk_mib, used.disk_mib, asked.disk_mib),
+    ]
+    .into_iter()
+    .find_map(|(resource, limit, used, asked)| {
+        let limit = limit?;
+        (used.saturating_add(asked) > limit).then_some(Exceeded { scope, resource, limit, used, asked })
+    })
+}
+
+fn insert_sandbox_in(tx: &Transaction<'_>, s: &SandboxRecord) -> Result<()> {
+    tx.execute(
+        &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", placeholders(1, 23)),
+        params![
+            s.id,
+            s.owner,
+            s.template,
+            s.state.as_str(),
+            s.created_at,
+            s.expires_at,
+            s.max_expires_at,
+            s.memory_mb as i64,
+            s.vcpus,
+            s.disk_mib as i64,
+            s.pids as i64,
+            s.env,
+            s.metadata,
+            s.limits_applied,
+            s.last_error_code,
+            s.host_pid,
+            s.idempotency_key,
+            s.request_hash,
+            s.template_id,
+            s.template_version,
+            s.warm as i64,
+            s.pooled as i64,
+            s.network
+        ],
+    )
+    .map_err(conflict)?;
+    Ok(())
+}
+
+impl Store for SqliteStore {
+    fn insert_key(&self, k: &KeyRecord) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                &format!("INSERT INTO api_keys ({KEY_COLUMNS}) VALUES ({})", placeholders(1, 11)),
+                params![
+                    k.id,
+                    k.name,
+                    k.hash,
+                    k.admin as i64,
+                    k.created_at,
+                    k.revoked_at,
+                    k.quotas.sandboxes.map(|v| v as i64),
+                    k.quotas.memory_mb.map(|v| v as i64),
+                    k.quotas.disk_mib.map(|v| v as i64),
+                    k.quotas.ttl_seconds.map(|v| v as i64),
+                    k.quotas.builds.map(|v| v as i64)
+                ],
+            )
+            .map_err(conflict)?;
+            Ok(())
+        })
+    }
+
+    fn key_by_hash(&self, hash: &str) -> Result<Option<KeyRecord>> {
+        self.with(|c| {
+            Ok(c.query_row(&format!("SELECT {KEY_COLUMNS} FROM api_keys WHERE hash = ?1"), [hash], key_row)
+                .optional()?)
+        })
+    }
+
+    fn get_key(&self, id: &str) -> Result<Option<KeyRecord>> {
+        self.with(|c| {
+            Ok(c.query_row(&format!("SELECT {KEY_COLUMNS} FROM api_keys WHERE id = ?1"), [id], key_row).optional()?)
+        })
+    }
+
+    fn list_keys(&self) -> Result<Vec<KeyRecord>> {
+        self.with(|c| {
+            let mut st = c.prepare(&format!("SELECT {KEY_COLUMNS} FROM api_keys ORDER BY created_at, id"))?;
+            let rows = st.query_map([], key_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn revoke_key(&self, id: &str, at: i64) -> Result<bool> {
+        self.with(|c| {
+            let n =
+                c.execute("UPDATE api_keys SET revoked_at = ?2 WHERE id = ?1 AND revoked_at IS NULL", params![id, at])?;
+            Ok(n == 1)
+        })
+    }
+
+    fn set_quotas(&self, id: &str, q: &Quotas) -> Result<bool> {
+        self.with(|c| {
+            let n = c.execute(
+                "UPDATE api_keys SET max_sandboxes = ?2, max_memory_mb = ?3, max_disk_mib = ?4, \
+                 max_ttl_seconds = ?5, max_builds = ?6 WHERE id = ?1 AND revoked_at IS NULL",
+                params![
+                    id,
+                    q.sandboxes.map(|v| v as i64),
+                    q.memory_mb.map(|v| v as i64),
+                    q.disk_mib.map(|v| v as i64),
+                    q.ttl_seconds.map(|v| v as i64),
+                    q.builds.map(|v| v as i64)
+                ],
+            )?;
+            Ok(n == 1)
+        })
+    }
+
+    fn count_keys(&self) -> Result<u64> {
+        self.with(|c| Ok(c.query_row("SELECT COUNT(*) FROM api_keys", [], |r| r.get::<_, i64>(0))? as u64))
+    }
+
+    fn insert_sandbox(&self, s: &SandboxRecord, admission: &Admission) -> Result<Admitted> {
+        self.with(|c| {
+            // IMMEDIATE: the usage read and the insert are one writer's, so
+            // two creates cannot both fit under the last free unit.
+            let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+            let asked = Usage { sandboxes: 1, memory_mb: s.memory_mb, disk_mib: s.disk_mib };
+            let host = usage_in(&tx, None)?;
+            if let Some(e) = over(Scope::Host, &admission.host, host, asked) {
+                return Ok(Admitted::Refused(e));
+            }
+            let own = usage_in(&tx, Some(&s.owner))?;
+            if let Some(e) = over(Scope::Owner, &admission.owner, own, asked) {
+                return Ok(Admitted::Refused(e));
+            }
+            insert_sandbox_in(&tx, s)?;
+            tx.commit()?;
+            Ok(Admitted::Inserted)
+        })
+    }
+
+    fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>> {
+        self.with(|c| get_sandbox_in(c, id))
+    }
+
+    fn sandbox_by_key(&self, owner: &str, key: &str) -> Result<Option<SandboxRecord>> {
+        self.with(|c| {
+            Ok(c.query_row(
+                &format!("SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE owner = ?1 AND idempotency_key = ?2"),
+                [owner, key],
+                sandbox_row,
+            )
+            .optional()?)
+        })
+    }
+
+    fn transition(
+        &self,
+        id: &str,
+        from: &[SandboxState],
+        to: SandboxState,
+        ch: &Changes<'_>,
+    ) -> Result<Option<SandboxRecord>> {
+        if from.is_empty() {
+            return Ok(None);
+        }
+        self.with(|c| {
+            let tx = c.transaction()?;
+            let sql = format!(
+                "UPDATE sandboxes SET state = ?2, \
+                 last_error_code = COALESCE(?3, last_error_code), host_pid = COALESCE(?4, host_pid), \
+                 limits_applied = COALESCE(?5, limits_applied), network = COALESCE(?6, network) \
+                 WHERE id = ?1 AND state IN ({})",
+                placeholders(7, from.len())
+            );
+            let mut values: Vec<rusqlite::types::Value> = vec![
+                id.to_owned().into(),
+                to.as_str().to_owned().into(),
+                ch.last_error_code.map(str::to_owned).into(),
+                ch.host_pid.into(),
+                ch.limits_applied.map(str::to_owned).into(),
+                ch.network.map(str::to_owned).into(),
+            ];
+            values.extend(from.iter().map(|s| rusqlite::types::Value::from(s.as_str().to_owned())));
+            if tx.execute(&sql, params_from_iter(values))? == 0 {
+                return Ok(None);
+            }
+            let r = get_sandbox_in(&tx, id)?;
+            tx.commit()?;
+            Ok(r)
+        })
+    }
+
+    fn set_expiry(&self, id: &str, expires_at: i64, states: &[SandboxState]) -> Result<Option<SandboxRecord>> {
+        if states.is_empty() {
+            return Ok(None);
+        }
+        self.with(|c| {
+            let tx = c.transaction()?;
+            let sql = format!(
+                "UPDATE sandboxes SET expires_at = ?2 WHERE id = ?1 AND state IN ({})",
+                placeholders(3, states.len())
+            );
+            let mut values: Vec<rusqlite::types::Value> = vec![id.to_owned().into(), expires_at.into()];
+            values.extend(states.iter().map(|s| rusqlite::types::Value::from(s.as_str().to_owned())));
+            if tx.execute(&sql, params_from_iter(values))? == 0 {
+                return Ok(None);
+            }
+            let r = get_sandbox_in(&tx, id)?;
+            tx.commit()?;
+            Ok(r)
+        })
+    }
+
+    fn set_network(&self, id: &str, json: &str) -> Result<()> {
+        self.with(|c| {
+            c.execute("UPDATE sandboxes SET network = ?2 WHERE id = ?1", params![id, json])?;
+            Ok(())
+        })
+    }
+
+    fn set_net_learned(&self, id: &str, json: &str) -> Result<()> {
+        self.with(|c| {
+            c.execute("UPDATE sandboxes SET net_learned = ?2 WHERE id = ?1", params![id, json])?;
+            Ok(())
+        })
+    }
+
+    fn net_learned(&self, id: &str) -> Result<String> {
+        self.with(|c| {
+            Ok(c.query_row("SELECT net_learned FROM sandboxes WHERE id = ?1", [id], |r| r.get(0))
+                .optional()?
+                .unwrap_or_else(|| "[]".into()))
+        })
+    }
+
+    fn list_sandboxes(
+        &self,
+        owner: Option<&str>,
+        after: Option<(i64, &str)>,
+        limit: u32,
+    ) -> Result<Vec<SandboxRecord>> {
+        self.with(|c| {
+            let (ts, id) = after.unwrap_or((i64::MAX, ""));
+            let sql = format!(
+                "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE (?1 IS NULL OR owner = ?1) AND pooled = 0 \
+                 AND (created_at < ?2 OR (created_at = ?2 AND id < ?3) OR ?4) \
+                 ORDER BY created_at DESC, id DESC LIMIT ?5"
+            );
+            let mut st = c.prepare(&sql)?;
+            let rows = st
+                .query_map(params![owner, ts, id, after.is_none(), limit as i64], sandbox_row)?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn sandboxes_in(&self, states: &[SandboxState]) -> Result<Vec<SandboxRecord>> {
+        self.with(|c| {
+            let mut out = Vec::new();
+            let mut st = c.prepare(&format!(
+                "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE state = ?1 ORDER BY created_at, id"
+            ))?;
+            for state in states {
+                out.extend(st.query_map([state.as_str()], sandbox_row)?.collect::<rusqlite::Result<Vec<_>>>()?);
+            }
+            out.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+            Ok(out)
+        })
+    }
+
+    fn count_by_state(&self) -> Result<Vec<(SandboxState, u64)>> {
+        self.with(|c| {
+            let mut st = c.prepare("SELECT state, COUNT(*) FROM sandboxes GROUP BY state")?;
+            let rows = st
+                .query_map([], |r| {
+                    Ok((parsed(r, 0, "sandbox state", SandboxState::parse)?, r.get::<_, i64>(1)? as u64))
+                })?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn usage(&self, owner: Option<&str>) -> Result<Usage> {
+        self.with(|c| usage_in(c, owner))
+    }
+
+    fn begin_exec(&self, scope: &str, key: &str, request_hash: &str, now: i64) -> Result<Begin> {
+        self.with(|c| {
+            let tx = c.transaction()?;
+            let existing = tx
+                .query_row(
+                    "SELECT scope, key, request_hash, state, result, created_at FROM executions WHERE scope = ?1 AND key = ?2",
+                    [scope, key],
+                    exec_row,
+                )
+                .optional()?;
+            if let Some(e) = existing {
+                return Ok(Begin::Existing(e));
+            }
+            tx.execute(
+                "INSERT INTO executions (scope, key, request_hash, state, result, created_at) VALUES (?1, ?2, ?3, 'running', NULL, ?4)",
+                params![scope, key, request_hash, now],
+            )?;
+            tx.commit()?;
+            Ok(Begin::Started)
+        })
+    }
+
+    fn finish_exec(&self, scope: &str, key: &str, result: &str) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE executions SET state = 'done', result = ?3 WHERE scope = ?1 AND key = ?2",
+                params![scope, key, result],
+            )?;
+            Ok(())
+        })
+    }
+
+    fn release_exec(&self, scope: &str, key: &str) -> Result<()> {
+        self.with(|c| {
+            c.execute("DELETE FROM executions WHERE scope = ?1 AND key = ?2 AND state = 'running'", [scope, key])?;
+            Ok(())
+        })
+    }
+
+    fn mark_running_execs_lost(&self) -> Result<u64> {
+        self.with(|c| Ok(c.execute("UPDATE executions SET state = 'lost' WHERE state = 'running'", [])? as u64))
+    }
+
+    fn insert_template(&self, t: &TemplateRecord) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                &format!("INSERT INTO templates ({TEMPLATE_COLUMNS}) VALUES ({})", placeholders(1, 21)),
+                params![
+                    t.id,
+                    t.owner,
+                    t.name,
+                    t.version,
+                    t.image,
+                    t.class,
+                    t.memory_mb as i64,
+                    t.vcpus,
+                    t.disk_mib as i64,
+                    t.pids as i64,
+                    t.env,
+                    t.default_ttl_s as i64,
+                    t.max_ttl_s as i64,
+                    t.warm_min as i64,
+                    t.warm_max as i64,
+                    t.created_at,
+                    t.updated_at,
+                    t.deleted_at,
+                    t.startup,
+                    t.readiness,
+                    t.network
+                ],
+            )
+            .map_err(conflict)?;
+            Ok(())
+        })
+    }
+
+    fn get_template(&self, id: &str) -> Result<Option<TemplateRecord>> {
+        self.with(|c| {
+            Ok(c.query_row(&format!("SELECT {TEMPLATE_COLUMNS} FROM templates WHERE id = ?1"), [id], template_row)
+                .optional()?)
+        })
+    }
+
+    fn template_by_name(&self, owner: &str, name: &str) -> Result<Option<TemplateRecord>> {
+        self.with(|c| {
+            Ok(c.query_row(
+                &format!(
+                    "SELECT {TEMPLATE_COLUMNS} FROM templates WHERE owner = ?1 AND name = ?2 AND deleted_at IS NULL"
+                ),
+                [owner, name],
+                template_row,
+            )
+            .optional()?)
+        })
+    }
+
+    fn list_templates(&self, owner: Option<&str>) -> Result<Vec<TemplateRecord>> {
+        self.with(|c| {
+            let mut st = c.prepare(&format!(
+                "SELECT {TEMPLATE_COLUMNS} FROM templates WHERE (?1 IS NULL OR owner = ?1) AND deleted_at IS NULL \
+                 ORDER BY created_at, id"
+            ))?;
+            let rows = st.query_map(params![owner], template_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn update_template(&self, t: &TemplateRecord, updated_at: i64) -> Result<bool> {
+        self.with(|c| {
+            let n = c
+                .execute(
+                    "UPDATE templates SET name = ?2, version = ?3, image = ?4, class = ?5, memory_mb = ?6, vcpus = ?7, \
+                     disk_mib = ?8, pids = ?9, env = ?10, default_ttl_s = ?11, max_ttl_s = ?12, warm_min = ?13, \
+                     warm_max = ?14, updated_at = ?15, deleted_at = ?16, startup = ?17, readiness = ?18, \
+                     network = ?19 WHERE id = ?1 AND updated_at = ?20 AND deleted_at IS NULL",
+                    params![
+                        t.id,
+                        t.name,
+                        t.version,
+                        t.image,
+                        t.class,
+                        t.memory_mb as i64,
+                        t.vcpus,
+                        t.disk_mib as i64,
+                        t.pids as i64,
+                        t.env,
+                        t.default_ttl_s as i64,
+                        t.max_ttl_s as i64,
+                        t.warm_min as i64,
+                        t.warm_max as i64,
+                        t.updated_at,
+                        t.deleted_at,
+                        t.startup,
+                        t.readiness,
+                        t.network,
+                        updated_at
+                    ],
+                )
+                .map_err(conflict)?;
+            Ok(n == 1)
+        })
+    }
+
+    fn insert_build(&self, b: &BuildRecord, max_running: Option<u64>) -> Result<bool> {
+        self.with(|c| {
+            let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+            if let Some(max) = max_running {
+                let n: i64 = tx.query_row(
+                    "SELECT COUNT(*) FROM builds WHERE state IN ('queued', 'building') AND owner = ?1",
+                    [&b.owner],
+                    |r| r.get(0),
+                )?;
+                if n as u64 >= max {
+                    return Ok(false);
+                }
+            }
+            tx.execute(
+                &format!("INSERT INTO builds ({BUILD_COLUMNS}) VALUES ({})", placeholders(1, 10)),
+                params![
+                    b.id,
+                    b.template_id,
+                    b.owner,
+                    b.state.as_str(),
+                    b.created_at,
+                    b.finished_at,
+                    b.error,
+                    b.parent,
+                    b.image,
+                    b.version
+                ],
+            )
+            .map_err(conflict)?;
+            tx.commit()?;
+            Ok(true)
+        })
+    }
+
+    fn update_build(&self, b: &BuildRecord, from: &[BuildState]) -> Result<bool> {
+        if from.is_empty() {
+            return Ok(false);
+        }
+        self.with(|c| {
+            let sql = format!(
+                "UPDATE builds SET state = ?2, finished_at = ?3, error = ?4, image = ?5, version = ?6 \
+                 WHERE id = ?1 AND state IN ({})",
+                placeholders(7, from.len())
+            );
+            let mut values: Vec<rusqlite::types::Value> = vec![
+                b.id.clone().into(),
+                b.state.as_str().to_owned().into(),
+                b.finished_at.into(),
+                b.error.clone().into(),
+                b.image.clone().into(),
+                b.version.into(),
+            ];
+            values.extend(from.iter().map(|s| rusqlite::types::Value::from(s.as_str().to_owned())));
+            Ok(c.execute(&sql, params_from_iter(values))? == 1)
+        })
+    }
+
+    fn get_build(&self, id: &str) -> Result<Option<BuildRecord>> {
+        self.with(|c| {
+            Ok(c.query_row(&format!("SELECT {BUILD_COLUMNS} FROM builds WHERE id = ?1"), [id], build_row).optional()?)
+        })
+    }
+
+    fn list_builds(&self, template_id: &str) -> Result<Vec<BuildRecord>> {
+        self.with(|c| {
+            let mut st = c.prepare(&format!(
+                "SELECT {BUILD_COLUMNS} FROM builds WHERE template_id = ?1 ORDER BY created_at DESC, id DESC LIMIT 100"
+            ))?;
+            let rows = st.query_map([template_id], build_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn count_running_builds(&self, owner: Option<&str>) -> Result<u64> {
+        self.with(|c| {
+            let n: i64 = c.query_row(
+                "SELECT COUNT(*) FROM builds WHERE state IN ('queued', 'building') AND (?1 IS NULL OR owner = ?1)",
+                params![owner],
+                |r| r.get(0),
+            )?;
+            Ok(n as u64)
+        })
+    }
+
+    fn fail_unfinished_builds(&self, now: i64, error: &str) -> Result<u64> {
+        self.with(|c| {
+            let n = c.execute(
+                "UPDATE builds SET state = 'failed', finished_at = ?1, error = ?2 \
+                 WHERE state IN ('queued', 'building')",
+                params![now, error],
+            )?;
+            Ok(n as u64)
+        })
+    }
+
+    fn claim_warm(&self, cl: &Claim<'_>) -> Result<Option<SandboxRecord>> {
+        self.with(|c| {
+            let tx = c.transaction()?;
+            // The version is read in the same transaction: a sandbox of an
+            // older version is never claimed, whatever raced with us.
+            let id: Option<String> = tx
+                .query_row(
+                    "SELECT s.id FROM sandboxes s JOIN templates t ON t.id = s.template_id \
+                     WHERE s.pooled = 1 AND s.state = 'running' AND s.template_id = ?1 AND s.owner = ?2 \
+                     AND t.deleted_at IS NULL AND s.template_version = t.version \
+                     ORDER BY s.created_at, s.id LIMIT 1",
+                    [cl.template_id, cl.owner],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            let Some(id) = id else { return Ok(None) };
+            tx.execute(
+                "UPDATE sandboxes SET pooled = 0, created_at = ?2, expires_at = ?3, max_expires_at = ?4, \
+                 metadata = ?5, idempotency_key = ?6, request_hash = ?7 WHERE id = ?1",
+                params![id, cl.now, cl.expires_at, cl.max_expires_at, cl.metadata, cl.idempotency_key, cl.request_hash],
+            )
+            .map_err(conflict)?;
+            let r = get_sandbox_in(&tx, &id)?;
+            tx.commit()?;
+            Ok(r)
+        })
+    }
+
+    fn drain_pooled(&self, id: &str) -> Result<bool> {
+        self.with(|c| {
+            let n = c.execute(
+                "UPDATE sandboxes SET state = 'terminating', last_error_code = 'warm_pool_drained' \
+                 WHERE id = ?1 AND pooled = 1 AND state = 'running'",
+                [id],
+            )?;
+            Ok(n == 1)
+        })
+    }
+
+    fn pooled_sandboxes(&self) -> Result<Vec<SandboxRecord>> {
+        self.with(|c| {
+            let mut st = c.prepare(&format!(
+                "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE pooled = 1 AND state != 'terminated' \
+                 ORDER BY created_at, id"
+            ))?;
+            let rows = st.query_map([], sandbox_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
+    }
+}

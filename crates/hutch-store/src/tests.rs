@@ -1,0 +1,375 @@
+//! The store's tests, on an in-memory SQLite database.
+
+use super::*;
+use crate::sqlite::SqliteStore;
+
+/// Inserts with no caps.
+trait InsertFree {
+    fn insert_sandbox_free(&self, sb: &SandboxRecord) -> Result<()>;
+}
+
+impl InsertFree for SqliteStore {
+    fn insert_sandbox_free(&self, sb: &SandboxRecord) -> Result<()> {
+        assert_eq!(self.insert_sandbox(sb, &Admission::default())?, Admitted::Inserted);
+        Ok(())
+    }
+}
+
+fn sandbox(id: &str, created_at: i64) -> SandboxRecord {
+    SandboxRecord {
+        id: id.into(),
+        owner: "k1".into(),
+        template: "base".into(),
+        state: SandboxState::Running,
+        created_at,
+        expires_at: created_at + 1000,
+        max_expires_at: created_at + 5000,
+        memory_mb: 512,
+        vcpus: 1.0,
+        disk_mib: 1024,
+        pids: 512,
+        env: "{}".into(),
+        metadata: "{}".into(),
+        limits_applied: "enforced".into(),
+        last_error_code: None,
+        host_pid: None,
+        idempotency_key: Some(format!("key-{id}")),
+        request_hash: Some("h".into()),
+        template_id: None,
+        template_version: None,
+        warm: false,
+        pooled: false,
+        network: "{}".into(),
+    }
+}
+
+#[test]
+fn learned_addresses_survive_other_updates() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    let r = sandbox("a", 1);
+    s.insert_sandbox_free(&r).expect("insert");
+    s.set_net_learned("a", "[\"198.51.100.3\"]").expect("learn");
+    s.transition("a", &[SandboxState::Running], SandboxState::Suspended, &Changes::default()).expect("update");
+    assert_eq!(s.net_learned("a").expect("read"), "[\"198.51.100.3\"]");
+    assert_eq!(s.net_learned("missing").expect("read"), "[]");
+}
+
+#[test]
+fn migrations_apply_once_and_reopen_keeps_rows() {
+    let dir = std::env::temp_dir().join(format!("hutch-store-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let path = dir.join("hutch.db");
+    {
+        let s = SqliteStore::open(&path).expect("open");
+        s.insert_sandbox_free(&sandbox("a", 1)).expect("insert");
+    }
+    let s = SqliteStore::open(&path).expect("reopen");
+    assert_eq!(s.get_sandbox("a").expect("get").map(|r| r.id), Some("a".into()));
+    std::fs::remove_dir_all(&dir).expect("cleanup");
+}
+
+#[test]
+fn listing_pages_newest_first() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    for (i, id) in ["a", "b", "c", "d", "e"].iter().enumerate() {
+        s.insert_sandbox_free(&sandbox(id, i as i64)).expect("insert");
+    }
+    let page1 = s.list_sandboxes(Some("k1"), None, 2).expect("list");
+    assert_eq!(page1.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(), ["e", "d"]);
+    let last = &page1[1];
+    let page2 = s.list_sandboxes(Some("k1"), Some((last.created_at, &last.id)), 2).expect("list");
+    assert_eq!(page2.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(), ["c", "b"]);
+    assert!(s.list_sandboxes(Some("other"), None, 10).expect("list").is_empty());
+}
+
+#[test]
+fn idempotency_keys_are_unique_per_owner() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    s.insert_sandbox_free(&sandbox("a", 1)).expect("insert");
+    let mut dup = sandbox("b", 2);
+    dup.idempotency_key = Some("key-a".into());
+    assert!(matches!(s.insert_sandbox_free(&dup), Err(StoreError::Conflict)));
+    assert_eq!(s.sandbox_by_key("k1", "key-a").expect("get").map(|r| r.id), Some("a".into()));
+}
+
+#[test]
+fn exec_journal_begins_once_finishes_and_loses_running_on_restart() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    assert_eq!(s.begin_exec("sb", "k", "h1", 1).expect("begin"), Begin::Started);
+    match s.begin_exec("sb", "k", "h1", 2).expect("begin") {
+        Begin::Existing(e) => assert_eq!(e.state, ExecState::Running),
+        other => panic!("{other:?}"),
+    }
+    s.finish_exec("sb", "k", "{\"exit_code\":0}").expect("finish");
+    match s.begin_exec("sb", "k", "h1", 3).expect("begin") {
+        Begin::Existing(e) => {
+            assert_eq!((e.state, e.result.as_deref()), (ExecState::Done, Some("{\"exit_code\":0}")))
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(s.begin_exec("sb", "k2", "h", 4).expect("begin"), Begin::Started);
+    assert_eq!(s.mark_running_execs_lost().expect("lost"), 1);
+    s.release_exec("sb", "k2").expect("release only frees running keys");
+    match s.begin_exec("sb", "k2", "h", 5).expect("begin") {
+        Begin::Existing(e) => assert_eq!(e.state, ExecState::Lost),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(s.begin_exec("sb", "k3", "h", 6).expect("begin"), Begin::Started);
+    s.release_exec("sb", "k3").expect("release");
+    assert_eq!(s.begin_exec("sb", "k3", "h", 7).expect("begin"), Begin::Started);
+}
+
+fn template(id: &str, version: i64) -> TemplateRecord {
+    TemplateRecord {
+        id: id.into(),
+        owner: "k1".into(),
+        name: "py".into(),
+        version,
+        image: "base".into(),
+        class: "container".into(),
+        memory_mb: 512,
+        vcpus: 1.0,
+        disk_mib: 1024,
+        pids: 512,
+        env: "{}".into(),
+        default_ttl_s: 600,
+        max_ttl_s: 3600,
+        warm_min: 2,
+        warm_max: 2,
+        created_at: 1,
+        updated_at: 1,
+        deleted_at: None,
+        startup: None,
+        readiness: None,
+        network: "{}".into(),
+    }
+}
+
+fn pooled(id: &str, created_at: i64, version: i64) -> SandboxRecord {
+    SandboxRecord {
+        template_id: Some("tpl-1".into()),
+        template_version: Some(version),
+        warm: true,
+        pooled: true,
+        idempotency_key: None,
+        ..sandbox(id, created_at)
+    }
+}
+
+fn claim(now: i64) -> Claim<'static> {
+    Claim {
+        template_id: "tpl-1",
+        owner: "k1",
+        now,
+        expires_at: now + 60,
+        max_expires_at: now + 3600,
+        metadata: "{\"a\":\"b\"}",
+        idempotency_key: None,
+        request_hash: "h",
+    }
+}
+
+#[test]
+fn warm_claims_take_the_oldest_of_the_current_version_only() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    s.insert_template(&template("tpl-1", 1)).expect("insert");
+    s.insert_sandbox_free(&pooled("old", 1, 1)).expect("insert");
+    s.insert_sandbox_free(&pooled("new", 2, 1)).expect("insert");
+    // Pooled sandboxes are nobody's yet.
+    assert!(s.list_sandboxes(Some("k1"), None, 10).expect("list").is_empty());
+    let got = s.claim_warm(&claim(100)).expect("claim").expect("one ready");
+    assert_eq!((got.id.as_str(), got.pooled, got.warm, got.created_at), ("old", false, true, 100));
+    assert_eq!(got.metadata, "{\"a\":\"b\"}");
+    assert_eq!(s.list_sandboxes(Some("k1"), None, 10).expect("list").len(), 1);
+    // A new version: the remaining v1 sandbox can no longer be claimed.
+    let mut t = template("tpl-1", 2);
+    assert!(s.update_template(&t, 1).expect("update"));
+    assert_eq!(s.claim_warm(&claim(101)).expect("claim"), None);
+    // A drained one cannot be claimed either, and a deleted template has no pool.
+    s.insert_sandbox_free(&pooled("v2", 3, 2)).expect("insert");
+    assert!(s.drain_pooled("v2").expect("drain"));
+    assert_eq!(s.claim_warm(&claim(102)).expect("claim"), None);
+    s.insert_sandbox_free(&pooled("v2b", 4, 2)).expect("insert");
+    t.deleted_at = Some(5);
+    assert!(s.update_template(&t, 1).expect("delete"));
+    assert_eq!(s.claim_warm(&claim(103)).expect("claim"), None);
+    assert!(s.template_by_name("k1", "py").expect("get").is_none());
+    assert_eq!(s.pooled_sandboxes().expect("pooled").len(), 3);
+}
+
+#[test]
+fn template_names_are_unique_among_live_templates() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    s.insert_template(&template("tpl-1", 1)).expect("insert");
+    assert!(matches!(s.insert_template(&template("tpl-2", 1)), Err(StoreError::Conflict)));
+    let mut t = template("tpl-1", 1);
+    t.deleted_at = Some(2);
+    assert!(s.update_template(&t, 1).expect("delete"));
+    s.insert_template(&template("tpl-2", 1)).expect("the name is free again");
+    assert_eq!(s.list_templates(Some("k1")).expect("list").len(), 1);
+}
+
+#[test]
+fn builds_are_listed_newest_first_and_unfinished_ones_fail_on_restart() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    let mut t = template("tpl-1", 1);
+    t.startup = Some(r#"{"command":"serve"}"#.into());
+    s.insert_template(&t).expect("template");
+    assert_eq!(
+        s.get_template("tpl-1").expect("get").and_then(|t| t.startup).as_deref(),
+        Some(r#"{"command":"serve"}"#)
+    );
+    for (i, state) in [BuildState::Succeeded, BuildState::Building, BuildState::Queued].into_iter().enumerate() {
+        let b = BuildRecord {
+            id: format!("bld-{i}"),
+            template_id: "tpl-1".into(),
+            owner: "k1".into(),
+            state,
+            created_at: i as i64,
+            finished_at: None,
+            error: None,
+            parent: "base".into(),
+            image: None,
+            version: None,
+        };
+        assert!(s.insert_build(&b, None).expect("insert"));
+    }
+    let ids: Vec<String> = s.list_builds("tpl-1").expect("list").into_iter().map(|b| b.id).collect();
+    assert_eq!(ids, ["bld-2", "bld-1", "bld-0"]);
+    assert_eq!(s.fail_unfinished_builds(9, "interrupted").expect("fail"), 2);
+    let b = s.get_build("bld-1").expect("get").expect("some");
+    assert_eq!((b.state, b.finished_at, b.error.as_deref()), (BuildState::Failed, Some(9), Some("interrupted")));
+    assert_eq!(s.get_build("bld-0").expect("get").expect("some").state, BuildState::Succeeded);
+}
+
+#[test]
+fn keys_are_found_by_hash_and_revoked() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    let k = KeyRecord {
+        id: "k1".into(),
+        name: "admin".into(),
+        hash: "abc".into(),
+        admin: true,
+        created_at: 1,
+        revoked_at: None,
+        quotas: Quotas::default(),
+    };
+    s.insert_key(&k).expect("insert");
+    assert_eq!(s.key_by_hash("abc").expect("get"), Some(k));
+    assert!(s.revoke_key("k1", 5).expect("revoke"));
+    assert!(!s.revoke_key("k1", 6).expect("revoke twice"));
+    assert_eq!(s.key_by_hash("abc").expect("get").and_then(|k| k.revoked_at), Some(5));
+    assert_eq!(s.count_keys().expect("count"), 1);
+}
+
+#[test]
+fn transitions_are_conditional_on_the_state_they_leave() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    let mut r = sandbox("a", 1);
+    r.state = SandboxState::Starting;
+    s.insert_sandbox_free(&r).expect("insert");
+    // An extension made while it boots is kept by the boot's transition.
+    let extended = s.set_expiry("a", 99_000, &[SandboxState::Starting, SandboxState::Running]).expect("extend");
+    assert_eq!(extended.map(|r| r.expires_at), Some(99_000));
+    let ready = Changes { host_pid: Some(42), limits_applied: Some("enforced"), ..Changes::default() };
+    let got = s.transition("a", &[SandboxState::Starting], SandboxState::Running, &ready).expect("ready");
+    let got = got.expect("it was starting");
+    assert_eq!((got.state, got.expires_at, got.host_pid), (SandboxState::Running, 99_000, Some(42)));
+    // Two writers: only the first wins; the second sees None.
+    let kill = Changes { last_error_code: Some("sandbox_expired"), ..Changes::default() };
+    let from = [SandboxState::Running, SandboxState::Suspended];
+    assert!(s.transition("a", &from, SandboxState::Terminating, &kill).expect("first").is_some());
+    assert!(s.transition("a", &from, SandboxState::Terminating, &Changes::default()).expect("second").is_none());
+    // A resume cannot revert it; nor can an extension touch it now.
+    assert!(s
+        .transition("a", &[SandboxState::Suspended], SandboxState::Running, &Changes::default())
+        .expect("resume")
+        .is_none());
+    assert!(s.set_expiry("a", 1, &[SandboxState::Running]).expect("extend").is_none());
+    let now = s.get_sandbox("a").expect("get").expect("row");
+    assert_eq!((now.state, now.last_error_code.as_deref()), (SandboxState::Terminating, Some("sandbox_expired")));
+    assert!(s
+        .transition("missing", &[SandboxState::Running], SandboxState::Terminated, &Changes::default())
+        .expect("unknown")
+        .is_none());
+}
+
+#[test]
+fn admission_counts_what_live_sandboxes_hold() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    let owner = Quotas { sandboxes: Some(2), memory_mb: Some(1024), ..Quotas::default() };
+    let host = Quotas { memory_mb: Some(1500), ..Quotas::default() };
+    let adm = Admission { owner, host };
+    assert_eq!(s.insert_sandbox(&sandbox("a", 1), &adm).expect("a"), Admitted::Inserted);
+    // 512 + 512 fits the owner's 1024.
+    assert_eq!(s.insert_sandbox(&sandbox("b", 2), &adm).expect("b"), Admitted::Inserted);
+    let small = SandboxRecord { memory_mb: 64, ..sandbox("c", 3) };
+    match s.insert_sandbox(&small, &adm).expect("c") {
+        Admitted::Refused(e) => {
+            assert_eq!((e.scope, e.resource, e.limit, e.used), (Scope::Owner, Resource::Sandboxes, 2, 2))
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(s.get_sandbox("c").expect("get").is_none(), "a refused sandbox leaves no row");
+    // Another owner fits its own quota but not the host's memory.
+    let mut other = sandbox("d", 4);
+    other.owner = "k2".into();
+    other.idempotency_key = None;
+    match s.insert_sandbox(&other, &adm).expect("d") {
+        Admitted::Refused(e) => {
+            assert_eq!((e.scope, e.resource, e.used, e.asked), (Scope::Host, Resource::MemoryMb, 1024, 512))
+        }
+        other => panic!("{other:?}"),
+    }
+    // A terminated sandbox holds nothing.
+    s.transition("a", &[SandboxState::Running], SandboxState::Terminated, &Changes::default()).expect("end");
+    assert_eq!(s.insert_sandbox(&other, &adm).expect("d again"), Admitted::Inserted);
+    assert_eq!(s.usage(Some("k1")).expect("usage"), Usage { sandboxes: 1, memory_mb: 512, disk_mib: 1024 });
+    assert_eq!(s.usage(None).expect("usage").sandboxes, 2);
+}
+
+#[test]
+fn builds_at_once_are_capped_per_owner() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    let b = |id: &str, owner: &str| BuildRecord {
+        id: id.into(),
+        template_id: "tpl-1".into(),
+        owner: owner.into(),
+        state: BuildState::Queued,
+        created_at: 1,
+        finished_at: None,
+        error: None,
+        parent: "base".into(),
+        image: None,
+        version: None,
+    };
+    assert!(s.insert_build(&b("b1", "k1"), Some(1)).expect("first"));
+    assert!(!s.insert_build(&b("b2", "k1"), Some(1)).expect("second"));
+    assert!(s.insert_build(&b("b3", "k2"), Some(1)).expect("other owner"));
+    let done = BuildRecord { state: BuildState::Succeeded, finished_at: Some(2), ..b("b1", "k1") };
+    assert!(s.update_build(&done, &[BuildState::Queued, BuildState::Building]).expect("finish"));
+    assert!(!s.update_build(&done, &[BuildState::Queued, BuildState::Building]).expect("only once"));
+    assert!(s.insert_build(&b("b2", "k1"), Some(1)).expect("room again"));
+    assert_eq!(s.count_running_builds(None).expect("count"), 2);
+}
+
+#[test]
+fn quotas_are_kept_with_the_key() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    let k = KeyRecord {
+        id: "k1".into(),
+        name: "ci".into(),
+        hash: "h".into(),
+        admin: false,
+        created_at: 1,
+        revoked_at: None,
+        quotas: Quotas { sandboxes: Some(3), ..Quotas::default() },
+    };
+    s.insert_key(&k).expect("insert");
+    let q = Quotas { memory_mb: Some(2048), ttl_seconds: Some(60), builds: Some(1), ..Quotas::default() };
+    assert!(s.set_quotas("k1", &q).expect("set"));
+    assert_eq!(s.get_key("k1").expect("get").map(|k| k.quotas), Some(q));
+    s.revoke_key("k1", 2).expect("revoke");
+    assert!(!s.set_quotas("k1", &Quotas::default()).expect("revoked keys keep theirs"));
+}
