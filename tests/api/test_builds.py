@@ -383,7 +383,8 @@ def test_a_build_interrupted_by_kill_9_is_failed_and_cleaned_on_restart(own_daem
     api = d.client("admin")
     t = make_template(api)
     b = start_build(api, t["id"], {"Dockerfile": "RUN echo started; exec sleep 600\n"})
-    wait_for("the step to run", lambda: "started" in build_log(api, t["id"], b["id"]), timeout=30, interval=0.1)
+    # The step's own output line (the step's header holds the word too).
+    wait_for("the step to run", lambda: "\nstarted\n" in build_log(api, t["id"], b["id"]), timeout=30, interval=0.1)
     running = build_sandbox_cgroups(d)
     assert running, "no build sandbox cgroup while a step runs"
     d.kill9()
@@ -523,7 +524,8 @@ def test_two_daemons_restarting_one_leaves_the_others_build_running(own_daemon: 
     api = d1.client("admin")
     t = make_template(api)
     b = start_build(api, t["id"], {"Dockerfile": "RUN echo started; exec sleep 600\n"})
-    wait_for("the step to run", lambda: "started" in build_log(api, t["id"], b["id"]), timeout=30, interval=0.1)
+    # The step's own output line (the step's header holds the word too).
+    wait_for("the step to run", lambda: "\nstarted\n" in build_log(api, t["id"], b["id"]), timeout=30, interval=0.1)
     ours = build_sandbox_cgroups(d1)
     assert ours, "no build sandbox cgroup while a step runs"
     n = sum(1 for _ in tmp_root.glob("own2-*"))

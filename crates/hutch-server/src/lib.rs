@@ -174,3 +174,20 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     listener::serve_router(listener, router(app), listener::Gate::new(limits), shutdown).await
 }
+
+#[cfg(test)]
+mod tests {
+    /// Architecture invariant: the HTTP layer reaches sandboxes only
+    /// through the control plane; it does not depend on the store, the
+    /// runtime or the agent.
+    #[test]
+    fn the_server_depends_on_the_control_plane_and_the_api_alone() {
+        let manifest = include_str!("../Cargo.toml");
+        for forbidden in ["hutch-store", "hutch-runtime", "hutch-agent"] {
+            assert!(!manifest.contains(forbidden), "hutch-server's Cargo.toml names {forbidden}");
+        }
+        for needed in ["hutch-control", "hutch-api"] {
+            assert!(manifest.contains(needed), "hutch-server's Cargo.toml lacks {needed}");
+        }
+    }
+}

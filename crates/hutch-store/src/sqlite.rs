@@ -1,6 +1,7 @@
 //! The embedded SQLite store (WAL mode) in one file.
 
 use crate::*;
+use rusqlite::types::Value;
 use rusqlite::{params, params_from_iter, Connection, OptionalExtension, Transaction};
 use std::path::Path;
 use std::sync::Mutex;
@@ -70,6 +71,15 @@ fn conflict(e: rusqlite::Error) -> StoreError {
 /// `?N, ?N+1, ...` for `n` parameters.
 fn placeholders(first: usize, n: usize) -> String {
     (first..first + n).map(|i| format!("?{i}")).collect::<Vec<_>>().join(", ")
+}
+
+/// Runs `update`, a statement ending in `WHERE ... AND state IN`, with
+/// `values` as its first parameters and `states` as the list it ends with:
+/// the conditional update every state change is. Returns the rows changed.
+fn update_in_states(c: &Connection, update: &str, mut values: Vec<Value>, states: &[&str]) -> Result<usize> {
+    let sql = format!("{update} ({})", placeholders(values.len() + 1, states.len()));
+    values.extend(states.iter().map(|s| Value::from((*s).to_owned())));
+    Ok(c.execute(&sql, params_from_iter(values))?)
 }
 
 const SANDBOX_COLUMNS: &str = "id, owner, template, state, created_at, expires_at, max_expires_at, memory_mb, vcpus, \
@@ -394,14 +404,7 @@ impl Store for SqliteStore {
         }
         self.with(|c| {
             let tx = c.transaction()?;
-            let sql = format!(
-                "UPDATE sandboxes SET state = ?2, \
-                 last_error_code = COALESCE(?3, last_error_code), host_pid = COALESCE(?4, host_pid), \
-                 limits_applied = COALESCE(?5, limits_applied), network = COALESCE(?6, network) \
-                 WHERE id = ?1 AND state IN ({})",
-                placeholders(7, from.len())
-            );
-            let mut values: Vec<rusqlite::types::Value> = vec![
+            let values: Vec<Value> = vec![
                 id.to_owned().into(),
                 to.as_str().to_owned().into(),
                 ch.last_error_code.map(str::to_owned).into(),
@@ -409,8 +412,12 @@ impl Store for SqliteStore {
                 ch.limits_applied.map(str::to_owned).into(),
                 ch.network.map(str::to_owned).into(),
             ];
-            values.extend(from.iter().map(|s| rusqlite::types::Value::from(s.as_str().to_owned())));
-            if tx.execute(&sql, params_from_iter(values))? == 0 {
+            let states: Vec<&str> = from.iter().map(|s| s.as_str()).collect();
+            let update = "UPDATE sandboxes SET state = ?2, \
+                 last_error_code = COALESCE(?3, last_error_code), host_pid = COALESCE(?4, host_pid), \
+                 limits_applied = COALESCE(?5, limits_applied), network = COALESCE(?6, network) \
+                 WHERE id = ?1 AND state IN";
+            if update_in_states(&tx, update, values, &states)? == 0 {
                 return Ok(None);
             }
             let r = get_sandbox_in(&tx, id)?;
@@ -425,13 +432,9 @@ impl Store for SqliteStore {
         }
         self.with(|c| {
             let tx = c.transaction()?;
-            let sql = format!(
-                "UPDATE sandboxes SET expires_at = ?2 WHERE id = ?1 AND state IN ({})",
-                placeholders(3, states.len())
-            );
-            let mut values: Vec<rusqlite::types::Value> = vec![id.to_owned().into(), expires_at.into()];
-            values.extend(states.iter().map(|s| rusqlite::types::Value::from(s.as_str().to_owned())));
-            if tx.execute(&sql, params_from_iter(values))? == 0 {
+            let states: Vec<&str> = states.iter().map(|s| s.as_str()).collect();
+            let update = "UPDATE sandboxes SET expires_at = ?2 WHERE id = ?1 AND state IN";
+            if update_in_states(&tx, update, vec![id.to_owned().into(), expires_at.into()], &states)? == 0 {
                 return Ok(None);
             }
             let r = get_sandbox_in(&tx, id)?;
@@ -695,12 +698,7 @@ impl Store for SqliteStore {
             return Ok(false);
         }
         self.with(|c| {
-            let sql = format!(
-                "UPDATE builds SET state = ?2, finished_at = ?3, error = ?4, image = ?5, version = ?6 \
-                 WHERE id = ?1 AND state IN ({})",
-                placeholders(7, from.len())
-            );
-            let mut values: Vec<rusqlite::types::Value> = vec![
+            let values: Vec<Value> = vec![
                 b.id.clone().into(),
                 b.state.as_str().to_owned().into(),
                 b.finished_at.into(),
@@ -708,8 +706,10 @@ impl Store for SqliteStore {
                 b.image.clone().into(),
                 b.version.into(),
             ];
-            values.extend(from.iter().map(|s| rusqlite::types::Value::from(s.as_str().to_owned())));
-            Ok(c.execute(&sql, params_from_iter(values))? == 1)
+            let states: Vec<&str> = from.iter().map(|s| s.as_str()).collect();
+            let update = "UPDATE builds SET state = ?2, finished_at = ?3, error = ?4, image = ?5, version = ?6 \
+                 WHERE id = ?1 AND state IN";
+            Ok(update_in_states(c, update, values, &states)? == 1)
         })
     }
 

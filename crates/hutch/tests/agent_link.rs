@@ -8,35 +8,8 @@ use common::*;
 use hutch_agent::proto::{Cmd, ErrorCode, ExitStatus, FromAgent, Reply, Request, Spawn, Stream, WriteFile};
 use hutch_runtime::agent::{AgentConn, AgentError};
 use hutch_runtime::cgroup::Limits;
-use hutch_runtime::{Config, Runtime, Sandbox, SandboxSpec};
+use hutch_runtime::{Runtime, SandboxSpec};
 use std::time::Duration;
-
-fn runtime(env: &Env) -> Runtime {
-    let cfg = Config { state_dir: env.state.clone(), run_dir: env.run.clone(), agent: agent(), ..Config::from_env() };
-    Runtime::new(cfg).expect("runtime")
-}
-
-/// Destroys the sandbox even when the test panics.
-struct Guard(Option<Sandbox>);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        if let Some(sb) = self.0.take() {
-            let _ = sb.destroy();
-        }
-    }
-}
-
-impl std::ops::Deref for Guard {
-    type Target = Sandbox;
-    fn deref(&self) -> &Sandbox {
-        self.0.as_ref().expect("live sandbox")
-    }
-}
-
-fn start(rt: &Runtime, spec: &SandboxSpec) -> Guard {
-    Guard(Some(rt.start(spec).expect("start sandbox")))
-}
 
 fn spawn(cmd: &str, user: &str, timeout_ms: Option<u64>) -> Request {
     Request::Spawn(Spawn {
@@ -326,6 +299,12 @@ fn filling_memory_kills_the_command_never_the_agent() {
     // The agent still answers; the file's pages stay charged to the workload
     // until it goes.
     conn.call(Request::Remove { path: "/tmp/fill".into(), user: None }, &[]).expect("remove");
+    // The killed writer's last close of the file is deferred by the kernel
+    // (an exiting task's final fput runs from a work queue), so the space
+    // comes back shortly after its exit: wait for it.
+    wait_until("the removed file's space to come back", Duration::from_secs(10), || {
+        sb.usage().disk_used_bytes < 32 << 20
+    });
     let (out, st) = sh(&mut conn, "echo alive", "user", None);
     assert_eq!((out.as_str(), st.oom_killed), ("alive\n", false));
     // A SIGKILL that is not the OOM killer's is not reported as one.

@@ -11,32 +11,9 @@ use common::*;
 use hutch_agent::proto::{Cmd, FromAgent, Reply, Request, Spawn, Stream};
 use hutch_runtime::agent::AgentConn;
 use hutch_runtime::container::KERNEL_CAPS;
-use hutch_runtime::{Config, Runtime, Sandbox, SandboxSpec};
+use hutch_runtime::SandboxSpec;
 use std::collections::BTreeMap;
 use std::time::Duration;
-
-fn runtime(env: &Env) -> Runtime {
-    let cfg = Config { state_dir: env.state.clone(), run_dir: env.run.clone(), agent: agent(), ..Config::from_env() };
-    Runtime::new(cfg).expect("runtime")
-}
-
-/// Destroys the sandbox even when the test panics.
-struct Guard(Option<Sandbox>);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        if let Some(sb) = self.0.take() {
-            let _ = sb.destroy();
-        }
-    }
-}
-
-impl std::ops::Deref for Guard {
-    type Target = Sandbox;
-    fn deref(&self) -> &Sandbox {
-        self.0.as_ref().expect("live sandbox")
-    }
-}
 
 fn python(script: &str, user: &str) -> Request {
     Request::Spawn(Spawn {

@@ -6,14 +6,9 @@ mod common;
 
 use common::*;
 use hutch_runtime::container::RuntimeError;
-use hutch_runtime::{uids, Config, Runtime, Sandbox, SandboxSpec};
+use hutch_runtime::{uids, Sandbox, SandboxSpec};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-
-fn runtime(env: &Env) -> Runtime {
-    let cfg = Config { state_dir: env.state.clone(), run_dir: env.run.clone(), agent: agent(), ..Config::from_env() };
-    Runtime::new(cfg).expect("runtime")
-}
 
 /// Destroys the sandboxes even when the test panics.
 struct Guard(Vec<Sandbox>);

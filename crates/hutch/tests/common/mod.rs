@@ -141,3 +141,46 @@ pub fn host_pids_with(needle: &str) -> Vec<u32> {
     }
     pids
 }
+
+/// A runtime with the test's own state and run directories.
+pub fn runtime(env: &Env) -> hutch_runtime::Runtime {
+    let cfg = hutch_runtime::Config {
+        state_dir: env.state.clone(),
+        run_dir: env.run.clone(),
+        agent: agent(),
+        ..hutch_runtime::Config::from_env()
+    };
+    hutch_runtime::Runtime::new(cfg).expect("runtime")
+}
+
+/// Destroys the sandbox even when the test panics.
+pub struct Guard(pub Option<hutch_runtime::Sandbox>);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let Some(sb) = self.0.take() {
+            let _ = sb.destroy();
+        }
+    }
+}
+
+impl std::ops::Deref for Guard {
+    type Target = hutch_runtime::Sandbox;
+    fn deref(&self) -> &hutch_runtime::Sandbox {
+        self.0.as_ref().expect("live sandbox")
+    }
+}
+
+/// Starts a sandbox that ends with the guard.
+pub fn start(rt: &hutch_runtime::Runtime, spec: &hutch_runtime::SandboxSpec) -> Guard {
+    Guard(Some(rt.start(spec).expect("start sandbox")))
+}
+
+/// Polls `cond` until it holds; panics naming `what` after `timeout`.
+pub fn wait_until(what: &str, timeout: std::time::Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + timeout;
+    while !cond() {
+        assert!(std::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
