@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -356,6 +357,8 @@ class Daemon:
         self.net_instance = self._net.number
         # Extra environment (HUTCH_DNS_UPSTREAM, ...) for every start.
         self.extra_env: dict[str, str] = {}
+        # The daemon's open-file limit (soft, hard) at start; None: inherited.
+        self.nofile: tuple[int, int] | None = None
         if not binary.is_file():
             pytest.fail(
                 f"hutch binary not found at {binary}: build it first (cargo build --workspace)", pytrace=False
@@ -397,6 +400,7 @@ class Daemon:
         env["HUTCH_NET_INSTANCE"] = str(self.net_instance)
         env.update(self.extra_env)
         log = open(self.log_path, "wb")
+        nofile = self.nofile
         try:
             self.proc = subprocess.Popen(
                 [str(self.binary), "serve", "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.state_dir)],
@@ -405,6 +409,7 @@ class Daemon:
                 stdout=log,
                 stderr=log,
                 start_new_session=True,
+                preexec_fn=(lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile)) if nofile else None,
             )
         finally:
             log.close()

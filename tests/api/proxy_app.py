@@ -11,6 +11,8 @@ Routes:
   GET  /ws           -> a WebSocket echo (text and binary frames)
   GET  /set-headers  -> a response with CSP, Cache-Control, Clear-Site-Data
                         and cookies, one of them named like hutch's cookie
+  GET  /set-nameless -> cookies without a name whose value reads as hutch's
+                        cookie once a browser sends it back
   GET  /hello        -> "hello" (for the benchmark)
 """
 
@@ -54,6 +56,13 @@ class Handler(BaseHTTPRequestHandler):
             self.sse()
         elif path == "/ws":
             self.websocket()
+        elif path == "/set-nameless":
+            self.send_body(200, b"{}", extra=[
+                ("Set-Cookie", "=hutch_sandbox_token=forged; Path=/"),
+                ("Set-Cookie", " = hutch_sandbox_token=forged2"),
+                ("Set-Cookie", "=__Host-hutch_sandbox_token=forged3; Path=/; Secure"),
+                ("Set-Cookie", "=app_nameless=kept"),
+            ])
         elif path == "/set-headers":
             self.send_body(200, b"{}", extra=[
                 ("Content-Security-Policy", "default-src 'self'"),

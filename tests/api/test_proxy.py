@@ -454,6 +454,54 @@ def test_responses_get_the_policy_and_lose_what_touches_the_credential(daemon: D
         assert r.headers["Cache-Control"] == "private, no-store"
 
 
+def test_a_nameless_set_cookie_cannot_plant_the_credential(daemon: Daemon, api: Client, app_box: dict):
+    """Browsers send a cookie without a name as its value alone, so
+    `Set-Cookie: =hutch_sandbox_token=x` comes back as the credential."""
+    sid = app_box["id"]
+    g = grant(api, sid)
+    for via in (via_host, via_path):
+        r = via(daemon, sid, "/set-nameless", g["token"])
+        expect_status(r, 200)
+        assert r.raw.headers.getlist("Set-Cookie") == ["=app_nameless=kept"]
+
+
+def test_a_cookie_header_with_non_ascii_bytes_loses_the_credential_too(daemon: Daemon, api: Client, app_box: dict):
+    sid = app_box["id"]
+    g = grant(api, sid)
+    # requests sends header values as Latin-1: the byte 0xE9 on the wire.
+    cookie = f"app_a=caf\u00e9; hutch_sandbox_token={g['token']}; app_b=2"
+    for via in (via_host, via_path):
+        r = via(daemon, sid, "/headers", g["token"], headers={"Cookie": cookie})
+        seen = seen_headers(r)
+        assert g["token"] not in r.text, seen
+        assert [v for k, v in seen if k.lower() == "cookie"] == ["app_a=caf\u00e9; app_b=2"], seen
+    # With the credential only in that cookie, it still opens the port.
+    r = via_host(daemon, sid, "/headers", headers={"Cookie": cookie})
+    expect_status(r, 200)
+    assert g["token"] not in r.text
+
+
+def test_only_websocket_upgrades_are_tunnelled(daemon: Daemon, api: Client, app_box: dict):
+    sid = app_box["id"]
+    g = grant(api, sid)
+    # Another protocol is not asked of the application: its Upgrade is removed.
+    r = via_host(daemon, sid, "/headers", g["token"], headers={"Connection": "Upgrade", "Upgrade": "h2c"})
+    names = {k.lower() for k, _ in seen_headers(r)}
+    assert "upgrade" not in names and "connection" not in names, names
+    # An application that switches anyway (the app's /ws answers 101 to
+    # anything) is not joined to the client.
+    s = raw_connect(daemon)
+    raw_request(s, host_of(daemon, sid), "/ws", g["token"], "Upgrade: h2c\r\nConnection: Upgrade\r\n")
+    head, _ = read_head(s)
+    assert head.startswith(b"HTTP/1.1 502"), head
+    s.close()
+    # WebSocket still works.
+    ws = ws_open(daemon, sid, g["token"])
+    ws_send(ws, "hi")
+    assert ws_recv(ws) == "hi"
+    ws.close()
+
+
 def test_a_service_bound_to_ipv6_loopback_is_reached(daemon: Daemon, api: Client, app_box: dict):
     g = grant(api, app_box["id"], V6_PORT)
     expect_status(via_host(daemon, app_box["id"], "/hello", g["token"], port=V6_PORT), 200)

@@ -10,6 +10,7 @@ use crate::ids::{OwnerId, SandboxId};
 use crate::lifecycle::{Live, Reason, HOLDING};
 use crate::network::NetRecord;
 use hutch_api::SandboxState;
+use hutch_runtime::container::{Liveness, Sandbox};
 use hutch_store::SandboxRecord;
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -28,7 +29,7 @@ impl Control {
             let id = SandboxId::from_record(&r.id);
             let handle = self.runtime.adopt(&r.id);
             let (handle, alive) = tokio::task::spawn_blocking(move || {
-                let alive = handle.is_alive() && hutch_runtime::agent::AgentConn::connect(&handle.socket).is_ok();
+                let alive = adoptable(&handle);
                 (handle, alive)
             })
             .await?;
@@ -106,6 +107,7 @@ impl Control {
     pub async fn reconcile(self: &Arc<Self>) -> Result<()> {
         let now = now_ms();
         let mut lag = 0.0f64;
+        let (mut unknown, mut first_unknown) = (0usize, None);
         let revoked = self.revoked_owners().await?;
         let states = [SandboxState::Running, SandboxState::Suspended, SandboxState::Terminating];
         for r in self.db(move |s| s.sandboxes_in(&states)).await? {
@@ -132,11 +134,25 @@ impl Control {
                 continue;
             }
             if let Some(live) = self.live(&id) {
-                let dead = live.handle.lock().ok().and_then(|h| h.as_ref().map(|sb| !sb.is_alive())).unwrap_or(false);
-                if dead && (!r.pooled || self.drain_pooled(&id).await?) {
-                    let _ = self.destroy(&id, Some(Reason::AgentExited)).await;
+                // Only a positive observation of death ends a sandbox; a
+                // check that failed (out of descriptors) is no verdict.
+                let seen = live.handle.lock().ok().and_then(|h| h.as_ref().map(|sb| sb.liveness()));
+                match seen {
+                    Some(Liveness::Dead) => {
+                        if !r.pooled || self.drain_pooled(&id).await? {
+                            let _ = self.destroy(&id, Some(Reason::AgentExited)).await;
+                        }
+                    }
+                    Some(Liveness::Unknown(e)) => {
+                        unknown += 1;
+                        first_unknown.get_or_insert_with(|| format!("sandbox {id}: {e}"));
+                    }
+                    Some(Liveness::Alive) | None => {}
                 }
             }
+        }
+        if let Some(first) = first_unknown {
+            tracing::warn!("cannot tell whether {unknown} sandboxes are alive ({first}); they are left running");
         }
         self.metrics.set_reconciler_lag(lag);
         if !self.is_shutting_down() {
@@ -152,5 +168,25 @@ impl Control {
     pub(crate) async fn drain_pooled(&self, id: &SandboxId) -> Result<bool> {
         let sid = id.to_string();
         self.db(move |s| s.drain_pooled(&sid)).await
+    }
+}
+
+/// Whether a sandbox found at start-up can be adopted: its processes are not
+/// known to be gone and its agent's socket is not known to be dead. A check
+/// that fails (EMFILE, ENOMEM) is no verdict: the sandbox is adopted and the
+/// reconciler looks again.
+fn adoptable(handle: &Sandbox) -> bool {
+    if let Liveness::Dead = handle.liveness() {
+        return false;
+    }
+    match hutch_runtime::agent::AgentConn::connect(&handle.socket) {
+        Ok(_) => true,
+        Err(hutch_runtime::agent::AgentError::Io(e))
+            if !matches!(e.raw_os_error(), Some(libc::ECONNREFUSED | libc::ENOENT | libc::ENOTSOCK)) =>
+        {
+            tracing::warn!("sandbox {}: cannot reach its agent ({e}); adopting it and checking again later", handle.id);
+            true
+        }
+        Err(_) => false,
     }
 }

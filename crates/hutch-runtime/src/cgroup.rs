@@ -614,17 +614,79 @@ impl Cgroup {
         cg
     }
 
-    /// Whether any process is in the cgroup.
-    pub fn has_processes(&self) -> bool {
-        self.dirs
-            .iter()
-            .any(|d| fs::read_to_string(d.join("cgroup.procs")).map(|t| !t.trim().is_empty()).unwrap_or(false))
+    /// Whether any process is in the cgroup or a cgroup below it. `Ok(false)`
+    /// is a positive observation: every directory was read (or is gone) and
+    /// none holds a process. A failure to read (EMFILE, ENOMEM, ...) is an
+    /// error, never "empty": the caller cannot tell.
+    pub fn populated(&self) -> io::Result<bool> {
+        let mut first_err = None;
+        for d in &self.dirs {
+            match dir_populated(d, 0) {
+                Ok(true) => return Ok(true),
+                Ok(false) => {}
+                Err(e) => {
+                    first_err.get_or_insert(CgroupError::Io { path: d.clone(), source: e });
+                }
+            }
+        }
+        match first_err {
+            None => Ok(false),
+            Some(e) => Err(io::Error::other(e)),
+        }
     }
 
     /// Whether any directory of this cgroup still exists.
     pub fn exists(&self) -> bool {
         self.dirs.iter().any(|d| d.is_dir())
     }
+}
+
+/// Whether a cgroup directory or one below it holds a process (see
+/// [`Cgroup::populated`]). v2 says so for the whole subtree in
+/// `cgroup.events`; v1 needs `cgroup.procs` of each directory.
+fn dir_populated(dir: &Path, depth: u32) -> io::Result<bool> {
+    // A directory that is gone holds nothing; any other error says nothing.
+    let gone = |e: io::Error| -> io::Result<bool> {
+        match fs::symlink_metadata(dir) {
+            Err(m) if m.kind() == io::ErrorKind::NotFound => Ok(false),
+            _ => Err(e),
+        }
+    };
+    match fs::read_to_string(dir.join("cgroup.events")) {
+        Ok(text) => {
+            if let Some(v) = text.lines().find_map(|l| l.strip_prefix("populated ")) {
+                return match v.trim() {
+                    "0" => Ok(false),
+                    "1" => Ok(true),
+                    other => {
+                        Err(io::Error::new(io::ErrorKind::InvalidData, format!("cgroup.events: populated {other}")))
+                    }
+                };
+            }
+        }
+        // v1 has no cgroup.events.
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    match fs::read_to_string(dir.join("cgroup.procs")) {
+        Ok(t) if !t.trim().is_empty() => return Ok(true),
+        Ok(_) => {}
+        Err(e) => return gone(e),
+    }
+    if depth >= 8 {
+        return Err(io::Error::other(format!("{} nests too deep", dir.display())));
+    }
+    let entries = match fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) => return gone(e),
+    };
+    for entry in entries {
+        let entry = entry?;
+        if entry.file_type()?.is_dir() && dir_populated(&entry.path(), depth + 1)? {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// The mount whose `favordynmods` option governs task migrations here: the
@@ -770,6 +832,37 @@ mod tests {
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).expect("mkdir");
         dir
+    }
+
+    /// Only a read that succeeded says "empty"; an error is no verdict
+    /// (finding 15 of issue 10: EMFILE read as "no processes" ended every
+    /// adopted sandbox).
+    #[test]
+    fn populated_is_a_verdict_only_when_the_kernel_was_read() {
+        let root = tmp("populated");
+        let cg = |dirs: &[&str]| Cgroup { dirs: dirs.iter().map(|d| root.join(d)).collect(), ..Cgroup::named("sb", 0) };
+        touch(&root.join("live/cgroup.procs"), "42\n");
+        touch(&root.join("empty/cgroup.procs"), "");
+        touch(&root.join("nested/cgroup.procs"), "");
+        touch(&root.join("nested/workload/cgroup.procs"), "43\n");
+        touch(&root.join("v2live/cgroup.events"), "populated 1\nfrozen 0\n");
+        touch(&root.join("v2live/cgroup.procs"), "");
+        touch(&root.join("v2dead/cgroup.events"), "populated 0\nfrozen 0\n");
+        touch(&root.join("v2dead/cgroup.procs"), "44\n");
+        // A cgroup.procs that cannot be read (here a directory: EISDIR, as
+        // EMFILE or ENOMEM would fail the read).
+        fs::create_dir_all(root.join("unreadable/cgroup.procs")).expect("mkdir");
+        assert!(cg(&["live"]).populated().expect("read"));
+        assert!(!cg(&["empty"]).populated().expect("read"));
+        assert!(cg(&["nested"]).populated().expect("read"), "a process in a child cgroup counts");
+        assert!(cg(&["v2live"]).populated().expect("read"));
+        assert!(!cg(&["v2dead"]).populated().expect("read"), "cgroup.events is the v2 verdict");
+        assert!(!cg(&["gone"]).populated().expect("a removed cgroup holds nothing"));
+        assert!(!cg(&["empty", "gone"]).populated().expect("read"));
+        assert!(cg(&["unreadable"]).populated().is_err(), "a failed read is no verdict");
+        assert!(cg(&["empty", "unreadable"]).populated().is_err());
+        assert!(cg(&["unreadable", "live"]).populated().expect("one live directory is enough"));
+        fs::remove_dir_all(&root).expect("cleanup");
     }
 
     #[test]

@@ -476,7 +476,9 @@ impl Runtime {
             let args: Vec<&str> = agent_args.iter().map(String::as_str).collect();
             let mut fds = vec![(listener.as_raw_fd(), 3), (cfg_rd.as_raw_fd(), 4), (slot.file().as_raw_fd(), 5)];
             fds.extend(extra.iter().zip(proto::WORK_CGROUP_FD..).map(|(f, n)| (f.as_raw_fd(), n)));
-            plan.exec(agent.as_raw_fd(), &args, fds)?;
+            // The daemon raised its own open-file limit; the sandbox gets
+            // the one it started with.
+            plan.exec(agent.as_raw_fd(), &args, fds, crate::sys::workload_nofile())?;
             Ok(plan)
         })()
         .map_err(io_err("prepare the sandbox plan"))?;
@@ -586,19 +588,35 @@ impl Sandbox {
         }
     }
 
-    /// Whether any process of the sandbox still runs.
-    pub fn is_alive(&self) -> bool {
+    /// Whether the sandbox still runs: [`Liveness::Dead`] only on a positive
+    /// observation (our child PID 1 was reaped, or the cgroup was read and
+    /// holds no process); a check that failed is [`Liveness::Unknown`].
+    pub fn liveness(&self) -> Liveness {
         if self.pid > 0 && self.slot.is_some() {
             // Our own child: reap it if it died, so it leaves no zombie.
             let mut status = 0;
             // SAFETY: waitpid with WNOHANG on our child; status is a valid out-pointer.
             let r = unsafe { libc::waitpid(self.pid, &mut status, libc::WNOHANG) };
-            if r == self.pid || r < 0 {
-                return false;
-            }
-            return true;
+            return match r {
+                0 => Liveness::Alive,
+                r if r == self.pid => Liveness::Dead,
+                // ECHILD: reaped already (by an earlier check), so dead.
+                _ => match io::Error::last_os_error() {
+                    e if e.raw_os_error() == Some(libc::ECHILD) => Liveness::Dead,
+                    e => Liveness::Unknown(e),
+                },
+            };
         }
-        self.cgroup.has_processes()
+        match self.cgroup.populated() {
+            Ok(true) => Liveness::Alive,
+            Ok(false) => Liveness::Dead,
+            Err(e) => Liveness::Unknown(e),
+        }
+    }
+
+    /// Whether the sandbox may still run: false only when it is known dead.
+    pub fn is_alive(&self) -> bool {
+        !matches!(self.liveness(), Liveness::Dead)
     }
 
     pub fn thaw(&self) -> Result<(), CgroupError> {
@@ -624,6 +642,16 @@ impl Sandbox {
         }
         Ok(())
     }
+}
+
+/// What a liveness check saw.
+#[derive(Debug)]
+pub enum Liveness {
+    Alive,
+    /// Positively observed: PID 1 was reaped, or the cgroup is empty.
+    Dead,
+    /// The check failed (out of descriptors, out of memory, ...): no verdict.
+    Unknown(io::Error),
 }
 
 /// A sandbox's resource use at one moment.

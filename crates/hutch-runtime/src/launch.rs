@@ -139,13 +139,17 @@ pub enum Step {
         parent: libc::pid_t,
     },
     /// Puts `fds[i].0` at descriptor `fds[i].1`, makes 0, 1 and 2 /dev/null,
-    /// closes everything else and execs `exe_fd` with `argv`, empty environment.
+    /// closes everything else, sets the open-file limit to `nofile` (soft,
+    /// hard) if given, and execs `exe_fd` with `argv`, empty environment.
+    /// The limit comes last: the daemon raised its own, and a lower one set
+    /// while its descriptors were still open here would leave no free one.
     Exec {
         exe_fd: RawFd,
         argv: Vec<CString>,
         argv_ptrs: Vec<*const libc::c_char>,
         fds: Vec<(RawFd, RawFd)>,
         devnull: CString,
+        nofile: Option<(u64, u64)>,
     },
 }
 
@@ -232,11 +236,17 @@ impl Plan {
         Ok(())
     }
 
-    pub fn exec(&mut self, exe_fd: RawFd, argv: &[&str], fds: Vec<(RawFd, RawFd)>) -> io::Result<()> {
+    pub fn exec(
+        &mut self,
+        exe_fd: RawFd,
+        argv: &[&str],
+        fds: Vec<(RawFd, RawFd)>,
+        nofile: Option<(u64, u64)>,
+    ) -> io::Result<()> {
         let argv: Vec<CString> = argv.iter().map(cstr).collect::<io::Result<_>>()?;
         let mut argv_ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
         argv_ptrs.push(std::ptr::null());
-        self.push(Step::Exec { exe_fd, argv, argv_ptrs, fds, devnull: cstr("/dev/null")? });
+        self.push(Step::Exec { exe_fd, argv, argv_ptrs, fds, devnull: cstr("/dev/null")?, nofile });
         Ok(())
     }
 }
@@ -565,7 +575,7 @@ unsafe fn run_step(step: &Step, report: &mut RawFd) -> Result<(), i32> {
                 sc!(libc::SYS_setresgid, 0, 0, 0)?;
                 sc!(libc::SYS_setresuid, 0, 0, 0).map(drop)
             }
-            Step::Exec { exe_fd, argv: _, argv_ptrs, fds, devnull } => {
+            Step::Exec { exe_fd, argv: _, argv_ptrs, fds, devnull, nofile } => {
                 // The report pipe goes above every target first, so that no
                 // dup3 below overwrites it and a failed exec can still say so;
                 // it is close-on-exec, so a successful one closes it.
@@ -594,6 +604,12 @@ unsafe fn run_step(step: &Step, report: &mut RawFd) -> Result<(), i32> {
                 // Close all but the targets, the exe and the report pipe;
                 // the last two are close-on-exec, so execveat drops them.
                 close_from_except(first_free, &mut [exe, *report])?;
+                // Last, once the daemon's descriptors are closed: a lower
+                // limit set before would leave none free for the steps above.
+                if let Some((soft, hard)) = nofile {
+                    let lim = libc::rlimit { rlim_cur: *soft, rlim_max: *hard };
+                    sc!(libc::SYS_prlimit64, 0, libc::RLIMIT_NOFILE, &lim as *const libc::rlimit, 0)?;
+                }
                 let envp: [*const libc::c_char; 1] = [std::ptr::null()];
                 sc!(libc::SYS_execveat, exe, c"".as_ptr(), argv_ptrs.as_ptr(), envp.as_ptr(), libc::AT_EMPTY_PATH)
                     .map(drop)
@@ -815,7 +831,7 @@ mod tests {
         let keep = crate::sys::open("/dev/null", libc::O_RDONLY).expect("open");
         let mut plan = Plan::default();
         // A descriptor placed at 3, where the report pipe may well sit.
-        plan.exec(exe.as_raw_fd(), &["not-an-agent"], vec![(keep.as_raw_fd(), 3)]).expect("plan");
+        plan.exec(exe.as_raw_fd(), &["not-an-agent"], vec![(keep.as_raw_fd(), 3)], None).expect("plan");
         let child = spawn(&plan).expect("clone");
         let err = child.wait_started(&plan).expect_err("the exec failed; the child must not read as started");
         std::fs::remove_dir_all(&dir).expect("cleanup");

@@ -281,3 +281,42 @@ pub mod raw {
         }
     }
 }
+
+/// The open-file limit the process started with, kept by [`raise_nofile`]
+/// for the sandboxes it starts.
+static STARTING_NOFILE: std::sync::OnceLock<(u64, u64)> = std::sync::OnceLock::new();
+
+/// The open-file limit now: (soft, hard).
+pub fn nofile() -> io::Result<(u64, u64)> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: lim is a valid rlimit to fill.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((lim.rlim_cur, lim.rlim_max))
+}
+
+/// Raises the soft open-file limit to the hard limit (the daemon holds a
+/// descriptor for every client connection, agent link and port connection)
+/// and remembers the original, which the sandboxes started after this get
+/// back ([`workload_nofile`]): programs that loop over every possible
+/// descriptor or use `select` expect the usual soft limit. Returns the
+/// limit now in force.
+pub fn raise_nofile() -> io::Result<(u64, u64)> {
+    let (soft, hard) = nofile()?;
+    let _ = STARTING_NOFILE.set((soft, hard));
+    if soft < hard {
+        let raised = libc::rlimit { rlim_cur: hard, rlim_max: hard };
+        // SAFETY: raised is a valid rlimit.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    nofile()
+}
+
+/// The open-file limit sandboxes start with, when [`raise_nofile`] changed
+/// the process's own.
+pub fn workload_nofile() -> Option<(u64, u64)> {
+    STARTING_NOFILE.get().copied()
+}

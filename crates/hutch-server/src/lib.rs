@@ -12,6 +12,7 @@
 mod access;
 mod e2b;
 mod extract;
+pub mod listener;
 mod openapi;
 pub mod proxy;
 mod routes;
@@ -163,18 +164,15 @@ impl ChannelBody {
     }
 }
 
-/// Serves the API on `listener` until `shutdown` completes, then lets
-/// in-flight requests finish.
+/// Serves the API on `listener` under `limits` until `shutdown` completes,
+/// then lets in-flight requests finish (see [`listener`]).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     app: Arc<App>,
+    limits: listener::Limits,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    // Connections the port proxy can close when a grant ends (see proxy.rs);
-    // the listener also sets TCP_NODELAY.
-    let listener = proxy::ProxyListener(listener);
-    let service = router(app).into_make_service_with_connect_info::<proxy::Conn>();
-    axum::serve(listener, service).with_graceful_shutdown(shutdown).await
+    listener::serve_router(listener, router(app), listener::Gate::new(limits), shutdown).await
 }
 
 #[cfg(test)]

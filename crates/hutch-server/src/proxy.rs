@@ -13,11 +13,12 @@
 //! `Cache-Control: private, no-store`, and cannot set or clear the
 //! credential cookie.
 //!
-//! Every downstream connection is wrapped ([`ProxyIo`]) so that the proxy can
+//! Every client connection is wrapped ([`crate::listener::ConnIo`]) so that the proxy can
 //! end it: when a grant that a connection used is revoked or expires, the
 //! connection is closed (idle keep-alive, streaming response or WebSocket
 //! alike), together with its connection to the sandbox.
 
+use crate::listener::Conn;
 use crate::{ApiError, App};
 use axum::body::Body;
 use axum::extract::{ConnectInfo, Request, State};
@@ -30,13 +31,7 @@ use hutch_control::access::AccessPass;
 use hutch_control::ControlError;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
-use std::io;
-use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, Waker};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::watch;
 
 /// The request header that carries an access token.
 pub const TOKEN_HEADER: &str = "x-hutch-sandbox-token";
@@ -56,157 +51,10 @@ const MAX_HEADER_BYTES: usize = 64 << 10;
 const FORM_LIMIT: usize = 4096;
 
 // ---------------------------------------------------------------------------
-// Downstream connections the proxy can end
-
-/// A listener whose connections the proxy can close.
-pub struct ProxyListener(pub tokio::net::TcpListener);
-
-impl axum::serve::Listener for ProxyListener {
-    type Io = ProxyIo;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (ProxyIo, SocketAddr) {
-        loop {
-            match self.0.accept().await {
-                Ok((tcp, addr)) => {
-                    // Event streams and Connect messages are small writes:
-                    // without TCP_NODELAY, Nagle's algorithm and the peer's
-                    // delayed ACK hold some of them for 40 ms.
-                    let _ = tcp.set_nodelay(true);
-                    return (ProxyIo::new(tcp), addr);
-                }
-                Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset) => {}
-                Err(e) => {
-                    // Out of descriptors or memory: wait rather than spin.
-                    tracing::warn!("accept: {e}");
-                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-                }
-            }
-        }
-    }
-
-    fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.0.local_addr()
-    }
-}
-
-/// A downstream TCP connection that ends (reads see EOF, writes fail) once
-/// its [`Conn`] is killed.
-pub struct ProxyIo {
-    inner: tokio::net::TcpStream,
-    conn: Conn,
-}
-
-impl ProxyIo {
-    fn new(inner: tokio::net::TcpStream) -> ProxyIo {
-        ProxyIo { inner, conn: Conn::new() }
-    }
-}
-
-impl Drop for ProxyIo {
-    fn drop(&mut self) {
-        self.conn.0.closed.send_replace(true);
-    }
-}
-
-const READ: usize = 0;
-const WRITE: usize = 1;
-
-fn killed_error() -> io::Error {
-    io::Error::new(io::ErrorKind::BrokenPipe, "closed by the port proxy: its access grant ended")
-}
-
-impl AsyncRead for ProxyIo {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        if this.conn.is_killed() {
-            return Poll::Ready(Ok(()));
-        }
-        match Pin::new(&mut this.inner).poll_read(cx, buf) {
-            Poll::Pending => {
-                this.conn.park(READ, cx.waker());
-                // A kill between the check and the park took no waker of ours.
-                if this.conn.is_killed() {
-                    return Poll::Ready(Ok(()));
-                }
-                Poll::Pending
-            }
-            ready => ready,
-        }
-    }
-}
-
-impl AsyncWrite for ProxyIo {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        if this.conn.is_killed() {
-            return Poll::Ready(Err(killed_error()));
-        }
-        match Pin::new(&mut this.inner).poll_write(cx, buf) {
-            Poll::Pending => {
-                this.conn.park(WRITE, cx.waker());
-                if this.conn.is_killed() {
-                    return Poll::Ready(Err(killed_error()));
-                }
-                Poll::Pending
-            }
-            ready => ready,
-        }
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        if this.conn.is_killed() {
-            return Poll::Ready(Err(killed_error()));
-        }
-        match Pin::new(&mut this.inner).poll_write_vectored(cx, bufs) {
-            Poll::Pending => {
-                this.conn.park(WRITE, cx.waker());
-                if this.conn.is_killed() {
-                    return Poll::Ready(Err(killed_error()));
-                }
-                Poll::Pending
-            }
-            ready => ready,
-        }
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
-    }
-}
-
-/// One downstream connection as the handlers see it (through
-/// `ConnectInfo<Conn>`): a kill switch, the connection to the sandbox it
-/// reuses, and the grants it used.
-#[derive(Clone)]
-pub struct Conn(Arc<ConnShared>);
-
-struct ConnShared {
-    killed: watch::Sender<bool>,
-    /// Set when the downstream connection is gone.
-    closed: watch::Sender<bool>,
-    wakers: Mutex<[Option<Waker>; 2]>,
-    /// The idle connection to a sandbox port, kept for the next request.
-    upstream: Mutex<Option<Upstream>>,
-    /// Grants whose end this connection waits for.
-    watched: Mutex<Vec<String>>,
-}
+// What the proxy keeps on a client connection
 
 /// A client connection to a port in a sandbox.
-struct Upstream {
+pub(crate) struct Upstream {
     sandbox: String,
     port: u16,
     sender: SendRequest<Body>,
@@ -214,56 +62,22 @@ struct Upstream {
     driver: tokio::task::AbortHandle,
 }
 
-impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, ProxyListener>> for Conn {
-    fn connect_info(stream: axum::serve::IncomingStream<'_, ProxyListener>) -> Conn {
-        stream.io().conn.clone()
+impl Upstream {
+    /// Closes the connection to the sandbox.
+    pub(crate) fn close(self) {
+        self.driver.abort();
     }
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl Conn {
-    fn new() -> Conn {
-        Conn(Arc::new(ConnShared {
-            killed: watch::channel(false).0,
-            closed: watch::channel(false).0,
-            wakers: Mutex::new([None, None]),
-            upstream: Mutex::new(None),
-            watched: Mutex::new(Vec::new()),
-        }))
-    }
-
-    fn is_killed(&self) -> bool {
-        *self.0.killed.borrow()
-    }
-
-    fn park(&self, slot: usize, waker: &Waker) {
-        let mut wakers = self.0.wakers.lock().unwrap_or_else(|p| p.into_inner());
-        match &wakers[slot] {
-            Some(w) if w.will_wake(waker) => {}
-            _ => wakers[slot] = Some(waker.clone()),
-        }
-    }
-
-    /// Ends the connection and its connection to the sandbox.
-    fn kill(&self) {
-        self.0.killed.send_replace(true);
-        let wakers = std::mem::take(&mut *self.0.wakers.lock().unwrap_or_else(|p| p.into_inner()));
-        for w in wakers.into_iter().flatten() {
-            w.wake();
-        }
-        if let Some(up) = self.0.upstream.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            up.driver.abort();
-        }
-    }
-
-    /// Completes once the connection is killed.
-    async fn killed(&self) {
-        let _ = self.0.killed.subscribe().wait_for(|k| *k).await;
-    }
-
     /// Kills this connection when the grant of `pass` ends (once per grant).
     fn watch(&self, pass: &AccessPass) {
         {
-            let mut watched = self.0.watched.lock().unwrap_or_else(|p| p.into_inner());
+            let mut watched = lock(&self.0.watched);
             if watched.contains(&pass.grant_id) {
                 return;
             }
@@ -281,24 +95,24 @@ impl Conn {
 
     /// The kept connection to `port` of `sandbox`, if it is still usable.
     async fn take_upstream(&self, sandbox: &str, port: u16) -> Option<Upstream> {
-        let mut up = self.0.upstream.lock().unwrap_or_else(|p| p.into_inner()).take()?;
+        let mut up = lock(&self.0.upstream).take()?;
         if up.sandbox == sandbox && up.port == port && up.sender.ready().await.is_ok() {
             return Some(up);
         }
-        up.driver.abort();
+        up.close();
         None
     }
 
     /// Keeps a connection to a sandbox for the next request, unless this
     /// connection was killed meanwhile.
     fn keep_upstream(&self, up: Upstream) {
-        let mut slot = self.0.upstream.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = lock(&self.0.upstream);
         if self.is_killed() {
-            up.driver.abort();
+            up.close();
             return;
         }
         if let Some(old) = slot.replace(up) {
-            old.driver.abort();
+            old.close();
         }
     }
 }
@@ -338,20 +152,10 @@ pub(crate) async fn by_host(State(app): State<Arc<App>>, req: Request, next: Nex
 /// path is passed on as the client wrote it (not decoded).
 pub(crate) async fn by_path(State(app): State<Arc<App>>, req: Request) -> Response {
     let uri = req.uri().clone();
-    let parsed = (|| {
-        let rest = uri.path().strip_prefix("/v1/sandboxes/")?;
-        let (id, rest) = rest.split_once('/')?;
-        let rest = rest.strip_prefix("ports/")?;
-        let (port, rest) = match rest.split_once('/') {
-            Some((port, rest)) => (port, Some(rest)),
-            None => (rest, None),
-        };
-        Some((id.to_owned(), port.to_owned(), rest.map(str::to_owned)))
-    })();
-    let Some((id, port, rest)) = parsed else {
+    let Some((id, port, rest)) = parse_port_path(uri.path()) else {
         return ApiError::new(ErrorCode::NotFound, "no such route").into_response();
     };
-    let (sandbox, port) = match target_of(&id, &port) {
+    let (sandbox, port) = match target_of(id, port) {
         Ok(t) => t,
         Err(e) => return e.into_response(),
     };
@@ -364,7 +168,20 @@ pub(crate) async fn by_path(State(app): State<Arc<App>>, req: Request) -> Respon
     serve(app, Target { sandbox, port, path_and_query: format!("/{rest}{query}"), base }, req).await
 }
 
-fn strip_port(host: &str) -> &str {
+// ---------------------------------------------------------------------------
+// Parsers of untrusted bytes
+//
+// Everything the proxy reads from a client or an application goes through
+// these pure functions (no IO, no state), so fuzz targets can call them:
+// host names (`strip_port`, `proxy_label`, `parse_label`, `target_of`), the
+// path form (`parse_port_path`), cookies (`cookie_pairs`, `cookie_token`,
+// `without_reserved_cookie`, `set_cookie_sent_name`,
+// `sets_reserved_cookie`), `Upgrade` and `Connection` lists
+// (`upgrade_offers_websocket`, `connection_list`), and the header filters
+// over whole header maps (`request_headers`, `response_headers`).
+
+/// A Host header without its `:port`.
+pub fn strip_port(host: &str) -> &str {
     match host.rsplit_once(':') {
         Some((h, p)) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => h,
         _ => host,
@@ -372,20 +189,34 @@ fn strip_port(host: &str) -> &str {
 }
 
 /// `<id>--<port>` of a proxy host name, lowercased; None for other hosts.
-fn proxy_label(host: &str) -> Option<String> {
+pub fn proxy_label(host: &str) -> Option<String> {
     let host = host.trim_end_matches('.').to_ascii_lowercase();
     let label = host.strip_suffix(HOST_SUFFIX)?;
     Some(label.to_owned())
 }
 
-fn parse_label(label: &str) -> Result<(String, u16), ApiError> {
+/// The sandbox and port a `<id>--<port>` label names.
+pub fn parse_label(label: &str) -> Result<(String, u16), ApiError> {
     let (id, port) = label
         .rsplit_once("--")
         .ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("{label}{HOST_SUFFIX} names no sandbox port")))?;
     target_of(id, port)
 }
 
-fn target_of(id: &str, port: &str) -> Result<(String, u16), ApiError> {
+/// `/v1/sandboxes/<id>/ports/<port>[/<rest>]`: the id, the port and the
+/// rest (None when the path stops after the port, without a slash).
+pub fn parse_port_path(path: &str) -> Option<(&str, &str, Option<&str>)> {
+    let rest = path.strip_prefix("/v1/sandboxes/")?;
+    let (id, rest) = rest.split_once('/')?;
+    let rest = rest.strip_prefix("ports/")?;
+    Some(match rest.split_once('/') {
+        Some((port, rest)) => (id, port, Some(rest)),
+        None => (id, rest, None),
+    })
+}
+
+/// A sandbox id and a port number, checked.
+pub fn target_of(id: &str, port: &str) -> Result<(String, u16), ApiError> {
     let id = hutch_control::SandboxId::parse(id)?.to_string();
     let port: u32 = port
         .parse()
@@ -433,8 +264,9 @@ async fn proxy(app: Arc<App>, target: Target, mut req: Request) -> Result<Respon
         Some(ConnectInfo(conn)) => conn.clone(),
         // Served without our listener (tests): the kill reaches the
         // connection to the sandbox only.
-        None => Conn::new(),
+        None => Conn::detached(),
     };
+    conn.mark_authenticated();
     conn.watch(&pass);
 
     let upgrade = wants_upgrade(req.headers());
@@ -485,8 +317,20 @@ async fn proxy(app: Arc<App>, target: Target, mut req: Request) -> Result<Respon
                 format!("port {} in sandbox {} switched protocols unasked", target.port, target.sandbox),
             ));
         };
+        if !resp.headers().get_all(header::UPGRADE).iter().any(|v| upgrade_offers_websocket(v.as_bytes())) {
+            up.driver.abort();
+            return Err(ApiError::new(
+                ErrorCode::SandboxPortUnreachable,
+                format!(
+                    "port {} in sandbox {} switched to a protocol other than WebSocket",
+                    target.port, target.sandbox
+                ),
+            ));
+        }
         let upstream_upgrade = hyper::upgrade::on(&mut resp);
         let headers = response_headers(resp.headers(), true);
+        // A tunnel lives as long as its grant: no idle timeout applies.
+        conn.mark_upgraded();
         tokio::spawn(tunnel(downstream_upgrade, upstream_upgrade, pass, conn.clone(), up));
         let mut out = Response::new(Body::empty());
         *out.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
@@ -566,6 +410,7 @@ async fn reserved(app: Arc<App>, target: &Target, what: &str, req: Request) -> R
         return Err(ApiError::invalid("_hutch/access takes application/x-www-form-urlencoded"));
     }
     let secure = is_https(req.headers(), req.uri());
+    let conn = req.extensions().get::<ConnectInfo<Conn>>().map(|c| c.0.clone());
     let body = axum::body::to_bytes(req.into_body(), FORM_LIMIT)
         .await
         .map_err(|_| ApiError::new(ErrorCode::PayloadTooLarge, format!("form above {FORM_LIMIT} bytes")))?;
@@ -575,6 +420,9 @@ async fn reserved(app: Arc<App>, target: &Target, what: &str, req: Request) -> R
         .authorize_access(&target.sandbox, target.port, token.as_deref())
         .await
         .map_err(|e| proxy_error(e, &target.sandbox))?;
+    if let Some(conn) = conn {
+        conn.mark_authenticated();
+    }
     let token = token.unwrap_or_default();
     if !token.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
         return Err(ApiError::new(ErrorCode::AccessTokenInvalid, "the access token is malformed"));
@@ -625,27 +473,112 @@ fn request_token(headers: &HeaderMap) -> Option<String> {
     headers
         .get_all(header::COOKIE)
         .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .filter_map(|pair| pair.trim().split_once('='))
-        .find(|(name, _)| name.trim() == COOKIE)
-        .map(|(_, value)| value.trim().trim_matches('"').to_owned())
+        .find_map(|v| cookie_token(v.as_bytes()))
+        .map(|t| String::from_utf8_lossy(t).into_owned())
 }
 
+/// Whether the request asks for a WebSocket upgrade, the only protocol
+/// the proxy switches to.
 fn wants_upgrade(headers: &HeaderMap) -> bool {
-    headers.contains_key(header::UPGRADE) && connection_tokens(headers).iter().any(|t| t == "upgrade")
+    connection_tokens(headers).iter().any(|t| t == "upgrade")
+        && headers.get_all(header::UPGRADE).iter().any(|v| upgrade_offers_websocket(v.as_bytes()))
 }
 
-/// The names a `Connection` header lists, lowercased.
+/// The names every `Connection` header lists, lowercased.
 fn connection_tokens(headers: &HeaderMap) -> Vec<String> {
-    headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|t| t.trim().to_ascii_lowercase())
+    headers.get_all(header::CONNECTION).iter().flat_map(|v| connection_list(v.as_bytes())).collect()
+}
+
+/// Spaces and tabs around list items and cookie parts.
+fn trim_ows(b: &[u8]) -> &[u8] {
+    let start = b.iter().position(|c| !c.is_ascii_whitespace()).unwrap_or(b.len());
+    let end = b.iter().rposition(|c| !c.is_ascii_whitespace()).map_or(start, |i| i + 1);
+    &b[start..end]
+}
+
+/// The names a `Connection` header value lists, lowercased (bytes outside
+/// ASCII kept as replacement characters: such a name matches no header).
+pub fn connection_list(value: &[u8]) -> Vec<String> {
+    value
+        .split(|b| *b == b',')
+        .map(trim_ows)
         .filter(|t| !t.is_empty())
+        .map(|t| String::from_utf8_lossy(t).to_ascii_lowercase())
         .collect()
+}
+
+/// Whether an `Upgrade` header value offers WebSocket.
+pub fn upgrade_offers_websocket(value: &[u8]) -> bool {
+    value.split(|b| *b == b',').map(trim_ows).any(|p| p.eq_ignore_ascii_case(b"websocket"))
+}
+
+/// The pairs of a `Cookie` header as a server reads them: parts split at
+/// `;`, each `name=value` split at its first `=`, spaces trimmed; a part
+/// without `=` is a value with an empty name. Bytes outside ASCII are kept.
+pub fn cookie_pairs(header: &[u8]) -> impl Iterator<Item = (&[u8], &[u8])> {
+    header.split(|b| *b == b';').map(trim_ows).filter(|p| !p.is_empty()).map(|p| {
+        match p.iter().position(|b| *b == b'=') {
+            Some(i) => (trim_ows(&p[..i]), trim_ows(&p[i + 1..])),
+            None => (&p[..0], p),
+        }
+    })
+}
+
+/// The reserved cookie's value in a `Cookie` header (the first, unquoted).
+pub fn cookie_token(header: &[u8]) -> Option<&[u8]> {
+    cookie_pairs(header).find(|(name, _)| *name == COOKIE.as_bytes()).map(|(_, value)| {
+        let value = value.strip_prefix(b"\"").unwrap_or(value);
+        value.strip_suffix(b"\"").unwrap_or(value)
+    })
+}
+
+/// Whether a cookie name is the reserved one, or could pass for it: in any
+/// case, quoted, or with `__Host-` or `__Secure-` prefixes.
+pub fn is_reserved_cookie_name(name: &[u8]) -> bool {
+    let mut name = name.to_ascii_lowercase();
+    name.retain(|b| *b != b'"');
+    let mut rest = name.as_slice();
+    while let Some(r) = rest.strip_prefix(b"__host-").or_else(|| rest.strip_prefix(b"__secure-")) {
+        rest = r;
+    }
+    rest == COOKIE.as_bytes()
+}
+
+/// A `Cookie` header without the reserved cookie (in any spelling of
+/// [`is_reserved_cookie_name`]); None when nothing is left.
+pub fn without_reserved_cookie(header: &[u8]) -> Option<Vec<u8>> {
+    let kept: Vec<&[u8]> = header
+        .split(|b| *b == b';')
+        .map(trim_ows)
+        .filter(|p| !p.is_empty())
+        .filter(|p| cookie_pairs(p).next().is_none_or(|(name, _)| !is_reserved_cookie_name(name)))
+        .collect();
+    (!kept.is_empty()).then(|| kept.join(&b"; "[..]))
+}
+
+/// The name a browser sends back for a cookie a `Set-Cookie` value sets
+/// (RFC 6265bis 5.6): the name before the first `=` of its first part; or,
+/// for a nameless cookie (`=a=b`, or no `=` at all), which browsers send as
+/// its value alone, the name a server reads from that value.
+pub fn set_cookie_sent_name(value: &[u8]) -> &[u8] {
+    let pair = value.split(|b| *b == b';').next().unwrap_or_default();
+    let (name, rest) = match pair.iter().position(|b| *b == b'=') {
+        Some(i) => (trim_ows(&pair[..i]), &pair[i + 1..]),
+        None => (&pair[..0], pair),
+    };
+    if !name.is_empty() {
+        return name;
+    }
+    let sent = trim_ows(rest);
+    match sent.iter().position(|b| *b == b'=') {
+        Some(i) => trim_ows(&sent[..i]),
+        None => sent,
+    }
+}
+
+/// Whether a `Set-Cookie` value would set (or clear) the reserved cookie.
+pub fn sets_reserved_cookie(value: &[u8]) -> bool {
+    is_reserved_cookie_name(set_cookie_sent_name(value))
 }
 
 /// Hop-by-hop headers (RFC 9110 7.6.1, and the older ones still seen).
@@ -675,19 +608,18 @@ fn is_spoofable(name: &str) -> bool {
 
 /// The headers sent to the sandbox: the client's, minus the credential,
 /// spoofable and hop-by-hop headers; `Expect` was answered by us already.
-fn request_headers(headers: &HeaderMap, upgrade: bool) -> HeaderMap {
+/// With `upgrade` (a WebSocket upgrade, see `wants_upgrade`), the upgrade
+/// is asked for WebSocket alone.
+pub fn request_headers(headers: &HeaderMap, upgrade: bool) -> HeaderMap {
     let listed = connection_tokens(headers);
     let mut out = HeaderMap::with_capacity(headers.len());
     for (name, value) in headers {
         let n = name.as_str();
-        if is_spoofable(n) || n == "expect" {
-            continue;
-        }
-        if (HOP_BY_HOP.contains(&n) || listed.iter().any(|l| l == n)) && !(upgrade && n == "upgrade") {
+        if is_spoofable(n) || n == "expect" || HOP_BY_HOP.contains(&n) || listed.iter().any(|l| l == n) {
             continue;
         }
         if name == header::COOKIE {
-            if let Some(v) = without_reserved_cookie(value) {
+            if let Some(v) = without_reserved_cookie(value.as_bytes()).and_then(|v| HeaderValue::from_bytes(&v).ok()) {
                 out.append(header::COOKIE, v);
             }
             continue;
@@ -696,58 +628,38 @@ fn request_headers(headers: &HeaderMap, upgrade: bool) -> HeaderMap {
     }
     if upgrade {
         out.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        out.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
     }
     out
-}
-
-/// A Cookie header without the reserved cookie; None when nothing is left.
-fn without_reserved_cookie(value: &HeaderValue) -> Option<HeaderValue> {
-    let Ok(text) = value.to_str() else { return Some(value.clone()) };
-    let kept: Vec<&str> = text
-        .split(';')
-        .map(str::trim)
-        .filter(|p| !p.is_empty() && p.split('=').next().map(str::trim) != Some(COOKIE))
-        .collect();
-    if kept.is_empty() {
-        return None;
-    }
-    HeaderValue::from_str(&kept.join("; ")).ok()
 }
 
 /// The headers sent to the client: the application's, minus hop-by-hop
 /// headers, `Clear-Site-Data` and any cookie of the reserved name; plus our
 /// CSP beside the application's and `Cache-Control: private, no-store`.
-fn response_headers(headers: &HeaderMap, upgrade: bool) -> HeaderMap {
+/// With `upgrade` (a `101` to a WebSocket upgrade) they say so.
+pub fn response_headers(headers: &HeaderMap, upgrade: bool) -> HeaderMap {
     let listed = connection_tokens(headers);
     let mut out = HeaderMap::with_capacity(headers.len() + 2);
     for (name, value) in headers {
         let n = name.as_str();
-        if (HOP_BY_HOP.contains(&n) || listed.iter().any(|l| l == n)) && !(upgrade && n == "upgrade") {
+        if HOP_BY_HOP.contains(&n) || listed.iter().any(|l| l == n) {
             continue;
         }
         if n == "clear-site-data" || name == header::CACHE_CONTROL {
             continue;
         }
-        if name == header::SET_COOKIE && sets_reserved_cookie(value) {
+        if name == header::SET_COOKIE && sets_reserved_cookie(value.as_bytes()) {
             continue;
         }
         out.append(name.clone(), value.clone());
     }
     if upgrade {
         out.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        out.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
     }
     out.append(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP));
     out.insert(header::CACHE_CONTROL, HeaderValue::from_static("private, no-store"));
     out
-}
-
-fn sets_reserved_cookie(value: &HeaderValue) -> bool {
-    let text = String::from_utf8_lossy(value.as_bytes());
-    let name = text.split(';').next().and_then(|p| p.split('=').next()).unwrap_or("").trim();
-    // Browsers compare cookie names exactly; a case variant is refused too,
-    // and so is a quoted or prefixed spelling.
-    let name = name.trim_matches('"').to_ascii_lowercase();
-    name == COOKIE || name.trim_start_matches("__host-").trim_start_matches("__secure-") == COOKIE
 }
 
 #[cfg(test)]
@@ -835,6 +747,112 @@ mod tests {
         let cookies: Vec<&str> = out.get_all("set-cookie").iter().filter_map(|v| v.to_str().ok()).collect();
         assert_eq!(cookies, ["session=app; HttpOnly"]);
         assert_eq!(out["x-app"], "kept");
+    }
+
+    #[test]
+    fn the_parsers_of_untrusted_bytes_read_what_a_browser_or_server_would() {
+        assert_eq!(parse_port_path("/v1/sandboxes/sb-1/ports/80/a/b?q"), Some(("sb-1", "80", Some("a/b?q"))));
+        assert_eq!(parse_port_path("/v1/sandboxes/sb-1/ports/80"), Some(("sb-1", "80", None)));
+        assert_eq!(parse_port_path("/v1/sandboxes/sb-1/files"), None);
+        let pairs: Vec<(&[u8], &[u8])> = cookie_pairs(b" a = 1 ;;b;=c=d; \xff=\xfe ").collect();
+        assert_eq!(pairs, [(&b"a"[..], &b"1"[..]), (b"", b"b"), (b"", b"c=d"), (b"\xff", b"\xfe")]);
+        assert_eq!(cookie_token(b"x=1; hutch_sandbox_token=\"t\"; hutch_sandbox_token=u"), Some(&b"t"[..]));
+        assert_eq!(cookie_token(b"=hutch_sandbox_token=t"), None, "a nameless value is no credential");
+        assert_eq!(set_cookie_sent_name(b"a=1; Path=/"), b"a");
+        assert_eq!(set_cookie_sent_name(b"=a=1"), b"a");
+        assert_eq!(set_cookie_sent_name(b"  =  a b =1"), b"a b");
+        assert_eq!(set_cookie_sent_name(b"lonely"), b"lonely");
+        assert_eq!(set_cookie_sent_name(b""), b"");
+        assert!(is_reserved_cookie_name(b"__Secure-__Host-\"HUTCH_sandbox_token\""));
+        assert!(!is_reserved_cookie_name(b"hutch_sandbox_tokens"));
+        assert_eq!(connection_list(b" Upgrade ,, keep-alive,\xff"), ["upgrade", "keep-alive", "\u{fffd}"]);
+        assert!(upgrade_offers_websocket(b"h2c, WebSocket"));
+        assert!(!upgrade_offers_websocket(b"websocket/13x, h2c"));
+    }
+
+    /// Arbitrary bytes make no parser panic (a fuzz target does this at
+    /// length; this is the quick version).
+    #[test]
+    fn the_parsers_take_any_bytes() {
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let alphabet = b"=;,:-\"_ .\t\xffhutch_sandbox_token--80sandboxes.localhost/v1/sandboxes/ports/";
+        for _ in 0..20_000 {
+            let len = (x % 48) as usize;
+            let bytes: Vec<u8> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    if x.is_multiple_of(3) {
+                        (x >> 8) as u8
+                    } else {
+                        alphabet[(x >> 16) as usize % alphabet.len()]
+                    }
+                })
+                .collect();
+            let text = String::from_utf8_lossy(&bytes);
+            let _ = cookie_pairs(&bytes).count();
+            let _ = cookie_token(&bytes);
+            let _ = without_reserved_cookie(&bytes);
+            let _ = sets_reserved_cookie(&bytes);
+            let _ = connection_list(&bytes);
+            let _ = upgrade_offers_websocket(&bytes);
+            let _ = proxy_label(strip_port(&text)).map(|l| parse_label(&l).is_ok());
+            let _ = parse_port_path(&text).map(|(id, port, _)| target_of(id, port).is_ok());
+            if let Some(kept) = without_reserved_cookie(&bytes) {
+                assert!(cookie_token(&kept).is_none(), "{bytes:?}");
+            }
+        }
+    }
+
+    /// Finding 22 of issue 10: browsers send a nameless cookie as its value
+    /// alone, so `=hutch_sandbox_token=x` arrives as the reserved cookie.
+    #[test]
+    fn a_nameless_set_cookie_cannot_plant_the_credential() {
+        let h = headers(&[
+            ("set-cookie", "=hutch_sandbox_token=evil"),
+            ("set-cookie", " = hutch_sandbox_token=evil; Path=/"),
+            ("set-cookie", "hutch_sandbox_token"),
+            ("set-cookie", "=__Secure-hutch_sandbox_token=evil"),
+            ("set-cookie", "=\"hutch_sandbox_token\"=evil"),
+            ("set-cookie", "=other=1"),
+            ("set-cookie", "session=app; HttpOnly"),
+        ]);
+        let out = response_headers(&h, false);
+        let cookies: Vec<&str> = out.get_all("set-cookie").iter().filter_map(|v| v.to_str().ok()).collect();
+        assert_eq!(cookies, ["=other=1", "session=app; HttpOnly"]);
+    }
+
+    /// Finding 22 of issue 10: a Cookie header with bytes outside ASCII was
+    /// forwarded whole, the credential included.
+    #[test]
+    fn a_cookie_header_with_non_ascii_bytes_loses_the_credential_too() {
+        let mut h = HeaderMap::new();
+        let v = HeaderValue::from_bytes(b"a=\xc3\xa9t\xc3\xa9; hutch_sandbox_token=secret; b=\xff").expect("value");
+        h.append(header::COOKIE, v);
+        let out = request_headers(&h, false);
+        assert_eq!(out["cookie"].as_bytes(), b"a=\xc3\xa9t\xc3\xa9; b=\xff");
+        assert_eq!(request_token(&h).as_deref(), Some("secret"), "the credential is found in such a header too");
+        let only = HeaderValue::from_bytes(b"hutch_sandbox_token=secret; \xff").expect("value");
+        let mut h = HeaderMap::new();
+        h.append(header::COOKIE, only);
+        assert_eq!(request_headers(&h, false)["cookie"].as_bytes(), b"\xff");
+    }
+
+    /// Finding 22 of issue 10: the docs promise WebSocket upgrades only.
+    #[test]
+    fn only_websocket_upgrades_pass() {
+        let ws = headers(&[("connection", "keep-alive, Upgrade"), ("upgrade", "WebSocket")]);
+        assert!(wants_upgrade(&ws));
+        for other in ["h2c", "TLS/1.0", "foo", "websocketx", ""] {
+            let h = headers(&[("connection", "upgrade"), ("upgrade", other)]);
+            assert!(!wants_upgrade(&h), "{other:?}");
+            let out = request_headers(&h, wants_upgrade(&h));
+            assert!(out.get("upgrade").is_none() && out.get("connection").is_none(), "{other:?}: {out:?}");
+        }
+        let both = headers(&[("connection", "upgrade"), ("upgrade", "h2c, websocket")]);
+        assert!(wants_upgrade(&both));
+        assert_eq!(request_headers(&both, true)["upgrade"], "websocket", "only the WebSocket offer is passed on");
     }
 
     #[test]

@@ -79,6 +79,7 @@ pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: N
         .unwrap_or("");
     match app.control.authenticate(secret).await {
         Ok(Some(caller)) => {
+            crate::listener::authenticated(&req);
             req.extensions_mut().insert(caller);
             next.run(req).await
         }

@@ -40,6 +40,25 @@ pub struct ServeArgs {
     /// default route) (HUTCH_NET_IPV6).
     #[arg(long, env = "HUTCH_NET_IPV6", default_value = "auto")]
     pub ipv6: String,
+    /// Client connections at once; lowered to fit the open-file limit with
+    /// a reserve for sandbox work (HUTCH_MAX_CONNECTIONS).
+    #[arg(long, env = "HUTCH_MAX_CONNECTIONS", default_value_t = 16384,
+          value_parser = clap::value_parser!(u32).range(2..))]
+    pub max_connections: u32,
+    /// Connections one client address (an IPv6 /64) may hold before any
+    /// request on them authenticated; one more closes its oldest
+    /// (HUTCH_MAX_CLIENT_CONNECTIONS).
+    #[arg(long, env = "HUTCH_MAX_CLIENT_CONNECTIONS", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_client_connections: u32,
+    /// Time a client has to send a request's head, from the connection or
+    /// from its first byte after an idle pause (HUTCH_HEADER_TIMEOUT).
+    #[arg(long, env = "HUTCH_HEADER_TIMEOUT", default_value = "10s", value_parser = crate::units::parse_duration)]
+    pub header_timeout: Duration,
+    /// Time a connection may stay idle between requests; streams and
+    /// WebSockets are never idle while their request runs (HUTCH_IDLE_TIMEOUT).
+    #[arg(long, env = "HUTCH_IDLE_TIMEOUT", default_value = "60s", value_parser = crate::units::parse_duration)]
+    pub idle_timeout: Duration,
     /// How far the sandboxes' memory and disk limits may add up past the
     /// host's memory and the state directory's file system: 8 lets the
     /// limits of the sandboxes alive sum to 8 times the host's memory
@@ -186,6 +205,15 @@ fn init_logging() {
 
 pub fn main(args: ServeArgs) -> i32 {
     init_logging();
+    // Before any thread or sandbox: sandboxes get the limit we started with
+    // back (hutch_runtime::sys::workload_nofile).
+    let nofile = match hutch_runtime::sys::raise_nofile() {
+        Ok((soft, _)) => soft,
+        Err(e) => {
+            tracing::warn!("cannot read or raise the open-file limit: {e}");
+            1024
+        }
+    };
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -193,7 +221,7 @@ pub fn main(args: ServeArgs) -> i32 {
             return 1;
         }
     };
-    match rt.block_on(serve(args)) {
+    match rt.block_on(serve(args, nofile)) {
         Ok(()) => 0,
         Err(e) => {
             tracing::error!("{e:#}");
@@ -202,7 +230,7 @@ pub fn main(args: ServeArgs) -> i32 {
     }
 }
 
-async fn serve(args: ServeArgs) -> Result<()> {
+async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     // The network instance is this daemon's alone, for its whole life:
     // another live daemon holding it means this one must not start (it
     // would sweep the other's links and rules).
@@ -273,7 +301,22 @@ async fn serve(args: ServeArgs) -> Result<()> {
 
     let listener =
         tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("listen on {}", args.listen))?;
-    tracing::info!("hutch serve listening on http://{}", listener.local_addr()?);
+    let limits = hutch_server::listener::Limits {
+        max_connections: args.max_connections as usize,
+        max_client_connections: args.max_client_connections as usize,
+        header_timeout: args.header_timeout,
+        idle_timeout: args.idle_timeout,
+        ..hutch_server::listener::Limits::default()
+    }
+    .fit(nofile);
+    tracing::info!(
+        "hutch serve listening on http://{} (at most {} connections with {} open files allowed, {} of them unauthenticated, {} per client)",
+        listener.local_addr()?,
+        limits.max_connections,
+        nofile,
+        limits.max_unauthenticated(),
+        limits.max_client_connections
+    );
     let app = Arc::new(hutch_server::App { control: control.clone() });
     let stopping = Arc::new(tokio::sync::Notify::new());
     let notify = stopping.clone();
@@ -297,7 +340,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         tracing::warn!("requests still open after {SHUTDOWN_GRACE:?}; exiting anyway");
     };
     tokio::select! {
-        served = hutch_server::serve(listener, app, shutdown) => served?,
+        served = hutch_server::serve(listener, app, limits, shutdown) => served?,
         () = grace => {}
     }
     control.shut_down();

@@ -44,6 +44,7 @@ async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Res
     let secret = super::header(req.headers(), "x-api-key").map(str::trim).unwrap_or("").to_owned();
     match app.control.authenticate(&secret).await {
         Ok(Some(caller)) => {
+            crate::listener::authenticated(&req);
             req.extensions_mut().insert(caller);
             next.run(req).await
         }

@@ -147,6 +147,7 @@ async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Res
     };
     match session {
         Ok(s) => {
+            crate::listener::authenticated(&req);
             req.extensions_mut().insert(s);
             next.run(req).await
         }
