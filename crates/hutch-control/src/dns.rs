@@ -115,14 +115,16 @@ async fn forward(upstreams: &[SocketAddr], query: &[u8]) -> Option<Vec<u8>> {
 /// The question of a query: name (lower case, no trailing dot) and type,
 /// and where the question section ends.
 #[derive(Debug, PartialEq)]
-struct Question {
-    name: String,
-    qtype: u16,
-    end: usize,
+pub struct Question {
+    pub name: String,
+    pub qtype: u16,
+    pub end: usize,
 }
 
 impl Question {
-    fn parse(msg: &[u8]) -> Option<Question> {
+    /// Parses the question of a message (query or answer). Public, like
+    /// [`addresses`] and [`refuse`], for the fuzz targets (fuzz/).
+    pub fn parse(msg: &[u8]) -> Option<Question> {
         if msg.len() < 12 || u16::from_be_bytes([msg[4], msg[5]]) != 1 {
             return None;
         }
@@ -172,7 +174,7 @@ fn read_name(msg: &[u8], mut off: usize) -> Option<(String, usize)> {
 }
 
 /// The A and AAAA addresses in an answer's answer section.
-fn addresses(msg: &[u8]) -> Option<Vec<IpAddr>> {
+pub fn addresses(msg: &[u8]) -> Option<Vec<IpAddr>> {
     let q = Question::parse(msg)?;
     let ancount = u16::from_be_bytes([msg[6], msg[7]]);
     let mut off = q.end;
@@ -197,8 +199,9 @@ fn addresses(msg: &[u8]) -> Option<Vec<IpAddr>> {
     Some(out)
 }
 
-/// An answer with no records and `rcode`, to the question of `query`.
-fn refuse(query: &[u8], question_end: usize, rcode: u8) -> Vec<u8> {
+/// An answer with no records and `rcode`, to the question of `query`
+/// (`question_end` from [`Question::parse`] of it).
+pub fn refuse(query: &[u8], question_end: usize, rcode: u8) -> Vec<u8> {
     let mut r = query[..question_end].to_vec();
     r[2] = 0x80 | (query[2] & 0x79); // QR, keep opcode and RD
     r[3] = 0x80 | rcode; // RA

@@ -17,7 +17,9 @@
 //! stall every command's output for seconds; it also keeps the agent's
 //! dependencies at three.
 
-pub(crate) mod archive;
+/// Public (hidden) only for the fuzz targets under fuzz/.
+#[doc(hidden)]
+pub mod archive;
 
 pub use archive::{ArchiveError, ARCHIVE_CAP, ARCHIVE_ENTRIES, ARCHIVE_UNPACKED_CAP};
 

@@ -12,6 +12,8 @@
 mod access;
 mod e2b;
 mod extract;
+#[doc(hidden)]
+pub mod fuzz_api;
 mod openapi;
 pub mod proxy;
 mod routes;

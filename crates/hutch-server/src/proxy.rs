@@ -364,7 +364,7 @@ pub(crate) async fn by_path(State(app): State<Arc<App>>, req: Request) -> Respon
     serve(app, Target { sandbox, port, path_and_query: format!("/{rest}{query}"), base }, req).await
 }
 
-fn strip_port(host: &str) -> &str {
+pub fn strip_port(host: &str) -> &str {
     match host.rsplit_once(':') {
         Some((h, p)) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => h,
         _ => host,
@@ -372,13 +372,13 @@ fn strip_port(host: &str) -> &str {
 }
 
 /// `<id>--<port>` of a proxy host name, lowercased; None for other hosts.
-fn proxy_label(host: &str) -> Option<String> {
+pub fn proxy_label(host: &str) -> Option<String> {
     let host = host.trim_end_matches('.').to_ascii_lowercase();
     let label = host.strip_suffix(HOST_SUFFIX)?;
     Some(label.to_owned())
 }
 
-fn parse_label(label: &str) -> Result<(String, u16), ApiError> {
+pub fn parse_label(label: &str) -> Result<(String, u16), ApiError> {
     let (id, port) = label
         .rsplit_once("--")
         .ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("{label}{HOST_SUFFIX} names no sandbox port")))?;
@@ -675,7 +675,7 @@ fn is_spoofable(name: &str) -> bool {
 
 /// The headers sent to the sandbox: the client's, minus the credential,
 /// spoofable and hop-by-hop headers; `Expect` was answered by us already.
-fn request_headers(headers: &HeaderMap, upgrade: bool) -> HeaderMap {
+pub fn request_headers(headers: &HeaderMap, upgrade: bool) -> HeaderMap {
     let listed = connection_tokens(headers);
     let mut out = HeaderMap::with_capacity(headers.len());
     for (name, value) in headers {
@@ -717,7 +717,7 @@ fn without_reserved_cookie(value: &HeaderValue) -> Option<HeaderValue> {
 /// The headers sent to the client: the application's, minus hop-by-hop
 /// headers, `Clear-Site-Data` and any cookie of the reserved name; plus our
 /// CSP beside the application's and `Cache-Control: private, no-store`.
-fn response_headers(headers: &HeaderMap, upgrade: bool) -> HeaderMap {
+pub fn response_headers(headers: &HeaderMap, upgrade: bool) -> HeaderMap {
     let listed = connection_tokens(headers);
     let mut out = HeaderMap::with_capacity(headers.len() + 2);
     for (name, value) in headers {

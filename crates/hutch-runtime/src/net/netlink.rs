@@ -253,32 +253,20 @@ impl Netlink {
         let mut buf = vec![0u8; RECV_BUF];
         while !pending.is_empty() {
             let n = self.recv(&mut buf)?;
-            let mut off = 0;
-            while off + 16 <= n {
-                let len = u32::from_ne_bytes([buf[off], buf[off + 1], buf[off + 2], buf[off + 3]]) as usize;
-                if len < 16 || off + len > n {
-                    return Err(io::Error::new(io::ErrorKind::InvalidData, "malformed netlink reply"));
-                }
-                let ty = u16::from_ne_bytes([buf[off + 4], buf[off + 5]]);
-                let seq = u32::from_ne_bytes([buf[off + 8], buf[off + 9], buf[off + 10], buf[off + 11]]);
-                let payload = &buf[off + 16..off + len];
-                off += (len + 3) & !3;
+            for msg in messages(&buf[..n]) {
+                let msg = msg?;
                 // A reply to an earlier request (the rest of a batch that
                 // failed part way) is not ours to act on.
-                if !seqs.contains(&seq) {
+                if !seqs.contains(&msg.seq) {
                     continue;
                 }
-                if ty == NLMSG_ERROR {
-                    let errno = payload.get(0..4).map(|b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]])).unwrap_or(0);
-                    pending.retain(|s| *s != seq);
-                    if errno != 0 {
-                        let e = io::Error::from_raw_os_error(-errno);
+                match msg.reply() {
+                    Reply::Ack => pending.retain(|s| *s != msg.seq),
+                    Reply::Error(errno) => {
+                        let e = io::Error::from_raw_os_error(errno);
                         return Err(io::Error::new(e.kind(), format!("{what}: {e}")));
                     }
-                } else if ty == NLMSG_DONE {
-                    pending.retain(|s| *s != seq);
-                } else {
-                    on_msg(ty, payload);
+                    Reply::Data => on_msg(msg.ty, msg.payload),
                 }
             }
         }
@@ -375,14 +363,11 @@ impl Netlink {
         self.send(&m.finish(seq))?;
         let mut names = Vec::new();
         self.wait_acks(&[seq], "list links", |ty, payload| {
-            if ty != RTM_NEWLINK || payload.len() < 16 {
+            if ty != RTM_NEWLINK {
                 return;
             }
-            for (aty, data) in Attrs(&payload[16..]) {
-                if aty == IFLA_IFNAME {
-                    let end = data.iter().position(|b| *b == 0).unwrap_or(data.len());
-                    names.push(String::from_utf8_lossy(&data[..end]).into_owned());
-                }
+            if let Some((_, name)) = parse_link(payload) {
+                names.push(name);
             }
         })?;
         Ok(names)
@@ -481,8 +466,81 @@ pub struct SetOp {
     pub timeout_ms: Option<u64>,
 }
 
+/// One netlink message of a datagram.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Message<'a> {
+    pub ty: u16,
+    pub seq: u32,
+    pub payload: &'a [u8],
+}
+
+/// What a message says about the request it answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reply {
+    /// `NLMSG_ERROR` with 0, or `NLMSG_DONE`: the request is complete.
+    Ack,
+    /// `NLMSG_ERROR` with this errno (positive).
+    Error(i32),
+    /// Anything else: data for the caller.
+    Data,
+}
+
+impl Message<'_> {
+    pub fn reply(&self) -> Reply {
+        match self.ty {
+            NLMSG_DONE => Reply::Ack,
+            NLMSG_ERROR => {
+                let errno = self.payload.get(0..4).map(|b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]])).unwrap_or(0);
+                if errno == 0 {
+                    Reply::Ack
+                } else {
+                    Reply::Error(-errno)
+                }
+            }
+            _ => Reply::Data,
+        }
+    }
+}
+
+/// The messages of one datagram, bounds-checked: a header whose length is
+/// below 16 or past the end ends the walk with an error. Pure, so that it is
+/// fuzzed (fuzz/fuzz_targets/netlink_reply.rs).
+pub fn messages(buf: &[u8]) -> impl Iterator<Item = io::Result<Message<'_>>> + '_ {
+    let mut off = 0usize;
+    let mut failed = false;
+    std::iter::from_fn(move || {
+        if failed || off + 16 > buf.len() {
+            return None;
+        }
+        let word = |at: usize| u32::from_ne_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]);
+        let len = word(off) as usize;
+        if len < 16 || off + len > buf.len() {
+            failed = true;
+            return Some(Err(io::Error::new(io::ErrorKind::InvalidData, "malformed netlink reply")));
+        }
+        let msg = Message {
+            ty: u16::from_ne_bytes([buf[off + 4], buf[off + 5]]),
+            seq: word(off + 8),
+            payload: &buf[off + 16..off + len],
+        };
+        off += (len + 3) & !3;
+        Some(Ok(msg))
+    })
+}
+
+/// A link from an `RTM_NEWLINK` payload: (index, name). Pure, for fuzzing.
+pub fn parse_link(payload: &[u8]) -> Option<(u32, String)> {
+    let hdr = payload.get(0..16)?;
+    let index = i32::from_ne_bytes([hdr[4], hdr[5], hdr[6], hdr[7]]);
+    let name = Attrs(&payload[16..]).find(|(ty, _)| *ty == IFLA_IFNAME).map(|(_, data)| {
+        let end = data.iter().position(|b| *b == 0).unwrap_or(data.len());
+        String::from_utf8_lossy(&data[..end]).into_owned()
+    })?;
+    Some((u32::try_from(index).ok()?, name))
+}
+
 /// Iterates the attributes in a payload, bounds-checked.
-struct Attrs<'a>(&'a [u8]);
+pub struct Attrs<'a>(pub &'a [u8]);
 
 impl<'a> Iterator for Attrs<'a> {
     type Item = (u16, &'a [u8]);
@@ -530,6 +588,19 @@ mod tests {
         assert_eq!(u16::from_ne_bytes([buf[18], buf[19]]), IFLA_LINKINFO | NLA_F_NESTED);
         let inner: Vec<_> = Attrs(&buf[20..]).collect();
         assert_eq!(inner, vec![(IFLA_INFO_KIND, &b"veth\0"[..])]);
+    }
+
+    #[test]
+    fn messages_stop_at_a_malformed_header() {
+        let mut buf = Vec::new();
+        for (ty, len) in [(NLMSG_DONE, 20u32), (RTM_NEWLINK, 8)] {
+            buf.extend(len.to_ne_bytes());
+            buf.extend(ty.to_ne_bytes());
+            buf.extend([0u8; 10]);
+            buf.extend([0u8; 4]);
+        }
+        let got: Vec<_> = messages(&buf).map(|m| m.map(|m| m.ty).map_err(|e| e.kind())).collect();
+        assert_eq!(got, vec![Ok(NLMSG_DONE), Err(io::ErrorKind::InvalidData)]);
     }
 
     #[test]
