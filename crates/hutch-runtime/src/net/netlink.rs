@@ -491,10 +491,12 @@ impl Message<'_> {
             NLMSG_DONE => Reply::Ack,
             NLMSG_ERROR => {
                 let errno = self.payload.get(0..4).map(|b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]])).unwrap_or(0);
-                if errno == 0 {
-                    Reply::Ack
-                } else {
-                    Reply::Error(-errno)
+                match errno.checked_neg() {
+                    Some(0) => Reply::Ack,
+                    Some(e) if e > 0 => Reply::Error(e),
+                    // Not a negated errno (positive, or i32::MIN): not the
+                    // kernel's word, so a protocol error.
+                    _ => Reply::Error(libc::EPROTO),
                 }
             }
             _ => Reply::Data,
@@ -588,6 +590,24 @@ mod tests {
         assert_eq!(u16::from_ne_bytes([buf[18], buf[19]]), IFLA_LINKINFO | NLA_F_NESTED);
         let inner: Vec<_> = Attrs(&buf[20..]).collect();
         assert_eq!(inner, vec![(IFLA_INFO_KIND, &b"veth\0"[..])]);
+    }
+
+    /// Found by fuzz/fuzz_targets/netlink_reply.rs: an error reply's errno
+    /// was negated as it came, so i32::MIN overflowed (a panic with debug
+    /// assertions) and a positive one became a negative "OS error".
+    #[test]
+    fn error_replies_are_positive_errnos_whatever_the_word_holds() {
+        let error = |word: i32| {
+            let payload = word.to_ne_bytes();
+            Message { ty: NLMSG_ERROR, seq: 1, payload: &payload }.reply()
+        };
+        assert_eq!(error(0), Reply::Ack);
+        assert_eq!(error(-libc::EEXIST), Reply::Error(libc::EEXIST));
+        assert_eq!(error(i32::MIN), Reply::Error(libc::EPROTO));
+        assert_eq!(error(4096), Reply::Error(libc::EPROTO));
+        assert_eq!(Message { ty: NLMSG_ERROR, seq: 1, payload: &[] }.reply(), Reply::Ack);
+        assert_eq!(Message { ty: NLMSG_DONE, seq: 1, payload: &[] }.reply(), Reply::Ack);
+        assert_eq!(Message { ty: RTM_NEWLINK, seq: 1, payload: &[] }.reply(), Reply::Data);
     }
 
     #[test]
