@@ -137,7 +137,7 @@ impl Question {
 
 /// Reads a (possibly compressed) name at `off`; returns it and the offset
 /// after it. Bounded: at most 128 labels and 255 bytes; pointers must go
-/// backwards.
+/// backwards; no label holds a dot.
 fn read_name(msg: &[u8], mut off: usize) -> Option<(String, usize)> {
     let mut name = String::new();
     let mut end = None;
@@ -161,6 +161,11 @@ fn read_name(msg: &[u8], mut off: usize) -> Option<(String, usize)> {
             return Some((name, end.unwrap_or(off + 1)));
         }
         let label = msg.get(off + 1..off + 1 + len)?;
+        // A dot inside a label would read as two labels: the name a policy
+        // checks would not be the name resolved.
+        if label.contains(&b'.') {
+            return None;
+        }
         if !name.is_empty() {
             name.push('.');
         }
@@ -269,5 +274,21 @@ mod tests {
         assert!(addresses(&truncated).is_none());
         let long = query(&["a"; 200].join("."), TYPE_A);
         assert!(Question::parse(&long).is_none(), "too many labels");
+    }
+
+    /// Found by fuzz/fuzz_targets/dns_message.rs: a label holding a dot
+    /// read as two labels, so the name a policy checked ("x.allowed.test")
+    /// was not the name resolved (label "x.allowed" under "test").
+    #[test]
+    fn a_label_holding_a_dot_names_nothing() {
+        let mut m = vec![0x12, 0x34, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0];
+        m.push(9);
+        m.extend(b"x.allowed");
+        m.push(4);
+        m.extend(b"test");
+        m.push(0);
+        m.extend(TYPE_A.to_be_bytes());
+        m.extend(1u16.to_be_bytes());
+        assert_eq!(Question::parse(&m), None);
     }
 }
