@@ -701,17 +701,25 @@ pub fn request_headers(headers: &HeaderMap, upgrade: bool) -> HeaderMap {
 }
 
 /// A Cookie header without the reserved cookie; None when nothing is left.
+/// Read as bytes, as servers do: a header that is not ASCII loses it too.
 fn without_reserved_cookie(value: &HeaderValue) -> Option<HeaderValue> {
-    let Ok(text) = value.to_str() else { return Some(value.clone()) };
-    let kept: Vec<&str> = text
-        .split(';')
-        .map(str::trim)
-        .filter(|p| !p.is_empty() && p.split('=').next().map(str::trim) != Some(COOKIE))
+    let kept: Vec<&[u8]> = value
+        .as_bytes()
+        .split(|b| *b == b';')
+        .map(trim_ows)
+        .filter(|p| !p.is_empty() && p.split(|b| *b == b'=').next().map(trim_ows) != Some(COOKIE.as_bytes()))
         .collect();
     if kept.is_empty() {
         return None;
     }
-    HeaderValue::from_str(&kept.join("; ")).ok()
+    HeaderValue::from_bytes(&kept.join(&b"; "[..])).ok()
+}
+
+/// Spaces and tabs around a cookie's parts.
+fn trim_ows(b: &[u8]) -> &[u8] {
+    let start = b.iter().position(|c| !matches!(c, b' ' | b'\t')).unwrap_or(b.len());
+    let end = b.iter().rposition(|c| !matches!(c, b' ' | b'\t')).map_or(start, |i| i + 1);
+    &b[start..end]
 }
 
 /// The headers sent to the client: the application's, minus hop-by-hop
@@ -743,7 +751,14 @@ pub fn response_headers(headers: &HeaderMap, upgrade: bool) -> HeaderMap {
 
 fn sets_reserved_cookie(value: &HeaderValue) -> bool {
     let text = String::from_utf8_lossy(value.as_bytes());
-    let name = text.split(';').next().and_then(|p| p.split('=').next()).unwrap_or("").trim();
+    let pair = text.split(';').next().unwrap_or("");
+    // A nameless cookie (`=a=b`) is sent back as its value alone, which the
+    // server reads as the cookie `a`: judge that name.
+    let pair = match pair.split_once('=') {
+        Some((name, value)) if name.trim().is_empty() => value,
+        _ => pair,
+    };
+    let name = pair.split('=').next().unwrap_or("").trim();
     // Browsers compare cookie names exactly; a case variant is refused too,
     // and so is a quoted or prefixed spelling.
     let name = name.trim_matches('"').to_ascii_lowercase();
@@ -835,6 +850,30 @@ mod tests {
         let cookies: Vec<&str> = out.get_all("set-cookie").iter().filter_map(|v| v.to_str().ok()).collect();
         assert_eq!(cookies, ["session=app; HttpOnly"]);
         assert_eq!(out["x-app"], "kept");
+    }
+
+    /// Found by fuzz/fuzz_targets/proxy_headers.rs (and by the second
+    /// attack, issue 10 finding 22): a `Cookie` header with a non-ASCII
+    /// byte reached the application whole, credential included.
+    #[test]
+    fn a_non_ascii_cookie_header_loses_the_credential() {
+        let mut h = HeaderMap::new();
+        let value = HeaderValue::from_bytes(b"a=\xe9; hutch_sandbox_token=secret; b=2").expect("value");
+        h.append(header::COOKIE, value);
+        let out = request_headers(&h, false);
+        assert_eq!(out["cookie"].as_bytes(), b"a=\xe9; b=2");
+    }
+
+    /// Found the same way (finding 22): a nameless `Set-Cookie` is sent back
+    /// by browsers as its value alone, `hutch_sandbox_token=...`, so the
+    /// application could plant the credential cookie.
+    #[test]
+    fn a_nameless_set_cookie_cannot_plant_the_credential() {
+        for planted in ["=hutch_sandbox_token=evil; Path=/", " =hutch_sandbox_token=evil", "=hutch_sandbox_token"] {
+            let out = response_headers(&headers(&[("set-cookie", planted), ("set-cookie", "=a=b")]), false);
+            let cookies: Vec<&str> = out.get_all("set-cookie").iter().filter_map(|v| v.to_str().ok()).collect();
+            assert_eq!(cookies, ["=a=b"], "{planted:?}");
+        }
     }
 
     #[test]
