@@ -137,7 +137,7 @@ impl Question {
 
 /// Reads a (possibly compressed) name at `off`; returns it and the offset
 /// after it. Bounded: at most 128 labels and 255 bytes; pointers must go
-/// backwards; no label holds a dot.
+/// backwards and stay out of the header; no label holds a dot.
 fn read_name(msg: &[u8], mut off: usize) -> Option<(String, usize)> {
     let mut name = String::new();
     let mut end = None;
@@ -146,7 +146,8 @@ fn read_name(msg: &[u8], mut off: usize) -> Option<(String, usize)> {
         let len = *msg.get(off)? as usize;
         if len & 0xc0 == 0xc0 {
             let ptr = (len & 0x3f) << 8 | *msg.get(off + 1)? as usize;
-            if ptr >= limit {
+            // Backwards only (no loops), and never into the header.
+            if ptr >= limit || ptr < 12 {
                 return None;
             }
             end.get_or_insert(off + 2);
@@ -287,6 +288,20 @@ mod tests {
         m.push(4);
         m.extend(b"test");
         m.push(0);
+        m.extend(TYPE_A.to_be_bytes());
+        m.extend(1u16.to_be_bytes());
+        assert_eq!(Question::parse(&m), None);
+    }
+
+    /// Found by fuzz/fuzz_targets/dns_message.rs: a compression pointer
+    /// into the header read the id, flags and counts as the name, so a
+    /// refusal (whose header differs) answered another question.
+    #[test]
+    fn a_name_is_never_read_from_the_header() {
+        // Header bytes 4.. are 0, 1, 0, 0, ...: at offset 5 they read as the
+        // label "\0" and the root.
+        let mut m = vec![0x12, 0x34, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0];
+        m.extend([0xc0, 5]);
         m.extend(TYPE_A.to_be_bytes());
         m.extend(1u16.to_be_bytes());
         assert_eq!(Question::parse(&m), None);
