@@ -46,14 +46,17 @@ else
     mapfile -t targets < <("${fuzz[@]}" list)
 fi
 
+# The binaries just built, run as they are (`cargo fuzz run` would rebuild
+# first whenever a source changed meanwhile).
+bin="fuzz/target/$(rustc -vV | sed -n 's/^host: //p')/release"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 passed=0
 failed=()
 for t in "${targets[@]}"; do
-    mkdir -p "$scratch/$t" "fuzz/corpus/$t"
+    mkdir -p "$scratch/$t" "fuzz/corpus/$t" "fuzz/artifacts/$t"
     echo "fuzz: $t for ${seconds} s"
-    if "${fuzz[@]}" run -a "$t" "$scratch/$t" "fuzz/corpus/$t" -- \
+    if "$bin/$t" "$scratch/$t" "fuzz/corpus/$t" -artifact_prefix="fuzz/artifacts/$t/" \
         -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
         >"$scratch/$t.log" 2>&1; then
         passed=$((passed + 1))
