@@ -22,7 +22,7 @@ fuzz_target!(|data: &[u8]| {
             Ok(Some(f)) => {
                 assert!(f.consumed <= rest.len());
                 assert_eq!(f.consumed, 8 + f.header.len() + f.data.len());
-                assert!(f.header.len() <= proto::MAX_HEADER);
+                assert!(f.header.len() <= proto::MAX_HEADER && f.data.len() <= proto::MAX_DATA);
                 assert!(f.consumed - 4 <= proto::MAX_FRAME);
                 let _ = proto::parse_header::<ToAgent>(f.header);
                 let _ = proto::parse_header::<AgentConfig>(f.header);
@@ -63,9 +63,10 @@ fuzz_target!(|data: &[u8]| {
         (Err(AgentError::Protocol(got)), Some(want)) => {
             assert_eq!(std::mem::discriminant(&got), std::mem::discriminant(&want), "reader: {got}, splitter: {want}")
         }
-        // The splitter checks a header length as soon as it has one; the
-        // reader first waits for the whole frame, which never comes.
-        (Err(AgentError::Closed), Some(FrameError::BadHeaderLength(_))) => {}
+        // The splitter checks the header's (and so the data's) length as
+        // soon as it has it; the reader first waits for the whole frame,
+        // which never comes.
+        (Err(AgentError::Closed), Some(FrameError::BadHeaderLength(_) | FrameError::DataTooLarge(_))) => {}
         (got, want) => panic!("reader: {got:?}, splitter ended with {want:?}"),
     }
 });
