@@ -34,6 +34,8 @@ python3 -m pip install --quiet --disable-pip-version-check -r tests/api/requirem
 
 cargo build --workspace --all-targets
 cargo test --workspace -- --test-threads=2
+# Every parser of untrusted bytes, fuzzed for a bounded time (fuzz/).
+bash scripts/fuzz.sh "${HUTCH_FUZZ_SECONDS:-20}"
 python3 -m pytest tests/api -q -p no:cacheprovider
 python3 -m pip install --quiet --disable-pip-version-check -r tests/e2b/requirements.txt
 python3 -m pytest tests/e2b -q -p no:cacheprovider

@@ -89,7 +89,8 @@ pub struct RawFrame<'a> {
 }
 
 /// Splits the first frame out of `buf`, or `Ok(None)` when `buf` does not yet
-/// hold all of it. Validates both lengths before anything is trusted.
+/// hold all of it. Validates both lengths, and so the data's, before
+/// anything is trusted.
 pub fn split_frame(buf: &[u8]) -> Result<Option<RawFrame<'_>>, FrameError> {
     if buf.len() < 4 {
         return Ok(None);
@@ -103,6 +104,10 @@ pub fn split_frame(buf: &[u8]) -> Result<Option<RawFrame<'_>>, FrameError> {
     let header_len = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]);
     if header_len as usize > MAX_HEADER || header_len > len - 4 {
         return Err(FrameError::BadHeaderLength(header_len));
+    }
+    let data_len = (len - 4 - header_len) as usize;
+    if data_len > MAX_DATA {
+        return Err(FrameError::DataTooLarge(data_len));
     }
     if buf.len() < total {
         return Ok(None);
@@ -754,6 +759,25 @@ mod tests {
         assert!(parse_header::<ToAgent>(br#"{"id":1,"req":{"op":"format_disk"}}"#).is_err());
         assert!(parse_header::<ToAgent>(br#"{"id":1,"req":{"op":"ping"},"extra":1}"#).is_err());
         assert!(parse_header::<FromAgent>(br#"{"kind":"reply","id":1,"reply":{"type":"ok"}}"#).is_ok());
+    }
+
+    /// Found while writing fuzz/fuzz_targets/agent_frames.rs ("the
+    /// splitter keeps its bounds"): a frame with a short header could carry
+    /// up to MAX_HEADER bytes more data than MAX_DATA, which the sender's
+    /// `encode` refuses.
+    #[test]
+    fn a_split_frame_carries_no_more_data_than_encode_allows() {
+        let mut buf = Vec::new();
+        encode(&FromAgent::Output { pid: 1, stream: Stream::Stdout }, &vec![7u8; MAX_DATA], &mut buf).expect("encode");
+        let header_len = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]) as usize;
+        assert_eq!(split_frame(&buf).expect("at the limit").expect("complete").data.len(), MAX_DATA);
+        buf.push(7);
+        let len = (buf.len() - 4) as u32;
+        buf[0..4].copy_from_slice(&len.to_le_bytes());
+        // (Lengths only: a failure must not print 4 MiB.)
+        let data_len = |b: &[u8]| split_frame(b).map(|f| f.map(|f| f.data.len()));
+        assert_eq!(data_len(&buf), Err(FrameError::DataTooLarge(MAX_DATA + 1)));
+        assert_eq!(data_len(&buf[..8 + header_len]), Err(FrameError::DataTooLarge(MAX_DATA + 1)), "checked early");
     }
 
     #[test]

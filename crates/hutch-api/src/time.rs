@@ -29,7 +29,8 @@ fn split(ms: i64) -> (String, i64) {
 }
 
 /// RFC 3339 (`Z` or `±HH:MM`, an optional fraction) to Unix milliseconds;
-/// `None` when it is not one.
+/// `None` when it is not one, or when it falls outside years 0000 to 9999
+/// in UTC.
 pub fn parse_rfc3339(s: &str) -> Option<i64> {
     let b = s.as_bytes();
     if b.len() < 20 || b[4] != b'-' || b[7] != b'-' || !matches!(b[10], b'T' | b't') {
@@ -77,8 +78,15 @@ pub fn parse_rfc3339(s: &str) -> Option<i64> {
         _ => return None,
     };
     let days = days_from_civil(y, mo, d);
-    Some((days * 86_400 + h * 3600 + mi * 60 + sec - offset_secs) * 1000 + frac_ms)
+    let ms = (days * 86_400 + h * 3600 + mi * 60 + sec - offset_secs) * 1000 + frac_ms;
+    // An offset or a leap second may leave years 0000 to 9999, which no
+    // RFC 3339 time in UTC can write back.
+    (FIRST_MS..=LAST_MS).contains(&ms).then_some(ms)
 }
+
+/// 0000-01-01T00:00:00.000Z and 9999-12-31T23:59:59.999Z.
+const FIRST_MS: i64 = -62_167_219_200_000;
+const LAST_MS: i64 = 253_402_300_799_999;
 
 // Howard Hinnant's algorithms (http://howardhinnant.github.io/date_algorithms.html).
 fn civil_from_days(z: i64) -> (i64, i64, i64) {
@@ -122,6 +130,22 @@ mod tests {
         assert_eq!(parse_rfc3339("2024-02-29T00:00:00Z").map(rfc3339_seconds).as_deref(), Some("2024-02-29T00:00:00Z"));
         for bad in ["2023-11-14 22:13:20", "tomorrow", "2023-13-14T22:13:20Z", "2023-11-14T22:13:20.Z", ""] {
             assert_eq!(parse_rfc3339(bad), None, "{bad}");
+        }
+    }
+
+    /// Found by the invariant of fuzz/fuzz_targets/rfc3339.rs (a parsed time
+    /// written back parses to the same instant), on inputs at the ends of
+    /// the years: an offset or a leap second took the instant out of years
+    /// 0000 to 9999, and it was written as no RFC 3339 time ("-001-12-31..."
+    /// or "10000-01-01...").
+    #[test]
+    fn times_outside_years_0000_to_9999_are_refused() {
+        for bad in ["0000-01-01T00:30:00+01:00", "9999-12-31T23:59:60Z", "9999-12-31T23:00:00-01:00"] {
+            assert_eq!(parse_rfc3339(bad), None, "{bad}");
+        }
+        for edge in ["0000-01-01T00:00:00Z", "0000-01-01T01:00:00+01:00", "9999-12-31T23:59:59.999Z"] {
+            let ms = parse_rfc3339(edge).expect(edge);
+            assert_eq!(parse_rfc3339(&rfc3339(ms)), Some(ms), "{edge}");
         }
     }
 }

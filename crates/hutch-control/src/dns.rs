@@ -45,7 +45,7 @@ const PER_SANDBOX: usize = 16;
 /// Queries one sandbox may have waiting; past it, its new ones are dropped.
 const QUEUE: usize = 64;
 /// CNAMEs followed in one answer.
-const MAX_CHAIN: usize = 16;
+pub const MAX_CHAIN: usize = 16;
 /// The resolver socket's receive buffer: room for bursts of many sandboxes.
 const RECV_BUFFER: usize = 4 << 20;
 
@@ -285,8 +285,9 @@ fn follow(qname: &str, answers: &[Record]) -> Found {
 }
 
 /// An answer with no records and `rcode`, to question `q` (`None` if it
-/// cannot be encoded: then nothing is sent).
-fn refuse(q: &Question, rcode: ResponseCode) -> Option<Vec<u8>> {
+/// cannot be encoded: then nothing is sent). Public for fuzz/ only.
+#[doc(hidden)]
+pub fn refuse(q: &Question, rcode: ResponseCode) -> Option<Vec<u8>> {
     let mut m = Message::error_msg(q.id, OpCode::Query, rcode);
     m.metadata.recursion_desired = q.recursion_desired;
     m.metadata.recursion_available = true;

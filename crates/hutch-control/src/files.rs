@@ -24,7 +24,9 @@
 //! journal on the host ([`journal`]), so a refused archive, a client that
 //! goes away or a daemon killed part way leaves the target as it was.
 
-pub(crate) mod archive;
+/// Public (hidden) only for the fuzz targets under fuzz/.
+#[doc(hidden)]
+pub mod archive;
 pub mod journal;
 pub mod pipe;
 

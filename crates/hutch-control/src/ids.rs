@@ -160,7 +160,7 @@ impl Owners {
 }
 
 /// An id in an error message, cut so a hostile path cannot fill a log.
-fn truncated(s: &str) -> String {
+pub(crate) fn truncated(s: &str) -> String {
     let cut: String = s.chars().take(64).collect();
     if cut.len() < s.len() {
         format!("{cut}...")

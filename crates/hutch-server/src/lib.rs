@@ -12,6 +12,8 @@
 mod access;
 mod e2b;
 mod extract;
+#[doc(hidden)]
+pub mod fuzz_api;
 pub mod listener;
 mod openapi;
 pub mod proxy;

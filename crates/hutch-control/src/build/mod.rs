@@ -77,7 +77,7 @@ pub fn parse_build_id(s: &str) -> Result<&str> {
     if ok && !s[4..].bytes().any(|b| b.is_ascii_uppercase()) {
         Ok(s)
     } else {
-        Err(ControlError::NoBuild(s.to_owned()))
+        Err(ControlError::NoBuild(crate::ids::truncated(s)))
     }
 }
 
@@ -1191,6 +1191,16 @@ fn workdir_layer(store: &ImageStore, owner: &str, dir: &str) -> std::result::Res
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by fuzz/fuzz_targets/ids.rs: a refused build id was quoted
+    /// whole in the error (and the log), however long the path segment.
+    #[test]
+    fn a_refused_build_id_is_quoted_short() {
+        let long = format!("bld-{}", "x".repeat(10_000));
+        let message = parse_build_id(&long).expect_err("refused").to_string();
+        assert!(message.len() < 200, "{} bytes", message.len());
+        assert!(parse_build_id("bld-0123456789abcdef").is_ok());
+    }
 
     fn context(files: &[(&str, &str)]) -> Vec<u8> {
         let mut b = tar::Builder::new(Vec::new());

@@ -39,7 +39,8 @@ struct Outer {
 }
 
 /// The normalized form of a member name (components joined by `/`).
-fn normalize(name: &[u8]) -> Option<String> {
+#[doc(hidden)] // public for the fuzz targets (fuzz/), as the parsers below
+pub fn normalize(name: &[u8]) -> Option<String> {
     let comps = extract::components(name).ok()?;
     let parts: Option<Vec<&str>> = comps.iter().map(|c| std::str::from_utf8(c).ok()).collect();
     Some(parts?.join("/"))
@@ -47,7 +48,8 @@ fn normalize(name: &[u8]) -> Option<String> {
 
 /// Resolves `target` (a symlink's target) relative to the directory of
 /// `from`, staying inside the archive.
-fn resolve_link(from: &str, target: &str) -> Option<String> {
+#[doc(hidden)]
+pub fn resolve_link(from: &str, target: &str) -> Option<String> {
     if target.starts_with('/') {
         return None;
     }
@@ -178,14 +180,15 @@ mod tempfile {
 
 /// One layer as a manifest describes it.
 #[derive(Debug, Clone)]
-pub(crate) struct LayerRef {
+pub struct LayerRef {
     pub digest: String,
     pub size: Option<u64>,
 }
 
 /// The configuration digest and the layers of an OCI or Docker schema 2
 /// manifest.
-pub(crate) fn parse_manifest(label: &str, m: &serde_json::Value) -> Result<(String, Vec<LayerRef>), ImageError> {
+#[doc(hidden)]
+pub fn parse_manifest(label: &str, m: &serde_json::Value) -> Result<(String, Vec<LayerRef>), ImageError> {
     if m["schemaVersion"].as_u64() != Some(2) {
         return Err(invalid(label, "only schema 2 manifests (OCI or Docker v2.2) are supported"));
     }
@@ -209,7 +212,8 @@ pub(crate) fn parse_manifest(label: &str, m: &serde_json::Value) -> Result<(Stri
 }
 
 /// Whether a JSON document is an index / manifest list.
-pub(crate) fn is_index(m: &serde_json::Value) -> bool {
+#[doc(hidden)]
+pub fn is_index(m: &serde_json::Value) -> bool {
     m["manifests"].is_array()
         || matches!(
             m["mediaType"].as_str(),
@@ -220,7 +224,8 @@ pub(crate) fn is_index(m: &serde_json::Value) -> bool {
 }
 
 /// The digest of the linux/amd64 manifest of an index (or of its only entry).
-pub(crate) fn pick_platform(label: &str, index: &serde_json::Value) -> Result<String, ImageError> {
+#[doc(hidden)]
+pub fn pick_platform(label: &str, index: &serde_json::Value) -> Result<String, ImageError> {
     let list = index["manifests"].as_array().ok_or_else(|| invalid(label, "index without manifests"))?;
     let digest = |m: &serde_json::Value| m["digest"].as_str().map(str::to_owned);
     let amd64 = list.iter().find(|m| {
@@ -237,7 +242,8 @@ pub(crate) fn pick_platform(label: &str, index: &serde_json::Value) -> Result<St
 }
 
 /// The diff_ids of a configuration, one per layer.
-pub(crate) fn diff_ids(label: &str, config: &serde_json::Value, layers: usize) -> Result<Vec<String>, ImageError> {
+#[doc(hidden)]
+pub fn diff_ids(label: &str, config: &serde_json::Value, layers: usize) -> Result<Vec<String>, ImageError> {
     let ids: Vec<String> = config["rootfs"]["diff_ids"]
         .as_array()
         .ok_or_else(|| invalid(label, "configuration without rootfs.diff_ids"))?
@@ -280,36 +286,55 @@ fn import_docker(
     limits: &Limits,
 ) -> Result<(Option<String>, serde_json::Value, Vec<String>), ImageError> {
     let label = &outer.label;
-    let manifest = outer.json("manifest.json", None)?;
-    let entry =
-        manifest.as_array().and_then(|a| a.first()).ok_or_else(|| invalid(label, "manifest.json lists no image"))?;
-    let config_name = entry["Config"].as_str().ok_or_else(|| invalid(label, "manifest.json: no Config"))?;
-    let layer_names: Vec<&str> = entry["Layers"]
-        .as_array()
-        .ok_or_else(|| invalid(label, "manifest.json: no Layers"))?
-        .iter()
-        .map(|v| v.as_str().ok_or_else(|| invalid(label, "manifest.json: a layer is not a string")))
-        .collect::<Result<_, _>>()?;
-    if layer_names.is_empty() || layer_names.len() >= super::MAX_LAYERS {
-        return Err(invalid(label, format!("{} layers; 1 to {} allowed", layer_names.len(), super::MAX_LAYERS - 1)));
-    }
-    let config = outer.json(config_name, name_digest(config_name).as_deref())?;
-    let ids = diff_ids(label, &config, layer_names.len())?;
+    let manifest = parse_docker_manifest(label, &outer.json("manifest.json", None)?)?;
+    let config = outer.json(&manifest.config, name_digest(&manifest.config).as_deref())?;
+    let ids = diff_ids(label, &config, manifest.layers.len())?;
     let mut layers = Vec::new();
-    for (file, id) in layer_names.iter().zip(&ids) {
+    for (file, id) in manifest.layers.iter().zip(&ids) {
         let blob = name_digest(file);
         layers.push(import_layer(store, outer.reader(file)?, blob.as_deref(), Some(id), limits)?);
     }
+    Ok((manifest.tag, config, layers))
+}
+
+/// The first image of a `docker save` manifest.json.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DockerManifest {
+    /// The member holding the configuration.
+    pub config: String,
+    /// The members holding the layers, bottom first.
+    pub layers: Vec<String>,
+    /// Its first tag, if any.
+    pub tag: Option<String>,
+}
+
+/// Reads the first image of a `docker save` manifest.json.
+#[doc(hidden)] // public for the fuzz targets (fuzz/)
+pub fn parse_docker_manifest(label: &str, manifest: &serde_json::Value) -> Result<DockerManifest, ImageError> {
+    let entry =
+        manifest.as_array().and_then(|a| a.first()).ok_or_else(|| invalid(label, "manifest.json lists no image"))?;
+    let config = entry["Config"].as_str().ok_or_else(|| invalid(label, "manifest.json: no Config"))?;
+    let layers: Vec<String> = entry["Layers"]
+        .as_array()
+        .ok_or_else(|| invalid(label, "manifest.json: no Layers"))?
+        .iter()
+        .map(|v| v.as_str().map(str::to_owned).ok_or_else(|| invalid(label, "manifest.json: a layer is not a string")))
+        .collect::<Result<_, _>>()?;
+    if layers.is_empty() || layers.len() >= super::MAX_LAYERS {
+        return Err(invalid(label, format!("{} layers; 1 to {} allowed", layers.len(), super::MAX_LAYERS - 1)));
+    }
     let tag = entry["RepoTags"].as_array().and_then(|t| t.first()).and_then(|t| t.as_str()).map(str::to_owned);
-    Ok((tag, config, layers))
+    Ok(DockerManifest { config: config.to_owned(), layers, tag })
 }
 
 /// The digest a member's name states: `blobs/sha256/<hex>` or `<hex>.json`.
-fn name_digest(name: &str) -> Option<String> {
+#[doc(hidden)]
+pub fn name_digest(name: &str) -> Option<String> {
     let base = name.rsplit('/').next()?;
     let hex = base.strip_suffix(".json").unwrap_or(base);
     let by_dir = name.contains("sha256/") || name.ends_with(".json");
-    (by_dir && hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit())).then(|| format!("sha256:{hex}"))
+    (by_dir && hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+        .then(|| format!("sha256:{}", hex.to_ascii_lowercase()))
 }
 
 fn blob_path(digest: &str) -> Result<String, ImageError> {
@@ -376,5 +401,19 @@ mod tests {
         assert_eq!(name_digest(&format!("blobs/sha256/{hex}")), Some(format!("sha256:{hex}")));
         assert_eq!(name_digest(&format!("{hex}.json")), Some(format!("sha256:{hex}")));
         assert_eq!(name_digest(&format!("{hex}/layer.tar")), None);
+    }
+
+    /// Found by fuzz/fuzz_targets/image_names.rs: a member named with
+    /// upper-case hex stated a digest that no check accepts, so the archive
+    /// was refused as a digest mismatch; the name states the same digest in
+    /// either case.
+    #[test]
+    fn a_digest_named_in_upper_case_is_checked_as_the_same_digest() {
+        let lower = "ab".repeat(32);
+        for name in [format!("blobs/sha256/{}", lower.to_uppercase()), format!("{}.json", lower.to_uppercase())] {
+            let d = name_digest(&name).expect("a digest");
+            assert_eq!(d, format!("sha256:{lower}"));
+            assert!(digest_hex(&d).is_ok(), "{d}");
+        }
     }
 }

@@ -209,8 +209,9 @@ fn read_bounded(resp: ureq::Response, max: u64, what: &str) -> Result<Vec<u8>, I
     Ok(body)
 }
 
-/// `k="v",k2="v2"` pairs of a challenge.
-fn parse_params(s: &str) -> Vec<(String, String)> {
+/// `k="v",k2="v2"` pairs of a challenge (the registry's word, untrusted).
+#[doc(hidden)] // public for the fuzz targets (fuzz/)
+pub fn parse_params(s: &str) -> Vec<(String, String)> {
     let mut out = Vec::new();
     let mut rest = s.trim();
     while let Some((k, after)) = rest.split_once('=') {

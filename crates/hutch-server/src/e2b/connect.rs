@@ -420,7 +420,7 @@ struct StreamInputRequest {
 }
 
 /// Splits the complete enveloped messages off the front of `buf`.
-fn take_messages(buf: &mut Vec<u8>) -> Result<Vec<StreamInputRequest>, EnvdError> {
+pub(crate) fn take_messages<T: DeserializeOwned>(buf: &mut Vec<u8>) -> Result<Vec<T>, EnvdError> {
     let bad = |m: String| EnvdError::new(ErrorCode::InvalidRequest, m);
     let mut out = Vec::new();
     let mut at = 0;
@@ -456,7 +456,7 @@ async fn stream_input(State(app): AppState, Extension(ctx): Extension<Envd>, bod
             let Some(chunk) = next else { break };
             let chunk = chunk.map_err(|e| EnvdError::new(ErrorCode::InvalidRequest, format!("request body: {e}")))?;
             buf.extend_from_slice(&chunk);
-            for msg in take_messages(&mut buf)? {
+            for msg in take_messages::<StreamInputRequest>(&mut buf)? {
                 if let Some(start) = msg.start {
                     target_of = Some(target(start.process)?);
                 } else if let Some(data) = msg.data {

@@ -49,7 +49,7 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
 }
 
 /// The user named by `Authorization: Basic base64(user:)`, if any.
-fn basic_user(headers: &HeaderMap) -> Result<Option<String>, E2bError> {
+pub(crate) fn basic_user(headers: &HeaderMap) -> Result<Option<String>, E2bError> {
     let Some(v) = super::header(headers, "authorization") else { return Ok(None) };
     let bad = || E2bError::new(StatusCode::BAD_REQUEST, "Authorization must be Basic base64(user:)");
     let b64 = v.strip_prefix("Basic ").ok_or_else(bad)?;
@@ -69,7 +69,7 @@ struct SignedQuery {
 }
 
 /// The signature parameters of a `/files` request without a token, if any.
-fn signed_url(req: &Request) -> Result<Option<SignedUrl>, E2bError> {
+pub(crate) fn signed_url(req: &Request) -> Result<Option<SignedUrl>, E2bError> {
     if req.uri().path() != "/files" {
         return Ok(None);
     }
@@ -94,7 +94,7 @@ fn signed_url(req: &Request) -> Result<Option<SignedUrl>, E2bError> {
 
 /// The sandbox a request names: its `E2b-Sandbox-Id` header, or E2B's host
 /// form `<port>-<id>.<domain>`.
-fn named_sandbox(headers: &HeaderMap) -> Option<SandboxId> {
+pub(crate) fn named_sandbox(headers: &HeaderMap) -> Option<SandboxId> {
     let named = super::header(headers, "e2b-sandbox-id").map(str::to_owned).or_else(|| {
         let host = super::header(headers, "host")?;
         let (first, _) = host.split_once('.')?;

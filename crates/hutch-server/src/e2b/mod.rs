@@ -12,9 +12,9 @@
 //! plane (`hutch_control::e2b`), which also checks that the sandbox's owner
 //! key is live on every call.
 
-mod connect;
+pub(crate) mod connect;
 mod control;
-mod envd;
+pub(crate) mod envd;
 mod watch;
 
 use crate::App;
