@@ -89,6 +89,19 @@ def cgroup_dirs(sandbox_id: str) -> list[Path]:
     return [p for p in CGROUP_ROOT.glob(f"*/hutch/{sandbox_id}") if p.exists()]
 
 
+def frozen(sandbox_id: str) -> bool:
+    """Whether the kernel reports the sandbox's cgroup frozen: every process
+    in it stopped (`freezer.state` FROZEN on cgroup v1, `frozen 1` in
+    `cgroup.events` on v2). Fails when the sandbox has no freezer cgroup."""
+    dirs = cgroup_dirs(sandbox_id) + [p for p in [CGROUP_ROOT / "hutch" / sandbox_id] if p.is_dir()]
+    for d in dirs:
+        if (d / "freezer.state").exists():
+            return (d / "freezer.state").read_text().strip() == "FROZEN"
+        if (d / "cgroup.freeze").exists():
+            return "frozen 1" in (d / "cgroup.events").read_text().splitlines()
+    raise AssertionError(f"sandbox {sandbox_id} has no freezer cgroup: {dirs}")
+
+
 def host_processes_of(ids: Iterable[str]) -> dict[int, str]:
     """Host processes whose cgroup path names one of `ids` (pid -> cgroup line)."""
     wanted = [f"/hutch/{i}" for i in ids]
