@@ -4,7 +4,6 @@ executions."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid
@@ -12,7 +11,17 @@ import uuid
 import pytest
 import requests
 
-from conftest import Client, Daemon, expect_error, expect_status, ndjson_events, wait_cleaned, wait_for
+from conftest import (
+    Client,
+    Daemon,
+    EventStream,
+    expect_error,
+    expect_status,
+    ndjson_events,
+    stdout_of,
+    wait_cleaned,
+    wait_for,
+)
 
 OUTPUT_CAP = 1 << 20
 COMMAND_SLOTS = 64
@@ -124,16 +133,12 @@ def test_exec_ndjson_streams_events_as_they_are_produced(api: Client, sandbox: d
     r = api.exec_raw(sandbox["id"], body, headers={"Accept": "application/x-ndjson"}, stream=True)
     expect_status(r, 200)
     assert r.headers["Content-Type"].startswith("application/x-ndjson")
-    lines = (json.loads(line) for line in r.iter_lines(chunk_size=1) if line)
-    events = []
-    for e in lines:
-        events.append(e)
-        if "".join(x["data"] for x in events if x["type"] == "stdout") == "first\n":
-            break
+    stream = EventStream(r)
+    events = stream.until("the first line", lambda ev: stdout_of(ev) == "first\n")
     assert events[0]["type"] == "start" and isinstance(events[0]["pid"], int), events
     assert {e["type"] for e in events[1:]} == {"stdout"}, f"more than the first line before the go: {events}"
     api.sh(sandbox["id"], "touch /tmp/go")
-    events += list(lines)
+    events = stream.rest()
     assert events[-1] == {**events[-1], "type": "exit", "exit_code": 5, "timed_out": False}, events
     # At least the command's `sleep 1`.
     assert events[-1]["duration_ms"] >= 1000

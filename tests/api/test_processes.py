@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from conftest import Client, expect_error, expect_status, ndjson_events, wait_for
+from conftest import Client, EventStream, expect_error, expect_status, ndjson_events, stdout_of, wait_for
 
 
 def gone(api: Client, sid: str, pid: int) -> bool:
@@ -75,18 +74,14 @@ def test_stream_replays_kept_output_then_live_output_then_exit(api: Client, sand
     r = api.get(f"/v1/sandboxes/{sid}/processes/{pid}/stream", stream=True, timeout=30)
     expect_status(r, 200)
     assert r.headers["Content-Type"].startswith("application/x-ndjson")
-    lines = (json.loads(line) for line in r.iter_lines(chunk_size=1) if line)
-    events = []
+    stream = EventStream(r)
     # The kept output is replayed while the command still waits: it cannot
     # have printed anything more yet.
-    for e in lines:
-        events.append(e)
-        if "".join(x["data"] for x in events if x["type"] == "stdout") == "one\n":
-            break
+    events = stream.until("the kept output", lambda ev: stdout_of(ev) == "one\n")
     assert events[0]["type"] == "start" and events[0]["pid"] == pid, events
     assert not gone(api, sid, pid), "the command ended before the test let it go on"
     api.sh(sid, "touch /tmp/go")
-    events += list(lines)
+    events = stream.rest()
     assert events[-1]["type"] == "exit" and events[-1]["exit_code"] == 4, events
     # The exit event says how long the command ran: at least its `sleep 1`.
     assert events[-1]["duration_ms"] >= 1000, events[-1]
