@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import resource
 import shutil
 import signal
@@ -24,6 +25,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterable
@@ -88,6 +90,19 @@ def wait_for(what: str, predicate: Callable[[], object], timeout: float = 10.0, 
 def cgroup_dirs(sandbox_id: str) -> list[Path]:
     """Every `hutch/<id>` cgroup directory of a sandbox, in any hierarchy."""
     return [p for p in CGROUP_ROOT.glob(f"*/hutch/{sandbox_id}") if p.exists()]
+
+
+def frozen(sandbox_id: str) -> bool:
+    """Whether the kernel reports the sandbox's cgroup frozen: every process
+    in it stopped (`freezer.state` FROZEN on cgroup v1, `frozen 1` in
+    `cgroup.events` on v2). Fails when the sandbox has no freezer cgroup."""
+    dirs = cgroup_dirs(sandbox_id) + [p for p in [CGROUP_ROOT / "hutch" / sandbox_id] if p.is_dir()]
+    for d in dirs:
+        if (d / "freezer.state").exists():
+            return (d / "freezer.state").read_text().strip() == "FROZEN"
+        if (d / "cgroup.freeze").exists():
+            return "frozen 1" in (d / "cgroup.events").read_text().splitlines()
+    raise AssertionError(f"sandbox {sandbox_id} has no freezer cgroup: {dirs}")
 
 
 def host_processes_of(ids: Iterable[str]) -> dict[int, str]:
@@ -321,6 +336,64 @@ def expect_error(r: requests.Response, status: int, code: str) -> dict:
 
 def ndjson_events(r: requests.Response) -> list[dict]:
     return [json.loads(line) for line in r.iter_lines() if line]
+
+
+class EventStream:
+    """The events of an NDJSON response as they arrive, read in a thread so
+    that every wait for more is bounded (a stream that stalls fails the test
+    in time instead of hanging it)."""
+
+    _END = object()
+
+    def __init__(self, r: requests.Response):
+        self.r = r
+        self.events: list[dict] = []
+        self._q: queue.Queue = queue.Queue()
+        self._ended = False
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for line in self.r.iter_lines(chunk_size=1):
+                if line:
+                    self._q.put(json.loads(line))
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            self._q.put(e)
+        self._q.put(self._END)
+
+    def _next(self, deadline: float, what: str):
+        try:
+            item = self._q.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"timed out waiting for {what}; events so far: {self.events}") from None
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def until(self, what: str, done: Callable[[list[dict]], bool], timeout: float = 30) -> list[dict]:
+        """Reads events until `done(events so far)` holds."""
+        deadline = time.monotonic() + timeout
+        while not done(self.events):
+            item = self._next(deadline, what)
+            if item is self._END:
+                raise AssertionError(f"the stream ended before {what}: {self.events}")
+            self.events.append(item)
+        return self.events
+
+    def rest(self, timeout: float = 30) -> list[dict]:
+        """Reads events until the stream ends."""
+        deadline = time.monotonic() + timeout
+        while not self._ended:
+            item = self._next(deadline, "the end of the stream")
+            if item is self._END:
+                self._ended = True
+            else:
+                self.events.append(item)
+        return self.events
+
+
+def stdout_of(events: list[dict]) -> str:
+    return "".join(e["data"] for e in events if e["type"] == "stdout")
 
 
 # --------------------------------------------------------------------------

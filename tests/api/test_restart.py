@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -142,7 +143,10 @@ def test_a_create_interrupted_by_kill_9_ends_running_or_terminated(own_daemon: D
     kept = make_kept(api, 1)
     known = set(kept)
     outcomes = []
-    # A few delays around the ~5 ms a create takes.
+    # Kill points spread around the ~5 ms a create takes. Not a wait for
+    # anything: every kill point, before, during or after the create, must
+    # end in one of the outcomes checked, so a busy machine only moves the
+    # points, never the verdict.
     for delay in (0.001, 0.002, 0.003, 0.005, 0.008):
         t = fire(api, "POST", "/v1/sandboxes", {"ttl_seconds": 1800})
         time.sleep(delay)
@@ -167,6 +171,7 @@ def test_a_delete_interrupted_by_kill_9_ends_running_or_terminated(own_daemon: D
     kept = make_kept(api, 4)
     victims, bystander = list(kept)[:3], list(kept)[3]
     outcomes = []
+    # Kill points, not waits (see the create test above).
     for sid, delay in zip(victims, (0.0005, 0.002, 0.004)):
         t = fire(api, "DELETE", f"/v1/sandboxes/{sid}")
         time.sleep(delay)
@@ -237,12 +242,15 @@ def test_sigterm_with_a_command_stream_open_exits_within_the_grace_period(own_da
     assert b" 200 " in head.split(b"\r\n", 1)[0], head[:200]
     reader = threading.Thread(target=lambda: [None for _ in iter(lambda: conn.recv(65536), b"")], daemon=True)
     reader.start()
-    t0 = time.monotonic()
     os.kill(d.pid, signal.SIGTERM)
-    d.proc.wait(timeout=30)
-    took = time.monotonic() - t0
+    # The daemon gives open requests a grace period, then exits anyway; a
+    # daemon that waited for the stream would wait the command's 120 s out,
+    # far beyond this bound on the wait.
+    try:
+        d.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"hutch serve still runs 60 s after SIGTERM; log:\n{d.log_tail()}") from None
     conn.close()
-    assert took < 20, f"hutch serve took {took:.1f} s to stop after SIGTERM"
     # The sandbox and its command outlived the daemon; a new one adopts it.
     d.start()
     procs = api.get(f"/v1/sandboxes/{sid}/processes", timeout=10)

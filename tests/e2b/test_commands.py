@@ -58,9 +58,11 @@ def test_stdin_and_close(shared):
 
 
 def test_connect_to_running_pid(shared):
-    h = shared.commands.run("sleep 0.5; echo later", background=True)
+    # The command waits for its stdin, so it still runs when connected to.
+    h = shared.commands.run("read line; echo later-$line", background=True, stdin=True)
     again = shared.commands.connect(h.pid)
-    assert again.wait().stdout.endswith("later\n")
+    shared.commands.send_stdin(h.pid, "on\n")
+    assert again.wait().stdout.endswith("later-on\n")
 
 
 def test_kill_unknown_pid_is_false(shared):

@@ -123,10 +123,18 @@ def test_list_filters_by_template_start_time_and_order_over_plain_http(daemon):
 
     base, key = os.environ["E2B_API_URL"], os.environ["E2B_API_KEY"]
     tag = {"suite": f"order-{time.time_ns()}"}
+    utc = datetime.timezone.utc
     first = Sandbox.create(metadata=tag)
-    time.sleep(0.05)
-    cut = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
-    time.sleep(0.05)
+    # The cut: one millisecond (the daemon's resolution) after the first
+    # started, as the daemon recorded it; the second starts once the host's
+    # clock, which the daemon reads, has reached the cut.
+    r = requests.get(f"{base}/v2/sandboxes", params={"metadata": f"suite={tag['suite']}"},
+                     headers={"X-API-KEY": key}, timeout=10)
+    assert r.status_code == 200, r.text
+    started = next(s["startedAt"] for s in r.json() if s["sandboxID"] == first.sandbox_id)
+    cut_ms = round(datetime.datetime.fromisoformat(started.replace("Z", "+00:00")).timestamp() * 1000) + 1
+    cut = datetime.datetime.fromtimestamp(cut_ms // 1000, utc).strftime("%Y-%m-%dT%H:%M:%S") + f".{cut_ms % 1000:03d}Z"
+    wait_for("the clock to reach the cut", lambda: int(time.time() * 1000) >= cut_ms, timeout=5, interval=0.001)
     second = Sandbox.create(metadata=tag)
     try:
         def ids(**params):

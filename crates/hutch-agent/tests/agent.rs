@@ -112,6 +112,82 @@ fn descendants(pid: u32) -> Vec<u32> {
     out
 }
 
+/// Polls `cond` until it holds; fails the test after `timeout`. These tests
+/// wait on conditions, never for a fixed time.
+fn wait_for(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A process held by a pidfd, so that its end is seen without a race
+/// against pid reuse or against its exec.
+struct Pidfd(std::os::fd::OwnedFd);
+
+impl Pidfd {
+    /// None when the process is already gone.
+    fn open(pid: u32) -> Option<Pidfd> {
+        // SAFETY: pidfd_open takes no pointers.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, 0) };
+        if fd < 0 {
+            let e = std::io::Error::last_os_error();
+            assert_eq!(e.raw_os_error(), Some(libc::ESRCH), "pidfd_open({pid}): {e}");
+            return None;
+        }
+        // SAFETY: pidfd_open returned a new descriptor that we now own.
+        Some(Pidfd(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd as i32) }))
+    }
+
+    /// Whether the process has ended (a zombie has), waiting at most `ms`.
+    fn ended_within(&self, ms: i32) -> bool {
+        let mut p = libc::pollfd { fd: self.0.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: p is one valid pollfd for the duration of the call.
+        let n = unsafe { libc::poll(&mut p, 1, ms) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            assert_eq!(e.raw_os_error(), Some(libc::EINTR), "poll of a pidfd: {e}");
+            return false;
+        }
+        n == 1
+    }
+
+    fn ended(&self) -> bool {
+        self.ended_within(0)
+    }
+
+    /// Waits (at most 10 s) for the process to end.
+    fn wait_ended(&self, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.ended_within(1000) {
+            assert!(Instant::now() < deadline, "{what} still runs");
+        }
+    }
+}
+
+/// Bytes `pid` wrote to its stdout pipe that the agent has not read yet.
+fn unread_stdout(pid: u32) -> usize {
+    use std::os::unix::fs::OpenOptionsExt;
+    let pipe = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(format!("/proc/{pid}/fd/1"))
+        .expect("open the command's stdout pipe");
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int to the pointer given.
+    assert_eq!(unsafe { libc::ioctl(pipe.as_raw_fd(), libc::FIONREAD, &mut n) }, 0, "FIONREAD");
+    n as usize
+}
+
+/// Waits until `pid` has written `marker` (a file it makes after its output)
+/// and the agent has read all of that output from the pipe: it is then in
+/// the agent's keeping, as nobody's attached.
+fn wait_output_taken(pid: u32, marker: &Path) {
+    wait_for("the command's output", Duration::from_secs(10), || marker.exists());
+    wait_for("the agent to read the output", Duration::from_secs(10), || unread_stdout(pid) == 0);
+}
+
 impl Drop for Agent {
     fn drop(&mut self) {
         // Outside a pid namespace the agent's death does not end its
@@ -268,21 +344,13 @@ fn listed(c: &mut Client) -> Vec<ProcessInfo> {
 
 /// Waits until `pid` no longer runs our sleep (gone, a zombie, or another program).
 fn wait_dead(pid: u32, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while alive(pid) {
-        assert!(Instant::now() < deadline, "{what} {pid} still runs");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for(&format!("{what} {pid} to end"), Duration::from_secs(10), || !alive(pid));
 }
 
 /// Waits until `pid` runs sleep (a background job execs it a moment after
 /// its shell reported the pid).
 fn wait_sleeping(pid: u32) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !alive(pid) {
-        assert!(Instant::now() < deadline, "{pid} never ran sleep");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for(&format!("{pid} to run sleep"), Duration::from_secs(10), || alive(pid));
 }
 
 fn alive(pid: u32) -> bool {
@@ -291,15 +359,12 @@ fn alive(pid: u32) -> bool {
 
 /// Polls the agent's list until `done` holds for it.
 fn wait_listed(c: &mut Client, what: &str, done: impl Fn(&[ProcessInfo]) -> bool) -> Vec<ProcessInfo> {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let l = listed(c);
-        if done(&l) {
-            return l;
-        }
-        assert!(Instant::now() < deadline, "waiting for {what}: {l:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mut last = Vec::new();
+    wait_for(what, Duration::from_secs(15), || {
+        last = listed(c);
+        done(&last)
+    });
+    last
 }
 
 fn path_str(p: &Path) -> String {
@@ -347,28 +412,15 @@ fn timeout_kills_the_whole_tree_including_setsid_descendants() {
     let mut c = agent.connect();
     let mut s = root_spawn(argv(&["sh", "-c", "setsid sleep 100 & echo $!; sleep 100"]));
     s.timeout_ms = Some(500);
-    let started = Instant::now();
     let pid = c.spawn(s);
     let out = c.collect(pid);
     let status = out.status.expect("exit");
     assert!(status.timed_out, "{status:?}");
     assert_eq!(status.signal, Some(libc::SIGKILL));
-    assert!(started.elapsed() < Duration::from_secs(10));
     let text = String::from_utf8_lossy(&out.stdout);
     let orphan: u32 = text.trim().parse().expect("pid of the setsid'd sleep");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let gone = match std::fs::read_to_string(format!("/proc/{orphan}/stat")) {
-            Err(_) => true,
-            // A zombie is dead; also a recycled pid no longer runs our sleep.
-            Ok(stat) => stat.contains(") Z") || !stat.contains("(sleep)"),
-        };
-        if gone {
-            break;
-        }
-        assert!(Instant::now() < deadline, "setsid'd sleep {orphan} survived the timeout");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    // The exit comes once the whole tree is gone: nothing left to wait for.
+    assert!(Pidfd::open(orphan).is_none_or(|p| p.ended()), "setsid'd sleep {orphan} survived the timeout");
 }
 
 #[test]
@@ -444,40 +496,59 @@ fn attach_replays_detach_buffers_and_processes_outlive_connections() {
     let agent = Agent::start();
     let mut c = agent.connect();
 
+    // Each command prints, marks that it did, and then waits for its gate
+    // file, so it is still running when the test attaches.
+    let marker = |name: &str| agent.dir.join(format!("printed-{name}"));
+    let gate = |name: &str| agent.dir.join(format!("go-{name}"));
+    let gated = |print: &str, name: &str| {
+        Cmd::Shell(format!(
+            "{print}; touch {}; while [ ! -e {} ]; do sleep 0.01; done",
+            marker(name).display(),
+            gate(name).display()
+        ))
+    };
+    let open = |name: &str| std::fs::write(gate(name), b"").expect("open the gate");
+
     // Output while nobody is attached is replayed on attach.
-    let mut s = root_spawn(Cmd::Shell("echo replayed; sleep 0.5".into()));
+    let mut s = root_spawn(gated("echo replayed", "r"));
     s.subscribe = false;
     s.tag = Some("r".into());
     let pid = c.spawn(s);
-    std::thread::sleep(Duration::from_millis(200));
+    wait_output_taken(pid, &marker("r"));
     assert_eq!(c.call(Request::Attach { target: Target::Tag("r".into()) }, &[]).0, Reply::Attached { pid });
+    open("r");
     let out = c.collect(pid);
     assert_eq!((out.stdout.as_slice(), out.dropped), (&b"replayed\n"[..], 0));
     assert_eq!(out.status, exited(0));
 
     // More than the replay buffer: the head is dropped and counted.
-    let mut s = root_spawn(Cmd::Shell("head -c 100000 /dev/zero; sleep 0.5".into()));
+    let mut s = root_spawn(gated("head -c 100000 /dev/zero", "big"));
     s.subscribe = false;
     let pid = c.spawn(s);
-    std::thread::sleep(Duration::from_millis(250));
+    wait_output_taken(pid, &marker("big"));
     assert_eq!(c.call(Request::Attach { target: Target::Pid(pid) }, &[]).0, Reply::Attached { pid });
+    open("big");
     let out = c.collect(pid);
     assert_eq!((out.stdout.len(), out.dropped), (65536, 100000 - 65536));
 
     // Detached output is kept for the next attach; a closed connection
     // neither kills the process nor loses it.
-    let mut s = root_spawn(Cmd::Shell("sleep 0.4; echo late; sleep 0.6".into()));
+    // It prints only once detached: its own gate first.
+    let first = format!("while [ ! -e {} ]; do sleep 0.01; done; echo late", gate("detached").display());
+    let mut s = root_spawn(gated(&first, "d"));
     s.tag = Some("d".into());
     let pid = c.spawn(s);
     c.ok(Request::Detach { pid });
     drop(c);
-    std::thread::sleep(Duration::from_millis(700));
+    open("detached");
+    wait_output_taken(pid, &marker("d"));
     let mut c = agent.connect();
     match c.call(Request::List, &[]).0 {
         Reply::Processes { processes } => assert!(processes.iter().any(|p| p.pid == pid)),
         other => panic!("{other:?}"),
     }
     assert_eq!(c.call(Request::Attach { target: Target::Tag("d".into()) }, &[]).0, Reply::Attached { pid });
+    open("d");
     let out = c.collect(pid);
     assert_eq!(out.stdout, b"late\n");
     assert_eq!(out.status, exited(0));
@@ -658,6 +729,24 @@ fn oversized_frame_closes_only_that_connection() {
     assert!(agent.alive());
 }
 
+/// Whether `pid` sleeps in epoll_wait (or epoll_pwait): idle, waiting for
+/// an event.
+fn waiting_in_epoll(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    let sleeping = stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('S'));
+    let Ok(call) = std::fs::read_to_string(format!("/proc/{pid}/syscall")) else { return false };
+    let nr: i64 = call.split_whitespace().next().and_then(|n| n.parse().ok()).unwrap_or(-1);
+    sleeping && [libc::SYS_epoll_wait, libc::SYS_epoll_pwait, libc::SYS_epoll_pwait2].contains(&nr)
+}
+
+/// Bytes waiting to be read on `s`.
+fn unread_socket(s: &UnixStream) -> usize {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int to the pointer given.
+    assert_eq!(unsafe { libc::ioctl(s.as_raw_fd(), libc::FIONREAD, &mut n) }, 0, "FIONREAD");
+    n as usize
+}
+
 fn rss_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("agent status");
     let line = status.lines().find(|l| l.starts_with("VmRSS:")).expect("VmRSS line");
@@ -676,7 +765,12 @@ fn pipelined_requests_are_held_back_while_replies_are_unread() {
         proto::encode(&ToAgent { id: 1000 + id, req: read.clone() }, &[], &mut batch).expect("encode");
     }
     c.s.write_all(&batch).expect("send the whole batch");
-    std::thread::sleep(Duration::from_millis(500));
+    // Once the agent is back asleep in epoll_wait with replies waiting in
+    // our socket, it has done all it will do until we read: measure then.
+    let agent_pid = agent.child.id();
+    wait_for("the agent to stop, replies unread", Duration::from_secs(30), || {
+        waiting_in_epoll(agent_pid) && unread_socket(&c.s) > 0
+    });
     // 400 MiB of replies were asked for; the agent holds at most the
     // high-water mark plus one reply beyond what the socket buffers.
     let rss = rss_kib(agent.child.id());
@@ -755,12 +849,11 @@ fn the_timeout_ends_children_left_after_the_main_process_exited() {
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let pids: Vec<u32> = text.split_whitespace().map(|p| p.parse().expect("pid")).collect();
     assert_eq!(pids.len(), 2);
-    for &p in &pids {
-        wait_sleeping(p);
-    }
+    // Held by pidfd: the timeout may end them at any moment from now on.
+    let held: Vec<Pidfd> = pids.iter().filter_map(|&p| Pidfd::open(p)).collect();
     wait_listed(&mut c, "the timeout to end the tree", |l| l.is_empty());
-    for p in pids {
-        wait_dead(p, "background sleep");
+    for p in held {
+        p.wait_ended("a background sleep");
     }
 }
 
@@ -811,13 +904,18 @@ fn a_killed_commands_exit_comes_after_its_whole_tree_is_gone() {
                 other => panic!("unexpected {other:?}"),
             }
         };
-        wait_sleeping(orphan);
+        let held = Pidfd::open(orphan);
+        // Past its setsid (it runs sleep), unless the timeout ended it first.
+        wait_for("the orphan to run sleep", Duration::from_secs(10), || {
+            alive(orphan) || held.as_ref().is_none_or(|h| h.ended())
+        });
         if kill {
             c.ok(Request::Signal { pid, signal: libc::SIGKILL });
         }
         let status = c.collect(pid).status.expect("exit");
         assert_eq!((status.timed_out, status.descendants_alive), (!kill, false), "{status:?}");
-        assert!(!std::path::Path::new(&format!("/proc/{orphan}")).exists(), "the setsid'd sleep outlived the exit");
+        let gone = held.is_none_or(|h| h.ended()) && !Path::new(&format!("/proc/{orphan}")).exists();
+        assert!(gone, "the setsid'd sleep outlived the exit");
         assert!(listed(&mut c).is_empty());
     }
 }

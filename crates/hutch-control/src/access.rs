@@ -336,13 +336,14 @@ mod tests {
             expires_at: now_ms() + 60_000,
             revoked: rx,
         };
-        let waiting = tokio::spawn({
-            let pass = pass.clone();
-            async move { pass.ended().await }
-        });
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        tx.send_replace(true);
-        assert_eq!(waiting.await.expect("join"), PassEnd::Revoked);
+        {
+            let ended = pass.ended();
+            tokio::pin!(ended);
+            // Polled once: waiting, not ended, before the revocation.
+            assert!(tokio::time::timeout(Duration::ZERO, &mut ended).await.is_err(), "ended before its revocation");
+            tx.send_replace(true);
+            assert_eq!(ended.await, PassEnd::Revoked);
+        }
         let (_tx, rx) = tokio::sync::watch::channel(false);
         let soon = AccessPass { expires_at: now_ms() + 50, revoked: rx, ..pass };
         assert_eq!(tokio::time::timeout(Duration::from_secs(2), soon.ended()).await.expect("ends"), PassEnd::Expired);

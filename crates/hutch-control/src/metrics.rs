@@ -58,6 +58,9 @@ pub struct Metrics {
     pub commands_total: AtomicU64,
     /// Seconds, as f64 bits.
     reconciler_lag: AtomicU64,
+    /// Reconciler passes completed (pools tended included): what a test
+    /// waits on to know that the reconciler has looked again.
+    pub reconciler_ticks_total: AtomicU64,
     /// Creates served by a warm sandbox, and creates of a template with a
     /// warm pool that found none ready.
     pub warm_claims_total: AtomicU64,
@@ -103,6 +106,7 @@ impl Default for Metrics {
             exec_latency: Histogram::new(LATENCY),
             commands_total: AtomicU64::new(0),
             reconciler_lag: AtomicU64::new(0),
+            reconciler_ticks_total: AtomicU64::new(0),
             warm_claims_total: AtomicU64::new(0),
             warm_misses_total: AtomicU64::new(0),
             warm_refill: Histogram::new(LATENCY),
@@ -150,6 +154,12 @@ impl Metrics {
             "# HELP hutch_reconciler_lag_seconds How long past its expiry the latest expired sandbox was reaped.\n\
              # TYPE hutch_reconciler_lag_seconds gauge\nhutch_reconciler_lag_seconds {}",
             f64::from_bits(self.reconciler_lag.load(Ordering::Relaxed))
+        );
+        let _ = writeln!(
+            out,
+            "# HELP hutch_reconciler_ticks_total Reconciler passes completed.\n\
+             # TYPE hutch_reconciler_ticks_total counter\nhutch_reconciler_ticks_total {}",
+            self.reconciler_ticks_total.load(Ordering::Relaxed)
         );
         let _ = writeln!(
             out,
@@ -205,6 +215,10 @@ mod tests {
         assert!(text.contains("hutch_exec_seconds_bucket{le=\"0.002\"} 1"));
         assert!(text.contains("hutch_exec_seconds_bucket{le=\"0.5\"} 2"));
         assert!(text.contains("hutch_exec_seconds_count 2"));
+        assert!(text.contains("hutch_reconciler_ticks_total 0"));
+        m.reconciler_ticks_total.fetch_add(1, Ordering::Relaxed);
+        let text = m.render(&[], 0, Viewer::Admin);
+        assert!(text.contains("\nhutch_reconciler_ticks_total 1\n"), "{text}");
         let pool = |owner: &str, name: &str, id: &str| WarmPoolSize {
             owner: owner.into(),
             template: name.into(),

@@ -160,6 +160,7 @@ impl Control {
                 tracing::warn!("warm pools: {e}; retrying next tick");
             }
         }
+        self.metrics.reconciler_ticks_total.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 

@@ -6,6 +6,34 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// Polls `cond` until it holds; fails the test after `timeout`. These tests
+/// wait on conditions, never for a fixed time.
+pub fn wait_for(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Whether the kernel reports the cgroup of sandbox `name` frozen, every
+/// process in it stopped (`freezer.state` FROZEN on cgroup v1, `frozen 1` in
+/// `cgroup.events` on v2). Fails when it has no freezer cgroup.
+pub fn frozen(name: &str) -> bool {
+    let dirs = cgroups_named(name);
+    for d in &dirs {
+        if let Ok(state) = std::fs::read_to_string(d.join("freezer.state")) {
+            return state.trim() == "FROZEN";
+        }
+        if d.join("cgroup.freeze").exists() {
+            let events = std::fs::read_to_string(d.join("cgroup.events")).expect("cgroup.events");
+            return events.lines().any(|l| l == "frozen 1");
+        }
+    }
+    panic!("sandbox {name} has no freezer cgroup: {dirs:?}");
+}
 
 /// Directories of one test, removed on drop (even when the test fails).
 pub struct Env {
