@@ -7,6 +7,7 @@ templates (running only once ready, failed with a code otherwise)."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import sqlite3
 import tarfile
@@ -479,6 +480,24 @@ def test_a_run_step_is_never_reused_from_another_owners_cache(daemon: Daemon):
     sb = a.create(template=t["name"])
     assert a.sh(sb["id"], "cat /opt/private.key") == keys["a"]
     a.destroy(sb["id"])
+
+
+def owner_cache_dir(daemon: Daemon, owner: str):
+    """Where the image store keeps an owner's build cache entries."""
+    digest = hashlib.sha256(b"hutch-build-cache-owner\0" + owner.encode()).hexdigest()[:32]
+    return daemon.state_dir / "images" / "cache" / digest
+
+
+def test_revoking_a_key_forgets_its_build_cache(daemon: Daemon, api: Client):
+    c = daemon.new_client("cache-revoked")
+    t = make_template(c)
+    done, log = build(c, t["id"], {"Dockerfile": "RUN echo cached-until-revoked > /opt/x\n"})
+    assert done["state"] == "succeeded", log
+    cache = owner_cache_dir(daemon, c.key_id)
+    assert cache.is_dir() and any(cache.iterdir()), f"no cache entries in {cache}"
+    expect_status(api.delete(f"/v1/keys/{c.key_id}"), 204)
+    c.revoked = True
+    assert not cache.exists(), list(cache.iterdir())
 
 
 def test_a_copy_of_a_guessed_secret_is_not_answered_from_another_owners_cache(daemon: Daemon):

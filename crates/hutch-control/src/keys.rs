@@ -175,7 +175,20 @@ impl Control {
         tokio::task::spawn_blocking(move || revoke(store.as_ref(), &kid)).await??;
         self.add_revoked(id);
         self.end_sandboxes_of(id).await;
+        self.forget_build_cache_of(id).await;
         Ok(())
+    }
+
+    /// Drops a revoked key's build cache entries: no build of it can use
+    /// them again, and their layers become garbage for the image GC.
+    async fn forget_build_cache_of(&self, owner: &OwnerId) {
+        let Ok(images) = self.images() else { return };
+        let o = owner.to_string();
+        match tokio::task::spawn_blocking(move || images.forget_owner_cache(&o)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!("build cache of revoked key {owner}: {e}"),
+            Err(e) => tracing::warn!("build cache of revoked key {owner}: {e}"),
+        }
     }
 
     /// Ends every sandbox of a revoked key (warm ones included).
