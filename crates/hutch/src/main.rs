@@ -43,7 +43,18 @@ enum Command {
 }
 
 fn main() {
+    // Rust ignores SIGPIPE, so a print to a closed pipe (`hutch doctor --json
+    // | head`) would panic. Commands that print for a person or a pipe take
+    // the default (help and usage errors included) and end quietly, as Unix
+    // tools do; the daemon and `run` (which must remove its sandbox) ignore
+    // it again and see EPIPE.
+    // SAFETY: no other thread exists yet; both are valid dispositions.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Serve(_) | Command::Run(_)) {
+        // SAFETY: as above.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+    }
     let code = match cli.command {
         Command::Run(args) => run::main(args),
         Command::Serve(args) => serve::main(args),
