@@ -46,9 +46,12 @@ pub enum SandboxCommand {
         #[arg(required = true)]
         ids: Vec<String>,
     },
-    /// Push a sandbox's expiry later.
+    /// Push a sandbox's expiry later: `extend ID 10m` (as --by) or --until.
     Extend {
         id: String,
+        /// Add this much to the current expiry: 10m, 1h, ... (as --by).
+        #[arg(value_parser = parse_seconds, group = "how", value_name = "DURATION")]
+        duration: Option<u64>,
         /// Add this much to the current expiry: 10m, 1h, ...
         #[arg(long, value_parser = parse_seconds, group = "how", value_name = "DURATION")]
         by: Option<u64>,
@@ -177,8 +180,8 @@ fn run(args: SandboxArgs) -> anyhow::Result<i32> {
             }
             Ok(code)
         }
-        SandboxCommand::Extend { id, by, until } => {
-            let req = extend_request(by, until)?;
+        SandboxCommand::Extend { id, duration, by, until } => {
+            let req = extend_request(duration.or(by), until)?;
             let sb = client.extend_sandbox(&id, &req)?;
             println!("{} expires {} ({})", sb.id, sb.expires_at, output::expires(&sb.expires_at, output::now_ms()));
             Ok(0)
@@ -404,6 +407,12 @@ mod tests {
         let t = T::try_parse_from(["x", "extend", "sb-1", "--by", "10m"]).expect("parse");
         let SandboxCommand::Extend { by, until, .. } = t.c else { panic!("not extend") };
         assert_eq!(extend_request(by, until).expect("req"), Extend { by: Some(600), until: None });
+        // The duration may come bare, as `hutch sandbox extend ID 5m`.
+        let t = T::try_parse_from(["x", "extend", "sb-1", "5m"]).expect("parse");
+        let SandboxCommand::Extend { duration, by, until, .. } = t.c else { panic!("not extend") };
+        assert_eq!(extend_request(duration.or(by), until).expect("req"), Extend { by: Some(300), until: None });
+        assert!(T::try_parse_from(["x", "extend", "sb-1", "5m", "--by", "1m"]).is_err());
+        assert!(T::try_parse_from(["x", "extend", "sb-1", "soon"]).is_err());
         assert!(extend_request(None, Some("next week".into())).is_err());
         assert!(extend_request(None, None).is_err());
         let e = extend_request(None, Some("2030-01-01T00:00:00Z".into())).expect("req");
