@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -148,6 +151,34 @@ def test_delete_is_idempotent_and_frees_the_host(api: Client, daemon: Daemon):
     wait_cleaned(daemon, sb["id"])
     # A terminated sandbox refuses commands.
     expect_error(api.exec_raw(sb["id"], {"command": "true"}), 409, "sandbox_session_not_running")
+
+
+def test_live_lists_leave_the_terminated_out_and_the_cli_shows_them_by_default(daemon: Daemon):
+    c = daemon.new_client("live-lister")
+    made = [c.create()["id"] for _ in range(3)]
+    try:
+        c.destroy(made[1])
+        every = [s["id"] for s in c.get("/v1/sandboxes").json()["sandboxes"]]
+        assert every == made[::-1], every
+        r = c.get("/v1/sandboxes", params={"live": "true", "limit": 1})
+        expect_status(r, 200)
+        assert [s["id"] for s in r.json()["sandboxes"]] == [made[2]]
+        r = c.get("/v1/sandboxes", params={"live": "true", "limit": 1, "cursor": r.json()["next_cursor"]})
+        assert [s["id"] for s in r.json()["sandboxes"]] == [made[0]], r.json()
+        expect_error(c.get("/v1/sandboxes", params={"live": "maybe"}), 400, "invalid_request")
+        # The CLI: live ones by default (every page), --all adds the ended.
+        env = {"HUTCH_URL": daemon.base, "HUTCH_API_KEY": c.key, "PATH": os.environ["PATH"]}
+        def cli_ids(*flags: str) -> list[str]:
+            p = subprocess.run([str(daemon.binary), "sandbox", "list", "--json", *flags], env=env,
+                               capture_output=True, text=True, timeout=30)
+            assert p.returncode == 0, p.stderr
+            return [s["id"] for s in json.loads(p.stdout)["sandboxes"]]
+        assert cli_ids() == [made[2], made[0]]
+        assert cli_ids("--all") == made[::-1]
+        assert cli_ids("--all", "--limit", "1") == [made[2]]
+    finally:
+        for sid in made:
+            c.destroy(sid)
 
 
 def test_list_is_newest_first_and_pages_with_a_cursor(daemon: Daemon):

@@ -366,13 +366,15 @@ impl Control {
     }
 
     /// A page of sandboxes, newest first: the caller's own, or for an admin
-    /// another owner's (`owner`) or everyone's (`*`).
+    /// another owner's (`owner`) or everyone's (`*`); with `live`, only
+    /// those not yet terminated.
     pub async fn list(
         &self,
         caller: &Caller,
         owner: Option<&str>,
         limit: Option<u32>,
         cursor: Option<&str>,
+        live: bool,
     ) -> Result<SandboxList> {
         let owners = caller.listing(owner)?;
         let limit = limit.unwrap_or(100);
@@ -382,7 +384,9 @@ impl Control {
         let after = cursor.map(decode_cursor).transpose()?;
         let filter = owners.filter().map(str::to_owned);
         let rows = self
-            .db(move |s| s.list_sandboxes(filter.as_deref(), after.as_ref().map(|(t, i)| (*t, i.as_str())), limit + 1))
+            .db(move |s| {
+                s.list_sandboxes(filter.as_deref(), after.as_ref().map(|(t, i)| (*t, i.as_str())), limit + 1, live)
+            })
             .await?;
         let more = rows.len() > limit as usize;
         let rows = &rows[..rows.len().min(limit as usize)];

@@ -198,6 +198,8 @@ pub(crate) struct ListQuery {
     cursor: Option<String>,
     /// Another owner's (a key id), or `*` for every owner's: admin keys only.
     owner: Option<String>,
+    /// `true`: only sandboxes not yet terminated.
+    live: Option<bool>,
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes", params(ListQuery),
@@ -207,7 +209,9 @@ pub(crate) async fn list_sandboxes(
     Extension(caller): Extension<Caller>,
     ApiQuery(q): ApiQuery<ListQuery>,
 ) -> ApiResult<Json<SandboxList>> {
-    Ok(Json(app.control.list(&caller, q.owner.as_deref(), q.limit, q.cursor.as_deref()).await?))
+    Ok(Json(
+        app.control.list(&caller, q.owner.as_deref(), q.limit, q.cursor.as_deref(), q.live.unwrap_or(false)).await?,
+    ))
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}", params(("id" = String, Path)),

@@ -309,9 +309,15 @@ pub trait Store: Send + Sync {
     fn set_net_learned(&self, id: &str, json: &str) -> Result<()>;
     fn net_learned(&self, id: &str) -> Result<String>;
     /// Newest first; `after` is the (created_at, id) of the last row of the
-    /// previous page. `owner` None lists every owner's.
-    fn list_sandboxes(&self, owner: Option<&str>, after: Option<(i64, &str)>, limit: u32)
-        -> Result<Vec<SandboxRecord>>;
+    /// previous page. `owner` None lists every owner's; `live` leaves out
+    /// terminated sandboxes.
+    fn list_sandboxes(
+        &self,
+        owner: Option<&str>,
+        after: Option<(i64, &str)>,
+        limit: u32,
+        live: bool,
+    ) -> Result<Vec<SandboxRecord>>;
     /// Sandboxes in any of these states, oldest first.
     fn sandboxes_in(&self, states: &[SandboxState]) -> Result<Vec<SandboxRecord>>;
     /// How many sandboxes are in each state.

@@ -470,17 +470,19 @@ impl Store for SqliteStore {
         owner: Option<&str>,
         after: Option<(i64, &str)>,
         limit: u32,
+        live: bool,
     ) -> Result<Vec<SandboxRecord>> {
         self.with(|c| {
             let (ts, id) = after.unwrap_or((i64::MAX, ""));
             let sql = format!(
                 "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE (?1 IS NULL OR owner = ?1) AND pooled = 0 \
-                 AND (created_at < ?2 OR (created_at = ?2 AND id < ?3) OR ?4) \
+                 AND (created_at < ?2 OR (created_at = ?2 AND id < ?3) OR ?4) AND (NOT ?6 OR state != ?7) \
                  ORDER BY created_at DESC, id DESC LIMIT ?5"
             );
             let mut st = c.prepare(&sql)?;
+            let ended = SandboxState::Terminated.as_str();
             let rows = st
-                .query_map(params![owner, ts, id, after.is_none(), limit as i64], sandbox_row)?
+                .query_map(params![owner, ts, id, after.is_none(), limit as i64, live, ended], sandbox_row)?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
             Ok(rows)
         })

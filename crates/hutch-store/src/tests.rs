@@ -75,12 +75,17 @@ fn listing_pages_newest_first() {
     for (i, id) in ["a", "b", "c", "d", "e"].iter().enumerate() {
         s.insert_sandbox_free(&sandbox(id, i as i64)).expect("insert");
     }
-    let page1 = s.list_sandboxes(Some("k1"), None, 2).expect("list");
+    let page1 = s.list_sandboxes(Some("k1"), None, 2, false).expect("list");
     assert_eq!(page1.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(), ["e", "d"]);
     let last = &page1[1];
-    let page2 = s.list_sandboxes(Some("k1"), Some((last.created_at, &last.id)), 2).expect("list");
+    let page2 = s.list_sandboxes(Some("k1"), Some((last.created_at, &last.id)), 2, false).expect("list");
     assert_eq!(page2.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(), ["c", "b"]);
-    assert!(s.list_sandboxes(Some("other"), None, 10).expect("list").is_empty());
+    assert!(s.list_sandboxes(Some("other"), None, 10, false).expect("list").is_empty());
+    // `live` leaves the terminated out, on every page.
+    s.transition("d", &[SandboxState::Running], SandboxState::Terminated, &Changes::default()).expect("end");
+    let live = s.list_sandboxes(Some("k1"), None, 3, true).expect("list");
+    assert_eq!(live.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(), ["e", "c", "b"]);
+    assert_eq!(s.list_sandboxes(Some("k1"), None, 10, false).expect("list").len(), 5);
 }
 
 #[test]
@@ -177,11 +182,11 @@ fn warm_claims_take_the_oldest_of_the_current_version_only() {
     s.insert_sandbox_free(&pooled("old", 1, 1)).expect("insert");
     s.insert_sandbox_free(&pooled("new", 2, 1)).expect("insert");
     // Pooled sandboxes are nobody's yet.
-    assert!(s.list_sandboxes(Some("k1"), None, 10).expect("list").is_empty());
+    assert!(s.list_sandboxes(Some("k1"), None, 10, false).expect("list").is_empty());
     let got = s.claim_warm(&claim(100)).expect("claim").expect("one ready");
     assert_eq!((got.id.as_str(), got.pooled, got.warm, got.created_at), ("old", false, true, 100));
     assert_eq!(got.metadata, "{\"a\":\"b\"}");
-    assert_eq!(s.list_sandboxes(Some("k1"), None, 10).expect("list").len(), 1);
+    assert_eq!(s.list_sandboxes(Some("k1"), None, 10, false).expect("list").len(), 1);
     // A new version: the remaining v1 sandbox can no longer be claimed.
     let mut t = template("tpl-1", 2);
     assert!(s.update_template(&t, 1).expect("update"));

@@ -338,7 +338,7 @@ async fn all_live(app: &App, caller: &Caller) -> E2bResult<Vec<(Sandbox, &'stati
     let mut out = Vec::new();
     let mut cursor: Option<String> = None;
     loop {
-        let page = app.control.list(caller, None, Some(1000), cursor.as_deref()).await?;
+        let page = app.control.list(caller, None, Some(1000), cursor.as_deref(), true).await?;
         for sb in page.sandboxes {
             if let Some(state) = e2b_state(sb.state) {
                 out.push((sb, state));

@@ -133,9 +133,13 @@ impl Client {
     }
 
     /// `GET /v1/sandboxes`: one page, newest first.
-    pub fn list_sandboxes(&self, limit: Option<u32>, cursor: Option<&str>) -> Result<SandboxList> {
+    /// A page of sandboxes; with `live`, only those not yet terminated.
+    pub fn list_sandboxes(&self, limit: Option<u32>, cursor: Option<&str>, live: bool) -> Result<SandboxList> {
         let url = self.url(&["sandboxes"]);
         let mut r = self.authed("GET", &url);
+        if live {
+            r = r.query("live", "true");
+        }
         if let Some(l) = limit {
             r = r.query("limit", &l.to_string());
         }

@@ -18,16 +18,18 @@ pub struct SandboxArgs {
 pub enum SandboxCommand {
     /// Create a sandbox and print it.
     Create(CreateArgs),
-    /// List sandboxes, newest first.
+    /// List the sandboxes not yet terminated, newest first (every page,
+    /// unless --limit or --cursor asks for one).
+    #[command(visible_alias = "ls")]
     List {
-        /// Sandboxes per page.
+        /// One page of this many sandboxes.
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
         limit: Option<u32>,
-        /// Start after this cursor (from a previous page).
+        /// One page, after this cursor (from a previous page).
         #[arg(long)]
         cursor: Option<String>,
-        /// Follow the cursors and list every sandbox.
-        #[arg(long)]
+        /// Terminated sandboxes too.
+        #[arg(long, short = 'a')]
         all: bool,
         /// Print JSON (a SandboxList).
         #[arg(long)]
@@ -145,10 +147,11 @@ fn run(args: SandboxArgs) -> anyhow::Result<i32> {
             Ok(0)
         }
         SandboxCommand::List { limit, cursor, all, json } => {
-            let mut page = client.list_sandboxes(limit, cursor.as_deref())?;
-            if all {
+            let live = !all;
+            let mut page = client.list_sandboxes(limit, cursor.as_deref(), live)?;
+            if limit.is_none() && cursor.is_none() {
                 while let Some(next) = page.next_cursor.take() {
-                    let more = client.list_sandboxes(limit, Some(&next))?;
+                    let more = client.list_sandboxes(limit, Some(&next), live)?;
                     page.sandboxes.extend(more.sandboxes);
                     page.next_cursor = more.next_cursor;
                 }
@@ -158,7 +161,7 @@ fn run(args: SandboxArgs) -> anyhow::Result<i32> {
             } else {
                 print!("{}", list_table(&page.sandboxes, output::now_ms()));
                 if let Some(c) = &page.next_cursor {
-                    eprintln!("(more sandboxes: --all, or --cursor {c})");
+                    eprintln!("(more sandboxes: --cursor {c})");
                 }
             }
             Ok(0)
