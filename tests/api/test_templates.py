@@ -5,8 +5,11 @@ hand out an old version, drain on delete and survive a restart."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import sqlite3
+import subprocess
 import time
 import uuid
 from datetime import datetime
@@ -351,3 +354,35 @@ def test_restart_keeps_warm_sandboxes(own_daemon: Daemon):
     assert c.sh(sb["id"], "echo $R") == "1\n"
     delete_template(c, t["id"])
     c.destroy(sb["id"])
+
+
+def test_the_cli_creates_and_updates_templates_with_every_setting(daemon: Daemon):
+    c = daemon.new_client("cli-templates")
+    env = {"HUTCH_URL": daemon.base, "HUTCH_API_KEY": c.key, "PATH": os.environ["PATH"]}
+
+    def hutch(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(daemon.binary), "template", *args], env=env, capture_output=True, text=True,
+                              timeout=30)
+
+    name = f"cli-{uuid.uuid4().hex[:8]}"
+    p = hutch("create", name, "--image", "base", "--class", "container", "--memory", "256M",
+              "--network", "deny_all", "--env", "A=1", "--json")
+    assert p.returncode == 0, p.stderr
+    t = json.loads(p.stdout)
+    assert (t["image"], t["class"], t["memory_mb"], t["env"]) == ("base", "container", 256, {"A": "1"}), t
+    assert t["network"]["egress"] == "deny_all", t
+    p = hutch("update", name, "--memory", "512M", "--warm-max", "1", "--allow", "pypi.org", "--json")
+    assert p.returncode == 0, p.stderr
+    u = json.loads(p.stdout)
+    assert u["memory_mb"] == 512 and u["warm"] == {"min": 0, "max": 1}, u
+    assert u["network"]["egress"] == "default" and u["network"]["allow"] == ["pypi.org"], u
+    assert u["env"] == {"A": "1"} and u["version"] == t["version"] + 1, u
+    got = c.get(f"/v1/templates/{t['id']}").json()
+    assert got["memory_mb"] == 512 and got["network"]["allow"] == ["pypi.org"], got
+    # Nothing to change, a bad flag value: refused, the template as it was.
+    p = hutch("update", name)
+    assert p.returncode != 0 and "nothing to change" in p.stderr, p.stderr
+    p = hutch("update", name, "--network", "sideways")
+    assert p.returncode != 0 and "sideways" in p.stderr, p.stderr
+    assert c.get(f"/v1/templates/{t['id']}").json() == got
+    assert hutch("delete", name).returncode == 0

@@ -317,6 +317,16 @@ impl Client {
         self.json(&url, self.authed("GET", &url), Payload::None)
     }
 
+    /// `PATCH /v1/templates/{id}` with the fields to change.
+    pub fn update_template(
+        &self,
+        id: &str,
+        fields: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<hutch_api::Template> {
+        let url = self.url(&["templates", id]);
+        self.json(&url, self.authed("PATCH", &url), Payload::Json(to_value(fields)))
+    }
+
     /// `DELETE /v1/templates/{id}`.
     pub fn delete_template(&self, id: &str) -> Result<()> {
         let url = self.url(&["templates", id]);

@@ -62,6 +62,37 @@ fn resolve_key(given: Option<&str>, state_dir: &Path) -> anyhow::Result<String> 
 }
 
 /// Prints a failure as `hutch: ...` and gives the exit code for it.
+/// The egress flags of a sandbox or template: one policy, as the API's
+/// `network` takes it.
+#[derive(Args, Debug, Default)]
+pub struct NetworkArgs {
+    /// Egress policy: default (the internet, not the host), deny_all, private.
+    #[arg(long, value_name = "EGRESS")]
+    pub network: Option<String>,
+    /// Only these are reachable: CIDR, address, name or *.name (repeatable).
+    #[arg(long = "allow", value_name = "DEST")]
+    pub allow: Vec<String>,
+    /// Never reachable: CIDR, address, or name (repeatable).
+    #[arg(long = "deny", value_name = "DEST")]
+    pub deny: Vec<String>,
+}
+
+impl NetworkArgs {
+    /// The policy the flags name; None when no flag was given.
+    pub fn request(&self) -> anyhow::Result<Option<hutch_api::NetworkRequest>> {
+        if self.network.is_none() && self.allow.is_empty() && self.deny.is_empty() {
+            return Ok(None);
+        }
+        let egress = match self.network.as_deref().unwrap_or("default") {
+            "default" => hutch_api::Egress::Default,
+            "deny_all" | "none" => hutch_api::Egress::DenyAll,
+            "private" => hutch_api::Egress::Private,
+            other => anyhow::bail!("--network {other:?}: expected default, deny_all or private"),
+        };
+        Ok(Some(hutch_api::NetworkRequest { egress, allow: self.allow.clone(), deny: self.deny.clone() }))
+    }
+}
+
 pub fn report(result: anyhow::Result<i32>, failure_code: i32) -> i32 {
     match result {
         Ok(code) => code,

@@ -2,7 +2,7 @@
 //! delete sandboxes of a running daemon.
 
 use super::output::{self, table};
-use super::{parse_mib, parse_pairs, parse_seconds, report, ClientOpts};
+use super::{parse_mib, parse_pairs, parse_seconds, report, ClientOpts, NetworkArgs};
 use clap::{Args, Subcommand};
 use hutch_api::{CreateSandbox, Extend, LimitsRequest, Sandbox};
 
@@ -109,15 +109,8 @@ pub struct CreateArgs {
     /// Wait up to this long for the sandbox to run (0 to 60s).
     #[arg(long, value_parser = parse_seconds, value_name = "DURATION")]
     wait: Option<u64>,
-    /// Egress policy: default (the internet, not the host), deny_all, private.
-    #[arg(long, value_name = "EGRESS")]
-    network: Option<String>,
-    /// Only these are reachable: CIDR, address, name or *.name (repeatable).
-    #[arg(long = "allow", value_name = "DEST")]
-    allow: Vec<String>,
-    /// Never reachable: CIDR, address, or name (repeatable).
-    #[arg(long = "deny", value_name = "DEST")]
-    deny: Vec<String>,
+    #[command(flatten)]
+    net: NetworkArgs,
     /// Make the request safe to retry: the same key gives the same sandbox.
     #[arg(long)]
     idempotency_key: Option<String>,
@@ -240,21 +233,8 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateSandbox> {
         env: parse_pairs("--env", &c.env)?,
         metadata: parse_pairs("--meta", &c.meta)?,
         wait_seconds: c.wait,
-        network: network_request(c)?,
+        network: c.net.request()?,
     })
-}
-
-fn network_request(c: &CreateArgs) -> anyhow::Result<Option<hutch_api::NetworkRequest>> {
-    if c.network.is_none() && c.allow.is_empty() && c.deny.is_empty() {
-        return Ok(None);
-    }
-    let egress = match c.network.as_deref().unwrap_or("default") {
-        "default" => hutch_api::Egress::Default,
-        "deny_all" | "none" => hutch_api::Egress::DenyAll,
-        "private" => hutch_api::Egress::Private,
-        other => anyhow::bail!("--network {other:?}: expected default, deny_all or private"),
-    };
-    Ok(Some(hutch_api::NetworkRequest { egress, allow: c.allow.clone(), deny: c.deny.clone() }))
 }
 
 /// The API request of `sandbox extend`'s flags: exactly one of the two.

@@ -3,7 +3,7 @@
 //! Templates are named by id or by name (resolved through the list).
 
 use super::output::{self, table};
-use super::{parse_mib, parse_pairs, parse_seconds, report, ClientOpts};
+use super::{parse_mib, parse_pairs, parse_seconds, report, ClientOpts, NetworkArgs};
 use anyhow::Context as _;
 use clap::{Args, Subcommand};
 use hutch_api::{BuildState, CreateTemplate, LimitsRequest, Readiness, Startup, Template, Warm};
@@ -25,6 +25,8 @@ pub struct TemplateArgs {
 pub enum TemplateCommand {
     /// Create a template and print it.
     Create(CreateArgs),
+    /// Change a template (by id or name): only the flags given change.
+    Update(UpdateArgs),
     /// List your templates.
     List {
         /// Print JSON (a TemplateList).
@@ -59,6 +61,13 @@ pub enum TemplateCommand {
 pub struct CreateArgs {
     /// Unique among your templates.
     name: String,
+    /// Root filesystem: base (the default), a preset (python, node), an
+    /// image of the host's store, or one of this template's builds.
+    #[arg(long)]
+    image: Option<String>,
+    /// Isolation class (container).
+    #[arg(long)]
+    class: Option<String>,
     /// Memory limit of its sandboxes: 512M, 1G, ...
     #[arg(long, value_parser = parse_mib, value_name = "SIZE")]
     memory: Option<u64>,
@@ -95,6 +104,66 @@ pub struct CreateArgs {
     /// How long a sandbox may take to become ready (default 30 s).
     #[arg(long, value_parser = parse_seconds, value_name = "DURATION")]
     ready_timeout: Option<u64>,
+    #[command(flatten)]
+    net: NetworkArgs,
+    /// Print JSON (a Template).
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct UpdateArgs {
+    /// The template's id or name.
+    template: String,
+    /// Root filesystem: base, or one of this template's builds
+    /// (tpl-<id>-v<n>) to roll back.
+    #[arg(long)]
+    image: Option<String>,
+    #[arg(long)]
+    class: Option<String>,
+    /// Memory limit of its sandboxes: 512M, 1G, ...
+    #[arg(long, value_parser = parse_mib, value_name = "SIZE")]
+    memory: Option<u64>,
+    /// CPUs, writable layer size and processes; any of them replaces the
+    /// limits whole (the others take their defaults).
+    #[arg(long)]
+    vcpus: Option<f64>,
+    #[arg(long, value_parser = parse_mib, value_name = "SIZE")]
+    disk: Option<u64>,
+    #[arg(long)]
+    pids: Option<u32>,
+    /// KEY=VALUE; repeatable; replaces the environment whole.
+    #[arg(long = "env", value_name = "KEY=VALUE")]
+    env: Vec<String>,
+    /// Empty the environment.
+    #[arg(long, conflicts_with = "env")]
+    clear_env: bool,
+    #[arg(long, value_parser = parse_seconds, value_name = "DURATION")]
+    ttl: Option<u64>,
+    #[arg(long, value_parser = parse_seconds, value_name = "DURATION")]
+    max_ttl: Option<u64>,
+    /// Warm sandboxes kept ready (both bounds are sent; one alone keeps the
+    /// other as it is).
+    #[arg(long)]
+    warm_min: Option<u32>,
+    #[arg(long)]
+    warm_max: Option<u32>,
+    #[arg(long, value_name = "COMMAND")]
+    startup: Option<String>,
+    /// Remove the startup command.
+    #[arg(long, conflicts_with = "startup")]
+    no_startup: bool,
+    #[arg(long, value_name = "COMMAND", conflicts_with_all = ["ready_port", "no_readiness"])]
+    ready_command: Option<String>,
+    #[arg(long, value_name = "PORT", conflicts_with = "no_readiness")]
+    ready_port: Option<u16>,
+    #[arg(long, value_parser = parse_seconds, value_name = "DURATION", conflicts_with = "no_readiness")]
+    ready_timeout: Option<u64>,
+    /// Remove the readiness check.
+    #[arg(long)]
+    no_readiness: bool,
+    #[command(flatten)]
+    net: NetworkArgs,
     /// Print JSON (a Template).
     #[arg(long)]
     json: bool,
@@ -110,6 +179,13 @@ fn run(args: TemplateArgs) -> anyhow::Result<i32> {
         TemplateCommand::Create(c) => {
             let t = client.create_template(&create_request(&c)?)?;
             show(&t, c.json)?;
+            Ok(0)
+        }
+        TemplateCommand::Update(u) => {
+            let id = resolve(&client, &u.template)?;
+            let patch = update_request(&u, || client.get_template(&id).map_err(anyhow::Error::from))?;
+            let t = client.update_template(&id, &patch)?;
+            show(&t, u.json)?;
             Ok(0)
         }
         TemplateCommand::List { json } => {
@@ -199,6 +275,9 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateTemplate> {
     };
     Ok(CreateTemplate {
         name: c.name.clone(),
+        image: c.image.clone(),
+        class: c.class.clone(),
+        network: c.net.request()?,
         memory_mb: c.memory,
         limits,
         env: parse_pairs("--env", &c.env)?,
@@ -209,6 +288,74 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateTemplate> {
         readiness,
         ..CreateTemplate::default()
     })
+}
+
+/// The PATCH body of `template update`'s flags: only the fields given.
+/// `current` reads the template when one warm bound is given alone.
+fn update_request(
+    u: &UpdateArgs,
+    current: impl FnOnce() -> anyhow::Result<Template>,
+) -> anyhow::Result<serde_json::Map<String, serde_json::Value>> {
+    use serde_json::{json, Value};
+    let mut m = serde_json::Map::new();
+    let mut put = |k: &str, v: Value| {
+        m.insert(k.to_owned(), v);
+    };
+    if let Some(i) = &u.image {
+        put("image", json!(i));
+    }
+    if let Some(c) = &u.class {
+        put("class", json!(c));
+    }
+    if let Some(mb) = u.memory {
+        put("memory_mb", json!(mb));
+    }
+    if u.vcpus.is_some() || u.disk.is_some() || u.pids.is_some() {
+        put("limits", serde_json::to_value(LimitsRequest { vcpus: u.vcpus, disk_mib: u.disk, pids: u.pids })?);
+    }
+    if u.clear_env || !u.env.is_empty() {
+        put("env", serde_json::to_value(parse_pairs("--env", &u.env)?)?);
+    }
+    if let Some(s) = u.ttl {
+        put("default_ttl_seconds", json!(s));
+    }
+    if let Some(s) = u.max_ttl {
+        put("max_ttl_seconds", json!(s));
+    }
+    if u.warm_min.is_some() || u.warm_max.is_some() {
+        let (min, max) = match (u.warm_min, u.warm_max) {
+            (Some(min), Some(max)) => (min, max),
+            (min, max) => {
+                let w = current()?.warm;
+                (min.unwrap_or(w.min), max.unwrap_or(w.max))
+            }
+        };
+        put("warm", serde_json::to_value(Warm { min, max: max.max(min) })?);
+    }
+    if u.no_startup {
+        put("startup", Value::Null);
+    } else if let Some(c) = &u.startup {
+        put("startup", serde_json::to_value(Startup { command: c.clone() })?);
+    }
+    if u.no_readiness {
+        put("readiness", Value::Null);
+    } else if u.ready_command.is_some() || u.ready_port.is_some() {
+        let r = Readiness {
+            command: u.ready_command.clone(),
+            port: u.ready_port,
+            timeout_seconds: u.ready_timeout.map(|s| s.min(u64::from(u32::MAX)) as u32),
+        };
+        put("readiness", serde_json::to_value(r)?);
+    } else if u.ready_timeout.is_some() {
+        anyhow::bail!("--ready-timeout goes with --ready-command or --ready-port");
+    }
+    if let Some(n) = u.net.request()? {
+        put("network", serde_json::to_value(n)?);
+    }
+    if m.is_empty() {
+        anyhow::bail!("nothing to change: give at least one flag (hutch template update --help)");
+    }
+    Ok(m)
 }
 
 /// A template id, or the id of the caller's template of that name.
@@ -266,4 +413,90 @@ fn pack(dir: &Path) -> anyhow::Result<Vec<u8>> {
         anyhow::bail!("the build context is {} MiB packed; the limit is {} MiB", bytes.len() >> 20, CONTEXT_CAP >> 20);
     }
     Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use serde_json::json;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(subcommand)]
+        c: TemplateCommand,
+    }
+
+    fn update(args: &[&str]) -> UpdateArgs {
+        let t = T::try_parse_from(["x", "update"].iter().chain(args)).expect("parse");
+        let TemplateCommand::Update(u) = t.c else { panic!("not update") };
+        u
+    }
+
+    fn never() -> anyhow::Result<Template> {
+        panic!("the template was read though every field was given")
+    }
+
+    #[test]
+    fn update_sends_only_the_fields_given() {
+        let m = update_request(&update(&["web", "--memory", "1G", "--no-startup", "--allow", "pypi.org"]), never)
+            .expect("request");
+        assert_eq!(
+            serde_json::Value::Object(m),
+            json!({"memory_mb": 1024, "startup": null,
+                   "network": {"egress": "default", "allow": ["pypi.org"], "deny": []}})
+        );
+        let m = update_request(&update(&["web", "--clear-env", "--warm-min", "1", "--warm-max", "3"]), never)
+            .expect("request");
+        assert_eq!(serde_json::Value::Object(m), json!({"env": {}, "warm": {"min": 1, "max": 3}}));
+        assert!(update_request(&update(&["web"]), never).is_err(), "nothing to change");
+        assert!(update_request(&update(&["web", "--ready-timeout", "5s"]), never).is_err());
+        assert!(T::try_parse_from(["x", "update", "web", "--startup", "a", "--no-startup"]).is_err());
+    }
+
+    /// A template as the daemon answers one.
+    fn never_used_template() -> Template {
+        let t = CreateTemplate { name: "web".into(), ..CreateTemplate::default() };
+        let network = serde_json::to_value(hutch_api::NetworkRequest::default()).expect("network");
+        serde_json::from_value(json!({
+            "id": "tpl-1", "name": t.name, "version": 1, "image": "base", "class": "container",
+            "memory_mb": 512, "limits": {"vcpus": 1.0, "disk_mib": 1024, "pids": 512}, "env": {},
+            "default_ttl_seconds": 600, "max_ttl_seconds": 86400, "warm": {"min": 0, "max": 0},
+            "warm_ready": 0, "network": network, "created_at": "2026-01-01T00:00:00Z",
+            "updated_at": "2026-01-01T00:00:00Z"
+        }))
+        .expect("a template")
+    }
+
+    #[test]
+    fn one_warm_bound_keeps_the_other() {
+        let current = || {
+            let mut t = serde_json::to_value(never_used_template())?;
+            t["warm"] = json!({"min": 2, "max": 4});
+            Ok(serde_json::from_value(t)?)
+        };
+        let m = update_request(&update(&["web", "--warm-min", "3"]), current).expect("request");
+        assert_eq!(m["warm"], json!({"min": 3, "max": 4}));
+    }
+
+    #[test]
+    fn create_takes_image_class_and_network() {
+        let t = T::try_parse_from([
+            "x",
+            "create",
+            "web",
+            "--image",
+            "python",
+            "--class",
+            "container",
+            "--network",
+            "deny_all",
+        ])
+        .expect("parse");
+        let TemplateCommand::Create(c) = t.c else { panic!("not create") };
+        let req = create_request(&c).expect("request");
+        assert_eq!(req.image.as_deref(), Some("python"));
+        assert_eq!(req.class.as_deref(), Some("container"));
+        assert_eq!(req.network.expect("network").egress, hutch_api::Egress::DenyAll);
+    }
 }
