@@ -286,7 +286,6 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateTemplate> {
         warm: (c.warm_min > 0 || c.warm_max > 0).then_some(Warm { min: c.warm_min, max: c.warm_max.max(c.warm_min) }),
         startup: c.startup.clone().map(|command| Startup { command }),
         readiness,
-        ..CreateTemplate::default()
     })
 }
 
