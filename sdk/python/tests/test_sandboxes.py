@@ -126,3 +126,15 @@ def test_a_key_sees_only_its_own(client: hutch.Hutch, daemon, user_key):
         with pytest.raises(hutch.NotFoundError):
             hutch.Sandbox(mine, client.sandboxes.create(ttl=60).info).exec("true")
         assert [s.id for s in client.sandboxes.list(owner=k.id)] == [sb.id]
+
+
+def test_a_client_passed_in_carries_every_call(daemon, admin_key):
+    import httpx
+
+    seen = []
+    with httpx.Client(event_hooks={"request": [lambda r: seen.append((r.method, r.url.path))]}) as h:
+        c = hutch.Hutch(daemon.base, admin_key, http_client=h)
+        with c.sandboxes.create(ttl="2m") as sb:
+            assert sb.exec("echo through").stdout == "through\n"
+    assert ("POST", "/v1/sandboxes") in seen and ("POST", f"/v1/sandboxes/{sb.id}/exec") in seen
+    assert ("DELETE", f"/v1/sandboxes/{sb.id}") in seen

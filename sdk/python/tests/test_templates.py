@@ -65,7 +65,7 @@ def test_build_from_a_directory_with_live_logs(client: hutch.Hutch, tmp_path: Pa
     )
     (ctx / "app").mkdir()
     (ctx / "app" / "hello.txt").write_text("hello from the context\n")
-    lines = []
+    lines: list = []
     b = client.templates.build(t, ctx, on_log=lines.append)
     assert b.state == "succeeded" and b.version == 2 and b.done
     text = "\n".join(lines)
@@ -104,7 +104,7 @@ def test_build_from_a_tar_gz_and_build_failures(client: hutch.Hutch, tmp_path: P
     with pytest.raises(hutch.BuildError) as e:
         client.templates.build(t, _tgz({"Dockerfile": "RUN true\nFROM debian\n"}))
     assert e.value.code == "build_instruction_refused" and e.value.status == 400
-    seen = []
+    seen: list = []
     with pytest.raises(hutch.BuildError) as e:
         client.templates.build(t, io.BytesIO(_tgz({"Dockerfile": "RUN echo failing-step; exit 3\n"})), on_log=seen.append)
     assert e.value.code == "build_failed" and e.value.build.state == "failed" and "exit code 3" in e.value.build.error

@@ -42,6 +42,7 @@ from ._core import (
     Config,
     EventDecoder,
     Reply,
+    RequestBuilder,
     TextLines,
     answer_error,
     data_body,
@@ -80,12 +81,29 @@ class AsyncTransport:
 
     def __init__(self, config: Config, http: Optional[httpx.AsyncClient] = None):
         self.config = config
+        self.requests = RequestBuilder(config, own_client=http is None)
+        # A client passed in is used whole (and left open); one made here
+        # is used whole only where the environment names a proxy, else
+        # requests go straight to its transport.
+        self._own = http is None
+        self.transport: Optional[httpx.AsyncHTTPTransport] = None
+        if http is None:
+            self.transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=100, max_keepalive_connections=20))
         self.http = http or httpx.AsyncClient(
-            base_url=config.base_url,
-            headers=config.headers(),
-            timeout=config.httpx_timeout(),
-            limits=httpx.Limits(max_connections=100, max_keepalive_connections=20),
+            base_url=config.base_url, headers=config.headers(), timeout=config.httpx_timeout(), transport=self.transport
         )
+
+    async def _send(self, call: Call[Any], content: Any) -> httpx.Response:
+        if self.requests.direct and self.transport is not None:
+            request = self.requests.build(call, content)
+            resp = await self.transport.handle_async_request(request)
+            resp.request = request
+            return resp
+        request = self.http.build_request(
+            call.method, self.requests.base + call.path, params=call.params, headers=call.request_headers(),
+            content=content, timeout=httpx.Timeout(**self.requests.timeout(call)),
+        )
+        return await self.http.send(request, stream=True)
 
     async def open(self, call: Call[Any]) -> httpx.Response:
         """Sends `call` and returns its answer unread, or raises its error."""
@@ -96,15 +114,7 @@ class AsyncTransport:
             if body is not None:
                 content = body.data if body.data is not None else body.achunks()
             try:
-                request = self.http.build_request(
-                    call.method,
-                    call.path,
-                    params=call.params,
-                    headers=call.request_headers(),
-                    content=content,
-                    timeout=call.timeout(self.config),
-                )
-                resp = await self.http.send(request, stream=True)
+                resp = await self._send(call, content)
                 if resp.status_code >= 400:
                     try:
                         content = await _read_capped(resp)
@@ -162,7 +172,8 @@ class AsyncTransport:
             await resp.aclose()
 
     async def close(self) -> None:
-        await self.http.aclose()
+        if self._own:
+            await self.http.aclose()
 
 
 async def _read_capped(resp: httpx.Response) -> bytes:
@@ -404,13 +415,13 @@ class AsyncFiles:
         return self._t.chunks(resp, chunk_size)
 
     async def download(self, path: str, dest: Union[PathLike, BinaryIO]) -> int:
-        if hasattr(dest, "write"):
+        if not isinstance(dest, (str, os.PathLike)):
             n = 0
             async for c in await self.stream(path):
-                dest.write(c)  # type: ignore[union-attr]
+                dest.write(c)
                 n += len(c)
             return n
-        target = Path(dest)  # type: ignore[arg-type]
+        target = Path(dest)
         tmp = target.with_name(f".{target.name}.hutch-{os.getpid()}-{id(self)}")
         try:
             with open(tmp, "wb") as f:

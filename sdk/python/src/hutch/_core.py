@@ -10,6 +10,7 @@ import codecs
 import json
 import os
 import random
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from typing import (
@@ -93,6 +94,40 @@ class Config:
 
     def httpx_timeout(self) -> httpx.Timeout:
         return httpx.Timeout(self.timeout)
+
+
+def env_proxies() -> bool:
+    """Whether the environment names an HTTP(S) proxy (as httpx reads it)."""
+    proxies = urllib.request.getproxies()
+    return any(k in proxies for k in ("http", "https", "all"))
+
+
+class RequestBuilder:
+    """Turns a `Call` into an `httpx.Request`: the same for both clients.
+
+    With a client the SDK made itself, requests skip `httpx.Client.send`'s
+    per-request machinery (auth flows, redirects, cookie jars, event hooks;
+    none of it is used, and it costs about 0.1 ms a call) and go straight to
+    the client's transport, unless the environment names a proxy. A client
+    passed in (`http_client=`) is always used whole."""
+
+    def __init__(self, config: Config, own_client: bool):
+        self.config = config
+        self.base = config.base_url
+        self.headers = config.headers()
+        self.default_timeout = config.httpx_timeout().as_dict()
+        self.direct = own_client and not env_proxies()
+
+    def timeout(self, call: "Call[Any]") -> Dict[str, Optional[float]]:
+        if call.read_timeout is DEFAULT_TIMEOUT:
+            return self.default_timeout
+        return httpx.Timeout(self.config.timeout, read=call.read_timeout).as_dict()
+
+    def build(self, call: "Call[Any]", content: Any) -> httpx.Request:
+        headers = dict(self.headers)
+        headers.update(call.request_headers())
+        return httpx.Request(call.method, self.base + call.path, params=call.params, headers=headers, content=content,
+                             extensions={"timeout": self.timeout(call)})
 
 
 # --------------------------------------------------------------------------
@@ -243,11 +278,6 @@ class Call(Generic[T]):
     #: Answered by a stream read as it comes (see `_sync`/`_async`).
     stream: bool = False
 
-    def timeout(self, config: Config) -> httpx.Timeout:
-        if self.read_timeout is DEFAULT_TIMEOUT:
-            return config.httpx_timeout()
-        return httpx.Timeout(config.timeout, read=self.read_timeout)
-
     def request_headers(self) -> Dict[str, str]:
         if self.body is None:
             return self.headers
@@ -316,7 +346,7 @@ def retry_delay(call: Call[Any], exc: Exception, attempt: int, config: Config) -
         return None
     if call.body is not None and not call.body.replayable:
         return None
-    base = min(config.backoff_max, config.backoff * (2**attempt))
+    base = min(config.backoff_max, config.backoff * float(1 << attempt))
     return base * (0.5 + random.random() / 2)
 
 

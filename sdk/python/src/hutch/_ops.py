@@ -120,7 +120,7 @@ def network_json(spec: Optional[NetworkSpec]) -> Optional[Dict[str, Any]]:
         if spec.deny:
             out["deny"] = list(spec.deny)
         return out
-    return _obj(spec)
+    return dict(_obj(spec))
 
 
 def limits_json(vcpus: Optional[float], disk_mib: Optional[int], pids: Optional[int]) -> Optional[Dict[str, Any]]:
@@ -189,7 +189,7 @@ def create_sandbox_op(create: Call[models.SandboxInfo], wait: Optional[Duration]
     building, a slow readiness check) for up to `wait` seconds in all."""
     wait = None if wait is None else parse_duration(wait, "wait")
     started = time.monotonic()
-    info = yield create
+    info: models.SandboxInfo = yield create
     delay = 0.1
     while info.state == "starting" and wait is not None and time.monotonic() - started < wait:
         yield Sleep(delay)
@@ -704,7 +704,7 @@ def context_body(context: BuildContext, follow_symlinks: bool) -> Body:
 def finished_build(template: str, build_id: str) -> Op[models.Build]:
     """The build once it ended (its log stream ends with it; a short poll
     covers the moment between the two); a failed build raises."""
-    build = yield get_build(template, build_id)
+    build: models.Build = yield get_build(template, build_id)
     delay = 0.05
     for _ in range(40):
         if build.done:

@@ -40,6 +40,7 @@ from ._core import (
     Config,
     EventDecoder,
     Reply,
+    RequestBuilder,
     TextLines,
     exec_result,
     answer_error,
@@ -66,12 +67,29 @@ class Transport:
 
     def __init__(self, config: Config, http: Optional[httpx.Client] = None):
         self.config = config
+        self.requests = RequestBuilder(config, own_client=http is None)
+        # A client passed in is used whole (and left open); one made here
+        # is used whole only where the environment names a proxy, else
+        # requests go straight to its transport.
+        self._own = http is None
+        self.transport: Optional[httpx.HTTPTransport] = None
+        if http is None:
+            self.transport = httpx.HTTPTransport(limits=httpx.Limits(max_connections=100, max_keepalive_connections=20))
         self.http = http or httpx.Client(
-            base_url=config.base_url,
-            headers=config.headers(),
-            timeout=config.httpx_timeout(),
-            limits=httpx.Limits(max_connections=100, max_keepalive_connections=20),
+            base_url=config.base_url, headers=config.headers(), timeout=config.httpx_timeout(), transport=self.transport
         )
+
+    def _send(self, call: Call[Any], content: Any) -> httpx.Response:
+        if self.requests.direct and self.transport is not None:
+            request = self.requests.build(call, content)
+            resp = self.transport.handle_request(request)
+            resp.request = request
+            return resp
+        request = self.http.build_request(
+            call.method, self.requests.base + call.path, params=call.params, headers=call.request_headers(),
+            content=content, timeout=httpx.Timeout(**self.requests.timeout(call)),
+        )
+        return self.http.send(request, stream=True)
 
     def open(self, call: Call[Any]) -> httpx.Response:
         """Sends `call` and returns its answer unread, or raises its error."""
@@ -82,15 +100,7 @@ class Transport:
             if body is not None:
                 content = body.data if body.data is not None else body.chunks()
             try:
-                request = self.http.build_request(
-                    call.method,
-                    call.path,
-                    params=call.params,
-                    headers=call.request_headers(),
-                    content=content,
-                    timeout=call.timeout(self.config),
-                )
-                resp = self.http.send(request, stream=True)
+                resp = self._send(call, content)
                 if resp.status_code >= 400:
                     try:
                         content = _read_capped(resp)
@@ -148,7 +158,8 @@ class Transport:
             resp.close()
 
     def close(self) -> None:
-        self.http.close()
+        if self._own:
+            self.http.close()
 
 
 def _read_capped(resp: httpx.Response) -> bytes:
@@ -426,13 +437,13 @@ class Files:
         """Streams the file into a local path (written beside it, then renamed:
         a download that breaks off leaves nothing) or a binary file. Returns
         the bytes written."""
-        if hasattr(dest, "write"):
+        if not isinstance(dest, (str, os.PathLike)):
             n = 0
             for c in self.stream(path):
-                dest.write(c)  # type: ignore[union-attr]
+                dest.write(c)
                 n += len(c)
             return n
-        target = Path(dest)  # type: ignore[arg-type]
+        target = Path(dest)
         tmp = target.with_name(f".{target.name}.hutch-{os.getpid()}-{id(self)}")
         try:
             with open(tmp, "wb") as f:
