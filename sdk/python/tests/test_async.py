@@ -176,3 +176,20 @@ async def test_templates_builds_keys(aclient: hutch.AsyncHutch, daemon, tmp_path
     assert await aclient.health() is True
     assert "paths" in await aclient.openapi()
     assert "hutch" in await aclient.metrics()
+
+
+async def test_an_async_client_passed_in_carries_every_call(daemon, admin_key):
+    import httpx
+
+    seen = []
+
+    async def hook(r: httpx.Request) -> None:
+        seen.append((r.method, r.url.path))
+
+    async with httpx.AsyncClient(event_hooks={"request": [hook]}) as h:
+        c = hutch.AsyncHutch(daemon.base, admin_key, http_client=h)
+        async with c.sandboxes.create(ttl="2m") as sb:
+            assert (await sb.exec("echo through")).stdout == "through\n"
+        await c.close()
+        assert not h.is_closed
+    assert ("POST", f"/v1/sandboxes/{sb.id}/exec") in seen and ("DELETE", f"/v1/sandboxes/{sb.id}") in seen

@@ -100,7 +100,7 @@ class AsyncTransport:
             resp.request = request
             return resp
         request = self.http.build_request(
-            call.method, self.requests.base + call.path, params=call.params, headers=call.request_headers(),
+            call.method, self.requests.base + call.path, params=call.params, headers=self.requests.headers_of(call),
             content=content, timeout=httpx.Timeout(**self.requests.timeout(call)),
         )
         return await self.http.send(request, stream=True)

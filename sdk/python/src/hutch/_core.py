@@ -123,11 +123,15 @@ class RequestBuilder:
             return self.default_timeout
         return httpx.Timeout(self.config.timeout, read=call.read_timeout).as_dict()
 
-    def build(self, call: "Call[Any]", content: Any) -> httpx.Request:
+    def headers_of(self, call: "Call[Any]") -> Dict[str, str]:
+        """The SDK's headers (key, user agent) and the call's own."""
         headers = dict(self.headers)
         headers.update(call.request_headers())
-        return httpx.Request(call.method, self.base + call.path, params=call.params, headers=headers, content=content,
-                             extensions={"timeout": self.timeout(call)})
+        return headers
+
+    def build(self, call: "Call[Any]", content: Any) -> httpx.Request:
+        return httpx.Request(call.method, self.base + call.path, params=call.params, headers=self.headers_of(call),
+                             content=content, extensions={"timeout": self.timeout(call)})
 
 
 # --------------------------------------------------------------------------

@@ -86,7 +86,7 @@ class Transport:
             resp.request = request
             return resp
         request = self.http.build_request(
-            call.method, self.requests.base + call.path, params=call.params, headers=call.request_headers(),
+            call.method, self.requests.base + call.path, params=call.params, headers=self.requests.headers_of(call),
             content=content, timeout=httpx.Timeout(**self.requests.timeout(call)),
         )
         return self.http.send(request, stream=True)
