@@ -220,3 +220,33 @@ def test_requests_skip_the_client_machinery_only_when_nothing_needs_it(monkeypat
         assert not c._transport.requests.direct and c._transport.http is h
         c.close()
         assert not h.is_closed
+
+
+def test_a_small_request_leaves_in_one_send_and_a_large_one_as_it_is_made():
+    from hutch import _net
+
+    class Inner:
+        def __init__(self):
+            self.sent = []
+
+        def write(self, data, timeout=None):
+            self.sent.append(data)
+
+        def read(self, n, timeout=None):
+            return b"answer"
+
+    inner = Inner()
+    s = _net.CoalescingStream(inner)
+    s.write(b"POST / HTTP/1.1\r\n\r\n")
+    s.write(b'{"command":"true"}')
+    assert inner.sent == []
+    assert s.read(100) == b"answer"
+    assert inner.sent == [b'POST / HTTP/1.1\r\n\r\n{"command":"true"}']
+    inner.sent.clear()
+    chunk = b"x" * (_net.FLUSH_AT // 2)
+    for _ in range(4):
+        s.write(chunk)
+    assert [len(x) for x in inner.sent] == [_net.FLUSH_AT, _net.FLUSH_AT]
+    t = hutch.Hutch("http://127.0.0.1:9", "k")
+    assert isinstance(t._transport.transport._pool._network_backend, _net.CoalescingBackend)
+    t.close()

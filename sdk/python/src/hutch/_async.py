@@ -52,6 +52,7 @@ from ._core import (
     transport_error,
 )
 from ._duration import Duration
+from ._net import async_transport
 from ._errors import HutchError, NotFoundError, TransferIncompleteError
 from ._ops import UNSET, Command, NetworkSpec, Op, Page, Signal, Sleep
 
@@ -88,7 +89,7 @@ class AsyncTransport:
         self._own = http is None
         self.transport: Optional[httpx.AsyncHTTPTransport] = None
         if http is None:
-            self.transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=100, max_keepalive_connections=20))
+            self.transport = async_transport()
         self.http = http or httpx.AsyncClient(
             base_url=config.base_url, headers=config.headers(), timeout=config.httpx_timeout(), transport=self.transport
         )

@@ -50,6 +50,7 @@ from ._core import (
     transport_error,
 )
 from ._duration import Duration
+from ._net import sync_transport
 from ._errors import BuildError, HutchError, NotFoundError, TransferIncompleteError
 from ._ops import UNSET, Command, NetworkSpec, Op, Page, Signal, Sleep
 
@@ -74,7 +75,7 @@ class Transport:
         self._own = http is None
         self.transport: Optional[httpx.HTTPTransport] = None
         if http is None:
-            self.transport = httpx.HTTPTransport(limits=httpx.Limits(max_connections=100, max_keepalive_connections=20))
+            self.transport = sync_transport()
         self.http = http or httpx.Client(
             base_url=config.base_url, headers=config.headers(), timeout=config.httpx_timeout(), transport=self.transport
         )
