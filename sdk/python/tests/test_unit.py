@@ -250,3 +250,14 @@ def test_a_small_request_leaves_in_one_send_and_a_large_one_as_it_is_made():
     t = hutch.Hutch("http://127.0.0.1:9", "k")
     assert isinstance(t._transport.transport._pool._network_backend, _net.CoalescingBackend)
     t.close()
+
+
+@pytest.mark.parametrize("base", ["http://127.0.0.1:7700", "https://hutch.example/prefix", "http://[::1]:8080"])
+def test_call_urls_are_the_ones_parsing_would_give(base: str):
+    import httpx
+    from hutch._core import Urls
+
+    urls = Urls(base)
+    for path in ["/v1/sandboxes", "/v1/sandboxes/sb-1/files/list", "/v1/templates/a%2Fb/builds"]:
+        made = httpx.Request("GET", urls.url(path), params={"path": "/x y"}).url
+        assert made == httpx.Request("GET", base + path, params={"path": "/x y"}).url

@@ -114,6 +114,7 @@ class RequestBuilder:
     def __init__(self, config: Config, own_client: bool):
         self.config = config
         self.base = config.base_url
+        self.urls = Urls(config.base_url)
         self.headers = config.headers()
         self.default_timeout = config.httpx_timeout().as_dict()
         self.direct = own_client and not env_proxies()
@@ -130,8 +131,36 @@ class RequestBuilder:
         return headers
 
     def build(self, call: "Call[Any]", content: Any) -> httpx.Request:
-        return httpx.Request(call.method, self.base + call.path, params=call.params, headers=self.headers_of(call),
-                             content=content, extensions={"timeout": self.timeout(call)})
+        return httpx.Request(call.method, self.urls.url(call.path), params=call.params,
+                             headers=self.headers_of(call), content=content, extensions={"timeout": self.timeout(call)})
+
+
+class Urls:
+    """The URL of a call: the base URL is parsed once and each call's path
+    (already percent-encoded, see `seg`) is put after its path, instead of
+    parsing the whole URL again for every request (about half of what
+    building an `httpx.Request` costs). Where this httpx keeps its parsed
+    URL otherwise, or the result would differ, URLs are parsed as usual."""
+
+    PROBE = "/v1/sandboxes/sb-x%2Fy/exec"
+
+    def __init__(self, base: str):
+        self.base = base
+        self._ref: Any = None
+        try:
+            ref = httpx.URL(base)._uri_reference
+            self._ref = ref
+            if str(self.url(self.PROBE)) != str(httpx.URL(base + self.PROBE)):
+                self._ref = None
+        except Exception:  # noqa: BLE001 - any surprise: parse as usual
+            self._ref = None
+
+    def url(self, path: str) -> Union[str, httpx.URL]:
+        if self._ref is None:
+            return self.base + path
+        url = httpx.URL.__new__(httpx.URL)
+        url._uri_reference = self._ref._replace(path=self._ref.path + path)
+        return url
 
 
 # --------------------------------------------------------------------------
