@@ -233,6 +233,15 @@ class DroppingProxy:
             _close(c)
             _close(u)
 
+    def close_connections(self) -> int:
+        """Closes every connection open now (as a daemon ends idle
+        keep-alive connections); returns how many client connections."""
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            _close(s)
+        return len(conns) // 2
+
     def close(self) -> None:
         self._closed = True
         _close(self._sock)

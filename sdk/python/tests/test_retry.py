@@ -132,3 +132,14 @@ async def test_async_retries_replay_too(client, admin_key, sandbox, proxy):
             events = [e async for e in s]
         assert p.dropped == 2 and events[-1].exit_code == 0
     assert _count(client, sandbox) == "2\n"
+
+
+def test_an_idle_connection_the_daemon_closed_is_not_reused(admin_key, sandbox, proxy):
+    p = proxy(watch=b"/exec HTTP/1.1")
+    with hutch.Hutch(p.url, admin_key, max_retries=0) as via:
+        sb = via.sandboxes.get(sandbox.id)
+        assert sb.exec("echo one").stdout == "one\n"
+        assert p.close_connections() >= 1
+        # No retries allowed: the closed connection must be seen before it is used.
+        assert sb.exec("echo two").stdout == "two\n"
+        assert p.requests == 2

@@ -206,18 +206,20 @@ def test_requests_skip_the_client_machinery_only_when_nothing_needs_it(monkeypat
     for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
     with hutch.Hutch("http://127.0.0.1:9", "k") as c:
-        assert c._transport.requests.direct
+        assert c._transport.requests.direct and c._transport.fast is not None
+    with hutch.Hutch("https://127.0.0.1:9", "k") as c:
+        assert c._transport.requests.direct and c._transport.fast is None
     # A proxy named by the environment: through httpx.Client, which reads it.
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
     with hutch.Hutch("http://127.0.0.1:9", "k") as c:
-        assert not c._transport.requests.direct
+        assert not c._transport.requests.direct and c._transport.fast is None
     monkeypatch.delenv("HTTPS_PROXY")
     # A client passed in is used whole, and left open.
     import httpx
 
     with httpx.Client() as h:
         c = hutch.Hutch("http://127.0.0.1:9", "k", http_client=h)
-        assert not c._transport.requests.direct and c._transport.http is h
+        assert not c._transport.requests.direct and c._transport.fast is None and c._transport.http is h
         c.close()
         assert not h.is_closed
 
