@@ -143,3 +143,25 @@ def test_an_idle_connection_the_daemon_closed_is_not_reused(admin_key, sandbox, 
         # No retries allowed: the closed connection must be seen before it is used.
         assert sb.exec("echo two").stdout == "two\n"
         assert p.requests == 2
+
+
+async def test_an_idle_async_connection_the_daemon_closed_is_not_reused(admin_key, sandbox, proxy):
+    p = proxy(watch=b"/exec HTTP/1.1")
+    async with hutch.AsyncHutch(p.url, admin_key, max_retries=0) as via:
+        assert via._transport.fast is not None
+        sb = await via.sandboxes.get(sandbox.id)
+        assert (await sb.exec("echo one")).stdout == "one\n"
+        assert p.close_connections() >= 1
+        assert (await sb.exec("echo two")).stdout == "two\n"
+        assert p.requests == 2
+
+
+@pytest.mark.parametrize("key", ["a\r\nX-Injected: 1", "a\nb"])
+async def test_a_header_value_that_would_break_the_request_is_refused(admin_key, sandbox, daemon, key):
+    with hutch.Hutch(daemon.base, admin_key) as c:
+        with pytest.raises(ValueError):
+            c.sandboxes.get(sandbox.id).exec("true", idempotency_key=key)
+    async with hutch.AsyncHutch(daemon.base, admin_key) as c:
+        sb = await c.sandboxes.get(sandbox.id)
+        with pytest.raises(ValueError):
+            await sb.exec("true", idempotency_key=key)

@@ -36,6 +36,7 @@ from . import models
 from ._archive import ExtractResult, TarExtractor
 from ._core import (
     CHUNK,
+    DEFAULT_TIMEOUT,
     ERROR_BODY_CAP,
     Body,
     Call,
@@ -52,6 +53,7 @@ from ._core import (
     transport_error,
 )
 from ._duration import Duration
+from ._fast import AsyncFastHttp
 from ._net import async_transport
 from ._errors import HutchError, NotFoundError, TransferIncompleteError
 from ._ops import UNSET, Command, NetworkSpec, Op, Page, Signal, Sleep
@@ -93,6 +95,10 @@ class AsyncTransport:
         self.http = http or httpx.AsyncClient(
             base_url=config.base_url, headers=config.headers(), timeout=config.httpx_timeout(), transport=self.transport
         )
+        # Small calls skip httpx where nothing needs it (see _fast).
+        self.fast: Optional[AsyncFastHttp] = None
+        if self.requests.direct and AsyncFastHttp.serves(config.base_url):
+            self.fast = AsyncFastHttp(config.base_url, self.requests.headers, config.timeout)
 
     async def _send(self, call: Call[Any], content: Any) -> httpx.Response:
         if self.requests.direct and self.transport is not None:
@@ -137,8 +143,32 @@ class AsyncTransport:
                 attempt += 1
 
     async def call(self, call: Call[T]) -> T:
+        if self.fast is not None and not call.stream and (call.body is None or call.body.data is not None):
+            loop = AsyncFastHttp.running()
+            if loop is not None:
+                return call.parse(await self._fast_call(self.fast, loop, call))
         resp = await self.open(call)
         return call.parse(Reply(resp.status_code, resp.headers, resp.content))
+
+    async def _fast_call(self, fast: AsyncFastHttp, loop: Any, call: Call[Any]) -> Reply:
+        """`open` for a call with its body in memory and its answer read whole."""
+        body = call.body.data if call.body is not None else None
+        timeout = self.config.timeout if call.read_timeout is DEFAULT_TIMEOUT else call.read_timeout
+        attempt = 0
+        while True:
+            try:
+                reply = await fast.request(loop, call.method, call.path, call.params, call.request_headers(), body,
+                                           timeout)
+            except httpx.TransportError as e:
+                delay = retry_delay(call, e, attempt, self.config)
+                if delay is None:
+                    raise transport_error(e, call) from e
+                await _sleep(delay)
+                attempt += 1
+                continue
+            if reply.status >= 400:
+                raise answer_error(reply.status, reply.content)
+            return reply
 
     async def run(self, op: Op[T]) -> T:
         """Runs an operation that makes several calls (and pauses)."""
@@ -173,6 +203,8 @@ class AsyncTransport:
             await resp.aclose()
 
     async def close(self) -> None:
+        if self.fast is not None:
+            self.fast.close()
         if self._own:
             await self.http.aclose()
 
