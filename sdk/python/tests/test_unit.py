@@ -263,3 +263,27 @@ def test_call_urls_are_the_ones_parsing_would_give(base: str):
     for path in ["/v1/sandboxes", "/v1/sandboxes/sb-1/files/list", "/v1/templates/a%2Fb/builds"]:
         made = httpx.Request("GET", urls.url(path), params={"path": "/x y"}).url
         assert made == httpx.Request("GET", base + path, params={"path": "/x y"}).url
+
+
+@pytest.mark.parametrize(
+    "answer, method, expected",
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi", "GET", (200, b"hi", True)),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n3;x=y\r\n yo\r\n0\r\nT: 1\r\n\r\n",
+         "GET", (200, b"hi yo", True)),
+        (b"HTTP/1.1 204 No Content\r\n\r\n", "DELETE", (204, b"", True)),
+        (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 1\r\n\r\nx", "GET", (200, b"x", False)),
+        (b"HTTP/1.1 200 OK\r\n\r\nuntil the end", "GET", (200, b"until the end", False)),
+        (b"HTTP/1.0 200 OK\r\nContent-Length: 1\r\n\r\nx", "GET", (200, b"x", False)),
+    ],
+)
+async def test_the_async_fast_path_reads_every_answer_shape(answer, method, expected):
+    import asyncio
+
+    from hutch._fast import AsyncFastHttp
+
+    r = asyncio.StreamReader()
+    r.feed_data(answer)
+    r.feed_eof()
+    status, headers, content, keep = await AsyncFastHttp._answer(r, method)
+    assert (status, content, keep) == expected

@@ -1,16 +1,19 @@
-"""The sync client's path for small calls: http.client on keep-alive connections.
+"""The path of small calls: keep-alive connections without httpx.
 
 A call whose body is in memory and whose answer is read whole (a command,
-a create, a read of a sandbox: most calls) is sent with the standard
-library's http.client, which costs a third of what httpx, httpcore and h11
-spend on the same request. Streams, uploads and downloads, https, proxies
-and a client passed in (`http_client=`) go through httpx as before.
+a create, a read of a sandbox: most calls) is sent by the sync client with
+the standard library's http.client, and by the async one on asyncio
+streams, each request in one write. httpx, httpcore and h11 spend about
+three times as much CPU on the same request (bench/sdk_bench.py). Streams,
+uploads and downloads, https, proxies, a client passed in (`http_client=`)
+and an async client under trio go through httpx as before.
 
 Failures are raised as the httpx exceptions the retry rule (`retry_delay`)
 reads: a connection that could not be made is `ConnectError` /
 `ConnectTimeout`; one that broke while the request was sent or the answer
 read is `WriteError` / `ReadError` / `RemoteProtocolError` (the call may
-have run); no answer in time is `ReadTimeout`.
+have run); no answer in time is `ReadTimeout`. An idle connection the
+daemon closed is seen (its socket is readable) and dropped before use.
 """
 
 from __future__ import annotations
