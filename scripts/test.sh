@@ -39,3 +39,7 @@ bash scripts/fuzz.sh "${HUTCH_FUZZ_SECONDS:-20}"
 python3 -m pytest tests/api -q -p no:cacheprovider
 python3 -m pip install --quiet --disable-pip-version-check -r tests/e2b/requirements.txt
 python3 -m pytest tests/e2b -q -p no:cacheprovider
+# The Python SDK, installed as a user would (pip install ./sdk/python), with
+# its test extras; its suite starts one daemon of its own for the session.
+python3 -m pip install --quiet --disable-pip-version-check './sdk/python[test]'
+python3 -m pytest sdk/python/tests -q -p no:cacheprovider

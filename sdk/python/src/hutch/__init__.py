@@ -1,0 +1,121 @@
+"""hutch: the Python SDK of hutch's native API, sync (`Hutch`) and async (`AsyncHutch`).
+
+    from hutch import Hutch
+    client = Hutch()                     # HUTCH_URL and HUTCH_API_KEY
+    with client.sandboxes.create(ttl="10m") as sb:
+        print(sb.exec("echo hi").stdout)
+"""
+
+from ._archive import ExtractResult, UnsafeArchiveError
+from ._async import AsyncExecStream, AsyncHutch, AsyncProcess, AsyncSandbox
+from ._duration import parse_duration
+from ._errors import (
+    ArchiveError,
+    AuthenticationError,
+    BuildError,
+    CapacityError,
+    ConflictError,
+    FileError,
+    HutchConnectionError,
+    HutchError,
+    HutchTimeoutError,
+    IdempotencyError,
+    InvalidRequestError,
+    NotFoundError,
+    PermissionDeniedError,
+    PortAccessError,
+    SandboxNotRunningError,
+    SandboxStartError,
+    ServerError,
+    TransferIncompleteError,
+)
+from ._ops import UNSET, Page
+from ._sync import ExecStream, Hutch, Process, Sandbox
+from ._version import __version__
+from .models import (
+    AccessGrant,
+    ApiKey,
+    ArchiveResult,
+    Build,
+    ExecEvent,
+    ExecResult,
+    ExitEvent,
+    FileEntry,
+    FilePartResult,
+    Image,
+    Limits,
+    Network,
+    PingEvent,
+    ProcessInfo,
+    Quotas,
+    Readiness,
+    SandboxInfo,
+    StartEvent,
+    StderrEvent,
+    StdoutEvent,
+    Template,
+    UnknownEvent,
+    Usage,
+    Warm,
+)
+
+__all__ = [
+    "Hutch",
+    "AsyncHutch",
+    "Sandbox",
+    "AsyncSandbox",
+    "Process",
+    "AsyncProcess",
+    "ExecStream",
+    "AsyncExecStream",
+    "Page",
+    "UNSET",
+    "parse_duration",
+    "ExtractResult",
+    # errors
+    "HutchError",
+    "AuthenticationError",
+    "PermissionDeniedError",
+    "NotFoundError",
+    "InvalidRequestError",
+    "ConflictError",
+    "IdempotencyError",
+    "SandboxNotRunningError",
+    "SandboxStartError",
+    "FileError",
+    "ArchiveError",
+    "CapacityError",
+    "BuildError",
+    "PortAccessError",
+    "ServerError",
+    "HutchConnectionError",
+    "HutchTimeoutError",
+    "TransferIncompleteError",
+    "UnsafeArchiveError",
+    # models
+    "AccessGrant",
+    "ApiKey",
+    "ArchiveResult",
+    "Build",
+    "ExecEvent",
+    "ExecResult",
+    "ExitEvent",
+    "FileEntry",
+    "FilePartResult",
+    "Image",
+    "Limits",
+    "Network",
+    "PingEvent",
+    "ProcessInfo",
+    "Quotas",
+    "Readiness",
+    "SandboxInfo",
+    "StartEvent",
+    "StderrEvent",
+    "StdoutEvent",
+    "Template",
+    "UnknownEvent",
+    "Usage",
+    "Warm",
+    "__version__",
+]
