@@ -142,3 +142,19 @@ def test_a_paused_sandbox_with_auto_resume_is_resumed_by_a_request(daemon):
     finally:
         sb.kill()
         plain.kill()
+
+
+def test_a_sandbox_without_internet_still_serves_its_ports(daemon):
+    """E2B's egress rules say nothing of what comes in, as on E2B."""
+    sb = Sandbox.create(allow_internet_access=False)
+    try:
+        serve(sb)
+        host = sb.get_host(PORT)
+        wait_open(daemon, host)
+        # Opened, and closed again, it still serves.
+        sb.update_network({})
+        assert get(daemon, host).status_code == 200
+        sb.update_network({"deny_out": ["0.0.0.0/0"]})
+        assert get(daemon, host).status_code == 200
+    finally:
+        sb.kill()

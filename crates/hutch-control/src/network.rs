@@ -160,8 +160,8 @@ impl crate::control::Control {
     /// policy are forgotten, and the record follows. `e2b` replaces the
     /// E2B settings kept with it. A sandbox started without an interface
     /// (`deny_all`) can only stay closed: `conflict`. Port grants end when
-    /// the policy closes (nothing reaches a `deny_all` sandbox, the proxy
-    /// included).
+    /// the policy closes (nothing reaches a native `deny_all` sandbox, the
+    /// proxy included); an E2B sandbox keeps serving its ports.
     pub async fn update_network(
         &self,
         caller: &crate::ids::Caller,
@@ -211,7 +211,9 @@ impl crate::control::Control {
             Ok(rec)
         })
         .await??;
-        if updated.egress == Egress::DenyAll {
+        // E2B's egress rules say nothing of what comes in: its sandboxes
+        // keep serving their ports (see `check_port_access`).
+        if updated.egress == Egress::DenyAll && updated.e2b.is_none() {
             self.access.revoke_sandbox(id.as_str());
         }
         self.log(
