@@ -135,6 +135,15 @@ def test_a_paused_sandbox_with_auto_resume_is_resumed_by_a_request(daemon):
         r = get(daemon, host)
         assert r.status_code == 200 and r.json()["host"] == host, r.text
         assert Sandbox.get_info(sb.sandbox_id).state.value == "running"
+        # Many requests at once to the paused sandbox: one resume, all served.
+        sb.pause()
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(lambda _: get(daemon, host).status_code, range(8)))
+        assert codes == [200] * 8, codes
+        assert Sandbox.get_info(sb.sandbox_id).state.value == "running"
+        assert sb.commands.run("echo up").stdout == "up\n"
         # Without auto-resume, a paused sandbox stays paused.
         r = get(daemon, plain_host)
         assert r.status_code == 409 and "paused" in r.json()["message"], r.text

@@ -588,9 +588,14 @@ impl Control {
                 Ok(view(&r))
             }
             None => {
+                let r = self.record(caller, id, Need::Manage).await?;
+                // A concurrent call made the same change (two requests
+                // resuming a sandbox by its port at once): done.
+                if r.state == to {
+                    return Ok(view(&r));
+                }
                 // Something else moved it meanwhile (a delete): undo ours.
                 live.set_suspended(!frozen);
-                let r = self.record(caller, id, Need::Manage).await?;
                 Err(ControlError::NotRunning { id: id.to_string(), state: r.state })
             }
         }
