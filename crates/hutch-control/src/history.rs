@@ -177,6 +177,12 @@ impl History {
     pub fn forget(&self, id: &SandboxId) {
         self.lock().remove(id);
     }
+
+    /// Forgets every sandbox but those `keep` names (an entry logged for a
+    /// sandbox as it ended, after [`History::forget`], goes this way).
+    pub fn retain(&self, keep: impl Fn(&SandboxId) -> bool) {
+        self.lock().retain(|id, _| keep(id));
+    }
 }
 
 /// The entries of `log` (oldest first) that `q` asks for, in its order.
@@ -204,7 +210,10 @@ impl Control {
     /// sampled: their counters stand still). Called every
     /// [`SAMPLE_EVERY`] by the daemon.
     pub async fn sample_metrics(&self) {
-        for live in self.lives() {
+        let lives = self.lives();
+        let ids: std::collections::HashSet<&SandboxId> = lives.iter().map(|l| &l.id).collect();
+        self.history.retain(|id| ids.contains(id));
+        for live in lives {
             if live.is_suspended() || live.is_pooled() {
                 continue;
             }
@@ -301,6 +310,13 @@ mod tests {
         assert_eq!(h.samples(&id, 0, i64::MAX).len(), SAMPLES);
         h.forget(&id);
         assert!(h.samples(&id, 0, i64::MAX).is_empty());
+        // Logged after its end: pruned with the sandboxes that are gone.
+        h.log(&id, LogLevel::Info, "late", &[]);
+        let other = SandboxId::from_record("sb-0000000000000003");
+        h.log(&other, LogLevel::Info, "kept", &[]);
+        h.retain(|i| *i == other);
+        assert!(h.entries(&id, &LogQuery { limit: 10, ..LogQuery::default() }).is_empty());
+        assert_eq!(h.entries(&other, &LogQuery { limit: 10, ..LogQuery::default() }).len(), 1);
     }
 
     #[test]
