@@ -327,3 +327,39 @@ def test_logs_and_metrics_refuse_bad_input_and_other_keys_sandboxes(daemon, shar
     for v2 in (False, True):
         r = logs(daemon, "nosuch", v2=v2)
         assert r.status_code == 404 and "message" in r.json(), r.text
+
+
+# -- tokens ------------------------------------------------------------------
+
+
+def test_envd_tokens_reach_only_their_own_running_sandbox(daemon):
+    import requests
+
+    a = Sandbox.create(network={"allow_public_traffic": False})
+    b = Sandbox.create()
+    a.files.write("mine.txt", "a")
+
+    def read(sid, token, host=None):
+        headers = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"}
+        if token is not None:
+            headers["X-Access-Token"] = token
+        if host:
+            headers["Host"] = host
+        return requests.get(daemon["base"] + "/files", params={"path": "/home/user/mine.txt"}, headers=headers,
+                            timeout=30)
+
+    try:
+        assert read(a.sandbox_id, a._envd_access_token).text == "a"
+        for bad in [None, "", "wrong", b._envd_access_token, a.traffic_access_token, a._envd_access_token[:-1]]:
+            r = read(a.sandbox_id, bad)
+            assert r.status_code == 401 and r.json()["message"], (bad, r.text)
+        # By envd's host name too.
+        assert read(a.sandbox_id, b._envd_access_token, host=a.get_host(49983)).status_code == 401
+    finally:
+        a.kill()
+        b.kill()
+    # A token outlives nothing: its sandbox ended, the SDK reads "not running".
+    r = read(a.sandbox_id, a._envd_access_token)
+    assert r.status_code == 502 and "was not found" in r.json()["message"], r.text
+    with pytest.raises(SandboxNotRunningException):
+        a.files.read("mine.txt")
