@@ -73,23 +73,40 @@ class E2bDaemon:
         env.update(extra_env or {})
         self.net = NetInstance.claim()
         env["HUTCH_NET_INSTANCE"] = str(self.net.number)
-        log = open(self.root / "daemon.log", "wb")
         # Sandbox ports by E2B host name: `<port>-<id>.e2b.localhost:<port>`
         # (tests send that Host to 127.0.0.1).
         self.domain = f"e2b.localhost:{self.port}"
-        self.proc = subprocess.Popen(
-            [str(BIN), "serve", "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(state),
-             "--e2b-domain", self.domain],
-            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-        )
-        log.close()
+        self.state, self.env = state, env
         try:
-            wait_for("hutch serve", self.healthy, timeout=START_TIMEOUT, interval=0.05)
+            self.spawn()
             self.key = self.make_key("e2b-tests", state, env)
         except BaseException:
             self.stop()
             raise
-        self.state, self.env = state, env
+
+    def spawn(self):
+        log = open(self.root / "daemon.log", "ab")
+        self.proc = subprocess.Popen(
+            [str(BIN), "serve", "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.state),
+             "--e2b-domain", self.domain],
+            env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+        )
+        log.close()
+        wait_for("hutch serve", self.healthy, timeout=START_TIMEOUT, interval=0.05)
+
+    def restart(self):
+        """SIGTERM (its sandboxes run on), then the same daemon again."""
+        self.terminate()
+        self.spawn()
+
+    def terminate(self):
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
 
     def healthy(self):
         if self.proc.poll() is not None:
@@ -121,13 +138,8 @@ class E2bDaemon:
 
     def stop(self):
         try:
-            if self.proc.poll() is None:
-                os.kill(self.proc.pid, signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    os.kill(self.proc.pid, signal.SIGKILL)
-                    self.proc.wait(timeout=5)
+            if getattr(self, "proc", None) is not None:
+                self.terminate()
         finally:
             self.net.release()
 

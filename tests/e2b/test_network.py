@@ -8,6 +8,8 @@ import pytest
 import requests
 from e2b import AsyncSandbox, NotFoundException, Sandbox, SandboxException
 
+from conftest import E2bDaemon
+
 PROBE = (
     "import socket\ntry:\n    socket.getaddrinfo('example.com', 80)\n    print('resolved')\n"
     "except OSError:\n    print('refused')"
@@ -130,3 +132,30 @@ def test_update_network_refuses_bad_input_foreign_and_paused_sandboxes(daemon):
         assert r.status_code == 409, r.text
     finally:
         sb.kill()
+
+
+def test_e2b_settings_and_closed_interfaces_survive_a_daemon_restart():
+    d = E2bDaemon()
+    try:
+        sb = Sandbox.create(allow_internet_access=False, network={"allow_public_traffic": False}, **d.opts())
+        own = {"base": d.base, "key": d.key}
+        token = sb.traffic_access_token
+        d.restart()
+        net = native(own, sb.sandbox_id)
+        assert (net["egress"], net["applied"]) == ("deny_all", "deny_all"), net
+        # Its traffic token is still wanted, and still its own.
+        host = {"Host": sb.get_host(8000)}
+        r = requests.get(d.base + "/", headers=host, timeout=30)
+        assert r.status_code == 403, r.text
+        r = requests.get(d.base + "/", headers={**host, "e2b-traffic-access-token": token}, timeout=30)
+        assert r.status_code == 502 and "port is not open" in r.json()["message"], r.text
+        # The adopted interface opens as before.
+        sb.update_network({"deny_out": ["198.51.100.0/24"]})
+        net = native(own, sb.sandbox_id)
+        assert (net["egress"], net["deny"], net["applied"]) == ("default", ["198.51.100.0/24"], "default"), net
+        assert sb.commands.run("echo alive").stdout == "alive\n"
+    finally:
+        try:
+            d.kill_all()
+        finally:
+            d.stop()
