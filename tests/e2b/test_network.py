@@ -73,7 +73,8 @@ def test_bad_rules_are_refused_before_anything_starts(daemon, network):
     with pytest.raises(SandboxException) as e:
         Sandbox.create(network=network)
     assert "400" in str(e.value), e.value
-    assert {s.sandbox_id for s in Sandbox.list().next_items()} == before
+    # Nothing new was made (others may end meanwhile).
+    assert {s.sandbox_id for s in Sandbox.list().next_items()} <= before
 
 
 def test_update_network_replaces_the_rules_of_a_running_sandbox(daemon):
