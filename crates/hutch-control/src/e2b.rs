@@ -510,6 +510,31 @@ mod tests {
     }
 
     #[test]
+    fn subtraction_covers_exactly_what_is_denied_and_not_allowed() {
+        // Deterministic pseudo-random lists of CIDRs inside 10.0.0.0/24,
+        // checked address by address.
+        fn next(seed: &mut u32) -> u32 {
+            *seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+            *seed >> 8
+        }
+        fn cidr(seed: &mut u32) -> (IpAddr, u8) {
+            let len = 24 + (next(seed) % 9) as u8;
+            network_of(IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, (next(seed) % 256) as u8)), len)
+        }
+        let mut seed: u32 = 0x2545_f491;
+        for _ in 0..300 {
+            let from: Vec<_> = (0..1 + next(&mut seed) % 3).map(|_| cidr(&mut seed)).collect();
+            let minus: Vec<_> = (0..next(&mut seed) % 4).map(|_| cidr(&mut seed)).collect();
+            let Some(got) = subtract(&from, &minus, 256) else { panic!("{from:?} - {minus:?} does not fit") };
+            for last in 0..=255u8 {
+                let a = (IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, last)), 32);
+                let want = from.iter().any(|&f| within(a, f)) && !minus.iter().any(|&m| within(a, m));
+                assert_eq!(got.iter().any(|&g| within(a, g)), want, "{a:?} in {from:?} - {minus:?} = {got:?}");
+            }
+        }
+    }
+
+    #[test]
     fn e2b_host_names_name_a_port_and_a_sandbox() {
         let sb = "sb-0123456789abcdef";
         let id = SandboxId::parse(sb).expect("id");
