@@ -56,66 +56,112 @@ def wait_for(what, predicate, timeout=10.0, interval=0.1):
         time.sleep(interval)
 
 
-@pytest.fixture(scope="session")
-def daemon():
-    if not BIN.is_file() or not (BIN.parent / "hutch-agent").is_file():
-        pytest.fail(f"hutch binaries not found at {BIN.parent}: cargo build --workspace", pytrace=False)
-    # Short run directory: it holds unix sockets.
-    root = Path(tempfile.mkdtemp(prefix="he2b-", dir="/tmp"))
-    state, run = root / "state", root / "run"
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
-    env["HUTCH_RUN_DIR"] = str(run)
-    net = NetInstance.claim()
-    env["HUTCH_NET_INSTANCE"] = str(net.number)
-    log = open(root / "daemon.log", "wb")
-    proc = subprocess.Popen(
-        [str(BIN), "serve", "--listen", f"127.0.0.1:{port}", "--state-dir", str(state)],
-        env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-    )
-    log.close()
+class E2bDaemon:
+    """A `hutch serve` of its own (free port, state and run directories, a
+    network instance), with an E2B key; `stop` ends it by its pid."""
 
-    def healthy():
-        if proc.poll() is not None:
-            raise AssertionError(f"hutch serve exited: {(root / 'daemon.log').read_text()[-2000:]}")
+    def __init__(self, extra_env: dict | None = None):
+        if not BIN.is_file() or not (BIN.parent / "hutch-agent").is_file():
+            pytest.fail(f"hutch binaries not found at {BIN.parent}: cargo build --workspace", pytrace=False)
+        # Short run directory: it holds unix sockets.
+        self.root = Path(tempfile.mkdtemp(prefix="he2b-", dir="/tmp"))
+        state, run = self.root / "state", self.root / "run"
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
+        env["HUTCH_RUN_DIR"] = str(run)
+        env.update(extra_env or {})
+        self.net = NetInstance.claim()
+        env["HUTCH_NET_INSTANCE"] = str(self.net.number)
+        # Sandbox ports by E2B host name: `<port>-<id>.e2b.localhost:<port>`
+        # (tests send that Host to 127.0.0.1).
+        self.domain = f"e2b.localhost:{self.port}"
+        self.state, self.env = state, env
         try:
-            return requests.get(base + "/healthz", timeout=2).status_code == 200
+            self.spawn()
+            self.key = self.make_key("e2b-tests", state, env)
+        except BaseException:
+            self.stop()
+            raise
+
+    def spawn(self):
+        log = open(self.root / "daemon.log", "ab")
+        self.proc = subprocess.Popen(
+            [str(BIN), "serve", "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.state),
+             "--e2b-domain", self.domain],
+            env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+        )
+        log.close()
+        wait_for("hutch serve", self.healthy, timeout=START_TIMEOUT, interval=0.05)
+
+    def restart(self):
+        """SIGTERM (its sandboxes run on), then the same daemon again."""
+        self.terminate()
+        self.spawn()
+
+    def terminate(self):
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+
+    def healthy(self):
+        if self.proc.poll() is not None:
+            raise AssertionError(f"hutch serve exited: {(self.root / 'daemon.log').read_text()[-2000:]}")
+        try:
+            return requests.get(self.base + "/healthz", timeout=2).status_code == 200
         except requests.RequestException:
             return False
 
-    wait_for("hutch serve", healthy, timeout=START_TIMEOUT, interval=0.05)
-    out = subprocess.run(
-        [str(BIN), "key", "create", "--e2b", "--json", "--name", "e2b-tests", "--state-dir", str(state)],
-        env=env, capture_output=True, text=True, timeout=30, check=True,
-    )
-    secret = json.loads(out.stdout)["secret"]
-    assert secret.startswith("e2b_")
+    def make_key(self, name, state=None, env=None):
+        out = subprocess.run(
+            [str(BIN), "key", "create", "--e2b", "--json", "--name", name, "--state-dir", str(state or self.state)],
+            env=env or self.env, capture_output=True, text=True, timeout=30, check=True,
+        )
+        secret = json.loads(out.stdout)["secret"]
+        assert secret.startswith("e2b_")
+        return secret
+
+    def opts(self, key=None) -> dict:
+        """The SDK's connection options for this daemon."""
+        return {"api_key": key or self.key, "api_url": self.base, "sandbox_url": self.base}
+
+    def kill_all(self, key=None):
+        from e2b import Sandbox, SandboxQuery, SandboxState
+
+        query = SandboxQuery(state=[SandboxState.RUNNING, SandboxState.PAUSED])
+        for sb in Sandbox.list(query=query, limit=100, **self.opts(key)).next_items():
+            Sandbox.kill(sb.sandbox_id, **self.opts(key))
+
+    def stop(self):
+        try:
+            if getattr(self, "proc", None) is not None:
+                self.terminate()
+        finally:
+            self.net.release()
+
+
+@pytest.fixture(scope="session")
+def daemon():
+    d = E2bDaemon()
     saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN")}
-    os.environ.update({"E2B_API_URL": base, "E2B_SANDBOX_URL": base, "E2B_API_KEY": secret})
+    os.environ.update({"E2B_API_URL": d.base, "E2B_SANDBOX_URL": d.base, "E2B_API_KEY": d.key})
     os.environ.pop("E2B_DOMAIN", None)
     try:
-        yield {"base": base, "key": secret, "root": root}
+        yield {"base": d.base, "key": d.key, "root": d.root, "domain": d.domain, "port": d.port, "daemon": d}
     finally:
         try:
-            from e2b import Sandbox, SandboxQuery, SandboxState
-
-            for sb in Sandbox.list(query=SandboxQuery(state=[SandboxState.RUNNING, SandboxState.PAUSED]),
-                                   limit=100).next_items():
-                Sandbox.kill(sb.sandbox_id)
+            d.kill_all()
         finally:
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=5)
-            net.release()
+            d.stop()
 
 
 @pytest.fixture(scope="session")

@@ -265,6 +265,10 @@ pub enum Request {
         recursive: bool,
         #[serde(default)]
         user: Option<String>,
+        /// Watch a directory on a network file system (NFS, CIFS/SMB,
+        /// FUSE) too, whose events may never come; refused otherwise.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        allow_network_mounts: bool,
     },
     /// Ends a watch.
     Unwatch { watch: u64 },
@@ -589,6 +593,22 @@ pub struct Entry {
     pub mtime_ns: i128,
     /// Where a symlink points, as stored (not resolved).
     pub target: Option<String>,
+    /// For a symlink of a [`Request::Stat`] or [`Request::ListDir`]: what
+    /// it resolves to inside the sandbox, followed to the end; absent when
+    /// it does not resolve (or from agents older than this field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resolved: Option<Box<Resolved>>,
+}
+
+/// What a symlink leads to.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Resolved {
+    /// Absolute path inside the sandbox, every symlink on the way followed.
+    pub path: String,
+    pub kind: EntryKind,
+    /// Permission bits of the target.
+    pub mode: u32,
 }
 
 /// Nanosecond timestamps travel as JSON integers in the i64 range (years
@@ -798,6 +818,7 @@ mod tests {
             gid: 0,
             mtime_ns: 1_700_000_000_123_456_789,
             target: None,
+            resolved: Some(Box::new(Resolved { path: "/b".into(), kind: EntryKind::Dir, mode: 0o755 })),
         };
         let msg = FromAgent::Reply { id: 3, reply: Reply::Stat { entry } };
         let mut buf = Vec::new();

@@ -692,7 +692,12 @@ fn watch_reports_created_files() {
     let mut c = agent.connect();
     let dir = agent.dir.join("watched");
     std::fs::create_dir_all(dir.join("sub")).expect("mkdir");
-    let req = Request::Watch { path: path_str(&dir), recursive: true, user: Some("root".into()) };
+    let req = Request::Watch {
+        path: path_str(&dir),
+        recursive: true,
+        user: Some("root".into()),
+        allow_network_mounts: false,
+    };
     let watch = match c.call(req, &[]).0 {
         Reply::Watching { watch } => watch,
         other => panic!("{other:?}"),

@@ -56,6 +56,10 @@ pub struct Grants {
 struct Inner {
     by_hash: HashMap<[u8; 32], Arc<Grant>>,
     netns: HashMap<String, Arc<NetNs>>,
+    /// Per sandbox: the pass of requests by E2B's host names.
+    ingress: HashMap<String, Arc<Grant>>,
+    /// Older passes of the same, until they expire.
+    ingress_old: Vec<Arc<Grant>>,
 }
 
 impl Grants {
@@ -68,9 +72,59 @@ impl Grants {
     pub(crate) fn revoke_sandbox(&self, sandbox: &str) -> usize {
         let mut inner = self.lock();
         inner.netns.remove(sandbox);
+        if let Some(g) = inner.ingress.remove(sandbox) {
+            g.revoked.send_replace(true);
+        }
+        inner.ingress_old.retain(|g| {
+            let mine = g.sandbox == sandbox;
+            if mine {
+                g.revoked.send_replace(true);
+            }
+            !mine
+        });
         revoke_where(&inner, |g| g.sandbox == sandbox)
     }
+
+    /// The pass of requests that reach a sandbox by E2B's host names: one
+    /// per sandbox, revoked (and replaced by a new one) when the sandbox is
+    /// paused or ends.
+    fn ingress_pass(&self, sandbox: &str, port: u16) -> AccessPass {
+        let mut inner = self.lock();
+        let now = now_ms();
+        let fresh = inner.ingress.get(sandbox).filter(|g| g.expires_at - now > INGRESS_MS / 2).cloned();
+        let g = match fresh {
+            Some(g) => g,
+            None => {
+                // Connections that use the older pass keep it to its end.
+                let g = Arc::new(Grant {
+                    id: format!("e2b-{sandbox}-{now}"),
+                    sandbox: sandbox.to_owned(),
+                    port: 0,
+                    expires_at: now + INGRESS_MS,
+                    revoked: tokio::sync::watch::channel(false).0,
+                });
+                if let Some(old) = inner.ingress.insert(sandbox.to_owned(), g.clone()) {
+                    // Its connections still wait for its end: revoked
+                    // with the sandbox like the new one.
+                    inner.ingress_old.retain(|g| g.expires_at > now);
+                    inner.ingress_old.push(old);
+                }
+                g
+            }
+        };
+        AccessPass {
+            grant_id: g.id.clone(),
+            sandbox: g.sandbox.clone(),
+            port,
+            expires_at: g.expires_at,
+            revoked: g.revoked.subscribe(),
+        }
+    }
 }
+
+/// How long one E2B ingress pass lasts at most (a connection that used it
+/// ends then; a new request gets a new pass).
+const INGRESS_MS: i64 = 24 * 3600 * 1000;
 
 /// Revokes the live grants that `pick` selects; returns how many.
 fn revoke_where(inner: &Inner, pick: impl Fn(&Grant) -> bool) -> usize {
@@ -154,10 +208,59 @@ impl Control {
     /// sandbox's policy is fixed for its life, so no grant outlives a
     /// change of it.
     pub(crate) fn check_port_access(&self, sandbox: &SandboxRecord, _port: u16) -> Result<()> {
-        if crate::network::NetRecord::parse(&sandbox.network).egress == hutch_api::Egress::DenyAll {
+        let net = crate::network::NetRecord::parse(&sandbox.network);
+        // E2B's egress rules say nothing of what comes in: an E2B sandbox
+        // without internet still serves its ports, as on E2B.
+        if net.egress == hutch_api::Egress::DenyAll && net.e2b.is_none() {
             return Err(ControlError::NetworkIsolated(sandbox.id.clone()));
         }
         Ok(())
+    }
+
+    /// Checks a request for `port` of sandbox `id` by E2B's host name: the
+    /// sandbox exists and may be reached (its policy, through
+    /// [`Control::check_port_access`]), the traffic token is its own unless
+    /// it is public (a sandbox the E2B API did not make is not), and it
+    /// runs; a paused one with `auto_resume` is resumed first. The pass
+    /// ends when the sandbox is paused or ends (connections that used it
+    /// close); with it comes the Host to send, when the sandbox masks it.
+    pub async fn authorize_e2b_port(
+        &self,
+        id: &SandboxId,
+        port: u16,
+        token: Option<&str>,
+    ) -> Result<(AccessPass, Option<String>)> {
+        let gone = || ControlError::NoSandbox(id.to_string());
+        if self.live(id).is_some_and(|l| l.is_pooled() || self.is_revoked(&l.owner)) {
+            return Err(gone());
+        }
+        let r = self.sandbox_record(id).await?.ok_or_else(gone)?;
+        if r.pooled || !matches!(r.state, SandboxState::Running | SandboxState::Suspended) {
+            return Err(gone());
+        }
+        self.check_port_access(&r, port)?;
+        let settings = crate::network::NetRecord::parse(&r.network).e2b;
+        let public = settings.as_ref().is_some_and(|s| s.public);
+        if !public {
+            match token.map(str::trim).filter(|t| !t.is_empty()) {
+                None => return Err(ControlError::AccessTokenRequired),
+                Some(t) if !self.is_traffic_token(id, t) => {
+                    return Err(ControlError::AccessTokenInvalid("the traffic access token is not valid"))
+                }
+                Some(_) => {}
+            }
+        }
+        let suspended = self.live(id).is_some_and(|l| l.is_suspended()) || r.state == SandboxState::Suspended;
+        if suspended {
+            if !settings.as_ref().is_some_and(|s| s.auto_resume) {
+                return Err(ControlError::NotRunning { id: id.to_string(), state: SandboxState::Suspended });
+            }
+            let owner = Caller { owner: crate::ids::OwnerId::from_record(&r.owner), admin: false };
+            self.resume(&owner, id).await?;
+            self.log(id, crate::history::LogLevel::Info, format!("resumed by a request to port {port}"), &[]);
+        }
+        let mask = settings.and_then(|s| s.mask_request_host).map(|m| crate::e2b::masked_host(&m, port));
+        Ok((self.access.ingress_pass(id.as_str(), port), mask))
     }
 
     /// Makes a grant for one port of a running sandbox of `owner`.

@@ -120,6 +120,10 @@ pub struct Config {
     pub capacity: Capacity,
     /// The key of the E2B API's envd access tokens.
     pub e2b_secret: Vec<u8>,
+    /// The domain under which the E2B API's sandbox host names
+    /// (`<port>-<sandbox>.<domain>`) reach this daemon; without one, the
+    /// E2B API names no domain and serves no port by host name.
+    pub e2b_domain: Option<String>,
 }
 
 impl Config {
@@ -129,6 +133,7 @@ impl Config {
             network: Err("networking is not set up".into()),
             capacity: Capacity::unlimited(),
             e2b_secret: vec![7; 32],
+            e2b_domain: None,
         }
     }
 }
@@ -149,8 +154,14 @@ pub struct Control {
     pub(crate) network: std::result::Result<Arc<Network>, String>,
     pub(crate) capacity: Capacity,
     pub(crate) e2b_secret: Vec<u8>,
+    pub(crate) e2b_domain: Option<String>,
     pub(crate) access: crate::access::Grants,
     pub(crate) builds: crate::build::Builds,
+    /// Held across a policy change's kernel update and its record, so two
+    /// changes cannot leave the record saying another than the kernel.
+    pub(crate) net_updates: Arc<Mutex<()>>,
+    /// Each live sandbox's recent metric samples and log.
+    pub(crate) history: Arc<crate::history::History>,
 }
 
 /// The stable digest of a request body, for idempotency checks.
@@ -262,8 +273,11 @@ impl Control {
             network: config.network,
             capacity: config.capacity,
             e2b_secret: config.e2b_secret,
+            e2b_domain: config.e2b_domain,
             access: crate::access::Grants::default(),
             builds: crate::build::Builds::default(),
+            net_updates: Arc::new(Mutex::new(())),
+            history: Arc::new(crate::history::History::default()),
         })
     }
 

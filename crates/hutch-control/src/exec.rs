@@ -12,6 +12,7 @@
 use crate::control::{request_hash, Control, Need};
 use crate::error::{from_agent, ControlError, Result};
 use crate::files::Access;
+use crate::history::LogLevel;
 use crate::ids::{Caller, SandboxId};
 use crate::lifecycle::Live;
 use hutch_agent::proto::{self, Cmd, FromAgent, Reply, Request, Spawn, Stream, Target};
@@ -200,7 +201,23 @@ impl Control {
         // refuses a spawn past them; see `run`.
         self.metrics.commands_total.fetch_add(1, Ordering::Relaxed);
         let keep = req.keep_output.unwrap_or(true);
+        let shown = match &cmd {
+            Cmd::Shell(c) => c.clone(),
+            Cmd::Argv(a) => a.join(" "),
+        };
         let outcome = self.run(&live, cmd, req, events).await;
+        match &outcome {
+            Ok(ExecReply::Result(r)) => {
+                let level = if r.exit_code == 0 { LogLevel::Info } else { LogLevel::Warn };
+                let msg = format!("command ended with exit code {}: {shown}", r.exit_code);
+                self.log(id, level, msg, &[("exit_code", r.exit_code.to_string())]);
+            }
+            Ok(ExecReply::Background(b)) => {
+                let msg = format!("command started in the background as process {}: {shown}", b.pid);
+                self.log(id, LogLevel::Info, msg, &[("pid", b.pid.to_string())]);
+            }
+            _ => {}
+        }
         if let Some(key) = key {
             match &outcome {
                 Ok(ExecReply::Result(r)) if !keep => {

@@ -32,7 +32,9 @@ impl Control {
     /// File transfers of the session's sandbox, as its user.
     pub async fn envd_fs(&self, s: &EnvdSession) -> Result<SandboxFs> {
         let live = self.running_of(&s.owner, &s.id).await?;
-        Ok(SandboxFs::new(live.socket.clone(), Some(s.user().to_owned())).with_journal(self.upload_journal(&s.id)))
+        Ok(SandboxFs::new(live.socket.clone(), Some(s.user().to_owned()))
+            .envd()
+            .with_journal(self.upload_journal(&s.id)))
     }
 
     /// Describes a path (absolute) without following a final symlink.
@@ -70,11 +72,18 @@ impl Control {
         self.file_op(s, req, Access::Write).await.map(|_| ())
     }
 
-    /// Removes a file, or a directory with everything below it.
+    /// Removes a file, or a directory with everything below it; a path
+    /// that is not there (nor its parent) is removed already, as envd's
+    /// `os.RemoveAll` answers.
     pub async fn fs_remove(&self, s: &EnvdSession, path: &str) -> Result<()> {
-        self.file_op(s, Request::Remove { path: path.to_owned(), user: Some(s.user().to_owned()) }, Access::Write)
+        match self
+            .file_op(s, Request::Remove { path: path.to_owned(), user: Some(s.user().to_owned()) }, Access::Write)
             .await
-            .map(|_| ())
+        {
+            Ok(_) => Ok(()),
+            Err(ControlError::Files(f)) if f.code == hutch_api::ErrorCode::NotFound => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     /// A path's E2B metadata (empty when it has none or it cannot be read).

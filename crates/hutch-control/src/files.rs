@@ -80,6 +80,44 @@ pub const STREAM_CHUNK: u32 = 1 << 20;
 /// to the sandbox user, and only that user can read or write it (a file
 /// replaced by a write gets these bits, not the old ones).
 pub const FILE_MODE: u32 = 0o600;
+/// Permission bits of a file E2B's envd writes anew.
+pub const ENVD_FILE_MODE: u32 = 0o644;
+/// The name prefix of the temporary a file is written to before it is
+/// renamed into place.
+pub const UPLOAD_TEMP: &str = ".hutch-upload-";
+
+/// The temporary of a streamed write, and what its name says about the
+/// file it becomes: `.hutch-upload-` then `n` (a new file) or `r` (one
+/// replaced) for envd-style writes, then random hex digits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UploadTemp {
+    /// Not said (the native API's writes).
+    Plain,
+    New,
+    Replacing,
+}
+
+impl UploadTemp {
+    fn name(self) -> String {
+        let tag = match self {
+            UploadTemp::Plain => "",
+            UploadTemp::New => "n",
+            UploadTemp::Replacing => "r",
+        };
+        format!("{UPLOAD_TEMP}{tag}{}", random_suffix())
+    }
+
+    /// What a file name says, if it is a temporary.
+    pub fn of(name: &str) -> Option<UploadTemp> {
+        let rest = name.strip_prefix(UPLOAD_TEMP)?;
+        Some(match rest.as_bytes().first() {
+            Some(b'n') => UploadTemp::New,
+            Some(b'r') => UploadTemp::Replacing,
+            _ => UploadTemp::Plain,
+        })
+    }
+}
+
 /// Longest cursor accepted.
 const MAX_CURSOR: usize = 3 * MAX_PATH + 256;
 /// Chunk of a read or write through the agent: the most one frame carries.
@@ -208,6 +246,8 @@ pub struct PartRef<'a> {
 pub struct SandboxFs {
     socket: PathBuf,
     user: String,
+    /// Streamed writes as envd makes them (see [`SandboxFs::envd`]).
+    envd: bool,
     /// Where archive uploads record their undo journal; without one (tests,
     /// the CLI) a daemon crash mid-upload is not repaired.
     journal: Option<JournalDir>,
@@ -542,7 +582,16 @@ impl SandboxFs {
     /// The files of the sandbox whose agent listens on `socket`, as `user`
     /// (`user`, uid 1000, when `None`; `root` allowed).
     pub fn new(socket: PathBuf, user: Option<String>) -> SandboxFs {
-        SandboxFs { socket, user: user.unwrap_or_else(|| "user".into()), journal: None }
+        SandboxFs { socket, user: user.unwrap_or_else(|| "user".into()), envd: false, journal: None }
+    }
+
+    /// The same, writing streamed files as E2B's envd does: a new file
+    /// gets mode 0644 (a shell's umask 022), a replaced one keeps its
+    /// permission bits; and the temporary says which it was
+    /// ([`UploadTemp`]), so that a directory watch can report the write
+    /// as envd's watchers see it.
+    pub fn envd(self) -> SandboxFs {
+        SandboxFs { envd: true, ..self }
     }
 
     /// The same, with archive uploads journaled in `journal`.
@@ -590,7 +639,7 @@ impl SandboxFs {
         }
         let path = normalize(path)?;
         let (parent, _) = split_parent(&path)?;
-        let tmp = join(parent, &format!(".hutch-upload-{}", random_suffix()));
+        let tmp = join(parent, &UploadTemp::Plain.name());
         let mut link = self.link().await?;
         if let Err(e) = link.write_at(&tmp, 0, data, true, FILE_MODE).await {
             link.discard(&tmp).await;
@@ -616,7 +665,7 @@ impl SandboxFs {
         }
         let path = normalize(path)?;
         let (parent, _) = split_parent(&path)?;
-        let tmp = join(parent, &format!(".hutch-upload-{}", random_suffix()));
+        let tmp = join(parent, &UploadTemp::Plain.name());
         let mut link = self.link().await?;
         if let Err(e) = write_base64_at(&mut link, &tmp, 0, data, true).await {
             link.discard(&tmp).await;
@@ -681,9 +730,16 @@ impl SandboxFs {
     async fn write_stream_detached(&self, path: &str, mut rx: Chunks) -> Result<u64, FilesError> {
         let path = normalize(path)?;
         let (parent, _) = split_parent(&path)?;
-        let tmp = join(parent, &format!(".hutch-upload-{}", random_suffix()));
         let mut link = self.link().await?;
-        if let Err(e) = link.write_at(&tmp, 0, &[], true, FILE_MODE).await {
+        let (temp, mode) = match self.envd {
+            false => (UploadTemp::Plain, FILE_MODE),
+            true => match link.stat(&path).await? {
+                Some(e) if e.kind == EntryKind::File => (UploadTemp::Replacing, e.mode & 0o777),
+                _ => (UploadTemp::New, ENVD_FILE_MODE),
+            },
+        };
+        let tmp = join(parent, &temp.name());
+        if let Err(e) = link.write_at(&tmp, 0, &[], true, mode).await {
             link.discard(&tmp).await;
             return Err(missing_parent(e, parent));
         }
@@ -693,7 +749,7 @@ impl SandboxFs {
                 Ok(chunk) if total + chunk.len() as u64 > FILE_CAP => {
                     Err(FilesError::new(ErrorCode::PayloadTooLarge, format!("the file exceeds {FILE_CAP} bytes")))
                 }
-                Ok(chunk) => link.write_at(&tmp, total, &chunk, false, FILE_MODE).await.map(|()| chunk.len()),
+                Ok(chunk) => link.write_at(&tmp, total, &chunk, false, mode).await.map(|()| chunk.len()),
                 Err(e) => Err(e),
             };
             match written {

@@ -17,6 +17,7 @@ pub mod error;
 pub mod exec;
 pub mod fileops;
 pub mod files;
+pub mod history;
 pub mod ids;
 pub mod keys;
 pub mod lifecycle;

@@ -33,6 +33,56 @@ pub struct NetRecord {
     pub host_if: Option<String>,
     #[serde(default)]
     pub addresses: Vec<String>,
+    /// Keep a network interface even under `deny_all`, so that the policy
+    /// can open while the sandbox runs (an E2B sandbox made without
+    /// internet: `PUT /sandboxes/{id}/network`). Its address is then in no
+    /// set of the host's rules.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub interface: bool,
+    /// What the E2B API keeps of a sandbox it made: its rules as the client
+    /// gave them, and the settings of its ports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub e2b: Option<E2bNetwork>,
+}
+
+/// E2B's network settings of a sandbox: egress rules as given (shown back
+/// by the E2B API; [`crate::e2b::egress_policy`] turns them into a hutch
+/// policy) and who reaches its ports through E2B's host names.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct E2bNetwork {
+    #[serde(default)]
+    pub allow_out: Vec<String>,
+    #[serde(default)]
+    pub deny_out: Vec<String>,
+    #[serde(default)]
+    pub allow_internet_access: Option<bool>,
+    /// Its ports answer anyone who names them; otherwise only requests
+    /// with the sandbox's traffic access token.
+    #[serde(default = "yes")]
+    pub public: bool,
+    /// The Host the port sees (`${PORT}` is replaced by the port).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mask_request_host: Option<String>,
+    /// A request to its port resumes it when it is paused.
+    #[serde(default)]
+    pub auto_resume: bool,
+}
+
+impl Default for E2bNetwork {
+    fn default() -> E2bNetwork {
+        E2bNetwork {
+            allow_out: Vec::new(),
+            deny_out: Vec::new(),
+            allow_internet_access: None,
+            public: true,
+            mask_request_host: None,
+            auto_resume: false,
+        }
+    }
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn unknown() -> String {
@@ -100,6 +150,99 @@ impl NetRecord {
             applied: self.applied.clone(),
             addresses: self.addresses.clone(),
         }
+    }
+}
+
+impl crate::control::Control {
+    /// Replaces the egress policy of a running sandbox of the caller while
+    /// it runs: the host's set elements are swapped (see
+    /// `Network::update`), addresses its resolver admitted for the old
+    /// policy are forgotten, and the record follows. `e2b` replaces the
+    /// E2B settings kept with it. A sandbox started without an interface
+    /// (`deny_all`) can only stay closed: `conflict`. Port grants end when
+    /// the policy closes (nothing reaches a native `deny_all` sandbox, the
+    /// proxy included); an E2B sandbox keeps serving its ports.
+    pub async fn update_network(
+        &self,
+        caller: &crate::ids::Caller,
+        id: &crate::ids::SandboxId,
+        req: &NetworkRequest,
+        e2b: Option<E2bNetwork>,
+    ) -> Result<hutch_api::Sandbox> {
+        let r = self.record(caller, id, crate::control::Need::Use).await?;
+        if r.state != hutch_api::SandboxState::Running {
+            return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
+        }
+        let asked = self.network_record(Some(req))?;
+        let net = match &self.network {
+            Ok(n) => n.clone(),
+            // Without networking every sandbox is closed, and stays so.
+            Err(_) => return Err(ControlError::Conflict(format!("sandbox {id} has no network interface"))),
+        };
+        let (store, lock) = (self.store.clone(), self.net_updates.clone());
+        let (this_id, owner) = (id.to_string(), r.owner.clone());
+        let template = r.template_id.clone().unwrap_or_else(|| r.template.clone());
+        let pid = r.host_pid;
+        let updated = tokio::task::spawn_blocking(move || -> Result<NetRecord> {
+            let _one_at_a_time = lock.lock().unwrap_or_else(|p| p.into_inner());
+            let mut rec = match store.get_sandbox(&this_id)? {
+                Some(r) if r.state == hutch_api::SandboxState::Running => NetRecord::parse(&r.network),
+                Some(r) => return Err(ControlError::NotRunning { id: this_id, state: r.state }),
+                None => return Err(ControlError::NoSandbox(this_id)),
+            };
+            rec.egress = asked.egress;
+            rec.allow = asked.allow;
+            rec.deny = asked.deny;
+            if e2b.is_some() {
+                rec.e2b = e2b;
+            }
+            net.update(&this_id, &rec.policy(&owner, &template)).map_err(|e| match e {
+                hutch_runtime::net::NetError::NoInterface(_) => ControlError::Conflict(format!(
+                    "sandbox {this_id} was started without a network interface (deny_all); its network stays closed"
+                )),
+                e => ControlError::Runtime(e.to_string()),
+            })?;
+            rec.applied = match pid {
+                Some(pid) => applied(net.observe(&this_id, pid as libc::pid_t)),
+                None => unknown(),
+            };
+            store.set_network(&this_id, &rec.to_json())?;
+            store.set_net_learned(&this_id, "[]")?;
+            Ok(rec)
+        })
+        .await??;
+        // E2B's egress rules say nothing of what comes in: its sandboxes
+        // keep serving their ports (see `check_port_access`).
+        if updated.egress == Egress::DenyAll && updated.e2b.is_none() {
+            self.access.revoke_sandbox(id.as_str());
+        }
+        self.log(
+            id,
+            crate::history::LogLevel::Info,
+            format!("network policy changed to {}", describe(&updated)),
+            &[("egress", egress_name(updated.egress).to_owned())],
+        );
+        let r = self.record(caller, id, crate::control::Need::Use).await?;
+        Ok(crate::control::view(&r))
+    }
+}
+
+fn egress_name(e: Egress) -> &'static str {
+    match e {
+        Egress::Default => "default",
+        Egress::DenyAll => "deny_all",
+        Egress::Private => "private",
+    }
+}
+
+/// A policy in a few words, for the sandbox's log.
+fn describe(n: &NetRecord) -> String {
+    match (n.egress, n.allow.is_empty(), n.deny.is_empty()) {
+        (Egress::DenyAll, _, _) => "deny_all".into(),
+        (Egress::Private, _, _) => "private".into(),
+        (Egress::Default, false, _) => format!("only {}", n.allow.join(", ")),
+        (Egress::Default, true, false) => format!("all but {}", n.deny.join(", ")),
+        (Egress::Default, true, true) => "default".into(),
     }
 }
 

@@ -21,6 +21,17 @@ use std::time::{Duration, Instant};
 /// Longest a create waits for its sandbox to run before answering.
 const WAIT_MAX: u64 = 60;
 
+/// What a create adds to its request beyond the native API's fields (the
+/// E2B API's settings).
+#[derive(Debug, Clone, Default)]
+pub struct CreateOptions {
+    /// Keep a network interface under `deny_all`, so that the policy can
+    /// open while the sandbox runs.
+    pub interface: bool,
+    /// E2B settings kept with the sandbox.
+    pub e2b: Option<crate::network::E2bNetwork>,
+}
+
 fn encode_cursor(r: &SandboxRecord) -> String {
     format!("{}.{}", r.created_at, r.id)
 }
@@ -82,6 +93,17 @@ impl Control {
         req: &CreateSandbox,
         key: Option<&str>,
     ) -> Result<(Sandbox, bool)> {
+        self.create_with(caller, req, key, CreateOptions::default()).await
+    }
+
+    /// [`Control::create`] with what the E2B API adds to a request.
+    pub async fn create_with(
+        self: &Arc<Self>,
+        caller: &Caller,
+        req: &CreateSandbox,
+        key: Option<&str>,
+        opts: CreateOptions,
+    ) -> Result<(Sandbox, bool)> {
         if self.is_shutting_down() {
             return Err(ControlError::ShuttingDown);
         }
@@ -118,7 +140,9 @@ impl Control {
             Some(_) => return Err(ControlError::Invalid(format!("wait_seconds must be 0 to {WAIT_MAX}"))),
         };
         // The template's policy unless the request sets one.
-        let net = self.network_record(Some(req.network.as_ref().unwrap_or(&tpl.network)))?;
+        let mut net = self.network_record(Some(req.network.as_ref().unwrap_or(&tpl.network)))?;
+        net.interface = opts.interface && net.egress == hutch_api::Egress::DenyAll;
+        net.e2b = opts.e2b.clone();
         let quotas = self.quotas_of(owner).await?;
         Self::check_ttl(&quotas, ttl)?;
         let admission = self.admission(quotas, memory, disk)?;
@@ -139,6 +163,15 @@ impl Control {
         let net_as_template = req.network.as_ref().is_none_or(|n| *n == tpl.network);
         if req.env.is_empty() && (memory, vcpus, disk, pids) == tpl.limits() && net_as_template {
             match self.claim_warm(owner, &tpl, ttl, &metadata, key, &hash).await {
+                Ok(Some(r)) if opts.e2b.is_some() => {
+                    // The E2B settings join the claimed sandbox's record.
+                    let mut claimed = NetRecord::parse(&r.network);
+                    claimed.e2b = opts.e2b.clone();
+                    let (sid, json) = (r.id.clone(), claimed.to_json());
+                    self.db(move |s| s.set_network(&sid, &json)).await?;
+                    let r = self.sandbox_record(&SandboxId::from_record(&r.id)).await?.unwrap_or(r);
+                    return Ok((view(&r), true));
+                }
                 Ok(Some(r)) => return Ok((view(&r), true)),
                 Ok(None) => {}
                 Err(ControlError::Store(StoreError::Conflict)) => return self.replayed(owner, key).await,
@@ -308,8 +341,10 @@ impl Control {
         let policy = net.policy(&record.owner, record.template_id.as_deref().unwrap_or(&record.template));
         let network = self.network.clone();
         let sid = record.id.clone();
+        let interface = net.interface;
         let started =
-            tokio::task::spawn_blocking(move || start_with_network(&rt, spec, network, &sid, &policy)).await?;
+            tokio::task::spawn_blocking(move || start_with_network(&rt, spec, network, &sid, &policy, interface))
+                .await?;
         let sb = match started {
             Ok((sb, attached, applied)) => {
                 if let Some(a) = &attached {
@@ -350,6 +385,17 @@ impl Control {
         match became {
             Some(r) => {
                 self.metrics.create_to_ready.observe(t0.elapsed().as_secs_f64());
+                let took = format!("{}", t0.elapsed().as_millis());
+                self.log(
+                    &id,
+                    crate::history::LogLevel::Info,
+                    format!("sandbox started from template {} in {took} ms", r.template),
+                    &[("template", r.template.clone()), ("network", net.applied.clone()), ("start_ms", took.clone())],
+                );
+                if recipe.startup.is_some() {
+                    self.log(&id, crate::history::LogLevel::Info, "startup command running", &[]);
+                }
+                self.sample_one(&id).await;
                 Ok(r)
             }
             None => {
@@ -422,6 +468,7 @@ impl Control {
         // Already terminating (a retry, or a drain): go on with the teardown.
         self.transition(id, Transition::Terminate, Set::reason(reason)).await?;
         self.access.revoke_sandbox(id.as_str());
+        self.history.forget(id);
         let live = self.remove_live(id);
         let handle = match live.as_ref().and_then(|l| l.handle.lock().ok().and_then(|mut h| h.take())) {
             Some(h) => h,
@@ -539,11 +586,20 @@ impl Control {
             _ => "unknown".into(),
         };
         match self.transition(id, t, Set { network: Some(net.to_json()), ..Set::default() }).await? {
-            Some(r) => Ok(view(&r)),
+            Some(r) => {
+                let what = if frozen { "sandbox paused" } else { "sandbox resumed" };
+                self.log(id, crate::history::LogLevel::Info, what, &[]);
+                Ok(view(&r))
+            }
             None => {
+                let r = self.record(caller, id, Need::Manage).await?;
+                // A concurrent call made the same change (two requests
+                // resuming a sandbox by its port at once): done.
+                if r.state == to {
+                    return Ok(view(&r));
+                }
                 // Something else moved it meanwhile (a delete): undo ours.
                 live.set_suspended(!frozen);
-                let r = self.record(caller, id, Need::Manage).await?;
                 Err(ControlError::NotRunning { id: id.to_string(), state: r.state })
             }
         }
@@ -620,12 +676,16 @@ type Booted = (hutch_runtime::Sandbox, Option<Attached>, String);
 
 /// Attaches the sandbox's network, starts it inside, and reads back what
 /// the host enforces. Anything short of the asked policy ends the sandbox.
+/// With `interface`, a `deny_all` sandbox gets an interface in no set, so
+/// its policy can open later (without networking on the host it gets only
+/// `lo`, and stays closed).
 fn start_with_network(
     rt: &Runtime,
     mut spec: SandboxSpec,
     network: std::result::Result<Arc<Network>, String>,
     id: &str,
     policy: &hutch_runtime::net::Policy,
+    interface: bool,
 ) -> std::result::Result<Booted, BootError> {
     use hutch_runtime::net::Egress;
     let net = match network {
@@ -640,7 +700,8 @@ fn start_with_network(
             return Ok((sb, None, "deny_all".into()));
         }
     };
-    let attached = net.attach(id, policy).map_err(|e| BootError::Network(Reason::NetworkUnavailable, e.to_string()))?;
+    let attached = if interface { net.attach_with_interface(id, policy) } else { net.attach(id, policy) }
+        .map_err(|e| BootError::Network(Reason::NetworkUnavailable, e.to_string()))?;
     spec.netns = attached.netns.clone();
     if spec.netns.is_some() {
         spec.resolv_conf = Some(net.resolv_conf().to_path_buf());

@@ -8,7 +8,8 @@
 
 use crate::control::Control;
 use crate::error::{from_agent, ControlError, Result};
-use crate::files::Access;
+use crate::files::{Access, UploadTemp};
+use crate::history::{History, LogLevel};
 use crate::ids::{OwnerId, SandboxId};
 use crate::lifecycle::Live;
 use hutch_agent::proto::{self, Cmd, FromAgent, ProcessInfo, Reply, Request, Spawn, Stream};
@@ -159,10 +160,96 @@ impl From<ProcessInfo> for ProcInfo {
     }
 }
 
+/// What a watch asks for beyond its path.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WatchOptions {
+    /// Events that leave an entry carry it.
+    pub include_entry: bool,
+    /// A directory on a network file system may be watched.
+    pub allow_network_mounts: bool,
+}
+
+/// One event of a directory watch: what happened to which entry (its name
+/// relative to the watched directory), and the entry, when asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FsEvent {
+    pub kind: WatchKind,
+    pub name: String,
+    pub entry: Option<Entry>,
+}
+
+/// Turns the agent's events of a watched directory into what envd's
+/// watchers report. A file written through the files API goes to a
+/// temporary beside it (whose events are not reported) that is renamed
+/// into place; envd writes in place, so its watchers see the file created
+/// (made by root and given to the user: a chmod) and written, or for a
+/// file replaced, its owner set again and written. The temporary's name
+/// says which ([`UploadTemp`]); its rename and the create of the target
+/// that follows in the same directory become those events.
+#[derive(Debug, Default)]
+pub struct UploadEvents {
+    /// A temporary just renamed away: its directory and kind.
+    renamed: Option<(String, UploadTemp)>,
+}
+
+impl UploadEvents {
+    /// The events that stand for `e`.
+    pub fn push(&mut self, e: WatchEvent) -> Vec<WatchEvent> {
+        let (dir, base) = match e.name.rsplit_once('/') {
+            Some((d, b)) => (d, b),
+            None => ("", e.name.as_str()),
+        };
+        if let Some(temp) = UploadTemp::of(base) {
+            if e.kind == WatchKind::Rename {
+                self.renamed = Some((dir.to_owned(), temp));
+            }
+            return vec![];
+        }
+        if let Some((from, temp)) = self.renamed.take() {
+            if e.kind == WatchKind::Create && from == dir {
+                let as_kind = |kind| WatchEvent { kind, name: e.name.clone() };
+                return match temp {
+                    UploadTemp::New => {
+                        vec![as_kind(WatchKind::Create), as_kind(WatchKind::Chmod), as_kind(WatchKind::Write)]
+                    }
+                    UploadTemp::Replacing => vec![as_kind(WatchKind::Chmod), as_kind(WatchKind::Write)],
+                    UploadTemp::Plain => vec![as_kind(WatchKind::Create), as_kind(WatchKind::Write)],
+                };
+            }
+        }
+        vec![e]
+    }
+}
+
+fn join(dir: &str, name: &str) -> String {
+    format!("{}/{name}", dir.trim_end_matches('/'))
+}
+
+/// The entry at `path` as `user` sees it, through `conn` (opened on first
+/// use); none when it is gone or cannot be read.
+async fn entry_of(live: &Live, conn: &mut Option<AsyncConn>, path: &str, user: &str) -> Option<Entry> {
+    if conn.is_none() {
+        *conn = live.fresh_conn().await.ok();
+    }
+    let req = Request::Stat { path: path.to_owned(), user: Some(user.to_owned()) };
+    match conn.as_mut()?.call(req, &[]).await {
+        Ok((Reply::Stat { entry }, _)) => Some(entry),
+        Ok(_) => None,
+        Err(e) => {
+            // A broken connection is opened again next time; a refusal
+            // (gone, unreadable) leaves the event without its entry.
+            if !matches!(e, hutch_runtime::agent::AgentError::Refused { .. }) {
+                *conn = None;
+            }
+            None
+        }
+    }
+}
+
 /// One event of a directory watch.
 #[derive(Debug)]
 pub enum WatchItem {
-    Event(WatchEvent),
+    Event(FsEvent),
     Keepalive,
     /// The watch broke (the agent or the sandbox went away).
     Failed(ControlError),
@@ -179,15 +266,15 @@ pub struct Watchers {
 struct Watcher {
     events: mpsc::Receiver<WatchItem>,
     /// Read from `events` but not yet fetched.
-    backlog: VecDeque<WatchEvent>,
+    backlog: VecDeque<FsEvent>,
 }
 
 /// What a poll of a watcher got.
 #[derive(Debug)]
 pub enum Polled {
-    Events(Vec<WatchEvent>),
+    Events(Vec<FsEvent>),
     /// The watch ended; these were its last events.
-    Ended(Vec<WatchEvent>),
+    Ended(Vec<FsEvent>),
 }
 
 impl Control {
@@ -196,8 +283,14 @@ impl Control {
     }
 
     async fn session_conn(&self, s: &EnvdSession) -> Result<AsyncConn> {
+        Ok(self.session_link(s).await?.1)
+    }
+
+    /// The live sandbox and a fresh agent connection to it.
+    async fn session_link(&self, s: &EnvdSession) -> Result<(Arc<Live>, AsyncConn)> {
         let live = self.session_live(s).await?;
-        live.fresh_conn().await.map_err(|e| from_agent(&s.id, e, Access::Process))
+        let conn = live.fresh_conn().await.map_err(|e| from_agent(&s.id, e, Access::Process))?;
+        Ok((live, conn))
     }
 
     /// The pid a selector names.
@@ -225,8 +318,9 @@ impl Control {
         if spec.argv.is_empty() || spec.argv.iter().any(|a| a.contains('\0')) {
             return Err(ControlError::Invalid("the command is empty or holds NUL".into()));
         }
-        let mut conn = self.session_conn(s).await?;
+        let (live, mut conn) = self.session_link(s).await?;
         let pty = spec.pty.is_some();
+        let shown = spec.argv.join(" ");
         let spawn = Spawn {
             cmd: Cmd::Argv(spec.argv),
             env: spec.env,
@@ -244,7 +338,13 @@ impl Control {
                 (Reply::Spawned { pid }, _) => pid,
                 (other, _) => return Err(ControlError::Runtime(format!("agent answered {other:?} to spawn"))),
             };
-        Ok(pump(conn, s.id.clone(), pid, pty, keepalive))
+        self.log(
+            &s.id,
+            LogLevel::Info,
+            format!("process {pid} started: {shown}"),
+            &[("pid", pid.to_string()), ("user", s.user.clone())],
+        );
+        Ok(pump(conn, live, self.history.clone(), pid, pty, keepalive))
     }
 
     /// Attaches to a running process: its kept output, live output, its end.
@@ -254,14 +354,14 @@ impl Control {
         target: &Target,
         keepalive: Duration,
     ) -> Result<mpsc::Receiver<ProcEvent>> {
-        let mut conn = self.session_conn(s).await?;
+        let (live, mut conn) = self.session_link(s).await?;
         let pid = self.resolve_target(&mut conn, s, target).await?;
         let list = agent_list(&mut conn, &s.id).await?;
         let pty = list.iter().find(|p| p.pid == pid).is_some_and(|p| p.pty);
         conn.call(Request::Attach { target: Target::Pid(pid) }, &[])
             .await
             .map_err(|e| from_agent(&s.id, e, Access::Process))?;
-        Ok(pump(conn, s.id.clone(), pid, pty, keepalive))
+        Ok(pump(conn, live, self.history.clone(), pid, pty, keepalive))
     }
 
     /// The processes started through the agent that still run.
@@ -302,7 +402,10 @@ impl Control {
     }
 
     /// Watches a directory (as the session's user, recursively or not) and
-    /// streams its events. The watch lives on its own agent connection:
+    /// streams its events, as envd's watchers report them (see
+    /// [`UploadEvents`]); with `opts.include_entry`, a create, write or
+    /// chmod carries the entry as it is when the event is read (none when
+    /// it is gone by then). The watch lives on its own agent connection:
     /// dropping the receiver closes that connection, which ends the watch
     /// in the agent.
     pub async fn session_watch(
@@ -310,31 +413,53 @@ impl Control {
         s: &EnvdSession,
         path: String,
         recursive: bool,
+        opts: WatchOptions,
         keepalive: Duration,
     ) -> Result<mpsc::Receiver<WatchItem>> {
-        let mut conn = self.session_conn(s).await?;
-        let req = Request::Watch { path, recursive, user: Some(s.user.clone()) };
+        let (live, mut conn) = self.session_link(s).await?;
+        let req = Request::Watch {
+            path: path.clone(),
+            recursive,
+            user: Some(s.user.clone()),
+            allow_network_mounts: opts.allow_network_mounts,
+        };
         let watch = match conn.call(req, &[]).await {
             Ok((Reply::Watching { watch }, _)) => watch,
             Ok((other, _)) => return Err(ControlError::Runtime(format!("agent answered {other:?} to watch"))),
             Err(e) => return Err(from_agent(&s.id, e, Access::Read)),
         };
         let (tx, rx) = mpsc::channel(256);
-        let sid = s.id.to_string();
+        let user = s.user.clone();
         tokio::spawn(async move {
+            let mut uploads = UploadEvents::default();
+            // A second connection for the entries (this one carries events).
+            let mut stats: Option<AsyncConn> = None;
             loop {
-                let item = tokio::select! {
+                let events = tokio::select! {
                     () = tx.closed() => return,
                     got = tokio::time::timeout(keepalive, conn.recv()) => match got {
-                        Err(_) => WatchItem::Keepalive,
-                        Ok(Err(e)) => WatchItem::Failed(ControlError::Agent { sandbox: sid.clone(), source: e }),
-                        Ok(Ok((FromAgent::Watch { watch: w, event }, _))) if w == watch => WatchItem::Event(event),
+                        Err(_) => vec![WatchItem::Keepalive],
+                        Ok(Err(e)) => vec![WatchItem::Failed(broken(&live, e))],
+                        Ok(Ok((FromAgent::Watch { watch: w, event }, _))) if w == watch => {
+                            let mut out = Vec::new();
+                            for e in uploads.push(event) {
+                                let carries = matches!(e.kind, WatchKind::Create | WatchKind::Write | WatchKind::Chmod);
+                                let entry = match opts.include_entry && carries {
+                                    true => entry_of(&live, &mut stats, &join(&path, &e.name), &user).await,
+                                    false => None,
+                                };
+                                out.push(WatchItem::Event(FsEvent { kind: e.kind, name: e.name, entry }));
+                            }
+                            out
+                        }
                         Ok(Ok(_)) => continue,
                     },
                 };
-                let last = matches!(item, WatchItem::Failed(_));
-                if tx.send(item).await.is_err() || last {
-                    return;
+                for item in events {
+                    let last = matches!(item, WatchItem::Failed(_));
+                    if tx.send(item).await.is_err() || last {
+                        return;
+                    }
                 }
             }
         });
@@ -343,12 +468,18 @@ impl Control {
 
     /// Starts a polled watcher: at most [`WATCHERS_PER_SANDBOX`] per
     /// sandbox, each ending with its sandbox.
-    pub async fn create_watcher(&self, s: &EnvdSession, path: String, recursive: bool) -> Result<String> {
+    pub async fn create_watcher(
+        &self,
+        s: &EnvdSession,
+        path: String,
+        recursive: bool,
+        opts: WatchOptions,
+    ) -> Result<String> {
         let live = self.session_live(s).await?;
         if lock(&live).by_id.len() >= WATCHERS_PER_SANDBOX {
             return Err(ControlError::WatcherCapacity { id: s.id.to_string(), max: WATCHERS_PER_SANDBOX });
         }
-        let events = self.session_watch(s, path, recursive, Duration::from_secs(30)).await?;
+        let events = self.session_watch(s, path, recursive, opts, Duration::from_secs(30)).await?;
         let mut w = lock(&live);
         if w.by_id.len() >= WATCHERS_PER_SANDBOX {
             return Err(ControlError::WatcherCapacity { id: s.id.to_string(), max: WATCHERS_PER_SANDBOX });
@@ -370,7 +501,7 @@ impl Control {
                 Ok(WatchItem::Event(e)) => {
                     if w.backlog.len() >= WATCHER_BACKLOG {
                         w.backlog.pop_front();
-                        w.backlog.push_front(WatchEvent { kind: WatchKind::Overflow, name: String::new() });
+                        w.backlog.push_front(FsEvent { kind: WatchKind::Overflow, name: String::new(), entry: None });
                     }
                     w.backlog.push_back(e);
                 }
@@ -387,7 +518,7 @@ impl Control {
             }
         }
         let n = w.backlog.len().min(max);
-        let events: Vec<WatchEvent> = w.backlog.drain(..n).collect();
+        let events: Vec<FsEvent> = w.backlog.drain(..n).collect();
         match ended {
             None => Ok(Polled::Events(events)),
             Some(end) => {
@@ -424,9 +555,27 @@ async fn agent_list(conn: &mut AsyncConn, id: &SandboxId) -> Result<Vec<ProcessI
     }
 }
 
+/// Why an agent link broke: the sandbox ended (its deletion takes the
+/// runtime handle before it kills the agent), or the agent failed.
+fn broken(live: &Live, e: hutch_runtime::agent::AgentError) -> ControlError {
+    let ended = live.handle.lock().map(|h| h.is_none()).unwrap_or(true);
+    if ended {
+        ControlError::NoSandbox(live.id.to_string())
+    } else {
+        ControlError::Agent { sandbox: live.id.to_string(), source: e }
+    }
+}
+
 /// Forwards a subscribed connection's events for `pid` until it exits or
-/// the receiver goes away.
-fn pump(mut conn: AsyncConn, sid: SandboxId, pid: u32, pty: bool, keepalive: Duration) -> mpsc::Receiver<ProcEvent> {
+/// the receiver goes away; the exit goes to the sandbox's log.
+fn pump(
+    mut conn: AsyncConn,
+    live: Arc<Live>,
+    history: Arc<History>,
+    pid: u32,
+    pty: bool,
+    keepalive: Duration,
+) -> mpsc::Receiver<ProcEvent> {
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(async move {
         if tx.send(ProcEvent::Start { pid }).await.is_err() {
@@ -435,7 +584,7 @@ fn pump(mut conn: AsyncConn, sid: SandboxId, pid: u32, pty: bool, keepalive: Dur
         loop {
             let ev = match tokio::time::timeout(keepalive, conn.recv()).await {
                 Err(_) => ProcEvent::Keepalive,
-                Ok(Err(e)) => ProcEvent::Failed(ControlError::Agent { sandbox: sid.to_string(), source: e }),
+                Ok(Err(e)) => ProcEvent::Failed(broken(&live, e)),
                 Ok(Ok((FromAgent::Output { pid: p, stream }, data))) if p == pid => {
                     let stream = match (pty, stream) {
                         (true, _) => ProcStream::Pty,
@@ -444,7 +593,20 @@ fn pump(mut conn: AsyncConn, sid: SandboxId, pid: u32, pty: bool, keepalive: Dur
                     };
                     ProcEvent::Data { stream, data }
                 }
-                Ok(Ok((FromAgent::Exit { pid: p, status }, _))) if p == pid => ProcEvent::End { status },
+                Ok(Ok((FromAgent::Exit { pid: p, status }, _))) if p == pid => {
+                    let (level, how) = match status.code {
+                        Some(0) => (LogLevel::Info, crate::ready::describe_exit(&status)),
+                        _ => (LogLevel::Warn, crate::ready::describe_exit(&status)),
+                    };
+                    let code = status.shell_code().to_string();
+                    history.log(
+                        &live.id,
+                        level,
+                        format!("process {pid} ended: {how}"),
+                        &[("pid", pid.to_string()), ("exit_code", code)],
+                    );
+                    ProcEvent::End { status }
+                }
                 Ok(Ok(_)) => continue,
             };
             let last = matches!(ev, ProcEvent::End { .. } | ProcEvent::Failed(_));
@@ -459,6 +621,42 @@ fn pump(mut conn: AsyncConn, sid: SandboxId, pid: u32, pty: bool, keepalive: Dur
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn uploads_show_as_envd_writes_in_place() {
+        let ev = |kind, name: &str| WatchEvent { kind, name: name.to_owned() };
+        let mut u = UploadEvents::default();
+        let mut feed = |events: Vec<WatchEvent>| -> Vec<(WatchKind, String)> {
+            events.into_iter().flat_map(|e| u.push(e)).map(|e| (e.kind, e.name)).collect()
+        };
+        // A new file: the temporary's own events are hidden.
+        let got = feed(vec![
+            ev(WatchKind::Create, "sub/.hutch-upload-n0123abcd"),
+            ev(WatchKind::Write, "sub/.hutch-upload-n0123abcd"),
+            ev(WatchKind::Rename, "sub/.hutch-upload-n0123abcd"),
+            ev(WatchKind::Create, "sub/f.txt"),
+        ]);
+        let names = |v: &[(WatchKind, &str)]| v.iter().map(|(k, n)| (*k, n.to_string())).collect::<Vec<_>>();
+        assert_eq!(
+            got,
+            names(&[
+                (WatchKind::Create, "sub/f.txt"),
+                (WatchKind::Chmod, "sub/f.txt"),
+                (WatchKind::Write, "sub/f.txt")
+            ])
+        );
+        // A replaced file, and a native write (which says neither).
+        let got = feed(vec![ev(WatchKind::Rename, ".hutch-upload-r99"), ev(WatchKind::Create, "g")]);
+        assert_eq!(got, names(&[(WatchKind::Chmod, "g"), (WatchKind::Write, "g")]));
+        let got = feed(vec![ev(WatchKind::Rename, ".hutch-upload-0a1b"), ev(WatchKind::Create, "h")]);
+        assert_eq!(got, names(&[(WatchKind::Create, "h"), (WatchKind::Write, "h")]));
+        // A create elsewhere after a temporary's rename is itself.
+        let got = feed(vec![ev(WatchKind::Rename, "a/.hutch-upload-n1"), ev(WatchKind::Create, "b/x")]);
+        assert_eq!(got, names(&[(WatchKind::Create, "b/x")]));
+        // Everything else passes as it is.
+        let got = feed(vec![ev(WatchKind::Rename, "old"), ev(WatchKind::Create, "new"), ev(WatchKind::Remove, "new")]);
+        assert_eq!(got, names(&[(WatchKind::Rename, "old"), (WatchKind::Create, "new"), (WatchKind::Remove, "new")]));
+    }
 
     #[test]
     fn sessions_name_only_the_users_a_sandbox_has_and_resolve_against_home() {

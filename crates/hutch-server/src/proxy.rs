@@ -122,16 +122,34 @@ impl Conn {
 
 /// Where a proxied request goes: a sandbox, a port, the path and query to
 /// send there, and the grant url's path (for the cookie and redirects).
-struct Target {
-    sandbox: String,
-    port: u16,
-    path_and_query: String,
-    base: String,
+pub(crate) struct Target {
+    pub(crate) sandbox: String,
+    pub(crate) port: u16,
+    pub(crate) path_and_query: String,
+    pub(crate) base: String,
+}
+
+/// How a checked request is passed on.
+pub(crate) struct Passing {
+    /// The Host to send instead of the client's (with the client's in
+    /// `X-Forwarded-Host`).
+    pub(crate) host: Option<String>,
+    /// Add hutch's response policy (script-less CSP, no caching): for
+    /// hutch's own proxy hosts and path form, which share a site (or the
+    /// origin) with the daemon. E2B's host names are origins of the
+    /// operator's E2B domain and serve applications as they are, as E2B's
+    /// proxy does.
+    pub(crate) policy: bool,
 }
 
 /// Middleware in front of every route: requests for a proxy host name go to
 /// the proxy, the rest to the API.
 pub(crate) async fn by_host(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
+    // E2B's host names of the operator's domain (`<port>-<id>.<domain>`).
+    let req = match crate::e2b::ports::by_host(&app, req).await {
+        Ok(resp) => return resp,
+        Err(req) => req,
+    };
     let host =
         req.uri().host().map(str::to_owned).or_else(|| {
             req.headers().get(header::HOST).and_then(|h| h.to_str().ok()).map(|h| strip_port(h).to_owned())
@@ -249,7 +267,7 @@ fn proxy_error(e: ControlError, sandbox: &str) -> ApiError {
     }
 }
 
-async fn proxy(app: Arc<App>, target: Target, mut req: Request) -> Result<Response, ApiError> {
+async fn proxy(app: Arc<App>, target: Target, req: Request) -> Result<Response, ApiError> {
     let path = target.path_and_query.split('?').next().unwrap_or("/");
     if let Some(what) = path.strip_prefix(RESERVED) {
         return reserved(app, &target, what, req).await;
@@ -260,6 +278,18 @@ async fn proxy(app: Arc<App>, target: Target, mut req: Request) -> Result<Respon
         .authorize_access(&target.sandbox, target.port, token.as_deref())
         .await
         .map_err(|e| proxy_error(e, &target.sandbox))?;
+    forward(&app, &target, pass, req, Passing { host: None, policy: true }).await
+}
+
+/// Passes a request whose credential was checked (`pass`) to the sandbox's
+/// port, and its answer back.
+pub(crate) async fn forward(
+    app: &App,
+    target: &Target,
+    pass: AccessPass,
+    mut req: Request,
+    passing: Passing,
+) -> Result<Response, ApiError> {
     let conn = match req.extensions().get::<ConnectInfo<Conn>>() {
         Some(ConnectInfo(conn)) => conn.clone(),
         // Served without our listener (tests): the kill reaches the
@@ -278,6 +308,13 @@ async fn proxy(app: Arc<App>, target: Target, mut req: Request) -> Result<Respon
     *out.uri_mut() = Uri::try_from(target.path_and_query.as_str())
         .map_err(|_| ApiError::invalid(format!("malformed path {:?}", target.path_and_query)))?;
     *out.headers_mut() = request_headers(&parts.headers, upgrade);
+    if let Some(host) = &passing.host {
+        let masked = HeaderValue::from_str(host).map_err(|_| ApiError::invalid("the masked host is not a header"))?;
+        if let Some(original) = parts.headers.get(header::HOST) {
+            out.headers_mut().insert("x-forwarded-host", original.clone());
+        }
+        out.headers_mut().insert(header::HOST, masked);
+    }
     if !out.headers().contains_key(header::HOST) {
         let host = HeaderValue::from_str(&format!("localhost:{}", target.port))
             .map_err(|_| ApiError::new(ErrorCode::Internal, "host header"))?;
@@ -286,7 +323,7 @@ async fn proxy(app: Arc<App>, target: Target, mut req: Request) -> Result<Respon
 
     let mut up = match conn.take_upstream(&target.sandbox, target.port).await {
         Some(up) => up,
-        None => connect(&app, &target).await?,
+        None => connect(app, target).await?,
     };
     let unreachable = |e: hyper::Error| {
         ApiError::new(
@@ -328,7 +365,7 @@ async fn proxy(app: Arc<App>, target: Target, mut req: Request) -> Result<Respon
             ));
         }
         let upstream_upgrade = hyper::upgrade::on(&mut resp);
-        let headers = response_headers(resp.headers(), true);
+        let headers = response_headers_for(resp.headers(), true, passing.policy);
         // A tunnel lives as long as its grant: no idle timeout applies.
         conn.mark_upgraded();
         tokio::spawn(tunnel(downstream_upgrade, upstream_upgrade, pass, conn.clone(), up));
@@ -342,7 +379,7 @@ async fn proxy(app: Arc<App>, target: Target, mut req: Request) -> Result<Respon
     let (parts, body) = resp.into_parts();
     let mut out = Response::new(Body::new(body));
     *out.status_mut() = parts.status;
-    *out.headers_mut() = response_headers(&parts.headers, false);
+    *out.headers_mut() = response_headers_for(&parts.headers, false, passing.policy);
     Ok(out)
 }
 
@@ -638,6 +675,12 @@ pub fn request_headers(headers: &HeaderMap, upgrade: bool) -> HeaderMap {
 /// CSP beside the application's and `Cache-Control: private, no-store`.
 /// With `upgrade` (a `101` to a WebSocket upgrade) they say so.
 pub fn response_headers(headers: &HeaderMap, upgrade: bool) -> HeaderMap {
+    response_headers_for(headers, upgrade, true)
+}
+
+/// [`response_headers`], with hutch's policy (CSP, no caching) only when
+/// `policy` (E2B's port hosts pass the application's own headers).
+fn response_headers_for(headers: &HeaderMap, upgrade: bool, policy: bool) -> HeaderMap {
     let listed = connection_tokens(headers);
     let mut out = HeaderMap::with_capacity(headers.len() + 2);
     for (name, value) in headers {
@@ -645,7 +688,7 @@ pub fn response_headers(headers: &HeaderMap, upgrade: bool) -> HeaderMap {
         if HOP_BY_HOP.contains(&n) || listed.iter().any(|l| l == n) {
             continue;
         }
-        if n == "clear-site-data" || name == header::CACHE_CONTROL {
+        if n == "clear-site-data" || (policy && name == header::CACHE_CONTROL) {
             continue;
         }
         if name == header::SET_COOKIE && sets_reserved_cookie(value.as_bytes()) {
@@ -657,8 +700,10 @@ pub fn response_headers(headers: &HeaderMap, upgrade: bool) -> HeaderMap {
         out.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         out.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
     }
-    out.append(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP));
-    out.insert(header::CACHE_CONTROL, HeaderValue::from_static("private, no-store"));
+    if policy {
+        out.append(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP));
+        out.insert(header::CACHE_CONTROL, HeaderValue::from_static("private, no-store"));
+    }
     out
 }
 

@@ -89,12 +89,18 @@ pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: N
     }
 }
 
-async fn not_found() -> ApiError {
-    ApiError::new(ErrorCode::NotFound, "no such route")
+async fn not_found(uri: axum::http::Uri) -> Response {
+    if let Some(e2b) = crate::e2b::unrouted(uri.path(), false) {
+        return e2b;
+    }
+    ApiError::new(ErrorCode::NotFound, "no such route").into_response()
 }
 
-async fn method_not_allowed() -> ApiError {
-    ApiError::new(ErrorCode::MethodNotAllowed, "this route does not take this method")
+async fn method_not_allowed(uri: axum::http::Uri) -> Response {
+    if let Some(e2b) = crate::e2b::unrouted(uri.path(), true) {
+        return e2b;
+    }
+    ApiError::new(ErrorCode::MethodNotAllowed, "this route does not take this method").into_response()
 }
 
 async fn healthz() -> &'static str {

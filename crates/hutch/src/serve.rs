@@ -69,6 +69,14 @@ pub struct ServeArgs {
     /// (HUTCH_MAX_SANDBOXES).
     #[arg(long, env = "HUTCH_MAX_SANDBOXES", default_value_t = hutch_control::control::DEFAULT_MAX_SANDBOXES)]
     pub max_sandboxes: u64,
+    /// The domain of the E2B API's sandbox host names: a name whose
+    /// subdomains all lead to this daemon (a wildcard DNS record), with a
+    /// port when clients must name one, e.g. `sbx.example.com` or
+    /// `e2b.localhost:7700`. The E2B API answers it as the sandboxes'
+    /// `domain`, and `<port>-<sandbox>.<domain>` reaches a sandbox's port
+    /// (HUTCH_E2B_DOMAIN). Without it, no port is served by E2B host name.
+    #[arg(long, env = "HUTCH_E2B_DOMAIN")]
+    pub e2b_domain: Option<String>,
 }
 
 /// Warm network namespaces kept ready.
@@ -284,9 +292,26 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         capacity.disk_mib
     );
     let e2b_secret = e2b_secret(&args.state_dir)?;
-    let config = hutch_control::Config { network: network.clone(), capacity, e2b_secret };
+    let e2b_domain = match args.e2b_domain.as_deref() {
+        None | Some("") => None,
+        Some(d) => Some(
+            hutch_control::e2b::domain(d)
+                .ok_or_else(|| anyhow::anyhow!("--e2b-domain {d:?} is not a domain name (with an optional port)"))?,
+        ),
+    };
+    let config = hutch_control::Config { network: network.clone(), capacity, e2b_secret, e2b_domain };
     let control = Control::new(store.clone(), runtime, config);
     control.recover().await?;
+
+    // The sandboxes' metric history (the E2B API's metrics).
+    let sampler = control.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(hutch_control::history::SAMPLE_EVERY);
+        loop {
+            tick.tick().await;
+            sampler.sample_metrics().await;
+        }
+    });
 
     let reconciler = control.clone();
     tokio::spawn(async move {

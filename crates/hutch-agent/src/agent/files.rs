@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use hutch_agent::proto::{self, Entry, EntryKind, ErrorCode, PageEntry, Reply, WriteFile};
+use hutch_agent::proto::{self, Entry, EntryKind, ErrorCode, PageEntry, Reply, Resolved, WriteFile};
 
 use super::sys::{self, Errno};
 
@@ -96,6 +96,7 @@ fn entry(path: String, name: String, st: &libc::stat, target: Option<String>) ->
         gid: st.st_gid,
         mtime_ns: st.st_mtime as i128 * 1_000_000_000 + st.st_mtime_nsec as i128,
         target,
+        resolved: None,
     }
 }
 
@@ -245,7 +246,33 @@ impl Fs {
             sys::fstatat(dir.as_fd(), &name, libc::AT_SYMLINK_NOFOLLOW).map_err(|e| FsError::os("stat", path, e))?;
         let target = link_target(dir.as_fd(), &name, &st);
         let name = path.rsplit('/').next().unwrap_or(path).to_string();
-        Ok(entry(path.to_string(), name, &st, target))
+        let mut e = entry(path.to_string(), name, &st, target);
+        if e.kind == EntryKind::Symlink {
+            e.resolved = self.resolve_link(path);
+        }
+        Ok(e)
+    }
+
+    /// Where the symlink at `path` leads, followed to the end inside the
+    /// root: the path the kernel reports for the descriptor it opens (the
+    /// agent's root is the sandbox's), and what is there.
+    fn resolve_link(&self, path: &str) -> Option<Box<Resolved>> {
+        let fd = self.open(path, libc::O_PATH, 0).ok()?;
+        let st = sys::fstat(fd.as_fd()).ok()?;
+        let link = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd));
+        let at = std::fs::read_link(link).ok()?;
+        let at = at.to_str()?;
+        if !at.starts_with('/') || at.ends_with(" (deleted)") {
+            return None;
+        }
+        Some(Box::new(Resolved { path: at.to_owned(), kind: kind_of(st.st_mode), mode: st.st_mode & 0o7777 }))
+    }
+
+    /// Whether a directory is on a network file system (NFS, CIFS/SMB,
+    /// FUSE), where inotify may report nothing.
+    pub fn on_network_mount(dir: BorrowedFd<'_>) -> bool {
+        const NETWORK: [i64; 5] = [0x6969, 0xFF53_4D42, 0x517B, 0xFE53_4D42, 0x6573_5546];
+        sys::fstatfs_type(dir).is_ok_and(|t| NETWORK.contains(&t))
     }
 
     /// Lists `path` down to `depth` levels, never descending into symlinks;
@@ -259,6 +286,9 @@ impl Fs {
         let mut entries = Vec::new();
         let mut truncated = false;
         walk(fd, path, 1, depth, &mut entries, &mut truncated).map_err(|e| FsError::os("list", path, e))?;
+        for e in entries.iter_mut().filter(|e| e.kind == EntryKind::Symlink) {
+            e.resolved = self.resolve_link(&e.path);
+        }
         entries.sort_by(|a, b| a.path.cmp(&b.path));
         if fit_entries(&mut entries) {
             truncated = true;

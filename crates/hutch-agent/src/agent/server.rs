@@ -752,16 +752,22 @@ impl Agent {
         Ok(self.devnull.as_ref().map_or(-1, |f| f.as_raw_fd()))
     }
 
-    fn find(&self, pid: u32) -> Result<u64, Reply> {
-        self.by_pid.get(&pid).copied().ok_or_else(|| error(ErrorCode::UnknownProcess, format!("no process {pid}")))
+    fn find(&self, pid: u32) -> Result<u64, Box<Reply>> {
+        self.by_pid
+            .get(&pid)
+            .copied()
+            .ok_or_else(|| Box::new(error(ErrorCode::UnknownProcess, format!("no process {pid}"))))
     }
 
     /// A command whose main process still runs (for stdin and terminals).
-    fn find_running(&self, pid: u32) -> Result<u64, Reply> {
+    fn find_running(&self, pid: u32) -> Result<u64, Box<Reply>> {
         let serial = self.find(pid)?;
         match self.procs.get(&serial) {
             Some(p) if !p.finished => Ok(serial),
-            _ => Err(error(ErrorCode::UnknownProcess, format!("process {pid} exited; processes it started still run"))),
+            _ => Err(Box::new(error(
+                ErrorCode::UnknownProcess,
+                format!("process {pid} exited; processes it started still run"),
+            ))),
         }
     }
 
@@ -800,7 +806,7 @@ impl Agent {
     fn detach(&mut self, conn: u64, pid: u32) -> Reply {
         let serial = match self.find(pid) {
             Ok(s) => s,
-            Err(r) => return r,
+            Err(r) => return *r,
         };
         if let Some(p) = self.procs.get_mut(&serial) {
             p.subs.retain(|&c| c != conn);
@@ -812,7 +818,7 @@ impl Agent {
     fn stdin(&mut self, pid: u32, data: &[u8]) -> Reply {
         let serial = match self.find_running(pid) {
             Ok(s) => s,
-            Err(r) => return r,
+            Err(r) => return *r,
         };
         let Some(p) = self.procs.get_mut(&serial) else { return error(ErrorCode::UnknownProcess, "gone") };
         if p.stdin_fd().is_none() || p.stdin_close {
@@ -841,7 +847,7 @@ impl Agent {
     fn close_stdin(&mut self, pid: u32) -> Reply {
         let serial = match self.find_running(pid) {
             Ok(s) => s,
-            Err(r) => return r,
+            Err(r) => return *r,
         };
         let Some(p) = self.procs.get_mut(&serial) else { return error(ErrorCode::UnknownProcess, "gone") };
         if p.info.pty {
@@ -867,7 +873,7 @@ impl Agent {
         }
         let serial = match self.find(pid) {
             Ok(s) => s,
-            Err(r) => return r,
+            Err(r) => return *r,
         };
         let Some(p) = self.procs.get_mut(&serial) else { return error(ErrorCode::UnknownProcess, "gone") };
         if signal == libc::SIGKILL {
@@ -887,7 +893,7 @@ impl Agent {
     fn resize(&mut self, pid: u32, cols: u16, rows: u16) -> Reply {
         let serial = match self.find_running(pid) {
             Ok(s) => s,
-            Err(r) => return r,
+            Err(r) => return *r,
         };
         let Some(p) = self.procs.get(&serial) else { return error(ErrorCode::UnknownProcess, "gone") };
         match (&p.streams[0].fd, p.info.pty) {
@@ -1132,9 +1138,15 @@ impl Agent {
                 fs.list_page(&norm(&path)?, recursive, after.as_deref(), limit)?
             }
             Request::Chmod { path, mode, .. } => (fs.chmod(&norm(&path)?, mode)?, none()),
-            Request::Watch { path, recursive, .. } => {
+            Request::Watch { path, recursive, allow_network_mounts, .. } => {
                 let path = norm(&path)?;
-                fs.open_dir(&path)?;
+                let dir = fs.open_dir(&path)?;
+                if !allow_network_mounts && files::Fs::on_network_mount(dir.as_fd()) {
+                    return Err(FsError::new(
+                        ErrorCode::InvalidRequest,
+                        format!("cannot watch {path}: it is on a network file system (allow network mounts to)"),
+                    ));
+                }
                 let (watch, created) = self.watches.add(conn, &path, recursive)?;
                 if created {
                     if let Some(fd) = self.watches.fd() {

@@ -721,6 +721,15 @@ pub fn fstat(fd: BorrowedFd<'_>) -> SysResult<libc::stat> {
     Ok(st)
 }
 
+/// The file system type (`f_type`) of the file system holding `fd`.
+pub fn fstatfs_type(fd: BorrowedFd<'_>) -> SysResult<i64> {
+    // SAFETY: statfs is plain data, filled by the kernel.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: st is valid for writes.
+    cvt(unsafe { libc::fstatfs(fd.as_raw_fd(), &mut st) })?;
+    Ok(st.f_type as i64)
+}
+
 pub fn fstatat(dir: BorrowedFd<'_>, name: &CStr, flags: libc::c_int) -> SysResult<libc::stat> {
     // SAFETY: stat is plain data, filled by the kernel.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };

@@ -237,11 +237,56 @@ impl Watches {
                 }
                 if recurse {
                     let _ = self.add_dir(id, &rel_name, libc::IN_DONT_FOLLOW);
+                    // What appeared in the new directory before its watch
+                    // did is reported as if it had been seen.
+                    let (conn, full) = match self.watches.get(&id) {
+                        Some(w) => (w.conn, format!("{}/{rel_name}", w.path.trim_end_matches('/'))),
+                        None => continue,
+                    };
+                    for event in existing(&full, &rel_name) {
+                        if congested(conn) {
+                            if let Some(w) = self.watches.get_mut(&id) {
+                                w.lost = true;
+                            }
+                            break;
+                        }
+                        out.push(Delivery { conn, watch: id, event });
+                    }
                 }
             }
         }
         out
     }
+}
+
+/// Most entries reported for a directory found already filled.
+const MAX_EXISTING: usize = 1024;
+
+/// Events for what a directory (at `full`, named `rel` in the watch) holds
+/// already: a create for each entry, and a write for each regular file
+/// with content; directories below it, depth first. Bounded.
+fn existing(full: &str, rel: &str) -> Vec<WatchEvent> {
+    let mut out = Vec::new();
+    let mut todo = vec![(full.to_string(), rel.to_string())];
+    while let Some((dir_path, dir_rel)) = todo.pop() {
+        let Ok(c) = CString::new(dir_path.as_str()) else { continue };
+        let Ok(dir) = sys::open(&c, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW) else { continue };
+        for d in sys::read_dir(dir.as_fd()).unwrap_or_default() {
+            if out.len() >= MAX_EXISTING {
+                return out;
+            }
+            let Ok(st) = sys::fstatat(dir.as_fd(), &d.name, libc::AT_SYMLINK_NOFOLLOW) else { continue };
+            let name = String::from_utf8_lossy(d.name.as_bytes()).into_owned();
+            let child = rel_join(&dir_rel, &name);
+            out.push(WatchEvent { kind: WatchKind::Create, name: child.clone() });
+            match st.st_mode & libc::S_IFMT {
+                libc::S_IFREG if st.st_size > 0 => out.push(WatchEvent { kind: WatchKind::Write, name: child }),
+                libc::S_IFDIR => todo.push((format!("{dir_path}/{name}"), child)),
+                _ => {}
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -259,6 +304,32 @@ mod tests {
         assert_eq!(map_kind(libc::IN_ATTRIB), Some(WatchKind::Chmod));
         assert_eq!(map_kind(libc::IN_Q_OVERFLOW), Some(WatchKind::Overflow));
         assert_eq!(map_kind(libc::IN_IGNORED), None);
+    }
+
+    #[test]
+    fn a_filled_directory_reports_what_it_holds() {
+        let root = std::env::temp_dir().join(format!("hutch-watch-existing-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(root.join("sub")).expect("dirs");
+        std::fs::write(root.join("full.txt"), b"x").expect("file");
+        std::fs::write(root.join("empty.txt"), b"").expect("file");
+        std::fs::write(root.join("sub/deep.txt"), b"y").expect("file");
+        let mut got: Vec<(WatchKind, String)> =
+            existing(root.to_str().expect("utf-8"), "new").into_iter().map(|e| (e.kind, e.name)).collect();
+        got.sort_by(|a, b| a.1.cmp(&b.1).then(format!("{:?}", a.0).cmp(&format!("{:?}", b.0))));
+        let _ = std::fs::remove_dir_all(&root);
+        let want: Vec<(WatchKind, String)> = [
+            (WatchKind::Create, "new/empty.txt"),
+            (WatchKind::Create, "new/full.txt"),
+            (WatchKind::Write, "new/full.txt"),
+            (WatchKind::Create, "new/sub"),
+            (WatchKind::Create, "new/sub/deep.txt"),
+            (WatchKind::Write, "new/sub/deep.txt"),
+        ]
+        .into_iter()
+        .map(|(k, n)| (k, n.to_owned()))
+        .collect();
+        assert_eq!(got, want);
     }
 
     #[test]

@@ -49,6 +49,10 @@ pub enum NetError {
     #[error("no free sandbox address")]
     Exhausted,
     #[error(
+        "sandbox {0} was started without a network interface (deny_all): its policy cannot be opened while it runs"
+    )]
+    NoInterface(String),
+    #[error(
         "network instance {instance} is held by another hutch daemon{holder} (lock {path}); \
          give this one another --net-instance"
     )]
@@ -592,12 +596,52 @@ impl Network {
             );
             return Ok(Attached { netns: None, addr4: None, addr6: None, host_if: None, index: 0 });
         }
+        self.attach_with_interface(id, policy)
+    }
+
+    /// Gives sandbox `id` a namespace with an interface whatever its
+    /// policy, so that [`Network::update`] can change the policy while it
+    /// runs. Under `deny_all` its address is in no set: every packet it
+    /// sends through the host is refused, and the resolver answers nothing.
+    pub fn attach_with_interface(&self, id: &str, policy: &Policy) -> Result<Attached, NetError> {
         let pooled = lock(&self.state).pool.pop();
         let slot = match pooled {
             Some(s) => s,
             None => self.make_slot()?,
         };
         self.lease(id, slot, policy)
+    }
+
+    /// Replaces the policy of a running sandbox: its old set elements
+    /// leave and the new ones come in one nftables transaction (several,
+    /// for more than a batch, ordered so that no step in between allows
+    /// more than either policy), and the addresses its resolver admitted
+    /// for the old policy are forgotten (an allow list looks names up
+    /// again). A sandbox started without an interface (`deny_all` through
+    /// [`Network::attach`]) can only stay `deny_all`.
+    pub fn update(&self, id: &str, policy: &Policy) -> Result<(), NetError> {
+        let mut nft = lock(&self.nft);
+        let mut st = lock(&self.state);
+        let Some(lease) = st.leases.get(id) else {
+            return Err(NetError::Unavailable(format!("sandbox {id} has no network here")));
+        };
+        let Some(index) = lease.slot.as_ref().map(|s| s.index) else {
+            if policy.egress == Egress::DenyAll {
+                if let Some(l) = st.leases.get_mut(id) {
+                    l.policy = policy.clone();
+                }
+                return Ok(());
+            }
+            return Err(NetError::NoInterface(id.to_owned()));
+        };
+        let new = self.policy_elements_locked(&mut st, index, policy);
+        let Some(lease) = st.leases.get_mut(id) else { return Ok(()) };
+        let ops = replacement(&lease.elements, &new);
+        nft.set_elements(NFPROTO_INET, &self.cfg.table(), &ops).map_err(io_err("replace the sandbox's policy"))?;
+        lease.policy = policy.clone();
+        lease.elements = new;
+        lease.learned.clear();
+        Ok(())
     }
 
     fn lease(&self, id: &str, slot: Slot, policy: &Policy) -> Result<Attached, NetError> {
@@ -623,7 +667,9 @@ impl Network {
     }
 
     /// Takes back the network of a sandbox that outlived a previous daemon:
-    /// its namespace (through its PID 1), its link and its policy.
+    /// its namespace (through its PID 1), its link and its policy, whatever
+    /// the policy (a sandbox without a link, `deny_all` through
+    /// [`Network::attach`], is attached again instead, by the caller).
     /// `learned` are the addresses its resolver had admitted; they are
     /// admitted again for the shortest time an answer is kept.
     pub fn adopt(
@@ -635,9 +681,6 @@ impl Network {
         policy: &Policy,
         learned: &[IpAddr],
     ) -> Result<(), NetError> {
-        if policy.egress == Egress::DenyAll {
-            return self.attach(id, policy).map(|_| ());
-        }
         let netns = open_fd(&format!("/proc/{pid}/ns/net")).map_err(io_err("open the sandbox's namespace"))?;
         {
             let mut st = lock(&self.state);
@@ -818,7 +861,18 @@ impl Network {
         };
         let links = links_of(pid).ok()?;
         match (policy.egress, index) {
-            (Egress::DenyAll, _) => (links == ["lo"]).then_some(Egress::DenyAll),
+            (Egress::DenyAll, None) => (links == ["lo"]).then_some(Egress::DenyAll),
+            // An interface kept for updates: its address is in no set.
+            (Egress::DenyAll, Some(index)) => {
+                let key = self.cfg.addr4(index).octets().to_vec();
+                let mut nft = lock(&self.nft);
+                for set in ["default4", "listed4", "private4"] {
+                    if nft.has_element(NFPROTO_INET, &self.cfg.table(), set, &key).ok()? {
+                        return None;
+                    }
+                }
+                Some(Egress::DenyAll)
+            }
             (egress, Some(index)) => {
                 if !links.iter().any(|l| l == PEER_NAME) {
                     return None;
@@ -842,8 +896,7 @@ impl Network {
         0x4800_0000 | (self.cfg.instance as u32) << 16 | (index & 0xffff)
     }
 
-    fn group_mark(&self, group: &str) -> u32 {
-        let mut st = lock(&self.state);
+    fn group_mark(st: &mut State, group: &str) -> u32 {
         let next = 0x4855_0000 + st.groups.len() as u32 + 1;
         *st.groups.entry(group.to_owned()).or_insert(next)
     }
@@ -864,6 +917,11 @@ impl Network {
     }
 
     fn policy_elements(&self, index: u32, p: &Policy) -> Vec<SetOp> {
+        self.policy_elements_locked(&mut lock(&self.state), index, p)
+    }
+
+    /// [`Network::policy_elements`] with the state lock held.
+    fn policy_elements_locked(&self, st: &mut State, index: u32, p: &Policy) -> Vec<SetOp> {
         let a4 = self.cfg.addr4(index).octets().to_vec();
         let a6 = self.ipv6.then(|| self.cfg.addr6(index).octets().to_vec());
         let mut addrs = vec![("4", a4)];
@@ -892,7 +950,7 @@ impl Network {
         match p.egress {
             Egress::DenyAll => {}
             Egress::Private => {
-                let mark = self.group_mark(&p.group).to_ne_bytes().to_vec();
+                let mark = Self::group_mark(st, &p.group).to_ne_bytes().to_vec();
                 for (v, a) in &addrs {
                     ops.push(add(format!("private{v}"), a.clone(), None));
                     ops.push(add(format!("group{v}"), a.clone(), Some(mark.clone())));
@@ -917,6 +975,30 @@ impl Network {
         }
         ops
     }
+}
+
+/// The set operations that turn a sandbox's elements `old` into `new`,
+/// leaving alone what both hold, ordered so that every prefix of the list
+/// (a cut between two transactions) allows no more than `old` or `new`
+/// would: new denials first, then old allowances and memberships leave,
+/// then new ones come (allowances before memberships), and old denials
+/// leave last.
+fn replacement(old: &[SetOp], new: &[SetOp]) -> Vec<SetOp> {
+    let is_deny = |op: &SetOp| op.set.starts_with("deny");
+    let is_membership = |op: &SetOp| {
+        ["default", "listed", "private"].iter().any(|m| op.set.strip_prefix(m).is_some_and(|v| v == "4" || v == "6"))
+    };
+    let gone: Vec<&SetOp> = old.iter().filter(|op| !new.contains(op)).collect();
+    let added: Vec<&SetOp> = new.iter().filter(|op| !old.contains(op)).collect();
+    let remove = |op: &&SetOp| SetOp { kind: SetOpKind::Remove, ..(*op).clone() };
+    let add = |op: &&SetOp| SetOp { kind: SetOpKind::Add, ..(*op).clone() };
+    let mut ops: Vec<SetOp> = added.iter().filter(|op| is_deny(op)).map(add).collect();
+    ops.extend(gone.iter().filter(|op| !is_deny(op)).map(remove));
+    ops.extend(added.iter().filter(|op| !is_deny(op) && !is_membership(op)).map(add));
+    ops.extend(added.iter().filter(|op| is_membership(op)).map(add));
+    ops.extend(gone.iter().filter(|op| is_deny(op)).map(remove));
+    ops.dedup();
+    ops
 }
 
 /// The IPv6 ranges that carry the IPv4 range `addr/len` inside them: its
@@ -1422,6 +1504,101 @@ mod tests {
         assert!(!allowed(net, a.index, addr(0)), "the address closest to expiry made room");
         assert!(allowed(net, a.index, addr(1)) && allowed(net, a.index, one_more));
         net.release("sb-cap");
+    }
+
+    fn member(net: &Network, set: &str, index: u32) -> bool {
+        let key = net.cfg.addr4(index).octets().to_vec();
+        lock(&net.nft).has_element(NFPROTO_INET, &net.cfg.table(), set, &key).expect("read set")
+    }
+
+    fn denied(net: &Network, index: u32, dst: IpAddr) -> bool {
+        let op = net.pair_op("deny", index, dst, 32).expect("op");
+        lock(&net.nft).has_element(NFPROTO_INET, &net.cfg.table(), &op.set, &op.key).expect("read set")
+    }
+
+    fn policy(egress: Egress, allow: &[&str], deny: &[&str]) -> Policy {
+        Policy {
+            egress,
+            allow: allow.iter().map(|s| Rule::parse(s).expect("rule")).collect(),
+            deny: deny.iter().map(|s| Rule::parse(s).expect("rule")).collect(),
+            group: String::new(),
+        }
+    }
+
+    #[test]
+    fn an_update_replaces_a_running_sandboxs_elements() {
+        let t = TestNet::new();
+        let net = &t.net;
+        let a = net.attach("sb-upd", &policy(Egress::Default, &[], &["198.51.100.0/24"])).expect("attach");
+        let (listed_dst, learned, denied_dst): (IpAddr, IpAddr, IpAddr) = (
+            "203.0.113.9".parse().expect("ip"),
+            "203.0.113.10".parse().expect("ip"),
+            "198.51.100.7".parse().expect("ip"),
+        );
+        assert!(member(net, "default4", a.index) && denied(net, a.index, denied_dst));
+        // To an allow list: the old membership and denial leave, the new ones come.
+        net.update("sb-upd", &policy(Egress::Default, &["203.0.113.9", "allowed.test"], &[])).expect("to a list");
+        assert!(!member(net, "default4", a.index) && member(net, "listed4", a.index));
+        assert!(allowed(net, a.index, listed_dst) && !denied(net, a.index, denied_dst));
+        // Addresses the resolver admitted for the old list are forgotten.
+        net.admit("sb-upd", &[(learned, Duration::from_secs(60))]).expect("admit");
+        // Many of them, so that the replacement takes several transactions.
+        let many: Vec<(IpAddr, Duration)> =
+            (0..600u32).map(|i| (IpAddr::V4(Ipv4Addr::from(0xcb00_7100 + i)), Duration::from_secs(60))).collect();
+        net.admit("sb-upd", &many).expect("admit many");
+        net.update("sb-upd", &policy(Egress::Default, &["203.0.113.9"], &[])).expect("a shorter list");
+        assert!(allowed(net, a.index, listed_dst) && !allowed(net, a.index, learned));
+        assert!(!allowed(net, a.index, many[599].0) && net.learned("sb-upd").is_empty());
+        // Closed: in no set at all, but the interface stays for the next update.
+        net.update("sb-upd", &policy(Egress::DenyAll, &[], &[])).expect("to deny_all");
+        for set in ["default4", "listed4", "private4"] {
+            assert!(!member(net, set, a.index), "{set}");
+        }
+        assert!(!allowed(net, a.index, listed_dst));
+        net.update("sb-upd", &policy(Egress::Default, &[], &[])).expect("open again");
+        assert!(member(net, "default4", a.index));
+        net.release("sb-upd");
+        assert!(!member(net, "default4", a.index));
+        // Without an interface, deny_all stays deny_all.
+        net.attach("sb-lo", &policy(Egress::DenyAll, &[], &[])).expect("attach deny_all");
+        assert!(matches!(net.update("sb-lo", &policy(Egress::Default, &[], &[])), Err(NetError::NoInterface(_))));
+        net.update("sb-lo", &policy(Egress::DenyAll, &[], &[])).expect("still deny_all");
+        assert!(matches!(net.update("sb-none", &policy(Egress::Default, &[], &[])), Err(NetError::Unavailable(_))));
+        net.release("sb-lo");
+    }
+
+    #[test]
+    fn an_interface_kept_under_deny_all_is_in_no_set() {
+        let t = TestNet::new();
+        let net = &t.net;
+        let a = net.attach_with_interface("sb-closed", &policy(Egress::DenyAll, &[], &[])).expect("attach");
+        assert!(a.netns.is_some() && a.addr4.is_some());
+        for set in ["default4", "listed4", "private4"] {
+            assert!(!member(net, set, a.index), "{set}");
+        }
+        net.update("sb-closed", &policy(Egress::Default, &["203.0.113.9"], &[])).expect("open it");
+        assert!(member(net, "listed4", a.index));
+        net.release("sb-closed");
+    }
+
+    #[test]
+    fn a_replacement_never_allows_more_between_two_transactions() {
+        let op = |set: &str, k: u8| SetOp { set: set.into(), key: vec![k], ..SetOp::default() };
+        let old = vec![op("ctmark4", 1), op("default4", 1), op("deny4", 2), op("deny4", 3)];
+        let new = vec![op("ctmark4", 1), op("deny4", 3), op("deny4", 4), op("allow4", 5), op("listed4", 1)];
+        let ops = replacement(&old, &new);
+        let names: Vec<(SetOpKind, &str, u8)> = ops.iter().map(|o| (o.kind, o.set.as_str(), o.key[0])).collect();
+        assert_eq!(
+            names,
+            [
+                (SetOpKind::Add, "deny4", 4),
+                (SetOpKind::Remove, "default4", 1),
+                (SetOpKind::Add, "allow4", 5),
+                (SetOpKind::Add, "listed4", 1),
+                (SetOpKind::Remove, "deny4", 2),
+            ]
+        );
+        assert!(replacement(&old, &old).is_empty());
     }
 
     #[test]

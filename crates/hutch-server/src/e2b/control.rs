@@ -3,17 +3,19 @@
 //! API key in `X-API-KEY`.
 
 use super::{E2bError, ENVD_VERSION};
-use crate::extract::{ApiPath, ApiQuery};
+use super::{E2bPath as ApiPath, E2bQuery as ApiQuery};
 use crate::routes::Caller;
 use crate::App;
 use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use axum::{Extension, Json, Router};
 use hutch_api::{CreateSandbox, Extend, Sandbox, SandboxState};
 use hutch_control::control::{now_ms, parse_rfc3339, rfc3339};
+use hutch_control::history::{LogEntry, LogLevel, LogQuery};
+use hutch_control::network::E2bNetwork;
 use hutch_control::SandboxId;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -37,6 +39,9 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
         .route("/sandboxes/{id}/connect", post(connect))
         .route("/v2/sandboxes/{id}/connect", post(connect))
         .route("/sandboxes/{id}/metrics", get(metrics))
+        .route("/sandboxes/{id}/network", put(update_network))
+        .route("/sandboxes/{id}/logs", get(logs_v1))
+        .route("/v2/sandboxes/{id}/logs", get(logs_v2))
         .route_layer(middleware::from_fn_with_state(app, authenticate))
 }
 
@@ -92,20 +97,35 @@ async fn live_view(app: &App, caller: &Caller, id: &str) -> E2bResult<(SandboxId
     Ok((sid, sb, state))
 }
 
-/// The `Sandbox` model (create and connect answers).
-fn created(app: &App, sb: &Sandbox) -> Value {
-    json!({
+/// The `Sandbox` model (create and connect answers): with the operator's
+/// domain (the SDK's `get_host` names ports under it), and the traffic
+/// token when the sandbox's ports are not public.
+fn created(app: &App, sb: &Sandbox, settings: Option<&E2bNetwork>) -> Value {
+    let mut v = json!({
         "templateID": sb.template,
         "sandboxID": sb.id,
         "clientID": "hutch",
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": token(app, &sb.id),
-    })
+        "domain": app.control.e2b_domain(),
+        "trafficAccessToken": Value::Null,
+    });
+    if !settings.is_some_and(|s| s.public) {
+        if let Ok(id) = SandboxId::parse(&sb.id) {
+            v["trafficAccessToken"] = json!(app.control.e2b_traffic_token(&id));
+        }
+    }
+    v
 }
 
 /// The envd access token of a sandbox.
 fn token(app: &App, id: &str) -> String {
     SandboxId::parse(id).map(|id| app.control.e2b_token(&id)).unwrap_or_default()
+}
+
+/// The E2B settings of a sandbox (none for one the E2B API did not make).
+async fn settings_of(app: &App, caller: &Caller, id: &SandboxId) -> Option<E2bNetwork> {
+    app.control.e2b_settings(caller, id).await.ok().flatten()
 }
 
 /// The `ListedSandbox` model, and with `detail` the `SandboxDetail` one.
@@ -125,7 +145,27 @@ fn listed(app: &App, sb: &Sandbox, state: &str, detail: bool) -> Value {
     });
     if detail {
         v["envdAccessToken"] = json!(token(app, &sb.id));
+        v["domain"] = json!(app.control.e2b_domain());
     }
+    v
+}
+
+/// `SandboxDetail`'s network fields, from the E2B settings kept.
+fn with_network(mut v: Value, settings: Option<&E2bNetwork>) -> Value {
+    let Some(s) = settings else { return v };
+    let mut net = json!({"allowPublicTraffic": s.public});
+    if !s.allow_out.is_empty() {
+        net["allowOut"] = json!(s.allow_out);
+    }
+    if !s.deny_out.is_empty() {
+        net["denyOut"] = json!(s.deny_out);
+    }
+    if let Some(m) = &s.mask_request_host {
+        net["maskRequestHost"] = json!(m);
+    }
+    v["network"] = net;
+    v["allowInternetAccess"] = json!(s.allow_internet_access);
+    v["lifecycle"] = json!({"autoResume": s.auto_resume, "onTimeout": "kill"});
     v
 }
 
@@ -140,33 +180,72 @@ struct NewSandbox {
     #[serde(rename = "allow_internet_access", alias = "allowInternetAccess")]
     allow_internet_access: Option<bool>,
     network: Option<NewNetwork>,
+    auto_resume: Option<AutoResume>,
 }
 
-/// E2B's egress rules: CIDRs, addresses and names out of the sandbox.
+#[derive(Deserialize, Default)]
+struct AutoResume {
+    #[serde(default)]
+    enabled: bool,
+}
+
+/// E2B's network settings of a new sandbox: egress rules (CIDRs,
+/// addresses and names out of it) and who reaches its ports.
 #[derive(Deserialize, Default)]
 #[serde(rename_all = "camelCase")]
 struct NewNetwork {
-    #[serde(default)]
-    allow_out: Vec<String>,
-    #[serde(default)]
-    deny_out: Vec<String>,
+    allow_out: Option<Vec<String>>,
+    deny_out: Option<Vec<String>>,
+    allow_public_traffic: Option<bool>,
+    mask_request_host: Option<String>,
+    #[serde(flatten)]
+    unsupported: Unsupported,
 }
 
-/// E2B's network settings as a hutch policy: `allowOut` entries always win
-/// (an allow list); no internet (`allow_internet_access: false`, or
-/// denying 0.0.0.0/0) without any is `deny_all`; other `denyOut` entries
-/// are a deny list.
-fn network_policy(allow_internet: Option<bool>, net: Option<NewNetwork>) -> Option<hutch_api::NetworkRequest> {
-    let net = net.unwrap_or_default();
-    let deny_everything = allow_internet == Some(false) || net.deny_out.iter().any(|d| d == "0.0.0.0/0");
-    let egress = hutch_api::Egress::Default;
-    if !net.allow_out.is_empty() {
-        return Some(hutch_api::NetworkRequest { egress, allow: net.allow_out, deny: vec![] });
+/// E2B network settings hutch does not implement: refused rather than
+/// ignored (each changes what the sandbox may reach).
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct Unsupported {
+    egress_proxy: Option<Value>,
+    dns_servers: Option<Value>,
+    rules: Option<Value>,
+    https_ports: Option<Value>,
+}
+
+impl Unsupported {
+    fn check(&self) -> E2bResult<()> {
+        let set = |v: &Option<Value>| {
+            v.as_ref().is_some_and(|v| match v {
+                Value::Null => false,
+                Value::Array(a) => !a.is_empty(),
+                Value::Object(o) => !o.is_empty(),
+                _ => true,
+            })
+        };
+        for (name, v) in [
+            ("egressProxy", &self.egress_proxy),
+            ("dnsServers", &self.dns_servers),
+            ("rules", &self.rules),
+            ("httpsPorts", &self.https_ports),
+        ] {
+            if set(v) {
+                return Err(E2bError::new(
+                    StatusCode::BAD_REQUEST,
+                    format!("network.{name} is not supported by this server"),
+                ));
+            }
+        }
+        Ok(())
     }
-    if deny_everything {
-        return Some(hutch_api::NetworkRequest { egress: hutch_api::Egress::DenyAll, ..Default::default() });
+}
+
+/// A refusal of the control plane, in E2B's words for a missing sandbox.
+fn refusal(id: &str) -> impl FnOnce(hutch_control::ControlError) -> E2bError + '_ {
+    move |e| match e.code() {
+        hutch_api::ErrorCode::NotFound => not_found(id),
+        _ => E2bError::from(e),
     }
-    (!net.deny_out.is_empty()).then(|| hutch_api::NetworkRequest { egress, allow: vec![], deny: net.deny_out })
 }
 
 async fn create(State(app): AppState, Extension(caller): Extension<Caller>, req: Request) -> E2bResult<Response> {
@@ -178,16 +257,25 @@ async fn create(State(app): AppState, Extension(caller): Extension<Caller>, req:
         Some(other) => Some(other.to_owned()),
     };
     let ttl = new.timeout.unwrap_or(DEFAULT_TIMEOUT).max(1);
+    let net = new.network.unwrap_or_default();
+    net.unsupported.check()?;
+    let settings = E2bNetwork {
+        allow_out: net.allow_out.unwrap_or_default(),
+        deny_out: net.deny_out.unwrap_or_default(),
+        allow_internet_access: new.allow_internet_access,
+        public: net.allow_public_traffic.unwrap_or(true),
+        mask_request_host: net.mask_request_host.filter(|m| !m.is_empty()),
+        auto_resume: new.auto_resume.is_some_and(|a| a.enabled),
+    };
     let create = CreateSandbox {
         template,
         ttl_seconds: Some(ttl),
         env: new.env_vars.unwrap_or_default(),
         metadata: new.metadata.unwrap_or_default(),
         wait_seconds: Some(60),
-        network: network_policy(new.allow_internet_access, new.network),
         ..CreateSandbox::default()
     };
-    let (sb, _) = match app.control.create(&caller, &create, None).await {
+    let (sb, _) = match app.control.create_e2b(&caller, &create, settings.clone()).await {
         Err(hutch_control::ControlError::UnknownTemplate(name)) => {
             return Err(E2bError::new(StatusCode::NOT_FOUND, format!("template '{name}' not found")));
         }
@@ -199,7 +287,7 @@ async fn create(State(app): AppState, Extension(caller): Extension<Caller>, req:
         }
         return Err(E2bError::new(StatusCode::SERVICE_UNAVAILABLE, "the sandbox did not start in time"));
     }
-    Ok((StatusCode::CREATED, Json(created(&app, &sb))).into_response())
+    Ok((StatusCode::CREATED, Json(created(&app, &sb, Some(&settings)))).into_response())
 }
 
 async fn detail(
@@ -207,8 +295,9 @@ async fn detail(
     Extension(caller): Extension<Caller>,
     ApiPath(id): ApiPath<String>,
 ) -> E2bResult<Json<Value>> {
-    let (_, sb, state) = live_view(&app, &caller, &id).await?;
-    Ok(Json(listed(&app, &sb, state, true)))
+    let (sid, sb, state) = live_view(&app, &caller, &id).await?;
+    let settings = settings_of(&app, &caller, &sid).await;
+    Ok(Json(with_network(listed(&app, &sb, state, true), settings.as_ref())))
 }
 
 async fn kill(
@@ -276,7 +365,8 @@ async fn resume(
     if let Some(s) = t.timeout {
         expire_in(&app, &caller, &sid, s).await?;
     }
-    Ok((StatusCode::CREATED, Json(created(&app, &sb))).into_response())
+    let settings = settings_of(&app, &caller, &sid).await;
+    Ok((StatusCode::CREATED, Json(created(&app, &sb, settings.as_ref()))).into_response())
 }
 
 /// Connect: 200 for a running sandbox, 201 for a paused one now resumed. A
@@ -301,36 +391,185 @@ async fn connect(
             expire_in(&app, &caller, &sid, s).await?;
         }
     }
-    Ok((status, Json(created(&app, &sb))).into_response())
+    let settings = settings_of(&app, &caller, &sid).await;
+    Ok((status, Json(created(&app, &sb, settings.as_ref()))).into_response())
 }
 
+#[derive(Deserialize, Default)]
+struct MetricsQuery {
+    start: Option<String>,
+    end: Option<String>,
+}
+
+/// A Unix time in a query, refused (400) when it is not one.
+fn unix_param(name: &str, v: Option<&str>) -> E2bResult<Option<i64>> {
+    v.map(|s| {
+        s.trim()
+            .parse::<i64>()
+            .ok()
+            .filter(|v| *v >= 0)
+            .ok_or_else(|| E2bError::new(StatusCode::BAD_REQUEST, format!("{name} must be a Unix time, not {s:?}")))
+    })
+    .transpose()
+}
+
+/// The samples the daemon took of the sandbox (every five seconds while it
+/// runs, the last hour's), from `start` to `end` (Unix seconds; the
+/// sandbox's start and now when absent).
 async fn metrics(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
     ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<MetricsQuery>,
 ) -> E2bResult<Json<Value>> {
+    let start = unix_param("start", q.start.as_deref())?;
+    let end = unix_param("end", q.end.as_deref())?;
     let (sid, _, _) = live_view(&app, &caller, &id).await?;
-    // One sample, taken now; hutch keeps no history of samples yet.
-    let (u, record) = match app.control.sandbox_usage(&caller, &sid).await {
-        Ok(x) => x,
-        // Not running (paused, gone): no samples, as E2B answers.
-        Err(_) => return Ok(Json(json!([]))),
+    let samples = app.control.metrics_history(&caller, &sid, start, end).await.map_err(refusal(&id))?;
+    let rows: Vec<Value> = samples
+        .iter()
+        .map(|m| {
+            json!({
+                "timestamp": rfc3339(m.at_ms),
+                "timestampUnix": m.at_ms / 1000,
+                "cpuCount": m.cpu_count,
+                "cpuUsedPct": m.cpu_used_pct,
+                "memUsed": m.mem_used,
+                "memTotal": m.mem_total,
+                "memCache": m.mem_cache,
+                "diskUsed": m.disk_used,
+                "diskTotal": m.disk_total,
+            })
+        })
+        .collect();
+    Ok(Json(Value::Array(rows)))
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct NetworkUpdate {
+    allow_out: Option<Vec<String>>,
+    deny_out: Option<Vec<String>>,
+    #[serde(rename = "allow_internet_access", alias = "allowInternetAccess")]
+    allow_internet_access: Option<bool>,
+    #[serde(flatten)]
+    unsupported: Unsupported,
+}
+
+/// `PUT /sandboxes/{id}/network`: the egress rules of a running sandbox
+/// are replaced (what the body leaves out is cleared), live.
+async fn update_network(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    ApiPath(id): ApiPath<String>,
+    req: Request,
+) -> E2bResult<StatusCode> {
+    let u: NetworkUpdate = body(req).await?;
+    u.unsupported.check()?;
+    let (sid, _, state) = live_view(&app, &caller, &id).await?;
+    if state == "paused" {
+        return Err(E2bError::new(StatusCode::CONFLICT, format!("sandbox \"{id}\" is paused")));
+    }
+    app.control
+        .update_e2b_network(
+            &caller,
+            &sid,
+            u.allow_out.unwrap_or_default(),
+            u.deny_out.unwrap_or_default(),
+            u.allow_internet_access,
+        )
+        .await
+        .map_err(refusal(&id))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize, Default)]
+struct LogsQuery {
+    start: Option<String>,
+    cursor: Option<String>,
+    limit: Option<String>,
+    direction: Option<String>,
+    level: Option<String>,
+    search: Option<String>,
+}
+
+/// Most log entries one answer carries.
+const LOG_LIMIT: usize = 1000;
+
+fn log_limit(v: Option<&str>) -> E2bResult<usize> {
+    match v {
+        None => Ok(LOG_LIMIT),
+        Some(s) => s
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|l| *l <= LOG_LIMIT)
+            .ok_or_else(|| E2bError::new(StatusCode::BAD_REQUEST, format!("limit must be 0 to {LOG_LIMIT}"))),
+    }
+}
+
+fn log_entry(e: &LogEntry) -> Value {
+    json!({
+        "timestamp": rfc3339(e.at_ms),
+        "level": e.level.as_str(),
+        "message": e.message,
+        "fields": e.fields,
+    })
+}
+
+/// `GET /sandboxes/{id}/logs`: the sandbox's log from `start` (Unix
+/// milliseconds), oldest first, as lines and as entries.
+async fn logs_v1(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<LogsQuery>,
+) -> E2bResult<Json<Value>> {
+    let start = unix_param("start", q.start.as_deref())?;
+    let limit = log_limit(q.limit.as_deref())?;
+    let (sid, _, _) = live_view(&app, &caller, &id).await?;
+    let query = LogQuery { from_ms: start, limit, ..LogQuery::default() };
+    let entries = app.control.sandbox_log(&caller, &sid, &query).await.map_err(refusal(&id))?;
+    let lines: Vec<Value> = entries.iter().map(|e| json!({"timestamp": rfc3339(e.at_ms), "line": e.message})).collect();
+    let entries: Vec<Value> = entries.iter().map(log_entry).collect();
+    Ok(Json(json!({"logs": lines, "logEntries": entries})))
+}
+
+/// `GET /v2/sandboxes/{id}/logs`: entries from the `cursor` (Unix
+/// milliseconds) in `direction` (`backward`, newest first, by default),
+/// at least `level`, holding `search`.
+async fn logs_v2(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<LogsQuery>,
+) -> E2bResult<Json<Value>> {
+    let bad = |m: String| E2bError::new(StatusCode::BAD_REQUEST, m);
+    let cursor = unix_param("cursor", q.cursor.as_deref())?;
+    let limit = log_limit(q.limit.as_deref())?;
+    let backward = match q.direction.as_deref() {
+        None | Some("backward") => true,
+        Some("forward") => false,
+        Some(d) => return Err(bad(format!("direction must be forward or backward, not {d:?}"))),
     };
-    let now_ms = now_ms();
-    let alive_ms = (now_ms - parse_rfc3339(&record.created_at).unwrap_or(now_ms)).max(1) as f64;
-    let cpus = record.limits.vcpus.ceil().max(1.0);
-    let cpu_pct = (u.cpu_ns as f64 / 1e6) / alive_ms / cpus * 100.0;
-    Ok(Json(json!([{
-        "timestamp": rfc3339(now_ms),
-        "timestampUnix": now_ms / 1000,
-        "cpuCount": cpus as u64,
-        "cpuUsedPct": (cpu_pct * 100.0).round() / 100.0,
-        "memUsed": u.memory_bytes,
-        "memTotal": record.memory_mb << 20,
-        "memCache": u.memory_cache_bytes,
-        "diskUsed": u.disk_used_bytes,
-        "diskTotal": u.disk_total_bytes,
-    }])))
+    let level = match q.level.as_deref() {
+        None => None,
+        Some(l) => Some(
+            LogLevel::parse(l).ok_or_else(|| bad(format!("level must be debug, info, warn or error, not {l:?}")))?,
+        ),
+    };
+    if q.search.as_deref().is_some_and(|s| s.len() > 256) {
+        return Err(bad("search is at most 256 bytes".into()));
+    }
+    let (sid, _, _) = live_view(&app, &caller, &id).await?;
+    let (from_ms, until_ms) = match (cursor, backward) {
+        (Some(c), true) => (None, Some(c)),
+        (Some(c), false) => (Some(c), None),
+        (None, _) => (None, None),
+    };
+    let query = LogQuery { from_ms, until_ms, backward, level, search: q.search.clone(), limit };
+    let entries = app.control.sandbox_log(&caller, &sid, &query).await.map_err(refusal(&id))?;
+    Ok(Json(json!({"logs": entries.iter().map(log_entry).collect::<Vec<Value>>()})))
 }
 
 /// Every sandbox of the caller that is not gone, newest first.

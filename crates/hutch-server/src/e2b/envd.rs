@@ -186,7 +186,11 @@ fn with_user(ctx: &Envd, username: Option<&str>) -> Result<Envd, EnvdError> {
     }
 }
 
-async fn download(State(app): AppState, Extension(ctx): Extension<Envd>, Query(q): Query<FileQuery>) -> Response {
+async fn download(
+    State(app): AppState,
+    Extension(ctx): Extension<Envd>,
+    super::E2bQuery(q): super::E2bQuery<FileQuery>,
+) -> Response {
     let run = async {
         let ctx = with_user(&ctx, q.username.as_deref())?;
         let path = ctx.resolve(q.path.as_deref().unwrap_or(""))?;
@@ -310,7 +314,7 @@ const UPLOAD_CAP: u64 = hutch_control::files::FILE_CAP + (1 << 20);
 async fn upload(
     State(app): AppState,
     Extension(ctx): Extension<Envd>,
-    Query(q): Query<FileQuery>,
+    super::E2bQuery(q): super::E2bQuery<FileQuery>,
     req: Request,
 ) -> Response {
     let run = async {
@@ -383,12 +387,26 @@ fn owner_name(id: u32) -> String {
     }
 }
 
-/// envd's `EntryInfo` of an agent entry.
-fn entry_info(e: &Entry) -> Value {
-    let kind = match e.kind {
+/// envd's `FileType` of an entry kind (other kinds are unspecified).
+fn file_type(kind: EntryKind) -> &'static str {
+    match kind {
+        EntryKind::File => "FILE_TYPE_FILE",
         EntryKind::Dir => "FILE_TYPE_DIRECTORY",
         EntryKind::Symlink => "FILE_TYPE_SYMLINK",
-        EntryKind::File | EntryKind::Other => "FILE_TYPE_FILE",
+        EntryKind::Other => "FILE_TYPE_UNSPECIFIED",
+    }
+}
+
+/// envd's `EntryInfo` of an agent entry. A symlink is described as envd
+/// describes it: the type and permission bits of what it leads to (every
+/// link on the way followed), its own size, owner and times, and
+/// `symlinkTarget` the absolute path it resolves to; one that leads
+/// nowhere has an unspecified type and its own path as its target.
+pub fn entry_info(e: &Entry) -> Value {
+    let (kind, mode) = match (e.kind, &e.resolved) {
+        (EntryKind::Symlink, Some(r)) => (file_type(r.kind), r.mode),
+        (EntryKind::Symlink, None) => ("FILE_TYPE_UNSPECIFIED", 0),
+        (k, _) => (file_type(k), e.mode),
     };
     let ms = (e.mtime_ns / 1_000_000).clamp(i64::MIN as i128, i64::MAX as i128) as i64;
     let mut v = json!({
@@ -396,15 +414,16 @@ fn entry_info(e: &Entry) -> Value {
         "type": kind,
         "path": e.path,
         "size": e.size.to_string(),
-        "mode": e.mode & 0o7777,
+        "mode": mode & 0o777,
         "permissions": permissions(e.kind, e.mode),
         "owner": owner_name(e.uid),
         "group": owner_name(e.gid),
         "modifiedTime": hutch_control::control::rfc3339(ms),
         "metadata": {},
     });
-    if let Some(t) = &e.target {
-        v["symlinkTarget"] = json!(t);
+    if e.kind == EntryKind::Symlink {
+        let target = e.resolved.as_ref().map_or(e.path.as_str(), |r| r.path.as_str());
+        v["symlinkTarget"] = json!(target);
     }
     v
 }

@@ -15,6 +15,7 @@
 pub(crate) mod connect;
 mod control;
 pub(crate) mod envd;
+pub(crate) mod ports;
 mod watch;
 
 use crate::App;
@@ -25,12 +26,112 @@ use hutch_api::ErrorCode;
 use hutch_control::ControlError;
 use std::sync::Arc;
 
-/// The envd version announced: new enough that the SDK uses octet-stream
-/// uploads, default users and file metadata.
-pub const ENVD_VERSION: &str = "0.6.2";
+/// The envd version announced, the newest the SDK (`e2b` 2.x) checks for:
+/// octet-stream uploads, default users, file metadata (0.6.2), entries in
+/// watch events (`include_entry`, 0.6.3) and watches of network mounts
+/// (`allow_network_mounts`, 0.6.4), all implemented.
+pub const ENVD_VERSION: &str = "0.6.4";
 
 pub fn router(app: Arc<App>) -> Router<Arc<App>> {
     control::router(app.clone()).merge(envd::router(app))
+}
+
+/// The paths of E2B's control API (each also with `/...` below it).
+const REST_PREFIXES: &[&str] = &[
+    "/sandboxes",
+    "/v2/sandboxes",
+    "/v3/sandboxes",
+    "/templates",
+    "/v2/templates",
+    "/v3/templates",
+    "/snapshots",
+    "/volumes",
+    "/secrets",
+    "/teams",
+    "/api-keys",
+    "/access-tokens",
+    "/nodes",
+    "/admin",
+    // envd's HTTP routes.
+    "/health",
+    "/files",
+    "/envs",
+    "/init",
+];
+
+/// How an E2B path answers what it cannot route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavor {
+    /// `{"code": status, "message"}`.
+    Rest,
+    /// A Connect error (`{"code": "unimplemented", "message"}`).
+    Connect,
+}
+
+/// Whether a path is E2B's (so that what hutch does not route there is
+/// refused in E2B's words, which the SDK reads), and how. Pure.
+pub fn owns_path(path: &str) -> Option<Flavor> {
+    if path.starts_with("/process.") || path.starts_with("/filesystem.") {
+        return Some(Flavor::Connect);
+    }
+    let under = |p: &&str| path == *p || path.strip_prefix(*p).is_some_and(|rest| rest.starts_with('/'));
+    REST_PREFIXES.iter().any(under).then_some(Flavor::Rest)
+}
+
+/// The answer to an E2B path that matched no route (or not with this
+/// method), in E2B's words; None for paths that are not E2B's.
+pub fn unrouted(path: &str, wrong_method: bool) -> Option<Response> {
+    let flavor = owns_path(path)?;
+    let shown: String = path.chars().take(128).collect();
+    Some(match (flavor, wrong_method) {
+        (Flavor::Rest, false) => {
+            E2bError::new(StatusCode::NOT_FOUND, format!("{shown} is not served here")).into_response()
+        }
+        (Flavor::Rest, true) => {
+            E2bError::new(StatusCode::METHOD_NOT_ALLOWED, format!("{shown} does not take this method")).into_response()
+        }
+        (Flavor::Connect, _) => connect::unary_error(EnvdError {
+            code: ErrorCode::MethodNotAllowed,
+            message: format!("{shown} is not implemented"),
+            deadline: false,
+        }),
+    })
+}
+
+/// Path parameters of an E2B route; a malformed one is E2B's 404.
+pub struct E2bPath<T>(pub T);
+
+impl<S, T> axum::extract::FromRequestParts<S> for E2bPath<T>
+where
+    T: serde::de::DeserializeOwned + Send,
+    S: Send + Sync,
+{
+    type Rejection = E2bError;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, E2bError> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(v)) => Ok(E2bPath(v)),
+            Err(e) => Err(E2bError::new(StatusCode::NOT_FOUND, format!("nothing is at this path: {}", e.body_text()))),
+        }
+    }
+}
+
+/// The query string of an E2B route; a malformed one is E2B's 400.
+pub struct E2bQuery<T>(pub T);
+
+impl<S, T> axum::extract::FromRequestParts<S> for E2bQuery<T>
+where
+    T: serde::de::DeserializeOwned + Send,
+    S: Send + Sync,
+{
+    type Rejection = E2bError;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, E2bError> {
+        match axum::extract::Query::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Query(v)) => Ok(E2bQuery(v)),
+            Err(e) => Err(E2bError::new(StatusCode::BAD_REQUEST, e.body_text())),
+        }
+    }
 }
 
 /// A header as text, if present and ASCII.
@@ -144,7 +245,16 @@ impl EnvdError {
 
 impl From<ControlError> for EnvdError {
     fn from(e: ControlError) -> EnvdError {
-        EnvdError { code: e.code(), message: e.public_message(), deadline: false }
+        match e {
+            // The sandbox ended under the call (killed, expired): as E2B's
+            // proxy says it, which the SDK reads as "not running".
+            ControlError::NoSandbox(id) => EnvdError {
+                code: ErrorCode::Unavailable,
+                message: format!("The sandbox {id} was not found"),
+                deadline: false,
+            },
+            e => EnvdError { code: e.code(), message: e.public_message(), deadline: false },
+        }
     }
 }
 
@@ -164,6 +274,19 @@ impl From<ControlError> for E2bError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn e2b_paths_are_known_by_their_prefixes() {
+        assert_eq!(owns_path("/sandboxes"), Some(Flavor::Rest));
+        assert_eq!(owns_path("/sandboxes/sb-1/nope"), Some(Flavor::Rest));
+        assert_eq!(owns_path("/v2/sandboxes/x/logs"), Some(Flavor::Rest));
+        assert_eq!(owns_path("/templates/aliases/x"), Some(Flavor::Rest));
+        assert_eq!(owns_path("/process.Process/Nope"), Some(Flavor::Connect));
+        assert_eq!(owns_path("/filesystem.Filesystem/Nope"), Some(Flavor::Connect));
+        for native in ["/v1/sandboxes", "/sandboxesx", "/healthz", "/metrics", "/", "/v1/templates/x"] {
+            assert_eq!(owns_path(native), None, "{native}");
+        }
+    }
 
     #[test]
     fn internal_errors_carry_no_internals() {

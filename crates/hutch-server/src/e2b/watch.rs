@@ -15,7 +15,7 @@ use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::post;
 use axum::{Extension, Router};
-use hutch_control::session::{Polled, WatchEvent, WatchItem, WatchKind};
+use hutch_control::session::{FsEvent, Polled, WatchItem, WatchKind, WatchOptions};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -27,9 +27,6 @@ type AppState = State<Arc<App>>;
 /// Most events one `GetWatcherEvents` answer carries; the rest wait.
 const MAX_EVENTS: usize = 4096;
 
-/// The name prefix of the files API's temporary upload files.
-const UPLOAD_TEMP: &str = ".hutch-upload-";
-
 pub fn routes() -> Router<Arc<App>> {
     Router::new()
         .route("/filesystem.Filesystem/WatchDir", post(watch_dir))
@@ -38,13 +35,8 @@ pub fn routes() -> Router<Arc<App>> {
         .route("/filesystem.Filesystem/RemoveWatcher", post(remove_watcher))
 }
 
-/// envd's `FilesystemEvent`, or nothing for a kind E2B has no name for
-/// and for the temporary file an upload is written to before it is renamed
-/// into place (the rename shows as the target's `create`).
-fn fs_event(e: WatchEvent) -> Option<Value> {
-    if e.name.rsplit('/').next().is_some_and(|n| n.starts_with(UPLOAD_TEMP)) {
-        return None;
-    }
+/// envd's `FilesystemEvent`, or nothing for a kind E2B has no name for.
+fn fs_event(e: FsEvent) -> Option<Value> {
     let kind = match e.kind {
         WatchKind::Create => "EVENT_TYPE_CREATE",
         WatchKind::Write => "EVENT_TYPE_WRITE",
@@ -53,7 +45,11 @@ fn fs_event(e: WatchEvent) -> Option<Value> {
         WatchKind::Chmod => "EVENT_TYPE_CHMOD",
         WatchKind::Overflow => return None,
     };
-    Some(json!({"name": e.name, "type": kind}))
+    let mut v = json!({"name": e.name, "type": kind});
+    if let Some(entry) = &e.entry {
+        v["entry"] = super::envd::entry_info(entry);
+    }
+    Some(v)
 }
 
 #[derive(Deserialize, Default)]
@@ -62,6 +58,16 @@ struct WatchRequest {
     path: Option<String>,
     #[serde(default)]
     recursive: bool,
+    #[serde(default)]
+    include_entry: bool,
+    #[serde(default)]
+    allow_network_mounts: bool,
+}
+
+impl WatchRequest {
+    fn options(&self) -> WatchOptions {
+        WatchOptions { include_entry: self.include_entry, allow_network_mounts: self.allow_network_mounts }
+    }
 }
 
 #[derive(Deserialize, Default)]
@@ -77,7 +83,7 @@ async fn open(
     keepalive: Duration,
 ) -> Result<mpsc::Receiver<WatchItem>, EnvdError> {
     let path = ctx.resolve(req.path.as_deref().unwrap_or(""))?;
-    Ok(app.control.session_watch(ctx, path, req.recursive, keepalive).await?)
+    Ok(app.control.session_watch(ctx, path, req.recursive, req.options(), keepalive).await?)
 }
 
 async fn watch_dir(State(app): AppState, Extension(ctx): Extension<Envd>, headers: HeaderMap, body: Bytes) -> Response {
@@ -128,7 +134,7 @@ async fn create_watcher(State(app): AppState, Extension(ctx): Extension<Envd>, b
     let run = async {
         let req: WatchRequest = unary_request(&body)?;
         let path = ctx.resolve(req.path.as_deref().unwrap_or(""))?;
-        let id = app.control.create_watcher(&ctx, path, req.recursive).await?;
+        let id = app.control.create_watcher(&ctx, path, req.recursive, req.options()).await?;
         Ok::<_, EnvdError>(json!({"watcherId": id}))
     };
     run.await.map_or_else(unary_error, unary)
