@@ -48,7 +48,6 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/keys", get(list_keys).post(create_key))
         .route("/v1/keys/{id}", axum::routing::delete(revoke_key).patch(set_quotas))
         .route("/v1/usage", get(usage))
-        .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(app.clone(), authenticate));
     Router::new()
         .merge(api)
@@ -56,6 +55,8 @@ pub fn router(app: Arc<App>) -> Router {
         .merge(crate::templates::router(app.clone()))
         .merge(crate::access::router(app.clone()))
         .route("/healthz", get(healthz))
+        // An API key or the operator's scrape token (`--metrics-token-file`).
+        .route("/metrics", get(metrics))
         .route("/v1/openapi.json", get(openapi))
         // The port proxy's path form authenticates with access tokens, not API keys.
         .route("/v1/sandboxes/{id}/ports/{port}", axum::routing::any(crate::proxy::by_path))
@@ -68,15 +69,20 @@ pub fn router(app: Arc<App>) -> Router {
         .with_state(app)
 }
 
-/// The bearer key's caller, or 401.
-pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
-    let secret = req
-        .headers()
+/// The credential of `Authorization: Bearer ...` ("" without one).
+fn bearer(req: &Request) -> &str {
+    req.headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim)
-        .unwrap_or("");
+        .unwrap_or("")
+}
+
+/// The bearer key's caller, or 401.
+pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
+    let secret = bearer(&req).to_owned();
+    let secret = secret.as_str();
     match app.control.authenticate(secret).await {
         Ok(Some(caller)) => {
             crate::listener::authenticated(&req);
@@ -113,8 +119,9 @@ async fn openapi() -> Response {
     resp
 }
 
-async fn metrics(State(app): AppState, Extension(caller): Extension<Caller>) -> ApiResult<Response> {
-    let text = app.control.metrics_text(&caller).await?;
+async fn metrics(State(app): AppState, req: Request) -> ApiResult<Response> {
+    let text = app.control.metrics_for(bearer(&req)).await?;
+    crate::listener::authenticated(&req);
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }
 
