@@ -404,7 +404,15 @@ pub(crate) async fn stdin(
     ApiPath((id, pid)): ApiPath<(String, u32)>,
     JsonBody(req): JsonBody<StdinRequest>,
 ) -> ApiResult<StatusCode> {
-    app.control.stdin(&caller, &SandboxId::parse(&id)?, pid, req.data.as_bytes(), req.eof).await?;
+    let mut data = req.data.into_bytes();
+    if let Some(b64) = &req.data_base64 {
+        use base64::Engine as _;
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(b64)
+            .map_err(|_| ApiError::new(ErrorCode::InvalidRequest, "data_base64 is not base64 (standard, padded)"))?;
+        data.extend_from_slice(&bytes);
+    }
+    app.control.stdin(&caller, &SandboxId::parse(&id)?, pid, &data, req.eof).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

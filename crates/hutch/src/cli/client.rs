@@ -95,6 +95,7 @@ impl Body {
 }
 
 /// A client of one daemon, with one key.
+#[derive(Clone)]
 pub struct Client {
     agent: ureq::Agent,
     base: String,
