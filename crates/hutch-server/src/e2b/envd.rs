@@ -94,7 +94,7 @@ fn signed_url(req: &Request) -> Result<Option<SignedUrl>, E2bError> {
 
 /// The sandbox a request names: its `E2b-Sandbox-Id` header, or E2B's host
 /// form `<port>-<id>.<domain>`.
-fn named_sandbox(headers: &HeaderMap) -> Option<SandboxId> {
+pub(super) fn named_sandbox(headers: &HeaderMap) -> Option<SandboxId> {
     let named = super::header(headers, "e2b-sandbox-id").map(str::to_owned).or_else(|| {
         let host = super::header(headers, "host")?;
         let (first, _) = host.split_once('.')?;
@@ -107,7 +107,7 @@ fn named_sandbox(headers: &HeaderMap) -> Option<SandboxId> {
 
 /// A refused envd call, as E2B's proxy and envd answer it: a sandbox that
 /// is gone is 502 "was not found".
-fn refused(e: ControlError, id: Option<&SandboxId>) -> Response {
+pub(super) fn refused(e: ControlError, id: Option<&SandboxId>) -> Response {
     match e {
         ControlError::NoSandbox(_) => {
             let id = id.map(SandboxId::to_string).unwrap_or_default();

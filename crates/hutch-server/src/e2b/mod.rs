@@ -15,6 +15,7 @@
 mod connect;
 mod control;
 mod envd;
+mod forward;
 mod watch;
 
 use crate::App;
@@ -28,6 +29,12 @@ use std::sync::Arc;
 /// The envd version announced: new enough that the SDK uses octet-stream
 /// uploads, default users and file metadata.
 pub const ENVD_VERSION: &str = "0.6.2";
+
+/// envd's port inside an E2B sandbox: calls naming it are answered by the
+/// daemon; calls naming another port are forwarded (`forward.rs`).
+pub const ENVD_PORT: u16 = 49983;
+
+pub(crate) use forward::by_sandbox_port;
 
 pub fn router(app: Arc<App>) -> Router<Arc<App>> {
     control::router(app.clone()).merge(envd::router(app))
