@@ -16,7 +16,13 @@ for each round times:
 and, on one sandbox of each kind kept for the run:
 
 - sdk round trip: run_code("1+1") on a warm context;
-- native round trip: exec `python -c 'print(1+1)'`.
+- native round trip: exec `python -c 'print(1+1)'`;
+
+then both first-call flows again with a warm pool of one sandbox: the E2B
+key's own template `code-interpreter-v1` (which takes the built-in's
+place; its warm sandbox has started its server and default kernel) and
+a native template on the same image with `warm.min` 1, each round waiting until the pool
+has refilled.
 
 The flows alternate round by round so both see the same machine. Prints
 median and p95 of each.
@@ -36,10 +42,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from api_bench import RELEASE, TIMEOUT, Daemon, check, ms, pct  # noqa: E402
+from api_bench import RELEASE, TIMEOUT, Daemon, Lean, check, ms, pct  # noqa: E402
 from net_instances import NetInstance  # noqa: E402
 
 PYTHON = "/opt/hutch/python/bin/python"
+# The built-in template's startup command (hutch_runtime::image::interp).
+START = f"exec {PYTHON} /opt/hutch/interp/server.py"
 ARGV = json.dumps({"argv": [PYTHON, "-c", "print(1+1)"]})
 
 
@@ -78,6 +86,15 @@ def native_first(s, base: str, template: str) -> tuple[float, float, str]:
     sb = check(s.post(base + "/v1/sandboxes", data=body, timeout=TIMEOUT), 201)
     t1 = time.perf_counter()
     return t1 - t0, native_exec(s, base, sb["id"]), sb["id"]
+
+
+def pool_ready(s, base: str, tid: str) -> None:
+    """Waits (bounded) until the template's pool holds a ready sandbox."""
+    deadline = time.monotonic() + 120
+    while check(s.get(f"{base}/v1/templates/{tid}", timeout=TIMEOUT), 200)["warm_ready"] < 1:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the pool of {tid} did not refill in 120 s")
+        time.sleep(0.1)
 
 
 def row(name: str, xs: list[float]) -> str:
@@ -129,6 +146,25 @@ def main() -> None:
             warm_native.append(native_exec(s, d.base, sid))
         sb.kill()
         check(s.delete(f"{d.base}/v1/sandboxes/{sid}", timeout=TIMEOUT), 200)
+        # Warm pools: the E2B key's own `code-interpreter-v1` (it takes the
+        # built-in's place) and the native template, one warm sandbox each.
+        owner = Lean(d.base, os.environ["E2B_API_KEY"])
+        warm_tpl = check(owner.post(d.base + "/v1/templates", data=json.dumps({
+            "name": "code-interpreter-v1", "image": "code-interpreter", "warm": {"min": 1, "max": 1},
+            "startup": {"command": START}, "readiness": {"port": 49999, "timeout_seconds": 60}}), timeout=TIMEOUT), 201)
+        native_tpl = check(s.post(d.base + "/v1/templates", data=json.dumps(
+            {"name": "interp-bench-warm", "image": "code-interpreter", "warm": {"min": 1, "max": 1}}),
+            timeout=TIMEOUT), 201)
+        warm_first_sdk, warm_first_native = [], []
+        for _ in range(args.rounds):
+            pool_ready(owner, d.base, warm_tpl["id"])
+            c, x, sb = sdk_first(Sandbox)
+            warm_first_sdk.append((c, x))
+            sb.kill()
+            pool_ready(s, d.base, native_tpl["id"])
+            c, x, sid = native_first(s, d.base, native_tpl["name"])
+            warm_first_native.append((c, x))
+            check(s.delete(f"{d.base}/v1/sandboxes/{sid}", timeout=TIMEOUT), 200)
         print(f"binary {args.binary}; image build {built:.0f} s (once)")
         print(f"{args.rounds} first-call rounds, {args.rounds * 5} round trips, alternating; ms")
         print(f"{'':<40} {'median':>8} {'p95':>8}")
@@ -138,6 +174,8 @@ def main() -> None:
         print(row("native: create", [c for c, _ in first_native]))
         print(row("native: first exec python -c", [x for _, x in first_native]))
         print(row("native: create + first exec", [c + x for c, x in first_native]))
+        print(row("sdk, warm pool: create + first run_code", [c + x for c, x in warm_first_sdk]))
+        print(row("native, warm pool: create + first exec", [c + x for c, x in warm_first_native]))
         print(row('sdk: run_code("1+1"), warm context', warm_sdk))
         print(row("native: exec python -c 'print(1+1)'", warm_native))
     finally:

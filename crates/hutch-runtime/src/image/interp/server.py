@@ -860,18 +860,17 @@ async def connection(reader, writer):
 async def main():
     global CONTEXTS
     CONTEXTS = Contexts()
+    # The default python context starts before the server listens: the
+    # template's readiness check (this port) then means a kernel is up, so
+    # a warm pool's sandboxes answer their first call at once. A kernel
+    # that fails to start is retried by the first execution, which reports
+    # the error.
+    try:
+        await CONTEXTS.default("python")
+    except Exception as e:
+        log(f"the default python context did not start: {e}")
     server = await asyncio.start_server(connection, HOST, PORT, limit=MAX_LINE)
     log(f"listening on {HOST}:{PORT}")
-
-    async def warm():
-        try:
-            await CONTEXTS.default("python")
-        except Exception as e:
-            log(f"the default python context did not start: {e}")
-
-    # The default python context starts now, in the background: the first
-    # execution waits for it if it comes sooner.
-    asyncio.create_task(warm())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
