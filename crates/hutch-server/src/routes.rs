@@ -64,6 +64,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/sandboxes/{id}/ports/{port}/{*rest}", axum::routing::any(crate::proxy::by_path))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        // E2B calls naming a sandbox port other than envd's go into the sandbox.
+        .layer(middleware::from_fn_with_state(app.clone(), crate::e2b::by_sandbox_port))
         // Proxy host names are served by the proxy whatever the path.
         .layer(middleware::from_fn_with_state(app.clone(), crate::proxy::by_host))
         .with_state(app)

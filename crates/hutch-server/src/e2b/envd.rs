@@ -107,7 +107,7 @@ pub(crate) fn named_sandbox(headers: &HeaderMap) -> Option<SandboxId> {
 
 /// A refused envd call, as E2B's proxy and envd answer it: a sandbox that
 /// is gone is 502 "was not found".
-fn refused(e: ControlError, id: Option<&SandboxId>) -> Response {
+pub(super) fn refused(e: ControlError, id: Option<&SandboxId>) -> Response {
     match e {
         ControlError::NoSandbox(_) => {
             let id = id.map(SandboxId::to_string).unwrap_or_default();
