@@ -17,6 +17,8 @@ JS = Path(__file__).resolve().parents[1] / "e2b-js"
 # The suite's files run this many at once (each waits on the daemon far more
 # than it computes).
 CONCURRENCY = 3
+# A test that hangs fails on its own rather than holding the whole run.
+TEST_TIMEOUT_MS = 120_000
 
 
 def node() -> str:
@@ -44,11 +46,14 @@ def test_javascript_sdk_suite(daemon):
         "E2B_SANDBOX_URL": daemon["base"],
         "E2B_API_KEY": daemon["key"],
         "E2B_OTHER_API_KEY": other,
+        # The daemon's --e2b-domain, which `getHost` names.
+        "E2B_TEST_PORT_DOMAIN": daemon["domain"],
     })
     files = sorted(str(p.relative_to(JS)) for p in (JS / "test").glob("*.test.mjs"))
     assert files, f"no tests in {JS / 'test'}"
     run = subprocess.run(
-        [exe, "--test", f"--test-concurrency={CONCURRENCY}", "--test-reporter=spec", *files],
+        [exe, "--test", f"--test-concurrency={CONCURRENCY}", f"--test-timeout={TEST_TIMEOUT_MS}",
+         "--test-reporter=spec", *files],
         cwd=JS, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=840,
     )
     if run.returncode != 0:

@@ -136,3 +136,15 @@ test('signed upload and download URLs work, and refuse what they were not signed
   const altered = await fetch(other)
   assert.equal(altered.status, 401, await altered.text())
 })
+
+test('paths with spaces, unicode and URL characters round trip', async () => {
+  const names = ['sp ace/ünï.txt', '百度/文件.txt', 'a+b&c?=d;e.txt', 'pct%20.txt']
+  for (const n of names) {
+    assert.equal((await sb.files.write(`odd/${n}`, `v:${n}`)).path, `/home/user/odd/${n}`)
+    assert.equal(await sb.files.read(`odd/${n}`), `v:${n}`)
+  }
+  // The multipart form names each file by its path.
+  const infos = await sb.files.write(names.map((n) => ({ path: `oddm/${n}`, data: `m:${n}` })))
+  assert.deepEqual(infos.map((i) => i.path), names.map((n) => `/home/user/oddm/${n}`))
+  for (const n of names) assert.equal(await sb.files.read(`oddm/${n}`), `m:${n}`)
+})

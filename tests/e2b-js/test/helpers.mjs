@@ -1,13 +1,14 @@
 // What every test file shares: the daemon the driver (tests/e2b/test_js.py)
 // started, read from the environment the SDK itself reads (E2B_API_URL,
 // E2B_SANDBOX_URL, E2B_API_KEY), plus E2B_OTHER_API_KEY, a second key of
-// another owner. A missing variable fails loudly: nothing is skipped.
+// another owner, and E2B_TEST_PORT_DOMAIN, the daemon's --e2b-domain. A
+// missing variable fails loudly: nothing is skipped.
 import http from 'node:http'
 import { setTimeout as sleep } from 'node:timers/promises'
 import { Sandbox } from 'e2b'
 import { Agent, fetch } from 'undici'
 
-for (const name of ['E2B_API_URL', 'E2B_SANDBOX_URL', 'E2B_API_KEY', 'E2B_OTHER_API_KEY']) {
+for (const name of ['E2B_API_URL', 'E2B_SANDBOX_URL', 'E2B_API_KEY', 'E2B_OTHER_API_KEY', 'E2B_TEST_PORT_DOMAIN']) {
   if (!process.env[name]) {
     throw new Error(`${name} is not set: run these tests through tests/e2b/test_js.py`)
   }
@@ -15,6 +16,7 @@ for (const name of ['E2B_API_URL', 'E2B_SANDBOX_URL', 'E2B_API_KEY', 'E2B_OTHER_
 
 export const BASE = process.env.E2B_API_URL
 export const OTHER_KEY = process.env.E2B_OTHER_API_KEY
+export const PORT_DOMAIN = process.env.E2B_TEST_PORT_DOMAIN
 
 // Polls `predicate` (sync or async) until it answers something truthy, at
 // most `timeoutMs`; a wait on a condition, never a fixed sleep.
@@ -48,12 +50,15 @@ export function withSandbox(body, ...args) {
 }
 
 // A GET to the daemon naming `host` in Host, as a client that resolves the
-// E2B domain to this machine sends it: {status, headers, text, json()}.
+// E2B domain to this machine sends it, on a connection of its own (the
+// daemon closes the connections that reached a sandbox when it pauses or
+// ends, and a kept-alive one may be reused just as it closes):
+// {status, headers, text, json()}.
 export function getVia(host, path = '/', headers = {}) {
   const url = new URL(BASE)
   return new Promise((resolve, reject) => {
     const req = http.get(
-      { host: url.hostname, port: url.port, path, headers: { ...headers, Host: host }, timeout: 30_000 },
+      { host: url.hostname, port: url.port, path, headers: { ...headers, Host: host }, agent: false, timeout: 30_000 },
       (res) => {
         const chunks = []
         res.on('data', (c) => chunks.push(c))

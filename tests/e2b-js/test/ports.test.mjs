@@ -5,7 +5,7 @@
 import assert from 'node:assert/strict'
 import { test } from 'node:test'
 import { Sandbox } from 'e2b'
-import { fetchResolved, getVia, waitFor, withSandbox, withSandboxes } from './helpers.mjs'
+import { PORT_DOMAIN, fetchResolved, getVia, waitFor, withSandbox, withSandboxes } from './helpers.mjs'
 
 // Answers every GET with the Host and headers it saw, as JSON.
 const ECHO = `
@@ -41,8 +41,7 @@ test('getHost names the port under the domain, and reaches it', async () => {
   let host
   await withSandbox(async (sb) => {
     host = sb.getHost(PORT)
-    const domain = new URL(process.env.E2B_API_URL).host.replace(/^127\.0\.0\.1/, 'e2b.localhost')
-    assert.equal(host, `${PORT}-${sb.sandboxId}.${domain}`)
+    assert.equal(host, `${PORT}-${sb.sandboxId}.${PORT_DOMAIN}`)
     assert.equal(sb.trafficAccessToken, undefined)
     // Nothing listens yet: E2B's answer for a closed port.
     const closed = await getVia(host)
