@@ -123,11 +123,18 @@ pub async fn with_part<T>(
 pub const REFUSED_DRAIN_LIMIT: u64 = 256 << 10;
 pub const REFUSED_DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// `resp` to a request refused before its body was looked at, once the
-/// body has been read and dropped (at most [`REFUSED_DRAIN_LIMIT`] bytes
-/// within [`REFUSED_DRAIN_TIME`]); `Connection: close` unless it ended.
-pub async fn refuse(body: Body, resp: axum::response::Response) -> axum::response::Response {
-    let whole = tokio::time::timeout(REFUSED_DRAIN_TIME, drain(body, REFUSED_DRAIN_LIMIT)).await.unwrap_or(false);
+/// `resp` to `req`, refused before its body was looked at, once the body
+/// has been read and dropped (at most [`REFUSED_DRAIN_LIMIT`] bytes within
+/// [`REFUSED_DRAIN_TIME`]); `Connection: close` unless it ended. A client
+/// that waits for `100 Continue` before sending its body is answered at
+/// once (asking for the body would only make it send it).
+pub async fn refuse(req: axum::extract::Request, resp: axum::response::Response) -> axum::response::Response {
+    let waits = req
+        .headers()
+        .get(axum::http::header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    let whole = !waits
+        && tokio::time::timeout(REFUSED_DRAIN_TIME, drain(req.into_body(), REFUSED_DRAIN_LIMIT)).await.unwrap_or(false);
     close_unless(whole, resp)
 }
 
@@ -356,23 +363,34 @@ mod tests {
         Body::from_stream(Parts(parts.into_iter().map(|p| p.map(Bytes::from_static)).collect()))
     }
 
-    #[tokio::test]
-    async fn a_refusal_drains_a_small_body_and_keeps_the_connection() {
-        let resp =
-            refuse(chunked(vec![Ok(b"abc"), Ok(b"def")]), axum::http::StatusCode::UNAUTHORIZED.into_response()).await;
-        assert_eq!(resp.status(), axum::http::StatusCode::UNAUTHORIZED);
-        assert!(resp.headers().get(axum::http::header::CONNECTION).is_none());
-        assert!(drain(Body::empty(), 0).await);
+    fn request(body: Body) -> axum::extract::Request {
+        axum::extract::Request::new(body)
+    }
+
+    fn unauthorized() -> axum::response::Response {
+        axum::http::StatusCode::UNAUTHORIZED.into_response()
     }
 
     #[tokio::test]
-    async fn a_refusal_closes_past_its_limit_or_a_broken_body() {
+    async fn a_refusal_drains_a_small_body_and_keeps_the_connection() {
+        let resp = refuse(request(chunked(vec![Ok(b"abc"), Ok(b"def")])), unauthorized()).await;
+        assert_eq!(resp.status(), axum::http::StatusCode::UNAUTHORIZED);
+        assert!(resp.headers().get(axum::http::header::CONNECTION).is_none());
+        assert!(refuse(request(Body::empty()), unauthorized()).await.headers().get("connection").is_none());
+    }
+
+    #[tokio::test]
+    async fn a_refusal_closes_past_its_limit_a_broken_body_or_an_awaited_continue() {
         static BIG: [u8; 1 << 16] = [7; 1 << 16];
         let big = chunked((0..5).map(|_| Ok(&BIG[..])).collect());
-        let resp = refuse(big, axum::http::StatusCode::UNAUTHORIZED.into_response()).await;
+        let resp = refuse(request(big), unauthorized()).await;
         assert_eq!(resp.headers()[axum::http::header::CONNECTION], "close");
         assert!(drain(chunked(vec![Ok(b"1234")]), 4).await);
         assert!(!drain(chunked(vec![Ok(b"12345")]), 4).await);
         assert!(!drain(chunked(vec![Ok(b"12"), Err(std::io::Error::other("cut"))]), 4).await);
+        // The client sends nothing until it is told to: not asked, and closed.
+        let mut waits = request(chunked(vec![Ok(b"abc")]));
+        waits.headers_mut().insert(axum::http::header::EXPECT, axum::http::HeaderValue::from_static("100-Continue"));
+        assert_eq!(refuse(waits, unauthorized()).await.headers()[axum::http::header::CONNECTION], "close");
     }
 }

@@ -128,7 +128,7 @@ async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Res
     let headers = req.headers();
     let basic = match basic_user(headers) {
         Ok(u) => u,
-        Err(e) => return crate::transfer::refuse(req.into_body(), e.into_response()).await,
+        Err(e) => return crate::transfer::refuse(req, e.into_response()).await,
     };
     let named = named_sandbox(headers);
     let session = match super::header(headers, "x-access-token") {
@@ -145,7 +145,7 @@ async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Res
             }
             Ok(None) if named.is_none() && super::header(req.headers(), "e2b-sandbox-id").is_none() => Err(None),
             Ok(None) => Err(Some(ControlError::Unauthorized("a valid X-Access-Token is required"))),
-            Err(e) => return crate::transfer::refuse(req.into_body(), e.into_response()).await,
+            Err(e) => return crate::transfer::refuse(req, e.into_response()).await,
         },
     };
     match session {
@@ -154,10 +154,10 @@ async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Res
             req.extensions_mut().insert(s);
             next.run(req).await
         }
-        Err(Some(e)) => crate::transfer::refuse(req.into_body(), refused(e, named.as_ref())).await,
+        Err(Some(e)) => crate::transfer::refuse(req, refused(e, named.as_ref())).await,
         Err(None) => {
             let e = E2bError::new(StatusCode::BAD_REQUEST, "the E2b-Sandbox-Id header is required");
-            crate::transfer::refuse(req.into_body(), e.into_response()).await
+            crate::transfer::refuse(req, e.into_response()).await
         }
     }
 }
@@ -354,7 +354,7 @@ async fn upload(
     let (ctx, multipart, gzip, meta, fs) = match checked {
         Ok(v) => v,
         // Refused before the body was looked at.
-        Err(e) => return crate::transfer::refuse(req.into_body(), http_error(e)).await,
+        Err(e) => return crate::transfer::refuse(req, http_error(e)).await,
     };
     let (parts, body) = req.into_parts();
     let (wire, feed) = crate::transfer::chunks_of(body);
