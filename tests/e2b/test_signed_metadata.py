@@ -179,3 +179,20 @@ def test_a_refused_upload_is_answered_after_its_body_on_a_connection_that_stays(
         status, _, _ = _exchange(s, health)
         assert status == 204
     assert not shared.files.exists("refused.txt")
+
+
+def test_a_refused_control_call_is_answered_after_its_body(daemon):
+    """The control API's key check, likewise: a bad key's create is refused
+    once its body is read, on a connection that stays."""
+    import json
+    import socket
+
+    host = f"127.0.0.1:{daemon['port']}"
+    body = json.dumps({"templateID": "base", "metadata": {"pad": "x" * 50_000}}).encode()
+    head = (f"POST /v2/sandboxes HTTP/1.1\r\nHost: {host}\r\nX-API-KEY: e2b_{'0' * 40}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", daemon["port"]), timeout=30) as s:
+        status, headers, _ = _exchange(s, head, body)
+        assert status == 401 and headers.get("connection") != "close", (status, headers)
+        status, _, _ = _exchange(s, f"GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        assert status == 200
