@@ -68,8 +68,7 @@ pub fn router(app: Arc<App>) -> Router {
         .with_state(app)
 }
 
-/// The bearer key's caller, or 401 (once a small body is read: see
-/// [`crate::transfer::refuse`]).
+/// The bearer key's caller, or 401.
 pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
     let secret = req
         .headers()
@@ -85,6 +84,7 @@ pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: N
             next.run(req).await
         }
         Ok(None) => {
+            // Answered once a small body is read (`transfer::refuse`).
             let e = ApiError::new(ErrorCode::Unauthorized, "a valid API key is required: Authorization: Bearer <key>");
             crate::transfer::refuse(req, e.into_response()).await
         }
