@@ -91,9 +91,12 @@ pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: N
             req.extensions_mut().insert(caller);
             next.run(req).await
         }
-        Ok(None) => ApiError::new(ErrorCode::Unauthorized, "a valid API key is required: Authorization: Bearer <key>")
-            .into_response(),
-        Err(e) => ApiError::from(e).into_response(),
+        Ok(None) => {
+            // Answered once a small body is read (`transfer::refuse`).
+            let e = ApiError::new(ErrorCode::Unauthorized, "a valid API key is required: Authorization: Bearer <key>");
+            crate::transfer::refuse(req, e.into_response()).await
+        }
+        Err(e) => crate::transfer::refuse(req, ApiError::from(e).into_response()).await,
     }
 }
 
@@ -476,24 +479,23 @@ pub(crate) async fn files_put(
     Extension(caller): Extension<Caller>,
     ApiPath(id): ApiPath<String>,
     q: Result<axum::extract::Query<PathQuery>, axum::extract::rejection::QueryRejection>,
-    body: axum::body::Body,
+    req: Request,
 ) -> Response {
-    let refused = |e: ApiError| crate::transfer::close_unless(false, e.into_response());
-    // Refused before the body was read: the connection cannot carry on.
-    let q = match q {
-        Ok(axum::extract::Query(q)) => q,
-        Err(e) => return refused(ApiError::invalid(e.body_text())),
+    // Refused before the body was read: answered once a small one is read.
+    let checked = match (q, SandboxId::parse(&id)) {
+        (Ok(axum::extract::Query(q)), Ok(sid)) => {
+            app.control.fs(&caller, &sid).await.map(|fs| (q, fs)).map_err(ApiError::from)
+        }
+        (Err(e), _) => Err(ApiError::invalid(e.body_text())),
+        (_, Err(e)) => Err(e.into()),
     };
-    let fs = match SandboxId::parse(&id) {
-        Ok(sid) => match app.control.fs(&caller, &sid).await {
-            Ok(fs) => fs,
-            Err(e) => return refused(e.into()),
-        },
-        Err(e) => return refused(e.into()),
+    let (q, fs) = match checked {
+        Ok(v) => v,
+        Err(e) => return crate::transfer::refuse(req, e.into_response()).await,
     };
     // The body streams into the sandbox; it is never held whole, and a
     // body that breaks leaves nothing.
-    let (chunks, feed) = crate::transfer::chunks_of(body);
+    let (chunks, feed) = crate::transfer::chunks_of(req.into_body());
     let (written, whole) = crate::transfer::with_feed(feed, fs.write_stream(&q.path, chunks)).await;
     let resp = match written {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
@@ -618,11 +620,11 @@ pub(crate) async fn archive_upload(
     use hutch_control::files::{pipe, FilesError, UPLOAD_PACKED_CAP};
     let sid = match SandboxId::parse(&id) {
         Ok(sid) => sid,
-        Err(e) => return crate::transfer::close_unless(false, ApiError::from(e).into_response()),
+        Err(e) => return crate::transfer::refuse(req, ApiError::from(e).into_response()).await,
     };
     let fs = match app.control.fs(&caller, &sid).await {
         Ok(fs) => fs,
-        Err(e) => return crate::transfer::close_unless(false, ApiError::from(e).into_response()),
+        Err(e) => return crate::transfer::refuse(req, ApiError::from(e).into_response()).await,
     };
     // Form-level trouble reads as a refused archive; limits as too large.
     let archive_err = |e: FilesError| match e.code {
