@@ -89,6 +89,8 @@ pub enum Reason {
     StartRejected,
     ImageNotFound,
     ImageUnavailable,
+    /// Its disk layer could not be made or readied.
+    StorageFailed,
 }
 
 impl Reason {
@@ -111,6 +113,7 @@ impl Reason {
             Reason::StartRejected => "sandbox_start_rejected",
             Reason::ImageNotFound => "image_not_found",
             Reason::ImageUnavailable => "image_unavailable",
+            Reason::StorageFailed => "sandbox_storage_failed",
         }
     }
 
@@ -122,6 +125,7 @@ impl Reason {
             E::Cgroup(_) => Reason::CgroupFailed,
             E::Setup(_) => Reason::SetupFailed,
             E::Agent(_) | E::NoAgent { .. } => Reason::AgentFailed,
+            E::Storage(_) | E::NoStorage => Reason::StorageFailed,
             E::InvalidId(_) | E::Rootfs(_) | E::Seccomp(_) | E::Io { .. } => Reason::StartRejected,
         }
     }

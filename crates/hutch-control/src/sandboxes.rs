@@ -301,7 +301,7 @@ impl Control {
             netns: None,
             resolv_conf: None,
             extra_lowers,
-            upper_dir: None,
+            writable: hutch_runtime::Writable::Memory,
         };
         let rt = self.runtime.clone();
         let mut net = NetRecord::parse(&record.network);
