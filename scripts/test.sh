@@ -14,9 +14,10 @@ fi
 need=()
 # Images: mmdebstrap builds the Debian presets; docker-registry serves pulls
 # in the image tests (each test starts its own on a free loopback port; the
-# package's own service is not used).
+# package's own service is not used). Disk layers: mkfs.btrfs makes the
+# daemon's storage image once (everything after that is ioctls).
 for pkg_cmd in python3:python3 procps:pgrep util-linux:unshare mount:mount coreutils:sha256sum \
-    nftables:nft iproute2:ip mmdebstrap:mmdebstrap docker-registry:docker-registry; do
+    nftables:nft iproute2:ip mmdebstrap:mmdebstrap docker-registry:docker-registry btrfs-progs:mkfs.btrfs; do
     pkg=${pkg_cmd%%:*} cmd=${pkg_cmd##*:}
     found=
     for dir in /usr/bin /bin /usr/sbin /sbin; do

@@ -237,6 +237,35 @@ impl SandboxState {
     }
 }
 
+/// Where a sandbox's files live.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum StorageKind {
+    /// A layer on disk under the daemon's state directory (a btrfs
+    /// subvolume): `disk_mib` is its quota, it does not count toward
+    /// `memory_mb`, and it can be kept beyond the sandbox's processes.
+    #[default]
+    Disk,
+    /// A tmpfs in the sandbox's memory: a little faster to write, but its
+    /// files count toward `memory_mb` and are gone with its processes.
+    Memory,
+}
+
+impl StorageKind {
+    pub const ALL: [StorageKind; 2] = [StorageKind::Disk, StorageKind::Memory];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StorageKind::Disk => "disk",
+            StorageKind::Memory => "memory",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<StorageKind> {
+        StorageKind::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+}
+
 /// Resource caps requested for a sandbox.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -280,6 +309,10 @@ pub struct CreateSandbox {
     /// Network policy; `{"egress": "default"}` when absent.
     #[serde(default)]
     pub network: Option<NetworkRequest>,
+    /// Where its files live: `disk` or `memory`; the template's choice when
+    /// absent, else `disk` (`memory` on a host without disk storage).
+    #[serde(default)]
+    pub storage: Option<StorageKind>,
 }
 
 /// What a sandbox may reach.
@@ -367,6 +400,9 @@ pub struct Sandbox {
     /// The id of the API key that owns it.
     #[serde(default)]
     pub owner: String,
+    /// Where its files live.
+    #[serde(default)]
+    pub storage: StorageKind,
 }
 
 /// A warm pool's bounds: the daemon keeps `min` sandboxes started and
@@ -418,6 +454,10 @@ pub struct CreateTemplate {
     /// `{"egress": "default"}` when absent.
     #[serde(default)]
     pub network: Option<NetworkRequest>,
+    /// Where its sandboxes' files live (a create's `storage` replaces it);
+    /// the host's default (`disk` where it has disk storage) when absent.
+    #[serde(default)]
+    pub storage: Option<StorageKind>,
 }
 
 /// `PATCH /v1/templates/{id}`: the fields given replace the template's. A
@@ -454,6 +494,9 @@ pub struct UpdateTemplate {
     /// Replaces the network policy. Raises the version.
     #[serde(default)]
     pub network: Option<NetworkRequest>,
+    /// Replaces where its sandboxes' files live. Raises the version.
+    #[serde(default)]
+    pub storage: Option<StorageKind>,
 }
 
 /// Tells a field given as `null` (`Some(None)`) from an absent one (`None`).
@@ -558,6 +601,9 @@ pub struct Template {
     /// The id of the API key that owns it.
     #[serde(default)]
     pub owner: String,
+    /// Where its sandboxes' files live; absent: the host's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage: Option<StorageKind>,
 }
 
 /// `GET /v1/templates`.
@@ -743,6 +789,9 @@ pub struct ExecutionRequest {
     /// The sandbox's network policy; `{"egress": "default"}` when absent.
     #[serde(default)]
     pub network: Option<NetworkRequest>,
+    /// Where the sandbox's files live, as for `POST /v1/sandboxes`.
+    #[serde(default)]
+    pub storage: Option<StorageKind>,
 }
 
 /// The result of a one-shot execution.

@@ -54,6 +54,7 @@ impl Control {
         metadata: &str,
         key: Option<&str>,
         hash: &str,
+        storage: hutch_api::StorageKind,
     ) -> Result<Option<SandboxRecord>> {
         let Some(template_id) = recipe.id.clone() else { return Ok(None) };
         let now = now_ms();
@@ -71,6 +72,7 @@ impl Control {
                     metadata: &metadata,
                     idempotency_key: key.as_deref(),
                     request_hash: &hash,
+                    storage,
                 })
             })
             .await?;
@@ -235,6 +237,13 @@ impl Control {
             // but deny_all, and the refill says why.
             network: match NetRecord::from_request(Some(&recipe.network)) {
                 Ok(n) => n.to_json(),
+                Err(e) => {
+                    tracing::warn!("warm pool of template {}: {e}", recipe.name);
+                    return;
+                }
+            },
+            storage: match self.storage_kind(recipe.storage) {
+                Ok(k) => k,
                 Err(e) => {
                     tracing::warn!("warm pool of template {}: {e}", recipe.name);
                     return;

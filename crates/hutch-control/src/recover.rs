@@ -69,6 +69,22 @@ impl Control {
         // what a stopped daemon was tearing down) is swept.
         let rt = self.runtime.clone();
         let _ = tokio::task::spawn_blocking(move || rt.sweep()).await;
+        // Disk layers of sandboxes that ended (or never were: a create cut
+        // short) are deleted; those of every sandbox not terminated stay.
+        // The storage is this state directory's: only this daemon's layers.
+        if let Some(storage) = self.runtime.storage().cloned() {
+            let alive: Vec<SandboxState> =
+                SandboxState::ALL.into_iter().filter(|s| *s != SandboxState::Terminated).collect();
+            let keep: HashSet<String> =
+                self.db(move |s| s.sandboxes_in(&alive)).await?.into_iter().map(|r| r.id).collect();
+            let swept = tokio::task::spawn_blocking(move || {
+                storage.sweep(hutch_runtime::storage::Kind::Sandbox, |name| keep.contains(name))
+            })
+            .await?;
+            if !swept.is_empty() {
+                tracing::info!("deleted the disk layers of {} sandboxes that are gone: {swept:?}", swept.len());
+            }
+        }
         Ok(())
     }
 

@@ -8,7 +8,7 @@ use crate::error::{ControlError, Result};
 use crate::ids::{Caller, OwnerId, SandboxId};
 use crate::lifecycle::{Live, Reason, Transition};
 use crate::network::NetRecord;
-use hutch_api::{CreateSandbox, Extend, LimitsRequest, Sandbox, SandboxList, SandboxState};
+use hutch_api::{CreateSandbox, Extend, LimitsRequest, Sandbox, SandboxList, SandboxState, StorageKind};
 use hutch_runtime::cgroup::Limits as CgLimits;
 use hutch_runtime::image::{ImageError, ImageStore};
 use hutch_runtime::net::{Attached, Network};
@@ -119,6 +119,7 @@ impl Control {
         };
         // The template's policy unless the request sets one.
         let net = self.network_record(Some(req.network.as_ref().unwrap_or(&tpl.network)))?;
+        let storage = self.storage_kind(req.storage.or(tpl.storage))?;
         let quotas = self.quotas_of(owner).await?;
         Self::check_ttl(&quotas, ttl)?;
         let admission = self.admission(quotas, memory, disk)?;
@@ -138,7 +139,7 @@ impl Control {
         // lifetime are record fields).
         let net_as_template = req.network.as_ref().is_none_or(|n| *n == tpl.network);
         if req.env.is_empty() && (memory, vcpus, disk, pids) == tpl.limits() && net_as_template {
-            match self.claim_warm(owner, &tpl, ttl, &metadata, key, &hash).await {
+            match self.claim_warm(owner, &tpl, ttl, &metadata, key, &hash, storage).await {
                 Ok(Some(r)) => return Ok((view(&r), true)),
                 Ok(None) => {}
                 Err(ControlError::Store(StoreError::Conflict)) => return self.replayed(owner, key).await,
@@ -171,6 +172,7 @@ impl Control {
             warm: false,
             pooled: false,
             network: net.to_json(),
+            storage,
         };
         let rec = record.clone();
         match self.db(move |s| s.insert_sandbox(&rec, &admission)).await {
@@ -308,8 +310,23 @@ impl Control {
         let policy = net.policy(&record.owner, record.template_id.as_deref().unwrap_or(&record.template));
         let network = self.network.clone();
         let sid = record.id.clone();
-        let started =
-            tokio::task::spawn_blocking(move || start_with_network(&rt, spec, network, &sid, &policy)).await?;
+        let storage = record.storage;
+        let started = tokio::task::spawn_blocking(move || {
+            let mut spec = spec;
+            // A disk layer of its own, named after it; nothing of it is
+            // left if the start fails.
+            if storage == StorageKind::Disk {
+                spec.writable = hutch_runtime::Writable::Layer(rt.new_layer(&sid).map_err(BootError::Runtime)?);
+            }
+            let started = start_with_network(&rt, spec, network, &sid, &policy);
+            if started.is_err() && storage == StorageKind::Disk {
+                if let Err(e) = rt.delete_layer(&sid) {
+                    tracing::warn!("sandbox {sid}: its layer stays until the next sweep: {e}");
+                }
+            }
+            started
+        })
+        .await?;
         let sb = match started {
             Ok((sb, attached, applied)) => {
                 if let Some(a) = &attached {
@@ -424,10 +441,12 @@ impl Control {
             None => self.runtime.adopt(id.as_str()),
         };
         let rt = self.runtime.clone();
+        let sid = id.to_string();
         let destroyed = tokio::task::spawn_blocking(move || {
             let result = handle.destroy();
             rt.sweep();
-            result
+            // Its files go once its processes have: the disk layer, if any.
+            result.and_then(|()| rt.delete_layer(&sid).map(drop))
         })
         .await?;
         if let Err(e) = destroyed {

@@ -12,7 +12,7 @@ use crate::cgroup::{self, Cgroup, CgroupError, Layout, Limits};
 use crate::launch::{self, cstr, Plan, Step, StepError};
 use crate::rootfs::{self, FsSpec, RootfsError};
 use crate::seccomp::{self, SeccompError};
-use crate::storage::{Layer, Storage, StorageError};
+use crate::storage::{Layer, LayerName, Storage, StorageError};
 use crate::uids::{self, Slot, UidError};
 use hutch_agent::proto::{self, AgentConfig};
 use std::fs::{self, File};
@@ -318,6 +318,33 @@ impl Runtime {
     /// The disk storage of writable layers, if this runtime has one.
     pub fn storage(&self) -> Option<&std::sync::Arc<Storage>> {
         self.storage.as_ref()
+    }
+
+    /// Makes the empty writable layer of sandbox `id` (named after it:
+    /// [`LayerName::sandbox`]), with the directories every sandbox's upper
+    /// layer holds ([`rootfs::UPPER_DIRS`]). Start the sandbox with it as
+    /// [`Writable::Layer`]; it is the caller's to delete.
+    pub fn new_layer(&self, id: &str) -> Result<Layer, RuntimeError> {
+        let storage = self.storage.as_ref().ok_or(RuntimeError::NoStorage)?;
+        Ok(storage.create(&LayerName::sandbox(id)?, rootfs::UPPER_DIRS)?)
+    }
+
+    /// The writable layer of sandbox `id`, if it has one on disk.
+    pub fn layer_of(&self, id: &str) -> Result<Option<Layer>, RuntimeError> {
+        match &self.storage {
+            Some(storage) => Ok(storage.open_layer(&LayerName::sandbox(id)?)?),
+            None => Ok(None),
+        }
+    }
+
+    /// Deletes the writable layer of sandbox `id`; false if it had none (or
+    /// this runtime has no storage). Call it once the sandbox's processes
+    /// are gone ([`Sandbox::destroy`]).
+    pub fn delete_layer(&self, id: &str) -> Result<bool, RuntimeError> {
+        match &self.storage {
+            Some(storage) => Ok(storage.delete(&LayerName::sandbox(id)?)?),
+            None => Ok(false),
+        }
     }
 
     pub fn layout(&self) -> &Layout {

@@ -15,7 +15,7 @@
 
 mod sqlite;
 
-pub use hutch_api::{BuildState, SandboxState};
+pub use hutch_api::{BuildState, SandboxState, StorageKind};
 pub use sqlite::SqliteStore;
 
 #[derive(Debug, thiserror::Error)]
@@ -91,6 +91,8 @@ pub struct SandboxRecord {
     pub pooled: bool,
     /// JSON: the network policy, what was observed, and host addressing.
     pub network: String,
+    /// Where its files live.
+    pub storage: StorageKind,
 }
 
 /// What a transition sets besides the state; `None` leaves a field as it is.
@@ -131,6 +133,8 @@ pub struct TemplateRecord {
     pub readiness: Option<String>,
     /// JSON: the network policy of its sandboxes (`{}` is `default`).
     pub network: String,
+    /// Where its sandboxes' files live; None: the host's default.
+    pub storage: Option<StorageKind>,
 }
 
 /// A template build as stored. Times are Unix milliseconds.
@@ -162,6 +166,8 @@ pub struct Claim<'a> {
     pub metadata: &'a str,
     pub idempotency_key: Option<&'a str>,
     pub request_hash: &'a str,
+    /// Only a warm sandbox whose files live there.
+    pub storage: StorageKind,
 }
 
 /// Where an idempotent command is.

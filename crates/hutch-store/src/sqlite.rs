@@ -17,6 +17,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0003_builds", include_str!("../migrations/0003_builds.sql")),
     ("0004_network", include_str!("../migrations/0004_network.sql")),
     ("0005_trust", include_str!("../migrations/0005_trust.sql")),
+    ("0006_storage", include_str!("../migrations/0006_storage.sql")),
 ];
 
 /// States in which a sandbox holds resources.
@@ -84,10 +85,11 @@ fn update_in_states(c: &Connection, update: &str, mut values: Vec<Value>, states
 
 const SANDBOX_COLUMNS: &str = "id, owner, template, state, created_at, expires_at, max_expires_at, memory_mb, vcpus, \
      disk_mib, pids, env, metadata, limits_applied, last_error_code, host_pid, idempotency_key, request_hash, \
-     template_id, template_version, warm, pooled, network";
+     template_id, template_version, warm, pooled, network, storage";
 
 const TEMPLATE_COLUMNS: &str = "id, owner, name, version, image, class, memory_mb, vcpus, disk_mib, pids, env, \
-     default_ttl_s, max_ttl_s, warm_min, warm_max, created_at, updated_at, deleted_at, startup, readiness, network";
+     default_ttl_s, max_ttl_s, warm_min, warm_max, created_at, updated_at, deleted_at, startup, readiness, network, \
+     storage";
 
 const BUILD_COLUMNS: &str = "id, template_id, owner, state, created_at, finished_at, error, parent, image, version";
 
@@ -154,6 +156,10 @@ fn template_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<TemplateRecord> {
         startup: r.get(18)?,
         readiness: r.get(19)?,
         network: r.get(20)?,
+        storage: match r.get::<_, Option<String>>(21)? {
+            None => None,
+            Some(_) => Some(parsed(r, 21, "template storage", StorageKind::parse)?),
+        },
     })
 }
 
@@ -182,6 +188,7 @@ fn sandbox_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRecord> {
         warm: r.get::<_, i64>(20)? != 0,
         pooled: r.get::<_, i64>(21)? != 0,
         network: r.get(22)?,
+        storage: parsed(r, 23, "sandbox storage", StorageKind::parse)?,
     })
 }
 
@@ -251,7 +258,7 @@ fn over(scope: Scope, caps: &Quotas, used: Usage, asked: Usage) -> Option<Exceed
 
 fn insert_sandbox_in(tx: &Transaction<'_>, s: &SandboxRecord) -> Result<()> {
     tx.execute(
-        &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", placeholders(1, 23)),
+        &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", placeholders(1, 24)),
         params![
             s.id,
             s.owner,
@@ -275,7 +282,8 @@ fn insert_sandbox_in(tx: &Transaction<'_>, s: &SandboxRecord) -> Result<()> {
             s.template_version,
             s.warm as i64,
             s.pooled as i64,
-            s.network
+            s.network,
+            s.storage.as_str()
         ],
     )
     .map_err(conflict)?;
@@ -562,7 +570,7 @@ impl Store for SqliteStore {
     fn insert_template(&self, t: &TemplateRecord) -> Result<()> {
         self.with(|c| {
             c.execute(
-                &format!("INSERT INTO templates ({TEMPLATE_COLUMNS}) VALUES ({})", placeholders(1, 21)),
+                &format!("INSERT INTO templates ({TEMPLATE_COLUMNS}) VALUES ({})", placeholders(1, 22)),
                 params![
                     t.id,
                     t.owner,
@@ -584,7 +592,8 @@ impl Store for SqliteStore {
                     t.deleted_at,
                     t.startup,
                     t.readiness,
-                    t.network
+                    t.network,
+                    t.storage.map(StorageKind::as_str)
                 ],
             )
             .map_err(conflict)?;
@@ -630,7 +639,7 @@ impl Store for SqliteStore {
                     "UPDATE templates SET name = ?2, version = ?3, image = ?4, class = ?5, memory_mb = ?6, vcpus = ?7, \
                      disk_mib = ?8, pids = ?9, env = ?10, default_ttl_s = ?11, max_ttl_s = ?12, warm_min = ?13, \
                      warm_max = ?14, updated_at = ?15, deleted_at = ?16, startup = ?17, readiness = ?18, \
-                     network = ?19 WHERE id = ?1 AND updated_at = ?20 AND deleted_at IS NULL",
+                     network = ?19, storage = ?21 WHERE id = ?1 AND updated_at = ?20 AND deleted_at IS NULL",
                     params![
                         t.id,
                         t.name,
@@ -651,7 +660,8 @@ impl Store for SqliteStore {
                         t.startup,
                         t.readiness,
                         t.network,
-                        updated_at
+                        updated_at,
+                        t.storage.map(StorageKind::as_str)
                     ],
                 )
                 .map_err(conflict)?;
@@ -760,9 +770,9 @@ impl Store for SqliteStore {
                 .query_row(
                     "SELECT s.id FROM sandboxes s JOIN templates t ON t.id = s.template_id \
                      WHERE s.pooled = 1 AND s.state = 'running' AND s.template_id = ?1 AND s.owner = ?2 \
-                     AND t.deleted_at IS NULL AND s.template_version = t.version \
+                     AND t.deleted_at IS NULL AND s.template_version = t.version AND s.storage = ?3 \
                      ORDER BY s.created_at, s.id LIMIT 1",
-                    [cl.template_id, cl.owner],
+                    [cl.template_id, cl.owner, cl.storage.as_str()],
                     |r| r.get(0),
                 )
                 .optional()?;

@@ -40,6 +40,7 @@ fn sandbox(id: &str, created_at: i64) -> SandboxRecord {
         warm: false,
         pooled: false,
         network: "{}".into(),
+        storage: StorageKind::Disk,
     }
 }
 
@@ -143,6 +144,7 @@ fn template(id: &str, version: i64) -> TemplateRecord {
         startup: None,
         readiness: None,
         network: "{}".into(),
+        storage: None,
     }
 }
 
@@ -167,6 +169,7 @@ fn claim(now: i64) -> Claim<'static> {
         metadata: "{\"a\":\"b\"}",
         idempotency_key: None,
         request_hash: "h",
+        storage: StorageKind::Disk,
     }
 }
 
@@ -372,4 +375,23 @@ fn quotas_are_kept_with_the_key() {
     assert_eq!(s.get_key("k1").expect("get").map(|k| k.quotas), Some(q));
     s.revoke_key("k1", 2).expect("revoke");
     assert!(!s.set_quotas("k1", &Quotas::default()).expect("revoked keys keep theirs"));
+}
+
+#[test]
+fn storage_is_kept_and_a_claim_takes_only_a_warm_sandbox_of_the_asked_storage() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    s.insert_template(&template("tpl-1", 1)).expect("template");
+    assert_eq!(s.get_template("tpl-1").expect("get").expect("some").storage, None);
+    let mut t = template("tpl-1", 2);
+    t.storage = Some(StorageKind::Memory);
+    assert!(s.update_template(&t, 1).expect("update"));
+    assert_eq!(s.get_template("tpl-1").expect("get").expect("some").storage, Some(StorageKind::Memory));
+    let on_disk = SandboxRecord { template_version: Some(2), ..pooled("d", 1, 2) };
+    s.insert_sandbox_free(&on_disk).expect("insert");
+    assert_eq!(s.get_sandbox("d").expect("get").expect("some").storage, StorageKind::Disk);
+    assert_eq!(s.claim_warm(&Claim { storage: StorageKind::Memory, ..claim(10) }).expect("claim"), None);
+    let in_memory = SandboxRecord { storage: StorageKind::Memory, ..pooled("m", 2, 2) };
+    s.insert_sandbox_free(&in_memory).expect("insert");
+    let got = s.claim_warm(&Claim { storage: StorageKind::Memory, ..claim(10) }).expect("claim").expect("one");
+    assert_eq!((got.id.as_str(), got.storage), ("m", StorageKind::Memory));
 }

@@ -39,6 +39,10 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+        /// The daemon's state directory, whose disk storage it reports
+        /// (HUTCH_STATE_DIR).
+        #[arg(long, env = "HUTCH_STATE_DIR", default_value = "/var/lib/hutch")]
+        state_dir: std::path::PathBuf,
     },
 }
 
@@ -53,13 +57,14 @@ fn main() {
         Command::Template(args) => cli::template::main(args),
         Command::Key(args) => cli::keys::main(args),
         Command::Image(args) => cli::image::main(args),
-        Command::Doctor { json } => doctor(json),
+        Command::Doctor { json, state_dir } => doctor(json, state_dir),
     };
     std::process::exit(code);
 }
 
-fn doctor(json: bool) -> i32 {
-    let report = hutch_runtime::doctor::check(&hutch_runtime::Config::from_env());
+fn doctor(json: bool, state_dir: std::path::PathBuf) -> i32 {
+    let report =
+        hutch_runtime::doctor::check(&hutch_runtime::Config { state_dir, ..hutch_runtime::Config::from_env() });
     if json {
         println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
     } else {

@@ -517,6 +517,21 @@ impl Storage {
         }
         Ok(())
     }
+    /// Like [`Storage::release`] for a storage still shared (the runtime's
+    /// `Arc`): the image's mount is detached from the host's tree now and
+    /// goes, with its loop device, once this process's descriptors close
+    /// (at exit). For a daemon that stops with no sandbox running: the
+    /// next start mounts the image again.
+    pub fn detach(&self) -> Result<(), StorageError> {
+        if let Backing::Image { .. } = self.backing {
+            let c = crate::launch::cstr(&self.mount).map_err(io_err("unmount", &self.mount))?;
+            // SAFETY: c is a valid C string.
+            if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } < 0 {
+                return Err(io_err("unmount", &self.mount)(io::Error::last_os_error()));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Makes (once) and mounts the image of `root`; returns how it is backed.
@@ -684,6 +699,23 @@ pub enum Found {
     None { native: bool },
     /// Something that is not ours, or not btrfs, is mounted there.
     Foreign { path: PathBuf, fstype: String },
+}
+
+/// Whether a storage could be made here where none exists yet: btrfs in
+/// the kernel, and for an image, loop devices and mkfs.btrfs. Says what is
+/// missing.
+pub fn can_make(native: bool) -> Result<(), String> {
+    kernel_support(Path::new("/proc"), Path::new("/lib/modules"))?;
+    if native {
+        return Ok(());
+    }
+    if !loopdev::available() {
+        return Err("no loop devices (/dev/loop-control)".into());
+    }
+    if find_program("mkfs.btrfs").is_none() {
+        return Err("mkfs.btrfs not found (apt-get install btrfs-progs)".into());
+    }
+    Ok(())
 }
 
 /// Looks at a state directory's storage, read-only.

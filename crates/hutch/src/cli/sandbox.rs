@@ -113,6 +113,10 @@ pub struct CreateArgs {
     /// Never reachable: CIDR, address, or name (repeatable).
     #[arg(long = "deny", value_name = "DEST")]
     deny: Vec<String>,
+    /// Where its files live: disk (the default where the host has disk
+    /// storage) or memory (faster, counts toward --memory, gone with it).
+    #[arg(long, value_name = "KIND", value_parser = parse_storage)]
+    storage: Option<hutch_api::StorageKind>,
     /// Make the request safe to retry: the same key gives the same sandbox.
     #[arg(long)]
     idempotency_key: Option<String>,
@@ -235,7 +239,12 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateSandbox> {
         metadata: parse_pairs("--meta", &c.meta)?,
         wait_seconds: c.wait,
         network: network_request(c)?,
+        storage: c.storage,
     })
+}
+
+fn parse_storage(s: &str) -> Result<hutch_api::StorageKind, String> {
+    hutch_api::StorageKind::parse(s).ok_or_else(|| format!("{s:?}: expected disk or memory"))
 }
 
 fn network_request(c: &CreateArgs) -> anyhow::Result<Option<hutch_api::NetworkRequest>> {
@@ -351,6 +360,7 @@ mod tests {
             template_version: None,
             network: Default::default(),
             owner: "key-000000000001".into(),
+            storage: hutch_api::StorageKind::Disk,
         }
     }
 
