@@ -109,6 +109,13 @@ pub enum ErrorCode {
     QuotaExceeded,
     /// The route exists, but not with this method.
     MethodNotAllowed,
+    /// The caller already has a snapshot of this name.
+    SnapshotNameTaken,
+    /// The sandbox's files are in memory (`"storage": "memory"`): only a
+    /// disk layer can be snapshotted.
+    SnapshotUnsupported,
+    /// The host's storage for sandboxes' files is full.
+    StorageFull,
     /// The thing changed while the request was made; read it again and retry.
     Conflict,
 }
@@ -142,6 +149,8 @@ impl ErrorCode {
             | ErrorCode::SandboxFilePartOutOfOrder
             | ErrorCode::SandboxFilePartMismatch
             | ErrorCode::TemplateNameTaken
+            | ErrorCode::SnapshotNameTaken
+            | ErrorCode::SnapshotUnsupported
             | ErrorCode::Conflict => 409,
             ErrorCode::SandboxArchiveTooLarge | ErrorCode::PayloadTooLarge => 413,
             ErrorCode::SandboxCommandCapacity
@@ -154,6 +163,7 @@ impl ErrorCode {
             | ErrorCode::SandboxStartupFailed
             | ErrorCode::SandboxReadinessTimeout
             | ErrorCode::Unavailable => 503,
+            ErrorCode::StorageFull => 507,
         }
     }
 
@@ -198,6 +208,9 @@ impl ErrorCode {
             ErrorCode::QuotaExceeded => "quota_exceeded",
             ErrorCode::MethodNotAllowed => "method_not_allowed",
             ErrorCode::Conflict => "conflict",
+            ErrorCode::SnapshotNameTaken => "snapshot_name_taken",
+            ErrorCode::SnapshotUnsupported => "snapshot_unsupported",
+            ErrorCode::StorageFull => "storage_full",
         }
     }
 }
@@ -313,6 +326,44 @@ pub struct CreateSandbox {
     /// absent, else `disk` (`memory` on a host without disk storage).
     #[serde(default)]
     pub storage: Option<StorageKind>,
+    /// Start from a snapshot (its id or name) instead of a template: its
+    /// files, and the template settings of the sandbox it was taken of.
+    #[serde(default)]
+    pub snapshot: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/snapshots`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSnapshot {
+    /// Unique among the key's snapshots: 1 to 64 of `a-z 0-9 - _ .`, not
+    /// starting with `snap-`.
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// A sandbox's files at one instant.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Snapshot {
+    /// `snap-` and 16 hex digits.
+    pub id: String,
+    pub name: Option<String>,
+    /// The sandbox it was taken of (it may be gone).
+    pub sandbox_id: String,
+    /// Bytes its files take (shared with its sandbox and other snapshots
+    /// until either changes).
+    pub size_bytes: u64,
+    pub created_at: String,
+    /// Always false: a snapshot holds files, not memory or processes.
+    pub memory: bool,
+    /// The id of the API key that owns it.
+    pub owner: String,
+}
+
+/// `GET /v1/snapshots`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct SnapshotList {
+    pub snapshots: Vec<Snapshot>,
 }
 
 /// What a sandbox may reach.
@@ -403,6 +454,9 @@ pub struct Sandbox {
     /// Where its files live.
     #[serde(default)]
     pub storage: StorageKind,
+    /// The snapshot it started from, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
 }
 
 /// A warm pool's bounds: the daemon keeps `min` sandboxes started and
@@ -938,6 +992,9 @@ pub struct KeyQuotas {
     /// Template builds queued or running at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_builds: Option<u64>,
+    /// Snapshots kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_snapshots: Option<u64>,
 }
 
 /// An API key as listed (`GET /v1/keys`, admin only).

@@ -108,6 +108,7 @@ impl Capacity {
             disk_mib: Some(self.disk_mib),
             ttl_seconds: None,
             builds: None,
+            snapshots: None,
         }
     }
 }
@@ -211,6 +212,7 @@ pub(crate) fn view(r: &SandboxRecord) -> Sandbox {
         network: NetRecord::parse(&r.network).view(),
         owner: r.owner.clone(),
         storage: r.storage,
+        snapshot: r.origin.clone(),
     }
 }
 

@@ -121,6 +121,7 @@ pub fn to_api(q: &Quotas) -> KeyQuotas {
         max_disk_mib: q.disk_mib,
         max_ttl_seconds: q.ttl_seconds,
         max_builds: q.builds,
+        max_snapshots: q.snapshots,
     }
 }
 
@@ -131,6 +132,7 @@ pub fn from_api(q: &KeyQuotas) -> Quotas {
         disk_mib: q.max_disk_mib,
         ttl_seconds: q.max_ttl_seconds,
         builds: q.max_builds,
+        snapshots: q.max_snapshots,
     }
 }
 

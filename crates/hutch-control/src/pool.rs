@@ -249,6 +249,7 @@ impl Control {
                     return;
                 }
             },
+            origin: None,
         };
         // Warm sandboxes count toward their owner's quotas and the host's
         // capacity like any other.

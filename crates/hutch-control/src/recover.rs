@@ -85,6 +85,7 @@ impl Control {
                 tracing::info!("deleted the disk layers of {} sandboxes that are gone: {swept:?}", swept.len());
             }
         }
+        self.sweep_snapshots().await?;
         Ok(())
     }
 

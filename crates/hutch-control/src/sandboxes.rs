@@ -87,7 +87,20 @@ impl Control {
         }
         let owner = &caller.owner;
         // Everything is checked before anything is reserved.
-        let tpl = self.recipe(owner, req.template.as_deref()).await?;
+        // A template, or a snapshot with the settings of its sandbox.
+        let (tpl, origin) = match &req.snapshot {
+            Some(_) if req.template.is_some() => {
+                return Err(ControlError::Invalid("give a template or a snapshot, not both".into()))
+            }
+            Some(_) if req.storage == Some(StorageKind::Memory) => {
+                return Err(ControlError::Invalid("a sandbox started from a snapshot keeps its files on disk".into()))
+            }
+            Some(reference) => {
+                let (snap, recipe) = self.snapshot_recipe(owner, reference).await?;
+                (recipe, Some(snap))
+            }
+            None => (self.recipe(owner, req.template.as_deref()).await?, None),
+        };
         // The template's limits, field by field unless the request overrides.
         let asked = req.limits.clone().unwrap_or_default();
         let limits = LimitsRequest {
@@ -138,7 +151,7 @@ impl Control {
         // request changes nothing that would need a restart (metadata and
         // lifetime are record fields).
         let net_as_template = req.network.as_ref().is_none_or(|n| *n == tpl.network);
-        if req.env.is_empty() && (memory, vcpus, disk, pids) == tpl.limits() && net_as_template {
+        if origin.is_none() && req.env.is_empty() && (memory, vcpus, disk, pids) == tpl.limits() && net_as_template {
             match self.claim_warm(owner, &tpl, ttl, &metadata, key, &hash, storage).await {
                 Ok(Some(r)) => return Ok((view(&r), true)),
                 Ok(None) => {}
@@ -173,6 +186,7 @@ impl Control {
             pooled: false,
             network: net.to_json(),
             storage,
+            origin,
         };
         let rec = record.clone();
         match self.db(move |s| s.insert_sandbox(&rec, &admission)).await {
@@ -310,13 +324,18 @@ impl Control {
         let policy = net.policy(&record.owner, record.template_id.as_deref().unwrap_or(&record.template));
         let network = self.network.clone();
         let sid = record.id.clone();
-        let storage = record.storage;
+        let (storage, origin) = (record.storage, record.origin.clone());
         let started = tokio::task::spawn_blocking(move || {
             let mut spec = spec;
-            // A disk layer of its own, named after it; nothing of it is
-            // left if the start fails.
+            // A disk layer of its own, named after it (empty, or a copy of
+            // the snapshot it starts from); nothing of it is left if the
+            // start fails.
             if storage == StorageKind::Disk {
-                spec.writable = hutch_runtime::Writable::Layer(rt.new_layer(&sid).map_err(BootError::Runtime)?);
+                let layer = match &origin {
+                    Some(snap) => rt.layer_from_snapshot(&sid, snap),
+                    None => rt.new_layer(&sid),
+                };
+                spec.writable = hutch_runtime::Writable::Layer(layer.map_err(BootError::Runtime)?);
             }
             let started = start_with_network(&rt, spec, network, &sid, &policy);
             if started.is_err() && storage == StorageKind::Disk {
@@ -535,11 +554,14 @@ impl Control {
         tokio::task::spawn_blocking(move || {
             let guard = l2.handle.lock().map_err(|_| "lock poisoned".to_owned())?;
             let sb = guard.as_ref().ok_or_else(|| "sandbox is being deleted".to_owned())?;
-            if frozen { sb.freeze() } else { sb.thaw() }.map_err(|e| e.to_string())
+            if frozen { sb.freeze() } else { sb.thaw() }.map_err(|e| e.to_string())?;
+            // Under the handle's lock, which a snapshot holds while it
+            // freezes and thaws: it sees the state it must leave.
+            l2.set_suspended(frozen);
+            Ok::<(), String>(())
         })
         .await?
         .map_err(ControlError::Runtime)?;
-        live.set_suspended(frozen);
         if frozen {
             // Open proxied connections end with the grants.
             self.access.revoke_sandbox(id.as_str());

@@ -329,6 +329,37 @@ impl Runtime {
         Ok(storage.create(&LayerName::sandbox(id)?, rootfs::UPPER_DIRS)?)
     }
 
+    /// Takes a read-only snapshot of sandbox `id`'s layer as snapshot
+    /// `snap` ([`crate::storage::Kind::Snapshot`]): every write made before
+    /// the call. Freeze the sandbox around it for a consistent copy.
+    /// Returns the snapshot and the bytes it references.
+    pub fn snapshot_layer(&self, id: &str, snap: &str) -> Result<(Layer, u64), RuntimeError> {
+        let storage = self.storage.as_ref().ok_or(RuntimeError::NoStorage)?;
+        let name = LayerName::sandbox(id)?;
+        let source = storage.open_layer(&name)?.ok_or(StorageError::NotFound(name))?;
+        let taken = storage.snapshot(&source, &LayerName::new(crate::storage::Kind::Snapshot, snap)?, true)?;
+        let size = storage.usage(&taken).map(|u| u.referenced_bytes).unwrap_or(0);
+        Ok((taken, size))
+    }
+
+    /// Makes sandbox `id`'s writable layer from snapshot `snap` (a writable
+    /// snapshot of it, sharing its blocks until either changes). Start the
+    /// sandbox with it as [`Writable::Layer`]; it is the caller's to delete.
+    pub fn layer_from_snapshot(&self, id: &str, snap: &str) -> Result<Layer, RuntimeError> {
+        let storage = self.storage.as_ref().ok_or(RuntimeError::NoStorage)?;
+        let name = LayerName::new(crate::storage::Kind::Snapshot, snap)?;
+        let source = storage.open_layer(&name)?.ok_or(StorageError::NotFound(name))?;
+        Ok(storage.snapshot(&source, &LayerName::sandbox(id)?, false)?)
+    }
+
+    /// Deletes snapshot `snap`; false if there was none.
+    pub fn delete_snapshot(&self, snap: &str) -> Result<bool, RuntimeError> {
+        match &self.storage {
+            Some(storage) => Ok(storage.delete(&LayerName::new(crate::storage::Kind::Snapshot, snap)?)?),
+            None => Ok(false),
+        }
+    }
+
     /// The writable layer of sandbox `id`, if it has one on disk.
     pub fn layer_of(&self, id: &str) -> Result<Option<Layer>, RuntimeError> {
         match &self.storage {

@@ -15,6 +15,7 @@ mod extract;
 mod openapi;
 pub mod proxy;
 mod routes;
+mod snapshots;
 mod templates;
 mod transfer;
 

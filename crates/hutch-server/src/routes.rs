@@ -55,6 +55,7 @@ pub fn router(app: Arc<App>) -> Router {
         .merge(crate::e2b::router(app.clone()))
         .merge(crate::templates::router(app.clone()))
         .merge(crate::access::router(app.clone()))
+        .merge(crate::snapshots::router(app.clone()))
         .route("/healthz", get(healthz))
         .route("/v1/openapi.json", get(openapi))
         // The port proxy's path form authenticates with access tokens, not API keys.

@@ -18,6 +18,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0004_network", include_str!("../migrations/0004_network.sql")),
     ("0005_trust", include_str!("../migrations/0005_trust.sql")),
     ("0006_storage", include_str!("../migrations/0006_storage.sql")),
+    ("0007_snapshots", include_str!("../migrations/0007_snapshots.sql")),
 ];
 
 /// States in which a sandbox holds resources.
@@ -85,7 +86,7 @@ fn update_in_states(c: &Connection, update: &str, mut values: Vec<Value>, states
 
 const SANDBOX_COLUMNS: &str = "id, owner, template, state, created_at, expires_at, max_expires_at, memory_mb, vcpus, \
      disk_mib, pids, env, metadata, limits_applied, last_error_code, host_pid, idempotency_key, request_hash, \
-     template_id, template_version, warm, pooled, network, storage";
+     template_id, template_version, warm, pooled, network, storage, origin";
 
 const TEMPLATE_COLUMNS: &str = "id, owner, name, version, image, class, memory_mb, vcpus, disk_mib, pids, env, \
      default_ttl_s, max_ttl_s, warm_min, warm_max, created_at, updated_at, deleted_at, startup, readiness, network, \
@@ -94,7 +95,21 @@ const TEMPLATE_COLUMNS: &str = "id, owner, name, version, image, class, memory_m
 const BUILD_COLUMNS: &str = "id, template_id, owner, state, created_at, finished_at, error, parent, image, version";
 
 const KEY_COLUMNS: &str = "id, name, hash, admin, created_at, revoked_at, max_sandboxes, max_memory_mb, \
-     max_disk_mib, max_ttl_seconds, max_builds";
+     max_disk_mib, max_ttl_seconds, max_builds, max_snapshots";
+
+const SNAPSHOT_COLUMNS: &str = "id, owner, name, sandbox_id, created_at, size_bytes, recipe";
+
+fn snapshot_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SnapshotRecord> {
+    Ok(SnapshotRecord {
+        id: r.get(0)?,
+        owner: r.get(1)?,
+        name: r.get(2)?,
+        sandbox_id: r.get(3)?,
+        created_at: r.get(4)?,
+        size_bytes: r.get::<_, i64>(5)?.max(0) as u64,
+        recipe: r.get(6)?,
+    })
+}
 
 /// A column that must hold one of an enum's names.
 fn parsed<T>(
@@ -189,6 +204,7 @@ fn sandbox_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRecord> {
         pooled: r.get::<_, i64>(21)? != 0,
         network: r.get(22)?,
         storage: parsed(r, 23, "sandbox storage", StorageKind::parse)?,
+        origin: r.get(24)?,
     })
 }
 
@@ -206,6 +222,7 @@ fn key_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<KeyRecord> {
             disk_mib: opt_u64(r, 8)?,
             ttl_seconds: opt_u64(r, 9)?,
             builds: opt_u64(r, 10)?,
+            snapshots: opt_u64(r, 11)?,
         },
     })
 }
@@ -258,7 +275,7 @@ fn over(scope: Scope, caps: &Quotas, used: Usage, asked: Usage) -> Option<Exceed
 
 fn insert_sandbox_in(tx: &Transaction<'_>, s: &SandboxRecord) -> Result<()> {
     tx.execute(
-        &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", placeholders(1, 24)),
+        &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", placeholders(1, 25)),
         params![
             s.id,
             s.owner,
@@ -283,7 +300,8 @@ fn insert_sandbox_in(tx: &Transaction<'_>, s: &SandboxRecord) -> Result<()> {
             s.warm as i64,
             s.pooled as i64,
             s.network,
-            s.storage.as_str()
+            s.storage.as_str(),
+            s.origin
         ],
     )
     .map_err(conflict)?;
@@ -294,7 +312,7 @@ impl Store for SqliteStore {
     fn insert_key(&self, k: &KeyRecord) -> Result<()> {
         self.with(|c| {
             c.execute(
-                &format!("INSERT INTO api_keys ({KEY_COLUMNS}) VALUES ({})", placeholders(1, 11)),
+                &format!("INSERT INTO api_keys ({KEY_COLUMNS}) VALUES ({})", placeholders(1, 12)),
                 params![
                     k.id,
                     k.name,
@@ -306,7 +324,8 @@ impl Store for SqliteStore {
                     k.quotas.memory_mb.map(|v| v as i64),
                     k.quotas.disk_mib.map(|v| v as i64),
                     k.quotas.ttl_seconds.map(|v| v as i64),
-                    k.quotas.builds.map(|v| v as i64)
+                    k.quotas.builds.map(|v| v as i64),
+                    k.quotas.snapshots.map(|v| v as i64)
                 ],
             )
             .map_err(conflict)?;
@@ -347,14 +366,15 @@ impl Store for SqliteStore {
         self.with(|c| {
             let n = c.execute(
                 "UPDATE api_keys SET max_sandboxes = ?2, max_memory_mb = ?3, max_disk_mib = ?4, \
-                 max_ttl_seconds = ?5, max_builds = ?6 WHERE id = ?1 AND revoked_at IS NULL",
+                 max_ttl_seconds = ?5, max_builds = ?6, max_snapshots = ?7 WHERE id = ?1 AND revoked_at IS NULL",
                 params![
                     id,
                     q.sandboxes.map(|v| v as i64),
                     q.memory_mb.map(|v| v as i64),
                     q.disk_mib.map(|v| v as i64),
                     q.ttl_seconds.map(|v| v as i64),
-                    q.builds.map(|v| v as i64)
+                    q.builds.map(|v| v as i64),
+                    q.snapshots.map(|v| v as i64)
                 ],
             )?;
             Ok(n == 1)
@@ -667,6 +687,66 @@ impl Store for SqliteStore {
                 .map_err(conflict)?;
             Ok(n == 1)
         })
+    }
+
+    fn insert_snapshot(&self, snap: &SnapshotRecord, max: Option<u64>) -> Result<bool> {
+        self.with(|c| {
+            let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+            if let Some(max) = max {
+                let n: i64 =
+                    tx.query_row("SELECT COUNT(*) FROM snapshots WHERE owner = ?1", [&snap.owner], |r| r.get(0))?;
+                if n as u64 >= max {
+                    return Ok(false);
+                }
+            }
+            tx.execute(
+                &format!("INSERT INTO snapshots ({SNAPSHOT_COLUMNS}) VALUES ({})", placeholders(1, 7)),
+                params![
+                    snap.id,
+                    snap.owner,
+                    snap.name,
+                    snap.sandbox_id,
+                    snap.created_at,
+                    snap.size_bytes as i64,
+                    snap.recipe
+                ],
+            )
+            .map_err(conflict)?;
+            tx.commit()?;
+            Ok(true)
+        })
+    }
+
+    fn get_snapshot(&self, id: &str) -> Result<Option<SnapshotRecord>> {
+        self.with(|c| {
+            Ok(c.query_row(&format!("SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE id = ?1"), [id], snapshot_row)
+                .optional()?)
+        })
+    }
+
+    fn snapshot_by_name(&self, owner: &str, name: &str) -> Result<Option<SnapshotRecord>> {
+        self.with(|c| {
+            Ok(c.query_row(
+                &format!("SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE owner = ?1 AND name = ?2"),
+                [owner, name],
+                snapshot_row,
+            )
+            .optional()?)
+        })
+    }
+
+    fn list_snapshots(&self, owner: Option<&str>) -> Result<Vec<SnapshotRecord>> {
+        self.with(|c| {
+            let mut st = c.prepare(&format!(
+                "SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE ?1 IS NULL OR owner = ?1 ORDER BY created_at DESC, id"
+            ))?;
+            let rows = st.query_map([owner], snapshot_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn delete_snapshot(&self, id: &str) -> Result<bool> {
+        self.with(|c| Ok(c.execute("DELETE FROM snapshots WHERE id = ?1", [id])? == 1))
     }
 
     fn insert_build(&self, b: &BuildRecord, max_running: Option<u64>) -> Result<bool> {

@@ -41,6 +41,7 @@ fn sandbox(id: &str, created_at: i64) -> SandboxRecord {
         pooled: false,
         network: "{}".into(),
         storage: StorageKind::Disk,
+        origin: None,
     }
 }
 
@@ -394,4 +395,31 @@ fn storage_is_kept_and_a_claim_takes_only_a_warm_sandbox_of_the_asked_storage() 
     s.insert_sandbox_free(&in_memory).expect("insert");
     let got = s.claim_warm(&Claim { storage: StorageKind::Memory, ..claim(10) }).expect("claim").expect("one");
     assert_eq!((got.id.as_str(), got.storage), ("m", StorageKind::Memory));
+}
+
+#[test]
+fn snapshots_are_owned_named_once_per_owner_and_counted() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    let snap = |id: &str, owner: &str, name: Option<&str>| SnapshotRecord {
+        id: id.into(),
+        owner: owner.into(),
+        name: name.map(str::to_owned),
+        sandbox_id: "sb-1".into(),
+        created_at: 1,
+        size_bytes: 10,
+        recipe: "{}".into(),
+    };
+    assert!(s.insert_snapshot(&snap("snap-1", "k1", Some("a")), Some(2)).expect("insert"));
+    assert!(matches!(s.insert_snapshot(&snap("snap-2", "k1", Some("a")), None), Err(StoreError::Conflict)));
+    // Another owner may use the name.
+    assert!(s.insert_snapshot(&snap("snap-3", "k2", Some("a")), Some(1)).expect("insert"));
+    assert!(s.insert_snapshot(&snap("snap-4", "k1", None), Some(2)).expect("insert"));
+    assert!(!s.insert_snapshot(&snap("snap-5", "k1", None), Some(2)).expect("over quota"));
+    assert_eq!(s.snapshot_by_name("k1", "a").expect("by name").map(|r| r.id), Some("snap-1".into()));
+    assert_eq!(s.snapshot_by_name("k2", "a").expect("by name").map(|r| r.id), Some("snap-3".into()));
+    assert_eq!(s.list_snapshots(Some("k1")).expect("list").len(), 2);
+    assert_eq!(s.list_snapshots(None).expect("list").len(), 3);
+    assert!(s.delete_snapshot("snap-1").expect("delete"));
+    assert!(!s.delete_snapshot("snap-1").expect("again"));
+    assert_eq!(s.get_snapshot("snap-1").expect("get"), None);
 }

@@ -244,6 +244,13 @@ pub enum StorageError {
     Io { what: &'static str, path: PathBuf, source: io::Error },
 }
 
+impl StorageError {
+    /// Whether the file system ran out of space (or of metadata space).
+    pub fn is_full(&self) -> bool {
+        matches!(self, StorageError::Io { source, .. } if matches!(source.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)))
+    }
+}
+
 fn io_err(what: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(io::Error) -> StorageError {
     let path = path.into();
     move |source| StorageError::Io { what, path, source }

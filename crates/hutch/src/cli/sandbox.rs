@@ -117,6 +117,9 @@ pub struct CreateArgs {
     /// storage) or memory (faster, counts toward --memory, gone with it).
     #[arg(long, value_name = "KIND", value_parser = parse_storage)]
     storage: Option<hutch_api::StorageKind>,
+    /// Start from a snapshot (its id or name) instead of a template.
+    #[arg(long, value_name = "SNAPSHOT", conflicts_with = "template")]
+    snapshot: Option<String>,
     /// Make the request safe to retry: the same key gives the same sandbox.
     #[arg(long)]
     idempotency_key: Option<String>,
@@ -240,6 +243,7 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateSandbox> {
         wait_seconds: c.wait,
         network: network_request(c)?,
         storage: c.storage,
+        snapshot: c.snapshot.clone(),
     })
 }
 
@@ -361,6 +365,7 @@ mod tests {
             network: Default::default(),
             owner: "key-000000000001".into(),
             storage: hutch_api::StorageKind::Disk,
+            snapshot: None,
         }
     }
 

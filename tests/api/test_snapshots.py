@@ -1,0 +1,198 @@
+"""Snapshots: POST /v1/sandboxes/{id}/snapshots captures a sandbox's files at
+one instant (frozen only while its layer is captured); /v1/snapshots lists,
+shows and deletes them; POST /v1/sandboxes with "snapshot" starts a sandbox
+with those files. Snapshots are owned, counted toward the key's quota, and a
+listed snapshot is always whole, also after a daemon killed mid-capture."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import requests
+
+from conftest import Client, Daemon, expect_error, expect_status, wait_for
+
+
+def snapshot_dirs(d: Daemon) -> set[str]:
+    p = d.state_dir / "storage" / "fs" / "snapshots"
+    return {e.name for e in p.iterdir()} if p.is_dir() else set()
+
+
+def take(api: Client, sid: str, expect: int = 201, **body) -> dict:
+    r = api.post(f"/v1/sandboxes/{sid}/snapshots", body)
+    expect_status(r, expect)
+    return r.json()
+
+
+def test_a_snapshot_keeps_files_at_one_instant_and_starts_sandboxes(api: Client, daemon: Daemon):
+    src = api.create()
+    sid = src["id"]
+    try:
+        api.sh(sid, "mkdir -p /workspace/proj && echo v1 > /workspace/proj/a && echo gone > /workspace/b")
+        api.sh(sid, "echo changed > /etc/motd-hutch", user="root")
+        api.sh(sid, "rm /workspace/b")
+        snap = take(api, sid, name="v1")
+        assert snap["id"].startswith("snap-") and snap["name"] == "v1", snap
+        assert snap["sandbox_id"] == sid and snap["memory"] is False and snap["size_bytes"] > 0, snap
+        assert snap["owner"] == api.sandbox(sid)["owner"]
+        assert snap["id"] in snapshot_dirs(daemon)
+        # The source runs on, unfrozen, and its later writes are its own.
+        assert api.sandbox(sid)["state"] == "running"
+        api.sh(sid, "echo v2 > /workspace/proj/a && echo later > /workspace/c")
+        assert api.get(f"/v1/snapshots/{snap['id']}").json() == snap
+        assert snap["id"] in [s["id"] for s in api.get("/v1/snapshots").json()["snapshots"]]
+        for ref in ("v1", snap["id"]):
+            sb = api.create(snapshot=ref)
+            try:
+                assert sb["snapshot"] == snap["id"] and sb["storage"] == "disk", sb
+                assert sb["template"] == src["template"]
+                assert api.sh(sb["id"], "cat /workspace/proj/a") == "v1\n"
+                assert api.exec(sb["id"], "test -e /workspace/b")["exit_code"] != 0
+                assert api.exec(sb["id"], "test -e /workspace/c")["exit_code"] != 0
+                assert api.sh(sb["id"], "cat /etc/motd-hutch") == "changed\n"
+                assert api.sh(sb["id"], "stat -c %U:%G /workspace/proj/a") == "user:user\n"
+                # Its own copy: writes stay in it.
+                api.sh(sb["id"], "echo mine > /workspace/proj/a")
+            finally:
+                api.destroy(sb["id"])
+        assert api.sh(sid, "cat /workspace/proj/a") == "v2\n"
+    finally:
+        api.destroy(sid)
+    # A snapshot outlives its sandbox, and sandboxes outlive it.
+    sb = api.create(snapshot=snap["id"])
+    expect_status(api.delete(f"/v1/snapshots/{snap['id']}"), 204)
+    assert snap["id"] not in snapshot_dirs(daemon)
+    expect_error(api.get(f"/v1/snapshots/{snap['id']}"), 404, "not_found")
+    expect_error(api.delete(f"/v1/snapshots/{snap['id']}"), 404, "not_found")
+    assert api.sh(sb["id"], "cat /workspace/proj/a") == "v1\n"
+    api.destroy(sb["id"])
+
+
+def test_a_suspended_sandbox_is_snapshotted_and_stays_suspended(api: Client):
+    sb = api.create()
+    try:
+        api.sh(sb["id"], "echo x > /workspace/x")
+        expect_status(api.post(f"/v1/sandboxes/{sb['id']}/suspend"), 200)
+        snap = take(api, sb["id"])
+        assert snap["name"] is None
+        assert api.sandbox(sb["id"])["state"] == "suspended"
+        expect_error(api.exec_raw(sb["id"], {"command": "true"}), 409, "sandbox_session_not_running")
+        expect_status(api.post(f"/v1/sandboxes/{sb['id']}/resume"), 200)
+        expect_status(api.delete(f"/v1/snapshots/{snap['id']}"), 204)
+    finally:
+        api.destroy(sb["id"])
+
+
+def test_bad_snapshot_requests_are_refused_and_leave_nothing(api: Client, daemon: Daemon):
+    before = snapshot_dirs(daemon)
+    for bad in ("snap-zz", "snap-0123456789abcdef", "nope"):
+        expect_error(api.get(f"/v1/snapshots/{bad}"), 404, "not_found")
+        expect_error(api.post("/v1/sandboxes", {"snapshot": bad}), 404, "not_found")
+    expect_error(api.post("/v1/sandboxes/sb-0123456789abcdef/snapshots", {}), 404, "not_found")
+    sb = api.create()
+    mem = api.create(storage="memory")
+    try:
+        for name in ("", "Caps", "snap-x", "-x", "a/b", "x" * 65):
+            expect_error(api.post(f"/v1/sandboxes/{sb['id']}/snapshots", {"name": name}), 400, "invalid_request")
+        expect_error(api.post(f"/v1/sandboxes/{sb['id']}/snapshots", {"nom": "x"}), 400, "invalid_request")
+        snap = take(api, sb["id"], name="dup")
+        expect_error(api.post(f"/v1/sandboxes/{sb['id']}/snapshots", {"name": "dup"}), 409, "snapshot_name_taken")
+        expect_error(api.post(f"/v1/sandboxes/{mem['id']}/snapshots", {}), 409, "snapshot_unsupported")
+        expect_error(api.post("/v1/sandboxes", {"snapshot": "dup", "template": "base"}), 400, "invalid_request")
+        expect_error(api.post("/v1/sandboxes", {"snapshot": "dup", "storage": "memory"}), 400, "invalid_request")
+        expect_status(api.delete(f"/v1/snapshots/{snap['id']}"), 204)
+    finally:
+        api.destroy(sb["id"])
+        api.destroy(mem["id"])
+    expect_error(api.post(f"/v1/sandboxes/{sb['id']}/snapshots", {}), 409, "sandbox_session_not_running")
+    assert snapshot_dirs(daemon) == before
+
+
+def test_another_key_can_neither_see_restore_nor_delete_a_snapshot(api: Client, daemon: Daemon):
+    other = daemon.new_client("snapshot-other")
+    sb = api.create()
+    try:
+        snap = take(api, sb["id"], name="mine")
+        expect_error(other.get(f"/v1/snapshots/{snap['id']}"), 404, "not_found")
+        assert other.get("/v1/snapshots").json()["snapshots"] == []
+        for ref in (snap["id"], "mine"):
+            expect_error(other.post("/v1/sandboxes", {"snapshot": ref}), 404, "not_found")
+        expect_error(other.delete(f"/v1/snapshots/{snap['id']}"), 404, "not_found")
+        expect_error(other.post(f"/v1/sandboxes/{sb['id']}/snapshots", {}), 404, "not_found")
+        # The other key's own name does not collide with it.
+        osb = other.create()
+        try:
+            o = take(other, osb["id"], name="mine")
+            assert o["id"] != snap["id"]
+            # The admin key sees both through ?owner=*, and its own list
+            # holds only its own.
+            everyone = {s["id"] for s in api.get("/v1/snapshots", params={"owner": "*"}).json()["snapshots"]}
+            assert {snap["id"], o["id"]} <= everyone
+            assert o["id"] not in {s["id"] for s in api.get("/v1/snapshots").json()["snapshots"]}
+            expect_error(other.get("/v1/snapshots", params={"owner": "*"}), 403, "forbidden")
+            expect_status(other.delete(f"/v1/snapshots/{o['id']}"), 204)
+        finally:
+            other.destroy(osb["id"])
+        expect_status(api.get(f"/v1/snapshots/{snap['id']}"), 200)
+        expect_status(api.delete(f"/v1/snapshots/{snap['id']}"), 204)
+    finally:
+        api.destroy(sb["id"])
+
+
+def test_snapshots_count_toward_the_keys_quota(api: Client, daemon: Daemon):
+    limited = daemon.new_client("snapshot-quota", "--max-snapshots", "1")
+    sb = limited.create()
+    try:
+        first = take(limited, sb["id"])
+        before = snapshot_dirs(daemon)
+        body = expect_error(limited.post(f"/v1/sandboxes/{sb['id']}/snapshots", {}), 429, "quota_exceeded")
+        assert "snapshots" in body["error"], body
+        assert snapshot_dirs(daemon) == before
+        expect_status(limited.delete(f"/v1/snapshots/{first['id']}"), 204)
+        second = take(limited, sb["id"])
+        expect_status(limited.delete(f"/v1/snapshots/{second['id']}"), 204)
+    finally:
+        limited.destroy(sb["id"])
+
+
+def test_a_daemon_killed_while_snapshotting_lists_only_whole_snapshots(own_daemon: Daemon):
+    d = own_daemon
+    d.start()
+    api = d.client()
+    sb = api.create()
+    api.sh(sb["id"], "for i in $(seq 200); do echo $i > /workspace/f$i; done")
+    stop = threading.Event()
+    worker = api.clone()
+
+    def snapshot_forever():
+        while not stop.is_set():
+            try:
+                worker.post(f"/v1/sandboxes/{sb['id']}/snapshots", {}, timeout=10)
+            except requests.RequestException:
+                return
+
+    t = threading.Thread(target=snapshot_forever, daemon=True)
+    t.start()
+    try:
+        wait_for("a few snapshots", lambda: len(snapshot_dirs(d)) >= 3, timeout=60)
+        os.kill(d.pid, signal.SIGKILL)
+        d.proc.wait(timeout=15)
+    finally:
+        stop.set()
+        t.join(timeout=30)
+    d.kill_strays()
+    d.start()
+    listed = {s["id"] for s in api.get("/v1/snapshots").json()["snapshots"]}
+    assert listed, "no snapshot survived"
+    # Every listed snapshot has its files, and no files are left without a row.
+    assert snapshot_dirs(d) == listed, (snapshot_dirs(d), listed)
+    snap = sorted(listed)[0]
+    nb = api.create(snapshot=snap)
+    assert api.sh(nb["id"], "cat /workspace/f200") == "200\n"
+    api.destroy(nb["id"])
+    for s in listed:
+        expect_status(api.delete(f"/v1/snapshots/{s}"), 204)
+    assert snapshot_dirs(d) == set()
+    api.destroy(sb["id"])
