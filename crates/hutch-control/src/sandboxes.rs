@@ -151,8 +151,14 @@ impl Control {
         // request changes nothing that would need a restart (metadata and
         // lifetime are record fields).
         let net_as_template = req.network.as_ref().is_none_or(|n| *n == tpl.network);
-        if origin.is_none() && req.env.is_empty() && (memory, vcpus, disk, pids) == tpl.limits() && net_as_template {
-            match self.claim_warm(owner, &tpl, ttl, &metadata, key, &hash, storage).await {
+        let storage_as_template = storage == self.storage_kind(tpl.storage)?;
+        if origin.is_none()
+            && req.env.is_empty()
+            && (memory, vcpus, disk, pids) == tpl.limits()
+            && net_as_template
+            && storage_as_template
+        {
+            match self.claim_warm(owner, &tpl, ttl, &metadata, key, &hash).await {
                 Ok(Some(r)) => return Ok((view(&r), true)),
                 Ok(None) => {}
                 Err(ControlError::Store(StoreError::Conflict)) => return self.replayed(owner, key).await,

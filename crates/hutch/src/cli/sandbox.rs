@@ -17,7 +17,7 @@ pub struct SandboxArgs {
 #[derive(Subcommand, Debug)]
 pub enum SandboxCommand {
     /// Create a sandbox and print it.
-    Create(CreateArgs),
+    Create(Box<CreateArgs>),
     /// List sandboxes, newest first.
     List {
         /// Sandboxes per page.
