@@ -196,3 +196,67 @@ def test_a_daemon_killed_while_snapshotting_lists_only_whole_snapshots(own_daemo
         expect_status(api.delete(f"/v1/snapshots/{s}"), 204)
     assert snapshot_dirs(d) == set()
     api.destroy(sb["id"])
+
+
+def fork_dirs(d: Daemon) -> set[str]:
+    return {n for n in snapshot_dirs(d) if n.startswith("fork-")}
+
+
+def test_fork_starts_n_sandboxes_with_the_parents_files_at_one_instant(api: Client, daemon: Daemon):
+    parent = api.create()
+    pid = parent["id"]
+    try:
+        api.sh(pid, "echo base > /workspace/state && echo 1 > /workspace/n")
+        r = api.post(f"/v1/sandboxes/{pid}/fork", {"count": 3})
+        expect_status(r, 201)
+        kids = r.json()["sandboxes"]
+        try:
+            assert len(kids) == 3 and all(k["state"] == "running" for k in kids), kids
+            ids = {k["id"] for k in kids}
+            assert len(ids) == 3 and pid not in ids
+            api.sh(pid, "echo after > /workspace/state")
+            names = set()
+            for i, k in enumerate(kids):
+                assert k["template"] == parent["template"] and k["storage"] == "disk", k
+                assert api.sh(k["id"], "cat /workspace/state") == "base\n"
+                assert api.sh(k["id"], "stat -c %U /workspace/state") == "user\n"
+                api.sh(k["id"], f"echo kid{i} > /workspace/state")
+                names.add(tuple(api.sandbox(k["id"])["network"]["addresses"]))
+            # Each has its own network lease (hutch's host name is `sandbox` for all).
+            assert len(names) == 3, names
+            assert [api.sh(k["id"], "cat /workspace/state") for k in kids] == ["kid0\n", "kid1\n", "kid2\n"]
+            assert api.sh(pid, "cat /workspace/state") == "after\n"
+            assert api.sandbox(pid)["state"] == "running"
+            assert fork_dirs(daemon) == set(), "the fork point outlived the fork"
+        finally:
+            for k in kids:
+                api.destroy(k["id"])
+    finally:
+        api.destroy(pid)
+
+
+def test_bad_forks_are_refused_and_leave_nothing(api: Client, daemon: Daemon):
+    other = daemon.new_client("fork-other")
+    limited = daemon.new_client("fork-limited", "--max-sandboxes", "3")
+    sb = api.create()
+    mem = api.create(storage="memory")
+    lsb = limited.create()
+    try:
+        for count in (0, 17, -1):
+            expect_error(api.post(f"/v1/sandboxes/{sb['id']}/fork", {"count": count}), 400, "invalid_request")
+        expect_error(other.post(f"/v1/sandboxes/{sb['id']}/fork", {"count": 1}), 404, "not_found")
+        expect_error(api.post(f"/v1/sandboxes/{mem['id']}/fork", {}), 409, "snapshot_unsupported")
+        # Past the key's quota: all or nothing.
+        expect_error(limited.post(f"/v1/sandboxes/{lsb['id']}/fork", {"count": 3}), 429, "quota_exceeded")
+        live = [s for s in limited.list_all() if s["state"] != "terminated"]
+        assert [s["id"] for s in live] == [lsb["id"]], live
+        r = limited.post(f"/v1/sandboxes/{lsb['id']}/fork", {"count": 2})
+        expect_status(r, 201)
+        for k in r.json()["sandboxes"]:
+            limited.destroy(k["id"])
+        assert fork_dirs(daemon) == set()
+    finally:
+        api.destroy(sb["id"])
+        api.destroy(mem["id"])
+        limited.destroy(lsb["id"])
+    expect_error(api.post(f"/v1/sandboxes/{sb['id']}/fork", {}), 409, "sandbox_session_not_running")

@@ -342,6 +342,22 @@ pub struct CreateSnapshot {
     pub name: Option<String>,
 }
 
+/// `POST /v1/sandboxes/{id}/fork`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Fork {
+    /// How many sandboxes, 1 to 16. Default 1.
+    #[serde(default)]
+    pub count: Option<u32>,
+}
+
+/// The sandboxes a fork started, each with the parent's files at one
+/// instant and an identity of its own.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct ForkResult {
+    pub sandboxes: Vec<Sandbox>,
+}
+
 /// A sandbox's files at one instant.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
 pub struct Snapshot {

@@ -212,7 +212,8 @@ pub(crate) fn view(r: &SandboxRecord) -> Sandbox {
         network: NetRecord::parse(&r.network).view(),
         owner: r.owner.clone(),
         storage: r.storage,
-        snapshot: r.origin.clone(),
+        // A fork's origin is a layer of its own, not a snapshot to name.
+        snapshot: r.origin.clone().filter(|o| o.starts_with("snap-")),
     }
 }
 

@@ -101,6 +101,20 @@ impl Control {
             }
             None => (self.recipe(owner, req.template.as_deref()).await?, None),
         };
+        self.create_from(caller, req, key, tpl, origin).await
+    }
+
+    /// A create whose template (or snapshot) is resolved: `origin` names
+    /// the snapshot layer its files start from.
+    pub(crate) async fn create_from(
+        self: &Arc<Self>,
+        caller: &Caller,
+        req: &CreateSandbox,
+        key: Option<&str>,
+        tpl: crate::templates::Recipe,
+        origin: Option<String>,
+    ) -> Result<(Sandbox, bool)> {
+        let owner = &caller.owner;
         // The template's limits, field by field unless the request overrides.
         let asked = req.limits.clone().unwrap_or_default();
         let limits = LimitsRequest {

@@ -15,8 +15,12 @@ use crate::ids::{Caller, OwnerId, SandboxId, SnapshotId};
 use crate::network::NetRecord;
 use crate::templates::Recipe;
 use hutch_api::{
-    CreateSnapshot, NetworkRequest, Readiness, SandboxState, Snapshot, SnapshotList, Startup, StorageKind,
+    CreateSandbox, CreateSnapshot, Fork, ForkResult, NetworkRequest, Readiness, Sandbox, SandboxState, Snapshot,
+    SnapshotList, Startup, StorageKind,
 };
+
+/// Most sandboxes one fork starts.
+pub const FORK_MAX: u32 = 16;
 use hutch_store::{Exceeded, Resource, Scope, SnapshotRecord, StoreError};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -118,24 +122,7 @@ impl Control {
             return Err(ControlError::SnapshotUnsupported(id.to_string()));
         }
         let owner = OwnerId::from_record(&r.owner);
-        let tpl = self.recipe(&owner, Some(&r.template)).await?;
-        let net = NetRecord::parse(&r.network);
-        let recipe = SnapRecipe {
-            template: tpl.name.clone(),
-            template_id: r.template_id.clone(),
-            template_version: r.template_version,
-            image: tpl.image.clone(),
-            memory_mb: r.memory_mb,
-            vcpus: r.vcpus,
-            disk_mib: r.disk_mib,
-            pids: r.pids,
-            env: serde_json::from_str(&r.env).unwrap_or_default(),
-            default_ttl_s: tpl.default_ttl.as_secs(),
-            max_ttl_s: tpl.max_ttl.as_secs(),
-            startup: tpl.startup.clone(),
-            readiness: tpl.readiness.clone(),
-            network: NetworkRequest { egress: net.egress, allow: net.allow, deny: net.deny },
-        };
+        let recipe = self.recipe_of(&r).await?;
         // Refusals that need no capture come first.
         let max = self.quotas_of(&owner).await?.snapshots;
         let o = owner.to_string();
@@ -149,27 +136,8 @@ impl Control {
                 return Err(ControlError::SnapshotNameTaken(req.name.clone().unwrap_or_default()));
             }
         }
-        let live = self.live(id).ok_or_else(|| ControlError::NotRunning { id: id.to_string(), state: r.state })?;
         let snap_id = SnapshotId::random()?;
-        let (rt, sid, snap) = (self.runtime.clone(), id.to_string(), snap_id.to_string());
-        let captured = tokio::task::spawn_blocking(move || {
-            let guard = live.handle.lock().map_err(|_| ControlError::Runtime("lock poisoned".into()))?;
-            let Some(sb) = guard.as_ref() else {
-                return Err(ControlError::NotRunning { id: sid, state: SandboxState::Terminating });
-            };
-            let frozen_already = live.is_suspended();
-            if !frozen_already {
-                sb.freeze().map_err(|e| ControlError::Runtime(format!("freeze {sid}: {e}")))?;
-            }
-            let taken = rt.snapshot_layer(&sid, &snap);
-            if !frozen_already {
-                if let Err(e) = sb.thaw() {
-                    tracing::error!("sandbox {sid}: cannot thaw after its snapshot: {e}");
-                }
-            }
-            taken.map(|(_, size)| size).map_err(storage_error)
-        })
-        .await??;
+        let captured = self.capture(id, r.state, snap_id.as_str()).await?;
         let record = SnapshotRecord {
             id: snap_id.to_string(),
             owner: owner.to_string(),
@@ -195,6 +163,113 @@ impl Control {
             tracing::warn!("snapshot {snap_id}: left for the next start's sweep: {e}");
         }
         Err(refusal)
+    }
+
+    /// What a sandbox started from `r`'s files runs: its template's
+    /// settings (as the template is now) with its own limits, environment
+    /// and network policy.
+    async fn recipe_of(&self, r: &hutch_store::SandboxRecord) -> Result<SnapRecipe> {
+        let tpl = self.recipe(&OwnerId::from_record(&r.owner), Some(&r.template)).await?;
+        let net = NetRecord::parse(&r.network);
+        Ok(SnapRecipe {
+            template: tpl.name.clone(),
+            template_id: r.template_id.clone(),
+            template_version: r.template_version,
+            image: tpl.image.clone(),
+            memory_mb: r.memory_mb,
+            vcpus: r.vcpus,
+            disk_mib: r.disk_mib,
+            pids: r.pids,
+            env: serde_json::from_str(&r.env).unwrap_or_default(),
+            default_ttl_s: tpl.default_ttl.as_secs(),
+            max_ttl_s: tpl.max_ttl.as_secs(),
+            startup: tpl.startup.clone(),
+            readiness: tpl.readiness.clone(),
+            network: NetworkRequest { egress: net.egress, allow: net.allow, deny: net.deny },
+        })
+    }
+
+    /// Captures sandbox `id`'s layer as snapshot layer `name`, the sandbox
+    /// frozen only meanwhile (a suspended one stays frozen). Returns the
+    /// bytes it references.
+    async fn capture(&self, id: &SandboxId, state: SandboxState, name: &str) -> Result<u64> {
+        let live = self.live(id).ok_or_else(|| ControlError::NotRunning { id: id.to_string(), state })?;
+        let (rt, sid, snap) = (self.runtime.clone(), id.to_string(), name.to_owned());
+        tokio::task::spawn_blocking(move || {
+            let guard = live.handle.lock().map_err(|_| ControlError::Runtime("lock poisoned".into()))?;
+            let Some(sb) = guard.as_ref() else {
+                return Err(ControlError::NotRunning { id: sid, state: SandboxState::Terminating });
+            };
+            let frozen_already = live.is_suspended();
+            if !frozen_already {
+                sb.freeze().map_err(|e| ControlError::Runtime(format!("freeze {sid}: {e}")))?;
+            }
+            let taken = rt.snapshot_layer(&sid, &snap);
+            if !frozen_already {
+                if let Err(e) = sb.thaw() {
+                    tracing::error!("sandbox {sid}: cannot thaw after its snapshot: {e}");
+                }
+            }
+            taken.map(|(_, size)| size).map_err(storage_error)
+        })
+        .await?
+    }
+
+    /// Starts `count` sandboxes holding sandbox `id`'s files at one
+    /// instant (one freeze), each with an identity of its own (id, host
+    /// name, network lease) and the parent's settings. Any refusal (a
+    /// quota, the host's capacity) ends those already started: all or
+    /// nothing.
+    pub async fn fork(self: &Arc<Self>, caller: &Caller, id: &SandboxId, req: &Fork) -> Result<ForkResult> {
+        let count = req.count.unwrap_or(1);
+        if !(1..=FORK_MAX).contains(&count) {
+            return Err(ControlError::Invalid(format!("count must be 1 to {FORK_MAX}")));
+        }
+        let r = self.record(caller, id, crate::control::Need::Use).await?;
+        if !matches!(r.state, SandboxState::Running | SandboxState::Suspended) {
+            return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
+        }
+        if r.storage != StorageKind::Disk {
+            return Err(ControlError::SnapshotUnsupported(id.to_string()));
+        }
+        let recipe = self.recipe_of(&r).await?.recipe();
+        // The fork point: a snapshot layer with no row, deleted once every
+        // child has its copy (or swept at the next start if the daemon
+        // stops first).
+        let point = format!("fork-{}", crate::ids::random_hex(8)?);
+        self.capture(id, r.state, &point).await?;
+        let create = CreateSandbox { wait_seconds: Some(60), ..CreateSandbox::default() };
+        let mut made: Vec<Sandbox> = Vec::new();
+        let mut failed = None;
+        for _ in 0..count {
+            match self.create_from(caller, &create, None, recipe.clone(), Some(point.clone())).await {
+                Ok((sb, _)) if sb.state == SandboxState::Running => made.push(sb),
+                Ok((sb, _)) => {
+                    made.push(sb);
+                    failed = Some(ControlError::StartFailed(crate::lifecycle::Reason::StartRejected));
+                    break;
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        if failed.is_some() {
+            for sb in &made {
+                if let Ok(sid) = SandboxId::parse(&sb.id) {
+                    let _ = self.destroy(&sid, None).await;
+                }
+            }
+        }
+        let (rt, p) = (self.runtime.clone(), point.clone());
+        if let Ok(Err(e)) = tokio::task::spawn_blocking(move || rt.delete_snapshot(&p)).await {
+            tracing::warn!("fork point {point}: left for the next start's sweep: {e}");
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(ForkResult { sandboxes: made }),
+        }
     }
 
     /// The caller's snapshots (or, for an admin key, another owner's or

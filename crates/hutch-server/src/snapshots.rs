@@ -10,7 +10,7 @@ use axum::http::StatusCode;
 use axum::middleware;
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use hutch_api::{CreateSnapshot, Snapshot, SnapshotList};
+use hutch_api::{CreateSnapshot, Fork, ForkResult, Snapshot, SnapshotList};
 use hutch_control::ids::SnapshotId;
 use hutch_control::SandboxId;
 use serde::Deserialize;
@@ -22,6 +22,7 @@ type AppState = State<Arc<App>>;
 pub fn router(app: Arc<App>) -> Router<Arc<App>> {
     Router::new()
         .route("/v1/sandboxes/{id}/snapshots", post(create))
+        .route("/v1/sandboxes/{id}/fork", post(fork))
         .route("/v1/snapshots", get(list))
         .route("/v1/snapshots/{id}", get(get_one).delete(delete_one))
         .route_layer(middleware::from_fn_with_state(app, crate::routes::authenticate))
@@ -39,6 +40,20 @@ pub(crate) async fn create(
 ) -> ApiResult<(StatusCode, Json<Snapshot>)> {
     let snap = app.control.snapshot(&caller, &SandboxId::parse(&id)?, &req).await?;
     Ok((StatusCode::CREATED, Json(snap)))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/fork", params(("id" = String, Path)), request_body = Fork,
+    responses((status = 201, body = ForkResult), (status = 400, body = hutch_api::ErrorBody),
+              (status = 404, body = hutch_api::ErrorBody), (status = 409, body = hutch_api::ErrorBody),
+              (status = 429, body = hutch_api::ErrorBody)))]
+pub(crate) async fn fork(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    ApiPath(id): ApiPath<String>,
+    JsonBody(req): JsonBody<Fork>,
+) -> ApiResult<(StatusCode, Json<ForkResult>)> {
+    let forked = app.control.fork(&caller, &SandboxId::parse(&id)?, &req).await?;
+    Ok((StatusCode::CREATED, Json(forked)))
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
