@@ -10,10 +10,15 @@ both see the same host:
     first exec (`true`), and delete, for a disk layer (the default) and a
     memory layer (`"storage": "memory"`);
   - writing 200 MiB in 5,000 files (one exec of a shell loop copying a
-    40 KiB file) into each kind, to show what a disk layer costs a writer.
+    40 KiB file) into each kind, to show what a disk layer costs a writer;
+  - with a sandbox holding those 200 MiB in 5,000 files: a snapshot
+    (POST /v1/sandboxes/{id}/snapshots, the sandbox frozen meanwhile), a
+    create from that snapshot (create -> first exec) against a create from
+    the template in the same rounds, and a fork of 10 (POST .../fork).
 
-Goal (issue 11): a disk-layer create costs at most 0.5 ms more than a memory
-one. Run as root:
+Goals (issue 11): a disk-layer create at most 0.5 ms more than a memory one;
+snapshot <= 50 ms; create from a snapshot within 1 ms of one from a
+template; fork of 10 <= 100 ms in all. Run as root:
     cargo build --release && python3 bench/storage_bench.py
 """
 
@@ -154,6 +159,54 @@ def fill(c: Client, storage: str) -> float:
         c.call("DELETE", f"/v1/sandboxes/{sb['id']}")
 
 
+def snapshots(c: Client, rounds: int) -> None:
+    src = c.call("POST", "/v1/sandboxes",
+                 {"ttl_seconds": 3600, "memory_mb": 1024, "limits": {"disk_mib": 1024}}, 201)
+    sid = src["id"]
+    try:
+        res = c.call("POST", f"/v1/sandboxes/{sid}/exec", {"command": FILL, "timeout_seconds": 600})
+        assert res["exit_code"] == 0, res
+        snap_s, snaps = [], []
+        for _ in range(max(10, rounds // 5)):
+            t0 = time.perf_counter()
+            snap = c.call("POST", f"/v1/sandboxes/{sid}/snapshots", {}, 201)
+            snap_s.append(time.perf_counter() - t0)
+            snaps.append(snap["id"])
+        for s in snaps[1:]:
+            c.call("DELETE", f"/v1/snapshots/{s}", want=204)
+        snap = snaps[0]
+        from_snap, from_tpl = [], []
+        for i in range(rounds):
+            for kind in (("snap", "tpl") if i % 2 == 0 else ("tpl", "snap")):
+                body = {"ttl_seconds": 600, "memory_mb": 1024, "limits": {"disk_mib": 1024}}
+                if kind == "snap":
+                    body["snapshot"] = snap
+                t0 = time.perf_counter()
+                sb = c.call("POST", "/v1/sandboxes", body, 201)
+                r = c.call("POST", f"/v1/sandboxes/{sb['id']}/exec", {"argv": ["true"]})
+                took = time.perf_counter() - t0
+                assert r["exit_code"] == 0, r
+                c.call("DELETE", f"/v1/sandboxes/{sb['id']}")
+                (from_snap if kind == "snap" else from_tpl).append(took)
+        forks = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            kids = c.call("POST", f"/v1/sandboxes/{sid}/fork", {"count": 10}, 201)["sandboxes"]
+            forks.append(time.perf_counter() - t0)
+            for k in kids:
+                c.call("DELETE", f"/v1/sandboxes/{k['id']}")
+        c.call("DELETE", f"/v1/snapshots/{snap}", want=204)
+        print(f"\n  a sandbox holding 200 MiB in 5,000 files ({len(snap_s)} snapshots, {rounds} creates of each "
+              f"kind, {len(forks)} forks):")
+        print(f"  {'ms':34} {'median':>9} {'p95':>9}")
+        print(line("snapshot", snap_s))
+        print(line("create -> first exec (snapshot)", from_snap))
+        print(line("create -> first exec (template)", from_tpl))
+        print(line("fork of 10 (all running)", forks))
+    finally:
+        c.call("DELETE", f"/v1/sandboxes/{sid}")
+
+
 def line(name: str, xs: list[float]) -> str:
     return f"  {name:34} {statistics.median(xs) * 1000:9.2f} {pct(xs, 95) * 1000:9.2f}"
 
@@ -192,6 +245,7 @@ def main() -> int:
         print(f"\n  writing 200 MiB in 5,000 files, {args.fills} runs, median seconds:")
         for kind in ("disk", "memory"):
             print(f"  {kind:8} {statistics.median(fills[kind]):7.2f}")
+        snapshots(c, args.rounds)
         return 0
     finally:
         d.stop()

@@ -238,23 +238,35 @@ impl Control {
         // stops first).
         let point = format!("fork-{}", crate::ids::random_hex(8)?);
         self.capture(id, r.state, &point).await?;
-        let create = CreateSandbox { wait_seconds: Some(60), ..CreateSandbox::default() };
-        let mut made: Vec<Sandbox> = Vec::new();
+        // The children start side by side; each is admitted on its own.
+        let mut starts = tokio::task::JoinSet::new();
+        for i in 0..count {
+            let (this, caller, recipe, point) = (self.clone(), caller.clone(), recipe.clone(), point.clone());
+            starts.spawn(async move {
+                let create = CreateSandbox { wait_seconds: Some(60), ..CreateSandbox::default() };
+                (i, this.create_from(&caller, &create, None, recipe, Some(point)).await)
+            });
+        }
+        let mut made: Vec<(u32, Sandbox)> = Vec::new();
         let mut failed = None;
-        for _ in 0..count {
-            match self.create_from(caller, &create, None, recipe.clone(), Some(point.clone())).await {
-                Ok((sb, _)) if sb.state == SandboxState::Running => made.push(sb),
-                Ok((sb, _)) => {
-                    made.push(sb);
-                    failed = Some(ControlError::StartFailed(crate::lifecycle::Reason::StartRejected));
-                    break;
+        while let Some(joined) = starts.join_next().await {
+            match joined {
+                Ok((i, Ok((sb, _)))) => {
+                    if sb.state != SandboxState::Running && failed.is_none() {
+                        failed = Some(ControlError::StartFailed(crate::lifecycle::Reason::StartRejected));
+                    }
+                    made.push((i, sb));
+                }
+                Ok((_, Err(e))) => {
+                    failed.get_or_insert(e);
                 }
                 Err(e) => {
-                    failed = Some(e);
-                    break;
+                    failed.get_or_insert(ControlError::Runtime(format!("fork: {e}")));
                 }
             }
         }
+        made.sort_by_key(|(i, _)| *i);
+        let made: Vec<Sandbox> = made.into_iter().map(|(_, sb)| sb).collect();
         if failed.is_some() {
             for sb in &made {
                 if let Ok(sid) = SandboxId::parse(&sb.id) {
