@@ -227,10 +227,15 @@ def test_fork_starts_n_sandboxes_with_the_parents_files_at_one_instant(api: Clie
             assert [api.sh(k["id"], "cat /workspace/state") for k in kids] == ["kid0\n", "kid1\n", "kid2\n"]
             assert api.sh(pid, "cat /workspace/state") == "after\n"
             assert api.sandbox(pid)["state"] == "running"
-            assert fork_dirs(daemon) == set(), "the fork point outlived the fork"
+            # The fork point stays while a child lives: their diffs start there.
+            assert len(fork_dirs(daemon)) == 1
+            d = api.get(f"/v1/sandboxes/{kids[0]['id']}/diff")
+            expect_status(d, 200)
+            assert [(c["path"], c["kind"]) for c in d.json()["changes"]] == [("/workspace/state", "modified")]
         finally:
             for k in kids:
                 api.destroy(k["id"])
+        assert fork_dirs(daemon) == set(), "the fork point outlived its children"
     finally:
         api.destroy(pid)
 
@@ -260,3 +265,46 @@ def test_bad_forks_are_refused_and_leave_nothing(api: Client, daemon: Daemon):
         api.destroy(mem["id"])
         limited.destroy(lsb["id"])
     expect_error(api.post(f"/v1/sandboxes/{sb['id']}/fork", {}), 409, "sandbox_session_not_running")
+
+
+def test_diff_lists_what_changed_since_the_start_or_a_snapshot(api: Client, daemon: Daemon):
+    import hashlib
+    sb = api.create()
+    sid = sb["id"]
+    other = daemon.new_client("diff-other")
+    try:
+        api.sh(sid, "mkdir -p /workspace/p && printf hello > /workspace/p/a && ln -s a /workspace/p/l")
+        api.sh(sid, "echo x > /etc/hutch-added && rm -f /etc/hostname && echo y >> /etc/passwd", user="root")
+        changes = {c["path"]: c for c in api.get(f"/v1/sandboxes/{sid}/diff").json()["changes"]}
+        assert changes["/workspace/p/a"]["kind"] == "added", changes
+        assert changes["/workspace/p/a"]["size"] == 5
+        assert changes["/workspace/p/a"]["sha256"] == hashlib.sha256(b"hello").hexdigest()
+        assert changes["/workspace/p/l"]["sha256"] == hashlib.sha256(b"a").hexdigest()
+        assert changes["/etc/hutch-added"]["kind"] == "added"
+        assert changes["/etc/passwd"]["kind"] == "modified"
+        snap = take(api, sid, name="diff-base")
+        api.sh(sid, "printf bye > /workspace/p/a && rm /workspace/p/l && echo n > /workspace/new")
+        since = [(c["path"], c["kind"]) for c in
+                 api.get(f"/v1/sandboxes/{sid}/diff", params={"against": "diff-base"}).json()["changes"]]
+        assert since == [("/workspace/new", "added"), ("/workspace/p/a", "modified"), ("/workspace/p/l", "deleted")]
+        # A sandbox started from the snapshot compares with it.
+        child = api.create(snapshot=snap["id"])
+        try:
+            assert api.get(f"/v1/sandboxes/{child['id']}/diff").json()["changes"] == []
+            api.sh(child["id"], "rm /workspace/p/a")
+            got = [(c["path"], c["kind"]) for c in api.get(f"/v1/sandboxes/{child['id']}/diff").json()["changes"]]
+            assert got == [("/workspace/p/a", "deleted")], got
+        finally:
+            api.destroy(child["id"])
+        expect_error(other.get(f"/v1/sandboxes/{sid}/diff"), 404, "not_found")
+        expect_error(api.get(f"/v1/sandboxes/{sid}/diff", params={"against": "nope"}), 404, "not_found")
+        o = other.create()
+        try:
+            osnap = take(other, o["id"])
+            expect_error(api.get(f"/v1/sandboxes/{sid}/diff", params={"against": osnap["id"]}), 404, "not_found")
+        finally:
+            other.destroy(o["id"])
+        expect_status(api.delete(f"/v1/snapshots/{snap['id']}"), 204)
+    finally:
+        api.destroy(sid)
+    expect_error(api.get(f"/v1/sandboxes/{sid}/diff"), 409, "sandbox_session_not_running")

@@ -358,6 +358,29 @@ pub struct ForkResult {
     pub sandboxes: Vec<Sandbox>,
 }
 
+/// `GET /v1/sandboxes/{id}/diff`: what the sandbox changed since it
+/// started (or since another snapshot of its lineage), paths sorted.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Diff {
+    pub changes: Vec<Change>,
+}
+
+/// One changed path.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Change {
+    /// Absolute in the sandbox.
+    pub path: String,
+    /// `added`, `modified` or `deleted`.
+    pub kind: String,
+    /// Bytes of the file now (a symlink: of its target); absent for
+    /// deletions and directories.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<u64>,
+    /// SHA-256 (hex) of the file now (a symlink: of its target).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
+}
+
 /// A sandbox's files at one instant.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
 pub struct Snapshot {

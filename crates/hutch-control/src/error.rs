@@ -27,7 +27,9 @@ pub enum ControlError {
     NoSnapshot(String),
     #[error("you already have a snapshot named {0:?}")]
     SnapshotNameTaken(String),
-    #[error("sandbox {0} keeps its files in memory (\"storage\": \"memory\"): only a disk layer can be snapshotted")]
+    #[error(
+        "sandbox {0} keeps its files in memory (\"storage\": \"memory\"): only disk layers are snapshotted, forked or compared"
+    )]
     SnapshotUnsupported(String),
     #[error("the host's storage for sandboxes' files is full: {0}")]
     StorageFull(String),

@@ -498,6 +498,7 @@ impl Control {
             tokio::task::spawn_blocking(move || net.release(&sid)).await?;
         }
         self.transition(id, Transition::Finish, Set::default()).await?;
+        self.release_origin(r.origin.clone()).await;
         Ok(())
     }
 

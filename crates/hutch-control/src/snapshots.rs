@@ -15,8 +15,8 @@ use crate::ids::{Caller, OwnerId, SandboxId, SnapshotId};
 use crate::network::NetRecord;
 use crate::templates::Recipe;
 use hutch_api::{
-    CreateSandbox, CreateSnapshot, Fork, ForkResult, NetworkRequest, Readiness, Sandbox, SandboxState, Snapshot,
-    SnapshotList, Startup, StorageKind,
+    Change, CreateSandbox, CreateSnapshot, Diff, Fork, ForkResult, NetworkRequest, Readiness, Sandbox, SandboxState,
+    Snapshot, SnapshotList, Startup, StorageKind,
 };
 
 /// Most sandboxes one fork starts.
@@ -274,12 +274,16 @@ impl Control {
                 }
             }
         }
-        let (rt, p) = (self.runtime.clone(), point.clone());
-        if let Ok(Err(e)) = tokio::task::spawn_blocking(move || rt.delete_snapshot(&p)).await {
-            tracing::warn!("fork point {point}: left for the next start's sweep: {e}");
-        }
         match failed {
-            Some(e) => Err(e),
+            Some(e) => {
+                let (rt, p) = (self.runtime.clone(), point.clone());
+                if let Ok(Err(e)) = tokio::task::spawn_blocking(move || rt.delete_snapshot(&p)).await {
+                    tracing::warn!("fork point {point}: left for the next start's sweep: {e}");
+                }
+                Err(e)
+            }
+            // The point stays while a child lives: what their diffs compare
+            // against (`release_origin`).
             None => Ok(ForkResult { sandboxes: made }),
         }
     }
@@ -344,12 +348,81 @@ impl Control {
         Ok((r.id, recipe.recipe()))
     }
 
+    /// A fork point goes with the last of its children (called once a
+    /// sandbox's layer is deleted).
+    pub(crate) async fn release_origin(&self, origin: Option<String>) {
+        let Some(point) = origin.filter(|o| o.starts_with("fork-")) else { return };
+        let p = point.clone();
+        let in_use = self.db(move |s| s.sandboxes_in(crate::lifecycle::HOLDING)).await.map(|rows| {
+            rows.iter().any(|r| r.state != SandboxState::Terminating && r.origin.as_deref() == Some(p.as_str()))
+        });
+        if in_use.unwrap_or(true) {
+            return;
+        }
+        let rt = self.runtime.clone();
+        if let Ok(Err(e)) = tokio::task::spawn_blocking(move || rt.delete_snapshot(&point)).await {
+            tracing::warn!("a fork point stays until the next start: {e}");
+        }
+    }
+
+    /// What sandbox `id` changed since it started (its snapshot's or fork
+    /// point's files, else its image), or since `against`, a snapshot of
+    /// its lineage (taken of it, or the one it started from).
+    pub async fn diff(&self, caller: &Caller, id: &SandboxId, against: Option<&str>) -> Result<Diff> {
+        let r = self.record(caller, id, crate::control::Need::Use).await?;
+        if !matches!(r.state, SandboxState::Running | SandboxState::Suspended) {
+            return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
+        }
+        if r.storage != StorageKind::Disk {
+            return Err(ControlError::SnapshotUnsupported(id.to_string()));
+        }
+        let owner = OwnerId::from_record(&r.owner);
+        let origin = match against {
+            Some(reference) => {
+                let (snap, _) = self.snapshot_recipe(&owner, reference).await?;
+                let sid = snap.clone();
+                let taken_of = self.db(move |s| s.get_snapshot(&sid)).await?.map(|s| s.sandbox_id);
+                if taken_of.as_deref() != Some(id.as_str()) && r.origin.as_deref() != Some(snap.as_str()) {
+                    return Err(ControlError::Invalid(format!(
+                        "snapshot {snap} is neither of sandbox {id} nor the one it started from"
+                    )));
+                }
+                Some(snap)
+            }
+            None => r.origin.clone(),
+        };
+        let tpl = self.recipe(&owner, Some(&r.template)).await?;
+        let (state, image, o) = (self.runtime.config().state_dir.clone(), tpl.image.clone(), r.owner.clone());
+        let root = tokio::task::spawn_blocking(move || crate::build::image_root(&state, &image, Some(&o))).await??;
+        let (rt, sid) = (self.runtime.clone(), id.to_string());
+        let changes = tokio::task::spawn_blocking(move || {
+            // A snapshot it started from that was deleted since: against the image.
+            let origin = origin.filter(|o| {
+                hutch_runtime::storage::LayerName::new(hutch_runtime::storage::Kind::Snapshot, o)
+                    .ok()
+                    .and_then(|n| rt.storage()?.open_layer(&n).ok().flatten())
+                    .is_some()
+            });
+            rt.diff(&sid, origin.as_deref(), &root.root, &root.layers)
+        })
+        .await?
+        .map_err(|e| ControlError::Runtime(e.to_string()))?;
+        Ok(Diff {
+            changes: changes
+                .into_iter()
+                .map(|c| Change { path: c.path, kind: c.kind.as_str().into(), size: c.size, sha256: c.sha256 })
+                .collect(),
+        })
+    }
+
     /// Snapshot files with no row (a daemon stopped between a capture and
-    /// its row, or between a row's deletion and its files') are deleted.
+    /// its row, or between a row's deletion and its files') are deleted,
+    /// and fork points no live sandbox started from.
     pub(crate) async fn sweep_snapshots(&self) -> Result<()> {
         let Some(storage) = self.runtime.storage().cloned() else { return Ok(()) };
-        let keep: std::collections::HashSet<String> =
+        let mut keep: std::collections::HashSet<String> =
             self.db(|s| s.list_snapshots(None)).await?.into_iter().map(|r| r.id).collect();
+        keep.extend(self.db(|s| s.sandboxes_in(crate::lifecycle::HOLDING)).await?.into_iter().filter_map(|r| r.origin));
         let swept = tokio::task::spawn_blocking(move || {
             storage.sweep(hutch_runtime::storage::Kind::Snapshot, |name| keep.contains(name))
         })

@@ -352,6 +352,44 @@ impl Runtime {
         Ok(storage.snapshot(&source, &LayerName::sandbox(id)?, false)?)
     }
 
+    /// What sandbox `id` changed since it started: its layer's upper
+    /// directory against snapshot layer `origin`'s (None: against its image,
+    /// `root` and `extra_lowers` as it was started with).
+    pub fn diff(
+        &self,
+        id: &str,
+        origin: Option<&str>,
+        root: &RootSource,
+        extra_lowers: &[PathBuf],
+    ) -> Result<Vec<crate::storage::diff::Change>, RuntimeError> {
+        let storage = self.storage.as_ref().ok_or(RuntimeError::NoStorage)?;
+        let name = LayerName::sandbox(id)?;
+        let layer = storage.open_layer(&name)?.ok_or(StorageError::NotFound(name))?;
+        let start = match origin {
+            Some(o) => {
+                let name = LayerName::new(crate::storage::Kind::Snapshot, o)?;
+                Some(storage.open_layer(&name)?.ok_or(StorageError::NotFound(name))?)
+            }
+            None => None,
+        };
+        // The image, top first.
+        let mut lowers: Vec<(String, PathBuf)> =
+            extra_lowers.iter().rev().map(|p| (String::new(), p.clone())).collect();
+        match root {
+            RootSource::Base => {
+                lowers.push(("usr".into(), PathBuf::from("/usr")));
+                lowers.push((String::new(), self.base.clone()));
+            }
+            RootSource::Layers(layers) => lowers.extend(layers.iter().rev().map(|p| (String::new(), p.clone()))),
+        }
+        crate::storage::diff::diff(
+            &layer.upper(),
+            start.as_ref().map(|s| s.upper()).as_deref(),
+            &crate::storage::diff::Lowers(lowers),
+        )
+        .map_err(io_err(format!("compare the files of {id}")))
+    }
+
     /// Deletes snapshot `snap`; false if there was none.
     pub fn delete_snapshot(&self, snap: &str) -> Result<bool, RuntimeError> {
         match &self.storage {

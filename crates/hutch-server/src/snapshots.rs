@@ -10,7 +10,7 @@ use axum::http::StatusCode;
 use axum::middleware;
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use hutch_api::{CreateSnapshot, Fork, ForkResult, Snapshot, SnapshotList};
+use hutch_api::{CreateSnapshot, Diff, Fork, ForkResult, Snapshot, SnapshotList};
 use hutch_control::ids::SnapshotId;
 use hutch_control::SandboxId;
 use serde::Deserialize;
@@ -23,6 +23,7 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
     Router::new()
         .route("/v1/sandboxes/{id}/snapshots", post(create))
         .route("/v1/sandboxes/{id}/fork", post(fork))
+        .route("/v1/sandboxes/{id}/diff", get(diff))
         .route("/v1/snapshots", get(list))
         .route("/v1/snapshots/{id}", get(get_one).delete(delete_one))
         .route_layer(middleware::from_fn_with_state(app, crate::routes::authenticate))
@@ -54,6 +55,26 @@ pub(crate) async fn fork(
 ) -> ApiResult<(StatusCode, Json<ForkResult>)> {
     let forked = app.control.fork(&caller, &SandboxId::parse(&id)?, &req).await?;
     Ok((StatusCode::CREATED, Json(forked)))
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct DiffQuery {
+    /// A snapshot (id or name) of the sandbox's lineage to compare with,
+    /// instead of what it started from.
+    against: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/diff", params(("id" = String, Path), DiffQuery),
+    responses((status = 200, body = Diff), (status = 400, body = hutch_api::ErrorBody),
+              (status = 404, body = hutch_api::ErrorBody), (status = 409, body = hutch_api::ErrorBody)))]
+pub(crate) async fn diff(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<DiffQuery>,
+) -> ApiResult<Json<Diff>> {
+    Ok(Json(app.control.diff(&caller, &SandboxId::parse(&id)?, q.against.as_deref()).await?))
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]

@@ -33,6 +33,7 @@
 //! note.
 
 pub mod btrfs;
+pub mod diff;
 mod loopdev;
 
 use std::ffi::CString;
