@@ -308,3 +308,28 @@ def test_diff_lists_what_changed_since_the_start_or_a_snapshot(api: Client, daem
     finally:
         api.destroy(sid)
     expect_error(api.get(f"/v1/sandboxes/{sid}/diff"), 409, "sandbox_session_not_running")
+
+
+def test_snapshots_and_fork_points_survive_a_restart(own_daemon: Daemon):
+    d = own_daemon
+    d.start()
+    api = d.client()
+    parent = api.create()
+    api.sh(parent["id"], "echo kept > /workspace/k")
+    snap = take(api, parent["id"], name="across")
+    kids = api.post(f"/v1/sandboxes/{parent['id']}/fork", {"count": 1}).json()["sandboxes"]
+    api.sh(kids[0]["id"], "echo kid > /workspace/k")
+    d.stop()
+    d.start()
+    assert api.get(f"/v1/snapshots/{snap['id']}").json()["name"] == "across"
+    assert snap["id"] in snapshot_dirs(d) and len(fork_dirs(d)) == 1
+    # The child still compares with its fork point.
+    got = [(c["path"], c["kind"]) for c in api.get(f"/v1/sandboxes/{kids[0]['id']}/diff").json()["changes"]]
+    assert got == [("/workspace/k", "modified")], got
+    sb = api.create(snapshot="across")
+    assert api.sh(sb["id"], "cat /workspace/k") == "kept\n"
+    for s in (sb, kids[0], parent):
+        api.destroy(s["id"])
+    assert fork_dirs(d) == set()
+    expect_status(api.delete(f"/v1/snapshots/{snap['id']}"), 204)
+    assert snapshot_dirs(d) == set()
