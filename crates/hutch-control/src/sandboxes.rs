@@ -389,6 +389,7 @@ impl Control {
                 return Err(ControlError::StartFailed(reason));
             }
         };
+        tracing::debug!("sandbox {id} started: {:?}", sb.timings);
         let host_pid = i64::from(sb.pid);
         let live = Live::new(sb, owner, record.pooled);
         if recipe.startup.is_some() || recipe.readiness.is_some() {
