@@ -287,6 +287,19 @@ def test_diff_lists_what_changed_since_the_start_or_a_snapshot(api: Client, daem
         since = [(c["path"], c["kind"]) for c in
                  api.get(f"/v1/sandboxes/{sid}/diff", params={"against": "diff-base"}).json()["changes"]]
         assert since == [("/workspace/new", "added"), ("/workspace/p/a", "modified"), ("/workspace/p/l", "deleted")]
+        # The same as an archive to apply elsewhere: the files now, the deletions listed.
+        import io
+        import tarfile
+        r = api.get(f"/v1/sandboxes/{sid}/diff", params={"against": "diff-base", "format": "tar"})
+        expect_status(r, 200)
+        assert r.headers["content-type"] == "application/x-tar"
+        with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
+            members = {m.name: m for m in tar.getmembers()}
+            assert set(members) == {"workspace/new", "workspace/p/a", ".hutch-diff/deleted"}, members
+            assert tar.extractfile("workspace/p/a").read() == b"bye"
+            assert members["workspace/p/a"].uid == 1000
+            assert tar.extractfile(".hutch-diff/deleted").read() == b"/workspace/p/l\0"
+        expect_error(api.get(f"/v1/sandboxes/{sid}/diff", params={"format": "zip"}), 400, "invalid_request")
         # A sandbox started from the snapshot compares with it.
         child = api.create(snapshot=snap["id"])
         try:

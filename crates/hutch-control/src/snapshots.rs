@@ -19,6 +19,9 @@ use hutch_api::{
     Snapshot, SnapshotList, Startup, StorageKind,
 };
 
+/// Most bytes of files in a diff archive (`?format=tar`), built in memory.
+pub const DIFF_ARCHIVE_CAP: u64 = 128 << 20;
+
 /// Most sandboxes one fork starts.
 pub const FORK_MAX: u32 = 16;
 use hutch_store::{Exceeded, Resource, Scope, SnapshotRecord, StoreError};
@@ -369,6 +372,40 @@ impl Control {
     /// point's files, else its image), or since `against`, a snapshot of
     /// its lineage (taken of it, or the one it started from).
     pub async fn diff(&self, caller: &Caller, id: &SandboxId, against: Option<&str>) -> Result<Diff> {
+        let changes = self.changes(caller, id, against).await?;
+        Ok(Diff {
+            changes: changes
+                .into_iter()
+                .map(|c| Change { path: c.path, kind: c.kind.as_str().into(), size: c.size, sha256: c.sha256 })
+                .collect(),
+        })
+    }
+
+    /// The same changes as a tar archive: the added and modified files as
+    /// they are now, and the deleted paths (NUL-terminated) in
+    /// `.hutch-diff/deleted`. At most [`DIFF_ARCHIVE_CAP`] bytes of files.
+    pub async fn diff_archive(&self, caller: &Caller, id: &SandboxId, against: Option<&str>) -> Result<Vec<u8>> {
+        let changes = self.changes(caller, id, against).await?;
+        let (rt, sid) = (self.runtime.clone(), id.to_string());
+        tokio::task::spawn_blocking(move || rt.diff_archive(&sid, &changes, DIFF_ARCHIVE_CAP)).await?.map_err(|e| {
+            match &e {
+                hutch_runtime::RuntimeError::Io { source, .. } if source.kind() == std::io::ErrorKind::FileTooLarge => {
+                    ControlError::Files(crate::files::FilesError::new(
+                        hutch_api::ErrorCode::PayloadTooLarge,
+                        format!("the changed files exceed {DIFF_ARCHIVE_CAP} bytes: list them and move them with the file API"),
+                    ))
+                }
+                _ => ControlError::Runtime(e.to_string()),
+            }
+        })
+    }
+
+    async fn changes(
+        &self,
+        caller: &Caller,
+        id: &SandboxId,
+        against: Option<&str>,
+    ) -> Result<Vec<hutch_runtime::storage::diff::Change>> {
         let r = self.record(caller, id, crate::control::Need::Use).await?;
         if !matches!(r.state, SandboxState::Running | SandboxState::Suspended) {
             return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
@@ -407,12 +444,7 @@ impl Control {
         })
         .await?
         .map_err(|e| ControlError::Runtime(e.to_string()))?;
-        Ok(Diff {
-            changes: changes
-                .into_iter()
-                .map(|c| Change { path: c.path, kind: c.kind.as_str().into(), size: c.size, sha256: c.sha256 })
-                .collect(),
-        })
+        Ok(changes)
     }
 
     /// Snapshot files with no row (a daemon stopped between a capture and

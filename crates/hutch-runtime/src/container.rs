@@ -390,6 +390,21 @@ impl Runtime {
         .map_err(io_err(format!("compare the files of {id}")))
     }
 
+    /// A tar archive of `changes` (from [`Runtime::diff`]) as sandbox
+    /// `id`'s layer holds them now (see [`crate::storage::diff::archive`]).
+    pub fn diff_archive(
+        &self,
+        id: &str,
+        changes: &[crate::storage::diff::Change],
+        cap: u64,
+    ) -> Result<Vec<u8>, RuntimeError> {
+        let storage = self.storage.as_ref().ok_or(RuntimeError::NoStorage)?;
+        let name = LayerName::sandbox(id)?;
+        let layer = storage.open_layer(&name)?.ok_or(StorageError::NotFound(name))?;
+        crate::storage::diff::archive(&layer.upper(), changes, cap)
+            .map_err(io_err(format!("archive the changes of {id}")))
+    }
+
     /// Deletes snapshot `snap`; false if there was none.
     pub fn delete_snapshot(&self, snap: &str) -> Result<bool, RuntimeError> {
         match &self.storage {

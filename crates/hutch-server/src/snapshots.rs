@@ -6,8 +6,9 @@ use crate::extract::{ApiPath, ApiQuery};
 use crate::routes::Caller;
 use crate::{ApiResult, App, JsonBody};
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{header, StatusCode};
 use axum::middleware;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use hutch_api::{CreateSnapshot, Diff, Fork, ForkResult, Snapshot, SnapshotList};
@@ -63,6 +64,9 @@ pub(crate) struct DiffQuery {
     /// A snapshot (id or name) of the sandbox's lineage to compare with,
     /// instead of what it started from.
     against: Option<String>,
+    /// `json` (the default) or `tar`: the changed files as an archive, the
+    /// deleted paths in `.hutch-diff/deleted` (NUL-terminated).
+    format: Option<String>,
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/diff", params(("id" = String, Path), DiffQuery),
@@ -73,8 +77,16 @@ pub(crate) async fn diff(
     Extension(caller): Extension<Caller>,
     ApiPath(id): ApiPath<String>,
     ApiQuery(q): ApiQuery<DiffQuery>,
-) -> ApiResult<Json<Diff>> {
-    Ok(Json(app.control.diff(&caller, &SandboxId::parse(&id)?, q.against.as_deref()).await?))
+) -> ApiResult<Response> {
+    let id = SandboxId::parse(&id)?;
+    match q.format.as_deref() {
+        None | Some("json") => Ok(Json(app.control.diff(&caller, &id, q.against.as_deref()).await?).into_response()),
+        Some("tar") => {
+            let tar = app.control.diff_archive(&caller, &id, q.against.as_deref()).await?;
+            Ok(([(header::CONTENT_TYPE, "application/x-tar")], tar).into_response())
+        }
+        Some(_) => Err(crate::ApiError::invalid("format must be json or tar")),
+    }
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]

@@ -288,6 +288,89 @@ pub fn diff(upper: &Path, origin: Option<&Path>, lowers: &Lowers) -> io::Result<
     Ok(w.out)
 }
 
+/// Where a diff archive lists the deleted paths: NUL-terminated, one after
+/// another.
+pub const DELETED_ENTRY: &str = ".hutch-diff/deleted";
+
+/// Opens `path` (absolute in the sandbox) under `upper` one component at
+/// a time, never through a symlink: the parent directory and the last name.
+fn open_parent(upper: &OwnedFd, path: &str) -> io::Result<(OwnedFd, Vec<u8>)> {
+    let comps: Vec<&[u8]> = path.as_bytes().split(|b| *b == b'/').filter(|c| !c.is_empty()).collect();
+    let Some((last, dirs)) = comps.split_last() else {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "the root is not an entry"));
+    };
+    let mut fd = openat(upper, OsStr::new("."), libc::O_RDONLY | libc::O_DIRECTORY)?;
+    for d in dirs {
+        fd = openat(&fd, OsStr::from_bytes(d), libc::O_RDONLY | libc::O_DIRECTORY)?;
+    }
+    Ok((fd, last.to_vec()))
+}
+
+/// A tar archive of `changes` as they are now in `upper` (added and
+/// modified files, symlinks and directories, with their modes, image owners
+/// and times), and the deleted paths as [`DELETED_ENTRY`]; refused past
+/// `cap` bytes.
+pub fn archive(upper: &Path, changes: &[Change], cap: u64) -> io::Result<Vec<u8>> {
+    let root = open_dir(upper)?;
+    let mut b = tar::Builder::new(Vec::new());
+    let mut deleted = Vec::new();
+    let mut total = 0u64;
+    for c in changes {
+        if c.kind == ChangeKind::Deleted {
+            deleted.extend_from_slice(c.path.as_bytes());
+            deleted.push(0);
+            continue;
+        }
+        let (dir, name) = open_parent(&root, &c.path)?;
+        let name = OsStr::from_bytes(&name);
+        let st = lstatat(&dir, name)?;
+        let rel = c.path.trim_start_matches('/');
+        let mut h = tar::Header::new_gnu();
+        h.set_mode(st.st_mode & 0o7777);
+        h.set_uid(u64::from(st.st_uid));
+        h.set_gid(u64::from(st.st_gid));
+        h.set_mtime(st.st_mtime.max(0) as u64);
+        match st.st_mode & libc::S_IFMT {
+            libc::S_IFREG => {
+                total = total.saturating_add(st.st_size as u64);
+                if total > cap {
+                    return Err(io::Error::new(io::ErrorKind::FileTooLarge, format!("the changes exceed {cap} bytes")));
+                }
+                let fd = openat(&dir, name, libc::O_RDONLY)?;
+                let f = std::fs::File::from(fd);
+                h.set_entry_type(tar::EntryType::Regular);
+                h.set_size(st.st_size as u64);
+                b.append_data(&mut h, rel, f.take(st.st_size as u64))?;
+            }
+            libc::S_IFDIR => {
+                h.set_entry_type(tar::EntryType::Directory);
+                h.set_size(0);
+                b.append_data(&mut h, rel, io::empty())?;
+            }
+            libc::S_IFLNK => {
+                let c = cstr(name)?;
+                let mut buf = vec![0u8; 4096];
+                // SAFETY: c is a valid C string, buf a valid buffer of its length.
+                let n = unsafe { libc::readlinkat(dir.as_raw_fd(), c.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+                if n < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                h.set_entry_type(tar::EntryType::Symlink);
+                h.set_size(0);
+                b.append_link(&mut h, rel, OsStr::from_bytes(&buf[..n as usize]))?;
+            }
+            // Devices, fifos, sockets: not carried.
+            _ => {}
+        }
+    }
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_mode(0o644);
+    h.set_size(deleted.len() as u64);
+    b.append_data(&mut h, DELETED_ENTRY, deleted.as_slice())?;
+    b.into_inner()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
