@@ -121,6 +121,16 @@ class Daemon:
         self.key = (self.root / "state" / "admin.key").read_text().strip()
 
     def stop(self) -> None:
+        # Sandboxes outlive the daemon: delete every one first (a failed
+        # round may have left some), so the storage unmounts with it.
+        if self.proc.poll() is None:
+            try:
+                c = Client(self.port, self.key)
+                for sb in c.call("GET", "/v1/sandboxes?limit=1000")["sandboxes"]:
+                    if sb["state"] != "terminated":
+                        c.call("DELETE", f"/v1/sandboxes/{sb['id']}")
+            except (OSError, RuntimeError) as e:
+                print(f"storage bench: cleanup: {e}", file=sys.stderr)
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGTERM)
             try:
