@@ -123,7 +123,7 @@ class Daemon:
     def stop(self) -> None:
         # Sandboxes outlive the daemon: delete every one first (a failed
         # round may have left some), so the storage unmounts with it.
-        if self.proc.poll() is None:
+        if self.proc.poll() is None and getattr(self, "key", None):
             try:
                 c = Client(self.port, self.key)
                 for sb in c.call("GET", "/v1/sandboxes?limit=1000")["sandboxes"]:
