@@ -346,3 +346,31 @@ def test_snapshots_and_fork_points_survive_a_restart(own_daemon: Daemon):
     assert fork_dirs(d) == set()
     expect_status(api.delete(f"/v1/snapshots/{snap['id']}"), 204)
     assert snapshot_dirs(d) == set()
+
+
+def test_the_cli_takes_lists_forks_and_deletes_snapshots(api: Client, daemon: Daemon):
+    sb = api.create()
+    try:
+        api.sh(sb["id"], "echo cli > /workspace/c")
+
+        def cli(*args: str) -> str:
+            p = daemon.cli("snapshot", *args, "--url", daemon.base)
+            assert p.returncode == 0, p.stderr
+            return p.stdout
+
+        snap = cli("create", sb["id"], "--name", "from-cli").strip()
+        assert snap.startswith("snap-")
+        assert "from-cli" in cli("list")
+        p = daemon.cli("sandbox", "create", "--snapshot", "from-cli", "--quiet", "--url", daemon.base)
+        assert p.returncode == 0, p.stderr
+        made = p.stdout.strip()
+        assert api.sh(made, "cat /workspace/c") == "cli\n"
+        api.destroy(made)
+        kids = cli("fork", sb["id"], "--count", "2").split()
+        assert len(kids) == 2 and all(k.startswith("sb-") for k in kids)
+        for k in kids:
+            api.destroy(k)
+        cli("rm", snap)
+        expect_error(api.get(f"/v1/snapshots/{snap}"), 404, "not_found")
+    finally:
+        api.destroy(sb["id"])

@@ -28,6 +28,8 @@ enum Command {
     Exec(cli::exec::ExecArgs),
     /// Copy files into and out of a sandbox of a running daemon.
     Files(cli::files::FilesArgs),
+    /// Take, list and delete snapshots of a running daemon's sandboxes; fork.
+    Snapshot(cli::snapshot::SnapshotArgs),
     /// Create, list, build and delete templates of a running daemon.
     Template(cli::template::TemplateArgs),
     /// Manage API keys in the daemon's database (on its host, no HTTP).
@@ -54,6 +56,7 @@ fn main() {
         Command::Sandbox(args) => cli::sandbox::main(args),
         Command::Exec(args) => cli::exec::main(args),
         Command::Files(args) => cli::files::main(args),
+        Command::Snapshot(args) => cli::snapshot::main(args),
         Command::Template(args) => cli::template::main(args),
         Command::Key(args) => cli::keys::main(args),
         Command::Image(args) => cli::image::main(args),

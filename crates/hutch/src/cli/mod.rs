@@ -10,6 +10,7 @@ pub mod image;
 pub mod keys;
 pub mod output;
 pub mod sandbox;
+pub mod snapshot;
 pub mod template;
 
 use clap::Args;
