@@ -224,15 +224,18 @@ pub enum SandboxState {
     Suspended,
     Terminating,
     Terminated,
+    /// Paused to disk: no processes, no memory; its files are kept.
+    Paused,
 }
 
 impl SandboxState {
-    pub const ALL: [SandboxState; 5] = [
+    pub const ALL: [SandboxState; 6] = [
         SandboxState::Starting,
         SandboxState::Running,
         SandboxState::Suspended,
         SandboxState::Terminating,
         SandboxState::Terminated,
+        SandboxState::Paused,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -242,6 +245,7 @@ impl SandboxState {
             SandboxState::Suspended => "suspended",
             SandboxState::Terminating => "terminating",
             SandboxState::Terminated => "terminated",
+            SandboxState::Paused => "paused",
         }
     }
 
@@ -330,6 +334,24 @@ pub struct CreateSandbox {
     /// files, and the template settings of the sandbox it was taken of.
     #[serde(default)]
     pub snapshot: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/suspend`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Suspend {
+    /// `memory` (the default): every process frozen, memory kept; `disk`:
+    /// processes end, memory is released, files are kept (state `paused`;
+    /// disk layers only).
+    #[serde(default)]
+    pub mode: Option<SuspendMode>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum SuspendMode {
+    Memory,
+    Disk,
 }
 
 /// `POST /v1/sandboxes/{id}/snapshots`.

@@ -61,6 +61,13 @@ impl Control {
                 }
             }
         }
+        // Paused sandboxes keep their layers; processes a daemon stopped
+        // while pausing left behind end now.
+        for r in self.db(|s| s.sandboxes_in(&[SandboxState::Paused])).await? {
+            if let Err(e) = self.end_processes(&SandboxId::from_record(&r.id)).await {
+                tracing::warn!("paused sandbox {}: {e}", r.id);
+            }
+        }
         // Upload journals of sandboxes that are gone describe nothing left.
         let live: HashSet<String> = self.lives().iter().map(|l| l.id.to_string()).collect();
         crate::files::journal::sweep(&self.runtime.config().state_dir.join("uploads"), move |id| live.contains(id))
@@ -124,7 +131,7 @@ impl Control {
         let now = now_ms();
         let mut lag = 0.0f64;
         let revoked = self.revoked_owners().await?;
-        let states = [SandboxState::Running, SandboxState::Suspended, SandboxState::Terminating];
+        let states = [SandboxState::Running, SandboxState::Suspended, SandboxState::Terminating, SandboxState::Paused];
         for r in self.db(move |s| s.sandboxes_in(&states)).await? {
             let id = SandboxId::from_record(&r.id);
             if r.state == SandboxState::Terminating {

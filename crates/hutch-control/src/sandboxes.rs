@@ -350,15 +350,24 @@ impl Control {
             // A disk layer of its own, named after it (empty, or a copy of
             // the snapshot it starts from); nothing of it is left if the
             // start fails.
+            // A paused sandbox's layer is its own already: kept whatever
+            // happens.
+            let mut kept = false;
             if storage == StorageKind::Disk {
-                let layer = match &origin {
-                    Some(snap) => rt.layer_from_snapshot(&sid, snap),
-                    None => rt.new_layer(&sid),
+                let layer = match rt.layer_of(&sid).map_err(BootError::Runtime)? {
+                    Some(layer) => {
+                        kept = true;
+                        Ok(layer)
+                    }
+                    None => match &origin {
+                        Some(snap) => rt.layer_from_snapshot(&sid, snap),
+                        None => rt.new_layer(&sid),
+                    },
                 };
                 spec.writable = hutch_runtime::Writable::Layer(layer.map_err(BootError::Runtime)?);
             }
             let started = start_with_network(&rt, spec, network, &sid, &policy);
-            if started.is_err() && storage == StorageKind::Disk {
+            if started.is_err() && storage == StorageKind::Disk && !kept {
                 if let Err(e) = rt.delete_layer(&sid) {
                     tracing::warn!("sandbox {sid}: its layer stays until the next sweep: {e}");
                 }
@@ -509,7 +518,7 @@ impl Control {
     /// clamps).
     pub async fn extend(&self, caller: &Caller, id: &SandboxId, req: &Extend, clamp: bool) -> Result<Sandbox> {
         let r = self.record(caller, id, Need::Manage).await?;
-        let live = [SandboxState::Starting, SandboxState::Running, SandboxState::Suspended];
+        let live = [SandboxState::Starting, SandboxState::Running, SandboxState::Suspended, SandboxState::Paused];
         if !live.contains(&r.state) {
             return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
         }
@@ -550,12 +559,104 @@ impl Control {
         }
     }
 
-    pub async fn suspend(&self, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
-        self.freeze(caller, id, true).await
+    /// Suspends a sandbox: in memory (frozen), or to disk (paused).
+    pub async fn suspend(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &SandboxId,
+        mode: hutch_api::SuspendMode,
+    ) -> Result<Sandbox> {
+        match mode {
+            hutch_api::SuspendMode::Memory => {
+                let r = self.record(caller, id, Need::Manage).await?;
+                if r.state == SandboxState::Paused {
+                    return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
+                }
+                self.freeze(caller, id, true).await
+            }
+            hutch_api::SuspendMode::Disk => self.pause(caller, id).await,
+        }
     }
 
-    pub async fn resume(&self, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
+    /// Resumes a frozen sandbox, or starts a paused one again on its files
+    /// (a fresh agent, its template's startup command run again).
+    pub async fn resume(self: &Arc<Self>, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
+        let r = self.record(caller, id, Need::Manage).await?;
+        if r.state == SandboxState::Paused {
+            return self.wake(r).await;
+        }
         self.freeze(caller, id, false).await
+    }
+
+    /// Pauses a sandbox to disk: the record says `paused` first (so a
+    /// daemon stopped part way finds it paused, and ends what is left of its
+    /// processes at start), then its processes end, its network lease is
+    /// released, and its layer is written to disk. Its admission stays.
+    async fn pause(self: &Arc<Self>, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
+        let r = self.record(caller, id, Need::Manage).await?;
+        if r.state == SandboxState::Paused {
+            return Ok(view(&r));
+        }
+        if !Transition::Pause.from().contains(&r.state) {
+            return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
+        }
+        if r.storage != StorageKind::Disk {
+            return Err(ControlError::SnapshotUnsupported(id.to_string()));
+        }
+        let Some(paused) = self.transition(id, Transition::Pause, Set::default()).await? else {
+            let r = self.record(caller, id, Need::Manage).await?;
+            return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
+        };
+        self.access.revoke_sandbox(id.as_str());
+        self.end_processes(id).await?;
+        Ok(view(&paused))
+    }
+
+    /// Ends a paused sandbox's processes (if any are left) and what they
+    /// held on the host, keeping its layer, written to disk.
+    pub(crate) async fn end_processes(&self, id: &SandboxId) -> Result<()> {
+        let live = self.remove_live(id);
+        let handle = match live.as_ref().and_then(|l| l.handle.lock().ok().and_then(|mut h| h.take())) {
+            Some(h) => h,
+            None => self.runtime.adopt(id.as_str()),
+        };
+        let rt = self.runtime.clone();
+        tokio::task::spawn_blocking(move || {
+            let ended = handle.destroy();
+            rt.sweep();
+            if let Some(storage) = rt.storage() {
+                if let Err(e) = storage.sync() {
+                    tracing::warn!("storage: {e}");
+                }
+            }
+            ended
+        })
+        .await?
+        .map_err(|e| ControlError::Runtime(e.to_string()))?;
+        if let Ok(net) = &self.network {
+            let (net, sid) = (net.clone(), id.to_string());
+            tokio::task::spawn_blocking(move || net.release(&sid)).await?;
+        }
+        Ok(())
+    }
+
+    /// Starts a paused sandbox again on its layer.
+    async fn wake(self: &Arc<Self>, r: SandboxRecord) -> Result<Sandbox> {
+        let id = SandboxId::from_record(&r.id);
+        let owner = OwnerId::from_record(&r.owner);
+        let recipe = match r.origin.as_deref().filter(|o| o.starts_with("snap-")) {
+            Some(snap) => match self.snapshot_recipe(&owner, snap).await {
+                Ok((_, recipe)) => recipe,
+                Err(_) => self.recipe(&owner, Some(&r.template)).await?,
+            },
+            None => self.recipe(&owner, Some(&r.template)).await?,
+        };
+        let Some(record) = self.transition(&id, Transition::Wake, Set::default()).await? else {
+            return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
+        };
+        let this = self.clone();
+        let booted = tokio::spawn(async move { this.boot(record, &recipe).await }).await??;
+        Ok(view(&booted))
     }
 
     async fn freeze(&self, caller: &Caller, id: &SandboxId, frozen: bool) -> Result<Sandbox> {

@@ -356,7 +356,7 @@ impl Control {
     pub(crate) async fn release_origin(&self, origin: Option<String>) {
         let Some(point) = origin.filter(|o| o.starts_with("fork-")) else { return };
         let p = point.clone();
-        let in_use = self.db(move |s| s.sandboxes_in(crate::lifecycle::HOLDING)).await.map(|rows| {
+        let in_use = self.db(move |s| s.sandboxes_in(&crate::lifecycle::KEEPING_FILES)).await.map(|rows| {
             rows.iter().any(|r| r.state != SandboxState::Terminating && r.origin.as_deref() == Some(p.as_str()))
         });
         if in_use.unwrap_or(true) {
@@ -454,7 +454,9 @@ impl Control {
         let Some(storage) = self.runtime.storage().cloned() else { return Ok(()) };
         let mut keep: std::collections::HashSet<String> =
             self.db(|s| s.list_snapshots(None)).await?.into_iter().map(|r| r.id).collect();
-        keep.extend(self.db(|s| s.sandboxes_in(crate::lifecycle::HOLDING)).await?.into_iter().filter_map(|r| r.origin));
+        keep.extend(
+            self.db(|s| s.sandboxes_in(&crate::lifecycle::KEEPING_FILES)).await?.into_iter().filter_map(|r| r.origin),
+        );
         let swept = tokio::task::spawn_blocking(move || {
             storage.sweep(hutch_runtime::storage::Kind::Snapshot, |name| keep.contains(name))
         })

@@ -69,7 +69,7 @@ use utoipa::{Modify, OpenApi};
         hutch_api::Network, hutch_api::Egress,
         hutch_api::TemplateList, hutch_api::Startup, hutch_api::Readiness, hutch_api::Build, hutch_api::BuildState,
         hutch_api::BuildList, hutch_api::ApiKey, hutch_api::ApiKeyList, hutch_api::CreateKey, hutch_api::KeyQuotas,
-        hutch_api::Usage, hutch_api::CreateSnapshot, hutch_api::Snapshot, hutch_api::SnapshotList, hutch_api::Fork, hutch_api::ForkResult, hutch_api::Diff,
+        hutch_api::Usage, hutch_api::CreateSnapshot, hutch_api::Snapshot, hutch_api::SnapshotList, hutch_api::Fork, hutch_api::ForkResult, hutch_api::Suspend, hutch_api::SuspendMode, hutch_api::Diff,
         hutch_api::Change,
         hutch_api::StorageKind,
     )),

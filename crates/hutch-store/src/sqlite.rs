@@ -22,7 +22,8 @@ const MIGRATIONS: &[(&str, &str)] = &[
 ];
 
 /// States in which a sandbox holds resources.
-const HOLDING: &str = "('starting', 'running', 'suspended', 'terminating')";
+/// (A paused sandbox keeps its admission: its resume is never refused.)
+const HOLDING: &str = "('starting', 'running', 'suspended', 'terminating', 'paused')";
 
 impl SqliteStore {
     pub fn open(path: &Path) -> Result<SqliteStore> {
