@@ -14,11 +14,13 @@ both see the same host:
   - with a sandbox holding those 200 MiB in 5,000 files: a snapshot
     (POST /v1/sandboxes/{id}/snapshots, the sandbox frozen meanwhile), a
     create from that snapshot (create -> first exec) against a create from
-    the template in the same rounds, and a fork of 10 (POST .../fork).
+    the template in the same rounds, a fork of 10 (POST .../fork), and a
+    pause to disk and its resume.
 
 Goals (issue 11): a disk-layer create at most 0.5 ms more than a memory one;
 snapshot <= 50 ms; create from a snapshot within 1 ms of one from a
-template; fork of 10 <= 100 ms in all. Run as root:
+template; fork of 10 <= 100 ms in all; pause to disk <= 100 ms, resume
+<= 20 ms. Run as root:
     cargo build --release && python3 bench/storage_bench.py
 """
 
@@ -206,6 +208,15 @@ def snapshots(c: Client, rounds: int) -> None:
             for k in kids:
                 c.call("DELETE", f"/v1/sandboxes/{k['id']}")
         c.call("DELETE", f"/v1/snapshots/{snap}", want=204)
+        pauses, resumes = [], []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            c.call("POST", f"/v1/sandboxes/{sid}/suspend", {"mode": "disk"})
+            t1 = time.perf_counter()
+            c.call("POST", f"/v1/sandboxes/{sid}/resume")
+            t2 = time.perf_counter()
+            pauses.append(t1 - t0)
+            resumes.append(t2 - t1)
         print(f"\n  a sandbox holding 200 MiB in 5,000 files ({len(snap_s)} snapshots, {rounds} creates of each "
               f"kind, {len(forks)} forks):")
         print(f"  {'ms':34} {'median':>9} {'p95':>9}")
@@ -213,6 +224,8 @@ def snapshots(c: Client, rounds: int) -> None:
         print(line("create -> first exec (snapshot)", from_snap))
         print(line("create -> first exec (template)", from_tpl))
         print(line("fork of 10 (all running)", forks))
+        print(line("pause to disk", pauses))
+        print(line("resume from disk (running again)", resumes))
     finally:
         c.call("DELETE", f"/v1/sandboxes/{sid}")
 
