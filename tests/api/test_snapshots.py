@@ -146,6 +146,8 @@ def test_snapshots_count_toward_the_keys_quota(api: Client, daemon: Daemon):
     sb = limited.create()
     try:
         first = take(limited, sb["id"])
+        usage = limited.get("/v1/usage").json()
+        assert usage["snapshots"] == 1 and usage["quotas"]["max_snapshots"] == 1, usage
         before = snapshot_dirs(daemon)
         body = expect_error(limited.post(f"/v1/sandboxes/{sb['id']}/snapshots", {}), 429, "quota_exceeded")
         assert "snapshots" in body["error"], body

@@ -1104,6 +1104,9 @@ pub struct Usage {
     pub disk_mib: u64,
     /// Template builds queued or running.
     pub builds: u64,
+    /// Snapshots kept.
+    #[serde(default)]
+    pub snapshots: u64,
     pub quotas: KeyQuotas,
 }
 
