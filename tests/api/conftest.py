@@ -635,6 +635,12 @@ class Daemon:
             subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=10)
         subprocess.run(["nft", "delete", "table", "inet", net_table(self.net_instance)], capture_output=True, timeout=10)
 
+    def release_storage(self) -> None:
+        """Unmounts the daemon's storage image if a stopped daemon left it
+        mounted (it does when sandboxes outlived it); the loop device goes
+        with the mount."""
+        unmount_under(self.state_dir)
+
     def db_sandbox_ids(self) -> list[str]:
         with sqlite3.connect(f"file:{self.state_dir / 'hutch.db'}?mode=ro", uri=True, timeout=10) as db:
             return [row[0] for row in db.execute("SELECT id FROM sandboxes")]
@@ -657,6 +663,17 @@ class Daemon:
         return sorted(set(left))
 
 
+def unmount_under(root: Path) -> None:
+    """Lazily unmounts every mount at or below `root` (deepest first)."""
+    points = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = line.split(" ")[4].encode().decode("unicode_escape")
+        if point == str(root) or point.startswith(str(root) + "/"):
+            points.append(point)
+    for point in sorted(set(points), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True, timeout=30)
+
+
 def wait_cleaned(d: Daemon, sandbox_id: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -677,6 +694,7 @@ def tmp_root():
     require_root()
     root = Path(tempfile.mkdtemp(prefix="hutch-api-tests-"))
     yield root
+    unmount_under(root)
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -707,6 +725,7 @@ def daemon(tmp_root: Path):
     strays = d.kill_strays()
     if strays:
         problems.append(f"processes of the daemon left after it stopped: {list(strays.values())}")
+    d.release_storage()
     d.release_net()
     if problems:
         pytest.fail("session teardown: " + "; ".join(problems) + f"\ndaemon log:\n{d.log_tail()}", pytrace=False)
@@ -765,6 +784,7 @@ def own_daemon(tmp_root: Path, request: pytest.FixtureRequest):
     except AssertionError:
         problems.append(f"network left on the host: {d.network_leftovers()}")
         d.force_clean_network()
+    d.release_storage()
     d.release_net()
     assert not problems, problems
 

@@ -425,8 +425,9 @@ def test_filling_memory_kills_the_command_not_the_sandbox(api: Client):
     ends the command (reported as such), the sandbox and its agent live on.
     The file's pages stay charged to the workload until the file goes; files
     written through the API are charged to the agent, so an empty write
-    frees the memory even while every command would be OOM-killed."""
-    sb = api.create(memory_mb=128)
+    frees the memory even while every command would be OOM-killed. (A
+    memory layer: a disk layer's pages are page cache, see test_storage.)"""
+    sb = api.create(memory_mb=128, storage="memory")
     sid = sb["id"]
 
     def free(path: str) -> None:

@@ -58,8 +58,9 @@ def test_create_answers_a_running_sandbox_with_enforced_limits(api: Client, daem
         api.destroy(sb["id"])
 
 
-def test_create_limits_are_applied_to_the_cgroup(api: Client):
-    sb = api.create(memory_mb=256, limits={"pids": 64, "vcpus": 0.5, "disk_mib": 64})
+@pytest.mark.parametrize("storage", ["disk", "memory"])
+def test_create_limits_are_applied_to_the_cgroup(api: Client, storage: str):
+    sb = api.create(memory_mb=256, limits={"pids": 64, "vcpus": 0.5, "disk_mib": 64}, storage=storage)
     try:
         sid = sb["id"]
 
@@ -69,13 +70,15 @@ def test_create_limits_are_applied_to_the_cgroup(api: Client):
             return int(found[0].read_text())
 
         # The workload's limits are on its own cgroup, `work`; the sandbox's
-        # adds the agent's headroom: 64 MiB and the writable layer (which it
-        # may fill for the API), and a process per command and two.
+        # adds the agent's headroom: 64 MiB, for a memory layer the layer
+        # (which it may fill for the API; a disk layer's pages are page
+        # cache), and a process per command and two.
         root = "/sys/fs/cgroup"
         mem = ("memory/hutch/{}/memory.limit_in_bytes", "unified/hutch/{}/memory.max", "hutch/{}/memory.max")
         pids = ("pids/hutch/{}/pids.max", "unified/hutch/{}/pids.max", "hutch/{}/pids.max")
         assert limit(*(f"{root}/{m.format(sid + '/work')}" for m in mem)) == 256 << 20
-        assert limit(*(f"{root}/{m.format(sid)}" for m in mem)) == (256 + 64 + 64) << 20
+        layer = 64 if storage == "memory" else 0
+        assert limit(*(f"{root}/{m.format(sid)}" for m in mem)) == (256 + 64 + layer) << 20
         assert limit(*(f"{root}/{p.format(sid + '/work')}" for p in pids)) == 64
         assert limit(*(f"{root}/{p.format(sid)}" for p in pids)) == 64 + 2 * 64 + 8
         # The writable layer is capped by disk_mib: 100 MiB do not fit in 64.

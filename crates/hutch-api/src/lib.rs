@@ -109,6 +109,13 @@ pub enum ErrorCode {
     QuotaExceeded,
     /// The route exists, but not with this method.
     MethodNotAllowed,
+    /// The caller already has a snapshot of this name.
+    SnapshotNameTaken,
+    /// The sandbox's files are in memory (`"storage": "memory"`): only a
+    /// disk layer can be snapshotted.
+    SnapshotUnsupported,
+    /// The host's storage for sandboxes' files is full.
+    StorageFull,
     /// The thing changed while the request was made; read it again and retry.
     Conflict,
 }
@@ -142,6 +149,8 @@ impl ErrorCode {
             | ErrorCode::SandboxFilePartOutOfOrder
             | ErrorCode::SandboxFilePartMismatch
             | ErrorCode::TemplateNameTaken
+            | ErrorCode::SnapshotNameTaken
+            | ErrorCode::SnapshotUnsupported
             | ErrorCode::Conflict => 409,
             ErrorCode::SandboxArchiveTooLarge | ErrorCode::PayloadTooLarge => 413,
             ErrorCode::SandboxCommandCapacity
@@ -154,6 +163,7 @@ impl ErrorCode {
             | ErrorCode::SandboxStartupFailed
             | ErrorCode::SandboxReadinessTimeout
             | ErrorCode::Unavailable => 503,
+            ErrorCode::StorageFull => 507,
         }
     }
 
@@ -198,6 +208,9 @@ impl ErrorCode {
             ErrorCode::QuotaExceeded => "quota_exceeded",
             ErrorCode::MethodNotAllowed => "method_not_allowed",
             ErrorCode::Conflict => "conflict",
+            ErrorCode::SnapshotNameTaken => "snapshot_name_taken",
+            ErrorCode::SnapshotUnsupported => "snapshot_unsupported",
+            ErrorCode::StorageFull => "storage_full",
         }
     }
 }
@@ -211,15 +224,18 @@ pub enum SandboxState {
     Suspended,
     Terminating,
     Terminated,
+    /// Paused to disk: no processes, no memory; its files are kept.
+    Paused,
 }
 
 impl SandboxState {
-    pub const ALL: [SandboxState; 5] = [
+    pub const ALL: [SandboxState; 6] = [
         SandboxState::Starting,
         SandboxState::Running,
         SandboxState::Suspended,
         SandboxState::Terminating,
         SandboxState::Terminated,
+        SandboxState::Paused,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -229,11 +245,41 @@ impl SandboxState {
             SandboxState::Suspended => "suspended",
             SandboxState::Terminating => "terminating",
             SandboxState::Terminated => "terminated",
+            SandboxState::Paused => "paused",
         }
     }
 
     pub fn parse(s: &str) -> Option<SandboxState> {
         SandboxState::ALL.into_iter().find(|st| st.as_str() == s)
+    }
+}
+
+/// Where a sandbox's files live.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum StorageKind {
+    /// A layer on disk under the daemon's state directory (a btrfs
+    /// subvolume): `disk_mib` is its quota, it does not count toward
+    /// `memory_mb`, and it can be kept beyond the sandbox's processes.
+    #[default]
+    Disk,
+    /// A tmpfs in the sandbox's memory: a little faster to write, but its
+    /// files count toward `memory_mb` and are gone with its processes.
+    Memory,
+}
+
+impl StorageKind {
+    pub const ALL: [StorageKind; 2] = [StorageKind::Disk, StorageKind::Memory];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StorageKind::Disk => "disk",
+            StorageKind::Memory => "memory",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<StorageKind> {
+        StorageKind::ALL.into_iter().find(|k| k.as_str() == s)
     }
 }
 
@@ -280,6 +326,105 @@ pub struct CreateSandbox {
     /// Network policy; `{"egress": "default"}` when absent.
     #[serde(default)]
     pub network: Option<NetworkRequest>,
+    /// Where its files live: `disk` or `memory`; the template's choice when
+    /// absent, else `disk` (`memory` on a host without disk storage).
+    #[serde(default)]
+    pub storage: Option<StorageKind>,
+    /// Start from a snapshot (its id or name) instead of a template: its
+    /// files, and the template settings of the sandbox it was taken of.
+    #[serde(default)]
+    pub snapshot: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/suspend`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Suspend {
+    /// `memory` (the default): every process frozen, memory kept; `disk`:
+    /// processes end, memory is released, files are kept (state `paused`;
+    /// disk layers only).
+    #[serde(default)]
+    pub mode: Option<SuspendMode>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum SuspendMode {
+    Memory,
+    Disk,
+}
+
+/// `POST /v1/sandboxes/{id}/snapshots`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSnapshot {
+    /// Unique among the key's snapshots: 1 to 64 of `a-z 0-9 - _ .`, not
+    /// starting with `snap-`.
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/fork`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Fork {
+    /// How many sandboxes, 1 to 16. Default 1.
+    #[serde(default)]
+    pub count: Option<u32>,
+}
+
+/// The sandboxes a fork started, each with the parent's files at one
+/// instant and an identity of its own.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct ForkResult {
+    pub sandboxes: Vec<Sandbox>,
+}
+
+/// `GET /v1/sandboxes/{id}/diff`: what the sandbox changed since it
+/// started (or since another snapshot of its lineage), paths sorted.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Diff {
+    pub changes: Vec<Change>,
+}
+
+/// One changed path.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Change {
+    /// Absolute in the sandbox.
+    pub path: String,
+    /// `added`, `modified` or `deleted`.
+    pub kind: String,
+    /// Bytes of the file now (a symlink: of its target); absent for
+    /// deletions and directories.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<u64>,
+    /// SHA-256 (hex) of the file now (a symlink: of its target).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
+}
+
+/// A sandbox's files at one instant.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Snapshot {
+    /// `snap-` and 16 hex digits.
+    pub id: String,
+    pub name: Option<String>,
+    /// The sandbox it was taken of (it may be gone).
+    pub sandbox_id: String,
+    /// Bytes its files take (shared with its sandbox and other snapshots
+    /// until either changes).
+    pub size_bytes: u64,
+    pub created_at: String,
+    /// Always false: a snapshot holds files, not memory or processes.
+    pub memory: bool,
+    /// The id of the API key that owns it.
+    pub owner: String,
+}
+
+/// `GET /v1/snapshots`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct SnapshotList {
+    pub snapshots: Vec<Snapshot>,
 }
 
 /// What a sandbox may reach.
@@ -367,6 +512,12 @@ pub struct Sandbox {
     /// The id of the API key that owns it.
     #[serde(default)]
     pub owner: String,
+    /// Where its files live.
+    #[serde(default)]
+    pub storage: StorageKind,
+    /// The snapshot it started from, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
 }
 
 /// A warm pool's bounds: the daemon keeps `min` sandboxes started and
@@ -418,6 +569,10 @@ pub struct CreateTemplate {
     /// `{"egress": "default"}` when absent.
     #[serde(default)]
     pub network: Option<NetworkRequest>,
+    /// Where its sandboxes' files live (a create's `storage` replaces it);
+    /// the host's default (`disk` where it has disk storage) when absent.
+    #[serde(default)]
+    pub storage: Option<StorageKind>,
 }
 
 /// `PATCH /v1/templates/{id}`: the fields given replace the template's. A
@@ -454,6 +609,9 @@ pub struct UpdateTemplate {
     /// Replaces the network policy. Raises the version.
     #[serde(default)]
     pub network: Option<NetworkRequest>,
+    /// Replaces where its sandboxes' files live. Raises the version.
+    #[serde(default)]
+    pub storage: Option<StorageKind>,
 }
 
 /// Tells a field given as `null` (`Some(None)`) from an absent one (`None`).
@@ -558,6 +716,9 @@ pub struct Template {
     /// The id of the API key that owns it.
     #[serde(default)]
     pub owner: String,
+    /// Where its sandboxes' files live; absent: the host's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage: Option<StorageKind>,
 }
 
 /// `GET /v1/templates`.
@@ -743,6 +904,9 @@ pub struct ExecutionRequest {
     /// The sandbox's network policy; `{"egress": "default"}` when absent.
     #[serde(default)]
     pub network: Option<NetworkRequest>,
+    /// Where the sandbox's files live, as for `POST /v1/sandboxes`.
+    #[serde(default)]
+    pub storage: Option<StorageKind>,
 }
 
 /// The result of a one-shot execution.
@@ -894,6 +1058,9 @@ pub struct KeyQuotas {
     /// Template builds queued or running at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_builds: Option<u64>,
+    /// Snapshots kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_snapshots: Option<u64>,
 }
 
 /// An API key as listed (`GET /v1/keys`, admin only).
@@ -942,6 +1109,9 @@ pub struct Usage {
     pub disk_mib: u64,
     /// Template builds queued or running.
     pub builds: u64,
+    /// Snapshots kept.
+    #[serde(default)]
+    pub snapshots: u64,
     pub quotas: KeyQuotas,
 }
 

@@ -225,7 +225,7 @@ impl Control {
     /// ends when the sandbox is paused or ends (connections that used it
     /// close); with it comes the Host to send, when the sandbox masks it.
     pub async fn authorize_e2b_port(
-        &self,
+        self: &Arc<Self>,
         id: &SandboxId,
         port: u16,
         token: Option<&str>,

@@ -108,6 +108,7 @@ impl Capacity {
             disk_mib: Some(self.disk_mib),
             ttl_seconds: None,
             builds: None,
+            snapshots: None,
         }
     }
 }
@@ -226,6 +227,9 @@ pub(crate) fn view(r: &SandboxRecord) -> Sandbox {
         template_version: r.template_version.map(|v| v as u64),
         network: NetRecord::parse(&r.network).view(),
         owner: r.owner.clone(),
+        storage: r.storage,
+        // A fork's origin is a layer of its own, not a snapshot to name.
+        snapshot: r.origin.clone().filter(|o| o.starts_with("snap-")),
     }
 }
 
@@ -308,6 +312,24 @@ impl Control {
     pub(crate) async fn sandbox_record(&self, id: &SandboxId) -> Result<Option<SandboxRecord>> {
         let id = id.as_str().to_owned();
         self.db(move |s| s.get_sandbox(&id)).await
+    }
+
+    /// Where a sandbox's files live: what was asked, or the host's default
+    /// (disk where the runtime has storage, memory where it has none). Disk
+    /// asked of a host without storage is refused, never downgraded.
+    pub(crate) fn storage_kind(&self, asked: Option<hutch_api::StorageKind>) -> Result<hutch_api::StorageKind> {
+        use hutch_api::StorageKind;
+        let has_disk = self.runtime.storage().is_some();
+        match asked {
+            Some(StorageKind::Disk) if !has_disk => Err(ControlError::FeatureUnavailable(
+                "disk storage is not available on this host (see `hutch doctor` and the daemon's log); \
+                 ask for \"storage\": \"memory\""
+                    .into(),
+            )),
+            Some(kind) => Ok(kind),
+            None if has_disk => Ok(StorageKind::Disk),
+            None => Ok(StorageKind::Memory),
+        }
     }
 
     /// Checks a network request against what the host can do.

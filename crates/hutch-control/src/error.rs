@@ -23,6 +23,16 @@ pub enum ControlError {
     NoImage(String),
     #[error("you already have a template named {0:?}")]
     TemplateNameTaken(String),
+    #[error("no snapshot {0}")]
+    NoSnapshot(String),
+    #[error("you already have a snapshot named {0:?}")]
+    SnapshotNameTaken(String),
+    #[error(
+        "sandbox {0} keeps its files in memory (\"storage\": \"memory\"): only disk layers are snapshotted, forked or compared"
+    )]
+    SnapshotUnsupported(String),
+    #[error("the host's storage for sandboxes' files is full: {0}")]
+    StorageFull(String),
     #[error("no process {pid} in sandbox {sandbox}")]
     NoProcess { sandbox: String, pid: u32 },
     #[error("sandbox {id} is {}, not running; the command was not sent", state.as_str())]
@@ -131,6 +141,7 @@ impl ControlError {
             | ControlError::NoKey(_)
             | ControlError::NoBuild(_)
             | ControlError::NoGrant(_)
+            | ControlError::NoSnapshot(_)
             | ControlError::NoWatcher(_) => ErrorCode::NotFound,
             ControlError::BuildRefused { .. } => ErrorCode::BuildInstructionRefused,
             ControlError::StartupFailed(_) => ErrorCode::SandboxStartupFailed,
@@ -162,6 +173,9 @@ impl ControlError {
             ControlError::Unauthorized(_) => ErrorCode::Unauthorized,
             ControlError::Forbidden(_) => ErrorCode::Forbidden,
             ControlError::Conflict(_) => ErrorCode::Conflict,
+            ControlError::SnapshotNameTaken(_) => ErrorCode::SnapshotNameTaken,
+            ControlError::SnapshotUnsupported(_) => ErrorCode::SnapshotUnsupported,
+            ControlError::StorageFull(_) => ErrorCode::StorageFull,
         }
     }
 

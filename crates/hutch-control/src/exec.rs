@@ -511,6 +511,7 @@ impl Control {
             limits: req.limits.clone(),
             wait_seconds: Some(60),
             network: req.network.clone(),
+            storage: req.storage,
             ..CreateSandbox::default()
         };
         let created = self.create(caller, &create, None).await;

@@ -70,6 +70,26 @@ impl SandboxId {
 }
 
 id_type!(
+    /// A snapshot: `snap-` and 16 hex digits.
+    SnapshotId
+);
+
+impl SnapshotId {
+    /// A path segment that may name a snapshot; anything else names none
+    /// (`not_found`).
+    pub fn parse(s: &str) -> Result<SnapshotId> {
+        match s.strip_prefix("snap-") {
+            Some(hex) if is_hex(hex, 16) => Ok(SnapshotId(s.to_owned())),
+            _ => Err(ControlError::NoSnapshot(truncated(s))),
+        }
+    }
+
+    pub(crate) fn random() -> Result<SnapshotId> {
+        Ok(SnapshotId(format!("snap-{}", random_hex(8)?)))
+    }
+}
+
+id_type!(
     /// An owner: the id of the API key that made a thing (`key-` and 12
     /// hex digits).
     OwnerId

@@ -121,6 +121,7 @@ pub fn to_api(q: &Quotas) -> KeyQuotas {
         max_disk_mib: q.disk_mib,
         max_ttl_seconds: q.ttl_seconds,
         max_builds: q.builds,
+        max_snapshots: q.snapshots,
     }
 }
 
@@ -131,6 +132,7 @@ pub fn from_api(q: &KeyQuotas) -> Quotas {
         disk_mib: q.max_disk_mib,
         ttl_seconds: q.max_ttl_seconds,
         builds: q.max_builds,
+        snapshots: q.max_snapshots,
     }
 }
 
@@ -226,8 +228,16 @@ impl Control {
             Some(_) => return Err(ControlError::Forbidden("only an admin key may read another key's usage".into())),
         };
         let o = owner.to_string();
-        let (record, held, builds) =
-            self.db(move |s| Ok((s.get_key(&o)?, s.usage(Some(&o))?, s.count_running_builds(Some(&o))?))).await?;
+        let (record, held, builds, snapshots) = self
+            .db(move |s| {
+                Ok((
+                    s.get_key(&o)?,
+                    s.usage(Some(&o))?,
+                    s.count_running_builds(Some(&o))?,
+                    s.list_snapshots(Some(&o))?.len() as u64,
+                ))
+            })
+            .await?;
         let record = record.ok_or_else(|| ControlError::NoKey(owner.to_string()))?;
         Ok(Usage {
             key_id: owner.to_string(),
@@ -235,6 +245,7 @@ impl Control {
             memory_mb: held.memory_mb,
             disk_mib: held.disk_mib,
             builds,
+            snapshots,
             quotas: to_api(&record.quotas),
         })
     }

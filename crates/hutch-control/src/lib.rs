@@ -28,6 +28,7 @@ pub mod ready;
 pub mod recover;
 pub mod sandboxes;
 pub mod session;
+pub mod snapshots;
 pub mod templates;
 
 pub use control::{Capacity, Config, Control};

@@ -8,6 +8,9 @@
 //!      │ FailStart       └──────Terminate──────┤ (also from starting)
 //!      ▼                                       ▼
 //!   terminated ◄────────────Finish──────── terminating
+//!
+//!   running, suspended ──Pause──► paused ──Wake──► starting
+//!   paused ──Terminate──► terminating
 //! ```
 //!
 //! Every change of state is one of these, made by a conditional update of
@@ -38,6 +41,10 @@ pub(crate) enum Transition {
     Finish,
     /// Its start failed (or it was deleted while starting).
     FailStart,
+    /// Paused to disk: its processes are ending, its layer stays.
+    Pause,
+    /// A paused sandbox starts again on its layer.
+    Wake,
 }
 
 impl Transition {
@@ -47,9 +54,11 @@ impl Transition {
             Transition::Ready => &[Starting],
             Transition::Suspend => &[Running],
             Transition::Resume => &[Suspended],
-            Transition::Terminate => &[Starting, Running, Suspended],
+            Transition::Terminate => &[Starting, Running, Suspended, Paused],
             Transition::Finish => &[Terminating],
             Transition::FailStart => &[Starting, Terminating],
+            Transition::Pause => &[Running, Suspended],
+            Transition::Wake => &[Paused],
         }
     }
 
@@ -59,6 +68,8 @@ impl Transition {
             Transition::Suspend => SandboxState::Suspended,
             Transition::Terminate => SandboxState::Terminating,
             Transition::Finish | Transition::FailStart => SandboxState::Terminated,
+            Transition::Pause => SandboxState::Paused,
+            Transition::Wake => SandboxState::Starting,
         }
     }
 }
@@ -67,6 +78,14 @@ impl Transition {
 pub const HOLDING_STATES: [SandboxState; 4] =
     [SandboxState::Starting, SandboxState::Running, SandboxState::Suspended, SandboxState::Terminating];
 pub(crate) const HOLDING: &[SandboxState] = &HOLDING_STATES;
+/// States in which a sandbox keeps its files: holding, or paused to disk.
+pub(crate) const KEEPING_FILES: [SandboxState; 5] = [
+    SandboxState::Starting,
+    SandboxState::Running,
+    SandboxState::Suspended,
+    SandboxState::Terminating,
+    SandboxState::Paused,
+];
 
 /// Why a sandbox ended or failed to start: its `last_error_code`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,6 +108,8 @@ pub enum Reason {
     StartRejected,
     ImageNotFound,
     ImageUnavailable,
+    /// Its disk layer could not be made or readied.
+    StorageFailed,
 }
 
 impl Reason {
@@ -111,6 +132,7 @@ impl Reason {
             Reason::StartRejected => "sandbox_start_rejected",
             Reason::ImageNotFound => "image_not_found",
             Reason::ImageUnavailable => "image_unavailable",
+            Reason::StorageFailed => "sandbox_storage_failed",
         }
     }
 
@@ -122,6 +144,7 @@ impl Reason {
             E::Cgroup(_) => Reason::CgroupFailed,
             E::Setup(_) => Reason::SetupFailed,
             E::Agent(_) | E::NoAgent { .. } => Reason::AgentFailed,
+            E::Storage(_) | E::NoStorage => Reason::StorageFailed,
             E::InvalidId(_) | E::Rootfs(_) | E::Seccomp(_) | E::Io { .. } => Reason::StartRejected,
         }
     }

@@ -45,7 +45,9 @@ impl Drop for RefillSlot {
 impl Control {
     /// Claims a ready warm sandbox of `recipe` for a create, or None (a miss).
     /// `ttl` runs from now; `metadata` is set on the claimed sandbox.
-    /// `StoreError::Conflict`: a concurrent create took the idempotency key.
+    /// Only a warm sandbox with the template's storage is claimed (the
+    /// caller asks for no other). `StoreError::Conflict`: a concurrent
+    /// create took the idempotency key.
     pub(crate) async fn claim_warm(
         &self,
         owner: &OwnerId,
@@ -56,6 +58,7 @@ impl Control {
         hash: &str,
     ) -> Result<Option<SandboxRecord>> {
         let Some(template_id) = recipe.id.clone() else { return Ok(None) };
+        let storage = self.storage_kind(recipe.storage)?;
         let now = now_ms();
         let (owner_s, metadata, key, hash) =
             (owner.to_string(), metadata.to_owned(), key.map(str::to_owned), hash.to_owned());
@@ -71,6 +74,7 @@ impl Control {
                     metadata: &metadata,
                     idempotency_key: key.as_deref(),
                     request_hash: &hash,
+                    storage,
                 })
             })
             .await?;
@@ -240,6 +244,14 @@ impl Control {
                     return;
                 }
             },
+            storage: match self.storage_kind(recipe.storage) {
+                Ok(k) => k,
+                Err(e) => {
+                    tracing::warn!("warm pool of template {}: {e}", recipe.name);
+                    return;
+                }
+            },
+            origin: None,
         };
         // Warm sandboxes count toward their owner's quotas and the host's
         // capacity like any other.

@@ -62,6 +62,13 @@ impl Control {
                 }
             }
         }
+        // Paused sandboxes keep their layers; processes a daemon stopped
+        // while pausing left behind end now.
+        for r in self.db(|s| s.sandboxes_in(&[SandboxState::Paused])).await? {
+            if let Err(e) = self.end_processes(&SandboxId::from_record(&r.id)).await {
+                tracing::warn!("paused sandbox {}: {e}", r.id);
+            }
+        }
         // Upload journals of sandboxes that are gone describe nothing left.
         let live: HashSet<String> = self.lives().iter().map(|l| l.id.to_string()).collect();
         crate::files::journal::sweep(&self.runtime.config().state_dir.join("uploads"), move |id| live.contains(id))
@@ -70,6 +77,23 @@ impl Control {
         // what a stopped daemon was tearing down) is swept.
         let rt = self.runtime.clone();
         let _ = tokio::task::spawn_blocking(move || rt.sweep()).await;
+        // Disk layers of sandboxes that ended (or never were: a create cut
+        // short) are deleted; those of every sandbox not terminated stay.
+        // The storage is this state directory's: only this daemon's layers.
+        if let Some(storage) = self.runtime.storage().cloned() {
+            let alive: Vec<SandboxState> =
+                SandboxState::ALL.into_iter().filter(|s| *s != SandboxState::Terminated).collect();
+            let keep: HashSet<String> =
+                self.db(move |s| s.sandboxes_in(&alive)).await?.into_iter().map(|r| r.id).collect();
+            let swept = tokio::task::spawn_blocking(move || {
+                storage.sweep(hutch_runtime::storage::Kind::Sandbox, |name| keep.contains(name))
+            })
+            .await?;
+            if !swept.is_empty() {
+                tracing::info!("deleted the disk layers of {} sandboxes that are gone: {swept:?}", swept.len());
+            }
+        }
+        self.sweep_snapshots().await?;
         Ok(())
     }
 
@@ -109,7 +133,7 @@ impl Control {
         let mut lag = 0.0f64;
         let (mut unknown, mut first_unknown) = (0usize, None);
         let revoked = self.revoked_owners().await?;
-        let states = [SandboxState::Running, SandboxState::Suspended, SandboxState::Terminating];
+        let states = [SandboxState::Running, SandboxState::Suspended, SandboxState::Terminating, SandboxState::Paused];
         for r in self.db(move |s| s.sandboxes_in(&states)).await? {
             let id = SandboxId::from_record(&r.id);
             if r.state == SandboxState::Terminating {

@@ -8,7 +8,7 @@ use crate::error::{ControlError, Result};
 use crate::ids::{Caller, OwnerId, SandboxId};
 use crate::lifecycle::{Live, Reason, Transition};
 use crate::network::NetRecord;
-use hutch_api::{CreateSandbox, Extend, LimitsRequest, Sandbox, SandboxList, SandboxState};
+use hutch_api::{CreateSandbox, Extend, LimitsRequest, Sandbox, SandboxList, SandboxState, StorageKind};
 use hutch_runtime::cgroup::Limits as CgLimits;
 use hutch_runtime::image::{ImageError, ImageStore};
 use hutch_runtime::net::{Attached, Network};
@@ -109,7 +109,35 @@ impl Control {
         }
         let owner = &caller.owner;
         // Everything is checked before anything is reserved.
-        let tpl = self.recipe(owner, req.template.as_deref()).await?;
+        // A template, or a snapshot with the settings of its sandbox.
+        let (tpl, origin) = match &req.snapshot {
+            Some(_) if req.template.is_some() => {
+                return Err(ControlError::Invalid("give a template or a snapshot, not both".into()))
+            }
+            Some(_) if req.storage == Some(StorageKind::Memory) => {
+                return Err(ControlError::Invalid("a sandbox started from a snapshot keeps its files on disk".into()))
+            }
+            Some(reference) => {
+                let (snap, recipe) = self.snapshot_recipe(owner, reference).await?;
+                (recipe, Some(snap))
+            }
+            None => (self.recipe(owner, req.template.as_deref()).await?, None),
+        };
+        self.create_from(caller, req, key, tpl, origin, &opts).await
+    }
+
+    /// A create whose template (or snapshot) is resolved: `origin` names
+    /// the snapshot layer its files start from.
+    pub(crate) async fn create_from(
+        self: &Arc<Self>,
+        caller: &Caller,
+        req: &CreateSandbox,
+        key: Option<&str>,
+        tpl: crate::templates::Recipe,
+        origin: Option<String>,
+        opts: &CreateOptions,
+    ) -> Result<(Sandbox, bool)> {
+        let owner = &caller.owner;
         // The template's limits, field by field unless the request overrides.
         let asked = req.limits.clone().unwrap_or_default();
         let limits = LimitsRequest {
@@ -143,6 +171,7 @@ impl Control {
         let mut net = self.network_record(Some(req.network.as_ref().unwrap_or(&tpl.network)))?;
         net.interface = opts.interface && net.egress == hutch_api::Egress::DenyAll;
         net.e2b = opts.e2b.clone();
+        let storage = self.storage_kind(req.storage.or(tpl.storage))?;
         let quotas = self.quotas_of(owner).await?;
         Self::check_ttl(&quotas, ttl)?;
         let admission = self.admission(quotas, memory, disk)?;
@@ -161,7 +190,13 @@ impl Control {
         // request changes nothing that would need a restart (metadata and
         // lifetime are record fields).
         let net_as_template = req.network.as_ref().is_none_or(|n| *n == tpl.network);
-        if req.env.is_empty() && (memory, vcpus, disk, pids) == tpl.limits() && net_as_template {
+        let storage_as_template = storage == self.storage_kind(tpl.storage)?;
+        if origin.is_none()
+            && req.env.is_empty()
+            && (memory, vcpus, disk, pids) == tpl.limits()
+            && net_as_template
+            && storage_as_template
+        {
             match self.claim_warm(owner, &tpl, ttl, &metadata, key, &hash).await {
                 Ok(Some(r)) if opts.e2b.is_some() => {
                     // The E2B settings join the claimed sandbox's record.
@@ -204,6 +239,8 @@ impl Control {
             warm: false,
             pooled: false,
             network: net.to_json(),
+            storage,
+            origin,
         };
         let rec = record.clone();
         match self.db(move |s| s.insert_sandbox(&rec, &admission)).await {
@@ -334,7 +371,7 @@ impl Control {
             netns: None,
             resolv_conf: None,
             extra_lowers,
-            upper_dir: None,
+            writable: hutch_runtime::Writable::Memory,
         };
         let rt = self.runtime.clone();
         let mut net = NetRecord::parse(&record.network);
@@ -342,9 +379,37 @@ impl Control {
         let network = self.network.clone();
         let sid = record.id.clone();
         let interface = net.interface;
-        let started =
-            tokio::task::spawn_blocking(move || start_with_network(&rt, spec, network, &sid, &policy, interface))
-                .await?;
+        let (storage, origin) = (record.storage, record.origin.clone());
+        let started = tokio::task::spawn_blocking(move || {
+            let mut spec = spec;
+            // A disk layer of its own, named after it (empty, or a copy of
+            // the snapshot it starts from); nothing of it is left if the
+            // start fails.
+            // A paused sandbox's layer is its own already: kept whatever
+            // happens.
+            let mut kept = false;
+            if storage == StorageKind::Disk {
+                let layer = match rt.layer_of(&sid).map_err(BootError::Runtime)? {
+                    Some(layer) => {
+                        kept = true;
+                        Ok(layer)
+                    }
+                    None => match &origin {
+                        Some(snap) => rt.layer_from_snapshot(&sid, snap),
+                        None => rt.new_layer(&sid),
+                    },
+                };
+                spec.writable = hutch_runtime::Writable::Layer(layer.map_err(BootError::Runtime)?);
+            }
+            let started = start_with_network(&rt, spec, network, &sid, &policy, interface);
+            if started.is_err() && storage == StorageKind::Disk && !kept {
+                if let Err(e) = rt.delete_layer(&sid) {
+                    tracing::warn!("sandbox {sid}: its layer stays until the next sweep: {e}");
+                }
+            }
+            started
+        })
+        .await?;
         let sb = match started {
             Ok((sb, attached, applied)) => {
                 if let Some(a) = &attached {
@@ -368,6 +433,7 @@ impl Control {
                 return Err(ControlError::StartFailed(reason));
             }
         };
+        tracing::debug!("sandbox {id} started: {:?}", sb.timings);
         let host_pid = i64::from(sb.pid);
         let live = Live::new(sb, owner, record.pooled);
         if recipe.startup.is_some() || recipe.readiness.is_some() {
@@ -475,10 +541,12 @@ impl Control {
             None => self.runtime.adopt(id.as_str()),
         };
         let rt = self.runtime.clone();
+        let sid = id.to_string();
         let destroyed = tokio::task::spawn_blocking(move || {
             let result = handle.destroy();
             rt.sweep();
-            result
+            // Its files go once its processes have: the disk layer, if any.
+            result.and_then(|()| rt.delete_layer(&sid).map(drop))
         })
         .await?;
         if let Err(e) = destroyed {
@@ -491,6 +559,7 @@ impl Control {
             tokio::task::spawn_blocking(move || net.release(&sid)).await?;
         }
         self.transition(id, Transition::Finish, Set::default()).await?;
+        self.release_origin(r.origin.clone()).await;
         Ok(())
     }
 
@@ -500,7 +569,7 @@ impl Control {
     /// clamps).
     pub async fn extend(&self, caller: &Caller, id: &SandboxId, req: &Extend, clamp: bool) -> Result<Sandbox> {
         let r = self.record(caller, id, Need::Manage).await?;
-        let live = [SandboxState::Starting, SandboxState::Running, SandboxState::Suspended];
+        let live = [SandboxState::Starting, SandboxState::Running, SandboxState::Suspended, SandboxState::Paused];
         if !live.contains(&r.state) {
             return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
         }
@@ -541,12 +610,104 @@ impl Control {
         }
     }
 
-    pub async fn suspend(&self, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
-        self.freeze(caller, id, true).await
+    /// Suspends a sandbox: in memory (frozen), or to disk (paused).
+    pub async fn suspend(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &SandboxId,
+        mode: hutch_api::SuspendMode,
+    ) -> Result<Sandbox> {
+        match mode {
+            hutch_api::SuspendMode::Memory => {
+                let r = self.record(caller, id, Need::Manage).await?;
+                if r.state == SandboxState::Paused {
+                    return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
+                }
+                self.freeze(caller, id, true).await
+            }
+            hutch_api::SuspendMode::Disk => self.pause(caller, id).await,
+        }
     }
 
-    pub async fn resume(&self, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
+    /// Resumes a frozen sandbox, or starts a paused one again on its files
+    /// (a fresh agent, its template's startup command run again).
+    pub async fn resume(self: &Arc<Self>, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
+        let r = self.record(caller, id, Need::Manage).await?;
+        if r.state == SandboxState::Paused {
+            return self.wake(r).await;
+        }
         self.freeze(caller, id, false).await
+    }
+
+    /// Pauses a sandbox to disk: the record says `paused` first (so a
+    /// daemon stopped part way finds it paused, and ends what is left of its
+    /// processes at start), then its processes end, its network lease is
+    /// released, and its layer is written to disk. Its admission stays.
+    async fn pause(self: &Arc<Self>, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
+        let r = self.record(caller, id, Need::Manage).await?;
+        if r.state == SandboxState::Paused {
+            return Ok(view(&r));
+        }
+        if !Transition::Pause.from().contains(&r.state) {
+            return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
+        }
+        if r.storage != StorageKind::Disk {
+            return Err(ControlError::SnapshotUnsupported(id.to_string()));
+        }
+        let Some(paused) = self.transition(id, Transition::Pause, Set::default()).await? else {
+            let r = self.record(caller, id, Need::Manage).await?;
+            return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
+        };
+        self.access.revoke_sandbox(id.as_str());
+        self.end_processes(id).await?;
+        Ok(view(&paused))
+    }
+
+    /// Ends a paused sandbox's processes (if any are left) and what they
+    /// held on the host, keeping its layer, written to disk.
+    pub(crate) async fn end_processes(&self, id: &SandboxId) -> Result<()> {
+        let live = self.remove_live(id);
+        let handle = match live.as_ref().and_then(|l| l.handle.lock().ok().and_then(|mut h| h.take())) {
+            Some(h) => h,
+            None => self.runtime.adopt(id.as_str()),
+        };
+        let rt = self.runtime.clone();
+        tokio::task::spawn_blocking(move || {
+            let ended = handle.destroy();
+            rt.sweep();
+            if let Some(storage) = rt.storage() {
+                if let Err(e) = storage.sync() {
+                    tracing::warn!("storage: {e}");
+                }
+            }
+            ended
+        })
+        .await?
+        .map_err(|e| ControlError::Runtime(e.to_string()))?;
+        if let Ok(net) = &self.network {
+            let (net, sid) = (net.clone(), id.to_string());
+            tokio::task::spawn_blocking(move || net.release(&sid)).await?;
+        }
+        Ok(())
+    }
+
+    /// Starts a paused sandbox again on its layer.
+    async fn wake(self: &Arc<Self>, r: SandboxRecord) -> Result<Sandbox> {
+        let id = SandboxId::from_record(&r.id);
+        let owner = OwnerId::from_record(&r.owner);
+        let recipe = match r.origin.as_deref().filter(|o| o.starts_with("snap-")) {
+            Some(snap) => match self.snapshot_recipe(&owner, snap).await {
+                Ok((_, recipe)) => recipe,
+                Err(_) => self.recipe(&owner, Some(&r.template)).await?,
+            },
+            None => self.recipe(&owner, Some(&r.template)).await?,
+        };
+        let Some(record) = self.transition(&id, Transition::Wake, Set::default()).await? else {
+            return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
+        };
+        let this = self.clone();
+        let booted = tokio::spawn(async move { this.boot(record, &recipe).await }).await??;
+        Ok(view(&booted))
     }
 
     async fn freeze(&self, caller: &Caller, id: &SandboxId, frozen: bool) -> Result<Sandbox> {
@@ -567,11 +728,14 @@ impl Control {
         tokio::task::spawn_blocking(move || {
             let guard = l2.handle.lock().map_err(|_| "lock poisoned".to_owned())?;
             let sb = guard.as_ref().ok_or_else(|| "sandbox is being deleted".to_owned())?;
-            if frozen { sb.freeze() } else { sb.thaw() }.map_err(|e| e.to_string())
+            if frozen { sb.freeze() } else { sb.thaw() }.map_err(|e| e.to_string())?;
+            // Under the handle's lock, which a snapshot holds while it
+            // freezes and thaws: it sees the state it must leave.
+            l2.set_suspended(frozen);
+            Ok::<(), String>(())
         })
         .await?
         .map_err(ControlError::Runtime)?;
-        live.set_suspended(frozen);
         if frozen {
             // Open proxied connections end with the grants.
             self.access.revoke_sandbox(id.as_str());

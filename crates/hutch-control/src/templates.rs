@@ -55,6 +55,9 @@ pub struct Recipe {
     pub readiness: Option<Readiness>,
     /// The network policy of its sandboxes unless a create sets one.
     pub network: hutch_api::NetworkRequest,
+    /// Where its sandboxes' files live unless a create says; None: the
+    /// host's default.
+    pub storage: Option<hutch_api::StorageKind>,
 }
 
 /// A template's stored network policy.
@@ -81,6 +84,7 @@ impl Recipe {
             startup: None,
             readiness: None,
             network: hutch_api::NetworkRequest::default(),
+            storage: None,
         }
     }
 
@@ -116,6 +120,7 @@ impl Recipe {
             startup: t.startup.as_deref().and_then(|s| serde_json::from_str(s).ok()),
             readiness: t.readiness.as_deref().and_then(|s| serde_json::from_str(s).ok()),
             network: network_of(t),
+            storage: t.storage,
         }
     }
 
@@ -283,6 +288,7 @@ impl Control {
             created_at: rfc3339(t.created_at),
             updated_at: rfc3339(t.updated_at),
             owner: t.owner.clone(),
+            storage: t.storage,
         })
     }
 
@@ -367,6 +373,7 @@ impl Control {
             startup: to_json(req.startup.as_ref()),
             readiness: to_json(req.readiness.as_ref()),
             network: self.template_network(req.network.as_ref())?,
+            storage: req.storage.map(|k| self.storage_kind(Some(k))).transpose()?,
         };
         let rec = t.clone();
         match self.db(move |s| s.insert_template(&rec)).await {
@@ -446,7 +453,11 @@ impl Control {
         if let Some(network) = &req.network {
             t.network = self.template_network(Some(network))?;
         }
+        if let Some(kind) = req.storage {
+            t.storage = Some(self.storage_kind(Some(kind))?);
+        }
         let changed = t.image != old.image
+            || t.storage != old.storage
             || network_of(&t) != network_of(&old)
             || t.startup != old.startup
             || t.readiness != old.readiness

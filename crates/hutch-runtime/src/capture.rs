@@ -105,7 +105,7 @@ impl Scratch {
         Ok(scratch)
     }
 
-    /// The directory to give as [`crate::SandboxSpec::upper_dir`].
+    /// The directory to give as [`crate::Writable::HostDir`].
     pub fn dir(&self) -> &Path {
         &self.dir
     }

@@ -12,6 +12,7 @@ use crate::cgroup::{self, Cgroup, CgroupError, Layout, Limits};
 use crate::launch::{self, cstr, Plan, Step, StepError};
 use crate::rootfs::{self, FsSpec, RootfsError};
 use crate::seccomp::{self, SeccompError};
+use crate::storage::{Layer, LayerName, Storage, StorageError};
 use crate::uids::{self, Slot, UidError};
 use hutch_agent::proto::{self, AgentConfig};
 use std::fs::{self, File};
@@ -100,6 +101,10 @@ pub enum RuntimeError {
     Io { what: String, source: io::Error },
     #[error("agent binary {path} not found; build it (cargo build) or set HUTCH_AGENT")]
     NoAgent { path: PathBuf },
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+    #[error("a disk layer was asked for, but this runtime has no storage")]
+    NoStorage,
 }
 
 fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> RuntimeError {
@@ -184,10 +189,27 @@ pub struct SandboxSpec {
     pub resolv_conf: Option<PathBuf>,
     /// Read-only layers stacked over `base`, bottom first (a built image).
     pub extra_lowers: Vec<PathBuf>,
-    /// A host directory holding `upper/` and `work/` that becomes the
-    /// writable layer instead of the size-capped tmpfs: build sandboxes only,
-    /// whose layer is captured after they end (see [`crate::capture`]).
-    pub upper_dir: Option<PathBuf>,
+    /// Where the sandbox's writes go.
+    pub writable: Writable,
+}
+
+/// A sandbox's writable layer.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Writable {
+    /// A tmpfs of `disk_bytes` inside the sandbox's mount namespace: the
+    /// fastest, but its pages count toward the sandbox's memory, and it is
+    /// gone with the sandbox's processes (no snapshot, no pause to disk).
+    #[default]
+    Memory,
+    /// A layer of the runtime's [`Storage`] (a btrfs subvolume), made or
+    /// chosen by the caller, mounted id-mapped; `disk_bytes` becomes its
+    /// quota (writes past it fail with EDQUOT). It outlives the sandbox:
+    /// [`Sandbox::destroy`] leaves it, [`Storage::delete`] removes it.
+    Layer(Layer),
+    /// A host directory holding `upper/` and `work/`, owned by the
+    /// sandbox's host ids: build sandboxes only, whose layer is captured
+    /// after they end (see [`crate::capture`]).
+    HostDir(PathBuf),
 }
 
 impl Default for SandboxSpec {
@@ -203,7 +225,7 @@ impl Default for SandboxSpec {
             netns: None,
             resolv_conf: None,
             extra_lowers: Vec::new(),
-            upper_dir: None,
+            writable: Writable::Memory,
         }
     }
 }
@@ -215,6 +237,7 @@ pub struct Runtime {
     layout: Layout,
     seccomp: Vec<seccomp::Filter>,
     base: PathBuf,
+    storage: Option<std::sync::Arc<Storage>>,
 }
 
 /// A running sandbox.
@@ -226,6 +249,8 @@ pub struct Sandbox {
     pub socket: PathBuf,
     pub cgroup: Cgroup,
     slot: Option<Slot>,
+    /// Its disk layer, if it has one (and the storage that holds it).
+    layer: Option<(Layer, std::sync::Arc<Storage>)>,
     /// How long each phase of the start took, for `hutch run --timings`.
     pub timings: Vec<(&'static str, Duration)>,
 }
@@ -280,7 +305,130 @@ impl Runtime {
         if !cfg.agent.is_file() {
             return Err(RuntimeError::NoAgent { path: cfg.agent.clone() });
         }
-        Ok(Runtime { cfg, layout, seccomp, base })
+        Ok(Runtime { cfg, layout, seccomp, base, storage: None })
+    }
+
+    /// Gives the runtime disk storage for writable layers
+    /// ([`Writable::Layer`]); without it only memory layers start.
+    pub fn with_storage(mut self, storage: Option<std::sync::Arc<Storage>>) -> Runtime {
+        self.storage = storage;
+        self
+    }
+
+    /// The disk storage of writable layers, if this runtime has one.
+    pub fn storage(&self) -> Option<&std::sync::Arc<Storage>> {
+        self.storage.as_ref()
+    }
+
+    /// Makes the empty writable layer of sandbox `id` (named after it:
+    /// [`LayerName::sandbox`]), with the directories every sandbox's upper
+    /// layer holds ([`rootfs::UPPER_DIRS`]). Start the sandbox with it as
+    /// [`Writable::Layer`]; it is the caller's to delete.
+    pub fn new_layer(&self, id: &str) -> Result<Layer, RuntimeError> {
+        let storage = self.storage.as_ref().ok_or(RuntimeError::NoStorage)?;
+        Ok(storage.create(&LayerName::sandbox(id)?, rootfs::UPPER_DIRS)?)
+    }
+
+    /// Takes a read-only snapshot of sandbox `id`'s layer as snapshot
+    /// `snap` ([`crate::storage::Kind::Snapshot`]): every write made before
+    /// the call. Freeze the sandbox around it for a consistent copy.
+    /// Returns the snapshot and the bytes it references.
+    pub fn snapshot_layer(&self, id: &str, snap: &str) -> Result<(Layer, u64), RuntimeError> {
+        let storage = self.storage.as_ref().ok_or(RuntimeError::NoStorage)?;
+        let name = LayerName::sandbox(id)?;
+        let source = storage.open_layer(&name)?.ok_or(StorageError::NotFound(name))?;
+        let taken = storage.snapshot(&source, &LayerName::new(crate::storage::Kind::Snapshot, snap)?, true)?;
+        let size = storage.usage(&taken).map(|u| u.referenced_bytes).unwrap_or(0);
+        Ok((taken, size))
+    }
+
+    /// Makes sandbox `id`'s writable layer from snapshot `snap` (a writable
+    /// snapshot of it, sharing its blocks until either changes). Start the
+    /// sandbox with it as [`Writable::Layer`]; it is the caller's to delete.
+    pub fn layer_from_snapshot(&self, id: &str, snap: &str) -> Result<Layer, RuntimeError> {
+        let storage = self.storage.as_ref().ok_or(RuntimeError::NoStorage)?;
+        let name = LayerName::new(crate::storage::Kind::Snapshot, snap)?;
+        let source = storage.open_layer(&name)?.ok_or(StorageError::NotFound(name))?;
+        Ok(storage.snapshot(&source, &LayerName::sandbox(id)?, false)?)
+    }
+
+    /// What sandbox `id` changed since it started: its layer's upper
+    /// directory against snapshot layer `origin`'s (None: against its image,
+    /// `root` and `extra_lowers` as it was started with).
+    pub fn diff(
+        &self,
+        id: &str,
+        origin: Option<&str>,
+        root: &RootSource,
+        extra_lowers: &[PathBuf],
+    ) -> Result<Vec<crate::storage::diff::Change>, RuntimeError> {
+        let storage = self.storage.as_ref().ok_or(RuntimeError::NoStorage)?;
+        let name = LayerName::sandbox(id)?;
+        let layer = storage.open_layer(&name)?.ok_or(StorageError::NotFound(name))?;
+        let start = match origin {
+            Some(o) => {
+                let name = LayerName::new(crate::storage::Kind::Snapshot, o)?;
+                Some(storage.open_layer(&name)?.ok_or(StorageError::NotFound(name))?)
+            }
+            None => None,
+        };
+        // The image, top first.
+        let mut lowers: Vec<(String, PathBuf)> =
+            extra_lowers.iter().rev().map(|p| (String::new(), p.clone())).collect();
+        match root {
+            RootSource::Base => {
+                lowers.push(("usr".into(), PathBuf::from("/usr")));
+                lowers.push((String::new(), self.base.clone()));
+            }
+            RootSource::Layers(layers) => lowers.extend(layers.iter().rev().map(|p| (String::new(), p.clone()))),
+        }
+        crate::storage::diff::diff(
+            &layer.upper(),
+            start.as_ref().map(|s| s.upper()).as_deref(),
+            &crate::storage::diff::Lowers(lowers),
+        )
+        .map_err(io_err(format!("compare the files of {id}")))
+    }
+
+    /// A tar archive of `changes` (from [`Runtime::diff`]) as sandbox
+    /// `id`'s layer holds them now (see [`crate::storage::diff::archive`]).
+    pub fn diff_archive(
+        &self,
+        id: &str,
+        changes: &[crate::storage::diff::Change],
+        cap: u64,
+    ) -> Result<Vec<u8>, RuntimeError> {
+        let storage = self.storage.as_ref().ok_or(RuntimeError::NoStorage)?;
+        let name = LayerName::sandbox(id)?;
+        let layer = storage.open_layer(&name)?.ok_or(StorageError::NotFound(name))?;
+        crate::storage::diff::archive(&layer.upper(), changes, cap)
+            .map_err(io_err(format!("archive the changes of {id}")))
+    }
+
+    /// Deletes snapshot `snap`; false if there was none.
+    pub fn delete_snapshot(&self, snap: &str) -> Result<bool, RuntimeError> {
+        match &self.storage {
+            Some(storage) => Ok(storage.delete(&LayerName::new(crate::storage::Kind::Snapshot, snap)?)?),
+            None => Ok(false),
+        }
+    }
+
+    /// The writable layer of sandbox `id`, if it has one on disk.
+    pub fn layer_of(&self, id: &str) -> Result<Option<Layer>, RuntimeError> {
+        match &self.storage {
+            Some(storage) => Ok(storage.open_layer(&LayerName::sandbox(id)?)?),
+            None => Ok(None),
+        }
+    }
+
+    /// Deletes the writable layer of sandbox `id`; false if it had none (or
+    /// this runtime has no storage). Call it once the sandbox's processes
+    /// are gone ([`Sandbox::destroy`]).
+    pub fn delete_layer(&self, id: &str) -> Result<bool, RuntimeError> {
+        match &self.storage {
+            Some(storage) => Ok(storage.delete(&LayerName::sandbox(id)?)?),
+            None => Ok(false),
+        }
     }
 
     pub fn layout(&self) -> &Layout {
@@ -301,6 +449,21 @@ impl Runtime {
             return Err(RuntimeError::InvalidId(format!("{id} (its socket path would pass {MAX_SOCKET_PATH} bytes)")));
         }
         let mut marks = Marks::new();
+        // A disk layer is readied (its quota, overlay's mark of its last
+        // volatile mount) before anything else is taken.
+        let layer = match &spec.writable {
+            Writable::Layer(layer) => {
+                if layer.read_only() {
+                    return Err(StorageError::ReadOnly(layer.name().clone()).into());
+                }
+                let storage = self.storage.clone().ok_or(RuntimeError::NoStorage)?;
+                storage.prepare_mount(layer)?;
+                storage.set_limit(layer, Some(spec.disk_bytes))?;
+                marks.mark("layer");
+                Some((layer.clone(), storage))
+            }
+            Writable::Memory | Writable::HostDir(_) => None,
+        };
         let slot = uids::allocate(&self.cfg.uid_dir, &id, &self.cfg.run_dir)?;
         marks.mark("uid range");
         // The namespaces are made on the other CPU while we make the cgroup.
@@ -312,10 +475,14 @@ impl Runtime {
                     return Err(RuntimeError::Io { what: "start the namespace helper".into(), source: e });
                 }
             };
-        // Headroom for the agent: its own memory, and files it writes into
-        // the RAM-backed writable layer for the API (charged to it, the
-        // writer), which the layer's size bounds.
-        let headroom = spec.disk_bytes.saturating_add(cgroup::AGENT_RESERVE_BYTES);
+        // Headroom for the agent: its own memory, and, for a layer in RAM
+        // (the tmpfs, or a build's scratch), files it writes into it for the
+        // API (charged to it, the writer), which the layer's size bounds. A
+        // disk layer's pages are page cache, reclaimed under the limit.
+        let headroom = match spec.writable {
+            Writable::Layer(_) => cgroup::AGENT_RESERVE_BYTES,
+            Writable::Memory | Writable::HostDir(_) => spec.disk_bytes.saturating_add(cgroup::AGENT_RESERVE_BYTES),
+        };
         let cgroup = match Cgroup::create(&self.layout, &id, &spec.limits, headroom) {
             Ok(c) => c,
             Err(e) => {
@@ -326,7 +493,7 @@ impl Runtime {
         };
         let socket = self.socket_path(&id);
         marks.mark("cgroup");
-        let mut sandbox = Sandbox { id, pid: 0, socket, cgroup, slot: Some(slot), timings: Vec::new() };
+        let mut sandbox = Sandbox { id, pid: 0, socket, cgroup, slot: Some(slot), layer, timings: Vec::new() };
         let launched = helper.finish().map_err(io_err("create the sandbox's namespaces")).and_then(|ns| {
             marks.mark("namespaces");
             self.launch(&mut sandbox, spec, ns, &mut marks)
@@ -437,12 +604,15 @@ impl Runtime {
                     stage: &stage,
                     lowers: &lowers,
                     usr,
-                    disk_bytes: spec.disk_bytes,
+                    upper: match &spec.writable {
+                        Writable::Memory => rootfs::Upper::Memory(spec.disk_bytes),
+                        Writable::Layer(layer) => rootfs::Upper::Layer(layer.path()),
+                        Writable::HostDir(dir) => rootfs::Upper::HostDir(dir),
+                    },
                     id_base: slot.base(),
                     userns_fd: userns.as_raw_fd(),
                     shm_bytes: (spec.limits.memory_bytes / 2).min(64 << 20),
                     max_ptys: KERNEL_CAPS.ptys,
-                    upper: spec.upper_dir.as_deref(),
                 },
             )?;
             if let Some(resolv) = &spec.resolv_conf {
@@ -541,13 +711,21 @@ impl Runtime {
     /// Takes charge of a sandbox started by an earlier run of the daemon: its
     /// PID 1 is no longer our child, and its uid range is held by its PID 1
     /// alone ([`Runtime::sweep`] frees it once the sandbox is destroyed).
+    ///
+    /// Its disk layer, if it has one, is found by its name (a sandbox's
+    /// layer is always [`crate::storage::LayerName::sandbox`] of its id).
     pub fn adopt(&self, id: &str) -> Sandbox {
+        let layer = self.storage.as_ref().and_then(|s| {
+            let name = crate::storage::LayerName::sandbox(id).ok()?;
+            Some((s.open_layer(&name).ok()??, s.clone()))
+        });
         Sandbox {
             id: id.to_owned(),
             pid: 0,
             socket: self.socket_path(id),
             cgroup: Cgroup::existing(&self.layout, id),
             slot: None,
+            layer,
             timings: Vec::new(),
         }
     }
@@ -574,11 +752,22 @@ impl Sandbox {
         self.cgroup.freeze()
     }
 
-    /// What the sandbox uses now. Disk figures come from its writable layer,
-    /// seen through PID 1's root (statfs of an overlay reports its upper
-    /// layer).
+    /// Its disk layer, if it has one.
+    pub fn layer(&self) -> Option<&Layer> {
+        self.layer.as_ref().map(|(l, _)| l)
+    }
+
+    /// What the sandbox uses now. Disk figures come from its writable layer:
+    /// a disk layer's quota group (bytes used, its limit), or a memory
+    /// layer seen through PID 1's root (statfs of an overlay reports its
+    /// upper layer's file system, the tmpfs).
     pub fn usage(&self) -> Usage {
-        let (disk_used, disk_total) = statfs_used(&format!("/proc/{}/root/", self.pid)).unwrap_or((0, 0));
+        let (disk_used, disk_total) = match &self.layer {
+            Some((layer, storage)) => {
+                storage.usage(layer).map(|u| (u.used_bytes, u.limit_bytes.unwrap_or(0))).unwrap_or((0, 0))
+            }
+            None => statfs_used(&format!("/proc/{}/root/", self.pid)).unwrap_or((0, 0)),
+        };
         Usage {
             memory_bytes: self.cgroup.memory_current(),
             memory_cache_bytes: self.cgroup.memory_cache(),
@@ -624,7 +813,9 @@ impl Sandbox {
     }
 
     /// Kills every process of the sandbox and removes everything it held:
-    /// cgroup, socket, uid range. Mounts and namespaces die with PID 1.
+    /// cgroup, socket, uid range. Mounts and namespaces die with PID 1. A
+    /// disk layer stays: it is the caller's to keep or delete
+    /// ([`Storage::delete`]).
     pub fn destroy(self) -> Result<(), RuntimeError> {
         let Sandbox { pid, socket, cgroup, slot, .. } = self;
         let _ = cgroup.kill_all();

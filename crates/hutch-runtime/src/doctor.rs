@@ -51,6 +51,43 @@ impl Report {
     }
 }
 
+/// Where the sandboxes' disk layers live (the state directory's btrfs, or
+/// an image of the daemon's) and how full it is. Without it sandboxes still
+/// run, with memory layers only.
+fn storage_finding(state_dir: &Path) -> Finding {
+    use crate::storage::{inspect, Found};
+    let fix = "install btrfs-progs (mkfs.btrfs) and give the host loop devices, or put the state directory on btrfs";
+    match inspect(state_dir) {
+        Found::Mounted(status) => finding("storage", true, status.to_string(), fix),
+        Found::Unmounted { image, size_bytes } => finding(
+            "storage",
+            true,
+            format!(
+                "btrfs image {} ({:.1} GiB), not mounted: hutch serve mounts it",
+                image.display(),
+                size_bytes as f64 / f64::from(1u32 << 30)
+            ),
+            fix,
+        ),
+        Found::None { native } => match crate::storage::can_make(native) {
+            Ok(()) if native => finding("storage", true, "none yet; hutch serve uses the state directory's btrfs", fix),
+            Ok(()) => finding(
+                "storage",
+                true,
+                format!("none yet; hutch serve makes a btrfs image under {}", state_dir.join("storage").display()),
+                fix,
+            ),
+            Err(why) => finding("storage", false, format!("{why}: sandboxes get memory layers only"), fix),
+        },
+        Found::Foreign { path, fstype } => finding(
+            "storage",
+            false,
+            format!("{} is a {fstype} mount, not hutch's btrfs: sandboxes get memory layers only", path.display()),
+            "unmount it, or use another state directory",
+        ),
+    }
+}
+
 fn finding(name: &'static str, ok: bool, detail: impl Into<String>, fix: &str) -> Finding {
     Finding { name, ok, detail: detail.into(), fix: (!ok).then(|| fix.to_owned()) }
 }
@@ -164,6 +201,8 @@ pub fn check(cfg: &Config) -> Report {
         cfg.agent.display().to_string(),
         "build it with `cargo build --release` or set HUTCH_AGENT",
     ));
+
+    f.push(storage_finding(&cfg.state_dir));
 
     let (kvm_ok, kvm_detail) = kvm();
     f.push(finding("kvm", kvm_ok, kvm_detail, "run on a host with hardware virtualisation and /dev/kvm"));

@@ -123,6 +123,17 @@ pub enum Step {
         uid: libc::uid_t,
         gid: libc::gid_t,
     },
+    /// Takes `uid` and `gid` as the file system ids while keeping every
+    /// capability (`SECBIT_NO_SETUID_FIXUP`), so that a mount made next
+    /// records them as its creator's (an overlay over an id-mapped upper
+    /// layer makes its work directory and copies files up with them);
+    /// `FsIds { uid: 0, gid: 0 }` goes back to root's and clears the bit,
+    /// which must not reach the agent (it would keep capabilities across
+    /// a change to another user).
+    FsIds {
+        uid: libc::uid_t,
+        gid: libc::gid_t,
+    },
     /// Tells the parent the plan got this far (see [`NsHelper`]).
     Notify {
         fd: RawFd,
@@ -187,6 +198,7 @@ impl fmt::Display for Step {
             Step::Seccomp { name, .. } => write!(f, "install the seccomp filter ({name})"),
             Step::SetRlimit { resource, limit } => write!(f, "set resource limit {resource} to {limit}"),
             Step::EffectiveIds { uid, gid } => write!(f, "take effective ids {uid}:{gid}"),
+            Step::FsIds { uid, gid } => write!(f, "take file system ids {uid}:{gid}"),
             Step::Pause => write!(f, "pause"),
             Step::CloseFds { .. } => write!(f, "close inherited descriptors"),
             Step::DieWithParentPid { .. } => write!(f, "set the parent-death signal"),
@@ -552,6 +564,24 @@ unsafe fn run_step(step: &Step, report: &mut RawFd) -> Result<(), i32> {
                 // -1: leave the real and saved ids (root) as they are.
                 sc!(libc::SYS_setresgid, -1i32, *gid, -1i32)?;
                 sc!(libc::SYS_setresuid, -1i32, *uid, -1i32).map(drop)
+            }
+            Step::FsIds { uid, gid } => {
+                if *uid != 0 {
+                    sc!(libc::SYS_prctl, libc::PR_SET_SECUREBITS, SECBIT_NO_SETUID_FIXUP)?;
+                }
+                // setfsuid and setfsgid answer the previous id and never
+                // fail; asking with an invalid id (-1) reads the current.
+                sc!(libc::SYS_setfsgid, *gid)?;
+                sc!(libc::SYS_setfsuid, *uid)?;
+                if sc!(libc::SYS_setfsuid, -1i32)? != *uid as usize || sc!(libc::SYS_setfsgid, -1i32)? != *gid as usize
+                {
+                    return Err(libc::EPERM);
+                }
+                if *uid == 0 {
+                    sc!(libc::SYS_prctl, libc::PR_SET_SECUREBITS, 0).map(drop)
+                } else {
+                    Ok(())
+                }
             }
             Step::Notify { fd } => match sc!(libc::SYS_write, *fd, READY.as_ptr(), READY.len())? {
                 8 => Ok(()),

@@ -20,7 +20,8 @@ pub mod net;
 pub mod portconnect;
 pub mod rootfs;
 pub mod seccomp;
+pub mod storage;
 pub mod sys;
 pub mod uids;
 
-pub use container::{Config, RootSource, Runtime, RuntimeError, Sandbox, SandboxSpec};
+pub use container::{Config, RootSource, Runtime, RuntimeError, Sandbox, SandboxSpec, Writable};

@@ -172,23 +172,45 @@ pub struct FsSpec<'a> {
     pub lowers: &'a [PathBuf],
     /// Host directory bind mounted read-only at /usr, if any (`base` only).
     pub usr: Option<&'a Path>,
-    /// Size cap of the writable layer.
-    pub disk_bytes: u64,
+    /// Where the overlay's writes go.
+    pub upper: Upper<'a>,
     /// Host id of the sandbox's root (start of its uid range).
     pub id_base: u32,
     /// Descriptor of the sandbox's user namespace, for id-mapped mounts.
     pub userns_fd: i32,
     /// Size cap of /dev/shm.
     pub shm_bytes: u64,
-    /// A host directory holding `upper/` and `work/` to use as the writable
-    /// layer instead of the staging tmpfs (build sandboxes, whose layer is
-    /// captured after they end; see [`crate::capture`]).
-    pub upper: Option<&'a Path>,
     /// Most pseudo-terminals open at once (devpts `max=`): the kernel's
     /// pool for all non-initial devpts instances (`kernel.pty.max` minus
     /// `kernel.pty.reserve`) is shared by every sandbox.
     pub max_ptys: u32,
 }
+
+/// The writable layer of a sandbox's overlay.
+#[derive(Debug, Clone, Copy)]
+pub enum Upper<'a> {
+    /// `upper/` and `work/` in the staging tmpfs, capped at this many
+    /// bytes, owned by the sandbox's host ids.
+    Memory(u64),
+    /// A host directory holding `upper/` and `work/`, owned by the
+    /// sandbox's host ids (build sandboxes, whose layer is captured after
+    /// they end; see [`crate::capture`]).
+    HostDir(&'a Path),
+    /// A storage layer (see [`crate::storage`]) holding `upper/` and
+    /// `work/`, owned by image ids: mounted id-mapped through the sandbox's
+    /// user namespace, and the overlay made with the sandbox's root as its
+    /// creator (see [`Step::FsIds`]).
+    Layer(&'a Path),
+}
+
+/// Directories every writable layer holds in `upper/`: (path, mode, owner
+/// as an image id). `base` has none of them; an image's generated top
+/// layer has them too, and the layer's own copy sets their owners.
+pub const UPPER_DIRS: &[(&str, u32, u32)] =
+    &[("home", 0o755, 0), ("home/user", 0o750, 1000), ("workspace", 0o755, 1000), ("tmp", 0o1777, 0)];
+
+/// Size of the staging tmpfs when it holds only mount points.
+const STAGE_BYTES: u64 = 1 << 20;
 
 /// /proc entries hidden behind an empty file or directory (they leak host
 /// information or offer host-wide knobs).
@@ -207,9 +229,10 @@ const DEVICES: &[(&str, u32, u32)] =
 pub fn plan_root(plan: &mut Plan, spec: &FsSpec) -> io::Result<()> {
     let stage = spec.stage;
     let root = stage.join("root");
-    let (upper, work) = match spec.upper {
-        Some(dir) => (dir.join("upper"), dir.join("work")),
-        None => (stage.join("upper"), stage.join("work")),
+    let (upper, work, stage_bytes) = match spec.upper {
+        Upper::Memory(bytes) => (stage.join("upper"), stage.join("work"), bytes),
+        Upper::HostDir(dir) => (dir.join("upper"), dir.join("work"), STAGE_BYTES),
+        Upper::Layer(_) => (stage.join("layer/upper"), stage.join("layer/work"), STAGE_BYTES),
     };
     let lower = stage.join("lower");
     let base = spec.id_base;
@@ -220,25 +243,40 @@ pub fn plan_root(plan: &mut Plan, spec: &FsSpec) -> io::Result<()> {
         stage,
         Some("tmpfs"),
         libc::MS_NOSUID | libc::MS_NODEV,
-        Some(&format!("size={},mode=0755", spec.disk_bytes.max(1 << 20))),
+        Some(&format!("size={},mode=0755", stage_bytes.max(1 << 20))),
     )?;
     for d in [&root, &lower] {
         plan.mkdir(d, 0o755)?;
     }
-    if spec.upper.is_none() {
-        for d in [&upper, &work] {
-            plan.mkdir(d, 0o755)?;
+    match spec.upper {
+        Upper::Memory(_) => {
+            for d in [&upper, &work] {
+                plan.mkdir(d, 0o755)?;
+            }
+        }
+        Upper::HostDir(_) => {}
+        Upper::Layer(layer) => {
+            // The layer keeps image ids on disk; the sandbox sees them
+            // through its own range, as it sees its lower layers.
+            let at = stage.join("layer");
+            plan.mkdir(&at, 0o755)?;
+            plan.push(Step::IdmapBind {
+                source: cstr(layer)?,
+                target: cstr(&at)?,
+                attrs: crate::launch::MOUNT_ATTR_NOSUID | crate::launch::MOUNT_ATTR_NODEV,
+                userns: spec.userns_fd,
+            });
         }
     }
-    // The writable layer's own directories: owned by the sandbox's users.
-    plan.push(Step::Chown { path: cstr(&upper)?, uid: base, gid: base });
-    for (rel, mode, owner) in
-        [("home", 0o755, 0), ("home/user", 0o750, 1000), ("workspace", 0o755, 1000), ("tmp", 0o1777, 0)]
-    {
-        let p = upper.join(rel);
-        plan.mkdir(&p, mode)?;
-        plan.push(Step::Chmod { path: cstr(&p)?, mode });
-        plan.push(Step::Chown { path: cstr(&p)?, uid: base + owner, gid: base + owner });
+    if !matches!(spec.upper, Upper::Layer(_)) {
+        // The writable layer's own directories: owned by the sandbox's users.
+        plan.push(Step::Chown { path: cstr(&upper)?, uid: base, gid: base });
+        for (rel, mode, owner) in UPPER_DIRS {
+            let p = upper.join(rel);
+            plan.mkdir(&p, *mode)?;
+            plan.push(Step::Chmod { path: cstr(&p)?, mode: *mode });
+            plan.push(Step::Chown { path: cstr(&p)?, uid: base + owner, gid: base + owner });
+        }
     }
     // Lower layers appear owned by the sandbox's root, not by nobody. Each
     // gets its own mount point; overlay wants the topmost first.
@@ -262,8 +300,9 @@ pub fn plan_root(plan: &mut Plan, spec: &FsSpec) -> io::Result<()> {
     lowerdirs.reverse();
     let mut data =
         format!("lowerdir={},upperdir={},workdir={},volatile", lowerdirs.join(":"), upper.display(), work.display());
-    if spec.upper.is_some() {
-        // A captured layer must be self-contained: no file whose data stays
+    if !matches!(spec.upper, Upper::Memory(_)) {
+        // A captured layer, or one that outlives the sandbox (snapshots,
+        // forks, diffs), must be self-contained: no file whose data stays
         // in a lower layer (metacopy), no directory renamed by reference.
         data.push_str(",redirect_dir=off,metacopy=off");
     }
@@ -271,7 +310,17 @@ pub fn plan_root(plan: &mut Plan, spec: &FsSpec) -> io::Result<()> {
     if data.len() >= 4000 {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "overlay options too long: too many layers"));
     }
+    let creator = matches!(spec.upper, Upper::Layer(_));
+    if creator {
+        // Overlay makes its work directory and copies files up with its
+        // creator's ids; through the id-mapped layer only the sandbox's
+        // range maps, so the creator must be the sandbox's root.
+        plan.push(Step::FsIds { uid: base, gid: base });
+    }
     plan.mount(Some("overlay"), &root, Some("overlay"), libc::MS_NOSUID, Some(&data))?;
+    if creator {
+        plan.push(Step::FsIds { uid: 0, gid: 0 });
+    }
     if let Some(usr) = spec.usr {
         plan.push(Step::IdmapBind {
             source: cstr(usr)?,
@@ -388,11 +437,10 @@ mod tests {
             stage: Path::new("/run/hutch/stage"),
             lowers: &[PathBuf::from("/var/lib/hutch/rootfs/base-v1")],
             usr: Some(Path::new("/usr")),
-            disk_bytes: 1 << 30,
+            upper: Upper::Memory(1 << 30),
             id_base: 1 << 31,
             userns_fd: 9,
             shm_bytes: 64 << 20,
-            upper: None,
             max_ptys: 128,
         };
         plan_root(&mut plan, &spec).expect("plan");
@@ -415,11 +463,10 @@ mod tests {
             stage: Path::new("/run/hutch/stage"),
             lowers: &layers,
             usr: Some(Path::new("/usr")),
-            disk_bytes: 1 << 30,
+            upper: Upper::HostDir(Path::new("/state/images/scratch/b1")),
             id_base: 1 << 31,
             userns_fd: 9,
             shm_bytes: 64 << 20,
-            upper: Some(Path::new("/state/images/scratch/b1")),
             max_ptys: 128,
         };
         plan_root(&mut plan, &spec).expect("plan");
@@ -444,5 +491,47 @@ mod tests {
             "{overlay}"
         );
         assert!(overlay.contains("metacopy=off"));
+    }
+
+    #[test]
+    fn a_disk_layer_is_mounted_id_mapped_and_the_overlay_made_as_the_sandboxs_root() {
+        let mut plan = Plan::default();
+        let spec = FsSpec {
+            stage: Path::new("/run/hutch/stage"),
+            lowers: &[PathBuf::from("/var/lib/hutch/rootfs/base-v1")],
+            usr: Some(Path::new("/usr")),
+            upper: Upper::Layer(Path::new("/var/lib/hutch/storage/fs/sandboxes/sb-1")),
+            id_base: 1 << 31,
+            userns_fd: 9,
+            shm_bytes: 64 << 20,
+            max_ptys: 128,
+        };
+        plan_root(&mut plan, &spec).expect("plan");
+        let text: Vec<String> = plan.steps.iter().map(|s| s.to_string()).collect();
+        let at = |want: &str| text.iter().position(|s| s == want).unwrap_or_else(|| panic!("{want}: {text:#?}"));
+        let bind = at("id-mapped bind of /var/lib/hutch/storage/fs/sandboxes/sb-1 on /run/hutch/stage/layer");
+        let as_sandbox_root = at("take file system ids 2147483648:2147483648");
+        let overlay = at("mount overlay on /run/hutch/stage/root");
+        let back = at("take file system ids 0:0");
+        assert!(bind < as_sandbox_root && as_sandbox_root + 1 == overlay && overlay + 1 == back, "{text:#?}");
+        // The layer brings its own directories, owned by image ids: the
+        // plan makes and chowns nothing in it.
+        assert!(!text.iter().any(|s| s.starts_with("chown /run/hutch/stage/layer")), "{text:#?}");
+        assert!(!text.iter().any(|s| s.starts_with("mkdir /run/hutch/stage/layer/")), "{text:#?}");
+        let data = plan
+            .steps
+            .iter()
+            .find_map(|s| match s {
+                Step::Mount { data: Some(d), .. } if d.to_string_lossy().contains("lowerdir") => {
+                    Some(d.to_string_lossy().into_owned())
+                }
+                _ => None,
+            })
+            .expect("an overlay mount");
+        assert!(
+            data.contains("upperdir=/run/hutch/stage/layer/upper,workdir=/run/hutch/stage/layer/work,volatile"),
+            "{data}"
+        );
+        assert!(data.contains("redirect_dir=off,metacopy=off"), "{data}");
     }
 }

@@ -18,6 +18,7 @@ pub mod listener;
 mod openapi;
 pub mod proxy;
 mod routes;
+mod snapshots;
 mod templates;
 mod transfer;
 

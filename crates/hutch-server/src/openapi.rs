@@ -49,6 +49,12 @@ use utoipa::{Modify, OpenApi};
         crate::routes::revoke_key,
         crate::routes::set_quotas,
         crate::routes::usage,
+        crate::snapshots::create,
+        crate::snapshots::fork,
+        crate::snapshots::diff,
+        crate::snapshots::list,
+        crate::snapshots::get_one,
+        crate::snapshots::delete_one,
     ),
     components(schemas(
         hutch_api::ErrorBody, hutch_api::ErrorCode, hutch_api::Sandbox, hutch_api::SandboxList, hutch_api::SandboxState,
@@ -63,7 +69,9 @@ use utoipa::{Modify, OpenApi};
         hutch_api::Network, hutch_api::Egress,
         hutch_api::TemplateList, hutch_api::Startup, hutch_api::Readiness, hutch_api::Build, hutch_api::BuildState,
         hutch_api::BuildList, hutch_api::ApiKey, hutch_api::ApiKeyList, hutch_api::CreateKey, hutch_api::KeyQuotas,
-        hutch_api::Usage,
+        hutch_api::Usage, hutch_api::CreateSnapshot, hutch_api::Snapshot, hutch_api::SnapshotList, hutch_api::Fork, hutch_api::ForkResult, hutch_api::Suspend, hutch_api::SuspendMode, hutch_api::Diff,
+        hutch_api::Change,
+        hutch_api::StorageKind,
     )),
     modifiers(&BearerAuth),
     security(("bearer" = []))

@@ -54,6 +54,7 @@ pub fn router(app: Arc<App>) -> Router {
         .merge(crate::e2b::router(app.clone()))
         .merge(crate::templates::router(app.clone()))
         .merge(crate::access::router(app.clone()))
+        .merge(crate::snapshots::router(app.clone()))
         .route("/healthz", get(healthz))
         // An API key or the operator's scrape token (`--metrics-token-file`).
         .route("/metrics", get(metrics))
@@ -264,14 +265,16 @@ pub(crate) async fn extend_sandbox(
     Ok(Json(app.control.extend(&caller, &SandboxId::parse(&id)?, &req, false).await?))
 }
 
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/suspend", params(("id" = String, Path)),
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/suspend", params(("id" = String, Path)), request_body = hutch_api::Suspend,
     responses((status = 200, body = Sandbox), (status = 404, body = hutch_api::ErrorBody), (status = 409, body = hutch_api::ErrorBody)))]
 pub(crate) async fn suspend_sandbox(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
     ApiPath(id): ApiPath<String>,
+    JsonBody(req): JsonBody<hutch_api::Suspend>,
 ) -> ApiResult<Json<Sandbox>> {
-    Ok(Json(app.control.suspend(&caller, &SandboxId::parse(&id)?).await?))
+    let mode = req.mode.unwrap_or(hutch_api::SuspendMode::Memory);
+    Ok(Json(app.control.suspend(&caller, &SandboxId::parse(&id)?, mode).await?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", params(("id" = String, Path)),

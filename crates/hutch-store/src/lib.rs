@@ -15,7 +15,7 @@
 
 mod sqlite;
 
-pub use hutch_api::{BuildState, SandboxState};
+pub use hutch_api::{BuildState, SandboxState, StorageKind};
 pub use sqlite::SqliteStore;
 
 #[derive(Debug, thiserror::Error)]
@@ -43,6 +43,8 @@ pub struct Quotas {
     pub ttl_seconds: Option<u64>,
     /// Template builds queued or running at once.
     pub builds: Option<u64>,
+    /// Snapshots kept.
+    pub snapshots: Option<u64>,
 }
 
 /// An API key; `hash` is the SHA-256 (hex) of its secret.
@@ -91,6 +93,25 @@ pub struct SandboxRecord {
     pub pooled: bool,
     /// JSON: the network policy, what was observed, and host addressing.
     pub network: String,
+    /// Where its files live.
+    pub storage: StorageKind,
+    /// The snapshot it started from (its files' origin), if any.
+    pub origin: Option<String>,
+}
+
+/// A snapshot as stored. Times are Unix milliseconds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotRecord {
+    pub id: String,
+    pub owner: String,
+    /// Unique among the owner's snapshots.
+    pub name: Option<String>,
+    /// The sandbox it was taken of.
+    pub sandbox_id: String,
+    pub created_at: i64,
+    pub size_bytes: u64,
+    /// JSON: what a sandbox started from it runs.
+    pub recipe: String,
 }
 
 /// What a transition sets besides the state; `None` leaves a field as it is.
@@ -131,6 +152,8 @@ pub struct TemplateRecord {
     pub readiness: Option<String>,
     /// JSON: the network policy of its sandboxes (`{}` is `default`).
     pub network: String,
+    /// Where its sandboxes' files live; None: the host's default.
+    pub storage: Option<StorageKind>,
 }
 
 /// A template build as stored. Times are Unix milliseconds.
@@ -162,6 +185,8 @@ pub struct Claim<'a> {
     pub metadata: &'a str,
     pub idempotency_key: Option<&'a str>,
     pub request_hash: &'a str,
+    /// Only a warm sandbox whose files live there.
+    pub storage: StorageKind,
 }
 
 /// Where an idempotent command is.
@@ -222,6 +247,7 @@ pub enum Resource {
     MemoryMb,
     DiskMib,
     Builds,
+    Snapshots,
     /// Seconds of lifetime one sandbox may have.
     TtlSeconds,
 }
@@ -233,6 +259,7 @@ impl Resource {
             Resource::MemoryMb => "memory_mb",
             Resource::DiskMib => "disk_mib",
             Resource::Builds => "builds",
+            Resource::Snapshots => "snapshots",
             Resource::TtlSeconds => "ttl_seconds",
         }
     }
@@ -363,6 +390,15 @@ pub trait Store: Send + Sync {
     // Template builds.
     /// Inserts a build if its owner has fewer than `max_running` builds
     /// queued or running (None: no cap); false when it has that many.
+    /// Inserts a snapshot unless its owner keeps `max` already (false);
+    /// a name the owner uses already is `Conflict`.
+    fn insert_snapshot(&self, snap: &SnapshotRecord, max: Option<u64>) -> Result<bool>;
+    fn get_snapshot(&self, id: &str) -> Result<Option<SnapshotRecord>>;
+    fn snapshot_by_name(&self, owner: &str, name: &str) -> Result<Option<SnapshotRecord>>;
+    /// Newest first: one owner's, or (None) everyone's.
+    fn list_snapshots(&self, owner: Option<&str>) -> Result<Vec<SnapshotRecord>>;
+    /// False when there was none.
+    fn delete_snapshot(&self, id: &str) -> Result<bool>;
     fn insert_build(&self, b: &BuildRecord, max_running: Option<u64>) -> Result<bool>;
     /// Moves a build from one of `from` to `b.state`, writing finished_at,
     /// error, image and version; false when it is in none of `from`.

@@ -17,10 +17,13 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0003_builds", include_str!("../migrations/0003_builds.sql")),
     ("0004_network", include_str!("../migrations/0004_network.sql")),
     ("0005_trust", include_str!("../migrations/0005_trust.sql")),
+    ("0006_storage", include_str!("../migrations/0006_storage.sql")),
+    ("0007_snapshots", include_str!("../migrations/0007_snapshots.sql")),
 ];
 
 /// States in which a sandbox holds resources.
-const HOLDING: &str = "('starting', 'running', 'suspended', 'terminating')";
+/// (A paused sandbox keeps its admission: its resume is never refused.)
+const HOLDING: &str = "('starting', 'running', 'suspended', 'terminating', 'paused')";
 
 impl SqliteStore {
     pub fn open(path: &Path) -> Result<SqliteStore> {
@@ -84,15 +87,30 @@ fn update_in_states(c: &Connection, update: &str, mut values: Vec<Value>, states
 
 const SANDBOX_COLUMNS: &str = "id, owner, template, state, created_at, expires_at, max_expires_at, memory_mb, vcpus, \
      disk_mib, pids, env, metadata, limits_applied, last_error_code, host_pid, idempotency_key, request_hash, \
-     template_id, template_version, warm, pooled, network";
+     template_id, template_version, warm, pooled, network, storage, origin";
 
 const TEMPLATE_COLUMNS: &str = "id, owner, name, version, image, class, memory_mb, vcpus, disk_mib, pids, env, \
-     default_ttl_s, max_ttl_s, warm_min, warm_max, created_at, updated_at, deleted_at, startup, readiness, network";
+     default_ttl_s, max_ttl_s, warm_min, warm_max, created_at, updated_at, deleted_at, startup, readiness, network, \
+     storage";
 
 const BUILD_COLUMNS: &str = "id, template_id, owner, state, created_at, finished_at, error, parent, image, version";
 
 const KEY_COLUMNS: &str = "id, name, hash, admin, created_at, revoked_at, max_sandboxes, max_memory_mb, \
-     max_disk_mib, max_ttl_seconds, max_builds";
+     max_disk_mib, max_ttl_seconds, max_builds, max_snapshots";
+
+const SNAPSHOT_COLUMNS: &str = "id, owner, name, sandbox_id, created_at, size_bytes, recipe";
+
+fn snapshot_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SnapshotRecord> {
+    Ok(SnapshotRecord {
+        id: r.get(0)?,
+        owner: r.get(1)?,
+        name: r.get(2)?,
+        sandbox_id: r.get(3)?,
+        created_at: r.get(4)?,
+        size_bytes: r.get::<_, i64>(5)?.max(0) as u64,
+        recipe: r.get(6)?,
+    })
+}
 
 /// A column that must hold one of an enum's names.
 fn parsed<T>(
@@ -154,6 +172,10 @@ fn template_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<TemplateRecord> {
         startup: r.get(18)?,
         readiness: r.get(19)?,
         network: r.get(20)?,
+        storage: match r.get::<_, Option<String>>(21)? {
+            None => None,
+            Some(_) => Some(parsed(r, 21, "template storage", StorageKind::parse)?),
+        },
     })
 }
 
@@ -182,6 +204,8 @@ fn sandbox_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRecord> {
         warm: r.get::<_, i64>(20)? != 0,
         pooled: r.get::<_, i64>(21)? != 0,
         network: r.get(22)?,
+        storage: parsed(r, 23, "sandbox storage", StorageKind::parse)?,
+        origin: r.get(24)?,
     })
 }
 
@@ -199,6 +223,7 @@ fn key_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<KeyRecord> {
             disk_mib: opt_u64(r, 8)?,
             ttl_seconds: opt_u64(r, 9)?,
             builds: opt_u64(r, 10)?,
+            snapshots: opt_u64(r, 11)?,
         },
     })
 }
@@ -251,7 +276,7 @@ fn over(scope: Scope, caps: &Quotas, used: Usage, asked: Usage) -> Option<Exceed
 
 fn insert_sandbox_in(tx: &Transaction<'_>, s: &SandboxRecord) -> Result<()> {
     tx.execute(
-        &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", placeholders(1, 23)),
+        &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", placeholders(1, 25)),
         params![
             s.id,
             s.owner,
@@ -275,7 +300,9 @@ fn insert_sandbox_in(tx: &Transaction<'_>, s: &SandboxRecord) -> Result<()> {
             s.template_version,
             s.warm as i64,
             s.pooled as i64,
-            s.network
+            s.network,
+            s.storage.as_str(),
+            s.origin
         ],
     )
     .map_err(conflict)?;
@@ -286,7 +313,7 @@ impl Store for SqliteStore {
     fn insert_key(&self, k: &KeyRecord) -> Result<()> {
         self.with(|c| {
             c.execute(
-                &format!("INSERT INTO api_keys ({KEY_COLUMNS}) VALUES ({})", placeholders(1, 11)),
+                &format!("INSERT INTO api_keys ({KEY_COLUMNS}) VALUES ({})", placeholders(1, 12)),
                 params![
                     k.id,
                     k.name,
@@ -298,7 +325,8 @@ impl Store for SqliteStore {
                     k.quotas.memory_mb.map(|v| v as i64),
                     k.quotas.disk_mib.map(|v| v as i64),
                     k.quotas.ttl_seconds.map(|v| v as i64),
-                    k.quotas.builds.map(|v| v as i64)
+                    k.quotas.builds.map(|v| v as i64),
+                    k.quotas.snapshots.map(|v| v as i64)
                 ],
             )
             .map_err(conflict)?;
@@ -339,14 +367,15 @@ impl Store for SqliteStore {
         self.with(|c| {
             let n = c.execute(
                 "UPDATE api_keys SET max_sandboxes = ?2, max_memory_mb = ?3, max_disk_mib = ?4, \
-                 max_ttl_seconds = ?5, max_builds = ?6 WHERE id = ?1 AND revoked_at IS NULL",
+                 max_ttl_seconds = ?5, max_builds = ?6, max_snapshots = ?7 WHERE id = ?1 AND revoked_at IS NULL",
                 params![
                     id,
                     q.sandboxes.map(|v| v as i64),
                     q.memory_mb.map(|v| v as i64),
                     q.disk_mib.map(|v| v as i64),
                     q.ttl_seconds.map(|v| v as i64),
-                    q.builds.map(|v| v as i64)
+                    q.builds.map(|v| v as i64),
+                    q.snapshots.map(|v| v as i64)
                 ],
             )?;
             Ok(n == 1)
@@ -564,7 +593,7 @@ impl Store for SqliteStore {
     fn insert_template(&self, t: &TemplateRecord) -> Result<()> {
         self.with(|c| {
             c.execute(
-                &format!("INSERT INTO templates ({TEMPLATE_COLUMNS}) VALUES ({})", placeholders(1, 21)),
+                &format!("INSERT INTO templates ({TEMPLATE_COLUMNS}) VALUES ({})", placeholders(1, 22)),
                 params![
                     t.id,
                     t.owner,
@@ -586,7 +615,8 @@ impl Store for SqliteStore {
                     t.deleted_at,
                     t.startup,
                     t.readiness,
-                    t.network
+                    t.network,
+                    t.storage.map(StorageKind::as_str)
                 ],
             )
             .map_err(conflict)?;
@@ -632,7 +662,7 @@ impl Store for SqliteStore {
                     "UPDATE templates SET name = ?2, version = ?3, image = ?4, class = ?5, memory_mb = ?6, vcpus = ?7, \
                      disk_mib = ?8, pids = ?9, env = ?10, default_ttl_s = ?11, max_ttl_s = ?12, warm_min = ?13, \
                      warm_max = ?14, updated_at = ?15, deleted_at = ?16, startup = ?17, readiness = ?18, \
-                     network = ?19 WHERE id = ?1 AND updated_at = ?20 AND deleted_at IS NULL",
+                     network = ?19, storage = ?21 WHERE id = ?1 AND updated_at = ?20 AND deleted_at IS NULL",
                     params![
                         t.id,
                         t.name,
@@ -653,12 +683,73 @@ impl Store for SqliteStore {
                         t.startup,
                         t.readiness,
                         t.network,
-                        updated_at
+                        updated_at,
+                        t.storage.map(StorageKind::as_str)
                     ],
                 )
                 .map_err(conflict)?;
             Ok(n == 1)
         })
+    }
+
+    fn insert_snapshot(&self, snap: &SnapshotRecord, max: Option<u64>) -> Result<bool> {
+        self.with(|c| {
+            let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+            if let Some(max) = max {
+                let n: i64 =
+                    tx.query_row("SELECT COUNT(*) FROM snapshots WHERE owner = ?1", [&snap.owner], |r| r.get(0))?;
+                if n as u64 >= max {
+                    return Ok(false);
+                }
+            }
+            tx.execute(
+                &format!("INSERT INTO snapshots ({SNAPSHOT_COLUMNS}) VALUES ({})", placeholders(1, 7)),
+                params![
+                    snap.id,
+                    snap.owner,
+                    snap.name,
+                    snap.sandbox_id,
+                    snap.created_at,
+                    snap.size_bytes as i64,
+                    snap.recipe
+                ],
+            )
+            .map_err(conflict)?;
+            tx.commit()?;
+            Ok(true)
+        })
+    }
+
+    fn get_snapshot(&self, id: &str) -> Result<Option<SnapshotRecord>> {
+        self.with(|c| {
+            Ok(c.query_row(&format!("SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE id = ?1"), [id], snapshot_row)
+                .optional()?)
+        })
+    }
+
+    fn snapshot_by_name(&self, owner: &str, name: &str) -> Result<Option<SnapshotRecord>> {
+        self.with(|c| {
+            Ok(c.query_row(
+                &format!("SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE owner = ?1 AND name = ?2"),
+                [owner, name],
+                snapshot_row,
+            )
+            .optional()?)
+        })
+    }
+
+    fn list_snapshots(&self, owner: Option<&str>) -> Result<Vec<SnapshotRecord>> {
+        self.with(|c| {
+            let mut st = c.prepare(&format!(
+                "SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE ?1 IS NULL OR owner = ?1 ORDER BY created_at DESC, id"
+            ))?;
+            let rows = st.query_map([owner], snapshot_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn delete_snapshot(&self, id: &str) -> Result<bool> {
+        self.with(|c| Ok(c.execute("DELETE FROM snapshots WHERE id = ?1", [id])? == 1))
     }
 
     fn insert_build(&self, b: &BuildRecord, max_running: Option<u64>) -> Result<bool> {
@@ -762,9 +853,9 @@ impl Store for SqliteStore {
                 .query_row(
                     "SELECT s.id FROM sandboxes s JOIN templates t ON t.id = s.template_id \
                      WHERE s.pooled = 1 AND s.state = 'running' AND s.template_id = ?1 AND s.owner = ?2 \
-                     AND t.deleted_at IS NULL AND s.template_version = t.version \
+                     AND t.deleted_at IS NULL AND s.template_version = t.version AND s.storage = ?3 \
                      ORDER BY s.created_at, s.id LIMIT 1",
-                    [cl.template_id, cl.owner],
+                    [cl.template_id, cl.owner, cl.storage.as_str()],
                     |r| r.get(0),
                 )
                 .optional()?;

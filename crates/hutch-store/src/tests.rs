@@ -40,6 +40,8 @@ fn sandbox(id: &str, created_at: i64) -> SandboxRecord {
         warm: false,
         pooled: false,
         network: "{}".into(),
+        storage: StorageKind::Disk,
+        origin: None,
     }
 }
 
@@ -148,6 +150,7 @@ fn template(id: &str, version: i64) -> TemplateRecord {
         startup: None,
         readiness: None,
         network: "{}".into(),
+        storage: None,
     }
 }
 
@@ -172,6 +175,7 @@ fn claim(now: i64) -> Claim<'static> {
         metadata: "{\"a\":\"b\"}",
         idempotency_key: None,
         request_hash: "h",
+        storage: StorageKind::Disk,
     }
 }
 
@@ -377,4 +381,50 @@ fn quotas_are_kept_with_the_key() {
     assert_eq!(s.get_key("k1").expect("get").map(|k| k.quotas), Some(q));
     s.revoke_key("k1", 2).expect("revoke");
     assert!(!s.set_quotas("k1", &Quotas::default()).expect("revoked keys keep theirs"));
+}
+
+#[test]
+fn storage_is_kept_and_a_claim_takes_only_a_warm_sandbox_of_the_asked_storage() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    s.insert_template(&template("tpl-1", 1)).expect("template");
+    assert_eq!(s.get_template("tpl-1").expect("get").expect("some").storage, None);
+    let mut t = template("tpl-1", 2);
+    t.storage = Some(StorageKind::Memory);
+    assert!(s.update_template(&t, 1).expect("update"));
+    assert_eq!(s.get_template("tpl-1").expect("get").expect("some").storage, Some(StorageKind::Memory));
+    let on_disk = SandboxRecord { template_version: Some(2), ..pooled("d", 1, 2) };
+    s.insert_sandbox_free(&on_disk).expect("insert");
+    assert_eq!(s.get_sandbox("d").expect("get").expect("some").storage, StorageKind::Disk);
+    assert_eq!(s.claim_warm(&Claim { storage: StorageKind::Memory, ..claim(10) }).expect("claim"), None);
+    let in_memory = SandboxRecord { storage: StorageKind::Memory, ..pooled("m", 2, 2) };
+    s.insert_sandbox_free(&in_memory).expect("insert");
+    let got = s.claim_warm(&Claim { storage: StorageKind::Memory, ..claim(10) }).expect("claim").expect("one");
+    assert_eq!((got.id.as_str(), got.storage), ("m", StorageKind::Memory));
+}
+
+#[test]
+fn snapshots_are_owned_named_once_per_owner_and_counted() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    let snap = |id: &str, owner: &str, name: Option<&str>| SnapshotRecord {
+        id: id.into(),
+        owner: owner.into(),
+        name: name.map(str::to_owned),
+        sandbox_id: "sb-1".into(),
+        created_at: 1,
+        size_bytes: 10,
+        recipe: "{}".into(),
+    };
+    assert!(s.insert_snapshot(&snap("snap-1", "k1", Some("a")), Some(2)).expect("insert"));
+    assert!(matches!(s.insert_snapshot(&snap("snap-2", "k1", Some("a")), None), Err(StoreError::Conflict)));
+    // Another owner may use the name.
+    assert!(s.insert_snapshot(&snap("snap-3", "k2", Some("a")), Some(1)).expect("insert"));
+    assert!(s.insert_snapshot(&snap("snap-4", "k1", None), Some(2)).expect("insert"));
+    assert!(!s.insert_snapshot(&snap("snap-5", "k1", None), Some(2)).expect("over quota"));
+    assert_eq!(s.snapshot_by_name("k1", "a").expect("by name").map(|r| r.id), Some("snap-1".into()));
+    assert_eq!(s.snapshot_by_name("k2", "a").expect("by name").map(|r| r.id), Some("snap-3".into()));
+    assert_eq!(s.list_snapshots(Some("k1")).expect("list").len(), 2);
+    assert_eq!(s.list_snapshots(None).expect("list").len(), 3);
+    assert!(s.delete_snapshot("snap-1").expect("delete"));
+    assert!(!s.delete_snapshot("snap-1").expect("again"));
+    assert_eq!(s.get_snapshot("snap-1").expect("get"), None);
 }

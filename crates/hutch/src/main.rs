@@ -28,6 +28,8 @@ enum Command {
     Exec(cli::exec::ExecArgs),
     /// Copy files into and out of a sandbox of a running daemon.
     Files(cli::files::FilesArgs),
+    /// Take, list and delete snapshots of a running daemon's sandboxes; fork.
+    Snapshot(cli::snapshot::SnapshotArgs),
     /// Create, list, build and delete templates of a running daemon.
     Template(cli::template::TemplateArgs),
     /// Manage API keys in the daemon's database (on its host, no HTTP).
@@ -39,6 +41,10 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+        /// The daemon's state directory, whose disk storage it reports
+        /// (HUTCH_STATE_DIR).
+        #[arg(long, env = "HUTCH_STATE_DIR", default_value = "/var/lib/hutch")]
+        state_dir: std::path::PathBuf,
     },
 }
 
@@ -61,16 +67,18 @@ fn main() {
         Command::Sandbox(args) => cli::sandbox::main(args),
         Command::Exec(args) => cli::exec::main(args),
         Command::Files(args) => cli::files::main(args),
+        Command::Snapshot(args) => cli::snapshot::main(args),
         Command::Template(args) => cli::template::main(args),
         Command::Key(args) => cli::keys::main(args),
         Command::Image(args) => cli::image::main(args),
-        Command::Doctor { json } => doctor(json),
+        Command::Doctor { json, state_dir } => doctor(json, state_dir),
     };
     std::process::exit(code);
 }
 
-fn doctor(json: bool) -> i32 {
-    let report = hutch_runtime::doctor::check(&hutch_runtime::Config::from_env());
+fn doctor(json: bool, state_dir: std::path::PathBuf) -> i32 {
+    let report =
+        hutch_runtime::doctor::check(&hutch_runtime::Config { state_dir, ..hutch_runtime::Config::from_env() });
     if json {
         println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
     } else {

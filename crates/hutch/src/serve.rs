@@ -82,6 +82,13 @@ pub struct ServeArgs {
     /// a scraper without an API key (HUTCH_METRICS_TOKEN_FILE).
     #[arg(long, env = "HUTCH_METRICS_TOKEN_FILE", value_name = "PATH")]
     pub metrics_token_file: Option<std::path::PathBuf>,
+    /// Size of the storage image holding the sandboxes' disk layers, made
+    /// under <state-dir>/storage when the state directory is not on btrfs
+    /// (sparse: it takes host disk only as layers fill it); a larger size
+    /// grows an existing image, a smaller one is ignored. Default: 64G, or
+    /// the free space if less (HUTCH_STORAGE_SIZE).
+    #[arg(long, env = "HUTCH_STORAGE_SIZE", value_parser = crate::units::parse_size)]
+    pub storage_size: Option<u64>,
 }
 
 /// Warm network namespaces kept ready.
@@ -247,6 +254,12 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     // The network instance is this daemon's alone, for its whole life:
     // another live daemon holding it means this one must not start (it
     // would sweep the other's links and rules).
+    if let Some(size) = args.storage_size.filter(|s| *s < hutch_runtime::storage::MIN_SIZE) {
+        anyhow::bail!(
+            "--storage-size {size} is below the storage image's minimum of {} MiB",
+            hutch_runtime::storage::MIN_SIZE >> 20
+        );
+    }
     if args.net_instance >= hutch_runtime::net::MAX_INSTANCES {
         anyhow::bail!("--net-instance must be below {}", hutch_runtime::net::MAX_INSTANCES);
     }
@@ -273,7 +286,9 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         tracing::info!("created the admin API key; it is in {} (mode 0600)", path.display());
     }
     let cfg = hutch_runtime::Config { state_dir: args.state_dir.clone(), ..hutch_runtime::Config::from_env() };
-    let runtime = Arc::new(hutch_runtime::Runtime::new(cfg).context("start the container runtime")?);
+    let runtime = hutch_runtime::Runtime::new(cfg).context("start the container runtime")?;
+    let storage = open_storage(&args).await;
+    let runtime = Arc::new(runtime.with_storage(storage.clone()));
     let network = setup_network(&args, &runtime.config().run_dir, &store, instance.clone()).await;
     match &network {
         Ok(n) => {
@@ -284,12 +299,11 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     if !(args.overcommit.is_finite() && args.overcommit > 0.0) {
         anyhow::bail!("--overcommit must be a positive number");
     }
-    let capacity = hutch_control::Capacity::of_host(
-        std::path::Path::new("/proc"),
-        &args.state_dir,
-        args.overcommit,
-        args.max_sandboxes,
-    );
+    // Disk limits add up against the storage's file system (the image's
+    // size), else the state directory's.
+    let disk_fs = storage.as_ref().map_or(args.state_dir.clone(), |s| s.mount_point().to_path_buf());
+    let capacity =
+        hutch_control::Capacity::of_host(std::path::Path::new("/proc"), &disk_fs, args.overcommit, args.max_sandboxes);
     tracing::info!(
         "capacity: {} sandboxes, {} MiB of memory limits, {} MiB of disk limits",
         capacity.sandboxes,
@@ -397,5 +411,35 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
             tokio::task::spawn_blocking(move || net.teardown()).await?;
         }
     }
+    // Nor of the storage image's mount: the next start mounts it again.
+    if let Some(storage) = storage {
+        if store.sandboxes_in(&hutch_control::lifecycle::HOLDING_STATES)?.is_empty() {
+            if let Err(e) = storage.detach() {
+                tracing::warn!("storage: {e}");
+            }
+        }
+    }
     Ok(())
+}
+
+/// Opens (making and mounting it the first time) the disk storage of the
+/// sandboxes' writable layers; on failure, says why and the daemon runs
+/// memory layers only.
+async fn open_storage(args: &ServeArgs) -> Option<Arc<hutch_runtime::storage::Storage>> {
+    use hutch_runtime::storage::{Storage, StorageConfig};
+    let cfg = StorageConfig::new(&args.state_dir, args.storage_size);
+    match tokio::task::spawn_blocking(move || Storage::open(&cfg)).await {
+        Ok(Ok(s)) => {
+            tracing::info!("disk storage: {}", s.status());
+            Some(Arc::new(s))
+        }
+        Ok(Err(e)) => {
+            tracing::warn!("no disk storage ({e}); sandboxes get memory layers only (see `hutch doctor`)");
+            None
+        }
+        Err(e) => {
+            tracing::warn!("no disk storage ({e})");
+            None
+        }
+    }
 }

@@ -784,7 +784,8 @@ impl Control {
             sandbox_env.retain(|(ek, _)| ek != k);
             sandbox_env.push((k.clone(), v.clone()));
         }
-        let spec = self.build_spec(&t, parent.root.clone(), all_layers, sandbox_env, None)?;
+        let spec =
+            self.build_spec(&t, parent.root.clone(), all_layers, sandbox_env, hutch_runtime::Writable::Memory)?;
         let rt = self.runtime.clone();
         let net = self.network.clone().ok();
         let (n1, group) = (net.clone(), format!("{}/{}", t.owner, t.id));
@@ -882,7 +883,13 @@ impl Control {
             parent.layers.iter().cloned().chain(layers.iter().map(|h| store.layer_dir(h))).collect();
         let scratch_dir = store.scratch_dir();
         let disk = t.disk_mib << 20;
-        let spec = self.build_spec(t, parent.root.clone(), lowers, env, Some(scratch_dir.clone()))?;
+        let spec = self.build_spec(
+            t,
+            parent.root.clone(),
+            lowers,
+            env,
+            hutch_runtime::Writable::HostDir(scratch_dir.clone()),
+        )?;
         let rt = self.runtime.clone();
         let net = self.network.clone().ok();
         let (n1, group) = (net.clone(), format!("{}/{}", t.owner, t.id));
@@ -960,7 +967,7 @@ impl Control {
         root: RootSource,
         extra_lowers: Vec<PathBuf>,
         env: Vec<(String, String)>,
-        upper_dir: Option<PathBuf>,
+        writable: hutch_runtime::Writable,
     ) -> std::result::Result<SandboxSpec, Failure> {
         let prefix = self.builds.sandbox_prefix(&self.state_dir()).map_err(|e| format!("daemon instance tag: {e}"))?;
         let random = hutch_runtime::sys::random_hex(BUILD_SANDBOX_RANDOM_LEN.div_ceil(2));
@@ -976,7 +983,7 @@ impl Control {
             die_with_parent: false,
             agent_override: None,
             extra_lowers,
-            upper_dir,
+            writable,
             root,
             netns: None,
             resolv_conf: None,

@@ -85,7 +85,7 @@ fn not_found(id: &str) -> E2bError {
 fn e2b_state(s: SandboxState) -> Option<&'static str> {
     match s {
         SandboxState::Starting | SandboxState::Running => Some("running"),
-        SandboxState::Suspended => Some("paused"),
+        SandboxState::Suspended | SandboxState::Paused => Some("paused"),
         SandboxState::Terminating | SandboxState::Terminated => None,
     }
 }
@@ -349,7 +349,7 @@ async fn pause(
     if state == "paused" {
         return Err(E2bError::new(StatusCode::CONFLICT, format!("sandbox \"{id}\" is already paused")));
     }
-    app.control.suspend(&caller, &sid).await?;
+    app.control.suspend(&caller, &sid, hutch_api::SuspendMode::Memory).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -162,6 +162,36 @@ impl Client {
         self.json(&url, self.authed("DELETE", &url), Payload::None)
     }
 
+    /// `POST /v1/sandboxes/{id}/snapshots`.
+    pub fn create_snapshot(&self, id: &str, req: &hutch_api::CreateSnapshot) -> Result<hutch_api::Snapshot> {
+        let url = self.url(&["sandboxes", id, "snapshots"]);
+        self.json(&url, self.authed("POST", &url), Payload::Json(to_value(req)))
+    }
+
+    /// `GET /v1/snapshots`.
+    pub fn list_snapshots(&self) -> Result<hutch_api::SnapshotList> {
+        let url = self.url(&["snapshots"]);
+        self.json(&url, self.authed("GET", &url), Payload::None)
+    }
+
+    /// `GET /v1/snapshots/{id}`.
+    pub fn get_snapshot(&self, id: &str) -> Result<hutch_api::Snapshot> {
+        let url = self.url(&["snapshots", id]);
+        self.json(&url, self.authed("GET", &url), Payload::None)
+    }
+
+    /// `DELETE /v1/snapshots/{id}`.
+    pub fn delete_snapshot(&self, id: &str) -> Result<()> {
+        let url = self.url(&["snapshots", id]);
+        self.send(&url, self.authed("DELETE", &url), Payload::None).map(drop)
+    }
+
+    /// `POST /v1/sandboxes/{id}/fork`.
+    pub fn fork_sandbox(&self, id: &str, req: &hutch_api::Fork) -> Result<hutch_api::ForkResult> {
+        let url = self.url(&["sandboxes", id, "fork"]);
+        self.json(&url, self.authed("POST", &url), Payload::Json(to_value(req)))
+    }
+
     /// `POST /v1/sandboxes/{id}/extend`.
     pub fn extend_sandbox(&self, id: &str, req: &Extend) -> Result<Sandbox> {
         let url = self.url(&["sandboxes", id, "extend"]);

@@ -85,6 +85,9 @@ pub struct QuotaArgs {
     /// Template builds queued or running at once.
     #[arg(long)]
     pub max_builds: Option<u64>,
+    /// Snapshots kept.
+    #[arg(long)]
+    pub max_snapshots: Option<u64>,
 }
 
 impl QuotaArgs {
@@ -95,6 +98,7 @@ impl QuotaArgs {
             disk_mib: self.max_disk_mib,
             ttl_seconds: self.max_ttl_seconds,
             builds: self.max_builds,
+            snapshots: self.max_snapshots,
         }
     }
 }

@@ -10,6 +10,7 @@ pub mod image;
 pub mod keys;
 pub mod output;
 pub mod sandbox;
+pub mod snapshot;
 pub mod template;
 
 use clap::Args;
@@ -119,6 +120,11 @@ impl NetworkArgs {
         };
         Ok(Some(hutch_api::NetworkRequest { egress, allow: self.allow.clone(), deny: self.deny.clone() }))
     }
+}
+
+/// `--storage`: where a sandbox's files live.
+pub fn parse_storage(s: &str) -> Result<hutch_api::StorageKind, String> {
+    hutch_api::StorageKind::parse(s).ok_or_else(|| format!("{s:?}: expected disk or memory"))
 }
 
 pub fn report(result: anyhow::Result<i32>, failure_code: i32) -> i32 {

@@ -2,7 +2,7 @@
 //! delete sandboxes of a running daemon.
 
 use super::output::{self, table};
-use super::{parse_pairs, parse_seconds, report, ClientOpts, NetworkArgs, ResourceArgs};
+use super::{parse_pairs, parse_seconds, parse_storage, report, ClientOpts, NetworkArgs, ResourceArgs};
 use clap::{Args, Subcommand};
 use hutch_api::{CreateSandbox, Extend, Sandbox};
 
@@ -17,7 +17,7 @@ pub struct SandboxArgs {
 #[derive(Subcommand, Debug)]
 pub enum SandboxCommand {
     /// Create a sandbox and print it.
-    Create(CreateArgs),
+    Create(Box<CreateArgs>),
     /// List the sandboxes not yet terminated, newest first (every page,
     /// unless --limit or --cursor asks for one).
     #[command(visible_alias = "ls")]
@@ -101,6 +101,13 @@ pub struct CreateArgs {
     wait: Option<u64>,
     #[command(flatten)]
     net: NetworkArgs,
+    /// Where its files live: disk (the default where the host has disk
+    /// storage) or memory (faster, counts toward --memory, gone with it).
+    #[arg(long, value_name = "KIND", value_parser = parse_storage)]
+    storage: Option<hutch_api::StorageKind>,
+    /// Start from a snapshot (its id or name) instead of a template.
+    #[arg(long, value_name = "SNAPSHOT", conflicts_with = "template")]
+    snapshot: Option<String>,
     /// Make the request safe to retry: the same key gives the same sandbox.
     #[arg(long)]
     idempotency_key: Option<String>,
@@ -220,6 +227,8 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateSandbox> {
         metadata: parse_pairs("--meta", &c.meta)?,
         wait_seconds: c.wait,
         network: c.net.request()?,
+        storage: c.storage,
+        snapshot: c.snapshot.clone(),
     })
 }
 
@@ -323,6 +332,8 @@ mod tests {
             template_version: None,
             network: Default::default(),
             owner: "key-000000000001".into(),
+            storage: hutch_api::StorageKind::Disk,
+            snapshot: None,
         }
     }
 

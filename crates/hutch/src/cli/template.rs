@@ -3,7 +3,7 @@
 //! Templates are named by id or by name (resolved through the list).
 
 use super::output::{self, table};
-use super::{parse_pairs, parse_seconds, report, ClientOpts, NetworkArgs, ResourceArgs};
+use super::{parse_pairs, parse_seconds, parse_storage, report, ClientOpts, NetworkArgs, ResourceArgs};
 use anyhow::Context as _;
 use clap::{Args, Subcommand};
 use hutch_api::{BuildState, CreateTemplate, Readiness, Startup, Template, Warm};
@@ -68,6 +68,10 @@ pub struct CreateArgs {
     /// Isolation class (container).
     #[arg(long)]
     class: Option<String>,
+    /// Where its sandboxes' files live: disk or memory (the host's default
+    /// when absent).
+    #[arg(long, value_name = "KIND", value_parser = parse_storage)]
+    storage: Option<hutch_api::StorageKind>,
     /// Its sandboxes' resources.
     #[command(flatten)]
     res: ResourceArgs,
@@ -259,6 +263,7 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateTemplate> {
         name: c.name.clone(),
         image: c.image.clone(),
         class: c.class.clone(),
+        storage: c.storage,
         network: c.net.request()?,
         memory_mb: c.res.memory,
         limits,

@@ -102,10 +102,50 @@ impl Env {
 
 impl Drop for Env {
     fn drop(&mut self) {
+        // A storage image a test mounted goes first (its loop device
+        // detaches itself once nothing holds the file system).
+        // (And the tmpfs under it, if the test put the image on one.)
+        for dir in [self.state.join("storage/fs"), self.state.join("storage")] {
+            let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+            if mounts.lines().any(|l| l.split(' ').nth(4) == dir.to_str()) {
+                let c = std::ffi::CString::new(dir.to_string_lossy().as_bytes()).expect("path");
+                // SAFETY: c is a valid C string; umount2 has no other memory effects.
+                unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+            }
+        }
         if let Some(base) = self.state.parent() {
             let _ = std::fs::remove_dir_all(base);
         }
     }
+}
+
+/// The test's disk storage: a sparse btrfs image of `size` bytes under its
+/// state directory, unmounted when the [`Env`] drops.
+pub fn storage(env: &Env, size: u64) -> std::sync::Arc<hutch_runtime::storage::Storage> {
+    open_storage(env, size)
+}
+
+/// Like [`storage`], with the image on a tmpfs of its own: for tests that
+/// write gigabytes, which the host's disk may not have to spare. What the
+/// sandbox sees (its page cache under its memory limit, the quota) is the
+/// same; only where the loop device's blocks end up differs.
+pub fn storage_in_memory(env: &Env, size: u64) -> std::sync::Arc<hutch_runtime::storage::Storage> {
+    let dir = env.state.join("storage");
+    std::fs::create_dir_all(&dir).expect("mkdir storage");
+    let status = Command::new("mount")
+        .args(["-t", "tmpfs", "-o"])
+        .arg(format!("size={},mode=0700", size + (64 << 20)))
+        .arg("hutch-test")
+        .arg(&dir)
+        .status()
+        .expect("mount");
+    assert!(status.success(), "mount a tmpfs at {}", dir.display());
+    open_storage(env, size)
+}
+
+fn open_storage(env: &Env, size: u64) -> std::sync::Arc<hutch_runtime::storage::Storage> {
+    let cfg = hutch_runtime::storage::StorageConfig::new(&env.state, Some(size));
+    std::sync::Arc::new(hutch_runtime::storage::Storage::open(&cfg).expect("open the storage"))
 }
 
 /// The agent binary cargo built next to `hutch`.
