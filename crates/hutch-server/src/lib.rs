@@ -15,6 +15,7 @@ mod extract;
 #[doc(hidden)]
 pub mod fuzz_api;
 pub mod listener;
+mod mcp;
 mod openapi;
 pub mod proxy;
 mod routes;

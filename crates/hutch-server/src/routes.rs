@@ -49,6 +49,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/keys/{id}", axum::routing::delete(revoke_key).patch(set_quotas))
         .route("/v1/usage", get(usage))
         .route("/metrics", get(metrics))
+        // The MCP server (streamable HTTP), under the same keys.
+        .route_service("/mcp", crate::mcp::service(app.clone()))
         .route_layer(middleware::from_fn_with_state(app.clone(), authenticate));
     Router::new()
         .merge(api)

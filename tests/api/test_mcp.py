@@ -1,0 +1,283 @@
+"""The MCP server, through the official MCP Python client (`mcp` from PyPI):
+over streamable HTTP at the daemon's `/mcp`, and over stdio through
+`hutch mcp` (a bridge to the same endpoint). The tools run real sandboxes;
+refusals are tool errors with hutch's stable error codes; the session's
+default sandbox ends with the session unless kept; a session and its
+sandboxes belong to one key.
+
+Everything here runs against the session's real daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+
+import httpx2
+import pytest
+import requests
+from mcp.client import Client
+from mcp.client.stdio import StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+
+from conftest import DEBUG_BIN, Daemon, expect_error, wait_for
+
+TOOLS = {
+    "create_sandbox",
+    "run_code",
+    "exec",
+    "read_file",
+    "write_file",
+    "list_files",
+    "expose_port",
+    "delete_sandbox",
+    "list_sandboxes",
+}
+# A 1x1 PNG.
+PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+)
+CALL_TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def alice(daemon: Daemon):
+    return daemon.new_client("mcp-alice")
+
+
+@pytest.fixture(scope="module")
+def bob(daemon: Daemon):
+    return daemon.new_client("mcp-bob")
+
+
+def http_client(daemon: Daemon, key: str) -> Client:
+    http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=CALL_TIMEOUT)
+    return Client(streamable_http_client(daemon.base + "/mcp", http_client=http), read_timeout_seconds=CALL_TIMEOUT)
+
+
+def stdio_client(daemon: Daemon, key: str) -> Client:
+    env = {"HUTCH_URL": daemon.base, "HUTCH_API_KEY": key, "PATH": os.environ.get("PATH", "")}
+    params = StdioServerParameters(command=str(DEBUG_BIN), args=["mcp"], env=env)
+    return Client(params, read_timeout_seconds=CALL_TIMEOUT)
+
+
+async def call(c: Client, tool: str, /, **args) -> dict:
+    """A tool's structured answer; fails on a tool error."""
+    r = await c.call_tool(tool, args)
+    assert not r.is_error, f"{tool} failed: {r.content}"
+    return r.structured_content
+
+
+async def refused(c: Client, tool: str, want: str, /, **args) -> dict:
+    """A tool error with hutch's `{error, code}`."""
+    r = await c.call_tool(tool, args)
+    assert r.is_error, f"{tool} {args} succeeded: {r.content}"
+    body = r.structured_content
+    assert body["code"] == want, (tool, args, body)
+    assert body["error"], body
+    assert want in r.content[0].text
+    return body
+
+
+def state_of(api, sandbox_id: str) -> str:
+    r = api.get(f"/v1/sandboxes/{sandbox_id}")
+    if r.status_code == 404:
+        return "gone"
+    assert r.status_code == 200, r.text
+    return r.json()["state"]
+
+
+def wait_ended(api, sandbox_id: str) -> None:
+    wait_for(
+        f"{sandbox_id} to end with its MCP session",
+        lambda: state_of(api, sandbox_id) in ("terminated", "gone"),
+        timeout=30,
+    )
+
+
+def test_tools_over_http(daemon: Daemon, alice):
+    async def go():
+        async with http_client(daemon, alice.key) as c:
+            tools = (await c.list_tools()).tools
+            assert TOOLS <= {t.name for t in tools}
+            for t in tools:
+                assert t.input_schema["type"] == "object", t
+                assert t.description, t
+            run = next(t for t in tools if t.name == "run_code")
+            assert run.input_schema["required"] == ["code"]
+            assert set(run.input_schema["properties"]) >= {"code", "language", "sandbox_id", "keep"}
+
+            # No sandbox named: the session's default one is made on first use.
+            r = await call(c, "run_code", code="print(6 * 7)")
+            assert (r["stdout"], r["stderr"], r["exit_code"]) == ("42\n", "", 0), r
+            sid = r["sandbox_id"]
+            r = await call(c, "run_code", language="bash", code="echo out; echo err >&2; exit 3")
+            assert (r["stdout"], r["stderr"], r["exit_code"], r["sandbox_id"]) == ("out\n", "err\n", 3, sid)
+            r = await call(c, "exec", argv=["sh", "-c", "pwd; id -un"])
+            assert r["stdout"].splitlines()[0] == "/workspace", r
+
+            # Files: parents made, text back as text, listing.
+            await call(c, "write_file", path="src/pkg/hello.py", content="print('hi from a file')\n")
+            r = await c.call_tool("read_file", {"path": "/workspace/src/pkg/hello.py"})
+            assert not r.is_error and r.content[0].text == "print('hi from a file')\n"
+            r = await call(c, "exec", command="python3 src/pkg/hello.py")
+            assert r["stdout"] == "hi from a file\n"
+            r = await call(c, "list_files", path="src", recursive=True)
+            assert {(e["path"], e["type"]) for e in r["entries"]} == {
+                ("pkg", "directory"),
+                ("pkg/hello.py", "file"),
+            }, r
+
+            # A port: the URL and its token reach a server in the sandbox.
+            await call(c, "write_file", path="site/index.html", content="mcp says hello\n")
+            await call(
+                c,
+                "exec",
+                command="cd site && nohup python3 -m http.server 8000 --bind 127.0.0.1 >/dev/null 2>&1 &",
+            )
+            g = await call(c, "expose_port", port=8000)
+            assert g["token"] and g["token_header"].lower() == "x-hutch-sandbox-token", g
+            assert g["path_url"].startswith(daemon.base + f"/v1/sandboxes/{sid}/ports/8000/"), g
+
+            def served():
+                try:
+                    r = requests.get(g["path_url"] + "index.html", headers={g["token_header"]: g["token"]}, timeout=5)
+                except requests.RequestException:
+                    return False
+                return r.status_code == 200 and r.text == "mcp says hello\n"
+
+            wait_for("the exposed port to serve", served, timeout=20)
+            assert requests.get(g["path_url"], timeout=5).status_code in (401, 403)
+
+            # An explicit sandbox, kept past the session.
+            kept = await call(c, "create_sandbox", keep=True, ttl_seconds=600)
+            assert kept["state"] == "running" and kept["kept"] is True
+            r = await call(c, "run_code", code="import os; print(os.getcwd())")
+            assert r["sandbox_id"] == kept["id"], "create_sandbox makes the session's default"
+            listed = await call(c, "list_sandboxes")
+            assert {sid, kept["id"]} <= {s["id"] for s in listed["sandboxes"]}
+            assert listed["session_default"] == kept["id"]
+            return sid, kept["id"]
+
+    sid, kept = asyncio.run(go())
+    # The client's exit ended the session: its default sandbox ended, the kept one lives.
+    wait_ended(alice, sid)
+    assert state_of(alice, kept) == "running"
+    alice.destroy(kept)
+
+
+def test_tools_over_stdio(daemon: Daemon, alice):
+    async def go():
+        async with stdio_client(daemon, alice.key) as c:
+            assert TOOLS <= {t.name for t in (await c.list_tools()).tools}
+            r = await call(c, "run_code", code="import sys; print(sys.version_info[0])")
+            assert (r["stdout"], r["exit_code"]) == ("3\n", 0), r
+            sid = r["sandbox_id"]
+            # Runs concurrently: a slow call does not hold up a quick one.
+            slow = asyncio.create_task(call(c, "exec", command="sleep 1; echo slow"))
+            quick = await call(c, "exec", command="echo quick")
+            assert quick["stdout"] == "quick\n"
+            assert (await slow)["stdout"] == "slow\n"
+            # Images come back as images, other bytes as base64.
+            await call(c, "write_file", path="plot.png", content=base64.b64encode(PNG).decode(), encoding="base64")
+            r = await c.call_tool("read_file", {"path": "plot.png"})
+            assert not r.is_error and r.content[0].type == "image", r
+            assert r.content[0].mime_type == "image/png" and base64.b64decode(r.content[0].data) == PNG
+            await call(c, "write_file", path="blob", content=base64.b64encode(b"\xff\x00\xfe").decode(), encoding="base64")
+            r = await call(c, "read_file", path="blob")
+            assert (r["encoding"], base64.b64decode(r["content"])) == ("base64", b"\xff\x00\xfe")
+            await refused(c, "run_code", "not_found", code="1", sandbox_id="sb-00000000000000ff")
+            return sid
+
+    sid = asyncio.run(go())
+    # The end of stdin closed the session, and the sandbox with it.
+    wait_ended(alice, sid)
+
+
+def test_refusals_carry_stable_codes(daemon: Daemon, alice, bob):
+    bobs = bob.create()
+
+    async def go():
+        async with http_client(daemon, alice.key) as c:
+            # Another key's sandbox answers as one that does not exist.
+            for tool, args in [
+                ("run_code", {"code": "print(1)"}),
+                ("exec", {"command": "true"}),
+                ("read_file", {"path": "/etc/hostname"}),
+                ("write_file", {"path": "x", "content": "x"}),
+                ("list_files", {}),
+                ("expose_port", {"port": 8000}),
+                ("delete_sandbox", {}),
+            ]:
+                await refused(c, tool, "not_found", sandbox_id=bobs["id"], **args)
+                await refused(c, tool, "not_found", sandbox_id="sb-00000000000000ff", **args)
+            await refused(c, "run_code", "not_found", code="1", sandbox_id="../etc")
+            # Arguments that do not fit the schema, and bad values.
+            await refused(c, "run_code", "invalid_request", code="1", language="cobol")
+            await refused(c, "run_code", "invalid_request")
+            await refused(c, "exec", "invalid_request", command="true", argv=["true"])
+            await refused(c, "exec", "invalid_request", command="true", surprise=1)
+            await refused(c, "delete_sandbox", "invalid_request")
+            await refused(c, "create_sandbox", "unknown_template", template="no-such-template")
+            await refused(c, "expose_port", "invalid_request", port=0)
+            r = await call(c, "run_code", code="print('x')", keep=False)
+            await refused(c, "read_file", "not_found", path="/workspace/missing.txt")
+            await refused(c, "list_files", "invalid_path", path="/workspace/../..")
+            deleted = await call(c, "delete_sandbox")
+            assert deleted["id"] == r["sandbox_id"]
+
+    asyncio.run(go())
+    assert state_of(bob, bobs["id"]) == "running", "bob's sandbox is untouched"
+    bob.destroy(bobs["id"])
+
+
+def test_http_needs_a_key_and_the_session_is_the_keys(daemon: Daemon, alice, bob):
+    init = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "test", "version": "0"},
+        },
+    }
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    for auth in [None, "Bearer nope", "Basic " + alice.key]:
+        h = dict(headers, **({"Authorization": auth} if auth else {}))
+        r = requests.post(daemon.base + "/mcp", json=init, headers=h, timeout=10)
+        expect_error(r, 401, "unauthorized")
+    r = requests.get(daemon.base + "/mcp", headers={"Accept": "text/event-stream"}, timeout=10)
+    expect_error(r, 401, "unauthorized")
+
+    # A session opened by alice's key is refused to bob's key.
+    r = requests.post(
+        daemon.base + "/mcp", json=init, headers=dict(headers, Authorization=f"Bearer {alice.key}"), timeout=10
+    )
+    assert r.status_code == 200, r.text
+    session = r.headers["mcp-session-id"]
+    h = dict(headers, **{"Mcp-Session-Id": session, "MCP-Protocol-Version": "2025-06-18"})
+    note = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    r = requests.post(daemon.base + "/mcp", json=note, headers=dict(h, Authorization=f"Bearer {alice.key}"), timeout=10)
+    assert r.status_code == 202, r.text
+    call_ = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "list_sandboxes", "arguments": {}}}
+    r = requests.post(daemon.base + "/mcp", json=call_, headers=dict(h, Authorization=f"Bearer {bob.key}"), timeout=10)
+    assert r.status_code == 200, r.text
+    assert '"isError":true' in r.text and "unauthorized" in r.text, r.text
+    r = requests.delete(daemon.base + "/mcp", headers=dict(h, Authorization=f"Bearer {alice.key}"), timeout=10)
+    assert r.status_code in (200, 202, 204), r.text
+
+
+def test_stdio_without_a_daemon_fails_clearly(daemon: Daemon, alice):
+    async def go():
+        env = {"HUTCH_URL": "http://127.0.0.1:1", "HUTCH_API_KEY": alice.key, "PATH": os.environ.get("PATH", "")}
+        params = StdioServerParameters(command=str(DEBUG_BIN), args=["mcp"], env=env)
+        with open(os.devnull, "w") as errlog:
+            from mcp.client.stdio import stdio_client as raw_stdio
+
+            async with Client(raw_stdio(params, errlog=errlog), read_timeout_seconds=20) as c:
+                await c.list_tools()
+
+    with pytest.raises(Exception) as e:
+        asyncio.run(go())
+    assert "cannot reach the hutch daemon" in repr(e.value), repr(e.value)
