@@ -187,7 +187,11 @@ def test_tools_over_stdio(daemon: Daemon, alice):
             r = await call(c, "read_file", path="blob")
             assert (r["encoding"], base64.b64decode(r["content"])) == ("base64", b"\xff\x00\xfe")
             await refused(c, "run_code", "not_found", code="1", sandbox_id="sb-00000000000000ff")
-            return sid
+            # The default sandbox ended elsewhere: the next call gets a new one.
+            alice.destroy(sid)
+            r = await call(c, "run_code", code="print('again')")
+            assert r["stdout"] == "again\n" and r["sandbox_id"] != sid, r
+            return r["sandbox_id"]
 
     sid = asyncio.run(go())
     # The end of stdin closed the session, and the sandbox with it.

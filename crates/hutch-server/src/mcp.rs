@@ -27,7 +27,7 @@
 use crate::routes::Caller;
 use crate::App;
 use axum::http::request::Parts;
-use hutch_api::{CreateAccess, CreateSandbox, ErrorCode, ExecRequest, ExecResult};
+use hutch_api::{CreateAccess, CreateSandbox, ErrorCode, ExecRequest, ExecResult, SandboxState};
 use hutch_control::exec::ExecReply;
 use hutch_control::{Control, ControlError, SandboxId};
 use rmcp::handler::server::router::tool::ToolRouter;
@@ -412,14 +412,22 @@ impl Session {
     }
 
     /// The sandbox a tool runs in: the named one, or the session's default
-    /// (created now if it has none).
+    /// (created now if it has none, or if it has ended: expired, or deleted
+    /// elsewhere; the answer's `sandbox_id` then names the new one).
     async fn target(&self, caller: &Caller, sandbox_id: Option<&str>, keep: bool) -> Result<SandboxId, Refusal> {
         if let Some(id) = sandbox_id {
             return Ok(SandboxId::parse(id)?);
         }
         let mut inner = self.state.inner.lock().await;
-        if let Some(id) = &inner.default {
-            return Ok(id.clone());
+        if let Some(id) = inner.default.clone() {
+            match self.control().get(caller, &id).await {
+                Ok(sb) if !matches!(sb.state, SandboxState::Terminating | SandboxState::Terminated) => return Ok(id),
+                Ok(_) | Err(ControlError::NoSandbox(_)) => {
+                    inner.owned.retain(|o| *o != id);
+                    inner.default = None;
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
         let (sb, _) = self.control().create(caller, &CreateSandbox::default(), None).await?;
         let id = SandboxId::parse(&sb.id)?;
