@@ -18,6 +18,7 @@ import pytest
 import requests
 from mcp.client import Client
 from mcp.client.stdio import StdioServerParameters
+from mcp.client.stdio import stdio_client as raw_stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
 from conftest import DEBUG_BIN, Daemon, expect_error, wait_for
@@ -272,16 +273,24 @@ def test_http_needs_a_key_and_the_session_is_the_keys(daemon: Daemon, alice, bob
     assert r.status_code in (200, 202, 204), r.text
 
 
-def test_stdio_without_a_daemon_fails_clearly(daemon: Daemon, alice):
-    async def go():
-        env = {"HUTCH_URL": "http://127.0.0.1:1", "HUTCH_API_KEY": alice.key, "PATH": os.environ.get("PATH", "")}
-        params = StdioServerParameters(command=str(DEBUG_BIN), args=["mcp"], env=env)
-        with open(os.devnull, "w") as errlog:
-            from mcp.client.stdio import stdio_client as raw_stdio
+@pytest.mark.parametrize(
+    "where, key, says",
+    [
+        ("nowhere", "alice", "cannot reach the hutch daemon"),
+        ("daemon", "hutch_not_a_key", "a valid API key is required"),
+    ],
+)
+def test_stdio_failures_are_clear(daemon: Daemon, alice, where, key, says):
+    """No daemon, or a key it refuses: the client's connect fails with why."""
+    url = "http://127.0.0.1:1" if where == "nowhere" else daemon.base
+    env = {"HUTCH_URL": url, "HUTCH_API_KEY": alice.key if key == "alice" else key, "PATH": os.environ.get("PATH", "")}
+    params = StdioServerParameters(command=str(DEBUG_BIN), args=["mcp"], env=env)
 
-            async with Client(raw_stdio(params, errlog=errlog), read_timeout_seconds=20) as c:
+    async def go():
+        with open(os.devnull, "w") as errlog:
+            async with Client(raw_stdio_client(params, errlog=errlog), read_timeout_seconds=20) as c:
                 await c.list_tools()
 
     with pytest.raises(Exception) as e:
         asyncio.run(go())
-    assert "cannot reach the hutch daemon" in repr(e.value), repr(e.value)
+    assert says in repr(e.value), repr(e.value)

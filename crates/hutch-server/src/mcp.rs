@@ -63,7 +63,8 @@ pub fn service(app: Arc<App>) -> StreamableHttpService<Session, LocalSessionMana
     sessions.session_config = cfg;
     // Every request carries an API key: a page that rebinds a name to us
     // has none, so Host and Origin are not what guards this endpoint.
-    let config = StreamableHttpServerConfig::default().disable_allowed_hosts().with_sse_keep_alive(None);
+    // Streams keep rmcp's pings (a long command's answer waits on one).
+    let config = StreamableHttpServerConfig::default().disable_allowed_hosts();
     let control = app.control.clone();
     StreamableHttpService::new(move || Ok(Session::new(control.clone())), Arc::new(sessions), config)
 }
