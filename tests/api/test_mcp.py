@@ -39,6 +39,21 @@ PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 )
 CALL_TIMEOUT = 60
+# A stand-in for matplotlib.pyplot: open figures that save as PNG.
+FAKE_PYPLOT = f"""
+import base64
+_open = []
+class _Figure:
+    def savefig(self, path, format=None):
+        with open(path, "wb") as f:
+            f.write(base64.b64decode({base64.b64encode(PNG).decode()!r}))
+def figure(num=None):
+    if num not in _open:
+        _open.append(num)
+    return _Figure()
+def get_fignums():
+    return list(_open)
+"""
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +143,27 @@ def test_tools_over_http(daemon: Daemon, alice):
                 ("pkg", "directory"),
                 ("pkg/hello.py", "file"),
             }, r
+
+            # Python runs as `python3 -c` does, and its open matplotlib
+            # figures come back as images (a stand-in pyplot here: the
+            # base template has no matplotlib).
+            probe = "import sys, os; print(sys.argv, __name__, os.environ['MPLBACKEND'], 'HUTCH_MCP_FIGURES' in os.environ)"
+            r = await call(c, "run_code", code=probe)
+            assert r["stdout"] == "['-c'] __main__ Agg False\n" and r["images"] == 0, r
+            r = await call(c, "run_code", code="raise SystemExit(7)")
+            assert r["exit_code"] == 7, r
+            r = await call(c, "run_code", code="1/0")
+            assert r["exit_code"] == 1 and "ZeroDivisionError" in r["stderr"], r
+            await call(c, "write_file", path="fake/matplotlib/__init__.py", content="")
+            await call(c, "write_file", path="fake/matplotlib/pyplot.py", content=FAKE_PYPLOT)
+            plot = "import sys; sys.path.insert(0, 'fake')\nimport matplotlib.pyplot as plt\nplt.figure(3)\nplt.figure(5)\nprint('plotted')"
+            res = await c.call_tool("run_code", {"code": plot})
+            assert not res.is_error and res.structured_content["stdout"] == "plotted\n", res
+            assert res.structured_content["images"] == 2, res
+            images = [b for b in res.content if b.type == "image"]
+            assert [(b.mime_type, base64.b64decode(b.data)) for b in images] == [("image/png", PNG)] * 2
+            r = await call(c, "exec", command="ls -a /tmp | grep -c hutch-mcp-figures || true")
+            assert r["stdout"] == "0\n", "the figures' directory is removed"
 
             # A port: the URL and its token reach a server in the sandbox.
             await call(c, "write_file", path="site/index.html", content="mcp says hello\n")

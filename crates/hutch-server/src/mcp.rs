@@ -380,6 +380,41 @@ fn image_mime(data: &[u8]) -> Option<&'static str> {
     }
 }
 
+/// How `run_code` runs python: as `python3 -c` would (the code compiled as
+/// `<string>` in a fresh `__main__`, `sys.argv == ['-c']`), with
+/// matplotlib on its file backend, and then every open matplotlib figure
+/// saved as a PNG into `$HUTCH_MCP_FIGURES` (at most 8), which the tool
+/// returns as images. The variable is removed before the code runs.
+const PYTHON_RUNNER: &str = r#"import os as _o, sys as _s
+_o.environ.setdefault("MPLBACKEND", "Agg")
+_d = _o.environ.pop("HUTCH_MCP_FIGURES", "")
+_c = _s.argv.pop(1)
+def _figures():
+    p = _s.modules.get("matplotlib.pyplot")
+    if p is None or not _d:
+        return
+    try:
+        nums = p.get_fignums()[:8]
+        if nums:
+            _o.makedirs(_d, exist_ok=True)
+        for i, n in enumerate(nums):
+            p.figure(n).savefig(_o.path.join(_d, "%02d.png" % i), format="png")
+    except Exception as e:
+        print("hutch: could not save the figures: %r" % (e,), file=_s.stderr)
+try:
+    exec(compile(_c, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+finally:
+    _figures()
+"#;
+
+/// A directory of the sandbox's /tmp for one run's figures.
+fn figures_dir() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    format!("/tmp/.hutch-mcp-figures-{}-{n}-{nanos}", std::process::id())
+}
+
 /// Default command timeout of the tools (an agent waits for the answer).
 const DEFAULT_TIMEOUT: u64 = 60;
 
@@ -477,19 +512,64 @@ impl Session {
 
     async fn do_run_code(&self, ctx: &RequestContext<RoleServer>, a: RunCodeArgs) -> Result<CallToolResult, Refusal> {
         let caller = self.caller(ctx).await?;
-        let argv = match a.language {
-            Language::Python => ["python3", "-c"],
-            Language::Bash => ["bash", "-c"],
-            Language::Node => ["node", "-e"],
-        };
         let id = self.target(&caller, a.sandbox_id.as_deref(), a.keep).await?;
-        let req = ExecRequest {
-            argv: Some(vec![argv[0].to_owned(), argv[1].to_owned(), a.code]),
-            timeout_seconds: Some(a.timeout_seconds.unwrap_or(DEFAULT_TIMEOUT)),
+        let timeout_seconds = Some(a.timeout_seconds.unwrap_or(DEFAULT_TIMEOUT));
+        let (argv, figures) = match a.language {
+            Language::Python => {
+                let dir = figures_dir();
+                (vec!["python3".into(), "-c".into(), PYTHON_RUNNER.into(), a.code], Some(dir))
+            }
+            Language::Bash => (vec!["bash".into(), "-c".into(), a.code], None),
+            Language::Node => (vec!["node".into(), "-e".into(), a.code], None),
+        };
+        let mut env = BTreeMap::new();
+        if let Some(dir) = &figures {
+            env.insert("HUTCH_MCP_FIGURES".to_owned(), dir.clone());
+        }
+        let req =
+            ExecRequest { argv: Some(argv), env, timeout_seconds, keep_output: Some(false), ..ExecRequest::default() };
+        let mut answer = self.run(&caller, &id, req).await?;
+        if let Some(dir) = figures {
+            let images = self.figures(&caller, &id, &dir).await;
+            if let Some(v) = answer.structured_content.as_mut() {
+                v["images"] = json!(images.len());
+            }
+            answer.content =
+                vec![ContentBlock::text(answer.structured_content.clone().unwrap_or_default().to_string())];
+            answer.content.extend(images);
+        }
+        Ok(answer)
+    }
+
+    /// The figures a python run left in `dir` (PNG, in order), then `dir`
+    /// removed. Best effort: a figure that cannot be read is left out.
+    async fn figures(&self, caller: &Caller, id: &SandboxId, dir: &str) -> Vec<ContentBlock> {
+        let Ok(fs) = self.control().fs(caller, id).await else { return Vec::new() };
+        let opts =
+            hutch_control::files::ListOptions { recursive: false, include_sha256: false, limit: 64, cursor: None };
+        let Ok(listing) = fs.list(dir, opts).await else { return Vec::new() };
+        let mut images = Vec::new();
+        for e in listing.entries.iter().filter(|e| e.kind == "file" && e.path.ends_with(".png")) {
+            if let Ok(data) = fs.read(&format!("{dir}/{}", e.path)).await {
+                if image_mime(&data) == Some("image/png") {
+                    use base64::Engine;
+                    images.push(ContentBlock::image(
+                        base64::engine::general_purpose::STANDARD.encode(&data),
+                        "image/png",
+                    ));
+                }
+            }
+        }
+        let rm = ExecRequest {
+            argv: Some(vec!["rm".into(), "-rf".into(), "--".into(), dir.to_owned()]),
+            timeout_seconds: Some(30),
             keep_output: Some(false),
             ..ExecRequest::default()
         };
-        self.run(&caller, &id, req).await
+        if let Err(e) = self.control().exec(caller, id, &rm, None, None).await {
+            tracing::debug!(sandbox = %id.as_str(), "removing {dir}: {e}");
+        }
+        images
     }
 
     async fn do_exec(&self, ctx: &RequestContext<RoleServer>, a: ExecArgs) -> Result<CallToolResult, Refusal> {
@@ -672,8 +752,8 @@ impl Session {
 
     #[tool(
         description = "Run a program in a sandbox: language python (default), bash or node. Returns stdout, stderr and \
-                       exit_code (plus timed_out, oom_killed, *_truncated). Without sandbox_id it runs in the session's \
-                       default sandbox, created on first use."
+                       exit_code (plus timed_out, oom_killed, *_truncated). Python's open matplotlib figures come back \
+                       as PNG images. Without sandbox_id it runs in the session's default sandbox, created on first use."
     )]
     async fn run_code(&self, ctx: RequestContext<RoleServer>, Parameters(a): Parameters<RunCodeArgs>) -> ToolResult {
         answer(self.do_run_code(&ctx, a).await)
