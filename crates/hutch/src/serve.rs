@@ -198,10 +198,11 @@ fn e2b_secret(state_dir: &std::path::Path) -> Result<Vec<u8>> {
 }
 
 /// Logs go to stderr as JSON lines (`RUST_LOG` filters them; `info` by
-/// default).
+/// default, but warnings only from the MCP library, which logs every
+/// session's handshake and notifications at `info`).
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,rmcp=warn"));
     let _ = tracing_subscriber::fmt()
         .json()
         .with_env_filter(filter)
