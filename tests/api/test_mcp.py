@@ -330,3 +330,27 @@ def test_stdio_failures_are_clear(daemon: Daemon, alice, where, key, says):
     with pytest.raises(Exception) as e:
         asyncio.run(go())
     assert says in repr(e.value), repr(e.value)
+
+
+def test_a_stopping_daemon_ends_sessions_but_not_their_sandboxes(own_daemon: Daemon):
+    """SIGTERM with a client connected: the session's streams end so the
+    daemon can stop, and its sandbox is kept (sessions do not survive a
+    restart; the work in them does, to its expiry)."""
+    d = own_daemon
+    d.start()
+    api = d.client("admin")
+
+    async def go():
+        async with http_client(d, api.key) as c:
+            r = await call(c, "run_code", code="open('/workspace/kept.txt', 'w').write('still here')")
+            assert r["exit_code"] == 0, r
+            # Stopped while the client holds its session open; stop() fails
+            # the test if the daemon ignores SIGTERM.
+            assert await asyncio.to_thread(d.stop) == 0, d.log_tail()
+            return r["sandbox_id"]
+
+    sid = asyncio.run(go())
+    d.start()
+    assert state_of(api, sid) == "running"
+    r = api.post(f"/v1/sandboxes/{sid}/files/read", {"path": "kept.txt"})
+    assert r.status_code == 200 and base64.b64decode(r.json()["data"]) == b"still here", r.text

@@ -48,6 +48,7 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 
 /// A session with no request for this long ends, and its sandboxes with it.
 pub const SESSION_IDLE: Duration = Duration::from_secs(30 * 60);
@@ -55,8 +56,11 @@ pub const SESSION_IDLE: Duration = Duration::from_secs(30 * 60);
 /// Most entries `list_files` answers with.
 const LIST_MAX: u32 = 1000;
 
-/// The `/mcp` service: one `Session` per MCP session.
-pub fn service(app: Arc<App>) -> StreamableHttpService<Session, LocalSessionManager> {
+/// The `/mcp` service: one `Session` per MCP session. When `stop` is
+/// cancelled (the daemon is stopping) every session ends, and the
+/// sandboxes of the sessions live on to their expiry: a session does not
+/// survive a restart, but a restart is no reason to delete work.
+pub fn service(app: Arc<App>, stop: CancellationToken) -> StreamableHttpService<Session, LocalSessionManager> {
     let mut sessions = LocalSessionManager::default();
     let mut cfg = SessionConfig::default();
     cfg.keep_alive = Some(SESSION_IDLE);
@@ -64,9 +68,10 @@ pub fn service(app: Arc<App>) -> StreamableHttpService<Session, LocalSessionMana
     // Every request carries an API key: a page that rebinds a name to us
     // has none, so Host and Origin are not what guards this endpoint.
     // Streams keep rmcp's pings (a long command's answer waits on one).
-    let config = StreamableHttpServerConfig::default().disable_allowed_hosts();
+    let config =
+        StreamableHttpServerConfig::default().disable_allowed_hosts().with_cancellation_token(stop.child_token());
     let control = app.control.clone();
-    StreamableHttpService::new(move || Ok(Session::new(control.clone())), Arc::new(sessions), config)
+    StreamableHttpService::new(move || Ok(Session::new(control.clone(), stop.clone())), Arc::new(sessions), config)
 }
 
 /// What a session holds: its key, its default sandbox, and the sandboxes
@@ -74,6 +79,8 @@ pub fn service(app: Arc<App>) -> StreamableHttpService<Session, LocalSessionMana
 /// `Session` gone), which ends those sandboxes.
 struct SessionState {
     control: Arc<Control>,
+    /// Cancelled when the daemon stops.
+    stop: CancellationToken,
     inner: tokio::sync::Mutex<Inner>,
 }
 
@@ -92,6 +99,13 @@ impl Drop for SessionState {
             return;
         };
         if owned.is_empty() {
+            return;
+        }
+        if self.stop.is_cancelled() {
+            tracing::info!(
+                sandboxes = owned.len(),
+                "MCP session ended with the daemon; its sandboxes live to their expiry"
+            );
             return;
         }
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
@@ -419,9 +433,9 @@ fn figures_dir() -> String {
 const DEFAULT_TIMEOUT: u64 = 60;
 
 impl Session {
-    fn new(control: Arc<Control>) -> Session {
+    fn new(control: Arc<Control>, stop: CancellationToken) -> Session {
         Session {
-            state: Arc::new(SessionState { control, inner: tokio::sync::Mutex::new(Inner::default()) }),
+            state: Arc::new(SessionState { control, stop, inner: tokio::sync::Mutex::new(Inner::default()) }),
             tool_router: Self::tool_router(),
         }
     }
