@@ -66,7 +66,7 @@ def ms(x: float) -> str:
 
 
 class Daemon:
-    def __init__(self, binary: Path):
+    def __init__(self, binary: Path, env_extra: dict[str, str] | None = None):
         if not binary.is_file():
             sys.exit(f"release binary not found at {binary}: run `cargo build --release` first")
         if not (binary.parent / "hutch-agent").is_file():
@@ -78,6 +78,7 @@ class Daemon:
         self.base = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
         env["HUTCH_RUN_DIR"] = str(self.root / "run")
+        env.update(env_extra or {})
         self.log = open(self.root / "daemon.log", "wb")
         self.proc = subprocess.Popen(
             [str(binary), "serve", "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.root / "state")],

@@ -14,9 +14,11 @@ fi
 need=()
 # Images: mmdebstrap builds the Debian presets; docker-registry serves pulls
 # in the image tests (each test starts its own on a free loopback port; the
-# package's own service is not used).
+# package's own service is not used). Node and npm run the E2B JavaScript
+# SDK's suite (tests/e2b-js).
 for pkg_cmd in python3:python3 procps:pgrep util-linux:unshare mount:mount coreutils:sha256sum \
-    nftables:nft iproute2:ip mmdebstrap:mmdebstrap docker-registry:docker-registry; do
+    nftables:nft iproute2:ip mmdebstrap:mmdebstrap docker-registry:docker-registry \
+    nodejs:node npm:npm; do
     pkg=${pkg_cmd%%:*} cmd=${pkg_cmd##*:}
     found=
     for dir in /usr/bin /bin /usr/sbin /sbin; do
@@ -38,6 +40,16 @@ cargo test --workspace -- --test-threads=2
 bash scripts/fuzz.sh "${HUTCH_FUZZ_SECONDS:-20}"
 python3 -m pytest tests/api -q -p no:cacheprovider
 python3 -m pip install --quiet --disable-pip-version-check -r tests/e2b/requirements.txt
+# The E2B JavaScript SDK's packages, as pinned in its package-lock.json; the
+# SDK wants Node 20.18.1 or newer (not 21): with an older Node (Debian 12
+# ships 18), npm's `node` package puts a pinned one in tests/e2b-js/.node,
+# first on PATH for the suite (tests/e2b/test_js.py runs it).
+(cd tests/e2b-js && npm ci --no-audit --no-fund --loglevel=error)
+if ! node -e 'const [a, b, c] = process.versions.node.split(".").map(Number);
+    process.exit(a >= 22 || (a === 20 && (b > 18 || (b === 18 && c >= 1))) ? 0 : 1)'; then
+    npm install --prefix tests/e2b-js/.node --no-save --no-audit --no-fund --loglevel=error node@22.23.3
+    export PATH="$PWD/tests/e2b-js/.node/node_modules/.bin:$PATH"
+fi
 python3 -m pytest tests/e2b -q -p no:cacheprovider
 # The Python SDK, installed as a user would (pip install ./sdk/python), with
 # its test extras; its suite starts one daemon of its own for the session.

@@ -4,6 +4,9 @@ executions."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import subprocess
 import threading
 import time
 import uuid
@@ -457,3 +460,24 @@ def test_filling_memory_kills_the_command_not_the_sandbox(api: Client):
         assert api.sandbox(sid)["state"] == "running"
     finally:
         api.destroy(sid)
+
+
+def test_the_cli_forwards_stdin_with_dash_i(daemon: Daemon, api: Client, sandbox: dict):
+    """`hutch exec -i` copies its stdin, bytes as they are, to the command,
+    closes it at EOF, and exits with the command's code."""
+    env = {"HUTCH_URL": daemon.base, "HUTCH_API_KEY": api.key, "PATH": os.environ["PATH"]}
+    data = bytes(range(256)) * 2048 + b"\xff\xfe not utf-8"
+
+    def hutch(*args: str, stdin: bytes) -> subprocess.CompletedProcess:
+        return subprocess.run([str(daemon.binary), "exec", *args], input=stdin, env=env, capture_output=True,
+                              timeout=60)
+
+    p = hutch("-i", sandbox["id"], "--", "sha256sum", stdin=data)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.decode().split()[0] == hashlib.sha256(data).hexdigest()
+    p = hutch("-i", sandbox["id"], "--", "sh -c 'read x; echo got $x; exit $x'", stdin=b"7\n")
+    assert (p.returncode, p.stdout) == (7, b"got 7\n"), p
+    # Without -i the command's stdin is empty, whatever hutch's is.
+    p = hutch(sandbox["id"], "--", "wc -c", stdin=b"ignored")
+    assert (p.returncode, p.stdout.strip()) == (0, b"0"), p
+    assert hutch("-i", "--background", sandbox["id"], "--", "true", stdin=b"").returncode == 2

@@ -719,3 +719,48 @@ def test_e2b_files_take_gzip_forms_and_refuse_other_encodings(daemon: Daemon, ap
     assert r.status_code == 400, r.text
     assert api.exec(sid, "test -e /home/user/bad.bin || test -e /home/user/br.bin")["exit_code"] != 0
     assert ".hutch-upload-" not in api.sh(sid, "ls -A /home/user")
+
+
+def _exchange(sock: socket.socket, head: bytes, body: bytes = b"") -> tuple[int, dict]:
+    """Sends a request's head, then its body as a second write (as fetch
+    streams one), and reads one response: (status, headers)."""
+    sock.sendall(head)
+    if body:
+        sock.sendall(body)
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed before an answer: {buf!r}"
+        buf += chunk
+    raw, rest = buf.split(b"\r\n\r\n", 1)
+    lines = raw.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+    length = int(headers.get("content-length", "0"))
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the connection closed inside an answer"
+        rest += chunk
+    return int(lines[0].split()[1]), headers
+
+
+def test_a_refused_upload_is_answered_after_its_small_body(api: Client, sandbox: dict):
+    """A bad key or an unknown sandbox refuses a raw upload once its (small)
+    body is read: a client still sending it reads the answer rather than a
+    reset, and the connection carries the next request."""
+    host = api.base.removeprefix("http://")
+    addr, port = host.rsplit(":", 1)
+    body = os.urandom(100_000)
+
+    def put(sid: str, key: str) -> bytes:
+        return (f"PUT /v1/sandboxes/{sid}/files?path=refused.bin HTTP/1.1\r\nHost: {host}\r\n"
+                f"Authorization: Bearer {key}\r\nContent-Type: application/octet-stream\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+
+    with socket.create_connection((addr, int(port)), timeout=30) as s:
+        status, headers = _exchange(s, put(sandbox["id"], "hutch_wrong"), body)
+        assert status == 401 and headers.get("connection") != "close", (status, headers)
+        status, headers = _exchange(s, put("sb-0000000000000000", api.key), body)
+        assert status == 404 and headers.get("connection") != "close", (status, headers)
+        status, _ = _exchange(s, f"GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        assert status == 200
+    expect_error(read(api, sandbox["id"], "refused.bin"), 404, "not_found")

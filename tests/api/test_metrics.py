@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 import uuid
 
+import requests
+
 from conftest import Client, Daemon, expect_status, wait_for
 
 
@@ -80,3 +82,25 @@ def test_metrics_show_a_key_only_its_own_templates(daemon: Daemon, api: Client):
     sample(text, "hutch_warm_claims_total")
     sample(text, "hutch_sandboxes", 'state="running"')
     expect_status(a.delete(f"/v1/templates/{tid}"), 204)
+
+
+def test_a_scrape_token_reads_metrics_and_nothing_else(own_daemon: Daemon):
+    token = "scrape-" + uuid.uuid4().hex
+    path = own_daemon.root / "metrics.token"
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    own_daemon.extra_env["HUTCH_METRICS_TOKEN_FILE"] = str(path)
+    d = own_daemon.start()
+    scrape = {"Authorization": f"Bearer {token}"}
+    r = requests.get(d.base + "/metrics", headers=scrape, timeout=10)
+    expect_status(r, 200)
+    assert sample(r.text, "hutch_sandboxes", 'state="running"') >= 0
+    # The token opens nothing else; no token or a wrong one opens nothing.
+    for path_ in ("/v1/sandboxes", "/v1/keys", "/v1/usage"):
+        r = requests.get(d.base + path_, headers=scrape, timeout=10)
+        assert r.status_code == 401 and r.json()["code"] == "unauthorized", (path_, r.text)
+    for headers in ({}, {"Authorization": f"Bearer {token}x"}, {"Authorization": f"Bearer {token[:-1]}"}):
+        r = requests.get(d.base + "/metrics", headers=headers, timeout=10)
+        assert r.status_code == 401 and r.json()["code"] == "unauthorized", (headers, r.text)
+    # API keys still read their own view.
+    expect_status(d.client().get("/metrics"), 200)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import re
+import subprocess
 import threading
 import time
 import uuid
@@ -480,3 +482,31 @@ def test_a_command_that_exits_before_its_stdin_is_written_runs_once(api: Client,
     if again.status_code == 409:
         assert again.json()["code"] == "execution_outcome_unknown", again.text
     assert api.sh(sid, "wc -l < /workspace/runs").strip() == "1"
+
+
+def test_hutch_key_manages_keys_through_the_api_for_an_admin_key(daemon: Daemon, api: Client, tmp_path):
+    """`hutch key` with HUTCH_URL works from a machine without the daemon's
+    database (an empty state directory here), for the admin key only."""
+    env = {"HUTCH_URL": daemon.base, "HUTCH_API_KEY": api.key, "HUTCH_STATE_DIR": str(tmp_path),
+           "PATH": os.environ["PATH"]}
+
+    def hutch(*args: str, key: str | None = None) -> subprocess.CompletedProcess:
+        e = dict(env, **({"HUTCH_API_KEY": key} if key else {}))
+        return subprocess.run([str(daemon.binary), "key", *args], env=e, capture_output=True, text=True, timeout=30)
+
+    p = hutch("create", "--name", "remote-made", "--max-sandboxes", "3", "--json")
+    assert p.returncode == 0, p.stderr
+    made = json.loads(p.stdout)
+    assert made["secret"] and made["quotas"]["max_sandboxes"] == 3, made
+    assert requests.get(daemon.base + "/v1/sandboxes", headers={"Authorization": f"Bearer {made['secret']}"},
+                        timeout=10).status_code == 200
+    p = hutch("quotas", made["id"], "--max-sandboxes", "1", "--json")
+    assert p.returncode == 0 and json.loads(p.stdout)["quotas"]["max_sandboxes"] == 1, p.stderr
+    listed = {k["id"]: k for k in json.loads(hutch("list", "--json").stdout)}
+    assert listed[made["id"]]["name"] == "remote-made"
+    # A key that is not the admin's manages nothing, and learns nothing.
+    p = hutch("list", "--json", key=made["secret"])
+    assert p.returncode == 1 and "forbidden" in p.stderr, p.stderr
+    assert hutch("revoke", made["id"]).returncode == 0
+    assert requests.get(daemon.base + "/v1/sandboxes", headers={"Authorization": f"Bearer {made['secret']}"},
+                        timeout=10).status_code == 401

@@ -121,3 +121,78 @@ def test_gzip_octet_stream_upload_is_unpacked(shared):
     )
     assert bad.status_code == 400, bad.text
     assert not shared.files.exists("zipped/bad.txt")
+
+
+def _exchange(sock, head: bytes, body: bytes = b""):
+    """Sends a request's head, then its body as a second write (as fetch
+    streams a form), and reads one response: (status, headers, body)."""
+    sock.sendall(head)
+    if body:
+        sock.sendall(body)
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed before an answer: {buf!r}"
+        buf += chunk
+    raw, rest = buf.split(b"\r\n\r\n", 1)
+    lines = raw.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+    length = int(headers.get("content-length", "0"))
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the connection closed inside an answer"
+        rest += chunk
+    return int(lines[0].split()[1]), headers, rest[:length]
+
+
+def test_a_refused_upload_is_answered_after_its_body_on_a_connection_that_stays(daemon, shared):
+    """A wrong signature or token is refused once the (small) body is read,
+    so that a client still sending it reads the refusal (closing with unread
+    bytes would reset the connection and lose the answer), and the
+    connection carries the next request."""
+    import socket
+
+    url = urllib.parse.urlsplit(shared.download_url("signed/refused.txt"))
+    host = f"127.0.0.1:{daemon['port']}"
+    sid, token = shared.sandbox_id, shared._envd_access_token
+    health = (f"GET /health HTTP/1.1\r\nHost: {host}\r\nE2b-Sandbox-Id: {sid}\r\n"
+              f"X-Access-Token: {token}\r\n\r\n").encode()
+
+    def post(target, body, extra=""):
+        return (f"POST {target} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/octet-stream\r\n"
+                f"Content-Length: {len(body)}\r\n{extra}\r\n").encode()
+
+    body = os.urandom(100_000)
+    with socket.create_connection(("127.0.0.1", daemon["port"]), timeout=30) as s:
+        # A read signature used to write.
+        status, headers, answer = _exchange(s, post(f"{url.path}?{url.query}", body), body)
+        assert status == 401 and b"signature" in answer, (status, answer)
+        assert headers.get("connection") != "close", headers
+        # A wrong token.
+        wrong = f"E2b-Sandbox-Id: {sid}\r\nX-Access-Token: wrong\r\n"
+        status, headers, _ = _exchange(s, post("/files?path=refused.txt", body, wrong), body)
+        assert status == 401 and headers.get("connection") != "close", (status, headers)
+        # Bad parameters of an authenticated upload (no path for a raw body).
+        good = f"E2b-Sandbox-Id: {sid}\r\nX-Access-Token: {token}\r\n"
+        status, headers, _ = _exchange(s, post("/files", body, good), body)
+        assert status == 400 and headers.get("connection") != "close", (status, headers)
+        status, _, _ = _exchange(s, health)
+        assert status == 204
+    assert not shared.files.exists("refused.txt")
+
+
+def test_a_refused_control_call_is_answered_after_its_body(daemon):
+    """The control API's key check, likewise: a bad key's create is refused
+    once its body is read, on a connection that stays."""
+    import json
+    import socket
+
+    host = f"127.0.0.1:{daemon['port']}"
+    body = json.dumps({"templateID": "base", "metadata": {"pad": "x" * 50_000}}).encode()
+    head = (f"POST /v2/sandboxes HTTP/1.1\r\nHost: {host}\r\nX-API-KEY: e2b_{'0' * 40}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", daemon["port"]), timeout=30) as s:
+        status, headers, _ = _exchange(s, head, body)
+        assert status == 401 and headers.get("connection") != "close", (status, headers)
+        status, _, _ = _exchange(s, f"GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        assert status == 200

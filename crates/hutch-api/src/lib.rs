@@ -789,8 +789,13 @@ pub struct SignalRequest {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct StdinRequest {
+    /// Text to write.
     #[serde(default)]
     pub data: String,
+    /// Bytes to write, base64 (standard alphabet, padded), after `data`:
+    /// for input that is not UTF-8.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_base64: Option<String>,
     /// Close stdin after writing.
     #[serde(default)]
     pub eof: bool,

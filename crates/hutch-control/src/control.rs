@@ -124,6 +124,9 @@ pub struct Config {
     /// (`<port>-<sandbox>.<domain>`) reach this daemon; without one, the
     /// E2B API names no domain and serves no port by host name.
     pub e2b_domain: Option<String>,
+    /// A credential that reads `/metrics` (the operator's view) and nothing
+    /// else, for a scraper that holds no API key.
+    pub metrics_token: Option<String>,
 }
 
 impl Config {
@@ -134,6 +137,7 @@ impl Config {
             capacity: Capacity::unlimited(),
             e2b_secret: vec![7; 32],
             e2b_domain: None,
+            metrics_token: None,
         }
     }
 }
@@ -155,6 +159,7 @@ pub struct Control {
     pub(crate) capacity: Capacity,
     pub(crate) e2b_secret: Vec<u8>,
     pub(crate) e2b_domain: Option<String>,
+    pub(crate) metrics_token: Option<String>,
     pub(crate) access: crate::access::Grants,
     pub(crate) builds: crate::build::Builds,
     /// Held across a policy change's kernel update and its record, so two
@@ -274,6 +279,7 @@ impl Control {
             capacity: config.capacity,
             e2b_secret: config.e2b_secret,
             e2b_domain: config.e2b_domain,
+            metrics_token: config.metrics_token,
             access: crate::access::Grants::default(),
             builds: crate::build::Builds::default(),
             net_updates: Arc::new(Mutex::new(())),

@@ -208,10 +208,24 @@ fn precheck(msg: &[u8]) -> Option<()> {
     (count(4) == 1 && records <= (msg.len() - 12) / 11).then_some(())
 }
 
-/// Lower case, no trailing dot: how policies name names.
-fn name_of(name: &hickory_proto::rr::Name) -> String {
-    let s = name.to_lowercase().to_ascii();
-    s.strip_suffix('.').unwrap_or(&s).to_owned()
+/// Lower case, no trailing dot: how policies name names. `None` for a
+/// name with a label that holds a dot, a backslash, a space or a byte
+/// outside printable ASCII: written out (escaped), such a name could match
+/// a policy's pattern that the name resolved does not (`evil\.example.com`
+/// ends in `.example.com`, but is a name under `com`), so it is never
+/// resolved, followed or admitted.
+fn name_of(name: &hickory_proto::rr::Name) -> Option<String> {
+    let mut out = String::new();
+    for label in name.iter() {
+        if label.is_empty() || !label.iter().all(|b| b.is_ascii_graphic() && *b != b'.' && *b != b'\\') {
+            return None;
+        }
+        if !out.is_empty() {
+            out.push('.');
+        }
+        out.extend(label.iter().map(|b| b.to_ascii_lowercase() as char));
+    }
+    Some(out)
 }
 
 /// Parses a sandbox's query. Pure: for fuzzing.
@@ -226,7 +240,7 @@ pub fn parse_query(msg: &[u8]) -> Option<Question> {
         return None;
     }
     Some(Question {
-        name: name_of(query.name()),
+        name: name_of(query.name())?,
         qtype: query.query_type(),
         id: m.metadata.id,
         recursion_desired: m.metadata.recursion_desired,
@@ -242,7 +256,7 @@ pub fn parse_answer(q: &Question, msg: &[u8]) -> Option<Found> {
     let rq = m.queries.first()?;
     if m.metadata.message_type != MessageType::Response
         || m.metadata.id != q.id
-        || name_of(rq.name()) != q.name
+        || name_of(rq.name()).as_deref() != Some(q.name.as_str())
         || rq.query_type() != q.qtype
     {
         return None;
@@ -258,8 +272,8 @@ fn follow(qname: &str, answers: &[Record]) -> Found {
     for _ in 0..MAX_CHAIN {
         let Some(current) = names.last() else { break };
         let next = answers.iter().find_map(|r| match &r.data {
-            RData::CNAME(target) if r.dns_class == DNSClass::IN && name_of(&r.name) == *current => {
-                Some(name_of(&target.0))
+            RData::CNAME(target) if r.dns_class == DNSClass::IN && name_of(&r.name).as_ref() == Some(current) => {
+                name_of(&target.0)
             }
             _ => None,
         });
@@ -272,7 +286,7 @@ fn follow(qname: &str, answers: &[Record]) -> Found {
         }
     }
     for r in answers {
-        if r.dns_class != DNSClass::IN || !names.contains(&name_of(&r.name)) {
+        if r.dns_class != DNSClass::IN || !name_of(&r.name).is_some_and(|n| names.contains(&n)) {
             continue;
         }
         match &r.data {
@@ -486,6 +500,35 @@ mod tests {
         assert!(!chain_allowed(&policy(&[], &["other.test"]), &found), "denied target");
         assert!(chain_allowed(&policy(&["*.wild.test", "other.test"], &[]), &found));
         assert!(chain_allowed(&policy(&[], &[]), &found));
+    }
+
+    /// A label with a dot inside (`evil.example` under `com`) would be
+    /// written `evil\.example.com`, which ends in `.example.com`: such a
+    /// name is never parsed, followed or admitted. Found by
+    /// fuzz/fuzz_targets/dns_message.rs.
+    #[test]
+    fn names_with_odd_labels_are_refused_not_escaped() {
+        let labels = |ls: &[&[u8]]| {
+            let mut m = vec![0x12, 0x34, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0];
+            for l in ls {
+                m.push(l.len() as u8);
+                m.extend(*l);
+            }
+            m.extend([0, 0, 1, 0, 1]);
+            m
+        };
+        for odd in [&b"evil.example"[..], b"a\\b", b"a b", b"\x06x", b"caf\xc3\xa9"] {
+            assert!(parse_query(&labels(&[odd, b"com"])).is_none(), "{odd:?}");
+        }
+        assert_eq!(parse_query(&labels(&[b"Ok_1-x", b"com"])).expect("plain").name, "ok_1-x.com");
+        // A CNAME into such a name ends the chain there: nothing admitted.
+        let q = parse_query(&query("x.wild.test", A)).expect("q");
+        let mut odd_target = vec![12];
+        odd_target.extend(b"evil.example");
+        odd_target.extend([4, b'w', b'i', b'l', b'd', 4, b't', b'e', b's', b't', 0]);
+        let m = answer_msg("x.wild.test", A, &[("x.wild.test", CNAME, odd_target)]);
+        let found = parse_answer(&q, &m).expect("parse");
+        assert!(found.chain.is_empty() && found.addrs.is_empty(), "{found:?}");
     }
 
     #[test]

@@ -407,6 +407,37 @@ impl Control {
         self.envd_session(id, user).await
     }
 
+    /// A call without a credential to a sandbox's port: granted only for
+    /// the code interpreter's server port of a sandbox of the interpreter's
+    /// template (the caller checked that the call is one of its context
+    /// routes), because E2B's SDK sends those with none. Executing code
+    /// takes the access token.
+    pub async fn envd_interpreter_open(
+        &self,
+        id: &SandboxId,
+        port: u16,
+        traffic_token: Option<&str>,
+    ) -> Result<EnvdSession> {
+        let refused = ControlError::Unauthorized("a valid X-Access-Token is required");
+        if port != hutch_runtime::image::interp::PORT {
+            return Err(refused);
+        }
+        // A sandbox that does not exist is refused like one of another
+        // template: the answer says nothing about other sandboxes. Its
+        // ports are open only as its E2B settings say: public, or to the
+        // holder of its traffic token (`allow_public_traffic=False`).
+        match self.sandbox_record(id).await? {
+            Some(r) if r.template == crate::templates::INTERPRETER => {
+                let public = crate::network::NetRecord::parse(&r.network).e2b.is_some_and(|s| s.public);
+                if !public && !traffic_token.is_some_and(|t| self.is_traffic_token(id, t.trim())) {
+                    return Err(refused);
+                }
+                self.envd_session(id, "user").await
+            }
+            _ => Err(refused),
+        }
+    }
+
     /// A `/files` call authorized by a signed URL. `named` is the sandbox
     /// the request names (its header or host); without one, the running
     /// sandboxes are tried in turn (one hash each). `basic_user` is a user

@@ -19,7 +19,7 @@ pub enum ControlError {
     NoTemplate(String),
     #[error("no API key {0}")]
     NoKey(String),
-    #[error("image {0:?} is neither `base`, a preset (python, node) nor an image you may name (hutch image list)")]
+    #[error("image {0:?} is neither `base`, a preset (python, node, code-interpreter) nor an image you may name (hutch image list)")]
     NoImage(String),
     #[error("you already have a template named {0:?}")]
     TemplateNameTaken(String),

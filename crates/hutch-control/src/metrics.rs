@@ -191,10 +191,29 @@ impl Metrics {
 
 impl crate::control::Control {
     /// The Prometheus exposition.
+    /// `/metrics` for a bearer credential: the scrape token (the operator's
+    /// view, as an admin key's) or an API key (its owner's view).
+    pub async fn metrics_for(&self, bearer: &str) -> crate::error::Result<String> {
+        use subtle::ConstantTimeEq;
+        let scrape = self.metrics_token.as_deref().is_some_and(|t| bool::from(t.as_bytes().ct_eq(bearer.as_bytes())));
+        if scrape {
+            return self.render_metrics(Viewer::Admin).await;
+        }
+        let caller = self
+            .authenticate(bearer)
+            .await?
+            .ok_or(crate::error::ControlError::Unauthorized("a valid API key or scrape token is required"))?;
+        self.metrics_text(&caller).await
+    }
+
     pub async fn metrics_text(&self, caller: &crate::ids::Caller) -> crate::error::Result<String> {
+        let viewer = if caller.admin { Viewer::Admin } else { Viewer::Owner(caller.owner.as_str()) };
+        self.render_metrics(viewer).await
+    }
+
+    async fn render_metrics(&self, viewer: Viewer<'_>) -> crate::error::Result<String> {
         let states = self.db(|s| s.count_by_state()).await?;
         let running: u64 = self.commands_running().await.iter().map(|(_, n)| n).sum();
-        let viewer = if caller.admin { Viewer::Admin } else { Viewer::Owner(caller.owner.as_str()) };
         Ok(self.metrics.render(&states, running, viewer))
     }
 }

@@ -24,6 +24,14 @@ pub const MAX_TTL_CAP: u64 = 7 * 86_400;
 const IMAGE: &str = hutch_runtime::image::BASE;
 const CLASS: &str = "container";
 
+/// The built-in template of E2B's code interpreter (`e2b-code-interpreter`
+/// asks for it by this name): the `code-interpreter` preset image (built on
+/// its first use), its server started at boot, ready once it listens on
+/// its port. An owner's own template of the same name takes its place.
+pub const INTERPRETER: &str = "code-interpreter-v1";
+/// How long a boot waits for the interpreter's server to listen.
+const INTERPRETER_READY_SECONDS: u32 = 60;
+
 /// What a create runs: the builtin `base` or one of the caller's templates,
 /// resolved to concrete values.
 #[derive(Debug, Clone, PartialEq)]
@@ -73,6 +81,21 @@ impl Recipe {
             startup: None,
             readiness: None,
             network: hutch_api::NetworkRequest::default(),
+        }
+    }
+
+    fn interpreter() -> Recipe {
+        use hutch_runtime::image::interp;
+        Recipe {
+            name: INTERPRETER.to_owned(),
+            image: interp::NAME.to_owned(),
+            startup: Some(Startup { command: interp::START_COMMAND.to_owned() }),
+            readiness: Some(Readiness {
+                command: None,
+                port: Some(interp::PORT),
+                timeout_seconds: Some(INTERPRETER_READY_SECONDS),
+            }),
+            ..Recipe::base()
         }
     }
 
@@ -216,6 +239,7 @@ impl Control {
                 let (o, name) = (owner.to_string(), n.to_owned());
                 match self.db(move |s| s.template_by_name(&o, &name)).await? {
                     Some(t) => Ok(Recipe::from_record(&t)),
+                    None if n == INTERPRETER => Ok(Recipe::interpreter()),
                     None => Err(ControlError::UnknownTemplate(n.to_owned())),
                 }
             }

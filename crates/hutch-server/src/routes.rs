@@ -54,7 +54,6 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
         .route("/v1/keys", get(list_keys).post(create_key))
         .route("/v1/keys/{id}", axum::routing::delete(revoke_key).patch(set_quotas))
         .route("/v1/usage", get(usage))
-        .route("/metrics", get(metrics))
         // The MCP server (streamable HTTP), under the same keys.
         .route_service("/mcp", crate::mcp::service(app.clone(), stop))
         .route_layer(middleware::from_fn_with_state(app.clone(), authenticate));
@@ -64,6 +63,8 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
         .merge(crate::templates::router(app.clone()))
         .merge(crate::access::router(app.clone()))
         .route("/healthz", get(healthz))
+        // An API key or the operator's scrape token (`--metrics-token-file`).
+        .route("/metrics", get(metrics))
         .route("/v1/openapi.json", get(openapi))
         // The port proxy's path form authenticates with access tokens, not API keys.
         .route("/v1/sandboxes/{id}/ports/{port}", axum::routing::any(crate::proxy::by_path))
@@ -71,29 +72,39 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
         .route("/v1/sandboxes/{id}/ports/{port}/{*rest}", axum::routing::any(crate::proxy::by_path))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        // E2B calls naming a sandbox port other than envd's go into the sandbox.
+        .layer(middleware::from_fn_with_state(app.clone(), crate::e2b::by_sandbox_port))
         // Proxy host names are served by the proxy whatever the path.
         .layer(middleware::from_fn_with_state(app.clone(), crate::proxy::by_host))
         .with_state(app)
 }
 
-/// The bearer key's caller, or 401.
-pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
-    let secret = req
-        .headers()
+/// The credential of `Authorization: Bearer ...` ("" without one).
+fn bearer(req: &Request) -> &str {
+    req.headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim)
-        .unwrap_or("");
+        .unwrap_or("")
+}
+
+/// The bearer key's caller, or 401.
+pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
+    let secret = bearer(&req).to_owned();
+    let secret = secret.as_str();
     match app.control.authenticate(secret).await {
         Ok(Some(caller)) => {
             crate::listener::authenticated(&req);
             req.extensions_mut().insert(caller);
             next.run(req).await
         }
-        Ok(None) => ApiError::new(ErrorCode::Unauthorized, "a valid API key is required: Authorization: Bearer <key>")
-            .into_response(),
-        Err(e) => ApiError::from(e).into_response(),
+        Ok(None) => {
+            // Answered once a small body is read (`transfer::refuse`).
+            let e = ApiError::new(ErrorCode::Unauthorized, "a valid API key is required: Authorization: Bearer <key>");
+            crate::transfer::refuse(req, e.into_response()).await
+        }
+        Err(e) => crate::transfer::refuse(req, ApiError::from(e).into_response()).await,
     }
 }
 
@@ -121,8 +132,9 @@ async fn openapi() -> Response {
     resp
 }
 
-async fn metrics(State(app): AppState, Extension(caller): Extension<Caller>) -> ApiResult<Response> {
-    let text = app.control.metrics_text(&caller).await?;
+async fn metrics(State(app): AppState, req: Request) -> ApiResult<Response> {
+    let text = app.control.metrics_for(bearer(&req)).await?;
+    crate::listener::authenticated(&req);
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }
 
@@ -405,7 +417,15 @@ pub(crate) async fn stdin(
     ApiPath((id, pid)): ApiPath<(String, u32)>,
     JsonBody(req): JsonBody<StdinRequest>,
 ) -> ApiResult<StatusCode> {
-    app.control.stdin(&caller, &SandboxId::parse(&id)?, pid, req.data.as_bytes(), req.eof).await?;
+    let mut data = req.data.into_bytes();
+    if let Some(b64) = &req.data_base64 {
+        use base64::Engine as _;
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(b64)
+            .map_err(|_| ApiError::new(ErrorCode::InvalidRequest, "data_base64 is not base64 (standard, padded)"))?;
+        data.extend_from_slice(&bytes);
+    }
+    app.control.stdin(&caller, &SandboxId::parse(&id)?, pid, &data, req.eof).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -467,24 +487,23 @@ pub(crate) async fn files_put(
     Extension(caller): Extension<Caller>,
     ApiPath(id): ApiPath<String>,
     q: Result<axum::extract::Query<PathQuery>, axum::extract::rejection::QueryRejection>,
-    body: axum::body::Body,
+    req: Request,
 ) -> Response {
-    let refused = |e: ApiError| crate::transfer::close_unless(false, e.into_response());
-    // Refused before the body was read: the connection cannot carry on.
-    let q = match q {
-        Ok(axum::extract::Query(q)) => q,
-        Err(e) => return refused(ApiError::invalid(e.body_text())),
+    // Refused before the body was read: answered once a small one is read.
+    let checked = match (q, SandboxId::parse(&id)) {
+        (Ok(axum::extract::Query(q)), Ok(sid)) => {
+            app.control.fs(&caller, &sid).await.map(|fs| (q, fs)).map_err(ApiError::from)
+        }
+        (Err(e), _) => Err(ApiError::invalid(e.body_text())),
+        (_, Err(e)) => Err(e.into()),
     };
-    let fs = match SandboxId::parse(&id) {
-        Ok(sid) => match app.control.fs(&caller, &sid).await {
-            Ok(fs) => fs,
-            Err(e) => return refused(e.into()),
-        },
-        Err(e) => return refused(e.into()),
+    let (q, fs) = match checked {
+        Ok(v) => v,
+        Err(e) => return crate::transfer::refuse(req, e.into_response()).await,
     };
     // The body streams into the sandbox; it is never held whole, and a
     // body that breaks leaves nothing.
-    let (chunks, feed) = crate::transfer::chunks_of(body);
+    let (chunks, feed) = crate::transfer::chunks_of(req.into_body());
     let (written, whole) = crate::transfer::with_feed(feed, fs.write_stream(&q.path, chunks)).await;
     let resp = match written {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
@@ -609,11 +628,11 @@ pub(crate) async fn archive_upload(
     use hutch_control::files::{pipe, FilesError, UPLOAD_PACKED_CAP};
     let sid = match SandboxId::parse(&id) {
         Ok(sid) => sid,
-        Err(e) => return crate::transfer::close_unless(false, ApiError::from(e).into_response()),
+        Err(e) => return crate::transfer::refuse(req, ApiError::from(e).into_response()).await,
     };
     let fs = match app.control.fs(&caller, &sid).await {
         Ok(fs) => fs,
-        Err(e) => return crate::transfer::close_unless(false, ApiError::from(e).into_response()),
+        Err(e) => return crate::transfer::refuse(req, ApiError::from(e).into_response()).await,
     };
     // Form-level trouble reads as a refused archive; limits as too large.
     let archive_err = |e: FilesError| match e.code {

@@ -115,6 +115,45 @@ pub async fn with_part<T>(
     }
 }
 
+/// Bytes of a body read and dropped when its request is refused before the
+/// body was looked at (a bad token or signature, bad parameters), and how
+/// long that may take: as Go's net/http does, so that a client still
+/// sending a small body reads the refusal rather than a reset connection
+/// (closing a socket with unread bytes resets it, losing the answer).
+pub const REFUSED_DRAIN_LIMIT: u64 = 256 << 10;
+pub const REFUSED_DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// `resp` to `req`, refused before its body was looked at, once the body
+/// has been read and dropped (at most [`REFUSED_DRAIN_LIMIT`] bytes within
+/// [`REFUSED_DRAIN_TIME`]); `Connection: close` unless it ended. A client
+/// that waits for `100 Continue` before sending its body is answered at
+/// once (asking for the body would only make it send it).
+pub async fn refuse(req: axum::extract::Request, resp: axum::response::Response) -> axum::response::Response {
+    let waits = req
+        .headers()
+        .get(axum::http::header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    let whole = !waits
+        && tokio::time::timeout(REFUSED_DRAIN_TIME, drain(req.into_body(), REFUSED_DRAIN_LIMIT)).await.unwrap_or(false);
+    close_unless(whole, resp)
+}
+
+/// Reads `body` to its end and drops it, unless it holds more than `limit`
+/// bytes or breaks; answers whether it ended.
+async fn drain(body: Body, limit: u64) -> bool {
+    let mut stream = body.into_data_stream();
+    let mut read = 0u64;
+    while let Some(chunk) = std::future::poll_fn(|cx| futures_core::Stream::poll_next(Pin::new(&mut stream), cx)).await
+    {
+        let Ok(chunk) = chunk else { return false };
+        read += chunk.len() as u64;
+        if read > limit {
+            return false;
+        }
+    }
+    true
+}
+
 /// `Connection: close` on `resp` unless the request body was read whole:
 /// a connection with unread body bytes cannot carry the next request.
 pub fn close_unless(whole: bool, mut resp: axum::response::Response) -> axum::response::Response {
@@ -299,5 +338,59 @@ impl futures_core::Stream for Base64Json {
             }
             Poll::Pending => Poll::Pending,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use axum::response::IntoResponse;
+    use std::collections::VecDeque;
+
+    /// A body arriving as these chunks (an error breaks it there).
+    struct Parts(VecDeque<Result<Bytes, std::io::Error>>);
+
+    impl futures_core::Stream for Parts {
+        type Item = Result<Bytes, std::io::Error>;
+
+        fn poll_next(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+            Poll::Ready(self.0.pop_front())
+        }
+    }
+
+    fn chunked(parts: Vec<Result<&'static [u8], std::io::Error>>) -> Body {
+        Body::from_stream(Parts(parts.into_iter().map(|p| p.map(Bytes::from_static)).collect()))
+    }
+
+    fn request(body: Body) -> axum::extract::Request {
+        axum::extract::Request::new(body)
+    }
+
+    fn unauthorized() -> axum::response::Response {
+        axum::http::StatusCode::UNAUTHORIZED.into_response()
+    }
+
+    #[tokio::test]
+    async fn a_refusal_drains_a_small_body_and_keeps_the_connection() {
+        let resp = refuse(request(chunked(vec![Ok(b"abc"), Ok(b"def")])), unauthorized()).await;
+        assert_eq!(resp.status(), axum::http::StatusCode::UNAUTHORIZED);
+        assert!(resp.headers().get(axum::http::header::CONNECTION).is_none());
+        assert!(refuse(request(Body::empty()), unauthorized()).await.headers().get("connection").is_none());
+    }
+
+    #[tokio::test]
+    async fn a_refusal_closes_past_its_limit_a_broken_body_or_an_awaited_continue() {
+        static BIG: [u8; 1 << 16] = [7; 1 << 16];
+        let big = chunked((0..5).map(|_| Ok(&BIG[..])).collect());
+        let resp = refuse(request(big), unauthorized()).await;
+        assert_eq!(resp.headers()[axum::http::header::CONNECTION], "close");
+        assert!(drain(chunked(vec![Ok(b"1234")]), 4).await);
+        assert!(!drain(chunked(vec![Ok(b"12345")]), 4).await);
+        assert!(!drain(chunked(vec![Ok(b"12"), Err(std::io::Error::other("cut"))]), 4).await);
+        // The client sends nothing until it is told to: not asked, and closed.
+        let mut waits = request(chunked(vec![Ok(b"abc")]));
+        waits.headers_mut().insert(axum::http::header::EXPECT, axum::http::HeaderValue::from_static("100-Continue"));
+        assert_eq!(refuse(waits, unauthorized()).await.headers()[axum::http::header::CONNECTION], "close");
     }
 }

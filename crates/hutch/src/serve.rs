@@ -77,6 +77,11 @@ pub struct ServeArgs {
     /// (HUTCH_E2B_DOMAIN). Without it, no port is served by E2B host name.
     #[arg(long, env = "HUTCH_E2B_DOMAIN")]
     pub e2b_domain: Option<String>,
+    /// A file holding a token (at least 16 characters) that reads
+    /// `/metrics` and nothing else, as `Authorization: Bearer <token>`, for
+    /// a scraper without an API key (HUTCH_METRICS_TOKEN_FILE).
+    #[arg(long, env = "HUTCH_METRICS_TOKEN_FILE", value_name = "PATH")]
+    pub metrics_token_file: Option<std::path::PathBuf>,
 }
 
 /// Warm network namespaces kept ready.
@@ -301,7 +306,22 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
                 .ok_or_else(|| anyhow::anyhow!("--e2b-domain {d:?} is not a domain name (with an optional port)"))?,
         ),
     };
-    let config = hutch_control::Config { network: network.clone(), capacity, e2b_secret, e2b_domain };
+    let metrics_token = match &args.metrics_token_file {
+        None => None,
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("read --metrics-token-file {}", path.display()))?;
+            let token = text.trim();
+            if token.len() < 16 || !token.bytes().all(|b| b.is_ascii_graphic()) {
+                anyhow::bail!(
+                    "--metrics-token-file {}: the token must be 16 or more visible ASCII characters",
+                    path.display()
+                );
+            }
+            Some(token.to_owned())
+        }
+    };
+    let config = hutch_control::Config { network: network.clone(), capacity, e2b_secret, e2b_domain, metrics_token };
     let control = Control::new(store.clone(), runtime, config);
     control.recover().await?;
 

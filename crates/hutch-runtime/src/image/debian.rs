@@ -25,8 +25,10 @@ const PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin
 /// Used when the host names no Debian mirror.
 const DEFAULT_MIRROR: &str = "http://deb.debian.org/debian";
 
+/// Whether `name` is a preset: one of [`PRESETS`] or the code
+/// interpreter's image ([`super::interp::NAME`]).
 pub fn is_preset(name: &str) -> bool {
-    PRESETS.iter().any(|(n, _, _)| *n == name)
+    PRESETS.iter().any(|(n, _, _)| *n == name) || name == super::interp::NAME
 }
 
 fn build_err(name: &str, reason: impl Into<String>) -> ImageError {
@@ -71,10 +73,31 @@ pub fn host_mirror(etc_apt: &Path) -> String {
     DEFAULT_MIRROR.to_owned()
 }
 
+/// What a preset adds to a plain mmdebstrap build.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Extra {
+    /// mmdebstrap `--customize-hook` commands: run on the host as root
+    /// once the packages are installed, with the root directory as `$1`.
+    pub hooks: Vec<String>,
+    /// The image's environment; `PATH` alone when empty.
+    pub env: Vec<String>,
+    /// The image's `source`; `debian:<suite>+<packages>` when absent.
+    pub source: Option<String>,
+}
+
 /// Builds a Debian image with mmdebstrap and records it. `progress` gets
 /// mmdebstrap's own progress lines (`I: downloading packages...`) as they
 /// come.
 pub fn build(store: &ImageStore, spec: &DebianSpec, progress: &(dyn Fn(&str) + Sync)) -> Result<Image, ImageError> {
+    build_with(store, spec, &Extra::default(), progress)
+}
+
+pub(crate) fn build_with(
+    store: &ImageStore,
+    spec: &DebianSpec,
+    extra: &Extra,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<Image, ImageError> {
     let name = spec.name.as_str();
     if !super::valid_name(name) || name == super::BASE {
         return Err(ImageError::Invalid { name: name.to_owned(), reason: "not a valid image name".into() });
@@ -93,6 +116,9 @@ pub fn build(store: &ImageStore, spec: &DebianSpec, progress: &(dyn Fn(&str) + S
     cmd.arg("--variant=minbase").arg("--format=tar").arg("--mode=root");
     if !spec.packages.is_empty() {
         cmd.arg(format!("--include={}", spec.packages.join(",")));
+    }
+    for hook in &extra.hooks {
+        cmd.arg(format!("--customize-hook={hook}"));
     }
     cmd.arg(&spec.suite).arg("-").arg(&mirror);
     cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
@@ -127,33 +153,48 @@ pub fn build(store: &ImageStore, spec: &DebianSpec, progress: &(dyn Fn(&str) + S
         return Err(build_err(name, format!("mmdebstrap failed ({status}): {}", tail.join(" | "))));
     }
     let layer = layer?;
-    let source = if spec.packages.is_empty() {
-        format!("debian:{}", spec.suite)
-    } else {
-        format!("debian:{}+{}", spec.suite, spec.packages.join(","))
+    let source = match &extra.source {
+        Some(s) => s.clone(),
+        None if spec.packages.is_empty() => format!("debian:{}", spec.suite),
+        None => format!("debian:{}+{}", spec.suite, spec.packages.join(",")),
     };
     progress("writing the image");
-    let config = ImageConfig { env: vec![PATH.into()], cmd: vec!["/bin/bash".into()], workdir: None };
+    let env = if extra.env.is_empty() { vec![PATH.into()] } else { extra.env.clone() };
+    let config = ImageConfig { env, cmd: vec!["/bin/bash".into()], workdir: None };
     store.finish_image(name, vec![layer], config, source)
+}
+
+/// The preset `name` as the store has it, if it is current: the code
+/// interpreter's image is rebuilt when what it is made of changed (its
+/// `source` names a digest of its files and lock).
+fn current(store: &ImageStore, name: &str) -> Result<Option<Image>, ImageError> {
+    match store.get(name) {
+        Ok(img) if name == super::interp::NAME && img.source != super::interp::source() => Ok(None),
+        Ok(img) => Ok(Some(img)),
+        Err(ImageError::NotFound(_)) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// The preset `name`, built now if the store lacks it (one builder at a
 /// time per preset; others wait for it and use its result).
 pub fn ensure_preset(store: &ImageStore, name: &str, progress: &(dyn Fn(&str) + Sync)) -> Result<Image, ImageError> {
+    if !is_preset(name) {
+        return Err(ImageError::NotFound(name.to_owned()));
+    }
+    if let Some(img) = current(store, name)? {
+        return Ok(img);
+    }
+    let _lock = store.lock_file(&format!(".preset-{name}.lock"), libc::LOCK_EX)?;
+    if let Some(img) = current(store, name)? {
+        return Ok(img);
+    }
+    if name == super::interp::NAME {
+        return super::interp::build(store, progress);
+    }
     let Some((_, suite, packages)) = PRESETS.iter().find(|(n, _, _)| *n == name) else {
         return Err(ImageError::NotFound(name.to_owned()));
     };
-    match store.get(name) {
-        Ok(img) => return Ok(img),
-        Err(ImageError::NotFound(_)) => {}
-        Err(e) => return Err(e),
-    }
-    let _lock = store.lock_file(&format!(".preset-{name}.lock"), libc::LOCK_EX)?;
-    match store.get(name) {
-        Ok(img) => return Ok(img),
-        Err(ImageError::NotFound(_)) => {}
-        Err(e) => return Err(e),
-    }
     progress(&format!("building preset {name}: debian {suite} + {}", packages.join(",")));
     let spec = DebianSpec {
         suite: (*suite).to_owned(),

@@ -29,6 +29,7 @@
 pub mod archive;
 pub mod debian;
 pub mod extract;
+pub mod interp;
 pub mod registry;
 mod top;
 pub mod tree;

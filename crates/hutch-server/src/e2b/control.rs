@@ -53,8 +53,12 @@ async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Res
             req.extensions_mut().insert(caller);
             next.run(req).await
         }
-        Ok(None) => E2bError::new(StatusCode::UNAUTHORIZED, "Invalid API key").into_response(),
-        Err(e) => E2bError::from(e).into_response(),
+        // Answered once a small body is read (`transfer::refuse`).
+        Ok(None) => {
+            crate::transfer::refuse(req, E2bError::new(StatusCode::UNAUTHORIZED, "Invalid API key").into_response())
+                .await
+        }
+        Err(e) => crate::transfer::refuse(req, E2bError::from(e).into_response()).await,
     }
 }
 

@@ -107,7 +107,7 @@ pub(crate) fn named_sandbox(headers: &HeaderMap) -> Option<SandboxId> {
 
 /// A refused envd call, as E2B's proxy and envd answer it: a sandbox that
 /// is gone is 502 "was not found".
-fn refused(e: ControlError, id: Option<&SandboxId>) -> Response {
+pub(super) fn refused(e: ControlError, id: Option<&SandboxId>) -> Response {
     match e {
         ControlError::NoSandbox(_) => {
             let id = id.map(SandboxId::to_string).unwrap_or_default();
@@ -121,28 +121,31 @@ fn refused(e: ControlError, id: Option<&SandboxId>) -> Response {
 
 /// Checks the sandbox headers and token, or a `/files` URL's signature,
 /// through the control plane (which also checks the owner's key is live).
+/// A refusal is answered once the request's body is read and dropped
+/// (bounded: [`crate::transfer::refuse`]), so that a client streaming an
+/// upload to a wrong token or signature reads the refusal.
 async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
     let headers = req.headers();
     let basic = match basic_user(headers) {
         Ok(u) => u,
-        Err(e) => return e.into_response(),
+        Err(e) => return crate::transfer::refuse(req, e.into_response()).await,
     };
     let named = named_sandbox(headers);
     let session = match super::header(headers, "x-access-token") {
-        Some(token) => {
-            let Some(id) = named.clone() else {
-                return E2bError::new(StatusCode::BAD_REQUEST, "the E2b-Sandbox-Id header is required").into_response();
-            };
-            let token = token.to_owned();
-            app.control.envd_by_token(&id, &token, basic.as_deref().unwrap_or("user")).await
-        }
-        None => match signed_url(&req) {
-            Ok(Some(signed)) => app.control.envd_by_signature(named.as_ref(), &signed, basic.as_deref()).await,
-            Ok(None) if named.is_none() && super::header(req.headers(), "e2b-sandbox-id").is_none() => {
-                return E2bError::new(StatusCode::BAD_REQUEST, "the E2b-Sandbox-Id header is required").into_response();
+        Some(token) => match named.clone() {
+            Some(id) => {
+                let token = token.to_owned();
+                app.control.envd_by_token(&id, &token, basic.as_deref().unwrap_or("user")).await.map_err(Some)
             }
-            Ok(None) => Err(ControlError::Unauthorized("a valid X-Access-Token is required")),
-            Err(e) => return e.into_response(),
+            None => Err(None),
+        },
+        None => match signed_url(&req) {
+            Ok(Some(signed)) => {
+                app.control.envd_by_signature(named.as_ref(), &signed, basic.as_deref()).await.map_err(Some)
+            }
+            Ok(None) if named.is_none() && super::header(req.headers(), "e2b-sandbox-id").is_none() => Err(None),
+            Ok(None) => Err(Some(ControlError::Unauthorized("a valid X-Access-Token is required"))),
+            Err(e) => return crate::transfer::refuse(req, e.into_response()).await,
         },
     };
     match session {
@@ -151,7 +154,11 @@ async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Res
             req.extensions_mut().insert(s);
             next.run(req).await
         }
-        Err(e) => refused(e, named.as_ref()),
+        Err(Some(e)) => crate::transfer::refuse(req, refused(e, named.as_ref())).await,
+        Err(None) => {
+            let e = E2bError::new(StatusCode::BAD_REQUEST, "the E2b-Sandbox-Id header is required");
+            crate::transfer::refuse(req, e.into_response()).await
+        }
     }
 }
 
@@ -317,7 +324,9 @@ async fn upload(
     super::E2bQuery(q): super::E2bQuery<FileQuery>,
     req: Request,
 ) -> Response {
-    let run = async {
+    // What the headers and query say, read before anything waits (a
+    // borrowed request cannot be held across an await).
+    let params = (|| {
         let ctx = with_user(&ctx, q.username.as_deref())?;
         let headers = req.headers();
         let multipart = super::header(headers, "content-type").unwrap_or("").starts_with("multipart/form-data");
@@ -336,27 +345,32 @@ async fn upload(
         if !multipart && q.path.is_none() {
             return Err(EnvdError::new(ErrorCode::InvalidRequest, "path is required"));
         }
-        let fs = fs_for(&app, &ctx).await?;
-        let (parts, body) = req.into_parts();
-        let (wire, feed) = crate::transfer::chunks_of(body);
-        let wire = pipe::cap(wire, UPLOAD_CAP, "the upload");
-        let plain = if gzip { pipe::inflate(wire, UPLOAD_CAP)? } else { wire };
-        let work = async {
-            if multipart {
-                write_form(&app, &ctx, &fs, q.path.as_deref(), parts, plain, &meta).await
-            } else {
-                let path = q.path.as_deref().unwrap_or_default();
-                Ok(vec![write_one(&app, &ctx, &fs, path, plain, &meta).await?])
-            }
-        };
-        let (written, whole) = crate::transfer::with_feed(feed, work).await;
-        Ok::<_, EnvdError>((written.map(Value::Array), whole))
+        Ok::<_, EnvdError>((ctx, multipart, gzip, meta))
+    })();
+    let checked = match params {
+        Ok((ctx, multipart, gzip, meta)) => fs_for(&app, &ctx).await.map(|fs| (ctx, multipart, gzip, meta, fs)),
+        Err(e) => Err(e),
     };
-    match run.await {
-        Ok((Ok(v), whole)) => crate::transfer::close_unless(whole, axum::Json(v).into_response()),
-        Ok((Err(e), whole)) => crate::transfer::close_unless(whole, http_error(e)),
+    let (ctx, multipart, gzip, meta, fs) = match checked {
+        Ok(v) => v,
         // Refused before the body was looked at.
-        Err(e) => crate::transfer::close_unless(false, http_error(e)),
+        Err(e) => return crate::transfer::refuse(req, http_error(e)).await,
+    };
+    let (parts, body) = req.into_parts();
+    let (wire, feed) = crate::transfer::chunks_of(body);
+    let wire = pipe::cap(wire, UPLOAD_CAP, "the upload");
+    let run = async {
+        let plain = if gzip { pipe::inflate(wire, UPLOAD_CAP)? } else { wire };
+        if multipart {
+            write_form(&app, &ctx, &fs, q.path.as_deref(), parts, plain, &meta).await
+        } else {
+            let path = q.path.as_deref().unwrap_or_default();
+            Ok(vec![write_one(&app, &ctx, &fs, path, plain, &meta).await?])
+        }
+    };
+    match crate::transfer::with_feed(feed, run).await {
+        (Ok(v), whole) => crate::transfer::close_unless(whole, axum::Json(Value::Array(v)).into_response()),
+        (Err(e), whole) => crate::transfer::close_unless(whole, http_error(e)),
     }
 }
 

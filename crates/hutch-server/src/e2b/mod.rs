@@ -15,6 +15,7 @@
 pub(crate) mod connect;
 mod control;
 pub(crate) mod envd;
+mod forward;
 pub(crate) mod ports;
 mod watch;
 
@@ -31,6 +32,12 @@ use std::sync::Arc;
 /// watch events (`include_entry`, 0.6.3) and watches of network mounts
 /// (`allow_network_mounts`, 0.6.4), all implemented.
 pub const ENVD_VERSION: &str = "0.6.4";
+
+/// envd's port inside an E2B sandbox: calls naming it are answered by the
+/// daemon; calls naming another port are forwarded (`forward.rs`).
+pub const ENVD_PORT: u16 = 49983;
+
+pub(crate) use forward::by_sandbox_port;
 
 pub fn router(app: Arc<App>) -> Router<Arc<App>> {
     control::router(app.clone()).merge(envd::router(app))

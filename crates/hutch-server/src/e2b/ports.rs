@@ -7,7 +7,7 @@
 //! traffic token in `e2b-traffic-access-token`; a paused sandbox with
 //! auto-resume is resumed by the request. Errors are E2B's proxy's JSON.
 
-use super::E2bError;
+use super::{E2bError, ENVD_PORT};
 use crate::proxy::{Passing, Target};
 use crate::App;
 use axum::extract::Request;
@@ -17,8 +17,6 @@ use hutch_api::ErrorCode;
 use hutch_control::{ControlError, SandboxId};
 use serde_json::json;
 
-/// envd's port: answered by this daemon's envd API, not a sandbox's.
-pub const ENVD_PORT: u16 = 49983;
 /// E2B's header of the traffic access token.
 pub const TRAFFIC_TOKEN_HEADER: &str = "e2b-traffic-access-token";
 

@@ -95,6 +95,7 @@ impl Body {
 }
 
 /// A client of one daemon, with one key.
+#[derive(Clone)]
 pub struct Client {
     agent: ureq::Agent,
     base: String,
@@ -325,6 +326,30 @@ impl Client {
     ) -> Result<hutch_api::Template> {
         let url = self.url(&["templates", id]);
         self.json(&url, self.authed("PATCH", &url), Payload::Json(to_value(fields)))
+    }
+
+    /// `POST /v1/keys` (admin keys only).
+    pub fn create_key(&self, req: &hutch_api::CreateKey) -> Result<hutch_api::ApiKey> {
+        let url = self.url(&["keys"]);
+        self.json(&url, self.authed("POST", &url), Payload::Json(to_value(req)))
+    }
+
+    /// `GET /v1/keys` (admin keys only).
+    pub fn list_keys(&self) -> Result<hutch_api::ApiKeyList> {
+        let url = self.url(&["keys"]);
+        self.json(&url, self.authed("GET", &url), Payload::None)
+    }
+
+    /// `PATCH /v1/keys/{id}`: replaces the key's quotas.
+    pub fn set_key_quotas(&self, id: &str, quotas: &hutch_api::KeyQuotas) -> Result<hutch_api::ApiKey> {
+        let url = self.url(&["keys", id]);
+        self.json(&url, self.authed("PATCH", &url), Payload::Json(to_value(quotas)))
+    }
+
+    /// `DELETE /v1/keys/{id}`: revokes it and ends its sandboxes.
+    pub fn revoke_key(&self, id: &str) -> Result<()> {
+        let url = self.url(&["keys", id]);
+        self.send(&url, self.authed("DELETE", &url), Payload::None).map(drop)
     }
 
     /// `DELETE /v1/templates/{id}`.

@@ -1,7 +1,8 @@
 //! `hutch exec`: run a command in a sandbox. By default the output streams
 //! (NDJSON events copied to the local stdout and stderr as they arrive) and
 //! hutch exits with the command's code; `--json` prints the whole result,
-//! `--background` the pid.
+//! `--background` the pid; `-i` also forwards this process's stdin to the
+//! command until it ends.
 
 use super::{parse_pairs, parse_seconds, ClientOpts};
 use clap::Args;
@@ -35,6 +36,11 @@ pub struct ExecArgs {
     /// Start the command and print its pid; do not wait.
     #[arg(long, conflicts_with = "json")]
     background: bool,
+    /// Forward stdin to the command (bytes as they come, closed at EOF).
+    /// Interrupting hutch leaves the command to its timeout: signal it
+    /// with the API, as with --background.
+    #[arg(long, short = 'i', conflicts_with_all = ["background", "json"])]
+    interactive: bool,
     /// Wait for the command and print its result as JSON (an ExecResult);
     /// the exit code is still the command's.
     #[arg(long)]
@@ -71,7 +77,17 @@ fn run(args: &ExecArgs) -> anyhow::Result<i32> {
         print!("{}", super::output::json(&res)?);
         return Ok(if res.timed_out { EXIT_TIMEOUT } else { exit_code(res.exit_code) });
     }
-    let body = client.exec_stream(&args.id, &req, &key)?;
+    let body = if args.interactive {
+        // Started with stdin open and its output kept, then attached: the
+        // attach replays what came before it.
+        let req = ExecRequest { background: Some(true), keep_output: Some(true), ..req };
+        let pid = client.exec_background(&args.id, &req, &key)?.pid;
+        let (c, id) = (client.clone(), args.id.clone());
+        std::thread::spawn(move || forward_stdin(&c, &id, pid, io::stdin().lock()));
+        client.process_stream(&args.id, pid)?
+    } else {
+        client.exec_stream(&args.id, &req, &key)?
+    };
     let stdout = io::stdout();
     let stderr = io::stderr();
     let mut stream = Stream::new(stdout.lock(), stderr.lock());
@@ -82,6 +98,29 @@ fn run(args: &ExecArgs) -> anyhow::Result<i32> {
         }
     }
     stream.finish()
+}
+
+/// Copies `input` to the command's stdin in chunks of at most 64 KiB,
+/// then closes it. Stops quietly when the command is gone: its exit comes
+/// through the output stream.
+fn forward_stdin(client: &super::client::Client, id: &str, pid: u32, mut input: impl io::Read) {
+    use base64::Engine as _;
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = match input.read(&mut buf) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(_) => 0,
+        };
+        let req = hutch_api::StdinRequest {
+            data: String::new(),
+            data_base64: (n > 0).then(|| base64::engine::general_purpose::STANDARD.encode(&buf[..n])),
+            eof: n == 0,
+        };
+        if client.stdin(id, pid, &req).is_err() || n == 0 {
+            return;
+        }
+    }
 }
 
 /// The API request of the flags and the command.

@@ -25,9 +25,9 @@ pub struct ImageArgs {
 
 #[derive(Subcommand, Debug)]
 pub enum ImageCommand {
-    /// Build an image: `debian` (mmdebstrap, minbase) or a preset (`python`, `node`).
+    /// Build an image: `debian` (mmdebstrap, minbase) or a preset (`python`, `node`, `code-interpreter`).
     Build {
-        /// `debian`, `python` or `node`.
+        /// `debian`, `python`, `node` or `code-interpreter`.
         kind: String,
         /// Debian suite (debian only).
         #[arg(long, default_value = "bookworm")]
@@ -108,7 +108,7 @@ fn run(args: ImageArgs) -> anyhow::Result<i32> {
                 };
                 debian::build(&store, &spec, &progress).map_err(coded)?
             } else {
-                anyhow::bail!("unknown image kind {kind:?}: use debian, python or node");
+                anyhow::bail!("unknown image kind {kind:?}: use debian, python, node or code-interpreter");
             };
             show(&img);
         }

@@ -1,11 +1,12 @@
-//! `hutch key ...`: API keys, managed on the daemon's host directly in its
+//! `hutch key ...`: API keys. On the daemon's host, directly in its
 //! database (no HTTP: whoever can read the state directory is already the
 //! daemon's equal), through the same key functions as the daemon's admin
-//! API (`hutch_control::keys`). Secrets are printed once; the store keeps
-//! their hash. An admin key can do the same over HTTP (`/v1/keys`).
+//! API (`hutch_control::keys`); from anywhere, with `--url`/`HUTCH_URL` or
+//! `--api-key`/`HUTCH_API_KEY`, through that API (`/v1/keys`, admin keys
+//! only). Secrets are printed once; the store keeps their hash.
 
 use super::output::{self, table};
-use super::{report, DEFAULT_STATE_DIR};
+use super::{report, ClientOpts, DEFAULT_STATE_DIR, DEFAULT_URL};
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use hutch_api::ApiKey;
@@ -18,6 +19,12 @@ pub struct KeyArgs {
     /// The daemon's state directory, holding hutch.db (HUTCH_STATE_DIR).
     #[arg(long, global = true, env = "HUTCH_STATE_DIR", default_value = DEFAULT_STATE_DIR)]
     pub state_dir: PathBuf,
+    /// Manage the keys of this daemon through its API instead (HUTCH_URL).
+    #[arg(long, global = true, env = "HUTCH_URL")]
+    pub url: Option<String>,
+    /// The admin key for the API (HUTCH_API_KEY); else <state-dir>/admin.key.
+    #[arg(long, global = true, env = "HUTCH_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
     #[command(subcommand)]
     pub command: KeyCommand,
 }
@@ -92,15 +99,66 @@ impl QuotaArgs {
     }
 }
 
+/// Where keys are managed: the host's database or a daemon's API.
+enum Keys {
+    Local(SqliteStore),
+    Remote(super::client::Client),
+}
+
+impl Keys {
+    fn of(args: &KeyArgs) -> anyhow::Result<Keys> {
+        if args.url.is_none() && args.api_key.is_none() {
+            return Ok(Keys::Local(open(&args.state_dir)?));
+        }
+        let conn = ClientOpts {
+            url: args.url.clone().unwrap_or_else(|| DEFAULT_URL.to_owned()),
+            api_key: args.api_key.clone(),
+            state_dir: args.state_dir.clone(),
+        };
+        Ok(Keys::Remote(conn.client()?))
+    }
+
+    fn create(&self, name: &str, e2b: bool, quotas: Quotas) -> anyhow::Result<ApiKey> {
+        Ok(match self {
+            Keys::Local(s) => keys::create(s, name, false, e2b, quotas)?,
+            Keys::Remote(c) => {
+                c.create_key(&hutch_api::CreateKey { name: name.to_owned(), e2b, quotas: keys::to_api(&quotas) })?
+            }
+        })
+    }
+
+    fn set_quotas(&self, id: &str, quotas: Quotas) -> anyhow::Result<ApiKey> {
+        Ok(match self {
+            Keys::Local(s) => keys::set_quotas(s, id, quotas)?,
+            Keys::Remote(c) => c.set_key_quotas(id, &keys::to_api(&quotas))?,
+        })
+    }
+
+    fn list(&self) -> anyhow::Result<Vec<ApiKey>> {
+        Ok(match self {
+            Keys::Local(s) => keys::list(s)?,
+            Keys::Remote(c) => c.list_keys()?.keys,
+        })
+    }
+
+    fn revoke(&self, id: &str) -> anyhow::Result<()> {
+        match self {
+            Keys::Local(s) => keys::revoke(s, id)?,
+            Keys::Remote(c) => c.revoke_key(id)?,
+        }
+        Ok(())
+    }
+}
+
 pub fn main(args: KeyArgs) -> i32 {
     report(run(args), 1)
 }
 
 fn run(args: KeyArgs) -> anyhow::Result<i32> {
-    let store = open(&args.state_dir)?;
+    let store = Keys::of(&args)?;
     match args.command {
         KeyCommand::Create { name, e2b, quotas, json } => {
-            let k = keys::create(&store, &name, false, e2b, quotas.quotas()).context("making a key")?;
+            let k = store.create(&name, e2b, quotas.quotas()).context("making a key")?;
             if json {
                 print!("{}", output::json(&k)?);
             } else {
@@ -112,7 +170,7 @@ fn run(args: KeyArgs) -> anyhow::Result<i32> {
             Ok(0)
         }
         KeyCommand::Quotas { id, quotas, json } => {
-            let k = keys::set_quotas(&store, &id, quotas.quotas()).context("setting the key's quotas")?;
+            let k = store.set_quotas(&id, quotas.quotas()).context("setting the key's quotas")?;
             if json {
                 print!("{}", output::json(&k)?);
             } else {
@@ -121,7 +179,7 @@ fn run(args: KeyArgs) -> anyhow::Result<i32> {
             Ok(0)
         }
         KeyCommand::List { json } => {
-            let keys = keys::list(&store).context("listing keys")?;
+            let keys = store.list().context("listing keys")?;
             if json {
                 print!("{}", output::json(&keys)?);
             } else {
@@ -130,7 +188,7 @@ fn run(args: KeyArgs) -> anyhow::Result<i32> {
             Ok(0)
         }
         KeyCommand::Revoke { id } => {
-            keys::revoke(&store, &id).with_context(|| format!("revoking {id} (see `hutch key list`)"))?;
+            store.revoke(&id).with_context(|| format!("revoking {id} (see `hutch key list`)"))?;
             println!("{id} revoked");
             Ok(0)
         }

@@ -63,6 +63,34 @@ fn resolve_key(given: Option<&str>, state_dir: &Path) -> anyhow::Result<String> 
 }
 
 /// Prints a failure as `hutch: ...` and gives the exit code for it.
+/// The resource flags of a sandbox or template.
+#[derive(Args, Debug, Default)]
+pub struct ResourceArgs {
+    /// Memory limit: 512M, 1G, ...
+    #[arg(long, value_parser = parse_mib, value_name = "SIZE")]
+    pub memory: Option<u64>,
+    /// CPUs worth of time (fractions allowed).
+    #[arg(long)]
+    pub vcpus: Option<f64>,
+    /// Size of the writable layer: 2G, ...
+    #[arg(long, value_parser = parse_mib, value_name = "SIZE")]
+    pub disk: Option<u64>,
+    /// Most processes and threads at once.
+    #[arg(long)]
+    pub pids: Option<u32>,
+}
+
+impl ResourceArgs {
+    /// The API's `limits`, when any of its flags was given.
+    pub fn limits(&self) -> Option<hutch_api::LimitsRequest> {
+        (self.vcpus.is_some() || self.disk.is_some() || self.pids.is_some()).then_some(hutch_api::LimitsRequest {
+            vcpus: self.vcpus,
+            disk_mib: self.disk,
+            pids: self.pids,
+        })
+    }
+}
+
 /// The egress flags of a sandbox or template: one policy, as the API's
 /// `network` takes it.
 #[derive(Args, Debug, Default)]

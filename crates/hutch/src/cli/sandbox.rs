@@ -2,9 +2,9 @@
 //! delete sandboxes of a running daemon.
 
 use super::output::{self, table};
-use super::{parse_mib, parse_pairs, parse_seconds, report, ClientOpts, NetworkArgs};
+use super::{parse_pairs, parse_seconds, report, ClientOpts, NetworkArgs, ResourceArgs};
 use clap::{Args, Subcommand};
-use hutch_api::{CreateSandbox, Extend, LimitsRequest, Sandbox};
+use hutch_api::{CreateSandbox, Extend, Sandbox};
 
 #[derive(Args, Debug)]
 pub struct SandboxArgs {
@@ -88,18 +88,8 @@ pub struct CreateArgs {
     /// Lifetime from now: 10m, 1h, ... (the template's default when absent).
     #[arg(long, value_parser = parse_seconds, value_name = "DURATION")]
     ttl: Option<u64>,
-    /// Memory limit: 512M, 1G, ...
-    #[arg(long, value_parser = parse_mib, value_name = "SIZE")]
-    memory: Option<u64>,
-    /// CPUs worth of time (fractions allowed).
-    #[arg(long)]
-    vcpus: Option<f64>,
-    /// Size of the writable layer: 2G, ...
-    #[arg(long, value_parser = parse_mib, value_name = "SIZE")]
-    disk: Option<u64>,
-    /// Most processes and threads at once.
-    #[arg(long)]
-    pids: Option<u32>,
+    #[command(flatten)]
+    res: ResourceArgs,
     /// Environment of every process in the sandbox (repeatable).
     #[arg(long = "env", short = 'e', value_name = "K=V")]
     env: Vec<String>,
@@ -220,15 +210,11 @@ fn run(args: SandboxArgs) -> anyhow::Result<i32> {
 
 /// The API request of `sandbox create`'s flags.
 fn create_request(c: &CreateArgs) -> anyhow::Result<CreateSandbox> {
-    let limits = if c.vcpus.is_some() || c.disk.is_some() || c.pids.is_some() {
-        Some(LimitsRequest { vcpus: c.vcpus, disk_mib: c.disk, pids: c.pids })
-    } else {
-        None
-    };
+    let limits = c.res.limits();
     Ok(CreateSandbox {
         template: c.template.clone(),
         ttl_seconds: c.ttl,
-        memory_mb: c.memory,
+        memory_mb: c.res.memory,
         limits,
         env: parse_pairs("--env", &c.env)?,
         metadata: parse_pairs("--meta", &c.meta)?,
@@ -369,7 +355,7 @@ mod tests {
         assert_eq!(req.ttl_seconds, Some(600));
         assert_eq!(req.memory_mb, Some(1024));
         assert_eq!(req.wait_seconds, Some(0));
-        assert_eq!(req.limits, Some(LimitsRequest { vcpus: None, disk_mib: Some(2048), pids: Some(256) }));
+        assert_eq!(req.limits, Some(hutch_api::LimitsRequest { vcpus: None, disk_mib: Some(2048), pids: Some(256) }));
         assert_eq!(req.env.get("A").map(String::as_str), Some("1"));
         assert_eq!(req.metadata.get("team").map(String::as_str), Some("ci"));
         let bare = T::try_parse_from(["x", "create"]).expect("parse");

@@ -3,10 +3,10 @@
 //! Templates are named by id or by name (resolved through the list).
 
 use super::output::{self, table};
-use super::{parse_mib, parse_pairs, parse_seconds, report, ClientOpts, NetworkArgs};
+use super::{parse_pairs, parse_seconds, report, ClientOpts, NetworkArgs, ResourceArgs};
 use anyhow::Context as _;
 use clap::{Args, Subcommand};
-use hutch_api::{BuildState, CreateTemplate, LimitsRequest, Readiness, Startup, Template, Warm};
+use hutch_api::{BuildState, CreateTemplate, Readiness, Startup, Template, Warm};
 use std::io::{Read, Write};
 use std::path::Path;
 
@@ -68,16 +68,9 @@ pub struct CreateArgs {
     /// Isolation class (container).
     #[arg(long)]
     class: Option<String>,
-    /// Memory limit of its sandboxes: 512M, 1G, ...
-    #[arg(long, value_parser = parse_mib, value_name = "SIZE")]
-    memory: Option<u64>,
-    #[arg(long)]
-    vcpus: Option<f64>,
-    /// Size of the writable layer: 2G, ...
-    #[arg(long, value_parser = parse_mib, value_name = "SIZE")]
-    disk: Option<u64>,
-    #[arg(long)]
-    pids: Option<u32>,
+    /// Its sandboxes' resources.
+    #[command(flatten)]
+    res: ResourceArgs,
     /// KEY=VALUE for every process of its sandboxes; repeatable.
     #[arg(long = "env", value_name = "KEY=VALUE")]
     env: Vec<String>,
@@ -121,17 +114,10 @@ pub struct UpdateArgs {
     image: Option<String>,
     #[arg(long)]
     class: Option<String>,
-    /// Memory limit of its sandboxes: 512M, 1G, ...
-    #[arg(long, value_parser = parse_mib, value_name = "SIZE")]
-    memory: Option<u64>,
-    /// CPUs, writable layer size and processes; any of them replaces the
-    /// limits whole (the others take their defaults).
-    #[arg(long)]
-    vcpus: Option<f64>,
-    #[arg(long, value_parser = parse_mib, value_name = "SIZE")]
-    disk: Option<u64>,
-    #[arg(long)]
-    pids: Option<u32>,
+    /// Its sandboxes' resources: any of --vcpus, --disk and --pids replaces
+    /// the limits whole (the others take their defaults).
+    #[command(flatten)]
+    res: ResourceArgs,
     /// KEY=VALUE; repeatable; replaces the environment whole.
     #[arg(long = "env", value_name = "KEY=VALUE")]
     env: Vec<String>,
@@ -260,11 +246,7 @@ fn run(args: TemplateArgs) -> anyhow::Result<i32> {
 }
 
 fn create_request(c: &CreateArgs) -> anyhow::Result<CreateTemplate> {
-    let limits = (c.vcpus.is_some() || c.disk.is_some() || c.pids.is_some()).then_some(LimitsRequest {
-        vcpus: c.vcpus,
-        disk_mib: c.disk,
-        pids: c.pids,
-    });
+    let limits = c.res.limits();
     let readiness = match (&c.ready_command, c.ready_port) {
         (None, None) => None,
         (command, port) => Some(Readiness {
@@ -278,7 +260,7 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateTemplate> {
         image: c.image.clone(),
         class: c.class.clone(),
         network: c.net.request()?,
-        memory_mb: c.memory,
+        memory_mb: c.res.memory,
         limits,
         env: parse_pairs("--env", &c.env)?,
         default_ttl_seconds: c.ttl,
@@ -306,11 +288,11 @@ fn update_request(
     if let Some(c) = &u.class {
         put("class", json!(c));
     }
-    if let Some(mb) = u.memory {
+    if let Some(mb) = u.res.memory {
         put("memory_mb", json!(mb));
     }
-    if u.vcpus.is_some() || u.disk.is_some() || u.pids.is_some() {
-        put("limits", serde_json::to_value(LimitsRequest { vcpus: u.vcpus, disk_mib: u.disk, pids: u.pids })?);
+    if let Some(limits) = u.res.limits() {
+        put("limits", serde_json::to_value(limits)?);
     }
     if u.clear_env || !u.env.is_empty() {
         put("env", serde_json::to_value(parse_pairs("--env", &u.env)?)?);
