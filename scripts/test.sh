@@ -14,9 +14,10 @@ fi
 need=()
 # Images: mmdebstrap builds the Debian presets; docker-registry serves pulls
 # in the image tests (each test starts its own on a free loopback port; the
-# package's own service is not used).
+# package's own service is not used). Node runs the MCP server's
+# run_code in node (tests/api/test_mcp.py).
 for pkg_cmd in python3:python3 procps:pgrep util-linux:unshare mount:mount coreutils:sha256sum \
-    nftables:nft iproute2:ip mmdebstrap:mmdebstrap docker-registry:docker-registry; do
+    nftables:nft iproute2:ip mmdebstrap:mmdebstrap docker-registry:docker-registry nodejs:node; do
     pkg=${pkg_cmd%%:*} cmd=${pkg_cmd##*:}
     found=
     for dir in /usr/bin /bin /usr/sbin /sbin; do

@@ -129,6 +129,8 @@ def test_tools_over_http(daemon: Daemon, alice):
             sid = r["sandbox_id"]
             r = await call(c, "run_code", language="bash", code="echo out; echo err >&2; exit 3")
             assert (r["stdout"], r["stderr"], r["exit_code"], r["sandbox_id"]) == ("out\n", "err\n", 3, sid)
+            r = await call(c, "run_code", language="node", code="console.log(6 * 7); process.exit(2)")
+            assert (r["stdout"], r["exit_code"]) == ("42\n", 2), r
             r = await call(c, "exec", argv=["sh", "-c", "pwd; id -un"])
             assert r["stdout"].splitlines()[0] == "/workspace", r
 
