@@ -156,6 +156,7 @@ def test_tools_over_http(daemon: Daemon, alice):
             assert r["exit_code"] == 7, r
             r = await call(c, "run_code", code="1/0")
             assert r["exit_code"] == 1 and "ZeroDivisionError" in r["stderr"], r
+            assert r["stderr"].count('File "<string>"') == 1, "the runner's own frame is not shown"
             await call(c, "write_file", path="fake/matplotlib/__init__.py", content="")
             await call(c, "write_file", path="fake/matplotlib/pyplot.py", content=FAKE_PYPLOT)
             plot = "import sys; sys.path.insert(0, 'fake')\nimport matplotlib.pyplot as plt\nplt.figure(3)\nplt.figure(5)\nprint('plotted')"
