@@ -238,6 +238,23 @@ def test_tools_over_stdio(daemon: Daemon, alice):
     wait_ended(alice, sid)
 
 
+def test_keep_on_the_first_call_keeps_the_default_sandbox(daemon: Daemon, alice):
+    async def go():
+        async with http_client(daemon, alice.key) as c:
+            r = await call(c, "exec", command="echo kept > note", keep=True)
+            # keep matters only for the call that makes the sandbox.
+            assert (await call(c, "run_code", code="print(open('note').read())"))["sandbox_id"] == r["sandbox_id"]
+            other = await call(c, "create_sandbox")
+            return r["sandbox_id"], other["id"]
+
+    sid, other = asyncio.run(go())
+    # Once the session's other sandbox has ended, the kept one still runs.
+    wait_ended(alice, other)
+    assert state_of(alice, sid) == "running"
+    assert alice.sh(sid, "cat note") == "kept\n"
+    alice.destroy(sid)
+
+
 def test_refusals_carry_stable_codes(daemon: Daemon, alice, bob):
     bobs = bob.create()
 
