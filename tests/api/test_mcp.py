@@ -156,6 +156,7 @@ def test_tools_over_http(daemon: Daemon, alice):
             assert r["exit_code"] == 7, r
             r = await call(c, "run_code", code="1/0")
             assert r["exit_code"] == 1 and "ZeroDivisionError" in r["stderr"], r
+            assert r["stderr"].count('File "<string>"') == 1, "the runner's own frame is not shown"
             await call(c, "write_file", path="fake/matplotlib/__init__.py", content="")
             await call(c, "write_file", path="fake/matplotlib/pyplot.py", content=FAKE_PYPLOT)
             plot = "import sys; sys.path.insert(0, 'fake')\nimport matplotlib.pyplot as plt\nplt.figure(3)\nplt.figure(5)\nprint('plotted')"
@@ -235,6 +236,23 @@ def test_tools_over_stdio(daemon: Daemon, alice):
     sid = asyncio.run(go())
     # The end of stdin closed the session, and the sandbox with it.
     wait_ended(alice, sid)
+
+
+def test_keep_on_the_first_call_keeps_the_default_sandbox(daemon: Daemon, alice):
+    async def go():
+        async with http_client(daemon, alice.key) as c:
+            r = await call(c, "exec", command="echo kept > note", keep=True)
+            # keep matters only for the call that makes the sandbox.
+            assert (await call(c, "run_code", code="print(open('note').read())"))["sandbox_id"] == r["sandbox_id"]
+            other = await call(c, "create_sandbox")
+            return r["sandbox_id"], other["id"]
+
+    sid, other = asyncio.run(go())
+    # Once the session's other sandbox has ended, the kept one still runs.
+    wait_ended(alice, other)
+    assert state_of(alice, sid) == "running"
+    assert alice.sh(sid, "cat note") == "kept\n"
+    alice.destroy(sid)
 
 
 def test_refusals_carry_stable_codes(daemon: Daemon, alice, bob):

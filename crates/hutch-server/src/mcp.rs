@@ -417,6 +417,14 @@ def _figures():
         print("hutch: could not save the figures: %r" % (e,), file=_s.stderr)
 try:
     exec(compile(_c, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+except SystemExit:
+    raise
+except BaseException:
+    # As the interpreter reports it, without this runner's frame.
+    import traceback as _t
+    _e = _s.exc_info()
+    _t.print_exception(_e[0], _e[1], _e[2].tb_next if _e[2] else None)
+    _s.exit(1)
 finally:
     _figures()
 "#;
