@@ -15,7 +15,8 @@ need=()
 # Images: mmdebstrap builds the Debian presets; docker-registry serves pulls
 # in the image tests (each test starts its own on a free loopback port; the
 # package's own service is not used). Node and npm run the E2B JavaScript
-# SDK's suite (tests/e2b-js). Disk layers: mkfs.btrfs makes the daemon's
+# SDK's suite (tests/e2b-js) and the MCP server's run_code in node
+# (tests/api/test_mcp.py). Disk layers: mkfs.btrfs makes the daemon's
 # storage image once (everything after that is ioctls).
 for pkg_cmd in python3:python3 procps:pgrep util-linux:unshare mount:mount coreutils:sha256sum \
     nftables:nft iproute2:ip mmdebstrap:mmdebstrap docker-registry:docker-registry \

@@ -40,7 +40,7 @@ fn api_host(headers: &HeaderMap) -> String {
 }
 
 /// A grant as the API shows it, with its two urls.
-fn view(
+pub(crate) fn view(
     headers: &HeaderMap,
     sandbox: &str,
     id: String,

@@ -15,6 +15,7 @@ mod extract;
 #[doc(hidden)]
 pub mod fuzz_api;
 pub mod listener;
+mod mcp;
 mod openapi;
 pub mod proxy;
 mod routes;
@@ -175,7 +176,14 @@ pub async fn serve(
     limits: listener::Limits,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    listener::serve_router(listener, router(app), listener::Gate::new(limits), shutdown).await
+    // MCP sessions hold streams open: they end as the daemon stops.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let router = routes::router_until(app, stop.clone());
+    let shutdown = async move {
+        shutdown.await;
+        stop.cancel();
+    };
+    listener::serve_router(listener, router, listener::Gate::new(limits), shutdown).await
 }
 
 #[cfg(test)]

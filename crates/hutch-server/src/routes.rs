@@ -23,6 +23,12 @@ pub use hutch_control::Caller;
 type AppState = State<Arc<App>>;
 
 pub fn router(app: Arc<App>) -> Router {
+    router_until(app, tokio_util::sync::CancellationToken::new())
+}
+
+/// The router, whose MCP sessions end (keeping their sandboxes) when
+/// `stop` is cancelled: the daemon is stopping.
+pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationToken) -> Router {
     let api = Router::new()
         .route("/v1/sandboxes", post(create_sandbox).get(list_sandboxes))
         .route("/v1/sandboxes/{id}", get(get_sandbox).delete(delete_sandbox))
@@ -48,6 +54,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/keys", get(list_keys).post(create_key))
         .route("/v1/keys/{id}", axum::routing::delete(revoke_key).patch(set_quotas))
         .route("/v1/usage", get(usage))
+        // The MCP server (streamable HTTP), under the same keys.
+        .route_service("/mcp", crate::mcp::service(app.clone(), stop))
         .route_layer(middleware::from_fn_with_state(app.clone(), authenticate));
     Router::new()
         .merge(api)

@@ -36,6 +36,9 @@ enum Command {
     Key(cli::keys::KeyArgs),
     /// Build, import, pull and list images (on the daemon's host, no HTTP).
     Image(cli::image::ImageArgs),
+    /// An MCP server on stdin/stdout, for MCP clients: a bridge to a
+    /// running daemon's /mcp (HUTCH_URL, HUTCH_API_KEY).
+    Mcp(cli::mcp::McpArgs),
     /// Report what this host offers for sandboxes and what it lacks.
     Doctor {
         /// Print the report as JSON.
@@ -52,12 +55,12 @@ fn main() {
     // Rust ignores SIGPIPE, so a print to a closed pipe (`hutch doctor --json
     // | head`) would panic. Commands that print for a person or a pipe take
     // the default (help and usage errors included) and end quietly, as Unix
-    // tools do; the daemon and `run` (which must remove its sandbox) ignore
-    // it again and see EPIPE.
+    // tools do; the daemon, `run` (which must remove its sandbox) and `mcp`
+    // (which must close its session) ignore it again and see EPIPE.
     // SAFETY: no other thread exists yet; both are valid dispositions.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = Cli::parse();
-    if matches!(cli.command, Command::Serve(_) | Command::Run(_)) {
+    if matches!(cli.command, Command::Serve(_) | Command::Run(_) | Command::Mcp(_)) {
         // SAFETY: as above.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
     }
@@ -71,6 +74,7 @@ fn main() {
         Command::Template(args) => cli::template::main(args),
         Command::Key(args) => cli::keys::main(args),
         Command::Image(args) => cli::image::main(args),
+        Command::Mcp(args) => cli::mcp::main(args),
         Command::Doctor { json, state_dir } => doctor(json, state_dir),
     };
     std::process::exit(code);

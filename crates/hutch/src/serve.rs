@@ -210,10 +210,12 @@ fn e2b_secret(state_dir: &std::path::Path) -> Result<Vec<u8>> {
 }
 
 /// Logs go to stderr as JSON lines (`RUST_LOG` filters them; `info` by
-/// default).
+/// default, but errors only from the MCP library, which logs every
+/// session's handshake and notifications at `info`, and a client's probe
+/// for a protocol revision we do not offer as a warning).
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,rmcp=error"));
     let _ = tracing_subscriber::fmt()
         .json()
         .with_env_filter(filter)

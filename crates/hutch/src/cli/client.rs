@@ -417,6 +417,14 @@ impl Client {
         u
     }
 
+    /// A request to `path` (below the base URL, outside `/v1`) with the
+    /// key, and its URL: for `hutch mcp`, which relays bodies as they are.
+    pub fn raw(&self, method: &str, path: &str) -> (String, ureq::Request) {
+        let url = format!("{}{path}", self.base);
+        let r = self.authed(method, &url);
+        (url, r)
+    }
+
     fn authed(&self, method: &str, url: &str) -> ureq::Request {
         self.agent.request(method, url).set("Authorization", &format!("Bearer {}", self.key))
     }

@@ -8,6 +8,7 @@ pub mod exec;
 pub mod files;
 pub mod image;
 pub mod keys;
+pub mod mcp;
 pub mod output;
 pub mod sandbox;
 pub mod snapshot;
