@@ -17,6 +17,7 @@ pub mod fuzz_api;
 pub mod listener;
 mod openapi;
 pub mod proxy;
+mod pty;
 mod routes;
 mod templates;
 mod transfer;

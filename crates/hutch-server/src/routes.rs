@@ -54,6 +54,7 @@ pub fn router(app: Arc<App>) -> Router {
         .merge(crate::e2b::router(app.clone()))
         .merge(crate::templates::router(app.clone()))
         .merge(crate::access::router(app.clone()))
+        .merge(crate::pty::router(app.clone()))
         .route("/healthz", get(healthz))
         // An API key or the operator's scrape token (`--metrics-token-file`).
         .route("/metrics", get(metrics))
