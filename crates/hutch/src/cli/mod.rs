@@ -11,6 +11,7 @@ pub mod keys;
 pub mod output;
 pub mod sandbox;
 pub mod template;
+pub mod tty;
 
 use clap::Args;
 use std::collections::BTreeMap;
