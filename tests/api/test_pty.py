@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import pty
 import select
+import struct
 import subprocess
 import termios
 import time
@@ -266,33 +268,45 @@ def cli_env(daemon: Daemon) -> dict:
     return {**env, "HUTCH_URL": daemon.base, "HUTCH_API_KEY": daemon.admin_key(), "TERM": "xterm"}
 
 
-def test_exec_it_is_an_interactive_terminal_and_restores_the_mode(daemon: Daemon, api: Client, sandbox: dict):
+def set_winsize(fd: int, rows: int, cols: int) -> None:
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+
+def test_exec_it_is_an_interactive_terminal_and_restores_the_mode(daemon: Daemon, sandbox: dict):
     sid = sandbox["id"]
-    # The child's terminal mode is checked from inside: hutch puts it in raw
-    # mode and back before it exits (`stty -g` run after it on the same tty).
+    # hutch's terminal mode is checked from the same tty: `stty -g` before
+    # and after it, compared by the shell that ran it.
     script = (
         f"stty -g > /tmp/hutch-pty-before-$$; {daemon.binary} exec -it {sid}; code=$?; "
         f"stty -g > /tmp/hutch-pty-after-$$; "
         f"cmp -s /tmp/hutch-pty-before-$$ /tmp/hutch-pty-after-$$ && echo MODE-RESTORED; "
         f"rm -f /tmp/hutch-pty-before-$$ /tmp/hutch-pty-after-$$; exit $code"
     )
-    env = cli_env(daemon)
     pid, fd = pty.fork()
     if pid == 0:
         try:
-            os.execve("/bin/sh", ["/bin/sh", "-c", script], env)
+            set_winsize(0, 27, 91)
+            os.execve("/bin/sh", ["/bin/sh", "-c", script], cli_env(daemon))
         finally:
             os._exit(127)
     out = b""
+    # What to type once the output shows what: the size hutch started with,
+    # the size after a SIGWINCH (the kernel sends it on TIOCSWINSZ), then the end.
+    steps = [
+        (b"$ ", b"stty size\r", None),
+        (b"27 91", b"stty size\r", (33, 101)),
+        (b"33 101", b"echo h$((1))i; exit 3\r", None),
+    ]
     try:
         deadline = time.monotonic() + PATIENCE
-        typed = False
         while True:
             assert time.monotonic() < deadline, f"hutch exec -it did not end; output {out[-800:]!r}"
-            # The remote shell's prompt shows once it runs.
-            if not typed and (b"$ " in out or b"# " in out):
-                os.write(fd, b"echo h$((1))i; exit 3\r")
-                typed = True
+            if steps and steps[0][0] in out:
+                _, typed, size = steps.pop(0)
+                out = out.replace(b"$ ", b"> ")
+                if size:
+                    set_winsize(fd, *size)
+                os.write(fd, typed)
             r, _, _ = select.select([fd], [], [], 1)
             if not r:
                 continue
@@ -310,6 +324,7 @@ def test_exec_it_is_an_interactive_terminal_and_restores_the_mode(daemon: Daemon
             os.kill(pid, 9)
             os.waitpid(pid, 0)
         os.close(fd)
+    assert not steps, out
     assert b"h1i" in out, out
     assert b"MODE-RESTORED" in out, out
     assert os.waitstatus_to_exitcode(status) == 3, out

@@ -295,7 +295,10 @@ fn session(socket: &mut Socket, signals: RawFd) -> anyhow::Result<End> {
             }
             return Err(e.into());
         }
-        if fds[1].revents != 0 {
+        // Always drained (the pipe does not block): a signal whose handler
+        // ran as poll returned for stdin is handled before the bytes typed
+        // after it.
+        {
             let mut sigs = [0u8; 16];
             // SAFETY: reading into a local buffer from our pipe.
             let got = unsafe { libc::read(signals, sigs.as_mut_ptr().cast(), sigs.len()) };
