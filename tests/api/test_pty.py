@@ -9,6 +9,7 @@ import json
 import os
 import pty
 import select
+import signal
 import struct
 import subprocess
 import termios
@@ -328,6 +329,40 @@ def test_exec_it_is_an_interactive_terminal_and_restores_the_mode(daemon: Daemon
     assert b"h1i" in out, out
     assert b"MODE-RESTORED" in out, out
     assert os.waitstatus_to_exitcode(status) == 3, out
+
+
+def test_exec_it_killed_by_a_signal_restores_the_mode_and_ends_the_command(daemon: Daemon, api: Client, sandbox: dict):
+    sid = sandbox["id"]
+    binary = str(daemon.binary)
+    pid, fd = pty.fork()
+    if pid == 0:
+        try:
+            os.execve(binary, [binary, "exec", "-it", sid, "--", "sh", "-c", "echo READY; exec sleep 303"], cli_env(daemon))
+        finally:
+            os._exit(127)
+    out = b""
+    try:
+        # The slave's mode, read through the master.
+        before = termios.tcgetattr(fd)
+        assert before[3] & termios.ICANON, "a new terminal starts canonical"
+        deadline = time.monotonic() + PATIENCE
+        while b"READY" not in out:
+            assert time.monotonic() < deadline, out
+            r, _, _ = select.select([fd], [], [], 1)
+            if r:
+                out += os.read(fd, 4096)
+        assert not termios.tcgetattr(fd)[3] & termios.ICANON, "hutch runs the terminal raw"
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+        pid = 0
+        assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGTERM
+        assert termios.tcgetattr(fd) == before, "the mode is restored"
+    finally:
+        if pid:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        os.close(fd)
+    wait_for("the remote command to be killed", lambda: api.processes(sid) == [], timeout=15)
 
 
 def test_exec_t_without_a_terminal_is_refused_and_i_still_pipes(daemon: Daemon, sandbox: dict):

@@ -452,4 +452,19 @@ mod tests {
         assert!(T::try_parse_from(["x", "sb-1"]).is_err());
         assert!(T::try_parse_from(["x", "--json", "--background", "sb-1", "true"]).is_err());
     }
+
+    #[test]
+    fn exec_it_takes_no_command_and_no_timeout() {
+        let t = T::try_parse_from(["x", "-it", "sb-1"]).expect("parse");
+        assert!(t.a.tty && t.a.interactive && t.a.command.is_empty());
+        let t = T::try_parse_from(["x", "-it", "-e", "A=1", "sb-1", "--", "bash", "-l"]).expect("parse");
+        assert_eq!(t.a.command, ["bash", "-l"]);
+        for bad in [
+            &["x", "-it", "--timeout", "5s", "sb-1"][..],
+            &["x", "-t", "--background", "sb-1"],
+            &["x", "-t", "--json", "sb-1"],
+        ] {
+            assert!(T::try_parse_from(bad).is_err(), "{bad:?}");
+        }
+    }
 }
