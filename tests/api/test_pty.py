@@ -211,6 +211,27 @@ def test_the_key_may_come_as_a_subprotocol_and_is_never_echoed(api: Client, sand
         ws.close()
 
 
+def test_an_open_terminal_outlives_the_listeners_idle_timeout(own_daemon: Daemon):
+    from test_connections import closed_by_server, open_idle
+
+    d = own_daemon
+    d.extra_env.update(HUTCH_HEADER_TIMEOUT="1s", HUTCH_IDLE_TIMEOUT="2s")
+    d.start()
+    api = d.client("admin")
+    sid = api.create()["id"]
+    t = Term(connect(api, sid))
+    try:
+        t.send(b"echo before-$((1+1))\n")
+        t.until_output(b"before-2")
+        # A connection opened after the terminal is closed by the idle
+        # timeout: the terminal, were it timed, would be past it too.
+        assert closed_by_server(open_idle(d, api.key))
+        t.send(b"echo after-$((2+2))\n")
+        t.until_output(b"after-4")
+    finally:
+        t.ws.close()
+
+
 def rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
