@@ -197,6 +197,31 @@ def test_refusals_come_before_the_upgrade_as_json_errors(daemon: Daemon, api: Cl
     assert api.processes(sid) == [], "no refused request started anything"
 
 
+def test_a_terminal_holds_a_command_slot(api: Client):
+    slots = 64
+    sid = api.create(limits={"pids": 1024})["id"]
+    try:
+        t = Term(connect(api, sid, command="sleep 300"))
+        pids = [api.background(sid, "sleep 300") for _ in range(slots - 1)]
+        assert len(set(pids)) == slots - 1
+        upgrade = {
+            "Connection": "Upgrade",
+            "Upgrade": "websocket",
+            "Sec-WebSocket-Version": "13",
+            "Sec-WebSocket-Key": base64.b64encode(os.urandom(16)).decode(),
+            "Authorization": f"Bearer {api.key}",
+        }
+        url = ws_url(api, sid).replace("ws://", "http://", 1)
+        expect_error(requests.get(url, headers=upgrade, timeout=PATIENCE), 429, "sandbox_command_capacity")
+        expect_error(api.exec_raw(sid, {"command": "true"}), 429, "sandbox_command_capacity")
+        # Closing the terminal frees its slot.
+        t.ws.close()
+        wait_for("the terminal's slot to be free", lambda: len(api.processes(sid)) == slots - 1, timeout=15)
+        assert api.exec(sid, "echo freed")["stdout"] == "freed\n"
+    finally:
+        api.delete(f"/v1/sandboxes/{sid}")
+
+
 def test_the_key_may_come_as_a_subprotocol_and_is_never_echoed(api: Client, sandbox: dict):
     sid = sandbox["id"]
     ws = connect(api, sid, subprotocol_key=True, command="echo via-subprotocol")
