@@ -63,7 +63,11 @@ class Term:
         self.ws.send(json.dumps(msg))
 
     def read_one(self) -> None:
-        op, data = self.ws.recv_data(control_frame=False)
+        try:
+            op, data = self.ws.recv_data(control_frame=False)
+        except websocket.WebSocketConnectionClosedException:
+            self.closed = True
+            return
         if op == websocket.ABNF.OPCODE_BINARY:
             self.out += data
         elif op == websocket.ABNF.OPCODE_TEXT:
@@ -255,6 +259,27 @@ def test_an_open_terminal_outlives_the_listeners_idle_timeout(own_daemon: Daemon
         t.until_output(b"after-4")
     finally:
         t.ws.close()
+
+
+def test_a_daemon_that_stops_closes_its_terminals_and_kills_their_commands(own_daemon: Daemon):
+    d = own_daemon
+    d.start()
+    api = d.client("admin")
+    sid = api.create()["id"]
+    t = Term(connect(api, sid, command="echo READY; exec sleep 304"))
+    try:
+        t.until_output(b"READY")
+        assert len(api.processes(sid)) == 1
+        d.stop()
+        t.until("the close", lambda t: t.closed)
+    finally:
+        t.ws.close()
+    # The sandbox outlives the daemon; its terminal's command does not.
+    d.start()
+    api = d.client("admin")
+    assert api.sandbox(sid)["state"] == "running"
+    assert api.processes(sid) == []
+    assert "sleep 304" not in running_args(api, sid)
 
 
 def rss_kib(pid: int) -> int:

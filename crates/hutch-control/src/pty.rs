@@ -208,6 +208,24 @@ impl PtySession {
         }
     }
 
+    /// Kills the command's process tree now (unless it has exited), and
+    /// waits for the agent to take the signal; dropping the session does the
+    /// same without waiting.
+    pub async fn kill(mut self) {
+        if self.ended {
+            return;
+        }
+        self.ended = true;
+        let pid = self.pid;
+        let conn = match self.ctl.take() {
+            Some(c) => Ok(c),
+            None => self.live.fresh_conn().await,
+        };
+        if let Ok(mut conn) = conn {
+            let _ = conn.call(Request::Signal { pid, signal: libc::SIGKILL }, &[]).await;
+        }
+    }
+
     /// A failed request: a refusal (the command just exited) is its own
     /// error; a broken link ends the session's requests.
     fn failed(&mut self, e: AgentError) -> ControlError {

@@ -164,7 +164,10 @@ async fn pty(
             // the listener applies; `serve` has its own.
             c.mark_upgraded();
         }
-        serve(socket, session, conn).await;
+        let mut session = session;
+        serve(socket, &mut session, conn).await;
+        // Waited for here (a drop would only start it): at shutdown too.
+        session.kill().await;
     }))
 }
 
@@ -177,9 +180,9 @@ fn error_frame(e: &ApiError) -> Message {
 }
 
 /// Runs the terminal until its command exits, the client leaves or goes
-/// silent, or the daemon shuts down; the session's drop kills the command
-/// in every case but the first.
-async fn serve(mut socket: WebSocket, mut session: PtySession, conn: Option<Conn>) {
+/// silent, or the daemon shuts down; the caller then kills the command
+/// (which has nothing to do in the first case).
+async fn serve(mut socket: WebSocket, session: &mut PtySession, conn: Option<Conn>) {
     let killed = async {
         match &conn {
             Some(c) => c.killed().await,
