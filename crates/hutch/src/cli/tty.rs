@@ -7,6 +7,8 @@
 //! watches). One thread polls stdin, the socket and that pipe: typed bytes
 //! go out as binary frames, a SIGWINCH as a resize message, and the
 //! terminal's bytes to stdout. hutch exits with the command's exit code.
+//! An `https://` daemon is reached over `wss://` (rustls, Mozilla's roots,
+//! as ureq does for the other commands).
 
 use super::exec::EXIT_HUTCH;
 use std::io::{self, Read, Write};
@@ -15,7 +17,59 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Mutex;
 
-type Socket = tungstenite::WebSocket<TcpStream>;
+type Socket = tungstenite::WebSocket<Stream>;
+
+/// The connection under the WebSocket: plain (`http://` daemons) or TLS
+/// (`https://`, verified against Mozilla's roots as the rest of the CLI).
+pub enum Stream {
+    Plain(TcpStream),
+    Tls(Box<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>),
+}
+
+impl Stream {
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Stream::Plain(s) => s,
+            Stream::Tls(s) => &s.sock,
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Plain(s) => s.read(buf),
+            Stream::Tls(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Plain(s) => s.write(buf),
+            Stream::Tls(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Stream::Plain(s) => s.flush(),
+            Stream::Tls(s) => s.flush(),
+        }
+    }
+}
+
+fn tls(host: &str, tcp: TcpStream) -> anyhow::Result<Stream> {
+    let roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() };
+    let config = rustls::ClientConfig::builder_with_provider(rustls::crypto::ring::default_provider().into())
+        .with_protocol_versions(&[&rustls::version::TLS12, &rustls::version::TLS13])?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let name = rustls::pki_types::ServerName::try_from(host.to_owned())?;
+    let conn = rustls::ClientConnection::new(std::sync::Arc::new(config), name)?;
+    Ok(Stream::Tls(Box::new(rustls::StreamOwned::new(conn, tcp))))
+}
 
 /// What to run and how, from `hutch exec` flags.
 pub struct TtyRequest<'a> {
@@ -143,14 +197,10 @@ pub fn shell_line(words: &[String]) -> String {
 
 /// The WebSocket URL of the terminal route, with its query.
 fn url(base: &str, req: &TtyRequest, cols: u16, rows: u16) -> anyhow::Result<String> {
-    let rest = match base.split_once("://") {
-        Some(("http", rest)) => rest,
-        Some(("https", _)) => {
-            anyhow::bail!(
-                "`hutch exec -t` speaks plain ws:// only for now; reach the daemon over http:// (an SSH tunnel)"
-            )
-        }
-        _ => anyhow::bail!("the daemon URL {base} is not http://"),
+    let (scheme, rest) = match base.split_once("://") {
+        Some(("http", rest)) => ("ws", rest),
+        Some(("https", rest)) => ("wss", rest),
+        _ => anyhow::bail!("the daemon URL {base} is neither http:// nor https://"),
     };
     let mut q = form_urlencoded::Serializer::new(String::new());
     q.append_pair("cols", &cols.to_string()).append_pair("rows", &rows.to_string());
@@ -167,7 +217,7 @@ fn url(base: &str, req: &TtyRequest, cols: u16, rows: u16) -> anyhow::Result<Str
         q.append_pair("env", &format!("{k}={v}"));
     }
     let id: String = form_urlencoded::byte_serialize(req.id.as_bytes()).collect();
-    Ok(format!("ws://{}/v1/sandboxes/{id}/pty?{}", rest.trim_end_matches('/'), q.finish()))
+    Ok(format!("{scheme}://{}/v1/sandboxes/{id}/pty?{}", rest.trim_end_matches('/'), q.finish()))
 }
 
 /// Opens the terminal; refusals come back as the API's errors.
@@ -176,11 +226,14 @@ fn connect(url: &str, key: &str) -> anyhow::Result<Socket> {
     let mut request = url.into_client_request()?;
     request.headers_mut().insert("Authorization", format!("Bearer {key}").parse()?);
     request.headers_mut().insert("Sec-WebSocket-Protocol", "hutch.pty".parse()?);
-    let host = request.uri().host().unwrap_or("").to_owned();
-    let port = request.uri().port_u16().unwrap_or(80);
-    let stream = TcpStream::connect((host.as_str(), port))
+    let secure = request.uri().scheme_str() == Some("wss");
+    // An IPv6 literal comes bracketed.
+    let host = request.uri().host().unwrap_or("").trim_start_matches('[').trim_end_matches(']').to_owned();
+    let port = request.uri().port_u16().unwrap_or(if secure { 443 } else { 80 });
+    let tcp = TcpStream::connect((host.as_str(), port))
         .map_err(|e| anyhow::anyhow!("cannot reach the hutch daemon at {host}:{port}: {e}"))?;
-    let _ = stream.set_nodelay(true);
+    let _ = tcp.set_nodelay(true);
+    let stream = if secure { tls(&host, tcp)? } else { Stream::Plain(tcp) };
     match tungstenite::client::client(request, stream) {
         Ok((socket, _)) => Ok(socket),
         Err(tungstenite::HandshakeError::Failure(tungstenite::Error::Http(resp))) => {
@@ -233,8 +286,8 @@ fn would_block(e: &tungstenite::Error) -> bool {
 
 fn session(socket: &mut Socket, signals: RawFd) -> anyhow::Result<End> {
     use tungstenite::Message;
-    socket.get_mut().set_nonblocking(true)?;
-    let sock_fd = socket.get_ref().as_raw_fd();
+    socket.get_ref().tcp().set_nonblocking(true)?;
+    let sock_fd = socket.get_ref().tcp().as_raw_fd();
     let mut stdout = io::stdout().lock();
     let mut stdin_open = true;
     let mut buf = vec![0u8; 32 << 10];
@@ -365,7 +418,7 @@ mod tests {
             u,
             "ws://127.0.0.1:8080/v1/sandboxes/sb-0123456789abcdef/pty?cols=120&rows=40&command=exec+top&user=root&env=A%3D1+2"
         );
-        assert!(url("https://h", &req, 1, 1).is_err());
+        assert!(url("https://h.example/", &req, 1, 1).expect("url").starts_with("wss://h.example/v1/sandboxes/"));
         assert!(url("ftp://h", &req, 1, 1).is_err());
     }
 }
