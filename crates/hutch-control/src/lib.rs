@@ -24,6 +24,7 @@ pub mod lifecycle;
 pub mod metrics;
 pub mod network;
 pub mod pool;
+pub mod pty;
 pub mod ready;
 pub mod recover;
 pub mod sandboxes;

@@ -439,7 +439,7 @@ impl Control {
                     () = tx.closed() => return,
                     got = tokio::time::timeout(keepalive, conn.recv()) => match got {
                         Err(_) => vec![WatchItem::Keepalive],
-                        Ok(Err(e)) => vec![WatchItem::Failed(broken(&live, e))],
+                        Ok(Err(e)) => vec![WatchItem::Failed(broken_link(&live, e))],
                         Ok(Ok((FromAgent::Watch { watch: w, event }, _))) if w == watch => {
                             let mut out = Vec::new();
                             for e in uploads.push(event) {
@@ -557,7 +557,7 @@ async fn agent_list(conn: &mut AsyncConn, id: &SandboxId) -> Result<Vec<ProcessI
 
 /// Why an agent link broke: the sandbox ended (its deletion takes the
 /// runtime handle before it kills the agent), or the agent failed.
-fn broken(live: &Live, e: hutch_runtime::agent::AgentError) -> ControlError {
+pub(crate) fn broken_link(live: &Live, e: hutch_runtime::agent::AgentError) -> ControlError {
     let ended = live.handle.lock().map(|h| h.is_none()).unwrap_or(true);
     if ended {
         ControlError::NoSandbox(live.id.to_string())
@@ -584,7 +584,7 @@ fn pump(
         loop {
             let ev = match tokio::time::timeout(keepalive, conn.recv()).await {
                 Err(_) => ProcEvent::Keepalive,
-                Ok(Err(e)) => ProcEvent::Failed(broken(&live, e)),
+                Ok(Err(e)) => ProcEvent::Failed(broken_link(&live, e)),
                 Ok(Ok((FromAgent::Output { pid: p, stream }, data))) if p == pid => {
                     let stream = match (pty, stream) {
                         (true, _) => ProcStream::Pty,

@@ -18,6 +18,7 @@ pub mod listener;
 mod mcp;
 mod openapi;
 pub mod proxy;
+mod pty;
 mod routes;
 mod snapshots;
 mod templates;

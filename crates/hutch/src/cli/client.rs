@@ -111,6 +111,11 @@ impl Client {
         Client { agent, base: base_url.trim_end_matches('/').to_owned(), key: api_key.to_owned() }
     }
 
+    /// The key requests carry.
+    pub fn api_key(&self) -> &str {
+        &self.key
+    }
+
     /// The base URL requests go to.
     pub fn base_url(&self) -> &str {
         &self.base

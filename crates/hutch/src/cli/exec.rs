@@ -2,7 +2,7 @@
 //! (NDJSON events copied to the local stdout and stderr as they arrive) and
 //! hutch exits with the command's code; `--json` prints the whole result,
 //! `--background` the pid; `-i` also forwards this process's stdin to the
-//! command until it ends.
+//! command until it ends; `-it` is an interactive terminal (see `tty`).
 
 use super::{parse_pairs, parse_seconds, ClientOpts};
 use clap::Args;
@@ -41,6 +41,11 @@ pub struct ExecArgs {
     /// with the API, as with --background.
     #[arg(long, short = 'i', conflicts_with_all = ["background", "json"])]
     interactive: bool,
+    /// Run on a terminal (with -i: an interactive one, resized with the
+    /// local window; the command defaults to the user's login shell).
+    /// Needs a terminal on stdin.
+    #[arg(long, short = 't', conflicts_with_all = ["background", "json", "timeout"])]
+    tty: bool,
     /// Wait for the command and print its result as JSON (an ExecResult);
     /// the exit code is still the command's.
     #[arg(long)]
@@ -49,7 +54,7 @@ pub struct ExecArgs {
     id: String,
     /// The command: one argument with spaces or shell syntax runs through
     /// the shell; several run as a program and its arguments.
-    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "CMD")]
+    #[arg(required_unless_present = "tty", trailing_var_arg = true, allow_hyphen_values = true, value_name = "CMD")]
     command: Vec<String>,
 }
 
@@ -64,6 +69,9 @@ pub fn main(args: ExecArgs) -> i32 {
 }
 
 fn run(args: &ExecArgs) -> anyhow::Result<i32> {
+    if args.tty {
+        return terminal(args);
+    }
     let req = request(args)?;
     let client = args.conn.client()?;
     let key = super::uuid_v4()?;
@@ -98,6 +106,29 @@ fn run(args: &ExecArgs) -> anyhow::Result<i32> {
         }
     }
     stream.finish()
+}
+
+/// `-t`: the command (the login shell without one) on a terminal.
+fn terminal(args: &ExecArgs) -> anyhow::Result<i32> {
+    if !super::tty::stdin_is_tty() {
+        anyhow::bail!("the input device is not a terminal: -t needs one (use -i alone to pipe input)");
+    }
+    let command = match split_command(&args.command) {
+        _ if args.command.is_empty() => None,
+        Ok((Some(line), _)) => Some(line),
+        Ok((None, Some(words))) => Some(super::tty::shell_line(&words)),
+        Ok((None, None)) => None,
+        Err(e) => return Err(e),
+    };
+    let client = args.conn.client()?;
+    let req = super::tty::TtyRequest {
+        id: &args.id,
+        command,
+        user: args.user.as_deref(),
+        cwd: args.cwd.as_deref(),
+        env: parse_pairs("--env", &args.env)?.into_iter().collect(),
+    };
+    super::tty::run(client.base_url(), client.api_key(), &req)
 }
 
 /// Copies `input` to the command's stdin in chunks of at most 64 KiB,
@@ -151,7 +182,7 @@ fn split_command(words: &[String]) -> anyhow::Result<(Option<String>, Option<Vec
 }
 
 /// A process exit status as a shell exit code: signals as 128 + n.
-fn exit_code(code: i32) -> i32 {
+pub(crate) fn exit_code(code: i32) -> i32 {
     match code {
         0..=255 => code,
         c if c < 0 => 128 + c.saturating_neg().min(127),
@@ -420,5 +451,20 @@ mod tests {
         assert_eq!(request(&t.a).expect("request").command.as_deref(), Some("echo $HOME"));
         assert!(T::try_parse_from(["x", "sb-1"]).is_err());
         assert!(T::try_parse_from(["x", "--json", "--background", "sb-1", "true"]).is_err());
+    }
+
+    #[test]
+    fn exec_it_takes_no_command_and_no_timeout() {
+        let t = T::try_parse_from(["x", "-it", "sb-1"]).expect("parse");
+        assert!(t.a.tty && t.a.interactive && t.a.command.is_empty());
+        let t = T::try_parse_from(["x", "-it", "-e", "A=1", "sb-1", "--", "bash", "-l"]).expect("parse");
+        assert_eq!(t.a.command, ["bash", "-l"]);
+        for bad in [
+            &["x", "-it", "--timeout", "5s", "sb-1"][..],
+            &["x", "-t", "--background", "sb-1"],
+            &["x", "-t", "--json", "sb-1"],
+        ] {
+            assert!(T::try_parse_from(bad).is_err(), "{bad:?}");
+        }
     }
 }

@@ -13,6 +13,7 @@ pub mod output;
 pub mod sandbox;
 pub mod snapshot;
 pub mod template;
+pub mod tty;
 
 use clap::Args;
 use std::collections::BTreeMap;
