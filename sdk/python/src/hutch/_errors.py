@@ -65,7 +65,10 @@ class InvalidRequestError(HutchError):
 
 
 class ConflictError(HutchError):
-    """The thing changed or is taken (`conflict`, `template_name_taken`)."""
+    """The thing changed or is taken (`conflict`, `template_name_taken`,
+    `snapshot_name_taken`), or cannot be done to it as it is
+    (`snapshot_unsupported`: a memory layer has no snapshot, fork or pause to
+    disk)."""
 
 
 class IdempotencyError(HutchError):
@@ -97,7 +100,7 @@ class ArchiveError(FileError):
 class CapacityError(HutchError):
     """A limit was reached and nothing was made (`quota_exceeded`,
     `sandbox_capacity_unavailable`, `sandbox_command_capacity`,
-    `access_grant_capacity`)."""
+    `access_grant_capacity`, `storage_full`: the host's sandbox storage)."""
 
 
 class BuildError(HutchError):
@@ -145,6 +148,8 @@ CODE_CLASSES: Dict[str, Type[HutchError]] = {
     "method_not_allowed": InvalidRequestError,
     "conflict": ConflictError,
     "template_name_taken": ConflictError,
+    "snapshot_name_taken": ConflictError,
+    "snapshot_unsupported": ConflictError,
     "idempotency_conflict": IdempotencyError,
     "execution_outcome_unknown": IdempotencyError,
     "sandbox_session_not_running": SandboxNotRunningError,
@@ -165,6 +170,7 @@ CODE_CLASSES: Dict[str, Type[HutchError]] = {
     "sandbox_capacity_unavailable": CapacityError,
     "sandbox_command_capacity": CapacityError,
     "access_grant_capacity": CapacityError,
+    "storage_full": CapacityError,
     "build_instruction_refused": BuildError,
     "access_token_required": PortAccessError,
     "access_token_invalid": PortAccessError,
