@@ -680,7 +680,7 @@ pub fn response_headers(headers: &HeaderMap, upgrade: bool) -> HeaderMap {
 
 /// [`response_headers`], with hutch's policy (CSP, no caching) only when
 /// `policy` (E2B's port hosts pass the application's own headers).
-fn response_headers_for(headers: &HeaderMap, upgrade: bool, policy: bool) -> HeaderMap {
+pub(crate) fn response_headers_for(headers: &HeaderMap, upgrade: bool, policy: bool) -> HeaderMap {
     let listed = connection_tokens(headers);
     let mut out = HeaderMap::with_capacity(headers.len() + 2);
     for (name, value) in headers {

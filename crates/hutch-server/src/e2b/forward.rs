@@ -65,76 +65,33 @@ pub fn interpreter_open_route(method: &Method, path: &str) -> bool {
     }
 }
 
-/// Hop-by-hop headers (RFC 9110 7.6.1, and the older ones still seen).
-const HOP_BY_HOP: &[&str] = &[
-    "connection",
-    "proxy-connection",
-    "keep-alive",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "proxy-authorization",
-    "proxy-authenticate",
-];
-
 /// Headers that are hutch's or E2B's word to the daemon, never the
 /// sandbox's business: the credentials and the routing headers.
 const CONSUMED: &[&str] = &["x-access-token", "e2b-traffic-access-token", "e2b-sandbox-id", "e2b-sandbox-port"];
 
-fn connection_tokens(headers: &HeaderMap) -> Vec<String> {
-    headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|t| t.trim().to_ascii_lowercase())
-        .filter(|t| !t.is_empty())
-        .collect()
-}
-
-/// The headers sent into the sandbox: the client's, without hop-by-hop
-/// headers, the credentials and routing headers, `Expect`, and anything
-/// that could pass for hutch's or a proxy's word; Host names the port.
+/// The headers sent into the sandbox: what the port proxy sends (no
+/// hop-by-hop headers, no `Expect`, nothing that could pass for hutch's or a
+/// proxy's word, no hutch credential cookie), without E2B's credentials and
+/// routing headers (also spelled with `_` or `.`); Host names the port.
 pub fn request_headers(headers: &HeaderMap, port: u16) -> HeaderMap {
-    let listed = connection_tokens(headers);
-    let mut out = HeaderMap::with_capacity(headers.len() + 1);
-    for (name, value) in headers {
-        let n = name.as_str();
-        let folded = n.replace(['_', '.'], "-");
-        let spoofable = folded.starts_with("x-hutch-")
-            || folded == "forwarded"
-            || folded.starts_with("x-forwarded-")
-            || folded == "x-real-ip";
-        if HOP_BY_HOP.contains(&n)
-            || listed.iter().any(|l| l == n)
-            || CONSUMED.contains(&folded.as_str())
-            || spoofable
-            || name == header::HOST
-            || name == header::EXPECT
-        {
-            continue;
-        }
-        out.append(name.clone(), value.clone());
+    let mut out = crate::proxy::request_headers(headers, false);
+    let consumed: Vec<_> =
+        out.keys().filter(|n| CONSUMED.contains(&n.as_str().replace(['_', '.'], "-").as_str())).cloned().collect();
+    for name in consumed {
+        out.remove(name);
     }
+    out.remove(header::HOST);
     if let Ok(host) = HeaderValue::from_str(&format!("localhost:{port}")) {
         out.insert(header::HOST, host);
     }
     out
 }
 
-/// The headers sent back: the sandbox's, without hop-by-hop headers.
+/// The headers sent back: the sandbox's, as the port proxy passes them to
+/// E2B's host names (hop-by-hop headers, `Clear-Site-Data` and the reserved
+/// cookie dropped; no hutch policy headers added).
 pub fn response_headers(headers: &HeaderMap) -> HeaderMap {
-    let listed = connection_tokens(headers);
-    let mut out = HeaderMap::with_capacity(headers.len());
-    for (name, value) in headers {
-        let n = name.as_str();
-        if HOP_BY_HOP.contains(&n) || listed.iter().any(|l| l == n) {
-            continue;
-        }
-        out.append(name.clone(), value.clone());
-    }
-    out
+    crate::proxy::response_headers_for(headers, false, false)
 }
 
 /// Middleware in front of every route: a call that names a sandbox port
@@ -292,6 +249,8 @@ mod tests {
             ("e2b-traffic-access-token", "t"),
             ("e2b-sandbox-id", "sb-0123456789abcdef"),
             ("e2b-sandbox-port", "49999"),
+            ("x_access_token", "secret"),
+            ("cookie", "a=1; hutch_sandbox_token=grant"),
             ("x-hutch-user", "root"),
             ("x_forwarded_for", "1.2.3.4"),
             ("connection", "keep-alive, x-drop"),
@@ -309,7 +268,8 @@ mod tests {
         for gone in ["x-access-token", "e2b-traffic-access-token", "e2b-sandbox-id", "e2b-sandbox-port"] {
             assert!(!names.contains(&gone), "{gone} was forwarded");
         }
-        for gone in ["x-hutch-user", "x_forwarded_for", "connection", "x-drop"] {
+        assert_eq!(out.get("cookie").and_then(|v| v.to_str().ok()), Some("a=1"));
+        for gone in ["x_access_token", "x-hutch-user", "x_forwarded_for", "connection", "x-drop"] {
             assert!(!names.contains(&gone), "{gone} was forwarded");
         }
         let mut r = HeaderMap::new();
