@@ -325,6 +325,32 @@ def test_diff_lists_what_changed_since_the_start_or_a_snapshot(api: Client, daem
     expect_error(api.get(f"/v1/sandboxes/{sid}/diff"), 409, "sandbox_session_not_running")
 
 
+def test_a_large_diff_archive_streams_whole(api: Client):
+    """A change of 300 MiB comes out whole as a tar, read as it streams (the
+    daemon does not build the archive in memory, nor refuse it for size)."""
+    import tarfile
+
+    sb = api.create(limits={"disk_mib": 1024})
+    sid = sb["id"]
+    try:
+        size = 300 << 20
+        api.sh(sid, f"head -c {size} /dev/urandom > /workspace/big && echo x > /workspace/small")
+        r = api.get(f"/v1/sandboxes/{sid}/diff", params={"format": "tar"}, stream=True)
+        expect_status(r, 200)
+        seen = {}
+        with tarfile.open(fileobj=r.raw, mode="r|") as tar:
+            for m in tar:
+                f = tar.extractfile(m) if m.isfile() else None
+                n = 0
+                while f is not None and (chunk := f.read(1 << 20)):
+                    n += len(chunk)
+                seen[m.name] = n
+        assert seen.get("workspace/big") == size and seen.get("workspace/small") == 2, seen
+        assert ".hutch-diff/deleted" in seen, seen
+    finally:
+        api.destroy(sid)
+
+
 def test_snapshots_and_fork_points_survive_a_restart(own_daemon: Daemon):
     d = own_daemon
     d.start()

@@ -19,9 +19,6 @@ use hutch_api::{
     Snapshot, SnapshotList, Startup, StorageKind,
 };
 
-/// Most bytes of files in a diff archive (`?format=tar`), built in memory.
-pub const DIFF_ARCHIVE_CAP: u64 = 128 << 20;
-
 /// Most sandboxes one fork starts.
 pub const FORK_MAX: u32 = 16;
 use hutch_store::{Exceeded, Resource, Scope, SnapshotRecord, StoreError};
@@ -394,21 +391,26 @@ impl Control {
 
     /// The same changes as a tar archive: the added and modified files as
     /// they are now, and the deleted paths (NUL-terminated) in
-    /// `.hutch-diff/deleted`. At most [`DIFF_ARCHIVE_CAP`] bytes of files.
-    pub async fn diff_archive(&self, caller: &Caller, id: &SandboxId, against: Option<&str>) -> Result<Vec<u8>> {
+    /// `.hutch-diff/deleted`. Streamed from a thread of its own as the
+    /// client reads: the daemon holds a chunk or two whatever the sizes. An
+    /// error after the first bytes breaks the stream.
+    pub async fn diff_archive(
+        &self,
+        caller: &Caller,
+        id: &SandboxId,
+        against: Option<&str>,
+    ) -> Result<crate::files::Chunks> {
         let changes = self.changes(caller, id, against).await?;
         let (rt, sid) = (self.runtime.clone(), id.to_string());
-        tokio::task::spawn_blocking(move || rt.diff_archive(&sid, &changes, DIFF_ARCHIVE_CAP)).await?.map_err(|e| {
-            match &e {
-                hutch_runtime::RuntimeError::Io { source, .. } if source.kind() == std::io::ErrorKind::FileTooLarge => {
-                    ControlError::Files(crate::files::FilesError::new(
-                        hutch_api::ErrorCode::PayloadTooLarge,
-                        format!("the changed files exceed {DIFF_ARCHIVE_CAP} bytes: list them and move them with the file API"),
-                    ))
-                }
-                _ => ControlError::Runtime(e.to_string()),
+        let (mut w, rx) = crate::files::pipe::ChunkWriter::new();
+        let done = crate::files::pipe::spawn_thread("hutch-diff-tar", move || {
+            if let Err(e) = rt.diff_archive(&sid, &changes, &mut w) {
+                tracing::warn!("the diff archive of {sid} ended early: {e}");
+                w.fail(crate::files::FilesError::new(hutch_api::ErrorCode::Internal, "the archive ended early"));
             }
-        })
+        })?;
+        drop(done);
+        Ok(rx)
     }
 
     async fn changes(

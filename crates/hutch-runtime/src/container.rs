@@ -392,16 +392,16 @@ impl Runtime {
 
     /// A tar archive of `changes` (from [`Runtime::diff`]) as sandbox
     /// `id`'s layer holds them now (see [`crate::storage::diff::archive`]).
-    pub fn diff_archive(
+    pub fn diff_archive<W: std::io::Write>(
         &self,
         id: &str,
         changes: &[crate::storage::diff::Change],
-        cap: u64,
-    ) -> Result<Vec<u8>, RuntimeError> {
+        out: &mut W,
+    ) -> Result<(), RuntimeError> {
         let storage = self.storage.as_ref().ok_or(RuntimeError::NoStorage)?;
         let name = LayerName::sandbox(id)?;
         let layer = storage.open_layer(&name)?.ok_or(StorageError::NotFound(name))?;
-        crate::storage::diff::archive(&layer.upper(), changes, cap)
+        crate::storage::diff::archive(&layer.upper(), changes, out)
             .map_err(io_err(format!("archive the changes of {id}")))
     }
 

@@ -83,7 +83,7 @@ pub(crate) async fn diff(
         None | Some("json") => Ok(Json(app.control.diff(&caller, &id, q.against.as_deref()).await?).into_response()),
         Some("tar") => {
             let tar = app.control.diff_archive(&caller, &id, q.against.as_deref()).await?;
-            Ok(([(header::CONTENT_TYPE, "application/x-tar")], tar).into_response())
+            Ok(([(header::CONTENT_TYPE, "application/x-tar")], crate::transfer::body_of(tar)).into_response())
         }
         Some(_) => Err(crate::ApiError::invalid("format must be json or tar")),
     }

@@ -75,6 +75,52 @@ impl Read for ChannelReader {
     }
 }
 
+/// A blocking writer into [`Chunks`], for a dedicated thread only: bytes
+/// go out in chunks of [`PIPE_CHUNK`] as the receiver takes them, so a
+/// writer of any size holds one chunk. A receiver gone (the client left)
+/// reads as a broken pipe.
+pub struct ChunkWriter {
+    tx: mpsc::Sender<Result<Vec<u8>, FilesError>>,
+    buf: Vec<u8>,
+}
+
+impl ChunkWriter {
+    /// A writer and the chunks it sends.
+    pub fn new() -> (ChunkWriter, Chunks) {
+        let (tx, rx) = mpsc::channel(PIPE_DEPTH);
+        (ChunkWriter { tx, buf: Vec::with_capacity(PIPE_CHUNK) }, rx)
+    }
+
+    /// Breaks the stream with `e` (what was written before it is sent).
+    pub fn fail(mut self, e: FilesError) {
+        let _ = io::Write::flush(&mut self);
+        let _ = self.tx.blocking_send(Err(e));
+    }
+
+    fn send(&mut self) -> io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let chunk = std::mem::replace(&mut self.buf, Vec::with_capacity(PIPE_CHUNK));
+        self.tx.blocking_send(Ok(chunk)).map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "the reader went away"))
+    }
+}
+
+impl io::Write for ChunkWriter {
+    fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+        let n = b.len().min(PIPE_CHUNK - self.buf.len());
+        self.buf.extend_from_slice(&b[..n]);
+        if self.buf.len() == PIPE_CHUNK {
+            self.send()?;
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.send()
+    }
+}
+
 /// Runs `f` on a thread of its own named `name`; its answer arrives on
 /// the returned channel (closed without one if it panicked).
 pub fn spawn_thread<T: Send + 'static>(
@@ -202,6 +248,38 @@ mod tests {
             out.extend(c?);
         }
         Ok(out)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_chunk_writer_sends_what_is_written_in_bounded_chunks_and_its_failure() {
+        let (mut w, mut rx) = ChunkWriter::new();
+        let data: Vec<u8> = (0..3 * PIPE_CHUNK + 17).map(|i| (i % 251) as u8).collect();
+        let sent = data.clone();
+        let writer = std::thread::spawn(move || {
+            w.write_all(&sent).expect("write");
+            w.fail(FilesError::new(ErrorCode::Internal, "stopped"));
+        });
+        let mut got = Vec::new();
+        let mut err = None;
+        while let Some(c) = rx.recv().await {
+            match c {
+                Ok(c) => {
+                    assert!(c.len() <= PIPE_CHUNK, "{}", c.len());
+                    got.extend(c);
+                }
+                Err(e) => err = Some(e.message),
+            }
+        }
+        writer.join().expect("writer");
+        assert_eq!(got, data);
+        assert_eq!(err.as_deref(), Some("stopped"));
+        // A reader gone is a broken pipe to the writer, not a hang.
+        let (mut w, rx) = ChunkWriter::new();
+        drop(rx);
+        let e = std::thread::spawn(move || w.write_all(&vec![0u8; 2 * PIPE_CHUNK]).and_then(|()| w.flush()))
+            .join()
+            .expect("writer");
+        assert_eq!(e.expect_err("broken").kind(), io::ErrorKind::BrokenPipe);
     }
 
     fn gzip(data: &[u8]) -> Vec<u8> {

@@ -306,15 +306,14 @@ fn open_parent(upper: &OwnedFd, path: &str) -> io::Result<(OwnedFd, Vec<u8>)> {
     Ok((fd, last.to_vec()))
 }
 
-/// A tar archive of `changes` as they are now in `upper` (added and
-/// modified files, symlinks and directories, with their modes, image owners
-/// and times), and the deleted paths as [`DELETED_ENTRY`]; refused past
-/// `cap` bytes.
-pub fn archive(upper: &Path, changes: &[Change], cap: u64) -> io::Result<Vec<u8>> {
+/// Writes to `out` a tar archive of `changes` as they are now in `upper`
+/// (added and modified files, symlinks and directories, with their modes,
+/// image owners and times), and the deleted paths as [`DELETED_ENTRY`].
+/// Streams: it holds one file's read buffer at a time, whatever the sizes.
+pub fn archive<W: io::Write>(upper: &Path, changes: &[Change], out: &mut W) -> io::Result<()> {
     let root = open_dir(upper)?;
-    let mut b = tar::Builder::new(Vec::new());
+    let mut b = tar::Builder::new(out);
     let mut deleted = Vec::new();
-    let mut total = 0u64;
     for c in changes {
         if c.kind == ChangeKind::Deleted {
             deleted.extend_from_slice(c.path.as_bytes());
@@ -332,10 +331,6 @@ pub fn archive(upper: &Path, changes: &[Change], cap: u64) -> io::Result<Vec<u8>
         h.set_mtime(st.st_mtime.max(0) as u64);
         match st.st_mode & libc::S_IFMT {
             libc::S_IFREG => {
-                total = total.saturating_add(st.st_size as u64);
-                if total > cap {
-                    return Err(io::Error::new(io::ErrorKind::FileTooLarge, format!("the changes exceed {cap} bytes")));
-                }
                 let fd = openat(&dir, name, libc::O_RDONLY)?;
                 let f = std::fs::File::from(fd);
                 h.set_entry_type(tar::EntryType::Regular);
@@ -368,7 +363,7 @@ pub fn archive(upper: &Path, changes: &[Change], cap: u64) -> io::Result<Vec<u8>
     h.set_mode(0o644);
     h.set_size(deleted.len() as u64);
     b.append_data(&mut h, DELETED_ENTRY, deleted.as_slice())?;
-    b.into_inner()
+    b.into_inner()?.flush()
 }
 
 #[cfg(test)]
