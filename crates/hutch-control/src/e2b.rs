@@ -366,6 +366,24 @@ impl Control {
         self.create_with(caller, &req, None, opts).await
     }
 
+    /// Forks an E2B sandbox (E2B's `POST /sandboxes/{id}/fork`): the
+    /// native fork, its children made with the parent's E2B settings (who
+    /// reaches their ports, auto-resume, egress rules).
+    pub async fn fork_e2b(
+        self: &std::sync::Arc<Self>,
+        caller: &crate::ids::Caller,
+        id: &SandboxId,
+        req: &hutch_api::Fork,
+    ) -> Result<hutch_api::ForkResult> {
+        let settings = self.e2b_settings(caller, id).await?;
+        let interface = match &settings {
+            Some(s) => egress_policy(s)?.is_some_and(|p| p.egress == Egress::DenyAll),
+            None => false,
+        };
+        let opts = crate::sandboxes::CreateOptions { interface, e2b: settings };
+        self.fork_with(caller, id, req, opts).await
+    }
+
     /// Replaces the egress rules of a running E2B sandbox (E2B's `PUT
     /// /sandboxes/{id}/network`): what the request leaves out is cleared;
     /// the settings of its ports stay.
