@@ -743,11 +743,27 @@ async fn fork(
     let made = app.control.fork_e2b(&caller, &sid, &Fork { count: f.count }).await.map_err(refusal(&id))?;
     let seconds = f.timeout.unwrap_or(DEFAULT_TIMEOUT);
     let mut out = Vec::new();
+    let mut ids = Vec::new();
+    let mut failed = None;
     for child in &made.sandboxes {
-        let cid = SandboxId::parse(&child.id).map_err(|e| E2bError::from(e))?;
-        expire_in(&app, &caller, &cid, seconds).await?;
-        let settings = settings_of(&app, &caller, &cid).await;
-        out.push(json!({"sandbox": created(&app, child, settings.as_ref())}));
+        let Ok(cid) = SandboxId::parse(&child.id) else { continue };
+        ids.push(cid.clone());
+        if failed.is_none() {
+            match expire_in(&app, &caller, &cid, seconds).await {
+                Ok(()) => {
+                    let settings = settings_of(&app, &caller, &cid).await;
+                    out.push(json!({"sandbox": created(&app, child, settings.as_ref())}));
+                }
+                Err(e) => failed = Some(e),
+            }
+        }
+    }
+    if let Some(e) = failed {
+        // All or nothing, as the native fork.
+        for cid in &ids {
+            let _ = app.control.delete(&caller, cid).await;
+        }
+        return Err(e);
     }
     Ok((StatusCode::CREATED, Json(Value::Array(out))).into_response())
 }
