@@ -5,11 +5,14 @@ auto-resume of a disk-paused sandbox by its port host, snapshots
 from one), `fork`, and the refusals: another key's sandbox or snapshot,
 a sandbox whose files are in memory, memory snapshots, unknown routes."""
 
+import time
+
 import pytest
 import requests
 from e2b import AsyncSandbox, Sandbox
 from e2b.exceptions import InvalidArgumentException, NotFoundException, SandboxException
 
+from conftest import wait_for
 from test_ports import PORT, get
 
 
@@ -59,6 +62,28 @@ def test_a_disk_paused_sandbox_with_auto_resume_is_resumed_by_its_port_host(daem
         r = get(daemon, plain.get_host(PORT))
         assert r.status_code == 409 and "paused" in r.json()["message"], r.text
         assert info_state(plain.sandbox_id) == "paused"
+    finally:
+        sb.kill()
+        plain.kill()
+
+
+def test_on_timeout_pause_pauses_to_disk_and_connect_gives_the_timeout_again(daemon):
+    sb = Sandbox.create(timeout=2, lifecycle={"on_timeout": "pause"})
+    plain = Sandbox.create(timeout=2)
+    try:
+        assert Sandbox.get_info(sb.sandbox_id).lifecycle["on_timeout"] == "pause"
+        sb.files.write("/home/user/kept.txt", "past the timeout")
+        wait_for("the timeout's pause", lambda: info_state(sb.sandbox_id) == "paused", timeout=15)
+        r = requests.get(f"{daemon['base']}/v1/sandboxes/{sb.sandbox_id}",
+                         headers={"Authorization": f"Bearer {daemon['key']}"}, timeout=10)
+        assert r.json()["state"] == "paused", r.text
+        # Without on_timeout the sandbox ends at its timeout.
+        wait_for("the plain sandbox's end", lambda: not plain.is_running() and not any(
+            s.sandbox_id == plain.sandbox_id for s in Sandbox.list().next_items()), timeout=15)
+        back = Sandbox.connect(sb.sandbox_id, timeout=60)
+        assert back.files.read("/home/user/kept.txt") == "past the timeout"
+        end = Sandbox.get_info(sb.sandbox_id).end_at.timestamp()
+        assert time.time() + 30 < end < time.time() + 90, end
     finally:
         sb.kill()
         plain.kill()

@@ -173,7 +173,7 @@ fn with_network(mut v: Value, settings: Option<&E2bNetwork>) -> Value {
     }
     v["network"] = net;
     v["allowInternetAccess"] = json!(s.allow_internet_access);
-    v["lifecycle"] = json!({"autoResume": s.auto_resume, "onTimeout": "kill"});
+    v["lifecycle"] = json!({"autoResume": s.auto_resume, "onTimeout": if s.auto_pause { "pause" } else { "kill" }});
     v
 }
 
@@ -189,6 +189,8 @@ struct NewSandbox {
     allow_internet_access: Option<bool>,
     network: Option<NewNetwork>,
     auto_resume: Option<AutoResume>,
+    /// `lifecycle.on_timeout: "pause"`.
+    auto_pause: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -278,6 +280,8 @@ async fn create(State(app): AppState, Extension(caller): Extension<Caller>, req:
         public: net.allow_public_traffic.unwrap_or(true),
         mask_request_host: net.mask_request_host.filter(|m| !m.is_empty()),
         auto_resume: new.auto_resume.is_some_and(|a| a.enabled),
+        auto_pause: new.auto_pause.unwrap_or(false),
+        timeout_s: Some(ttl),
     };
     let mut create = CreateSandbox {
         template,
