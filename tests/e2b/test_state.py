@@ -12,7 +12,7 @@ import requests
 from e2b import AsyncSandbox, Sandbox
 from e2b.exceptions import InvalidArgumentException, NotFoundException, SandboxException
 
-from conftest import wait_for
+from conftest import E2bDaemon, wait_for
 from test_ports import PORT, get
 
 
@@ -87,6 +87,29 @@ def test_on_timeout_pause_pauses_to_disk_and_connect_gives_the_timeout_again(dae
     finally:
         sb.kill()
         plain.kill()
+
+
+def test_a_disk_pause_and_a_snapshot_survive_a_daemon_restart():
+    d = E2bDaemon()
+    try:
+        sb = Sandbox.create(**d.opts())
+        sb.files.write("/home/user/kept.txt", "across restarts")
+        snap = sb.create_snapshot("restart-snap")
+        assert sb.pause(keep_memory=False) is True
+        d.restart()
+        assert info_state(sb.sandbox_id, **d.opts()) == "paused"
+        assert [s.snapshot_id for s in Sandbox.list_snapshots(**d.opts()).next_items()] == [snap.snapshot_id]
+        back = Sandbox.connect(sb.sandbox_id, **d.opts())
+        assert back.files.read("/home/user/kept.txt") == "across restarts"
+        child = Sandbox.create("restart-snap", **d.opts())
+        assert child.files.read("/home/user/kept.txt") == "across restarts"
+    finally:
+        try:
+            for s in Sandbox.list_snapshots(**d.opts()).next_items():
+                Sandbox.delete_snapshot(s.snapshot_id, **d.opts())
+            d.kill_all()
+        finally:
+            d.stop()
 
 
 def test_snapshots_create_list_start_from_and_delete(daemon):
