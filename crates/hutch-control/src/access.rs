@@ -221,7 +221,7 @@ impl Control {
     /// sandbox exists and may be reached (its policy, through
     /// [`Control::check_port_access`]), the traffic token is its own unless
     /// it is public (a sandbox the E2B API did not make is not), and it
-    /// runs; a paused one with `auto_resume` is resumed first. The pass
+    /// runs; a suspended or paused one with `auto_resume` is resumed first. The pass
     /// ends when the sandbox is paused or ends (connections that used it
     /// close); with it comes the Host to send, when the sandbox masks it.
     pub async fn authorize_e2b_port(
@@ -235,7 +235,7 @@ impl Control {
             return Err(gone());
         }
         let r = self.sandbox_record(id).await?.ok_or_else(gone)?;
-        if r.pooled || !matches!(r.state, SandboxState::Running | SandboxState::Suspended) {
+        if r.pooled || !matches!(r.state, SandboxState::Running | SandboxState::Suspended | SandboxState::Paused) {
             return Err(gone());
         }
         self.check_port_access(&r, port)?;
@@ -250,10 +250,12 @@ impl Control {
                 Some(_) => {}
             }
         }
-        let suspended = self.live(id).is_some_and(|l| l.is_suspended()) || r.state == SandboxState::Suspended;
+        // Suspended in memory, or paused to disk (resumed on its files).
+        let suspended = self.live(id).is_some_and(|l| l.is_suspended())
+            || matches!(r.state, SandboxState::Suspended | SandboxState::Paused);
         if suspended {
             if !settings.as_ref().is_some_and(|s| s.auto_resume) {
-                return Err(ControlError::NotRunning { id: id.to_string(), state: SandboxState::Suspended });
+                return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
             }
             let owner = Caller { owner: crate::ids::OwnerId::from_record(&r.owner), admin: false };
             self.resume(&owner, id).await?;

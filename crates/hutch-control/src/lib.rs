@@ -34,4 +34,4 @@ pub mod templates;
 
 pub use control::{Capacity, Config, Control};
 pub use error::ControlError;
-pub use ids::{Caller, OwnerId, SandboxId, TemplateId};
+pub use ids::{Caller, OwnerId, SandboxId, SnapshotId, TemplateId};

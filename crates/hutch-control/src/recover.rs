@@ -154,6 +154,9 @@ impl Control {
                 if r.pooled && !self.drain_pooled(&id).await? {
                     continue;
                 }
+                if reason == Reason::Expired && self.pause_at_expiry(&r).await {
+                    continue;
+                }
                 let _ = self.destroy(&id, Some(reason)).await;
                 continue;
             }

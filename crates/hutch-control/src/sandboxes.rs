@@ -634,7 +634,9 @@ impl Control {
     pub async fn resume(self: &Arc<Self>, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
         let r = self.record(caller, id, Need::Manage).await?;
         if r.state == SandboxState::Paused {
-            return self.wake(r).await;
+            let sb = self.wake(r).await?;
+            self.e2b_resumed(caller, id).await;
+            return self.get(caller, id).await.or(Ok(sb));
         }
         self.freeze(caller, id, false).await
     }

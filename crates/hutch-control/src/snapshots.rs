@@ -221,6 +221,18 @@ impl Control {
     /// quota, the host's capacity) ends those already started: all or
     /// nothing.
     pub async fn fork(self: &Arc<Self>, caller: &Caller, id: &SandboxId, req: &Fork) -> Result<ForkResult> {
+        self.fork_with(caller, id, req, crate::sandboxes::CreateOptions::default()).await
+    }
+
+    /// A fork whose children are made with `opts` (the E2B API's
+    /// settings of the parent).
+    pub(crate) async fn fork_with(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &SandboxId,
+        req: &Fork,
+        opts: crate::sandboxes::CreateOptions,
+    ) -> Result<ForkResult> {
         let count = req.count.unwrap_or(1);
         if !(1..=FORK_MAX).contains(&count) {
             return Err(ControlError::Invalid(format!("count must be 1 to {FORK_MAX}")));
@@ -241,21 +253,11 @@ impl Control {
         // The children start side by side; each is admitted on its own.
         let mut starts = tokio::task::JoinSet::new();
         for i in 0..count {
-            let (this, caller, recipe, point) = (self.clone(), caller.clone(), recipe.clone(), point.clone());
+            let (this, caller, recipe, point, opts) =
+                (self.clone(), caller.clone(), recipe.clone(), point.clone(), opts.clone());
             starts.spawn(async move {
                 let create = CreateSandbox { wait_seconds: Some(60), ..CreateSandbox::default() };
-                (
-                    i,
-                    this.create_from(
-                        &caller,
-                        &create,
-                        None,
-                        recipe,
-                        Some(point),
-                        &crate::sandboxes::CreateOptions::default(),
-                    )
-                    .await,
-                )
+                (i, this.create_from(&caller, &create, None, recipe, Some(point), &opts).await)
             });
         }
         let mut made: Vec<(u32, Sandbox)> = Vec::new();

@@ -1,6 +1,6 @@
-//! E2B's control REST API (`/sandboxes`, `/v2/sandboxes`): create, get,
-//! list, kill, timeout, pause, connect and metrics, over `Control`, with the
-//! API key in `X-API-KEY`.
+//! E2B's control REST API (`/sandboxes`, `/v2/sandboxes`, `/snapshots`):
+//! create, get, list, kill, timeout, pause, connect, metrics, snapshots and
+//! forks, over `Control`, with the API key in `X-API-KEY`.
 
 use super::{E2bError, ENVD_VERSION};
 use super::{E2bPath as ApiPath, E2bQuery as ApiQuery};
@@ -12,11 +12,11 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Extension, Json, Router};
-use hutch_api::{CreateSandbox, Extend, Sandbox, SandboxState};
+use hutch_api::{CreateSandbox, CreateSnapshot, Extend, Fork, Sandbox, SandboxState, Snapshot};
 use hutch_control::control::{now_ms, parse_rfc3339, rfc3339};
 use hutch_control::history::{LogEntry, LogLevel, LogQuery};
 use hutch_control::network::E2bNetwork;
-use hutch_control::SandboxId;
+use hutch_control::{SandboxId, SnapshotId};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
@@ -41,6 +41,10 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
         .route("/sandboxes/{id}/metrics", get(metrics))
         .route("/sandboxes/{id}/network", put(update_network))
         .route("/sandboxes/{id}/logs", get(logs_v1))
+        .route("/sandboxes/{id}/snapshots", post(create_snapshot))
+        .route("/sandboxes/{id}/fork", post(fork))
+        .route("/snapshots", get(list_snapshots))
+        .route("/templates/{id}", axum::routing::delete(delete_template))
         .route("/v2/sandboxes/{id}/logs", get(logs_v2))
         .route_layer(middleware::from_fn_with_state(app, authenticate))
 }
@@ -169,7 +173,7 @@ fn with_network(mut v: Value, settings: Option<&E2bNetwork>) -> Value {
     }
     v["network"] = net;
     v["allowInternetAccess"] = json!(s.allow_internet_access);
-    v["lifecycle"] = json!({"autoResume": s.auto_resume, "onTimeout": "kill"});
+    v["lifecycle"] = json!({"autoResume": s.auto_resume, "onTimeout": if s.auto_pause { "pause" } else { "kill" }});
     v
 }
 
@@ -185,6 +189,8 @@ struct NewSandbox {
     allow_internet_access: Option<bool>,
     network: Option<NewNetwork>,
     auto_resume: Option<AutoResume>,
+    /// `lifecycle.on_timeout: "pause"`.
+    auto_pause: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -260,6 +266,10 @@ async fn create(State(app): AppState, Extension(caller): Extension<Caller>, req:
         None | Some("base") | Some("") => None,
         Some(other) => Some(other.to_owned()),
     };
+    // A snapshot's id stands where E2B takes a template (`Sandbox.create(
+    // snapshot_id)`); so does its name when no template has that name.
+    let snapshot = template.as_deref().filter(|t| SnapshotId::parse(t).is_ok()).map(str::to_owned);
+    let template = if snapshot.is_some() { None } else { template };
     let ttl = new.timeout.unwrap_or(DEFAULT_TIMEOUT).max(1);
     let net = new.network.unwrap_or_default();
     net.unsupported.check()?;
@@ -270,17 +280,27 @@ async fn create(State(app): AppState, Extension(caller): Extension<Caller>, req:
         public: net.allow_public_traffic.unwrap_or(true),
         mask_request_host: net.mask_request_host.filter(|m| !m.is_empty()),
         auto_resume: new.auto_resume.is_some_and(|a| a.enabled),
+        auto_pause: new.auto_pause.unwrap_or(false),
+        timeout_s: Some(ttl),
     };
-    let create = CreateSandbox {
+    let mut create = CreateSandbox {
         template,
+        snapshot,
         ttl_seconds: Some(ttl),
         env: new.env_vars.unwrap_or_default(),
         metadata: new.metadata.unwrap_or_default(),
         wait_seconds: Some(60),
         ..CreateSandbox::default()
     };
-    let (sb, _) = match app.control.create_e2b(&caller, &create, settings.clone()).await {
-        Err(hutch_control::ControlError::UnknownTemplate(name)) => {
+    let mut made = app.control.create_e2b(&caller, &create, settings.clone()).await;
+    if let Err(hutch_control::ControlError::UnknownTemplate(_)) = &made {
+        // No template of that name: one of the caller's snapshots, maybe.
+        create.snapshot = create.template.take();
+        made = app.control.create_e2b(&caller, &create, settings.clone()).await;
+    }
+    let (sb, _) = match made {
+        Err(hutch_control::ControlError::UnknownTemplate(_) | hutch_control::ControlError::NoSnapshot(_)) => {
+            let name = new.template_id.as_deref().unwrap_or_default();
             return Err(E2bError::new(StatusCode::NOT_FOUND, format!("template '{name}' not found")));
         }
         r => r?,
@@ -340,16 +360,40 @@ async fn set_timeout(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[derive(Deserialize, Default)]
+struct PauseRequest {
+    /// `false` (the SDK's `keep_memory=False`, `mode="filesystem"`): a
+    /// pause to disk; otherwise the memory is kept.
+    memory: Option<bool>,
+}
+
+/// Pause: E2B's full pause is the native memory suspend, its filesystem
+/// pause the native pause to disk (processes end, files kept).
 async fn pause(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
     ApiPath(id): ApiPath<String>,
+    req: Request,
 ) -> E2bResult<StatusCode> {
-    let (sid, _, state) = live_view(&app, &caller, &id).await?;
+    let p: PauseRequest = body(req).await?;
+    let (sid, sb, state) = live_view(&app, &caller, &id).await?;
     if state == "paused" {
         return Err(E2bError::new(StatusCode::CONFLICT, format!("sandbox \"{id}\" is already paused")));
     }
-    app.control.suspend(&caller, &sid, hutch_api::SuspendMode::Memory).await?;
+    let mode = if p.memory == Some(false) {
+        // The SDK reads 409 as "already paused": a sandbox that cannot be
+        // paused to disk is a 400.
+        if sb.storage != hutch_api::StorageKind::Disk {
+            return Err(E2bError::new(
+                StatusCode::BAD_REQUEST,
+                format!("sandbox \"{id}\" keeps its files in memory: it cannot be paused to disk"),
+            ));
+        }
+        hutch_api::SuspendMode::Disk
+    } else {
+        hutch_api::SuspendMode::Memory
+    };
+    app.control.suspend(&caller, &sid, mode).await.map_err(refusal(&id))?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -574,6 +618,158 @@ async fn logs_v2(
     let query = LogQuery { from_ms, until_ms, backward, level, search: q.search.clone(), limit };
     let entries = app.control.sandbox_log(&caller, &sid, &query).await.map_err(refusal(&id))?;
     Ok(Json(json!({"logs": entries.iter().map(log_entry).collect::<Vec<Value>>()})))
+}
+
+/// A sandbox paused to disk has no layer in use to capture: 409 (a
+/// memory-suspended one is captured as it is).
+fn disk_paused(sb: &Sandbox) -> E2bResult<()> {
+    if sb.state == SandboxState::Paused {
+        return Err(E2bError::new(StatusCode::CONFLICT, format!("sandbox \"{}\" is paused: resume it first", sb.id)));
+    }
+    Ok(())
+}
+
+#[derive(Deserialize, Default)]
+struct SnapshotRequest {
+    name: Option<String>,
+    memory: Option<bool>,
+}
+
+/// `SnapshotInfo`: E2B names a snapshot by `snapshotID` (what
+/// `Sandbox.create` takes) and its `names`.
+fn snapshot_info(s: &Snapshot) -> Value {
+    json!({"snapshotID": s.id, "names": s.name.iter().collect::<Vec<_>>()})
+}
+
+/// `POST /sandboxes/{id}/snapshots`: the native snapshot (files, not
+/// memory: `mode="full"` is refused rather than half kept).
+async fn create_snapshot(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    ApiPath(id): ApiPath<String>,
+    req: Request,
+) -> E2bResult<Response> {
+    let r: SnapshotRequest = body(req).await?;
+    if r.memory == Some(true) {
+        return Err(E2bError::new(
+            StatusCode::BAD_REQUEST,
+            "snapshots keep files, not memory: take one with mode=\"filesystem\"",
+        ));
+    }
+    let (sid, sb, _) = live_view(&app, &caller, &id).await?;
+    disk_paused(&sb)?;
+    let snap = app
+        .control
+        .snapshot(&caller, &sid, &CreateSnapshot { name: r.name.filter(|n| !n.is_empty()) })
+        .await
+        .map_err(refusal(&id))?;
+    Ok((StatusCode::CREATED, Json(snapshot_info(&snap))).into_response())
+}
+
+/// `GET /snapshots`: the caller's snapshots, newest first; `sandboxID`
+/// and `name` (its name or id) filter, `limit` and `nextToken` page.
+async fn list_snapshots(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    ApiQuery(q): ApiQuery<HashMap<String, String>>,
+) -> E2bResult<Response> {
+    let bad = |m: &str| E2bError::new(StatusCode::BAD_REQUEST, m.to_owned());
+    let limit: usize = match q.get("limit") {
+        Some(l) => l.parse().map_err(|_| bad("limit must be a number"))?,
+        None => 100,
+    };
+    if !(1..=1000).contains(&limit) {
+        return Err(bad("limit must be 1 to 1000"));
+    }
+    let all = app.control.list_snapshots(&caller, None).await?.snapshots;
+    let rows: Vec<&Snapshot> = all
+        .iter()
+        .filter(|s| q.get("sandboxID").is_none_or(|sb| s.sandbox_id == *sb))
+        .filter(|s| q.get("name").is_none_or(|n| s.id == *n || s.name.as_ref() == Some(n)))
+        .collect();
+    // The token is the id of the last snapshot of the previous page.
+    let start = match q.get("nextToken") {
+        Some(t) => rows.iter().position(|s| s.id == *t).map(|i| i + 1).ok_or_else(|| bad("invalid nextToken"))?,
+        None => 0,
+    };
+    let page = &rows[start.min(rows.len())..(start + limit).min(rows.len())];
+    let mut resp = Json(Value::Array(page.iter().map(|s| snapshot_info(s)).collect())).into_response();
+    if start + limit < rows.len() {
+        if let Some(v) = page.last().and_then(|s| HeaderValue::from_str(&s.id).ok()) {
+            resp.headers_mut().insert("x-next-token", v);
+        }
+    }
+    Ok(resp)
+}
+
+/// `DELETE /templates/{id}`, as the SDK's `delete_snapshot` calls it: a
+/// snapshot of the caller's, by id or name (templates are not deleted
+/// through the E2B API: anything else is 404).
+async fn delete_template(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    ApiPath(id): ApiPath<String>,
+) -> E2bResult<StatusCode> {
+    let gone = || E2bError::new(StatusCode::NOT_FOUND, format!("snapshot \"{id}\" not found"));
+    let snap = match SnapshotId::parse(&id) {
+        Ok(s) => s,
+        Err(_) => {
+            let all = app.control.list_snapshots(&caller, None).await?.snapshots;
+            let found = all.iter().find(|s| s.name.as_deref() == Some(id.as_str())).ok_or_else(gone)?;
+            SnapshotId::parse(&found.id).map_err(|_| gone())?
+        }
+    };
+    app.control.delete_snapshot(&caller, &snap).await.map_err(|e| match e.code() {
+        hutch_api::ErrorCode::NotFound => gone(),
+        _ => E2bError::from(e),
+    })?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize, Default)]
+struct ForkRequest {
+    timeout: Option<u64>,
+    count: Option<u32>,
+}
+
+/// `POST /sandboxes/{id}/fork`: the native fork (all or nothing), each
+/// child answered as a `SandboxForkResult` with its `sandbox`, living
+/// `timeout` seconds (300 by default) like a new sandbox.
+async fn fork(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    ApiPath(id): ApiPath<String>,
+    req: Request,
+) -> E2bResult<Response> {
+    let f: ForkRequest = body(req).await?;
+    let (sid, sb, _) = live_view(&app, &caller, &id).await?;
+    disk_paused(&sb)?;
+    let made = app.control.fork_e2b(&caller, &sid, &Fork { count: f.count }).await.map_err(refusal(&id))?;
+    let seconds = f.timeout.unwrap_or(DEFAULT_TIMEOUT);
+    let mut out = Vec::new();
+    let mut ids = Vec::new();
+    let mut failed = None;
+    for child in &made.sandboxes {
+        let Ok(cid) = SandboxId::parse(&child.id) else { continue };
+        ids.push(cid.clone());
+        if failed.is_none() {
+            match expire_in(&app, &caller, &cid, seconds).await {
+                Ok(()) => {
+                    let settings = settings_of(&app, &caller, &cid).await;
+                    out.push(json!({"sandbox": created(&app, child, settings.as_ref())}));
+                }
+                Err(e) => failed = Some(e),
+            }
+        }
+    }
+    if let Some(e) = failed {
+        // All or nothing, as the native fork.
+        for cid in &ids {
+            let _ = app.control.delete(&caller, cid).await;
+        }
+        return Err(e);
+    }
+    Ok((StatusCode::CREATED, Json(Value::Array(out))).into_response())
 }
 
 /// Every sandbox of the caller that is not gone, newest first.

@@ -89,7 +89,9 @@ fn refused(id: &SandboxId, port: u16, e: ControlError) -> Response {
                 "Sandbox is secured with traffic access token. Provided token in header '{TRAFFIC_TOKEN_HEADER}' is invalid"
             ),
         ),
-        ControlError::NotRunning { state: hutch_api::SandboxState::Suspended, .. } => answer(
+        ControlError::NotRunning {
+            state: hutch_api::SandboxState::Suspended | hutch_api::SandboxState::Paused, ..
+        } => answer(
             StatusCode::CONFLICT,
             id,
             format!("The sandbox {id} is paused; resume it (or create it with auto_resume) to reach port {port}"),
