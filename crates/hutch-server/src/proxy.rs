@@ -588,7 +588,13 @@ pub fn without_reserved_cookie(header: &[u8]) -> Option<Vec<u8>> {
         .split(|b| *b == b';')
         .map(trim_ows)
         .filter(|p| !p.is_empty())
-        .filter(|p| cookie_pairs(p).next().is_none_or(|(name, _)| !is_reserved_cookie_name(name)))
+        // A bare token (`a=1; hutch_sandbox_token`) is a value to browsers
+        // but a name to some servers (Go's net/http): gone either way.
+        .filter(|p| {
+            cookie_pairs(p).next().is_none_or(|(name, value)| {
+                !is_reserved_cookie_name(name) && !(name.is_empty() && is_reserved_cookie_name(value))
+            })
+        })
         .collect();
     (!kept.is_empty()).then(|| kept.join(&b"; "[..]))
 }
@@ -866,6 +872,18 @@ mod tests {
         let out = response_headers(&h, false);
         let cookies: Vec<&str> = out.get_all("set-cookie").iter().filter_map(|v| v.to_str().ok()).collect();
         assert_eq!(cookies, ["=other=1", "session=app; HttpOnly"]);
+    }
+
+    /// Found by fuzz/fuzz_targets/proxy_headers.rs: a bare
+    /// `hutch_sandbox_token` in a Cookie header reached the application,
+    /// which a server that reads a bare token as a name (Go's) takes for
+    /// the reserved cookie.
+    #[test]
+    fn a_bare_reserved_cookie_name_does_not_reach_the_application() {
+        for header in [&b"a=1; hutch_sandbox_token"[..], b"hutch_sandbox_token; a=1", b"a=1;=HUTCH_sandbox_token"] {
+            assert_eq!(without_reserved_cookie(header).as_deref(), Some(&b"a=1"[..]), "{header:?}");
+        }
+        assert_eq!(without_reserved_cookie(b"a=1; other"), Some(b"a=1; other".to_vec()));
     }
 
     /// Finding 22 of issue 10: a Cookie header with bytes outside ASCII was
