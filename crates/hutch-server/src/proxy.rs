@@ -591,9 +591,10 @@ pub fn without_reserved_cookie(header: &[u8]) -> Option<Vec<u8>> {
         // A bare token (`a=1; hutch_sandbox_token`) is a value to browsers
         // but a name to some servers (Go's net/http): gone either way.
         .filter(|p| {
-            cookie_pairs(p).next().is_none_or(|(name, value)| {
-                !is_reserved_cookie_name(name) && !(name.is_empty() && is_reserved_cookie_name(value))
-            })
+            let reserved = |(name, value): (&[u8], &[u8])| {
+                is_reserved_cookie_name(name) || (name.is_empty() && is_reserved_cookie_name(value))
+            };
+            !cookie_pairs(p).next().is_some_and(reserved)
         })
         .collect();
     (!kept.is_empty()).then(|| kept.join(&b"; "[..]))
