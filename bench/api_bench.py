@@ -66,7 +66,16 @@ def ms(x: float) -> str:
 
 
 class Daemon:
-    def __init__(self, binary: Path, env_extra: dict[str, str] | None = None):
+    """A `hutch serve` of the bench's own (`args` added to its command
+    line), ready once /healthz answers within `ready_within` seconds."""
+
+    def __init__(
+        self,
+        binary: Path,
+        env_extra: dict[str, str] | None = None,
+        args: list[str] | None = None,
+        ready_within: float = 30,
+    ):
         if not binary.is_file():
             sys.exit(f"release binary not found at {binary}: run `cargo build --release` first")
         if not (binary.parent / "hutch-agent").is_file():
@@ -81,10 +90,11 @@ class Daemon:
         env.update(env_extra or {})
         self.log = open(self.root / "daemon.log", "wb")
         self.proc = subprocess.Popen(
-            [str(binary), "serve", "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.root / "state")],
+            [str(binary), "serve", "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.root / "state"),
+             *(args or [])],
             env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, start_new_session=True,
         )
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + ready_within
         while True:
             if self.proc.poll() is not None:
                 sys.exit(f"hutch serve exited {self.proc.returncode}: {(self.root / 'daemon.log').read_text()[-2000:]}")
@@ -95,7 +105,7 @@ class Daemon:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                sys.exit("hutch serve did not become healthy in 30 s")
+                sys.exit(f"hutch serve did not become healthy in {ready_within:.0f} s")
             time.sleep(0.05)
         self.key = (self.root / "state" / "admin.key").read_text().strip()
 
@@ -103,14 +113,26 @@ class Daemon:
         return Lean(self.base, self.key)
 
     def stop(self) -> None:
+        # Sandboxes outlive the daemon: delete every one first (a failed
+        # round may have left some), so none lingers and the storage
+        # unmounts with the daemon.
+        if self.proc.poll() is None and getattr(self, "key", None):
+            try:
+                s = self.session()
+                for sb in check(s.get(self.base + "/v1/sandboxes?live=true&limit=1000"), 200)["sandboxes"]:
+                    s.delete(f"{self.base}/v1/sandboxes/{sb['id']}")
+            except (OSError, RuntimeError) as e:
+                print(f"bench: cleanup: {e}", file=sys.stderr)
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(timeout=15)
+                self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=15)
         self.log.close()
+        # The daemon unmounts its storage on a clean stop; make sure.
+        subprocess.run(["umount", "-l", str(self.root / "state" / "storage" / "fs")], capture_output=True)
         shutil.rmtree(self.root, ignore_errors=True)
 
 

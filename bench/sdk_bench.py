@@ -30,13 +30,8 @@ import asyncio
 import http.client
 import json
 import os
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -45,10 +40,11 @@ from typing import Callable, Dict, List
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-RELEASE = REPO / "target" / "x86_64-unknown-linux-gnu" / "release" / "hutch"
 GOAL_MS = 0.3
 
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from api_bench import RELEASE, Daemon, pct  # noqa: E402
 from net_instances import NetInstance  # noqa: E402
 
 try:
@@ -56,66 +52,6 @@ try:
 except ImportError:  # not installed: the source tree's
     sys.path.insert(0, str(REPO / "sdk" / "python" / "src"))
     import hutch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pct(xs: List[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
-
-
-class Daemon:
-    def __init__(self, binary: Path):
-        if not binary.is_file():
-            sys.exit(f"binary not found at {binary}: cargo build --release -p hutch -p hutch-agent")
-        if os.geteuid() != 0:
-            sys.exit("run as root: sandboxes are real namespaces and cgroups")
-        self.net = NetInstance.claim()
-        self.root = Path(tempfile.mkdtemp(prefix="hutch-sdk-bench-"))
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
-        env["HUTCH_RUN_DIR"] = str(self.root / "run")
-        env["HUTCH_NET_INSTANCE"] = str(self.net.number)
-        self.log = open(self.root / "daemon.log", "wb")
-        self.proc = subprocess.Popen(
-            [str(binary), "serve", "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.root / "state")],
-            env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, start_new_session=True,
-        )
-        deadline = time.monotonic() + 30
-        while True:
-            if self.proc.poll() is not None:
-                self.stop()
-                sys.exit(f"hutch serve exited {self.proc.returncode}")
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                c.request("GET", "/healthz")
-                if c.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                sys.exit("hutch serve did not become healthy in 30 s")
-            time.sleep(0.05)
-        self.key = (self.root / "state" / "admin.key").read_text().strip()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=15)
-        self.log.close()
-        self.net.release()
-        shutil.rmtree(self.root, ignore_errors=True)
 
 
 class Raw:
@@ -158,7 +94,8 @@ def main() -> None:
     ap.add_argument("--binary", type=Path, default=RELEASE)
     args = ap.parse_args()
 
-    d = Daemon(args.binary)
+    net = NetInstance.claim()
+    d = Daemon(args.binary, {"HUTCH_NET_INSTANCE": str(net.number)})
     client = hutch.Hutch(d.base, d.key)
     sb = client.sandboxes.create(ttl="30m")
     try:
@@ -216,6 +153,7 @@ def main() -> None:
         finally:
             client.close()
             d.stop()
+            net.release()
 
 
 if __name__ == "__main__":
