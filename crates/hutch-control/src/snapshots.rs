@@ -114,13 +114,7 @@ impl Control {
         if let Some(name) = &req.name {
             check_name(name)?;
         }
-        let r = self.record(caller, id, crate::control::Need::Use).await?;
-        if !matches!(r.state, SandboxState::Running | SandboxState::Suspended) {
-            return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
-        }
-        if r.storage != StorageKind::Disk {
-            return Err(ControlError::SnapshotUnsupported(id.to_string()));
-        }
+        let r = self.capturable(caller, id).await?;
         let owner = OwnerId::from_record(&r.owner);
         let recipe = self.recipe_of(&r).await?;
         // Refusals that need no capture come first.
@@ -168,6 +162,19 @@ impl Control {
     /// What a sandbox started from `r`'s files runs: its template's
     /// settings (as the template is now) with its own limits, environment
     /// and network policy.
+    /// The record of a sandbox whose files can be captured (snapshot, fork,
+    /// diff): the caller's, running or suspended, on a disk layer.
+    async fn capturable(&self, caller: &Caller, id: &SandboxId) -> Result<hutch_store::SandboxRecord> {
+        let r = self.record(caller, id, crate::control::Need::Use).await?;
+        if !matches!(r.state, SandboxState::Running | SandboxState::Suspended) {
+            return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
+        }
+        if r.storage != StorageKind::Disk {
+            return Err(ControlError::SnapshotUnsupported(id.to_string()));
+        }
+        Ok(r)
+    }
+
     async fn recipe_of(&self, r: &hutch_store::SandboxRecord) -> Result<SnapRecipe> {
         let tpl = self.recipe(&OwnerId::from_record(&r.owner), Some(&r.template)).await?;
         let net = NetRecord::parse(&r.network);
@@ -237,13 +244,7 @@ impl Control {
         if !(1..=FORK_MAX).contains(&count) {
             return Err(ControlError::Invalid(format!("count must be 1 to {FORK_MAX}")));
         }
-        let r = self.record(caller, id, crate::control::Need::Use).await?;
-        if !matches!(r.state, SandboxState::Running | SandboxState::Suspended) {
-            return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
-        }
-        if r.storage != StorageKind::Disk {
-            return Err(ControlError::SnapshotUnsupported(id.to_string()));
-        }
+        let r = self.capturable(caller, id).await?;
         let recipe = self.recipe_of(&r).await?.recipe();
         // The fork point: a snapshot layer with no row, deleted once every
         // child has its copy (or swept at the next start if the daemon
@@ -421,13 +422,7 @@ impl Control {
         id: &SandboxId,
         against: Option<&str>,
     ) -> Result<Vec<hutch_runtime::storage::diff::Change>> {
-        let r = self.record(caller, id, crate::control::Need::Use).await?;
-        if !matches!(r.state, SandboxState::Running | SandboxState::Suspended) {
-            return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
-        }
-        if r.storage != StorageKind::Disk {
-            return Err(ControlError::SnapshotUnsupported(id.to_string()));
-        }
+        let r = self.capturable(caller, id).await?;
         let owner = OwnerId::from_record(&r.owner);
         let origin = match against {
             Some(reference) => {
