@@ -63,7 +63,14 @@ async def test_async_watch_dir_streams_events(daemon):
         # as E2B's envd (fsnotify) reports it.
         want = {FilesystemEventType.CREATE, FilesystemEventType.WRITE, FilesystemEventType.CHMOD,
                 FilesystemEventType.RENAME}
-        while not want <= {e.type for e in got} and time.monotonic() < deadline:
+
+        def seen_all():
+            return (want <= {e.type for e in got}
+                    and any(e.name == "b.txt" and e.type == FilesystemEventType.CREATE for e in got))
+
+        # The events arrive one message at a time: wait for the last of them,
+        # not for the first one of each type.
+        while not seen_all() and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         assert want <= {e.type for e in got}, got
         assert any(e.name == "b.txt" and e.type == FilesystemEventType.CREATE for e in got), got
