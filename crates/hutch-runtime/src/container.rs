@@ -332,13 +332,21 @@ impl Runtime {
     /// Takes a read-only snapshot of sandbox `id`'s layer as snapshot
     /// `snap` ([`crate::storage::Kind::Snapshot`]): every write made before
     /// the call. Freeze the sandbox around it for a consistent copy.
-    /// Returns the snapshot and the bytes it references.
+    /// Returns the snapshot and its size: the bytes it references with
+    /// full quota groups; with simple quotas (which charge a snapshot
+    /// nothing) the bytes the sandbox's layer wrote, to which the caller
+    /// adds what the layer started from.
     pub fn snapshot_layer(&self, id: &str, snap: &str) -> Result<(Layer, u64), RuntimeError> {
         let storage = self.storage.as_ref().ok_or(RuntimeError::NoStorage)?;
         let name = LayerName::sandbox(id)?;
         let source = storage.open_layer(&name)?.ok_or(StorageError::NotFound(name))?;
         let taken = storage.snapshot(&source, &LayerName::new(crate::storage::Kind::Snapshot, snap)?, true)?;
-        let size = storage.usage(&taken).map(|u| u.referenced_bytes).unwrap_or(0);
+        // The snapshot committed a transaction: the figures are current.
+        let counted = match storage.quotas() {
+            crate::storage::Quotas::Full => &taken,
+            crate::storage::Quotas::Simple => &source,
+        };
+        let size = storage.usage(counted).map(|u| u.referenced_bytes).unwrap_or(0);
         Ok((taken, size))
     }
 

@@ -103,6 +103,7 @@ const IOC_SUBVOL_GETFLAGS: u64 = ioc(IOC_READ, 25, size_of::<u64>());
 
 const SUBVOL_RDONLY: u64 = 1 << 1;
 const QUOTA_CTL_ENABLE: u64 = 1;
+const QUOTA_CTL_ENABLE_SIMPLE: u64 = 4;
 const QGROUP_LIMIT_MAX_RFER: u64 = 1 << 0;
 /// The kernel's value for "no limit".
 const QGROUP_NO_LIMIT: u64 = u64::MAX;
@@ -182,10 +183,22 @@ pub fn subvol_read_only(fd: BorrowedFd<'_>) -> io::Result<bool> {
     Ok(flags & SUBVOL_RDONLY != 0)
 }
 
-/// Turns quota groups on for the file system of `fd` (a no-op when they
-/// are on already).
+/// Turns full quota groups on for the file system of `fd` (a no-op when
+/// they are on already): every extent is charged to every subvolume that
+/// references it, which the kernel works out by walking back references
+/// at each commit (a snapshot costs a commit of its own, ~10-30 ms here).
 pub fn quota_enable(fd: BorrowedFd<'_>) -> io::Result<()> {
     let mut args = QuotaCtlArgs { cmd: QUOTA_CTL_ENABLE, status: 0 };
+    ioctl(fd, IOC_QUOTA_CTL, &mut args)
+}
+
+/// Turns simple quotas on (Linux 6.7 and later; EINVAL before): an extent
+/// is charged to the subvolume that wrote it, and only to it, so a
+/// snapshot shares its source's blocks without being charged for them and
+/// costs no accounting commit (~3 ms here, against ~10-30 ms with full
+/// quota groups). Limits are enforced as with full quota groups.
+pub fn quota_enable_simple(fd: BorrowedFd<'_>) -> io::Result<()> {
+    let mut args = QuotaCtlArgs { cmd: QUOTA_CTL_ENABLE_SIMPLE, status: 0 };
     ioctl(fd, IOC_QUOTA_CTL, &mut args)
 }
 
