@@ -99,3 +99,62 @@ def test_a_paused_sandbox_survives_a_restart_and_a_reboot(own_daemon: Daemon):
     assert api.sh(sid, "tail -1 /workspace/w/n") == "1000\n"
     api.destroy(sid)
     assert sid not in layers(d)
+
+
+def test_on_expire_pause_keeps_the_files_then_paused_ttl_ends_it(api: Client, daemon: Daemon):
+    sb = api.create(ttl_seconds=4, on_expire="pause", paused_ttl_seconds=600)
+    sid = sb["id"]
+    try:
+        assert (sb["on_expire"], sb["paused_ttl_seconds"]) == ("pause", 600), sb
+        api.sh(sid, "echo kept > /workspace/k")
+        # At its expiry it is paused, not ended: its files stay, it is kept
+        # for paused_ttl_seconds from then.
+        wait_for("the expired sandbox to be paused", lambda: api.sandbox(sid)["state"] == "paused", timeout=30)
+        assert sid in layers(daemon)
+        r = api.post(f"/v1/sandboxes/{sid}/resume")
+        expect_status(r, 200)
+        assert api.sh(sid, "cat /workspace/k") == "kept\n"
+        # A resume gives it its lifetime again, and with it the same end.
+        wait_for("the resumed sandbox to be paused again", lambda: api.sandbox(sid)["state"] == "paused", timeout=30)
+        # Kept no longer than paused_ttl_seconds: a short one ends it.
+        short = api.create(ttl_seconds=2, on_expire="pause", paused_ttl_seconds=2)
+        wait_for("the short-kept sandbox to end",
+                 lambda: api.sandbox(short["id"])["state"] == "terminated", timeout=40)
+        assert short["id"] not in layers(daemon)
+    finally:
+        api.destroy(sid)
+    assert sid not in layers(daemon)
+
+
+def test_on_expire_comes_from_the_template_and_is_checked(api: Client):
+    r = api.post("/v1/templates", {"name": "keeps", "on_expire": "pause", "paused_ttl_seconds": 3600})
+    expect_status(r, 201)
+    tpl = r.json()
+    try:
+        assert (tpl["on_expire"], tpl["paused_ttl_seconds"]) == ("pause", 3600), tpl
+        sb = api.create(template="keeps")
+        assert (sb["on_expire"], sb["paused_ttl_seconds"]) == ("pause", 3600), sb
+        api.destroy(sb["id"])
+        # A create's own choice wins over the template's.
+        sb = api.create(template="keeps", on_expire="delete")
+        assert sb["on_expire"] == "delete", sb
+        api.destroy(sb["id"])
+        # Pausing keeps files on disk: a memory layer cannot.
+        expect_error(api.post("/v1/sandboxes", {"template": "keeps", "storage": "memory"}), 400, "invalid_request")
+        expect_error(api.post("/v1/sandboxes", {"on_expire": "pause", "storage": "memory"}), 400, "invalid_request")
+        expect_error(api.post("/v1/sandboxes", {"on_expire": "nap"}), 400, "invalid_request")
+        for bad in (0, 30 * 86400 + 1):
+            expect_error(api.post("/v1/sandboxes", {"paused_ttl_seconds": bad}), 400, "invalid_request")
+        expect_error(api.post("/v1/templates", {"name": "mem-keeps", "on_expire": "pause", "storage": "memory"}),
+                     400, "invalid_request")
+        # An update changes it for sandboxes made from then on.
+        r = api.request("PATCH", f"/v1/templates/{tpl['id']}", json={"on_expire": "delete", "paused_ttl_seconds": 60})
+        expect_status(r, 200)
+        assert (r.json()["on_expire"], r.json()["paused_ttl_seconds"], r.json()["version"]) == ("delete", 60, 1)
+        sb = api.create(template="keeps")
+        assert (sb["on_expire"], sb["paused_ttl_seconds"]) == ("delete", 60), sb
+        api.destroy(sb["id"])
+        # Nothing was left by the refusals.
+        assert all(t["name"] != "mem-keeps" for t in api.get("/v1/templates").json()["templates"])
+    finally:
+        expect_status(api.delete(f"/v1/templates/{tpl['id']}"), (204, 404))

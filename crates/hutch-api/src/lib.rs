@@ -283,6 +283,34 @@ impl StorageKind {
     }
 }
 
+/// What happens to a sandbox when its lifetime ends.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum OnExpire {
+    /// It ends and its files are deleted.
+    #[default]
+    Delete,
+    /// It is paused to disk (processes end, files kept, state `paused`)
+    /// and kept for `paused_ttl_seconds`; a resume gives it its lifetime
+    /// again. Disk layers only.
+    Pause,
+}
+
+impl OnExpire {
+    pub const ALL: [OnExpire; 2] = [OnExpire::Delete, OnExpire::Pause];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnExpire::Delete => "delete",
+            OnExpire::Pause => "pause",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<OnExpire> {
+        OnExpire::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+}
+
 /// Resource caps requested for a sandbox.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -334,6 +362,15 @@ pub struct CreateSandbox {
     /// files, and the template settings of the sandbox it was taken of.
     #[serde(default)]
     pub snapshot: Option<String>,
+    /// What happens at its expiry; the template's choice when absent, else
+    /// `delete`.
+    #[serde(default)]
+    pub on_expire: Option<OnExpire>,
+    /// How long a sandbox paused at its expiry keeps its files before it
+    /// is deleted, 60 to 2592000 (30 days); the template's when absent,
+    /// else 604800 (7 days).
+    #[serde(default)]
+    pub paused_ttl_seconds: Option<u64>,
 }
 
 /// `POST /v1/sandboxes/{id}/suspend`.
@@ -518,6 +555,12 @@ pub struct Sandbox {
     /// The snapshot it started from, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot: Option<String>,
+    /// What happens at its expiry.
+    #[serde(default)]
+    pub on_expire: OnExpire,
+    /// How long it is kept once paused at its expiry (seconds).
+    #[serde(default)]
+    pub paused_ttl_seconds: u64,
 }
 
 /// A warm pool's bounds: the daemon keeps `min` sandboxes started and
@@ -573,6 +616,14 @@ pub struct CreateTemplate {
     /// the host's default (`disk` where it has disk storage) when absent.
     #[serde(default)]
     pub storage: Option<StorageKind>,
+    /// What happens to its sandboxes at their expiry (a create's
+    /// `on_expire` replaces it); `delete` when absent.
+    #[serde(default)]
+    pub on_expire: Option<OnExpire>,
+    /// How long its sandboxes paused at their expiry are kept, 60 to
+    /// 2592000; 604800 when absent.
+    #[serde(default)]
+    pub paused_ttl_seconds: Option<u64>,
 }
 
 /// `PATCH /v1/templates/{id}`: the fields given replace the template's. A
@@ -612,6 +663,12 @@ pub struct UpdateTemplate {
     /// Replaces where its sandboxes' files live. Raises the version.
     #[serde(default)]
     pub storage: Option<StorageKind>,
+    /// Replaces what happens to its sandboxes at their expiry (sandboxes
+    /// made from now on).
+    #[serde(default)]
+    pub on_expire: Option<OnExpire>,
+    #[serde(default)]
+    pub paused_ttl_seconds: Option<u64>,
 }
 
 /// Tells a field given as `null` (`Some(None)`) from an absent one (`None`).
@@ -719,6 +776,12 @@ pub struct Template {
     /// Where its sandboxes' files live; absent: the host's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub storage: Option<StorageKind>,
+    /// What happens to its sandboxes at their expiry.
+    #[serde(default)]
+    pub on_expire: OnExpire,
+    /// How long its sandboxes paused at their expiry are kept (seconds).
+    #[serde(default)]
+    pub paused_ttl_seconds: u64,
 }
 
 /// `GET /v1/templates`.

@@ -230,6 +230,8 @@ pub(crate) fn view(r: &SandboxRecord) -> Sandbox {
         storage: r.storage,
         // A fork's origin is a layer of its own, not a snapshot to name.
         snapshot: r.origin.clone().filter(|o| o.starts_with("snap-")),
+        on_expire: r.on_expire,
+        paused_ttl_seconds: r.paused_ttl_s.unwrap_or(crate::sandboxes::PAUSED_TTL_DEFAULT),
     }
 }
 
@@ -330,6 +332,23 @@ impl Control {
             None if has_disk => Ok(StorageKind::Disk),
             None => Ok(StorageKind::Memory),
         }
+    }
+
+    /// Checks that what a sandbox does at its expiry fits where its files
+    /// live (`storage` None: the host's default): pausing keeps files on
+    /// disk.
+    pub(crate) fn check_on_expire(
+        &self,
+        on_expire: Option<hutch_api::OnExpire>,
+        storage: Option<hutch_api::StorageKind>,
+    ) -> Result<()> {
+        if on_expire == Some(hutch_api::OnExpire::Pause) && self.storage_kind(storage)? != hutch_api::StorageKind::Disk
+        {
+            return Err(ControlError::Invalid(
+                "on_expire \"pause\" keeps the sandbox's files on disk: it needs \"storage\": \"disk\"".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Checks a network request against what the host can do.

@@ -384,52 +384,6 @@ impl Control {
         self.fork_with(caller, id, req, opts).await
     }
 
-    /// E2B's `on_timeout: "pause"`: an expired sandbox made with it that
-    /// runs (or is suspended) on a disk layer is paused to disk instead of
-    /// ended, and kept until the latest it may live to (its template's
-    /// maximum lifetime, the key's quota). True when it was paused.
-    pub(crate) async fn pause_at_expiry(self: &std::sync::Arc<Self>, r: &hutch_store::SandboxRecord) -> bool {
-        let wants = crate::network::NetRecord::parse(&r.network).e2b.is_some_and(|s| s.auto_pause);
-        let can = matches!(r.state, SandboxState::Running | SandboxState::Suspended)
-            && r.storage == hutch_api::StorageKind::Disk
-            && !r.pooled;
-        if !wants || !can {
-            return false;
-        }
-        let id = SandboxId::from_record(&r.id);
-        let owner = crate::ids::Caller { owner: OwnerId::from_record(&r.owner), admin: false };
-        let until = hutch_api::Extend { by: None, until: Some(crate::control::rfc3339(r.max_expires_at)) };
-        // Kept first (a sandbox that cannot be kept is ended as any other).
-        if self.extend(&owner, &id, &until, true).await.is_err() {
-            return false;
-        }
-        match self.suspend(&owner, &id, hutch_api::SuspendMode::Disk).await {
-            Ok(_) => {
-                self.log(&id, crate::history::LogLevel::Info, "paused at its timeout (on_timeout: pause)", &[]);
-                true
-            }
-            Err(e) => {
-                tracing::warn!("sandbox {id}: cannot pause it at its timeout ({e}); it ends");
-                false
-            }
-        }
-    }
-
-    /// After a paused E2B sandbox made with `on_timeout: "pause"` resumes:
-    /// it lives its timeout again (E2B's 300 s when it gave none).
-    pub(crate) async fn e2b_resumed(&self, caller: &crate::ids::Caller, id: &SandboxId) {
-        let Ok(Some(s)) = self.e2b_settings(caller, id).await else { return };
-        if !s.auto_pause {
-            return;
-        }
-        let secs = s.timeout_s.unwrap_or(300).clamp(1, 86_400);
-        let until = now_ms().saturating_add((secs * 1000) as i64);
-        let req = hutch_api::Extend { by: None, until: Some(crate::control::rfc3339(until)) };
-        if let Err(e) = self.extend(caller, id, &req, true).await {
-            tracing::warn!("sandbox {id}: its timeout after a resume: {e}");
-        }
-    }
-
     /// Replaces the egress rules of a running E2B sandbox (E2B's `PUT
     /// /sandboxes/{id}/network`): what the request leaves out is cleared;
     /// the settings of its ports stay.

@@ -35,3 +35,4 @@ pub mod templates;
 pub use control::{Capacity, Config, Control};
 pub use error::ControlError;
 pub use ids::{Caller, OwnerId, SandboxId, SnapshotId, TemplateId};
+pub use sandboxes::{PAUSED_TTL_DEFAULT, PAUSED_TTL_MAX};

@@ -66,14 +66,6 @@ pub struct E2bNetwork {
     /// A request to its port resumes it when it is paused.
     #[serde(default)]
     pub auto_resume: bool,
-    /// E2B's `lifecycle.on_timeout: "pause"`: at its expiry the sandbox is
-    /// paused to disk rather than ended.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub auto_pause: bool,
-    /// The timeout it was made with (seconds): a resume of a sandbox
-    /// paused at its expiry gives it that long again.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub timeout_s: Option<u64>,
 }
 
 impl Default for E2bNetwork {
@@ -85,8 +77,6 @@ impl Default for E2bNetwork {
             public: true,
             mask_request_host: None,
             auto_resume: false,
-            auto_pause: false,
-            timeout_s: None,
         }
     }
 }

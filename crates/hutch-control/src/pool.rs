@@ -53,6 +53,7 @@ impl Control {
         owner: &OwnerId,
         recipe: &Recipe,
         ttl: Duration,
+        lifecycle: &crate::sandboxes::Lifecycle,
         metadata: &str,
         key: Option<&str>,
         hash: &str,
@@ -63,6 +64,7 @@ impl Control {
         let (owner_s, metadata, key, hash) =
             (owner.to_string(), metadata.to_owned(), key.map(str::to_owned), hash.to_owned());
         let (expires_at, max_expires_at) = (now + ttl.as_millis() as i64, now + recipe.max_ttl.as_millis() as i64);
+        let lifecycle = *lifecycle;
         let claimed = self
             .db(move |s| {
                 s.claim_warm(&hutch_store::Claim {
@@ -75,6 +77,9 @@ impl Control {
                     idempotency_key: key.as_deref(),
                     request_hash: &hash,
                     storage,
+                    on_expire: lifecycle.on_expire,
+                    ttl_s: lifecycle.ttl_s,
+                    paused_ttl_s: lifecycle.paused_ttl_s,
                 })
             })
             .await?;
@@ -252,6 +257,10 @@ impl Control {
                 }
             },
             origin: None,
+            // A claim sets what the claimed sandbox does at its expiry.
+            on_expire: hutch_api::OnExpire::Delete,
+            ttl_s: None,
+            paused_ttl_s: None,
         };
         // Warm sandboxes count toward their owner's quotas and the host's
         // capacity like any other.

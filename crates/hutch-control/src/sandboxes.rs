@@ -21,6 +21,29 @@ use std::time::{Duration, Instant};
 /// Longest a create waits for its sandbox to run before answering.
 const WAIT_MAX: u64 = 60;
 
+/// How long a sandbox paused at its expiry is kept when nothing says:
+/// 7 days. At most 30 days.
+pub const PAUSED_TTL_DEFAULT: u64 = 7 * 86_400;
+pub const PAUSED_TTL_MAX: u64 = 30 * 86_400;
+
+/// Checks a `paused_ttl_seconds`.
+pub(crate) fn check_paused_ttl(secs: u64) -> Result<u64> {
+    if !(1..=PAUSED_TTL_MAX).contains(&secs) {
+        return Err(ControlError::Invalid(format!("paused_ttl_seconds must be 1 to {PAUSED_TTL_MAX}")));
+    }
+    Ok(secs)
+}
+
+/// What a sandbox does at its expiry (as its record keeps it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Lifecycle {
+    pub on_expire: hutch_api::OnExpire,
+    /// The lifetime it was given: what a resume after a pause at its
+    /// expiry gives it again.
+    pub ttl_s: Option<u64>,
+    pub paused_ttl_s: Option<u64>,
+}
+
 /// What a create adds to its request beyond the native API's fields (the
 /// E2B API's settings).
 #[derive(Debug, Clone, Default)]
@@ -172,6 +195,13 @@ impl Control {
         net.interface = opts.interface && net.egress == hutch_api::Egress::DenyAll;
         net.e2b = opts.e2b.clone();
         let storage = self.storage_kind(req.storage.or(tpl.storage))?;
+        let on_expire = req.on_expire.or(tpl.on_expire);
+        self.check_on_expire(on_expire, Some(storage))?;
+        let lifecycle = Lifecycle {
+            on_expire: on_expire.unwrap_or_default(),
+            ttl_s: Some(ttl.as_secs()),
+            paused_ttl_s: req.paused_ttl_seconds.or(tpl.paused_ttl_s).map(check_paused_ttl).transpose()?,
+        };
         let quotas = self.quotas_of(owner).await?;
         Self::check_ttl(&quotas, ttl)?;
         let admission = self.admission(quotas, memory, disk)?;
@@ -197,7 +227,7 @@ impl Control {
             && net_as_template
             && storage_as_template
         {
-            match self.claim_warm(owner, &tpl, ttl, &metadata, key, &hash).await {
+            match self.claim_warm(owner, &tpl, ttl, &lifecycle, &metadata, key, &hash).await {
                 Ok(Some(r)) if opts.e2b.is_some() => {
                     // The E2B settings join the claimed sandbox's record.
                     let mut claimed = NetRecord::parse(&r.network);
@@ -241,6 +271,9 @@ impl Control {
             network: net.to_json(),
             storage,
             origin,
+            on_expire: lifecycle.on_expire,
+            ttl_s: lifecycle.ttl_s,
+            paused_ttl_s: lifecycle.paused_ttl_s,
         };
         let rec = record.clone();
         match self.db(move |s| s.insert_sandbox(&rec, &admission)).await {
@@ -600,7 +633,7 @@ impl Control {
             target
         };
         let sid = id.to_string();
-        let updated = self.db(move |s| s.set_expiry(&sid, target, &live)).await?;
+        let updated = self.db(move |s| s.set_expiry(&sid, target, false, &live)).await?;
         match updated {
             Some(r) => Ok(view(&r)),
             None => {
@@ -629,13 +662,62 @@ impl Control {
         }
     }
 
+    /// `on_expire: "pause"`: an expired sandbox with it that runs (or is
+    /// suspended) on a disk layer is paused to disk instead of ended, and
+    /// kept `paused_ttl_seconds` from now (past the latest it could have
+    /// run to, if need be: a paused sandbox holds only its disk, which its
+    /// key's quota counts). True when it was paused.
+    pub(crate) async fn pause_at_expiry(self: &Arc<Self>, r: &SandboxRecord) -> bool {
+        let can = matches!(r.state, SandboxState::Running | SandboxState::Suspended)
+            && r.storage == StorageKind::Disk
+            && !r.pooled;
+        if r.on_expire != hutch_api::OnExpire::Pause || !can {
+            return false;
+        }
+        let id = SandboxId::from_record(&r.id);
+        let keep = r.paused_ttl_s.unwrap_or(PAUSED_TTL_DEFAULT).min(PAUSED_TTL_MAX);
+        let until = now_ms().saturating_add((keep * 1000) as i64);
+        // Kept first (a sandbox that cannot be kept is ended as any other).
+        let sid = id.to_string();
+        let live = [SandboxState::Running, SandboxState::Suspended];
+        if !matches!(self.db(move |s| s.set_expiry(&sid, until, true, &live)).await, Ok(Some(_))) {
+            return false;
+        }
+        let owner = Caller { owner: OwnerId::from_record(&r.owner), admin: false };
+        match self.suspend(&owner, &id, hutch_api::SuspendMode::Disk).await {
+            Ok(_) => {
+                self.log(&id, crate::history::LogLevel::Info, "paused at its expiry (on_expire: pause)", &[]);
+                true
+            }
+            Err(e) => {
+                tracing::warn!("sandbox {id}: cannot pause it at its expiry ({e}); it ends");
+                false
+            }
+        }
+    }
+
+    /// After a sandbox with `on_expire: "pause"` resumes from disk: it
+    /// lives the lifetime it was given again (E2B's 300 s when unknown).
+    async fn live_again(&self, id: &SandboxId, ttl_s: Option<u64>) {
+        let secs = ttl_s.unwrap_or(300).clamp(1, 10 * 365 * 86_400);
+        let until = now_ms().saturating_add((secs * 1000) as i64);
+        let (sid, live) = (id.to_string(), [SandboxState::Starting, SandboxState::Running]);
+        if let Err(e) = self.db(move |s| s.set_expiry(&sid, until, true, &live)).await {
+            tracing::warn!("sandbox {id}: its lifetime after a resume: {e}");
+        }
+    }
+
     /// Resumes a frozen sandbox, or starts a paused one again on its files
     /// (a fresh agent, its template's startup command run again).
     pub async fn resume(self: &Arc<Self>, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
         let r = self.record(caller, id, Need::Manage).await?;
         if r.state == SandboxState::Paused {
+            let on_expire = r.on_expire;
+            let ttl_s = r.ttl_s;
             let sb = self.wake(r).await?;
-            self.e2b_resumed(caller, id).await;
+            if on_expire == hutch_api::OnExpire::Pause {
+                self.live_again(id, ttl_s).await;
+            }
             return self.get(caller, id).await.or(Ok(sb));
         }
         self.freeze(caller, id, false).await

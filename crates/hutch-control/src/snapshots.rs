@@ -45,6 +45,12 @@ struct SnapRecipe {
     startup: Option<Startup>,
     readiness: Option<Readiness>,
     network: NetworkRequest,
+    /// What the source did at its expiry (recipes written before these
+    /// were kept read as `delete`).
+    #[serde(default)]
+    on_expire: hutch_api::OnExpire,
+    #[serde(default)]
+    paused_ttl_s: Option<u64>,
 }
 
 impl SnapRecipe {
@@ -66,6 +72,8 @@ impl SnapRecipe {
             readiness: self.readiness.clone(),
             network: self.network.clone(),
             storage: Some(StorageKind::Disk),
+            on_expire: Some(self.on_expire),
+            paused_ttl_s: self.paused_ttl_s,
         }
     }
 }
@@ -131,7 +139,15 @@ impl Control {
             }
         }
         let snap_id = SnapshotId::random()?;
-        let captured = self.capture(id, r.state, snap_id.as_str()).await?;
+        let mut captured = self.capture(id, r.state, snap_id.as_str()).await?;
+        // With simple quotas the capture counts what the sandbox wrote; what
+        // it started from is its origin snapshot's (a fork point has no row).
+        if self.runtime.storage().is_some_and(|st| st.quotas() == hutch_runtime::storage::Quotas::Simple) {
+            if let Some(origin) = r.origin.clone().filter(|o| !o.starts_with("fork-")) {
+                let inherited = self.db(move |s| s.get_snapshot(&origin)).await?.map_or(0, |o| o.size_bytes);
+                captured = captured.saturating_add(inherited);
+            }
+        }
         let record = SnapshotRecord {
             id: snap_id.to_string(),
             owner: owner.to_string(),
@@ -193,6 +209,8 @@ impl Control {
             startup: tpl.startup.clone(),
             readiness: tpl.readiness.clone(),
             network: NetworkRequest { egress: net.egress, allow: net.allow, deny: net.deny },
+            on_expire: r.on_expire,
+            paused_ttl_s: r.paused_ttl_s,
         })
     }
 

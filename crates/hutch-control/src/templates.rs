@@ -58,6 +58,9 @@ pub struct Recipe {
     /// Where its sandboxes' files live unless a create says; None: the
     /// host's default.
     pub storage: Option<hutch_api::StorageKind>,
+    /// What its sandboxes do at their expiry unless a create says.
+    pub on_expire: Option<hutch_api::OnExpire>,
+    pub paused_ttl_s: Option<u64>,
 }
 
 /// A template's stored network policy.
@@ -85,6 +88,8 @@ impl Recipe {
             readiness: None,
             network: hutch_api::NetworkRequest::default(),
             storage: None,
+            on_expire: None,
+            paused_ttl_s: None,
         }
     }
 
@@ -121,6 +126,8 @@ impl Recipe {
             readiness: t.readiness.as_deref().and_then(|s| serde_json::from_str(s).ok()),
             network: network_of(t),
             storage: t.storage,
+            on_expire: t.on_expire,
+            paused_ttl_s: t.paused_ttl_s,
         }
     }
 
@@ -289,6 +296,8 @@ impl Control {
             updated_at: rfc3339(t.updated_at),
             owner: t.owner.clone(),
             storage: t.storage,
+            on_expire: t.on_expire.unwrap_or_default(),
+            paused_ttl_seconds: t.paused_ttl_s.unwrap_or(crate::sandboxes::PAUSED_TTL_DEFAULT),
         })
     }
 
@@ -374,7 +383,10 @@ impl Control {
             readiness: to_json(req.readiness.as_ref()),
             network: self.template_network(req.network.as_ref())?,
             storage: req.storage.map(|k| self.storage_kind(Some(k))).transpose()?,
+            on_expire: req.on_expire,
+            paused_ttl_s: req.paused_ttl_seconds.map(crate::sandboxes::check_paused_ttl).transpose()?,
         };
+        self.check_on_expire(t.on_expire, t.storage)?;
         let rec = t.clone();
         match self.db(move |s| s.insert_template(&rec)).await {
             Ok(()) => self.template_view(&t).await,
@@ -456,6 +468,14 @@ impl Control {
         if let Some(kind) = req.storage {
             t.storage = Some(self.storage_kind(Some(kind))?);
         }
+        // What happens at expiry is read at each create: no new version.
+        if let Some(on_expire) = req.on_expire {
+            t.on_expire = Some(on_expire);
+        }
+        if let Some(secs) = req.paused_ttl_seconds {
+            t.paused_ttl_s = Some(crate::sandboxes::check_paused_ttl(secs)?);
+        }
+        self.check_on_expire(t.on_expire, t.storage)?;
         let changed = t.image != old.image
             || t.storage != old.storage
             || network_of(&t) != network_of(&old)

@@ -72,6 +72,7 @@ use utoipa::{Modify, OpenApi};
         hutch_api::Usage, hutch_api::CreateSnapshot, hutch_api::Snapshot, hutch_api::SnapshotList, hutch_api::Fork, hutch_api::ForkResult, hutch_api::Suspend, hutch_api::SuspendMode, hutch_api::Diff,
         hutch_api::Change,
         hutch_api::StorageKind,
+        hutch_api::OnExpire,
     )),
     modifiers(&BearerAuth),
     security(("bearer" = []))

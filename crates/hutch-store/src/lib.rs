@@ -15,7 +15,7 @@
 
 mod sqlite;
 
-pub use hutch_api::{BuildState, SandboxState, StorageKind};
+pub use hutch_api::{BuildState, OnExpire, SandboxState, StorageKind};
 pub use sqlite::SqliteStore;
 
 #[derive(Debug, thiserror::Error)]
@@ -97,6 +97,13 @@ pub struct SandboxRecord {
     pub storage: StorageKind,
     /// The snapshot it started from (its files' origin), if any.
     pub origin: Option<String>,
+    /// What happens at its expiry.
+    pub on_expire: OnExpire,
+    /// The lifetime it was given (seconds), if known: what a resume of a
+    /// sandbox paused at its expiry gives it again.
+    pub ttl_s: Option<u64>,
+    /// How long it is kept once paused at its expiry (seconds).
+    pub paused_ttl_s: Option<u64>,
 }
 
 /// A snapshot as stored. Times are Unix milliseconds.
@@ -154,6 +161,11 @@ pub struct TemplateRecord {
     pub network: String,
     /// Where its sandboxes' files live; None: the host's default.
     pub storage: Option<StorageKind>,
+    /// What happens to its sandboxes at their expiry; None: delete.
+    pub on_expire: Option<OnExpire>,
+    /// How long its sandboxes paused at their expiry are kept; None: the
+    /// default.
+    pub paused_ttl_s: Option<u64>,
 }
 
 /// A template build as stored. Times are Unix milliseconds.
@@ -187,6 +199,11 @@ pub struct Claim<'a> {
     pub request_hash: &'a str,
     /// Only a warm sandbox whose files live there.
     pub storage: StorageKind,
+    /// What the claimed sandbox does at its expiry, its lifetime and how
+    /// long it is kept paused (as [`SandboxRecord`]).
+    pub on_expire: OnExpire,
+    pub ttl_s: Option<u64>,
+    pub paused_ttl_s: Option<u64>,
 }
 
 /// Where an idempotent command is.
@@ -328,8 +345,15 @@ pub trait Store: Send + Sync {
         to: SandboxState,
         changes: &Changes<'_>,
     ) -> Result<Option<SandboxRecord>>;
-    /// Sets the expiry of a sandbox in one of `states`; None otherwise.
-    fn set_expiry(&self, id: &str, expires_at: i64, states: &[SandboxState]) -> Result<Option<SandboxRecord>>;
+    /// Sets the expiry of a sandbox in one of `states` (and with
+    /// `raise_max`, its latest expiry to at least that); None otherwise.
+    fn set_expiry(
+        &self,
+        id: &str,
+        expires_at: i64,
+        raise_max: bool,
+        states: &[SandboxState],
+    ) -> Result<Option<SandboxRecord>>;
     /// Sets a sandbox's network record (JSON).
     fn set_network(&self, id: &str, json: &str) -> Result<()>;
     /// Addresses admitted for a sandbox by the resolver (JSON array).

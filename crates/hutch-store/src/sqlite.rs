@@ -19,6 +19,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0005_trust", include_str!("../migrations/0005_trust.sql")),
     ("0006_storage", include_str!("../migrations/0006_storage.sql")),
     ("0007_snapshots", include_str!("../migrations/0007_snapshots.sql")),
+    ("0009_lifecycle", include_str!("../migrations/0009_lifecycle.sql")),
 ];
 
 /// States in which a sandbox holds resources.
@@ -87,11 +88,11 @@ fn update_in_states(c: &Connection, update: &str, mut values: Vec<Value>, states
 
 const SANDBOX_COLUMNS: &str = "id, owner, template, state, created_at, expires_at, max_expires_at, memory_mb, vcpus, \
      disk_mib, pids, env, metadata, limits_applied, last_error_code, host_pid, idempotency_key, request_hash, \
-     template_id, template_version, warm, pooled, network, storage, origin";
+     template_id, template_version, warm, pooled, network, storage, origin, on_expire, ttl_s, paused_ttl_s";
 
 const TEMPLATE_COLUMNS: &str = "id, owner, name, version, image, class, memory_mb, vcpus, disk_mib, pids, env, \
      default_ttl_s, max_ttl_s, warm_min, warm_max, created_at, updated_at, deleted_at, startup, readiness, network, \
-     storage";
+     storage, on_expire, paused_ttl_s";
 
 const BUILD_COLUMNS: &str = "id, template_id, owner, state, created_at, finished_at, error, parent, image, version";
 
@@ -176,7 +177,45 @@ fn template_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<TemplateRecord> {
             None => None,
             Some(_) => Some(parsed(r, 21, "template storage", StorageKind::parse)?),
         },
+        on_expire: match r.get::<_, Option<String>>(22)? {
+            None => None,
+            Some(_) => Some(parsed(r, 22, "template on_expire", OnExpire::parse)?),
+        },
+        paused_ttl_s: r.get::<_, Option<i64>>(23)?.map(|v| v as u64),
     })
+}
+
+/// A template's values in [`TEMPLATE_COLUMNS`] order: what an insert and
+/// an update write.
+fn template_values(t: &TemplateRecord) -> Vec<Value> {
+    let text = |v: Option<&str>| v.map_or(Value::Null, |v| Value::from(v.to_owned()));
+    let int = |v: Option<i64>| v.map_or(Value::Null, Value::from);
+    vec![
+        Value::from(t.id.clone()),
+        Value::from(t.owner.clone()),
+        Value::from(t.name.clone()),
+        Value::from(t.version),
+        Value::from(t.image.clone()),
+        Value::from(t.class.clone()),
+        Value::from(t.memory_mb as i64),
+        Value::from(t.vcpus),
+        Value::from(t.disk_mib as i64),
+        Value::from(t.pids as i64),
+        Value::from(t.env.clone()),
+        Value::from(t.default_ttl_s as i64),
+        Value::from(t.max_ttl_s as i64),
+        Value::from(t.warm_min as i64),
+        Value::from(t.warm_max as i64),
+        Value::from(t.created_at),
+        Value::from(t.updated_at),
+        int(t.deleted_at),
+        text(t.startup.as_deref()),
+        text(t.readiness.as_deref()),
+        Value::from(t.network.clone()),
+        text(t.storage.map(StorageKind::as_str)),
+        text(t.on_expire.map(OnExpire::as_str)),
+        int(t.paused_ttl_s.map(|v| v as i64)),
+    ]
 }
 
 fn sandbox_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRecord> {
@@ -206,6 +245,9 @@ fn sandbox_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRecord> {
         network: r.get(22)?,
         storage: parsed(r, 23, "sandbox storage", StorageKind::parse)?,
         origin: r.get(24)?,
+        on_expire: parsed(r, 25, "sandbox on_expire", OnExpire::parse)?,
+        ttl_s: r.get::<_, Option<i64>>(26)?.map(|v| v as u64),
+        paused_ttl_s: r.get::<_, Option<i64>>(27)?.map(|v| v as u64),
     })
 }
 
@@ -276,7 +318,7 @@ fn over(scope: Scope, caps: &Quotas, used: Usage, asked: Usage) -> Option<Exceed
 
 fn insert_sandbox_in(tx: &Transaction<'_>, s: &SandboxRecord) -> Result<()> {
     tx.execute(
-        &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", placeholders(1, 25)),
+        &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", placeholders(1, 28)),
         params![
             s.id,
             s.owner,
@@ -302,7 +344,10 @@ fn insert_sandbox_in(tx: &Transaction<'_>, s: &SandboxRecord) -> Result<()> {
             s.pooled as i64,
             s.network,
             s.storage.as_str(),
-            s.origin
+            s.origin,
+            s.on_expire.as_str(),
+            s.ttl_s.map(|v| v as i64),
+            s.paused_ttl_s.map(|v| v as i64)
         ],
     )
     .map_err(conflict)?;
@@ -455,14 +500,24 @@ impl Store for SqliteStore {
         })
     }
 
-    fn set_expiry(&self, id: &str, expires_at: i64, states: &[SandboxState]) -> Result<Option<SandboxRecord>> {
+    fn set_expiry(
+        &self,
+        id: &str,
+        expires_at: i64,
+        raise_max: bool,
+        states: &[SandboxState],
+    ) -> Result<Option<SandboxRecord>> {
         if states.is_empty() {
             return Ok(None);
         }
         self.with(|c| {
             let tx = c.transaction()?;
             let states: Vec<&str> = states.iter().map(|s| s.as_str()).collect();
-            let update = "UPDATE sandboxes SET expires_at = ?2 WHERE id = ?1 AND state IN";
+            let update = if raise_max {
+                "UPDATE sandboxes SET expires_at = ?2, max_expires_at = MAX(max_expires_at, ?2) WHERE id = ?1 AND state IN"
+            } else {
+                "UPDATE sandboxes SET expires_at = ?2 WHERE id = ?1 AND state IN"
+            };
             if update_in_states(&tx, update, vec![id.to_owned().into(), expires_at.into()], &states)? == 0 {
                 return Ok(None);
             }
@@ -592,32 +647,10 @@ impl Store for SqliteStore {
 
     fn insert_template(&self, t: &TemplateRecord) -> Result<()> {
         self.with(|c| {
+            let values = template_values(t);
             c.execute(
-                &format!("INSERT INTO templates ({TEMPLATE_COLUMNS}) VALUES ({})", placeholders(1, 22)),
-                params![
-                    t.id,
-                    t.owner,
-                    t.name,
-                    t.version,
-                    t.image,
-                    t.class,
-                    t.memory_mb as i64,
-                    t.vcpus,
-                    t.disk_mib as i64,
-                    t.pids as i64,
-                    t.env,
-                    t.default_ttl_s as i64,
-                    t.max_ttl_s as i64,
-                    t.warm_min as i64,
-                    t.warm_max as i64,
-                    t.created_at,
-                    t.updated_at,
-                    t.deleted_at,
-                    t.startup,
-                    t.readiness,
-                    t.network,
-                    t.storage.map(StorageKind::as_str)
-                ],
+                &format!("INSERT INTO templates ({TEMPLATE_COLUMNS}) VALUES ({})", placeholders(1, values.len())),
+                params_from_iter(values),
             )
             .map_err(conflict)?;
             Ok(())
@@ -657,38 +690,23 @@ impl Store for SqliteStore {
 
     fn update_template(&self, t: &TemplateRecord, updated_at: i64) -> Result<bool> {
         self.with(|c| {
-            let n = c
+            // Every column from the record (the same list an insert
+            // writes), if the row is still the version that was read.
+            let mut values = template_values(t);
+            let n = values.len();
+            values.push(Value::from(updated_at));
+            let changed = c
                 .execute(
-                    "UPDATE templates SET name = ?2, version = ?3, image = ?4, class = ?5, memory_mb = ?6, vcpus = ?7, \
-                     disk_mib = ?8, pids = ?9, env = ?10, default_ttl_s = ?11, max_ttl_s = ?12, warm_min = ?13, \
-                     warm_max = ?14, updated_at = ?15, deleted_at = ?16, startup = ?17, readiness = ?18, \
-                     network = ?19, storage = ?21 WHERE id = ?1 AND updated_at = ?20 AND deleted_at IS NULL",
-                    params![
-                        t.id,
-                        t.name,
-                        t.version,
-                        t.image,
-                        t.class,
-                        t.memory_mb as i64,
-                        t.vcpus,
-                        t.disk_mib as i64,
-                        t.pids as i64,
-                        t.env,
-                        t.default_ttl_s as i64,
-                        t.max_ttl_s as i64,
-                        t.warm_min as i64,
-                        t.warm_max as i64,
-                        t.updated_at,
-                        t.deleted_at,
-                        t.startup,
-                        t.readiness,
-                        t.network,
-                        updated_at,
-                        t.storage.map(StorageKind::as_str)
-                    ],
+                    &format!(
+                        "UPDATE templates SET ({TEMPLATE_COLUMNS}) = ({}) \
+                         WHERE id = ?1 AND updated_at = ?{} AND deleted_at IS NULL",
+                        placeholders(1, n),
+                        n + 1
+                    ),
+                    params_from_iter(values),
                 )
                 .map_err(conflict)?;
-            Ok(n == 1)
+            Ok(changed == 1)
         })
     }
 
@@ -862,8 +880,20 @@ impl Store for SqliteStore {
             let Some(id) = id else { return Ok(None) };
             tx.execute(
                 "UPDATE sandboxes SET pooled = 0, created_at = ?2, expires_at = ?3, max_expires_at = ?4, \
-                 metadata = ?5, idempotency_key = ?6, request_hash = ?7 WHERE id = ?1",
-                params![id, cl.now, cl.expires_at, cl.max_expires_at, cl.metadata, cl.idempotency_key, cl.request_hash],
+                 metadata = ?5, idempotency_key = ?6, request_hash = ?7, on_expire = ?8, ttl_s = ?9, \
+                 paused_ttl_s = ?10 WHERE id = ?1",
+                params![
+                    id,
+                    cl.now,
+                    cl.expires_at,
+                    cl.max_expires_at,
+                    cl.metadata,
+                    cl.idempotency_key,
+                    cl.request_hash,
+                    cl.on_expire.as_str(),
+                    cl.ttl_s.map(|v| v as i64),
+                    cl.paused_ttl_s.map(|v| v as i64)
+                ],
             )
             .map_err(conflict)?;
             let r = get_sandbox_in(&tx, &id)?;

@@ -42,6 +42,9 @@ fn sandbox(id: &str, created_at: i64) -> SandboxRecord {
         network: "{}".into(),
         storage: StorageKind::Disk,
         origin: None,
+        on_expire: OnExpire::Delete,
+        ttl_s: Some(1),
+        paused_ttl_s: None,
     }
 }
 
@@ -151,6 +154,8 @@ fn template(id: &str, version: i64) -> TemplateRecord {
         readiness: None,
         network: "{}".into(),
         storage: None,
+        on_expire: None,
+        paused_ttl_s: None,
     }
 }
 
@@ -176,6 +181,9 @@ fn claim(now: i64) -> Claim<'static> {
         idempotency_key: None,
         request_hash: "h",
         storage: StorageKind::Disk,
+        on_expire: OnExpire::Pause,
+        ttl_s: Some(60),
+        paused_ttl_s: Some(120),
     }
 }
 
@@ -190,6 +198,8 @@ fn warm_claims_take_the_oldest_of_the_current_version_only() {
     let got = s.claim_warm(&claim(100)).expect("claim").expect("one ready");
     assert_eq!((got.id.as_str(), got.pooled, got.warm, got.created_at), ("old", false, true, 100));
     assert_eq!(got.metadata, "{\"a\":\"b\"}");
+    // The claim's lifecycle replaces the pooled one's.
+    assert_eq!((got.on_expire, got.ttl_s, got.paused_ttl_s), (OnExpire::Pause, Some(60), Some(120)));
     assert_eq!(s.list_sandboxes(Some("k1"), None, 10, false).expect("list").len(), 1);
     // A new version: the remaining v1 sandbox can no longer be claimed.
     let mut t = template("tpl-1", 2);
@@ -205,6 +215,32 @@ fn warm_claims_take_the_oldest_of_the_current_version_only() {
     assert_eq!(s.claim_warm(&claim(103)).expect("claim"), None);
     assert!(s.template_by_name("k1", "py").expect("get").is_none());
     assert_eq!(s.pooled_sandboxes().expect("pooled").len(), 3);
+}
+
+#[test]
+fn a_template_update_writes_every_column_an_insert_does() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    s.insert_template(&template("tpl-1", 1)).expect("insert");
+    let t = TemplateRecord {
+        version: 2,
+        image: "python".into(),
+        env: "{\"A\":\"1\"}".into(),
+        startup: Some("{}".into()),
+        storage: Some(StorageKind::Memory),
+        on_expire: Some(OnExpire::Pause),
+        paused_ttl_s: Some(3600),
+        updated_at: 2,
+        ..template("tpl-1", 1)
+    };
+    assert!(s.update_template(&t, 1).expect("update"));
+    assert_eq!(s.get_template("tpl-1").expect("get"), Some(t.clone()));
+    // Only over the version that was read.
+    assert!(!s.update_template(&t, 1).expect("stale update"));
+    let mut r = sandbox("a", 1);
+    r.on_expire = OnExpire::Pause;
+    r.paused_ttl_s = Some(7);
+    s.insert_sandbox_free(&r).expect("insert");
+    assert_eq!(s.get_sandbox("a").expect("get"), Some(r));
 }
 
 #[test]
@@ -278,8 +314,14 @@ fn transitions_are_conditional_on_the_state_they_leave() {
     let mut r = sandbox("a", 1);
     r.state = SandboxState::Starting;
     s.insert_sandbox_free(&r).expect("insert");
+    // With raise_max the latest expiry follows (a pause at expiry keeps a
+    // sandbox past it); without, it stays.
+    let kept = s.set_expiry("a", 50_000, true, &[SandboxState::Starting]).expect("keep").expect("row");
+    assert_eq!((kept.expires_at, kept.max_expires_at), (50_000, 50_000));
+    let kept = s.set_expiry("a", 40_000, true, &[SandboxState::Starting]).expect("keep").expect("row");
+    assert_eq!((kept.expires_at, kept.max_expires_at), (40_000, 50_000));
     // An extension made while it boots is kept by the boot's transition.
-    let extended = s.set_expiry("a", 99_000, &[SandboxState::Starting, SandboxState::Running]).expect("extend");
+    let extended = s.set_expiry("a", 99_000, false, &[SandboxState::Starting, SandboxState::Running]).expect("extend");
     assert_eq!(extended.map(|r| r.expires_at), Some(99_000));
     let ready = Changes { host_pid: Some(42), limits_applied: Some("enforced"), ..Changes::default() };
     let got = s.transition("a", &[SandboxState::Starting], SandboxState::Running, &ready).expect("ready");
@@ -295,7 +337,7 @@ fn transitions_are_conditional_on_the_state_they_leave() {
         .transition("a", &[SandboxState::Suspended], SandboxState::Running, &Changes::default())
         .expect("resume")
         .is_none());
-    assert!(s.set_expiry("a", 1, &[SandboxState::Running]).expect("extend").is_none());
+    assert!(s.set_expiry("a", 1, false, &[SandboxState::Running]).expect("extend").is_none());
     let now = s.get_sandbox("a").expect("get").expect("row");
     assert_eq!((now.state, now.last_error_code.as_deref()), (SandboxState::Terminating, Some("sandbox_expired")));
     assert!(s

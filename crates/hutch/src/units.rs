@@ -45,7 +45,8 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "ms" => n / 1000.0,
         "m" => n * 60.0,
         "h" => n * 3600.0,
-        _ => return Err(format!("unknown duration unit in {s:?}: use ms, s, m or h")),
+        "d" => n * 86_400.0,
+        _ => return Err(format!("unknown duration unit in {s:?}: use ms, s, m, h or d")),
     };
     if !(secs > 0.0 && secs < 1e9) {
         return Err(format!("duration {s:?} out of range"));
@@ -76,8 +77,9 @@ mod tests {
         assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
         assert_eq!(parse_duration("1500ms"), Ok(Duration::from_millis(1500)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("7d"), Ok(Duration::from_secs(7 * 86_400)));
         assert_eq!(parse_duration("5"), Ok(Duration::from_secs(5)));
         assert!(parse_duration("0s").is_err());
-        assert!(parse_duration("5d").is_err());
+        assert!(parse_duration("5w").is_err());
     }
 }

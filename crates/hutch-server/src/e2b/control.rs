@@ -159,7 +159,7 @@ fn listed(app: &App, sb: &Sandbox, state: &str, detail: bool) -> Value {
 }
 
 /// `SandboxDetail`'s network fields, from the E2B settings kept.
-fn with_network(mut v: Value, settings: Option<&E2bNetwork>) -> Value {
+fn with_network(mut v: Value, sb: &Sandbox, settings: Option<&E2bNetwork>) -> Value {
     let Some(s) = settings else { return v };
     let mut net = json!({"allowPublicTraffic": s.public});
     if !s.allow_out.is_empty() {
@@ -173,7 +173,11 @@ fn with_network(mut v: Value, settings: Option<&E2bNetwork>) -> Value {
     }
     v["network"] = net;
     v["allowInternetAccess"] = json!(s.allow_internet_access);
-    v["lifecycle"] = json!({"autoResume": s.auto_resume, "onTimeout": if s.auto_pause { "pause" } else { "kill" }});
+    let on_timeout = match sb.on_expire {
+        hutch_api::OnExpire::Pause => "pause",
+        hutch_api::OnExpire::Delete => "kill",
+    };
+    v["lifecycle"] = json!({"autoResume": s.auto_resume, "onTimeout": on_timeout});
     v
 }
 
@@ -280,13 +284,15 @@ async fn create(State(app): AppState, Extension(caller): Extension<Caller>, req:
         public: net.allow_public_traffic.unwrap_or(true),
         mask_request_host: net.mask_request_host.filter(|m| !m.is_empty()),
         auto_resume: new.auto_resume.is_some_and(|a| a.enabled),
-        auto_pause: new.auto_pause.unwrap_or(false),
-        timeout_s: Some(ttl),
     };
     let mut create = CreateSandbox {
         template,
         snapshot,
         ttl_seconds: Some(ttl),
+        // E2B keeps what a sandbox paused at its timeout holds until it is
+        // killed; ours are kept for the longest `paused_ttl_seconds`.
+        on_expire: new.auto_pause.unwrap_or(false).then_some(hutch_api::OnExpire::Pause),
+        paused_ttl_seconds: new.auto_pause.unwrap_or(false).then_some(hutch_control::PAUSED_TTL_MAX),
         env: new.env_vars.unwrap_or_default(),
         metadata: new.metadata.unwrap_or_default(),
         wait_seconds: Some(60),
@@ -321,7 +327,7 @@ async fn detail(
 ) -> E2bResult<Json<Value>> {
     let (sid, sb, state) = live_view(&app, &caller, &id).await?;
     let settings = settings_of(&app, &caller, &sid).await;
-    Ok(Json(with_network(listed(&app, &sb, state, true), settings.as_ref())))
+    Ok(Json(with_network(listed(&app, &sb, state, true), &sb, settings.as_ref())))
 }
 
 async fn kill(

@@ -124,6 +124,23 @@ impl NetworkArgs {
     }
 }
 
+/// What a sandbox does at its expiry, for a sandbox or a template.
+#[derive(Args, Debug, Default)]
+pub struct LifecycleArgs {
+    /// At expiry: delete (the default) or pause (to disk, files kept for
+    /// --paused-ttl; a resume gives it its lifetime again).
+    #[arg(long, value_name = "WHAT", value_parser = parse_on_expire)]
+    pub on_expire: Option<hutch_api::OnExpire>,
+    /// How long a sandbox paused at its expiry is kept: 1h, 7d, ... (7d
+    /// when absent, at most 30d).
+    #[arg(long, value_parser = parse_seconds, value_name = "DURATION")]
+    pub paused_ttl: Option<u64>,
+}
+
+fn parse_on_expire(s: &str) -> Result<hutch_api::OnExpire, String> {
+    hutch_api::OnExpire::parse(s).ok_or_else(|| format!("{s:?}: expected delete or pause"))
+}
+
 /// `--storage`: where a sandbox's files live.
 pub fn parse_storage(s: &str) -> Result<hutch_api::StorageKind, String> {
     hutch_api::StorageKind::parse(s).ok_or_else(|| format!("{s:?}: expected disk or memory"))

@@ -2,7 +2,7 @@
 //! delete sandboxes of a running daemon.
 
 use super::output::{self, table};
-use super::{parse_pairs, parse_seconds, parse_storage, report, ClientOpts, NetworkArgs, ResourceArgs};
+use super::{parse_pairs, parse_seconds, parse_storage, report, ClientOpts, LifecycleArgs, NetworkArgs, ResourceArgs};
 use clap::{Args, Subcommand};
 use hutch_api::{CreateSandbox, Extend, Sandbox};
 
@@ -108,6 +108,8 @@ pub struct CreateArgs {
     /// Start from a snapshot (its id or name) instead of a template.
     #[arg(long, value_name = "SNAPSHOT", conflicts_with = "template")]
     snapshot: Option<String>,
+    #[command(flatten)]
+    life: LifecycleArgs,
     /// Make the request safe to retry: the same key gives the same sandbox.
     #[arg(long)]
     idempotency_key: Option<String>,
@@ -229,6 +231,8 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateSandbox> {
         network: c.net.request()?,
         storage: c.storage,
         snapshot: c.snapshot.clone(),
+        on_expire: c.life.on_expire,
+        paused_ttl_seconds: c.life.paused_ttl,
     })
 }
 
@@ -334,6 +338,8 @@ mod tests {
             owner: "key-000000000001".into(),
             storage: hutch_api::StorageKind::Disk,
             snapshot: None,
+            on_expire: hutch_api::OnExpire::Delete,
+            paused_ttl_seconds: 604_800,
         }
     }
 
@@ -358,10 +364,16 @@ mod tests {
             "team=ci",
             "--wait",
             "0",
+            "--on-expire",
+            "pause",
+            "--paused-ttl",
+            "2d",
         ])
         .expect("parse");
         let SandboxCommand::Create(c) = t.c else { panic!("not create") };
         let req = create_request(&c).expect("request");
+        assert_eq!((req.on_expire, req.paused_ttl_seconds), (Some(hutch_api::OnExpire::Pause), Some(172_800)));
+        assert!(T::try_parse_from(["x", "create", "--on-expire", "nap"]).is_err());
         assert_eq!(req.template.as_deref(), Some("py"));
         assert_eq!(req.ttl_seconds, Some(600));
         assert_eq!(req.memory_mb, Some(1024));

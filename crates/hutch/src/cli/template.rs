@@ -3,7 +3,7 @@
 //! Templates are named by id or by name (resolved through the list).
 
 use super::output::{self, table};
-use super::{parse_pairs, parse_seconds, parse_storage, report, ClientOpts, NetworkArgs, ResourceArgs};
+use super::{parse_pairs, parse_seconds, parse_storage, report, ClientOpts, LifecycleArgs, NetworkArgs, ResourceArgs};
 use anyhow::Context as _;
 use clap::{Args, Subcommand};
 use hutch_api::{BuildState, CreateTemplate, Readiness, Startup, Template, Warm};
@@ -103,6 +103,8 @@ pub struct CreateArgs {
     ready_timeout: Option<u64>,
     #[command(flatten)]
     net: NetworkArgs,
+    #[command(flatten)]
+    life: LifecycleArgs,
     /// Print JSON (a Template).
     #[arg(long)]
     json: bool,
@@ -154,6 +156,8 @@ pub struct UpdateArgs {
     no_readiness: bool,
     #[command(flatten)]
     net: NetworkArgs,
+    #[command(flatten)]
+    life: LifecycleArgs,
     /// Print JSON (a Template).
     #[arg(long)]
     json: bool,
@@ -273,6 +277,8 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateTemplate> {
         warm: (c.warm_min > 0 || c.warm_max > 0).then_some(Warm { min: c.warm_min, max: c.warm_max.max(c.warm_min) }),
         startup: c.startup.clone().map(|command| Startup { command }),
         readiness,
+        on_expire: c.life.on_expire,
+        paused_ttl_seconds: c.life.paused_ttl,
     })
 }
 
@@ -337,6 +343,12 @@ fn update_request(
     }
     if let Some(n) = u.net.request()? {
         put("network", serde_json::to_value(n)?);
+    }
+    if let Some(w) = u.life.on_expire {
+        put("on_expire", serde_json::to_value(w)?);
+    }
+    if let Some(s) = u.life.paused_ttl {
+        put("paused_ttl_seconds", json!(s));
     }
     if m.is_empty() {
         anyhow::bail!("nothing to change: give at least one flag (hutch template update --help)");
