@@ -413,6 +413,7 @@ impl Control {
         let sid = record.id.clone();
         let interface = net.interface;
         let (storage, origin) = (record.storage, record.origin.clone());
+        let refill = origin.clone().filter(|o| storage == StorageKind::Disk && o.starts_with("snap-"));
         let started = tokio::task::spawn_blocking(move || {
             let mut spec = spec;
             // A disk layer of its own, named after it (empty, or a copy of
@@ -443,6 +444,10 @@ impl Control {
             started
         })
         .await?;
+        // The next create from the same snapshot finds a spare ready.
+        if let Some(snap) = refill {
+            self.keep_spares(snap);
+        }
         let sb = match started {
             Ok((sb, attached, applied)) => {
                 if let Some(a) = &attached {

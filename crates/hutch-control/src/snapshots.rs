@@ -27,6 +27,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Writable copies of a snapshot kept made ahead for creates from it.
+const SPARES: usize = 2;
+
 /// What a sandbox started from a snapshot runs: the settings of the
 /// sandbox it was taken of, as they were (stored as JSON with the row).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -160,7 +163,10 @@ impl Control {
         let rec = record.clone();
         let inserted = self.db(move |s| s.insert_snapshot(&rec, max)).await;
         let refusal = match inserted {
-            Ok(true) => return Ok(view(&record)),
+            Ok(true) => {
+                self.keep_spares(record.id.clone());
+                return Ok(view(&record));
+            }
             Ok(false) => exceeded(max.unwrap_or(0), max.unwrap_or(0)),
             Err(ControlError::Store(StoreError::Conflict)) => {
                 ControlError::SnapshotNameTaken(req.name.clone().unwrap_or_default())
@@ -173,6 +179,18 @@ impl Control {
             tracing::warn!("snapshot {snap_id}: left for the next start's sweep: {e}");
         }
         Err(refusal)
+    }
+
+    /// Keeps [`SPARES`] writable copies of snapshot `snap` made ahead, in
+    /// the background, so that a create from it takes its layer by a
+    /// rename.
+    pub(crate) fn keep_spares(&self, snap: String) {
+        let rt = self.runtime.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = rt.keep_spares(&snap, SPARES) {
+                tracing::debug!("snapshot {snap}: no spare made: {e}");
+            }
+        });
     }
 
     /// What a sandbox started from `r`'s files runs: its template's

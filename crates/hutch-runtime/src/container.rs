@@ -356,8 +356,21 @@ impl Runtime {
     pub fn layer_from_snapshot(&self, id: &str, snap: &str) -> Result<Layer, RuntimeError> {
         let storage = self.storage.as_ref().ok_or(RuntimeError::NoStorage)?;
         let name = LayerName::new(crate::storage::Kind::Snapshot, snap)?;
+        let layer = LayerName::sandbox(id)?;
+        // A spare made ahead is taken by a rename; else a snapshot now.
+        if let Some(spare) = storage.take_spare(&name, &layer)? {
+            return Ok(spare);
+        }
         let source = storage.open_layer(&name)?.ok_or(StorageError::NotFound(name))?;
-        Ok(storage.snapshot(&source, &LayerName::sandbox(id)?, false)?)
+        Ok(storage.snapshot(&source, &layer, false)?)
+    }
+
+    /// Keeps `want` writable copies of snapshot `snap` made ahead, for
+    /// [`Runtime::layer_from_snapshot`] to take (see
+    /// [`Storage::make_spare`]). Call it off the create path.
+    pub fn keep_spares(&self, snap: &str, want: usize) -> Result<(), RuntimeError> {
+        let storage = self.storage.as_ref().ok_or(RuntimeError::NoStorage)?;
+        Ok(storage.keep_spares(&LayerName::new(crate::storage::Kind::Snapshot, snap)?, want)?)
     }
 
     /// What sandbox `id` changed since it started: its layer's upper

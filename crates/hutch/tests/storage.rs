@@ -378,3 +378,44 @@ fn a_state_directory_on_btrfs_is_used_as_it_is() {
     assert_eq!(st.status().quota_mode, "squota");
     st.release().expect("nothing to unmount");
 }
+
+#[test]
+fn spares_of_a_snapshot_are_taken_by_a_rename_and_go_with_it() {
+    let env = Env::new("storage-spares");
+    let st = storage(&env, 1 << 30);
+    let layer = st.create(&name("spare-src"), UPPER_DIRS).expect("create");
+    std::fs::write(layer.upper().join("workspace/f"), b"snapped").expect("write");
+    let snap = LayerName::new(Kind::Snapshot, "snap-spares").expect("name");
+    st.snapshot(&layer, &snap, true).expect("snapshot");
+    std::fs::write(layer.upper().join("workspace/f"), b"later").expect("write after");
+    assert_eq!(st.spares_of(&snap), 0);
+    assert_eq!(st.take_spare(&snap, &name("spare-a")).expect("take"), None);
+    st.keep_spares(&snap, 2).expect("refill");
+    st.keep_spares(&snap, 2).expect("refill again makes none");
+    assert_eq!(st.spares_of(&snap), 2);
+    // A spare holds the snapshot's files, is writable, and is the taker's
+    // own: its writes reach neither the snapshot nor the other spare.
+    let a = st.take_spare(&snap, &name("spare-a")).expect("take").expect("one ready");
+    assert_eq!((a.name(), a.read_only()), (&name("spare-a"), false));
+    assert_eq!(std::fs::read(a.upper().join("workspace/f")).expect("read"), b"snapped");
+    std::fs::write(a.upper().join("workspace/f"), b"mine").expect("write spare");
+    let b = st.take_spare(&snap, &name("spare-b")).expect("take").expect("the second");
+    assert_eq!(std::fs::read(b.upper().join("workspace/f")).expect("read"), b"snapped");
+    assert_eq!(st.spares_of(&snap), 0);
+    assert!(matches!(st.take_spare(&snap, &name("spare-b")), Ok(None)));
+    // A taken spare is an ordinary layer: limited, deleted like any.
+    st.set_limit(&a, Some(8 << 20)).expect("limit");
+    assert!(st.delete(&name("spare-b")).expect("delete"));
+    // Deleting the snapshot deletes its spares; an open empties spares/.
+    st.keep_spares(&snap, 1).expect("refill");
+    assert!(st.delete(&snap).expect("delete snapshot"));
+    assert_eq!(st.spares_of(&snap), 0);
+    let other = LayerName::new(Kind::Snapshot, "snap-other").expect("name");
+    st.snapshot(&layer, &other, true).expect("snapshot");
+    st.keep_spares(&other, 1).expect("refill");
+    drop(st);
+    let st = Storage::open(&StorageConfig::new(&env.state, None)).expect("reopen");
+    assert_eq!(st.spares_of(&other), 0);
+    assert!(std::fs::read_dir(st.mount_point().join("spares")).expect("spares/").next().is_none());
+    assert_eq!(std::fs::read(a.upper().join("workspace/f")).expect("taken spare stays"), b"mine");
+}
