@@ -16,6 +16,7 @@ use utoipa::{Modify, OpenApi};
         crate::routes::extend_sandbox,
         crate::routes::suspend_sandbox,
         crate::routes::resume_sandbox,
+        crate::routes::sandbox_metrics,
         crate::routes::exec,
         crate::routes::processes,
         crate::routes::signal,
@@ -71,7 +72,7 @@ use utoipa::{Modify, OpenApi};
         hutch_api::BuildList, hutch_api::ApiKey, hutch_api::ApiKeyList, hutch_api::CreateKey, hutch_api::KeyQuotas,
         hutch_api::Usage, hutch_api::CreateSnapshot, hutch_api::Snapshot, hutch_api::SnapshotList, hutch_api::Fork, hutch_api::ForkResult, hutch_api::Suspend, hutch_api::SuspendMode, hutch_api::Diff,
         hutch_api::Change,
-        hutch_api::StorageKind,
+        hutch_api::StorageKind, hutch_api::MetricSample, hutch_api::SandboxMetrics,
     )),
     modifiers(&BearerAuth),
     security(("bearer" = []))
