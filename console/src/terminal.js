@@ -30,7 +30,13 @@ export function openTerminal(box, path) {
   const encoder = new TextEncoder();
   const say = (text) => term.write(`\r\n\x1b[2m${text}\x1b[0m\r\n`);
 
-  ws.onopen = () => term.focus();
+  // What is typed before the socket opens is sent once it is.
+  let early = [];
+  ws.onopen = () => {
+    for (const d of early) ws.send(d);
+    early = null;
+    term.focus();
+  };
   ws.onmessage = (ev) => {
     if (typeof ev.data !== "string") { term.write(new Uint8Array(ev.data)); return; }
     let m;
@@ -41,7 +47,10 @@ export function openTerminal(box, path) {
   // The server refuses before the upgrade (401, 404, 409, 429) with a JSON
   // body the browser does not show scripts: only that it closed.
   ws.onclose = (ev) => say(ev.code === 1006 ? "[the terminal could not be opened or was cut]" : `[closed: ${ev.reason || ev.code}]`);
-  const input = term.onData((d) => { if (ws.readyState === WebSocket.OPEN) ws.send(encoder.encode(d)); });
+  const input = term.onData((d) => {
+    if (ws.readyState === WebSocket.OPEN) ws.send(encoder.encode(d));
+    else if (early) early.push(encoder.encode(d));
+  });
   const resize = term.onResize(({ cols, rows }) => {
     if (ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ type: "resize", cols, rows }));
   });
@@ -59,6 +68,20 @@ export function openTerminal(box, path) {
     },
   };
 }
+
+// xterm.js gives 24-bit colours as `style` attributes, which the policy
+// refuses (it admits no inline style, so that injected markup could carry
+// none). The same declarations through the CSSOM are allowed, and mean the
+// same: the console's own code sets no style attribute, so every such call
+// in the page is routed there.
+const setAttribute = Element.prototype.setAttribute;
+Element.prototype.setAttribute = function (name, value) {
+  if (this instanceof HTMLElement && String(name).toLowerCase() === "style") {
+    this.style.cssText = String(value);
+    return;
+  }
+  setAttribute.call(this, name, value);
+};
 
 /** Runs `f` with every <style> element created meanwhile carrying the
  *  page's style nonce: xterm.js writes its measured cell size and colours

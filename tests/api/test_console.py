@@ -9,8 +9,10 @@ per-sandbox metrics route its chart reads."""
 
 from __future__ import annotations
 
+import io
 import re
 import shutil
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -94,10 +96,22 @@ def test_the_console_signs_in_runs_a_terminal_moves_files_and_deletes_a_sandbox(
         expect(page.locator("#sandbox td.state")).to_have_text("running")
         expect(page.locator("#sandbox td.time-left")).to_have_text(re.compile(r"^\d+m \d\ds$"))
 
-        # The terminal: a command typed in it, its output on screen.
+        # Extend, suspend and resume through the buttons.
+        before = user.sandbox(sid)["expires_at"]
+        page.click('#sandbox button[data-action="+10m"]')
+        wait_for("the extension", lambda: user.sandbox(sid)["expires_at"] > before, timeout=10)
+        page.click('#sandbox button[data-action="suspend"]')
+        expect(page.locator("#sandbox td.state")).to_have_text("suspended")
+        expect(page.locator("#open-terminal")).to_be_disabled()
+        page.click('#sandbox button[data-action="resume"]')
+        expect(page.locator("#sandbox td.state")).to_have_text("running")
+
+        # The terminal: a command typed in it (at once: what is typed
+        # before the socket opens waits for it), its output on screen, in
+        # 24-bit colour (which xterm.js sets as style attributes).
         page.click("#open-terminal")
         page.locator("#terminal .xterm").click()
-        page.keyboard.type("echo console-$((6 * 7))\n")
+        page.keyboard.type("printf '\\033[38;2;255;100;0mconsole-%s\\033[0m\\n' $((6 * 7))\n")
         expect(page.locator("#terminal .xterm-rows")).to_contain_text("console-42")
 
         # Upload: the file lands in the sandbox with its bytes.
@@ -139,6 +153,55 @@ def test_the_console_signs_in_runs_a_terminal_moves_files_and_deletes_a_sandbox(
     assert watched.errors == [], (watched.errors, watched.failed)
     assert any(u.startswith("ws://") and f"/v1/sandboxes/{sid}/pty?" in u for u in watched.urls), watched.urls
     assert not [u for u in watched.urls if user.key in u]
+
+
+def test_the_console_follows_a_build_log_as_text_and_lists_snapshots(watched: Watched, daemon: Daemon):
+    user = daemon.new_client("console-builds")
+    page = watched.page
+    r = user.post("/v1/templates", {"name": "console-tpl"})
+    expect_status(r, 201)
+    tid = r.json()["id"]
+    r = user.request(
+        "POST",
+        f"/v1/templates/{tid}/builds",
+        data=build_context("RUN echo '<b>built</b>-'$((6 * 7))\n"),
+        headers={"Content-Type": "application/gzip"},
+    )
+    expect_status(r, 202)
+    sb = user.create()
+    try:
+        snap = user.post(f"/v1/sandboxes/{sb['id']}/snapshots", {"name": "console-snap"})
+        expect_status(snap, 201)
+        watched.sign_in(user.key)
+        expect(page.locator("#create-template option", has_text="console-tpl")).to_have_count(1)
+
+        page.click('#nav a[href="#/templates"]')
+        page.click('#templates tr:has-text("console-tpl") button')
+        page.click("#builds tbody button")
+        log = page.locator("#build-log")
+        # Followed until the build ends; its text shown as text.
+        expect(log).to_contain_text("<b>built</b>-42")
+        expect(log).to_contain_text("(end of log)", timeout=180_000)
+        assert log.locator("b").count() == 0
+
+        page.click('#nav a[href="#/snapshots"]')
+        expect(page.locator("#snapshots tbody")).to_contain_text(snap.json()["id"])
+        expect(page.locator("#snapshots tbody")).to_contain_text("console-snap")
+    finally:
+        user.delete(f"/v1/sandboxes/{sb['id']}")
+        user.cleanup_templates()
+    assert watched.errors == [], (watched.errors, watched.failed)
+
+
+def build_context(dockerfile: str) -> bytes:
+    """A tar.gz build context holding only `dockerfile`."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        raw = dockerfile.encode()
+        info = tarfile.TarInfo("Dockerfile")
+        info.size = len(raw)
+        tar.addfile(info, io.BytesIO(raw))
+    return buf.getvalue()
 
 
 def test_a_wrong_key_is_refused_with_a_message(watched: Watched):
