@@ -22,6 +22,7 @@ export function report(err) {
   if (!err) { notice.hidden = true; notice.textContent = ""; return; }
   if (err.name === "AbortError") return;
   notice.textContent = String(err);
+  notice.className = "";
   notice.hidden = false;
 }
 
@@ -93,6 +94,7 @@ function route() {
   report(null);
   const [, view, arg] = location.hash.split("/");
   for (const a of nav.querySelectorAll("a")) a.classList.toggle("current", a.getAttribute("href") === `#/${view}`);
+  // Volumes: a `volumes` view (and a link in index.html's nav) once the API has them.
   const views = { sandboxes: sandboxesView, sandbox: sandboxView, templates: templatesView, snapshots: snapshotsView };
   const show = views[view] || sandboxesView;
   leave = show(main, arg ? decodeURIComponent(arg) : undefined) || (() => {});

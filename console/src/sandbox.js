@@ -56,7 +56,6 @@ export function sandboxView(root, id) {
       row("", el("td", {}, sandboxActions(sb, load),
         sb.state === "running" && el("button", { type: "button", onclick: () => attempt(async () => {
           const s = await api.post(path("/snapshots"), {});
-          report(null);
           alertInfo(`Snapshot ${s.id} taken.`);
         }) }, "snapshot"))));
     termButton.disabled = sb.state !== "running";
@@ -65,6 +64,8 @@ export function sandboxView(root, id) {
 
   const series = { cpu: [], mem: [] };
   const loadMetrics = async () => {
+    // An ended sandbox has no samples left to show.
+    if (sandbox && (sandbox.state === "terminated" || sandbox.state === "terminating")) return;
     const m = await api.get(path("/metrics"));
     series.cpu = m.samples.map((s) => [Date.parse(s.at), s.cpu_used_pct]);
     series.mem = m.samples.map((s) => [Date.parse(s.at), s.mem_total_bytes ? (100 * s.mem_used_bytes) / s.mem_total_bytes : 0]);
@@ -85,6 +86,7 @@ export function sandboxView(root, id) {
 function alertInfo(text) {
   const n = document.getElementById("notice");
   n.textContent = text;
+  n.className = "info";
   n.hidden = false;
 }
 

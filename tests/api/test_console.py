@@ -145,6 +145,9 @@ def test_the_console_signs_in_runs_a_terminal_moves_files_and_deletes_a_sandbox(
         page.click('#sandbox button[data-action="delete"]')
         expect(page.locator("#sandbox td.state")).to_have_text(re.compile("terminat"))
         wait_for("the sandbox to end", lambda: user.sandbox(sid)["state"] == "terminated", timeout=30)
+        expect(page.locator("#sandbox td.state")).to_have_text("terminated")
+        # No call failed on the way (the console shows such errors here).
+        expect(page.locator("#notice")).to_be_hidden()
     finally:
         user.delete(f"/v1/sandboxes/{sid}")
 
