@@ -58,6 +58,7 @@ use utoipa::{Modify, OpenApi};
         crate::snapshots::delete_one,
     ),
     components(schemas(
+        hutch_api::MetricSample, hutch_api::SandboxMetrics,
         hutch_api::ErrorBody, hutch_api::ErrorCode, hutch_api::Sandbox, hutch_api::SandboxList, hutch_api::SandboxState,
         hutch_api::CreateSandbox, hutch_api::LimitsRequest, hutch_api::Limits, hutch_api::Extend, hutch_api::ExecRequest,
         hutch_api::ExecResult, hutch_api::ExecEvent, hutch_api::Started, hutch_api::ExecutionRequest,
@@ -72,7 +73,7 @@ use utoipa::{Modify, OpenApi};
         hutch_api::BuildList, hutch_api::ApiKey, hutch_api::ApiKeyList, hutch_api::CreateKey, hutch_api::KeyQuotas,
         hutch_api::Usage, hutch_api::CreateSnapshot, hutch_api::Snapshot, hutch_api::SnapshotList, hutch_api::Fork, hutch_api::ForkResult, hutch_api::Suspend, hutch_api::SuspendMode, hutch_api::Diff,
         hutch_api::Change,
-        hutch_api::StorageKind, hutch_api::MetricSample, hutch_api::SandboxMetrics,
+        hutch_api::StorageKind,
     )),
     modifiers(&BearerAuth),
     security(("bearer" = []))
