@@ -36,8 +36,9 @@ def system_chromium() -> str:
 @pytest.fixture(scope="module")
 def browser():
     with sync_playwright() as p:
-        # As root Chromium runs only without its own sandbox.
-        b = p.chromium.launch(executable_path=system_chromium(), args=["--no-sandbox"])
+        # As root Chromium runs only without its own sandbox; a small
+        # /dev/shm (containers) must not crash it.
+        b = p.chromium.launch(executable_path=system_chromium(), args=["--no-sandbox", "--disable-dev-shm-usage"])
         try:
             yield b
         finally:
