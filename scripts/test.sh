@@ -17,10 +17,12 @@ need=()
 # package's own service is not used). Node and npm run the E2B JavaScript
 # SDK's suite (tests/e2b-js) and the MCP server's run_code in node
 # (tests/api/test_mcp.py). Disk layers: mkfs.btrfs makes the daemon's
-# storage image once (everything after that is ioctls).
+# storage image once (everything after that is ioctls). Chromium is the
+# headless browser the web console's tests drive (tests/api/test_console.py,
+# through Playwright with this browser: Playwright's own are never fetched).
 for pkg_cmd in python3:python3 procps:pgrep util-linux:unshare mount:mount coreutils:sha256sum \
     nftables:nft iproute2:ip mmdebstrap:mmdebstrap docker-registry:docker-registry \
-    nodejs:node npm:npm btrfs-progs:mkfs.btrfs; do
+    nodejs:node npm:npm btrfs-progs:mkfs.btrfs chromium:chromium; do
     pkg=${pkg_cmd%%:*} cmd=${pkg_cmd##*:}
     found=
     for dir in /usr/bin /bin /usr/sbin /sbin; do
@@ -36,6 +38,10 @@ fi
 # Python packages of the end-to-end suite of hutch serve.
 python3 -m pip install --quiet --disable-pip-version-check -r tests/api/requirements.txt
 
+# The web console's front-end packages (xterm.js), as pinned in its
+# package-lock.json: the daemon's build embeds them (crates/hutch-server/
+# build.rs; without them its terminal says it was built without xterm).
+(cd console && npm ci --no-audit --no-fund --loglevel=error)
 cargo build --workspace --all-targets
 cargo test --workspace -- --test-threads=2
 # Every parser of untrusted bytes, fuzzed for a bounded time (fuzz/).

@@ -18,6 +18,7 @@ PROTECTED = [
     ("POST", "/v1/sandboxes/sb-0000000000000000/suspend"),
     ("POST", "/v1/sandboxes/sb-0000000000000000/resume"),
     ("GET", "/v1/sandboxes/sb-0000000000000000/processes"),
+    ("GET", "/v1/sandboxes/sb-0000000000000000/metrics"),
     ("POST", "/v1/executions"),
     ("GET", "/metrics"),
 ]

@@ -820,6 +820,28 @@ pub struct SandboxList {
     pub next_cursor: Option<String>,
 }
 
+/// One sample of a sandbox's use, taken by the daemon every five seconds
+/// while it runs (`GET /v1/sandboxes/{id}/metrics`).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct MetricSample {
+    /// When it was taken (RFC 3339).
+    pub at: String,
+    pub cpu_count: u32,
+    /// CPU used since the previous sample, in percent of the sandbox's CPUs.
+    pub cpu_used_pct: f64,
+    pub mem_used_bytes: u64,
+    pub mem_total_bytes: u64,
+    pub mem_cache_bytes: u64,
+    pub disk_used_bytes: u64,
+    pub disk_total_bytes: u64,
+}
+
+/// `GET /v1/sandboxes/{id}/metrics`: oldest first, the last hour's at most.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct SandboxMetrics {
+    pub samples: Vec<MetricSample>,
+}
+
 /// `POST /v1/sandboxes/{id}/extend`: exactly one of the two.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
 #[serde(deny_unknown_fields)]

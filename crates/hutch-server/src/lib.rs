@@ -10,6 +10,7 @@
 //! internals of a 5xx are logged, never sent.
 
 mod access;
+mod console;
 mod e2b;
 mod extract;
 #[doc(hidden)]

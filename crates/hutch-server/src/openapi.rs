@@ -16,6 +16,7 @@ use utoipa::{Modify, OpenApi};
         crate::routes::extend_sandbox,
         crate::routes::suspend_sandbox,
         crate::routes::resume_sandbox,
+        crate::routes::sandbox_metrics,
         crate::routes::exec,
         crate::routes::processes,
         crate::routes::signal,
@@ -57,6 +58,7 @@ use utoipa::{Modify, OpenApi};
         crate::snapshots::delete_one,
     ),
     components(schemas(
+        hutch_api::MetricSample, hutch_api::SandboxMetrics,
         hutch_api::ErrorBody, hutch_api::ErrorCode, hutch_api::Sandbox, hutch_api::SandboxList, hutch_api::SandboxState,
         hutch_api::CreateSandbox, hutch_api::LimitsRequest, hutch_api::Limits, hutch_api::Extend, hutch_api::ExecRequest,
         hutch_api::ExecResult, hutch_api::ExecEvent, hutch_api::Started, hutch_api::ExecutionRequest,

@@ -35,6 +35,7 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
         .route("/v1/sandboxes/{id}/extend", post(extend_sandbox))
         .route("/v1/sandboxes/{id}/suspend", post(suspend_sandbox))
         .route("/v1/sandboxes/{id}/resume", post(resume_sandbox))
+        .route("/v1/sandboxes/{id}/metrics", get(sandbox_metrics))
         .route("/v1/sandboxes/{id}/exec", post(exec))
         .route("/v1/sandboxes/{id}/processes", get(processes))
         .route("/v1/sandboxes/{id}/processes/{pid}/signal", post(signal))
@@ -57,13 +58,19 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
         // The MCP server (streamable HTTP), under the same keys.
         .route_service("/mcp", crate::mcp::service(app.clone(), stop))
         .route_layer(middleware::from_fn_with_state(app.clone(), authenticate));
-    Router::new()
+    // Answers that name a key's things are never stored by a browser or a
+    // cache (the web console reads them with the key).
+    let native = Router::new()
         .merge(api)
-        .merge(crate::e2b::router(app.clone()))
         .merge(crate::templates::router(app.clone()))
         .merge(crate::access::router(app.clone()))
         .merge(crate::snapshots::router(app.clone()))
+        .layer(middleware::map_response(no_store));
+    Router::new()
+        .merge(native)
+        .merge(crate::e2b::router(app.clone()))
         .merge(crate::pty::router(app.clone()))
+        .merge(crate::console::router())
         .route("/healthz", get(healthz))
         // An API key or the operator's scrape token (`--metrics-token-file`).
         .route("/metrics", get(metrics))
@@ -79,6 +86,14 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
         // Proxy host names are served by the proxy whatever the path.
         .layer(middleware::from_fn_with_state(app.clone(), crate::proxy::by_host))
         .with_state(app)
+}
+
+/// `Cache-Control: no-store` unless the handler said otherwise.
+async fn no_store(mut resp: Response) -> Response {
+    if !resp.headers().contains_key(header::CACHE_CONTROL) {
+        resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    }
+    resp
 }
 
 /// The credential of `Authorization: Bearer ...` ("" without one).
@@ -294,6 +309,42 @@ pub(crate) async fn resume_sandbox(
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Sandbox>> {
     Ok(Json(app.control.resume(&caller, &SandboxId::parse(&id)?).await?))
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct MetricsQuery {
+    /// Only samples taken at or after this Unix second.
+    since: Option<i64>,
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/metrics", params(("id" = String, Path), MetricsQuery),
+    responses((status = 200, body = hutch_api::SandboxMetrics), (status = 400, body = hutch_api::ErrorBody),
+              (status = 404, body = hutch_api::ErrorBody)))]
+pub(crate) async fn sandbox_metrics(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<MetricsQuery>,
+) -> ApiResult<Json<hutch_api::SandboxMetrics>> {
+    if q.since.is_some_and(|s| s < 0) {
+        return Err(ApiError::invalid("since must be a Unix time in seconds"));
+    }
+    let samples = app.control.metrics_history(&caller, &SandboxId::parse(&id)?, q.since, None).await?;
+    let samples = samples
+        .into_iter()
+        .map(|m| hutch_api::MetricSample {
+            at: hutch_control::control::rfc3339(m.at_ms),
+            cpu_count: m.cpu_count,
+            cpu_used_pct: m.cpu_used_pct,
+            mem_used_bytes: m.mem_used,
+            mem_total_bytes: m.mem_total,
+            mem_cache_bytes: m.mem_cache,
+            disk_used_bytes: m.disk_used,
+            disk_total_bytes: m.disk_total,
+        })
+        .collect();
+    Ok(Json(hutch_api::SandboxMetrics { samples }))
 }
 
 fn wants_ndjson(headers: &HeaderMap) -> bool {
