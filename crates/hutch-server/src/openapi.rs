@@ -55,6 +55,7 @@ use utoipa::{Modify, OpenApi};
         crate::snapshots::list,
         crate::snapshots::get_one,
         crate::snapshots::delete_one,
+        crate::snapshots::export,
     ),
     components(schemas(
         hutch_api::ErrorBody, hutch_api::ErrorCode, hutch_api::Sandbox, hutch_api::SandboxList, hutch_api::SandboxState,
