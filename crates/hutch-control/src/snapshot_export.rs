@@ -15,10 +15,10 @@
 //! is an ordinary error response and the response carries its length;
 //! then a thread of its own writes the archive as the client reads it.
 
+use crate::control::Control;
 use crate::error::{ControlError, Result};
 use crate::files::pipe::{spawn_thread, ChunkWriter, Chunks};
 use crate::ids::{Caller, SnapshotId};
-use crate::control::Control;
 use hutch_runtime::image::export::{Export, ExportError, ExportLayer};
 use hutch_runtime::image::ImageStore;
 use hutch_runtime::storage::{Kind, LayerName};
@@ -126,8 +126,7 @@ impl Control {
         let (store_img, st) = (image.clone(), state.clone());
         let stored = tokio::task::spawn_blocking(move || ImageStore::open(&st).ok()?.get(&store_img).ok()).await?;
         let mut env: Vec<(String, String)> = root.env;
-        let sandbox_env: BTreeMap<String, String> =
-            serde_json::from_value(recipe["env"].clone()).unwrap_or_default();
+        let sandbox_env: BTreeMap<String, String> = serde_json::from_value(recipe["env"].clone()).unwrap_or_default();
         for (k, v) in sandbox_env {
             env.retain(|(key, _)| *key != k);
             env.push((k, v));
