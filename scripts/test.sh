@@ -17,10 +17,12 @@ need=()
 # package's own service is not used). Node and npm run the E2B JavaScript
 # SDK's suite (tests/e2b-js) and the MCP server's run_code in node
 # (tests/api/test_mcp.py). Disk layers: mkfs.btrfs makes the daemon's
-# storage image once (everything after that is ioctls).
+# storage image once (everything after that is ioctls). umoci (6 MB, libc
+# only) unpacks exported snapshots as another OCI implementation reads them
+# (tests/api/test_snapshot_export.py).
 for pkg_cmd in python3:python3 procps:pgrep util-linux:unshare mount:mount coreutils:sha256sum \
     nftables:nft iproute2:ip mmdebstrap:mmdebstrap docker-registry:docker-registry \
-    nodejs:node npm:npm btrfs-progs:mkfs.btrfs; do
+    nodejs:node npm:npm btrfs-progs:mkfs.btrfs umoci:umoci; do
     pkg=${pkg_cmd%%:*} cmd=${pkg_cmd##*:}
     found=
     for dir in /usr/bin /bin /usr/sbin /sbin; do

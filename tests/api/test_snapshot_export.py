@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import os
+import subprocess
 import tarfile
 import uuid
 from pathlib import Path
@@ -120,6 +121,19 @@ def test_an_exported_snapshot_is_a_consistent_archive_that_imports_and_runs(daem
         assert "workspace/keep" in top and "data/.wh.gone" in top, sorted(top)
         assert "olddir/.wh..wh..opq" in top and "olddir/new" in top, sorted(top)
         assert top["workspace/keep"].uid == 1000, "image ids, not the sandbox's host range"
+        # Another OCI implementation applies the layers the same way.
+        layout = tmp_path / "layout"
+        layout.mkdir()
+        subprocess.run(["tar", "-x", "-C", str(layout)], input=r.content, check=True, timeout=60)
+        bundle = tmp_path / "bundle"
+        p = subprocess.run(["umoci", "unpack", "--image", f"{layout}:{snap['id']}:latest", str(bundle)],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        rootfs = bundle / "rootfs"
+        assert (rootfs / "workspace/keep").read_text() == "mine\n"
+        assert sorted(os.listdir(rootfs / "data")) == ["kept"]
+        assert sorted(os.listdir(rootfs / "olddir")) == ["new"]
+        assert (rootfs / "workspace/keep").stat().st_uid == 1000
         # The same snapshot exports to the same bytes (what lets the daemon
         # measure first and stream second).
         assert api.get(f"/v1/snapshots/{snap['id']}/export").content == r.content
