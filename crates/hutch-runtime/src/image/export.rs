@@ -734,6 +734,39 @@ mod tests {
     }
 
     #[test]
+    fn a_sparse_file_past_the_bound_is_refused_before_it_is_read() {
+        let root = tmp("sparse");
+        let f = std::fs::File::create(root.join("huge")).expect("create");
+        f.set_len(MAX_LAYER_BYTES + 1).expect("sparse");
+        let err = measure(&root).expect_err("too large");
+        assert!(matches!(&err, ExportError::Refused(m) if m.contains("/huge")), "{err}");
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn a_layer_that_changed_since_it_was_measured_stops_the_archive_at_its_measured_size() {
+        let root = tmp("changed");
+        std::fs::write(root.join("f"), "before").expect("write");
+        let export = Export {
+            layers: vec![ExportLayer { dir: root.clone(), created_by: "x".into() }],
+            tag: "t:latest".into(),
+            ..Export::default()
+        };
+        let plan = export.plan().expect("plan");
+        std::fs::write(root.join("f"), "after, and longer: the tar grows by a block").expect("write");
+        std::fs::write(root.join("g"), "new").expect("write");
+        let mut out = Vec::new();
+        let err = plan.write(&mut out).expect_err("changed");
+        assert!(matches!(err, ExportError::Changed(_)), "{err}");
+        // Nothing past the layer's measured bytes: oci-layout (a header and
+        // a block), two directories and the layer's header, then at most
+        // the layer's measured size.
+        let layer = plan.layers[0].1.size;
+        assert!((out.len() as u64) <= 5 * BLOCK + layer, "{} bytes", out.len());
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
     fn the_archive_is_consistent_sized_and_readable_by_our_import() {
         let (lower, upper) = (tmp("lower"), tmp("upper"));
         std::fs::create_dir_all(lower.join("data")).expect("mkdir");
