@@ -20,9 +20,11 @@ need=()
 # storage image once (everything after that is ioctls). Chromium is the
 # headless browser the web console's tests drive (tests/api/test_console.py,
 # through Playwright with this browser: Playwright's own are never fetched).
+# umoci (6 MB, libc only) unpacks exported snapshots as another OCI
+# implementation reads them (tests/api/test_snapshot_export.py).
 for pkg_cmd in python3:python3 procps:pgrep util-linux:unshare mount:mount coreutils:sha256sum \
     nftables:nft iproute2:ip mmdebstrap:mmdebstrap docker-registry:docker-registry \
-    nodejs:node npm:npm btrfs-progs:mkfs.btrfs chromium:chromium; do
+    nodejs:node npm:npm btrfs-progs:mkfs.btrfs chromium:chromium umoci:umoci; do
     pkg=${pkg_cmd%%:*} cmd=${pkg_cmd##*:}
     found=
     for dir in /usr/bin /bin /usr/sbin /sbin; do

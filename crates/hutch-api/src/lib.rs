@@ -116,6 +116,10 @@ pub enum ErrorCode {
     SnapshotUnsupported,
     /// The host's storage for sandboxes' files is full.
     StorageFull,
+    /// The snapshot cannot become an image archive: its sandbox ran on
+    /// `base` (the host's files), its image left the store, or it holds
+    /// what an image layer cannot carry.
+    SnapshotNotExportable,
     /// The thing changed while the request was made; read it again and retry.
     Conflict,
 }
@@ -151,6 +155,7 @@ impl ErrorCode {
             | ErrorCode::TemplateNameTaken
             | ErrorCode::SnapshotNameTaken
             | ErrorCode::SnapshotUnsupported
+            | ErrorCode::SnapshotNotExportable
             | ErrorCode::Conflict => 409,
             ErrorCode::SandboxArchiveTooLarge | ErrorCode::PayloadTooLarge => 413,
             ErrorCode::SandboxCommandCapacity
@@ -211,6 +216,7 @@ impl ErrorCode {
             ErrorCode::SnapshotNameTaken => "snapshot_name_taken",
             ErrorCode::SnapshotUnsupported => "snapshot_unsupported",
             ErrorCode::StorageFull => "storage_full",
+            ErrorCode::SnapshotNotExportable => "snapshot_not_exportable",
         }
     }
 }

@@ -33,6 +33,9 @@ pub enum ControlError {
     SnapshotUnsupported(String),
     #[error("the host's storage for sandboxes' files is full: {0}")]
     StorageFull(String),
+    /// A snapshot that cannot become an image archive (the message says why).
+    #[error("{0}")]
+    SnapshotNotExportable(String),
     #[error("no process {pid} in sandbox {sandbox}")]
     NoProcess { sandbox: String, pid: u32 },
     #[error("sandbox {id} is {}, not running; the command was not sent", state.as_str())]
@@ -176,6 +179,7 @@ impl ControlError {
             ControlError::SnapshotNameTaken(_) => ErrorCode::SnapshotNameTaken,
             ControlError::SnapshotUnsupported(_) => ErrorCode::SnapshotUnsupported,
             ControlError::StorageFull(_) => ErrorCode::StorageFull,
+            ControlError::SnapshotNotExportable(_) => ErrorCode::SnapshotNotExportable,
         }
     }
 

@@ -29,6 +29,7 @@ pub mod ready;
 pub mod recover;
 pub mod sandboxes;
 pub mod session;
+pub mod snapshot_export;
 pub mod snapshots;
 pub mod templates;
 

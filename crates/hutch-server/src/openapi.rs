@@ -56,6 +56,7 @@ use utoipa::{Modify, OpenApi};
         crate::snapshots::list,
         crate::snapshots::get_one,
         crate::snapshots::delete_one,
+        crate::snapshots::export,
     ),
     components(schemas(
         hutch_api::MetricSample, hutch_api::SandboxMetrics,

@@ -27,6 +27,7 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
         .route("/v1/sandboxes/{id}/diff", get(diff))
         .route("/v1/snapshots", get(list))
         .route("/v1/snapshots/{id}", get(get_one).delete(delete_one))
+        .route("/v1/snapshots/{id}/export", get(export))
         .route_layer(middleware::from_fn_with_state(app, crate::routes::authenticate))
 }
 
@@ -125,4 +126,21 @@ pub(crate) async fn delete_one(
 ) -> ApiResult<StatusCode> {
     app.control.delete_snapshot(&caller, &SnapshotId::parse(&id)?).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(get, path = "/v1/snapshots/{id}/export", params(("id" = String, Path, description = "A snapshot's id, or a name of the caller's")),
+    responses((status = 200, description = "An image archive (OCI layout and docker-save manifest in one tar)", content_type = "application/x-tar"),
+              (status = 404, body = hutch_api::ErrorBody), (status = 409, body = hutch_api::ErrorBody)))]
+pub(crate) async fn export(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<Response> {
+    let ar = app.control.export_snapshot(&caller, &id).await?;
+    let headers = [
+        (header::CONTENT_TYPE, "application/x-tar".to_owned()),
+        (header::CONTENT_LENGTH, ar.size.to_string()),
+        (header::CONTENT_DISPOSITION, format!("attachment; filename=\"{}\"", ar.file_name)),
+    ];
+    Ok((headers, crate::transfer::body_of(ar.chunks)).into_response())
 }

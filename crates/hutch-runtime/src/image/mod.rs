@@ -28,6 +28,7 @@
 
 pub mod archive;
 pub mod debian;
+pub mod export;
 pub mod extract;
 pub mod interp;
 pub mod registry;

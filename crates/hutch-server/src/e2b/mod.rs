@@ -209,7 +209,9 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         ErrorCode::QuotaExceeded => ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS),
         ErrorCode::MethodNotAllowed => ("unimplemented", StatusCode::METHOD_NOT_ALLOWED),
         ErrorCode::Conflict => ("aborted", StatusCode::CONFLICT),
-        ErrorCode::SnapshotNameTaken | ErrorCode::SnapshotUnsupported => ("failed_precondition", StatusCode::CONFLICT),
+        ErrorCode::SnapshotNameTaken | ErrorCode::SnapshotUnsupported | ErrorCode::SnapshotNotExportable => {
+            ("failed_precondition", StatusCode::CONFLICT)
+        }
         ErrorCode::StorageFull => ("resource_exhausted", StatusCode::INSUFFICIENT_STORAGE),
     }
 }

@@ -191,6 +191,13 @@ impl Client {
         self.send(&url, self.authed("DELETE", &url), Payload::None).map(drop)
     }
 
+    /// `GET /v1/snapshots/{id}/export`: the image archive as it arrives
+    /// (a stream cut short fails to read: it carries a Content-Length).
+    pub fn export_snapshot(&self, id: &str) -> Result<Body> {
+        let url = self.url(&["snapshots", id, "export"]);
+        self.body(&url, self.authed("GET", &url), Payload::None)
+    }
+
     /// `POST /v1/sandboxes/{id}/fork`.
     pub fn fork_sandbox(&self, id: &str, req: &hutch_api::Fork) -> Result<hutch_api::ForkResult> {
         let url = self.url(&["sandboxes", id, "fork"]);

@@ -131,7 +131,7 @@ fn remote_name(remote: &str) -> anyhow::Result<String> {
 
 /// Writes a download next to `dest` and renames it into place, so that a
 /// failed download leaves no partial file behind.
-fn save(reader: &mut dyn Read, dest: &Path) -> io::Result<u64> {
+pub(crate) fn save(reader: &mut dyn Read, dest: &Path) -> io::Result<u64> {
     let dir = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let tmp = dir.join(format!(".{name}.hutch-{}", std::process::id()));

@@ -1,7 +1,8 @@
 //! `hutch snapshot ...`: take, list, show and delete snapshots of a running
 //! daemon's sandboxes, and fork a sandbox. Snapshots are named by id; a
 //! create takes `--snapshot` with an id or a name
-//! (`hutch sandbox create --snapshot NAME`).
+//! (`hutch sandbox create --snapshot NAME`). `export` saves one as an image
+//! archive that `hutch image import`, `docker load` and `podman load` read.
 
 use super::output::{self, table};
 use super::{report, ClientOpts};
@@ -47,6 +48,14 @@ pub enum SnapshotCommand {
     Delete {
         #[arg(required = true)]
         ids: Vec<String>,
+    },
+    /// Save a snapshot (id or name) as an image archive (OCI layout and
+    /// docker-save manifest in one tar) for `hutch image import`,
+    /// `docker load` or `podman load`.
+    Export {
+        id: String,
+        /// Where to write it; `-` for stdout.
+        file: std::path::PathBuf,
     },
     /// Start COUNT sandboxes holding a sandbox's files at one instant;
     /// prints their ids.
@@ -101,6 +110,17 @@ fn run(args: SnapshotArgs) -> anyhow::Result<i32> {
         SnapshotCommand::Delete { ids } => {
             for id in ids {
                 client.delete_snapshot(&id)?;
+            }
+        }
+        SnapshotCommand::Export { id, file } => {
+            let mut reader = client.export_snapshot(&id)?.into_reader();
+            if file.as_os_str() == "-" {
+                let mut out = std::io::stdout().lock();
+                std::io::copy(&mut reader, &mut out).map_err(|e| anyhow::anyhow!("exporting {id}: {e}"))?;
+                std::io::Write::flush(&mut out)?;
+            } else {
+                super::files::save(&mut reader, &file)
+                    .map_err(|e| anyhow::anyhow!("exporting {id} to {}: {e}", file.display()))?;
             }
         }
         SnapshotCommand::Fork { sandbox, count } => {

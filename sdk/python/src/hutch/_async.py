@@ -738,6 +738,35 @@ class AsyncImages:
         return await self._t.call(ops.list_images())
 
 
+class AsyncSnapshots:
+    """Snapshots of sandboxes' files (see the sync `Snapshots`)."""
+
+    def __init__(self, client: "AsyncHutch"):
+        self._t = client._transport
+
+    async def export_stream(self, snapshot: str, chunk_size: int = CHUNK) -> AsyncIterator[bytes]:
+        resp = await self._t.open(ops.export_snapshot(snapshot))
+        return self._t.chunks(resp, chunk_size)
+
+    async def export(self, snapshot: str, dest: Union[PathLike, BinaryIO]) -> int:
+        if not isinstance(dest, (str, os.PathLike)):
+            n = 0
+            async for c in await self.export_stream(snapshot):
+                dest.write(c)
+                n += len(c)
+            return n
+        target = Path(dest)
+        tmp = target.with_name(f".{target.name}.hutch-{os.getpid()}-{id(self)}")
+        try:
+            with open(tmp, "wb") as f:
+                n = await self.export(snapshot, f)
+            os.replace(tmp, target)
+            return n
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+
+
 class AsyncKeys:
     """API keys (the admin key only)."""
 
@@ -780,6 +809,7 @@ class AsyncHutch:
         self.templates = AsyncTemplates(self)
         self.images = AsyncImages(self)
         self.keys = AsyncKeys(self)
+        self.snapshots = AsyncSnapshots(self)
 
     @property
     def base_url(self) -> str:

@@ -68,7 +68,8 @@ class ConflictError(HutchError):
     """The thing changed or is taken (`conflict`, `template_name_taken`,
     `snapshot_name_taken`), or cannot be done to it as it is
     (`snapshot_unsupported`: a memory layer has no snapshot, fork or pause to
-    disk)."""
+    disk; `snapshot_not_exportable`: a snapshot of a sandbox on `base`, or
+    whose image left the store, is no image archive)."""
 
 
 class IdempotencyError(HutchError):
@@ -150,6 +151,7 @@ CODE_CLASSES: Dict[str, Type[HutchError]] = {
     "template_name_taken": ConflictError,
     "snapshot_name_taken": ConflictError,
     "snapshot_unsupported": ConflictError,
+    "snapshot_not_exportable": ConflictError,
     "idempotency_conflict": IdempotencyError,
     "execution_outcome_unknown": IdempotencyError,
     "sandbox_session_not_running": SandboxNotRunningError,

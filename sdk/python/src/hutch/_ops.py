@@ -727,6 +727,16 @@ def list_images() -> Call[List[models.Image]]:
 
 
 # --------------------------------------------------------------------------
+# Snapshots
+
+
+def export_snapshot(snapshot: str) -> Call[None]:
+    """`GET /v1/snapshots/{id}/export`: an image archive, streamed."""
+    return Call("GET", f"/v1/snapshots/{seg(snapshot)}/export", no_content,
+                headers={"Accept": "application/x-tar"}, resend=True, stream=True)
+
+
+# --------------------------------------------------------------------------
 # Keys and usage (the admin key)
 
 

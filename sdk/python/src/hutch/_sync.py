@@ -765,6 +765,44 @@ class Images:
         return self._t.call(ops.list_images())
 
 
+class Snapshots:
+    """Snapshots of sandboxes' files (issue 11 adds taking and listing them
+    here; the daemon's routes have them already)."""
+
+    def __init__(self, client: "Hutch"):
+        self._t = client._transport
+
+    def export_stream(self, snapshot: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
+        """The snapshot (its id or a name of the key's) as an image archive
+        (an OCI layout and a `docker save` manifest in one tar) as it
+        arrives. The request is made at once: a snapshot of a sandbox on
+        `base` raises `ConflictError` (`snapshot_not_exportable`) here."""
+        resp = self._t.open(ops.export_snapshot(snapshot))
+        return self._t.chunks(resp, chunk_size)
+
+    def export(self, snapshot: str, dest: Union[PathLike, BinaryIO]) -> int:
+        """Saves the snapshot's image archive to a local path (written beside
+        it, then renamed: an export that breaks off leaves nothing) or a
+        binary file, for `docker load`, `podman load` or `hutch image
+        import`. Returns the bytes written."""
+        if not isinstance(dest, (str, os.PathLike)):
+            n = 0
+            for c in self.export_stream(snapshot):
+                dest.write(c)
+                n += len(c)
+            return n
+        target = Path(dest)
+        tmp = target.with_name(f".{target.name}.hutch-{os.getpid()}-{id(self)}")
+        try:
+            with open(tmp, "wb") as f:
+                n = self.export(snapshot, f)
+            os.replace(tmp, target)
+            return n
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+
+
 class Keys:
     """API keys (the admin key only)."""
 
@@ -816,7 +854,8 @@ class Hutch:
         self.templates = Templates(self)
         self.images = Images(self)
         self.keys = Keys(self)
-        # Issue 11 adds: self.snapshots, self.volumes.
+        self.snapshots = Snapshots(self)
+        # Issue 11 adds: self.volumes.
 
     @property
     def base_url(self) -> str:
