@@ -165,6 +165,21 @@ def daemon():
 
 
 @pytest.fixture(scope="session")
+def interpreter_image(daemon):
+    """The `code-interpreter` image of the built-in `code-interpreter-v1`
+    template, built once into the daemon's state directory with `hutch image
+    build` (minutes the first time: mmdebstrap, the wheels), so that a
+    failing build shows its own error rather than a create that times out."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
+    out = subprocess.run(
+        [str(BIN), "image", "build", "code-interpreter", "--state-dir", str(daemon["root"] / "state")],
+        env=env, capture_output=True, text=True, timeout=840,
+    )
+    assert out.returncode == 0, f"the code-interpreter image did not build:\n{out.stderr[-4000:]}"
+    assert out.stdout.startswith("code-interpreter ("), out.stdout
+
+
+@pytest.fixture(scope="session")
 def shared(daemon):
     """One sandbox for the tests that only read or write inside it."""
     from e2b import Sandbox

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import subprocess
 
 import pytest
 import requests
 
-from conftest import BIN
 
 # The first build of the image (mmdebstrap, the wheels) takes minutes.
 pytestmark = pytest.mark.timeout(900)
@@ -29,14 +26,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def image(daemon):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
-    out = subprocess.run(
-        [str(BIN), "image", "build", "code-interpreter", "--state-dir", str(daemon["root"] / "state")],
-        env=env, capture_output=True, text=True, timeout=840,
-    )
-    assert out.returncode == 0, f"the code-interpreter image did not build:\n{out.stderr[-4000:]}"
-    assert out.stdout.startswith("code-interpreter ("), out.stdout
+def image(interpreter_image):
+    """The template's image (built once per session: conftest)."""
 
 
 @pytest.fixture(scope="module")

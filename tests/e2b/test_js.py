@@ -1,5 +1,6 @@
-"""The unmodified E2B JavaScript SDK (npm `e2b`, pinned in tests/e2b-js)
-against this session's daemon: `node --test` over tests/e2b-js/test with the
+"""The unmodified E2B JavaScript SDKs (npm `e2b` and
+`@e2b/code-interpreter`, pinned in tests/e2b-js) against this session's
+daemon (its code-interpreter image built first): `node --test` over tests/e2b-js/test with the
 SDK pointed at the daemon by the environment variables it reads, and a
 second key of another owner for the foreign-sandbox checks. Node's own
 report is the failure message. Nothing is skipped: no Node (20.18.1 or
@@ -37,7 +38,7 @@ def node() -> str:
 
 
 @pytest.mark.timeout(900)
-def test_javascript_sdk_suite(daemon):
+def test_javascript_sdk_suite(daemon, interpreter_image):
     exe = node()
     other = daemon["daemon"].make_key("e2b-js-other")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("E2B_", "HUTCH_"))}
