@@ -411,7 +411,7 @@ pub struct CreateSnapshot {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Fork {
-    /// How many sandboxes, 1 to 16. Default 1.
+    /// How many sandboxes, 1 to 20. Default 1.
     #[serde(default)]
     pub count: Option<u32>,
 }

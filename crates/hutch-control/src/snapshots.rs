@@ -20,7 +20,7 @@ use hutch_api::{
 };
 
 /// Most sandboxes one fork starts.
-pub const FORK_MAX: u32 = 16;
+pub const FORK_MAX: u32 = 20;
 use hutch_store::{Exceeded, Resource, Scope, SnapshotRecord, StoreError};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
