@@ -20,7 +20,7 @@ use hutch_store::{Admitted, SandboxRecord};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Warm sandboxes starting at once, across every pool.
 const REFILLS_IN_FLIGHT: usize = 4;
@@ -44,7 +44,7 @@ impl Drop for RefillSlot {
 
 impl Control {
     /// Claims a ready warm sandbox of `recipe` for a create, or None (a miss).
-    /// `ttl` runs from now; `metadata` is set on the claimed sandbox.
+    /// the lifetime (`lifecycle.ttl`) runs from now; `metadata` is set on the claimed sandbox.
     /// Only a warm sandbox with the template's storage is claimed (the
     /// caller asks for no other). `StoreError::Conflict`: a concurrent
     /// create took the idempotency key.
@@ -52,7 +52,6 @@ impl Control {
         &self,
         owner: &OwnerId,
         recipe: &Recipe,
-        ttl: Duration,
         lifecycle: &crate::sandboxes::Lifecycle,
         metadata: &str,
         key: Option<&str>,
@@ -63,7 +62,8 @@ impl Control {
         let now = now_ms();
         let (owner_s, metadata, key, hash) =
             (owner.to_string(), metadata.to_owned(), key.map(str::to_owned), hash.to_owned());
-        let (expires_at, max_expires_at) = (now + ttl.as_millis() as i64, now + recipe.max_ttl.as_millis() as i64);
+        let (expires_at, max_expires_at) =
+            (now + lifecycle.ttl.as_millis() as i64, now + recipe.max_ttl.as_millis() as i64);
         let lifecycle = *lifecycle;
         let claimed = self
             .db(move |s| {
@@ -78,7 +78,7 @@ impl Control {
                     request_hash: &hash,
                     storage,
                     on_expire: lifecycle.on_expire,
-                    ttl_s: lifecycle.ttl_s,
+                    ttl_s: lifecycle.ttl_s(),
                     paused_ttl_s: lifecycle.paused_ttl_s,
                 })
             })

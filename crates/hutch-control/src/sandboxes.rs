@@ -38,10 +38,17 @@ pub(crate) fn check_paused_ttl(secs: u64) -> Result<u64> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Lifecycle {
     pub on_expire: hutch_api::OnExpire,
-    /// The lifetime it was given: what a resume after a pause at its
+    /// The lifetime it is given: what a resume after a pause at its
     /// expiry gives it again.
-    pub ttl_s: Option<u64>,
+    pub ttl: Duration,
     pub paused_ttl_s: Option<u64>,
+}
+
+impl Lifecycle {
+    /// The lifetime as the record keeps it.
+    pub fn ttl_s(&self) -> Option<u64> {
+        Some(self.ttl.as_secs())
+    }
 }
 
 /// What a create adds to its request beyond the native API's fields (the
@@ -199,7 +206,7 @@ impl Control {
         self.check_on_expire(on_expire, Some(storage))?;
         let lifecycle = Lifecycle {
             on_expire: on_expire.unwrap_or_default(),
-            ttl_s: Some(ttl.as_secs()),
+            ttl,
             paused_ttl_s: req.paused_ttl_seconds.or(tpl.paused_ttl_s).map(check_paused_ttl).transpose()?,
         };
         let quotas = self.quotas_of(owner).await?;
@@ -227,7 +234,7 @@ impl Control {
             && net_as_template
             && storage_as_template
         {
-            match self.claim_warm(owner, &tpl, ttl, &lifecycle, &metadata, key, &hash).await {
+            match self.claim_warm(owner, &tpl, &lifecycle, &metadata, key, &hash).await {
                 Ok(Some(r)) if opts.e2b.is_some() => {
                     // The E2B settings join the claimed sandbox's record.
                     let mut claimed = NetRecord::parse(&r.network);
@@ -272,7 +279,7 @@ impl Control {
             storage,
             origin,
             on_expire: lifecycle.on_expire,
-            ttl_s: lifecycle.ttl_s,
+            ttl_s: lifecycle.ttl_s(),
             paused_ttl_s: lifecycle.paused_ttl_s,
         };
         let rec = record.clone();

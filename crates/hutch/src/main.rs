@@ -31,7 +31,7 @@ enum Command {
     /// Take, list and delete snapshots of a running daemon's sandboxes; fork.
     Snapshot(cli::snapshot::SnapshotArgs),
     /// Create, list, build and delete templates of a running daemon.
-    Template(cli::template::TemplateArgs),
+    Template(Box<cli::template::TemplateArgs>),
     /// Manage API keys in the daemon's database (on its host, no HTTP).
     Key(cli::keys::KeyArgs),
     /// Build, import, pull and list images (on the daemon's host, no HTTP).
@@ -71,7 +71,7 @@ fn main() {
         Command::Exec(args) => cli::exec::main(args),
         Command::Files(args) => cli::files::main(args),
         Command::Snapshot(args) => cli::snapshot::main(args),
-        Command::Template(args) => cli::template::main(args),
+        Command::Template(args) => cli::template::main(*args),
         Command::Key(args) => cli::keys::main(args),
         Command::Image(args) => cli::image::main(args),
         Command::Mcp(args) => cli::mcp::main(args),
