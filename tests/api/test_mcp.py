@@ -325,6 +325,14 @@ def test_http_needs_a_key_and_the_session_is_the_keys(daemon: Daemon, alice, bob
     r = requests.post(daemon.base + "/mcp", json=call_, headers=dict(h, Authorization=f"Bearer {bob.key}"), timeout=10)
     assert r.status_code == 200, r.text
     assert '"isError":true' in r.text and "unauthorized" in r.text, r.text
+    # A body past the endpoint's 4 MiB is refused unread as it streams,
+    # whatever it claims to be; one within it is read.
+    big = {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+           "params": {"name": "write_file", "arguments": {"path": "/tmp/big", "content": "x" * (4 << 20)}}}
+    r = requests.post(daemon.base + "/mcp", json=big, headers=dict(h, Authorization=f"Bearer {alice.key}"), timeout=30)
+    assert r.status_code == 413, (r.status_code, r.text[:300])
+    r = requests.post(daemon.base + "/mcp", json=call_, headers=dict(h, Authorization=f"Bearer {alice.key}"), timeout=10)
+    assert r.status_code == 200 and '"isError":true' not in r.text, r.text[:300]
     r = requests.delete(daemon.base + "/mcp", headers=dict(h, Authorization=f"Bearer {alice.key}"), timeout=10)
     assert r.status_code in (200, 202, 204), r.text
 

@@ -53,6 +53,11 @@ use tokio_util::sync::CancellationToken;
 /// A session with no request for this long ends, and its sandboxes with it.
 pub const SESSION_IDLE: Duration = Duration::from_secs(30 * 60);
 
+/// The largest request body the MCP endpoint reads (the transport refuses
+/// more while it streams, whatever `Content-Length` says): what bounds a
+/// `write_file`'s content to about 4 MiB of text or 3 MiB of base64'd bytes.
+pub const MAX_REQUEST_BODY: usize = 4 << 20;
+
 /// Most entries `list_files` answers with.
 const LIST_MAX: u32 = 1000;
 
@@ -68,8 +73,10 @@ pub fn service(app: Arc<App>, stop: CancellationToken) -> StreamableHttpService<
     // Every request carries an API key: a page that rebinds a name to us
     // has none, so Host and Origin are not what guards this endpoint.
     // Streams keep rmcp's pings (a long command's answer waits on one).
-    let config =
-        StreamableHttpServerConfig::default().disable_allowed_hosts().with_cancellation_token(stop.child_token());
+    let config = StreamableHttpServerConfig::default()
+        .disable_allowed_hosts()
+        .with_max_request_body_bytes(MAX_REQUEST_BODY)
+        .with_cancellation_token(stop.child_token());
     let control = app.control.clone();
     StreamableHttpService::new(move || Ok(Session::new(control.clone(), stop.clone())), Arc::new(sessions), config)
 }
@@ -300,7 +307,8 @@ pub enum Encoding {
 pub struct WriteFileArgs {
     /// Absolute, or relative to /workspace. Missing parent directories are made.
     pub path: String,
-    /// The new content (at most 8 MiB once decoded); replaces the file whole.
+    /// The new content (the whole request is at most 4 MiB: about 4 MiB of
+    /// text, 3 MiB of bytes as base64); replaces the file whole.
     pub content: String,
     /// `utf8` (default) or `base64`.
     #[serde(default)]
