@@ -3,7 +3,7 @@
 //! call of the real parser over what a client sends; nothing else calls
 //! them. (The port proxy's parsers are public in [`crate::proxy`].)
 
-use crate::e2b::{connect, envd};
+use crate::e2b::{connect, envd, forward};
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, Method, Request};
 use hutch_control::e2b::SignedUrl;
@@ -37,3 +37,18 @@ pub fn e2b_signed_url(uri: &str, get: bool) -> Option<Result<Option<SignedUrl>, 
     let req = Request::builder().method(method).uri(uri).body(Body::empty()).ok()?;
     Some(envd::signed_url(&req).map_err(|e| e.message))
 }
+
+/// The port an envd call's `E2b-Sandbox-Port` header names (None: envd's
+/// own, or no header).
+pub fn e2b_sandbox_port(value: Option<&[u8]>) -> Result<Option<u16>, &'static str> {
+    forward::sandbox_port(value)
+}
+
+/// Whether an unauthenticated call may reach the code interpreter's
+/// context routes.
+pub fn e2b_interpreter_open_route(method: &Method, path: &str) -> bool {
+    forward::interpreter_open_route(method, path)
+}
+
+/// envd's own port, which [`e2b_sandbox_port`] never answers.
+pub const E2B_ENVD_PORT: u16 = crate::e2b::ENVD_PORT;

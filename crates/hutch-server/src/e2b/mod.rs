@@ -15,7 +15,7 @@
 pub(crate) mod connect;
 mod control;
 pub(crate) mod envd;
-mod forward;
+pub(crate) mod forward;
 pub(crate) mod ports;
 mod watch;
 
