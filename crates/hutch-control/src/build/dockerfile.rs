@@ -404,7 +404,10 @@ mod tests {
                 chmod: None,
             }
         );
-        assert_eq!(*kinds[3], Instruction::Copy { sources: vec!["".into()], dest: "/opt/ctx".into(), chown: None, chmod: None });
+        assert_eq!(
+            *kinds[3],
+            Instruction::Copy { sources: vec!["".into()], dest: "/opt/ctx".into(), chown: None, chmod: None }
+        );
         assert_eq!(
             *kinds[4],
             Instruction::Env(vec![
@@ -426,7 +429,12 @@ mod tests {
         assert_eq!(steps[0].instruction, Instruction::User("root".into()));
         assert_eq!(
             steps[1].instruction,
-            Instruction::Copy { sources: vec!["a".into()], dest: "/b".into(), chown: Some((1000, 1000)), chmod: Some(0o750) }
+            Instruction::Copy {
+                sources: vec!["a".into()],
+                dest: "/b".into(),
+                chown: Some((1000, 1000)),
+                chmod: Some(0o750)
+            }
         );
         assert_eq!(steps[2].instruction, Instruction::User("user".into()));
     }

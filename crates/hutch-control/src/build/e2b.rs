@@ -297,7 +297,8 @@ pub fn translate(spec: &BuildSpec, roots: &HashMap<usize, Vec<String>>) -> Resul
                 // every sandbox has.
                 let many = sources.len() > 1 || src.contains(['*', '?', '[']) || src == "." || src.ends_with('/');
                 let mut dest = dest.to_owned();
-                let known_dir = matches!(dest.trim_end_matches('/'), "" | "." | "~" | "/home/user" | "/workspace" | "/tmp");
+                let known_dir =
+                    matches!(dest.trim_end_matches('/'), "" | "." | "~" | "/home/user" | "/workspace" | "/tmp");
                 if dest.starts_with("~/") {
                     dest = format!("/home/user/{}", &dest[2..]);
                 } else if dest == "~" {
@@ -373,7 +374,10 @@ fn readiness_of(cmd: Option<&str>) -> Option<Readiness> {
 /// parent the tar does not hold).
 fn add_upload(out: &mut tar::Builder<impl Write>, i: usize, bytes: &[u8]) -> Result<Vec<String>> {
     let refused = |m: String| {
-        ControlError::Files(FilesError::new(ErrorCode::SandboxArchiveInvalid, format!("files of COPY step {}: {m}", i + 1)))
+        ControlError::Files(FilesError::new(
+            ErrorCode::SandboxArchiveInvalid,
+            format!("files of COPY step {}: {m}", i + 1),
+        ))
     };
     let plan = archive::validate(bytes).map_err(|e| refused(e.to_string()))?;
     let mut contents: Vec<Vec<u8>> = plan.files_in_order.iter().map(|_| Vec::new()).collect();
@@ -470,7 +474,9 @@ impl Control {
                     image: None,
                     class: None,
                     memory_mb: req.memory_mb,
-                    limits: req.cpu_count.map(|c| LimitsRequest { vcpus: Some(f64::from(c)), ..LimitsRequest::default() }),
+                    limits: req
+                        .cpu_count
+                        .map(|c| LimitsRequest { vcpus: Some(f64::from(c)), ..LimitsRequest::default() }),
                     env: BTreeMap::new(),
                     default_ttl_seconds: None,
                     max_ttl_seconds: None,
@@ -491,10 +497,8 @@ impl Control {
                 "at most {PENDING_PER_OWNER} builds may wait for their steps; start or drop some first"
             )));
         }
-        pending.insert(
-            build_id.clone(),
-            Pending { owner, template_id: t.clone(), tags: tags.clone(), at_ms: now_ms() },
-        );
+        pending
+            .insert(build_id.clone(), Pending { owner, template_id: t.clone(), tags: tags.clone(), at_ms: now_ms() });
         Ok(Requested { template_id: t, build_id, name, tags })
     }
 
@@ -673,7 +677,8 @@ impl Control {
             let mut out = tar::Builder::new(gz);
             let mut roots = HashMap::new();
             for (i, hash) in &copies {
-                check_hash(hash).map_err(|_| ControlError::Invalid(format!("step {}: COPY without its files hash", i + 1)))?;
+                check_hash(hash)
+                    .map_err(|_| ControlError::Invalid(format!("step {}: COPY without its files hash", i + 1)))?;
                 let bytes = std::fs::read(dir.join(hash)).map_err(|_| {
                     ControlError::Invalid(format!("step {}: the files of this COPY were not uploaded", i + 1))
                 })?;
@@ -690,7 +695,11 @@ impl Control {
             gz.finish().map_err(io)
         })
         .await??;
-        let opts = BuildOptions { id: Some(bld.clone()), parent: Some(parent), readiness: readiness_of(spec.ready_cmd.as_deref()) };
+        let opts = BuildOptions {
+            id: Some(bld.clone()),
+            parent: Some(parent),
+            readiness: readiness_of(spec.ready_cmd.as_deref()),
+        };
         let started = self.start_build_with(caller, &tid, context, opts).await?;
         self.e2b_set_tags(&owner, &t.id, &pending.tags, &bld)?;
         Ok(started)
@@ -769,18 +778,29 @@ impl Control {
 
     /// The caller's template by E2B's reference: its id, name or
     /// `name:tag`; with a tag, only when the tag names the template's
-    /// current build (hutch runs a template's latest build).
+    /// current build (hutch runs a template's latest build). A template
+    /// the E2B API built (it has tags) but never successfully is refused,
+    /// as E2B refuses it, rather than started on the image it began with.
     pub async fn e2b_template_name(&self, caller: &Caller, reference: &str) -> Result<String> {
         let (name, tag) = split_name(reference)?;
         let t = match TemplateId::parse(&name) {
             Ok(id) => self.template_of(caller, &id).await.map_err(|_| ControlError::UnknownTemplate(name.clone()))?,
             Err(_) => {
                 let (o, n) = (caller.owner.to_string(), name.clone());
-                self.db(move |s| s.template_by_name(&o, &n)).await?.ok_or(ControlError::UnknownTemplate(name.clone()))?
+                self.db(move |s| s.template_by_name(&o, &n))
+                    .await?
+                    .ok_or(ControlError::UnknownTemplate(name.clone()))?
             }
         };
+        let tags = self.e2b_tags_of(&t.owner, &t.id);
+        if !tags.is_empty() {
+            let tid = t.id.clone();
+            let builds = self.db(move |s| s.list_builds(&tid)).await?;
+            if !builds.iter().any(|b| b.state == BuildState::Succeeded) {
+                return Err(ControlError::Conflict(format!("template {} has no successful build", t.name)));
+            }
+        }
         if let Some(tag) = tag {
-            let tags = self.e2b_tags_of(&t.owner, &t.id);
             let Some(entry) = tags.get(&tag) else { return Err(ControlError::UnknownTemplate(reference.to_owned())) };
             let id = entry.build_id.clone();
             let b = self.db(move |s| s.get_build(&id)).await?;
@@ -963,7 +983,9 @@ mod tests {
         assert!(text[11].starts_with("CMD "));
         assert_eq!(t.origins[4], 2);
         match &steps[6].instruction {
-            super::super::dockerfile::Instruction::Env(pairs) => assert_eq!(pairs[0], ("A".into(), "one \"two\"".into())),
+            super::super::dockerfile::Instruction::Env(pairs) => {
+                assert_eq!(pairs[0], ("A".into(), "one \"two\"".into()))
+            }
             other => panic!("{other:?}"),
         }
     }

@@ -837,12 +837,11 @@ impl Control {
             .as_ref()
             .map(|c| Startup { command: c.to_shell(), user: startup_user.clone() })
             .or_else(|| t.startup.as_deref().and_then(|s| serde_json::from_str(s).ok()));
-        let readiness: Option<Readiness> = new_readiness
-            .clone()
-            .or_else(|| t.readiness.as_deref().and_then(|s| serde_json::from_str(s).ok()));
+        let readiness: Option<Readiness> =
+            new_readiness.clone().or_else(|| t.readiness.as_deref().and_then(|s| serde_json::from_str(s).ok()));
         log.line("Validating: starting a sandbox from the result");
         let all_layers: Vec<PathBuf> =
-            parent.layers.iter().cloned().chain(layers.iter().map(|h| store.layer_dir(h))).collect();
+            once_each(parent.layers.iter().cloned().chain(layers.iter().map(|h| store.layer_dir(h))).collect());
         let mut sandbox_env: Vec<(String, String)> = env.clone();
         for (k, v) in &tpl_env {
             sandbox_env.retain(|(ek, _)| ek != k);
@@ -882,7 +881,15 @@ impl Control {
         let (this, rec) = (self.clone(), rec.clone());
         let startup = cmd.as_ref().map(|c| Startup { command: c.to_shell(), user: startup_user });
         blocking(move || {
-            this.activate(&store, &rec, &layers, &env, (cmd.as_ref(), startup.as_ref()), &workdir, new_readiness.as_ref())
+            this.activate(
+                &store,
+                &rec,
+                &layers,
+                &env,
+                (cmd.as_ref(), startup.as_ref()),
+                &workdir,
+                new_readiness.as_ref(),
+            )
         })
         .await
     }
@@ -915,6 +922,7 @@ impl Control {
             }
             _ => (rec.parent.clone(), layers.to_vec()),
         };
+        let layers = once_each(layers);
         let image = Image {
             name: name.clone(),
             layers,
@@ -961,7 +969,7 @@ impl Control {
         log: &mut Log,
     ) -> std::result::Result<String, Failure> {
         let lowers: Vec<PathBuf> =
-            parent.layers.iter().cloned().chain(layers.iter().map(|h| store.layer_dir(h))).collect();
+            once_each(parent.layers.iter().cloned().chain(layers.iter().map(|h| store.layer_dir(h))).collect());
         let scratch_dir = store.scratch_dir();
         let disk = t.disk_mib << 20;
         let spec = self.build_spec(
@@ -1018,6 +1026,21 @@ impl Control {
         })
         .await
     }
+}
+
+/// Layers (bottom first) with each kept once, at its topmost place: a
+/// layer made twice (the same content, so the same id: two equal steps, or
+/// a build over a template that made it too) would stack one directory
+/// twice, which overlayfs refuses (ELOOP). Dropping the lower copy changes
+/// nothing: the upper one sets the same files over whatever lay between.
+fn once_each<T: PartialEq + Clone>(layers: Vec<T>) -> Vec<T> {
+    let mut out: Vec<T> = Vec::with_capacity(layers.len());
+    for (i, l) in layers.iter().enumerate() {
+        if !layers[i + 1..].contains(l) {
+            out.push(l.clone());
+        }
+    }
+    out
 }
 
 fn short(text: &str) -> String {
@@ -1354,6 +1377,12 @@ mod tests {
         assert!(plan_steps(kernel, &ctx, "/workspace").is_err());
         let anywhere = dockerfile::parse("WORKDIR /tmp\n").expect("parse");
         assert_eq!(plan_steps(anywhere, &ctx, "/workspace").expect("plan")[0].cwd, "/tmp");
+    }
+
+    #[test]
+    fn a_layer_made_twice_is_stacked_once_at_its_top() {
+        assert_eq!(once_each(vec!["a", "b", "a", "c", "b"]), ["a", "c", "b"]);
+        assert_eq!(once_each(Vec::<&str>::new()), Vec::<&str>::new());
     }
 
     #[test]
