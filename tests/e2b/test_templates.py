@@ -2,11 +2,12 @@
 (request, files-hash uploads to signed URLs, the steps), sandboxes from the
 result (files, env, workdir, users, start and ready commands),
 `build_in_background` with status polling and logs, `from_template`,
-aliases and tags, a failed build's report, and another key seeing none of
+`from_image` from a registry the daemon may pull from, aliases and tags, a failed build's report, and another key seeing none of
 it (template, builds, files cache). One template is built per module and
 shared: builds are slow on small machines."""
 
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,7 +18,10 @@ from e2b import Sandbox, Template
 from e2b.exceptions import BuildException
 from e2b.template.utils import calculate_files_hash
 
-from conftest import wait_for
+from conftest import E2bDaemon, wait_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from oci_images import OCI_MANIFEST, Registry, oci_image, shell_layer  # noqa: E402
 
 NAME = "sdk-app"
 
@@ -206,3 +210,42 @@ def test_upload_urls_are_signed_and_bounded(built, daemon):
     assert api(daemon, "GET", f"/templates/{info.template_id}/files/{h}").json()["present"] is False
     assert requests.put(url, data=b"small", timeout=30).status_code == 200
     assert api(daemon, "GET", f"/templates/{info.template_id}/files/{h}").json() == {"present": True}
+
+
+def test_from_image_pulls_from_a_registry_the_daemon_allows(tmp_path):
+    reg = Registry(tmp_path)
+    d = None
+    try:
+        layer = shell_layer().dir("etc").file("etc/from-registry", b"pulled\n").bytes()
+        blobs, manifest, _ = oci_image([layer], ["FROM_REGISTRY=1"])
+        for digest, blob in blobs.items():
+            if blob != manifest:
+                reg.push_blob("e2b/img", digest, blob)
+        reg.push_manifest("e2b/img", "1", manifest, OCI_MANIFEST)
+        ref = f"127.0.0.1:{reg.port}/e2b/img:1"
+        d = E2bDaemon(extra_env={"HUTCH_E2B_REGISTRIES": f"127.0.0.1:{reg.port}"})
+        opts = d.opts()
+        logs = []
+        # An image with sh and cat only: the steps run in sh.
+        template = Template().from_image(ref).run_cmd("cat /etc/from-registry > /home/user/copy; echo $FROM_REGISTRY >> /home/user/copy")
+        Template.build(template, "pulled", on_build_logs=logs.append, **opts)
+        messages = [str(getattr(l, "message", l)) for l in logs]
+        assert any(m.startswith(f"Pulling {ref}") for m in messages), messages
+        sb = Sandbox.create("pulled", timeout=60, **opts)
+        try:
+            assert sb.files.read("/home/user/copy") == "pulled\n1\n"
+        finally:
+            sb.kill()
+        # The pulled image is the key's own: another key does not see it.
+        other = d.make_key("other")
+        r = requests.get(d.base + "/v1/images", headers={"Authorization": f"Bearer {other}"}, timeout=10)
+        assert r.status_code == 200 and not [i for i in r.json()["images"] if "e2b-img" in i["name"]], r.text
+        r = requests.get(d.base + "/v1/images", headers={"Authorization": f"Bearer {d.key}"}, timeout=10)
+        assert [i for i in r.json()["images"] if "e2b-img" in i["name"]], r.text
+    finally:
+        try:
+            if d is not None:
+                d.kill_all()
+                d.stop()
+        finally:
+            reg.stop()

@@ -240,6 +240,10 @@ fn json(v: &[&str]) -> String {
     serde_json::to_string(v).unwrap_or_default()
 }
 
+/// Runs `$0` with bash where the image has it (as E2B's steps run), else
+/// with sh: a RUN's exec form, so that a command of many lines stays one.
+const BASH_OR_SH: &str = r#"command -v bash >/dev/null 2>&1 && exec bash -c "$0" || exec sh -c "$0""#;
+
 /// Translates the SDK's steps into hutch's Dockerfile fragment. `roots`
 /// gives, for a COPY's step index, the top paths of its uploaded tar (what
 /// its source matched). Steps run as `user` in /home/user unless they say
@@ -267,7 +271,7 @@ pub fn translate(spec: &BuildSpec, roots: &HashMap<usize, Vec<String>>) -> Resul
                     [cmd, u] => (*cmd, Some(*u)),
                     _ => return Err(bad(i, "RUN takes a command and an optional user".into())),
                 };
-                let run = format!("RUN {}", json(&["/bin/bash", "-c", cmd]));
+                let run = format!("RUN {}", json(&["/bin/sh", "-c", BASH_OR_SH, cmd]));
                 match as_user.filter(|u| *u != user) {
                     Some(u) => {
                         push(&mut lines, &mut origins, format!("USER {u}"), i);
@@ -345,7 +349,15 @@ pub fn translate(spec: &BuildSpec, roots: &HashMap<usize, Vec<String>>) -> Resul
         }
     }
     if let Some(cmd) = spec.start_cmd.as_deref().filter(|c| !c.trim().is_empty()) {
-        lines.push(format!("CMD {}", json(&["/bin/bash", "-c", cmd])));
+        // The startup command runs in bash where the image has it: one
+        // line as it is, more in the exec form.
+        let one_line =
+            !cmd.contains(['\n', '\r']) && !cmd.trim_end().ends_with('\\') && !cmd.trim_start().starts_with('[');
+        if one_line {
+            lines.push(format!("CMD {}", cmd.trim()));
+        } else {
+            lines.push(format!("CMD {}", json(&["/bin/sh", "-c", BASH_OR_SH, cmd])));
+        }
         origins.push(spec.steps.len() + 1);
     }
     Ok(Translated { dockerfile: lines.join("\n") + "\n", origins })
@@ -593,8 +605,9 @@ impl Control {
         }
     }
 
-    /// The image an E2B build starts from.
-    async fn e2b_parent(&self, caller: &Caller, spec: &BuildSpec) -> Result<String> {
+    /// The image an E2B build starts from, and the reference to pull into
+    /// it first (from a registry the operator allows).
+    async fn e2b_parent(&self, caller: &Caller, spec: &BuildSpec) -> Result<(String, Option<String>)> {
         if spec.from_image_registry.is_some() {
             return Err(ControlError::Invalid(
                 "registry credentials (from_image with a username, from_aws_registry, from_gcp_registry) are not \
@@ -612,15 +625,26 @@ impl Control {
                     Err(_) => self.db(move |s| s.template_by_name(&o, &n)).await?,
                 };
                 match t {
-                    Some(t) if t.owner == caller.owner.to_string() => Ok(t.image),
+                    Some(t) if t.owner == caller.owner.to_string() => Ok((t.image, None)),
                     _ => Err(ControlError::UnknownTemplate(name)),
                 }
             }
-            (None, None) => Ok("base".into()),
+            (None, None) => Ok(("base".into(), None)),
             (None, Some(image)) => {
                 let bare = image.strip_suffix(":latest").unwrap_or(image);
                 if bare == E2B_BASE || bare == "base" {
-                    return Ok("base".into());
+                    return Ok(("base".into(), None));
+                }
+                if let Ok(r) = hutch_runtime::image::registry::Reference::parse(image) {
+                    let host =
+                        if r.registry.is_empty() { "docker.io".to_owned() } else { r.registry.to_ascii_lowercase() };
+                    if self.e2b_registries.iter().any(|a| *a == host) {
+                        // Pulled for this owner alone, under a name of its own.
+                        let owner = owner_dir(&caller.owner.to_string());
+                        let local = hutch_runtime::image::local_name(image);
+                        let name: String = format!("e2b-{}-{local}", &owner[..12]).chars().take(128).collect();
+                        return Ok((name, Some(image.to_owned())));
+                    }
                 }
                 // A shared image of the host's store, by its name or the
                 // name a pull of that reference gets.
@@ -628,13 +652,14 @@ impl Control {
                 for name in [image.to_owned(), hutch_runtime::image::local_name(image)] {
                     if let Ok(img) = store.get(&name) {
                         if img.is_shared() {
-                            return Ok(name);
+                            return Ok((name, None));
                         }
                     }
                 }
                 Err(ControlError::Invalid(format!(
-                    "from_image({image:?}): the host has no such image; the operator makes it with `hutch image pull \
-                     {image}` (or use from_base_image or from_template)"
+                    "from_image({image:?}): the host has no such image and its registry is not one the daemon pulls \
+                     from (--e2b-registries); the operator may pull it with `hutch image pull {image}`, or use \
+                     from_base_image or from_template"
                 )))
             }
         }
@@ -661,7 +686,7 @@ impl Control {
             }
         };
         let Some(pending) = pending else { return Err(ControlError::NoBuild(wire_build_id(&bld))) };
-        let parent = self.e2b_parent(caller, spec).await?;
+        let (parent, pull) = self.e2b_parent(caller, spec).await?;
         // The uploaded files of each COPY, re-rooted in one context.
         let dir = self.e2b_dir("e2b-files", &owner);
         let copies: Vec<(usize, String)> = spec
@@ -699,6 +724,7 @@ impl Control {
             id: Some(bld.clone()),
             parent: Some(parent),
             readiness: readiness_of(spec.ready_cmd.as_deref()),
+            pull,
         };
         let started = self.start_build_with(caller, &tid, context, opts).await?;
         self.e2b_set_tags(&owner, &t.id, &pending.tags, &bld)?;
@@ -975,12 +1001,13 @@ mod tests {
         assert_eq!(text[0], "USER user");
         assert_eq!(text[2], r#"COPY --chown=user:user ["s0/app.txt","/home/user/app.txt"]"#);
         assert_eq!(text[3], "USER root");
-        assert_eq!(text[4], r#"RUN ["/bin/bash","-c","echo 'hi'\necho there"]"#);
+        let bash = serde_json::to_string(BASH_OR_SH).expect("json");
+        assert_eq!(text[4], format!(r#"RUN ["/bin/sh","-c",{bash},"echo 'hi'\necho there"]"#));
         assert_eq!(text[5], "USER user");
         assert_eq!(text[6], r#"ENV A="one \"two\"" B="x""#);
         assert_eq!(text[9], r#"COPY --chown=user:user --chmod=0750 ["s5/dir","/opt/app"]"#);
-        assert_eq!(text[10], r#"RUN ["/bin/bash","-c","make"]"#);
-        assert!(text[11].starts_with("CMD "));
+        assert_eq!(text[10], format!(r#"RUN ["/bin/sh","-c",{bash},"make"]"#));
+        assert_eq!(text[11], "CMD python3 -m http.server 8000");
         assert_eq!(t.origins[4], 2);
         match &steps[6].instruction {
             super::super::dockerfile::Instruction::Env(pairs) => {

@@ -477,6 +477,9 @@ pub struct BuildOptions {
     /// The template's readiness check from this build on (its result is
     /// checked with it).
     pub readiness: Option<Readiness>,
+    /// Pulled (reference, registry allowed) into `parent` before the steps,
+    /// as the build's owner's own image.
+    pub pull: Option<String>,
 }
 
 impl Control {
@@ -555,8 +558,8 @@ impl Control {
         }
         let this = self.clone();
         let answer = view(&record);
-        let readiness = opts.readiness;
-        tokio::spawn(async move { this.run_build(record, ctx, planned, log, readiness).await });
+        let extra = (opts.readiness, opts.pull);
+        tokio::spawn(async move { this.run_build(record, ctx, planned, log, extra).await });
         Ok(answer)
     }
 
@@ -710,7 +713,7 @@ impl Control {
         ctx: Context,
         planned: Vec<Planned>,
         mut log: Log,
-        readiness: Option<Readiness>,
+        extra: (Option<Readiness>, Option<String>),
     ) {
         let queue = self.builds.lock_for(&rec.template_id);
         let _turn = queue.lock().await;
@@ -719,7 +722,7 @@ impl Control {
         if let Err(e) = self.db(move |s| s.update_build(&r, &[BuildState::Queued])).await {
             tracing::warn!("build {}: cannot record its state: {e}", rec.id);
         }
-        let outcome = self.build(&rec, Arc::new(ctx), &planned, &mut log, readiness).await;
+        let outcome = self.build(&rec, Arc::new(ctx), &planned, &mut log, extra).await;
         rec.finished_at = Some(now_ms());
         match outcome {
             Ok((image, version)) => {
@@ -747,9 +750,21 @@ impl Control {
         ctx: Arc<Context>,
         planned: &[Planned],
         log: &mut Log,
-        new_readiness: Option<Readiness>,
+        (new_readiness, pull): (Option<Readiness>, Option<String>),
     ) -> std::result::Result<(String, i64), Failure> {
         let state = self.state_dir();
+        if let Some(reference) = pull {
+            log.line(&format!("Pulling {reference}"));
+            let (st, name, owner) = (state.clone(), rec.parent.clone(), rec.owner.clone());
+            let pulled = blocking(move || pull_owned(&st, &reference, &name, &owner)).await;
+            match pulled {
+                Ok(layers) => log.line(&format!("---> image {} ({layers} layers)", rec.parent)),
+                Err(why) => {
+                    log.line(&format!("---> failed: {why}"));
+                    return Err(format!("pulling the image failed: {why}"));
+                }
+            }
+        }
         let t = self
             .store
             .get_template(&rec.template_id)
@@ -765,7 +780,13 @@ impl Control {
         let mut cmd: Option<Command> = None;
         // The last USER: who runs the startup command.
         let mut startup_user: Option<String> = None;
-        let mut key = first_cache_key(&rec.owner, &rec.parent, &serde_json::to_string(&tpl_env).unwrap_or_default());
+        // The parent's layers too: a name pulled again (or a store image
+        // made again) may hold other files.
+        let parent_key = match store.get(&rec.parent) {
+            Ok(img) => format!("{}@{}", rec.parent, img.layers.join(",")),
+            Err(_) => rec.parent.clone(),
+        };
+        let mut key = first_cache_key(&rec.owner, &parent_key, &serde_json::to_string(&tpl_env).unwrap_or_default());
         let total = planned.len();
         let mut workdir = parent.workdir.clone().unwrap_or_else(|| DEFAULT_WORKDIR.into());
         for (i, p) in planned.iter().enumerate() {
@@ -1026,6 +1047,23 @@ impl Control {
         })
         .await
     }
+}
+
+/// Pulls `reference` as image `name`, the image of `owner` alone (a pull
+/// records an image as shared; it is made the owner's at once). Answers
+/// its number of layers.
+fn pull_owned(state: &Path, reference: &str, name: &str, owner: &str) -> std::result::Result<usize, Failure> {
+    use hutch_runtime::image::registry;
+    let store = ImageStore::open(state).map_err(|e| format!("image store: {e}"))?;
+    let opts = registry::PullOptions {
+        insecure: false,
+        name: Some(name.to_owned()),
+        limits: hutch_runtime::image::Limits::default(),
+    };
+    let mut img = registry::pull(&store, reference, &opts).map_err(|e| e.to_string())?;
+    img.owner = Some(owner.to_owned());
+    store.put(&img).map_err(|e| format!("image {name}: {e}"))?;
+    Ok(img.layers.len())
 }
 
 /// Layers (bottom first) with each kept once, at its topmost place: a
