@@ -267,7 +267,7 @@ pub fn translate(spec: &BuildSpec, roots: &HashMap<usize, Vec<String>>) -> Resul
             "RUN" => {
                 let (cmd, as_user) = match args.as_slice() {
                     [cmd] => (*cmd, None),
-                    [cmd, u] if u.is_empty() => (*cmd, None),
+                    [cmd, ""] => (*cmd, None),
                     [cmd, u] => (*cmd, Some(*u)),
                     _ => return Err(bad(i, "RUN takes a command and an optional user".into())),
                 };
@@ -317,7 +317,7 @@ pub fn translate(spec: &BuildSpec, roots: &HashMap<usize, Vec<String>>) -> Resul
                 push(&mut lines, &mut origins, format!("COPY --chown={owner}:{owner}{chmod} {}", json(&refs)), i);
             }
             "ENV" => {
-                if args.is_empty() || args.len() % 2 != 0 {
+                if args.is_empty() || !args.len().is_multiple_of(2) {
                     return Err(bad(i, "ENV takes names and values in pairs".into()));
                 }
                 let mut pairs = Vec::new();
@@ -638,9 +638,9 @@ impl Control {
                 if let Ok(r) = hutch_runtime::image::registry::Reference::parse(image) {
                     let host =
                         if r.registry.is_empty() { "docker.io".to_owned() } else { r.registry.to_ascii_lowercase() };
-                    if self.e2b_registries.iter().any(|a| *a == host) {
+                    if self.e2b_registries.contains(&host) {
                         // Pulled for this owner alone, under a name of its own.
-                        let owner = owner_dir(&caller.owner.to_string());
+                        let owner = owner_dir(caller.owner.as_ref());
                         let local = hutch_runtime::image::local_name(image);
                         let name: String = format!("e2b-{}-{local}", &owner[..12]).chars().take(128).collect();
                         return Ok((name, Some(image.to_owned())));

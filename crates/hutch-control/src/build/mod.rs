@@ -916,6 +916,7 @@ impl Control {
     }
 
     /// Writes the image and makes it the template's next version.
+    #[allow(clippy::too_many_arguments)]
     fn activate(
         &self,
         store: &ImageStore,
