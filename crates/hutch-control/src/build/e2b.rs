@@ -291,6 +291,9 @@ pub fn translate(spec: &BuildSpec, roots: &HashMap<usize, Vec<String>>) -> Resul
                     return Err(bad(i, format!("COPY as {owner:?}: use root or user")));
                 }
                 let mode = args.get(3).copied().filter(|m| !m.is_empty());
+                if mode.is_some_and(|m| m.len() > 4 || !m.bytes().all(|b| (b'0'..=b'7').contains(&b))) {
+                    return Err(bad(i, "COPY's mode must be octal, such as 0644".into()));
+                }
                 let mut sources: Vec<String> =
                     roots.get(&i).cloned().unwrap_or_default().into_iter().map(|r| join_ctx(i, &r)).collect();
                 if sources.is_empty() {
@@ -322,6 +325,10 @@ pub fn translate(spec: &BuildSpec, roots: &HashMap<usize, Vec<String>>) -> Resul
                 }
                 let mut pairs = Vec::new();
                 for kv in args.chunks(2) {
+                    let name_ok = !kv[0].is_empty() && kv[0].bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+                    if !name_ok || kv[0].as_bytes()[0].is_ascii_digit() {
+                        return Err(bad(i, format!("ENV name {:?}: use letters, digits and _", kv[0])));
+                    }
                     if kv[1].contains(['\n', '\r']) {
                         return Err(bad(i, format!("ENV {}: a value on more than one line", kv[0])));
                     }
