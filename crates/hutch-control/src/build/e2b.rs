@@ -38,6 +38,9 @@ use std::sync::Mutex;
 /// Most bytes of one uploaded tar (as sent). The build context they make
 /// is held whole while a build starts, as native contexts are.
 pub const UPLOAD_CAP: u64 = archive::ARCHIVE_CAP as u64;
+/// Most bytes an owner's files cache keeps: past it, the files used least
+/// recently are dropped (a build that needs one again uploads it again).
+pub const OWNER_FILES_CAP: u64 = 1 << 30;
 /// How long an upload URL is good for.
 pub const UPLOAD_TTL_SECONDS: i64 = 3600;
 /// How long a requested build waits for its steps.
@@ -601,10 +604,15 @@ impl Control {
         .map_err(|e| ControlError::Runtime(format!("files cache: {e}")))
         .and_then(|r| r);
         match written {
-            Ok(()) => std::fs::rename(&tmp, dir.join(hash)).map_err(|e| {
-                let _ = std::fs::remove_file(&tmp);
-                ControlError::Runtime(format!("files cache: {e}"))
-            }),
+            Ok(()) => {
+                std::fs::rename(&tmp, dir.join(hash)).map_err(|e| {
+                    let _ = std::fs::remove_file(&tmp);
+                    ControlError::Runtime(format!("files cache: {e}"))
+                })?;
+                let keep = dir.join(hash);
+                tokio::task::spawn_blocking(move || trim_cache(&keep, OWNER_FILES_CAP)).await?;
+                Ok(())
+            }
             Err(e) => {
                 let _ = std::fs::remove_file(&tmp);
                 Err(e)
@@ -711,9 +719,15 @@ impl Control {
             for (i, hash) in &copies {
                 check_hash(hash)
                     .map_err(|_| ControlError::Invalid(format!("step {}: COPY without its files hash", i + 1)))?;
-                let bytes = std::fs::read(dir.join(hash)).map_err(|_| {
+                let path = dir.join(hash);
+                let bytes = std::fs::read(&path).map_err(|_| {
                     ControlError::Invalid(format!("step {}: the files of this COPY were not uploaded", i + 1))
                 })?;
+                // Used now: the last the cache drops.
+                let _ = std::fs::File::options()
+                    .append(true)
+                    .open(&path)
+                    .and_then(|f| f.set_modified(std::time::SystemTime::now()));
                 roots.insert(*i, add_upload(&mut out, *i, &bytes)?);
             }
             let tr = translate(&spec2, &roots)?;
@@ -947,6 +961,31 @@ impl Control {
     }
 }
 
+/// Drops the files of an owner's cache used least recently (by mtime: a
+/// build that reads one touches it) until the directory holds at most
+/// `cap` bytes; `keep`, just written, stays.
+fn trim_cache(keep: &std::path::Path, cap: u64) {
+    let Some(dir) = keep.parent() else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let mut files: Vec<(std::time::SystemTime, u64, PathBuf)> = entries
+        .flatten()
+        .filter_map(|e| {
+            let m = e.metadata().ok()?;
+            m.is_file().then(|| (m.modified().unwrap_or(std::time::UNIX_EPOCH), m.len(), e.path()))
+        })
+        .collect();
+    let mut total: u64 = files.iter().map(|(_, n, _)| n).sum();
+    files.sort();
+    for (_, n, path) in files {
+        if total <= cap {
+            break;
+        }
+        if path != keep && std::fs::remove_file(&path).is_ok() {
+            total -= n;
+        }
+    }
+}
+
 /// The Dockerfile step a failure names (`step N/M (...)`), as E2B's step
 /// of it is unknown here: E2B's `finalize` for a failed check of the
 /// result, else none.
@@ -974,6 +1013,23 @@ mod tests {
         for bad in ["", "00000000-0000-0000-0123-456789abcdeg", "12345678-0000-0000-0123-456789abcdef", "bld-12"] {
             assert!(parse_wire_build_id(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn the_files_cache_drops_the_least_recently_used_past_its_cap() {
+        let dir = std::env::temp_dir().join(format!("hutch-e2b-cache-{}", hutch_runtime::sys::random_hex(4)));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let t0 = std::time::SystemTime::now();
+        for (i, name) in ["old", "mid", "new"].iter().enumerate() {
+            std::fs::write(dir.join(name), [0u8; 10]).expect("write");
+            let f = std::fs::File::options().append(true).open(dir.join(name)).expect("open");
+            f.set_modified(t0 - std::time::Duration::from_secs(100 - i as u64 * 10)).expect("mtime");
+        }
+        trim_cache(&dir.join("old"), 20);
+        let left: BTreeSet<String> =
+            std::fs::read_dir(&dir).expect("read").flatten().map(|e| e.file_name().to_string_lossy().into()).collect();
+        assert_eq!(left, BTreeSet::from(["old".to_owned(), "new".to_owned()]));
+        std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 
     #[test]
