@@ -127,9 +127,19 @@ def test_a_failed_build_reports_its_failure_and_log(daemon):
     assert "failed" in str(e.value), e.value
     messages = [str(getattr(l, "message", l)) for l in logs]
     assert any("about-to-fail" in m for m in messages), messages
-    # The template stays, unbuilt: a create from it is refused, not a crash.
-    with pytest.raises(Exception):
+    # The template stays, unbuilt: a create from it is refused.
+    with pytest.raises(Exception) as e:
         Sandbox.create("sdk-fails", timeout=30)
+    assert "no successful build" in str(e.value), e.value
+    # The status names the SDK's step that failed (its first after the image).
+    info = Template.build_in_background(template, "sdk-fails")
+
+    def failed():
+        s = Template.get_build_status(info)
+        return s if s.status.value == "error" else None
+
+    s = wait_for("the build to fail", failed, timeout=120, interval=0.2)
+    assert s.reason.step == "1" and "exit code 3" in s.reason.message, s.reason
 
 
 def test_bad_steps_are_refused_in_e2b_shape(daemon):

@@ -59,7 +59,13 @@ const E2B_BASE: &str = "e2bdev/base";
 pub struct E2bBuilds {
     pending: Mutex<HashMap<String, Pending>>,
     tags: Mutex<()>,
+    /// For recent builds, the E2B step of each Dockerfile step (see
+    /// [`Translated::origins`]), to name the step a failure is in.
+    origins: Mutex<HashMap<String, Vec<usize>>>,
 }
+
+/// Builds whose step origins are kept (a daemon restart forgets them).
+const ORIGINS_KEPT: usize = 1024;
 
 #[derive(Debug, Clone)]
 struct Pending {
@@ -712,7 +718,7 @@ impl Control {
             .map(|(i, s)| (i, s.files_hash.clone().unwrap_or_default()))
             .collect();
         let spec2 = spec.clone();
-        let context = tokio::task::spawn_blocking(move || -> Result<Vec<u8>> {
+        let (context, origins) = tokio::task::spawn_blocking(move || -> Result<(Vec<u8>, Vec<usize>)> {
             let gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
             let mut out = tar::Builder::new(gz);
             let mut roots = HashMap::new();
@@ -738,7 +744,7 @@ impl Control {
             let io = |e: std::io::Error| ControlError::Runtime(format!("build context: {e}"));
             out.append_data(&mut h, "Dockerfile", tr.dockerfile.as_bytes()).map_err(io)?;
             let gz = out.into_inner().map_err(io)?;
-            gz.finish().map_err(io)
+            Ok((gz.finish().map_err(io)?, tr.origins))
         })
         .await??;
         let opts = BuildOptions {
@@ -748,6 +754,13 @@ impl Control {
             pull,
         };
         let started = self.start_build_with(caller, &tid, context, opts).await?;
+        {
+            let mut kept = self.builds.e2b.origins.lock().unwrap_or_else(|e| e.into_inner());
+            if kept.len() >= ORIGINS_KEPT {
+                kept.clear();
+            }
+            kept.insert(bld.clone(), origins);
+        }
         self.e2b_set_tags(&owner, &t.id, &pending.tags, &bld)?;
         Ok(started)
     }
@@ -807,7 +820,8 @@ impl Control {
         };
         let reason = (b.state == BuildState::Failed).then(|| {
             let msg = b.error.clone().unwrap_or_else(|| "the build failed".into());
-            let step = failed_step(&msg);
+            let kept = self.builds.e2b.origins.lock().unwrap_or_else(|e| e.into_inner());
+            let step = failed_step(&msg, kept.get(&bld).map(Vec::as_slice));
             (msg, step)
         });
         Ok(Status { template_id: t.id, build_id: bld, status, entries, reason })
@@ -986,14 +1000,22 @@ fn trim_cache(keep: &std::path::Path, cap: u64) {
     }
 }
 
-/// The Dockerfile step a failure names (`step N/M (...)`), as E2B's step
-/// of it is unknown here: E2B's `finalize` for a failed check of the
-/// result, else none.
-fn failed_step(msg: &str) -> Option<String> {
+/// E2B's name of the step a failure is in: `finalize` for a failed check of
+/// the result, `base` for the image it starts from, else the number of the
+/// SDK's step (1-based, as the SDK counts its stack traces) the failed
+/// Dockerfile step (`step N/M (...)`) came from.
+fn failed_step(msg: &str, origins: Option<&[usize]>) -> Option<String> {
     if msg.starts_with("validation failed") {
         return Some("finalize".into());
     }
-    None
+    if msg.starts_with("pulling the image failed") {
+        return Some("base".into());
+    }
+    let n: usize = msg.strip_prefix("step ")?.split('/').next()?.parse().ok()?;
+    match origins?.get(n.checked_sub(1)?)? {
+        0 => Some("base".into()),
+        i => Some(i.to_string()),
+    }
 }
 
 #[cfg(test)]
@@ -1030,6 +1052,16 @@ mod tests {
             std::fs::read_dir(&dir).expect("read").flatten().map(|e| e.file_name().to_string_lossy().into()).collect();
         assert_eq!(left, BTreeSet::from(["old".to_owned(), "new".to_owned()]));
         std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn a_failure_names_the_sdk_step_it_came_from() {
+        let origins = [0, 0, 1, 2, 2, 2, 3];
+        assert_eq!(failed_step("step 5/7 (RUN x) failed: exit code 3", Some(&origins)).as_deref(), Some("2"));
+        assert_eq!(failed_step("step 1/7 (USER user) failed: x", Some(&origins)).as_deref(), Some("base"));
+        assert_eq!(failed_step("validation failed: not ready", None).as_deref(), Some("finalize"));
+        assert_eq!(failed_step("step 9/7 (x) failed", Some(&origins)), None);
+        assert_eq!(failed_step("step 2/7 (x) failed", None), None);
     }
 
     #[test]
