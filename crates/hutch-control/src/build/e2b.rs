@@ -553,17 +553,16 @@ impl Control {
         Ok(Some(format!("{path}?expires={exp}&signature={sig}")))
     }
 
-    /// The signed upload (`PUT` to the URL [`Control::e2b_files`] gave):
-    /// the body, at most [`UPLOAD_CAP`] bytes, is streamed to a file of the
-    /// template owner's cache and named by its hash once whole.
-    pub async fn e2b_upload(
+    /// Whether a signed upload URL is good (its signature, its expiry, its
+    /// template): checked before the body is read. Answers the template's
+    /// owner.
+    pub async fn e2b_upload_authorized(
         &self,
         template_id: &str,
         hash: &str,
         expires: i64,
         signature: &str,
-        mut body: Chunks,
-    ) -> Result<()> {
+    ) -> Result<String> {
         let invalid = || ControlError::Unauthorized("invalid signature");
         let tid = TemplateId::parse(template_id).map_err(|_| invalid())?;
         check_hash(hash).map_err(|_| invalid())?;
@@ -583,7 +582,23 @@ impl Control {
         if expires < now_ms() / 1000 {
             return Err(ControlError::Unauthorized("signature is already expired"));
         }
-        let dir = self.e2b_dir("e2b-files", &t.owner);
+        Ok(t.owner)
+    }
+
+    /// The signed upload (`PUT` to the URL [`Control::e2b_files`] gave):
+    /// checked as [`Control::e2b_upload_authorized`] does, then the body,
+    /// at most [`UPLOAD_CAP`] bytes, is streamed to a file of the template
+    /// owner's cache and named by its hash once whole.
+    pub async fn e2b_upload(
+        &self,
+        template_id: &str,
+        hash: &str,
+        expires: i64,
+        signature: &str,
+        mut body: Chunks,
+    ) -> Result<()> {
+        let owner = self.e2b_upload_authorized(template_id, hash, expires, signature).await?;
+        let dir = self.e2b_dir("e2b-files", &owner);
         std::fs::create_dir_all(&dir).map_err(|e| ControlError::Runtime(format!("files cache: {e}")))?;
         let tmp = dir.join(format!(".{hash}.{}", hutch_runtime::sys::random_hex(4)));
         let path = tmp.clone();

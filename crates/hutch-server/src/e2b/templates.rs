@@ -116,6 +116,12 @@ async fn upload(
     ApiQuery(q): ApiQuery<UploadQuery>,
     req: Request,
 ) -> Response {
+    // The signature is the credential: checked before the body is read
+    // (a refusal is answered once a small body is read and dropped).
+    if let Err(e) = app.control.e2b_upload_authorized(&id, &hash, q.expires, &q.signature).await {
+        return crate::transfer::refuse(req, E2bError::from(e).into_response()).await;
+    }
+    crate::listener::authenticated(&req);
     let (chunks, feed) = crate::transfer::chunks_of(req.into_body());
     let work = app.control.e2b_upload(&id, &hash, q.expires, &q.signature, chunks);
     let (result, whole) = crate::transfer::with_feed(feed, work).await;
