@@ -17,7 +17,7 @@ key, and for each round builds, with a file whose content is new each round
 The two alternate round by round so both see the same machine. Prints
 median and p95 of each, and their difference.
 
-    cargo build --release && python3 bench/template_bench.py [--rounds 10]
+    cargo build --release && python3 bench/template_bench.py [--rounds 10] [--binary PATH]
 """
 
 from __future__ import annotations
@@ -93,13 +93,15 @@ def row(name: str, xs: list[float]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--binary", type=Path, default=RELEASE, help="the hutch to run (default: the release build)")
     args = ap.parse_args()
-    d = Daemon(RELEASE)
+    binary = args.binary.resolve()
+    d = Daemon(binary)
     ctx = Path(tempfile.mkdtemp(prefix="hutch-bench-ctx-"))
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
         out = subprocess.run(
-            [str(RELEASE), "key", "create", "--e2b", "--json", "--name", "template-bench",
+            [str(binary), "key", "create", "--e2b", "--json", "--name", "template-bench",
              "--state-dir", str(d.root / "state")],
             env=env, capture_output=True, text=True, timeout=30, check=True,
         )
