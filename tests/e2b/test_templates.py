@@ -149,6 +149,11 @@ def test_bad_steps_are_refused_in_e2b_shape(daemon):
     with pytest.raises(BuildException) as e:
         Template.build(Template().from_image("no-such-image:1").run_cmd("true"), "sdk-bad")
     assert "no-such-image" in str(e.value)
+    # Another key's template or a missing one is unknown; E2B's `base` is hutch's.
+    with pytest.raises(BuildException) as e:
+        Template.build(Template().from_template("sdk-nothing").run_cmd("true"), "sdk-bad")
+    assert "not found" in str(e.value), e.value
+    Template.build(Template().from_template("base").run_cmd("true"), "sdk-on-base")
     r = api(daemon, "POST", "/v3/templates", json={"name": "Bad Name"})
     assert r.status_code == 400 and set(r.json()) == {"code", "message"}, r.text
 

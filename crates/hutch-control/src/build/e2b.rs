@@ -653,6 +653,8 @@ impl Control {
         }
         match (spec.from_template.as_deref(), spec.from_image.as_deref()) {
             (Some(_), Some(_)) => Err(ControlError::Invalid("fromImage and fromTemplate exclude each other".into())),
+            // E2B's public `base` template is hutch's `base`.
+            (Some("base"), None) => Ok(("base".into(), None)),
             (Some(name), None) => {
                 let (name, _) = split_name(name)?;
                 let (o, n) = (caller.owner.to_string(), name.clone());
