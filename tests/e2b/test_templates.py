@@ -264,3 +264,21 @@ def test_from_image_pulls_from_a_registry_the_daemon_allows(tmp_path):
                 d.stop()
         finally:
             reg.stop()
+
+
+def test_steps_are_cached_unless_skip_cache(daemon):
+    def build(template, **kw):
+        logs = []
+        Template.build(template, "sdk-cache", on_build_logs=logs.append, **kw)
+        return [str(getattr(l, "message", l)) for l in logs]
+
+    plain = lambda: Template().from_base_image().run_cmd("echo one > /home/user/one").run_cmd("echo two")
+    build(plain())
+    again = build(plain())
+    assert sum("---> cached" in m for m in again) >= 2, again
+    forced = build(plain(), skip_cache=True)
+    assert not any("---> cached" in m for m in forced), forced
+    # `skip_cache()` before a step: that step and the ones after it run.
+    partly = build(Template().from_base_image().run_cmd("echo one > /home/user/one").skip_cache().run_cmd("echo two"))
+    runs = [m for m in partly if m.startswith("---> ")]
+    assert any("cached" in m for m in runs) and "cached" not in runs[-2], runs

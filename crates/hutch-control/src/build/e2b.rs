@@ -764,11 +764,17 @@ impl Control {
             Ok((gz.finish().map_err(io)?, tr.origins))
         })
         .await??;
+        // `skip_cache`: from the first Dockerfile step of the first forced
+        // SDK step (all of them when the whole build is forced).
+        let forced = spec.steps.iter().position(|s| s.force);
+        let no_cache_from =
+            if spec.force { Some(0) } else { forced.and_then(|f| origins.iter().position(|&o| o == f + 1)) };
         let opts = BuildOptions {
             id: Some(bld.clone()),
             parent: Some(parent),
             readiness: readiness_of(spec.ready_cmd.as_deref()),
             pull,
+            no_cache_from,
         };
         let started = self.start_build_with(caller, &tid, context, opts).await?;
         {

@@ -480,6 +480,16 @@ pub struct BuildOptions {
     /// Pulled (reference, registry allowed) into `parent` before the steps,
     /// as the build's owner's own image.
     pub pull: Option<String>,
+    /// The first step (0-based) that runs even when cached (E2B's
+    /// `skip_cache`): it and every step after it.
+    pub no_cache_from: Option<usize>,
+}
+
+/// What a build carries to its task besides its steps.
+struct Extra {
+    readiness: Option<Readiness>,
+    pull: Option<String>,
+    no_cache_from: Option<usize>,
 }
 
 impl Control {
@@ -558,7 +568,7 @@ impl Control {
         }
         let this = self.clone();
         let answer = view(&record);
-        let extra = (opts.readiness, opts.pull);
+        let extra = Extra { readiness: opts.readiness, pull: opts.pull, no_cache_from: opts.no_cache_from };
         tokio::spawn(async move { this.run_build(record, ctx, planned, log, extra).await });
         Ok(answer)
     }
@@ -713,7 +723,7 @@ impl Control {
         ctx: Context,
         planned: Vec<Planned>,
         mut log: Log,
-        extra: (Option<Readiness>, Option<String>),
+        extra: Extra,
     ) {
         let queue = self.builds.lock_for(&rec.template_id);
         let _turn = queue.lock().await;
@@ -750,7 +760,7 @@ impl Control {
         ctx: Arc<Context>,
         planned: &[Planned],
         log: &mut Log,
-        (new_readiness, pull): (Option<Readiness>, Option<String>),
+        Extra { readiness: new_readiness, pull, no_cache_from }: Extra,
     ) -> std::result::Result<(String, i64), Failure> {
         let state = self.state_dir();
         if let Some(reference) = pull {
@@ -812,7 +822,8 @@ impl Control {
                 Action::Workdir(dir) => workdir = dir.clone(),
                 Action::Run(_) | Action::Copy { .. } => {}
             }
-            if let Some(hex) = store.cached_step(&rec.owner, &key) {
+            let cached = if no_cache_from.is_some_and(|f| i >= f) { None } else { store.cached_step(&rec.owner, &key) };
+            if let Some(hex) = cached {
                 log.line(&format!("---> cached {}", &hex[..12]));
                 layers.push(hex);
                 continue;
