@@ -9,14 +9,13 @@ shared: builds are slow on small machines."""
 import shutil
 import sys
 import tempfile
-import time
+import uuid
 from pathlib import Path
 
 import pytest
 import requests
 from e2b import Sandbox, Template
 from e2b.exceptions import BuildException
-from e2b.template.utils import calculate_files_hash
 
 from conftest import E2bDaemon, wait_for
 
@@ -201,7 +200,11 @@ def test_another_key_sees_no_template_build_or_cached_files(built, daemon, conte
     messages = [str(getattr(l, "message", l)) for l in logs]
     assert any("Uploaded 'app.txt'" in m for m in messages), messages
     assert theirs.template_id != info.template_id
-    h = calculate_files_hash("pkg", "/opt/pkg/", str(context_dir), [], False, None)
+    # A hash the first key uploaded is absent for the other key's template.
+    h = uuid.uuid4().hex * 2
+    r = api(daemon, "GET", f"/templates/{info.template_id}/files/{h}")
+    assert r.status_code == 201 and r.json()["present"] is False, r.text
+    assert requests.put(r.json()["url"], data=b"first key's files", timeout=30).status_code == 200
     r = api(daemon, "GET", f"/templates/{info.template_id}/files/{h}")
     assert r.status_code == 201 and r.json() == {"present": True}, r.text
     r = api(daemon, "GET", f"/templates/{theirs.template_id}/files/{h}", key=other)
