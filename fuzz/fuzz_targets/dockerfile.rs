@@ -1,11 +1,11 @@
 //! Dockerfile fragments of template builds (hutch-control's build
 //! dockerfile `parse`): every instruction it accepts keeps the promises the
-//! build relies on (COPY sources inside the context, WORKDIR inside
-//! /workspace, ENV names a shell takes, bounded counts and sizes), and
-//! refusals name a line of the text.
+//! build relies on (COPY sources inside the context, WORKDIR never in
+//! /proc, /sys or /dev, USER root or user, ENV names a shell takes, bounded
+//! counts and sizes), and refusals name a line of the text.
 #![no_main]
 
-use hutch_control::build::dockerfile::{self, Command, Instruction, MAX_STEPS, WORKSPACE};
+use hutch_control::build::dockerfile::{self, Command, Instruction, MAX_STEPS};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -20,7 +20,7 @@ fuzz_target!(|data: &[u8]| {
     };
     assert!(!steps.is_empty() && steps.len() <= MAX_STEPS);
     let mut previous = 0;
-    let mut workdir = WORKSPACE.to_owned();
+    let mut workdir = "/workspace".to_owned();
     for step in &steps {
         assert!(step.line > previous && step.line <= lines);
         previous = step.line;
@@ -33,7 +33,8 @@ fuzz_target!(|data: &[u8]| {
                 }
                 let _ = c.to_shell();
             }
-            Instruction::Copy { sources, dest, chown } => {
+            Instruction::Copy { sources, dest, chown, chmod } => {
+                assert!(chmod.is_none_or(|m| m <= 0o7777));
                 assert!(!sources.is_empty() && !dest.contains('$'));
                 for s in sources {
                     assert!(!s.contains('$') && !s.contains("://") && !s.contains(['*', '?', '[']));
@@ -52,10 +53,14 @@ fuzz_target!(|data: &[u8]| {
                     assert!(v.len() <= 32 * 1024);
                 }
             }
+            Instruction::User(u) => assert!(u == "root" || u == "user", "{u:?}"),
             Instruction::Workdir(dir) => {
                 assert!(!dir.contains('$'));
                 if let Ok(path) = dockerfile::resolve_workdir(step.line, &workdir, dir) {
-                    assert!(path == WORKSPACE || path.starts_with("/workspace/"), "{path:?}");
+                    for kernel in ["/proc", "/sys", "/dev"] {
+                        assert!(path != kernel && !path.starts_with(&format!("{kernel}/")), "{path:?}");
+                    }
+                    assert_ne!(path, "/");
                     normalized(&path);
                     workdir = path;
                 }

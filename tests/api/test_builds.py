@@ -117,7 +117,8 @@ def test_a_dockerfile_with_from_is_refused_before_any_build(api: Client):
         ("ENTRYPOINT [\"/bin/sh\"]\n", 1, "ENTRYPOINT"),
         ("RUN true\n\nUSER nobody\n", 3, "USER"),
         ("ADD https://example.com/x /x\n", 1, "ADD"),
-        ("WORKDIR /etc\n", 1, "WORKDIR"),
+        ("WORKDIR /proc/self\n", 1, "WORKDIR"),
+        ("USER root\nUSER daemon\n", 2, "USER"),
         ("COPY ../secret /workspace/\n", 1, "COPY"),
         ("COPY missing.txt /workspace/\n", 1, "missing.txt"),
     ]:

@@ -683,12 +683,16 @@ fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Resul
 }
 
 /// A command started in the background in every sandbox of a template as it
-/// boots (as `user`, in the image's working directory, tagged `startup`).
+/// boots (as `user` unless a build's USER said `root`, in the image's
+/// working directory, tagged `startup`).
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct Startup {
     /// Run with `bash -c`.
     pub command: String,
+    /// `user` (the default) or `root`; set by a build's USER.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
 }
 
 /// What makes a sandbox ready: exactly one of `command` (exits 0) and

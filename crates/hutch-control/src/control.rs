@@ -125,6 +125,9 @@ pub struct Config {
     /// (`<port>-<sandbox>.<domain>`) reach this daemon; without one, the
     /// E2B API names no domain and serves no port by host name.
     pub e2b_domain: Option<String>,
+    /// Registries (`host[:port]`, `docker.io` for Docker Hub) that the E2B
+    /// API's `from_image` may pull from; none by default.
+    pub e2b_registries: Vec<String>,
     /// A credential that reads `/metrics` (the operator's view) and nothing
     /// else, for a scraper that holds no API key.
     pub metrics_token: Option<String>,
@@ -138,6 +141,7 @@ impl Config {
             capacity: Capacity::unlimited(),
             e2b_secret: vec![7; 32],
             e2b_domain: None,
+            e2b_registries: Vec::new(),
             metrics_token: None,
         }
     }
@@ -160,6 +164,7 @@ pub struct Control {
     pub(crate) capacity: Capacity,
     pub(crate) e2b_secret: Vec<u8>,
     pub(crate) e2b_domain: Option<String>,
+    pub(crate) e2b_registries: Vec<String>,
     pub(crate) metrics_token: Option<String>,
     pub(crate) access: crate::access::Grants,
     pub(crate) builds: crate::build::Builds,
@@ -285,6 +290,7 @@ impl Control {
             capacity: config.capacity,
             e2b_secret: config.e2b_secret,
             e2b_domain: config.e2b_domain,
+            e2b_registries: config.e2b_registries,
             metrics_token: config.metrics_token,
             access: crate::access::Grants::default(),
             builds: crate::build::Builds::default(),

@@ -66,14 +66,14 @@ pub fn access_token(secret: &[u8], sandbox: &str) -> String {
 }
 
 /// Compares in constant time (lengths are not secret).
-fn same(a: &str, b: &str) -> bool {
+pub(crate) fn same(a: &str, b: &str) -> bool {
     a.len() == b.len() && bool::from(a.as_bytes().ct_eq(b.as_bytes()))
 }
 
 impl SignedUrl {
     /// The signature a URL for this path, operation and user gets under the
     /// sandbox's `token`.
-    fn expected(&self, token: &str) -> String {
+    pub(crate) fn expected(&self, token: &str) -> String {
         let raw = match self.expiration {
             None => format!("{}:{}:{}:{token}", self.path, self.operation.as_str(), self.username),
             Some(e) => format!("{}:{}:{}:{token}:{e}", self.path, self.operation.as_str(), self.username),

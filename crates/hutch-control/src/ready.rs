@@ -134,7 +134,7 @@ pub async fn until_ready(
             cmd: Cmd::Shell(s.command.clone()),
             env: Vec::new(),
             cwd: check.cwd.clone(),
-            user: None,
+            user: s.user.clone(),
             stdin: false,
             pty: None,
             tag: Some(STARTUP_TAG.into()),

@@ -98,7 +98,7 @@ impl Recipe {
         Recipe {
             name: INTERPRETER.to_owned(),
             image: interp::NAME.to_owned(),
-            startup: Some(Startup { command: interp::START_COMMAND.to_owned() }),
+            startup: Some(Startup { command: interp::START_COMMAND.to_owned(), user: None }),
             readiness: Some(Readiness {
                 command: None,
                 port: Some(interp::PORT),
@@ -177,6 +177,9 @@ fn check_startup(s: Option<&Startup>) -> Result<()> {
     if let Some(s) = s {
         if s.command.trim().is_empty() || s.command.len() > COMMAND_MAX || s.command.contains('\0') {
             return Err(ControlError::Invalid(format!("startup.command must be 1 to {COMMAND_MAX} bytes, no NUL")));
+        }
+        if !matches!(s.user.as_deref(), None | Some("user") | Some("root")) {
+            return Err(ControlError::Invalid("startup.user must be user or root".into()));
         }
     }
     Ok(())
@@ -540,7 +543,7 @@ mod tests {
             check_readiness(Some(&Readiness { command: None, port: Some(80), timeout_seconds: Some(301) })).is_err()
         );
         assert!(check_readiness(Some(&Readiness { command: None, port: Some(80), timeout_seconds: Some(5) })).is_ok());
-        assert!(check_startup(Some(&Startup { command: " ".into() })).is_err());
+        assert!(check_startup(Some(&Startup { command: " ".into(), user: None })).is_err());
         assert!(check_class(Some("microvm")).is_err());
         assert!(check_warm(Warm { min: 3, max: 2 }).is_err());
         assert!(check_warm(Warm { min: 0, max: WARM_MAX + 1 }).is_err());

@@ -77,6 +77,13 @@ pub struct ServeArgs {
     /// (HUTCH_E2B_DOMAIN). Without it, no port is served by E2B host name.
     #[arg(long, env = "HUTCH_E2B_DOMAIN")]
     pub e2b_domain: Option<String>,
+    /// Registries (`host[:port]`, comma-separated; `docker.io` for Docker
+    /// Hub) that E2B template builds may pull `from_image` from, as the
+    /// daemon: each build's image is pulled for its key alone. None by
+    /// default: a pull is a request from the host to where the key says
+    /// (HUTCH_E2B_REGISTRIES).
+    #[arg(long, env = "HUTCH_E2B_REGISTRIES", value_delimiter = ',')]
+    pub e2b_registries: Vec<String>,
     /// A file holding a token (at least 16 characters) that reads
     /// `/metrics` and nothing else, as `Authorization: Bearer <token>`, for
     /// a scraper without an API key (HUTCH_METRICS_TOKEN_FILE).
@@ -335,7 +342,16 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
             Some(token.to_owned())
         }
     };
-    let config = hutch_control::Config { network: network.clone(), capacity, e2b_secret, e2b_domain, metrics_token };
+    let e2b_registries: Vec<String> =
+        args.e2b_registries.iter().map(|r| r.trim().to_ascii_lowercase()).filter(|r| !r.is_empty()).collect();
+    let config = hutch_control::Config {
+        network: network.clone(),
+        capacity,
+        e2b_secret,
+        e2b_domain,
+        e2b_registries,
+        metrics_token,
+    };
     let control = Control::new(store.clone(), runtime, config);
     control.recover().await?;
 

@@ -1,8 +1,10 @@
 //! The Dockerfile fragment a template build runs: RUN (shell and exec form),
-//! COPY (`--chown=` optional), ENV (`k=v ...` and `k v`), WORKDIR (inside
-//! /workspace), CMD, comments and line continuations. Everything else (FROM,
-//! ENTRYPOINT, USER, ADD, ARG, ...) is refused with the line that holds it,
-//! before anything runs: a build always starts from the template's image.
+//! COPY (`--chown=` and `--chmod=` optional), ENV (`k=v ...` and `k v`),
+//! WORKDIR (any absolute directory but /proc, /sys and /dev), USER (`root`
+//! or `user`: who runs the RUN steps after it and the startup command),
+//! CMD, comments and line continuations. Everything else (FROM, ENTRYPOINT,
+//! ADD, ARG, ...) is refused with the line that holds it, before anything
+//! runs: a build always starts from the template's image.
 //!
 //! Variables are not expanded (`$X` in WORKDIR or COPY is refused rather
 //! than taken literally); COPY takes no globs, URLs or paths out of the
@@ -12,8 +14,6 @@
 pub const MAX_DOCKERFILE: usize = 64 * 1024;
 /// Most instructions in one Dockerfile.
 pub const MAX_STEPS: usize = 256;
-/// The directory WORKDIR must stay in.
-pub const WORKSPACE: &str = "/workspace";
 
 /// A command as RUN or CMD gives it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,10 +52,14 @@ pub enum Instruction {
         dest: String,
         /// Image ids; root when absent.
         chown: Option<(u32, u32)>,
+        /// Mode of every file and directory copied; theirs when absent.
+        chmod: Option<u32>,
     },
     Env(Vec<(String, String)>),
-    /// Absolute and normalized, inside /workspace.
+    /// As written; see [`resolve_workdir`].
     Workdir(String),
+    /// `root` or `user`.
+    User(String),
     Cmd(Command),
 }
 
@@ -139,9 +143,9 @@ fn instruction(line: usize, text: String) -> Result<Step, Refused> {
         "WORKDIR" => Instruction::Workdir(workdir_arg(line, rest)?),
         "FROM" => return refuse(line, "FROM is not supported: a build always starts from the template's image"),
         "ENTRYPOINT" => return refuse(line, "ENTRYPOINT is not supported: use CMD for the startup command"),
-        "USER" => return refuse(line, "USER is not supported: RUN steps run as root, sandboxes as `user`"),
+        "USER" => Instruction::User(user_arg(line, rest)?),
         "ADD" => return refuse(line, "ADD is not supported: use COPY (no URLs, no archives unpacked)"),
-        _ => return refuse(line, format!("{word} is not supported (only RUN, COPY, ENV, WORKDIR and CMD are)")),
+        _ => return refuse(line, format!("{word} is not supported (only RUN, COPY, ENV, WORKDIR, USER and CMD are)")),
     };
     Ok(Step { line, text, instruction })
 }
@@ -255,13 +259,30 @@ fn workdir_arg(line: usize, rest: &str) -> Result<String, Refused> {
     Ok(dir.clone())
 }
 
-/// Where a WORKDIR lands from the current one; refused outside /workspace.
+/// Trees a WORKDIR may not name: the kernel's, mounted over the image.
+const NO_WORKDIR: &[&str] = &["/proc", "/sys", "/dev"];
+
+/// Where a WORKDIR lands from the current one; refused for the root itself
+/// and inside /proc, /sys and /dev.
 pub fn resolve_workdir(line: usize, current: &str, dir: &str) -> Result<String, Refused> {
     let path = absolute(current, dir).ok_or_else(|| Refused { line, message: format!("WORKDIR {dir:?}: bad path") })?;
-    if path != WORKSPACE && !path.starts_with("/workspace/") {
-        return refuse(line, format!("WORKDIR {dir:?} is outside {WORKSPACE}"));
+    if path == "/" {
+        return refuse(line, format!("WORKDIR {dir:?}: the root directory is not a working directory"));
+    }
+    if NO_WORKDIR.iter().any(|n| path == *n || path.strip_prefix(n).is_some_and(|r| r.starts_with('/'))) {
+        return refuse(line, format!("WORKDIR {dir:?} is inside /proc, /sys or /dev"));
     }
     Ok(path)
+}
+
+/// USER: the users every image has.
+fn user_arg(line: usize, rest: &str) -> Result<String, Refused> {
+    match rest {
+        "root" | "user" => Ok(rest.to_owned()),
+        "0" | "0:0" | "root:root" => Ok("root".into()),
+        "1000" | "1000:1000" | "user:user" => Ok("user".into()),
+        _ => refuse(line, format!("USER {rest:?} is not supported: use root or user")),
+    }
 }
 
 /// `dir` made absolute against `cwd` and normalized; None when `..` would
@@ -286,12 +307,17 @@ pub fn absolute(cwd: &str, dir: &str) -> Option<String> {
 
 fn copy(line: usize, rest: &str) -> Result<Instruction, Refused> {
     let mut chown = None;
+    let mut chmod = None;
     let mut rest = rest;
     while let Some(flag) = rest.strip_prefix("--") {
         let (flag, after) = flag.split_once(char::is_whitespace).unwrap_or((flag, ""));
         match flag.split_once('=') {
             Some(("chown", v)) => chown = Some(parse_chown(line, v)?),
-            _ => return refuse(line, format!("COPY --{flag} is not supported (only --chown=)")),
+            Some(("chmod", v)) => match u32::from_str_radix(v, 8) {
+                Ok(m) if !v.is_empty() && v.len() <= 4 && m <= 0o7777 => chmod = Some(m),
+                _ => return refuse(line, format!("COPY --chmod={v}: use an octal mode such as 0644")),
+            },
+            _ => return refuse(line, format!("COPY --{flag} is not supported (only --chown= and --chmod=)")),
         }
         rest = after.trim_start();
     }
@@ -324,7 +350,7 @@ fn copy(line: usize, rest: &str) -> Result<Instruction, Refused> {
         }
         norm.push(parts.join("/"));
     }
-    Ok(Instruction::Copy { sources: norm, dest: dest.clone(), chown })
+    Ok(Instruction::Copy { sources: norm, dest: dest.clone(), chown, chmod })
 }
 
 /// `--chown=` as numeric ids or the names every image has (root, user).
@@ -374,10 +400,14 @@ mod tests {
             Instruction::Copy {
                 sources: vec!["app.py".into(), "lib".into()],
                 dest: "/workspace/app/".into(),
-                chown: Some((1000, 1000))
+                chown: Some((1000, 1000)),
+                chmod: None,
             }
         );
-        assert_eq!(*kinds[3], Instruction::Copy { sources: vec!["".into()], dest: "/opt/ctx".into(), chown: None });
+        assert_eq!(
+            *kinds[3],
+            Instruction::Copy { sources: vec!["".into()], dest: "/opt/ctx".into(), chown: None, chmod: None }
+        );
         assert_eq!(
             *kinds[4],
             Instruction::Env(vec![
@@ -394,11 +424,28 @@ mod tests {
     }
 
     #[test]
+    fn user_and_chmod_parse() {
+        let steps = parse("USER root\nCOPY --chmod=0750 --chown=user a /b\nUSER 1000\n").expect("parse");
+        assert_eq!(steps[0].instruction, Instruction::User("root".into()));
+        assert_eq!(
+            steps[1].instruction,
+            Instruction::Copy {
+                sources: vec!["a".into()],
+                dest: "/b".into(),
+                chown: Some((1000, 1000)),
+                chmod: Some(0o750)
+            }
+        );
+        assert_eq!(steps[2].instruction, Instruction::User("user".into()));
+    }
+
+    #[test]
     fn other_instructions_are_refused_with_their_line() {
         for (text, line, word) in [
             ("RUN true\nFROM debian\n", 2, "FROM"),
             ("ENTRYPOINT [\"x\"]", 1, "ENTRYPOINT"),
             ("RUN true\n\nUSER nobody", 3, "USER"),
+            ("COPY --chmod=999 a /b", 1, "chmod"),
             ("ADD https://example.com/x /x", 1, "ADD"),
             ("ARG X=1", 1, "ARG"),
             ("EXPOSE 80", 1, "EXPOSE"),
@@ -433,8 +480,11 @@ mod tests {
         assert_eq!(resolve_workdir(1, "/workspace", "app/../lib").expect("ok"), "/workspace/lib");
         assert_eq!(resolve_workdir(1, "/workspace/a", "/workspace").expect("ok"), "/workspace");
         assert!(resolve_workdir(1, "/workspace", "..").is_err());
-        assert!(resolve_workdir(1, "/workspace", "/etc").is_err());
-        assert!(resolve_workdir(1, "/workspace", "/workspaces").is_err());
+        assert_eq!(resolve_workdir(1, "/workspace", "/opt/app").expect("ok"), "/opt/app");
+        assert_eq!(resolve_workdir(1, "/workspace", "/procs").expect("ok"), "/procs");
+        for bad in ["/proc", "/proc/1", "/sys/x", "/dev", "/"] {
+            assert!(resolve_workdir(1, "/workspace", bad).is_err(), "{bad}");
+        }
         assert_eq!(absolute("/", "../.."), None);
         assert!(parse(&"RUN true\n".repeat(MAX_STEPS + 1)).is_err());
         assert!(parse("# only a comment\n").is_err());

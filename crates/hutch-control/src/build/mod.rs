@@ -22,6 +22,7 @@
 //! refusal names the line. Builds of one template run one at a time.
 
 pub mod dockerfile;
+pub mod e2b;
 
 use crate::control::{now_ms, rfc3339, Control};
 use crate::error::{ControlError, Result};
@@ -87,6 +88,8 @@ pub fn parse_build_id(s: &str) -> Result<&str> {
 pub struct Builds {
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     instance: OnceLock<String>,
+    /// E2B builds asked for and not yet started, and tag writes.
+    e2b: e2b::E2bBuilds,
 }
 
 impl Builds {
@@ -289,9 +292,11 @@ enum Action {
         files: Vec<(String, String)>,
         dirs: Vec<(String, u32)>,
         chown: (u32, u32),
+        chmod: Option<u32>,
     },
     Env(Vec<(String, String)>),
     Workdir(String),
+    User(String),
     Cmd(Command),
 }
 
@@ -301,6 +306,8 @@ struct Planned {
     action: Action,
     /// The WORKDIR in effect for this step.
     cwd: String,
+    /// The USER in effect for this step (`root` until one says otherwise).
+    user: String,
     /// Digest of what a COPY copies (names, modes, contents).
     inputs: String,
 }
@@ -312,6 +319,7 @@ fn refused(line: usize, message: impl Into<String>) -> ControlError {
 /// Resolves every step before anything runs; a problem refuses the build.
 fn plan_steps(steps: Vec<Step>, ctx: &Context, workdir: &str) -> Result<Vec<Planned>> {
     let mut cwd = workdir.to_owned();
+    let mut user = String::from("root");
     let mut out = Vec::new();
     for step in steps {
         let line = step.line;
@@ -320,12 +328,16 @@ fn plan_steps(steps: Vec<Step>, ctx: &Context, workdir: &str) -> Result<Vec<Plan
             Instruction::Run(c) => Action::Run(c.clone()),
             Instruction::Cmd(c) => Action::Cmd(c.clone()),
             Instruction::Env(pairs) => Action::Env(pairs.clone()),
+            Instruction::User(u) => {
+                user = u.clone();
+                Action::User(u.clone())
+            }
             Instruction::Workdir(dir) => {
                 cwd = dockerfile::resolve_workdir(line, &cwd, dir)
                     .map_err(|r| ControlError::BuildRefused { line: r.line, message: r.message })?;
                 Action::Workdir(cwd.clone())
             }
-            Instruction::Copy { sources, dest, chown } => {
+            Instruction::Copy { sources, dest, chown, chmod } => {
                 let abs = dockerfile::absolute(&cwd, dest)
                     .ok_or_else(|| refused(line, format!("COPY destination {dest:?} is not a path")))?;
                 let into_dir = dest.ends_with('/') || sources.len() > 1;
@@ -363,10 +375,10 @@ fn plan_steps(steps: Vec<Step>, ctx: &Context, workdir: &str) -> Result<Vec<Plan
                     }
                 }
                 inputs = hex::encode(h.finalize());
-                Action::Copy { files, dirs, chown: chown.unwrap_or((0, 0)) }
+                Action::Copy { files, dirs, chown: chown.unwrap_or((0, 0)), chmod: *chmod }
             }
         };
-        out.push(Planned { step, action, cwd: cwd.clone(), inputs });
+        out.push(Planned { step, action, cwd: cwd.clone(), user: user.clone(), inputs });
     }
     Ok(out)
 }
@@ -454,6 +466,32 @@ fn view(b: &BuildRecord) -> Build {
 /// Why a build failed, for its record (the log says more).
 type Failure = String;
 
+/// What a build takes besides its context (the E2B API's builds).
+#[derive(Debug, Clone, Default)]
+pub struct BuildOptions {
+    /// The build's id (`bld-` and 16 hex digits), chosen before it starts.
+    pub id: Option<String>,
+    /// The image it starts from instead of the template's own: `base`, a
+    /// shared image, or one of the owner's builds.
+    pub parent: Option<String>,
+    /// The template's readiness check from this build on (its result is
+    /// checked with it).
+    pub readiness: Option<Readiness>,
+    /// Pulled (reference, registry allowed) into `parent` before the steps,
+    /// as the build's owner's own image.
+    pub pull: Option<String>,
+    /// The first step (0-based) that runs even when cached (E2B's
+    /// `skip_cache`): it and every step after it.
+    pub no_cache_from: Option<usize>,
+}
+
+/// What a build carries to its task besides its steps.
+struct Extra {
+    readiness: Option<Readiness>,
+    pull: Option<String>,
+    no_cache_from: Option<usize>,
+}
+
 impl Control {
     fn state_dir(&self) -> PathBuf {
         self.runtime.config().state_dir.clone()
@@ -466,6 +504,17 @@ impl Control {
     /// Checks a build context and its Dockerfile, records the build
     /// (`queued`) and starts it in the background.
     pub async fn start_build(self: &Arc<Self>, caller: &Caller, id: &TemplateId, context: Vec<u8>) -> Result<Build> {
+        self.start_build_with(caller, id, context, BuildOptions::default()).await
+    }
+
+    /// [`Control::start_build`] with [`BuildOptions`].
+    pub async fn start_build_with(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &TemplateId,
+        context: Vec<u8>,
+        opts: BuildOptions,
+    ) -> Result<Build> {
         if self.is_shutting_down() {
             return Err(ControlError::ShuttingDown);
         }
@@ -478,12 +527,21 @@ impl Control {
         let (ctx, text) = Context::new(context)?;
         let steps =
             dockerfile::parse(&text).map_err(|r| ControlError::BuildRefused { line: r.line, message: r.message })?;
-        let parent = self.build_parent(&store, &t)?;
+        let parent = match opts.parent.clone() {
+            Some(p) => p,
+            None => self.build_parent(&store, &t)?,
+        };
         let workdir = image_workdir(&store, &parent).unwrap_or_else(|| DEFAULT_WORKDIR.into());
         let planned = plan_steps(steps, &ctx, &workdir)?;
-        let rid = hutch_runtime::container::random_id().map_err(|e| ControlError::Runtime(e.to_string()))?;
+        let build_id = match opts.id.clone() {
+            Some(b) => parse_build_id(&b)?.to_owned(),
+            None => {
+                let rid = hutch_runtime::container::random_id().map_err(|e| ControlError::Runtime(e.to_string()))?;
+                format!("bld-{}", rid.trim_start_matches("sb-"))
+            }
+        };
         let record = BuildRecord {
-            id: format!("bld-{}", rid.trim_start_matches("sb-")),
+            id: build_id,
             template_id: t.id.clone(),
             owner: owner.to_owned(),
             state: BuildState::Queued,
@@ -510,7 +568,8 @@ impl Control {
         }
         let this = self.clone();
         let answer = view(&record);
-        tokio::spawn(async move { this.run_build(record, ctx, planned, log).await });
+        let extra = Extra { readiness: opts.readiness, pull: opts.pull, no_cache_from: opts.no_cache_from };
+        tokio::spawn(async move { this.run_build(record, ctx, planned, log, extra).await });
         Ok(answer)
     }
 
@@ -658,7 +717,14 @@ impl Control {
         Ok(())
     }
 
-    async fn run_build(self: Arc<Self>, mut rec: BuildRecord, ctx: Context, planned: Vec<Planned>, mut log: Log) {
+    async fn run_build(
+        self: Arc<Self>,
+        mut rec: BuildRecord,
+        ctx: Context,
+        planned: Vec<Planned>,
+        mut log: Log,
+        extra: Extra,
+    ) {
         let queue = self.builds.lock_for(&rec.template_id);
         let _turn = queue.lock().await;
         rec.state = BuildState::Building;
@@ -666,7 +732,7 @@ impl Control {
         if let Err(e) = self.db(move |s| s.update_build(&r, &[BuildState::Queued])).await {
             tracing::warn!("build {}: cannot record its state: {e}", rec.id);
         }
-        let outcome = self.build(&rec, Arc::new(ctx), &planned, &mut log).await;
+        let outcome = self.build(&rec, Arc::new(ctx), &planned, &mut log, extra).await;
         rec.finished_at = Some(now_ms());
         match outcome {
             Ok((image, version)) => {
@@ -694,8 +760,21 @@ impl Control {
         ctx: Arc<Context>,
         planned: &[Planned],
         log: &mut Log,
+        Extra { readiness: new_readiness, pull, no_cache_from }: Extra,
     ) -> std::result::Result<(String, i64), Failure> {
         let state = self.state_dir();
+        if let Some(reference) = pull {
+            log.line(&format!("Pulling {reference}"));
+            let (st, name, owner) = (state.clone(), rec.parent.clone(), rec.owner.clone());
+            let pulled = blocking(move || pull_owned(&st, &reference, &name, &owner)).await;
+            match pulled {
+                Ok(layers) => log.line(&format!("---> image {} ({layers} layers)", rec.parent)),
+                Err(why) => {
+                    log.line(&format!("---> failed: {why}"));
+                    return Err(format!("pulling the image failed: {why}"));
+                }
+            }
+        }
         let t = self
             .store
             .get_template(&rec.template_id)
@@ -709,7 +788,15 @@ impl Control {
         let mut env: Vec<(String, String)> = parent.env.clone();
         let mut layers: Vec<String> = Vec::new();
         let mut cmd: Option<Command> = None;
-        let mut key = first_cache_key(&rec.owner, &rec.parent, &serde_json::to_string(&tpl_env).unwrap_or_default());
+        // The last USER: who runs the startup command.
+        let mut startup_user: Option<String> = None;
+        // The parent's layers too: a name pulled again (or a store image
+        // made again) may hold other files.
+        let parent_key = match store.get(&rec.parent) {
+            Ok(img) => format!("{}@{}", rec.parent, img.layers.join(",")),
+            Err(_) => rec.parent.clone(),
+        };
+        let mut key = first_cache_key(&rec.owner, &parent_key, &serde_json::to_string(&tpl_env).unwrap_or_default());
         let total = planned.len();
         let mut workdir = parent.workdir.clone().unwrap_or_else(|| DEFAULT_WORKDIR.into());
         for (i, p) in planned.iter().enumerate() {
@@ -728,10 +815,15 @@ impl Control {
                     cmd = Some(c.clone());
                     continue;
                 }
+                Action::User(u) => {
+                    startup_user = Some(u.clone());
+                    continue;
+                }
                 Action::Workdir(dir) => workdir = dir.clone(),
                 Action::Run(_) | Action::Copy { .. } => {}
             }
-            if let Some(hex) = store.cached_step(&rec.owner, &key) {
+            let cached = if no_cache_from.is_some_and(|f| i >= f) { None } else { store.cached_step(&rec.owner, &key) };
+            if let Some(hex) = cached {
                 log.line(&format!("---> cached {}", &hex[..12]));
                 layers.push(hex);
                 continue;
@@ -743,18 +835,20 @@ impl Control {
                         step_env.retain(|(ek, _)| ek != k);
                         step_env.push((k.clone(), v.clone()));
                     }
-                    self.run_step(&store, &t, &parent, &layers, step_env, &p.cwd, c, log).await
+                    self.run_step(&store, &t, &parent, &layers, step_env, (&p.cwd, &p.user), c, log).await
                 }
-                Action::Copy { files, dirs, chown } => {
-                    let (st, owner, ctx, files, dirs, chown) =
-                        (store.clone(), t.owner.clone(), ctx.clone(), files.clone(), dirs.clone(), *chown);
-                    blocking(move || copy_layer(&st, &owner, &ctx, &files, &dirs, chown)).await
+                Action::Copy { files, dirs, chown, chmod } => {
+                    let (st, owner, ctx, files, dirs) =
+                        (store.clone(), t.owner.clone(), ctx.clone(), files.clone(), dirs.clone());
+                    let (chown, chmod) = (*chown, *chmod);
+                    blocking(move || copy_layer(&st, &owner, &ctx, &files, &dirs, chown, chmod)).await
                 }
                 Action::Workdir(dir) => {
                     let (st, dir, owner) = (store.clone(), dir.clone(), t.owner.clone());
-                    blocking(move || workdir_layer(&st, &owner, &dir)).await
+                    let leaf = if p.user == "root" { 0 } else { USER_ID };
+                    blocking(move || workdir_layer(&st, &owner, &dir, leaf)).await
                 }
-                Action::Env(_) | Action::Cmd(_) => continue,
+                Action::Env(_) | Action::Cmd(_) | Action::User(_) => continue,
             };
             match made {
                 Ok(hex) => {
@@ -773,12 +867,13 @@ impl Control {
         // Check the result as its sandboxes will run it.
         let startup = cmd
             .as_ref()
-            .map(|c| Startup { command: c.to_shell() })
+            .map(|c| Startup { command: c.to_shell(), user: startup_user.clone() })
             .or_else(|| t.startup.as_deref().and_then(|s| serde_json::from_str(s).ok()));
-        let readiness: Option<Readiness> = t.readiness.as_deref().and_then(|s| serde_json::from_str(s).ok());
+        let readiness: Option<Readiness> =
+            new_readiness.clone().or_else(|| t.readiness.as_deref().and_then(|s| serde_json::from_str(s).ok()));
         log.line("Validating: starting a sandbox from the result");
         let all_layers: Vec<PathBuf> =
-            parent.layers.iter().cloned().chain(layers.iter().map(|h| store.layer_dir(h))).collect();
+            once_each(parent.layers.iter().cloned().chain(layers.iter().map(|h| store.layer_dir(h))).collect());
         let mut sandbox_env: Vec<(String, String)> = env.clone();
         for (k, v) in &tpl_env {
             sandbox_env.retain(|(ek, _)| ek != k);
@@ -816,18 +911,32 @@ impl Control {
         }
         // It writes the image and the template's record: on the blocking pool.
         let (this, rec) = (self.clone(), rec.clone());
-        blocking(move || this.activate(&store, &rec, &layers, &env, cmd.as_ref(), &workdir)).await
+        let startup = cmd.as_ref().map(|c| Startup { command: c.to_shell(), user: startup_user });
+        blocking(move || {
+            this.activate(
+                &store,
+                &rec,
+                &layers,
+                &env,
+                (cmd.as_ref(), startup.as_ref()),
+                &workdir,
+                new_readiness.as_ref(),
+            )
+        })
+        .await
     }
 
     /// Writes the image and makes it the template's next version.
+    #[allow(clippy::too_many_arguments)]
     fn activate(
         &self,
         store: &ImageStore,
         rec: &BuildRecord,
         layers: &[String],
         env: &[(String, String)],
-        cmd: Option<&Command>,
+        (cmd, startup): (Option<&Command>, Option<&Startup>),
         workdir: &str,
+        readiness: Option<&Readiness>,
     ) -> std::result::Result<(String, i64), Failure> {
         let mut t = self
             .store
@@ -837,9 +946,19 @@ impl Control {
             .ok_or("the template was deleted during the build")?;
         let version = t.version + 1;
         let name = format!("{}-v{version}", t.id);
+        // A build over another build (E2B's `from_template`) holds that
+        // build's layers under its own, over that build's parent: an image
+        // names a whole root or one image's layers, never a chain.
+        let (parent, layers) = match store.get(&rec.parent) {
+            Ok(Image { parent: Some(p), layers: below, .. }) => {
+                (p, below.iter().chain(layers.iter()).cloned().collect::<Vec<_>>())
+            }
+            _ => (rec.parent.clone(), layers.to_vec()),
+        };
+        let layers = once_each(layers);
         let image = Image {
             name: name.clone(),
-            layers: layers.to_vec(),
+            layers,
             env: env.iter().map(|(k, v)| format!("{k}={v}")).collect(),
             cmd: match cmd {
                 Some(Command::Exec(argv)) => argv.clone(),
@@ -849,13 +968,16 @@ impl Control {
             workdir: Some(workdir.to_owned()),
             source: format!("build {} of template {}", rec.id, t.id),
             created_at: (now_ms() / 1000) as u64,
-            parent: Some(rec.parent.clone()),
+            parent: Some(parent),
             owner: Some(rec.owner.clone()),
         };
         store.put(&image).map_err(|e| format!("cannot write image {name}: {e}"))?;
         t.image = name.clone();
-        if let Some(c) = cmd {
-            t.startup = serde_json::to_string(&Startup { command: c.to_shell() }).ok();
+        if let Some(s) = startup {
+            t.startup = serde_json::to_string(s).ok();
+        }
+        if let Some(r) = readiness {
+            t.readiness = serde_json::to_string(r).ok();
         }
         t.version = version;
         let read_at = t.updated_at;
@@ -875,12 +997,12 @@ impl Control {
         parent: &ImageRoot,
         layers: &[String],
         env: Vec<(String, String)>,
-        cwd: &str,
+        (cwd, user): (&str, &str),
         cmd: &Command,
         log: &mut Log,
     ) -> std::result::Result<String, Failure> {
         let lowers: Vec<PathBuf> =
-            parent.layers.iter().cloned().chain(layers.iter().map(|h| store.layer_dir(h))).collect();
+            once_each(parent.layers.iter().cloned().chain(layers.iter().map(|h| store.layer_dir(h))).collect());
         let scratch_dir = store.scratch_dir();
         let disk = t.disk_mib << 20;
         let spec = self.build_spec(
@@ -907,7 +1029,7 @@ impl Control {
             },
             env: Vec::new(),
             cwd: Some(cwd.to_owned()),
-            user: Some("root".into()),
+            user: Some(user.to_owned()),
             stdin: false,
             pty: None,
             tag: None,
@@ -937,6 +1059,38 @@ impl Control {
         })
         .await
     }
+}
+
+/// Pulls `reference` as image `name`, the image of `owner` alone (a pull
+/// records an image as shared; it is made the owner's at once). Answers
+/// its number of layers.
+fn pull_owned(state: &Path, reference: &str, name: &str, owner: &str) -> std::result::Result<usize, Failure> {
+    use hutch_runtime::image::registry;
+    let store = ImageStore::open(state).map_err(|e| format!("image store: {e}"))?;
+    let opts = registry::PullOptions {
+        insecure: false,
+        name: Some(name.to_owned()),
+        limits: hutch_runtime::image::Limits::default(),
+    };
+    let mut img = registry::pull(&store, reference, &opts).map_err(|e| e.to_string())?;
+    img.owner = Some(owner.to_owned());
+    store.put(&img).map_err(|e| format!("image {name}: {e}"))?;
+    Ok(img.layers.len())
+}
+
+/// Layers (bottom first) with each kept once, at its topmost place: a
+/// layer made twice (the same content, so the same id: two equal steps, or
+/// a build over a template that made it too) would stack one directory
+/// twice, which overlayfs refuses (ELOOP). Dropping the lower copy changes
+/// nothing: the upper one sets the same files over whatever lay between.
+fn once_each<T: PartialEq + Clone>(layers: Vec<T>) -> Vec<T> {
+    let mut out: Vec<T> = Vec::with_capacity(layers.len());
+    for (i, l) in layers.iter().enumerate() {
+        if !layers[i + 1..].contains(l) {
+            out.push(l.clone());
+        }
+    }
+    out
 }
 
 fn short(text: &str) -> String {
@@ -1098,6 +1252,7 @@ fn copy_layer(
     files: &[(String, String)],
     dirs: &[(String, u32)],
     chown: (u32, u32),
+    chmod: Option<u32>,
 ) -> std::result::Result<String, Failure> {
     let tmp = new_layer_dir(store, "copy")?;
     let made = (|| -> io::Result<()> {
@@ -1112,7 +1267,7 @@ fn copy_layer(
                 }
                 Err(_) => fs::DirBuilder::new().mode(0o755).create(&path)?,
             }
-            fs::set_permissions(&path, fs::Permissions::from_mode(mode & 0o777))?;
+            fs::set_permissions(&path, fs::Permissions::from_mode(chmod.unwrap_or(*mode) & 0o7777))?;
             std::os::unix::fs::lchown(&path, Some(chown.0), Some(chown.1))?;
         }
         // Context path -> its destinations (one file may be copied twice).
@@ -1129,7 +1284,9 @@ fn copy_layer(
             let Some(targets) = wanted.get(src.as_str()) else { return true };
             let mut step = || -> io::Result<()> {
                 if open.as_ref().map(|(j, _)| *j) != Some(i) {
-                    let mode = ctx.plan.entries.iter().find(|e| &e.path == src).map_or(0o644, |e| e.mode & 0o777);
+                    let mode = chmod.unwrap_or_else(|| {
+                        ctx.plan.entries.iter().find(|e| &e.path == src).map_or(0o644, |e| e.mode & 0o777)
+                    }) & 0o7777;
                     let mut handles = Vec::new();
                     for target in targets {
                         let path = tmp.join(target);
@@ -1182,11 +1339,24 @@ fn copy_layer(
     }
 }
 
-/// The layer of a WORKDIR: the directory and its parents below /workspace,
-/// owned by the sandbox user.
-fn workdir_layer(store: &ImageStore, owner: &str, dir: &str) -> std::result::Result<String, Failure> {
+/// The layer of a WORKDIR: the directory, owned by `leaf` (the sandbox
+/// user unless USER is root), and its parents: the sandbox user's under
+/// /workspace and /home/user, root's elsewhere.
+fn workdir_layer(store: &ImageStore, owner: &str, dir: &str, leaf: u32) -> std::result::Result<String, Failure> {
     let tmp = new_layer_dir(store, "workdir")?;
-    match mkdirs(&tmp, dir.trim_start_matches('/'), (USER_ID, USER_ID)) {
+    let rel = dir.trim_start_matches('/');
+    let made = (|| {
+        let parent = rel.rsplit_once('/').map_or("", |(p, _)| p);
+        let users = |p: &str| p == "workspace" || p.starts_with("workspace/") || p.starts_with("home/user/");
+        let mut path = String::new();
+        for part in parent.split('/').filter(|p| !p.is_empty()) {
+            path = join(&path, part);
+            let id = if users(&path) || path == "home/user" { USER_ID } else { 0 };
+            mkdirs(&tmp, &path, (id, id))?;
+        }
+        mkdirs(&tmp, rel, (leaf, leaf))
+    })();
+    match made {
         Ok(()) => store.commit_layer(&tmp, LayerScope::Owner(owner)).map_err(|e| format!("commit layer: {e}")),
         Err(e) => {
             let _ = fs::remove_dir_all(&tmp);
@@ -1253,8 +1423,16 @@ mod tests {
         let missing = dockerfile::parse("RUN true\nCOPY nothere /x\n").expect("parse");
         let err = plan_steps(missing, &ctx, "/workspace").expect_err("missing source");
         assert!(matches!(err, ControlError::BuildRefused { line: 2, .. }), "{err}");
-        let outside = dockerfile::parse("WORKDIR /tmp\n").expect("parse");
-        assert!(plan_steps(outside, &ctx, "/workspace").is_err());
+        let kernel = dockerfile::parse("WORKDIR /proc/self\n").expect("parse");
+        assert!(plan_steps(kernel, &ctx, "/workspace").is_err());
+        let anywhere = dockerfile::parse("WORKDIR /tmp\n").expect("parse");
+        assert_eq!(plan_steps(anywhere, &ctx, "/workspace").expect("plan")[0].cwd, "/tmp");
+    }
+
+    #[test]
+    fn a_layer_made_twice_is_stacked_once_at_its_top() {
+        assert_eq!(once_each(vec!["a", "b", "a", "c", "b"]), ["a", "c", "b"]);
+        assert_eq!(once_each(Vec::<&str>::new()), Vec::<&str>::new());
     }
 
     #[test]

@@ -46,6 +46,7 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
         .route("/snapshots", get(list_snapshots))
         .route("/templates/{id}", axum::routing::delete(delete_template))
         .route("/v2/sandboxes/{id}/logs", get(logs_v2))
+        .merge(super::templates::keyed())
         .route_layer(middleware::from_fn_with_state(app, authenticate))
 }
 
@@ -268,7 +269,21 @@ async fn create(State(app): AppState, Extension(caller): Extension<Caller>, req:
     // images, builds and network policy included).
     let template = match new.template_id.as_deref() {
         None | Some("base") | Some("") => None,
-        Some(other) => Some(other.to_owned()),
+        // A template's name, id, or `name:tag`, as the SDK's builds name
+        // them; another name goes on (a snapshot's, the built-in ones).
+        Some(other) => match app.control.e2b_template_name(&caller, other).await {
+            Ok(name) => Some(name),
+            Err(hutch_control::ControlError::UnknownTemplate(_) | hutch_control::ControlError::NoTemplate(_))
+                if !other.contains(':') && hutch_control::templates::TemplateId::parse(other).is_err() =>
+            {
+                Some(other.to_owned())
+            }
+            Err(hutch_control::ControlError::UnknownTemplate(_) | hutch_control::ControlError::NoTemplate(_)) => {
+                return Err(E2bError::new(StatusCode::NOT_FOUND, format!("template '{other}' not found")));
+            }
+            Err(hutch_control::ControlError::Invalid(_)) => Some(other.to_owned()),
+            Err(e) => return Err(E2bError::from(e)),
+        },
     };
     // A snapshot's id stands where E2B takes a template (`Sandbox.create(
     // snapshot_id)`); so does its name when no template has that name.

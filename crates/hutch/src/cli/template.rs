@@ -275,7 +275,7 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateTemplate> {
         default_ttl_seconds: c.ttl,
         max_ttl_seconds: c.max_ttl,
         warm: (c.warm_min > 0 || c.warm_max > 0).then_some(Warm { min: c.warm_min, max: c.warm_max.max(c.warm_min) }),
-        startup: c.startup.clone().map(|command| Startup { command }),
+        startup: c.startup.clone().map(|command| Startup { command, user: None }),
         readiness,
         on_expire: c.life.on_expire,
         paused_ttl_seconds: c.life.paused_ttl,
@@ -327,7 +327,7 @@ fn update_request(
     if u.no_startup {
         put("startup", Value::Null);
     } else if let Some(c) = &u.startup {
-        put("startup", serde_json::to_value(Startup { command: c.clone() })?);
+        put("startup", serde_json::to_value(Startup { command: c.clone(), user: None })?);
     }
     if u.no_readiness {
         put("readiness", Value::Null);
