@@ -513,6 +513,7 @@ impl Control {
                     readiness: None,
                     network: None,
                     storage: None,
+                    ..CreateTemplate::default()
                 };
                 self.create_template(caller, &create).await?.id
             }
