@@ -31,7 +31,8 @@ pub mod sandboxes;
 pub mod session;
 pub mod snapshots;
 pub mod templates;
+pub mod volumes;
 
 pub use control::{Capacity, Config, Control};
 pub use error::ControlError;
-pub use ids::{Caller, OwnerId, SandboxId, SnapshotId, TemplateId};
+pub use ids::{Caller, OwnerId, SandboxId, SnapshotId, TemplateId, VolumeId};

@@ -172,6 +172,9 @@ impl Control {
         net.interface = opts.interface && net.egress == hutch_api::Egress::DenyAll;
         net.e2b = opts.e2b.clone();
         let storage = self.storage_kind(req.storage.or(tpl.storage))?;
+        // Volumes: paths checked and each one the owner's, before anything
+        // is reserved (claimed with the record, below).
+        let mut claims = self.volume_claims_for(owner, "", &req.volumes).await?;
         let quotas = self.quotas_of(owner).await?;
         Self::check_ttl(&quotas, ttl)?;
         let admission = self.admission(quotas, memory, disk)?;
@@ -192,6 +195,7 @@ impl Control {
         let net_as_template = req.network.as_ref().is_none_or(|n| *n == tpl.network);
         let storage_as_template = storage == self.storage_kind(tpl.storage)?;
         if origin.is_none()
+            && claims.is_empty()
             && req.env.is_empty()
             && (memory, vcpus, disk, pids) == tpl.limits()
             && net_as_template
@@ -243,9 +247,13 @@ impl Control {
             origin,
         };
         let rec = record.clone();
-        match self.db(move |s| s.insert_sandbox(&rec, &admission)).await {
+        for c in &mut claims {
+            c.sandbox_id = record.id.clone();
+        }
+        match self.db(move |s| s.insert_sandbox_claiming(&rec, &admission, &claims)).await {
             Ok(Admitted::Inserted) => {}
             Ok(Admitted::Refused(e)) => return Err(ControlError::Exceeded(e)),
+            Ok(Admitted::VolumeInUse(v)) => return Err(self.volume_busy(&v).await),
             // A concurrent create with the same key won the race.
             Err(ControlError::Store(StoreError::Conflict)) => return self.replayed(owner, key).await,
             Err(e) => return Err(e),
@@ -372,6 +380,16 @@ impl Control {
             resolv_conf: None,
             extra_lowers,
             writable: hutch_runtime::Writable::Memory,
+            volumes: Vec::new(),
+        };
+        // The volumes it mounts (its claims, kept across a pause to disk).
+        let spec = match self.volume_mounts_of(&record.id).await {
+            Ok(volumes) => SandboxSpec { volumes, ..spec },
+            Err(e) => {
+                tracing::warn!("sandbox {id} failed to start: {e}");
+                self.fail_start(&id, Reason::StartRejected).await?;
+                return Err(ControlError::StartFailed(Reason::StartRejected));
+            }
         };
         let rt = self.runtime.clone();
         let mut net = NetRecord::parse(&record.network);

@@ -21,6 +21,7 @@ pub mod proxy;
 mod pty;
 mod routes;
 mod snapshots;
+mod volumes;
 mod templates;
 mod transfer;
 

@@ -63,6 +63,7 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
         .merge(crate::templates::router(app.clone()))
         .merge(crate::access::router(app.clone()))
         .merge(crate::snapshots::router(app.clone()))
+        .merge(crate::volumes::router(app.clone()))
         .merge(crate::pty::router(app.clone()))
         .route("/healthz", get(healthz))
         // An API key or the operator's scrape token (`--metrics-token-file`).

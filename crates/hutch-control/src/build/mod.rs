@@ -987,6 +987,7 @@ impl Control {
             root,
             netns: None,
             resolv_conf: None,
+            volumes: Vec::new(),
         })
     }
 }

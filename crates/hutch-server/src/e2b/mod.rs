@@ -179,9 +179,14 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         | ErrorCode::SandboxArchiveInvalid
         | ErrorCode::SandboxFilePartOutOfOrder
         | ErrorCode::SandboxFilePartMismatch
-        | ErrorCode::BuildInstructionRefused => ("invalid_argument", StatusCode::BAD_REQUEST),
-        ErrorCode::NotFound => ("not_found", StatusCode::NOT_FOUND),
-        ErrorCode::IdempotencyConflict | ErrorCode::SandboxPathConflict | ErrorCode::TemplateNameTaken => {
+        | ErrorCode::BuildInstructionRefused
+        | ErrorCode::VolumePathInvalid
+        | ErrorCode::VolumeShrinkRefused => ("invalid_argument", StatusCode::BAD_REQUEST),
+        ErrorCode::NotFound | ErrorCode::VolumeNotFound => ("not_found", StatusCode::NOT_FOUND),
+        ErrorCode::IdempotencyConflict
+        | ErrorCode::SandboxPathConflict
+        | ErrorCode::TemplateNameTaken
+        | ErrorCode::VolumeNameTaken => {
             ("already_exists", StatusCode::CONFLICT)
         }
         ErrorCode::SandboxPathUnreadable => ("permission_denied", StatusCode::FORBIDDEN),
@@ -209,7 +214,9 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         ErrorCode::QuotaExceeded => ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS),
         ErrorCode::MethodNotAllowed => ("unimplemented", StatusCode::METHOD_NOT_ALLOWED),
         ErrorCode::Conflict => ("aborted", StatusCode::CONFLICT),
-        ErrorCode::SnapshotNameTaken | ErrorCode::SnapshotUnsupported => ("failed_precondition", StatusCode::CONFLICT),
+        ErrorCode::SnapshotNameTaken | ErrorCode::SnapshotUnsupported | ErrorCode::VolumeInUse => {
+            ("failed_precondition", StatusCode::CONFLICT)
+        }
         ErrorCode::StorageFull => ("resource_exhausted", StatusCode::INSUFFICIENT_STORAGE),
     }
 }

@@ -12,6 +12,7 @@ pub mod mcp;
 pub mod output;
 pub mod sandbox;
 pub mod snapshot;
+pub mod volume;
 pub mod template;
 pub mod tty;
 

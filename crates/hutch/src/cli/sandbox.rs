@@ -108,6 +108,10 @@ pub struct CreateArgs {
     /// Start from a snapshot (its id or name) instead of a template.
     #[arg(long, value_name = "SNAPSHOT", conflicts_with = "template")]
     snapshot: Option<String>,
+    /// Mount a volume (its name or id) at a path under /workspace,
+    /// /home/user, /mnt or /data; `:ro` mounts it read-only (repeatable).
+    #[arg(long = "volume", short = 'v', value_name = "NAME:/PATH[:ro]", value_parser = super::volume::parse_mount)]
+    volumes: Vec<hutch_api::VolumeMount>,
     /// Make the request safe to retry: the same key gives the same sandbox.
     #[arg(long)]
     idempotency_key: Option<String>,
@@ -229,6 +233,7 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateSandbox> {
         network: c.net.request()?,
         storage: c.storage,
         snapshot: c.snapshot.clone(),
+        volumes: c.volumes.clone(),
     })
 }
 
