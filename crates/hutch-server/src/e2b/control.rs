@@ -49,7 +49,7 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
         .route_layer(middleware::from_fn_with_state(app, authenticate))
 }
 
-async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
+pub(super) async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
     let secret = super::header(req.headers(), "x-api-key").map(str::trim).unwrap_or("").to_owned();
     match app.control.authenticate(&secret).await {
         Ok(Some(caller)) => {
@@ -67,7 +67,7 @@ async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Res
 }
 
 /// A JSON body, tolerant of fields hutch does not use; malformed is a 400.
-async fn body<T: serde::de::DeserializeOwned + Default>(req: Request) -> E2bResult<T> {
+pub(super) async fn body<T: serde::de::DeserializeOwned + Default>(req: Request) -> E2bResult<T> {
     let bytes = axum::body::to_bytes(req.into_body(), 1 << 20)
         .await
         .map_err(|_| E2bError::new(StatusCode::PAYLOAD_TOO_LARGE, "body above 1 MiB"))?;
@@ -191,6 +191,14 @@ struct NewSandbox {
     auto_resume: Option<AutoResume>,
     /// `lifecycle.on_timeout: "pause"`.
     auto_pause: Option<bool>,
+    /// Volumes (by name) and where each goes, read-write.
+    volume_mounts: Option<Vec<E2bVolumeMount>>,
+}
+
+#[derive(Deserialize)]
+struct E2bVolumeMount {
+    name: String,
+    path: String,
 }
 
 #[derive(Deserialize, Default)]
@@ -290,6 +298,12 @@ async fn create(State(app): AppState, Extension(caller): Extension<Caller>, req:
         env: new.env_vars.unwrap_or_default(),
         metadata: new.metadata.unwrap_or_default(),
         wait_seconds: Some(60),
+        volumes: new
+            .volume_mounts
+            .unwrap_or_default()
+            .into_iter()
+            .map(|m| hutch_api::VolumeMount { name: m.name, path: m.path, read_only: false })
+            .collect(),
         ..CreateSandbox::default()
     };
     let mut made = app.control.create_e2b(&caller, &create, settings.clone()).await;

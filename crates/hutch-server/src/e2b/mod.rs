@@ -17,6 +17,7 @@ mod control;
 pub(crate) mod envd;
 mod forward;
 pub(crate) mod ports;
+mod volumes;
 mod watch;
 
 use crate::App;
@@ -40,7 +41,7 @@ pub const ENVD_PORT: u16 = 49983;
 pub(crate) use forward::by_sandbox_port;
 
 pub fn router(app: Arc<App>) -> Router<Arc<App>> {
-    control::router(app.clone()).merge(envd::router(app))
+    control::router(app.clone()).merge(volumes::router(app.clone())).merge(envd::router(app))
 }
 
 /// The paths of E2B's control API (each also with `/...` below it).
