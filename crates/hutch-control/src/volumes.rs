@@ -244,7 +244,9 @@ impl Control {
         match self.db(move |s| s.resize_volume(&id, size_mib, &admission)).await? {
             Some(Admitted::Inserted) => {}
             Some(Admitted::Refused(e)) => return Err(ControlError::Exceeded(e)),
-            Some(Admitted::VolumeInUse(_)) | None => return Err(ControlError::NoVolume(reference.chars().take(80).collect())),
+            Some(Admitted::VolumeInUse(_)) | None => {
+                return Err(ControlError::NoVolume(reference.chars().take(80).collect()))
+            }
         }
         let (rt, id) = (self.runtime.clone(), r.id.clone());
         if let Err(e) = tokio::task::spawn_blocking(move || rt.resize_volume(&id, size_mib << 20)).await? {

@@ -352,7 +352,13 @@ pub struct VolumeMount {
 /// [`plan_root`] (before the pivot). Mount points are made as the
 /// sandbox's root (an id-mapped upper takes no other), and resolved with
 /// no symlink followed: an image's symlink cannot send a mount elsewhere.
-pub fn plan_volumes(plan: &mut Plan, stage: &Path, id_base: u32, userns_fd: i32, volumes: &[VolumeMount]) -> io::Result<()> {
+pub fn plan_volumes(
+    plan: &mut Plan,
+    stage: &Path,
+    id_base: u32,
+    userns_fd: i32,
+    volumes: &[VolumeMount],
+) -> io::Result<()> {
     if volumes.is_empty() {
         return Ok(());
     }
@@ -376,7 +382,13 @@ pub fn plan_volumes(plan: &mut Plan, stage: &Path, id_base: u32, userns_fd: i32,
         if v.read_only {
             attrs |= crate::launch::MOUNT_ATTR_RDONLY;
         }
-        plan.push(Step::IdmapBindAt { source: cstr(&v.source)?, root: root.clone(), components, attrs, userns: userns_fd });
+        plan.push(Step::IdmapBindAt {
+            source: cstr(&v.source)?,
+            root: root.clone(),
+            components,
+            attrs,
+            userns: userns_fd,
+        });
     }
     Ok(())
 }
@@ -478,8 +490,16 @@ mod tests {
     fn volumes_are_mounted_where_asked_and_bad_paths_refused() {
         let mut plan = Plan::default();
         let vols = [
-            VolumeMount { source: PathBuf::from("/s/volumes/vol-1/upper/data"), target: "/data/x".into(), read_only: false },
-            VolumeMount { source: PathBuf::from("/s/volumes/vol-2/upper/data"), target: "/mnt".into(), read_only: true },
+            VolumeMount {
+                source: PathBuf::from("/s/volumes/vol-1/upper/data"),
+                target: "/data/x".into(),
+                read_only: false,
+            },
+            VolumeMount {
+                source: PathBuf::from("/s/volumes/vol-2/upper/data"),
+                target: "/mnt".into(),
+                read_only: true,
+            },
         ];
         plan_volumes(&mut plan, Path::new("/run/hutch/stage"), 1 << 20, 9, &vols).expect("plan");
         let text: Vec<String> = plan.steps.iter().map(|s| s.to_string()).collect();

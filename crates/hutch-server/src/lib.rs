@@ -21,9 +21,9 @@ pub mod proxy;
 mod pty;
 mod routes;
 mod snapshots;
-mod volumes;
 mod templates;
 mod transfer;
+mod volumes;
 
 use axum::body::Body;
 use axum::extract::{FromRequest, Request};

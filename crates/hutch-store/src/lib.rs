@@ -355,8 +355,12 @@ pub trait Store: Send + Sync {
     /// [`Store::insert_sandbox`] that also claims volumes, in the same
     /// transaction: refused ([`Admitted::VolumeInUse`]) when a read-write
     /// claim meets any other live claim of the volume.
-    fn insert_sandbox_claiming(&self, sb: &SandboxRecord, admission: &Admission, claims: &[VolumeClaim])
-        -> Result<Admitted>;
+    fn insert_sandbox_claiming(
+        &self,
+        sb: &SandboxRecord,
+        admission: &Admission,
+        claims: &[VolumeClaim],
+    ) -> Result<Admitted>;
     fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>>;
     fn sandbox_by_key(&self, owner: &str, key: &str) -> Result<Option<SandboxRecord>>;
     /// Moves a sandbox from one of `from` to `to`, setting `changes`, in one

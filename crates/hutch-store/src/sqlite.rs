@@ -858,9 +858,9 @@ impl Store for SqliteStore {
     fn resize_volume(&self, id: &str, size_mib: u64, admission: &Admission) -> Result<Option<Admitted>> {
         self.with(|c| {
             let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-            let Some(v) =
-                tx.query_row(&format!("SELECT {VOLUME_COLUMNS} FROM volumes WHERE id = ?1"), [id], volume_row)
-                    .optional()?
+            let Some(v) = tx
+                .query_row(&format!("SELECT {VOLUME_COLUMNS} FROM volumes WHERE id = ?1"), [id], volume_row)
+                .optional()?
             else {
                 return Ok(None);
             };

@@ -187,9 +187,7 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         ErrorCode::IdempotencyConflict
         | ErrorCode::SandboxPathConflict
         | ErrorCode::TemplateNameTaken
-        | ErrorCode::VolumeNameTaken => {
-            ("already_exists", StatusCode::CONFLICT)
-        }
+        | ErrorCode::VolumeNameTaken => ("already_exists", StatusCode::CONFLICT),
         ErrorCode::SandboxPathUnreadable => ("permission_denied", StatusCode::FORBIDDEN),
         ErrorCode::FeatureUnavailable | ErrorCode::SandboxNetworkIsolated => {
             ("failed_precondition", StatusCode::BAD_REQUEST)

@@ -45,7 +45,10 @@ fn with_token(v: &Volume) -> Value {
 }
 
 fn not_found(reference: &str) -> E2bError {
-    E2bError::new(StatusCode::NOT_FOUND, format!("volume '{}' not found", reference.chars().take(80).collect::<String>()))
+    E2bError::new(
+        StatusCode::NOT_FOUND,
+        format!("volume '{}' not found", reference.chars().take(80).collect::<String>()),
+    )
 }
 
 /// A control error with E2B's 404 for a volume that is not the caller's.

@@ -12,9 +12,9 @@ pub mod mcp;
 pub mod output;
 pub mod sandbox;
 pub mod snapshot;
-pub mod volume;
 pub mod template;
 pub mod tty;
+pub mod volume;
 
 use clap::Args;
 use std::collections::BTreeMap;
