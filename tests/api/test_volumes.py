@@ -97,9 +97,18 @@ def test_a_volume_is_mounted_writable_by_the_user_and_outlives_its_sandbox(api: 
             api.sh(sb["id"], "echo hello > /data/a && mkdir -p /data/d && echo x > /data/d/b")
             got = api.get("/v1/volumes/keep").json()
             assert got["mounted_by"] == [{"sandbox_id": sb["id"], "path": "/data", "read_only": False}], got
-            # Not part of the sandbox's own files: its diff does not list them.
+            # Not part of the sandbox's own files: its diff does not list
+            # them, and its fork's children mount nothing.
             changes = [c["path"] for c in api.get(f"/v1/sandboxes/{sb['id']}/diff").json()["changes"]]
             assert not any(p.startswith("/data/") for p in changes), changes
+            r = api.post(f"/v1/sandboxes/{sb['id']}/fork", {"count": 1})
+            expect_status(r, 201)
+            kid = r.json()["sandboxes"][0]["id"]
+            try:
+                assert api.exec(kid, "test -e /data/a")["exit_code"] != 0
+                assert [h["sandbox_id"] for h in api.get("/v1/volumes/keep").json()["mounted_by"]] == [sb["id"]]
+            finally:
+                api.destroy(kid)
         finally:
             api.destroy(sb["id"])
         # Its end released the claim.
@@ -192,8 +201,9 @@ def test_mount_paths_are_kept_to_their_places(api: Client):
             "invalid_request",
         )
         assert len(api.list_all()) == n
-        # Normalized: repeated slashes and `.` go.
-        sb = api.create(volumes=[mount("paths", "//workspace/./v/")])
+        # Normalized: repeated slashes and `.` go. A memory layer mounts
+        # volumes too.
+        sb = api.create(storage="memory", volumes=[mount("paths", "//workspace/./v/")])
         try:
             assert api.get("/v1/volumes/paths").json()["mounted_by"][0]["path"] == "/workspace/v"
             api.sh(sb["id"], "touch /workspace/v/ok")

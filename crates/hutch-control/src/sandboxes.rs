@@ -254,6 +254,7 @@ impl Control {
             Ok(Admitted::Inserted) => {}
             Ok(Admitted::Refused(e)) => return Err(ControlError::Exceeded(e)),
             Ok(Admitted::VolumeInUse(v)) => return Err(self.volume_busy(&v).await),
+            Ok(Admitted::VolumeGone(v)) => return Err(ControlError::NoVolume(v)),
             // A concurrent create with the same key won the race.
             Err(ControlError::Store(StoreError::Conflict)) => return self.replayed(owner, key).await,
             Err(e) => return Err(e),

@@ -179,7 +179,9 @@ impl Control {
         let refusal = match self.db(move |s| s.insert_volume(&rec, &admission)).await {
             Ok(Admitted::Inserted) => return self.view_volume(&record).await,
             Ok(Admitted::Refused(e)) => ControlError::Exceeded(e),
-            Ok(Admitted::VolumeInUse(_)) => ControlError::Runtime("a volume insert claimed a volume".into()),
+            Ok(Admitted::VolumeInUse(_) | Admitted::VolumeGone(_)) => {
+                ControlError::Runtime("a volume insert claimed a volume".into())
+            }
             Err(ControlError::Store(StoreError::Conflict)) => ControlError::VolumeNameTaken(req.name.clone()),
             Err(e) => e,
         };
@@ -244,7 +246,7 @@ impl Control {
         match self.db(move |s| s.resize_volume(&id, size_mib, &admission)).await? {
             Some(Admitted::Inserted) => {}
             Some(Admitted::Refused(e)) => return Err(ControlError::Exceeded(e)),
-            Some(Admitted::VolumeInUse(_)) | None => {
+            Some(Admitted::VolumeInUse(_) | Admitted::VolumeGone(_)) | None => {
                 return Err(ControlError::NoVolume(reference.chars().take(80).collect()))
             }
         }

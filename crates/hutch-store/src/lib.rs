@@ -329,6 +329,8 @@ pub enum Admitted {
     /// volume's id): read-write by one, or read-only by one when
     /// read-write is asked.
     VolumeInUse(String),
+    /// A volume it claims was deleted meanwhile (the volume's id).
+    VolumeGone(String),
 }
 
 /// Everything hutch keeps. Implementations must be safe to share between

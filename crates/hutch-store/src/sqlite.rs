@@ -448,6 +448,13 @@ impl Store for SqliteStore {
                 return Ok(Admitted::Refused(e));
             }
             for claim in claims {
+                let exists = tx
+                    .query_row("SELECT 1 FROM volumes WHERE id = ?1", [&claim.volume_id], |_| Ok(()))
+                    .optional()?
+                    .is_some();
+                if !exists {
+                    return Ok(Admitted::VolumeGone(claim.volume_id.clone()));
+                }
                 if let Some(busy) = claim_conflict(&tx, claim)? {
                     return Ok(Admitted::VolumeInUse(busy));
                 }

@@ -468,6 +468,9 @@ fn volume_claims_are_one_writer_or_many_readers_and_end_with_their_sandbox() {
     assert_eq!(s.delete_volume("v1").expect("delete"), VolumeDeleted::Deleted);
     assert_eq!(s.delete_volume("v1").expect("delete"), VolumeDeleted::NotFound);
     assert!(s.volume_claims("r1").expect("claims").is_empty());
+    // A claim of a volume deleted meanwhile inserts nothing.
+    assert_eq!(claiming("r3", true).expect("r3"), Admitted::VolumeGone("v1".into()));
+    assert!(s.get_sandbox("r3").expect("get").is_none());
 }
 
 #[test]
