@@ -307,3 +307,30 @@ def test_the_cli_makes_mounts_resizes_and_deletes_volumes(api: Client, daemon: D
         expect_error(api.get(f"/v1/volumes/{vid}"), 404, "volume_not_found")
     finally:
         api.delete(f"/v1/volumes/{vid}")
+
+
+def test_a_symlink_in_the_image_cannot_redirect_a_mount(api: Client):
+    src = api.create()
+    try:
+        api.sh(src["id"], "ln -s /etc /workspace/link && mkdir /workspace/real")
+        snap = api.post(f"/v1/sandboxes/{src['id']}/snapshots", {})
+        expect_status(snap, 201)
+        snap = snap.json()
+    finally:
+        api.destroy(src["id"])
+    try:
+        with volume(api, "nofollow"):
+            for path in ("/workspace/link", "/workspace/link/sub"):
+                r = api.post("/v1/sandboxes", {"snapshot": snap["id"], "volumes": [mount("nofollow", path)],
+                                               "wait_seconds": 30})
+                expect_error(r, 503, "sandbox_start_failed")
+                # Its failed start released the claim.
+                assert api.get("/v1/volumes/nofollow").json()["mounted_by"] == []
+            sb = api.create(snapshot=snap["id"], volumes=[mount("nofollow", "/workspace/real/v")])
+            try:
+                assert api.sh(sb["id"], "readlink /workspace/link; ls /workspace/real/v | wc -l") == "/etc\n0\n"
+                assert api.exec(sb["id"], "test -e /etc/passwd")["exit_code"] == 0
+            finally:
+                api.destroy(sb["id"])
+    finally:
+        expect_status(api.delete(f"/v1/snapshots/{snap['id']}"), 204)
