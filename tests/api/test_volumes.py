@@ -93,6 +93,8 @@ def test_a_volume_is_mounted_writable_by_the_user_and_outlives_its_sandbox(api: 
     with volume(api, "keep") as v:
         sb = api.create(volumes=[mount("keep", "/data")])
         try:
+            assert sb["volumes"] == [mount("keep", "/data")], sb
+            assert api.sandbox(sb["id"])["volumes"] == [mount("keep", "/data")]
             assert api.sh(sb["id"], "stat -c %U /data") == "user\n"
             api.sh(sb["id"], "echo hello > /data/a && mkdir -p /data/d && echo x > /data/d/b")
             got = api.get("/v1/volumes/keep").json()

@@ -25,6 +25,8 @@ def test_a_volume_is_made_mounted_and_outlives_its_sandboxes(daemon):
         sb = Sandbox.create(volume_mounts={"/data": vol})
         try:
             sb.commands.run("echo kept > /data/a.txt")
+            mounts = Sandbox.get_info(sb.sandbox_id).volume_mounts
+            assert mounts == [{"name": "e2b-data", "path": "/data"}], mounts
             # Read-write by one sandbox at a time.
             with pytest.raises(SandboxException) as e:
                 Sandbox.create(volume_mounts={"/mnt/v": "e2b-data"})

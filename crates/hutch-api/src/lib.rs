@@ -612,6 +612,10 @@ pub struct Sandbox {
     /// The snapshot it started from, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot: Option<String>,
+    /// The volumes it mounts (`name` is the volume's name), in the answers
+    /// of a create and of `GET /v1/sandboxes/{id}`; absent when none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeMount>,
 }
 
 /// A warm pool's bounds: the daemon keeps `min` sandboxes started and

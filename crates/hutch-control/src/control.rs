@@ -230,6 +230,7 @@ pub(crate) fn view(r: &SandboxRecord) -> Sandbox {
         storage: r.storage,
         // A fork's origin is a layer of its own, not a snapshot to name.
         snapshot: r.origin.clone().filter(|o| o.starts_with("snap-")),
+        volumes: Vec::new(),
     }
 }
 

@@ -123,7 +123,11 @@ impl Control {
             }
             None => (self.recipe(owner, req.template.as_deref()).await?, None),
         };
-        self.create_from(caller, req, key, tpl, origin, &opts).await
+        let (sb, fresh) = self.create_from(caller, req, key, tpl, origin, &opts).await?;
+        if req.volumes.is_empty() {
+            return Ok((sb, fresh));
+        }
+        Ok((self.with_volumes(sb).await?, fresh))
     }
 
     /// A create whose template (or snapshot) is resolved: `origin` names
@@ -493,7 +497,8 @@ impl Control {
     }
 
     pub async fn get(&self, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
-        Ok(view(&self.record(caller, id, Need::Manage).await?))
+        let sb = view(&self.record(caller, id, Need::Manage).await?);
+        self.with_volumes(sb).await
     }
 
     /// A page of sandboxes, newest first: the caller's own, or for an admin

@@ -339,6 +339,18 @@ impl Control {
         .await?
     }
 
+    /// A sandbox's view with the volumes it mounts (by name).
+    pub(crate) async fn with_volumes(&self, mut sb: hutch_api::Sandbox) -> Result<hutch_api::Sandbox> {
+        let sid = sb.id.clone();
+        let claims = self.db(move |s| s.volume_claims(&sid)).await?;
+        for c in claims {
+            let vid = c.volume_id.clone();
+            let name = self.db(move |s| s.get_volume(&vid)).await?.map_or(c.volume_id, |v| v.name);
+            sb.volumes.push(VolumeMount { name, path: c.path, read_only: c.read_only });
+        }
+        Ok(sb)
+    }
+
     /// The refusal of a create whose read-write claim met another claim.
     pub(crate) async fn volume_busy(&self, volume_id: &str) -> ControlError {
         let id = volume_id.to_owned();

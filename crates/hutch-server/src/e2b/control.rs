@@ -335,7 +335,12 @@ async fn detail(
 ) -> E2bResult<Json<Value>> {
     let (sid, sb, state) = live_view(&app, &caller, &id).await?;
     let settings = settings_of(&app, &caller, &sid).await;
-    Ok(Json(with_network(listed(&app, &sb, state, true), settings.as_ref())))
+    let mut v = with_network(listed(&app, &sb, state, true), settings.as_ref());
+    if !sb.volumes.is_empty() {
+        v["volumeMounts"] =
+            json!(sb.volumes.iter().map(|m| json!({"name": m.name, "path": m.path})).collect::<Vec<_>>());
+    }
+    Ok(Json(v))
 }
 
 async fn kill(

@@ -339,6 +339,7 @@ mod tests {
             owner: "key-000000000001".into(),
             storage: hutch_api::StorageKind::Disk,
             snapshot: None,
+            volumes: Vec::new(),
         }
     }
 
