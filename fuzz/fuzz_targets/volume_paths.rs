@@ -23,6 +23,6 @@ fuzz_target!(|data: &[u8]| {
             let mut plan = hutch_runtime::launch::Plan::default();
             hutch_runtime::rootfs::plan_volumes(&mut plan, Path::new("/stage"), 1 << 20, 3, &[mount]).expect("planned");
         }
-        Err(e) => assert!(e.to_string().len() <= 700, "a refusal of {} bytes", e.to_string().len()),
+        Err(e) => assert!(e.to_string().len() <= 320, "a refusal of {} bytes", e.to_string().len()),
     }
 });

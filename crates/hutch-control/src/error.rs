@@ -109,7 +109,7 @@ pub enum ControlError {
     /// A conditional update lost: the thing changed meanwhile.
     #[error("{0}")]
     Conflict(String),
-    #[error("no volume {0:?}")]
+    #[error("no volume {0}")]
     NoVolume(String),
     #[error("you already have a volume named {0:?}")]
     VolumeNameTaken(String),

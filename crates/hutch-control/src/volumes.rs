@@ -61,9 +61,17 @@ fn check_size(size_mib: u64) -> Result<()> {
 /// dropped): absolute, with no `..`, at or under one of [`MOUNT_ROOTS`].
 pub fn check_path(path: &str) -> Result<String> {
     let bad = |why: &str| {
+        // The path as quoted, cut to 160 bytes: a hostile one cannot fill a log.
+        let mut shown = String::new();
+        for c in format!("{path:?}").chars() {
+            if shown.len() + c.len_utf8() > 160 {
+                shown.push('…');
+                break;
+            }
+            shown.push(c);
+        }
         ControlError::VolumePathInvalid(format!(
-            "volume path {:?}: {why}; mount volumes at or under {}",
-            path.chars().take(120).collect::<String>(),
+            "volume path {shown}: {why}; mount volumes at or under {}",
             MOUNT_ROOTS.join(", ")
         ))
     };
@@ -421,6 +429,11 @@ mod tests {
             assert_eq!(e.code(), hutch_api::ErrorCode::VolumePathInvalid);
         }
         assert!(check_path(&format!("/data/{}", "a".repeat(256))).is_err());
+        // A refusal quotes a hostile path cut short.
+        for hostile in [format!("/x{}", "\u{13}".repeat(5000)), format!("/x{}", "é".repeat(5000))] {
+            let message = check_path(&hostile).expect_err("refused").to_string();
+            assert!(message.len() <= 320, "{} bytes", message.len());
+        }
     }
 
     #[test]
