@@ -4,7 +4,7 @@
 #![no_main]
 
 use hutch_control::build::parse_build_id;
-use hutch_control::{OwnerId, SandboxId, TemplateId};
+use hutch_control::{OwnerId, SandboxId, TemplateId, VolumeId};
 use libfuzzer_sys::fuzz_target;
 
 /// Room for the longest refusal: its words and an id cut to 64 characters.
@@ -16,6 +16,7 @@ fuzz_target!(|data: &[u8]| {
     check(s, "key-", 12, OwnerId::parse(s).map(|id| id.to_string()));
     check(s, "tpl-", 16, TemplateId::parse(s).map(|id| id.to_string()));
     check(s, "bld-", 16, parse_build_id(s).map(str::to_owned));
+    check(s, "vol-", 16, VolumeId::parse(s).map(|id| id.to_string()));
 });
 
 fn check(s: &str, prefix: &str, digits: usize, parsed: Result<String, hutch_control::ControlError>) {

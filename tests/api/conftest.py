@@ -311,6 +311,24 @@ class Client:
                     problems.append(f"delete {sb['id']}: {r.status_code} {r.text}")
             except requests.RequestException as e:
                 problems.append(f"delete {sb['id']}: {e}")
+        problems += self.cleanup_volumes()
+        return problems
+
+    def cleanup_volumes(self) -> list[str]:
+        """Deletes every volume of this key (once the sandboxes that mount
+        them have ended)."""
+        try:
+            r = self.get("/v1/volumes")
+            expect_status(r, 200)
+        except (requests.RequestException, AssertionError) as e:
+            return [f"list volumes: {e}"]
+        problems = []
+        for v in r.json()["volumes"]:
+            try:
+                wait_for(f"volume {v['id']} to be deleted",
+                         lambda: self.delete(f"/v1/volumes/{v['id']}").status_code in (204, 404), timeout=15)
+            except (requests.RequestException, AssertionError) as e:
+                problems.append(f"delete volume {v['id']}: {e}")
         return problems
 
 

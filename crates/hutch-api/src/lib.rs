@@ -122,6 +122,19 @@ pub enum ErrorCode {
     SnapshotNotExportable,
     /// The thing changed while the request was made; read it again and retry.
     Conflict,
+    /// No volume of this name or id is the caller's.
+    VolumeNotFound,
+    /// The caller already has a volume of this name.
+    VolumeNameTaken,
+    /// The volume is mounted by a sandbox that has not ended (read-write by
+    /// one, or read-only by others when read-write is asked); or, for a
+    /// delete, by any.
+    VolumeInUse,
+    /// A mount path outside `/workspace`, `/home/user`, `/mnt` and `/data`,
+    /// not absolute, with `..`, or given twice.
+    VolumePathInvalid,
+    /// A volume's size cannot go down.
+    VolumeShrinkRefused,
 }
 
 impl ErrorCode {
@@ -142,8 +155,10 @@ impl ErrorCode {
             | ErrorCode::SandboxArchiveInvalid
             | ErrorCode::FeatureUnavailable
             | ErrorCode::SandboxNetworkIsolated
-            | ErrorCode::BuildInstructionRefused => 400,
-            ErrorCode::NotFound => 404,
+            | ErrorCode::BuildInstructionRefused
+            | ErrorCode::VolumePathInvalid
+            | ErrorCode::VolumeShrinkRefused => 400,
+            ErrorCode::NotFound | ErrorCode::VolumeNotFound => 404,
             ErrorCode::MethodNotAllowed => 405,
             ErrorCode::IdempotencyConflict
             | ErrorCode::ExecutionOutcomeUnknown
@@ -156,6 +171,8 @@ impl ErrorCode {
             | ErrorCode::SnapshotNameTaken
             | ErrorCode::SnapshotUnsupported
             | ErrorCode::SnapshotNotExportable
+            | ErrorCode::VolumeNameTaken
+            | ErrorCode::VolumeInUse
             | ErrorCode::Conflict => 409,
             ErrorCode::SandboxArchiveTooLarge | ErrorCode::PayloadTooLarge => 413,
             ErrorCode::SandboxCommandCapacity
@@ -217,6 +234,11 @@ impl ErrorCode {
             ErrorCode::SnapshotUnsupported => "snapshot_unsupported",
             ErrorCode::StorageFull => "storage_full",
             ErrorCode::SnapshotNotExportable => "snapshot_not_exportable",
+            ErrorCode::VolumeNotFound => "volume_not_found",
+            ErrorCode::VolumeNameTaken => "volume_name_taken",
+            ErrorCode::VolumeInUse => "volume_in_use",
+            ErrorCode::VolumePathInvalid => "volume_path_invalid",
+            ErrorCode::VolumeShrinkRefused => "volume_shrink_refused",
         }
     }
 }
@@ -377,6 +399,78 @@ pub struct CreateSandbox {
     /// else 604800 (7 days).
     #[serde(default)]
     pub paused_ttl_seconds: Option<u64>,
+    /// Volumes to mount (see `POST /v1/volumes`): each by its name or id,
+    /// at a path under `/workspace`, `/home/user`, `/mnt` or `/data`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeMount>,
+}
+
+/// A volume a sandbox mounts.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeMount {
+    /// The volume's name or id (the caller's own).
+    pub name: String,
+    /// Where it appears: `/workspace`, `/home/user`, `/mnt` or `/data`, or
+    /// a directory under one of them.
+    pub path: String,
+    /// Mounted read-only: any number of sandboxes may hold a volume
+    /// read-only at once, but none while one holds it read-write.
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+/// `POST /v1/volumes`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CreateVolume {
+    /// Unique among the key's volumes: 1 to 64 of `a-z 0-9 - _ .`, not
+    /// starting with `vol-`.
+    pub name: String,
+    /// Most MiB it may hold (1 to 1048576); 1024 when absent.
+    #[serde(default)]
+    pub size_mib: Option<u64>,
+}
+
+/// `PATCH /v1/volumes/{id}`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateVolume {
+    /// A new size, at least the current one (volumes grow only).
+    #[serde(default)]
+    pub size_mib: Option<u64>,
+}
+
+/// A sandbox that holds a volume mounted.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct VolumeHolder {
+    pub sandbox_id: String,
+    pub path: String,
+    pub read_only: bool,
+}
+
+/// Files that outlive sandboxes, mounted by them.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Volume {
+    /// `vol-` and 16 hex digits.
+    pub id: String,
+    pub name: String,
+    /// Most MiB it may hold: writes past it fail (EDQUOT, "Disk quota
+    /// exceeded").
+    pub size_mib: u64,
+    /// Bytes its files take now.
+    pub used_bytes: u64,
+    /// The sandboxes (not ended) that hold it mounted, paused ones included.
+    pub mounted_by: Vec<VolumeHolder>,
+    pub created_at: String,
+    /// The id of the API key that owns it.
+    pub owner: String,
+}
+
+/// `GET /v1/volumes`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct VolumeList {
+    pub volumes: Vec<Volume>,
 }
 
 /// `POST /v1/sandboxes/{id}/suspend`.
@@ -567,6 +661,10 @@ pub struct Sandbox {
     /// How long it is kept once paused at its expiry (seconds).
     #[serde(default)]
     pub paused_ttl_seconds: u64,
+    /// The volumes it mounts (`name` is the volume's name), in the answers
+    /// of a create and of `GET /v1/sandboxes/{id}`; absent when none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeMount>,
 }
 
 /// A warm pool's bounds: the daemon keeps `min` sandboxes started and
@@ -1207,6 +1305,11 @@ pub struct Usage {
     /// Snapshots kept.
     #[serde(default)]
     pub snapshots: u64,
+    /// Volumes kept, and the MiB they may hold (counted in `disk_mib` too).
+    #[serde(default)]
+    pub volumes: u64,
+    #[serde(default)]
+    pub volume_mib: u64,
     pub quotas: KeyQuotas,
 }
 

@@ -237,6 +237,7 @@ pub(crate) fn view(r: &SandboxRecord) -> Sandbox {
         snapshot: r.origin.clone().filter(|o| o.starts_with("snap-")),
         on_expire: r.on_expire,
         paused_ttl_seconds: r.paused_ttl_s.unwrap_or(crate::sandboxes::PAUSED_TTL_DEFAULT),
+        volumes: Vec::new(),
     }
 }
 

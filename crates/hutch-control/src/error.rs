@@ -112,6 +112,16 @@ pub enum ControlError {
     /// A conditional update lost: the thing changed meanwhile.
     #[error("{0}")]
     Conflict(String),
+    #[error("no volume {0}")]
+    NoVolume(String),
+    #[error("you already have a volume named {0:?}")]
+    VolumeNameTaken(String),
+    #[error("{0}")]
+    VolumeInUse(String),
+    #[error("{0}")]
+    VolumePathInvalid(String),
+    #[error("volume {name} holds {size_mib} MiB; a volume grows, never shrinks")]
+    VolumeShrink { name: String, size_mib: u64 },
     #[error("no watcher {0}")]
     NoWatcher(String),
     #[error("sandbox {id} already has {max} watchers; remove some first")]
@@ -180,6 +190,11 @@ impl ControlError {
             ControlError::SnapshotUnsupported(_) => ErrorCode::SnapshotUnsupported,
             ControlError::StorageFull(_) => ErrorCode::StorageFull,
             ControlError::SnapshotNotExportable(_) => ErrorCode::SnapshotNotExportable,
+            ControlError::NoVolume(_) => ErrorCode::VolumeNotFound,
+            ControlError::VolumeNameTaken(_) => ErrorCode::VolumeNameTaken,
+            ControlError::VolumeInUse(_) => ErrorCode::VolumeInUse,
+            ControlError::VolumePathInvalid(_) => ErrorCode::VolumePathInvalid,
+            ControlError::VolumeShrink { .. } => ErrorCode::VolumeShrinkRefused,
         }
     }
 

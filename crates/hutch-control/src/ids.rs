@@ -90,6 +90,25 @@ impl SnapshotId {
 }
 
 id_type!(
+    /// A volume: `vol-` and 16 hex digits.
+    VolumeId
+);
+
+impl VolumeId {
+    /// A string that may be a volume's id (else, a name).
+    pub fn parse(s: &str) -> Result<VolumeId> {
+        match s.strip_prefix("vol-") {
+            Some(hex) if is_hex(hex, 16) => Ok(VolumeId(s.to_owned())),
+            _ => Err(ControlError::NoVolume(truncated(s))),
+        }
+    }
+
+    pub(crate) fn random() -> Result<VolumeId> {
+        Ok(VolumeId(format!("vol-{}", random_hex(8)?)))
+    }
+}
+
+id_type!(
     /// An owner: the id of the API key that made a thing (`key-` and 12
     /// hex digits).
     OwnerId

@@ -228,13 +228,14 @@ impl Control {
             Some(_) => return Err(ControlError::Forbidden("only an admin key may read another key's usage".into())),
         };
         let o = owner.to_string();
-        let (record, held, builds, snapshots) = self
+        let (record, held, builds, snapshots, (volumes, volume_mib)) = self
             .db(move |s| {
                 Ok((
                     s.get_key(&o)?,
                     s.usage(Some(&o))?,
                     s.count_running_builds(Some(&o))?,
                     s.list_snapshots(Some(&o))?.len() as u64,
+                    s.volume_usage(Some(&o))?,
                 ))
             })
             .await?;
@@ -246,6 +247,8 @@ impl Control {
             disk_mib: held.disk_mib,
             builds,
             snapshots,
+            volumes,
+            volume_mib,
             quotas: to_api(&record.quotas),
         })
     }

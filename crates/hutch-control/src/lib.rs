@@ -32,8 +32,9 @@ pub mod session;
 pub mod snapshot_export;
 pub mod snapshots;
 pub mod templates;
+pub mod volumes;
 
 pub use control::{Capacity, Config, Control};
 pub use error::ControlError;
-pub use ids::{Caller, OwnerId, SandboxId, SnapshotId, TemplateId};
+pub use ids::{Caller, OwnerId, SandboxId, SnapshotId, TemplateId, VolumeId};
 pub use sandboxes::{PAUSED_TTL_DEFAULT, PAUSED_TTL_MAX};

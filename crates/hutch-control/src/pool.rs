@@ -280,6 +280,7 @@ impl Control {
                 tracing::warn!("warm pool of template {} is short: {}", recipe.name, ControlError::Exceeded(e));
                 return;
             }
+            Ok(Admitted::VolumeInUse(_) | Admitted::VolumeGone(_)) => return,
             Err(e) => {
                 tracing::warn!("warm pool of template {}: cannot record a sandbox: {e}; retrying", recipe.name);
                 return;

@@ -94,6 +94,7 @@ impl Control {
             }
         }
         self.sweep_snapshots().await?;
+        self.sweep_volumes().await?;
         Ok(())
     }
 

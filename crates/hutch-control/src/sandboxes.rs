@@ -153,7 +153,11 @@ impl Control {
             }
             None => (self.recipe(owner, req.template.as_deref()).await?, None),
         };
-        self.create_from(caller, req, key, tpl, origin, &opts).await
+        let (sb, fresh) = self.create_from(caller, req, key, tpl, origin, &opts).await?;
+        if req.volumes.is_empty() {
+            return Ok((sb, fresh));
+        }
+        Ok((self.with_volumes(sb).await?, fresh))
     }
 
     /// A create whose template (or snapshot) is resolved: `origin` names
@@ -209,6 +213,9 @@ impl Control {
             ttl,
             paused_ttl_s: req.paused_ttl_seconds.or(tpl.paused_ttl_s).map(check_paused_ttl).transpose()?,
         };
+        // Volumes: paths checked and each one the owner's, before anything
+        // is reserved (claimed with the record, below).
+        let mut claims = self.volume_claims_for(owner, "", &req.volumes).await?;
         let quotas = self.quotas_of(owner).await?;
         Self::check_ttl(&quotas, ttl)?;
         let admission = self.admission(quotas, memory, disk)?;
@@ -229,6 +236,7 @@ impl Control {
         let net_as_template = req.network.as_ref().is_none_or(|n| *n == tpl.network);
         let storage_as_template = storage == self.storage_kind(tpl.storage)?;
         if origin.is_none()
+            && claims.is_empty()
             && req.env.is_empty()
             && (memory, vcpus, disk, pids) == tpl.limits()
             && net_as_template
@@ -283,9 +291,14 @@ impl Control {
             paused_ttl_s: lifecycle.paused_ttl_s,
         };
         let rec = record.clone();
-        match self.db(move |s| s.insert_sandbox(&rec, &admission)).await {
+        for c in &mut claims {
+            c.sandbox_id = record.id.clone();
+        }
+        match self.db(move |s| s.insert_sandbox_claiming(&rec, &admission, &claims)).await {
             Ok(Admitted::Inserted) => {}
             Ok(Admitted::Refused(e)) => return Err(ControlError::Exceeded(e)),
+            Ok(Admitted::VolumeInUse(v)) => return Err(self.volume_busy(&v).await),
+            Ok(Admitted::VolumeGone(v)) => return Err(ControlError::NoVolume(v)),
             // A concurrent create with the same key won the race.
             Err(ControlError::Store(StoreError::Conflict)) => return self.replayed(owner, key).await,
             Err(e) => return Err(e),
@@ -412,6 +425,16 @@ impl Control {
             resolv_conf: None,
             extra_lowers,
             writable: hutch_runtime::Writable::Memory,
+            volumes: Vec::new(),
+        };
+        // The volumes it mounts (its claims, kept across a pause to disk).
+        let spec = match self.volume_mounts_of(&record.id).await {
+            Ok(volumes) => SandboxSpec { volumes, ..spec },
+            Err(e) => {
+                tracing::warn!("sandbox {id} failed to start: {e}");
+                self.fail_start(&id, Reason::StartRejected).await?;
+                return Err(ControlError::StartFailed(Reason::StartRejected));
+            }
         };
         let rt = self.runtime.clone();
         let mut net = NetRecord::parse(&record.network);
@@ -519,7 +542,8 @@ impl Control {
     }
 
     pub async fn get(&self, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
-        Ok(view(&self.record(caller, id, Need::Manage).await?))
+        let sb = view(&self.record(caller, id, Need::Manage).await?);
+        self.with_volumes(sb).await
     }
 
     /// A page of sandboxes, newest first: the caller's own, or for an admin

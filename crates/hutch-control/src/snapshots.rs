@@ -110,7 +110,7 @@ fn view(r: &SnapshotRecord) -> Snapshot {
     }
 }
 
-fn storage_error(e: hutch_runtime::RuntimeError) -> ControlError {
+pub(crate) fn storage_error(e: hutch_runtime::RuntimeError) -> ControlError {
     match &e {
         hutch_runtime::RuntimeError::Storage(s) if s.is_full() => ControlError::StorageFull(e.to_string()),
         _ => ControlError::Runtime(e.to_string()),

@@ -191,6 +191,8 @@ pub struct SandboxSpec {
     pub extra_lowers: Vec<PathBuf>,
     /// Where the sandbox's writes go.
     pub writable: Writable,
+    /// Volumes mounted into its root (see [`rootfs::plan_volumes`]).
+    pub volumes: Vec<rootfs::VolumeMount>,
 }
 
 /// A sandbox's writable layer.
@@ -226,6 +228,7 @@ impl Default for SandboxSpec {
             resolv_conf: None,
             extra_lowers: Vec::new(),
             writable: Writable::Memory,
+            volumes: Vec::new(),
         }
     }
 }
@@ -452,6 +455,57 @@ impl Runtime {
         }
     }
 
+    /// Makes volume `id`: an empty layer ([`crate::storage::Kind::Volume`])
+    /// whose `upper/data` (owned by the sandbox user, image id 1000) is what
+    /// sandboxes mount, limited to `bytes`. Nothing is left if it fails.
+    pub fn create_volume(&self, id: &str, bytes: u64) -> Result<Layer, RuntimeError> {
+        let storage = self.storage.as_ref().ok_or(RuntimeError::NoStorage)?;
+        let name = LayerName::new(crate::storage::Kind::Volume, id)?;
+        let layer = storage.create(&name, &[("data", 0o755, 1000)])?;
+        if let Err(e) = storage.set_limit(&layer, Some(bytes)) {
+            let _ = storage.delete(&name);
+            return Err(e.into());
+        }
+        Ok(layer)
+    }
+
+    /// Volume `id`'s layer, if it exists.
+    pub fn volume(&self, id: &str) -> Result<Option<Layer>, RuntimeError> {
+        match &self.storage {
+            Some(storage) => Ok(storage.open_layer(&LayerName::new(crate::storage::Kind::Volume, id)?)?),
+            None => Ok(None),
+        }
+    }
+
+    /// The directory a sandbox mounts of volume `id`.
+    pub fn volume_mount_source(&self, id: &str) -> Result<PathBuf, RuntimeError> {
+        let name = LayerName::new(crate::storage::Kind::Volume, id)?;
+        let layer = self.volume(id)?.ok_or(StorageError::NotFound(name))?;
+        Ok(layer.upper().join("data"))
+    }
+
+    /// Sets volume `id`'s limit to `bytes`.
+    pub fn resize_volume(&self, id: &str, bytes: u64) -> Result<(), RuntimeError> {
+        let storage = self.storage.as_ref().ok_or(RuntimeError::NoStorage)?;
+        let name = LayerName::new(crate::storage::Kind::Volume, id)?;
+        let layer = storage.open_layer(&name)?.ok_or(StorageError::NotFound(name))?;
+        Ok(storage.set_limit(&layer, Some(bytes))?)
+    }
+
+    /// Bytes volume `id`'s files take now (0 when it has none).
+    pub fn volume_used(&self, id: &str) -> Result<u64, RuntimeError> {
+        let (Some(storage), Some(layer)) = (&self.storage, self.volume(id)?) else { return Ok(0) };
+        Ok(storage.usage(&layer)?.used_bytes)
+    }
+
+    /// Deletes volume `id` and its files; false if there was none.
+    pub fn delete_volume(&self, id: &str) -> Result<bool, RuntimeError> {
+        match &self.storage {
+            Some(storage) => Ok(storage.delete(&LayerName::new(crate::storage::Kind::Volume, id)?)?),
+            None => Ok(false),
+        }
+    }
+
     pub fn layout(&self) -> &Layout {
         &self.layout
     }
@@ -636,6 +690,7 @@ impl Runtime {
                     max_ptys: KERNEL_CAPS.ptys,
                 },
             )?;
+            rootfs::plan_volumes(&mut plan, &stage, slot.base(), userns.as_raw_fd(), &spec.volumes)?;
             if let Some(resolv) = &spec.resolv_conf {
                 let target = stage.join("root/etc/resolv.conf");
                 let mut bind = Plan::default();

@@ -86,6 +86,24 @@ pub enum Step {
         attrs: u64,
         userns: RawFd,
     },
+    /// Makes each of `components` that is missing, in turn, as a
+    /// directory (0755) under `root`, never following a symlink: a
+    /// component that is one (or a file) fails the step (ENOTDIR/ELOOP).
+    /// The mount point of a volume, made with the file system ids of the
+    /// moment.
+    MkdirsAt {
+        root: CString,
+        components: Vec<CString>,
+    },
+    /// [`Step::IdmapBind`] onto `root` + `components`, resolved as
+    /// [`Step::MkdirsAt`] does (no symlink followed): a volume's mount.
+    IdmapBindAt {
+        source: CString,
+        root: CString,
+        components: Vec<CString>,
+        attrs: u64,
+        userns: RawFd,
+    },
     /// Brings `lo` up in the current network namespace.
     LoopbackUp,
     SetHostname {
@@ -188,6 +206,14 @@ impl fmt::Display for Step {
             Step::WriteFile { path, .. } => write!(f, "write {}", s(path)),
             Step::IdmapBind { source, target, .. } => {
                 write!(f, "id-mapped bind of {} on {}", s(source), s(target))
+            }
+            Step::MkdirsAt { root, components } => {
+                write!(f, "mkdir -p {}", s(root))?;
+                components.iter().try_for_each(|c| write!(f, "/{}", s(c)))
+            }
+            Step::IdmapBindAt { source, root, components, .. } => {
+                write!(f, "id-mapped bind of {} on {}", s(source), s(root))?;
+                components.iter().try_for_each(|c| write!(f, "/{}", s(c)))
             }
             Step::LoopbackUp => write!(f, "bring up the loopback interface"),
             Step::SetHostname { .. } => write!(f, "set the hostname"),
@@ -433,6 +459,38 @@ pub const MOUNT_ATTR_NODEV: u64 = 0x4;
 pub const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
 const OPEN_TREE_CLONE: libc::c_uint = 1;
 const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
+const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x40;
+
+/// Opens `root` and then each of `components` under it (`O_PATH`, never
+/// through a symlink), making those missing first when `make`; returns the
+/// last one's descriptor.
+///
+/// # Safety
+/// Raw system calls only, on C strings the caller owns.
+unsafe fn walk_dirs(root: &CString, components: &[CString], make: bool) -> Result<usize, i32> {
+    let flags = libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+    // SAFETY: root is a valid C string.
+    let mut dir = unsafe { sc!(libc::SYS_openat, libc::AT_FDCWD, root.as_ptr(), flags) }?;
+    for c in components {
+        if make {
+            // SAFETY: c is a valid C string; dir is ours.
+            match unsafe { sc!(libc::SYS_mkdirat, dir, c.as_ptr(), 0o755) } {
+                Ok(_) | Err(libc::EEXIST) => {}
+                Err(e) => {
+                    // SAFETY: dir is ours.
+                    let _ = unsafe { sc!(libc::SYS_close, dir) };
+                    return Err(e);
+                }
+            }
+        }
+        // SAFETY: as above.
+        let next = unsafe { sc!(libc::SYS_openat, dir, c.as_ptr(), flags) };
+        // SAFETY: dir is ours.
+        let _ = unsafe { sc!(libc::SYS_close, dir) };
+        dir = next?;
+    }
+    Ok(dir)
+}
 
 /// `SECBIT_NO_SETUID_FIXUP` (linux/securebits.h): changing uids keeps
 /// the capability sets as they are.
@@ -530,6 +588,53 @@ unsafe fn run_step(step: &Step, report: &mut RawFd) -> Result<(), i32> {
                     )
                 });
                 let _ = sc!(libc::SYS_close, tree);
+                moved.map(drop)
+            }
+            Step::MkdirsAt { root, components } => {
+                let dir = walk_dirs(root, components, true)?;
+                let _ = sc!(libc::SYS_close, dir);
+                Ok(())
+            }
+            Step::IdmapBindAt { source, root, components, attrs, userns } => {
+                let target = walk_dirs(root, components, false)?;
+                let tree = match sc!(
+                    libc::SYS_open_tree,
+                    libc::AT_FDCWD,
+                    source.as_ptr(),
+                    OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
+                ) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        let _ = sc!(libc::SYS_close, target);
+                        return Err(e);
+                    }
+                };
+                let attr = MountAttr {
+                    attr_set: MOUNT_ATTR_IDMAP | attrs,
+                    attr_clr: 0,
+                    propagation: 0,
+                    userns_fd: *userns as u64,
+                };
+                let moved = sc!(
+                    libc::SYS_mount_setattr,
+                    tree,
+                    c"".as_ptr(),
+                    libc::AT_EMPTY_PATH,
+                    &attr as *const MountAttr,
+                    std::mem::size_of::<MountAttr>(),
+                )
+                .and_then(|_| {
+                    sc!(
+                        libc::SYS_move_mount,
+                        tree,
+                        c"".as_ptr(),
+                        target,
+                        c"".as_ptr(),
+                        MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH
+                    )
+                });
+                let _ = sc!(libc::SYS_close, tree);
+                let _ = sc!(libc::SYS_close, target);
                 moved.map(drop)
             }
             Step::LoopbackUp => {

@@ -337,6 +337,62 @@ pub fn plan_root(plan: &mut Plan, spec: &FsSpec) -> io::Result<()> {
     Ok(())
 }
 
+/// A volume a sandbox mounts: a host directory holding image ids (a
+/// storage layer's), mounted id-mapped like the writable layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeMount {
+    pub source: PathBuf,
+    /// Absolute, normalized (no `.`, `..` or empty component): checked by
+    /// the caller, refused here too.
+    pub target: String,
+    pub read_only: bool,
+}
+
+/// Appends the steps that mount `volumes` into the root built by
+/// [`plan_root`] (before the pivot). Mount points are made as the
+/// sandbox's root (an id-mapped upper takes no other), and resolved with
+/// no symlink followed: an image's symlink cannot send a mount elsewhere.
+pub fn plan_volumes(
+    plan: &mut Plan,
+    stage: &Path,
+    id_base: u32,
+    userns_fd: i32,
+    volumes: &[VolumeMount],
+) -> io::Result<()> {
+    if volumes.is_empty() {
+        return Ok(());
+    }
+    let root = cstr(stage.join("root"))?;
+    let mut targets = Vec::with_capacity(volumes.len());
+    for v in volumes {
+        let rel = v.target.strip_prefix('/').unwrap_or("");
+        let parts: Vec<&str> = rel.split('/').collect();
+        if rel.is_empty() || parts.iter().any(|p| p.is_empty() || *p == "." || *p == "..") {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("bad volume path {:?}", v.target)));
+        }
+        targets.push(parts.into_iter().map(cstr).collect::<io::Result<Vec<_>>>()?);
+    }
+    plan.push(Step::FsIds { uid: id_base, gid: id_base });
+    for components in &targets {
+        plan.push(Step::MkdirsAt { root: root.clone(), components: components.clone() });
+    }
+    plan.push(Step::FsIds { uid: 0, gid: 0 });
+    for (v, components) in volumes.iter().zip(targets) {
+        let mut attrs = crate::launch::MOUNT_ATTR_NOSUID | crate::launch::MOUNT_ATTR_NODEV;
+        if v.read_only {
+            attrs |= crate::launch::MOUNT_ATTR_RDONLY;
+        }
+        plan.push(Step::IdmapBindAt {
+            source: cstr(&v.source)?,
+            root: root.clone(),
+            components,
+            attrs,
+            userns: userns_fd,
+        });
+    }
+    Ok(())
+}
+
 fn plan_proc(plan: &mut Plan, root: &Path) -> io::Result<()> {
     let proc_dir = root.join("proc");
     plan.mount(Some("proc"), &proc_dir, Some("proc"), libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC, None)?;
@@ -428,6 +484,45 @@ mod tests {
             assert!(!dir.join(absent).exists(), "{absent} must not be in base");
         }
         fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn volumes_are_mounted_where_asked_and_bad_paths_refused() {
+        let mut plan = Plan::default();
+        let vols = [
+            VolumeMount {
+                source: PathBuf::from("/s/volumes/vol-1/upper/data"),
+                target: "/data/x".into(),
+                read_only: false,
+            },
+            VolumeMount {
+                source: PathBuf::from("/s/volumes/vol-2/upper/data"),
+                target: "/mnt".into(),
+                read_only: true,
+            },
+        ];
+        plan_volumes(&mut plan, Path::new("/run/hutch/stage"), 1 << 20, 9, &vols).expect("plan");
+        let text: Vec<String> = plan.steps.iter().map(|s| s.to_string()).collect();
+        assert_eq!(
+            text,
+            [
+                "take file system ids 1048576:1048576",
+                "mkdir -p /run/hutch/stage/root/data/x",
+                "mkdir -p /run/hutch/stage/root/mnt",
+                "take file system ids 0:0",
+                "id-mapped bind of /s/volumes/vol-1/upper/data on /run/hutch/stage/root/data/x",
+                "id-mapped bind of /s/volumes/vol-2/upper/data on /run/hutch/stage/root/mnt",
+            ]
+        );
+        let ro = plan.steps.iter().filter_map(|s| match s {
+            Step::IdmapBindAt { attrs, .. } => Some(attrs & crate::launch::MOUNT_ATTR_RDONLY != 0),
+            _ => None,
+        });
+        assert_eq!(ro.collect::<Vec<_>>(), [false, true]);
+        for bad in ["", "/", "data", "/data/../etc", "/data//x", "/data/./x"] {
+            let v = [VolumeMount { source: PathBuf::from("/s"), target: bad.into(), read_only: false }];
+            assert!(plan_volumes(&mut Plan::default(), Path::new("/st"), 1, 9, &v).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -24,6 +24,7 @@ mod routes;
 mod snapshots;
 mod templates;
 mod transfer;
+mod volumes;
 
 use axum::body::Body;
 use axum::extract::{FromRequest, Request};

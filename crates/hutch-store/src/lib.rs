@@ -121,6 +121,36 @@ pub struct SnapshotRecord {
     pub recipe: String,
 }
 
+/// A volume as stored. Times are Unix milliseconds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeRecord {
+    pub id: String,
+    pub owner: String,
+    /// Unique among the owner's volumes.
+    pub name: String,
+    pub size_mib: u64,
+    pub created_at: i64,
+}
+
+/// A sandbox's mount of a volume. It holds while the sandbox is in any
+/// state but terminated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeClaim {
+    pub volume_id: String,
+    pub sandbox_id: String,
+    pub path: String,
+    pub read_only: bool,
+}
+
+/// What [`Store::delete_volume`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VolumeDeleted {
+    Deleted,
+    NotFound,
+    /// A sandbox that has not ended holds it; nothing was deleted.
+    InUse(String),
+}
+
 /// What a transition sets besides the state; `None` leaves a field as it is.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Changes<'a> {
@@ -308,10 +338,16 @@ pub struct Exceeded {
 }
 
 /// What an admitted insert did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Admitted {
     Inserted,
     Refused(Exceeded),
+    /// A volume it claims is held by a sandbox that has not ended (the
+    /// volume's id): read-write by one, or read-only by one when
+    /// read-write is asked.
+    VolumeInUse(String),
+    /// A volume it claims was deleted meanwhile (the volume's id).
+    VolumeGone(String),
 }
 
 /// Everything hutch keeps. Implementations must be safe to share between
@@ -332,7 +368,18 @@ pub trait Store: Send + Sync {
     /// transaction, so concurrent creates cannot both slip under a cap);
     /// [`StoreError::Conflict`] when its id, or its owner's idempotency
     /// key, is taken.
-    fn insert_sandbox(&self, sb: &SandboxRecord, admission: &Admission) -> Result<Admitted>;
+    fn insert_sandbox(&self, sb: &SandboxRecord, admission: &Admission) -> Result<Admitted> {
+        self.insert_sandbox_claiming(sb, admission, &[])
+    }
+    /// [`Store::insert_sandbox`] that also claims volumes, in the same
+    /// transaction: refused ([`Admitted::VolumeInUse`]) when a read-write
+    /// claim meets any other live claim of the volume.
+    fn insert_sandbox_claiming(
+        &self,
+        sb: &SandboxRecord,
+        admission: &Admission,
+        claims: &[VolumeClaim],
+    ) -> Result<Admitted>;
     fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>>;
     fn sandbox_by_key(&self, owner: &str, key: &str) -> Result<Option<SandboxRecord>>;
     /// Moves a sandbox from one of `from` to `to`, setting `changes`, in one
@@ -424,6 +471,27 @@ pub trait Store: Send + Sync {
     /// False when there was none.
     fn delete_snapshot(&self, id: &str) -> Result<bool>;
     fn insert_build(&self, b: &BuildRecord, max_running: Option<u64>) -> Result<bool>;
+
+    // Volumes.
+    /// Inserts a volume if its size fits under `admission`'s `disk_mib`
+    /// caps (volumes count toward disk); [`StoreError::Conflict`] when its
+    /// owner has a volume of that name.
+    fn insert_volume(&self, v: &VolumeRecord, admission: &Admission) -> Result<Admitted>;
+    fn get_volume(&self, id: &str) -> Result<Option<VolumeRecord>>;
+    fn volume_by_name(&self, owner: &str, name: &str) -> Result<Option<VolumeRecord>>;
+    /// Oldest first: one owner's, or (None) everyone's.
+    fn list_volumes(&self, owner: Option<&str>) -> Result<Vec<VolumeRecord>>;
+    /// Sets a volume's size if the growth fits under `admission`; None
+    /// when there is no such volume.
+    fn resize_volume(&self, id: &str, size_mib: u64, admission: &Admission) -> Result<Option<Admitted>>;
+    /// Deletes a volume no live sandbox holds, with its claims.
+    fn delete_volume(&self, id: &str) -> Result<VolumeDeleted>;
+    /// A sandbox's claims (whatever its state), by path.
+    fn volume_claims(&self, sandbox_id: &str) -> Result<Vec<VolumeClaim>>;
+    /// The live claims of a volume (sandboxes not terminated).
+    fn volume_holders(&self, volume_id: &str) -> Result<Vec<VolumeClaim>>;
+    /// How many volumes `owner` (None: everyone) keeps, and their MiB.
+    fn volume_usage(&self, owner: Option<&str>) -> Result<(u64, u64)>;
     /// Moves a build from one of `from` to `b.state`, writing finished_at,
     /// error, image and version; false when it is in none of `from`.
     fn update_build(&self, b: &BuildRecord, from: &[BuildState]) -> Result<bool>;

@@ -19,6 +19,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0005_trust", include_str!("../migrations/0005_trust.sql")),
     ("0006_storage", include_str!("../migrations/0006_storage.sql")),
     ("0007_snapshots", include_str!("../migrations/0007_snapshots.sql")),
+    ("0008_volumes", include_str!("../migrations/0008_volumes.sql")),
     ("0009_lifecycle", include_str!("../migrations/0009_lifecycle.sql")),
 ];
 
@@ -285,10 +286,12 @@ fn get_sandbox_in(c: &Connection, id: &str) -> Result<Option<SandboxRecord>> {
     Ok(c.query_row(&format!("SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE id = ?1"), [id], sandbox_row).optional()?)
 }
 
+/// What sandboxes hold, volumes' sizes counted in `disk_mib`.
 fn usage_in(c: &Connection, owner: Option<&str>) -> Result<Usage> {
     Ok(c.query_row(
         &format!(
-            "SELECT COUNT(*), COALESCE(SUM(memory_mb), 0), COALESCE(SUM(disk_mib), 0) FROM sandboxes \
+            "SELECT COUNT(*), COALESCE(SUM(memory_mb), 0), COALESCE(SUM(disk_mib), 0) \
+             + (SELECT COALESCE(SUM(size_mib), 0) FROM volumes WHERE ?1 IS NULL OR owner = ?1) FROM sandboxes \
              WHERE state IN {HOLDING} AND (?1 IS NULL OR owner = ?1)"
         ),
         params![owner],
@@ -300,6 +303,45 @@ fn usage_in(c: &Connection, owner: Option<&str>) -> Result<Usage> {
             })
         },
     )?)
+}
+
+/// The volume a claim cannot take (held read-write by a live sandbox, or
+/// read-only by one when read-write is asked), if any.
+fn claim_conflict(c: &Connection, claim: &VolumeClaim) -> Result<Option<String>> {
+    let held: i64 = c.query_row(
+        &format!(
+            "SELECT COUNT(*) FROM volume_mounts m JOIN sandboxes s ON s.id = m.sandbox_id \
+             WHERE m.volume_id = ?1 AND s.state IN {HOLDING} AND (m.read_only = 0 OR NOT ?2)"
+        ),
+        params![claim.volume_id, claim.read_only],
+        |r| r.get(0),
+    )?;
+    Ok((held > 0).then(|| claim.volume_id.clone()))
+}
+
+const VOLUME_COLUMNS: &str = "id, owner, name, size_mib, created_at";
+
+fn volume_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<VolumeRecord> {
+    Ok(VolumeRecord {
+        id: r.get(0)?,
+        owner: r.get(1)?,
+        name: r.get(2)?,
+        size_mib: r.get::<_, i64>(3)?.max(0) as u64,
+        created_at: r.get(4)?,
+    })
+}
+
+fn claim_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<VolumeClaim> {
+    Ok(VolumeClaim { volume_id: r.get(0)?, sandbox_id: r.get(1)?, path: r.get(2)?, read_only: r.get(3)? })
+}
+
+/// Whether `asked` more MiB of disk fits under the host's and the owner's caps.
+fn disk_fits(c: &Connection, owner: &str, admission: &Admission, asked: u64) -> Result<Option<Exceeded>> {
+    let asked = Usage { sandboxes: 0, memory_mb: 0, disk_mib: asked };
+    if let Some(e) = over(Scope::Host, &admission.host, usage_in(c, None)?, asked) {
+        return Ok(Some(e));
+    }
+    Ok(over(Scope::Owner, &admission.owner, usage_in(c, Some(owner))?, asked))
 }
 
 /// The first cap of `caps` that `asked` on top of `used` would pass.
@@ -431,7 +473,12 @@ impl Store for SqliteStore {
         self.with(|c| Ok(c.query_row("SELECT COUNT(*) FROM api_keys", [], |r| r.get::<_, i64>(0))? as u64))
     }
 
-    fn insert_sandbox(&self, s: &SandboxRecord, admission: &Admission) -> Result<Admitted> {
+    fn insert_sandbox_claiming(
+        &self,
+        s: &SandboxRecord,
+        admission: &Admission,
+        claims: &[VolumeClaim],
+    ) -> Result<Admitted> {
         self.with(|c| {
             // IMMEDIATE: the usage read and the insert are one writer's, so
             // two creates cannot both fit under the last free unit.
@@ -445,7 +492,26 @@ impl Store for SqliteStore {
             if let Some(e) = over(Scope::Owner, &admission.owner, own, asked) {
                 return Ok(Admitted::Refused(e));
             }
+            for claim in claims {
+                let exists = tx
+                    .query_row("SELECT 1 FROM volumes WHERE id = ?1", [&claim.volume_id], |_| Ok(()))
+                    .optional()?
+                    .is_some();
+                if !exists {
+                    return Ok(Admitted::VolumeGone(claim.volume_id.clone()));
+                }
+                if let Some(busy) = claim_conflict(&tx, claim)? {
+                    return Ok(Admitted::VolumeInUse(busy));
+                }
+            }
             insert_sandbox_in(&tx, s)?;
+            for claim in claims {
+                tx.execute(
+                    "INSERT INTO volume_mounts (volume_id, sandbox_id, path, read_only) VALUES (?1, ?2, ?3, ?4)",
+                    params![claim.volume_id, claim.sandbox_id, claim.path, claim.read_only],
+                )
+                .map_err(conflict)?;
+            }
             tx.commit()?;
             Ok(Admitted::Inserted)
         })
@@ -768,6 +834,123 @@ impl Store for SqliteStore {
 
     fn delete_snapshot(&self, id: &str) -> Result<bool> {
         self.with(|c| Ok(c.execute("DELETE FROM snapshots WHERE id = ?1", [id])? == 1))
+    }
+
+    fn insert_volume(&self, v: &VolumeRecord, admission: &Admission) -> Result<Admitted> {
+        self.with(|c| {
+            let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+            if let Some(e) = disk_fits(&tx, &v.owner, admission, v.size_mib)? {
+                return Ok(Admitted::Refused(e));
+            }
+            tx.execute(
+                &format!("INSERT INTO volumes ({VOLUME_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5)"),
+                params![v.id, v.owner, v.name, v.size_mib as i64, v.created_at],
+            )
+            .map_err(conflict)?;
+            tx.commit()?;
+            Ok(Admitted::Inserted)
+        })
+    }
+
+    fn get_volume(&self, id: &str) -> Result<Option<VolumeRecord>> {
+        self.with(|c| {
+            Ok(c.query_row(&format!("SELECT {VOLUME_COLUMNS} FROM volumes WHERE id = ?1"), [id], volume_row)
+                .optional()?)
+        })
+    }
+
+    fn volume_by_name(&self, owner: &str, name: &str) -> Result<Option<VolumeRecord>> {
+        self.with(|c| {
+            Ok(c.query_row(
+                &format!("SELECT {VOLUME_COLUMNS} FROM volumes WHERE owner = ?1 AND name = ?2"),
+                [owner, name],
+                volume_row,
+            )
+            .optional()?)
+        })
+    }
+
+    fn list_volumes(&self, owner: Option<&str>) -> Result<Vec<VolumeRecord>> {
+        self.with(|c| {
+            let mut st = c.prepare(&format!(
+                "SELECT {VOLUME_COLUMNS} FROM volumes WHERE ?1 IS NULL OR owner = ?1 ORDER BY created_at, id"
+            ))?;
+            let rows = st.query_map([owner], volume_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn resize_volume(&self, id: &str, size_mib: u64, admission: &Admission) -> Result<Option<Admitted>> {
+        self.with(|c| {
+            let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+            let Some(v) = tx
+                .query_row(&format!("SELECT {VOLUME_COLUMNS} FROM volumes WHERE id = ?1"), [id], volume_row)
+                .optional()?
+            else {
+                return Ok(None);
+            };
+            if let Some(e) = disk_fits(&tx, &v.owner, admission, size_mib.saturating_sub(v.size_mib))? {
+                return Ok(Some(Admitted::Refused(e)));
+            }
+            tx.execute("UPDATE volumes SET size_mib = ?2 WHERE id = ?1", params![id, size_mib as i64])?;
+            tx.commit()?;
+            Ok(Some(Admitted::Inserted))
+        })
+    }
+
+    fn delete_volume(&self, id: &str) -> Result<VolumeDeleted> {
+        self.with(|c| {
+            let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+            let holder: Option<String> = tx
+                .query_row(
+                    &format!(
+                        "SELECT m.sandbox_id FROM volume_mounts m JOIN sandboxes s ON s.id = m.sandbox_id \
+                         WHERE m.volume_id = ?1 AND s.state IN {HOLDING} LIMIT 1"
+                    ),
+                    [id],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            if let Some(sb) = holder {
+                return Ok(VolumeDeleted::InUse(sb));
+            }
+            tx.execute("DELETE FROM volume_mounts WHERE volume_id = ?1", [id])?;
+            let n = tx.execute("DELETE FROM volumes WHERE id = ?1", [id])?;
+            tx.commit()?;
+            Ok(if n == 1 { VolumeDeleted::Deleted } else { VolumeDeleted::NotFound })
+        })
+    }
+
+    fn volume_claims(&self, sandbox_id: &str) -> Result<Vec<VolumeClaim>> {
+        self.with(|c| {
+            let mut st = c.prepare(
+                "SELECT volume_id, sandbox_id, path, read_only FROM volume_mounts WHERE sandbox_id = ?1 ORDER BY path",
+            )?;
+            let rows = st.query_map([sandbox_id], claim_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn volume_holders(&self, volume_id: &str) -> Result<Vec<VolumeClaim>> {
+        self.with(|c| {
+            let mut st = c.prepare(&format!(
+                "SELECT m.volume_id, m.sandbox_id, m.path, m.read_only FROM volume_mounts m \
+                 JOIN sandboxes s ON s.id = m.sandbox_id WHERE m.volume_id = ?1 AND s.state IN {HOLDING} \
+                 ORDER BY s.created_at, s.id"
+            ))?;
+            let rows = st.query_map([volume_id], claim_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn volume_usage(&self, owner: Option<&str>) -> Result<(u64, u64)> {
+        self.with(|c| {
+            Ok(c.query_row(
+                "SELECT COUNT(*), COALESCE(SUM(size_mib), 0) FROM volumes WHERE ?1 IS NULL OR owner = ?1",
+                [owner],
+                |r| Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64)),
+            )?)
+        })
     }
 
     fn insert_build(&self, b: &BuildRecord, max_running: Option<u64>) -> Result<bool> {

@@ -470,3 +470,65 @@ fn snapshots_are_owned_named_once_per_owner_and_counted() {
     assert!(!s.delete_snapshot("snap-1").expect("again"));
     assert_eq!(s.get_snapshot("snap-1").expect("get"), None);
 }
+
+fn volume(id: &str, owner: &str, name: &str, size_mib: u64) -> VolumeRecord {
+    VolumeRecord { id: id.into(), owner: owner.into(), name: name.into(), size_mib, created_at: 1 }
+}
+
+fn vclaim(volume_id: &str, sandbox_id: &str, read_only: bool) -> VolumeClaim {
+    VolumeClaim { volume_id: volume_id.into(), sandbox_id: sandbox_id.into(), path: "/data".into(), read_only }
+}
+
+#[test]
+fn volume_claims_are_one_writer_or_many_readers_and_end_with_their_sandbox() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    let free = Admission::default();
+    assert_eq!(s.insert_volume(&volume("v1", "k1", "data", 64), &free).expect("insert"), Admitted::Inserted);
+    assert!(matches!(s.insert_volume(&volume("v2", "k1", "data", 64), &free), Err(StoreError::Conflict)));
+    // Another owner's name space is its own.
+    assert_eq!(s.insert_volume(&volume("v3", "k2", "data", 64), &free).expect("insert"), Admitted::Inserted);
+    let claiming = |id: &str, ro: bool| s.insert_sandbox_claiming(&sandbox(id, 1), &free, &[vclaim("v1", id, ro)]);
+    assert_eq!(claiming("w1", false).expect("w1"), Admitted::Inserted);
+    // A second writer, or a reader beside the writer: refused, not inserted.
+    assert_eq!(claiming("w2", false).expect("w2"), Admitted::VolumeInUse("v1".into()));
+    assert_eq!(claiming("r1", true).expect("r1"), Admitted::VolumeInUse("v1".into()));
+    assert!(s.get_sandbox("w2").expect("get").is_none() && s.get_sandbox("r1").expect("get").is_none());
+    assert_eq!(s.delete_volume("v1").expect("delete"), VolumeDeleted::InUse("w1".into()));
+    // The writer's end releases its claim; readers share.
+    s.transition("w1", &[SandboxState::Running], SandboxState::Terminated, &Changes::default()).expect("end");
+    assert_eq!(claiming("r1", true).expect("r1"), Admitted::Inserted);
+    assert_eq!(claiming("r2", true).expect("r2"), Admitted::Inserted);
+    assert_eq!(claiming("w3", false).expect("w3"), Admitted::VolumeInUse("v1".into()));
+    let holders: Vec<String> = s.volume_holders("v1").expect("holders").into_iter().map(|c| c.sandbox_id).collect();
+    assert_eq!(holders, ["r1", "r2"]);
+    assert_eq!(s.volume_claims("r1").expect("claims"), [vclaim("v1", "r1", true)]);
+    // A paused sandbox holds its claim.
+    s.transition("r1", &[SandboxState::Running], SandboxState::Paused, &Changes::default()).expect("pause");
+    s.transition("r2", &[SandboxState::Running], SandboxState::Terminated, &Changes::default()).expect("end");
+    assert_eq!(s.delete_volume("v1").expect("delete"), VolumeDeleted::InUse("r1".into()));
+    s.transition("r1", &[SandboxState::Paused], SandboxState::Terminated, &Changes::default()).expect("end");
+    assert_eq!(s.delete_volume("v1").expect("delete"), VolumeDeleted::Deleted);
+    assert_eq!(s.delete_volume("v1").expect("delete"), VolumeDeleted::NotFound);
+    assert!(s.volume_claims("r1").expect("claims").is_empty());
+    // A claim of a volume deleted meanwhile inserts nothing.
+    assert_eq!(claiming("r3", true).expect("r3"), Admitted::VolumeGone("v1".into()));
+    assert!(s.get_sandbox("r3").expect("get").is_none());
+}
+
+#[test]
+fn volumes_count_toward_disk_and_grow_under_the_caps() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    let caps = Admission { owner: Quotas { disk_mib: Some(1000), ..Quotas::default() }, host: Quotas::default() };
+    assert_eq!(s.insert_volume(&volume("v1", "k1", "a", 600), &caps).expect("insert"), Admitted::Inserted);
+    assert!(matches!(s.insert_volume(&volume("v2", "k1", "b", 600), &caps).expect("insert"), Admitted::Refused(_)));
+    assert!(s.get_volume("v2").expect("get").is_none());
+    assert_eq!(s.usage(Some("k1")).expect("usage").disk_mib, 600);
+    assert_eq!(s.volume_usage(Some("k1")).expect("usage"), (1, 600));
+    assert!(matches!(s.resize_volume("v1", 1001, &caps).expect("resize"), Some(Admitted::Refused(_))));
+    assert_eq!(s.resize_volume("v1", 1000, &caps).expect("resize"), Some(Admitted::Inserted));
+    assert_eq!(s.get_volume("v1").expect("get").expect("v1").size_mib, 1000);
+    assert_eq!(s.resize_volume("nope", 1, &caps).expect("resize"), None);
+    // A sandbox's disk counts beside it.
+    let sb = SandboxRecord { disk_mib: 100, ..sandbox("s1", 1) };
+    assert!(matches!(s.insert_sandbox(&sb, &caps).expect("insert"), Admitted::Refused(_)));
+}

@@ -30,6 +30,8 @@ enum Command {
     Files(cli::files::FilesArgs),
     /// Take, list and delete snapshots of a running daemon's sandboxes; fork.
     Snapshot(cli::snapshot::SnapshotArgs),
+    /// Create, list, grow and delete volumes of a running daemon.
+    Volume(cli::volume::VolumeArgs),
     /// Create, list, build and delete templates of a running daemon.
     Template(Box<cli::template::TemplateArgs>),
     /// Manage API keys in the daemon's database (on its host, no HTTP).
@@ -71,6 +73,7 @@ fn main() {
         Command::Exec(args) => cli::exec::main(args),
         Command::Files(args) => cli::files::main(args),
         Command::Snapshot(args) => cli::snapshot::main(args),
+        Command::Volume(args) => cli::volume::main(args),
         Command::Template(args) => cli::template::main(*args),
         Command::Key(args) => cli::keys::main(args),
         Command::Image(args) => cli::image::main(args),

@@ -1141,6 +1141,7 @@ impl Control {
             root,
             netns: None,
             resolv_conf: None,
+            volumes: Vec::new(),
         })
     }
 }

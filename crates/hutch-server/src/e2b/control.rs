@@ -50,7 +50,7 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
         .route_layer(middleware::from_fn_with_state(app, authenticate))
 }
 
-async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
+pub(super) async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
     let secret = super::header(req.headers(), "x-api-key").map(str::trim).unwrap_or("").to_owned();
     match app.control.authenticate(&secret).await {
         Ok(Some(caller)) => {
@@ -68,7 +68,7 @@ async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Res
 }
 
 /// A JSON body, tolerant of fields hutch does not use; malformed is a 400.
-async fn body<T: serde::de::DeserializeOwned + Default>(req: Request) -> E2bResult<T> {
+pub(super) async fn body<T: serde::de::DeserializeOwned + Default>(req: Request) -> E2bResult<T> {
     let bytes = axum::body::to_bytes(req.into_body(), 1 << 20)
         .await
         .map_err(|_| E2bError::new(StatusCode::PAYLOAD_TOO_LARGE, "body above 1 MiB"))?;
@@ -196,6 +196,14 @@ struct NewSandbox {
     auto_resume: Option<AutoResume>,
     /// `lifecycle.on_timeout: "pause"`.
     auto_pause: Option<bool>,
+    /// Volumes (by name) and where each goes, read-write.
+    volume_mounts: Option<Vec<E2bVolumeMount>>,
+}
+
+#[derive(Deserialize)]
+struct E2bVolumeMount {
+    name: String,
+    path: String,
 }
 
 #[derive(Deserialize, Default)]
@@ -311,6 +319,12 @@ async fn create(State(app): AppState, Extension(caller): Extension<Caller>, req:
         env: new.env_vars.unwrap_or_default(),
         metadata: new.metadata.unwrap_or_default(),
         wait_seconds: Some(60),
+        volumes: new
+            .volume_mounts
+            .unwrap_or_default()
+            .into_iter()
+            .map(|m| hutch_api::VolumeMount { name: m.name, path: m.path, read_only: false })
+            .collect(),
         ..CreateSandbox::default()
     };
     let mut made = app.control.create_e2b(&caller, &create, settings.clone()).await;
@@ -342,7 +356,12 @@ async fn detail(
 ) -> E2bResult<Json<Value>> {
     let (sid, sb, state) = live_view(&app, &caller, &id).await?;
     let settings = settings_of(&app, &caller, &sid).await;
-    Ok(Json(with_network(listed(&app, &sb, state, true), &sb, settings.as_ref())))
+    let mut v = with_network(listed(&app, &sb, state, true), &sb, settings.as_ref());
+    if !sb.volumes.is_empty() {
+        v["volumeMounts"] =
+            json!(sb.volumes.iter().map(|m| json!({"name": m.name, "path": m.path})).collect::<Vec<_>>());
+    }
+    Ok(Json(v))
 }
 
 async fn kill(

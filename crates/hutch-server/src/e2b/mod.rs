@@ -18,6 +18,7 @@ pub(crate) mod envd;
 pub(crate) mod forward;
 pub(crate) mod ports;
 mod templates;
+mod volumes;
 mod watch;
 
 use crate::App;
@@ -41,7 +42,10 @@ pub const ENVD_PORT: u16 = 49983;
 pub(crate) use forward::by_sandbox_port;
 
 pub fn router(app: Arc<App>) -> Router<Arc<App>> {
-    control::router(app.clone()).merge(templates::unkeyed()).merge(envd::router(app))
+    control::router(app.clone())
+        .merge(templates::unkeyed())
+        .merge(volumes::router(app.clone()))
+        .merge(envd::router(app))
 }
 
 /// The paths of E2B's control API (each also with `/...` below it).
@@ -180,11 +184,14 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         | ErrorCode::SandboxArchiveInvalid
         | ErrorCode::SandboxFilePartOutOfOrder
         | ErrorCode::SandboxFilePartMismatch
-        | ErrorCode::BuildInstructionRefused => ("invalid_argument", StatusCode::BAD_REQUEST),
-        ErrorCode::NotFound => ("not_found", StatusCode::NOT_FOUND),
-        ErrorCode::IdempotencyConflict | ErrorCode::SandboxPathConflict | ErrorCode::TemplateNameTaken => {
-            ("already_exists", StatusCode::CONFLICT)
-        }
+        | ErrorCode::BuildInstructionRefused
+        | ErrorCode::VolumePathInvalid
+        | ErrorCode::VolumeShrinkRefused => ("invalid_argument", StatusCode::BAD_REQUEST),
+        ErrorCode::NotFound | ErrorCode::VolumeNotFound => ("not_found", StatusCode::NOT_FOUND),
+        ErrorCode::IdempotencyConflict
+        | ErrorCode::SandboxPathConflict
+        | ErrorCode::TemplateNameTaken
+        | ErrorCode::VolumeNameTaken => ("already_exists", StatusCode::CONFLICT),
         ErrorCode::SandboxPathUnreadable => ("permission_denied", StatusCode::FORBIDDEN),
         ErrorCode::FeatureUnavailable | ErrorCode::SandboxNetworkIsolated => {
             ("failed_precondition", StatusCode::BAD_REQUEST)
@@ -210,9 +217,10 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         ErrorCode::QuotaExceeded => ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS),
         ErrorCode::MethodNotAllowed => ("unimplemented", StatusCode::METHOD_NOT_ALLOWED),
         ErrorCode::Conflict => ("aborted", StatusCode::CONFLICT),
-        ErrorCode::SnapshotNameTaken | ErrorCode::SnapshotUnsupported | ErrorCode::SnapshotNotExportable => {
-            ("failed_precondition", StatusCode::CONFLICT)
-        }
+        ErrorCode::SnapshotNameTaken
+        | ErrorCode::SnapshotUnsupported
+        | ErrorCode::SnapshotNotExportable
+        | ErrorCode::VolumeInUse => ("failed_precondition", StatusCode::CONFLICT),
         ErrorCode::StorageFull => ("resource_exhausted", StatusCode::INSUFFICIENT_STORAGE),
     }
 }

@@ -198,6 +198,36 @@ impl Client {
         self.body(&url, self.authed("GET", &url), Payload::None)
     }
 
+    /// `POST /v1/volumes`.
+    pub fn create_volume(&self, req: &hutch_api::CreateVolume) -> Result<hutch_api::Volume> {
+        let url = self.url(&["volumes"]);
+        self.json(&url, self.authed("POST", &url), Payload::Json(to_value(req)))
+    }
+
+    /// `GET /v1/volumes`.
+    pub fn list_volumes(&self) -> Result<hutch_api::VolumeList> {
+        let url = self.url(&["volumes"]);
+        self.json(&url, self.authed("GET", &url), Payload::None)
+    }
+
+    /// `GET /v1/volumes/{id or name}`.
+    pub fn get_volume(&self, id: &str) -> Result<hutch_api::Volume> {
+        let url = self.url(&["volumes", id]);
+        self.json(&url, self.authed("GET", &url), Payload::None)
+    }
+
+    /// `PATCH /v1/volumes/{id or name}`.
+    pub fn update_volume(&self, id: &str, req: &hutch_api::UpdateVolume) -> Result<hutch_api::Volume> {
+        let url = self.url(&["volumes", id]);
+        self.json(&url, self.authed("PATCH", &url), Payload::Json(to_value(req)))
+    }
+
+    /// `DELETE /v1/volumes/{id or name}`.
+    pub fn delete_volume(&self, id: &str) -> Result<()> {
+        let url = self.url(&["volumes", id]);
+        self.send(&url, self.authed("DELETE", &url), Payload::None).map(drop)
+    }
+
     /// `POST /v1/sandboxes/{id}/fork`.
     pub fn fork_sandbox(&self, id: &str, req: &hutch_api::Fork) -> Result<hutch_api::ForkResult> {
         let url = self.url(&["sandboxes", id, "fork"]);

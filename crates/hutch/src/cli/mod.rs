@@ -14,6 +14,7 @@ pub mod sandbox;
 pub mod snapshot;
 pub mod template;
 pub mod tty;
+pub mod volume;
 
 use clap::Args;
 use std::collections::BTreeMap;

@@ -110,6 +110,10 @@ pub struct CreateArgs {
     snapshot: Option<String>,
     #[command(flatten)]
     life: LifecycleArgs,
+    /// Mount a volume (its name or id) at a path under /workspace,
+    /// /home/user, /mnt or /data; `:ro` mounts it read-only (repeatable).
+    #[arg(long = "volume", short = 'v', value_name = "NAME:/PATH[:ro]", value_parser = super::volume::parse_mount)]
+    volumes: Vec<hutch_api::VolumeMount>,
     /// Make the request safe to retry: the same key gives the same sandbox.
     #[arg(long)]
     idempotency_key: Option<String>,
@@ -233,6 +237,7 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateSandbox> {
         snapshot: c.snapshot.clone(),
         on_expire: c.life.on_expire,
         paused_ttl_seconds: c.life.paused_ttl,
+        volumes: c.volumes.clone(),
     })
 }
 
@@ -340,6 +345,7 @@ mod tests {
             snapshot: None,
             on_expire: hutch_api::OnExpire::Delete,
             paused_ttl_seconds: 604_800,
+            volumes: Vec::new(),
         }
     }
 

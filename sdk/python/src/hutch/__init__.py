@@ -56,6 +56,8 @@ from .models import (
     Template,
     UnknownEvent,
     Usage,
+    Volume,
+    VolumeHolder,
     Warm,
 )
 
@@ -116,6 +118,8 @@ __all__ = [
     "Template",
     "UnknownEvent",
     "Usage",
+    "Volume",
+    "VolumeHolder",
     "Warm",
     "__version__",
 ]

@@ -23,6 +23,7 @@ from typing import (
     List,
     Mapping,
     Optional,
+    Sequence,
     Type,
     TypeVar,
     Union,
@@ -595,13 +596,14 @@ class AsyncSandboxes:
         network: Optional[NetworkSpec] = None,
         wait: Optional[Duration] = 300,
         idempotency_key: Optional[str] = None,
+        volumes: Optional[Sequence[ops.VolumeSpec]] = None,
     ) -> SandboxCreation:
         """`sb = await client.sandboxes.create(...)`, or
         `async with client.sandboxes.create(...) as sb:`; see `Sandboxes.create`."""
         call = ops.create_sandbox(
             template=template, ttl=ttl, memory_mb=memory_mb, vcpus=vcpus, disk_mib=disk_mib, pids=pids, env=env,
             metadata=metadata, network=network, wait=wait, idempotency_key=idempotency_key,
-            default_timeout=self._t.config.timeout,
+            default_timeout=self._t.config.timeout, volumes=volumes,
         )
 
         async def make() -> AsyncSandbox:
@@ -655,6 +657,32 @@ class AsyncBuilds:
                 yield line
         for line in lines.end():
             yield line
+
+
+class AsyncVolumes:
+    """Volumes: files that outlive sandboxes (see `sandboxes.create(volumes=...)`)."""
+
+    def __init__(self, client: "AsyncHutch"):
+        self._t = client._transport
+
+    async def create(self, name: str, *, size_mib: Optional[int] = None) -> models.Volume:
+        """A volume of `size_mib` MiB (1024 by default): writes past it fail."""
+        return await self._t.call(ops.create_volume(name, size_mib))
+
+    async def list(self, *, owner: Optional[str] = None) -> List[models.Volume]:
+        return await self._t.call(ops.list_volumes(owner))
+
+    async def get(self, volume: Union[str, models.Volume]) -> models.Volume:
+        """By id or name."""
+        return await self._t.call(ops.get_volume(ops.volume_ref(volume)))
+
+    async def resize(self, volume: Union[str, models.Volume], size_mib: int) -> models.Volume:
+        """Grows it (`volume_shrink_refused` for a smaller size)."""
+        return await self._t.call(ops.resize_volume(ops.volume_ref(volume), size_mib))
+
+    async def delete(self, volume: Union[str, models.Volume]) -> None:
+        """Deletes it and its files (`volume_in_use` while a sandbox mounts it)."""
+        await self._t.call(ops.delete_volume(ops.volume_ref(volume)))
 
 
 class AsyncTemplates:
@@ -807,6 +835,7 @@ class AsyncHutch:
         self._transport = AsyncTransport(self.config, http_client)
         self.sandboxes = AsyncSandboxes(self)
         self.templates = AsyncTemplates(self)
+        self.volumes = AsyncVolumes(self)
         self.images = AsyncImages(self)
         self.keys = AsyncKeys(self)
         self.snapshots = AsyncSnapshots(self)

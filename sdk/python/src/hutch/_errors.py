@@ -54,19 +54,20 @@ class PermissionDeniedError(HutchError):
 
 
 class NotFoundError(HutchError):
-    """No such sandbox, process, template, build, grant or key (`not_found`);
-    also another key's."""
+    """No such sandbox, process, template, build, grant or key (`not_found`),
+    or volume (`volume_not_found`); also another key's."""
 
 
 class InvalidRequestError(HutchError):
     """The request is malformed or names what does not exist (`invalid_request`,
     `unknown_template`, `image_not_found`, `feature_unavailable`,
-    `sandbox_network_isolated`, `method_not_allowed`)."""
+    `sandbox_network_isolated`, `method_not_allowed`, `volume_path_invalid`,
+    `volume_shrink_refused`)."""
 
 
 class ConflictError(HutchError):
     """The thing changed or is taken (`conflict`, `template_name_taken`,
-    `snapshot_name_taken`), or cannot be done to it as it is
+    `snapshot_name_taken`, `volume_name_taken`, `volume_in_use`), or cannot be done to it as it is
     (`snapshot_unsupported`: a memory layer has no snapshot, fork or pause to
     disk; `snapshot_not_exportable`: a snapshot of a sandbox on `base`, or
     whose image left the store, is no image archive)."""
@@ -152,6 +153,11 @@ CODE_CLASSES: Dict[str, Type[HutchError]] = {
     "snapshot_name_taken": ConflictError,
     "snapshot_unsupported": ConflictError,
     "snapshot_not_exportable": ConflictError,
+    "volume_name_taken": ConflictError,
+    "volume_in_use": ConflictError,
+    "volume_not_found": NotFoundError,
+    "volume_path_invalid": InvalidRequestError,
+    "volume_shrink_refused": InvalidRequestError,
     "idempotency_conflict": IdempotencyError,
     "execution_outcome_unknown": IdempotencyError,
     "sandbox_session_not_running": SandboxNotRunningError,

@@ -8,8 +8,8 @@ in how they wait.
 Where the state routes of issue 11 go when the daemon has them: snapshot,
 fork and diff of a sandbox beside `exec` below (`snapshot_sandbox`,
 `fork_sandbox`, `diff_sandbox`), `/v1/snapshots` and `/v1/volumes` as
-sections of their own like templates; `create_sandbox` then takes
-`snapshot=` and `volumes=`.
+sections of their own like templates (volumes are there); `create_sandbox`
+then takes `snapshot=` (it takes `volumes=`).
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ INLINE_CAP = 8 << 20
 Command = Union[str, Sequence[str]]
 NetworkSpec = Union[str, Mapping[str, Any], models.Network]
 Signal = Union[str, int, _signal.Signals]
+#: A mount: `{"name", "path", "read_only"}`, or `"NAME:/path[:ro]"` as the CLI takes it.
+VolumeSpec = Union[str, Mapping[str, Any]]
 
 
 
@@ -154,6 +156,7 @@ def create_sandbox(
     wait: Optional[Duration],
     idempotency_key: Optional[str],
     default_timeout: float,
+    volumes: Optional[Sequence[VolumeSpec]] = None,
 ) -> Call[models.SandboxInfo]:
     wait_seconds = None if wait is None else min(whole_seconds(wait, "wait"), DAEMON_WAIT_CAP)
     body = _drop_none(
@@ -166,6 +169,7 @@ def create_sandbox(
             "metadata": dict(metadata) if metadata else None,
             "network": network_json(network),
             "wait_seconds": wait_seconds,
+            "volumes": volumes_json(volumes),
         }
     )
     return Call(
@@ -559,6 +563,64 @@ def revoke_access(sandbox_id: str, grant_id: str) -> Call[None]:
 
 def revoke_all_access(sandbox_id: str) -> Call[None]:
     return Call("DELETE", _files(sandbox_id) + "/access", no_content, resend=True)
+
+
+# --------------------------------------------------------------------------
+# Volumes
+
+
+def volumes_json(volumes: Optional[Sequence[VolumeSpec]]) -> Optional[List[Dict[str, Any]]]:
+    """The `volumes` of a create: mappings as given, "NAME:/path[:ro]" read."""
+    if not volumes:
+        return None
+    out: List[Dict[str, Any]] = []
+    for v in volumes:
+        if isinstance(v, str):
+            name, sep, rest = v.partition(":")
+            path, read_only = rest, False
+            for suffix, ro in ((":ro", True), (":rw", False)):
+                if rest.endswith(suffix):
+                    path, read_only = rest[: -len(suffix)], ro
+            if not sep or not name or not path.startswith("/"):
+                raise ValueError(f"volume {v!r}: give NAME:/path[:ro]")
+            out.append({"name": name, "path": path, "read_only": read_only})
+        elif isinstance(v, Mapping):
+            out.append(dict(v))
+        else:
+            raise TypeError("a volume mount is a mapping or 'NAME:/path[:ro]'")
+    return out
+
+
+def _volume(reply: Reply) -> models.Volume:
+    return models.Volume.from_json(reply.json())
+
+
+def volume_ref(volume: Union[str, models.Volume]) -> str:
+    return volume.id if isinstance(volume, models.Volume) else volume
+
+
+def create_volume(name: str, size_mib: Optional[int]) -> Call[models.Volume]:
+    # Not resent: a second create would be `volume_name_taken`.
+    return Call("POST", "/v1/volumes", _volume, body=json_body(_drop_none({"name": name, "size_mib": size_mib})))
+
+
+def list_volumes(owner: Optional[str]) -> Call[List[models.Volume]]:
+    def parse(reply: Reply) -> List[models.Volume]:
+        return [models.Volume.from_json(v) for v in reply.json()["volumes"]]
+
+    return Call("GET", "/v1/volumes", parse, params=query(owner=owner), resend=True)
+
+
+def get_volume(volume: str) -> Call[models.Volume]:
+    return Call("GET", f"/v1/volumes/{seg(volume)}", _volume, resend=True)
+
+
+def resize_volume(volume: str, size_mib: int) -> Call[models.Volume]:
+    return Call("PATCH", f"/v1/volumes/{seg(volume)}", _volume, body=json_body({"size_mib": size_mib}), resend=True)
+
+
+def delete_volume(volume: str) -> Call[None]:
+    return Call("DELETE", f"/v1/volumes/{seg(volume)}", no_content)
 
 
 # --------------------------------------------------------------------------

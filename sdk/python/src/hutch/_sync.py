@@ -21,6 +21,7 @@ from typing import (
     List,
     Mapping,
     Optional,
+    Sequence,
     Type,
     TypeVar,
     Union,
@@ -618,6 +619,7 @@ class Sandboxes:
         network: Optional[NetworkSpec] = None,
         wait: Optional[Duration] = 300,
         idempotency_key: Optional[str] = None,
+        volumes: Optional[Sequence[ops.VolumeSpec]] = None,
     ) -> Sandbox:
         """Creates a sandbox and waits (up to `wait`, 5 minutes by default)
         until it runs. `ttl` is its lifetime ("10m", 600); `network` its
@@ -626,7 +628,7 @@ class Sandboxes:
         call = ops.create_sandbox(
             template=template, ttl=ttl, memory_mb=memory_mb, vcpus=vcpus, disk_mib=disk_mib, pids=pids, env=env,
             metadata=metadata, network=network, wait=wait, idempotency_key=idempotency_key,
-            default_timeout=self._t.config.timeout,
+            default_timeout=self._t.config.timeout, volumes=volumes,
         )
         return Sandbox(self._client, self._t.run(ops.create_sandbox_op(call, wait)))
 
@@ -675,6 +677,32 @@ class Builds:
         for chunk in self._t.chunks(resp, 64 << 10):
             yield from lines.feed(chunk)
         yield from lines.end()
+
+
+class Volumes:
+    """Volumes: files that outlive sandboxes (see `sandboxes.create(volumes=...)`)."""
+
+    def __init__(self, client: "Hutch"):
+        self._t = client._transport
+
+    def create(self, name: str, *, size_mib: Optional[int] = None) -> models.Volume:
+        """A volume of `size_mib` MiB (1024 by default): writes past it fail."""
+        return self._t.call(ops.create_volume(name, size_mib))
+
+    def list(self, *, owner: Optional[str] = None) -> List[models.Volume]:
+        return self._t.call(ops.list_volumes(owner))
+
+    def get(self, volume: Union[str, models.Volume]) -> models.Volume:
+        """By id or name."""
+        return self._t.call(ops.get_volume(ops.volume_ref(volume)))
+
+    def resize(self, volume: Union[str, models.Volume], size_mib: int) -> models.Volume:
+        """Grows it (`volume_shrink_refused` for a smaller size)."""
+        return self._t.call(ops.resize_volume(ops.volume_ref(volume), size_mib))
+
+    def delete(self, volume: Union[str, models.Volume]) -> None:
+        """Deletes it and its files (`volume_in_use` while a sandbox mounts it)."""
+        self._t.call(ops.delete_volume(ops.volume_ref(volume)))
 
 
 class Templates:
@@ -852,10 +880,10 @@ class Hutch:
         self._transport = Transport(self.config, http_client)
         self.sandboxes = Sandboxes(self)
         self.templates = Templates(self)
+        self.volumes = Volumes(self)
         self.images = Images(self)
         self.keys = Keys(self)
         self.snapshots = Snapshots(self)
-        # Issue 11 adds: self.volumes.
 
     @property
     def base_url(self) -> str:

@@ -492,6 +492,9 @@ class Usage:
     disk_mib: int
     builds: int
     quotas: Quotas
+    #: volumes kept, and the MiB they may hold (counted in `disk_mib` too)
+    volumes: int = 0
+    volume_mib: int = 0
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Usage":
@@ -502,4 +505,46 @@ class Usage:
             disk_mib=d.get("disk_mib", 0),
             builds=d.get("builds", 0),
             quotas=Quotas.from_json(d.get("quotas")),
+            volumes=d.get("volumes", 0),
+            volume_mib=d.get("volume_mib", 0),
+        )
+
+
+@dataclass(frozen=True)
+class VolumeHolder:
+    """A sandbox (not ended) that mounts a volume."""
+
+    sandbox_id: str
+    path: str
+    read_only: bool
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "VolumeHolder":
+        return cls(sandbox_id=d["sandbox_id"], path=d["path"], read_only=bool(d.get("read_only")))
+
+
+@dataclass(frozen=True)
+class Volume:
+    """Files that outlive sandboxes, mounted by them at their creation."""
+
+    id: str
+    name: str
+    size_mib: int
+    used_bytes: int
+    mounted_by: List[VolumeHolder]
+    created_at: str
+    owner: str = ""
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Volume":
+        return cls(
+            id=d["id"],
+            name=d["name"],
+            size_mib=d.get("size_mib", 0),
+            used_bytes=d.get("used_bytes", 0),
+            mounted_by=[VolumeHolder.from_json(h) for h in d.get("mounted_by") or []],
+            created_at=d.get("created_at", ""),
+            owner=d.get("owner", ""),
+            raw=dict(d),
         )
