@@ -122,6 +122,18 @@ pub enum ErrorCode {
     SnapshotNotExportable,
     /// The thing changed while the request was made; read it again and retry.
     Conflict,
+    /// An image archive, manifest or name is malformed (not a `docker
+    /// save` or OCI layout, a digest that does not match, a bad name);
+    /// nothing was recorded.
+    ImageInvalid,
+    /// A layer of an image holds what hutch does not unpack (a path out of
+    /// the layer, a write through a symlink, past a size limit); nothing
+    /// was recorded.
+    ImageLayerRefused,
+    /// The registry of a pull refused or failed (unknown reference,
+    /// authentication, TLS, a digest that does not match); nothing was
+    /// recorded.
+    RegistryError,
 }
 
 impl ErrorCode {
@@ -142,7 +154,9 @@ impl ErrorCode {
             | ErrorCode::SandboxArchiveInvalid
             | ErrorCode::FeatureUnavailable
             | ErrorCode::SandboxNetworkIsolated
-            | ErrorCode::BuildInstructionRefused => 400,
+            | ErrorCode::BuildInstructionRefused
+            | ErrorCode::ImageInvalid
+            | ErrorCode::ImageLayerRefused => 400,
             ErrorCode::NotFound => 404,
             ErrorCode::MethodNotAllowed => 405,
             ErrorCode::IdempotencyConflict
@@ -163,7 +177,7 @@ impl ErrorCode {
             | ErrorCode::AccessGrantCapacity
             | ErrorCode::QuotaExceeded => 429,
             ErrorCode::Internal => 500,
-            ErrorCode::SandboxPortUnreachable => 502,
+            ErrorCode::SandboxPortUnreachable | ErrorCode::RegistryError => 502,
             ErrorCode::SandboxStartFailed
             | ErrorCode::SandboxStartupFailed
             | ErrorCode::SandboxReadinessTimeout
@@ -217,6 +231,9 @@ impl ErrorCode {
             ErrorCode::SnapshotUnsupported => "snapshot_unsupported",
             ErrorCode::StorageFull => "storage_full",
             ErrorCode::SnapshotNotExportable => "snapshot_not_exportable",
+            ErrorCode::ImageInvalid => "image_invalid",
+            ErrorCode::ImageLayerRefused => "image_layer_refused",
+            ErrorCode::RegistryError => "registry_error",
         }
     }
 }
@@ -794,6 +811,21 @@ pub struct Template {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
 pub struct TemplateList {
     pub templates: Vec<Template>,
+}
+
+/// `POST /v1/images/pull` (admin keys only).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PullImage {
+    /// `[registry/]repository[:tag][@sha256:digest]`, as docker takes it.
+    pub reference: String,
+    /// The image's name (default: the reference, lowercased, other
+    /// characters turned into `-`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Allow plain HTTP to a registry that is not on loopback.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub insecure: bool,
 }
 
 /// One image of the store, in `GET /v1/images`.

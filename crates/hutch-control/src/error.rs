@@ -112,6 +112,9 @@ pub enum ControlError {
     /// A conditional update lost: the thing changed meanwhile.
     #[error("{0}")]
     Conflict(String),
+    /// The image store's refusal or failure (an import, a pull, a removal).
+    #[error("{0}")]
+    Image(hutch_runtime::image::ImageError),
     #[error("no watcher {0}")]
     NoWatcher(String),
     #[error("sandbox {id} already has {max} watchers; remove some first")]
@@ -180,6 +183,15 @@ impl ControlError {
             ControlError::SnapshotUnsupported(_) => ErrorCode::SnapshotUnsupported,
             ControlError::StorageFull(_) => ErrorCode::StorageFull,
             ControlError::SnapshotNotExportable(_) => ErrorCode::SnapshotNotExportable,
+            ControlError::Image(e) => match e {
+                hutch_runtime::image::ImageError::NotFound(_) => ErrorCode::ImageNotFound,
+                hutch_runtime::image::ImageError::Invalid { .. } => ErrorCode::ImageInvalid,
+                hutch_runtime::image::ImageError::LayerRefused(_) => ErrorCode::ImageLayerRefused,
+                hutch_runtime::image::ImageError::Registry(_) => ErrorCode::RegistryError,
+                hutch_runtime::image::ImageError::Build { .. } | hutch_runtime::image::ImageError::Io { .. } => {
+                    ErrorCode::Internal
+                }
+            },
         }
     }
 

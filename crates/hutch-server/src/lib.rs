@@ -13,6 +13,7 @@ mod access;
 mod console;
 mod e2b;
 mod extract;
+mod images;
 #[doc(hidden)]
 pub mod fuzz_api;
 pub mod listener;

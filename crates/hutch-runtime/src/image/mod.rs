@@ -248,6 +248,13 @@ impl ImageStore {
         valid_hex(hex) && self.layer_dir(hex).is_dir()
     }
 
+    /// A fresh path under `tmp/` for an archive received from a client
+    /// (`tmp/upload-*`): [`ImageStore::gc`] removes one an hour after its
+    /// last write, if its importer did not.
+    pub fn upload_path(&self) -> PathBuf {
+        self.root.join("tmp").join(format!("upload-{}", random_suffix()))
+    }
+
     /// A new empty directory beside the layers, for a layer being made (then
     /// [`ImageStore::commit_layer`]) or a download.
     pub fn temp_dir(&self) -> Result<PathBuf, ImageError> {

@@ -179,7 +179,9 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         | ErrorCode::SandboxArchiveInvalid
         | ErrorCode::SandboxFilePartOutOfOrder
         | ErrorCode::SandboxFilePartMismatch
-        | ErrorCode::BuildInstructionRefused => ("invalid_argument", StatusCode::BAD_REQUEST),
+        | ErrorCode::BuildInstructionRefused
+        | ErrorCode::ImageInvalid
+        | ErrorCode::ImageLayerRefused => ("invalid_argument", StatusCode::BAD_REQUEST),
         ErrorCode::NotFound => ("not_found", StatusCode::NOT_FOUND),
         ErrorCode::IdempotencyConflict | ErrorCode::SandboxPathConflict | ErrorCode::TemplateNameTaken => {
             ("already_exists", StatusCode::CONFLICT)
@@ -204,7 +206,7 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         }
         ErrorCode::AccessTokenWrongTarget => ("permission_denied", StatusCode::FORBIDDEN),
         ErrorCode::AccessGrantCapacity => ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS),
-        ErrorCode::SandboxPortUnreachable => ("unavailable", StatusCode::BAD_GATEWAY),
+        ErrorCode::SandboxPortUnreachable | ErrorCode::RegistryError => ("unavailable", StatusCode::BAD_GATEWAY),
         ErrorCode::Forbidden => ("permission_denied", StatusCode::FORBIDDEN),
         ErrorCode::QuotaExceeded => ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS),
         ErrorCode::MethodNotAllowed => ("unimplemented", StatusCode::METHOD_NOT_ALLOWED),
