@@ -363,6 +363,11 @@ def test_bad_archives_through_the_api_leave_nothing(daemon: Daemon, api: Client)
     # Names that are not an image's, refused before the body is read.
     for bad in ("base", "tpl-mine", "UPPER", "a/b", "-x"):
         expect_error(api_import(api, docker_save(two_layers(), [], "ok:1"), name=bad), 400, "image_invalid")
+    # `check` answers what an import would get, reading no archive.
+    check = lambda **q: api.request("POST", "/v1/images/import", params={"check": "true", **q})  # noqa: E731
+    expect_status(check(size="1000", name=uname("ok")), 204)
+    expect_error(check(size=str(17 << 30)), 413, "payload_too_large")
+    expect_error(check(name="base"), 400, "image_invalid")
     # The CLI says the same, with the code.
     p = import_archive(daemon, tar_of({"hello.txt": b"hi"}), "--name", uname("bad"))
     assert p.returncode != 0 and "image_invalid" in p.stderr, p.stderr
@@ -380,6 +385,7 @@ def test_only_an_admin_key_changes_the_shared_images(daemon: Daemon, api: Client
     some = next(iter(before), "python")
     expect_error(other.delete(f"/v1/images/{some}"), 403, "forbidden")
     expect_error(other.post("/v1/images/gc"), 403, "forbidden")
+    expect_error(other.request("POST", "/v1/images/import", params={"check": "true"}), 403, "forbidden")
     # The CLI with that key is refused the same way, through the API.
     path = daemon.root / f"{uuid.uuid4().hex}.tar"
     path.write_bytes(archive)

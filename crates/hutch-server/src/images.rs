@@ -36,13 +36,22 @@ pub(crate) struct ImportQuery {
     /// The archive's file name: the image's `source` (`import:FILENAME`)
     /// and its default name.
     filename: Option<String>,
+    /// Only check that an import with these parameters (and this
+    /// Content-Length) would be taken: `204`, or the refusal it would get.
+    /// A client that cannot read an answer before it has sent its whole
+    /// body (no `Expect: 100-continue`) asks this first.
+    #[serde(default)]
+    check: bool,
+    /// With `check`: the archive's size in bytes, checked against the cap.
+    size: Option<u64>,
 }
 
 #[utoipa::path(post, path = "/v1/images/import", params(ImportQuery),
     request_body(content = Vec<u8>, content_type = "application/x-tar",
         description = "a `docker save` archive or an OCI image layout, plain or gzip-compressed"),
-    responses((status = 201, body = ImageInfo), (status = 400, body = hutch_api::ErrorBody),
-              (status = 403, body = hutch_api::ErrorBody), (status = 413, body = hutch_api::ErrorBody)))]
+    responses((status = 201, body = ImageInfo), (status = 204, description = "`check`: it would be taken"),
+              (status = 400, body = hutch_api::ErrorBody), (status = 403, body = hutch_api::ErrorBody),
+              (status = 413, body = hutch_api::ErrorBody)))]
 pub(crate) async fn import_image(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
@@ -62,7 +71,7 @@ pub(crate) async fn import_image(
             .may_manage_images(&caller)
             .and_then(|()| q.name.as_deref().map_or(Ok(()), hutch_control::images::check_name))
             .map_err(ApiError::from)
-            .and_then(|()| match declared {
+            .and_then(|()| match q.size.filter(|_| q.check).or(declared) {
                 Some(n) if n > IMPORT_CAP => Err(ApiError::new(
                     ErrorCode::PayloadTooLarge,
                     format!("image archive of {n} bytes, above {} GiB; nothing was imported", IMPORT_CAP >> 30),
@@ -71,6 +80,7 @@ pub(crate) async fn import_image(
             }),
     };
     let q = match checked {
+        Ok(q) if q.check => return crate::transfer::refuse(req, StatusCode::NO_CONTENT.into_response()).await,
         Ok(q) => q,
         Err(e) => return crate::transfer::refuse(req, e.into_response()).await,
     };

@@ -436,13 +436,26 @@ impl Client {
         filename: Option<&str>,
     ) -> Result<hutch_api::ImageInfo> {
         let url = self.url(&["images", "import"]);
-        let mut r = self.authed("POST", &url).set("Content-Type", "application/x-tar");
-        if let Some(n) = name {
-            r = r.query("name", n);
+        let request = || {
+            let mut r = self.authed("POST", &url).set("Content-Type", "application/x-tar");
+            if let Some(n) = name {
+                r = r.query("name", n);
+            }
+            if let Some(f) = filename {
+                r = r.query("filename", f);
+            }
+            r
+        };
+        // A refusal (the key, the name, the size) comes before the body is
+        // read, and the daemon closes the connection rather than read a
+        // large body it refused; this client would only see the broken
+        // pipe. So the refusal is asked for first, with no body.
+        let mut check = request().query("check", "true");
+        if let Some(n) = len {
+            check = check.query("size", &n.to_string());
         }
-        if let Some(f) = filename {
-            r = r.query("filename", f);
-        }
+        self.send(&url, check, Payload::Empty)?;
+        let mut r = request();
         if let Some(n) = len {
             r = r.set("Content-Length", &n.to_string());
         }
