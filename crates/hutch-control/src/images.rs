@@ -63,7 +63,8 @@ impl Control {
                 let _ = tx.send(spool_and_import(&store, req, rx));
             })
             .map_err(|e| ControlError::Runtime(format!("start an import thread: {e}")))?;
-        let img = done.await.map_err(|_| ControlError::Runtime("the import thread ended without an answer".into()))??;
+        let img =
+            done.await.map_err(|_| ControlError::Runtime("the import thread ended without an answer".into()))??;
         Ok(self.info(img).await)
     }
 
@@ -100,9 +101,10 @@ impl Control {
         let users = templates.iter().filter(|t| t.image == name).count();
         let store = self.images()?;
         let n = name.to_owned();
-        let children =
-            tokio::task::spawn_blocking(move || store.list().into_iter().filter(|i| i.parent.as_deref() == Some(n.as_str())).count())
-                .await?;
+        let children = tokio::task::spawn_blocking(move || {
+            store.list().into_iter().filter(|i| i.parent.as_deref() == Some(n.as_str())).count()
+        })
+        .await?;
         if users + children > 0 {
             return Err(ControlError::Conflict(format!(
                 "image {name:?} is used by {users} template(s) and {children} template build(s); \

@@ -47,8 +47,8 @@ pub(crate) struct ImportQuery {
 }
 
 #[utoipa::path(post, path = "/v1/images/import", params(ImportQuery),
-    request_body(content = Vec<u8>, content_type = "application/x-tar",
-        description = "a `docker save` archive or an OCI image layout, plain or gzip-compressed"),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream",
+        description = "a `docker save` archive or an OCI image layout, plain or gzip-compressed (any Content-Type)"),
     responses((status = 201, body = ImageInfo), (status = 204, description = "`check`: it would be taken"),
               (status = 400, body = hutch_api::ErrorBody), (status = 403, body = hutch_api::ErrorBody),
               (status = 413, body = hutch_api::ErrorBody)))]
@@ -59,11 +59,8 @@ pub(crate) async fn import_image(
     req: Request,
 ) -> Response {
     // Refused before the body is read: answered once a small one is read.
-    let declared = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+    let declared =
+        req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     let checked = match q {
         Err(e) => Err(ApiError::invalid(e.body_text())),
         Ok(axum::extract::Query(q)) => app

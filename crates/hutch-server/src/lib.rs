@@ -13,9 +13,9 @@ mod access;
 mod console;
 mod e2b;
 mod extract;
-mod images;
 #[doc(hidden)]
 pub mod fuzz_api;
+mod images;
 pub mod listener;
 mod mcp;
 mod openapi;

@@ -138,7 +138,8 @@ fn an_imported_image_runs_and_its_whiteouts_hide_lower_files() {
     env.assert_no_residue();
 
     // A second import of the same layers shares them.
-    let out = env.hutch().args(["image", "--local", "import", "--name", "again"]).arg(&archive).output().expect("import");
+    let out =
+        env.hutch().args(["image", "--local", "import", "--name", "again"]).arg(&archive).output().expect("import");
     assert!(out.status.success(), "{}", stderr(&out));
     let layers = std::fs::read_dir(env.state.join("images/layers"))
         .expect("layers")

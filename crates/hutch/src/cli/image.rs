@@ -98,8 +98,7 @@ fn coded(e: ImageError) -> anyhow::Error {
 fn run(args: ImageArgs) -> anyhow::Result<i32> {
     let show = |img: &hutch_api::ImageInfo| println!("{} ({} layers, {})", img.name, img.layers, img.source);
     if let ImageCommand::Build { kind, suite, packages, name } = args.command {
-        let store =
-            ImageStore::open(&args.client.state_dir).map_err(coded).context("opening the image store")?;
+        let store = ImageStore::open(&args.client.state_dir).map_err(coded).context("opening the image store")?;
         let progress = progress_printer();
         let img = if debian::is_preset(&kind) {
             if !packages.is_empty() || name.is_some() {
@@ -132,7 +131,12 @@ fn run(args: ImageArgs) -> anyhow::Result<i32> {
                 let f = std::fs::File::open(&file).with_context(|| format!("opening {}", file.display()))?;
                 let len = f.metadata().ok().map(|m| m.len());
                 let filename = file.file_name().map(|n| n.to_string_lossy().into_owned());
-                client.import_image(std::io::BufReader::with_capacity(1 << 20, f), len, name.as_deref(), filename.as_deref())?
+                client.import_image(
+                    std::io::BufReader::with_capacity(1 << 20, f),
+                    len,
+                    name.as_deref(),
+                    filename.as_deref(),
+                )?
             };
             show(&img);
         }
