@@ -22,9 +22,10 @@ need=()
 # through Playwright with this browser: Playwright's own are never fetched).
 # umoci (6 MB, libc only) unpacks exported snapshots as another OCI
 # implementation reads them (tests/api/test_snapshot_export.py).
+# systemd-analyze verifies the service unit (crates/hutch/tests/install.rs).
 for pkg_cmd in python3:python3 procps:pgrep util-linux:unshare mount:mount coreutils:sha256sum \
     nftables:nft iproute2:ip mmdebstrap:mmdebstrap docker-registry:docker-registry \
-    nodejs:node npm:npm btrfs-progs:mkfs.btrfs chromium:chromium umoci:umoci; do
+    nodejs:node npm:npm btrfs-progs:mkfs.btrfs chromium:chromium umoci:umoci systemd:systemd-analyze; do
     pkg=${pkg_cmd%%:*} cmd=${pkg_cmd##*:}
     found=
     for dir in /usr/bin /bin /usr/sbin /sbin; do

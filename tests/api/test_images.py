@@ -107,11 +107,16 @@ def oci_layout(layers: list[bytes], env: list[str], tag: str) -> bytes:
 # Running on an image
 
 
+def image_cli(daemon: Daemon, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`hutch image ARGS` through the daemon's API, with its admin key."""
+    return daemon.cli("image", *args, "--url", daemon.base, timeout=timeout)
+
+
 def import_archive(daemon: Daemon, data: bytes, *args: str) -> subprocess.CompletedProcess:
     path = daemon.root / f"{uuid.uuid4().hex}.tar"
     path.write_bytes(data)
     try:
-        return daemon.cli("image", "import", str(path), *args, timeout=120)
+        return image_cli(daemon, "import", str(path), *args)
     finally:
         path.unlink()
 
@@ -174,7 +179,7 @@ def test_oci_layout_import_with_gzip_layers_and_an_index(daemon: Daemon, api: Cl
     assert api.sh(sb["id"], "echo $A") == "1\n"
     api.destroy(sb["id"])
     expect_status(api.delete(f"/v1/templates/{tpl['id']}"), 204)
-    p = daemon.cli("image", "rm", "oci-test")
+    p = image_cli(daemon, "rm", "oci-test")
     assert p.returncode == 0, p.stderr
     assert "oci-test" not in image_names(api)
 
@@ -209,6 +214,107 @@ def test_imports_with_a_wrong_digest_or_a_hostile_layer_are_refused_whole(daemon
     assert p.returncode != 0 and "image_invalid" in p.stderr, p.stderr
     assert image_names(api) == before
     assert not any((daemon.state_dir / "images" / "tmp").iterdir())
+
+
+def api_import(c: Client, data: bytes, **params: str) -> requests.Response:
+    """`POST /v1/images/import` with `data` streamed as a chunked body."""
+    def chunks():
+        for i in range(0, len(data), 64 << 10):
+            yield data[i:i + (64 << 10)]
+    return c.request("POST", "/v1/images/import", params=params, data=chunks(), timeout=120,
+                     headers={"Content-Type": "application/x-tar"})
+
+
+def image_tmp(daemon: Daemon) -> list[Path]:
+    return list((daemon.state_dir / "images" / "tmp").iterdir())
+
+
+def test_import_through_the_api_then_delete(daemon: Daemon, api: Client):
+    name = uname("apiimp")
+    # A gzip-compressed `docker save`, streamed in chunks (no Content-Length).
+    archive = gzip.compress(docker_save(two_layers(uuid.uuid4().hex), ["VIA=api"], "x/api:1"), mtime=0)
+    r = api_import(api, archive, name=name, filename="app.tar.gz")
+    expect_status(r, 201)
+    info = r.json()
+    assert info["name"] == name and info["layers"] == 3 and info["source"] == "import:app.tar.gz", info
+    assert info["size_bytes"] > 100_000, info
+    assert image_names(api)[name]["source"] == "import:app.tar.gz"
+    # Without a name: the archive's tag names it.
+    r = api_import(api, docker_save(two_layers(), [], "x/api-tagged:2"))
+    expect_status(r, 201)
+    assert r.json()["name"] == "x-api-tagged-2", r.json()
+    tpl, sb = sandbox_on(api, name)
+    try:
+        check_layers_apply(api, sb)
+        assert api.sh(sb["id"], "echo $VIA") == "api\n"
+        # A template stands on it: removing it would break the template.
+        e = expect_error(api.delete(f"/v1/images/{name}"), 409, "conflict")
+        assert tpl["name"] in e["error"] or "template" in e["error"], e
+    finally:
+        api.destroy(sb["id"])
+        expect_status(api.delete(f"/v1/templates/{tpl['id']}"), 204)
+    expect_status(api.delete(f"/v1/images/{name}"), 204)
+    expect_status(api.delete("/v1/images/x-api-tagged-2"), 204)
+    names = image_names(api)
+    assert name not in names and "x-api-tagged-2" not in names
+    expect_error(api.delete(f"/v1/images/{name}"), 400, "image_not_found")
+    expect_error(api.delete("/v1/images/base"), 400, "image_not_found")
+    assert not image_tmp(daemon)
+
+
+def test_bad_archives_through_the_api_leave_nothing(daemon: Daemon, api: Client):
+    before = image_names(api)
+    # Not an image archive at all.
+    expect_error(api_import(api, tar_of({"hello.txt": b"hi"}), name=uname("bad")), 400, "image_invalid")
+    # Not even a tar, gzip that breaks off.
+    expect_error(api_import(api, b"\x1f\x8b" + os.urandom(4096), name=uname("bad")), 400, "image_invalid")
+    # A layer that writes through its own symlink to /etc.
+    probe = f"hutch-probe-{uuid.uuid4().hex[:8]}"
+    hostile = Layer().symlink("x", "/etc").file(f"x/{probe}", b"owned").bytes()
+    e = expect_error(api_import(api, docker_save([hostile], [], "hostile:1"), name=uname("bad")), 400,
+                     "image_layer_refused")
+    assert "symlink" in e["error"], e
+    assert not Path("/etc", probe).exists()
+    # Names that are not an image's, refused before the body is read.
+    for bad in ("base", "tpl-mine", "UPPER", "a/b", "-x"):
+        expect_error(api_import(api, docker_save(two_layers(), [], "ok:1"), name=bad), 400, "image_invalid")
+    # `check` answers what an import would get, reading no archive.
+    check = lambda **q: api.request("POST", "/v1/images/import", params={"check": "true", **q})  # noqa: E731
+    expect_status(check(size="1000", name=uname("ok")), 204)
+    expect_error(check(size=str(17 << 30)), 413, "payload_too_large")
+    expect_error(check(name="base"), 400, "image_invalid")
+    # The CLI says the same, with the code.
+    p = import_archive(daemon, tar_of({"hello.txt": b"hi"}), "--name", uname("bad"))
+    assert p.returncode != 0 and "image_invalid" in p.stderr, p.stderr
+    assert image_names(api) == before
+    assert not image_tmp(daemon)
+
+
+def test_only_an_admin_key_changes_the_shared_images(daemon: Daemon, api: Client, registry: "Registry"):
+    other = daemon.new_client("img-tenant")
+    before = image_names(api)
+    archive = docker_save(two_layers(), [], "tenant/img:1")
+    e = expect_error(api_import(other, archive, name=uname("tenant")), 403, "forbidden")
+    assert "admin" in e["error"], e
+    expect_error(other.post("/v1/images/pull", {"reference": f"127.0.0.1:{registry.port}/x:1"}), 403, "forbidden")
+    some = next(iter(before), "python")
+    expect_error(other.delete(f"/v1/images/{some}"), 403, "forbidden")
+    expect_error(other.post("/v1/images/gc"), 403, "forbidden")
+    expect_error(other.request("POST", "/v1/images/import", params={"check": "true"}), 403, "forbidden")
+    # The CLI with that key is refused the same way, through the API.
+    path = daemon.root / f"{uuid.uuid4().hex}.tar"
+    path.write_bytes(archive)
+    try:
+        env = {"HUTCH_URL": daemon.base, "HUTCH_API_KEY": other.key, "PATH": os.environ["PATH"]}
+        p = subprocess.run([str(daemon.binary), "image", "import", str(path)], env=env, capture_output=True,
+                           text=True, timeout=60)
+    finally:
+        path.unlink()
+    assert p.returncode != 0 and "forbidden" in p.stderr, p.stderr
+    # It still lists what it may name.
+    expect_status(other.get("/v1/images"), 200)
+    assert image_names(api) == before
+    assert not image_tmp(daemon)
 
 
 def test_templates_name_only_existing_images(api: Client):
@@ -247,11 +353,11 @@ def test_pull_from_a_local_registry_then_run(daemon: Daemon, api: Client, regist
     registry.push_manifest(repo, "multi", json.dumps(index).encode(), OCI_INDEX)
 
     ref = f"127.0.0.1:{registry.port}/{repo}:1"
-    p = daemon.cli("image", "pull", ref, timeout=120)
+    p = image_cli(daemon, "pull", ref, timeout=120)
     assert p.returncode == 0, p.stderr
     local = f"127.0.0.1-{registry.port}-test-app-1"
     assert f"{local} (3 layers" in p.stdout, p.stdout
-    p = daemon.cli("image", "pull", f"127.0.0.1:{registry.port}/{repo}:multi", "--name", "pulled-multi", timeout=120)
+    p = image_cli(daemon, "pull", f"127.0.0.1:{registry.port}/{repo}:multi", "--name", "pulled-multi", timeout=120)
     assert p.returncode == 0, p.stderr
     images = image_names(api)
     assert images[local]["source"] == f"pull:{ref}", images[local]
@@ -260,8 +366,36 @@ def test_pull_from_a_local_registry_then_run(daemon: Daemon, api: Client, regist
     assert api.sh(sb["id"], "echo $PULLED") == "1\n"
     api.destroy(sb["id"])
     expect_status(api.delete(f"/v1/templates/{tpl['id']}"), 204)
-    p = daemon.cli("image", "pull", f"127.0.0.1:{registry.port}/{repo}:nope", timeout=60)
+    p = image_cli(daemon, "pull", f"127.0.0.1:{registry.port}/{repo}:nope", timeout=60)
     assert p.returncode != 0 and "registry_error" in p.stderr, p.stderr
+
+
+def test_pull_through_the_api(daemon: Daemon, api: Client, registry: Registry):
+    blobs, manifest, _ = oci_image(two_layers(uuid.uuid4().hex), ["PULLED_API=1"])
+    repo = "test/viaapi"
+    for d, b in blobs.items():
+        if b != manifest:
+            registry.push_blob(repo, d, b)
+    registry.push_manifest(repo, "1", manifest, OCI_MANIFEST)
+    name = uname("pulled")
+    r = api.post("/v1/images/pull", {"reference": f"127.0.0.1:{registry.port}/{repo}:1", "name": name},
+                 timeout=120)
+    expect_status(r, 201)
+    info = r.json()
+    assert info["name"] == name and info["layers"] == 3, info
+    assert info["source"] == f"pull:127.0.0.1:{registry.port}/{repo}:1", info
+    assert name in image_names(api)
+    e = expect_error(api.post("/v1/images/pull", {"reference": f"127.0.0.1:{registry.port}/{repo}:nope"},
+                              timeout=60), 502, "registry_error")
+    assert "nope" in e["error"] or "manifest" in e["error"], e
+    expect_error(api.post("/v1/images/pull", {"reference": "Not A Ref"}), 400, "invalid_request")
+    expect_error(api.post("/v1/images/pull", {"reference": "x", "bogus": 1}), 400, "invalid_request")
+    p = image_cli(daemon, "rm", name)
+    assert p.returncode == 0 and f"removed {name}" in p.stdout, p.stderr
+    assert name not in image_names(api)
+    p = image_cli(daemon, "gc")
+    assert p.returncode == 0 and "layers" in p.stdout, p.stderr
+    assert not image_tmp(daemon)
 
 
 class LyingRegistry:
@@ -319,7 +453,7 @@ def test_pulls_use_bearer_tokens_and_refuse_digest_mismatches(daemon: Daemon, ap
     reg = LyingRegistry(dict(blobs), {"good": manifest})
     try:
         ref = f"127.0.0.1:{reg.port}/x:good"
-        p = daemon.cli("image", "pull", ref, "--name", "lying-good", timeout=120)
+        p = image_cli(daemon, "pull", ref, "--name", "lying-good", timeout=120)
         assert p.returncode == 0, p.stderr
         assert reg.token_requests and "service=lying" in reg.token_requests[0], reg.token_requests
         assert reg.blob_gets == 3, f"config and both layers downloaded: {reg.blob_gets}"
@@ -333,15 +467,15 @@ def test_pulls_use_bearer_tokens_and_refuse_digest_mismatches(daemon: Daemon, ap
         fake["layers"][1]["digest"] = victim
         reg.blobs.update({d: b for d, b in blobs2.items() if b == config2})
         reg.manifests["evil"] = json.dumps(fake).encode()
-        p = daemon.cli("image", "pull", f"127.0.0.1:{reg.port}/x:evil", "--name", "lying-evil", timeout=120)
+        p = image_cli(daemon, "pull", f"127.0.0.1:{reg.port}/x:evil", "--name", "lying-evil", timeout=120)
         assert p.returncode != 0 and "digest mismatch" in p.stderr, p.stderr
         # A manifest asked for by digest must match it.
         reg.manifests[f"sha256:{sha(manifest)}"] = manifest + b" "
-        p = daemon.cli("image", "pull", f"127.0.0.1:{reg.port}/x@sha256:{sha(manifest)}", "--name", "lying-d",
+        p = image_cli(daemon, "pull", f"127.0.0.1:{reg.port}/x@sha256:{sha(manifest)}", "--name", "lying-d",
                        timeout=120)
         assert p.returncode != 0 and "digest mismatch" in p.stderr, p.stderr
         # Plain HTTP is for loopback only, unless --insecure.
-        p = daemon.cli("image", "pull", "registry.invalid/x:1", timeout=60)
+        p = image_cli(daemon, "pull", "registry.invalid/x:1", timeout=60)
         assert p.returncode != 0 and "https://registry.invalid" in p.stderr, p.stderr
     finally:
         reg.stop()

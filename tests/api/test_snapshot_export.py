@@ -143,7 +143,7 @@ def test_an_exported_snapshot_is_a_consistent_archive_that_imports_and_runs(daem
         p = daemon.cli("snapshot", "export", snap["id"], str(out), "--url", daemon.base)
         assert p.returncode == 0, p.stderr
         assert out.read_bytes() == r.content
-        p = daemon.cli("image", "import", str(out), "--name", back, timeout=120)
+        p = daemon.cli("image", "import", str(out), "--name", back, "--url", daemon.base, timeout=120)
         assert p.returncode == 0, p.stderr
         tpl2, sb2 = sandbox_on(api, back)
         s2 = sb2["id"]
@@ -157,8 +157,8 @@ def test_an_exported_snapshot_is_a_consistent_archive_that_imports_and_runs(daem
         for t in (tpl, tpl2):
             if t:
                 expect_status(api.delete(f"/v1/templates/{t['id']}"), 204)
-        daemon.cli("image", "rm", back)
-        daemon.cli("image", "rm", image)
+        daemon.cli("image", "rm", back, "--url", daemon.base)
+        daemon.cli("image", "rm", image, "--url", daemon.base)
 
 
 def test_export_refuses_base_and_unknown_and_other_keys_snapshots(daemon: Daemon, api: Client):
@@ -200,4 +200,4 @@ def test_another_key_cannot_export_a_store_image_snapshot(daemon: Daemon, api: C
     finally:
         if tpl:
             expect_status(owner.delete(f"/v1/templates/{tpl['id']}"), 204)
-        daemon.cli("image", "rm", image)
+        daemon.cli("image", "rm", image, "--url", daemon.base)

@@ -135,6 +135,18 @@ pub enum ErrorCode {
     VolumePathInvalid,
     /// A volume's size cannot go down.
     VolumeShrinkRefused,
+    /// An image archive, manifest or name is malformed (not a `docker
+    /// save` or OCI layout, a digest that does not match, a bad name);
+    /// nothing was recorded.
+    ImageInvalid,
+    /// A layer of an image holds what hutch does not unpack (a path out of
+    /// the layer, a write through a symlink, past a size limit); nothing
+    /// was recorded.
+    ImageLayerRefused,
+    /// The registry of a pull refused or failed (unknown reference,
+    /// authentication, TLS, a digest that does not match); nothing was
+    /// recorded.
+    RegistryError,
 }
 
 impl ErrorCode {
@@ -157,7 +169,9 @@ impl ErrorCode {
             | ErrorCode::SandboxNetworkIsolated
             | ErrorCode::BuildInstructionRefused
             | ErrorCode::VolumePathInvalid
-            | ErrorCode::VolumeShrinkRefused => 400,
+            | ErrorCode::VolumeShrinkRefused
+            | ErrorCode::ImageInvalid
+            | ErrorCode::ImageLayerRefused => 400,
             ErrorCode::NotFound | ErrorCode::VolumeNotFound => 404,
             ErrorCode::MethodNotAllowed => 405,
             ErrorCode::IdempotencyConflict
@@ -180,7 +194,7 @@ impl ErrorCode {
             | ErrorCode::AccessGrantCapacity
             | ErrorCode::QuotaExceeded => 429,
             ErrorCode::Internal => 500,
-            ErrorCode::SandboxPortUnreachable => 502,
+            ErrorCode::SandboxPortUnreachable | ErrorCode::RegistryError => 502,
             ErrorCode::SandboxStartFailed
             | ErrorCode::SandboxStartupFailed
             | ErrorCode::SandboxReadinessTimeout
@@ -239,6 +253,9 @@ impl ErrorCode {
             ErrorCode::VolumeInUse => "volume_in_use",
             ErrorCode::VolumePathInvalid => "volume_path_invalid",
             ErrorCode::VolumeShrinkRefused => "volume_shrink_refused",
+            ErrorCode::ImageInvalid => "image_invalid",
+            ErrorCode::ImageLayerRefused => "image_layer_refused",
+            ErrorCode::RegistryError => "registry_error",
         }
     }
 }
@@ -896,6 +913,21 @@ pub struct Template {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
 pub struct TemplateList {
     pub templates: Vec<Template>,
+}
+
+/// `POST /v1/images/pull` (admin keys only).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PullImage {
+    /// `[registry/]repository[:tag][@sha256:digest]`, as docker takes it.
+    pub reference: String,
+    /// The image's name (default: the reference, lowercased, other
+    /// characters turned into `-`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Allow plain HTTP to a registry that is not on loopback.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub insecure: bool,
 }
 
 /// One image of the store, in `GET /v1/images`.

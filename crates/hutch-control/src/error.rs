@@ -122,6 +122,9 @@ pub enum ControlError {
     VolumePathInvalid(String),
     #[error("volume {name} holds {size_mib} MiB; a volume grows, never shrinks")]
     VolumeShrink { name: String, size_mib: u64 },
+    /// The image store's refusal or failure (an import, a pull, a removal).
+    #[error("{0}")]
+    Image(hutch_runtime::image::ImageError),
     #[error("no watcher {0}")]
     NoWatcher(String),
     #[error("sandbox {id} already has {max} watchers; remove some first")]
@@ -195,6 +198,15 @@ impl ControlError {
             ControlError::VolumeInUse(_) => ErrorCode::VolumeInUse,
             ControlError::VolumePathInvalid(_) => ErrorCode::VolumePathInvalid,
             ControlError::VolumeShrink { .. } => ErrorCode::VolumeShrinkRefused,
+            ControlError::Image(e) => match e {
+                hutch_runtime::image::ImageError::NotFound(_) => ErrorCode::ImageNotFound,
+                hutch_runtime::image::ImageError::Invalid { .. } => ErrorCode::ImageInvalid,
+                hutch_runtime::image::ImageError::LayerRefused(_) => ErrorCode::ImageLayerRefused,
+                hutch_runtime::image::ImageError::Registry(_) => ErrorCode::RegistryError,
+                hutch_runtime::image::ImageError::Build { .. } | hutch_runtime::image::ImageError::Io { .. } => {
+                    ErrorCode::Internal
+                }
+            },
         }
     }
 

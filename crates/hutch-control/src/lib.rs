@@ -19,6 +19,7 @@ pub mod fileops;
 pub mod files;
 pub mod history;
 pub mod ids;
+pub mod images;
 pub mod keys;
 pub mod lifecycle;
 pub mod metrics;

@@ -15,6 +15,7 @@ mod e2b;
 mod extract;
 #[doc(hidden)]
 pub mod fuzz_api;
+mod images;
 pub mod listener;
 mod mcp;
 mod openapi;

@@ -63,6 +63,7 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
     let native = Router::new()
         .merge(api)
         .merge(crate::templates::router(app.clone()))
+        .merge(crate::images::router(app.clone()))
         .merge(crate::access::router(app.clone()))
         .merge(crate::snapshots::router(app.clone()))
         .merge(crate::volumes::router(app.clone()))

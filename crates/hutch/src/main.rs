@@ -36,7 +36,7 @@ enum Command {
     Template(Box<cli::template::TemplateArgs>),
     /// Manage API keys in the daemon's database (on its host, no HTTP).
     Key(cli::keys::KeyArgs),
-    /// Build, import, pull and list images (on the daemon's host, no HTTP).
+    /// Import, pull, list and remove images through the API; build Debian images on the host.
     Image(cli::image::ImageArgs),
     /// An MCP server on stdin/stdout, for MCP clients: a bridge to a
     /// running daemon's /mcp (HUTCH_URL, HUTCH_API_KEY).

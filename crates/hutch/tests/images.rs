@@ -117,7 +117,7 @@ fn an_imported_image_runs_and_its_whiteouts_hide_lower_files() {
     std::fs::write(&archive, docker_save(&[lower, upper], &["GREETING=hello", "PATH=/usr/bin"], "test/img:1"))
         .expect("write archive");
 
-    let out = env.hutch().args(["image", "import"]).arg(&archive).output().expect("import");
+    let out = env.hutch().args(["image", "--local", "import"]).arg(&archive).output().expect("import");
     assert!(out.status.success(), "import: {}", stderr(&out));
     assert!(stdout(&out).contains("test-img-1 (3 layers"), "{}", stdout(&out));
     assert!(!probe.exists(), "the import wrote through a lower layer's symlink onto the host");
@@ -138,7 +138,8 @@ fn an_imported_image_runs_and_its_whiteouts_hide_lower_files() {
     env.assert_no_residue();
 
     // A second import of the same layers shares them.
-    let out = env.hutch().args(["image", "import", "--name", "again"]).arg(&archive).output().expect("import");
+    let out =
+        env.hutch().args(["image", "--local", "import", "--name", "again"]).arg(&archive).output().expect("import");
     assert!(out.status.success(), "{}", stderr(&out));
     let layers = std::fs::read_dir(env.state.join("images/layers"))
         .expect("layers")
@@ -146,9 +147,9 @@ fn an_imported_image_runs_and_its_whiteouts_hide_lower_files() {
         .filter(|e| e.path().is_dir())
         .count();
     assert_eq!(layers, 3, "two imported layers and one generated, shared by both images");
-    let out = env.hutch().args(["image", "list"]).output().expect("list");
+    let out = env.hutch().args(["image", "--local", "list"]).output().expect("list");
     assert!(stdout(&out).contains("again") && stdout(&out).contains("test-img-1"), "{}", stdout(&out));
-    let out = env.hutch().args(["image", "rm", "again"]).output().expect("rm");
+    let out = env.hutch().args(["image", "--local", "rm", "again"]).output().expect("rm");
     assert!(out.status.success());
 }
 
@@ -164,14 +165,14 @@ fn an_archive_with_a_wrong_diff_id_is_refused_whole() {
     archive[pos + 10] ^= 0xff;
     let path = env.state.join("bad.tar");
     std::fs::write(&path, archive).expect("write");
-    let out = env.hutch().args(["image", "import"]).arg(&path).output().expect("import");
+    let out = env.hutch().args(["image", "--local", "import"]).arg(&path).output().expect("import");
     assert!(!out.status.success());
     assert!(
         stderr(&out).contains("digest mismatch") && stderr(&out).contains("image_layer_refused"),
         "{}",
         stderr(&out)
     );
-    let out = env.hutch().args(["image", "list", "--json"]).output().expect("list");
+    let out = env.hutch().args(["image", "--local", "list", "--json"]).output().expect("list");
     assert_eq!(stdout(&out).trim(), "[]");
     let tmp: Vec<_> = std::fs::read_dir(env.state.join("images/tmp")).expect("tmp").flatten().collect();
     assert!(tmp.is_empty(), "{tmp:?}");

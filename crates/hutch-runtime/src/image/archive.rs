@@ -68,8 +68,8 @@ pub fn resolve_link(from: &str, target: &str) -> Option<String> {
 }
 
 impl Outer {
-    fn open(path: &Path, store: &ImageStore) -> Result<(Outer, Option<tempfile::Guard>), ImageError> {
-        let label = path.display().to_string();
+    fn open(path: &Path, label: &str, store: &ImageStore) -> Result<(Outer, Option<tempfile::Guard>), ImageError> {
+        let label = label.to_owned();
         let mut file = File::open(path).map_err(super::io_err(format!("open {label}")))?;
         let mut magic = [0u8; 2];
         let n = file.read(&mut magic).map_err(super::io_err(format!("read {label}")))?;
@@ -262,8 +262,24 @@ pub fn diff_ids(label: &str, config: &serde_json::Value, layers: usize) -> Resul
 /// Imports the archive at `path` as image `name` (default: from its tags,
 /// else from the file name).
 pub fn import(store: &ImageStore, path: &Path, name: Option<&str>, limits: &Limits) -> Result<Image, ImageError> {
+    let default = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "image".into());
+    import_as(store, path, &path.display().to_string(), &default, name, limits)
+}
+
+/// Imports the archive at `path` as [`import`] does, under another label
+/// (its errors and its image's `source` say `label`, not `path`) and with
+/// `default` as the name when neither `name` nor a tag gives one: for an
+/// archive spooled from a request, whose path is the store's own.
+pub fn import_as(
+    store: &ImageStore,
+    path: &Path,
+    label: &str,
+    default: &str,
+    name: Option<&str>,
+    limits: &Limits,
+) -> Result<Image, ImageError> {
     let _lock = store.lock(libc::LOCK_SH)?;
-    let (outer, _tmp) = Outer::open(path, store)?;
+    let (outer, _tmp) = Outer::open(path, label, store)?;
     let label = outer.label.clone();
     let (tag, config, layers): (Option<String>, serde_json::Value, Vec<String>) = if outer.find("index.json").is_ok() {
         import_oci(store, &outer, limits)?
@@ -272,10 +288,9 @@ pub fn import(store: &ImageStore, path: &Path, name: Option<&str>, limits: &Limi
     } else {
         return Err(invalid(&label, "neither an OCI layout (index.json) nor a `docker save` archive (manifest.json)"));
     };
-    let default = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "image".into());
     let name = match name {
         Some(n) => n.to_owned(),
-        None => local_name(tag.as_deref().unwrap_or(&default)),
+        None => local_name(tag.as_deref().unwrap_or(default)),
     };
     store.finish_image(&name, layers, ImageConfig::from_oci(&config), format!("import:{label}"))
 }

@@ -248,6 +248,13 @@ impl ImageStore {
         valid_hex(hex) && self.layer_dir(hex).is_dir()
     }
 
+    /// A fresh path under `tmp/` for an archive received from a client
+    /// (`tmp/upload-*`): [`ImageStore::gc`] removes one an hour after its
+    /// last write, if its importer did not.
+    pub fn upload_path(&self) -> PathBuf {
+        self.root.join("tmp").join(format!("upload-{}", random_suffix()))
+    }
+
     /// A new empty directory beside the layers, for a layer being made (then
     /// [`ImageStore::commit_layer`]) or a download.
     pub fn temp_dir(&self) -> Result<PathBuf, ImageError> {
@@ -484,15 +491,19 @@ impl ImageStore {
         self.root.join("builds").join(format!("{id}.log"))
     }
 
-    /// Removes what builds of an earlier run of the daemon left: scratch
-    /// mounts and half-made layers. Imports (of the CLI, which may run
-    /// now) keep their temporary directories.
+    /// Removes what builds and API imports of an earlier run of the daemon
+    /// left: scratch mounts, half-made layers, spooled archives
+    /// (`upload-*`). Imports of the CLI's `--local` (which may run now)
+    /// keep their temporary directories.
     pub fn sweep_builds(&self) {
         crate::capture::sweep_scratch(&self.root.join("scratch"));
         if let Ok(entries) = fs::read_dir(self.root.join("tmp")) {
             for e in entries.flatten() {
-                if e.file_name().to_string_lossy().starts_with("build-") {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.starts_with("build-") {
                     let _ = fs::remove_dir_all(e.path());
+                } else if name.starts_with("upload-") {
+                    let _ = fs::remove_file(e.path());
                 }
             }
         }
@@ -847,11 +858,14 @@ mod tests {
         assert_eq!(store.cached_step("key-a", &key), Some(a.clone()));
         store.forget_owner_cache("key-a").expect("forget");
         assert_eq!(store.cached_step("key-a", &key), None);
-        // Builds' leftovers go; an import's temporary directory stays.
+        // Builds' leftovers and spooled uploads go; a local import's
+        // temporary directory stays.
         let import = store.temp_dir().expect("tmp");
         let left = store.build_temp_dir("run").expect("tmp");
+        let upload = store.upload_path();
+        fs::write(&upload, b"half an archive").expect("upload");
         store.sweep_builds();
-        assert!(import.is_dir() && !left.exists());
+        assert!(import.is_dir() && !left.exists() && !upload.exists());
         fs::remove_dir_all(&state).expect("cleanup");
     }
 }

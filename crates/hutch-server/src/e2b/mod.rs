@@ -186,7 +186,9 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         | ErrorCode::SandboxFilePartMismatch
         | ErrorCode::BuildInstructionRefused
         | ErrorCode::VolumePathInvalid
-        | ErrorCode::VolumeShrinkRefused => ("invalid_argument", StatusCode::BAD_REQUEST),
+        | ErrorCode::VolumeShrinkRefused
+        | ErrorCode::ImageInvalid
+        | ErrorCode::ImageLayerRefused => ("invalid_argument", StatusCode::BAD_REQUEST),
         ErrorCode::NotFound | ErrorCode::VolumeNotFound => ("not_found", StatusCode::NOT_FOUND),
         ErrorCode::IdempotencyConflict
         | ErrorCode::SandboxPathConflict
@@ -212,7 +214,7 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         }
         ErrorCode::AccessTokenWrongTarget => ("permission_denied", StatusCode::FORBIDDEN),
         ErrorCode::AccessGrantCapacity => ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS),
-        ErrorCode::SandboxPortUnreachable => ("unavailable", StatusCode::BAD_GATEWAY),
+        ErrorCode::SandboxPortUnreachable | ErrorCode::RegistryError => ("unavailable", StatusCode::BAD_GATEWAY),
         ErrorCode::Forbidden => ("permission_denied", StatusCode::FORBIDDEN),
         ErrorCode::QuotaExceeded => ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS),
         ErrorCode::MethodNotAllowed => ("unimplemented", StatusCode::METHOD_NOT_ALLOWED),

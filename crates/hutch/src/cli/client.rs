@@ -450,6 +450,69 @@ impl Client {
         self.body(&url, r, Payload::None)
     }
 
+    /// `GET /v1/images`: the images the key may name.
+    pub fn list_images(&self) -> Result<hutch_api::ImageList> {
+        let url = self.url(&["images"]);
+        self.json(&url, self.authed("GET", &url), Payload::None)
+    }
+
+    /// `POST /v1/images/import` (admin keys): the archive streams as the
+    /// body, with `len` as its Content-Length when known.
+    pub fn import_image(
+        &self,
+        archive: impl Read,
+        len: Option<u64>,
+        name: Option<&str>,
+        filename: Option<&str>,
+    ) -> Result<hutch_api::ImageInfo> {
+        let url = self.url(&["images", "import"]);
+        let request = || {
+            let mut r = self.authed("POST", &url).set("Content-Type", "application/x-tar");
+            if let Some(n) = name {
+                r = r.query("name", n);
+            }
+            if let Some(f) = filename {
+                r = r.query("filename", f);
+            }
+            r
+        };
+        // A refusal (the key, the name, the size) comes before the body is
+        // read, and the daemon closes the connection rather than read a
+        // large body it refused; this client would only see the broken
+        // pipe. So the refusal is asked for first, with no body.
+        let mut check = request().query("check", "true");
+        if let Some(n) = len {
+            check = check.query("size", &n.to_string());
+        }
+        self.send(&url, check, Payload::Empty)?;
+        let mut r = request();
+        if let Some(n) = len {
+            r = r.set("Content-Length", &n.to_string());
+        }
+        let resp = self.send(&url, r, Payload::Reader(Box::new(archive)))?;
+        serde_json::from_reader(resp.into_reader())
+            .map_err(|e| ApiError::Decode { url: url.to_owned(), detail: e.to_string() })
+    }
+
+    /// `POST /v1/images/pull` (admin keys).
+    pub fn pull_image(&self, req: &hutch_api::PullImage) -> Result<hutch_api::ImageInfo> {
+        let url = self.url(&["images", "pull"]);
+        self.json(&url, self.authed("POST", &url), Payload::Json(to_value(req)))
+    }
+
+    /// `DELETE /v1/images/{name}` (admin keys).
+    pub fn delete_image(&self, name: &str) -> Result<()> {
+        let url = self.url(&["images", name]);
+        self.send(&url, self.authed("DELETE", &url), Payload::None).map(drop)
+    }
+
+    /// `POST /v1/images/gc` (admin keys): the number of layers removed.
+    pub fn collect_images(&self) -> Result<u64> {
+        let url = self.url(&["images", "gc"]);
+        let v: serde_json::Value = self.json(&url, self.authed("POST", &url), Payload::Empty)?;
+        Ok(v["layers_removed"].as_u64().unwrap_or(0))
+    }
+
     fn url(&self, segments: &[&str]) -> String {
         let mut u = format!("{}/v1", self.base);
         for s in segments {

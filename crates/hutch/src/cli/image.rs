@@ -1,31 +1,37 @@
-//! `hutch image ...`: the image store, worked on directly on the daemon's
-//! host (like `hutch key`): Debian builds with mmdebstrap, presets,
-//! `docker save` and OCI-layout imports, registry pulls, listing, removal
-//! and garbage collection. The daemon reads the same store when a template
-//! names an image.
+//! `hutch image ...`: the daemon's images. Imports of `docker save` and
+//! OCI-layout archives (streamed to the daemon), registry pulls, listing,
+//! removal and collection go through the API (`/v1/images`; all but the
+//! listing take an admin key), from any machine that reaches it. With
+//! `--local` they work on the store of `--state-dir` directly instead (as
+//! root on the host, no daemon needed: for `hutch run --image`). Debian
+//! builds and presets (mmdebstrap) always run on the host, in that store;
+//! a preset is also built by the daemon on the first template that names it.
 
 use super::output::table;
-use super::{report, DEFAULT_STATE_DIR};
+use super::{report, ClientOpts};
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use hutch_runtime::image::{self, debian, registry, ImageError, ImageStore, Limits};
 use std::io::Write;
-use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Instant;
 
 #[derive(Args, Debug)]
 pub struct ImageArgs {
-    /// The daemon's state directory, holding images/ (HUTCH_STATE_DIR).
-    #[arg(long, global = true, env = "HUTCH_STATE_DIR", default_value = DEFAULT_STATE_DIR)]
-    pub state_dir: PathBuf,
+    #[command(flatten)]
+    pub client: ClientOpts,
+    /// Work on the store of --state-dir directly, not through the daemon's
+    /// API (on its host, as root; no daemon needed).
+    #[arg(long, global = true)]
+    pub local: bool,
     #[command(subcommand)]
     pub command: ImageCommand,
 }
 
 #[derive(Subcommand, Debug)]
 pub enum ImageCommand {
-    /// Build an image: `debian` (mmdebstrap, minbase) or a preset (`python`, `node`, `code-interpreter`).
+    /// Build an image on the daemon's host (as root, in --state-dir): `debian`
+    /// (mmdebstrap, minbase) or a preset (`python`, `node`, `code-interpreter`).
     Build {
         /// `debian`, `python`, `node` or `code-interpreter`.
         kind: String,
@@ -39,9 +45,9 @@ pub enum ImageCommand {
         #[arg(long)]
         name: Option<String>,
     },
-    /// Import a `docker save` or OCI-layout archive (.tar or .tar.gz).
+    /// Import a `docker save` or OCI-layout archive (.tar or .tar.gz; `-`: stdin).
     Import {
-        file: PathBuf,
+        file: std::path::PathBuf,
         /// Name of the image (default: from the archive's tag, else the file name).
         #[arg(long)]
         name: Option<String>,
@@ -90,28 +96,91 @@ fn coded(e: ImageError) -> anyhow::Error {
 }
 
 fn run(args: ImageArgs) -> anyhow::Result<i32> {
-    let store = ImageStore::open(&args.state_dir).map_err(coded).context("opening the image store")?;
-    let show = |img: &image::Image| println!("{} ({} layers, {})", img.name, img.layers.len(), img.source);
+    let show = |img: &hutch_api::ImageInfo| println!("{} ({} layers, {})", img.name, img.layers, img.source);
+    if let ImageCommand::Build { kind, suite, packages, name } = args.command {
+        let store = ImageStore::open(&args.client.state_dir).map_err(coded).context("opening the image store")?;
+        let progress = progress_printer();
+        let img = if debian::is_preset(&kind) {
+            if !packages.is_empty() || name.is_some() {
+                anyhow::bail!("a preset takes no --packages or --name; use `hutch image build debian` for those");
+            }
+            debian::ensure_preset(&store, &kind, &progress).map_err(coded)?
+        } else if kind == "debian" {
+            let spec = debian::DebianSpec {
+                name: name.unwrap_or_else(|| format!("debian-{suite}")),
+                suite,
+                packages: packages.into_iter().filter(|p| !p.is_empty()).collect(),
+            };
+            debian::build(&store, &spec, &progress).map_err(coded)?
+        } else {
+            anyhow::bail!("unknown image kind {kind:?}: use debian, python, node or code-interpreter");
+        };
+        println!("{} ({} layers, {})", img.name, img.layers.len(), img.source);
+        return Ok(0);
+    }
+    if args.local {
+        return run_local(&args.client.state_dir, args.command);
+    }
+    let client = args.client.client()?;
     match args.command {
-        ImageCommand::Build { kind, suite, packages, name } => {
-            let progress = progress_printer();
-            let img = if debian::is_preset(&kind) {
-                if !packages.is_empty() || name.is_some() {
-                    anyhow::bail!("a preset takes no --packages or --name; use `hutch image build debian` for those");
-                }
-                debian::ensure_preset(&store, &kind, &progress).map_err(coded)?
-            } else if kind == "debian" {
-                let spec = debian::DebianSpec {
-                    name: name.unwrap_or_else(|| format!("debian-{suite}")),
-                    suite,
-                    packages: packages.into_iter().filter(|p| !p.is_empty()).collect(),
-                };
-                debian::build(&store, &spec, &progress).map_err(coded)?
+        ImageCommand::Build { .. } => unreachable!("handled above"),
+        ImageCommand::Import { file, name } => {
+            let img = if file.as_os_str() == "-" {
+                client.import_image(std::io::stdin().lock(), None, name.as_deref(), None)?
             } else {
-                anyhow::bail!("unknown image kind {kind:?}: use debian, python, node or code-interpreter");
+                let f = std::fs::File::open(&file).with_context(|| format!("opening {}", file.display()))?;
+                let len = f.metadata().ok().map(|m| m.len());
+                let filename = file.file_name().map(|n| n.to_string_lossy().into_owned());
+                client.import_image(
+                    std::io::BufReader::with_capacity(1 << 20, f),
+                    len,
+                    name.as_deref(),
+                    filename.as_deref(),
+                )?
             };
             show(&img);
         }
+        ImageCommand::Pull { reference, name, insecure } => {
+            let img = client.pull_image(&hutch_api::PullImage { reference, name, insecure })?;
+            show(&img);
+        }
+        ImageCommand::List { json } => {
+            let list = client.list_images()?.images;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+            } else {
+                let rows: Vec<Vec<String>> = list
+                    .iter()
+                    .map(|i| {
+                        vec![
+                            i.name.clone(),
+                            i.layers.to_string(),
+                            format!("{:.1}M", i.size_bytes as f64 / (1 << 20) as f64),
+                            i.source.clone(),
+                        ]
+                    })
+                    .collect();
+                print!("{}", table(&["NAME", "LAYERS", "SIZE", "SOURCE"], &rows));
+            }
+        }
+        ImageCommand::Rm { name } => {
+            client.delete_image(&name)?;
+            println!("removed {name}");
+        }
+        ImageCommand::Gc => {
+            let removed = client.collect_images()?;
+            println!("removed {removed} layers");
+        }
+    }
+    Ok(0)
+}
+
+/// `--local`: the same commands on the store of `state_dir` itself.
+fn run_local(state_dir: &std::path::Path, command: ImageCommand) -> anyhow::Result<i32> {
+    let store = ImageStore::open(state_dir).map_err(coded).context("opening the image store")?;
+    let show = |img: &image::Image| println!("{} ({} layers, {})", img.name, img.layers.len(), img.source);
+    match command {
+        ImageCommand::Build { .. } => unreachable!("built before"),
         ImageCommand::Import { file, name } => {
             let img = image::archive::import(&store, &file, name.as_deref(), &Limits::default()).map_err(coded)?;
             show(&img);

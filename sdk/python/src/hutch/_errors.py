@@ -118,7 +118,8 @@ class PortAccessError(HutchError):
 
 
 class ServerError(HutchError):
-    """The daemon failed (`internal`) or is shutting down (`unavailable`)."""
+    """The daemon failed (`internal`), is shutting down (`unavailable`), or
+    the registry of a pull failed (`registry_error`)."""
 
 
 # ---- the SDK's own
@@ -145,6 +146,8 @@ CODE_CLASSES: Dict[str, Type[HutchError]] = {
     "invalid_request": InvalidRequestError,
     "unknown_template": InvalidRequestError,
     "image_not_found": InvalidRequestError,
+    "image_invalid": InvalidRequestError,
+    "image_layer_refused": InvalidRequestError,
     "feature_unavailable": InvalidRequestError,
     "sandbox_network_isolated": InvalidRequestError,
     "method_not_allowed": InvalidRequestError,
@@ -187,6 +190,7 @@ CODE_CLASSES: Dict[str, Type[HutchError]] = {
     "sandbox_port_unreachable": PortAccessError,
     "internal": ServerError,
     "unavailable": ServerError,
+    "registry_error": ServerError,
 }
 
 
