@@ -12,6 +12,7 @@ import gzip
 import http.server
 import io
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -20,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import requests
 
 from conftest import Client, Daemon, expect_error, expect_status, wait_for
 
