@@ -55,6 +55,8 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
         .route("/v1/keys", get(list_keys).post(create_key))
         .route("/v1/keys/{id}", axum::routing::delete(revoke_key).patch(set_quotas))
         .route("/v1/usage", get(usage))
+        .route("/v1/capabilities", get(capabilities))
+        .route("/v1/audit", get(crate::audit::list))
         // The MCP server (streamable HTTP), under the same keys.
         .route_service("/mcp", crate::mcp::service(app.clone(), stop))
         .route_layer(middleware::from_fn_with_state(app.clone(), authenticate));
@@ -85,6 +87,8 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
         .layer(middleware::from_fn_with_state(app.clone(), crate::e2b::by_sandbox_port))
         // Proxy host names are served by the proxy whatever the path.
         .layer(middleware::from_fn_with_state(app.clone(), crate::proxy::by_host))
+        // Mutating calls of every API, recorded at their response's start.
+        .layer(middleware::from_fn_with_state(app.clone(), crate::audit::layer))
         .with_state(app)
 }
 
@@ -113,6 +117,7 @@ pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: N
     match app.control.authenticate(secret).await {
         Ok(Some(caller)) => {
             crate::listener::authenticated(&req);
+            crate::audit::identified(&req, &caller.owner, &[]);
             req.extensions_mut().insert(caller);
             next.run(req).await
         }
@@ -215,6 +220,15 @@ pub(crate) async fn usage(
     ApiQuery(q): ApiQuery<UsageQuery>,
 ) -> ApiResult<Json<Usage>> {
     Ok(Json(app.control.usage(&caller, q.key.as_deref()).await?))
+}
+
+#[utoipa::path(get, path = "/v1/capabilities",
+    responses((status = 200, body = hutch_api::Capabilities)))]
+pub(crate) async fn capabilities(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+) -> ApiResult<Json<hutch_api::Capabilities>> {
+    Ok(Json(app.control.capabilities(&caller).await?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes", request_body = CreateSandbox,
