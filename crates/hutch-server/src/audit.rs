@@ -18,18 +18,18 @@
 
 use crate::extract::ApiQuery;
 use crate::{ApiResult, App};
-use axum::{Extension, Json};
-use hutch_api::AuditList;
-use hutch_control::audit::Filter;
-use hutch_control::Caller;
-use serde::Deserialize;
 use axum::extract::{ConnectInfo, MatchedPath, Request, State};
 use axum::http::Method;
 use axum::middleware::Next;
 use axum::response::Response;
+use axum::{Extension, Json};
+use hutch_api::AuditList;
 use hutch_api::ErrorCode;
 use hutch_control::audit::Call;
+use hutch_control::audit::Filter;
+use hutch_control::Caller;
 use hutch_control::OwnerId;
+use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

@@ -438,8 +438,7 @@ fn figures_dir() -> String {
 }
 
 /// The tools that change something (audited); the others only read.
-const MUTATING_TOOLS: &[&str] =
-    &["create_sandbox", "run_code", "exec", "write_file", "expose_port", "delete_sandbox"];
+const MUTATING_TOOLS: &[&str] = &["create_sandbox", "run_code", "exec", "write_file", "expose_port", "delete_sandbox"];
 
 /// Default command timeout of the tools (an agent waits for the answer).
 const DEFAULT_TIMEOUT: u64 = 60;
