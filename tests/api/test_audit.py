@@ -259,3 +259,32 @@ def test_capabilities_say_what_the_daemon_allows(daemon: Daemon):
     if not features["networks"]["enabled"]:
         r = me.post("/v1/sandboxes", {"network": {"egress": "allow_all"}})
         expect_error(r, 400, "feature_unavailable")
+
+
+def test_mcp_tool_calls_that_change_something_are_recorded(daemon: Daemon, admin: Client):
+    """`/mcp` is one route for every operation: its mutating tool calls are
+    rows of their own (`mcp:<tool>`), its reads (list_sandboxes) are not."""
+    import asyncio
+
+    from test_mcp import http_client
+
+    me = daemon.new_client(tname("mcp"))
+
+    async def go():
+        async with http_client(daemon, me.key) as c:
+            await c.list_tools()
+            r = await c.call_tool("list_sandboxes", {})
+            assert not r.is_error, r.content
+            r = await c.call_tool("exec", {"command": "true", "sandbox_id": "sb-00000000000000ed"})
+            assert r.is_error and r.structured_content["code"] == "not_found", r.content
+            r = await c.call_tool("delete_sandbox", {"sandbox_id": "sb-00000000000000ed"})
+            return r
+
+    deleted = asyncio.run(go())
+    rows = rows_until(admin, me.key_id, "mcp:delete_sandbox", "POST")
+    assert [e["route"] for e in reversed(rows)] == ["mcp:exec", "mcp:delete_sandbox"], rows
+    exec_row = rows[1]
+    assert (exec_row["status"], exec_row["error_code"]) == (404, "not_found"), exec_row
+    assert exec_row["targets"] == {"sandbox_id": "sb-00000000000000ed"}, exec_row
+    assert exec_row["client"] == "127.0.0.1" and exec_row["key_id"] == me.key_id, exec_row
+    assert (rows[0].get("error_code") is None) == (not deleted.is_error), (rows[0], deleted.content)
