@@ -165,6 +165,12 @@ def test_only_the_admin_reads_the_log_and_nothing_changes_it(daemon: Daemon, adm
         assert r.status_code == 405, (method, r.status_code, r.text)
     # The refused calls above are reads: bob's only row is his exec.
     assert [e["route"] for e in audit(admin, key=bob.key_id)] == ["/v1/sandboxes/{id}/exec"]
+    # The writer's counters: rows written, none dropped or lost.
+    text = admin.get("/metrics").text
+    counters = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                if line.startswith("hutch_audit_")}
+    assert counters["hutch_audit_written_total"] >= 1, counters
+    assert counters["hutch_audit_dropped_total"] == 0 and counters["hutch_audit_failed_total"] == 0, counters
 
 
 def test_pages_filters_and_bad_queries(daemon: Daemon, admin: Client):
