@@ -62,7 +62,13 @@ pub(crate) struct Auditor {
 
 impl Default for Auditor {
     fn default() -> Self {
-        let (tx, rx) = mpsc::channel(QUEUE);
+        Auditor::with_capacity(QUEUE)
+    }
+}
+
+impl Auditor {
+    fn with_capacity(queue: usize) -> Auditor {
+        let (tx, rx) = mpsc::channel(queue);
         Auditor {
             tx,
             rx: Mutex::new(Some(rx)),
@@ -71,9 +77,41 @@ impl Default for Auditor {
             writer: Mutex::new(None),
         }
     }
-}
 
-impl Auditor {
+    /// Starts the writer task (once; later calls do nothing).
+    fn start(&self, store: Arc<dyn Store>) {
+        let Some(rx) = self.rx.lock().ok().and_then(|mut r| r.take()) else { return };
+        let handle = tokio::spawn(write_loop(store, rx, self.counters.clone(), self.stop.clone()));
+        if let Ok(mut w) = self.writer.lock() {
+            *w = Some(handle);
+        }
+    }
+
+    /// Writes what is queued and stops the writer.
+    async fn finish(&self) {
+        self.stop.notify_one();
+        let handle = self.writer.lock().ok().and_then(|mut w| w.take());
+        if let Some(h) = handle {
+            let _ = h.await;
+        }
+    }
+
+    /// Queues a row for the writer without waiting: a full queue drops it,
+    /// counted (and logged once per power of two dropped).
+    fn enqueue(&self, row: AuditRecord) {
+        if let Err(e) = self.tx.try_send(row) {
+            let n = self.counters.dropped.fetch_add(1, Ordering::Relaxed) + 1;
+            // Once per power of two: a flood does not flood the log too.
+            if n.is_power_of_two() {
+                let why = match e {
+                    mpsc::error::TrySendError::Full(_) => "its queue is full",
+                    mpsc::error::TrySendError::Closed(_) => "its writer stopped",
+                };
+                tracing::warn!("audit log: an entry was dropped because {why} ({n} dropped so far)");
+            }
+        }
+    }
+
     /// The counters in the Prometheus text format.
     pub(crate) fn render(&self, out: &mut String) {
         let c = &self.counters;
@@ -97,24 +135,22 @@ async fn write_loop(
     let mut batch = Vec::with_capacity(BATCH);
     let mut stopping = false;
     loop {
-        if stopping {
-            while batch.len() < BATCH {
-                match rx.try_recv() {
-                    Ok(r) => batch.push(r),
-                    Err(_) => break,
-                }
-            }
+        let n = if stopping {
+            rx.recv_many(&mut batch, BATCH).await
         } else {
             tokio::select! {
-                _ = rx.recv_many(&mut batch, BATCH) => {}
-                () = stop.notified() => stopping = true,
+                n = rx.recv_many(&mut batch, BATCH) => n,
+                () = stop.notified() => {
+                    // No row is queued from now on; those queued are written.
+                    rx.close();
+                    stopping = true;
+                    continue;
+                }
             }
-        }
-        if batch.is_empty() {
-            if stopping {
-                return;
-            }
-            continue;
+        };
+        // Closed and drained.
+        if n == 0 {
+            return;
         }
         let rows = std::mem::replace(&mut batch, Vec::with_capacity(BATCH));
         let n = rows.len() as u64;
@@ -168,21 +204,12 @@ pub struct Filter<'a> {
 impl Control {
     /// Starts the writer task (once; later calls do nothing).
     pub fn start_audit_writer(&self) {
-        let Some(rx) = self.audit.rx.lock().ok().and_then(|mut r| r.take()) else { return };
-        let a = &self.audit;
-        let handle = tokio::spawn(write_loop(self.store.clone(), rx, a.counters.clone(), a.stop.clone()));
-        if let Ok(mut w) = self.audit.writer.lock() {
-            *w = Some(handle);
-        }
+        self.audit.start(self.store.clone());
     }
 
     /// Writes what is queued and stops the writer (the daemon is stopping).
     pub async fn finish_audit(&self) {
-        self.audit.stop.notify_one();
-        let handle = self.audit.writer.lock().ok().and_then(|mut w| w.take());
-        if let Some(h) = handle {
-            let _ = h.await;
-        }
+        self.audit.finish().await;
     }
 
     /// Queues one call for the log; never waits (a full queue drops it,
@@ -200,17 +227,7 @@ impl Control {
             status: call.status,
             error_code: call.error_code.map(|c| c.as_str().to_owned()),
         };
-        if let Err(e) = self.audit.tx.try_send(row) {
-            let n = self.audit.counters.dropped.fetch_add(1, Ordering::Relaxed) + 1;
-            // Once per power of two: a flood does not flood the log too.
-            if n.is_power_of_two() {
-                let why = match e {
-                    mpsc::error::TrySendError::Full(_) => "its queue is full",
-                    mpsc::error::TrySendError::Closed(_) => "its writer stopped",
-                };
-                tracing::warn!("audit log: an entry was dropped because {why} ({n} dropped so far)");
-            }
-        }
+        self.audit.enqueue(row);
     }
 
     /// `GET /v1/audit`: the admin key's only.
@@ -253,6 +270,43 @@ impl Control {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hutch_store::SqliteStore;
+
+    fn row(i: i64) -> AuditRecord {
+        AuditRecord {
+            seq: 0,
+            at: i,
+            key_id: "key-000000000001".into(),
+            key_name: String::new(),
+            method: "POST".into(),
+            route: "/v1/sandboxes".into(),
+            targets: "{}".into(),
+            client: "127.0.0.1".into(),
+            status: 201,
+            error_code: None,
+        }
+    }
+
+    /// A full queue drops (counted) instead of waiting; what was queued is
+    /// written in order, and a stop writes what is left before it ends.
+    #[tokio::test]
+    async fn a_full_queue_drops_and_a_stop_writes_what_is_queued() {
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open_in_memory().expect("open"));
+        let a = Auditor::with_capacity(4);
+        for i in 0..6 {
+            a.enqueue(row(i));
+        }
+        assert_eq!(a.counters.dropped.load(Ordering::Relaxed), 2);
+        a.start(store.clone());
+        a.finish().await;
+        let rows = store.list_audit(&AuditQuery { limit: 10, ..AuditQuery::default() }).expect("list");
+        assert_eq!(rows.iter().map(|r| r.at).collect::<Vec<_>>(), [3, 2, 1, 0]);
+        assert_eq!(a.counters.written.load(Ordering::Relaxed), 4);
+        assert_eq!(a.counters.failed.load(Ordering::Relaxed), 0);
+        // The writer has stopped: a row now is dropped and counted, not kept waiting.
+        a.enqueue(row(9));
+        assert_eq!(a.counters.dropped.load(Ordering::Relaxed), 3);
+    }
 
     #[test]
     fn cursors_are_positive_places() {
