@@ -294,3 +294,26 @@ def test_mcp_tool_calls_that_change_something_are_recorded(daemon: Daemon, admin
     assert exec_row["targets"] == {"sandbox_id": "sb-00000000000000ed"}, exec_row
     assert exec_row["client"] == "127.0.0.1" and exec_row["key_id"] == me.key_id, exec_row
     assert (rows[0].get("error_code") is None) == (not deleted.is_error), (rows[0], deleted.content)
+
+
+def test_a_clean_stop_writes_queued_rows_and_retention_prunes(own_daemon: Daemon):
+    """Rows queued when the daemon is told to stop are written before it
+    exits; a restart with a retention shorter than their age prunes them,
+    and calls after the prune are recorded again."""
+    d = own_daemon.start()
+    admin = d.client()
+    me = d.new_client(tname("kept"))
+    expect_error(me.post("/v1/sandboxes/sb-00000000000000dd/exec", {"command": "true"}), 404, "not_found")
+    # No wait for the writer: the stop must flush it.
+    assert d.stop() == 0
+    d.start()
+    rows = audit(admin, key=me.key_id)
+    assert [(e["route"], e["status"]) for e in rows] == [("/v1/sandboxes/{id}/exec", 404)], rows
+    assert d.stop() == 0
+
+    d.extra_env["HUTCH_AUDIT_RETENTION"] = "1ms"
+    d.start()
+    wait_for("the prune at start", lambda: audit(admin, key=me.key_id) == [], timeout=10)
+    expect_error(me.post("/v1/sandboxes/sb-00000000000000dc/exec", {"command": "true"}), 404, "not_found")
+    rows = rows_until(admin, me.key_id, "/v1/sandboxes/{id}/exec", "POST")
+    assert [e["targets"]["id"] for e in rows] == ["sb-00000000000000dc"], rows
