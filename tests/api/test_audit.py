@@ -121,7 +121,9 @@ def test_every_mutating_route_family_is_recorded_and_reads_are_not(daemon: Daemo
         assert isinstance(e["id"], int) and e["at"].endswith("Z"), e
     by_route = {(e["method"], e["route"], e["targets"].get("id")): e for e in rows}
     create = by_route[("POST", "/v1/sandboxes", None)]
-    assert create["status"] == 201 and "error_code" not in create and create["targets"] == {}, create
+    assert create["status"] == 201 and "error_code" not in create and create["targets"] == {"created": sid}, create
+    tpl_row = by_route[("POST", "/v1/templates", None)]
+    assert tpl_row["targets"] == {"created": tid}, tpl_row
     ok_exec = by_route[("POST", "/v1/sandboxes/{id}/exec", sid)]
     assert ok_exec["status"] == 200 and "error_code" not in ok_exec, ok_exec
     failed = by_route[("POST", "/v1/sandboxes/{id}/exec", missing)]
@@ -130,6 +132,8 @@ def test_every_mutating_route_family_is_recorded_and_reads_are_not(daemon: Daemo
     assert snap_row["status"] == snap.status_code, (snap_row, snap.text)
     if snap.status_code >= 400:
         assert snap_row["error_code"] == snap.json()["code"], snap_row
+    else:
+        assert snap_row["targets"] == {"id": sid, "created": snap.json()["id"]}, snap_row
     assert by_route[("DELETE", "/v1/templates/{id}", tid)]["status"] == 204
 
 
@@ -143,7 +147,7 @@ def test_key_create_and_revoke_are_the_admins_rows(daemon: Daemon, admin: Client
     expect_status(admin.delete(f"/v1/keys/{kid}"), 204)
     rows = rows_until(admin, me, "/v1/keys/{id}", "DELETE", n=2)
     made = [e for e in rows if e["route"] == "/v1/keys" and e["method"] == "POST" and e["status"] == 201]
-    assert made, rows
+    assert made and made[0]["targets"] == {"created": kid}, rows
     revokes = [e for e in rows if e["route"] == "/v1/keys/{id}" and e["method"] == "DELETE"]
     assert {(e["targets"]["id"], e["status"], e.get("error_code")) for e in revokes[:2]} == {
         (kid, 204, None), (me, 400, "invalid_request")}, revokes

@@ -44,6 +44,17 @@ struct Seen {
     targets: BTreeMap<String, String>,
 }
 
+/// The id of what a call made, which its path cannot name: recorded as the
+/// `created` target.
+#[derive(Clone)]
+struct Created(String);
+
+/// Tags a response with the id of what its call made.
+pub(crate) fn created(mut resp: Response, id: String) -> Response {
+    resp.extensions_mut().insert(Created(id));
+    resp
+}
+
 /// Whether calls of this method are recorded.
 fn mutating(m: &Method) -> bool {
     !matches!(*m, Method::GET | Method::HEAD | Method::OPTIONS)
@@ -99,7 +110,10 @@ pub(crate) async fn layer(State(app): State<Arc<App>>, mut req: Request, next: N
     let client = client(&req);
     let resp = next.run(req).await;
     let seen = slot.0.lock().ok().and_then(|mut s| s.take());
-    if let Some(seen) = seen {
+    if let Some(mut seen) = seen {
+        if let Some(Created(id)) = resp.extensions().get::<Created>() {
+            seen.targets.insert("created".to_owned(), id.clone());
+        }
         let status = resp.status().as_u16();
         let code = resp.extensions().get::<ErrorCode>().copied();
         // An error response no renderer tagged still says it failed.

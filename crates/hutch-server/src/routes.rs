@@ -178,7 +178,8 @@ pub(crate) async fn create_key(
     JsonBody(req): JsonBody<CreateKey>,
 ) -> ApiResult<Response> {
     let key = app.control.create_key(&caller, &req).await?;
-    Ok((StatusCode::CREATED, Json(key)).into_response())
+    let id = key.id.clone();
+    Ok(crate::audit::created((StatusCode::CREATED, Json(key)).into_response(), id))
 }
 
 #[utoipa::path(delete, path = "/v1/keys/{id}", params(("id" = String, Path)),
@@ -245,7 +246,8 @@ pub(crate) async fn create_sandbox(
     let key = idempotency_key(&headers)?;
     let (sb, created) = app.control.create(&caller, &req, key.as_deref()).await?;
     let status = if created { StatusCode::CREATED } else { StatusCode::OK };
-    Ok((status, Json(sb)).into_response())
+    let id = sb.id.clone();
+    Ok(crate::audit::created((status, Json(sb)).into_response(), id))
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
