@@ -6,9 +6,11 @@
 //! The request path never waits on the database: [`Control::audit`] puts
 //! the entry on a bounded channel and returns; one writer task appends
 //! what it finds there in batches, one transaction each. A full channel
-//! drops the entry, counts it (`hutch_audit_dropped_total`) and logs. A
-//! crash loses what was queued and not yet written: at most the batch
-//! being written and what waited behind it (milliseconds of calls).
+//! drops the entry, counts it (`hutch_audit_dropped_total`) and logs. The
+//! writer gathers entries for up to 100 ms (or 512 of them) per write. A
+//! crash loses what was queued and not yet written: the batch being
+//! gathered or written (about the last 100 ms of calls) and what waited
+//! behind it; a clean stop writes everything queued.
 
 use crate::control::{now_ms, rfc3339, Control};
 use crate::error::{ControlError, Result};
@@ -25,6 +27,9 @@ use tokio::sync::mpsc;
 pub const QUEUE: usize = 8192;
 /// Entries appended in one transaction at most.
 const BATCH: usize = 512;
+/// How long the writer gathers a batch after its first entry: what a
+/// crash can lose beyond the batch being written.
+const FLUSH_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 /// Default retention of the log.
 pub const DEFAULT_RETENTION: std::time::Duration = std::time::Duration::from_secs(90 * 86_400);
 /// Most rows one read returns.
@@ -151,6 +156,21 @@ async fn write_loop(
         // Closed and drained.
         if n == 0 {
             return;
+        }
+        // Rows that come soon after join this batch: one write (and one
+        // hold of the store's lock, which requests share) per interval
+        // rather than per call.
+        let deadline = tokio::time::Instant::now() + FLUSH_EVERY;
+        while !stopping && batch.len() < BATCH {
+            let room = BATCH - batch.len();
+            tokio::select! {
+                n = rx.recv_many(&mut batch, room) => if n == 0 { break },
+                () = tokio::time::sleep_until(deadline) => break,
+                () = stop.notified() => {
+                    rx.close();
+                    stopping = true;
+                }
+            }
         }
         let rows = std::mem::replace(&mut batch, Vec::with_capacity(BATCH));
         let n = rows.len() as u64;
