@@ -321,3 +321,20 @@ def test_a_clean_stop_writes_queued_rows_and_retention_prunes(own_daemon: Daemon
     expect_error(me.post("/v1/sandboxes/sb-00000000000000dc/exec", {"command": "true"}), 404, "not_found")
     rows = rows_until(admin, me.key_id, "/v1/sandboxes/{id}/exec", "POST")
     assert [e["targets"]["id"] for e in rows] == ["sb-00000000000000dc"], rows
+
+
+def test_a_call_whose_client_left_is_still_recorded(daemon: Daemon, admin: Client):
+    """A client that hangs up before its answer still leaves its row: 499
+    when the daemon dropped the call, else the status it finished with."""
+    import requests
+
+    me = daemon.new_client(tname("gone"))
+    sb = me.create(ttl_seconds=300)
+    try:
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            me.post(f"/v1/sandboxes/{sb['id']}/exec", {"command": "sleep 3"}, timeout=0.5)
+        rows = rows_until(admin, me.key_id, "/v1/sandboxes/{id}/exec", "POST")
+        e = next(e for e in rows if e["route"] == "/v1/sandboxes/{id}/exec")
+        assert e["status"] in (200, 499) and e["targets"]["id"] == sb["id"], e
+    finally:
+        me.destroy(sb["id"])

@@ -67,6 +67,13 @@ pub(crate) fn client<B>(req: &axum::http::Request<B>) -> String {
         .map_or_else(|| "unknown".to_owned(), |ConnectInfo(a)| a.ip().to_canonical().to_string())
 }
 
+/// Longest target value kept (a path's bytes are ASCII).
+const TARGET_MAX: usize = 256;
+
+fn capped(s: &str) -> String {
+    s.get(..TARGET_MAX).unwrap_or(s).to_owned()
+}
+
 /// The path parameters of `template` (`/v1/sandboxes/{id}`) in `path`: each
 /// `{name}` segment's value, and a `{*name}` the rest of the path. Pure.
 pub(crate) fn targets(template: &str, path: &str) -> BTreeMap<String, String> {
@@ -76,11 +83,11 @@ pub(crate) fn targets(template: &str, path: &str) -> BTreeMap<String, String> {
         let Some(seg) = segs.next() else { break };
         if let Some(name) = t.strip_prefix("{*").and_then(|r| r.strip_suffix('}')) {
             let rest: Vec<&str> = std::iter::once(seg).chain(segs.by_ref()).collect();
-            out.insert(name.to_owned(), rest.join("/"));
+            out.insert(name.to_owned(), capped(&rest.join("/")));
             break;
         }
         if let Some(name) = t.strip_prefix('{').and_then(|r| r.strip_suffix('}')) {
-            out.insert(name.to_owned(), seg.to_owned());
+            out.insert(name.to_owned(), capped(seg));
         }
     }
     out
@@ -99,6 +106,45 @@ pub(crate) fn identified(req: &Request, key: &OwnerId, extra: &[(&str, &str)]) {
     }
 }
 
+/// Status recorded for a call whose client went away before its response
+/// started (nginx's convention): the call may have done its work.
+const CLIENT_CLOSED: u16 = 499;
+
+/// A call being answered: recorded once, when its response starts or, if
+/// the client goes away first (the handler is dropped), then.
+struct Pending {
+    app: Arc<App>,
+    slot: Slot,
+    method: String,
+    client: String,
+}
+
+impl Pending {
+    fn record(&self, status: u16, code: Option<ErrorCode>, created: Option<String>) {
+        let Some(mut seen) = self.slot.0.lock().ok().and_then(|mut s| s.take()) else { return };
+        if let Some(id) = created {
+            seen.targets.insert("created".to_owned(), id);
+        }
+        self.app.control.audit(Call {
+            key: seen.key,
+            method: self.method.clone(),
+            route: seen.route,
+            targets: seen.targets,
+            client: self.client.clone(),
+            status,
+            error_code: code,
+        });
+    }
+}
+
+impl Drop for Pending {
+    /// Still pending: the client went away before the response (a no-op
+    /// once recorded: the slot is empty).
+    fn drop(&mut self) {
+        self.record(CLIENT_CLOSED, None, None);
+    }
+}
+
 /// The middleware: records mutating calls at the start of their response.
 pub(crate) async fn layer(State(app): State<Arc<App>>, mut req: Request, next: Next) -> Response {
     if !mutating(req.method()) || req.uri().path() == "/mcp" {
@@ -106,28 +152,13 @@ pub(crate) async fn layer(State(app): State<Arc<App>>, mut req: Request, next: N
     }
     let slot = Slot::default();
     req.extensions_mut().insert(slot.clone());
-    let method = req.method().to_string();
-    let client = client(&req);
+    let pending = Pending { app, slot, method: req.method().to_string(), client: client(&req) };
     let resp = next.run(req).await;
-    let seen = slot.0.lock().ok().and_then(|mut s| s.take());
-    if let Some(mut seen) = seen {
-        if let Some(Created(id)) = resp.extensions().get::<Created>() {
-            seen.targets.insert("created".to_owned(), id.clone());
-        }
-        let status = resp.status().as_u16();
-        let code = resp.extensions().get::<ErrorCode>().copied();
-        // An error response no renderer tagged still says it failed.
-        let code = code.or_else(|| (status >= 400).then(|| untagged(status)));
-        app.control.audit(Call {
-            key: seen.key,
-            method,
-            route: seen.route,
-            targets: seen.targets,
-            client,
-            status,
-            error_code: code,
-        });
-    }
+    let status = resp.status().as_u16();
+    // An error response no renderer tagged still says it failed.
+    let code = resp.extensions().get::<ErrorCode>().copied().or_else(|| (status >= 400).then(|| untagged(status)));
+    let created = resp.extensions().get::<Created>().map(|c| c.0.clone());
+    pending.record(status, code, created);
     resp
 }
 
@@ -213,6 +244,8 @@ mod tests {
         let t = targets("/v1/sandboxes/{id}/ports/{port}/{*rest}", "/v1/sandboxes/sb-1/ports/80/a/b");
         assert_eq!(t.get("rest").map(String::as_str), Some("a/b"));
         assert!(targets("/v1/keys", "/v1/keys").is_empty());
+        let long = format!("/v1/sandboxes/{}", "a".repeat(1000));
+        assert_eq!(targets("/v1/sandboxes/{id}", &long)["id"].len(), TARGET_MAX);
     }
 
     #[test]
