@@ -1386,6 +1386,96 @@ pub struct AccessGrantList {
     pub grants: Vec<AccessGrant>,
 }
 
+/// The API version this daemon serves (the `/v1` of its routes).
+pub const API_VERSION: &str = "v1";
+
+/// One audited call (`GET /v1/audit`): who made it, what it did, when,
+/// from where and how it ended.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct AuditEntry {
+    /// Its place in the log, increasing.
+    pub id: u64,
+    pub at: String,
+    pub key_id: String,
+    /// The key's name when the call was made.
+    pub key_name: String,
+    pub method: String,
+    /// The route's template, e.g. `/v1/sandboxes/{id}/exec`, or for an MCP
+    /// tool call `mcp:<tool>`.
+    pub route: String,
+    /// The route's path parameters (the sandbox, key, template ... named).
+    pub targets: BTreeMap<String, String>,
+    /// The client's IP address.
+    pub client: String,
+    /// The HTTP status of the response (at its start, for a stream).
+    pub status: u16,
+    /// The error's code, for a refused or failed call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error_code: Option<String>,
+}
+
+/// `GET /v1/audit`: newest first.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct AuditList {
+    pub entries: Vec<AuditEntry>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
+}
+
+/// An inclusive range a create may ask for.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Range {
+    pub min: f64,
+    pub max: f64,
+}
+
+/// The ranges of what a create may ask for on this host (its capacity
+/// included: one sandbox never gets more memory than the host has).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct LimitRanges {
+    pub memory_mb: Range,
+    pub vcpus: Range,
+    pub disk_mib: Range,
+    pub pids: Range,
+    /// Lifetime of a sandbox of the builtin `base` template (a template
+    /// sets its own, up to `template_max_ttl_seconds`).
+    pub ttl_seconds: Range,
+    pub template_max_ttl_seconds: u64,
+}
+
+/// A way to isolate sandboxes, and whether this host runs it.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct IsolationClass {
+    pub name: String,
+    pub available: bool,
+    /// Why it is not available.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// A feature and whether it is on (with the reason when off).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Feature {
+    pub enabled: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// `GET /v1/capabilities`: what this host runs and allows, for the caller.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Capabilities {
+    pub api_version: String,
+    /// The daemon's version.
+    pub version: String,
+    pub classes: Vec<IsolationClass>,
+    pub limits: LimitRanges,
+    /// The calling key's quotas and what it holds (as `GET /v1/usage`).
+    pub usage: Usage,
+    /// `networks`, `disk_storage`, `snapshots`, `fork`, `memory_snapshots`,
+    /// `secrets`, `fleet`, `console`, `mcp`, `audit`.
+    pub features: BTreeMap<String, Feature>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -36,10 +36,10 @@ pub const BASE: Template =
     Template { name: "base", default_ttl: Duration::from_secs(600), max_ttl: Duration::from_secs(24 * 3600) };
 
 /// Bounds on what a create may ask for (the host's capacity may refuse less).
-const MEMORY_MB: (u64, u64) = (64, 262_144);
-const DISK_MIB: (u64, u64) = (16, 65_536);
-const PIDS: (u32, u32) = (16, 65_536);
-const VCPUS: (f64, f64) = (0.05, 64.0);
+pub(crate) const MEMORY_MB: (u64, u64) = (64, 262_144);
+pub(crate) const DISK_MIB: (u64, u64) = (16, 65_536);
+pub(crate) const PIDS: (u32, u32) = (16, 65_536);
+pub(crate) const VCPUS: (f64, f64) = (0.05, 64.0);
 
 /// What the host may hold, the operator's choice: the sum over every
 /// sandbox that is not terminated (warm ones included), and the most one
@@ -173,6 +173,8 @@ pub struct Control {
     pub(crate) net_updates: Arc<Mutex<()>>,
     /// Each live sandbox's recent metric samples and log.
     pub(crate) history: Arc<crate::history::History>,
+    /// The audit log's queue and writer.
+    pub(crate) audit: crate::audit::Auditor,
 }
 
 /// The stable digest of a request body, for idempotency checks.
@@ -297,6 +299,7 @@ impl Control {
             builds: crate::build::Builds::default(),
             net_updates: Arc::new(Mutex::new(())),
             history: Arc::new(crate::history::History::default()),
+            audit: crate::audit::Auditor::default(),
         })
     }
 

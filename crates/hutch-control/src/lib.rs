@@ -9,7 +9,9 @@
 //! layer depends on this crate and hutch-api alone.
 
 pub mod access;
+pub mod audit;
 pub mod build;
+pub mod capabilities;
 pub mod control;
 pub mod dns;
 pub mod e2b;

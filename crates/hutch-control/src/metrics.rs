@@ -214,7 +214,9 @@ impl crate::control::Control {
     async fn render_metrics(&self, viewer: Viewer<'_>) -> crate::error::Result<String> {
         let states = self.db(|s| s.count_by_state()).await?;
         let running: u64 = self.commands_running().await.iter().map(|(_, n)| n).sum();
-        Ok(self.metrics.render(&states, running, viewer))
+        let mut text = self.metrics.render(&states, running, viewer);
+        self.audit.render(&mut text);
+        Ok(text)
     }
 }
 

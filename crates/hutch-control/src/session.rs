@@ -59,6 +59,11 @@ impl EnvdSession {
         &self.user
     }
 
+    /// The key that owns the sandbox (whose call this is, for the audit log).
+    pub fn owner(&self) -> &OwnerId {
+        &self.owner
+    }
+
     /// The same session as another sandbox user (the `username` of a
     /// `/files` call).
     pub fn as_user(&self, user: &str) -> Result<EnvdSession> {

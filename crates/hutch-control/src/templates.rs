@@ -22,7 +22,7 @@ pub const WARM_MAX: u32 = 16;
 pub const MAX_TTL_CAP: u64 = 7 * 86_400;
 /// The builtin image and the only class.
 const IMAGE: &str = hutch_runtime::image::BASE;
-const CLASS: &str = "container";
+pub(crate) const CLASS: &str = "container";
 
 /// The built-in template of E2B's code interpreter (`e2b-code-interpreter`
 /// asks for it by this name): the `code-interpreter` preset image (built on

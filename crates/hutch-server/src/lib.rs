@@ -10,6 +10,7 @@
 //! internals of a 5xx are logged, never sent.
 
 mod access;
+mod audit;
 mod console;
 mod e2b;
 mod extract;
@@ -88,6 +89,8 @@ impl IntoResponse for ApiError {
         let status = StatusCode::from_u16(self.code.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let body = ErrorBody { error: self.message, code: self.code };
         let mut resp = (status, axum::Json(body)).into_response();
+        // The audit layer records the code.
+        resp.extensions_mut().insert(self.code);
         if self.code == ErrorCode::Unauthorized {
             resp.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
         }

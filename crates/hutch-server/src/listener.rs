@@ -716,7 +716,7 @@ pub async fn serve_router(
             () = &mut shutdown => break,
         };
         if let Some(io) = gate.admit(tcp, peer) {
-            tokio::spawn(serve_connection(io, router.clone(), stop_rx.clone()));
+            tokio::spawn(serve_connection(io, peer, router.clone(), stop_rx.clone()));
         }
     }
     drop(listener);
@@ -727,11 +727,13 @@ pub async fn serve_router(
     Ok(())
 }
 
-async fn serve_connection(io: ConnIo, router: Router, mut stop: watch::Receiver<bool>) {
+async fn serve_connection(io: ConnIo, peer: SocketAddr, router: Router, mut stop: watch::Receiver<bool>) {
     let conn = io.conn.clone();
     let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
         let guard = conn.begin_request();
         req.extensions_mut().insert(ConnectInfo(conn.clone()));
+        // The client's address, as the audit log records it.
+        req.extensions_mut().insert(ConnectInfo(peer));
         let mut router = router.clone();
         async move {
             // A Router is always ready and never fails.

@@ -445,6 +445,9 @@ fn figures_dir() -> String {
     format!("/tmp/.hutch-mcp-figures-{}-{n}-{nanos}", std::process::id())
 }
 
+/// The tools that change something (audited); the others only read.
+const MUTATING_TOOLS: &[&str] = &["create_sandbox", "run_code", "exec", "write_file", "expose_port", "delete_sandbox"];
+
 /// Default command timeout of the tools (an agent waits for the answer).
 const DEFAULT_TIMEOUT: u64 = 60;
 
@@ -893,14 +896,43 @@ impl ServerHandler for Session {
         request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, rmcp::ErrorData> {
+        // Mutating tools are audited here (the audit layer leaves `/mcp`
+        // alone: one POST carries any operation).
+        let audited = MUTATING_TOOLS.contains(&request.name.as_ref()).then(|| {
+            let sandbox = request.arguments.as_ref().and_then(|a| a.get("sandbox_id")).and_then(|v| v.as_str());
+            let targets: std::collections::BTreeMap<String, String> =
+                sandbox.map(|s| ("sandbox_id".to_owned(), s.to_owned())).into_iter().collect();
+            let who = parts(&context).and_then(|p| {
+                let client = p
+                    .extensions
+                    .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+                    .map_or_else(|| "unknown".to_owned(), |c| c.0.ip().to_canonical().to_string());
+                Some((p.extensions.get::<Caller>()?.owner.clone(), client))
+            });
+            (request.name.to_string(), targets, who)
+        });
         let tcc = ToolCallContext::new(self, request, context);
-        match self.tool_router.call(tcc).await? {
-            CallToolResponse::Complete(r) if r.is_error == Some(true) && r.structured_content.is_none() => {
+        let result = match self.tool_router.call(tcc).await {
+            Ok(CallToolResponse::Complete(r)) if r.is_error == Some(true) && r.structured_content.is_none() => {
                 let text: Vec<&str> = r.content.iter().filter_map(|c| c.as_text().map(|t| t.text.as_str())).collect();
                 Ok(tool_error(ErrorCode::InvalidRequest, &text.join("; ")).into())
             }
-            other => Ok(other),
+            other => other,
+        };
+        if let Some((tool, targets, Some((key, client)))) = audited {
+            let code = match &result {
+                Ok(CallToolResponse::Complete(r)) if r.is_error == Some(true) => Some(
+                    r.structured_content
+                        .as_ref()
+                        .and_then(|v| serde_json::from_value::<ErrorCode>(v.get("code")?.clone()).ok())
+                        .unwrap_or(ErrorCode::Internal),
+                ),
+                Ok(_) => None,
+                Err(_) => Some(ErrorCode::InvalidRequest),
+            };
+            crate::audit::record(&self.state.control, &key, &tool, targets, client, code);
         }
+        result
     }
 }
 

@@ -55,6 +55,8 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
         .route("/v1/keys", get(list_keys).post(create_key))
         .route("/v1/keys/{id}", axum::routing::delete(revoke_key).patch(set_quotas))
         .route("/v1/usage", get(usage))
+        .route("/v1/capabilities", get(capabilities))
+        .route("/v1/audit", get(crate::audit::list))
         // The MCP server (streamable HTTP), under the same keys.
         .route_service("/mcp", crate::mcp::service(app.clone(), stop))
         .route_layer(middleware::from_fn_with_state(app.clone(), authenticate));
@@ -87,6 +89,8 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
         .layer(middleware::from_fn_with_state(app.clone(), crate::e2b::by_sandbox_port))
         // Proxy host names are served by the proxy whatever the path.
         .layer(middleware::from_fn_with_state(app.clone(), crate::proxy::by_host))
+        // Mutating calls of every API, recorded at their response's start.
+        .layer(middleware::from_fn_with_state(app.clone(), crate::audit::layer))
         .with_state(app)
 }
 
@@ -115,6 +119,7 @@ pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: N
     match app.control.authenticate(secret).await {
         Ok(Some(caller)) => {
             crate::listener::authenticated(&req);
+            crate::audit::identified(&req, &caller.owner, &[]);
             req.extensions_mut().insert(caller);
             next.run(req).await
         }
@@ -175,7 +180,8 @@ pub(crate) async fn create_key(
     JsonBody(req): JsonBody<CreateKey>,
 ) -> ApiResult<Response> {
     let key = app.control.create_key(&caller, &req).await?;
-    Ok((StatusCode::CREATED, Json(key)).into_response())
+    let id = key.id.clone();
+    Ok(crate::audit::created((StatusCode::CREATED, Json(key)).into_response(), id))
 }
 
 #[utoipa::path(delete, path = "/v1/keys/{id}", params(("id" = String, Path)),
@@ -219,6 +225,15 @@ pub(crate) async fn usage(
     Ok(Json(app.control.usage(&caller, q.key.as_deref()).await?))
 }
 
+#[utoipa::path(get, path = "/v1/capabilities",
+    responses((status = 200, body = hutch_api::Capabilities)))]
+pub(crate) async fn capabilities(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+) -> ApiResult<Json<hutch_api::Capabilities>> {
+    Ok(Json(app.control.capabilities(&caller).await?))
+}
+
 #[utoipa::path(post, path = "/v1/sandboxes", request_body = CreateSandbox,
     params(("Idempotency-Key" = Option<String>, Header, description = "Replays the create for the same key and body")),
     responses((status = 201, body = Sandbox), (status = 200, body = Sandbox, description = "replayed"),
@@ -233,7 +248,8 @@ pub(crate) async fn create_sandbox(
     let key = idempotency_key(&headers)?;
     let (sb, created) = app.control.create(&caller, &req, key.as_deref()).await?;
     let status = if created { StatusCode::CREATED } else { StatusCode::OK };
-    Ok((status, Json(sb)).into_response())
+    let id = sb.id.clone();
+    Ok(crate::audit::created((status, Json(sb)).into_response(), id))
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]

@@ -40,9 +40,10 @@ pub(crate) async fn create(
     Extension(caller): Extension<Caller>,
     ApiPath(id): ApiPath<String>,
     JsonBody(req): JsonBody<CreateSnapshot>,
-) -> ApiResult<(StatusCode, Json<Snapshot>)> {
+) -> ApiResult<axum::response::Response> {
     let snap = app.control.snapshot(&caller, &SandboxId::parse(&id)?, &req).await?;
-    Ok((StatusCode::CREATED, Json(snap)))
+    let made = snap.id.clone();
+    Ok(crate::audit::created(axum::response::IntoResponse::into_response((StatusCode::CREATED, Json(snap))), made))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/fork", params(("id" = String, Path)), request_body = Fork,

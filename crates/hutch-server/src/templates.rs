@@ -39,7 +39,8 @@ pub(crate) async fn create_template(
     JsonBody(req): JsonBody<CreateTemplate>,
 ) -> ApiResult<Response> {
     let t = app.control.create_template(&caller, &req).await?;
-    Ok((StatusCode::CREATED, Json(t)).into_response())
+    let id = t.id.clone();
+    Ok(crate::audit::created((StatusCode::CREATED, Json(t)).into_response(), id))
 }
 
 #[utoipa::path(get, path = "/v1/images", responses((status = 200, body = ImageList)))]

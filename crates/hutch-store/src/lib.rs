@@ -151,6 +151,37 @@ pub enum VolumeDeleted {
     InUse(String),
 }
 
+/// One audited API call. Times are Unix milliseconds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditRecord {
+    /// Its place in the log (0 in a row not yet appended).
+    pub seq: i64,
+    pub at: i64,
+    pub key_id: String,
+    /// Read from the key's record when appended ("" for an unknown key).
+    pub key_name: String,
+    pub method: String,
+    /// The route's template (`/v1/sandboxes/{id}/exec`).
+    pub route: String,
+    /// JSON object: the route's path parameters.
+    pub targets: String,
+    /// The client's address.
+    pub client: String,
+    pub status: u16,
+    pub error_code: Option<String>,
+}
+
+/// Which audit rows a read wants: newest first, below `before` (a `seq`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AuditQuery {
+    pub key: Option<String>,
+    /// `at` bounds, inclusive.
+    pub from: Option<i64>,
+    pub to: Option<i64>,
+    pub before: Option<i64>,
+    pub limit: u32,
+}
+
 /// What a transition sets besides the state; `None` leaves a field as it is.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Changes<'a> {
@@ -502,6 +533,14 @@ pub trait Store: Send + Sync {
     fn count_running_builds(&self, owner: Option<&str>) -> Result<u64>;
     /// Marks builds that a stopped daemon left queued or building as failed.
     fn fail_unfinished_builds(&self, now: i64, error: &str) -> Result<u64>;
+
+    // The audit log: appended and pruned, never rewritten.
+    /// Appends rows in order, in one transaction, each with its key's name.
+    fn append_audit(&self, rows: &[AuditRecord]) -> Result<()>;
+    /// Rows matching `q`, newest first.
+    fn list_audit(&self, q: &AuditQuery) -> Result<Vec<AuditRecord>>;
+    /// Deletes rows older than `before`; how many.
+    fn prune_audit(&self, before: i64) -> Result<u64>;
 }
 
 #[cfg(test)]

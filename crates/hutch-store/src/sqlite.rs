@@ -21,6 +21,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0007_snapshots", include_str!("../migrations/0007_snapshots.sql")),
     ("0008_volumes", include_str!("../migrations/0008_volumes.sql")),
     ("0009_lifecycle", include_str!("../migrations/0009_lifecycle.sql")),
+    ("0010_audit", include_str!("../migrations/0010_audit.sql")),
 ];
 
 /// States in which a sandbox holds resources.
@@ -56,6 +57,12 @@ impl SqliteStore {
             }
         }
         Ok(SqliteStore { conn: Mutex::new(conn) })
+    }
+
+    /// The connection, for tests that check what SQL itself refuses.
+    #[cfg(test)]
+    pub(crate) fn raw_conn_for_tests(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.conn.lock().expect("lock")
     }
 
     fn with<T>(&self, f: impl FnOnce(&mut Connection) -> Result<T>) -> Result<T> {
@@ -1105,5 +1112,80 @@ impl Store for SqliteStore {
             let rows = st.query_map([], sandbox_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
             Ok(rows)
         })
+    }
+
+    fn append_audit(&self, rows: &[AuditRecord]) -> Result<()> {
+        self.with(|c| {
+            let tx = c.transaction()?;
+            {
+                let mut st = tx.prepare_cached(
+                    "INSERT INTO audit (at, key_id, key_name, method, route, targets, client, status, error_code) \
+                     VALUES (?1, ?2, COALESCE((SELECT name FROM api_keys WHERE id = ?2), ''), ?3, ?4, ?5, ?6, ?7, ?8)",
+                )?;
+                for r in rows {
+                    st.execute(params![
+                        r.at,
+                        r.key_id,
+                        r.method,
+                        r.route,
+                        r.targets,
+                        r.client,
+                        r.status,
+                        r.error_code
+                    ])?;
+                }
+            }
+            tx.commit()?;
+            Ok(())
+        })
+    }
+
+    fn list_audit(&self, q: &AuditQuery) -> Result<Vec<AuditRecord>> {
+        let mut sql = String::from(
+            "SELECT seq, at, key_id, key_name, method, route, targets, client, status, error_code FROM audit WHERE 1 = 1",
+        );
+        let mut args: Vec<Value> = Vec::new();
+        let arg = |sql: &mut String, args: &mut Vec<Value>, cond: &str, v: Value| {
+            args.push(v);
+            sql.push_str(&format!(" AND {cond} ?{}", args.len()));
+        };
+        if let Some(k) = &q.key {
+            arg(&mut sql, &mut args, "key_id =", Value::Text(k.clone()));
+        }
+        if let Some(f) = q.from {
+            arg(&mut sql, &mut args, "at >=", Value::Integer(f));
+        }
+        if let Some(t) = q.to {
+            arg(&mut sql, &mut args, "at <=", Value::Integer(t));
+        }
+        if let Some(b) = q.before {
+            arg(&mut sql, &mut args, "seq <", Value::Integer(b));
+        }
+        args.push(Value::Integer(i64::from(q.limit)));
+        sql.push_str(&format!(" ORDER BY seq DESC LIMIT ?{}", args.len()));
+        self.with(|c| {
+            let mut st = c.prepare(&sql)?;
+            let rows = st
+                .query_map(params_from_iter(args), |r| {
+                    Ok(AuditRecord {
+                        seq: r.get(0)?,
+                        at: r.get(1)?,
+                        key_id: r.get(2)?,
+                        key_name: r.get(3)?,
+                        method: r.get(4)?,
+                        route: r.get(5)?,
+                        targets: r.get(6)?,
+                        client: r.get(7)?,
+                        status: r.get(8)?,
+                        error_code: r.get(9)?,
+                    })
+                })?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn prune_audit(&self, before: i64) -> Result<u64> {
+        self.with(|c| Ok(c.execute("DELETE FROM audit WHERE at < ?1", [before])? as u64))
     }
 }

@@ -532,3 +532,68 @@ fn volumes_count_toward_disk_and_grow_under_the_caps() {
     let sb = SandboxRecord { disk_mib: 100, ..sandbox("s1", 1) };
     assert!(matches!(s.insert_sandbox(&sb, &caps).expect("insert"), Admitted::Refused(_)));
 }
+
+fn audit_row(at: i64, key: &str, route: &str, status: u16) -> AuditRecord {
+    AuditRecord {
+        seq: 0,
+        at,
+        key_id: key.into(),
+        key_name: String::new(),
+        method: "POST".into(),
+        route: route.into(),
+        targets: "{}".into(),
+        client: "127.0.0.1".into(),
+        status,
+        error_code: (status >= 400).then(|| "not_found".to_owned()),
+    }
+}
+
+#[test]
+fn audit_rows_append_list_newest_first_and_prune() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    let k = KeyRecord {
+        id: "k1".into(),
+        name: "ci".into(),
+        hash: "h".into(),
+        admin: false,
+        created_at: 1,
+        revoked_at: None,
+        quotas: Quotas::default(),
+    };
+    s.insert_key(&k).expect("insert");
+    let rows: Vec<_> = (0..5)
+        .map(|i| audit_row(100 + i, if i % 2 == 0 { "k1" } else { "k2" }, "/v1/sandboxes", 201))
+        .chain([audit_row(200, "k1", "/v1/sandboxes/{id}", 404)])
+        .collect();
+    s.append_audit(&rows).expect("append");
+
+    let all = s.list_audit(&AuditQuery { limit: 100, ..AuditQuery::default() }).expect("list");
+    assert_eq!(all.iter().map(|r| r.at).collect::<Vec<_>>(), [200, 104, 103, 102, 101, 100]);
+    // The key's name is copied at append time; an unknown key's is empty.
+    assert_eq!((all[0].key_name.as_str(), all[1].key_name.as_str()), ("ci", "ci"));
+    assert_eq!(all[2].key_name, "");
+    assert_eq!((all[0].status, all[0].error_code.as_deref()), (404, Some("not_found")));
+    assert_eq!(all[1].error_code, None);
+
+    // Filters and pages.
+    let mine = s.list_audit(&AuditQuery { key: Some("k1".into()), limit: 2, ..AuditQuery::default() }).expect("list");
+    assert_eq!(mine.iter().map(|r| r.at).collect::<Vec<_>>(), [200, 104]);
+    let next = AuditQuery { key: Some("k1".into()), before: Some(mine[1].seq), limit: 2, ..AuditQuery::default() };
+    assert_eq!(s.list_audit(&next).expect("list").iter().map(|r| r.at).collect::<Vec<_>>(), [102, 100]);
+    let window = AuditQuery { from: Some(101), to: Some(103), limit: 10, ..AuditQuery::default() };
+    assert_eq!(s.list_audit(&window).expect("list").iter().map(|r| r.at).collect::<Vec<_>>(), [103, 102, 101]);
+
+    // Rows are never rewritten, even by SQL that bypasses the trait.
+    let c = s.raw_conn_for_tests();
+    let err = c.execute("UPDATE audit SET status = 200", []).expect_err("update refused");
+    assert!(err.to_string().contains("append-only"), "{err}");
+    drop(c);
+
+    assert_eq!(s.prune_audit(103).expect("prune"), 3);
+    let left = s.list_audit(&AuditQuery { limit: 100, ..AuditQuery::default() }).expect("list");
+    assert_eq!(left.iter().map(|r| r.at).collect::<Vec<_>>(), [200, 104, 103]);
+    // Pruning does not reuse sequence numbers: cursors stay valid.
+    s.append_audit(&[audit_row(300, "k1", "/v1/keys", 201)]).expect("append");
+    let top = s.list_audit(&AuditQuery { limit: 1, ..AuditQuery::default() }).expect("list");
+    assert!(top[0].seq > all[0].seq);
+}

@@ -96,7 +96,14 @@ pub struct ServeArgs {
     /// the free space if less (HUTCH_STORAGE_SIZE).
     #[arg(long, env = "HUTCH_STORAGE_SIZE", value_parser = crate::units::parse_size)]
     pub storage_size: Option<u64>,
+    /// How long the audit log keeps a call, e.g. `90d` or `12h`; older rows
+    /// are pruned hourly (HUTCH_AUDIT_RETENTION).
+    #[arg(long, env = "HUTCH_AUDIT_RETENTION", default_value = "90d", value_parser = crate::units::parse_duration)]
+    pub audit_retention: Duration,
 }
+
+/// How often the audit log is pruned.
+const AUDIT_PRUNE_EVERY: Duration = Duration::from_secs(3600);
 
 /// Warm network namespaces kept ready.
 const NET_POOL: usize = 8;
@@ -354,6 +361,22 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     };
     let control = Control::new(store.clone(), runtime, config);
     control.recover().await?;
+    control.start_audit_writer();
+
+    // The audit log's retention: at start, then hourly.
+    let pruner = control.clone();
+    let retention = args.audit_retention;
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(AUDIT_PRUNE_EVERY);
+        loop {
+            tick.tick().await;
+            match pruner.prune_audit(retention).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!("audit log: pruned {n} entries older than {retention:?}"),
+                Err(e) => tracing::warn!("audit log prune: {e}"),
+            }
+        }
+    });
 
     // The sandboxes' metric history (the E2B API's metrics).
     let sampler = control.clone();
@@ -421,6 +444,8 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         () = grace => {}
     }
     control.shut_down();
+    // What the audit writer holds is written before the daemon exits.
+    control.finish_audit().await;
     let _held = instance;
     // With no sandbox left, nothing of the network needs to stay.
     if let Ok(net) = network {

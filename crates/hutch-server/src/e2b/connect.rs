@@ -49,8 +49,11 @@ pub fn unary(v: Value) -> Response {
 /// A unary error.
 pub fn unary_error(e: EnvdError) -> Response {
     let (code, status) = e.connect();
-    (status, [(header::CONTENT_TYPE, "application/json")], json!({"code": code, "message": e.message}).to_string())
-        .into_response()
+    let mut resp =
+        (status, [(header::CONTENT_TYPE, "application/json")], json!({"code": code, "message": e.message}).to_string())
+            .into_response();
+    resp.extensions_mut().insert(e.code);
+    resp
 }
 
 /// A unary request body (plain JSON).

@@ -55,6 +55,7 @@ pub(super) async fn authenticate(State(app): AppState, mut req: Request, next: N
     match app.control.authenticate(&secret).await {
         Ok(Some(caller)) => {
             crate::listener::authenticated(&req);
+            crate::audit::identified(&req, &caller.owner, &[]);
             req.extensions_mut().insert(caller);
             next.run(req).await
         }

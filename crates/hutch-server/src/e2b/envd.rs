@@ -151,6 +151,7 @@ async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Res
     match session {
         Ok(s) => {
             crate::listener::authenticated(&req);
+            crate::audit::identified(&req, s.owner(), &[("sandbox", s.sandbox().as_str())]);
             req.extensions_mut().insert(s);
             next.run(req).await
         }
@@ -172,7 +173,7 @@ fn http_error(e: EnvdError) -> Response {
     let status = if e.code == ErrorCode::SandboxPathConflict { StatusCode::BAD_REQUEST } else { status };
     let status = if e.code == ErrorCode::SandboxDiskFull { StatusCode::INSUFFICIENT_STORAGE } else { status };
     let status = if e.code == ErrorCode::PayloadTooLarge { StatusCode::PAYLOAD_TOO_LARGE } else { status };
-    E2bError::new(status, e.message).into_response()
+    E2bError { code: Some(e.code), ..E2bError::new(status, e.message) }.into_response()
 }
 
 async fn fs_for(app: &App, ctx: &Envd) -> Result<hutch_control::files::SandboxFs, EnvdError> {

@@ -156,18 +156,24 @@ fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 pub struct E2bError {
     pub status: StatusCode,
     pub message: String,
+    /// hutch's code for it, when it has one (the audit log records it).
+    pub code: Option<ErrorCode>,
 }
 
 impl E2bError {
     pub fn new(status: StatusCode, message: impl Into<String>) -> E2bError {
-        E2bError { status, message: message.into() }
+        E2bError { status, message: message.into(), code: None }
     }
 }
 
 impl IntoResponse for E2bError {
     fn into_response(self) -> Response {
         let body = serde_json::json!({"code": self.status.as_u16(), "message": self.message});
-        (self.status, axum::Json(body)).into_response()
+        let mut resp = (self.status, axum::Json(body)).into_response();
+        if let Some(code) = self.code {
+            resp.extensions_mut().insert(code);
+        }
+        resp
     }
 }
 
@@ -289,7 +295,7 @@ impl From<hutch_control::files::FilesError> for EnvdError {
 impl From<ControlError> for E2bError {
     fn from(e: ControlError) -> E2bError {
         let (_, status) = connect_code(e.code());
-        E2bError { status, message: e.public_message() }
+        E2bError { status, message: e.public_message(), code: Some(e.code()) }
     }
 }
 
