@@ -217,7 +217,7 @@ fn bad_options_are_refused_before_anything_starts() {
     for opts in [
         &["--memory", "lots"][..],
         &["--vcpus", "0"],
-        &["--timeout", "5d"],
+        &["--timeout", "5w"],
         &["--env", "NOEQUALS"],
         &["--name", "Bad/Name"],
     ] {
