@@ -24,13 +24,17 @@ def test_create_with_every_field_and_delete_on_exit(client: hutch.Hutch):
         network={"egress": "deny_all"},
         wait="30s",
         idempotency_key=f"create-{tag}",
+        storage="disk",
+        on_expire="pause",
+        paused_ttl="2d",
     )
-    with client.sandboxes.create(**fields    ) as sb:
+    with client.sandboxes.create(**fields) as sb:
         assert sb.state == "running" and sb.id.startswith("sb-")
         info = sb.info
         assert info.memory_mb == 256 and info.limits.vcpus == 0.5 and info.limits.disk_mib == 128
         assert info.limits.pids == 64 and info.metadata == {"test": tag} and sb.metadata == {"test": tag}
         assert info.network.egress == "deny_all" and info.template == "base"
+        assert (info.storage, info.on_expire, info.paused_ttl_seconds) == ("disk", "pause", 2 * 86400)
         assert 590 <= (info.expires_at_datetime - hutch.models.parse_time(info.created_at)).total_seconds() <= 600
         assert sb.exec("echo $GREETING").stdout == "hi\n"
         # The same key again is the same sandbox, not a second one.

@@ -597,13 +597,18 @@ class AsyncSandboxes:
         wait: Optional[Duration] = 300,
         idempotency_key: Optional[str] = None,
         volumes: Optional[Sequence[ops.VolumeSpec]] = None,
+        storage: Optional[str] = None,
+        snapshot: Optional[str] = None,
+        on_expire: Optional[str] = None,
+        paused_ttl: Optional[Duration] = None,
     ) -> SandboxCreation:
         """`sb = await client.sandboxes.create(...)`, or
         `async with client.sandboxes.create(...) as sb:`; see `Sandboxes.create`."""
         call = ops.create_sandbox(
             template=template, ttl=ttl, memory_mb=memory_mb, vcpus=vcpus, disk_mib=disk_mib, pids=pids, env=env,
             metadata=metadata, network=network, wait=wait, idempotency_key=idempotency_key,
-            default_timeout=self._t.config.timeout, volumes=volumes,
+            default_timeout=self._t.config.timeout, volumes=volumes, storage=storage, snapshot=snapshot,
+            on_expire=on_expire, paused_ttl=paused_ttl,
         )
 
         async def make() -> AsyncSandbox:

@@ -157,6 +157,10 @@ def create_sandbox(
     idempotency_key: Optional[str],
     default_timeout: float,
     volumes: Optional[Sequence[VolumeSpec]] = None,
+    storage: Optional[str] = None,
+    snapshot: Optional[str] = None,
+    on_expire: Optional[str] = None,
+    paused_ttl: Optional[Duration] = None,
 ) -> Call[models.SandboxInfo]:
     wait_seconds = None if wait is None else min(whole_seconds(wait, "wait"), DAEMON_WAIT_CAP)
     body = _drop_none(
@@ -170,6 +174,10 @@ def create_sandbox(
             "network": network_json(network),
             "wait_seconds": wait_seconds,
             "volumes": volumes_json(volumes),
+            "storage": storage,
+            "snapshot": snapshot,
+            "on_expire": on_expire,
+            "paused_ttl_seconds": _seconds(paused_ttl, "paused_ttl"),
         }
     )
     return Call(

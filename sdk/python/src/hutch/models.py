@@ -86,6 +86,14 @@ class SandboxInfo:
     warm: bool = False
     template_id: Optional[str] = None
     template_version: Optional[int] = None
+    #: disk or memory: where its files live
+    storage: str = "disk"
+    #: the snapshot it started from, if any
+    snapshot: Optional[str] = None
+    #: delete or pause: what happens at its expiry
+    on_expire: str = "delete"
+    #: how long it is kept once paused at its expiry (seconds)
+    paused_ttl_seconds: int = 0
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -105,6 +113,10 @@ class SandboxInfo:
             warm=bool(d.get("warm", False)),
             template_id=d.get("template_id"),
             template_version=d.get("template_version"),
+            storage=d.get("storage", "disk"),
+            snapshot=d.get("snapshot"),
+            on_expire=d.get("on_expire", "delete"),
+            paused_ttl_seconds=int(d.get("paused_ttl_seconds", 0)),
             raw=dict(d),
         )
 
