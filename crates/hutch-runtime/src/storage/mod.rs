@@ -643,8 +643,9 @@ impl Storage {
     /// once no sandbox holds it); a native one has nothing to undo. For a
     /// daemon that stops with no sandbox left.
     pub fn release(self) -> Result<(), StorageError> {
-        let Storage { mount, backing, top, kinds, tmp, .. } = self;
-        drop((top, kinds, tmp));
+        // Every descriptor of the mount is closed before the unmount.
+        let Storage { mount, backing, top, kinds, tmp, spares, .. } = self;
+        drop((top, kinds, tmp, spares));
         if let Backing::Image { .. } = backing {
             umount(&mount).map_err(io_err("unmount", &mount))?;
         }
