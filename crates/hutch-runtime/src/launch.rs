@@ -492,6 +492,43 @@ unsafe fn walk_dirs(root: &CString, components: &[CString], make: bool) -> Resul
     Ok(dir)
 }
 
+/// Binds a copy of the tree at `source`, id-mapped through user namespace
+/// `userns` with `attrs` set, at `to_path` relative to `to_dir`
+/// (`move_mount` with `flags`: `MOVE_MOUNT_T_EMPTY_PATH` binds onto
+/// `to_dir` itself).
+///
+/// # Safety
+/// Raw system calls only, on C strings and descriptors the caller owns.
+unsafe fn idmap_bind(
+    source: &CString,
+    attrs: u64,
+    userns: RawFd,
+    to_dir: i32,
+    to_path: *const libc::c_char,
+    flags: libc::c_uint,
+) -> Result<(), i32> {
+    // SAFETY: source is a valid C string.
+    let tree = unsafe {
+        sc!(libc::SYS_open_tree, libc::AT_FDCWD, source.as_ptr(), OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint)
+    }?;
+    let attr = MountAttr { attr_set: MOUNT_ATTR_IDMAP | attrs, attr_clr: 0, propagation: 0, userns_fd: userns as u64 };
+    // SAFETY: tree is ours; attr outlives the call; to_path is the caller's.
+    let moved = unsafe {
+        sc!(
+            libc::SYS_mount_setattr,
+            tree,
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+        .and_then(|_| sc!(libc::SYS_move_mount, tree, c"".as_ptr(), to_dir, to_path, flags))
+    };
+    // SAFETY: tree is ours.
+    let _ = unsafe { sc!(libc::SYS_close, tree) };
+    moved.map(drop)
+}
+
 /// `SECBIT_NO_SETUID_FIXUP` (linux/securebits.h): changing uids keeps
 /// the capability sets as they are.
 const SECBIT_NO_SETUID_FIXUP: usize = 1 << 2;
@@ -557,38 +594,7 @@ unsafe fn run_step(step: &Step, report: &mut RawFd) -> Result<(), i32> {
                 Ok(())
             }
             Step::IdmapBind { source, target, attrs, userns } => {
-                let tree = sc!(
-                    libc::SYS_open_tree,
-                    libc::AT_FDCWD,
-                    source.as_ptr(),
-                    OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
-                )?;
-                let attr = MountAttr {
-                    attr_set: MOUNT_ATTR_IDMAP | attrs,
-                    attr_clr: 0,
-                    propagation: 0,
-                    userns_fd: *userns as u64,
-                };
-                let moved = sc!(
-                    libc::SYS_mount_setattr,
-                    tree,
-                    c"".as_ptr(),
-                    libc::AT_EMPTY_PATH,
-                    &attr as *const MountAttr,
-                    std::mem::size_of::<MountAttr>(),
-                )
-                .and_then(|_| {
-                    sc!(
-                        libc::SYS_move_mount,
-                        tree,
-                        c"".as_ptr(),
-                        libc::AT_FDCWD,
-                        target.as_ptr(),
-                        MOVE_MOUNT_F_EMPTY_PATH
-                    )
-                });
-                let _ = sc!(libc::SYS_close, tree);
-                moved.map(drop)
+                idmap_bind(source, *attrs, *userns, libc::AT_FDCWD, target.as_ptr(), MOVE_MOUNT_F_EMPTY_PATH)
             }
             Step::MkdirsAt { root, components } => {
                 let dir = walk_dirs(root, components, true)?;
@@ -597,45 +603,10 @@ unsafe fn run_step(step: &Step, report: &mut RawFd) -> Result<(), i32> {
             }
             Step::IdmapBindAt { source, root, components, attrs, userns } => {
                 let target = walk_dirs(root, components, false)?;
-                let tree = match sc!(
-                    libc::SYS_open_tree,
-                    libc::AT_FDCWD,
-                    source.as_ptr(),
-                    OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
-                ) {
-                    Ok(t) => t,
-                    Err(e) => {
-                        let _ = sc!(libc::SYS_close, target);
-                        return Err(e);
-                    }
-                };
-                let attr = MountAttr {
-                    attr_set: MOUNT_ATTR_IDMAP | attrs,
-                    attr_clr: 0,
-                    propagation: 0,
-                    userns_fd: *userns as u64,
-                };
-                let moved = sc!(
-                    libc::SYS_mount_setattr,
-                    tree,
-                    c"".as_ptr(),
-                    libc::AT_EMPTY_PATH,
-                    &attr as *const MountAttr,
-                    std::mem::size_of::<MountAttr>(),
-                )
-                .and_then(|_| {
-                    sc!(
-                        libc::SYS_move_mount,
-                        tree,
-                        c"".as_ptr(),
-                        target,
-                        c"".as_ptr(),
-                        MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH
-                    )
-                });
-                let _ = sc!(libc::SYS_close, tree);
+                let flags = MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH;
+                let moved = idmap_bind(source, *attrs, *userns, target as i32, c"".as_ptr(), flags);
                 let _ = sc!(libc::SYS_close, target);
-                moved.map(drop)
+                moved
             }
             Step::LoopbackUp => {
                 let sock = sc!(libc::SYS_socket, libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0)?;
