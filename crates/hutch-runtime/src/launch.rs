@@ -239,12 +239,7 @@ pub struct Plan {
     pub steps: Vec<Step>,
 }
 
-/// Turns a path or string into a C string; interior NULs are a caller bug
-/// caught by validation upstream, reported as InvalidInput here.
-pub fn cstr(s: impl AsRef<std::ffi::OsStr>) -> io::Result<CString> {
-    use std::os::unix::ffi::OsStrExt;
-    CString::new(s.as_ref().as_bytes()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in a path"))
-}
+pub use crate::sys::cstr;
 
 impl Plan {
     pub fn push(&mut self, step: Step) {

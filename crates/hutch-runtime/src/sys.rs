@@ -320,3 +320,39 @@ pub fn raise_nofile() -> io::Result<(u64, u64)> {
 pub fn workload_nofile() -> Option<(u64, u64)> {
     STARTING_NOFILE.get().copied()
 }
+
+/// A path or name as a C string; an interior NUL (a caller bug caught by
+/// validation upstream, or a name read from a hostile tree) is
+/// InvalidInput.
+pub fn cstr(s: impl AsRef<std::ffi::OsStr>) -> io::Result<std::ffi::CString> {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(s.as_ref().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in a path"))
+}
+
+/// Opens `name` in directory `dir`, never through a symlink (`O_NOFOLLOW`,
+/// close-on-exec): how the walkers of layers (diffs, exports) step down.
+pub fn openat_nofollow(dir: &OwnedFd, name: &std::ffi::OsStr, flags: libc::c_int) -> io::Result<OwnedFd> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let c = cstr(name)?;
+    // SAFETY: c is a valid C string; the descriptor is owned below.
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), c.as_ptr(), flags | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd was just opened and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `lstat` of `name` in directory `dir` (a symlink is itself).
+pub fn lstatat(dir: &OwnedFd, name: &std::ffi::OsStr) -> io::Result<libc::stat> {
+    use std::os::fd::AsRawFd;
+    let c = cstr(name)?;
+    // SAFETY: zeroed is a valid stat (plain integers).
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: c is a valid C string, st a valid out-pointer.
+    if unsafe { libc::fstatat(dir.as_raw_fd(), c.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st)
+}

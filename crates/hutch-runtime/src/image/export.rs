@@ -23,11 +23,12 @@
 //! followed; nothing outside the layer is read), bounded in entries, depth
 //! and bytes as our own import bounds a layer.
 
+use crate::sys::{cstr, lstatat, openat_nofollow};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
-use std::ffi::{CString, OsStr};
+use std::ffi::OsStr;
 use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
@@ -85,32 +86,6 @@ impl Blob {
 // ---------------------------------------------------------------------------
 // Walking a layer.
 
-fn cstr(name: &OsStr) -> io::Result<CString> {
-    CString::new(name.as_bytes()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in a name"))
-}
-
-fn openat(dir: &OwnedFd, name: &OsStr, flags: i32) -> io::Result<OwnedFd> {
-    let c = cstr(name)?;
-    // SAFETY: c is a valid C string; the descriptor is owned below.
-    let fd = unsafe { libc::openat(dir.as_raw_fd(), c.as_ptr(), flags | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fd was just opened and is owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-fn lstatat(dir: &OwnedFd, name: &OsStr) -> io::Result<libc::stat> {
-    let c = cstr(name)?;
-    // SAFETY: zeroed is a valid stat (plain integers).
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: c is a valid C string, st a valid out-pointer.
-    if unsafe { libc::fstatat(dir.as_raw_fd(), c.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(st)
-}
-
 fn readlinkat(dir: &OwnedFd, name: &OsStr) -> io::Result<Vec<u8>> {
     let c = cstr(name)?;
     let mut buf = vec![0u8; 4097];
@@ -144,7 +119,7 @@ fn is_opaque(dir: &OwnedFd) -> io::Result<bool> {
 
 /// The names in a directory (by descriptor), sorted by their bytes.
 fn names(dir: &OwnedFd) -> io::Result<Vec<Vec<u8>>> {
-    let dup = openat(dir, OsStr::new("."), libc::O_RDONLY | libc::O_DIRECTORY)?;
+    let dup = openat_nofollow(dir, OsStr::new("."), libc::O_RDONLY | libc::O_DIRECTORY)?;
     let mut out = Vec::new();
     for e in std::fs::read_dir(format!("/proc/self/fd/{}", dup.as_raw_fd()))? {
         out.push(e?.file_name().as_bytes().to_vec());
@@ -254,7 +229,7 @@ impl<W: Write> LayerWalk<W> {
                     self.count(prefix, 0)?;
                     let mut h = Self::header(&st, tar::EntryType::Directory);
                     self.put(&mut h, prefix, io::empty())?;
-                    let sub = openat(dir, os, libc::O_RDONLY | libc::O_DIRECTORY)
+                    let sub = openat_nofollow(dir, os, libc::O_RDONLY | libc::O_DIRECTORY)
                         .map_err(io_err(format!("open {}", show(prefix))))?;
                     prefix.push(b'/');
                     self.dir(&sub, prefix, depth + 1)?;
@@ -275,8 +250,8 @@ impl<W: Write> LayerWalk<W> {
                             if st.st_nlink > 1 {
                                 self.links.insert(key, prefix.clone());
                             }
-                            let f =
-                                openat(dir, os, libc::O_RDONLY).map_err(io_err(format!("open {}", show(prefix))))?;
+                            let f = openat_nofollow(dir, os, libc::O_RDONLY)
+                                .map_err(io_err(format!("open {}", show(prefix))))?;
                             let mut h = Self::header(&st, tar::EntryType::Regular);
                             h.set_size(size);
                             let data = Exact { inner: std::fs::File::from(f), left: size };

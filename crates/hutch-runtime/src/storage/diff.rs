@@ -7,11 +7,12 @@
 //! image's lower layers are only asked whether a path exists, one component
 //! at a time, never through a symlink.
 
+use crate::sys::{cstr, lstatat, openat_nofollow};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
-use std::ffi::{CString, OsStr};
+use std::ffi::OsStr;
 use std::io::{self, Read};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
@@ -69,39 +70,13 @@ struct Entry {
     size: u64,
 }
 
-fn cstr(name: &OsStr) -> io::Result<CString> {
-    CString::new(name.as_bytes()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in a name"))
-}
-
-fn openat(dir: &OwnedFd, name: &OsStr, flags: i32) -> io::Result<OwnedFd> {
-    let c = cstr(name)?;
-    // SAFETY: c is a valid C string; the descriptor is owned below.
-    let fd = unsafe { libc::openat(dir.as_raw_fd(), c.as_ptr(), flags | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fd was just opened and is owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
 fn open_dir(path: &Path) -> io::Result<OwnedFd> {
     crate::sys::open(path, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW)
 }
 
-fn lstatat(dir: &OwnedFd, name: &OsStr) -> io::Result<libc::stat> {
-    let c = cstr(name)?;
-    // SAFETY: zeroed is a valid stat (plain integers).
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: c is a valid C string, st a valid out-pointer.
-    if unsafe { libc::fstatat(dir.as_raw_fd(), c.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(st)
-}
-
 /// The entries of a directory (by descriptor), with their types.
 fn list(dir: &OwnedFd, budget: &mut usize) -> io::Result<BTreeMap<Vec<u8>, Entry>> {
-    let dup = openat(dir, OsStr::new("."), libc::O_RDONLY | libc::O_DIRECTORY)?;
+    let dup = openat_nofollow(dir, OsStr::new("."), libc::O_RDONLY | libc::O_DIRECTORY)?;
     let mut out = BTreeMap::new();
     for e in std::fs::read_dir(format!("/proc/self/fd/{}", dup.as_raw_fd()))? {
         let e = e?;
@@ -135,7 +110,7 @@ fn digest(dir: &OwnedFd, name: &OsStr, ty: Type) -> io::Result<String> {
             h.update(&buf[..n as usize]);
         }
         _ => {
-            let fd = openat(dir, name, libc::O_RDONLY)?;
+            let fd = openat_nofollow(dir, name, libc::O_RDONLY)?;
             let mut f = std::fs::File::from(fd);
             let mut buf = vec![0u8; 1 << 16];
             loop {
@@ -181,7 +156,7 @@ impl Lowers {
             if ty != libc::S_IFDIR {
                 return None;
             }
-            fd = openat(&fd, name, libc::O_RDONLY | libc::O_DIRECTORY).ok()?;
+            fd = openat_nofollow(&fd, name, libc::O_RDONLY | libc::O_DIRECTORY).ok()?;
         }
         Some(Type::Dir)
     }
@@ -228,9 +203,9 @@ impl Walk<'_> {
                     }
                 }
                 Type::Dir => {
-                    let sub = openat(now, os, libc::O_RDONLY | libc::O_DIRECTORY)?;
+                    let sub = openat_nofollow(now, os, libc::O_RDONLY | libc::O_DIRECTORY)?;
                     let old_sub = match (old.map(|o| o.ty), then) {
-                        (Some(Type::Dir), Some(t)) => Some(openat(t, os, libc::O_RDONLY | libc::O_DIRECTORY)?),
+                        (Some(Type::Dir), Some(t)) => Some(openat_nofollow(t, os, libc::O_RDONLY | libc::O_DIRECTORY)?),
                         _ => None,
                     };
                     let existed = old.is_some_and(|o| o.ty == Type::Dir) || self.lowers.has(rel);
@@ -299,9 +274,9 @@ fn open_parent(upper: &OwnedFd, path: &str) -> io::Result<(OwnedFd, Vec<u8>)> {
     let Some((last, dirs)) = comps.split_last() else {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "the root is not an entry"));
     };
-    let mut fd = openat(upper, OsStr::new("."), libc::O_RDONLY | libc::O_DIRECTORY)?;
+    let mut fd = openat_nofollow(upper, OsStr::new("."), libc::O_RDONLY | libc::O_DIRECTORY)?;
     for d in dirs {
-        fd = openat(&fd, OsStr::from_bytes(d), libc::O_RDONLY | libc::O_DIRECTORY)?;
+        fd = openat_nofollow(&fd, OsStr::from_bytes(d), libc::O_RDONLY | libc::O_DIRECTORY)?;
     }
     Ok((fd, last.to_vec()))
 }
@@ -331,7 +306,7 @@ pub fn archive<W: io::Write>(upper: &Path, changes: &[Change], out: &mut W) -> i
         h.set_mtime(st.st_mtime.max(0) as u64);
         match st.st_mode & libc::S_IFMT {
             libc::S_IFREG => {
-                let fd = openat(&dir, name, libc::O_RDONLY)?;
+                let fd = openat_nofollow(&dir, name, libc::O_RDONLY)?;
                 let f = std::fs::File::from(fd);
                 h.set_entry_type(tar::EntryType::Regular);
                 h.set_size(st.st_size as u64);

@@ -39,7 +39,6 @@ pub mod btrfs;
 pub mod diff;
 mod loopdev;
 
-use std::ffi::CString;
 use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
@@ -904,16 +903,12 @@ pub fn kernel_support(proc_root: &Path, modules_root: &Path) -> Result<(), Strin
 // ---------------------------------------------------------------------------
 // System calls on directory descriptors.
 
-fn cpath(p: &str) -> io::Result<CString> {
-    CString::new(p).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in a path"))
-}
-
 fn open_dir(path: &Path) -> Result<OwnedFd, StorageError> {
     crate::sys::open(path, libc::O_RDONLY | libc::O_DIRECTORY).map_err(io_err("open", path))
 }
 
 fn openat_dir(dir: &OwnedFd, name: &str) -> io::Result<OwnedFd> {
-    let c = cpath(name)?;
+    let c = crate::sys::cstr(name)?;
     // SAFETY: c is a valid C string; the descriptor returned is owned below.
     let fd = unsafe {
         libc::openat(
@@ -932,7 +927,7 @@ fn openat_dir(dir: &OwnedFd, name: &str) -> io::Result<OwnedFd> {
 /// mkdirat + fchmodat (the umask narrows mkdir's mode) + fchownat, the
 /// owner as uid = gid.
 fn mkdirat(dir: &OwnedFd, rel: &str, mode: u32, owner: u32) -> io::Result<()> {
-    let c = cpath(rel)?;
+    let c = crate::sys::cstr(rel)?;
     // SAFETY: c is a valid C string for the duration of each call below.
     unsafe {
         if libc::mkdirat(dir.as_raw_fd(), c.as_ptr(), mode) < 0
@@ -964,7 +959,7 @@ fn fstat(fd: &OwnedFd) -> io::Result<libc::stat> {
 }
 
 fn unlinkat(dir: &OwnedFd, rel: &str, is_dir: bool) -> io::Result<()> {
-    let c = cpath(rel)?;
+    let c = crate::sys::cstr(rel)?;
     let flags = if is_dir { libc::AT_REMOVEDIR } else { 0 };
     // SAFETY: c is a valid C string.
     if unsafe { libc::unlinkat(dir.as_raw_fd(), c.as_ptr(), flags) } < 0 {
@@ -974,7 +969,7 @@ fn unlinkat(dir: &OwnedFd, rel: &str, is_dir: bool) -> io::Result<()> {
 }
 
 fn renameat_noreplace(from_dir: &OwnedFd, from: &str, to_dir: &OwnedFd, to: &str) -> io::Result<()> {
-    let (a, b) = (cpath(from)?, cpath(to)?);
+    let (a, b) = (crate::sys::cstr(from)?, crate::sys::cstr(to)?);
     // SAFETY: a and b are valid C strings.
     let r = unsafe {
         libc::renameat2(from_dir.as_raw_fd(), a.as_ptr(), to_dir.as_raw_fd(), b.as_ptr(), libc::RENAME_NOREPLACE)
@@ -1049,7 +1044,7 @@ fn statvfs_free(path: &Path) -> io::Result<u64> {
 
 fn mount_btrfs(device: &Path, target: &Path) -> io::Result<()> {
     let (src, dst) = (crate::launch::cstr(device)?, crate::launch::cstr(target)?);
-    let data = cpath(MOUNT_DATA)?;
+    let data = crate::sys::cstr(MOUNT_DATA)?;
     // SAFETY: every pointer is a valid C string for the call.
     let r = unsafe { libc::mount(src.as_ptr(), dst.as_ptr(), c"btrfs".as_ptr(), MOUNT_FLAGS, data.as_ptr().cast()) };
     if r < 0 {
