@@ -41,7 +41,7 @@ def _image(daemon, tmp_path: Path) -> str:
     path = tmp_path / "image.tar"
     path.write_bytes(_tar({"manifest.json": manifest.encode(), cname: config.encode(), "l/layer.tar": layer}))
     name = f"sdkexp-{uuid.uuid4().hex[:8]}"
-    p = daemon.cli("image", "import", str(path), "--name", name, timeout=120)
+    p = daemon.cli("image", "import", "--local", str(path), "--name", name, timeout=120)
     assert p.returncode == 0, p.stderr
     return name
 
