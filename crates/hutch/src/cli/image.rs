@@ -146,22 +146,7 @@ fn run(args: ImageArgs) -> anyhow::Result<i32> {
         }
         ImageCommand::List { json } => {
             let list = client.list_images()?.images;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&list)?);
-            } else {
-                let rows: Vec<Vec<String>> = list
-                    .iter()
-                    .map(|i| {
-                        vec![
-                            i.name.clone(),
-                            i.layers.to_string(),
-                            format!("{:.1}M", i.size_bytes as f64 / (1 << 20) as f64),
-                            i.source.clone(),
-                        ]
-                    })
-                    .collect();
-                print!("{}", table(&["NAME", "LAYERS", "SIZE", "SOURCE"], &rows));
-            }
+            print_images(&list, json, |i| (&i.name, i.layers, i.size_bytes, &i.source))?;
         }
         ImageCommand::Rm { name } => {
             client.delete_image(&name)?;
@@ -173,6 +158,28 @@ fn run(args: ImageArgs) -> anyhow::Result<i32> {
         }
     }
     Ok(0)
+}
+
+/// Prints images as JSON or as a table of `row`'s (name, layers, bytes,
+/// source): the daemon's list and the local store's alike.
+fn print_images<T: serde::Serialize>(
+    list: &[T],
+    json: bool,
+    row: impl Fn(&T) -> (&str, u64, u64, &str),
+) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(list)?);
+        return Ok(());
+    }
+    let rows: Vec<Vec<String>> = list
+        .iter()
+        .map(|i| {
+            let (name, layers, bytes, source) = row(i);
+            vec![name.to_owned(), layers.to_string(), format!("{:.1}M", bytes as f64 / (1 << 20) as f64), source.into()]
+        })
+        .collect();
+    print!("{}", table(&["NAME", "LAYERS", "SIZE", "SOURCE"], &rows));
+    Ok(())
 }
 
 /// `--local`: the same commands on the store of `state_dir` itself.
@@ -192,22 +199,7 @@ fn run_local(state_dir: &std::path::Path, command: ImageCommand) -> anyhow::Resu
         }
         ImageCommand::List { json } => {
             let list = store.summaries();
-            if json {
-                println!("{}", serde_json::to_string_pretty(&list)?);
-            } else {
-                let rows: Vec<Vec<String>> = list
-                    .iter()
-                    .map(|i| {
-                        vec![
-                            i.name.clone(),
-                            i.layers.to_string(),
-                            format!("{:.1}M", i.size_bytes as f64 / (1 << 20) as f64),
-                            i.source.clone(),
-                        ]
-                    })
-                    .collect();
-                print!("{}", table(&["NAME", "LAYERS", "SIZE", "SOURCE"], &rows));
-            }
+            print_images(&list, json, |i| (&i.name, i.layers as u64, i.size_bytes, &i.source))?;
         }
         ImageCommand::Rm { name } => {
             store.remove(&name).map_err(coded)?;
