@@ -112,7 +112,7 @@ def main() -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
         state = str(d.root / "state")
         t0 = time.perf_counter()
-        subprocess.run([str(args.binary), "image", "build", "code-interpreter", "--state-dir", state],
+        subprocess.run([str(args.binary), "image", "build", "code-interpreter", "--local", "--state-dir", state],
                        env=env, capture_output=True, text=True, timeout=1800, check=True)
         built = time.perf_counter() - t0
         out = subprocess.run(

@@ -516,6 +516,35 @@ def test_python_preset_is_built_on_first_use_and_runs_python(api: Client):
     expect_status(api.delete(f"/v1/templates/{tpl['id']}"), 204)
 
 
+def test_image_builds_through_the_api(daemon: Daemon, api: Client):
+    other = daemon.new_client("img-builder")
+    expect_error(other.post("/v1/images/build", {"kind": "python"}), 403, "forbidden")
+    # Refused whole before anything runs, as plain error answers.
+    expect_error(api.post("/v1/images/build", {"kind": "cobol"}), 400, "invalid_request")
+    expect_error(api.post("/v1/images/build", {"kind": "python", "packages": ["git"]}), 400, "invalid_request")
+    expect_error(api.post("/v1/images/build", {"kind": "debian", "packages": ["git;reboot"]}), 400, "image_invalid")
+    expect_error(api.post("/v1/images/build", {"kind": "debian", "suite": "../x"}), 400, "image_invalid")
+    expect_error(api.post("/v1/images/build", {"kind": "debian", "name": "base"}), 400, "image_invalid")
+    expect_error(api.post("/v1/images/build", {"kind": "python", "force": True}), 400, "invalid_request")
+    # A preset through the API: built if the store lacks it, else answered
+    # at once; either way the NDJSON answer ends with the image.
+    r = api.request("POST", "/v1/images/build", json={"kind": "python"}, stream=True, timeout=900)
+    expect_status(r, 200)
+    assert r.headers["content-type"] == "application/x-ndjson"
+    events = [json.loads(line) for line in r.iter_lines() if line]
+    assert events and events[-1]["type"] == "done", events[-3:]
+    assert all(e["type"] in ("log", "skipped") for e in events[:-1]), events
+    assert events[-1]["image"]["name"] == "python" and events[-1]["image"]["layers"] >= 1, events[-1]
+    assert image_names(api)["python"]["source"] == "debian:bookworm+python3"
+    # The CLI goes through the same route, from any machine with the URL.
+    p = image_cli(daemon, "build", "python", timeout=900)
+    assert p.returncode == 0 and p.stdout.startswith("python ("), (p.stdout, p.stderr)
+    env = {"HUTCH_URL": daemon.base, "HUTCH_API_KEY": other.key, "PATH": os.environ["PATH"]}
+    p = subprocess.run([str(daemon.binary), "image", "build", "python"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode != 0 and "forbidden" in p.stderr, p.stderr
+
+
 # --------------------------------------------------------------------------
 # Who sees which image
 

@@ -172,7 +172,7 @@ def interpreter_image(daemon):
     failing build shows its own error rather than a create that times out."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
     out = subprocess.run(
-        [str(BIN), "image", "build", "code-interpreter", "--state-dir", str(daemon["root"] / "state")],
+        [str(BIN), "image", "build", "code-interpreter", "--local", "--state-dir", str(daemon["root"] / "state")],
         env=env, capture_output=True, text=True, timeout=840,
     )
     assert out.returncode == 0, f"the code-interpreter image did not build:\n{out.stderr[-4000:]}"

@@ -147,6 +147,10 @@ pub enum ErrorCode {
     /// authentication, TLS, a digest that does not match); nothing was
     /// recorded.
     RegistryError,
+    /// An image build on the host (mmdebstrap from the host's Debian
+    /// mirror) failed; the message carries the builder's last lines.
+    /// Nothing was recorded.
+    ImageBuildFailed,
 }
 
 impl ErrorCode {
@@ -194,7 +198,7 @@ impl ErrorCode {
             | ErrorCode::AccessGrantCapacity
             | ErrorCode::QuotaExceeded => 429,
             ErrorCode::Internal => 500,
-            ErrorCode::SandboxPortUnreachable | ErrorCode::RegistryError => 502,
+            ErrorCode::SandboxPortUnreachable | ErrorCode::RegistryError | ErrorCode::ImageBuildFailed => 502,
             ErrorCode::SandboxStartFailed
             | ErrorCode::SandboxStartupFailed
             | ErrorCode::SandboxReadinessTimeout
@@ -256,6 +260,7 @@ impl ErrorCode {
             ErrorCode::ImageInvalid => "image_invalid",
             ErrorCode::ImageLayerRefused => "image_layer_refused",
             ErrorCode::RegistryError => "registry_error",
+            ErrorCode::ImageBuildFailed => "image_build_failed",
         }
     }
 }
@@ -928,6 +933,47 @@ pub struct PullImage {
     /// Allow plain HTTP to a registry that is not on loopback.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub insecure: bool,
+}
+
+/// `POST /v1/images/build` (admin keys only): a Debian image made with
+/// mmdebstrap on the daemon's host, or one of the presets.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BuildImage {
+    /// `debian`, or a preset: `python`, `node`, `code-interpreter`.
+    pub kind: String,
+    /// Debian suite (`debian` only; default `bookworm`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub suite: Option<String>,
+    /// Debian packages to add (`debian` only; at most 256).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub packages: Vec<String>,
+    /// The image's name (`debian` only; default `debian-SUITE`). A preset
+    /// is named after itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+/// One line of `POST /v1/images/build`'s NDJSON answer: progress lines as
+/// they come, then `done` with the image or `error` with its code.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ImageBuildEvent {
+    /// A line of the builder's progress (mmdebstrap's own, or ours).
+    Log {
+        line: String,
+    },
+    /// Progress lines a slow reader did not take (dropped, never queued).
+    Skipped {
+        lines: u64,
+    },
+    Done {
+        image: ImageInfo,
+    },
+    Error {
+        code: ErrorCode,
+        error: String,
+    },
 }
 
 /// One image of the store, in `GET /v1/images`.

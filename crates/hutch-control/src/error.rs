@@ -203,9 +203,8 @@ impl ControlError {
                 hutch_runtime::image::ImageError::Invalid { .. } => ErrorCode::ImageInvalid,
                 hutch_runtime::image::ImageError::LayerRefused(_) => ErrorCode::ImageLayerRefused,
                 hutch_runtime::image::ImageError::Registry(_) => ErrorCode::RegistryError,
-                hutch_runtime::image::ImageError::Build { .. } | hutch_runtime::image::ImageError::Io { .. } => {
-                    ErrorCode::Internal
-                }
+                hutch_runtime::image::ImageError::Build { .. } => ErrorCode::ImageBuildFailed,
+                hutch_runtime::image::ImageError::Io { .. } => ErrorCode::Internal,
             },
         }
     }

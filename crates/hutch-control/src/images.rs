@@ -16,8 +16,8 @@ use crate::control::{rfc3339, Control};
 use crate::error::{ControlError, Result};
 use crate::files::{Chunks, FilesError};
 use crate::ids::Caller;
-use hutch_api::{ErrorCode, ImageInfo, PullImage};
-use hutch_runtime::image::{self, archive, registry, Image, ImageError, ImageStore, Limits};
+use hutch_api::{BuildImage, ErrorCode, ImageInfo, PullImage};
+use hutch_runtime::image::{self, archive, debian, registry, Image, ImageError, ImageStore, Limits};
 use std::io::Write;
 use std::path::Path;
 
@@ -34,7 +34,69 @@ pub struct ImportImage {
     pub filename: Option<String>,
 }
 
+/// An image build the caller may start, checked whole before anything
+/// runs: made only by [`Control::check_image_build`], taken by
+/// [`Control::build_image`].
+#[derive(Debug)]
+pub struct ImageBuild(Recipe);
+
+#[derive(Debug)]
+enum Recipe {
+    Preset(String),
+    Debian(debian::DebianSpec),
+}
+
 impl Control {
+    /// Checks a `POST /v1/images/build`: an admin key, a known kind, and a
+    /// name, suite and packages mmdebstrap may be given. Nothing runs yet,
+    /// so a refusal is still a plain error answer.
+    pub fn check_image_build(&self, caller: &Caller, req: BuildImage) -> Result<ImageBuild> {
+        self.may_manage_images(caller)?;
+        if debian::is_preset(&req.kind) {
+            if req.suite.is_some() || !req.packages.is_empty() || req.name.is_some() {
+                return Err(ControlError::Invalid(format!(
+                    "preset {:?} takes no suite, packages or name; use kind `debian` for those",
+                    req.kind
+                )));
+            }
+            return Ok(ImageBuild(Recipe::Preset(req.kind)));
+        }
+        if req.kind != "debian" {
+            return Err(ControlError::Invalid(format!(
+                "unknown image kind {:?}: `debian`, `python`, `node` or `{}`",
+                req.kind.chars().take(64).collect::<String>(),
+                image::interp::NAME
+            )));
+        }
+        let suite = req.suite.unwrap_or_else(|| "bookworm".into());
+        let spec = debian::DebianSpec {
+            name: req.name.unwrap_or_else(|| format!("debian-{suite}")),
+            suite,
+            packages: req.packages.into_iter().filter(|p| !p.is_empty()).collect(),
+        };
+        check_name(&spec.name)?;
+        spec.check().map_err(from_image)?;
+        Ok(ImageBuild(Recipe::Debian(spec)))
+    }
+
+    /// Runs a checked build on a thread of its own, giving `progress` each
+    /// line as it comes. A preset that is already current is answered at
+    /// once; two builds of one preset make it once.
+    pub async fn build_image(
+        &self,
+        build: ImageBuild,
+        progress: impl Fn(&str) + Send + Sync + 'static,
+    ) -> Result<ImageInfo> {
+        let store = self.images()?;
+        let img = tokio::task::spawn_blocking(move || match build.0 {
+            Recipe::Preset(name) => debian::ensure_preset(&store, &name, &progress),
+            Recipe::Debian(spec) => debian::build(&store, &spec, &progress),
+        })
+        .await?
+        .map_err(from_image)?;
+        Ok(self.info(img).await)
+    }
+
     /// Refuses every key but an admin key: what it would make or remove is
     /// named by every key's templates.
     pub fn may_manage_images(&self, caller: &Caller) -> Result<()> {

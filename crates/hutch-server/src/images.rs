@@ -1,6 +1,6 @@
 //! The image routes that change the host's shared images (admin keys
 //! only): `POST /v1/images/import` (an archive streamed as the body),
-//! `POST /v1/images/pull`, `DELETE /v1/images/{name}` and
+//! `POST /v1/images/pull`, `POST /v1/images/build`, `DELETE /v1/images/{name}` and
 //! `POST /v1/images/gc`. `GET /v1/images` is with the templates. Parsing
 //! and rendering only; the control plane owns the store.
 
@@ -13,7 +13,7 @@ use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, post};
 use axum::{Extension, Json, Router};
-use hutch_api::{ErrorCode, ImageInfo, PullImage};
+use hutch_api::{BuildImage, ErrorCode, ImageBuildEvent, ImageInfo, PullImage};
 use hutch_control::images::{ImportImage, IMPORT_CAP};
 use std::sync::Arc;
 
@@ -23,6 +23,7 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
     Router::new()
         .route("/v1/images/import", post(import_image))
         .route("/v1/images/pull", post(pull_image))
+        .route("/v1/images/build", post(build_image))
         .route("/v1/images/gc", post(collect_images))
         .route("/v1/images/{name}", delete(delete_image))
         .route_layer(middleware::from_fn_with_state(app, crate::routes::authenticate))
@@ -101,6 +102,75 @@ pub(crate) async fn pull_image(
 ) -> Result<Response, ApiError> {
     let info = app.control.pull_image(&caller, req).await?;
     Ok((StatusCode::CREATED, Json(info)).into_response())
+}
+
+/// Progress lines a build may have waiting for a slow reader; more are
+/// counted and dropped, never queued.
+const BUILD_LOG_BACKLOG: usize = 256;
+
+#[utoipa::path(post, path = "/v1/images/build", request_body = BuildImage,
+    responses((status = 200, body = ImageBuildEvent, content_type = "application/x-ndjson",
+               description = "progress lines as they come, then `done` with the image or `error` with its code"),
+              (status = 400, body = hutch_api::ErrorBody), (status = 403, body = hutch_api::ErrorBody)))]
+pub(crate) async fn build_image(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    JsonBody(req): JsonBody<BuildImage>,
+) -> Result<Response, ApiError> {
+    // Refused before anything runs: a plain error answer.
+    let build = app.control.check_image_build(&caller, req)?;
+    let (lines_tx, mut lines) = tokio::sync::mpsc::channel::<String>(BUILD_LOG_BACKLOG);
+    let skipped = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let dropped = skipped.clone();
+    let progress = move |line: &str| {
+        let line: String = line.chars().take(4096).collect();
+        if lines_tx.try_send(line).is_err() {
+            dropped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    };
+    // The build goes on if the client leaves: what it makes is recorded.
+    let control = app.control.clone();
+    let mut done = tokio::spawn(async move { control.build_image(build, progress).await });
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    tokio::spawn(async move {
+        let skipped_event = || match skipped.swap(0, std::sync::atomic::Ordering::Relaxed) {
+            0 => None,
+            n => Some(ImageBuildEvent::Skipped { lines: n }),
+        };
+        let outcome = loop {
+            tokio::select! {
+                biased;
+                line = lines.recv() => match line {
+                    Some(line) => {
+                        for ev in skipped_event().into_iter().chain([ImageBuildEvent::Log { line }]) {
+                            let _ = tx.send(ev).await;
+                        }
+                    }
+                    None => break (&mut done).await,
+                },
+                out = &mut done => break out,
+            }
+        };
+        // Lines sent before the end are still in the channel.
+        while let Ok(line) = lines.try_recv() {
+            let _ = tx.send(ImageBuildEvent::Log { line }).await;
+        }
+        if let Some(ev) = skipped_event() {
+            let _ = tx.send(ev).await;
+        }
+        let last = match outcome {
+            Ok(Ok(image)) => ImageBuildEvent::Done { image },
+            Ok(Err(e)) => {
+                let e = ApiError::from(e);
+                ImageBuildEvent::Error { code: e.code, error: e.message }
+            }
+            Err(e) => {
+                ImageBuildEvent::Error { code: ErrorCode::Internal, error: format!("the build task failed: {e}") }
+            }
+        };
+        let _ = tx.send(last).await;
+    });
+    Ok(crate::routes::ndjson(rx))
 }
 
 #[utoipa::path(delete, path = "/v1/images/{name}", params(("name" = String, Path)),

@@ -370,7 +370,7 @@ fn wants_ndjson(headers: &HeaderMap) -> bool {
 }
 
 /// Streams events as NDJSON, one flushed line each.
-fn ndjson(mut rx: tokio::sync::mpsc::Receiver<ExecEvent>) -> Response {
+pub(crate) fn ndjson<T: serde::Serialize + Send + 'static>(mut rx: tokio::sync::mpsc::Receiver<T>) -> Response {
     let (tx, body_rx) = tokio::sync::mpsc::channel(16);
     tokio::spawn(async move {
         while let Some(ev) = rx.recv().await {

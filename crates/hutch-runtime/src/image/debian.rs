@@ -31,6 +31,10 @@ pub fn is_preset(name: &str) -> bool {
     PRESETS.iter().any(|(n, _, _)| *n == name) || name == super::interp::NAME
 }
 
+fn invalid(name: &str, reason: String) -> ImageError {
+    ImageError::Invalid { name: name.to_owned(), reason }
+}
+
 fn build_err(name: &str, reason: impl Into<String>) -> ImageError {
     ImageError::Build { name: name.to_owned(), reason: reason.into() }
 }
@@ -85,6 +89,27 @@ pub(crate) struct Extra {
     pub source: Option<String>,
 }
 
+impl DebianSpec {
+    /// Refuses a name, suite or package list mmdebstrap must not be given
+    /// (nothing here reaches a shell, but every word is still checked).
+    pub fn check(&self) -> Result<(), ImageError> {
+        let name = self.name.as_str();
+        if !super::valid_name(name) || name == super::BASE {
+            return Err(invalid(name, "not a valid image name".into()));
+        }
+        if !(1..=32).contains(&self.suite.len()) || !self.suite.bytes().all(|b| b.is_ascii_lowercase() || b == b'-') {
+            return Err(invalid(name, format!("{:?} is not a Debian suite", self.suite)));
+        }
+        if self.packages.len() > 256 {
+            return Err(invalid(name, "at most 256 packages".into()));
+        }
+        if let Some(bad) = self.packages.iter().find(|p| !valid_package(p)) {
+            return Err(invalid(name, format!("{bad:?} is not a Debian package name")));
+        }
+        Ok(())
+    }
+}
+
 /// Builds a Debian image with mmdebstrap and records it. `progress` gets
 /// mmdebstrap's own progress lines (`I: downloading packages...`) as they
 /// come.
@@ -98,19 +123,8 @@ pub(crate) fn build_with(
     extra: &Extra,
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<Image, ImageError> {
+    spec.check()?;
     let name = spec.name.as_str();
-    if !super::valid_name(name) || name == super::BASE {
-        return Err(ImageError::Invalid { name: name.to_owned(), reason: "not a valid image name".into() });
-    }
-    if !(1..=32).contains(&spec.suite.len()) || !spec.suite.bytes().all(|b| b.is_ascii_lowercase() || b == b'-') {
-        return Err(build_err(name, format!("{:?} is not a Debian suite", spec.suite)));
-    }
-    if spec.packages.len() > 256 {
-        return Err(build_err(name, "at most 256 packages"));
-    }
-    if let Some(bad) = spec.packages.iter().find(|p| !valid_package(p)) {
-        return Err(build_err(name, format!("{bad:?} is not a Debian package name")));
-    }
     let mirror = host_mirror(Path::new("/etc/apt"));
     let mut cmd = Command::new("mmdebstrap");
     cmd.arg("--variant=minbase").arg("--format=tar").arg("--mode=root");

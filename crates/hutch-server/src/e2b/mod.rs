@@ -220,7 +220,9 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         }
         ErrorCode::AccessTokenWrongTarget => ("permission_denied", StatusCode::FORBIDDEN),
         ErrorCode::AccessGrantCapacity => ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS),
-        ErrorCode::SandboxPortUnreachable | ErrorCode::RegistryError => ("unavailable", StatusCode::BAD_GATEWAY),
+        ErrorCode::SandboxPortUnreachable | ErrorCode::RegistryError | ErrorCode::ImageBuildFailed => {
+            ("unavailable", StatusCode::BAD_GATEWAY)
+        }
         ErrorCode::Forbidden => ("permission_denied", StatusCode::FORBIDDEN),
         ErrorCode::QuotaExceeded => ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS),
         ErrorCode::MethodNotAllowed => ("unimplemented", StatusCode::METHOD_NOT_ALLOWED),

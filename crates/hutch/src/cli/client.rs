@@ -500,6 +500,13 @@ impl Client {
         self.json(&url, self.authed("POST", &url), Payload::Json(to_value(req)))
     }
 
+    /// `POST /v1/images/build` (admin keys): NDJSON `ImageBuildEvent`s, the
+    /// last one `done` or `error`. The build takes minutes: no read timeout.
+    pub fn build_image(&self, req: &hutch_api::BuildImage) -> Result<Body> {
+        let url = self.url(&["images", "build"]);
+        self.body(&url, self.authed("POST", &url).set("Accept", "application/x-ndjson"), Payload::Json(to_value(req)))
+    }
+
     /// `DELETE /v1/images/{name}` (admin keys).
     pub fn delete_image(&self, name: &str) -> Result<()> {
         let url = self.url(&["images", name]);

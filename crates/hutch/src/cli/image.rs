@@ -4,8 +4,8 @@
 //! listing take an admin key), from any machine that reaches it. With
 //! `--local` they work on the store of `--state-dir` directly instead (as
 //! root on the host, no daemon needed: for `hutch run --image`). Debian
-//! builds and presets (mmdebstrap) always run on the host, in that store;
-//! a preset is also built by the daemon on the first template that names it.
+//! builds and presets (mmdebstrap) run on the daemon's host either way; a
+//! preset is also built by the daemon on the first template that names it.
 
 use super::output::table;
 use super::{report, ClientOpts};
@@ -15,6 +15,8 @@ use hutch_runtime::image::{self, debian, registry, ImageError, ImageStore, Limit
 use std::io::Write;
 use std::sync::Mutex;
 use std::time::Instant;
+
+const DEFAULT_SUITE: &str = "bookworm";
 
 #[derive(Args, Debug)]
 pub struct ImageArgs {
@@ -30,13 +32,14 @@ pub struct ImageArgs {
 
 #[derive(Subcommand, Debug)]
 pub enum ImageCommand {
-    /// Build an image on the daemon's host (as root, in --state-dir): `debian`
-    /// (mmdebstrap, minbase) or a preset (`python`, `node`, `code-interpreter`).
+    /// Build an image on the daemon's host (admin key; with --local, in
+    /// --state-dir as root): `debian` (mmdebstrap, minbase) or a preset
+    /// (`python`, `node`, `code-interpreter`).
     Build {
         /// `debian`, `python`, `node` or `code-interpreter`.
         kind: String,
         /// Debian suite (debian only).
-        #[arg(long, default_value = "bookworm")]
+        #[arg(long, default_value = DEFAULT_SUITE)]
         suite: String,
         /// Packages to add, comma-separated (debian only).
         #[arg(long, value_delimiter = ',')]
@@ -97,33 +100,31 @@ fn coded(e: ImageError) -> anyhow::Error {
 
 fn run(args: ImageArgs) -> anyhow::Result<i32> {
     let show = |img: &hutch_api::ImageInfo| println!("{} ({} layers, {})", img.name, img.layers, img.source);
-    if let ImageCommand::Build { kind, suite, packages, name } = args.command {
-        let store = ImageStore::open(&args.client.state_dir).map_err(coded).context("opening the image store")?;
-        let progress = progress_printer();
-        let img = if debian::is_preset(&kind) {
-            if !packages.is_empty() || name.is_some() {
-                anyhow::bail!("a preset takes no --packages or --name; use `hutch image build debian` for those");
-            }
-            debian::ensure_preset(&store, &kind, &progress).map_err(coded)?
-        } else if kind == "debian" {
-            let spec = debian::DebianSpec {
-                name: name.unwrap_or_else(|| format!("debian-{suite}")),
-                suite,
-                packages: packages.into_iter().filter(|p| !p.is_empty()).collect(),
-            };
-            debian::build(&store, &spec, &progress).map_err(coded)?
-        } else {
-            anyhow::bail!("unknown image kind {kind:?}: use debian, python, node or code-interpreter");
-        };
-        println!("{} ({} layers, {})", img.name, img.layers.len(), img.source);
-        return Ok(0);
-    }
     if args.local {
         return run_local(&args.client.state_dir, args.command);
     }
     let client = args.client.client()?;
     match args.command {
-        ImageCommand::Build { .. } => unreachable!("handled above"),
+        ImageCommand::Build { kind, suite, packages, name } => {
+            let suite = (suite != DEFAULT_SUITE).then_some(suite);
+            let req = hutch_api::BuildImage { kind, suite, packages, name };
+            let progress = progress_printer();
+            let mut image = None;
+            for line in client.build_image(&req)?.lines() {
+                let line = line.context("reading the build's progress")?;
+                match serde_json::from_str::<hutch_api::ImageBuildEvent>(&line) {
+                    Ok(hutch_api::ImageBuildEvent::Log { line }) => progress(&line),
+                    Ok(hutch_api::ImageBuildEvent::Skipped { lines }) => progress(&format!("({lines} lines skipped)")),
+                    Ok(hutch_api::ImageBuildEvent::Done { image: img }) => image = Some(img),
+                    Ok(hutch_api::ImageBuildEvent::Error { code, error }) => {
+                        anyhow::bail!("{error} [{}]", code.as_str())
+                    }
+                    Err(e) => anyhow::bail!("unexpected line from the daemon: {e}"),
+                }
+            }
+            let img = image.context("the daemon ended the build's answer without an outcome")?;
+            show(&img);
+        }
         ImageCommand::Import { file, name } => {
             let img = if file.as_os_str() == "-" {
                 client.import_image(std::io::stdin().lock(), None, name.as_deref(), None)?
@@ -184,6 +185,29 @@ fn print_images<T: serde::Serialize>(
 
 /// `--local`: the same commands on the store of `state_dir` itself.
 fn run_local(state_dir: &std::path::Path, command: ImageCommand) -> anyhow::Result<i32> {
+    if let ImageCommand::Build { kind, suite, packages, name } = command {
+        let store = ImageStore::open(state_dir).map_err(coded).context("opening the image store")?;
+        let progress = progress_printer();
+        let img = if debian::is_preset(&kind) {
+            if !packages.is_empty() || name.is_some() || suite != DEFAULT_SUITE {
+                anyhow::bail!(
+                    "a preset takes no --suite, --packages or --name; use `hutch image build debian` for those"
+                );
+            }
+            debian::ensure_preset(&store, &kind, &progress).map_err(coded)?
+        } else if kind == "debian" {
+            let spec = debian::DebianSpec {
+                name: name.unwrap_or_else(|| format!("debian-{suite}")),
+                suite,
+                packages: packages.into_iter().filter(|p| !p.is_empty()).collect(),
+            };
+            debian::build(&store, &spec, &progress).map_err(coded)?
+        } else {
+            anyhow::bail!("unknown image kind {kind:?}: use debian, python, node or code-interpreter");
+        };
+        println!("{} ({} layers, {})", img.name, img.layers.len(), img.source);
+        return Ok(0);
+    }
     let store = ImageStore::open(state_dir).map_err(coded).context("opening the image store")?;
     let show = |img: &image::Image| println!("{} ({} layers, {})", img.name, img.layers.len(), img.source);
     match command {

@@ -119,7 +119,8 @@ class PortAccessError(HutchError):
 
 class ServerError(HutchError):
     """The daemon failed (`internal`), is shutting down (`unavailable`), or
-    the registry of a pull failed (`registry_error`)."""
+    the registry of a pull or an image build on the host failed
+    (`registry_error`, `image_build_failed`)."""
 
 
 # ---- the SDK's own
@@ -191,6 +192,7 @@ CODE_CLASSES: Dict[str, Type[HutchError]] = {
     "internal": ServerError,
     "unavailable": ServerError,
     "registry_error": ServerError,
+    "image_build_failed": ServerError,
 }
 
 
