@@ -59,6 +59,7 @@ export async function call(method, path, opts = {}) {
 export const get = (path, opts) => call("GET", path, opts);
 export const post = (path, json, opts = {}) => call("POST", path, { ...opts, json: json ?? {} });
 export const del = (path) => call("DELETE", path);
+export const patch = (path, json) => call("PATCH", path, { json });
 
 /** A path with a query string built from `params` (undefined ones left out). */
 export function withQuery(path, params) {

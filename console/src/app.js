@@ -1,5 +1,6 @@
 // The console's shell: sign-in, navigation (the URL's hash names the view)
-// and the list views: sandboxes, templates with their builds, snapshots.
+// and the list views: sandboxes, templates with their builds, snapshots,
+// volumes.
 
 import * as api from "./api.js";
 import { el, fill, bytes, duration, secondsUntil } from "./dom.js";
@@ -94,8 +95,10 @@ function route() {
   report(null);
   const [, view, arg] = location.hash.split("/");
   for (const a of nav.querySelectorAll("a")) a.classList.toggle("current", a.getAttribute("href") === `#/${view}`);
-  // Volumes: a `volumes` view (and a link in index.html's nav) once the API has them.
-  const views = { sandboxes: sandboxesView, sandbox: sandboxView, templates: templatesView, snapshots: snapshotsView };
+  const views = {
+    sandboxes: sandboxesView, sandbox: sandboxView, templates: templatesView, snapshots: snapshotsView,
+    volumes: volumesView,
+  };
   const show = views[view] || sandboxesView;
   leave = show(main, arg ? decodeURIComponent(arg) : undefined) || (() => {});
 }
@@ -253,7 +256,7 @@ async function followLog(path, pre, signal) {
 }
 
 // ---------------------------------------------------------------------------
-// Snapshots (volumes get their own view here when the API has them)
+// Snapshots
 
 function snapshotsView(root) {
   const body = el("tbody");
@@ -275,6 +278,56 @@ function snapshotsView(root) {
     if (!list.snapshots.length) body.append(el("tr", {}, el("td", { colspan: 6, class: "muted" }, "No snapshots.")));
   };
   load().catch(report);
+}
+
+// ---------------------------------------------------------------------------
+// Volumes: made here, mounted by sandboxes at their creation (the API's
+// `volumes`), grown (never shrunk) and deleted when no sandbox mounts them.
+
+function volumesView(root) {
+  const body = el("tbody");
+  const name = el("input", { id: "volume-name", required: true, pattern: "[a-z0-9][a-z0-9._\\-]{0,62}", placeholder: "data", size: 16 });
+  const size = el("input", { id: "volume-size", type: "number", min: 1, value: 1024, size: 7 });
+  const create = el("form", { class: "inline", id: "create-volume" },
+    el("label", { for: "volume-name" }, "Name"), name,
+    el("label", { for: "volume-size" }, "MiB"), size,
+    el("button", { class: "primary", type: "submit" }, "Create volume"));
+  fill(root,
+    el("section", {}, el("h2", {}, "New volume"), create),
+    el("section", {}, el("h2", {}, "Volumes"),
+      el("table", { id: "volumes" },
+        el("thead", {}, el("tr", {}, ["name", "id", "size", "used", "mounted by", "created", ""].map((h) => el("th", {}, h)))),
+        body)));
+  const volumePath = (v) => `/v1/volumes/${encodeURIComponent(v.id)}`;
+  const load = async () => {
+    const list = await api.get("/v1/volumes");
+    fill(body, list.volumes.map((v) => el("tr", { "data-id": v.id },
+      el("td", {}, v.name), el("td", { class: "mono" }, v.id),
+      el("td", { class: "num" }, bytes(v.size_mib * 1048576)), el("td", { class: "num" }, bytes(v.used_bytes)),
+      el("td", {}, ...v.mounted_by.map((m) => el("div", {},
+        el("a", { href: `#/sandbox/${encodeURIComponent(m.sandbox_id)}`, class: "mono" }, m.sandbox_id),
+        ` at ${m.path}${m.read_only ? " (read-only)" : ""}`))),
+      el("td", {}, v.created_at),
+      el("td", { class: "actions" },
+        el("button", { type: "button", "data-action": "grow", onclick: () => attempt(async () => {
+          await api.patch(volumePath(v), { size_mib: v.size_mib * 2 });
+          await load();
+        }) }, "double size"),
+        el("button", { type: "button", class: "danger", "data-action": "delete", onclick: () => attempt(async () => {
+          await api.del(volumePath(v));
+          await load();
+        }) }, "delete")))));
+    if (!list.volumes.length) body.append(el("tr", {}, el("td", { colspan: 7, class: "muted" }, "No volumes.")));
+  };
+  create.addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    attempt(async () => {
+      await api.post("/v1/volumes", { name: name.value, size_mib: Number(size.value) });
+      name.value = "";
+      await load();
+    });
+  });
+  return every(POLL_MS, load);
 }
 
 // ---------------------------------------------------------------------------

@@ -197,6 +197,37 @@ def test_the_console_follows_a_build_log_as_text_and_lists_snapshots(watched: Wa
     assert watched.errors == [], (watched.errors, watched.failed)
 
 
+def test_the_console_makes_grows_and_deletes_volumes(watched: Watched, daemon: Daemon):
+    user = daemon.new_client("console-volumes")
+    page = watched.page
+    watched.sign_in(user.key)
+    page.click('#nav a[href="#/volumes"]')
+    page.fill("#volume-name", "console-vol")
+    page.fill("#volume-size", "64")
+    page.click("#create-volume button[type=submit]")
+    row = page.locator('#volumes tr:has-text("console-vol")')
+    expect(row).to_contain_text("64.0 MiB")
+    vols = user.get("/v1/volumes").json()["volumes"]
+    assert [v["name"] for v in vols] == ["console-vol"], vols
+    vid = vols[0]["id"]
+    sb = user.create(volumes=[{"name": "console-vol", "path": "/data"}])
+    try:
+        # The list is read again while shown: the mount appears.
+        expect(row).to_contain_text(sb["id"])
+        expect(row).to_contain_text("at /data")
+        row.locator('button[data-action="grow"]').click()
+        expect(row).to_contain_text("128.0 MiB")
+        assert user.get(f"/v1/volumes/{vid}").json()["size_mib"] == 128
+    finally:
+        expect_status(user.delete(f"/v1/sandboxes/{sb['id']}"), (200, 204))
+    wait_for("the volume to be released", lambda: user.get(f"/v1/volumes/{vid}").json()["mounted_by"] == [])
+    expect(row).not_to_contain_text(sb["id"])
+    row.locator('button[data-action="delete"]').click()
+    expect(page.locator("#volumes tbody")).to_contain_text("No volumes.")
+    expect_error(user.get(f"/v1/volumes/{vid}"), 404, "volume_not_found")
+    assert watched.errors == [], (watched.errors, watched.failed)
+
+
 def build_context(dockerfile: str) -> bytes:
     """A tar.gz build context holding only `dockerfile`."""
     buf = io.BytesIO()
