@@ -422,6 +422,7 @@ def stdout_of(events: list[dict]) -> str:
 # table, links), so daemons side by side never touch each other's, also
 # those of another test session running at the same time on this host.
 sys.path.insert(0, str(REPO / "tests"))
+from host_cleanup import unmount_under  # noqa: E402
 from net_instances import NetInstance  # noqa: E402
 
 
@@ -679,17 +680,6 @@ class Daemon:
         left += [f"socket {s}" for s in socks]
         left += [f"uid slot {n} held for {o!r}" for n, o in slot_owners(self.run_dir).items()]
         return sorted(set(left))
-
-
-def unmount_under(root: Path) -> None:
-    """Lazily unmounts every mount at or below `root` (deepest first)."""
-    points = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        point = line.split(" ")[4].encode().decode("unicode_escape")
-        if point == str(root) or point.startswith(str(root) + "/"):
-            points.append(point)
-    for point in sorted(set(points), key=len, reverse=True):
-        subprocess.run(["umount", "-l", point], capture_output=True, timeout=30)
 
 
 def wait_cleaned(d: Daemon, sandbox_id: str, timeout: float = 10.0) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ import pytest
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from host_cleanup import unmount_under  # noqa: E402
 from net_instances import NetInstance  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -142,6 +144,10 @@ class E2bDaemon:
                 self.terminate()
         finally:
             self.net.release()
+            # The storage image stays mounted when sandboxes outlived the
+            # daemon: unmounted (lazily), then the whole root goes.
+            unmount_under(self.root)
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
