@@ -569,7 +569,9 @@ impl Control {
             .transpose()
         };
         let kinds = match f.kinds {
-            Some(k) => parse_kinds(k).map_err(ControlError::Invalid)?.into_iter().map(|k| k.as_str().to_owned()).collect(),
+            Some(k) => {
+                parse_kinds(k).map_err(ControlError::Invalid)?.into_iter().map(|k| k.as_str().to_owned()).collect()
+            }
             None => Vec::new(),
         };
         let sandbox_id = f.sandbox.map(|s| crate::ids::SandboxId::parse(s).map(|s| s.to_string())).transpose()?;

@@ -104,12 +104,15 @@ impl Cidr {
         s.split(',').map(str::trim).filter(|p| !p.is_empty()).map(Cidr::parse).collect()
     }
 
+    /// Whether `ip` is in the range, as written or (an IPv4-mapped IPv6
+    /// address) as the IPv4 address it carries.
     pub fn contains(&self, ip: IpAddr) -> bool {
-        match (self.addr, canonical(ip)) {
+        let within = |ip: IpAddr| match (self.addr, ip) {
             (IpAddr::V4(net), IpAddr::V4(ip)) => prefix_eq(&net.octets(), &ip.octets(), self.prefix),
             (IpAddr::V6(net), IpAddr::V6(ip)) => prefix_eq(&net.octets(), &ip.octets(), self.prefix),
             _ => false,
-        }
+        };
+        within(ip) || within(canonical(ip))
     }
 }
 
@@ -243,7 +246,8 @@ pub fn parse_types(types: &[String]) -> std::result::Result<Vec<String>, String>
 /// Why an address is never a webhook's, whatever the operator allows.
 fn never(ip: IpAddr, sandbox_nets: &[Cidr]) -> Option<&'static str> {
     let ip = canonical(ip);
-    let metadata = [IpAddr::V4(Ipv4Addr::new(169, 254, 169, 254)), IpAddr::V6(Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254))];
+    let metadata =
+        [IpAddr::V4(Ipv4Addr::new(169, 254, 169, 254)), IpAddr::V6(Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254))];
     if metadata.contains(&ip) {
         return Some("a cloud metadata address");
     }
@@ -281,14 +285,24 @@ fn unless_allowed(ip: IpAddr, host: &[IpAddr]) -> Option<&'static str> {
         return Some("one of this host's addresses");
     }
     let private = match ip {
-        IpAddr::V4(v4) => v4.is_private() || Cidr { addr: IpAddr::V4(Ipv4Addr::new(100, 64, 0, 0)), prefix: 10 }.contains(ip) || v4.octets()[0] == 0,
+        IpAddr::V4(v4) => {
+            v4.is_private()
+                || Cidr { addr: IpAddr::V4(Ipv4Addr::new(100, 64, 0, 0)), prefix: 10 }.contains(ip)
+                || v4.octets()[0] == 0
+        }
         IpAddr::V6(v6) => (v6.segments()[0] & 0xfe00) == 0xfc00,
     };
     private.then_some("a private address")
 }
 
 /// Whether a delivery may go to `ip` over `https` (or not): why not.
-pub fn check_addr(ip: IpAddr, https: bool, policy: &Policy, host: &[IpAddr], sandbox_nets: &[Cidr]) -> std::result::Result<(), String> {
+pub fn check_addr(
+    ip: IpAddr,
+    https: bool,
+    policy: &Policy,
+    host: &[IpAddr],
+    sandbox_nets: &[Cidr],
+) -> std::result::Result<(), String> {
     if let Some(why) = never(ip, sandbox_nets) {
         return Err(format!("{ip} is {why}; webhooks never go there"));
     }
@@ -297,7 +311,9 @@ pub fn check_addr(ip: IpAddr, https: bool, policy: &Policy, host: &[IpAddr], san
         return Ok(());
     }
     if !https {
-        return Err(format!("{ip} is not in a range the operator allows http:// to (--webhook-allow-http); use https://"));
+        return Err(format!(
+            "{ip} is not in a range the operator allows http:// to (--webhook-allow-http); use https://"
+        ));
     }
     if let Some(why) = unless_allowed(ip, host) {
         return Err(format!("{ip} is {why}; webhooks go there only when the operator allows its range"));
@@ -587,7 +603,9 @@ impl Control {
             return Err(ControlError::Invalid("limit must be 1 to 1000".into()));
         }
         let before = cursor
-            .map(|c| c.parse::<i64>().ok().filter(|v| *v > 0).ok_or_else(|| ControlError::Invalid("invalid cursor".into())))
+            .map(|c| {
+                c.parse::<i64>().ok().filter(|v| *v > 0).ok_or_else(|| ControlError::Invalid("invalid cursor".into()))
+            })
             .transpose()?;
         let mut rows = self.db(move |s| s.list_deliveries(&w.id, before, limit + 1)).await?;
         let more = rows.len() > limit as usize;
@@ -655,9 +673,13 @@ impl Control {
         let attempts = d.attempts + 1;
         let base = self.events.settings.webhooks.retry_base;
         let a = match sent {
-            Ok(code) if (200..300).contains(&code) => {
-                Attempt { at: now, status: DeliveryStatus::Delivered, next_at: None, http_status: Some(code), error: None }
-            }
+            Ok(code) if (200..300).contains(&code) => Attempt {
+                at: now,
+                status: DeliveryStatus::Delivered,
+                next_at: None,
+                http_status: Some(code),
+                error: None,
+            },
             other => {
                 let (code, error) = match other {
                     Ok(code) => (Some(code), format!("the receiver answered HTTP {code}")),
@@ -721,7 +743,9 @@ mod tests {
     fn addresses_are_refused_by_default_and_allowed_by_range() {
         let none = Policy::default();
         let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
-        for bad in ["127.0.0.1", "::1", "169.254.169.254", "fd00:ec2::254", "10.1.2.3", "192.168.1.1", "0.0.0.0", "fe80::1"] {
+        for bad in
+            ["127.0.0.1", "::1", "169.254.169.254", "fd00:ec2::254", "10.1.2.3", "192.168.1.1", "0.0.0.0", "fe80::1"]
+        {
             assert!(check_addr(ip(bad), true, &none, &[], &[]).is_err(), "{bad}");
         }
         assert!(check_addr(ip("93.184.216.34"), true, &none, &[], &[]).is_ok());
@@ -730,7 +754,10 @@ mod tests {
         let lo = Policy { allow_http: vec![Cidr::parse("127.0.0.1/32").expect("ok")], ..Policy::default() };
         assert!(check_addr(ip("127.0.0.1"), false, &lo, &[], &[]).is_ok());
         // Metadata, link-local and sandbox networks: never, whatever is allowed.
-        let all = Policy { allow_http: vec![Cidr::parse("0.0.0.0/0").expect("ok"), Cidr::parse("::/0").expect("ok")], ..Policy::default() };
+        let all = Policy {
+            allow_http: vec![Cidr::parse("0.0.0.0/0").expect("ok"), Cidr::parse("::/0").expect("ok")],
+            ..Policy::default()
+        };
         let nets = [Cidr::parse("10.88.0.0/16").expect("ok")];
         for bad in ["169.254.169.254", "fd00:ec2::254", "169.254.1.1", "fe80::1", "10.88.0.5"] {
             assert!(check_addr(ip(bad), false, &all, &[], &nets).is_err(), "{bad}");

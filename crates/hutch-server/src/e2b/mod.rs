@@ -223,7 +223,9 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         ErrorCode::AccessGrantCapacity => ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS),
         ErrorCode::SandboxPortUnreachable | ErrorCode::RegistryError => ("unavailable", StatusCode::BAD_GATEWAY),
         ErrorCode::Forbidden => ("permission_denied", StatusCode::FORBIDDEN),
-        ErrorCode::QuotaExceeded | ErrorCode::WebhookLimitReached => ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS),
+        ErrorCode::QuotaExceeded | ErrorCode::WebhookLimitReached => {
+            ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS)
+        }
         ErrorCode::MethodNotAllowed => ("unimplemented", StatusCode::METHOD_NOT_ALLOWED),
         ErrorCode::Conflict => ("aborted", StatusCode::CONFLICT),
         ErrorCode::SnapshotNameTaken
