@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from api_bench import RELEASE, Daemon, check  # noqa: E402
+from net_instances import NetInstance  # noqa: E402
 
 
 def main() -> int:
@@ -32,8 +34,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--execs", type=int, default=600)
     a = p.parse_args()
-    on = Daemon(a.binary, env_extra={"HUTCH_NET_INSTANCE": "7"})
-    off = Daemon(a.binary, env_extra={"HUTCH_NET_INSTANCE": "8"}, args=["--no-events"])
+    # Network instances no other daemon on this host holds.
+    nets = [NetInstance.claim(), NetInstance.claim()]
+    on = Daemon(a.binary, env_extra={"HUTCH_NET_INSTANCE": str(nets[0].number)})
+    off = Daemon(a.binary, env_extra={"HUTCH_NET_INSTANCE": str(nets[1].number)}, args=["--no-events"])
     try:
         ds = {"on": on, "off": off}
         ss = {k: d.session() for k, d in ds.items()}
@@ -83,6 +87,8 @@ def main() -> int:
     finally:
         on.stop()
         off.stop()
+        for n in nets:
+            n.release()
     return 0
 
 
