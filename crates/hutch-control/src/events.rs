@@ -647,7 +647,12 @@ impl Control {
             }
             // Then live.
             loop {
-                match rx.recv().await {
+                // A client gone is noticed while nothing happens too.
+                let got = tokio::select! {
+                    got = rx.recv() => got,
+                    () = tx.closed() => return,
+                };
+                match got {
                     Ok(r) => {
                         if r.id <= last {
                             continue;
