@@ -308,6 +308,12 @@ def test_deliveries_are_signed_and_retried_after_failures(own_daemon: Daemon):
         w = r.json()
         assert w["secret"].startswith("whsec_") and w["events"] == ["sandbox.created"], w
         assert "secret" not in api.get(f"/v1/webhooks/{w['id']}").json()
+        # Audited as any create, naming what it made (never its secret).
+        row = wait_for(
+            "the create's audit row",
+            lambda: next((e for e in api.get("/v1/audit").json()["entries"] if e["route"] == "/v1/webhooks"), None),
+        )
+        assert row["targets"]["created"] == w["id"] and w["secret"] not in json.dumps(row), row
         sid = api.create()["id"]
         d = wait_for(
             "the delivery to succeed on its third attempt",
