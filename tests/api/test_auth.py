@@ -20,6 +20,12 @@ PROTECTED = [
     ("GET", "/v1/sandboxes/sb-0000000000000000/processes"),
     ("GET", "/v1/sandboxes/sb-0000000000000000/metrics"),
     ("POST", "/v1/executions"),
+    ("GET", "/v1/events"),
+    ("GET", "/v1/events/stream"),
+    ("GET", "/v1/webhooks"),
+    ("POST", "/v1/webhooks"),
+    ("GET", "/v1/webhooks/wh-0000000000000000/deliveries"),
+    ("DELETE", "/v1/webhooks/wh-0000000000000000"),
     ("GET", "/metrics"),
 ]
 

@@ -151,6 +151,13 @@ pub enum ErrorCode {
     /// mirror) failed; the message carries the builder's last lines.
     /// Nothing was recorded.
     ImageBuildFailed,
+    /// A webhook's URL is not `https://` (nor `http://` to an address the
+    /// operator allows), names an address webhooks never reach (the host's
+    /// own, loopback, link-local and cloud metadata, sandbox networks), or
+    /// does not resolve; nothing was made.
+    WebhookUrlRefused,
+    /// The key has as many webhooks as it may have; delete one first.
+    WebhookLimitReached,
 }
 
 impl ErrorCode {
@@ -175,7 +182,8 @@ impl ErrorCode {
             | ErrorCode::VolumePathInvalid
             | ErrorCode::VolumeShrinkRefused
             | ErrorCode::ImageInvalid
-            | ErrorCode::ImageLayerRefused => 400,
+            | ErrorCode::ImageLayerRefused
+            | ErrorCode::WebhookUrlRefused => 400,
             ErrorCode::NotFound | ErrorCode::VolumeNotFound => 404,
             ErrorCode::MethodNotAllowed => 405,
             ErrorCode::IdempotencyConflict
@@ -196,7 +204,8 @@ impl ErrorCode {
             ErrorCode::SandboxCommandCapacity
             | ErrorCode::SandboxCapacityUnavailable
             | ErrorCode::AccessGrantCapacity
-            | ErrorCode::QuotaExceeded => 429,
+            | ErrorCode::QuotaExceeded
+            | ErrorCode::WebhookLimitReached => 429,
             ErrorCode::Internal => 500,
             ErrorCode::SandboxPortUnreachable | ErrorCode::RegistryError | ErrorCode::ImageBuildFailed => 502,
             ErrorCode::SandboxStartFailed
@@ -261,6 +270,8 @@ impl ErrorCode {
             ErrorCode::ImageLayerRefused => "image_layer_refused",
             ErrorCode::RegistryError => "registry_error",
             ErrorCode::ImageBuildFailed => "image_build_failed",
+            ErrorCode::WebhookUrlRefused => "webhook_url_refused",
+            ErrorCode::WebhookLimitReached => "webhook_limit_reached",
         }
     }
 }
@@ -1464,6 +1475,96 @@ pub struct AuditEntry {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
 pub struct AuditList {
     pub entries: Vec<AuditEntry>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
+}
+
+/// One event (`GET /v1/events`, the SSE stream, a webhook's body): a
+/// transition or notable outcome of something the key owns.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Event {
+    /// Its place in the daemon's one sequence, increasing: the cursor, and
+    /// the SSE stream's `id:`.
+    pub id: u64,
+    /// `sandbox.created`, `sandbox.ready`, ... (docs/api.md lists them).
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sandbox_id: Option<String>,
+    pub at: String,
+    /// The key that owns what it is about.
+    pub owner: String,
+    /// The event's own fields (`code`, `expires_at`, `template_id`, ...).
+    #[serde(flatten)]
+    #[schema(value_type = Object)]
+    pub details: serde_json::Map<String, serde_json::Value>,
+}
+
+/// `GET /v1/events`: oldest first, after the cursor.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct EventList {
+    pub events: Vec<Event>,
+    /// The cursor of the next page (the last event's id), when there may be more.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
+}
+
+/// `POST /v1/webhooks`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CreateWebhook {
+    /// `https://...`, or `http://...` to an address the operator allows.
+    pub url: String,
+    /// Event types, or `["*"]` for all.
+    pub events: Vec<String>,
+    /// The signing secret (16 to 256 bytes); one is made when none is given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+}
+
+/// A webhook. Its secret is shown once, by its create.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Webhook {
+    pub id: String,
+    pub url: String,
+    pub events: Vec<String>,
+    pub created_at: String,
+    pub owner: String,
+    /// Only in the answer of its create.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct WebhookList {
+    pub webhooks: Vec<Webhook>,
+}
+
+/// One delivery of an event to a webhook.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Delivery {
+    pub id: u64,
+    pub event_id: u64,
+    pub event_type: String,
+    /// `pending` (tried again at `next_attempt_at`), `delivered` or
+    /// `failed` (given up on).
+    pub status: String,
+    pub attempts: u32,
+    pub created_at: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_attempt_at: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_attempt_at: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_http_status: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
+/// `GET /v1/webhooks/{id}/deliveries`: newest first.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct DeliveryList {
+    pub deliveries: Vec<Delivery>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub next_cursor: Option<String>,
 }

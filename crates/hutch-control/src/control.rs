@@ -131,6 +131,8 @@ pub struct Config {
     /// A credential that reads `/metrics` (the operator's view) and nothing
     /// else, for a scraper that holds no API key.
     pub metrics_token: Option<String>,
+    /// Events and webhooks.
+    pub events: crate::events::Settings,
 }
 
 impl Config {
@@ -143,6 +145,7 @@ impl Config {
             e2b_domain: None,
             e2b_registries: Vec::new(),
             metrics_token: None,
+            events: crate::events::Settings::default(),
         }
     }
 }
@@ -175,6 +178,8 @@ pub struct Control {
     pub(crate) history: Arc<crate::history::History>,
     /// The audit log's queue and writer.
     pub(crate) audit: crate::audit::Auditor,
+    /// The event sequence, its writer's queue and the live broadcast.
+    pub(crate) events: crate::events::Events,
 }
 
 /// The stable digest of a request body, for idempotency checks.
@@ -300,6 +305,7 @@ impl Control {
             net_updates: Arc::new(Mutex::new(())),
             history: Arc::new(crate::history::History::default()),
             audit: crate::audit::Auditor::default(),
+            events: crate::events::Events::new(config.events),
         })
     }
 
@@ -318,7 +324,13 @@ impl Control {
     /// `set`; None when the sandbox was in none of the states it leaves.
     pub(crate) async fn transition(&self, id: &SandboxId, t: Transition, set: Set) -> Result<Option<SandboxRecord>> {
         let id = id.as_str().to_owned();
-        self.db(move |s| s.transition(&id, t.from(), t.to(), &set.changes())).await
+        let moved = self.db(move |s| s.transition(&id, t.from(), t.to(), &set.changes())).await?;
+        // The one place a sandbox's transitions become events: after the
+        // store's conditional update said it happened.
+        if let Some(r) = &moved {
+            self.emit_transition(t, r);
+        }
+        Ok(moved)
     }
 
     pub(crate) async fn sandbox_record(&self, id: &SandboxId) -> Result<Option<SandboxRecord>> {

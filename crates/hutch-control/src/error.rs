@@ -129,6 +129,12 @@ pub enum ControlError {
     NoWatcher(String),
     #[error("sandbox {id} already has {max} watchers; remove some first")]
     WatcherCapacity { id: String, max: usize },
+    #[error("no webhook {0}")]
+    NoWebhook(String),
+    #[error("webhook URL refused: {0}")]
+    WebhookUrl(String),
+    #[error("this key has {0} webhooks, as many as it may have; delete one first")]
+    WebhookLimit(u64),
 }
 
 fn describe(e: &Exceeded) -> String {
@@ -158,7 +164,10 @@ impl ControlError {
             | ControlError::NoBuild(_)
             | ControlError::NoGrant(_)
             | ControlError::NoSnapshot(_)
-            | ControlError::NoWatcher(_) => ErrorCode::NotFound,
+            | ControlError::NoWatcher(_)
+            | ControlError::NoWebhook(_) => ErrorCode::NotFound,
+            ControlError::WebhookUrl(_) => ErrorCode::WebhookUrlRefused,
+            ControlError::WebhookLimit(_) => ErrorCode::WebhookLimitReached,
             ControlError::BuildRefused { .. } => ErrorCode::BuildInstructionRefused,
             ControlError::StartupFailed(_) => ErrorCode::SandboxStartupFailed,
             ControlError::ReadinessTimeout(_) => ErrorCode::SandboxReadinessTimeout,

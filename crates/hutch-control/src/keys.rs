@@ -176,6 +176,9 @@ impl Control {
         let (store, kid) = (self.store.clone(), id.to_string());
         tokio::task::spawn_blocking(move || revoke(store.as_ref(), &kid)).await??;
         self.add_revoked(id);
+        let mut d = serde_json::Map::new();
+        d.insert("key_id".into(), id.to_string().into());
+        self.emit(id.as_str(), crate::events::Kind::KeyRevoked, None, d);
         self.end_sandboxes_of(id).await;
         self.forget_build_cache_of(id).await;
         Ok(())

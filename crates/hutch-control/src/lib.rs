@@ -16,6 +16,7 @@ pub mod control;
 pub mod dns;
 pub mod e2b;
 pub mod error;
+pub mod events;
 pub mod exec;
 pub mod fileops;
 pub mod files;
@@ -36,6 +37,7 @@ pub mod snapshot_export;
 pub mod snapshots;
 pub mod templates;
 pub mod volumes;
+pub mod webhooks;
 
 pub use control::{Capacity, Config, Control};
 pub use error::ControlError;

@@ -173,6 +173,8 @@ pub struct Live {
     /// The E2B API's polled directory watchers of this sandbox; they end
     /// with it.
     pub(crate) watchers: Mutex<crate::session::Watchers>,
+    /// OOM kills its cgroup counted at the reconciler's last look.
+    pub(crate) oom_seen: std::sync::atomic::AtomicU64,
 }
 
 impl Live {
@@ -187,6 +189,7 @@ impl Live {
             idle: Mutex::new(Vec::new()),
             started: Mutex::new(HashMap::new()),
             watchers: Mutex::new(crate::session::Watchers::default()),
+            oom_seen: std::sync::atomic::AtomicU64::new(0),
         })
     }
 

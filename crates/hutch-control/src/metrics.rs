@@ -216,6 +216,7 @@ impl crate::control::Control {
         let running: u64 = self.commands_running().await.iter().map(|(_, n)| n).sum();
         let mut text = self.metrics.render(&states, running, viewer);
         self.audit.render(&mut text);
+        self.render_events(&mut text);
         Ok(text)
     }
 }

@@ -89,6 +89,7 @@ impl Control {
                     live.claimed();
                 }
                 self.metrics.warm_claims_total.fetch_add(1, Ordering::Relaxed);
+                self.emit_created(r);
             }
             None if recipe.warm_min > 0 => {
                 self.metrics.warm_misses_total.fetch_add(1, Ordering::Relaxed);

@@ -47,6 +47,9 @@ impl Control {
                         continue;
                     }
                     live.set_suspended(r.state == SandboxState::Suspended);
+                    // OOM kills before the restart were told of then (or lost with it).
+                    let kills = live.handle.lock().ok().and_then(|h| h.as_ref().map(|sb| sb.cgroup.oom_kills()));
+                    live.oom_seen.store(kills.unwrap_or(0), std::sync::atomic::Ordering::SeqCst);
                     tracing::info!("adopted sandbox {id}");
                     // Archive uploads the last daemon left half done are
                     // undone (or finished); a frozen agent cannot answer,
@@ -135,7 +138,9 @@ impl Control {
         let (mut unknown, mut first_unknown) = (0usize, None);
         let revoked = self.revoked_owners().await?;
         let states = [SandboxState::Running, SandboxState::Suspended, SandboxState::Terminating, SandboxState::Paused];
-        for r in self.db(move |s| s.sandboxes_in(&states)).await? {
+        let rows = self.db(move |s| s.sandboxes_in(&states)).await?;
+        self.forget_notices(&rows.iter().map(|r| r.id.clone()).collect());
+        for r in rows {
             let id = SandboxId::from_record(&r.id);
             if r.state == SandboxState::Terminating {
                 let _ = self.destroy(&id, None).await;
@@ -160,6 +165,9 @@ impl Control {
                 }
                 let _ = self.destroy(&id, Some(reason)).await;
                 continue;
+            }
+            if matches!(r.state, SandboxState::Running | SandboxState::Suspended | SandboxState::Paused) {
+                self.watch_sandbox(&r, now);
             }
             if let Some(live) = self.live(&id) {
                 // Only a positive observation of death ends a sandbox; a

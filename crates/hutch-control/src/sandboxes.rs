@@ -217,7 +217,7 @@ impl Control {
         // is reserved (claimed with the record, below).
         let mut claims = self.volume_claims_for(owner, "", &req.volumes).await?;
         let quotas = self.quotas_of(owner).await?;
-        Self::check_ttl(&quotas, ttl)?;
+        Self::check_ttl(&quotas, ttl).map_err(|e| self.quota_refusal(owner.as_str(), e))?;
         let admission = self.admission(quotas, memory, disk)?;
         let hash = request_hash(req);
         if let Some(key) = key {
@@ -295,8 +295,8 @@ impl Control {
             c.sandbox_id = record.id.clone();
         }
         match self.db(move |s| s.insert_sandbox_claiming(&rec, &admission, &claims)).await {
-            Ok(Admitted::Inserted) => {}
-            Ok(Admitted::Refused(e)) => return Err(ControlError::Exceeded(e)),
+            Ok(Admitted::Inserted) => self.emit_created(&record),
+            Ok(Admitted::Refused(e)) => return Err(self.refused(owner.as_str(), e)),
             Ok(Admitted::VolumeInUse(v)) => return Err(self.volume_busy(&v).await),
             Ok(Admitted::VolumeGone(v)) => return Err(ControlError::NoVolume(v)),
             // A concurrent create with the same key won the race.
@@ -671,7 +671,12 @@ impl Control {
         let sid = id.to_string();
         let updated = self.db(move |s| s.set_expiry(&sid, target, false, &live)).await?;
         match updated {
-            Some(r) => Ok(view(&r)),
+            Some(r) => {
+                let mut d = serde_json::Map::new();
+                d.insert("expires_at".into(), crate::control::rfc3339(r.expires_at).into());
+                self.emit(&r.owner, crate::events::Kind::SandboxExtended, Some(&r.id), d);
+                Ok(view(&r))
+            }
             None => {
                 let r = self.record(caller, id, Need::Manage).await?;
                 Err(ControlError::NotRunning { id: id.to_string(), state: r.state })

@@ -133,7 +133,7 @@ impl Control {
         let o = owner.to_string();
         let held = self.db(move |s| s.list_snapshots(Some(&o))).await?.len() as u64;
         if let Some(max) = max.filter(|m| held >= *m) {
-            return Err(exceeded(max, held));
+            return Err(self.quota_refusal(owner.as_str(), exceeded(max, held)));
         }
         if let Some(name) = req.name.clone() {
             let o = owner.to_string();
@@ -165,9 +165,15 @@ impl Control {
         let refusal = match inserted {
             Ok(true) => {
                 self.keep_spares(record.id.clone());
+                let mut d = serde_json::Map::new();
+                d.insert("snapshot_id".into(), record.id.clone().into());
+                if let Some(name) = &record.name {
+                    d.insert("name".into(), name.clone().into());
+                }
+                self.emit(&record.owner, crate::events::Kind::SandboxSnapshotCreated, Some(&record.sandbox_id), d);
                 return Ok(view(&record));
             }
-            Ok(false) => exceeded(max.unwrap_or(0), max.unwrap_or(0)),
+            Ok(false) => self.quota_refusal(owner.as_str(), exceeded(max.unwrap_or(0), max.unwrap_or(0))),
             Err(ControlError::Store(StoreError::Conflict)) => {
                 ControlError::SnapshotNameTaken(req.name.clone().unwrap_or_default())
             }
@@ -334,7 +340,13 @@ impl Control {
             }
             // The point stays while a child lives: what their diffs compare
             // against (`release_origin`).
-            None => Ok(ForkResult { sandboxes: made }),
+            None => {
+                let mut d = serde_json::Map::new();
+                let children: Vec<serde_json::Value> = made.iter().map(|sb| sb.id.clone().into()).collect();
+                d.insert("children".into(), children.into());
+                self.emit(caller.owner.as_str(), crate::events::Kind::SandboxForked, Some(id.as_str()), d);
+                Ok(ForkResult { sandboxes: made })
+            }
         }
     }
 

@@ -186,7 +186,7 @@ impl Control {
         let rec = record.clone();
         let refusal = match self.db(move |s| s.insert_volume(&rec, &admission)).await {
             Ok(Admitted::Inserted) => return self.view_volume(&record).await,
-            Ok(Admitted::Refused(e)) => ControlError::Exceeded(e),
+            Ok(Admitted::Refused(e)) => self.refused(owner.as_str(), e),
             Ok(Admitted::VolumeInUse(_) | Admitted::VolumeGone(_)) => {
                 ControlError::Runtime("a volume insert claimed a volume".into())
             }
@@ -253,7 +253,7 @@ impl Control {
         let id = r.id.clone();
         match self.db(move |s| s.resize_volume(&id, size_mib, &admission)).await? {
             Some(Admitted::Inserted) => {}
-            Some(Admitted::Refused(e)) => return Err(ControlError::Exceeded(e)),
+            Some(Admitted::Refused(e)) => return Err(self.refused(&r.owner, e)),
             Some(Admitted::VolumeInUse(_) | Admitted::VolumeGone(_)) | None => {
                 return Err(ControlError::NoVolume(reference.chars().take(80).collect()))
             }

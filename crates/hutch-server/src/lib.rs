@@ -13,6 +13,7 @@ mod access;
 mod audit;
 mod console;
 mod e2b;
+mod events;
 mod extract;
 #[doc(hidden)]
 pub mod fuzz_api;

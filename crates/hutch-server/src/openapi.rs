@@ -69,6 +69,13 @@ use utoipa::{Modify, OpenApi};
         crate::volumes::get_one,
         crate::volumes::update,
         crate::volumes::delete_one,
+        crate::events::list,
+        crate::events::stream,
+        crate::events::create_webhook,
+        crate::events::list_webhooks,
+        crate::events::get_webhook,
+        crate::events::delete_webhook,
+        crate::events::deliveries,
     ),
     components(schemas(
         hutch_api::MetricSample, hutch_api::SandboxMetrics,
@@ -89,6 +96,8 @@ use utoipa::{Modify, OpenApi};
         hutch_api::Change,
         hutch_api::StorageKind,
         hutch_api::OnExpire,
+        hutch_api::Event, hutch_api::EventList, hutch_api::CreateWebhook, hutch_api::Webhook, hutch_api::WebhookList,
+        hutch_api::Delivery, hutch_api::DeliveryList,
     )),
     modifiers(&BearerAuth),
     security(("bearer" = []))

@@ -14,6 +14,7 @@
 //! targeted updates ([`Store::set_expiry`], [`Store::set_network`]).
 
 mod sqlite;
+mod sqlite_events;
 
 pub use hutch_api::{BuildState, OnExpire, SandboxState, StorageKind};
 pub use sqlite::SqliteStore;
@@ -180,6 +181,97 @@ pub struct AuditQuery {
     pub to: Option<i64>,
     pub before: Option<i64>,
     pub limit: u32,
+}
+
+/// One event as stored. Times are Unix milliseconds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventRecord {
+    /// Given by the daemon: one increasing sequence.
+    pub id: i64,
+    pub at: i64,
+    pub owner: String,
+    pub kind: String,
+    pub sandbox_id: Option<String>,
+    /// The event as the API shows it (JSON object).
+    pub body: String,
+}
+
+/// Which events a read wants: oldest first, after `after` (an id).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EventQuery {
+    /// None: every owner's (the admin's view).
+    pub owner: Option<String>,
+    pub kinds: Vec<String>,
+    pub sandbox_id: Option<String>,
+    /// `at` bounds, inclusive.
+    pub from: Option<i64>,
+    pub to: Option<i64>,
+    pub after: Option<i64>,
+    pub limit: u32,
+}
+
+/// A webhook as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WebhookRecord {
+    pub id: String,
+    pub owner: String,
+    pub url: String,
+    /// Event types, or `*`.
+    pub events: Vec<String>,
+    pub secret: String,
+    pub created_at: i64,
+}
+
+/// Where a delivery is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeliveryStatus {
+    Pending,
+    Delivered,
+    Failed,
+}
+
+impl DeliveryStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeliveryStatus::Pending => "pending",
+            DeliveryStatus::Delivered => "delivered",
+            DeliveryStatus::Failed => "failed",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<DeliveryStatus> {
+        [DeliveryStatus::Pending, DeliveryStatus::Delivered, DeliveryStatus::Failed]
+            .into_iter()
+            .find(|d| d.as_str() == s)
+    }
+}
+
+/// One delivery of an event to a webhook.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeliveryRecord {
+    pub id: i64,
+    pub webhook_id: String,
+    pub event_id: i64,
+    pub event_type: String,
+    pub payload: String,
+    pub status: DeliveryStatus,
+    pub attempts: u32,
+    pub created_at: i64,
+    pub next_at: Option<i64>,
+    pub last_at: Option<i64>,
+    pub last_status: Option<u16>,
+    pub last_error: Option<String>,
+}
+
+/// What one delivery attempt came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attempt {
+    pub at: i64,
+    pub status: DeliveryStatus,
+    /// When a pending one is tried again.
+    pub next_at: Option<i64>,
+    pub http_status: Option<u16>,
+    pub error: Option<String>,
 }
 
 /// What a transition sets besides the state; `None` leaves a field as it is.
@@ -541,6 +633,35 @@ pub trait Store: Send + Sync {
     fn list_audit(&self, q: &AuditQuery) -> Result<Vec<AuditRecord>>;
     /// Deletes rows older than `before`; how many.
     fn prune_audit(&self, before: i64) -> Result<u64>;
+
+    // Events and webhooks.
+    /// The highest event id stored (0 when none): where the daemon's
+    /// sequence goes on.
+    fn last_event_id(&self) -> Result<i64>;
+    /// Appends events in one transaction, and for each, a pending delivery
+    /// to every webhook of its owner that wants its type; how many
+    /// deliveries were made.
+    fn append_events(&self, rows: &[EventRecord]) -> Result<u64>;
+    /// Events matching `q`, oldest first.
+    fn list_events(&self, q: &EventQuery) -> Result<Vec<EventRecord>>;
+    /// Deletes events older than `before`, and deliveries made before it
+    /// that are no longer pending; how many events.
+    fn prune_events(&self, before: i64) -> Result<u64>;
+    /// Inserts a webhook if its owner has fewer than `max`; false otherwise.
+    fn insert_webhook(&self, w: &WebhookRecord, max: u64) -> Result<bool>;
+    fn get_webhook(&self, id: &str) -> Result<Option<WebhookRecord>>;
+    /// Oldest first; None: every owner's.
+    fn list_webhooks(&self, owner: Option<&str>) -> Result<Vec<WebhookRecord>>;
+    /// Deletes a webhook and its deliveries; false when there was none.
+    fn delete_webhook(&self, id: &str) -> Result<bool>;
+    /// A webhook's deliveries, newest first, below `before` (an id).
+    fn list_deliveries(&self, webhook_id: &str, before: Option<i64>, limit: u32) -> Result<Vec<DeliveryRecord>>;
+    /// Pending deliveries due by `now`, oldest first, with their webhook.
+    fn due_deliveries(&self, now: i64, limit: u32) -> Result<Vec<(DeliveryRecord, WebhookRecord)>>;
+    /// When the next pending delivery is due, if any is.
+    fn next_delivery_at(&self) -> Result<Option<i64>>;
+    /// Records an attempt of a delivery.
+    fn record_attempt(&self, id: i64, a: &Attempt) -> Result<()>;
 }
 
 #[cfg(test)]

@@ -22,6 +22,8 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0008_volumes", include_str!("../migrations/0008_volumes.sql")),
     ("0009_lifecycle", include_str!("../migrations/0009_lifecycle.sql")),
     ("0010_audit", include_str!("../migrations/0010_audit.sql")),
+    ("0011_events", include_str!("../migrations/0011_events.sql")),
+    ("0012_webhooks", include_str!("../migrations/0012_webhooks.sql")),
 ];
 
 /// States in which a sandbox holds resources.
@@ -71,7 +73,7 @@ impl SqliteStore {
     }
 }
 
-fn conflict(e: rusqlite::Error) -> StoreError {
+pub(crate) fn conflict(e: rusqlite::Error) -> StoreError {
     match &e {
         rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::ConstraintViolation => {
             StoreError::Conflict
@@ -1187,5 +1189,53 @@ impl Store for SqliteStore {
 
     fn prune_audit(&self, before: i64) -> Result<u64> {
         self.with(|c| Ok(c.execute("DELETE FROM audit WHERE at < ?1", [before])? as u64))
+    }
+
+    fn last_event_id(&self) -> Result<i64> {
+        self.with(crate::sqlite_events::last_event_id)
+    }
+
+    fn append_events(&self, rows: &[EventRecord]) -> Result<u64> {
+        self.with(|c| crate::sqlite_events::append_events(c, rows))
+    }
+
+    fn list_events(&self, q: &EventQuery) -> Result<Vec<EventRecord>> {
+        self.with(|c| crate::sqlite_events::list_events(c, q))
+    }
+
+    fn prune_events(&self, before: i64) -> Result<u64> {
+        self.with(|c| crate::sqlite_events::prune_events(c, before))
+    }
+
+    fn insert_webhook(&self, w: &WebhookRecord, max: u64) -> Result<bool> {
+        self.with(|c| crate::sqlite_events::insert_webhook(c, w, max))
+    }
+
+    fn get_webhook(&self, id: &str) -> Result<Option<WebhookRecord>> {
+        self.with(|c| crate::sqlite_events::get_webhook(c, id))
+    }
+
+    fn list_webhooks(&self, owner: Option<&str>) -> Result<Vec<WebhookRecord>> {
+        self.with(|c| crate::sqlite_events::list_webhooks(c, owner))
+    }
+
+    fn delete_webhook(&self, id: &str) -> Result<bool> {
+        self.with(|c| crate::sqlite_events::delete_webhook(c, id))
+    }
+
+    fn list_deliveries(&self, webhook_id: &str, before: Option<i64>, limit: u32) -> Result<Vec<DeliveryRecord>> {
+        self.with(|c| crate::sqlite_events::list_deliveries(c, webhook_id, before, limit))
+    }
+
+    fn due_deliveries(&self, now: i64, limit: u32) -> Result<Vec<(DeliveryRecord, WebhookRecord)>> {
+        self.with(|c| crate::sqlite_events::due_deliveries(c, now, limit))
+    }
+
+    fn next_delivery_at(&self) -> Result<Option<i64>> {
+        self.with(crate::sqlite_events::next_delivery_at)
+    }
+
+    fn record_attempt(&self, id: i64, a: &Attempt) -> Result<()> {
+        self.with(|c| crate::sqlite_events::record_attempt(c, id, a))
     }
 }

@@ -597,3 +597,99 @@ fn audit_rows_append_list_newest_first_and_prune() {
     let top = s.list_audit(&AuditQuery { limit: 1, ..AuditQuery::default() }).expect("list");
     assert!(top[0].seq > all[0].seq);
 }
+
+fn event(id: i64, owner: &str, kind: &str, sandbox: Option<&str>) -> EventRecord {
+    EventRecord {
+        id,
+        at: 100 + id,
+        owner: owner.into(),
+        kind: kind.into(),
+        sandbox_id: sandbox.map(str::to_owned),
+        body: format!("{{\"id\":{id},\"type\":\"{kind}\"}}"),
+    }
+}
+
+fn webhook(id: &str, owner: &str, events: &[&str]) -> WebhookRecord {
+    WebhookRecord {
+        id: id.into(),
+        owner: owner.into(),
+        url: "https://example.com/hook".into(),
+        events: events.iter().map(|e| (*e).to_owned()).collect(),
+        secret: "s".into(),
+        created_at: 1,
+    }
+}
+
+#[test]
+fn events_list_oldest_first_filtered_and_pruned() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    assert_eq!(s.last_event_id().expect("last"), 0);
+    let rows = [
+        event(1, "k1", "sandbox.created", Some("sb-1")),
+        event(2, "k2", "sandbox.created", Some("sb-2")),
+        event(3, "k1", "sandbox.ready", Some("sb-1")),
+        event(4, "k1", "key.revoked", None),
+    ];
+    assert_eq!(s.append_events(&rows).expect("append"), 0, "no webhooks, no deliveries");
+    assert_eq!(s.last_event_id().expect("last"), 4);
+    let ids = |q: EventQuery| s.list_events(&q).expect("list").iter().map(|e| e.id).collect::<Vec<_>>();
+    assert_eq!(ids(EventQuery { limit: 10, ..EventQuery::default() }), [1, 2, 3, 4]);
+    assert_eq!(ids(EventQuery { owner: Some("k1".into()), limit: 10, ..EventQuery::default() }), [1, 3, 4]);
+    assert_eq!(ids(EventQuery { owner: Some("k1".into()), after: Some(1), limit: 1, ..EventQuery::default() }), [3]);
+    assert_eq!(ids(EventQuery { kinds: vec!["sandbox.created".into()], limit: 10, ..EventQuery::default() }), [1, 2]);
+    assert_eq!(ids(EventQuery { sandbox_id: Some("sb-1".into()), limit: 10, ..EventQuery::default() }), [1, 3]);
+    assert_eq!(ids(EventQuery { from: Some(102), to: Some(103), limit: 10, ..EventQuery::default() }), [2, 3]);
+    // An id is given once.
+    assert!(s.append_events(&[event(4, "k1", "x", None)]).is_err());
+    assert_eq!(s.prune_events(103).expect("prune"), 2);
+    assert_eq!(ids(EventQuery { limit: 10, ..EventQuery::default() }), [3, 4]);
+}
+
+#[test]
+fn deliveries_are_made_with_their_events_for_matching_webhooks() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    assert!(s.insert_webhook(&webhook("wh-1", "k1", &["*"]), 2).expect("insert"));
+    assert!(s.insert_webhook(&webhook("wh-2", "k1", &["sandbox.ready"]), 2).expect("insert"));
+    assert!(!s.insert_webhook(&webhook("wh-3", "k1", &["*"]), 2).expect("insert"), "over the owner's limit");
+    assert!(s.insert_webhook(&webhook("wh-4", "k2", &["sandbox.created"]), 2).expect("insert"));
+    assert_eq!(s.get_webhook("wh-2").expect("get").expect("found").events, ["sandbox.ready"]);
+    assert_eq!(s.list_webhooks(Some("k1")).expect("list").len(), 2);
+    assert_eq!(s.list_webhooks(None).expect("list").len(), 3);
+
+    let rows = [event(1, "k1", "sandbox.created", Some("sb-1")), event(2, "k1", "sandbox.ready", Some("sb-1"))];
+    // created → wh-1; ready → wh-1 and wh-2; k2's webhook sees none of k1's.
+    assert_eq!(s.append_events(&rows).expect("append"), 3);
+    assert_eq!(s.list_deliveries("wh-4", None, 10).expect("list").len(), 0);
+    let d1 = s.list_deliveries("wh-1", None, 10).expect("list");
+    assert_eq!(d1.iter().map(|d| d.event_id).collect::<Vec<_>>(), [2, 1], "newest first");
+    assert_eq!(d1[0].status, DeliveryStatus::Pending);
+    assert_eq!(d1[0].payload, rows[1].body);
+
+    assert_eq!(s.next_delivery_at().expect("next"), Some(101));
+    assert_eq!(s.due_deliveries(101, 10).expect("due").len(), 1);
+    let due = s.due_deliveries(1000, 10).expect("due");
+    assert_eq!(due.len(), 3);
+    let (d, w) = &due[0];
+    assert_eq!((d.event_id, w.id.as_str()), (1, "wh-1"));
+    let retry = Attempt {
+        at: 1000,
+        status: DeliveryStatus::Pending,
+        next_at: Some(5000),
+        http_status: Some(500),
+        error: Some("HTTP 500".into()),
+    };
+    s.record_attempt(d.id, &retry).expect("attempt");
+    assert_eq!(s.due_deliveries(1000, 10).expect("due").len(), 2);
+    let ok =
+        Attempt { at: 5000, status: DeliveryStatus::Delivered, next_at: None, http_status: Some(200), error: None };
+    s.record_attempt(d.id, &ok).expect("attempt");
+    let d = s.list_deliveries("wh-1", None, 10).expect("list").pop().expect("one");
+    assert_eq!((d.status, d.attempts, d.last_status), (DeliveryStatus::Delivered, 2, Some(200)));
+
+    // A prune keeps pending deliveries; a delete takes a webhook's all.
+    s.prune_events(10_000).expect("prune");
+    assert_eq!(s.list_deliveries("wh-1", None, 10).expect("list").len(), 1);
+    assert!(s.delete_webhook("wh-1").expect("delete"));
+    assert!(!s.delete_webhook("wh-1").expect("delete"));
+    assert_eq!(s.list_deliveries("wh-1", None, 10).expect("list").len(), 0);
+}

@@ -100,6 +100,39 @@ pub struct ServeArgs {
     /// are pruned hourly (HUTCH_AUDIT_RETENTION).
     #[arg(long, env = "HUTCH_AUDIT_RETENTION", default_value = "90d", value_parser = crate::units::parse_duration)]
     pub audit_retention: Duration,
+    /// How long events are kept, e.g. `7d`; older ones (and finished
+    /// webhook deliveries) are pruned hourly (HUTCH_EVENT_RETENTION).
+    #[arg(long, env = "HUTCH_EVENT_RETENTION", default_value = "7d", value_parser = crate::units::parse_duration)]
+    pub event_retention: Duration,
+    /// How long before a sandbox's expiry `sandbox.expiring` is emitted
+    /// (HUTCH_EXPIRING_NOTICE).
+    #[arg(long, env = "HUTCH_EXPIRING_NOTICE", default_value = "60s", value_parser = crate::units::parse_duration)]
+    pub expiring_notice: Duration,
+    /// Address ranges (`CIDR,...`) webhooks may reach over plain http://
+    /// (and loopback, this host's and private addresses, which are refused
+    /// otherwise). Link-local and cloud metadata addresses and the sandbox
+    /// networks are never reached (HUTCH_WEBHOOK_ALLOW_HTTP).
+    #[arg(long, env = "HUTCH_WEBHOOK_ALLOW_HTTP", value_name = "CIDR,...", default_value = "",
+          value_parser = parse_cidrs)]
+    pub webhook_allow_http: CidrList,
+    /// Most webhooks one key may have (HUTCH_WEBHOOK_MAX).
+    #[arg(long, env = "HUTCH_WEBHOOK_MAX", default_value_t = 16)]
+    pub webhook_max: u64,
+    /// The first retry's wait of a failed webhook delivery; each next one
+    /// doubles it, up to an hour, for a day (HUTCH_WEBHOOK_RETRY_BASE).
+    #[arg(long, env = "HUTCH_WEBHOOK_RETRY_BASE", default_value = "10s", value_parser = crate::units::parse_duration)]
+    pub webhook_retry_base: Duration,
+    /// Emit no events (to measure what the event path costs).
+    #[arg(long, hide = true)]
+    pub no_events: bool,
+}
+
+/// `--webhook-allow-http`'s ranges.
+#[derive(Debug, Clone, Default)]
+pub struct CidrList(pub Vec<hutch_control::webhooks::Cidr>);
+
+fn parse_cidrs(s: &str) -> Result<CidrList, String> {
+    hutch_control::webhooks::Cidr::parse_list(s).map(CidrList)
 }
 
 /// How often the audit log is pruned.
@@ -358,8 +391,19 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         e2b_domain,
         e2b_registries,
         metrics_token,
+        events: hutch_control::events::Settings {
+            enabled: !args.no_events,
+            expiring_notice: args.expiring_notice,
+            webhooks: hutch_control::webhooks::Policy {
+                allow_http: args.webhook_allow_http.0.clone(),
+                max_per_key: args.webhook_max,
+                retry_base: args.webhook_retry_base,
+            },
+        },
     };
     let control = Control::new(store.clone(), runtime, config);
+    // The event sequence goes on from the store before anything emits.
+    control.start_events().await?;
     control.recover().await?;
     control.start_audit_writer();
 
@@ -374,6 +418,21 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
                 Ok(0) => {}
                 Ok(n) => tracing::info!("audit log: pruned {n} entries older than {retention:?}"),
                 Err(e) => tracing::warn!("audit log prune: {e}"),
+            }
+        }
+    });
+
+    // The events' retention: at start, then hourly.
+    let pruner = control.clone();
+    let retention = args.event_retention;
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(AUDIT_PRUNE_EVERY);
+        loop {
+            tick.tick().await;
+            match pruner.prune_events(retention).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!("events: pruned {n} older than {retention:?}"),
+                Err(e) => tracing::warn!("events prune: {e}"),
             }
         }
     });
@@ -446,6 +505,7 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     control.shut_down();
     // What the audit writer holds is written before the daemon exits.
     control.finish_audit().await;
+    control.finish_events().await;
     let _held = instance;
     // With no sandbox left, nothing of the network needs to stay.
     if let Ok(net) = network {

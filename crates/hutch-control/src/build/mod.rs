@@ -558,13 +558,16 @@ impl Control {
         let rec = record.clone();
         if !self.db(move |s| s.insert_build(&rec, quotas.builds)).await? {
             let limit = quotas.builds.unwrap_or(0);
-            return Err(ControlError::Exceeded(hutch_store::Exceeded {
-                scope: hutch_store::Scope::Owner,
-                resource: hutch_store::Resource::Builds,
-                limit,
-                used: limit,
-                asked: 1,
-            }));
+            return Err(self.refused(
+                caller.owner.as_str(),
+                hutch_store::Exceeded {
+                    scope: hutch_store::Scope::Owner,
+                    resource: hutch_store::Resource::Builds,
+                    limit,
+                    used: limit,
+                    asked: 1,
+                },
+            ));
         }
         let this = self.clone();
         let answer = view(&record);
@@ -729,8 +732,10 @@ impl Control {
         let _turn = queue.lock().await;
         rec.state = BuildState::Building;
         let r = rec.clone();
-        if let Err(e) = self.db(move |s| s.update_build(&r, &[BuildState::Queued])).await {
-            tracing::warn!("build {}: cannot record its state: {e}", rec.id);
+        match self.db(move |s| s.update_build(&r, &[BuildState::Queued])).await {
+            Ok(true) => self.emit_build(&rec, crate::events::Kind::TemplateBuildStarted),
+            Ok(false) => {}
+            Err(e) => tracing::warn!("build {}: cannot record its state: {e}", rec.id),
         }
         let outcome = self.build(&rec, Arc::new(ctx), &planned, &mut log, extra).await;
         rec.finished_at = Some(now_ms());
@@ -748,8 +753,17 @@ impl Control {
             }
         }
         let r = rec.clone();
-        if let Err(e) = self.db(move |s| s.update_build(&r, &[BuildState::Building])).await {
-            tracing::warn!("build {}: cannot record its outcome: {e}", rec.id);
+        match self.db(move |s| s.update_build(&r, &[BuildState::Building])).await {
+            Ok(false) => {}
+            Ok(true) => {
+                let kind = if rec.state == BuildState::Succeeded {
+                    crate::events::Kind::TemplateBuildSucceeded
+                } else {
+                    crate::events::Kind::TemplateBuildFailed
+                };
+                self.emit_build(&rec, kind);
+            }
+            Err(e) => tracing::warn!("build {}: cannot record its outcome: {e}", rec.id),
         }
     }
 

@@ -194,7 +194,8 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         | ErrorCode::VolumePathInvalid
         | ErrorCode::VolumeShrinkRefused
         | ErrorCode::ImageInvalid
-        | ErrorCode::ImageLayerRefused => ("invalid_argument", StatusCode::BAD_REQUEST),
+        | ErrorCode::ImageLayerRefused
+        | ErrorCode::WebhookUrlRefused => ("invalid_argument", StatusCode::BAD_REQUEST),
         ErrorCode::NotFound | ErrorCode::VolumeNotFound => ("not_found", StatusCode::NOT_FOUND),
         ErrorCode::IdempotencyConflict
         | ErrorCode::SandboxPathConflict
@@ -224,7 +225,9 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
             ("unavailable", StatusCode::BAD_GATEWAY)
         }
         ErrorCode::Forbidden => ("permission_denied", StatusCode::FORBIDDEN),
-        ErrorCode::QuotaExceeded => ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS),
+        ErrorCode::QuotaExceeded | ErrorCode::WebhookLimitReached => {
+            ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS)
+        }
         ErrorCode::MethodNotAllowed => ("unimplemented", StatusCode::METHOD_NOT_ALLOWED),
         ErrorCode::Conflict => ("aborted", StatusCode::CONFLICT),
         ErrorCode::SnapshotNameTaken

@@ -62,7 +62,7 @@ class InvalidRequestError(HutchError):
     """The request is malformed or names what does not exist (`invalid_request`,
     `unknown_template`, `image_not_found`, `feature_unavailable`,
     `sandbox_network_isolated`, `method_not_allowed`, `volume_path_invalid`,
-    `volume_shrink_refused`)."""
+    `volume_shrink_refused`, `webhook_url_refused`)."""
 
 
 class ConflictError(HutchError):
@@ -162,6 +162,7 @@ CODE_CLASSES: Dict[str, Type[HutchError]] = {
     "volume_not_found": NotFoundError,
     "volume_path_invalid": InvalidRequestError,
     "volume_shrink_refused": InvalidRequestError,
+    "webhook_url_refused": InvalidRequestError,
     "idempotency_conflict": IdempotencyError,
     "execution_outcome_unknown": IdempotencyError,
     "sandbox_session_not_running": SandboxNotRunningError,
@@ -182,6 +183,7 @@ CODE_CLASSES: Dict[str, Type[HutchError]] = {
     "sandbox_capacity_unavailable": CapacityError,
     "sandbox_command_capacity": CapacityError,
     "access_grant_capacity": CapacityError,
+    "webhook_limit_reached": CapacityError,
     "storage_full": CapacityError,
     "build_instruction_refused": BuildError,
     "access_token_required": PortAccessError,

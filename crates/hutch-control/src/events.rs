@@ -1,0 +1,761 @@
+//! Events: every transition and notable outcome of what a key owns, in one
+//! increasing sequence per daemon, stored with the owner, read back by
+//! `GET /v1/events`, followed live by `GET /v1/events/stream` and handed
+//! to the owner's webhooks (`webhooks`).
+//!
+//! The request path never waits on the database: [`Control::emit`] gives
+//! the event its id and puts it on a bounded queue under one lock (so the
+//! queue's order is the ids' order) and returns. One writer task appends
+//! what it finds there in batches, one transaction each, which also makes
+//! the webhook deliveries of those events; only then are they broadcast to
+//! live streams, so a stream that replays from the store and then follows
+//! the broadcast misses nothing. A full queue drops the event, counted
+//! (`hutch_events_dropped_total`) and logged. A crash loses what was
+//! queued and not yet written (at most about [`FLUSH_EVERY`] of events).
+//!
+//! Sandbox transitions are emitted in one place, [`Control::transition`]
+//! (after the store's conditional update succeeded); the rest where their
+//! outcome is recorded (a create's insert, an extension, a snapshot, a
+//! build's end, a revocation, a quota refusal) and by the reconciler (a
+//! coming expiry, OOM kills counted by the sandbox's cgroup).
+
+use crate::control::{now_ms, rfc3339, Control};
+use crate::error::{ControlError, Result};
+use crate::ids::Caller;
+use crate::lifecycle::{Reason, Transition};
+use hutch_api::{Event, EventList};
+use hutch_store::{EventQuery, EventRecord, SandboxRecord, Store};
+use std::collections::HashMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{broadcast, mpsc};
+
+/// Events waiting for the writer at most.
+const QUEUE: usize = 8192;
+/// Events appended in one transaction at most.
+const BATCH: usize = 512;
+/// How long the writer gathers a batch after its first event.
+pub const FLUSH_EVERY: Duration = Duration::from_millis(20);
+/// Events kept for live streams that fall behind; one further behind
+/// replays from the store.
+const LIVE_BUFFER: usize = 1024;
+/// Default retention of events.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 86_400);
+/// Default notice of a coming expiry.
+pub const DEFAULT_EXPIRING_NOTICE: Duration = Duration::from_secs(60);
+/// Most events one read returns.
+const PAGE_MAX: u32 = 1000;
+/// Events one replay reads from the store at a time.
+const REPLAY_PAGE: u32 = 256;
+
+/// Every event type: one list, the only names a filter or a webhook may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kind {
+    SandboxCreated,
+    SandboxReady,
+    SandboxExpiring,
+    SandboxExtended,
+    SandboxSuspended,
+    SandboxPaused,
+    SandboxResumed,
+    SandboxExpired,
+    SandboxDeleted,
+    SandboxFailed,
+    SandboxOom,
+    SandboxSnapshotCreated,
+    SandboxForked,
+    TemplateBuildStarted,
+    TemplateBuildSucceeded,
+    TemplateBuildFailed,
+    KeyRevoked,
+    QuotaExceeded,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 18] = [
+        Kind::SandboxCreated,
+        Kind::SandboxReady,
+        Kind::SandboxExpiring,
+        Kind::SandboxExtended,
+        Kind::SandboxSuspended,
+        Kind::SandboxPaused,
+        Kind::SandboxResumed,
+        Kind::SandboxExpired,
+        Kind::SandboxDeleted,
+        Kind::SandboxFailed,
+        Kind::SandboxOom,
+        Kind::SandboxSnapshotCreated,
+        Kind::SandboxForked,
+        Kind::TemplateBuildStarted,
+        Kind::TemplateBuildSucceeded,
+        Kind::TemplateBuildFailed,
+        Kind::KeyRevoked,
+        Kind::QuotaExceeded,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::SandboxCreated => "sandbox.created",
+            Kind::SandboxReady => "sandbox.ready",
+            Kind::SandboxExpiring => "sandbox.expiring",
+            Kind::SandboxExtended => "sandbox.extended",
+            Kind::SandboxSuspended => "sandbox.suspended",
+            Kind::SandboxPaused => "sandbox.paused",
+            Kind::SandboxResumed => "sandbox.resumed",
+            Kind::SandboxExpired => "sandbox.expired",
+            Kind::SandboxDeleted => "sandbox.deleted",
+            Kind::SandboxFailed => "sandbox.failed",
+            Kind::SandboxOom => "sandbox.oom",
+            Kind::SandboxSnapshotCreated => "sandbox.snapshot.created",
+            Kind::SandboxForked => "sandbox.forked",
+            Kind::TemplateBuildStarted => "template.build.started",
+            Kind::TemplateBuildSucceeded => "template.build.succeeded",
+            Kind::TemplateBuildFailed => "template.build.failed",
+            Kind::KeyRevoked => "key.revoked",
+            Kind::QuotaExceeded => "quota.exceeded",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+
+    /// The event a sandbox's transition is, if any: `record` is the sandbox
+    /// as the transition left it (its `last_error_code` says why it ended).
+    fn of_transition(t: Transition, record: &SandboxRecord) -> Option<Kind> {
+        let code = record.last_error_code.as_deref();
+        let quiet = [None, Some(Reason::DeletedWhileStarting.as_str()), Some(Reason::KeyRevoked.as_str())];
+        match t {
+            Transition::Ready => Some(Kind::SandboxReady),
+            Transition::Suspend => Some(Kind::SandboxSuspended),
+            Transition::Resume | Transition::Wake => Some(Kind::SandboxResumed),
+            Transition::Pause => Some(Kind::SandboxPaused),
+            Transition::Terminate if code == Some(Reason::Expired.as_str()) => Some(Kind::SandboxExpired),
+            // A delete (or a revocation of its key).
+            Transition::Terminate if quiet.contains(&code) => Some(Kind::SandboxDeleted),
+            Transition::Terminate => Some(Kind::SandboxFailed),
+            // Its end was the event (the Terminate before).
+            Transition::Finish => None,
+            // A start cut short by a delete: the delete was the event.
+            Transition::FailStart if quiet.contains(&code) => None,
+            Transition::FailStart => Some(Kind::SandboxFailed),
+        }
+    }
+}
+
+/// Parses a comma-separated list of event types (a query's `type`), each
+/// one of [`Kind::ALL`]. Pure: fuzzed.
+pub fn parse_kinds(list: &str) -> std::result::Result<Vec<Kind>, String> {
+    let mut out = Vec::new();
+    for t in list.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+        let k = Kind::parse(t).ok_or_else(|| format!("unknown event type {:?}", truncate(t)))?;
+        if !out.contains(&k) {
+            out.push(k);
+        }
+    }
+    Ok(out)
+}
+
+fn truncate(s: &str) -> String {
+    s.chars().take(64).collect()
+}
+
+/// What the operator set.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Off: nothing is emitted (for measuring the event path's cost).
+    pub enabled: bool,
+    /// How long before a sandbox's expiry `sandbox.expiring` is emitted.
+    pub expiring_notice: Duration,
+    /// Where webhooks may deliver and how many a key may have.
+    pub webhooks: crate::webhooks::Policy,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            enabled: true,
+            expiring_notice: DEFAULT_EXPIRING_NOTICE,
+            webhooks: crate::webhooks::Policy::default(),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Counters {
+    written: AtomicU64,
+    dropped: AtomicU64,
+    failed: AtomicU64,
+}
+
+/// The sequence, the queue to the writer, the live broadcast.
+pub(crate) struct Events {
+    pub(crate) settings: Settings,
+    /// The last id given, and the queue, under one lock: ids enter the
+    /// queue in order.
+    tx: Mutex<(i64, mpsc::Sender<EventRecord>)>,
+    rx: Mutex<Option<mpsc::Receiver<EventRecord>>>,
+    /// Events written, as they were, for live streams.
+    live: broadcast::Sender<Arc<EventRecord>>,
+    /// The last id written.
+    written: Arc<AtomicI64>,
+    counters: Arc<Counters>,
+    stop: Arc<tokio::sync::Notify>,
+    writer: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    started: AtomicBool,
+    /// Sandboxes told of their coming expiry, with the expiry told of (an
+    /// extension makes a new notice due).
+    expiring: Mutex<HashMap<String, i64>>,
+    /// Wakes the webhook worker when deliveries were made.
+    pub(crate) deliveries: Arc<tokio::sync::Notify>,
+}
+
+impl Events {
+    pub(crate) fn new(settings: Settings) -> Events {
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let (live, _) = broadcast::channel(LIVE_BUFFER);
+        Events {
+            settings,
+            tx: Mutex::new((0, tx)),
+            rx: Mutex::new(Some(rx)),
+            live,
+            written: Arc::default(),
+            counters: Arc::default(),
+            stop: Arc::default(),
+            writer: Mutex::new(None),
+            started: AtomicBool::new(false),
+            expiring: Mutex::new(HashMap::new()),
+            deliveries: Arc::default(),
+        }
+    }
+
+    /// Gives an event its id and queues it for the writer; never waits (a
+    /// full queue drops it, counted and logged).
+    pub(crate) fn push(
+        &self,
+        owner: &str,
+        kind: Kind,
+        sandbox: Option<&str>,
+        details: serde_json::Map<String, serde_json::Value>,
+    ) {
+        let at = now_ms();
+        // The id is given under the queue's lock; the body is written with it.
+        let mut row = EventRecord {
+            id: 0,
+            at,
+            owner: owner.to_owned(),
+            kind: kind.as_str().to_owned(),
+            sandbox_id: sandbox.map(str::to_owned),
+            body: String::new(),
+        };
+        let mut g = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+        let id = g.0 + 1;
+        let ev = Event {
+            id: id as u64,
+            kind: row.kind.clone(),
+            sandbox_id: row.sandbox_id.clone(),
+            at: rfc3339(at),
+            owner: row.owner.clone(),
+            details,
+        };
+        row.body = serde_json::to_string(&ev).unwrap_or_default();
+        row.id = id;
+        match g.1.try_send(row) {
+            Ok(()) => g.0 = id,
+            Err(e) => {
+                drop(g);
+                let n = self.counters.dropped.fetch_add(1, Ordering::Relaxed) + 1;
+                if n.is_power_of_two() {
+                    let why = match e {
+                        mpsc::error::TrySendError::Full(_) => "its queue is full",
+                        mpsc::error::TrySendError::Closed(_) => "its writer stopped",
+                    };
+                    tracing::warn!("events: an event was dropped because {why} ({n} dropped so far)");
+                }
+            }
+        }
+    }
+
+    /// Starts the writer after the stored events' `last` id.
+    pub(crate) fn start_writer(&self, store: Arc<dyn Store>, last: i64) {
+        self.tx.lock().unwrap_or_else(|p| p.into_inner()).0 = last;
+        self.written.store(last, Ordering::SeqCst);
+        let Some(rx) = self.rx.lock().ok().and_then(|mut r| r.take()) else { return };
+        let handle = tokio::spawn(write_loop(
+            store,
+            rx,
+            self.live.clone(),
+            self.written.clone(),
+            self.counters.clone(),
+            self.stop.clone(),
+            self.deliveries.clone(),
+        ));
+        if let Ok(mut w) = self.writer.lock() {
+            *w = Some(handle);
+        }
+    }
+
+    /// Writes what is queued and stops the writer.
+    pub(crate) async fn finish(&self) {
+        self.stop.notify_one();
+        let handle = self.writer.lock().ok().and_then(|mut w| w.take());
+        if let Some(h) = handle {
+            let _ = h.await;
+        }
+    }
+
+    /// The counters in the Prometheus text format.
+    pub(crate) fn render(&self, out: &mut String) {
+        let c = &self.counters;
+        for (name, help, v) in [
+            ("hutch_events_written_total", "Events appended to the store.", &c.written),
+            ("hutch_events_dropped_total", "Events dropped because the writer's queue was full.", &c.dropped),
+            ("hutch_events_failed_total", "Events lost to a failed store write.", &c.failed),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", v.load(Ordering::Relaxed));
+        }
+    }
+}
+
+/// Appends batches until `stop`, then what is left in the queue.
+async fn write_loop(
+    store: Arc<dyn Store>,
+    mut rx: mpsc::Receiver<EventRecord>,
+    live: broadcast::Sender<Arc<EventRecord>>,
+    written: Arc<AtomicI64>,
+    counters: Arc<Counters>,
+    stop: Arc<tokio::sync::Notify>,
+    deliveries: Arc<tokio::sync::Notify>,
+) {
+    let mut batch = Vec::with_capacity(BATCH);
+    let mut stopping = false;
+    loop {
+        let n = if stopping {
+            rx.recv_many(&mut batch, BATCH).await
+        } else {
+            tokio::select! {
+                n = rx.recv_many(&mut batch, BATCH) => n,
+                () = stop.notified() => {
+                    rx.close();
+                    stopping = true;
+                    continue;
+                }
+            }
+        };
+        if n == 0 {
+            return;
+        }
+        let deadline = tokio::time::Instant::now() + FLUSH_EVERY;
+        while !stopping && batch.len() < BATCH {
+            let room = BATCH - batch.len();
+            tokio::select! {
+                n = rx.recv_many(&mut batch, room) => if n == 0 { break },
+                () = tokio::time::sleep_until(deadline) => break,
+                () = stop.notified() => {
+                    rx.close();
+                    stopping = true;
+                }
+            }
+        }
+        let rows = Arc::new(std::mem::replace(&mut batch, Vec::with_capacity(BATCH)));
+        let n = rows.len() as u64;
+        let (s, r) = (store.clone(), rows.clone());
+        let outcome = match tokio::task::spawn_blocking(move || s.append_events(&r)).await {
+            Ok(Ok(made)) => Ok(made),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match outcome {
+            Ok(made) => {
+                counters.written.fetch_add(n, Ordering::Relaxed);
+                if let Some(last) = rows.last() {
+                    written.store(last.id, Ordering::SeqCst);
+                }
+                for r in rows.iter() {
+                    // No live stream: nobody to tell.
+                    let _ = live.send(Arc::new(r.clone()));
+                }
+                if made > 0 {
+                    deliveries.notify_one();
+                }
+            }
+            Err(e) => {
+                tracing::error!("events: {n} events not written: {e}");
+                counters.failed.fetch_add(n, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// The API view of a stored event.
+pub(crate) fn view(r: &EventRecord) -> Event {
+    serde_json::from_str(&r.body).unwrap_or_else(|_| Event {
+        id: r.id as u64,
+        kind: r.kind.clone(),
+        sandbox_id: r.sandbox_id.clone(),
+        at: rfc3339(r.at),
+        owner: r.owner.clone(),
+        details: serde_json::Map::new(),
+    })
+}
+
+/// What `GET /v1/events` and the stream ask for.
+#[derive(Debug, Clone, Default)]
+pub struct Filter<'a> {
+    /// Comma-separated event types.
+    pub kinds: Option<&'a str>,
+    pub sandbox: Option<&'a str>,
+    /// RFC 3339 bounds, inclusive.
+    pub from: Option<&'a str>,
+    pub to: Option<&'a str>,
+    pub cursor: Option<&'a str>,
+    pub limit: Option<u32>,
+    /// The admin's: only this key's events.
+    pub owner: Option<&'a str>,
+}
+
+/// What a stream follows, checked.
+#[derive(Debug, Clone)]
+pub struct StreamFilter {
+    query: EventQuery,
+}
+
+impl StreamFilter {
+    fn matches(&self, e: &EventRecord) -> bool {
+        let q = &self.query;
+        q.owner.as_ref().is_none_or(|o| *o == e.owner)
+            && q.sandbox_id.as_ref().is_none_or(|s| e.sandbox_id.as_ref() == Some(s))
+            && (q.kinds.is_empty() || q.kinds.contains(&e.kind))
+    }
+}
+
+fn decode_cursor(c: &str) -> Result<i64> {
+    c.trim().parse::<i64>().ok().filter(|v| *v >= 0).ok_or_else(|| ControlError::Invalid("invalid cursor".into()))
+}
+
+impl Control {
+    /// Continues the sequence after the stored events and starts the
+    /// writer and the webhook worker (once; later calls do nothing). Call
+    /// before anything can emit (before `recover`).
+    pub async fn start_events(self: &Arc<Self>) -> Result<()> {
+        if self.events.started.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        let last = self.db(|s| s.last_event_id()).await?;
+        self.events.start_writer(self.store.clone(), last);
+        let this = self.clone();
+        tokio::spawn(async move { this.deliver_loop().await });
+        Ok(())
+    }
+
+    /// Writes what is queued and stops the writer (the daemon is stopping).
+    pub async fn finish_events(&self) {
+        self.events.finish().await;
+    }
+
+    /// Emits one event of `owner`'s; never waits.
+    pub(crate) fn emit(
+        &self,
+        owner: &str,
+        kind: Kind,
+        sandbox: Option<&str>,
+        details: serde_json::Map<String, serde_json::Value>,
+    ) {
+        if !self.events.settings.enabled {
+            return;
+        }
+        self.events.push(owner, kind, sandbox, details);
+    }
+
+    /// A sandbox's transition happened (`record` as it left it): its event.
+    pub(crate) fn emit_transition(&self, t: Transition, record: &SandboxRecord) {
+        // An unclaimed warm sandbox is nobody's yet.
+        if record.pooled {
+            return;
+        }
+        let Some(kind) = Kind::of_transition(t, record) else { return };
+        let mut d = serde_json::Map::new();
+        d.insert("state".into(), record.state.as_str().into());
+        if let Some(code) = &record.last_error_code {
+            d.insert("code".into(), code.clone().into());
+        }
+        if t == Transition::Wake {
+            d.insert("from".into(), "paused".into());
+        }
+        self.emit(&record.owner, kind, Some(&record.id), d);
+    }
+
+    /// A sandbox was made (or a warm one claimed) for its owner.
+    pub(crate) fn emit_created(&self, r: &SandboxRecord) {
+        let mut d = serde_json::Map::new();
+        d.insert("template".into(), r.template.clone().into());
+        d.insert("expires_at".into(), rfc3339(r.expires_at).into());
+        d.insert("warm".into(), r.warm.into());
+        self.emit(&r.owner, Kind::SandboxCreated, Some(&r.id), d);
+        if r.warm {
+            // A claimed warm sandbox is ready already.
+            self.emit_transition(Transition::Ready, r);
+        }
+    }
+
+    /// A refusal: `quota.exceeded` when it is the key's own quota.
+    pub(crate) fn refused(&self, owner: &str, e: hutch_store::Exceeded) -> ControlError {
+        if e.scope == hutch_store::Scope::Owner {
+            let mut d = serde_json::Map::new();
+            d.insert("resource".into(), e.resource.as_str().into());
+            d.insert("limit".into(), e.limit.into());
+            d.insert("used".into(), e.used.into());
+            d.insert("asked".into(), e.asked.into());
+            self.emit(owner, Kind::QuotaExceeded, None, d);
+        }
+        ControlError::Exceeded(e)
+    }
+
+    /// [`Control::refused`] for an error that may be a quota's refusal.
+    pub(crate) fn quota_refusal(&self, owner: &str, e: ControlError) -> ControlError {
+        match e {
+            ControlError::Exceeded(x) => self.refused(owner, x),
+            other => other,
+        }
+    }
+
+    /// A build started or ended (as recorded).
+    pub(crate) fn emit_build(&self, b: &hutch_store::BuildRecord, kind: Kind) {
+        let mut d = serde_json::Map::new();
+        d.insert("template_id".into(), b.template_id.clone().into());
+        d.insert("build_id".into(), b.id.clone().into());
+        if let Some(v) = b.version {
+            d.insert("version".into(), v.into());
+        }
+        if let Some(e) = &b.error {
+            d.insert("error".into(), e.clone().into());
+        }
+        self.emit(&b.owner, kind, None, d);
+    }
+
+    /// The reconciler's look at one sandbox that runs: a coming expiry, OOM
+    /// kills since the last look.
+    pub(crate) fn watch_sandbox(&self, r: &SandboxRecord, now: i64) {
+        if r.pooled {
+            return;
+        }
+        let notice = self.events.settings.expiring_notice.as_millis() as i64;
+        if r.expires_at > now && r.expires_at - now <= notice {
+            let mut told = self.events.expiring.lock().unwrap_or_else(|p| p.into_inner());
+            if told.get(&r.id) != Some(&r.expires_at) {
+                told.insert(r.id.clone(), r.expires_at);
+                drop(told);
+                let mut d = serde_json::Map::new();
+                d.insert("expires_at".into(), rfc3339(r.expires_at).into());
+                d.insert("on_expire".into(), r.on_expire.as_str().into());
+                self.emit(&r.owner, Kind::SandboxExpiring, Some(&r.id), d);
+            }
+        }
+        let id = crate::ids::SandboxId::from_record(&r.id);
+        if let Some(live) = self.live(&id) {
+            let kills = live.handle.lock().ok().and_then(|h| h.as_ref().map(|sb| sb.cgroup.oom_kills()));
+            if let Some(kills) = kills {
+                let before = live.oom_seen.swap(kills, Ordering::SeqCst);
+                if kills > before {
+                    let mut d = serde_json::Map::new();
+                    d.insert("kills".into(), (kills - before).into());
+                    d.insert("memory_mb".into(), r.memory_mb.into());
+                    self.emit(&r.owner, Kind::SandboxOom, Some(&r.id), d);
+                }
+            }
+        }
+    }
+
+    /// Forgets the expiry notices of sandboxes that ended.
+    pub(crate) fn forget_notices(&self, live: &std::collections::HashSet<String>) {
+        self.events.expiring.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| live.contains(id));
+    }
+
+    fn event_query(&self, caller: &Caller, f: &Filter<'_>) -> Result<EventQuery> {
+        let owner = if caller.admin {
+            f.owner.map(|k| crate::ids::OwnerId::parse(k).map(|k| k.to_string())).transpose()?
+        } else {
+            if f.owner.is_some_and(|o| o != caller.owner.as_str()) {
+                return Err(ControlError::Forbidden("only an admin key may read another key's events".into()));
+            }
+            Some(caller.owner.to_string())
+        };
+        let time = |what: &str, v: Option<&str>| -> Result<Option<i64>> {
+            v.map(|t| {
+                crate::control::parse_rfc3339(t)
+                    .ok_or_else(|| ControlError::Invalid(format!("{what} must be an RFC 3339 time")))
+            })
+            .transpose()
+        };
+        let kinds = match f.kinds {
+            Some(k) => {
+                parse_kinds(k).map_err(ControlError::Invalid)?.into_iter().map(|k| k.as_str().to_owned()).collect()
+            }
+            None => Vec::new(),
+        };
+        let sandbox_id = f.sandbox.map(|s| crate::ids::SandboxId::parse(s).map(|s| s.to_string())).transpose()?;
+        Ok(EventQuery {
+            owner,
+            kinds,
+            sandbox_id,
+            from: time("from", f.from)?,
+            to: time("to", f.to)?,
+            after: f.cursor.map(decode_cursor).transpose()?,
+            limit: 0,
+        })
+    }
+
+    /// `GET /v1/events`: the caller's (an admin's: everyone's, or one key's).
+    pub async fn events(&self, caller: &Caller, f: &Filter<'_>) -> Result<EventList> {
+        let limit = f.limit.unwrap_or(100);
+        if !(1..=PAGE_MAX).contains(&limit) {
+            return Err(ControlError::Invalid(format!("limit must be 1 to {PAGE_MAX}")));
+        }
+        let mut q = self.event_query(caller, f)?;
+        q.limit = limit + 1;
+        let mut rows = self.db(move |s| s.list_events(&q)).await?;
+        let more = rows.len() > limit as usize;
+        rows.truncate(limit as usize);
+        let next_cursor = if more { rows.last().map(|r| r.id.to_string()) } else { None };
+        Ok(EventList { events: rows.iter().map(view).collect(), next_cursor })
+    }
+
+    /// Checks a stream's filter (`from`, `to`, `cursor` and `limit` are not
+    /// a stream's).
+    pub fn event_stream_filter(&self, caller: &Caller, f: &Filter<'_>) -> Result<StreamFilter> {
+        if f.from.is_some() || f.to.is_some() || f.limit.is_some() {
+            return Err(ControlError::Invalid("a stream takes type, sandbox, owner and cursor only".into()));
+        }
+        Ok(StreamFilter { query: self.event_query(caller, f)? })
+    }
+
+    /// Follows the events of `filter` after `last` (None: from now) into
+    /// `tx`: those in the store first, then live ones as they are written.
+    /// A stream that falls behind the live buffer reads from the store
+    /// again; one whose client reads too slowly waits on `tx` (bounded),
+    /// never holds more. Ends when `tx` closes.
+    pub async fn follow_events(&self, filter: StreamFilter, last: Option<u64>, tx: mpsc::Sender<Event>) {
+        let mut rx = self.events.live.subscribe();
+        let mut last = match last {
+            Some(l) => l.min(i64::MAX as u64) as i64,
+            None => self.events.written.load(Ordering::SeqCst),
+        };
+        loop {
+            // Replay what the store has after `last`.
+            loop {
+                let mut q = filter.query.clone();
+                q.after = Some(last);
+                q.limit = REPLAY_PAGE;
+                let page = match self.db(move |s| s.list_events(&q)).await {
+                    Ok(p) => p,
+                    Err(e) => {
+                        tracing::warn!("event stream: {e}");
+                        return;
+                    }
+                };
+                let full = page.len() == REPLAY_PAGE as usize;
+                for r in &page {
+                    if tx.send(view(r)).await.is_err() {
+                        return;
+                    }
+                    last = r.id;
+                }
+                if !full {
+                    break;
+                }
+            }
+            // Then live.
+            loop {
+                // A client gone is noticed while nothing happens too.
+                let got = tokio::select! {
+                    got = rx.recv() => got,
+                    () = tx.closed() => return,
+                };
+                match got {
+                    Ok(r) => {
+                        if r.id <= last {
+                            continue;
+                        }
+                        if filter.matches(&r) && tx.send(view(&r)).await.is_err() {
+                            return;
+                        }
+                        // Not the stream's: skipped, as a replay would.
+                        if r.id > last {
+                            last = r.id;
+                        }
+                    }
+                    // Fell behind: the store has what was missed.
+                    Err(broadcast::error::RecvError::Lagged(_)) => break,
+                    Err(broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        }
+    }
+
+    /// Deletes events older than `retention` (and deliveries made before
+    /// then that are no longer pending); how many events.
+    pub async fn prune_events(&self, retention: Duration) -> Result<u64> {
+        let before = now_ms().saturating_sub(retention.as_millis().min(i64::MAX as u128) as i64);
+        self.db(move |s| s.prune_events(before)).await
+    }
+
+    /// The event path's counters, for `/metrics`.
+    pub(crate) fn render_events(&self, out: &mut String) {
+        self.events.render(out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `emit` costs the request that emits (a measurement, not a
+    /// check: `cargo test -p hutch-control --lib emit_cost -- --ignored
+    /// --nocapture`), with the writer appending to an in-memory store
+    /// meanwhile, as the daemon's does.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "a measurement, printed; run by hand (bench/README.md)"]
+    async fn emit_cost() {
+        let store: Arc<dyn Store> = Arc::new(hutch_store::SqliteStore::open_in_memory().expect("open"));
+        let e = Events::new(Settings::default());
+        e.start_writer(store.clone(), 0);
+        let mut times = Vec::new();
+        for i in 0..20_000u32 {
+            let t = std::time::Instant::now();
+            let mut d = serde_json::Map::new();
+            d.insert("template".into(), "base".into());
+            d.insert("expires_at".into(), rfc3339(now_ms()).into());
+            d.insert("warm".into(), false.into());
+            e.push("key-000000000001", Kind::SandboxCreated, Some("sb-0123456789abcdef"), d);
+            times.push(t.elapsed());
+            // Paced as busy traffic: the writer keeps up, nothing is dropped.
+            if i % 200 == 199 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        e.finish().await;
+        times.sort();
+        let (med, p99) = (times[times.len() / 2], times[times.len() * 99 / 100]);
+        println!(
+            "emit: median {:.1} us, p99 {:.1} us over {} events; written {}, dropped {}",
+            med.as_secs_f64() * 1e6,
+            p99.as_secs_f64() * 1e6,
+            times.len(),
+            e.counters.written.load(Ordering::Relaxed),
+            e.counters.dropped.load(Ordering::Relaxed)
+        );
+        assert_eq!(store.last_event_id().expect("last"), 20_000);
+    }
+
+    #[test]
+    fn kinds_parse_as_they_print() {
+        for k in Kind::ALL {
+            assert_eq!(Kind::parse(k.as_str()), Some(k));
+        }
+        assert_eq!(parse_kinds("sandbox.ready, sandbox.ready,key.revoked").expect("ok").len(), 2);
+        assert!(parse_kinds("sandbox.nope").is_err());
+        assert!(parse_kinds("").expect("empty").is_empty());
+    }
+}
