@@ -147,6 +147,12 @@ pub enum ErrorCode {
     /// authentication, TLS, a digest that does not match); nothing was
     /// recorded.
     RegistryError,
+    /// The credential is a grant, and the grant does not cover this call
+    /// (another sandbox, an operation it does not name, or anything but
+    /// the sandbox routes).
+    GrantScope,
+    /// The grant expired.
+    GrantExpired,
 }
 
 impl ErrorCode {
@@ -156,8 +162,9 @@ impl ErrorCode {
             ErrorCode::Unauthorized
             | ErrorCode::AccessTokenRequired
             | ErrorCode::AccessTokenInvalid
-            | ErrorCode::AccessTokenExpired => 401,
-            ErrorCode::AccessTokenWrongTarget | ErrorCode::Forbidden => 403,
+            | ErrorCode::AccessTokenExpired
+            | ErrorCode::GrantExpired => 401,
+            ErrorCode::AccessTokenWrongTarget | ErrorCode::Forbidden | ErrorCode::GrantScope => 403,
             ErrorCode::InvalidRequest
             | ErrorCode::UnknownTemplate
             | ErrorCode::ImageNotFound
@@ -256,6 +263,8 @@ impl ErrorCode {
             ErrorCode::ImageInvalid => "image_invalid",
             ErrorCode::ImageLayerRefused => "image_layer_refused",
             ErrorCode::RegistryError => "registry_error",
+            ErrorCode::GrantScope => "grant_scope",
+            ErrorCode::GrantExpired => "grant_expired",
         }
     }
 }
@@ -1349,6 +1358,44 @@ pub struct Usage {
 pub const MAX_ACCESS_PORT: u16 = 65532;
 /// The longest an access grant lives, in seconds (also the default).
 pub const MAX_ACCESS_SECONDS: u64 = 300;
+
+/// Longest life of a grant (`POST /v1/sandboxes/{id}/grants`): a day.
+pub const MAX_GRANT_SECONDS: u64 = 86_400;
+
+/// `POST /v1/sandboxes/{id}/grants`: a credential for an end user.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CreateGrant {
+    /// What the grant allows, each at most once: `exec`, `files:read`,
+    /// `files:write`, `pty`, `ports:N` (N 1 to 65532; at most 16 ports).
+    pub scopes: Vec<String>,
+    /// 1 to 86400 (a day); never past the sandbox's own expiry.
+    pub ttl_seconds: u64,
+}
+
+/// A grant: a token an end user sends as `Authorization: Bearer` (or, to
+/// the port proxy, as its access token) to reach one sandbox for the named
+/// operations until `expires_at`. The daemon keeps nothing of it: the
+/// token is checked against the key's grant secret, and rotating that
+/// secret revokes every grant of the key.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Grant {
+    /// `hg_` and base64url; shown once.
+    pub token: String,
+    /// The scopes, in their canonical order.
+    pub scopes: Vec<String>,
+    /// RFC 3339.
+    pub expires_at: String,
+    pub sandbox_id: String,
+}
+
+/// The answer to a rotation of a key's grant secret.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct GrantSecretRotated {
+    pub key_id: String,
+    /// RFC 3339; every grant minted before is refused from now on.
+    pub rotated_at: String,
+}
 
 /// `POST /v1/sandboxes/{id}/access`: a short-lived credential for one port.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]

@@ -175,6 +175,8 @@ pub struct Control {
     pub(crate) history: Arc<crate::history::History>,
     /// The audit log's queue and writer.
     pub(crate) audit: crate::audit::Auditor,
+    /// Each key's grant secret, once read.
+    pub(crate) grant_secrets: crate::grants::Secrets,
 }
 
 /// The stable digest of a request body, for idempotency checks.
@@ -300,6 +302,7 @@ impl Control {
             net_updates: Arc::new(Mutex::new(())),
             history: Arc::new(crate::history::History::default()),
             audit: crate::audit::Auditor::default(),
+            grant_secrets: crate::grants::Secrets::default(),
         })
     }
 
@@ -441,6 +444,7 @@ impl Control {
     /// warm sandbox is nobody's yet; another owner's is not found (for an
     /// admin, it is found when `need` is `Manage`).
     pub(crate) async fn record(&self, caller: &Caller, id: &SandboxId, need: Need) -> Result<SandboxRecord> {
+        caller.admit_sandbox(id)?;
         match self.sandbox_record(id).await? {
             Some(r) if !r.pooled && allowed(caller, &r.owner, need) => Ok(r),
             _ => Err(ControlError::NoSandbox(id.to_string())),
@@ -451,6 +455,7 @@ impl Control {
     /// sandbox is found in memory (its owner and state are known there);
     /// only the others cost a store read, to say why.
     pub(crate) async fn running(&self, caller: &Caller, id: &SandboxId) -> Result<Arc<Live>> {
+        caller.admit_sandbox(id)?;
         if let Some(live) = self.live(id) {
             if !live.is_pooled() && caller.may_use(live.owner.as_str()) {
                 if live.is_suspended() {
@@ -476,7 +481,7 @@ impl Control {
     /// The live sandbox of `owner` (an E2B session proved its owner through
     /// the sandbox's token).
     pub(crate) async fn running_of(&self, owner: &OwnerId, id: &SandboxId) -> Result<Arc<Live>> {
-        self.running(&Caller { owner: owner.clone(), admin: false }, id).await
+        self.running(&Caller::key(owner.clone(), false), id).await
     }
 }
 

@@ -149,7 +149,7 @@ impl Control {
     pub async fn authenticate(&self, secret: &str) -> Result<Option<Caller>> {
         let secret = secret.to_owned();
         let key = self.db(move |s| authenticate(s, &secret)).await?;
-        Ok(key.map(|k| Caller { owner: OwnerId::from_record(&k.id), admin: k.admin }))
+        Ok(key.map(|k| Caller::key(OwnerId::from_record(&k.id), k.admin)))
     }
 
     pub async fn create_key(&self, caller: &Caller, req: &CreateKey) -> Result<ApiKey> {
@@ -176,6 +176,7 @@ impl Control {
         let (store, kid) = (self.store.clone(), id.to_string());
         tokio::task::spawn_blocking(move || revoke(store.as_ref(), &kid)).await??;
         self.add_revoked(id);
+        self.grant_secrets.forget(id.as_str());
         self.end_sandboxes_of(id).await;
         self.forget_build_cache_of(id).await;
         Ok(())

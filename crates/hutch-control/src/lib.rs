@@ -19,6 +19,7 @@ pub mod error;
 pub mod exec;
 pub mod fileops;
 pub mod files;
+pub mod grants;
 pub mod history;
 pub mod ids;
 pub mod images;

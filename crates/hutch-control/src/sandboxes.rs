@@ -719,7 +719,7 @@ impl Control {
         if !matches!(self.db(move |s| s.set_expiry(&sid, until, true, &live)).await, Ok(Some(_))) {
             return false;
         }
-        let owner = Caller { owner: OwnerId::from_record(&r.owner), admin: false };
+        let owner = Caller::key(OwnerId::from_record(&r.owner), false);
         match self.suspend(&owner, &id, hutch_api::SuspendMode::Disk).await {
             Ok(_) => {
                 self.log(&id, crate::history::LogLevel::Info, "paused at its expiry (on_expire: pause)", &[]);

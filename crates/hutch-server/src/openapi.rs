@@ -53,6 +53,8 @@ use utoipa::{Modify, OpenApi};
         crate::routes::create_key,
         crate::routes::revoke_key,
         crate::routes::set_quotas,
+        crate::routes::create_grant,
+        crate::routes::rotate_grant_secret,
         crate::routes::usage,
         crate::routes::capabilities,
         crate::audit::list,
@@ -88,6 +90,7 @@ use utoipa::{Modify, OpenApi};
         hutch_api::Change,
         hutch_api::StorageKind,
         hutch_api::OnExpire,
+        hutch_api::CreateGrant, hutch_api::Grant, hutch_api::GrantSecretRotated,
     )),
     modifiers(&BearerAuth),
     security(("bearer" = []))

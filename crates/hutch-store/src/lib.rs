@@ -391,6 +391,12 @@ pub trait Store: Send + Sync {
     fn list_keys(&self) -> Result<Vec<KeyRecord>>;
     /// Marks a key revoked; false when no live key has this id.
     fn revoke_key(&self, id: &str, at: i64) -> Result<bool>;
+    /// A live key's grant secret: None when no live key has this id,
+    /// Some(None) when it has none yet.
+    fn grant_secret(&self, id: &str) -> Result<Option<Option<String>>>;
+    /// Sets a live key's grant secret (with `only_if_unset`, only if it has
+    /// none); false when nothing was set.
+    fn set_grant_secret(&self, id: &str, secret: &str, only_if_unset: bool) -> Result<bool>;
     /// Sets a live key's quotas; false when no live key has this id.
     fn set_quotas(&self, id: &str, quotas: &Quotas) -> Result<bool>;
     fn count_keys(&self) -> Result<u64>;

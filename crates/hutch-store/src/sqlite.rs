@@ -22,6 +22,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0008_volumes", include_str!("../migrations/0008_volumes.sql")),
     ("0009_lifecycle", include_str!("../migrations/0009_lifecycle.sql")),
     ("0010_audit", include_str!("../migrations/0010_audit.sql")),
+    ("0014_grants", include_str!("../migrations/0014_grants.sql")),
 ];
 
 /// States in which a sandbox holds resources.
@@ -454,6 +455,26 @@ impl Store for SqliteStore {
             let n =
                 c.execute("UPDATE api_keys SET revoked_at = ?2 WHERE id = ?1 AND revoked_at IS NULL", params![id, at])?;
             Ok(n == 1)
+        })
+    }
+
+    fn grant_secret(&self, id: &str) -> Result<Option<Option<String>>> {
+        self.with(|c| {
+            Ok(c.query_row("SELECT grant_secret FROM api_keys WHERE id = ?1 AND revoked_at IS NULL", [id], |r| {
+                r.get::<_, Option<String>>(0)
+            })
+            .optional()?)
+        })
+    }
+
+    fn set_grant_secret(&self, id: &str, secret: &str, only_if_unset: bool) -> Result<bool> {
+        self.with(|c| {
+            let sql = if only_if_unset {
+                "UPDATE api_keys SET grant_secret = ?2 WHERE id = ?1 AND revoked_at IS NULL AND grant_secret IS NULL"
+            } else {
+                "UPDATE api_keys SET grant_secret = ?2 WHERE id = ?1 AND revoked_at IS NULL"
+            };
+            Ok(c.execute(sql, params![id, secret])? == 1)
         })
     }
 
