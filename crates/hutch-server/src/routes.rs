@@ -161,7 +161,9 @@ pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: N
                 return crate::transfer::refuse(req, e.into_response()).await;
             }
             crate::listener::authenticated(&req);
-            crate::audit::identified(&req, &caller.owner, &[]);
+            // A grant's calls are its key's, marked as made through a grant.
+            let via: &[(&str, &str)] = if caller.grant.is_some() { &[("via", "grant")] } else { &[] };
+            crate::audit::identified(&req, &caller.owner, via);
             req.extensions_mut().insert(caller);
             next.run(req).await
         }

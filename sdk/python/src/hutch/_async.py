@@ -341,6 +341,10 @@ class AsyncSandbox:
     async def extend(self, by: Optional[Duration] = None, *, until: Optional[str] = None) -> models.SandboxInfo:
         return self._update(await self._t.call(ops.extend_sandbox(self.id, by, until)))
 
+    async def grant(self, scopes: Sequence[str], ttl: Duration = 3600) -> models.Grant:
+        """A token for an end user (see `Sandbox.grant`)."""
+        return await self._t.call(ops.create_grant(self.id, scopes, ttl))
+
     async def suspend(self) -> models.SandboxInfo:
         return self._update(await self._t.call(ops.suspend_sandbox(self.id)))
 
@@ -818,6 +822,9 @@ class AsyncKeys:
 
     async def revoke(self, key_id: str) -> None:
         await self._t.call(ops.revoke_key(key_id))
+
+    async def rotate_grant_secret(self, key_id: str) -> Dict[str, Any]:
+        return await self._t.call(ops.rotate_grant_secret(key_id))
 
 
 # --------------------------------------------------------------------------

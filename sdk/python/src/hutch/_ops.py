@@ -558,6 +558,16 @@ def create_access(sandbox_id: str, port: int, expires_in: Optional[Duration]) ->
     return Call("POST", _files(sandbox_id) + "/access", _grant, body=json_body(body))
 
 
+def create_grant(sandbox_id: str, scopes: Sequence[str], ttl: Duration) -> Call[models.Grant]:
+    body = {"scopes": list(scopes), "ttl_seconds": whole_seconds(ttl, "ttl")}
+    return Call("POST", _files(sandbox_id) + "/grants", lambda r: models.Grant.from_json(r.json()),
+                body=json_body(body))
+
+
+def rotate_grant_secret(key_id: str) -> Call[Dict[str, Any]]:
+    return Call("POST", f"/v1/keys/{seg(key_id)}/grant-secret/rotate", lambda r: r.json())
+
+
 def list_access(sandbox_id: str) -> Call[List[models.AccessGrant]]:
     def parse(reply: Reply) -> List[models.AccessGrant]:
         return [models.AccessGrant.from_json(g) for g in reply.json()["grants"]]

@@ -340,6 +340,12 @@ class Sandbox:
         """Moves its expiry: `by` ("10m", 600) or `until` (RFC 3339)."""
         return self._update(self._t.call(ops.extend_sandbox(self.id, by, until)))
 
+    def grant(self, scopes: Sequence[str], ttl: Duration = 3600) -> models.Grant:
+        """A token for an end user: this sandbox only, `scopes` only
+        (`exec`, `files:read`, `files:write`, `pty`, `ports:N`), for `ttl`
+        (at most a day). The token is shown only here."""
+        return self._t.call(ops.create_grant(self.id, scopes, ttl))
+
     def suspend(self) -> models.SandboxInfo:
         """Freezes every process; memory and files are kept."""
         return self._update(self._t.call(ops.suspend_sandbox(self.id)))
@@ -860,6 +866,11 @@ class Keys:
     def revoke(self, key_id: str) -> None:
         """Revokes it; its sandboxes end now."""
         self._t.call(ops.revoke_key(key_id))
+
+    def rotate_grant_secret(self, key_id: str) -> Dict[str, Any]:
+        """Replaces the key's grant secret: every grant it minted is
+        refused from now on (the key itself or the admin key)."""
+        return self._t.call(ops.rotate_grant_secret(key_id))
 
 
 # --------------------------------------------------------------------------

@@ -288,6 +288,24 @@ class FilePartResult:
 
 
 @dataclass(frozen=True)
+class Grant:
+    """A credential for an end user: `token` reaches one sandbox, for
+    `scopes` only, until `expires_at`. Use it as an API key
+    (`Hutch(api_key=grant.token)`) or, for a `ports:N` scope, as the port
+    proxy's access token. Rotating the key's grant secret revokes it."""
+
+    token: str
+    scopes: List[str]
+    expires_at: str
+    sandbox_id: str
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Grant":
+        return cls(token=d["token"], scopes=list(d["scopes"]), expires_at=d["expires_at"],
+                   sandbox_id=d["sandbox_id"])
+
+
+@dataclass(frozen=True)
 class AccessGrant:
     """A short-lived credential for one port of a sandbox.
 
