@@ -337,6 +337,34 @@ impl StorageKind {
     }
 }
 
+/// What happens to a sandbox idle for its `idle_timeout_seconds`.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum OnIdle {
+    /// It is paused: to disk when its files are on disk (state `paused`),
+    /// else suspended in memory (state `suspended`); a resume wakes it.
+    #[default]
+    Pause,
+    /// It ends and its files are deleted.
+    Delete,
+}
+
+impl OnIdle {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnIdle::Pause => "pause",
+            OnIdle::Delete => "delete",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<OnIdle> {
+        [OnIdle::Pause, OnIdle::Delete].into_iter().find(|o| o.as_str() == s)
+    }
+}
+
+/// Longest idle timeout: a week.
+pub const MAX_IDLE_SECONDS: u64 = 7 * 86_400;
+
 /// What happens to a sandbox when its lifetime ends.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq, Hash)]
 #[serde(rename_all = "snake_case")]
@@ -425,6 +453,14 @@ pub struct CreateSandbox {
     /// else 604800 (7 days).
     #[serde(default)]
     pub paused_ttl_seconds: Option<u64>,
+    /// Pause or end it (`on_idle`) once it has had no API use and no
+    /// command running for this long, 1 to 604800 (a week); none when
+    /// absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_seconds: Option<u64>,
+    /// What idleness does: `pause` (the default) or `delete`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_idle: Option<OnIdle>,
     /// Volumes to mount (see `POST /v1/volumes`): each by its name or id,
     /// at a path under `/workspace`, `/home/user`, `/mnt` or `/data`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -687,6 +723,16 @@ pub struct Sandbox {
     /// How long it is kept once paused at its expiry (seconds).
     #[serde(default)]
     pub paused_ttl_seconds: u64,
+    /// Its idle timeout (seconds) and what idleness does, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_seconds: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_idle: Option<OnIdle>,
+    /// RFC 3339: since when it has had no API use and no command running;
+    /// null while a command runs (or it is not running, or has no idle
+    /// timeout).
+    #[serde(default)]
+    pub idle_since: Option<String>,
     /// The volumes it mounts (`name` is the volume's name), in the answers
     /// of a create and of `GET /v1/sandboxes/{id}`; absent when none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -177,6 +177,10 @@ pub struct Control {
     pub(crate) audit: crate::audit::Auditor,
     /// Each key's grant secret, once read.
     pub(crate) grant_secrets: crate::grants::Secrets,
+    /// Sandboxes' idle policies.
+    pub(crate) idle: crate::idle::Idle,
+    /// Set while an idle sweep runs (one at a time).
+    pub(crate) idle_sweeping: Arc<AtomicBool>,
 }
 
 /// The stable digest of a request body, for idempotency checks.
@@ -241,6 +245,9 @@ pub(crate) fn view(r: &SandboxRecord) -> Sandbox {
         snapshot: r.origin.clone().filter(|o| o.starts_with("snap-")),
         on_expire: r.on_expire,
         paused_ttl_seconds: r.paused_ttl_s.unwrap_or(crate::sandboxes::PAUSED_TTL_DEFAULT),
+        idle_timeout_seconds: None,
+        on_idle: None,
+        idle_since: None,
         volumes: Vec::new(),
     }
 }
@@ -303,6 +310,8 @@ impl Control {
             history: Arc::new(crate::history::History::default()),
             audit: crate::audit::Auditor::default(),
             grant_secrets: crate::grants::Secrets::default(),
+            idle: crate::idle::Idle::default(),
+            idle_sweeping: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -458,6 +467,7 @@ impl Control {
         caller.admit_sandbox(id)?;
         if let Some(live) = self.live(id) {
             if !live.is_pooled() && caller.may_use(live.owner.as_str()) {
+                live.touch();
                 if live.is_suspended() {
                     return Err(ControlError::NotRunning {
                         id: id.to_string(),

@@ -21,6 +21,7 @@ pub mod fileops;
 pub mod files;
 pub mod grants;
 pub mod history;
+pub mod idle;
 pub mod ids;
 pub mod images;
 pub mod keys;

@@ -153,7 +153,15 @@ impl Control {
             }
             None => (self.recipe(owner, req.template.as_deref()).await?, None),
         };
+        let idle = crate::idle::IdlePolicy::from_request(req.idle_timeout_seconds, req.on_idle)?;
         let (sb, fresh) = self.create_from(caller, req, key, tpl, origin, &opts).await?;
+        let sb = match idle {
+            Some(p) if fresh => {
+                self.set_idle(&SandboxId::from_record(&sb.id), p).await?;
+                self.with_idle(sb)
+            }
+            _ => self.with_idle(sb),
+        };
         if req.volumes.is_empty() {
             return Ok((sb, fresh));
         }
@@ -542,7 +550,7 @@ impl Control {
     }
 
     pub async fn get(&self, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
-        let sb = view(&self.record(caller, id, Need::Manage).await?);
+        let sb = self.with_idle(view(&self.record(caller, id, Need::Manage).await?));
         self.with_volumes(sb).await
     }
 
@@ -604,6 +612,7 @@ impl Control {
         self.transition(id, Transition::Terminate, Set::reason(reason)).await?;
         self.access.revoke_sandbox(id.as_str());
         self.history.forget(id);
+        self.idle.forget(id.as_str());
         let live = self.remove_live(id);
         let handle = match live.as_ref().and_then(|l| l.handle.lock().ok().and_then(|mut h| h.take())) {
             Some(h) => h,

@@ -90,6 +90,7 @@ use utoipa::{Modify, OpenApi};
         hutch_api::Change,
         hutch_api::StorageKind,
         hutch_api::OnExpire,
+        hutch_api::OnIdle,
         hutch_api::CreateGrant, hutch_api::Grant, hutch_api::GrantSecretRotated,
     )),
     modifiers(&BearerAuth),

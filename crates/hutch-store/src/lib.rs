@@ -391,6 +391,10 @@ pub trait Store: Send + Sync {
     fn list_keys(&self) -> Result<Vec<KeyRecord>>;
     /// Marks a key revoked; false when no live key has this id.
     fn revoke_key(&self, id: &str, at: i64) -> Result<bool>;
+    /// Sets a sandbox's idle policy (`on_idle`: `pause` or `delete`).
+    fn set_sandbox_idle(&self, id: &str, timeout_s: u64, on_idle: &str) -> Result<()>;
+    /// The idle policies of sandboxes that have not ended: (id, timeout, on_idle).
+    fn sandbox_idle_all(&self) -> Result<Vec<(String, u64, String)>>;
     /// A live key's grant secret: None when no live key has this id,
     /// Some(None) when it has none yet.
     fn grant_secret(&self, id: &str) -> Result<Option<Option<String>>>;

@@ -23,6 +23,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0009_lifecycle", include_str!("../migrations/0009_lifecycle.sql")),
     ("0010_audit", include_str!("../migrations/0010_audit.sql")),
     ("0014_grants", include_str!("../migrations/0014_grants.sql")),
+    ("0015_idle", include_str!("../migrations/0015_idle.sql")),
 ];
 
 /// States in which a sandbox holds resources.
@@ -455,6 +456,29 @@ impl Store for SqliteStore {
             let n =
                 c.execute("UPDATE api_keys SET revoked_at = ?2 WHERE id = ?1 AND revoked_at IS NULL", params![id, at])?;
             Ok(n == 1)
+        })
+    }
+
+    fn set_sandbox_idle(&self, id: &str, timeout_s: u64, on_idle: &str) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE sandboxes SET idle_timeout_s = ?2, on_idle = ?3 WHERE id = ?1",
+                params![id, timeout_s as i64, on_idle],
+            )?;
+            Ok(())
+        })
+    }
+
+    fn sandbox_idle_all(&self) -> Result<Vec<(String, u64, String)>> {
+        self.with(|c| {
+            let mut st = c.prepare(
+                "SELECT id, idle_timeout_s, COALESCE(on_idle, 'pause') FROM sandboxes \
+                 WHERE idle_timeout_s IS NOT NULL AND state != 'terminated'",
+            )?;
+            let rows = st
+                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?.max(0) as u64, r.get(2)?)))?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
         })
     }
 

@@ -39,3 +39,10 @@ def test_grant_arguments_are_checked_by_the_daemon(sandbox: hutch.Sandbox):
     for scopes, ttl in [([], 60), (["root"], 60), (["exec"], 0), (["exec"], 86401)]:
         with pytest.raises(hutch.InvalidRequestError):
             sandbox.grant(scopes=scopes, ttl=ttl)
+
+
+def test_an_idle_timeout_is_sent_and_shown(client: hutch.Hutch):
+    with client.sandboxes.create(ttl="10m", idle_timeout="1h", on_idle="delete") as sb:
+        info = sb.refresh()
+        assert info.idle_timeout_seconds == 3600 and info.on_idle == "delete"
+        assert info.idle_since is not None

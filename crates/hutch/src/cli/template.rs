@@ -263,6 +263,9 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateTemplate> {
             timeout_seconds: c.ready_timeout.map(|s| s.min(u64::from(u32::MAX)) as u32),
         }),
     };
+    if c.life.idle_timeout.is_some() || c.life.on_idle.is_some() {
+        anyhow::bail!("--idle-timeout and --on-idle are set per sandbox (hutch sandbox create), not on templates yet");
+    }
     Ok(CreateTemplate {
         name: c.name.clone(),
         image: c.image.clone(),
@@ -343,6 +346,9 @@ fn update_request(
     }
     if let Some(n) = u.net.request()? {
         put("network", serde_json::to_value(n)?);
+    }
+    if u.life.idle_timeout.is_some() || u.life.on_idle.is_some() {
+        anyhow::bail!("--idle-timeout and --on-idle are set per sandbox (hutch sandbox create), not on templates yet");
     }
     if let Some(w) = u.life.on_expire {
         put("on_expire", serde_json::to_value(w)?);

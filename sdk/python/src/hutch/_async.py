@@ -605,6 +605,8 @@ class AsyncSandboxes:
         snapshot: Optional[str] = None,
         on_expire: Optional[str] = None,
         paused_ttl: Optional[Duration] = None,
+        idle_timeout: Optional[Duration] = None,
+        on_idle: Optional[str] = None,
     ) -> SandboxCreation:
         """`sb = await client.sandboxes.create(...)`, or
         `async with client.sandboxes.create(...) as sb:`; see `Sandboxes.create`."""
@@ -612,7 +614,7 @@ class AsyncSandboxes:
             template=template, ttl=ttl, memory_mb=memory_mb, vcpus=vcpus, disk_mib=disk_mib, pids=pids, env=env,
             metadata=metadata, network=network, wait=wait, idempotency_key=idempotency_key,
             default_timeout=self._t.config.timeout, volumes=volumes, storage=storage, snapshot=snapshot,
-            on_expire=on_expire, paused_ttl=paused_ttl,
+            on_expire=on_expire, paused_ttl=paused_ttl, idle_timeout=idle_timeout, on_idle=on_idle,
         )
 
         async def make() -> AsyncSandbox:

@@ -161,6 +161,8 @@ def create_sandbox(
     snapshot: Optional[str] = None,
     on_expire: Optional[str] = None,
     paused_ttl: Optional[Duration] = None,
+    idle_timeout: Optional[Duration] = None,
+    on_idle: Optional[str] = None,
 ) -> Call[models.SandboxInfo]:
     wait_seconds = None if wait is None else min(whole_seconds(wait, "wait"), DAEMON_WAIT_CAP)
     body = _drop_none(
@@ -178,6 +180,8 @@ def create_sandbox(
             "snapshot": snapshot,
             "on_expire": on_expire,
             "paused_ttl_seconds": _seconds(paused_ttl, "paused_ttl"),
+            "idle_timeout_seconds": _seconds(idle_timeout, "idle_timeout"),
+            "on_idle": on_idle,
         }
     )
     return Call(

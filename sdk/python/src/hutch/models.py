@@ -94,6 +94,11 @@ class SandboxInfo:
     on_expire: str = "delete"
     #: how long it is kept once paused at its expiry (seconds)
     paused_ttl_seconds: int = 0
+    #: its idle timeout (seconds) and what idleness does, when it has one
+    idle_timeout_seconds: Optional[int] = None
+    on_idle: Optional[str] = None
+    #: since when it is idle (RFC 3339); None while a command runs
+    idle_since: Optional[str] = None
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -117,6 +122,9 @@ class SandboxInfo:
             snapshot=d.get("snapshot"),
             on_expire=d.get("on_expire", "delete"),
             paused_ttl_seconds=int(d.get("paused_ttl_seconds", 0)),
+            idle_timeout_seconds=d.get("idle_timeout_seconds"),
+            on_idle=d.get("on_idle"),
+            idle_since=d.get("idle_since"),
             raw=dict(d),
         )
 
