@@ -88,3 +88,30 @@ def test_use_through_the_api_keeps_it_running(api: Client):
 ])
 def test_idle_requests_are_validated(api: Client, body: dict):
     expect_error(api.post("/v1/sandboxes", {"ttl_seconds": 60, **body}), 400, "invalid_request")
+
+
+def test_the_idle_timeout_comes_from_the_template_unless_the_create_says(api: Client):
+    import uuid
+    name = f"idle-{uuid.uuid4().hex[:8]}"
+    r = api.post("/v1/templates", {"name": name, "idle_timeout_seconds": 1, "on_idle": "delete"})
+    expect_status(r, 201)
+    tpl = r.json()
+    assert tpl["idle_timeout_seconds"] == 1 and tpl["on_idle"] == "delete", tpl
+    try:
+        # The create's own timeout replaces the template's: kept.
+        kept = api.create(template=name, idle_timeout_seconds=3600)
+        assert (kept["idle_timeout_seconds"], kept["on_idle"]) == (3600, "delete"), kept
+        sb = api.create(template=name)
+        sid = sb["id"]
+        assert (sb["idle_timeout_seconds"], sb["on_idle"]) == (1, "delete"), sb
+        wait_for("the template's idle delete",
+                 lambda: api.sandbox(sid)["state"] in ("terminating", "terminated"), timeout=30)
+        assert api.sandbox(kept["id"])["state"] == "running"
+        api.delete(f"/v1/sandboxes/{kept['id']}")
+        expect_error(api.request("PATCH", f"/v1/templates/{tpl['id']}", json={"idle_timeout_seconds": 0}), 400,
+                     "invalid_request")
+        r = api.request("PATCH", f"/v1/templates/{tpl['id']}", json={"on_idle": "pause"})
+        expect_status(r, 200)
+        assert r.json()["on_idle"] == "pause"
+    finally:
+        expect_status(api.delete(f"/v1/templates/{tpl['id']}"), (204, 404))

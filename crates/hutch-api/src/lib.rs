@@ -800,6 +800,12 @@ pub struct CreateTemplate {
     /// 2592000; 604800 when absent.
     #[serde(default)]
     pub paused_ttl_seconds: Option<u64>,
+    /// Its sandboxes' idle timeout and what idleness does, unless a create
+    /// says (see `CreateSandbox`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_seconds: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_idle: Option<OnIdle>,
 }
 
 /// `PATCH /v1/templates/{id}`: the fields given replace the template's. A
@@ -845,6 +851,12 @@ pub struct UpdateTemplate {
     pub on_expire: Option<OnExpire>,
     #[serde(default)]
     pub paused_ttl_seconds: Option<u64>,
+    /// Replace its sandboxes' idle timeout and `on_idle` (sandboxes made
+    /// from now on).
+    #[serde(default)]
+    pub idle_timeout_seconds: Option<u64>,
+    #[serde(default)]
+    pub on_idle: Option<OnIdle>,
 }
 
 /// Tells a field given as `null` (`Some(None)`) from an absent one (`None`).
@@ -962,6 +974,11 @@ pub struct Template {
     /// How long its sandboxes paused at their expiry are kept (seconds).
     #[serde(default)]
     pub paused_ttl_seconds: u64,
+    /// Its sandboxes' idle timeout and what idleness does, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_seconds: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_idle: Option<OnIdle>,
 }
 
 /// `GET /v1/templates`.

@@ -153,7 +153,11 @@ impl Control {
             }
             None => (self.recipe(owner, req.template.as_deref()).await?, None),
         };
-        let idle = crate::idle::IdlePolicy::from_request(req.idle_timeout_seconds, req.on_idle)?;
+        // The request's, else the template's (a snapshot's recipe has none).
+        let idle = crate::idle::IdlePolicy::from_request(
+            req.idle_timeout_seconds.or(tpl.idle_timeout_s),
+            req.on_idle.or(tpl.on_idle),
+        )?;
         let (sb, fresh) = self.create_from(caller, req, key, tpl, origin, &opts).await?;
         let sb = match idle {
             Some(p) if fresh => {

@@ -15,7 +15,7 @@
 
 mod sqlite;
 
-pub use hutch_api::{BuildState, OnExpire, SandboxState, StorageKind};
+pub use hutch_api::{BuildState, OnExpire, OnIdle, SandboxState, StorageKind};
 pub use sqlite::SqliteStore;
 
 #[derive(Debug, thiserror::Error)]
@@ -227,6 +227,9 @@ pub struct TemplateRecord {
     /// How long its sandboxes paused at their expiry are kept; None: the
     /// default.
     pub paused_ttl_s: Option<u64>,
+    /// Its sandboxes' idle timeout and what idleness does; None: none.
+    pub idle_timeout_s: Option<u64>,
+    pub on_idle: Option<OnIdle>,
 }
 
 /// A template build as stored. Times are Unix milliseconds.

@@ -102,7 +102,7 @@ const SANDBOX_COLUMNS: &str = "id, owner, template, state, created_at, expires_a
 
 const TEMPLATE_COLUMNS: &str = "id, owner, name, version, image, class, memory_mb, vcpus, disk_mib, pids, env, \
      default_ttl_s, max_ttl_s, warm_min, warm_max, created_at, updated_at, deleted_at, startup, readiness, network, \
-     storage, on_expire, paused_ttl_s";
+     storage, on_expire, paused_ttl_s, idle_timeout_s, on_idle";
 
 const BUILD_COLUMNS: &str = "id, template_id, owner, state, created_at, finished_at, error, parent, image, version";
 
@@ -192,6 +192,11 @@ fn template_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<TemplateRecord> {
             Some(_) => Some(parsed(r, 22, "template on_expire", OnExpire::parse)?),
         },
         paused_ttl_s: r.get::<_, Option<i64>>(23)?.map(|v| v as u64),
+        idle_timeout_s: r.get::<_, Option<i64>>(24)?.map(|v| v.max(0) as u64),
+        on_idle: match r.get::<_, Option<String>>(25)? {
+            None => None,
+            Some(_) => Some(parsed(r, 25, "template on_idle", OnIdle::parse)?),
+        },
     })
 }
 
@@ -225,6 +230,8 @@ fn template_values(t: &TemplateRecord) -> Vec<Value> {
         text(t.storage.map(StorageKind::as_str)),
         text(t.on_expire.map(OnExpire::as_str)),
         int(t.paused_ttl_s.map(|v| v as i64)),
+        int(t.idle_timeout_s.map(|v| v as i64)),
+        text(t.on_idle.map(OnIdle::as_str)),
     ]
 }
 

@@ -137,7 +137,7 @@ pub struct LifecycleArgs {
     #[arg(long, value_parser = parse_seconds, value_name = "DURATION")]
     pub paused_ttl: Option<u64>,
     /// Pause or end it (--on-idle) after this long with no API use and no
-    /// command running: 10m, 1h, ... (sandboxes only).
+    /// command running: 10m, 1h, ...
     #[arg(long, value_parser = parse_seconds, value_name = "DURATION")]
     pub idle_timeout: Option<u64>,
     /// When idle: pause (the default) or delete.

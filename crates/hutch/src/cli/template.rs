@@ -263,9 +263,6 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateTemplate> {
             timeout_seconds: c.ready_timeout.map(|s| s.min(u64::from(u32::MAX)) as u32),
         }),
     };
-    if c.life.idle_timeout.is_some() || c.life.on_idle.is_some() {
-        anyhow::bail!("--idle-timeout and --on-idle are set per sandbox (hutch sandbox create), not on templates yet");
-    }
     Ok(CreateTemplate {
         name: c.name.clone(),
         image: c.image.clone(),
@@ -282,6 +279,8 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateTemplate> {
         readiness,
         on_expire: c.life.on_expire,
         paused_ttl_seconds: c.life.paused_ttl,
+        idle_timeout_seconds: c.life.idle_timeout,
+        on_idle: c.life.on_idle,
     })
 }
 
@@ -347,8 +346,11 @@ fn update_request(
     if let Some(n) = u.net.request()? {
         put("network", serde_json::to_value(n)?);
     }
-    if u.life.idle_timeout.is_some() || u.life.on_idle.is_some() {
-        anyhow::bail!("--idle-timeout and --on-idle are set per sandbox (hutch sandbox create), not on templates yet");
+    if let Some(s) = u.life.idle_timeout {
+        put("idle_timeout_seconds", serde_json::to_value(s)?);
+    }
+    if let Some(o) = u.life.on_idle {
+        put("on_idle", serde_json::to_value(o)?);
     }
     if let Some(w) = u.life.on_expire {
         put("on_expire", serde_json::to_value(w)?);
