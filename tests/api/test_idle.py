@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import Client, Daemon, expect_error, expect_status, leftovers, wait_for
+from conftest import Client, Daemon, expect_error, expect_status, wait_for
 
 
 def idle_state(sb: dict) -> str:
@@ -17,11 +17,13 @@ def idle_state(sb: dict) -> str:
 
 
 def resume_after_pause(api: Client, daemon: Daemon, sid: str) -> None:
-    """Resumes a sandbox the sweeper paused, once its pause finished on the
-    host (the record says `paused` before its processes and network lease
-    are gone)."""
-    wait_for("the paused sandbox's processes to end", lambda: not leftovers(daemon.run_dir, sid), timeout=15)
-    expect_status(api.post(f"/v1/sandboxes/{sid}/resume"), 200)
+    """Resumes a sandbox the sweeper paused, as soon as it shows `paused`:
+    the record says so before the pause's teardown (processes, network
+    lease) ends, and the resume waits for that teardown
+    (regression: a quick resume failed with sandbox_network_unavailable)."""
+    r = api.post(f"/v1/sandboxes/{sid}/resume")
+    expect_status(r, 200)
+    assert r.json()["state"] == "running", r.json()
 
 
 def test_an_idle_sandbox_is_paused_and_shows_idle_since(api: Client, daemon: Daemon):

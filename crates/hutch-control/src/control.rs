@@ -179,6 +179,9 @@ pub struct Control {
     pub(crate) grant_secrets: crate::grants::Secrets,
     /// Sandboxes' idle policies.
     pub(crate) idle: crate::idle::Idle,
+    /// Pauses whose teardown is under way (the record already says
+    /// `paused`): a wake waits for the signal (sent, or dropped, at its end).
+    pub(crate) pausing: Mutex<HashMap<String, tokio::sync::watch::Receiver<bool>>>,
     /// Set while an idle sweep runs (one at a time).
     pub(crate) idle_sweeping: Arc<AtomicBool>,
 }
@@ -311,6 +314,7 @@ impl Control {
             audit: crate::audit::Auditor::default(),
             grant_secrets: crate::grants::Secrets::default(),
             idle: crate::idle::Idle::default(),
+            pausing: Mutex::new(HashMap::new()),
             idle_sweeping: Arc::new(AtomicBool::new(false)),
         })
     }

@@ -787,13 +787,32 @@ impl Control {
         if r.storage != StorageKind::Disk {
             return Err(ControlError::SnapshotUnsupported(id.to_string()));
         }
-        let Some(paused) = self.transition(id, Transition::Pause, Set::default()).await? else {
-            let r = self.record(caller, id, Need::Manage).await?;
-            return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
-        };
-        self.access.revoke_sandbox(id.as_str());
-        self.end_processes(id).await?;
-        Ok(view(&paused))
+        // Known before the record says `paused`: a resume that sees that
+        // waits for the teardown below (its network lease, its layer).
+        let (done, waiting) = tokio::sync::watch::channel(false);
+        self.pausing.lock().unwrap_or_else(|p| p.into_inner()).insert(id.to_string(), waiting);
+        let ended = async {
+            let Some(paused) = self.transition(id, Transition::Pause, Set::default()).await? else {
+                let r = self.record(caller, id, Need::Manage).await?;
+                return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
+            };
+            self.access.revoke_sandbox(id.as_str());
+            self.end_processes(id).await?;
+            Ok(view(&paused))
+        }
+        .await;
+        self.pausing.lock().unwrap_or_else(|p| p.into_inner()).remove(id.as_str());
+        done.send_replace(true);
+        ended
+    }
+
+    /// Waits (a minute at most) for a pause of `id` under way to finish.
+    async fn pause_finished(&self, id: &SandboxId) {
+        let waiting = self.pausing.lock().unwrap_or_else(|p| p.into_inner()).get(id.as_str()).cloned();
+        if let Some(mut w) = waiting {
+            // A dropped sender (the pause's task ended) is as good as done.
+            let _ = tokio::time::timeout(Duration::from_secs(60), w.wait_for(|d| *d)).await;
+        }
     }
 
     /// Ends a paused sandbox's processes (if any are left) and what they
@@ -827,6 +846,7 @@ impl Control {
     /// Starts a paused sandbox again on its layer.
     async fn wake(self: &Arc<Self>, r: SandboxRecord) -> Result<Sandbox> {
         let id = SandboxId::from_record(&r.id);
+        self.pause_finished(&id).await;
         let owner = OwnerId::from_record(&r.owner);
         let recipe = match r.origin.as_deref().filter(|o| o.starts_with("snap-")) {
             Some(snap) => match self.snapshot_recipe(&owner, snap).await {
