@@ -33,6 +33,8 @@ def test_an_idle_sandbox_is_paused_and_shows_idle_since(api: Client, daemon: Dae
         assert sb["idle_timeout_seconds"] == 2 and sb["on_idle"] == "pause", sb
         got = api.sandbox(sid)
         assert got["idle_since"] is not None, got
+        listed = [s for s in api.list_all() if s["id"] == sid]
+        assert listed and listed[0]["idle_timeout_seconds"] == 2, listed
         final = wait_for("the idle sandbox's pause",
                          lambda: (s := api.sandbox(sid))["state"] != "running" and s, timeout=30)
         assert final["state"] == idle_state(sb), final

@@ -584,7 +584,7 @@ impl Control {
         let more = rows.len() > limit as usize;
         let rows = &rows[..rows.len().min(limit as usize)];
         Ok(SandboxList {
-            sandboxes: rows.iter().map(view).collect(),
+            sandboxes: rows.iter().map(|r| self.with_idle(view(r))).collect(),
             next_cursor: if more { rows.last().map(encode_cursor) } else { None },
         })
     }
