@@ -57,7 +57,13 @@ export function sandboxView(root, id) {
         sb.state === "running" && el("button", { type: "button", onclick: () => attempt(async () => {
           const s = await api.post(path("/snapshots"), {});
           alertInfo(`Snapshot ${s.id} taken.`);
-        }) }, "snapshot"))));
+        }) }, "snapshot"),
+        // A grant for an end user: this sandbox's exec, files and terminal
+        // for an hour (docs/api.md, "Grants to end users").
+        sb.state === "running" && el("button", { type: "button", id: "share", onclick: () => attempt(async () => {
+          const g = await api.post(path("/grants"), { scopes: ["exec", "files:read", "files:write", "pty"], ttl_seconds: 3600 });
+          alertInfo(`Grant for ${g.scopes.join(", ")} until ${g.expires_at} (shown once): ${g.token}`);
+        }) }, "share"))));
     termButton.disabled = sb.state !== "running";
     if (first && sb.state === "running") files.refresh().catch(report);
   };

@@ -107,6 +107,15 @@ def test_the_console_signs_in_runs_a_terminal_moves_files_and_deletes_a_sandbox(
         page.click('#sandbox button[data-action="resume"]')
         expect(page.locator("#sandbox td.state")).to_have_text("running")
 
+        # Share: a grant for an end user, shown once; it runs commands here.
+        page.click("#share")
+        expect(page.locator("#notice")).to_contain_text("hg_")
+        token = re.search(r"hg_[A-Za-z0-9_-]+", page.locator("#notice").inner_text()).group(0)
+        r = requests.post(f"{daemon.base}/v1/sandboxes/{sid}/exec", json={"command": "echo shared"},
+                          headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        expect_status(r, 200)
+        assert r.json()["stdout"] == "shared\n", r.json()
+
         # The terminal: a command typed in it (at once: what is typed
         # before the socket opens waits for it), its output on screen, in
         # 24-bit colour (which xterm.js sets as style attributes).

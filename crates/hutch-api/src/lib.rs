@@ -158,6 +158,12 @@ pub enum ErrorCode {
     WebhookUrlRefused,
     /// The key has as many webhooks as it may have; delete one first.
     WebhookLimitReached,
+    /// The credential is a grant, and the grant does not cover this call
+    /// (another sandbox, an operation it does not name, or anything but
+    /// the sandbox routes).
+    GrantScope,
+    /// The grant expired.
+    GrantExpired,
 }
 
 impl ErrorCode {
@@ -167,8 +173,9 @@ impl ErrorCode {
             ErrorCode::Unauthorized
             | ErrorCode::AccessTokenRequired
             | ErrorCode::AccessTokenInvalid
-            | ErrorCode::AccessTokenExpired => 401,
-            ErrorCode::AccessTokenWrongTarget | ErrorCode::Forbidden => 403,
+            | ErrorCode::AccessTokenExpired
+            | ErrorCode::GrantExpired => 401,
+            ErrorCode::AccessTokenWrongTarget | ErrorCode::Forbidden | ErrorCode::GrantScope => 403,
             ErrorCode::InvalidRequest
             | ErrorCode::UnknownTemplate
             | ErrorCode::ImageNotFound
@@ -272,6 +279,8 @@ impl ErrorCode {
             ErrorCode::ImageBuildFailed => "image_build_failed",
             ErrorCode::WebhookUrlRefused => "webhook_url_refused",
             ErrorCode::WebhookLimitReached => "webhook_limit_reached",
+            ErrorCode::GrantScope => "grant_scope",
+            ErrorCode::GrantExpired => "grant_expired",
         }
     }
 }
@@ -343,6 +352,34 @@ impl StorageKind {
         StorageKind::ALL.into_iter().find(|k| k.as_str() == s)
     }
 }
+
+/// What happens to a sandbox idle for its `idle_timeout_seconds`.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum OnIdle {
+    /// It is paused: to disk when its files are on disk (state `paused`),
+    /// else suspended in memory (state `suspended`); a resume wakes it.
+    #[default]
+    Pause,
+    /// It ends and its files are deleted.
+    Delete,
+}
+
+impl OnIdle {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnIdle::Pause => "pause",
+            OnIdle::Delete => "delete",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<OnIdle> {
+        [OnIdle::Pause, OnIdle::Delete].into_iter().find(|o| o.as_str() == s)
+    }
+}
+
+/// Longest idle timeout: a week.
+pub const MAX_IDLE_SECONDS: u64 = 7 * 86_400;
 
 /// What happens to a sandbox when its lifetime ends.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq, Hash)]
@@ -432,6 +469,14 @@ pub struct CreateSandbox {
     /// else 604800 (7 days).
     #[serde(default)]
     pub paused_ttl_seconds: Option<u64>,
+    /// Pause or end it (`on_idle`) once it has had no API use and no
+    /// command running for this long, 1 to 604800 (a week); none when
+    /// absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_seconds: Option<u64>,
+    /// What idleness does: `pause` (the default) or `delete`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_idle: Option<OnIdle>,
     /// Volumes to mount (see `POST /v1/volumes`): each by its name or id,
     /// at a path under `/workspace`, `/home/user`, `/mnt` or `/data`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -694,6 +739,16 @@ pub struct Sandbox {
     /// How long it is kept once paused at its expiry (seconds).
     #[serde(default)]
     pub paused_ttl_seconds: u64,
+    /// Its idle timeout (seconds) and what idleness does, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_seconds: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_idle: Option<OnIdle>,
+    /// RFC 3339: since when it has had no API use and no command running;
+    /// null while a command runs (or it is not running, or has no idle
+    /// timeout).
+    #[serde(default)]
+    pub idle_since: Option<String>,
     /// The volumes it mounts (`name` is the volume's name), in the answers
     /// of a create and of `GET /v1/sandboxes/{id}`; absent when none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -761,6 +816,12 @@ pub struct CreateTemplate {
     /// 2592000; 604800 when absent.
     #[serde(default)]
     pub paused_ttl_seconds: Option<u64>,
+    /// Its sandboxes' idle timeout and what idleness does, unless a create
+    /// says (see `CreateSandbox`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_seconds: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_idle: Option<OnIdle>,
 }
 
 /// `PATCH /v1/templates/{id}`: the fields given replace the template's. A
@@ -806,6 +867,12 @@ pub struct UpdateTemplate {
     pub on_expire: Option<OnExpire>,
     #[serde(default)]
     pub paused_ttl_seconds: Option<u64>,
+    /// Replace its sandboxes' idle timeout and `on_idle` (sandboxes made
+    /// from now on).
+    #[serde(default)]
+    pub idle_timeout_seconds: Option<u64>,
+    #[serde(default)]
+    pub on_idle: Option<OnIdle>,
 }
 
 /// Tells a field given as `null` (`Some(None)`) from an absent one (`None`).
@@ -923,6 +990,11 @@ pub struct Template {
     /// How long its sandboxes paused at their expiry are kept (seconds).
     #[serde(default)]
     pub paused_ttl_seconds: u64,
+    /// Its sandboxes' idle timeout and what idleness does, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_seconds: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_idle: Option<OnIdle>,
 }
 
 /// `GET /v1/templates`.
@@ -1406,6 +1478,44 @@ pub struct Usage {
 pub const MAX_ACCESS_PORT: u16 = 65532;
 /// The longest an access grant lives, in seconds (also the default).
 pub const MAX_ACCESS_SECONDS: u64 = 300;
+
+/// Longest life of a grant (`POST /v1/sandboxes/{id}/grants`): a day.
+pub const MAX_GRANT_SECONDS: u64 = 86_400;
+
+/// `POST /v1/sandboxes/{id}/grants`: a credential for an end user.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CreateGrant {
+    /// What the grant allows, each at most once: `exec`, `files:read`,
+    /// `files:write`, `pty`, `ports:N` (N 1 to 65532; at most 16 ports).
+    pub scopes: Vec<String>,
+    /// 1 to 86400 (a day); never past the sandbox's own expiry.
+    pub ttl_seconds: u64,
+}
+
+/// A grant: a token an end user sends as `Authorization: Bearer` (or, to
+/// the port proxy, as its access token) to reach one sandbox for the named
+/// operations until `expires_at`. The daemon keeps nothing of it: the
+/// token is checked against the key's grant secret, and rotating that
+/// secret revokes every grant of the key.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Grant {
+    /// `hg_` and base64url; shown once.
+    pub token: String,
+    /// The scopes, in their canonical order.
+    pub scopes: Vec<String>,
+    /// RFC 3339.
+    pub expires_at: String,
+    pub sandbox_id: String,
+}
+
+/// The answer to a rotation of a key's grant secret.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct GrantSecretRotated {
+    pub key_id: String,
+    /// RFC 3339; every grant minted before is refused from now on.
+    pub rotated_at: String,
+}
 
 /// `POST /v1/sandboxes/{id}/access`: a short-lived credential for one port.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]

@@ -174,6 +174,16 @@ pub struct AccessPass {
 }
 
 impl AccessPass {
+    pub(crate) fn new(
+        grant_id: String,
+        sandbox: String,
+        port: u16,
+        expires_at: i64,
+        revoked: tokio::sync::watch::Receiver<bool>,
+    ) -> AccessPass {
+        AccessPass { grant_id, sandbox, port, expires_at, revoked }
+    }
+
     /// Completes when the grant is revoked or expires.
     pub async fn ended(&self) -> PassEnd {
         let mut revoked = self.revoked.clone();
@@ -257,7 +267,7 @@ impl Control {
             if !settings.as_ref().is_some_and(|s| s.auto_resume) {
                 return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
             }
-            let owner = Caller { owner: crate::ids::OwnerId::from_record(&r.owner), admin: false };
+            let owner = Caller::key(crate::ids::OwnerId::from_record(&r.owner), false);
             self.resume(&owner, id).await?;
             self.log(id, crate::history::LogLevel::Info, format!("resumed by a request to port {port}"), &[]);
         }
@@ -350,6 +360,13 @@ impl Control {
             },
         };
         let token = token.map(str::trim).filter(|t| !t.is_empty()).ok_or(ControlError::AccessTokenRequired)?;
+        if token.starts_with(crate::grants::TOKEN_PREFIX) {
+            let pass = self.grant_pass(id, port, token).await?;
+            if let Some(state) = not_running {
+                return Err(ControlError::NotRunning { id: id.to_owned(), state });
+            }
+            return Ok(pass);
+        }
         if token.len() > 256 {
             return Err(ControlError::AccessTokenInvalid("the access token is malformed"));
         }

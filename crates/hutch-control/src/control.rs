@@ -180,6 +180,15 @@ pub struct Control {
     pub(crate) audit: crate::audit::Auditor,
     /// The event sequence, its writer's queue and the live broadcast.
     pub(crate) events: crate::events::Events,
+    /// Each key's grant secret, once read.
+    pub(crate) grant_secrets: crate::grants::Secrets,
+    /// Sandboxes' idle policies.
+    pub(crate) idle: crate::idle::Idle,
+    /// Pauses whose teardown is under way (the record already says
+    /// `paused`): a wake waits for the signal (sent, or dropped, at its end).
+    pub(crate) pausing: Mutex<HashMap<String, tokio::sync::watch::Receiver<bool>>>,
+    /// Set while an idle sweep runs (one at a time).
+    pub(crate) idle_sweeping: Arc<AtomicBool>,
 }
 
 /// The stable digest of a request body, for idempotency checks.
@@ -244,6 +253,9 @@ pub(crate) fn view(r: &SandboxRecord) -> Sandbox {
         snapshot: r.origin.clone().filter(|o| o.starts_with("snap-")),
         on_expire: r.on_expire,
         paused_ttl_seconds: r.paused_ttl_s.unwrap_or(crate::sandboxes::PAUSED_TTL_DEFAULT),
+        idle_timeout_seconds: None,
+        on_idle: None,
+        idle_since: None,
         volumes: Vec::new(),
     }
 }
@@ -306,6 +318,10 @@ impl Control {
             history: Arc::new(crate::history::History::default()),
             audit: crate::audit::Auditor::default(),
             events: crate::events::Events::new(config.events),
+            grant_secrets: crate::grants::Secrets::default(),
+            idle: crate::idle::Idle::default(),
+            pausing: Mutex::new(HashMap::new()),
+            idle_sweeping: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -453,6 +469,7 @@ impl Control {
     /// warm sandbox is nobody's yet; another owner's is not found (for an
     /// admin, it is found when `need` is `Manage`).
     pub(crate) async fn record(&self, caller: &Caller, id: &SandboxId, need: Need) -> Result<SandboxRecord> {
+        caller.admit_sandbox(id)?;
         match self.sandbox_record(id).await? {
             Some(r) if !r.pooled && allowed(caller, &r.owner, need) => Ok(r),
             _ => Err(ControlError::NoSandbox(id.to_string())),
@@ -463,8 +480,10 @@ impl Control {
     /// sandbox is found in memory (its owner and state are known there);
     /// only the others cost a store read, to say why.
     pub(crate) async fn running(&self, caller: &Caller, id: &SandboxId) -> Result<Arc<Live>> {
+        caller.admit_sandbox(id)?;
         if let Some(live) = self.live(id) {
             if !live.is_pooled() && caller.may_use(live.owner.as_str()) {
+                live.touch();
                 if live.is_suspended() {
                     return Err(ControlError::NotRunning {
                         id: id.to_string(),
@@ -488,7 +507,7 @@ impl Control {
     /// The live sandbox of `owner` (an E2B session proved its owner through
     /// the sandbox's token).
     pub(crate) async fn running_of(&self, owner: &OwnerId, id: &SandboxId) -> Result<Arc<Live>> {
-        self.running(&Caller { owner: owner.clone(), admin: false }, id).await
+        self.running(&Caller::key(owner.clone(), false), id).await
     }
 }
 

@@ -109,6 +109,12 @@ pub enum ControlError {
     /// The caller's key may not do this (an admin-only operation).
     #[error("{0}")]
     Forbidden(String),
+    /// The credential is a grant that does not cover this call.
+    #[error("{0}")]
+    GrantScope(String),
+    /// The grant expired (at this RFC 3339 time).
+    #[error("the grant expired at {0}")]
+    GrantExpired(String),
     /// A conditional update lost: the thing changed meanwhile.
     #[error("{0}")]
     Conflict(String),
@@ -197,6 +203,8 @@ impl ControlError {
             ControlError::PortUnreachable(_) => ErrorCode::SandboxPortUnreachable,
             ControlError::Unauthorized(_) => ErrorCode::Unauthorized,
             ControlError::Forbidden(_) => ErrorCode::Forbidden,
+            ControlError::GrantScope(_) => ErrorCode::GrantScope,
+            ControlError::GrantExpired(_) => ErrorCode::GrantExpired,
             ControlError::Conflict(_) => ErrorCode::Conflict,
             ControlError::SnapshotNameTaken(_) => ErrorCode::SnapshotNameTaken,
             ControlError::SnapshotUnsupported(_) => ErrorCode::SnapshotUnsupported,

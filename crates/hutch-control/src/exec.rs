@@ -317,6 +317,8 @@ impl Control {
             }
         }
         if background {
+            // Running until the idle sweeper sees it end.
+            live.set_busy(true);
             // The agent holds the command's slot until its tree exits.
             if let Ok(mut started) = live.started.lock() {
                 if started.len() >= 4096 {

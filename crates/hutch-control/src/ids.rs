@@ -149,12 +149,15 @@ impl TemplateId {
     }
 }
 
-/// Who is calling: the owner their key makes them, and whether it is an
-/// admin key (which sees and ends every owner's things).
+/// Who is calling: the owner their key makes them, whether it is an admin
+/// key (which sees and ends every owner's things), and, when the
+/// credential is a grant, what the grant restricts it to
+/// ([`Caller::admit`](crate::grants)).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Caller {
     pub owner: OwnerId,
     pub admin: bool,
+    pub grant: Option<std::sync::Arc<crate::grants::GrantScope>>,
 }
 
 /// Which owners a listing covers.
@@ -166,9 +169,16 @@ pub enum Owners {
 }
 
 impl Caller {
+    /// The caller an API key makes.
+    pub fn key(owner: OwnerId, admin: bool) -> Caller {
+        Caller { owner, admin, grant: None }
+    }
+
     /// The owners a listing of this caller covers: its own, or with
-    /// `?owner=` (admin keys only) another's or everyone's (`*`).
+    /// `?owner=` (admin keys only) another's or everyone's (`*`). A grant
+    /// lists nothing.
     pub fn listing(&self, owner: Option<&str>) -> Result<Owners> {
+        self.no_grant("list")?;
         match owner {
             None => Ok(Owners::One(self.owner.clone())),
             Some(_) if !self.admin => Err(ControlError::Forbidden("only an admin key may list another owner's".into())),
@@ -233,11 +243,11 @@ mod tests {
 
     #[test]
     fn only_admins_list_or_end_another_owners_things() {
-        let me = Caller { owner: OwnerId::from_record("key-000000000001"), admin: false };
+        let me = Caller::key(OwnerId::from_record("key-000000000001"), false);
         assert_eq!(me.listing(None).expect("own"), Owners::One(me.owner.clone()));
         assert!(me.listing(Some("*")).is_err());
         assert!(!me.may_manage("key-000000000002") && me.may_manage("key-000000000001"));
-        let admin = Caller { owner: OwnerId::from_record("key-00000000000a"), admin: true };
+        let admin = Caller::key(OwnerId::from_record("key-00000000000a"), true);
         assert_eq!(admin.listing(Some("*")).expect("all"), Owners::All);
         assert!(admin.listing(Some("nope")).is_err());
         assert!(admin.may_manage("key-000000000001") && !admin.may_use("key-000000000001"));

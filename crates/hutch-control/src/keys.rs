@@ -149,7 +149,7 @@ impl Control {
     pub async fn authenticate(&self, secret: &str) -> Result<Option<Caller>> {
         let secret = secret.to_owned();
         let key = self.db(move |s| authenticate(s, &secret)).await?;
-        Ok(key.map(|k| Caller { owner: OwnerId::from_record(&k.id), admin: k.admin }))
+        Ok(key.map(|k| Caller::key(OwnerId::from_record(&k.id), k.admin)))
     }
 
     pub async fn create_key(&self, caller: &Caller, req: &CreateKey) -> Result<ApiKey> {
@@ -179,6 +179,7 @@ impl Control {
         let mut d = serde_json::Map::new();
         d.insert("key_id".into(), id.to_string().into());
         self.emit(id.as_str(), crate::events::Kind::KeyRevoked, None, d);
+        self.grant_secrets.forget(id.as_str());
         self.end_sandboxes_of(id).await;
         self.forget_build_cache_of(id).await;
         Ok(())

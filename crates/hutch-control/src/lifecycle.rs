@@ -24,7 +24,7 @@ use hutch_runtime::agent::AgentError;
 use hutch_runtime::agent_async::AsyncConn;
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -110,6 +110,8 @@ pub enum Reason {
     ImageUnavailable,
     /// Its disk layer could not be made or readied.
     StorageFailed,
+    /// Idle past its `idle_timeout_seconds` with `on_idle: "delete"`.
+    Idle,
 }
 
 impl Reason {
@@ -133,6 +135,7 @@ impl Reason {
             Reason::ImageNotFound => "image_not_found",
             Reason::ImageUnavailable => "image_unavailable",
             Reason::StorageFailed => "sandbox_storage_failed",
+            Reason::Idle => "sandbox_idle",
         }
     }
 
@@ -175,6 +178,11 @@ pub struct Live {
     pub(crate) watchers: Mutex<crate::session::Watchers>,
     /// OOM kills its cgroup counted at the reconciler's last look.
     pub(crate) oom_seen: std::sync::atomic::AtomicU64,
+    /// When it was last used through the API (Unix ms; see [`crate::idle`]).
+    last_active: AtomicI64,
+    /// A command was seen running (by a background start or the idle
+    /// sweeper) and not yet seen ended.
+    busy: AtomicBool,
 }
 
 impl Live {
@@ -190,7 +198,26 @@ impl Live {
             started: Mutex::new(HashMap::new()),
             watchers: Mutex::new(crate::session::Watchers::default()),
             oom_seen: std::sync::atomic::AtomicU64::new(0),
+            last_active: AtomicI64::new(hutch_api::time::now_ms()),
+            busy: AtomicBool::new(false),
         })
+    }
+
+    /// Notes a use through the API: one atomic store.
+    pub(crate) fn touch(&self) {
+        self.last_active.store(hutch_api::time::now_ms(), Ordering::Relaxed);
+    }
+
+    pub(crate) fn last_active(&self) -> i64 {
+        self.last_active.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn is_busy(&self) -> bool {
+        self.busy.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_busy(&self, v: bool) {
+        self.busy.store(v, Ordering::Relaxed);
     }
 
     pub(crate) fn is_suspended(&self) -> bool {

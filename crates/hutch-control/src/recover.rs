@@ -196,6 +196,14 @@ impl Control {
                 tracing::warn!("warm pools: {e}; retrying next tick");
             }
         }
+        if !self.is_shutting_down() && !self.idle_sweeping.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            // Off the tick: a sweep may wait on agents.
+            let this = self.clone();
+            tokio::spawn(async move {
+                this.sweep_idle().await;
+                this.idle_sweeping.store(false, std::sync::atomic::Ordering::SeqCst);
+            });
+        }
         self.metrics.reconciler_ticks_total.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }

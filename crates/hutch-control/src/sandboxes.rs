@@ -153,7 +153,19 @@ impl Control {
             }
             None => (self.recipe(owner, req.template.as_deref()).await?, None),
         };
+        // The request's, else the template's (a snapshot's recipe has none).
+        let idle = crate::idle::IdlePolicy::from_request(
+            req.idle_timeout_seconds.or(tpl.idle_timeout_s),
+            req.on_idle.or(tpl.on_idle),
+        )?;
         let (sb, fresh) = self.create_from(caller, req, key, tpl, origin, &opts).await?;
+        let sb = match idle {
+            Some(p) if fresh => {
+                self.set_idle(&SandboxId::from_record(&sb.id), p).await?;
+                self.with_idle(sb)
+            }
+            _ => self.with_idle(sb),
+        };
         if req.volumes.is_empty() {
             return Ok((sb, fresh));
         }
@@ -542,7 +554,7 @@ impl Control {
     }
 
     pub async fn get(&self, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
-        let sb = view(&self.record(caller, id, Need::Manage).await?);
+        let sb = self.with_idle(view(&self.record(caller, id, Need::Manage).await?));
         self.with_volumes(sb).await
     }
 
@@ -572,7 +584,7 @@ impl Control {
         let more = rows.len() > limit as usize;
         let rows = &rows[..rows.len().min(limit as usize)];
         Ok(SandboxList {
-            sandboxes: rows.iter().map(view).collect(),
+            sandboxes: rows.iter().map(|r| self.with_idle(view(r))).collect(),
             next_cursor: if more { rows.last().map(encode_cursor) } else { None },
         })
     }
@@ -604,6 +616,7 @@ impl Control {
         self.transition(id, Transition::Terminate, Set::reason(reason)).await?;
         self.access.revoke_sandbox(id.as_str());
         self.history.forget(id);
+        self.idle.forget(id.as_str());
         let live = self.remove_live(id);
         let handle = match live.as_ref().and_then(|l| l.handle.lock().ok().and_then(|mut h| h.take())) {
             Some(h) => h,
@@ -724,7 +737,7 @@ impl Control {
         if !matches!(self.db(move |s| s.set_expiry(&sid, until, true, &live)).await, Ok(Some(_))) {
             return false;
         }
-        let owner = Caller { owner: OwnerId::from_record(&r.owner), admin: false };
+        let owner = Caller::key(OwnerId::from_record(&r.owner), false);
         match self.suspend(&owner, &id, hutch_api::SuspendMode::Disk).await {
             Ok(_) => {
                 self.log(&id, crate::history::LogLevel::Info, "paused at its expiry (on_expire: pause)", &[]);
@@ -779,13 +792,32 @@ impl Control {
         if r.storage != StorageKind::Disk {
             return Err(ControlError::SnapshotUnsupported(id.to_string()));
         }
-        let Some(paused) = self.transition(id, Transition::Pause, Set::default()).await? else {
-            let r = self.record(caller, id, Need::Manage).await?;
-            return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
-        };
-        self.access.revoke_sandbox(id.as_str());
-        self.end_processes(id).await?;
-        Ok(view(&paused))
+        // Known before the record says `paused`: a resume that sees that
+        // waits for the teardown below (its network lease, its layer).
+        let (done, waiting) = tokio::sync::watch::channel(false);
+        self.pausing.lock().unwrap_or_else(|p| p.into_inner()).insert(id.to_string(), waiting);
+        let ended = async {
+            let Some(paused) = self.transition(id, Transition::Pause, Set::default()).await? else {
+                let r = self.record(caller, id, Need::Manage).await?;
+                return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
+            };
+            self.access.revoke_sandbox(id.as_str());
+            self.end_processes(id).await?;
+            Ok(view(&paused))
+        }
+        .await;
+        self.pausing.lock().unwrap_or_else(|p| p.into_inner()).remove(id.as_str());
+        done.send_replace(true);
+        ended
+    }
+
+    /// Waits (a minute at most) for a pause of `id` under way to finish.
+    async fn pause_finished(&self, id: &SandboxId) {
+        let waiting = self.pausing.lock().unwrap_or_else(|p| p.into_inner()).get(id.as_str()).cloned();
+        if let Some(mut w) = waiting {
+            // A dropped sender (the pause's task ended) is as good as done.
+            let _ = tokio::time::timeout(Duration::from_secs(60), w.wait_for(|d| *d)).await;
+        }
     }
 
     /// Ends a paused sandbox's processes (if any are left) and what they
@@ -819,6 +851,7 @@ impl Control {
     /// Starts a paused sandbox again on its layer.
     async fn wake(self: &Arc<Self>, r: SandboxRecord) -> Result<Sandbox> {
         let id = SandboxId::from_record(&r.id);
+        self.pause_finished(&id).await;
         let owner = OwnerId::from_record(&r.owner);
         let recipe = match r.origin.as_deref().filter(|o| o.starts_with("snap-")) {
             Some(snap) => match self.snapshot_recipe(&owner, snap).await {

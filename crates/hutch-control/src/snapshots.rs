@@ -77,6 +77,9 @@ impl SnapRecipe {
             storage: Some(StorageKind::Disk),
             on_expire: Some(self.on_expire),
             paused_ttl_s: self.paused_ttl_s,
+            // A sandbox's idle policy is its own, not its snapshot's.
+            idle_timeout_s: None,
+            on_idle: None,
         }
     }
 }

@@ -61,6 +61,9 @@ pub struct Recipe {
     /// What its sandboxes do at their expiry unless a create says.
     pub on_expire: Option<hutch_api::OnExpire>,
     pub paused_ttl_s: Option<u64>,
+    /// Its sandboxes' idle timeout and `on_idle` unless a create says.
+    pub idle_timeout_s: Option<u64>,
+    pub on_idle: Option<hutch_api::OnIdle>,
 }
 
 /// A template's stored network policy.
@@ -90,6 +93,8 @@ impl Recipe {
             storage: None,
             on_expire: None,
             paused_ttl_s: None,
+            idle_timeout_s: None,
+            on_idle: None,
         }
     }
 
@@ -128,6 +133,8 @@ impl Recipe {
             storage: t.storage,
             on_expire: t.on_expire,
             paused_ttl_s: t.paused_ttl_s,
+            idle_timeout_s: t.idle_timeout_s,
+            on_idle: t.on_idle,
         }
     }
 
@@ -301,6 +308,8 @@ impl Control {
             storage: t.storage,
             on_expire: t.on_expire.unwrap_or_default(),
             paused_ttl_seconds: t.paused_ttl_s.unwrap_or(crate::sandboxes::PAUSED_TTL_DEFAULT),
+            idle_timeout_seconds: t.idle_timeout_s,
+            on_idle: t.idle_timeout_s.map(|_| t.on_idle.unwrap_or_default()),
         })
     }
 
@@ -388,8 +397,11 @@ impl Control {
             storage: req.storage.map(|k| self.storage_kind(Some(k))).transpose()?,
             on_expire: req.on_expire,
             paused_ttl_s: req.paused_ttl_seconds.map(crate::sandboxes::check_paused_ttl).transpose()?,
+            idle_timeout_s: req.idle_timeout_seconds,
+            on_idle: req.on_idle,
         };
         self.check_on_expire(t.on_expire, t.storage)?;
+        crate::idle::IdlePolicy::from_request(t.idle_timeout_s, t.on_idle)?;
         let rec = t.clone();
         match self.db(move |s| s.insert_template(&rec)).await {
             Ok(()) => self.template_view(&t).await,
@@ -478,7 +490,14 @@ impl Control {
         if let Some(secs) = req.paused_ttl_seconds {
             t.paused_ttl_s = Some(crate::sandboxes::check_paused_ttl(secs)?);
         }
+        if let Some(secs) = req.idle_timeout_seconds {
+            t.idle_timeout_s = Some(secs);
+        }
+        if let Some(on_idle) = req.on_idle {
+            t.on_idle = Some(on_idle);
+        }
         self.check_on_expire(t.on_expire, t.storage)?;
+        crate::idle::IdlePolicy::from_request(t.idle_timeout_s, t.on_idle)?;
         let changed = t.image != old.image
             || t.storage != old.storage
             || network_of(&t) != network_of(&old)

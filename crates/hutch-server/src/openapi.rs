@@ -54,6 +54,8 @@ use utoipa::{Modify, OpenApi};
         crate::routes::create_key,
         crate::routes::revoke_key,
         crate::routes::set_quotas,
+        crate::routes::create_grant,
+        crate::routes::rotate_grant_secret,
         crate::routes::usage,
         crate::routes::capabilities,
         crate::audit::list,
@@ -98,6 +100,8 @@ use utoipa::{Modify, OpenApi};
         hutch_api::OnExpire,
         hutch_api::Event, hutch_api::EventList, hutch_api::CreateWebhook, hutch_api::Webhook, hutch_api::WebhookList,
         hutch_api::Delivery, hutch_api::DeliveryList,
+        hutch_api::OnIdle,
+        hutch_api::CreateGrant, hutch_api::Grant, hutch_api::GrantSecretRotated,
     )),
     modifiers(&BearerAuth),
     security(("bearer" = []))

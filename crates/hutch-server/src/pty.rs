@@ -85,8 +85,11 @@ fn offered(headers: &axum::http::HeaderMap) -> impl Iterator<Item = &str> {
 
 async fn authenticate(State(app): State<Arc<App>>, mut req: Request, next: Next) -> Response {
     let secret = credential(&req);
-    match app.control.authenticate(&secret).await {
+    match app.control.authenticate_native(&secret).await {
         Ok(Some(caller)) => {
+            if let Err(e) = crate::routes::admit(&caller, &req) {
+                return e.into_response();
+            }
             crate::listener::authenticated(&req);
             req.extensions_mut().insert(caller);
             next.run(req).await

@@ -9,10 +9,12 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use hutch_api::{
-    ApiKey, ApiKeyList, CreateKey, CreateSandbox, ErrorCode, ExecEvent, ExecRequest, ExecutionRequest, ExecutionResult,
-    Extend, KeyQuotas, ProcessList, Sandbox, SandboxList, SignalRequest, StdinRequest, Usage,
+    ApiKey, ApiKeyList, CreateGrant, CreateKey, CreateSandbox, ErrorCode, ExecEvent, ExecRequest, ExecutionRequest,
+    ExecutionResult, Extend, Grant, GrantSecretRotated, KeyQuotas, ProcessList, Sandbox, SandboxList, SignalRequest,
+    StdinRequest, Usage,
 };
 use hutch_control::exec::ExecReply;
+use hutch_control::grants::Operation;
 use hutch_control::{OwnerId, SandboxId};
 use serde::Deserialize;
 use std::sync::Arc;
@@ -54,6 +56,8 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
         .route("/v1/sandboxes/{id}/file-parts", post(file_part))
         .route("/v1/keys", get(list_keys).post(create_key))
         .route("/v1/keys/{id}", axum::routing::delete(revoke_key).patch(set_quotas))
+        .route("/v1/keys/{id}/grant-secret/rotate", post(rotate_grant_secret))
+        .route("/v1/sandboxes/{id}/grants", post(create_grant))
         .route("/v1/usage", get(usage))
         .route("/v1/capabilities", get(capabilities))
         .route("/v1/audit", get(crate::audit::list))
@@ -113,14 +117,54 @@ fn bearer(req: &Request) -> &str {
         .unwrap_or("")
 }
 
-/// The bearer key's caller, or 401.
+/// What a request of the native API does, for a grant's check
+/// ([`Caller::admit`]): the sandbox routes a grant can name, by their
+/// route and method; everything else is `Other`, refused to a grant. A
+/// new route is refused to grants until it is named here.
+pub(crate) fn operation<'a>(method: &axum::http::Method, route: &str, path: &'a str) -> Operation<'a> {
+    use axum::http::Method;
+    let Some(rest) = route.strip_prefix("/v1/sandboxes/{id}") else { return Operation::Other };
+    let id = path.strip_prefix("/v1/sandboxes/").and_then(|p| p.split('/').next()).unwrap_or("");
+    match (method, rest) {
+        (&Method::GET, "") => Operation::Read(id),
+        (&Method::POST, "/exec")
+        | (&Method::GET, "/processes")
+        | (&Method::POST, "/processes/{pid}/signal")
+        | (&Method::POST, "/processes/{pid}/stdin")
+        | (&Method::GET, "/processes/{pid}/stream") => Operation::Exec(id),
+        (&Method::GET, "/files")
+        | (&Method::POST, "/files/read")
+        | (&Method::GET, "/files/list")
+        | (&Method::GET, "/archives") => Operation::FilesRead(id),
+        (&Method::PUT, "/files")
+        | (&Method::POST, "/files/write")
+        | (&Method::POST, "/archives")
+        | (&Method::POST, "/file-parts") => Operation::FilesWrite(id),
+        (&Method::GET, "/pty") => Operation::Pty(id),
+        _ => Operation::Other,
+    }
+}
+
+/// Checks a caller against what its request does (a grant's restriction).
+pub(crate) fn admit(caller: &Caller, req: &Request) -> Result<(), ApiError> {
+    let route = req.extensions().get::<axum::extract::MatchedPath>().map(|m| m.as_str()).unwrap_or("");
+    Ok(caller.admit(operation(req.method(), route, req.uri().path()))?)
+}
+
+/// The bearer credential's caller (an API key, or a grant whose scope
+/// admits the request), or 401/403.
 pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
     let secret = bearer(&req).to_owned();
     let secret = secret.as_str();
-    match app.control.authenticate(secret).await {
+    match app.control.authenticate_native(secret).await {
         Ok(Some(caller)) => {
+            if let Err(e) = admit(&caller, &req) {
+                return crate::transfer::refuse(req, e.into_response()).await;
+            }
             crate::listener::authenticated(&req);
-            crate::audit::identified(&req, &caller.owner, &[]);
+            // A grant's calls are its key's, marked as made through a grant.
+            let via: &[(&str, &str)] = if caller.grant.is_some() { &[("via", "grant")] } else { &[] };
+            crate::audit::identified(&req, &caller.owner, via);
             req.extensions_mut().insert(caller);
             next.run(req).await
         }
@@ -183,6 +227,31 @@ pub(crate) async fn create_key(
     let key = app.control.create_key(&caller, &req).await?;
     let id = key.id.clone();
     Ok(crate::audit::created((StatusCode::CREATED, Json(key)).into_response(), id))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/grants", params(("id" = String, Path)), request_body = CreateGrant,
+    responses((status = 201, body = Grant, description = "with its token, shown once"),
+              (status = 400, body = hutch_api::ErrorBody), (status = 403, body = hutch_api::ErrorBody),
+              (status = 404, body = hutch_api::ErrorBody)))]
+pub(crate) async fn create_grant(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    ApiPath(id): ApiPath<String>,
+    JsonBody(req): JsonBody<CreateGrant>,
+) -> ApiResult<Response> {
+    let grant = app.control.create_grant(&caller, &SandboxId::parse(&id)?, &req).await?;
+    Ok((StatusCode::CREATED, Json(grant)).into_response())
+}
+
+#[utoipa::path(post, path = "/v1/keys/{id}/grant-secret/rotate", params(("id" = String, Path)),
+    responses((status = 200, body = GrantSecretRotated, description = "every earlier grant of the key is refused"),
+              (status = 403, body = hutch_api::ErrorBody), (status = 404, body = hutch_api::ErrorBody)))]
+pub(crate) async fn rotate_grant_secret(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<Json<GrantSecretRotated>> {
+    Ok(Json(app.control.rotate_grant_secret(&caller, &OwnerId::parse(&id)?).await?))
 }
 
 #[utoipa::path(delete, path = "/v1/keys/{id}", params(("id" = String, Path)),

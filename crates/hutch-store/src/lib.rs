@@ -16,7 +16,7 @@
 mod sqlite;
 mod sqlite_events;
 
-pub use hutch_api::{BuildState, OnExpire, SandboxState, StorageKind};
+pub use hutch_api::{BuildState, OnExpire, OnIdle, SandboxState, StorageKind};
 pub use sqlite::SqliteStore;
 
 #[derive(Debug, thiserror::Error)]
@@ -319,6 +319,9 @@ pub struct TemplateRecord {
     /// How long its sandboxes paused at their expiry are kept; None: the
     /// default.
     pub paused_ttl_s: Option<u64>,
+    /// Its sandboxes' idle timeout and what idleness does; None: none.
+    pub idle_timeout_s: Option<u64>,
+    pub on_idle: Option<OnIdle>,
 }
 
 /// A template build as stored. Times are Unix milliseconds.
@@ -483,6 +486,16 @@ pub trait Store: Send + Sync {
     fn list_keys(&self) -> Result<Vec<KeyRecord>>;
     /// Marks a key revoked; false when no live key has this id.
     fn revoke_key(&self, id: &str, at: i64) -> Result<bool>;
+    /// Sets a sandbox's idle policy (`on_idle`: `pause` or `delete`).
+    fn set_sandbox_idle(&self, id: &str, timeout_s: u64, on_idle: &str) -> Result<()>;
+    /// The idle policies of sandboxes that have not ended: (id, timeout, on_idle).
+    fn sandbox_idle_all(&self) -> Result<Vec<(String, u64, String)>>;
+    /// A live key's grant secret: None when no live key has this id,
+    /// Some(None) when it has none yet.
+    fn grant_secret(&self, id: &str) -> Result<Option<Option<String>>>;
+    /// Sets a live key's grant secret (with `only_if_unset`, only if it has
+    /// none); false when nothing was set.
+    fn set_grant_secret(&self, id: &str, secret: &str, only_if_unset: bool) -> Result<bool>;
     /// Sets a live key's quotas; false when no live key has this id.
     fn set_quotas(&self, id: &str, quotas: &Quotas) -> Result<bool>;
     fn count_keys(&self) -> Result<u64>;

@@ -24,6 +24,8 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0010_audit", include_str!("../migrations/0010_audit.sql")),
     ("0011_events", include_str!("../migrations/0011_events.sql")),
     ("0012_webhooks", include_str!("../migrations/0012_webhooks.sql")),
+    ("0014_grants", include_str!("../migrations/0014_grants.sql")),
+    ("0015_idle", include_str!("../migrations/0015_idle.sql")),
 ];
 
 /// States in which a sandbox holds resources.
@@ -102,7 +104,7 @@ const SANDBOX_COLUMNS: &str = "id, owner, template, state, created_at, expires_a
 
 const TEMPLATE_COLUMNS: &str = "id, owner, name, version, image, class, memory_mb, vcpus, disk_mib, pids, env, \
      default_ttl_s, max_ttl_s, warm_min, warm_max, created_at, updated_at, deleted_at, startup, readiness, network, \
-     storage, on_expire, paused_ttl_s";
+     storage, on_expire, paused_ttl_s, idle_timeout_s, on_idle";
 
 const BUILD_COLUMNS: &str = "id, template_id, owner, state, created_at, finished_at, error, parent, image, version";
 
@@ -192,6 +194,11 @@ fn template_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<TemplateRecord> {
             Some(_) => Some(parsed(r, 22, "template on_expire", OnExpire::parse)?),
         },
         paused_ttl_s: r.get::<_, Option<i64>>(23)?.map(|v| v as u64),
+        idle_timeout_s: r.get::<_, Option<i64>>(24)?.map(|v| v.max(0) as u64),
+        on_idle: match r.get::<_, Option<String>>(25)? {
+            None => None,
+            Some(_) => Some(parsed(r, 25, "template on_idle", OnIdle::parse)?),
+        },
     })
 }
 
@@ -225,6 +232,8 @@ fn template_values(t: &TemplateRecord) -> Vec<Value> {
         text(t.storage.map(StorageKind::as_str)),
         text(t.on_expire.map(OnExpire::as_str)),
         int(t.paused_ttl_s.map(|v| v as i64)),
+        int(t.idle_timeout_s.map(|v| v as i64)),
+        text(t.on_idle.map(OnIdle::as_str)),
     ]
 }
 
@@ -456,6 +465,49 @@ impl Store for SqliteStore {
             let n =
                 c.execute("UPDATE api_keys SET revoked_at = ?2 WHERE id = ?1 AND revoked_at IS NULL", params![id, at])?;
             Ok(n == 1)
+        })
+    }
+
+    fn set_sandbox_idle(&self, id: &str, timeout_s: u64, on_idle: &str) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE sandboxes SET idle_timeout_s = ?2, on_idle = ?3 WHERE id = ?1",
+                params![id, timeout_s as i64, on_idle],
+            )?;
+            Ok(())
+        })
+    }
+
+    fn sandbox_idle_all(&self) -> Result<Vec<(String, u64, String)>> {
+        self.with(|c| {
+            let mut st = c.prepare(
+                "SELECT id, idle_timeout_s, COALESCE(on_idle, 'pause') FROM sandboxes \
+                 WHERE idle_timeout_s IS NOT NULL AND state != 'terminated'",
+            )?;
+            let rows = st
+                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?.max(0) as u64, r.get(2)?)))?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn grant_secret(&self, id: &str) -> Result<Option<Option<String>>> {
+        self.with(|c| {
+            Ok(c.query_row("SELECT grant_secret FROM api_keys WHERE id = ?1 AND revoked_at IS NULL", [id], |r| {
+                r.get::<_, Option<String>>(0)
+            })
+            .optional()?)
+        })
+    }
+
+    fn set_grant_secret(&self, id: &str, secret: &str, only_if_unset: bool) -> Result<bool> {
+        self.with(|c| {
+            let sql = if only_if_unset {
+                "UPDATE api_keys SET grant_secret = ?2 WHERE id = ?1 AND revoked_at IS NULL AND grant_secret IS NULL"
+            } else {
+                "UPDATE api_keys SET grant_secret = ?2 WHERE id = ?1 AND revoked_at IS NULL"
+            };
+            Ok(c.execute(sql, params![id, secret])? == 1)
         })
     }
 

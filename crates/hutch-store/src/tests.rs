@@ -156,6 +156,8 @@ fn template(id: &str, version: i64) -> TemplateRecord {
         storage: None,
         on_expire: None,
         paused_ttl_s: None,
+        idle_timeout_s: None,
+        on_idle: None,
     }
 }
 
@@ -229,6 +231,8 @@ fn a_template_update_writes_every_column_an_insert_does() {
         storage: Some(StorageKind::Memory),
         on_expire: Some(OnExpire::Pause),
         paused_ttl_s: Some(3600),
+        idle_timeout_s: Some(600),
+        on_idle: Some(hutch_api::OnIdle::Delete),
         updated_at: 2,
         ..template("tpl-1", 1)
     };

@@ -216,15 +216,16 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         | ErrorCode::SandboxDiskFull
         | ErrorCode::PayloadTooLarge
         | ErrorCode::SandboxArchiveTooLarge => ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS),
-        ErrorCode::AccessTokenRequired | ErrorCode::AccessTokenInvalid | ErrorCode::AccessTokenExpired => {
-            ("unauthenticated", StatusCode::UNAUTHORIZED)
-        }
+        ErrorCode::AccessTokenRequired
+        | ErrorCode::AccessTokenInvalid
+        | ErrorCode::AccessTokenExpired
+        | ErrorCode::GrantExpired => ("unauthenticated", StatusCode::UNAUTHORIZED),
         ErrorCode::AccessTokenWrongTarget => ("permission_denied", StatusCode::FORBIDDEN),
         ErrorCode::AccessGrantCapacity => ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS),
         ErrorCode::SandboxPortUnreachable | ErrorCode::RegistryError | ErrorCode::ImageBuildFailed => {
             ("unavailable", StatusCode::BAD_GATEWAY)
         }
-        ErrorCode::Forbidden => ("permission_denied", StatusCode::FORBIDDEN),
+        ErrorCode::Forbidden | ErrorCode::GrantScope => ("permission_denied", StatusCode::FORBIDDEN),
         ErrorCode::QuotaExceeded | ErrorCode::WebhookLimitReached => {
             ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS)
         }

@@ -136,6 +136,17 @@ pub struct LifecycleArgs {
     /// when absent, at most 30d).
     #[arg(long, value_parser = parse_seconds, value_name = "DURATION")]
     pub paused_ttl: Option<u64>,
+    /// Pause or end it (--on-idle) after this long with no API use and no
+    /// command running: 10m, 1h, ...
+    #[arg(long, value_parser = parse_seconds, value_name = "DURATION")]
+    pub idle_timeout: Option<u64>,
+    /// When idle: pause (the default) or delete.
+    #[arg(long, value_name = "WHAT", value_parser = parse_on_idle)]
+    pub on_idle: Option<hutch_api::OnIdle>,
+}
+
+fn parse_on_idle(s: &str) -> Result<hutch_api::OnIdle, String> {
+    hutch_api::OnIdle::parse(s).ok_or_else(|| format!("{s:?}: expected pause or delete"))
 }
 
 fn parse_on_expire(s: &str) -> Result<hutch_api::OnExpire, String> {

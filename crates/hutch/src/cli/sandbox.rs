@@ -237,6 +237,8 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateSandbox> {
         snapshot: c.snapshot.clone(),
         on_expire: c.life.on_expire,
         paused_ttl_seconds: c.life.paused_ttl,
+        idle_timeout_seconds: c.life.idle_timeout,
+        on_idle: c.life.on_idle,
         volumes: c.volumes.clone(),
     })
 }
@@ -345,6 +347,9 @@ mod tests {
             snapshot: None,
             on_expire: hutch_api::OnExpire::Delete,
             paused_ttl_seconds: 604_800,
+            idle_timeout_seconds: None,
+            on_idle: None,
+            idle_since: None,
             volumes: Vec::new(),
         }
     }

@@ -279,6 +279,8 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateTemplate> {
         readiness,
         on_expire: c.life.on_expire,
         paused_ttl_seconds: c.life.paused_ttl,
+        idle_timeout_seconds: c.life.idle_timeout,
+        on_idle: c.life.on_idle,
     })
 }
 
@@ -343,6 +345,12 @@ fn update_request(
     }
     if let Some(n) = u.net.request()? {
         put("network", serde_json::to_value(n)?);
+    }
+    if let Some(s) = u.life.idle_timeout {
+        put("idle_timeout_seconds", serde_json::to_value(s)?);
+    }
+    if let Some(o) = u.life.on_idle {
+        put("on_idle", serde_json::to_value(o)?);
     }
     if let Some(w) = u.life.on_expire {
         put("on_expire", serde_json::to_value(w)?);

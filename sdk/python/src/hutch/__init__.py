@@ -34,6 +34,7 @@ from ._sync import ExecStream, Hutch, Process, Sandbox
 from ._version import __version__
 from .models import (
     AccessGrant,
+    Grant,
     ApiKey,
     ArchiveResult,
     Build,
@@ -96,6 +97,7 @@ __all__ = [
     "UnsafeArchiveError",
     # models
     "AccessGrant",
+    "Grant",
     "ApiKey",
     "ArchiveResult",
     "Build",

@@ -341,6 +341,10 @@ class AsyncSandbox:
     async def extend(self, by: Optional[Duration] = None, *, until: Optional[str] = None) -> models.SandboxInfo:
         return self._update(await self._t.call(ops.extend_sandbox(self.id, by, until)))
 
+    async def grant(self, scopes: Sequence[str], ttl: Duration = 3600) -> models.Grant:
+        """A token for an end user (see `Sandbox.grant`)."""
+        return await self._t.call(ops.create_grant(self.id, scopes, ttl))
+
     async def suspend(self) -> models.SandboxInfo:
         return self._update(await self._t.call(ops.suspend_sandbox(self.id)))
 
@@ -601,6 +605,8 @@ class AsyncSandboxes:
         snapshot: Optional[str] = None,
         on_expire: Optional[str] = None,
         paused_ttl: Optional[Duration] = None,
+        idle_timeout: Optional[Duration] = None,
+        on_idle: Optional[str] = None,
     ) -> SandboxCreation:
         """`sb = await client.sandboxes.create(...)`, or
         `async with client.sandboxes.create(...) as sb:`; see `Sandboxes.create`."""
@@ -608,7 +614,7 @@ class AsyncSandboxes:
             template=template, ttl=ttl, memory_mb=memory_mb, vcpus=vcpus, disk_mib=disk_mib, pids=pids, env=env,
             metadata=metadata, network=network, wait=wait, idempotency_key=idempotency_key,
             default_timeout=self._t.config.timeout, volumes=volumes, storage=storage, snapshot=snapshot,
-            on_expire=on_expire, paused_ttl=paused_ttl,
+            on_expire=on_expire, paused_ttl=paused_ttl, idle_timeout=idle_timeout, on_idle=on_idle,
         )
 
         async def make() -> AsyncSandbox:
@@ -818,6 +824,9 @@ class AsyncKeys:
 
     async def revoke(self, key_id: str) -> None:
         await self._t.call(ops.revoke_key(key_id))
+
+    async def rotate_grant_secret(self, key_id: str) -> Dict[str, Any]:
+        return await self._t.call(ops.rotate_grant_secret(key_id))
 
 
 # --------------------------------------------------------------------------

@@ -143,6 +143,8 @@ class TransferIncompleteError(HutchError):
 CODE_CLASSES: Dict[str, Type[HutchError]] = {
     "unauthorized": AuthenticationError,
     "forbidden": PermissionDeniedError,
+    "grant_scope": PermissionDeniedError,
+    "grant_expired": AuthenticationError,
     "not_found": NotFoundError,
     "invalid_request": InvalidRequestError,
     "unknown_template": InvalidRequestError,

@@ -161,6 +161,8 @@ def create_sandbox(
     snapshot: Optional[str] = None,
     on_expire: Optional[str] = None,
     paused_ttl: Optional[Duration] = None,
+    idle_timeout: Optional[Duration] = None,
+    on_idle: Optional[str] = None,
 ) -> Call[models.SandboxInfo]:
     wait_seconds = None if wait is None else min(whole_seconds(wait, "wait"), DAEMON_WAIT_CAP)
     body = _drop_none(
@@ -178,6 +180,8 @@ def create_sandbox(
             "snapshot": snapshot,
             "on_expire": on_expire,
             "paused_ttl_seconds": _seconds(paused_ttl, "paused_ttl"),
+            "idle_timeout_seconds": _seconds(idle_timeout, "idle_timeout"),
+            "on_idle": on_idle,
         }
     )
     return Call(
@@ -556,6 +560,16 @@ def _grant(reply: Reply) -> models.AccessGrant:
 def create_access(sandbox_id: str, port: int, expires_in: Optional[Duration]) -> Call[models.AccessGrant]:
     body = _drop_none({"port": port, "expires_in_seconds": _seconds(expires_in, "expires_in")})
     return Call("POST", _files(sandbox_id) + "/access", _grant, body=json_body(body))
+
+
+def create_grant(sandbox_id: str, scopes: Sequence[str], ttl: Duration) -> Call[models.Grant]:
+    body = {"scopes": list(scopes), "ttl_seconds": whole_seconds(ttl, "ttl")}
+    return Call("POST", _files(sandbox_id) + "/grants", lambda r: models.Grant.from_json(r.json()),
+                body=json_body(body))
+
+
+def rotate_grant_secret(key_id: str) -> Call[Dict[str, Any]]:
+    return Call("POST", f"/v1/keys/{seg(key_id)}/grant-secret/rotate", lambda r: r.json())
 
 
 def list_access(sandbox_id: str) -> Call[List[models.AccessGrant]]:

@@ -340,6 +340,12 @@ class Sandbox:
         """Moves its expiry: `by` ("10m", 600) or `until` (RFC 3339)."""
         return self._update(self._t.call(ops.extend_sandbox(self.id, by, until)))
 
+    def grant(self, scopes: Sequence[str], ttl: Duration = 3600) -> models.Grant:
+        """A token for an end user: this sandbox only, `scopes` only
+        (`exec`, `files:read`, `files:write`, `pty`, `ports:N`), for `ttl`
+        (at most a day). The token is shown only here."""
+        return self._t.call(ops.create_grant(self.id, scopes, ttl))
+
     def suspend(self) -> models.SandboxInfo:
         """Freezes every process; memory and files are kept."""
         return self._update(self._t.call(ops.suspend_sandbox(self.id)))
@@ -624,19 +630,23 @@ class Sandboxes:
         snapshot: Optional[str] = None,
         on_expire: Optional[str] = None,
         paused_ttl: Optional[Duration] = None,
+        idle_timeout: Optional[Duration] = None,
+        on_idle: Optional[str] = None,
     ) -> Sandbox:
         """Creates a sandbox and waits (up to `wait`, 5 minutes by default)
         until it runs. `ttl` is its lifetime ("10m", 600); `network` its
         policy ("deny_all", "private", {"egress": "default", "allow": [...]}).
         `storage` is "disk" or "memory"; `snapshot` starts it from a snapshot
         (id or name) instead of a template; `on_expire="pause"` pauses it at
-        its expiry instead of ending it, kept `paused_ttl` ("7d" by default).
+        its expiry instead of ending it, kept `paused_ttl` ("7d" by default);
+        `idle_timeout` ("10m") pauses it (or with `on_idle="delete"` ends it)
+        after that long with no API use and no command running.
         A retry after a dropped connection gets the same sandbox."""
         call = ops.create_sandbox(
             template=template, ttl=ttl, memory_mb=memory_mb, vcpus=vcpus, disk_mib=disk_mib, pids=pids, env=env,
             metadata=metadata, network=network, wait=wait, idempotency_key=idempotency_key,
             default_timeout=self._t.config.timeout, volumes=volumes, storage=storage, snapshot=snapshot,
-            on_expire=on_expire, paused_ttl=paused_ttl,
+            on_expire=on_expire, paused_ttl=paused_ttl, idle_timeout=idle_timeout, on_idle=on_idle,
         )
         return Sandbox(self._client, self._t.run(ops.create_sandbox_op(call, wait)))
 
@@ -860,6 +870,11 @@ class Keys:
     def revoke(self, key_id: str) -> None:
         """Revokes it; its sandboxes end now."""
         self._t.call(ops.revoke_key(key_id))
+
+    def rotate_grant_secret(self, key_id: str) -> Dict[str, Any]:
+        """Replaces the key's grant secret: every grant it minted is
+        refused from now on (the key itself or the admin key)."""
+        return self._t.call(ops.rotate_grant_secret(key_id))
 
 
 # --------------------------------------------------------------------------

@@ -94,6 +94,11 @@ class SandboxInfo:
     on_expire: str = "delete"
     #: how long it is kept once paused at its expiry (seconds)
     paused_ttl_seconds: int = 0
+    #: its idle timeout (seconds) and what idleness does, when it has one
+    idle_timeout_seconds: Optional[int] = None
+    on_idle: Optional[str] = None
+    #: since when it is idle (RFC 3339); None while a command runs
+    idle_since: Optional[str] = None
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -117,6 +122,9 @@ class SandboxInfo:
             snapshot=d.get("snapshot"),
             on_expire=d.get("on_expire", "delete"),
             paused_ttl_seconds=int(d.get("paused_ttl_seconds", 0)),
+            idle_timeout_seconds=d.get("idle_timeout_seconds"),
+            on_idle=d.get("on_idle"),
+            idle_since=d.get("idle_since"),
             raw=dict(d),
         )
 
@@ -285,6 +293,24 @@ class FilePartResult:
     size: int
     received: int
     complete: bool
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A credential for an end user: `token` reaches one sandbox, for
+    `scopes` only, until `expires_at`. Use it as an API key
+    (`Hutch(api_key=grant.token)`) or, for a `ports:N` scope, as the port
+    proxy's access token. Rotating the key's grant secret revokes it."""
+
+    token: str
+    scopes: List[str]
+    expires_at: str
+    sandbox_id: str
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Grant":
+        return cls(token=d["token"], scopes=list(d["scopes"]), expires_at=d["expires_at"],
+                   sandbox_id=d["sandbox_id"])
 
 
 @dataclass(frozen=True)
