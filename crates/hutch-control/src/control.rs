@@ -175,6 +175,8 @@ pub struct Control {
     pub(crate) history: Arc<crate::history::History>,
     /// The audit log's queue and writer.
     pub(crate) audit: crate::audit::Auditor,
+    /// Usage counted and not yet written.
+    pub(crate) meter: crate::usage::Meter,
 }
 
 /// The stable digest of a request body, for idempotency checks.
@@ -300,6 +302,7 @@ impl Control {
             net_updates: Arc::new(Mutex::new(())),
             history: Arc::new(crate::history::History::default()),
             audit: crate::audit::Auditor::default(),
+            meter: crate::usage::Meter::default(),
         })
     }
 
@@ -318,7 +321,11 @@ impl Control {
     /// `set`; None when the sandbox was in none of the states it leaves.
     pub(crate) async fn transition(&self, id: &SandboxId, t: Transition, set: Set) -> Result<Option<SandboxRecord>> {
         let id = id.as_str().to_owned();
-        self.db(move |s| s.transition(&id, t.from(), t.to(), &set.changes())).await
+        let r = self.db(move |s| s.transition(&id, t.from(), t.to(), &set.changes())).await?;
+        if let Some(r) = &r {
+            self.usage_mark(r).await;
+        }
+        Ok(r)
     }
 
     pub(crate) async fn sandbox_record(&self, id: &SandboxId) -> Result<Option<SandboxRecord>> {

@@ -216,6 +216,11 @@ impl crate::control::Control {
         let running: u64 = self.commands_running().await.iter().map(|(_, n)| n).sum();
         let mut text = self.metrics.render(&states, running, viewer);
         self.audit.render(&mut text);
+        let owner = match viewer {
+            Viewer::Admin => None,
+            Viewer::Owner(o) => Some(o),
+        };
+        self.render_usage(owner, &mut text).await?;
         Ok(text)
     }
 }

@@ -295,7 +295,7 @@ impl Control {
             c.sandbox_id = record.id.clone();
         }
         match self.db(move |s| s.insert_sandbox_claiming(&rec, &admission, &claims)).await {
-            Ok(Admitted::Inserted) => {}
+            Ok(Admitted::Inserted) => self.usage_mark(&record).await,
             Ok(Admitted::Refused(e)) => return Err(ControlError::Exceeded(e)),
             Ok(Admitted::VolumeInUse(v)) => return Err(self.volume_busy(&v).await),
             Ok(Admitted::VolumeGone(v)) => return Err(ControlError::NoVolume(v)),

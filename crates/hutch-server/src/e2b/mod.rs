@@ -194,7 +194,8 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         | ErrorCode::VolumePathInvalid
         | ErrorCode::VolumeShrinkRefused
         | ErrorCode::ImageInvalid
-        | ErrorCode::ImageLayerRefused => ("invalid_argument", StatusCode::BAD_REQUEST),
+        | ErrorCode::ImageLayerRefused
+        | ErrorCode::UsageRangeInvalid => ("invalid_argument", StatusCode::BAD_REQUEST),
         ErrorCode::NotFound | ErrorCode::VolumeNotFound => ("not_found", StatusCode::NOT_FOUND),
         ErrorCode::IdempotencyConflict
         | ErrorCode::SandboxPathConflict
