@@ -846,6 +846,36 @@ pub fn link_index(name: &str) -> io::Result<u32> {
 mod tests {
     use super::*;
 
+    /// An `RTM_NEWLINK` payload: ifinfomsg, then attributes.
+    fn link_payload(index: i32, name: &str, attrs: &[(u16, Vec<u8>)]) -> Vec<u8> {
+        let mut p = ifinfomsg(0, index, 0, 0).to_vec();
+        let mut name = name.as_bytes().to_vec();
+        name.push(0);
+        for (ty, data) in std::iter::once(&(IFLA_IFNAME, name)).chain(attrs) {
+            p.extend_from_slice(&((4 + data.len()) as u16).to_ne_bytes());
+            p.extend_from_slice(&ty.to_ne_bytes());
+            p.extend_from_slice(data);
+            while !p.len().is_multiple_of(4) {
+                p.push(0);
+            }
+        }
+        p
+    }
+
+    #[test]
+    fn link_counters_prefer_64_bits() {
+        let mut s64 = vec![0u8; 8 * 24];
+        s64[16..24].copy_from_slice(&(5_000_000_000u64).to_ne_bytes());
+        let mut s32 = vec![0u8; 4 * 24];
+        s32[8..12].copy_from_slice(&7u32.to_ne_bytes());
+        let both = link_payload(3, "hv1", &[(IFLA_STATS, s32.clone()), (IFLA_STATS64, s64)]);
+        assert_eq!(parse_link_rx(&both), Some(("hv1".to_owned(), 5_000_000_000)));
+        let old = link_payload(3, "hv1", &[(IFLA_STATS, s32)]);
+        assert_eq!(parse_link_rx(&old), Some(("hv1".to_owned(), 7)));
+        assert_eq!(parse_link_rx(&link_payload(3, "hv1", &[])), None);
+        assert_eq!(parse_link_rx(&link_payload(3, "hv1", &[(IFLA_STATS64, vec![1, 2, 3])])), None);
+    }
+
     #[test]
     fn nested_attributes_carry_their_length() {
         let mut m = Msg::new(RTM_NEWLINK, NLM_F_REQUEST);
