@@ -146,3 +146,26 @@ def test_usage_is_exact_across_a_restart(own_daemon: Daemon):
     d.stop()
     d.start()
     assert row_of(usage(k, group_by="sandbox", **{"from": str(start)}), "sandbox_id", sid) == r
+
+
+def test_a_volume_is_billed_by_its_size_while_it_exists(daemon: Daemon):
+    k = daemon.new_client("usage-volume")
+    start = int(time.time()) - 1
+    t0 = time.monotonic()
+    r = k.post("/v1/volumes", {"name": "metered", "size_mib": 1024})
+    expect_status(r, 201)
+    vid = r.json()["id"]
+    try:
+        t_made = time.monotonic()
+        time.sleep(2)
+        t_delete = time.monotonic()
+        expect_status(k.delete(f"/v1/volumes/{vid}"), 204)
+        t_deleted = time.monotonic()
+    finally:
+        k.delete(f"/v1/volumes/{vid}")
+    rows = usage(k, group_by="sandbox", **{"from": str(start)})["rows"]
+    # A volume is no sandbox's: its row names none.
+    assert len(rows) == 1 and "sandbox_id" not in rows[0], rows
+    seconds = rows[0]["volume_gib_hours"] * 3600  # 1 GiB
+    assert t_delete - t_made - TOLERANCE <= seconds <= t_deleted - t0 + TOLERANCE, (seconds, rows)
+    assert rows[0]["memory_mib_seconds"] == 0 and rows[0]["commands"] == 0
