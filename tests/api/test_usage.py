@@ -11,7 +11,10 @@ from __future__ import annotations
 import time
 from datetime import datetime, timezone
 
-from conftest import Client, Daemon, expect_error, expect_status
+import os
+import signal
+
+from conftest import Client, Daemon, expect_error, expect_status, host_processes_of, wait_for
 
 # The figures are wall-clock time between transitions the daemon records;
 # the test's clock sees each transition within a request's latency of it.
@@ -169,3 +172,28 @@ def test_a_volume_is_billed_by_its_size_while_it_exists(daemon: Daemon):
     seconds = rows[0]["volume_gib_hours"] * 3600  # 1 GiB
     assert t_delete - t_made - TOLERANCE <= seconds <= t_deleted - t0 + TOLERANCE, (seconds, rows)
     assert rows[0]["memory_mib_seconds"] == 0 and rows[0]["commands"] == 0
+
+
+def test_a_sandbox_that_dies_with_the_daemon_stops_counting_at_its_last_flush(own_daemon: Daemon):
+    d = own_daemon.start()
+    k = d.new_client("usage-crash")
+    start = int(time.time()) - 1
+    sid = k.create(memory_mb=128)["id"]
+    t_ready = time.monotonic()
+    time.sleep(1)
+    # A report flushes: the daemon is known alive up to here.
+    usage(k)
+    t_flushed = time.monotonic()
+    d.kill9()
+    for pid in host_processes_of([sid]):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    wait_for("the sandbox's processes to die", lambda: not host_processes_of([sid]), timeout=10)
+    # Downtime the dead sandbox must not be billed for.
+    time.sleep(2)
+    d.start()
+    wait_for("the dead sandbox to be terminated", lambda: k.sandbox(sid)["state"] == "terminated", timeout=10)
+    r = row_of(usage(k, group_by="sandbox", **{"from": str(start)}), "sandbox_id", sid)
+    close(r["memory_mib_seconds"] / 128, t_flushed - t_ready, "seconds running until the last flush")
