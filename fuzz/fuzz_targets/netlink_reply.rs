@@ -1,11 +1,11 @@
 //! Netlink replies (hutch-runtime's netlink client): the messages of a
 //! datagram, what each says about its request, the attributes of a
-//! payload and the links of a dump. Everything read stays inside the
+//! payload and the links (and their received bytes) of a dump. Everything read stays inside the
 //! datagram, the walk stops at the first malformed header, and an error
 //! reply is a positive errno.
 #![no_main]
 
-use hutch_runtime::net::netlink::{messages, parse_link, Attrs, Reply};
+use hutch_runtime::net::netlink::{messages, parse_link, parse_link_rx, Attrs, Reply};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|buf: &[u8]| {
@@ -30,6 +30,9 @@ fuzz_target!(|buf: &[u8]| {
         if let Some((index, name)) = parse_link(m.payload) {
             assert!(index <= i32::MAX as u32);
             assert!(!name.contains('\0'));
+        }
+        if let Some((name, _)) = parse_link_rx(m.payload) {
+            assert_eq!(parse_link(m.payload).map(|(_, n)| n), Some(name), "a link with counters is a link");
         }
     }
     assert!(seen * 16 <= buf.len());

@@ -164,6 +164,10 @@ pub enum ErrorCode {
     GrantScope,
     /// The grant expired.
     GrantExpired,
+    /// A usage report's window is malformed: `from` or `to` neither RFC
+    /// 3339 nor Unix seconds, `to` not after `from`, or longer than 400
+    /// days.
+    UsageRangeInvalid,
 }
 
 impl ErrorCode {
@@ -190,7 +194,8 @@ impl ErrorCode {
             | ErrorCode::VolumeShrinkRefused
             | ErrorCode::ImageInvalid
             | ErrorCode::ImageLayerRefused
-            | ErrorCode::WebhookUrlRefused => 400,
+            | ErrorCode::WebhookUrlRefused
+            | ErrorCode::UsageRangeInvalid => 400,
             ErrorCode::NotFound | ErrorCode::VolumeNotFound => 404,
             ErrorCode::MethodNotAllowed => 405,
             ErrorCode::IdempotencyConflict
@@ -281,6 +286,7 @@ impl ErrorCode {
             ErrorCode::WebhookLimitReached => "webhook_limit_reached",
             ErrorCode::GrantScope => "grant_scope",
             ErrorCode::GrantExpired => "grant_expired",
+            ErrorCode::UsageRangeInvalid => "usage_range_invalid",
         }
     }
 }
@@ -1472,6 +1478,16 @@ pub struct Usage {
     #[serde(default)]
     pub volume_mib: u64,
     pub quotas: KeyQuotas,
+    /// `GET /v1/usage` only: the metered report's window (RFC 3339,
+    /// `[from, to)`), grouping and rows (see [`UsageReport`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_by: Option<UsageGroupBy>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rows: Option<Vec<UsageRow>>,
 }
 
 /// Ports 65533 and above are reserved for hutch's own use in a sandbox.
@@ -1677,6 +1693,62 @@ pub struct DeliveryList {
     pub deliveries: Vec<Delivery>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub next_cursor: Option<String>,
+}
+
+/// How `GET /v1/usage` groups its rows (always per key first).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum UsageGroupBy {
+    /// One row per key.
+    Key,
+    Sandbox,
+    Template,
+    /// Per UTC day: intervals are split at midnight.
+    Day,
+}
+
+/// One row of a usage report. Times in the figures are wall-clock seconds
+/// (or hours) inside the report's window.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct UsageRow {
+    /// The key (owner) the usage is billed to.
+    pub key: String,
+    /// With `group_by=sandbox` (null for volumes, which are no sandbox's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox_id: Option<String>,
+    /// With `group_by=template`: the template's name as the sandbox was
+    /// created with (null for volumes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    /// With `group_by=day`: `YYYY-MM-DD` (UTC).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub day: Option<String>,
+    /// Memory limit (MiB) times seconds running.
+    pub memory_mib_seconds: f64,
+    /// vCPU limit times seconds running.
+    pub vcpu_seconds: f64,
+    /// Seconds paused or suspended.
+    pub paused_seconds: f64,
+    /// Writable layer limit (GiB) times hours, in every state but terminated.
+    pub disk_gib_hours: f64,
+    /// Snapshot size (GiB) times hours kept.
+    pub snapshot_gib_hours: f64,
+    /// Volume size (GiB) times hours kept.
+    pub volume_gib_hours: f64,
+    /// Bytes the sandboxes sent out through their network link.
+    pub egress_bytes: u64,
+    /// Commands started (execs, E2B processes, terminals).
+    pub commands: u64,
+}
+
+/// `GET /v1/usage`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct UsageReport {
+    /// The window, RFC 3339: `[from, to)`.
+    pub from: String,
+    pub to: String,
+    pub group_by: UsageGroupBy,
+    pub rows: Vec<UsageRow>,
 }
 
 /// An inclusive range a create may ask for.

@@ -189,6 +189,8 @@ pub struct Control {
     pub(crate) pausing: Mutex<HashMap<String, tokio::sync::watch::Receiver<bool>>>,
     /// Set while an idle sweep runs (one at a time).
     pub(crate) idle_sweeping: Arc<AtomicBool>,
+    /// Usage counted and not yet written.
+    pub(crate) meter: crate::usage::Meter,
 }
 
 /// The stable digest of a request body, for idempotency checks.
@@ -322,6 +324,7 @@ impl Control {
             idle: crate::idle::Idle::default(),
             pausing: Mutex::new(HashMap::new()),
             idle_sweeping: Arc::new(AtomicBool::new(false)),
+            meter: crate::usage::Meter::default(),
         })
     }
 
@@ -341,10 +344,11 @@ impl Control {
     pub(crate) async fn transition(&self, id: &SandboxId, t: Transition, set: Set) -> Result<Option<SandboxRecord>> {
         let id = id.as_str().to_owned();
         let moved = self.db(move |s| s.transition(&id, t.from(), t.to(), &set.changes())).await?;
-        // The one place a sandbox's transitions become events: after the
-        // store's conditional update said it happened.
+        // The one place a sandbox's transitions become events and usage
+        // intervals: after the store's conditional update said it happened.
         if let Some(r) = &moved {
             self.emit_transition(t, r);
+            self.usage_mark(r).await;
         }
         Ok(moved)
     }

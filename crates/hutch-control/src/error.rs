@@ -11,6 +11,9 @@ use hutch_store::{Exceeded, Scope};
 pub enum ControlError {
     #[error("{0}")]
     Invalid(String),
+    /// A usage report's `from`/`to` (the message says which and why).
+    #[error("{0}")]
+    UsageRange(String),
     #[error("unknown template {0:?}")]
     UnknownTemplate(String),
     #[error("no sandbox {0}")]
@@ -162,6 +165,7 @@ impl ControlError {
     pub fn code(&self) -> ErrorCode {
         match self {
             ControlError::Invalid(_) => ErrorCode::InvalidRequest,
+            ControlError::UsageRange(_) => ErrorCode::UsageRangeInvalid,
             ControlError::UnknownTemplate(_) => ErrorCode::UnknownTemplate,
             ControlError::NoSandbox(_)
             | ControlError::NoProcess { .. }

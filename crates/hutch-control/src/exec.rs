@@ -22,7 +22,6 @@ use hutch_api::{
 };
 use hutch_store::ExecState;
 use serde::{Deserialize, Serialize};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -199,7 +198,7 @@ impl Control {
         };
         // The agent counts command slots (it sees every process tree) and
         // refuses a spawn past them; see `run`.
-        self.metrics.commands_total.fetch_add(1, Ordering::Relaxed);
+        self.count_command(id);
         let keep = req.keep_output.unwrap_or(true);
         let shown = match &cmd {
             Cmd::Shell(c) => c.clone(),

@@ -227,25 +227,32 @@ impl Control {
     /// admin any key's.
     pub async fn usage(&self, caller: &Caller, key: Option<&str>) -> Result<Usage> {
         let owner = match key {
-            None => caller.owner.clone(),
-            Some(k) if caller.admin => OwnerId::parse(k)?,
+            None => Some(caller.owner.clone()),
+            Some("*") if caller.admin => None,
+            Some(k) if caller.admin => Some(OwnerId::parse(k)?),
             Some(_) => return Err(ControlError::Forbidden("only an admin key may read another key's usage".into())),
         };
-        let o = owner.to_string();
+        let o = owner.as_ref().map(|o| o.to_string());
         let (record, held, builds, snapshots, (volumes, volume_mib)) = self
             .db(move |s| {
+                let o = o.as_deref();
                 Ok((
-                    s.get_key(&o)?,
-                    s.usage(Some(&o))?,
-                    s.count_running_builds(Some(&o))?,
-                    s.list_snapshots(Some(&o))?.len() as u64,
-                    s.volume_usage(Some(&o))?,
+                    o.map(|o| s.get_key(o)).transpose()?,
+                    s.usage(o)?,
+                    s.count_running_builds(o)?,
+                    s.list_snapshots(o)?.len() as u64,
+                    s.volume_usage(o)?,
                 ))
             })
             .await?;
-        let record = record.ok_or_else(|| ControlError::NoKey(owner.to_string()))?;
+        // Every key's (`*`): what all hold, under no key's quotas.
+        let quotas = match (&owner, record) {
+            (None, _) => KeyQuotas::default(),
+            (Some(_), Some(Some(r))) => to_api(&r.quotas),
+            (Some(o), _) => return Err(ControlError::NoKey(o.to_string())),
+        };
         Ok(Usage {
-            key_id: owner.to_string(),
+            key_id: owner.map_or_else(|| "*".to_owned(), |o| o.to_string()),
             sandboxes: held.sandboxes,
             memory_mb: held.memory_mb,
             disk_mib: held.disk_mib,
@@ -253,7 +260,11 @@ impl Control {
             snapshots,
             volumes,
             volume_mib,
-            quotas: to_api(&record.quotas),
+            quotas,
+            from: None,
+            to: None,
+            group_by: None,
+            rows: None,
         })
     }
 }

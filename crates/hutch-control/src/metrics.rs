@@ -217,6 +217,11 @@ impl crate::control::Control {
         let mut text = self.metrics.render(&states, running, viewer);
         self.audit.render(&mut text);
         self.render_events(&mut text);
+        let owner = match viewer {
+            Viewer::Admin => None,
+            Viewer::Owner(o) => Some(o),
+        };
+        self.render_usage(owner, &mut text).await?;
         Ok(text)
     }
 }

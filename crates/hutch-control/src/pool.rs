@@ -85,6 +85,8 @@ impl Control {
             .await?;
         match &claimed {
             Some(r) => {
+                // From now on, its usage is its new owner's.
+                self.usage_mark(r).await;
                 if let Some(live) = self.live(&SandboxId::from_record(&r.id)) {
                     live.claimed();
                 }
@@ -276,7 +278,7 @@ impl Control {
             Err(e) => Err(e),
         };
         match admitted {
-            Ok(Admitted::Inserted) => {}
+            Ok(Admitted::Inserted) => self.usage_mark(&record).await,
             Ok(Admitted::Refused(e)) => {
                 tracing::warn!("warm pool of template {} is short: {}", recipe.name, ControlError::Exceeded(e));
                 return;

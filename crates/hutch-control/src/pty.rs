@@ -21,7 +21,6 @@ use crate::lifecycle::Live;
 use hutch_agent::proto::{self, Cmd, ErrorCode as AgentCode, FromAgent, PtySize, Reply, Request, Spawn};
 use hutch_runtime::agent::AgentError;
 use hutch_runtime::agent_async::AsyncConn;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::mpsc;
 
@@ -134,7 +133,7 @@ impl Control {
             timeout_ms: None,
             subscribe: true,
         };
-        self.metrics.commands_total.fetch_add(1, Ordering::Relaxed);
+        self.count_command(id);
         let pid = match out.call(Request::Spawn(spawn), &[]).await.map_err(link)? {
             (Reply::Spawned { pid }, _) => pid,
             (other, _) => return Err(ControlError::Runtime(format!("agent answered {other:?} to spawn"))),

@@ -21,6 +21,9 @@ impl Control {
     pub async fn recover(self: &Arc<Self>) -> Result<()> {
         let this = self.clone();
         tokio::task::spawn_blocking(move || this.recover_builds()).await??;
+        // When the last daemon was last known alive (its last usage flush):
+        // sandboxes that did not outlive it stopped counting then.
+        let alive_at = self.usage_alive_at().await.unwrap_or_else(now_ms);
         let lost = self.db(|s| s.mark_running_execs_lost()).await?;
         if lost > 0 {
             tracing::info!("{lost} commands were running when the daemon stopped; their outcome is unknown");
@@ -60,6 +63,7 @@ impl Control {
                 }
                 (state, _) => {
                     let reason = if state == SandboxState::Terminating { None } else { Some(Reason::LostOnRestart) };
+                    self.usage_lost(&id, alive_at).await;
                     self.insert_live(live);
                     let _ = self.destroy(&id, reason).await;
                 }
@@ -98,6 +102,7 @@ impl Control {
         }
         self.sweep_snapshots().await?;
         self.sweep_volumes().await?;
+        self.usage_reconcile(alive_at).await?;
         Ok(())
     }
 
@@ -212,7 +217,13 @@ impl Control {
     /// false when a claim took it first.
     pub(crate) async fn drain_pooled(&self, id: &SandboxId) -> Result<bool> {
         let sid = id.to_string();
-        self.db(move |s| s.drain_pooled(&sid)).await
+        let drained = self.db(move |s| s.drain_pooled(&sid)).await?;
+        if drained {
+            if let Some(r) = self.sandbox_record(id).await? {
+                self.usage_mark(&r).await;
+            }
+        }
+        Ok(drained)
     }
 }
 

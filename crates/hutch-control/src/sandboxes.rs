@@ -307,7 +307,10 @@ impl Control {
             c.sandbox_id = record.id.clone();
         }
         match self.db(move |s| s.insert_sandbox_claiming(&rec, &admission, &claims)).await {
-            Ok(Admitted::Inserted) => self.emit_created(&record),
+            Ok(Admitted::Inserted) => {
+                self.emit_created(&record);
+                self.usage_mark(&record).await;
+            }
             Ok(Admitted::Refused(e)) => return Err(self.refused(owner.as_str(), e)),
             Ok(Admitted::VolumeInUse(v)) => return Err(self.volume_busy(&v).await),
             Ok(Admitted::VolumeGone(v)) => return Err(ControlError::NoVolume(v)),

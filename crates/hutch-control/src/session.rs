@@ -337,7 +337,7 @@ impl Control {
             timeout_ms: spec.timeout_ms,
             subscribe: true,
         };
-        self.metrics.commands_total.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.count_command(&live.id);
         let pid =
             match conn.call(Request::Spawn(spawn), &[]).await.map_err(|e| from_agent(&s.id, e, Access::Process))? {
                 (Reply::Spawned { pid }, _) => pid,

@@ -167,6 +167,9 @@ impl Control {
         let inserted = self.db(move |s| s.insert_snapshot(&rec, max)).await;
         let refusal = match inserted {
             Ok(true) => {
+                let template = self.sandbox_record(id).await.ok().flatten().map(|r| r.template);
+                let interval = crate::usage::snapshot_interval(&record, template);
+                self.usage_mark_object(&record.id, Some(interval)).await;
                 self.keep_spares(record.id.clone());
                 let mut d = serde_json::Map::new();
                 d.insert("snapshot_id".into(), record.id.clone().into());
@@ -383,6 +386,7 @@ impl Control {
         if !self.db(move |s| s.delete_snapshot(&rid)).await? {
             return Err(ControlError::NoSnapshot(id.to_string()));
         }
+        self.usage_mark_object(&r.id, None).await;
         let (rt, snap) = (self.runtime.clone(), r.id.clone());
         if let Ok(Err(e)) = tokio::task::spawn_blocking(move || rt.delete_snapshot(&snap)).await {
             tracing::warn!("snapshot {}: its files stay until the next start: {e}", r.id);

@@ -185,7 +185,10 @@ impl Control {
         };
         let rec = record.clone();
         let refusal = match self.db(move |s| s.insert_volume(&rec, &admission)).await {
-            Ok(Admitted::Inserted) => return self.view_volume(&record).await,
+            Ok(Admitted::Inserted) => {
+                self.usage_mark_object(&record.id, Some(crate::usage::volume_interval(&record))).await;
+                return self.view_volume(&record).await;
+            }
             Ok(Admitted::Refused(e)) => self.refused(owner.as_str(), e),
             Ok(Admitted::VolumeInUse(_) | Admitted::VolumeGone(_)) => {
                 ControlError::Runtime("a volume insert claimed a volume".into())
@@ -266,6 +269,7 @@ impl Control {
             return Err(crate::snapshots::storage_error(e));
         }
         let r = VolumeRecord { size_mib, ..r };
+        self.usage_mark_object(&r.id, Some(crate::usage::volume_interval(&r))).await;
         self.view_volume(&r).await
     }
 
@@ -275,7 +279,7 @@ impl Control {
         let r = self.volume_record(caller, reference).await?;
         let id = r.id.clone();
         match self.db(move |s| s.delete_volume(&id)).await? {
-            VolumeDeleted::Deleted => {}
+            VolumeDeleted::Deleted => self.usage_mark_object(&r.id, None).await,
             VolumeDeleted::NotFound => return Err(ControlError::NoVolume(reference.chars().take(80).collect())),
             VolumeDeleted::InUse(sb) => {
                 return Err(ControlError::VolumeInUse(format!(

@@ -281,18 +281,39 @@ pub(crate) async fn set_quotas(
 #[derive(Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct UsageQuery {
-    /// Another key's id (admin keys only).
+    /// Another key's id, or `*` for every key's (admin keys only).
     key: Option<String>,
+    /// The metered window's start: RFC 3339 or Unix seconds (default: 30
+    /// days before `to`).
+    from: Option<String>,
+    /// Its end, excluded (default: now); at most 400 days after `from`.
+    to: Option<String>,
+    /// `key` (default), `sandbox`, `template` or `day` (UTC).
+    group_by: Option<hutch_api::UsageGroupBy>,
 }
 
 #[utoipa::path(get, path = "/v1/usage", params(UsageQuery),
-    responses((status = 200, body = Usage), (status = 403, body = hutch_api::ErrorBody)))]
+    responses((status = 200, body = Usage), (status = 400, body = hutch_api::ErrorBody,
+              description = "`usage_range_invalid`: from/to malformed, to not after from, or over 400 days"),
+              (status = 403, body = hutch_api::ErrorBody)))]
 pub(crate) async fn usage(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
     ApiQuery(q): ApiQuery<UsageQuery>,
 ) -> ApiResult<Json<Usage>> {
-    Ok(Json(app.control.usage(&caller, q.key.as_deref()).await?))
+    let f = hutch_control::usage::Filter {
+        key: q.key.as_deref(),
+        from: q.from.as_deref(),
+        to: q.to.as_deref(),
+        group_by: q.group_by,
+    };
+    let report = app.control.usage_report(&caller, &f).await?;
+    let mut usage = app.control.usage(&caller, q.key.as_deref()).await?;
+    usage.from = Some(report.from);
+    usage.to = Some(report.to);
+    usage.group_by = Some(report.group_by);
+    usage.rows = Some(report.rows);
+    Ok(Json(usage))
 }
 
 #[utoipa::path(get, path = "/v1/capabilities",

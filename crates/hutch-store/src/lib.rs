@@ -15,9 +15,11 @@
 
 mod sqlite;
 mod sqlite_events;
+mod usage;
 
 pub use hutch_api::{BuildState, OnExpire, OnIdle, SandboxState, StorageKind};
 pub use sqlite::SqliteStore;
+pub use usage::{aggregate, split_days, UsageCount, UsageGroup, UsageInterval, UsageKind, UsageQuery, UsageRow};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -675,6 +677,28 @@ pub trait Store: Send + Sync {
     fn next_delivery_at(&self) -> Result<Option<i64>>;
     /// Records an attempt of a delivery.
     fn record_attempt(&self, id: i64, a: &Attempt) -> Result<()>;
+    // Usage metering: a ledger of intervals (see [`UsageKind`]).
+    /// Brings a sandbox's open interval in line with its record at `at`:
+    /// nothing when it already bills the same (kind, owner, limits);
+    /// otherwise the open one ends at `at` and (unless the sandbox is
+    /// terminated) a new one starts then.
+    fn usage_mark(&self, sb: &SandboxRecord, at: i64) -> Result<()>;
+    /// The same for a snapshot or a volume: `open` Some starts (or, with
+    /// another size, restarts) its interval, None ends it.
+    fn usage_mark_object(&self, open: Option<&UsageInterval>, subject: &str, at: i64) -> Result<()>;
+    /// Ends a sandbox's open interval at `at` (the last moment it is known
+    /// to have run) and opens a `held` one from then: what a restart does
+    /// for a sandbox that died with the last daemon.
+    fn usage_lost(&self, sandbox_id: &str, at: i64) -> Result<()>;
+    /// Adds counts and records that the daemon was alive at `alive_at`,
+    /// in one transaction.
+    fn usage_flush(&self, counts: &[UsageCount], alive_at: i64) -> Result<()>;
+    /// When the daemon last flushed (None: never).
+    fn usage_alive_at(&self) -> Result<Option<i64>>;
+    /// The report `q` asks for.
+    fn usage_report(&self, q: &UsageQuery) -> Result<Vec<UsageRow>>;
+    /// Subjects with an open interval (sandbox, snapshot and volume ids).
+    fn usage_open_subjects(&self) -> Result<Vec<(UsageKind, String)>>;
 }
 
 #[cfg(test)]

@@ -24,6 +24,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0010_audit", include_str!("../migrations/0010_audit.sql")),
     ("0011_events", include_str!("../migrations/0011_events.sql")),
     ("0012_webhooks", include_str!("../migrations/0012_webhooks.sql")),
+    ("0013_usage", include_str!("../migrations/0013_usage.sql")),
     ("0014_grants", include_str!("../migrations/0014_grants.sql")),
     ("0015_idle", include_str!("../migrations/0015_idle.sql")),
 ];
@@ -411,6 +412,99 @@ fn insert_sandbox_in(tx: &Transaction<'_>, s: &SandboxRecord) -> Result<()> {
         ],
     )
     .map_err(conflict)?;
+    Ok(())
+}
+
+const USAGE_COLUMNS: &str =
+    "owner, kind, subject, sandbox_id, template, memory_mb, vcpus, size_bytes, start_ms, end_ms";
+
+fn usage_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<UsageInterval> {
+    let kind: String = r.get(1)?;
+    Ok(UsageInterval {
+        owner: r.get(0)?,
+        kind: UsageKind::parse(&kind).ok_or_else(|| {
+            rusqlite::Error::FromSqlConversionFailure(
+                1,
+                rusqlite::types::Type::Text,
+                format!("usage kind {kind:?}").into(),
+            )
+        })?,
+        subject: r.get(2)?,
+        sandbox_id: r.get(3)?,
+        template: r.get(4)?,
+        memory_mb: r.get::<_, i64>(5)? as u64,
+        vcpus: r.get(6)?,
+        size_bytes: r.get::<_, i64>(7)? as u64,
+        start: r.get(8)?,
+        end: r.get(9)?,
+    })
+}
+
+fn open_interval(c: &Connection, subject: &str) -> Result<Option<(i64, UsageInterval)>> {
+    Ok(c.query_row(
+        &format!("SELECT {USAGE_COLUMNS}, id FROM usage_intervals WHERE subject = ?1 AND end_ms IS NULL"),
+        [subject],
+        |r| Ok((r.get::<_, i64>(10)?, usage_row(r)?)),
+    )
+    .optional()?)
+}
+
+/// Ends the open interval `id` at `at` (never before it started).
+fn close_interval(c: &Connection, id: i64, at: i64) -> Result<()> {
+    c.execute("UPDATE usage_intervals SET end_ms = MAX(start_ms, ?2) WHERE id = ?1", params![id, at])?;
+    Ok(())
+}
+
+fn insert_interval(c: &Connection, i: &UsageInterval) -> Result<()> {
+    c.execute(
+        &format!("INSERT INTO usage_intervals ({USAGE_COLUMNS}) VALUES ({})", placeholders(1, 10)),
+        params![
+            i.owner,
+            i.kind.as_str(),
+            i.subject,
+            i.sandbox_id,
+            i.template,
+            i.memory_mb as i64,
+            i.vcpus,
+            i.size_bytes as i64,
+            i.start,
+            i.end
+        ],
+    )?;
+    Ok(())
+}
+
+/// Whether two intervals bill the same (so one need not end for the other).
+fn bills_alike(a: &UsageInterval, b: &UsageInterval) -> bool {
+    a.kind == b.kind
+        && a.owner == b.owner
+        && a.memory_mb == b.memory_mb
+        && a.vcpus == b.vcpus
+        && a.size_bytes == b.size_bytes
+        && a.template == b.template
+}
+
+/// Replaces `subject`'s open interval by `open` (None: ends it) at `at`,
+/// unless it already bills alike.
+fn mark_in(c: &mut Connection, subject: &str, open: Option<UsageInterval>, at: i64) -> Result<()> {
+    let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    let current = open_interval(&tx, subject)?;
+    match (&current, &open) {
+        (Some((_, cur)), Some(new)) if bills_alike(cur, new) => return Ok(()),
+        (None, None) => return Ok(()),
+        _ => {}
+    }
+    let mut start = at;
+    if let Some((id, cur)) = &current {
+        close_interval(&tx, *id, at)?;
+        start = at.max(cur.start);
+    }
+    if let Some(mut new) = open {
+        new.start = start;
+        new.end = None;
+        insert_interval(&tx, &new)?;
+    }
+    tx.commit()?;
     Ok(())
 }
 
@@ -1289,5 +1383,106 @@ impl Store for SqliteStore {
 
     fn record_attempt(&self, id: i64, a: &Attempt) -> Result<()> {
         self.with(|c| crate::sqlite_events::record_attempt(c, id, a))
+    }
+
+    fn usage_mark(&self, sb: &SandboxRecord, at: i64) -> Result<()> {
+        let open = UsageKind::of_state(sb.state).map(|kind| UsageInterval {
+            owner: sb.owner.clone(),
+            kind,
+            subject: sb.id.clone(),
+            sandbox_id: Some(sb.id.clone()),
+            template: Some(sb.template.clone()),
+            memory_mb: sb.memory_mb,
+            vcpus: sb.vcpus,
+            size_bytes: sb.disk_mib << 20,
+            start: at,
+            end: None,
+        });
+        self.with(|c| mark_in(c, &sb.id, open, at))
+    }
+
+    fn usage_mark_object(&self, open: Option<&UsageInterval>, subject: &str, at: i64) -> Result<()> {
+        self.with(|c| mark_in(c, subject, open.cloned(), at))
+    }
+
+    fn usage_lost(&self, sandbox_id: &str, at: i64) -> Result<()> {
+        self.with(|c| {
+            let Some((_, cur)) = open_interval(c, sandbox_id)? else { return Ok(()) };
+            if cur.kind == UsageKind::Held {
+                return Ok(());
+            }
+            mark_in(c, sandbox_id, Some(UsageInterval { kind: UsageKind::Held, ..cur }), at)
+        })
+    }
+
+    fn usage_flush(&self, counts: &[UsageCount], alive_at: i64) -> Result<()> {
+        self.with(|c| {
+            let tx = c.transaction()?;
+            {
+                let mut st = tx.prepare(
+                    "INSERT INTO usage_counts (owner, sandbox_id, template, at, commands, egress_bytes) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                )?;
+                for n in counts.iter().filter(|n| n.commands > 0 || n.egress_bytes > 0) {
+                    st.execute(params![
+                        n.owner,
+                        n.sandbox_id,
+                        n.template,
+                        n.at,
+                        n.commands.min(i64::MAX as u64) as i64,
+                        n.egress_bytes.min(i64::MAX as u64) as i64
+                    ])?;
+                }
+            }
+            tx.execute(
+                "INSERT INTO usage_clock (id, alive_at) VALUES (1, ?1) \
+                 ON CONFLICT (id) DO UPDATE SET alive_at = MAX(alive_at, excluded.alive_at)",
+                [alive_at],
+            )?;
+            tx.commit()?;
+            Ok(())
+        })
+    }
+
+    fn usage_alive_at(&self) -> Result<Option<i64>> {
+        self.with(|c| Ok(c.query_row("SELECT alive_at FROM usage_clock WHERE id = 1", [], |r| r.get(0)).optional()?))
+    }
+
+    fn usage_report(&self, q: &UsageQuery) -> Result<Vec<UsageRow>> {
+        self.with(|c| {
+            let mut st = c.prepare(&format!(
+                "SELECT {USAGE_COLUMNS} FROM usage_intervals WHERE (?1 IS NULL OR owner = ?1) \
+                 AND start_ms < ?3 AND (end_ms IS NULL OR end_ms > ?2) ORDER BY id"
+            ))?;
+            let intervals =
+                st.query_map(params![q.owner, q.from, q.to], usage_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
+            let mut st = c.prepare(
+                "SELECT owner, sandbox_id, template, at, commands, egress_bytes FROM usage_counts \
+                 WHERE (?1 IS NULL OR owner = ?1) AND at >= ?2 AND at < ?3 ORDER BY id",
+            )?;
+            let counts = st
+                .query_map(params![q.owner, q.from, q.to], |r| {
+                    Ok(UsageCount {
+                        owner: r.get(0)?,
+                        sandbox_id: r.get(1)?,
+                        template: r.get(2)?,
+                        at: r.get(3)?,
+                        commands: r.get::<_, i64>(4)? as u64,
+                        egress_bytes: r.get::<_, i64>(5)? as u64,
+                    })
+                })?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(aggregate(q, &intervals, &counts))
+        })
+    }
+
+    fn usage_open_subjects(&self) -> Result<Vec<(UsageKind, String)>> {
+        self.with(|c| {
+            let mut st = c.prepare("SELECT kind, subject FROM usage_intervals WHERE end_ms IS NULL ORDER BY id")?;
+            let rows = st
+                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows.into_iter().filter_map(|(k, s)| Some((UsageKind::parse(&k)?, s))).collect())
+        })
     }
 }

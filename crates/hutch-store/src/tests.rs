@@ -697,3 +697,124 @@ fn deliveries_are_made_with_their_events_for_matching_webhooks() {
     assert!(!s.delete_webhook("wh-1").expect("delete"));
     assert_eq!(s.list_deliveries("wh-1", None, 10).expect("list").len(), 0);
 }
+
+fn report(s: &SqliteStore, owner: Option<&str>, from: i64, to: i64, now: i64, group: UsageGroup) -> Vec<UsageRow> {
+    s.usage_report(&UsageQuery { owner: owner.map(str::to_owned), from, to, now, group }).expect("report")
+}
+
+/// A sandbox's ledger follows its transitions: running time bills memory
+/// and vCPUs, paused time is paused, every state but terminated bills its
+/// layer; an open interval ends at `now`; a mark that changes nothing
+/// writes nothing.
+#[test]
+fn usage_follows_transitions_and_open_intervals_end_now() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    let mut r = sandbox("a", 0);
+    r.state = SandboxState::Starting;
+    r.disk_mib = 1024;
+    s.insert_sandbox_free(&r).expect("insert");
+    s.usage_mark(&r, 0).expect("mark");
+    r.state = SandboxState::Running;
+    s.usage_mark(&r, 1_000).expect("mark");
+    s.usage_mark(&r, 5_000).expect("the same: nothing");
+    r.state = SandboxState::Paused;
+    s.usage_mark(&r, 11_000).expect("mark");
+    let rows = report(&s, Some("k1"), 0, 100_000, 13_000, UsageGroup::Key);
+    assert_eq!(rows.len(), 1);
+    let row = &rows[0];
+    assert_eq!(row.key, "k1");
+    assert_eq!(row.memory_mib_seconds, 512.0 * 10.0);
+    assert_eq!(row.vcpu_seconds, 10.0);
+    // Paused from 11 s to now (13 s).
+    assert_eq!(row.paused_seconds, 2.0);
+    // 1 GiB for 13 s.
+    assert!((row.disk_gib_hours - 13.0 / 3600.0).abs() < 1e-12, "{}", row.disk_gib_hours);
+    // Ended: nothing grows after.
+    r.state = SandboxState::Terminated;
+    s.usage_mark(&r, 13_000).expect("end");
+    assert_eq!(report(&s, None, 0, 100_000, 99_000, UsageGroup::Key), rows);
+    assert!(s.usage_open_subjects().expect("open").is_empty());
+    // Another owner's report sees none of it.
+    assert!(report(&s, Some("k2"), 0, 100_000, 99_000, UsageGroup::Key).is_empty());
+    // A window clips: from 5 s to 8 s, running only.
+    let w = report(&s, None, 5_000, 8_000, 99_000, UsageGroup::Sandbox);
+    assert_eq!(w[0].group.as_deref(), Some("a"));
+    assert_eq!(w[0].memory_mib_seconds, 512.0 * 3.0);
+    assert_eq!(w[0].paused_seconds, 0.0);
+}
+
+#[test]
+fn usage_by_day_splits_at_utc_midnight() {
+    assert_eq!(split_days(10, 20), vec![(10, 20)]);
+    let day = 86_400_000;
+    assert_eq!(split_days(day - 5, 2 * day + 5), vec![(day - 5, day), (day, 2 * day), (2 * day, 2 * day + 5)]);
+    assert!(split_days(5, 5).is_empty());
+    let s = SqliteStore::open_in_memory().expect("open");
+    let mut r = sandbox("a", 0);
+    s.insert_sandbox_free(&r).expect("insert");
+    // Running from an hour before midnight (1970-01-01/02) to two after.
+    s.usage_mark(&r, day - 3_600_000).expect("mark");
+    r.state = SandboxState::Terminated;
+    s.usage_mark(&r, day + 7_200_000).expect("end");
+    let rows = report(&s, None, 0, 10 * day, 20 * day, UsageGroup::Day);
+    let got: Vec<(Option<&str>, f64)> = rows.iter().map(|r| (r.group.as_deref(), r.vcpu_seconds)).collect();
+    assert_eq!(got, [(Some("1970-01-01"), 3600.0), (Some("1970-01-02"), 7200.0)]);
+}
+
+#[test]
+fn usage_counts_objects_and_a_lost_sandbox() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    let snap = UsageInterval {
+        owner: "k1".into(),
+        kind: UsageKind::Snapshot,
+        subject: "snap-1".into(),
+        sandbox_id: Some("a".into()),
+        template: Some("base".into()),
+        memory_mb: 0,
+        vcpus: 0.0,
+        size_bytes: 2 << 30,
+        start: 0,
+        end: None,
+    };
+    s.usage_mark_object(Some(&snap), "snap-1", 0).expect("open");
+    s.usage_mark_object(None, "snap-1", 3_600_000).expect("close");
+    let vol = UsageInterval { kind: UsageKind::Volume, subject: "vol-1".into(), sandbox_id: None, ..snap.clone() };
+    s.usage_mark_object(Some(&vol), "vol-1", 0).expect("open");
+    // Resized to 4 GiB after half an hour.
+    let bigger = UsageInterval { size_bytes: 4 << 30, ..vol.clone() };
+    s.usage_mark_object(Some(&bigger), "vol-1", 1_800_000).expect("resize");
+    s.usage_flush(
+        &[UsageCount {
+            owner: "k1".into(),
+            sandbox_id: "a".into(),
+            template: "base".into(),
+            at: 10,
+            commands: 3,
+            egress_bytes: 1000,
+        }],
+        50,
+    )
+    .expect("flush");
+    assert_eq!(s.usage_alive_at().expect("clock"), Some(50));
+    s.usage_flush(&[], 40).expect("an older clock never goes back");
+    assert_eq!(s.usage_alive_at().expect("clock"), Some(50));
+    let rows = report(&s, None, 0, 3_600_000, 3_600_000, UsageGroup::Key);
+    assert_eq!(rows[0].snapshot_gib_hours, 2.0);
+    assert_eq!(rows[0].volume_gib_hours, 1.0 + 2.0);
+    assert_eq!((rows[0].commands, rows[0].egress_bytes), (3, 1000));
+    // By sandbox, the volume is no sandbox's.
+    let by_sb = report(&s, None, 0, 3_600_000, 3_600_000, UsageGroup::Sandbox);
+    assert_eq!(by_sb.iter().map(|r| r.group.as_deref()).collect::<Vec<_>>(), [None, Some("a")]);
+
+    // A sandbox that died with the daemon: running until the last flush,
+    // then only its layer.
+    let r = sandbox("b", 0);
+    s.insert_sandbox_free(&r).expect("insert");
+    s.usage_mark(&r, 0).expect("mark");
+    s.usage_lost("b", 4_000).expect("lost");
+    s.usage_lost("b", 9_000).expect("again: nothing");
+    let rows = report(&s, Some("k1"), 0, 10_000, 10_000, UsageGroup::Sandbox);
+    let b = rows.iter().find(|r| r.group.as_deref() == Some("b")).expect("b");
+    assert_eq!(b.vcpu_seconds, 4.0);
+    assert!((b.disk_gib_hours - 10.0 / 3600.0).abs() < 1e-12);
+}

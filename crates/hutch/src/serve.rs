@@ -437,6 +437,17 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         }
     });
 
+    // Usage metering: what was counted (commands, egress) is written every
+    // period, with the liveness clock a restart after a crash relies on.
+    let meter = control.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(hutch_control::usage::FLUSH_EVERY);
+        loop {
+            tick.tick().await;
+            meter.flush_usage().await;
+        }
+    });
+
     // The sandboxes' metric history (the E2B API's metrics).
     let sampler = control.clone();
     tokio::spawn(async move {
@@ -503,9 +514,11 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         () = grace => {}
     }
     control.shut_down();
-    // What the audit writer holds is written before the daemon exits.
+    // What the audit writer holds is written before the daemon exits, and
+    // what usage was counted.
     control.finish_audit().await;
     control.finish_events().await;
+    control.flush_usage().await;
     let _held = instance;
     // With no sandbox left, nothing of the network needs to stay.
     if let Ok(net) = network {

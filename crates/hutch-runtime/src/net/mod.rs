@@ -365,6 +365,12 @@ pub struct Network {
     state: Mutex<State>,
     /// The host's networks as last loaded into the `host4`/`host6` sets.
     host: Mutex<Vec<(IpAddr, u8)>>,
+    /// Egress metering: by host link, the received-bytes counter up to
+    /// which its bytes were handed out (a pooled link serves many
+    /// sandboxes; a new one starts at 0).
+    rx_seen: Mutex<HashMap<String, u64>>,
+    /// Bytes of released sandboxes, not yet taken by [`Network::take_egress`].
+    egress_released: Mutex<Vec<(String, u64)>>,
     /// Called inside `admit` between recording an element and adding it,
     /// so a test can force a `release` into that gap.
     #[cfg(test)]
@@ -457,6 +463,8 @@ impl Network {
             mtu,
             resolv_conf,
             rtnl: Mutex::new(rtnl),
+            rx_seen: Mutex::new(HashMap::new()),
+            egress_released: Mutex::new(Vec::new()),
             nft: Mutex::new(nft),
             host: Mutex::new(host),
             state: Mutex::new(State {
@@ -690,6 +698,10 @@ impl Network {
         }
         let slot = Slot { netns: Arc::new(netns), host_if: host_if.to_owned(), index };
         self.lease(id, slot, policy)?;
+        // What it sent before now was the last daemon's to count.
+        if let Some(rx) = self.rx_bytes(host_if) {
+            lock(&self.rx_seen).insert(host_if.to_owned(), rx);
+        }
         let again: Vec<(IpAddr, Duration)> = learned.iter().map(|a| (*a, LEARNED_TTL_FLOOR)).collect();
         self.admit(id, &again).map(|_| ())
     }
@@ -699,6 +711,9 @@ impl Network {
     /// with none of them), and its namespace returns to the pool (or is
     /// dropped beyond it).
     pub fn release(&self, id: &str) {
+        if let Some(bytes) = self.account(id) {
+            lock(&self.egress_released).push((id.to_owned(), bytes));
+        }
         let slot = {
             let mut nft = lock(&self.nft);
             let mut st = lock(&self.state);
@@ -723,9 +738,65 @@ impl Network {
             st.used.remove(&slot.index);
             slot
         };
+        lock(&self.rx_seen).remove(&slot.host_if);
         if let Ok(i) = host_index(&slot.host_if) {
             let _ = lock(&self.rtnl).del_link(i);
         }
+    }
+
+    /// The bytes link `host_if` received (its sandbox sent), over rtnetlink.
+    fn rx_bytes(&self, host_if: &str) -> Option<u64> {
+        let index = host_index(host_if).ok()?;
+        let read = lock(&self.rtnl).link_rx_bytes(index);
+        read.ok()?.into_iter().find(|(name, _)| name == host_if).map(|(_, rx)| rx)
+    }
+
+    /// Hands out the bytes `counter` of `host_if` shows beyond what was
+    /// handed out before (all of them if the counter went back).
+    fn attribute(&self, host_if: &str, counter: u64) -> u64 {
+        let mut seen = lock(&self.rx_seen);
+        let before = seen.insert(host_if.to_owned(), counter).unwrap_or(0);
+        if counter >= before {
+            counter - before
+        } else {
+            counter
+        }
+    }
+
+    /// Bytes sandbox `id` sent out since they were last taken.
+    fn account(&self, id: &str) -> Option<u64> {
+        let host_if = lock(&self.state).leases.get(id)?.slot.as_ref()?.host_if.clone();
+        let rx = self.rx_bytes(&host_if)?;
+        Some(self.attribute(&host_if, rx))
+    }
+
+    /// Egress metering: the bytes each sandbox sent out through its link
+    /// (its host link's received bytes, read over rtnetlink in one dump)
+    /// since the last call, released sandboxes' included. Sandboxes
+    /// without a link send nothing out.
+    pub fn take_egress(&self) -> Vec<(String, u64)> {
+        let mut out = std::mem::take(&mut *lock(&self.egress_released));
+        let links: Vec<(String, String)> = lock(&self.state)
+            .leases
+            .iter()
+            .filter_map(|(id, l)| Some((id.clone(), l.slot.as_ref()?.host_if.clone())))
+            .collect();
+        if !links.is_empty() {
+            let read = lock(&self.rtnl).link_rx_bytes(0);
+            match read {
+                Ok(counters) => {
+                    let counters: HashMap<String, u64> = counters.into_iter().collect();
+                    for (id, host_if) in links {
+                        if let Some(rx) = counters.get(&host_if) {
+                            out.push((id, self.attribute(&host_if, *rx)));
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!("egress metering: cannot read link counters: {e}"),
+            }
+        }
+        out.retain(|(_, n)| *n > 0);
+        out
     }
 
     /// The policy of the sandbox at `addr` (for the resolver).

@@ -48,6 +48,8 @@ pub const RTMGRP_IPV6_ROUTE: u32 = 0x400;
 
 const IFLA_ADDRESS: u16 = 1;
 const IFLA_IFNAME: u16 = 3;
+const IFLA_STATS: u16 = 7;
+const IFLA_STATS64: u16 = 23;
 const IFLA_MTU: u16 = 4;
 const IFLA_LINKINFO: u16 = 18;
 const IFLA_NET_NS_FD: u16 = 28;
@@ -399,6 +401,19 @@ impl Netlink {
             .collect())
     }
 
+    /// Bytes each link received (`rx_bytes`: what its peer sent), as
+    /// (name, bytes): of link `index`, or (0) of every link.
+    pub fn link_rx_bytes(&mut self, index: u32) -> io::Result<Vec<(String, u64)>> {
+        let flags = if index == 0 { NLM_F_REQUEST | NLM_F_DUMP } else { NLM_F_REQUEST | NLM_F_ACK };
+        let mut m = Msg::new(RTM_GETLINK, flags);
+        m.bytes(&ifinfomsg(0, index as i32, 0, 0));
+        Ok(self
+            .dump(m, "read link counters")?
+            .iter()
+            .filter_map(|(ty, p)| (*ty == RTM_NEWLINK).then(|| parse_link_rx(p)).flatten())
+            .collect())
+    }
+
     /// Every address of every link (both families).
     pub fn addresses(&mut self) -> io::Result<Vec<AddrMsg>> {
         let mut m = Msg::new(RTM_GETADDR, NLM_F_REQUEST | NLM_F_DUMP);
@@ -670,6 +685,29 @@ pub fn parse_link(payload: &[u8]) -> Option<(u32, String)> {
     Some((u32::try_from(index).ok()?, name))
 }
 
+/// A link's name and received bytes from an `RTM_NEWLINK` payload
+/// (`IFLA_STATS64`, else the 32-bit `IFLA_STATS`). Pure: for fuzzing.
+pub fn parse_link_rx(payload: &[u8]) -> Option<(String, u64)> {
+    let (_, name) = parse_link(payload)?;
+    let attrs = Attrs(payload.get(16..)?);
+    let mut rx = None;
+    for (ty, data) in attrs {
+        match ty {
+            IFLA_STATS64 => {
+                // rtnl_link_stats64: rx_packets, tx_packets, rx_bytes, ...
+                let b: [u8; 8] = data.get(16..24)?.try_into().ok()?;
+                rx = Some(u64::from_ne_bytes(b));
+            }
+            IFLA_STATS if rx.is_none() => {
+                let b: [u8; 4] = data.get(8..12)?.try_into().ok()?;
+                rx = Some(u64::from(u32::from_ne_bytes(b)));
+            }
+            _ => {}
+        }
+    }
+    Some((name, rx?))
+}
+
 /// An address of a link, from an `RTM_NEWADDR`/`RTM_DELADDR` payload.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AddrMsg {
@@ -807,6 +845,36 @@ pub fn link_index(name: &str) -> io::Result<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An `RTM_NEWLINK` payload: ifinfomsg, then attributes.
+    fn link_payload(index: i32, name: &str, attrs: &[(u16, Vec<u8>)]) -> Vec<u8> {
+        let mut p = ifinfomsg(0, index, 0, 0).to_vec();
+        let mut name = name.as_bytes().to_vec();
+        name.push(0);
+        for (ty, data) in std::iter::once(&(IFLA_IFNAME, name)).chain(attrs) {
+            p.extend_from_slice(&((4 + data.len()) as u16).to_ne_bytes());
+            p.extend_from_slice(&ty.to_ne_bytes());
+            p.extend_from_slice(data);
+            while !p.len().is_multiple_of(4) {
+                p.push(0);
+            }
+        }
+        p
+    }
+
+    #[test]
+    fn link_counters_prefer_64_bits() {
+        let mut s64 = vec![0u8; 8 * 24];
+        s64[16..24].copy_from_slice(&(5_000_000_000u64).to_ne_bytes());
+        let mut s32 = vec![0u8; 4 * 24];
+        s32[8..12].copy_from_slice(&7u32.to_ne_bytes());
+        let both = link_payload(3, "hv1", &[(IFLA_STATS, s32.clone()), (IFLA_STATS64, s64)]);
+        assert_eq!(parse_link_rx(&both), Some(("hv1".to_owned(), 5_000_000_000)));
+        let old = link_payload(3, "hv1", &[(IFLA_STATS, s32)]);
+        assert_eq!(parse_link_rx(&old), Some(("hv1".to_owned(), 7)));
+        assert_eq!(parse_link_rx(&link_payload(3, "hv1", &[])), None);
+        assert_eq!(parse_link_rx(&link_payload(3, "hv1", &[(IFLA_STATS64, vec![1, 2, 3])])), None);
+    }
 
     #[test]
     fn nested_attributes_carry_their_length() {

@@ -195,7 +195,8 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         | ErrorCode::VolumeShrinkRefused
         | ErrorCode::ImageInvalid
         | ErrorCode::ImageLayerRefused
-        | ErrorCode::WebhookUrlRefused => ("invalid_argument", StatusCode::BAD_REQUEST),
+        | ErrorCode::WebhookUrlRefused
+        | ErrorCode::UsageRangeInvalid => ("invalid_argument", StatusCode::BAD_REQUEST),
         ErrorCode::NotFound | ErrorCode::VolumeNotFound => ("not_found", StatusCode::NOT_FOUND),
         ErrorCode::IdempotencyConflict
         | ErrorCode::SandboxPathConflict

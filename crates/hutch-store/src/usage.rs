@@ -1,0 +1,204 @@
+//! Usage metering's arithmetic: intervals of the ledger clipped to a
+//! report's window, split at UTC midnight when grouped by day, and summed
+//! per key and group. Pure: the SQLite store only selects the rows.
+
+use std::collections::BTreeMap;
+
+/// What an interval of the ledger measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UsageKind {
+    /// A sandbox running: memory, vCPUs and its layer.
+    Running,
+    /// A sandbox paused or suspended: its layer, and paused time.
+    Paused,
+    /// A sandbox starting or terminating: its layer only.
+    Held,
+    Snapshot,
+    Volume,
+}
+
+impl UsageKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UsageKind::Running => "running",
+            UsageKind::Paused => "paused",
+            UsageKind::Held => "held",
+            UsageKind::Snapshot => "snapshot",
+            UsageKind::Volume => "volume",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<UsageKind> {
+        [UsageKind::Running, UsageKind::Paused, UsageKind::Held, UsageKind::Snapshot, UsageKind::Volume]
+            .into_iter()
+            .find(|k| k.as_str() == s)
+    }
+
+    /// What a sandbox in `state` is billed as; None once it ended.
+    pub fn of_state(state: crate::SandboxState) -> Option<UsageKind> {
+        use crate::SandboxState as S;
+        match state {
+            S::Running => Some(UsageKind::Running),
+            S::Paused | S::Suspended => Some(UsageKind::Paused),
+            S::Starting | S::Terminating => Some(UsageKind::Held),
+            S::Terminated => None,
+        }
+    }
+}
+
+/// One interval of the ledger. Times are Unix milliseconds; `end` None is
+/// still open.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UsageInterval {
+    pub owner: String,
+    pub kind: UsageKind,
+    /// The sandbox, snapshot or volume.
+    pub subject: String,
+    pub sandbox_id: Option<String>,
+    pub template: Option<String>,
+    pub memory_mb: u64,
+    pub vcpus: f64,
+    pub size_bytes: u64,
+    pub start: i64,
+    pub end: Option<i64>,
+}
+
+/// Commands and egress of one sandbox, counted since the last flush.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UsageCount {
+    pub owner: String,
+    pub sandbox_id: String,
+    pub template: String,
+    pub at: i64,
+    pub commands: u64,
+    pub egress_bytes: u64,
+}
+
+/// How a report's rows are grouped (always by key first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UsageGroup {
+    /// One row per key.
+    Key,
+    Sandbox,
+    Template,
+    /// Per UTC day (intervals split at midnight).
+    Day,
+}
+
+/// What a report covers: `[from, to)` in Unix ms; open intervals end at
+/// `now`; `owner` None is every key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UsageQuery {
+    pub owner: Option<String>,
+    pub from: i64,
+    pub to: i64,
+    pub now: i64,
+    pub group: UsageGroup,
+}
+
+/// One row of a report.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct UsageRow {
+    pub key: String,
+    /// The sandbox id, template or day (`YYYY-MM-DD`); None in a row per
+    /// key, and for a volume (which is no sandbox's) grouped by sandbox or
+    /// template.
+    pub group: Option<String>,
+    pub memory_mib_seconds: f64,
+    pub vcpu_seconds: f64,
+    pub paused_seconds: f64,
+    pub disk_gib_hours: f64,
+    pub snapshot_gib_hours: f64,
+    pub volume_gib_hours: f64,
+    pub egress_bytes: u64,
+    pub commands: u64,
+}
+
+const DAY_MS: i64 = 86_400_000;
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// `YYYY-MM-DD` of a UTC instant.
+fn day_of(ms: i64) -> String {
+    let s = hutch_api::time::rfc3339(ms);
+    s.get(..10).unwrap_or(&s).to_owned()
+}
+
+/// `[start, end)` cut at every UTC midnight inside it.
+pub fn split_days(start: i64, end: i64) -> Vec<(i64, i64)> {
+    let mut out = Vec::new();
+    let mut s = start;
+    while s < end {
+        let midnight = (s.div_euclid(DAY_MS) + 1).saturating_mul(DAY_MS);
+        let e = midnight.min(end);
+        out.push((s, e));
+        s = e;
+    }
+    out
+}
+
+fn group_of(group: UsageGroup, sandbox: Option<&str>, template: Option<&str>, at: i64) -> Option<String> {
+    match group {
+        UsageGroup::Key => None,
+        UsageGroup::Sandbox => sandbox.map(str::to_owned),
+        UsageGroup::Template => template.map(str::to_owned),
+        UsageGroup::Day => Some(day_of(at)),
+    }
+}
+
+/// Sums `intervals` and `counts` into rows, ordered by key then group.
+/// Intervals are clipped to `[q.from, q.to)`, an open one ends at `q.now`
+/// (or `q.to`, whichever is first); counts are taken when `at` falls in the
+/// window.
+pub fn aggregate(q: &UsageQuery, intervals: &[UsageInterval], counts: &[UsageCount]) -> Vec<UsageRow> {
+    let mut rows: BTreeMap<(String, Option<String>), UsageRow> = BTreeMap::new();
+    fn row<'a>(
+        rows: &'a mut BTreeMap<(String, Option<String>), UsageRow>,
+        key: &str,
+        group: Option<String>,
+    ) -> &'a mut UsageRow {
+        rows.entry((key.to_owned(), group.clone())).or_insert_with(|| UsageRow {
+            key: key.to_owned(),
+            group,
+            ..UsageRow::default()
+        })
+    }
+    for i in intervals {
+        if q.owner.as_deref().is_some_and(|o| o != i.owner) {
+            continue;
+        }
+        let start = i.start.max(q.from);
+        let end = i.end.unwrap_or(q.now).min(q.to);
+        if end <= start {
+            continue;
+        }
+        let pieces = if q.group == UsageGroup::Day { split_days(start, end) } else { vec![(start, end)] };
+        for (s, e) in pieces {
+            let secs = (e - s) as f64 / 1000.0;
+            let gib_hours = i.size_bytes as f64 / GIB * secs / 3600.0;
+            let r = row(&mut rows, &i.owner, group_of(q.group, i.sandbox_id.as_deref(), i.template.as_deref(), s));
+            match i.kind {
+                UsageKind::Running => {
+                    r.memory_mib_seconds += i.memory_mb as f64 * secs;
+                    r.vcpu_seconds += i.vcpus * secs;
+                    r.disk_gib_hours += gib_hours;
+                }
+                UsageKind::Paused => {
+                    r.paused_seconds += secs;
+                    r.disk_gib_hours += gib_hours;
+                }
+                UsageKind::Held => r.disk_gib_hours += gib_hours,
+                UsageKind::Snapshot => r.snapshot_gib_hours += gib_hours,
+                UsageKind::Volume => r.volume_gib_hours += gib_hours,
+            }
+        }
+    }
+    for c in counts {
+        if q.owner.as_deref().is_some_and(|o| o != c.owner) || c.at < q.from || c.at >= q.to {
+            continue;
+        }
+        let r = row(&mut rows, &c.owner, group_of(q.group, Some(&c.sandbox_id), Some(&c.template), c.at));
+        r.commands += c.commands;
+        r.egress_bytes += c.egress_bytes;
+    }
+    rows.into_values().collect()
+}
