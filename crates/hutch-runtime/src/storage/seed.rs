@@ -174,6 +174,34 @@ mod tests {
         assert_eq!(changed, SUPER_OFFSETS.iter().filter(|o| **o < seed.size).count());
     }
 
+    /// The committed seed is what the script makes today, block for block
+    /// in layout, superblock for superblock in structure (mkfs.btrfs makes
+    /// new uuids and times each run; the fsid is fixed). Runs the script:
+    /// needs btrfs-progs and python3 (scripts/test.sh installs them).
+    #[test]
+    fn the_embedded_seed_matches_what_the_script_makes() {
+        let dir = std::env::temp_dir().join(format!("hutch-seed-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("tmp");
+        let out = dir.join("seed.gz");
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/make-btrfs-seed.sh");
+        let run = std::process::Command::new(script).arg(&out).output().expect("run make-btrfs-seed.sh");
+        let made = std::fs::read(&out);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(run.status.success(), "make-btrfs-seed.sh: {}", String::from_utf8_lossy(&run.stderr));
+        let made = unpack(&made.expect("the script's seed")).expect("unpack the script's seed");
+        let ours = unpack(SEED).expect("unpack the embedded seed");
+        assert_eq!(made.size, ours.size);
+        let offsets = |s: &Seed| s.blocks.iter().map(|(o, _)| *o).collect::<Vec<_>>();
+        assert_eq!(offsets(&made), offsets(&ours), "block layout: run scripts/make-btrfs-seed.sh");
+        let sb = |s: &Seed| s.blocks.iter().find(|(o, _)| *o == SUPER_OFFSETS[0]).expect("superblock").1.clone();
+        let (a, b) = (sb(&made), sb(&ours));
+        // fsid, then bytenr .. log_root_level (roots, sizes, features),
+        // then the label.
+        for (from, to) in [(SB_FSID, SB_FSID + 16), (SB_BYTENR, 0xc9), (0x12b, 0x22b)] {
+            assert_eq!(a[from..to], b[from..to], "superblock bytes {from:#x}..{to:#x}: run scripts/make-btrfs-seed.sh");
+        }
+    }
+
     #[test]
     fn damaged_seeds_are_refused() {
         assert!(unpack(b"not gzip").is_err());
