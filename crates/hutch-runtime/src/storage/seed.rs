@@ -203,6 +203,36 @@ mod tests {
     }
 
     #[test]
+    fn a_written_image_has_the_seeds_blocks_and_a_new_fsid() {
+        use std::os::unix::fs::FileExt;
+        let path = std::env::temp_dir().join(format!("hutch-seed-img-{}", std::process::id()));
+        let f = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path).expect("create");
+        let _ = std::fs::remove_file(&path);
+        f.set_len(64 << 30).expect("sparse 64 GiB");
+        let t = std::time::Instant::now();
+        write_fs(&f).expect("write the file system");
+        eprintln!("a 64 GiB image's file system written in {:?}", t.elapsed());
+        let mut sb = vec![0u8; SUPER_SIZE];
+        f.read_exact_at(&mut sb, SUPER_OFFSETS[0]).expect("read the superblock");
+        assert!(super_ok(&sb));
+        let seed = unpack(SEED).expect("seed");
+        assert_ne!(
+            sb[SB_FSID..SB_FSID + 16],
+            seed.blocks.iter().find(|b| b.0 == SUPER_OFFSETS[0]).expect("sb").1[SB_FSID..SB_FSID + 16]
+        );
+        let small = tempfile_of(1 << 20);
+        assert!(write_fs(&small).is_err(), "an image smaller than the seed is refused");
+    }
+
+    fn tempfile_of(len: u64) -> std::fs::File {
+        let path = std::env::temp_dir().join(format!("hutch-seed-small-{}", std::process::id()));
+        let f = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path).expect("create");
+        let _ = std::fs::remove_file(&path);
+        f.set_len(len).expect("size");
+        f
+    }
+
+    #[test]
     fn damaged_seeds_are_refused() {
         assert!(unpack(b"not gzip").is_err());
         let mut sb = vec![0u8; SUPER_SIZE];
