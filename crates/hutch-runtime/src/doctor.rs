@@ -56,7 +56,8 @@ impl Report {
 /// run, with memory layers only.
 fn storage_finding(state_dir: &Path) -> Finding {
     use crate::storage::{inspect, Found};
-    let fix = "install btrfs-progs (mkfs.btrfs) and give the host loop devices, or put the state directory on btrfs";
+    let fix =
+        "give the host loop devices and btrfs in the kernel (modprobe loop btrfs), or put the state directory on btrfs";
     match inspect(state_dir) {
         Found::Mounted(status) => finding("storage", true, status.to_string(), fix),
         Found::Unmounted { image, size_bytes } => finding(
