@@ -10,14 +10,16 @@ if [ "$(id -u)" != 0 ]; then
 fi
 
 # Tools the sandboxed probes use (the base template is the host's /usr), and
-# what sandbox networks and their tests need (nft, ip).
+# what the network tests need (nft to read and compare tables, ip; the
+# daemon itself needs neither).
 need=()
 # Images: mmdebstrap builds the Debian presets; docker-registry serves pulls
 # in the image tests (each test starts its own on a free loopback port; the
 # package's own service is not used). Node and npm run the E2B JavaScript
 # SDK's suite (tests/e2b-js) and the MCP server's run_code in node
-# (tests/api/test_mcp.py). Disk layers: mkfs.btrfs makes the daemon's
-# storage image once (everything after that is ioctls). Chromium is the
+# (tests/api/test_mcp.py). btrfs-progs: the test that the
+# committed btrfs seed is what scripts/make-btrfs-seed.sh makes (the daemon
+# never runs mkfs.btrfs). Chromium is the
 # headless browser the web console's tests drive (tests/api/test_console.py,
 # through Playwright with this browser: Playwright's own are never fetched).
 # umoci (6 MB, libc only) unpacks exported snapshots as another OCI

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import textwrap
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Client, Daemon, expect_error, net_links, wait_for
+from conftest import Client, Daemon, expect_error, expect_status, net_links, wait_for
 
 PID = os.getpid()
 NETNS = f"hutch-inet-{PID}"
@@ -765,3 +766,50 @@ def test_a_second_daemon_on_the_same_instance_refuses_to_start(netd: Daemon, tmp
         if second.alive():
             second.stop()
         second.release_net()
+
+
+def test_a_first_run_without_nft_or_btrfs_tools_gets_networks_and_disk_state(own_daemon: Daemon, internet):
+    """A host without nftables or btrfs-progs installed: the daemon loads its
+    ruleset over netlink and makes its storage image from the embedded seed,
+    so networks and disk-backed sandboxes work on a PATH that has neither
+    tool (nor any other: the daemon runs no program for them)."""
+    d = own_daemon
+    bare = d.root / "bin"
+    bare.mkdir()
+    for tool in ["python3", "sh"]:
+        (bare / tool).symlink_to(shutil.which(tool))
+    for hidden in ["nft", "mkfs.btrfs", "btrfs", "btrfstune"]:
+        assert shutil.which(hidden, path=str(bare)) is None, hidden
+    d.extra_env = {"PATH": str(bare), "HUTCH_DNS_UPSTREAM": f"{INET}:53", "HUTCH_NET_IPV6": "on"}
+    d.start()
+    log = d.log_path.read_text(errors="replace")
+    assert "no sandbox networking" not in log and "no disk storage" not in log, d.log_tail()
+    assert (d.state_dir / "storage" / "btrfs.img").is_file()
+    doctor = subprocess.run(
+        [str(d.binary), "doctor", "--json", "--state-dir", str(d.state_dir)],
+        env={"PATH": str(bare)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    findings = {f["name"]: f for f in json.loads(doctor.stdout)["findings"]}
+    assert findings["network"]["ok"] and findings["storage"]["ok"], findings
+
+    api = d.client("admin")
+    sb = create(api, allow=[f"{OTHER}/32", "allowed.test"])
+    i = sb["id"]
+    assert sb["storage"] == "disk", sb
+    # The policy is enforced: listed addresses and names only.
+    assert probe(api, i, "tcp", OTHER, 8080) == f"OK hello {OTHER}"
+    assert probe(api, i, "tcp", "allowed.test", 8080) == f"OK hello {ALLOWED}"
+    assert not reaches(api, i, "tcp", INET, 8080)
+    assert not reaches(api, i, "tcp", METADATA, 80)
+    assert not reaches(api, i, "dns", "other.test", 4)
+    # Disk-backed state: kept across a pause to disk and a resume.
+    api.sh(i, "echo kept > /workspace/k")
+    r = api.post(f"/v1/sandboxes/{i}/suspend", {"mode": "disk"})
+    expect_status(r, 200)
+    assert api.sandbox(i)["state"] == "paused"
+    expect_status(api.post(f"/v1/sandboxes/{i}/resume"), 200)
+    assert api.sh(i, "cat /workspace/k") == "kept\n"
+    assert reaches(api, i, "tcp", OTHER, 8080)

@@ -56,7 +56,8 @@ impl Report {
 /// run, with memory layers only.
 fn storage_finding(state_dir: &Path) -> Finding {
     use crate::storage::{inspect, Found};
-    let fix = "install btrfs-progs (mkfs.btrfs) and give the host loop devices, or put the state directory on btrfs";
+    let fix =
+        "give the host loop devices and btrfs in the kernel (modprobe loop btrfs), or put the state directory on btrfs";
     match inspect(state_dir) {
         Found::Mounted(status) => finding("storage", true, status.to_string(), fix),
         Found::Unmounted { image, size_bytes } => finding(
@@ -181,17 +182,31 @@ pub fn check(cfg: &Config) -> Report {
         "boot with lsm=landlock,... (needed by the process class)",
     ));
 
-    let nft = ["/usr/sbin/nft", "/sbin/nft", "/usr/bin/nft"].iter().any(|p| std::path::Path::new(p).is_file());
-    let nfnl = crate::net::netlink::Netlink::netfilter().is_ok();
+    // The daemon loads its ruleset over nfnetlink (no nft program): try a
+    // transaction that makes a table and deletes it again.
+    let nf_tables = crate::net::netlink::Netlink::netfilter()
+        .and_then(|mut nl| crate::net::nftables::delete_table(&mut nl, "hutch-doctor-probe"));
     f.push(finding(
         "network",
-        nft && nfnl,
-        match (nft, nfnl) {
-            (true, true) => "nftables available: sandboxes get networks and egress policies".to_owned(),
-            (false, _) => "nft not found: only deny_all sandboxes (loopback only) can start".to_owned(),
-            (true, false) => "no nfnetlink: only deny_all sandboxes (loopback only) can start".to_owned(),
+        nf_tables.is_ok(),
+        match &nf_tables {
+            Ok(()) => "nf_tables available: sandboxes get networks and egress policies".to_owned(),
+            Err(e) => format!("nf_tables refused a table ({e}): only deny_all sandboxes (loopback only) can start"),
         },
-        "apt-get install nftables (the kernel needs nf_tables, veth and NAT)",
+        "run as root on a kernel with nf_tables, veth and NAT (modprobe nf_tables)",
+    ));
+
+    let mmdebstrap = crate::image::debian::mmdebstrap_found();
+    f.push(finding(
+        "presets",
+        mmdebstrap,
+        if mmdebstrap {
+            "mmdebstrap found: presets and Debian image builds work"
+        } else {
+            "mmdebstrap not found: presets (python, node, code-interpreter) and `hutch image build` cannot be built; \
+             `base`, imports and pulls work"
+        },
+        "apt-get install mmdebstrap",
     ));
 
     let agent_ok = cfg.agent.is_file();

@@ -345,6 +345,12 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         }
         Err(why) => tracing::warn!("no sandbox networking ({why}); only deny_all sandboxes can start"),
     }
+    if !hutch_runtime::image::debian::mmdebstrap_found() {
+        tracing::warn!(
+            "mmdebstrap not found: presets (python, node, code-interpreter) and Debian image builds are off \
+             (apt-get install mmdebstrap); base, imports and pulls work"
+        );
+    }
     if !(args.overcommit.is_finite() && args.overcommit > 0.0) {
         anyhow::bail!("--overcommit must be a positive number");
     }

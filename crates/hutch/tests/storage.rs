@@ -332,6 +332,9 @@ fn the_storage_comes_back_after_an_unmount_and_a_detached_loop_device() {
     let st = storage(&env, 1 << 30);
     let Backing::Image { image, device } = st.backing().clone() else { panic!("the test's state dir is not on btrfs") };
     assert_eq!(attached(&image), [device.file_name().expect("name").to_string_lossy()]);
+    // Made from the 128 MiB seed (no mkfs.btrfs), grown to the image's size
+    // when mounted.
+    assert!(st.status().size_bytes > 7 << 27, "{:?}", st.status());
     let layer = st.create(&name("reboot"), UPPER_DIRS).expect("create");
     std::fs::write(layer.upper().join("workspace/f"), b"survives").expect("write");
     st.set_limit(&layer, Some(100 << 20)).expect("limit");

@@ -110,6 +110,12 @@ impl DebianSpec {
     }
 }
 
+/// Whether `mmdebstrap` is on PATH (presets and Debian builds need it).
+pub fn mmdebstrap_found() -> bool {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path).any(|d| d.join("mmdebstrap").is_file())
+}
+
 /// Builds a Debian image with mmdebstrap and records it. `progress` gets
 /// mmdebstrap's own progress lines (`I: downloading packages...`) as they
 /// come.

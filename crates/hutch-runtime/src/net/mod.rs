@@ -14,6 +14,7 @@
 //! `lo`, so there is no rule that could be lifted.
 
 pub mod netlink;
+pub mod nftables;
 
 use netlink::{Netlink, SetOp, SetOpKind, NFPROTO_INET};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -438,8 +439,8 @@ impl Network {
         }
         let mut rtnl = Netlink::route().map_err(io_err("open rtnetlink"))?;
         let host = host_networks(&mut rtnl).map_err(io_err("read the host's networks"))?;
-        let rules = ruleset(&cfg, &host);
-        load_ruleset(&rules)?;
+        let mut nft = Netlink::netfilter().map_err(io_err("open nfnetlink"))?;
+        load_ruleset(&mut nft, &cfg, &host)?;
         let mut stale = Vec::new();
         for name in rtnl.link_names().map_err(io_err("list links"))? {
             if name.starts_with(&cfg.host_prefix()) && !keep.contains_key(&name) {
@@ -455,7 +456,6 @@ impl Network {
         let mut text = format!("# hutch: the daemon's resolver for this sandbox\nnameserver {}\n", cfg.gateway4());
         text.push_str("options edns0 trust-ad\n");
         std::fs::write(&resolv_conf, text).map_err(io_err("write resolv.conf"))?;
-        let nft = Netlink::netfilter().map_err(io_err("open nfnetlink"))?;
         let mtu = uplink_mtu();
         Ok(Network {
             cfg,
@@ -824,7 +824,7 @@ impl Network {
         if nft.has_element(NFPROTO_INET, &self.cfg.table(), "loaded", &gw).unwrap_or(false) {
             return Ok(true);
         }
-        load_ruleset(&ruleset(&self.cfg, &lock(&self.host)))?;
+        load_ruleset(&mut nft, &self.cfg, &lock(&self.host))?;
         let st = lock(&self.state);
         let elements: Vec<SetOp> = st.leases.values().flat_map(|l| l.elements.clone()).collect();
         nft.set_elements(NFPROTO_INET, &self.cfg.table(), &elements)
@@ -1106,10 +1106,10 @@ fn range(addr: IpAddr, len: u8) -> (Vec<u8>, Vec<u8>) {
 /// Flows one sandbox may have tracked at once (conntrack entries, and so
 /// NAT mappings toward any one destination).
 pub const MAX_FLOWS: u32 = 4096;
-/// New flows a sandbox may open, as an nftables rate.
-pub const NEW_FLOWS: &str = "1000/second burst 2000 packets";
-/// Queries a sandbox may send the resolver, as an nftables rate.
-pub const DNS_RATE: &str = "200/second burst 400 packets";
+/// New flows a sandbox may open.
+pub const NEW_FLOWS: nftables::Rate = nftables::Rate { per_second: 1000, burst: 2000 };
+/// Queries a sandbox may send the resolver.
+pub const DNS_RATE: nftables::Rate = nftables::Rate { per_second: 200, burst: 400 };
 
 /// `prefix/len` with the host bits cleared, as nftables writes it.
 fn cidr(addr: IpAddr, len: u8) -> String {
@@ -1137,8 +1137,14 @@ fn host_elements(host: &[(IpAddr, u8)], v4: bool) -> Vec<String> {
 
 /// The ruleset with this host's values in place.
 pub fn ruleset(cfg: &NetConfig, host: &[(IpAddr, u8)]) -> String {
+    ruleset_text(&ruleset_values(cfg, host))
+}
+
+/// policy/network.nft with `v`'s values in place: the text `nft -f` takes
+/// for the same table that `nftables::ruleset(v)` describes.
+pub fn ruleset_text(v: &nftables::Values) -> String {
     let elements = |v4: bool| {
-        let list = host_elements(host, v4);
+        let list = host_elements(&v.host, v4);
         if list.is_empty() {
             String::new()
         } else {
@@ -1146,56 +1152,38 @@ pub fn ruleset(cfg: &NetConfig, host: &[(IpAddr, u8)]) -> String {
         }
     };
     RULESET
-        .replace("@SUBNET4@", &format!("{}/16", cfg.subnet4))
-        .replace("@SUBNET6@", &format!("{}/64", cfg.subnet6))
+        .replace("@SUBNET4@", &format!("{}/{}", v.subnet4.0, v.subnet4.1))
+        .replace("@SUBNET6@", &format!("{}/{}", v.subnet6.0, v.subnet6.1))
         .replace("@HOST4@", &elements(true))
         .replace("@HOST6@", &elements(false))
-        .replace("@GATEWAY4@", &cfg.gateway4().to_string())
-        .replace("@TABLE@", &cfg.table())
-        .replace("@PREFIX@", &cfg.host_prefix())
-        .replace("@MAX_FLOWS@", &MAX_FLOWS.to_string())
-        .replace("@NEW_FLOWS@", NEW_FLOWS)
-        .replace("@DNS_RATE@", DNS_RATE)
+        .replace("@GATEWAY4@", &v.gateway4.to_string())
+        .replace("@TABLE@", &v.table)
+        .replace("@PREFIX@", &v.prefix)
+        .replace("@MAX_FLOWS@", &v.max_flows.to_string())
+        .replace("@NEW_FLOWS@", &v.new_flows.to_string())
+        .replace("@DNS_RATE@", &v.dns_rate.to_string())
 }
 
-/// The commands that replace the host sets' elements with `host`, in one
-/// nftables transaction.
-fn host_update(table: &str, host: &[(IpAddr, u8)]) -> String {
-    let mut text = String::new();
-    for (v4, set) in [(true, "host4"), (false, "host6")] {
-        text.push_str(&format!("flush set inet {table} {set}\n"));
-        let list = host_elements(host, v4);
-        if !list.is_empty() {
-            text.push_str(&format!("add element inet {table} {set} {{ {} }}\n", list.join(", ")));
-        }
+/// The same ruleset as data, for loading over netlink.
+pub fn ruleset_values(cfg: &NetConfig, host: &[(IpAddr, u8)]) -> nftables::Values {
+    nftables::Values {
+        table: cfg.table(),
+        prefix: cfg.host_prefix(),
+        subnet4: (IpAddr::V4(cfg.subnet4), 16),
+        subnet6: (IpAddr::V6(cfg.subnet6), 64),
+        gateway4: cfg.gateway4(),
+        host: host.to_vec(),
+        max_flows: MAX_FLOWS,
+        new_flows: NEW_FLOWS,
+        dns_rate: DNS_RATE,
     }
-    text
 }
 
-/// Loads the ruleset with `nft -f -`, once per daemon start (never per
-/// sandbox). nftables' transaction makes the replacement atomic.
-fn load_ruleset(text: &str) -> Result<(), NetError> {
-    use std::io::Write;
-    let nft = ["/usr/sbin/nft", "/sbin/nft", "/usr/bin/nft"]
-        .iter()
-        .find(|p| Path::new(p).is_file())
-        .ok_or_else(|| NetError::Unavailable("nft (the nftables package) is not installed".into()))?;
-    let mut child = std::process::Command::new(nft)
-        .args(["-f", "-"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .map_err(io_err("run nft"))?;
-    if let Some(mut stdin) = child.stdin.take() {
-        stdin.write_all(text.as_bytes()).map_err(io_err("write the ruleset to nft"))?;
-    }
-    let out = child.wait_with_output().map_err(io_err("wait for nft"))?;
-    if !out.status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        return Err(NetError::Unavailable(format!("nft refused the ruleset: {}", err.trim())));
-    }
-    Ok(())
+/// Loads the ruleset over nfnetlink, once per daemon start (never per
+/// sandbox), replacing the table in one transaction.
+fn load_ruleset(nl: &mut Netlink, cfg: &NetConfig, host: &[(IpAddr, u8)]) -> Result<(), NetError> {
+    let rs = nftables::ruleset(&ruleset_values(cfg, host));
+    nftables::load(nl, &rs).map_err(|e| NetError::Unavailable(format!("nf_tables refused the ruleset: {e}")))
 }
 
 impl Network {
@@ -1210,8 +1198,7 @@ impl Network {
                 let _ = rtnl.del_link(i);
             }
         }
-        let t = self.cfg.table();
-        let _ = load_ruleset(&format!("table inet {t} {{}}\ndelete table inet {t}\n"));
+        let _ = nftables::delete_table(&mut lock(&self.nft), &self.cfg.table());
     }
 }
 
@@ -1259,12 +1246,16 @@ impl Network {
     /// they changed.
     pub fn refresh_host(&self, rtnl: &mut Netlink) -> Result<bool, NetError> {
         let now = host_networks(rtnl).map_err(io_err("read the host's networks"))?;
-        let _nft = lock(&self.nft);
+        let mut nft = lock(&self.nft);
         let mut host = lock(&self.host);
         if *host == now {
             return Ok(false);
         }
-        load_ruleset(&host_update(&self.cfg.table(), &now))?;
+        let sets = [
+            ("host4", nftables::interval_elements(&nftables::host_nets(&now), true)),
+            ("host6", nftables::interval_elements(&nftables::host_nets(&now), false)),
+        ];
+        nftables::replace_ranges(&mut nft, &self.cfg.table(), &sets).map_err(io_err("replace the host's networks"))?;
         *host = now;
         Ok(true)
     }

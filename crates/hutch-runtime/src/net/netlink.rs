@@ -81,7 +81,7 @@ const CTA_MARK: u16 = 8;
 const CTA_MARK_MASK: u16 = 21;
 
 /// nf_tables over nfnetlink.
-const NFNL_SUBSYS_NFTABLES: u16 = 10;
+pub(super) const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFNL_MSG_BATCH_BEGIN: u16 = 16;
 const NFNL_MSG_BATCH_END: u16 = 17;
 const NFT_MSG_NEWSETELEM: u16 = 12;
@@ -105,13 +105,13 @@ const RECV_BUF: usize = 64 * 1024;
 const BATCH: usize = 256;
 
 /// A netlink message under construction.
-struct Msg {
+pub(super) struct Msg {
     buf: Vec<u8>,
     nests: Vec<usize>,
 }
 
 impl Msg {
-    fn new(ty: u16, flags: u16) -> Msg {
+    pub(super) fn new(ty: u16, flags: u16) -> Msg {
         let mut buf = Vec::with_capacity(256);
         buf.extend_from_slice(&0u32.to_ne_bytes()); // length, set in finish
         buf.extend_from_slice(&ty.to_ne_bytes());
@@ -121,7 +121,7 @@ impl Msg {
         Msg { buf, nests: Vec::new() }
     }
 
-    fn bytes(&mut self, b: &[u8]) -> &mut Msg {
+    pub(super) fn bytes(&mut self, b: &[u8]) -> &mut Msg {
         self.buf.extend_from_slice(b);
         self
     }
@@ -132,7 +132,7 @@ impl Msg {
         }
     }
 
-    fn attr(&mut self, ty: u16, data: &[u8]) -> &mut Msg {
+    pub(super) fn attr(&mut self, ty: u16, data: &[u8]) -> &mut Msg {
         let len = 4 + data.len();
         self.buf.extend_from_slice(&(len as u16).to_ne_bytes());
         self.buf.extend_from_slice(&ty.to_ne_bytes());
@@ -141,7 +141,7 @@ impl Msg {
         self
     }
 
-    fn attr_str(&mut self, ty: u16, s: &str) -> &mut Msg {
+    pub(super) fn attr_str(&mut self, ty: u16, s: &str) -> &mut Msg {
         let mut data = s.as_bytes().to_vec();
         data.push(0);
         self.attr(ty, &data)
@@ -151,14 +151,23 @@ impl Msg {
         self.attr(ty, &v.to_ne_bytes())
     }
 
-    fn nest(&mut self, ty: u16) -> &mut Msg {
+    /// A 32-bit value in network order (nf_tables' integers).
+    pub(super) fn attr_be32(&mut self, ty: u16, v: u32) -> &mut Msg {
+        self.attr(ty, &v.to_be_bytes())
+    }
+
+    pub(super) fn attr_be64(&mut self, ty: u16, v: u64) -> &mut Msg {
+        self.attr(ty, &v.to_be_bytes())
+    }
+
+    pub(super) fn nest(&mut self, ty: u16) -> &mut Msg {
         self.nests.push(self.buf.len());
         self.buf.extend_from_slice(&0u16.to_ne_bytes());
         self.buf.extend_from_slice(&(ty | NLA_F_NESTED).to_ne_bytes());
         self
     }
 
-    fn end(&mut self) -> &mut Msg {
+    pub(super) fn end(&mut self) -> &mut Msg {
         if let Some(start) = self.nests.pop() {
             let len = (self.buf.len() - start) as u16;
             self.buf[start..start + 2].copy_from_slice(&len.to_ne_bytes());
@@ -543,6 +552,27 @@ impl Netlink {
         batch.extend(batch_marker(NFNL_MSG_BATCH_END).finish(end));
         self.send(&batch)?;
         self.wait_acks(&seqs, &format!("update nftables sets of table {table}"), |_, _| {})
+    }
+
+    /// Sends nf_tables messages (`NFNL_SUBSYS_NFTABLES << 8 | type`, each
+    /// with its `nfgenmsg`) as one transaction: the kernel applies all of
+    /// them or none. Each is acknowledged; the first error is answered.
+    pub(super) fn transaction(&mut self, msgs: Vec<Msg>, what: &str) -> io::Result<()> {
+        let mut batch = Vec::new();
+        let mut seqs = Vec::new();
+        let begin = self.next_seq();
+        batch.extend(batch_marker(NFNL_MSG_BATCH_BEGIN).finish(begin));
+        for mut m in msgs {
+            let flags = u16::from_ne_bytes([m.buf[6], m.buf[7]]) | NLM_F_REQUEST | NLM_F_ACK;
+            m.buf[6..8].copy_from_slice(&flags.to_ne_bytes());
+            let seq = self.next_seq();
+            seqs.push(seq);
+            batch.extend(m.finish(seq));
+        }
+        let end = self.next_seq();
+        batch.extend(batch_marker(NFNL_MSG_BATCH_END).finish(end));
+        self.send(&batch)?;
+        self.wait_acks(&seqs, what, |_, _| {})
     }
 
     /// Whether an element is in a set (for reading back what is applied).

@@ -38,6 +38,7 @@
 pub mod btrfs;
 pub mod diff;
 mod loopdev;
+pub mod seed;
 
 use std::fmt;
 use std::io;
@@ -251,8 +252,6 @@ pub enum StorageError {
     NoBtrfs(String),
     #[error("this host has no loop devices (/dev/loop-control): {0}")]
     NoLoop(io::Error),
-    #[error("mkfs.btrfs (btrfs-progs) makes the storage image and was not found: install btrfs-progs")]
-    NoMkfs,
     #[error("{path} is a mount of {fstype}, not btrfs: unmount it or use another state directory")]
     Foreign { path: PathBuf, fstype: String },
     #[error(
@@ -316,7 +315,7 @@ pub struct Storage {
 impl Storage {
     /// Opens the storage of a state directory, making and mounting its file
     /// system if needed: the state directory's own btrfs, or an image of
-    /// ours (made once with mkfs.btrfs, attached to a loop device, mounted
+    /// ours (made once from the btrfs seed, attached to a loop device, mounted
     /// at `<state>/storage/fs`). An image mounted already (by an earlier
     /// daemon) is used as it is; after a host reboot it is attached and
     /// mounted again. Quotas are switched on; layers half made by an
@@ -694,6 +693,10 @@ fn mount_image(root: &Path, mount: &Path, size: Option<u64>) -> Result<Backing, 
         Some(libc::ENODEV) => StorageError::NoBtrfs(format!("mount -t btrfs {}: {e}", device.display())),
         _ => io_err("mount", mount)(e),
     })?;
+    // A file system made from the seed is smaller than its image until it
+    // grows to the device's size (a no-op once it has).
+    let top = open_dir(mount)?;
+    btrfs::resize_max(top.as_fd()).map_err(io_err("resize the file system at", mount))?;
     Ok(Backing::Image { image, device })
 }
 
@@ -712,7 +715,6 @@ fn make_image(root: &Path, image: &Path, size: Option<u64>) -> Result<(), Storag
         }
     };
     let size = size & !((1 << 20) - 1);
-    let mkfs = find_program("mkfs.btrfs").ok_or(StorageError::NoMkfs)?;
     let tmp = root.join(format!(".btrfs.img.{}", crate::sys::random_hex(4)));
     let made = (|| -> Result<(), StorageError> {
         let f = std::fs::OpenOptions::new()
@@ -722,19 +724,10 @@ fn make_image(root: &Path, image: &Path, size: Option<u64>) -> Result<(), Storag
             .open(&tmp)
             .map_err(io_err("create", &tmp))?;
         f.set_len(size).map_err(io_err("size", &tmp))?;
+        // The seed's file system (no mkfs.btrfs); it grows to the image's
+        // size when mounted.
+        seed::write_fs(&f).map_err(io_err("write a btrfs file system into", &tmp))?;
         drop(f);
-        // Single copies of data and metadata (the host's disk is the one
-        // device); no discard pass over a fresh sparse file.
-        let out = std::process::Command::new(&mkfs)
-            .args(["-q", "-f", "-K", "-m", "single", "-d", "single", "-L", "hutch"])
-            .arg(&tmp)
-            .stdin(std::process::Stdio::null())
-            .output()
-            .map_err(io_err("run", &mkfs))?;
-        if !out.status.success() {
-            let msg = String::from_utf8_lossy(&out.stderr).trim().to_owned();
-            return Err(io_err("mkfs.btrfs", &tmp)(io::Error::other(format!("{}: {msg}", out.status))));
-        }
         std::fs::rename(&tmp, image).map_err(io_err("rename", image))
     })();
     if made.is_err() {
@@ -758,14 +751,6 @@ fn grow(image: &Path, device: &Path, mount: &Path, size: u64) -> Result<(), Stor
     btrfs::resize_max(top.as_fd()).map_err(io_err("resize the file system at", mount))?;
     tracing::info!("storage image {} grown to {size} bytes", image.display());
     Ok(())
-}
-
-fn find_program(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/sbin", "/usr/local/sbin", "/usr/bin", "/bin"].map(PathBuf::from))
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
 }
 
 /// One line of /proc/self/mountinfo, the parts we need.
@@ -835,8 +820,7 @@ pub enum Found {
 }
 
 /// Whether a storage could be made here where none exists yet: btrfs in
-/// the kernel, and for an image, loop devices and mkfs.btrfs. Says what is
-/// missing.
+/// the kernel, and for an image, loop devices. Says what is missing.
 pub fn can_make(native: bool) -> Result<(), String> {
     kernel_support(Path::new("/proc"), Path::new("/lib/modules"))?;
     if native {
@@ -844,9 +828,6 @@ pub fn can_make(native: bool) -> Result<(), String> {
     }
     if !loopdev::available() {
         return Err("no loop devices (/dev/loop-control)".into());
-    }
-    if find_program("mkfs.btrfs").is_none() {
-        return Err("mkfs.btrfs not found (apt-get install btrfs-progs)".into());
     }
     Ok(())
 }
