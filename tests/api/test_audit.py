@@ -235,9 +235,11 @@ def test_capabilities_say_what_the_daemon_allows(daemon: Daemon):
             assert features[f]["reason"], (f, features)
     for f in ("memory_snapshots", "secrets", "fleet"):
         assert features[f]["enabled"] is False, features
-    # The key's usage and quotas, as /v1/usage says them.
+    # The key's holdings and quotas, as /v1/usage says them (which adds
+    # its metered report).
     usage = me.get("/v1/usage").json()
-    assert caps["usage"] == usage and usage["key_id"] == me.key_id, (caps["usage"], usage)
+    assert {k: usage[k] for k in caps["usage"]} == caps["usage"], (caps["usage"], usage)
+    assert usage["key_id"] == me.key_id and "rows" not in caps["usage"], usage
     assert caps["usage"]["quotas"]["max_memory_mb"] == 1000000
 
     lim = caps["limits"]
