@@ -131,6 +131,10 @@ pub struct Config {
     /// A credential that reads `/metrics` (the operator's view) and nothing
     /// else, for a scraper that holds no API key.
     pub metrics_token: Option<String>,
+    /// The CA bundle that trusts the egress proxy, bound into sandboxes
+    /// that name secrets; None: no egress proxy runs, and a sandbox that
+    /// names a secret is refused.
+    pub egress_bundle: Option<std::path::PathBuf>,
 }
 
 impl Config {
@@ -143,6 +147,7 @@ impl Config {
             e2b_domain: None,
             e2b_registries: Vec::new(),
             metrics_token: None,
+            egress_bundle: None,
         }
     }
 }
@@ -175,6 +180,11 @@ pub struct Control {
     pub(crate) history: Arc<crate::history::History>,
     /// The audit log's queue and writer.
     pub(crate) audit: crate::audit::Auditor,
+    /// The key that seals secrets, loaded at first use.
+    pub(crate) secret_keys: crate::secrets::SecretKeys,
+    /// The CA bundle (the host's roots and the egress proxy's CA) bound
+    /// into sandboxes that name secrets; None: no egress proxy runs.
+    pub(crate) egress_bundle: Option<std::path::PathBuf>,
 }
 
 /// The stable digest of a request body, for idempotency checks.
@@ -298,6 +308,8 @@ impl Control {
             access: crate::access::Grants::default(),
             builds: crate::build::Builds::default(),
             net_updates: Arc::new(Mutex::new(())),
+            secret_keys: crate::secrets::SecretKeys::default(),
+            egress_bundle: config.egress_bundle,
             history: Arc::new(crate::history::History::default()),
             audit: crate::audit::Auditor::default(),
         })

@@ -77,6 +77,9 @@ impl SnapRecipe {
             storage: Some(StorageKind::Disk),
             on_expire: Some(self.on_expire),
             paused_ttl_s: self.paused_ttl_s,
+            // Placeholders are the sandbox's own: its snapshot's sandboxes
+            // name secrets anew.
+            secrets: Vec::new(),
         }
     }
 }

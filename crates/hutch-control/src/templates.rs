@@ -61,6 +61,17 @@ pub struct Recipe {
     /// What its sandboxes do at their expiry unless a create says.
     pub on_expire: Option<hutch_api::OnExpire>,
     pub paused_ttl_s: Option<u64>,
+    /// The owner's secrets its sandboxes name.
+    pub secrets: Vec<String>,
+}
+
+/// The secrets a template's sandboxes name.
+fn secrets_of(t: &TemplateRecord) -> Vec<String> {
+    serde_json::from_str(&t.secrets).unwrap_or_default()
+}
+
+fn secrets_json(names: &[String]) -> String {
+    serde_json::to_string(names).unwrap_or_else(|_| "[]".into())
 }
 
 /// A template's stored network policy.
@@ -90,6 +101,7 @@ impl Recipe {
             storage: None,
             on_expire: None,
             paused_ttl_s: None,
+            secrets: Vec::new(),
         }
     }
 
@@ -128,6 +140,7 @@ impl Recipe {
             storage: t.storage,
             on_expire: t.on_expire,
             paused_ttl_s: t.paused_ttl_s,
+            secrets: secrets_of(t),
         }
     }
 
@@ -301,6 +314,7 @@ impl Control {
             storage: t.storage,
             on_expire: t.on_expire.unwrap_or_default(),
             paused_ttl_seconds: t.paused_ttl_s.unwrap_or(crate::sandboxes::PAUSED_TTL_DEFAULT),
+            secrets: secrets_of(t),
         })
     }
 
@@ -388,6 +402,7 @@ impl Control {
             storage: req.storage.map(|k| self.storage_kind(Some(k))).transpose()?,
             on_expire: req.on_expire,
             paused_ttl_s: req.paused_ttl_seconds.map(crate::sandboxes::check_paused_ttl).transpose()?,
+            secrets: secrets_json(&self.secret_names(&caller.owner, &req.secrets).await?),
         };
         self.check_on_expire(t.on_expire, t.storage)?;
         let rec = t.clone();
@@ -478,12 +493,16 @@ impl Control {
         if let Some(secs) = req.paused_ttl_seconds {
             t.paused_ttl_s = Some(crate::sandboxes::check_paused_ttl(secs)?);
         }
+        if let Some(names) = &req.secrets {
+            t.secrets = secrets_json(&self.secret_names(&OwnerId::from_record(&old.owner), names).await?);
+        }
         self.check_on_expire(t.on_expire, t.storage)?;
         let changed = t.image != old.image
             || t.storage != old.storage
             || network_of(&t) != network_of(&old)
             || t.startup != old.startup
             || t.readiness != old.readiness
+            || t.secrets != old.secrets
             || new_env != old_env
             || (t.memory_mb, t.vcpus, t.disk_mib, t.pids) != (old.memory_mb, old.vcpus, old.disk_mib, old.pids);
         if changed {

@@ -13,6 +13,7 @@ mod access;
 mod audit;
 mod console;
 mod e2b;
+pub mod egress;
 mod extract;
 #[doc(hidden)]
 pub mod fuzz_api;
@@ -23,6 +24,7 @@ mod openapi;
 pub mod proxy;
 mod pty;
 mod routes;
+mod secrets;
 mod snapshots;
 mod templates;
 mod transfer;

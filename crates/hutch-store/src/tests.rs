@@ -156,6 +156,7 @@ fn template(id: &str, version: i64) -> TemplateRecord {
         storage: None,
         on_expire: None,
         paused_ttl_s: None,
+        secrets: "[]".into(),
     }
 }
 
@@ -229,6 +230,7 @@ fn a_template_update_writes_every_column_an_insert_does() {
         storage: Some(StorageKind::Memory),
         on_expire: Some(OnExpire::Pause),
         paused_ttl_s: Some(3600),
+        secrets: "[\"TOKEN\"]".into(),
         updated_at: 2,
         ..template("tpl-1", 1)
     };
@@ -596,4 +598,48 @@ fn audit_rows_append_list_newest_first_and_prune() {
     s.append_audit(&[audit_row(300, "k1", "/v1/keys", 201)]).expect("append");
     let top = s.list_audit(&AuditQuery { limit: 1, ..AuditQuery::default() }).expect("list");
     assert!(top[0].seq > all[0].seq);
+}
+
+fn secret(owner: &str, name: &str) -> SecretRecord {
+    SecretRecord {
+        id: format!("sec-{owner}-{name}"),
+        owner: owner.into(),
+        name: name.into(),
+        hosts: "[\"api.example.com\"]".into(),
+        header: Some("Authorization".into()),
+        format: Some("Bearer {value}".into()),
+        metadata: "{}".into(),
+        version: 1,
+        sealed: vec![1, 2, 3],
+        created_at: 1,
+        updated_at: 1,
+    }
+}
+
+#[test]
+fn secrets_are_owned_by_name_updated_in_place_and_deleted() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    s.insert_secret(&secret("k1", "TOKEN")).expect("insert");
+    s.insert_secret(&secret("k2", "TOKEN")).expect("another owner, same name");
+    assert!(matches!(s.insert_secret(&secret("k1", "TOKEN")), Err(StoreError::Conflict)));
+    assert_eq!(s.secret_by_name("k1", "TOKEN").expect("get"), Some(secret("k1", "TOKEN")));
+    assert_eq!(s.secret_by_name("k1", "OTHER").expect("get"), None);
+    assert_eq!(s.list_secrets(Some("k2")).expect("list").len(), 1);
+    assert_eq!(s.list_secrets(None).expect("list").len(), 2);
+    let changed = SecretRecord {
+        hosts: "[]".into(),
+        header: None,
+        format: None,
+        metadata: "{\"a\":\"b\"}".into(),
+        version: 2,
+        sealed: vec![9],
+        updated_at: 5,
+        ..secret("k1", "TOKEN")
+    };
+    assert!(s.update_secret(&changed).expect("update"));
+    assert_eq!(s.secret_by_name("k1", "TOKEN").expect("get"), Some(changed));
+    assert!(!s.update_secret(&secret("k3", "NONE")).expect("update of none"));
+    assert!(s.delete_secret("k1", "TOKEN").expect("delete"));
+    assert!(!s.delete_secret("k1", "TOKEN").expect("delete again"));
+    assert_eq!(s.list_secrets(None).expect("list"), vec![secret("k2", "TOKEN")]);
 }

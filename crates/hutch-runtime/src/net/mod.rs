@@ -213,6 +213,9 @@ pub struct Policy {
     pub deny: Vec<Rule>,
     /// For `private`: who may talk to each other (owner and template).
     pub group: String,
+    /// It names secrets: its HTTPS flows that its policy allows go to the
+    /// daemon's egress proxy (the `inject` sets of policy/network.nft).
+    pub inject: bool,
 }
 
 impl Policy {
@@ -245,7 +248,12 @@ pub struct NetConfig {
     pub run_dir: PathBuf,
     /// Which of the host's hutch networks this is (0 normally).
     pub instance: u8,
+    /// The egress proxy's port on the gateway address.
+    pub egress_port: u16,
 }
+
+/// The egress proxy's port unless the operator picks another.
+pub const EGRESS_PORT: u16 = 3130;
 
 impl NetConfig {
     /// Instance `n` (below MAX_INSTANCES) uses 100.(96+n).0.0/16 and
@@ -259,6 +267,7 @@ impl NetConfig {
             ipv6: None,
             run_dir: run_dir.to_path_buf(),
             instance: n,
+            egress_port: EGRESS_PORT,
         }
     }
 
@@ -973,6 +982,11 @@ impl Network {
                 }
             }
         }
+        if p.inject && p.egress == Egress::Default {
+            for (v, a) in &addrs {
+                ops.push(add(format!("inject{v}"), a.clone(), None));
+            }
+        }
         ops
     }
 }
@@ -1080,6 +1094,7 @@ pub fn ruleset(cfg: &NetConfig, host: &[(IpAddr, u8)]) -> String {
         .replace("@HOST4@", &elements(true))
         .replace("@HOST6@", &elements(false))
         .replace("@GATEWAY4@", &cfg.gateway4().to_string())
+        .replace("@EGRESS_PORT@", &cfg.egress_port.to_string())
         .replace("@TABLE@", &cfg.table())
         .replace("@PREFIX@", &cfg.host_prefix())
         .replace("@MAX_FLOWS@", &MAX_FLOWS.to_string())
@@ -1451,6 +1466,7 @@ mod tests {
             allow: vec![Rule::parse("allowed.test").expect("rule")],
             deny: vec![],
             group: String::new(),
+            inject: false,
         }
     }
 
@@ -1522,6 +1538,7 @@ mod tests {
             allow: allow.iter().map(|s| Rule::parse(s).expect("rule")).collect(),
             deny: deny.iter().map(|s| Rule::parse(s).expect("rule")).collect(),
             group: String::new(),
+            inject: false,
         }
     }
 
@@ -1747,6 +1764,7 @@ mod tests {
             allow: allow.iter().map(|s| Rule::parse(s).expect("rule")).collect(),
             deny: deny.iter().map(|s| Rule::parse(s).expect("rule")).collect(),
             group: String::new(),
+            inject: false,
         };
         assert!(p(Egress::Default, &[], &[]).resolves("example.com"));
         assert!(!p(Egress::Default, &[], &["example.com"]).resolves("example.com"));

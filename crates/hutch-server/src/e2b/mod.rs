@@ -195,11 +195,14 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         | ErrorCode::VolumeShrinkRefused
         | ErrorCode::ImageInvalid
         | ErrorCode::ImageLayerRefused => ("invalid_argument", StatusCode::BAD_REQUEST),
-        ErrorCode::NotFound | ErrorCode::VolumeNotFound => ("not_found", StatusCode::NOT_FOUND),
+        ErrorCode::NotFound | ErrorCode::VolumeNotFound | ErrorCode::SecretNotFound => {
+            ("not_found", StatusCode::NOT_FOUND)
+        }
         ErrorCode::IdempotencyConflict
         | ErrorCode::SandboxPathConflict
         | ErrorCode::TemplateNameTaken
-        | ErrorCode::VolumeNameTaken => ("already_exists", StatusCode::CONFLICT),
+        | ErrorCode::VolumeNameTaken
+        | ErrorCode::SecretNameTaken => ("already_exists", StatusCode::CONFLICT),
         ErrorCode::SandboxPathUnreadable => ("permission_denied", StatusCode::FORBIDDEN),
         ErrorCode::FeatureUnavailable | ErrorCode::SandboxNetworkIsolated => {
             ("failed_precondition", StatusCode::BAD_REQUEST)
