@@ -438,6 +438,87 @@ impl Control {
     }
 }
 
+/// A secret as E2B's API shows it (`Secret`): never its value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SecretInfo {
+    pub id: String,
+    pub name: String,
+    pub version: i64,
+    pub metadata: std::collections::BTreeMap<String, String>,
+    pub created_at: String,
+    pub updated_at: String,
+}
+
+fn info(r: &SecretRecord) -> SecretInfo {
+    SecretInfo {
+        id: r.id.clone(),
+        name: r.name.clone(),
+        version: r.version,
+        metadata: serde_json::from_str(&r.metadata).unwrap_or_default(),
+        created_at: rfc3339(r.created_at),
+        updated_at: rfc3339(r.updated_at),
+    }
+}
+
+/// The E2B API's secrets (`/secrets`): the same secrets as `/v1/secrets`,
+/// named by id (`sec-…`) or name, with E2B's metadata and versions. They
+/// list no hosts until `PATCH /v1/secrets/{name}` gives some.
+impl Control {
+    async fn e2b_record(&self, caller: &Caller, reference: &str) -> Result<SecretRecord> {
+        if reference.starts_with("sec-") {
+            let all = self.secret_records(&caller.owner).await?;
+            return all.into_iter().find(|r| r.id == reference).ok_or_else(|| ControlError::NoSecret(reference.into()));
+        }
+        self.secret_record(&caller.owner, reference).await
+    }
+
+    pub async fn e2b_create_secret(
+        &self,
+        caller: &Caller,
+        name: &str,
+        value: &str,
+        metadata: &std::collections::BTreeMap<String, String>,
+    ) -> Result<SecretInfo> {
+        check_name(name)?;
+        check_value(value)?;
+        crate::control::check_map("metadata", metadata, 64)?;
+        let meta = serde_json::to_string(metadata).unwrap_or_else(|_| "{}".into());
+        let r = self.insert_secret(&caller.owner, name, value, Vec::new(), None, None, &meta).await?;
+        Ok(info(&r))
+    }
+
+    pub async fn e2b_secrets(&self, caller: &Caller) -> Result<Vec<SecretInfo>> {
+        Ok(self.secret_records(&caller.owner).await?.iter().map(info).collect())
+    }
+
+    pub async fn e2b_secret(&self, caller: &Caller, reference: &str) -> Result<SecretInfo> {
+        Ok(info(&self.e2b_record(caller, reference).await?))
+    }
+
+    /// A new value (a new version) and, when given, new metadata.
+    pub async fn e2b_update_secret(
+        &self,
+        caller: &Caller,
+        reference: &str,
+        value: &str,
+        metadata: Option<&std::collections::BTreeMap<String, String>>,
+    ) -> Result<SecretInfo> {
+        let old = self.e2b_record(caller, reference).await?;
+        let mut r = old.clone();
+        r.sealed = self.reseal(&r, value)?;
+        if let Some(m) = metadata {
+            crate::control::check_map("metadata", m, 64)?;
+            r.metadata = serde_json::to_string(m).unwrap_or_else(|_| "{}".into());
+        }
+        Ok(info(&self.write_secret(r, &old).await?))
+    }
+
+    pub async fn e2b_delete_secret(&self, caller: &Caller, reference: &str) -> Result<()> {
+        let r = self.e2b_record(caller, reference).await?;
+        self.delete_secret(caller, &r.name).await
+    }
+}
+
 /// The destination a redirected connection was sent to before the host's
 /// nftables redirect gave it to the egress proxy (`SO_ORIGINAL_DST`).
 pub fn original_dst(sock: &impl std::os::fd::AsRawFd) -> std::io::Result<std::net::SocketAddrV4> {

@@ -17,6 +17,7 @@ mod control;
 pub(crate) mod envd;
 pub(crate) mod forward;
 pub(crate) mod ports;
+mod secrets;
 mod templates;
 mod volumes;
 mod watch;
@@ -45,6 +46,7 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
     control::router(app.clone())
         .merge(templates::unkeyed())
         .merge(volumes::router(app.clone()))
+        .merge(secrets::router(app.clone()))
         .merge(envd::router(app))
 }
 
