@@ -249,7 +249,12 @@ def test_another_key_neither_sees_nor_names_the_secret(sd: Daemon, api: Client, 
     # Its own secret of the same name is its own.
     r = other.post("/v1/secrets", {"name": "API_TOKEN", "value": "theirs", "hosts": ["allowed.test"]})
     assert r.status_code == 201, r.text
-    assert api.get("/v1/secrets/API_TOKEN").json()["hosts"] != ["allowed.test"] or True
+    assert [x["name"] for x in other.get("/v1/secrets").json()["secrets"]] == ["API_TOKEN"]
+    # Neither changed the other's: the first key's still opens and injects.
+    assert api.get("/v1/secrets/API_TOKEN").status_code == 200
+    sb = api.create(secrets=["API_TOKEN"])
+    got = fetch(api, sb["id"], "allowed.test", {"X-Api-Key": "$API_TOKEN"})
+    assert {k.lower(): v for k, v in got["echo"]["headers"].items()}["x-api-key"] == VALUE
 
 
 def test_templates_carry_secrets_and_a_deleted_secret_is_refused(api: Client, secret: dict):
