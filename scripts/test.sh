@@ -25,9 +25,10 @@ need=()
 # umoci (6 MB, libc only) unpacks exported snapshots as another OCI
 # implementation reads them (tests/api/test_snapshot_export.py).
 # systemd-analyze verifies the service unit (crates/hutch/tests/install.rs).
+# openssl makes the test CA of the secrets tests (tests/api/test_secrets.py).
 for pkg_cmd in python3:python3 procps:pgrep util-linux:unshare mount:mount coreutils:sha256sum \
     nftables:nft iproute2:ip mmdebstrap:mmdebstrap docker-registry:docker-registry \
-    nodejs:node npm:npm btrfs-progs:mkfs.btrfs chromium:chromium umoci:umoci systemd:systemd-analyze; do
+    nodejs:node npm:npm btrfs-progs:mkfs.btrfs chromium:chromium umoci:umoci systemd:systemd-analyze openssl:openssl; do
     pkg=${pkg_cmd%%:*} cmd=${pkg_cmd##*:}
     found=
     for dir in /usr/bin /bin /usr/sbin /sbin; do

@@ -233,8 +233,10 @@ def test_capabilities_say_what_the_daemon_allows(daemon: Daemon):
         assert isinstance(features[f]["enabled"], bool), (f, features)
         if not features[f]["enabled"]:
             assert features[f]["reason"], (f, features)
-    for f in ("memory_snapshots", "secrets", "fleet"):
+    for f in ("memory_snapshots", "fleet"):
         assert features[f]["enabled"] is False, features
+    # Secrets are injected by the egress proxy, which needs networks.
+    assert features["secrets"]["enabled"] == features["networks"]["enabled"], features
     # The key's holdings and quotas, as /v1/usage says them (which adds
     # its metered report).
     usage = me.get("/v1/usage").json()

@@ -168,6 +168,10 @@ pub enum ErrorCode {
     /// 3339 nor Unix seconds, `to` not after `from`, or longer than 400
     /// days.
     UsageRangeInvalid,
+    /// No secret of this name is the caller's.
+    SecretNotFound,
+    /// The caller already has a secret of this name.
+    SecretNameTaken,
 }
 
 impl ErrorCode {
@@ -196,7 +200,7 @@ impl ErrorCode {
             | ErrorCode::ImageLayerRefused
             | ErrorCode::WebhookUrlRefused
             | ErrorCode::UsageRangeInvalid => 400,
-            ErrorCode::NotFound | ErrorCode::VolumeNotFound => 404,
+            ErrorCode::NotFound | ErrorCode::VolumeNotFound | ErrorCode::SecretNotFound => 404,
             ErrorCode::MethodNotAllowed => 405,
             ErrorCode::IdempotencyConflict
             | ErrorCode::ExecutionOutcomeUnknown
@@ -211,6 +215,7 @@ impl ErrorCode {
             | ErrorCode::SnapshotNotExportable
             | ErrorCode::VolumeNameTaken
             | ErrorCode::VolumeInUse
+            | ErrorCode::SecretNameTaken
             | ErrorCode::Conflict => 409,
             ErrorCode::SandboxArchiveTooLarge | ErrorCode::PayloadTooLarge => 413,
             ErrorCode::SandboxCommandCapacity
@@ -287,6 +292,8 @@ impl ErrorCode {
             ErrorCode::GrantScope => "grant_scope",
             ErrorCode::GrantExpired => "grant_expired",
             ErrorCode::UsageRangeInvalid => "usage_range_invalid",
+            ErrorCode::SecretNotFound => "secret_not_found",
+            ErrorCode::SecretNameTaken => "secret_name_taken",
         }
     }
 }
@@ -487,6 +494,75 @@ pub struct CreateSandbox {
     /// at a path under `/workspace`, `/home/user`, `/mnt` or `/data`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<VolumeMount>,
+    /// Secrets it names (see `POST /v1/secrets`), added to its template's:
+    /// each appears in its environment as `NAME=hutch-secret-…`, a
+    /// placeholder that the host's egress proxy replaces with the value in
+    /// the headers of HTTPS requests to the secret's hosts only.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<String>,
+}
+
+/// `POST /v1/secrets`: a value that never enters a sandbox.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSecret {
+    /// Unique among the key's secrets; the name of the environment
+    /// variable that holds its placeholder: 1 to 64 of `A-Z a-z 0-9 _`,
+    /// not starting with a digit.
+    pub name: String,
+    /// The value (1 to 8192 bytes, no CR, LF or NUL). Write-only: no
+    /// response ever holds it.
+    pub value: String,
+    /// Hosts whose HTTPS requests get the value (at most 16): exact names,
+    /// or `*.example.org` for every name under it (not `example.org`
+    /// itself).
+    #[serde(default)]
+    pub hosts: Vec<String>,
+    /// A header the proxy sets on requests to those hosts, replacing any
+    /// the sandbox sent, e.g. `Authorization`.
+    #[serde(default)]
+    pub header: Option<String>,
+    /// That header's value, with `{value}` where the secret goes (default
+    /// `{value}`), e.g. `Bearer {value}`.
+    #[serde(default)]
+    pub format: Option<String>,
+}
+
+/// `PATCH /v1/secrets/{name}`: the fields given replace the secret's.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateSecret {
+    #[serde(default)]
+    pub value: Option<String>,
+    #[serde(default)]
+    pub hosts: Option<Vec<String>>,
+    /// `null` removes the header.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<String>)]
+    pub header: Option<Option<String>>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<String>)]
+    pub format: Option<Option<String>>,
+}
+
+/// A secret as the API shows it: never its value.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Secret {
+    pub name: String,
+    pub hosts: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<String>,
+    /// RFC 3339, UTC.
+    pub created_at: String,
+    pub updated_at: String,
+}
+
+/// `GET /v1/secrets`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct SecretList {
+    pub secrets: Vec<Secret>,
 }
 
 /// A volume a sandbox mounts.
@@ -828,6 +904,9 @@ pub struct CreateTemplate {
     pub idle_timeout_seconds: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_idle: Option<OnIdle>,
+    /// Secrets its sandboxes name (a create's `secrets` add to them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<String>,
 }
 
 /// `PATCH /v1/templates/{id}`: the fields given replace the template's. A
@@ -879,6 +958,9 @@ pub struct UpdateTemplate {
     pub idle_timeout_seconds: Option<u64>,
     #[serde(default)]
     pub on_idle: Option<OnIdle>,
+    /// Replaces the secrets its sandboxes name. Raises the version.
+    #[serde(default)]
+    pub secrets: Option<Vec<String>>,
 }
 
 /// Tells a field given as `null` (`Some(None)`) from an absent one (`None`).
@@ -1001,6 +1083,9 @@ pub struct Template {
     pub idle_timeout_seconds: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_idle: Option<OnIdle>,
+    /// The secrets its sandboxes name.
+    #[serde(default)]
+    pub secrets: Vec<String>,
 }
 
 /// `GET /v1/templates`.

@@ -54,7 +54,14 @@ impl Control {
             "memory_snapshots".to_owned(),
             off("snapshots keep a sandbox's files; its processes and memory are not saved"),
         );
-        features.insert("secrets".to_owned(), off("this host keeps no secrets store"));
+        features.insert(
+            "secrets".to_owned(),
+            match (&self.network, &self.egress_bundle) {
+                (Ok(_), Some(_)) => on(),
+                (Err(why), _) => off(format!("secrets are injected by the egress proxy, which needs networks: {why}")),
+                (Ok(_), None) => off("the egress proxy is not running".to_owned()),
+            },
+        );
         features.insert("fleet".to_owned(), off("this daemon runs sandboxes on its own host only"));
         for name in ["console", "mcp", "audit"] {
             features.insert(name.to_owned(), on());

@@ -133,6 +133,10 @@ pub struct Config {
     pub metrics_token: Option<String>,
     /// Events and webhooks.
     pub events: crate::events::Settings,
+    /// The CA bundle that trusts the egress proxy, bound into sandboxes
+    /// that name secrets; None: no egress proxy runs, and a sandbox that
+    /// names a secret is refused.
+    pub egress_bundle: Option<std::path::PathBuf>,
 }
 
 impl Config {
@@ -146,6 +150,7 @@ impl Config {
             e2b_registries: Vec::new(),
             metrics_token: None,
             events: crate::events::Settings::default(),
+            egress_bundle: None,
         }
     }
 }
@@ -191,6 +196,11 @@ pub struct Control {
     pub(crate) idle_sweeping: Arc<AtomicBool>,
     /// Usage counted and not yet written.
     pub(crate) meter: crate::usage::Meter,
+    /// The key that seals secrets, loaded at first use.
+    pub(crate) secret_keys: crate::secrets::SecretKeys,
+    /// The CA bundle (the host's roots and the egress proxy's CA) bound
+    /// into sandboxes that name secrets; None: no egress proxy runs.
+    pub(crate) egress_bundle: Option<std::path::PathBuf>,
 }
 
 /// The stable digest of a request body, for idempotency checks.
@@ -317,6 +327,8 @@ impl Control {
             access: crate::access::Grants::default(),
             builds: crate::build::Builds::default(),
             net_updates: Arc::new(Mutex::new(())),
+            secret_keys: crate::secrets::SecretKeys::default(),
+            egress_bundle: config.egress_bundle,
             history: Arc::new(crate::history::History::default()),
             audit: crate::audit::Auditor::default(),
             events: crate::events::Events::new(config.events),

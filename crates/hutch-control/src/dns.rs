@@ -441,6 +441,7 @@ mod tests {
             allow: allow.iter().map(|s| Rule::parse(s).expect("rule")).collect(),
             deny: deny.iter().map(|s| Rule::parse(s).expect("rule")).collect(),
             group: String::new(),
+            inject: false,
         }
     }
 

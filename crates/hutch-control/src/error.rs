@@ -121,6 +121,10 @@ pub enum ControlError {
     /// A conditional update lost: the thing changed meanwhile.
     #[error("{0}")]
     Conflict(String),
+    #[error("no secret {0:?}")]
+    NoSecret(String),
+    #[error("you already have a secret named {0:?}")]
+    SecretNameTaken(String),
     #[error("no volume {0}")]
     NoVolume(String),
     #[error("you already have a volume named {0:?}")]
@@ -214,6 +218,8 @@ impl ControlError {
             ControlError::SnapshotUnsupported(_) => ErrorCode::SnapshotUnsupported,
             ControlError::StorageFull(_) => ErrorCode::StorageFull,
             ControlError::SnapshotNotExportable(_) => ErrorCode::SnapshotNotExportable,
+            ControlError::NoSecret(_) => ErrorCode::SecretNotFound,
+            ControlError::SecretNameTaken(_) => ErrorCode::SecretNameTaken,
             ControlError::NoVolume(_) => ErrorCode::VolumeNotFound,
             ControlError::VolumeNameTaken(_) => ErrorCode::VolumeNameTaken,
             ControlError::VolumeInUse(_) => ErrorCode::VolumeInUse,

@@ -34,6 +34,7 @@ pub mod pty;
 pub mod ready;
 pub mod recover;
 pub mod sandboxes;
+pub mod secrets;
 pub mod session;
 pub mod snapshot_export;
 pub mod snapshots;

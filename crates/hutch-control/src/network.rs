@@ -43,6 +43,10 @@ pub struct NetRecord {
     /// gave them, and the settings of its ports.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub e2b: Option<E2bNetwork>,
+    /// The owner's secrets it names: its HTTPS flows go through the
+    /// host's egress proxy, which injects them for their hosts.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<String>,
 }
 
 /// E2B's network settings of a sandbox: egress rules as given (shown back
@@ -133,6 +137,7 @@ impl NetRecord {
             allow: rules(&self.allow),
             deny: rules(&self.deny),
             group: format!("{owner}/{template}"),
+            inject: !self.secrets.is_empty(),
         }
     }
 

@@ -177,7 +177,10 @@ impl Control {
                     ready: u64::from(ready),
                 });
             }
-            for _ in (ready + starting)..t.warm_min {
+            // A sandbox's placeholders are made for it at create: a
+            // template whose sandboxes name secrets keeps no warm pool.
+            let warm_min = if crate::templates::Recipe::from_record(t).secrets.is_empty() { t.warm_min } else { 0 };
+            for _ in (ready + starting)..warm_min {
                 if self.is_shutting_down() {
                     break;
                 }

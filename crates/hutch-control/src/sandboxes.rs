@@ -217,6 +217,23 @@ impl Control {
         let mut net = self.network_record(Some(req.network.as_ref().unwrap_or(&tpl.network)))?;
         net.interface = opts.interface && net.egress == hutch_api::Egress::DenyAll;
         net.e2b = opts.e2b.clone();
+        // Secrets: the template's and the request's, each the owner's.
+        let secret_names = {
+            let mut all = tpl.secrets.clone();
+            all.extend(req.secrets.iter().cloned());
+            self.secret_names(owner, &all).await?
+        };
+        if !secret_names.is_empty() {
+            if self.egress_bundle.is_none() || self.network.is_err() {
+                return Err(ControlError::FeatureUnavailable(
+                    "secrets need the host's egress proxy, which needs sandbox networking".into(),
+                ));
+            }
+            if net.egress != hutch_api::Egress::Default {
+                return Err(ControlError::Invalid("secrets need `default` egress (with or without lists)".into()));
+            }
+        }
+        net.secrets = secret_names.clone();
         let storage = self.storage_kind(req.storage.or(tpl.storage))?;
         let on_expire = req.on_expire.or(tpl.on_expire);
         self.check_on_expire(on_expire, Some(storage))?;
@@ -249,6 +266,7 @@ impl Control {
         let storage_as_template = storage == self.storage_kind(tpl.storage)?;
         if origin.is_none()
             && claims.is_empty()
+            && secret_names.is_empty()
             && req.env.is_empty()
             && (memory, vcpus, disk, pids) == tpl.limits()
             && net_as_template
@@ -272,6 +290,8 @@ impl Control {
         }
         let id = SandboxId::random()?;
         let now = now_ms();
+        // Each secret's placeholder (never its value), made for this sandbox.
+        env.extend(self.secret_env(id.as_str(), &secret_names)?);
         let record = SandboxRecord {
             id: id.to_string(),
             owner: owner.to_string(),
@@ -438,6 +458,7 @@ impl Control {
             agent_override: None,
             netns: None,
             resolv_conf: None,
+            ca_bundle: None,
             extra_lowers,
             writable: hutch_runtime::Writable::Memory,
             volumes: Vec::new(),
@@ -453,6 +474,11 @@ impl Control {
         };
         let rt = self.runtime.clone();
         let mut net = NetRecord::parse(&record.network);
+        // It names secrets: its tools trust the egress proxy's CA.
+        let spec = match (&self.egress_bundle, net.secrets.is_empty()) {
+            (Some(bundle), false) => SandboxSpec { ca_bundle: Some(bundle.clone()), ..spec },
+            _ => spec,
+        };
         let policy = net.policy(&record.owner, record.template_id.as_deref().unwrap_or(&record.template));
         let network = self.network.clone();
         let sid = record.id.clone();

@@ -80,6 +80,9 @@ impl SnapRecipe {
             // A sandbox's idle policy is its own, not its snapshot's.
             idle_timeout_s: None,
             on_idle: None,
+            // Placeholders are the sandbox's own: its snapshot's sandboxes
+            // name secrets anew.
+            secrets: Vec::new(),
         }
     }
 }

@@ -64,6 +64,17 @@ pub struct Recipe {
     /// Its sandboxes' idle timeout and `on_idle` unless a create says.
     pub idle_timeout_s: Option<u64>,
     pub on_idle: Option<hutch_api::OnIdle>,
+    /// The owner's secrets its sandboxes name.
+    pub secrets: Vec<String>,
+}
+
+/// The secrets a template's sandboxes name.
+fn secrets_of(t: &TemplateRecord) -> Vec<String> {
+    serde_json::from_str(&t.secrets).unwrap_or_default()
+}
+
+fn secrets_json(names: &[String]) -> String {
+    serde_json::to_string(names).unwrap_or_else(|_| "[]".into())
 }
 
 /// A template's stored network policy.
@@ -95,6 +106,7 @@ impl Recipe {
             paused_ttl_s: None,
             idle_timeout_s: None,
             on_idle: None,
+            secrets: Vec::new(),
         }
     }
 
@@ -135,6 +147,7 @@ impl Recipe {
             paused_ttl_s: t.paused_ttl_s,
             idle_timeout_s: t.idle_timeout_s,
             on_idle: t.on_idle,
+            secrets: secrets_of(t),
         }
     }
 
@@ -310,6 +323,7 @@ impl Control {
             paused_ttl_seconds: t.paused_ttl_s.unwrap_or(crate::sandboxes::PAUSED_TTL_DEFAULT),
             idle_timeout_seconds: t.idle_timeout_s,
             on_idle: t.idle_timeout_s.map(|_| t.on_idle.unwrap_or_default()),
+            secrets: secrets_of(t),
         })
     }
 
@@ -399,6 +413,7 @@ impl Control {
             paused_ttl_s: req.paused_ttl_seconds.map(crate::sandboxes::check_paused_ttl).transpose()?,
             idle_timeout_s: req.idle_timeout_seconds,
             on_idle: req.on_idle,
+            secrets: secrets_json(&self.secret_names(&caller.owner, &req.secrets).await?),
         };
         self.check_on_expire(t.on_expire, t.storage)?;
         crate::idle::IdlePolicy::from_request(t.idle_timeout_s, t.on_idle)?;
@@ -496,6 +511,9 @@ impl Control {
         if let Some(on_idle) = req.on_idle {
             t.on_idle = Some(on_idle);
         }
+        if let Some(names) = &req.secrets {
+            t.secrets = secrets_json(&self.secret_names(&OwnerId::from_record(&old.owner), names).await?);
+        }
         self.check_on_expire(t.on_expire, t.storage)?;
         crate::idle::IdlePolicy::from_request(t.idle_timeout_s, t.on_idle)?;
         let changed = t.image != old.image
@@ -503,6 +521,7 @@ impl Control {
             || network_of(&t) != network_of(&old)
             || t.startup != old.startup
             || t.readiness != old.readiness
+            || t.secrets != old.secrets
             || new_env != old_env
             || (t.memory_mb, t.vcpus, t.disk_mib, t.pids) != (old.memory_mb, old.vcpus, old.disk_mib, old.pids);
         if changed {

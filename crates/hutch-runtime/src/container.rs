@@ -187,6 +187,11 @@ pub struct SandboxSpec {
     pub netns: Option<std::sync::Arc<std::os::fd::OwnedFd>>,
     /// Bound read-only over the sandbox's /etc/resolv.conf.
     pub resolv_conf: Option<PathBuf>,
+    /// Bound read-only over the sandbox's CA bundle
+    /// (/etc/ssl/certs/ca-certificates.crt, where the image has one): the
+    /// host's roots and the egress proxy's CA, for sandboxes that name
+    /// secrets.
+    pub ca_bundle: Option<PathBuf>,
     /// Read-only layers stacked over `base`, bottom first (a built image).
     pub extra_lowers: Vec<PathBuf>,
     /// Where the sandbox's writes go.
@@ -226,6 +231,7 @@ impl Default for SandboxSpec {
             agent_override: None,
             netns: None,
             resolv_conf: None,
+            ca_bundle: None,
             extra_lowers: Vec::new(),
             writable: Writable::Memory,
             volumes: Vec::new(),
@@ -691,8 +697,12 @@ impl Runtime {
                 },
             )?;
             rootfs::plan_volumes(&mut plan, &stage, slot.base(), userns.as_raw_fd(), &spec.volumes)?;
-            if let Some(resolv) = &spec.resolv_conf {
-                let target = stage.join("root/etc/resolv.conf");
+            let binds = [
+                (&spec.resolv_conf, "root/etc/resolv.conf"),
+                (&spec.ca_bundle, "root/etc/ssl/certs/ca-certificates.crt"),
+            ];
+            for (resolv, target) in binds.iter().filter_map(|(src, t)| src.as_ref().map(|s| (s, *t))) {
+                let target = stage.join(target);
                 let mut bind = Plan::default();
                 bind.mount(Some(&resolv.to_string_lossy()), &target, None, libc::MS_BIND, None)?;
                 bind.mount(

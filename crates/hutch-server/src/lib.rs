@@ -13,6 +13,7 @@ mod access;
 mod audit;
 mod console;
 mod e2b;
+pub mod egress;
 mod events;
 mod extract;
 #[doc(hidden)]
@@ -24,6 +25,7 @@ mod openapi;
 pub mod proxy;
 mod pty;
 mod routes;
+mod secrets;
 mod snapshots;
 mod templates;
 mod transfer;

@@ -74,6 +74,7 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
         .merge(crate::snapshots::router(app.clone()))
         .merge(crate::volumes::router(app.clone()))
         .merge(crate::events::router(app.clone()))
+        .merge(crate::secrets::router(app.clone()))
         .layer(middleware::map_response(no_store));
     Router::new()
         .merge(native)

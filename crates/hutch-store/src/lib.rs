@@ -324,6 +324,30 @@ pub struct TemplateRecord {
     /// Its sandboxes' idle timeout and what idleness does; None: none.
     pub idle_timeout_s: Option<u64>,
     pub on_idle: Option<OnIdle>,
+    /// JSON array: the names of the owner's secrets its sandboxes name.
+    pub secrets: String,
+}
+
+/// A secret as stored: its value only sealed (nonce, ciphertext and tag),
+/// never in the clear. Times are Unix milliseconds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SecretRecord {
+    pub id: String,
+    pub owner: String,
+    /// Unique among the owner's secrets.
+    pub name: String,
+    /// JSON array of host names (`*.` wildcards allowed).
+    pub hosts: String,
+    /// The header the egress proxy sets, and its format (`{value}`).
+    pub header: Option<String>,
+    pub format: Option<String>,
+    /// JSON object.
+    pub metadata: String,
+    /// Raised by each change of the value.
+    pub version: i64,
+    pub sealed: Vec<u8>,
+    pub created_at: i64,
+    pub updated_at: i64,
 }
 
 /// A template build as stored. Times are Unix milliseconds.
@@ -640,6 +664,18 @@ pub trait Store: Send + Sync {
     fn count_running_builds(&self, owner: Option<&str>) -> Result<u64>;
     /// Marks builds that a stopped daemon left queued or building as failed.
     fn fail_unfinished_builds(&self, now: i64, error: &str) -> Result<u64>;
+
+    // Secrets.
+    /// [`StoreError::Conflict`] when its owner has a secret of that name.
+    fn insert_secret(&self, s: &SecretRecord) -> Result<()>;
+    fn secret_by_name(&self, owner: &str, name: &str) -> Result<Option<SecretRecord>>;
+    /// By name: one owner's, or (None) everyone's.
+    fn list_secrets(&self, owner: Option<&str>) -> Result<Vec<SecretRecord>>;
+    /// Writes every field but id, owner, name and created_at; false when
+    /// there is no such secret.
+    fn update_secret(&self, s: &SecretRecord) -> Result<bool>;
+    /// False when there was none.
+    fn delete_secret(&self, owner: &str, name: &str) -> Result<bool>;
 
     // The audit log: appended and pruned, never rewritten.
     /// Appends rows in order, in one transaction, each with its key's name.

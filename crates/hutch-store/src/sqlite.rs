@@ -27,6 +27,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0013_usage", include_str!("../migrations/0013_usage.sql")),
     ("0014_grants", include_str!("../migrations/0014_grants.sql")),
     ("0015_idle", include_str!("../migrations/0015_idle.sql")),
+    ("0016_secrets", include_str!("../migrations/0016_secrets.sql")),
 ];
 
 /// States in which a sandbox holds resources.
@@ -105,7 +106,7 @@ const SANDBOX_COLUMNS: &str = "id, owner, template, state, created_at, expires_a
 
 const TEMPLATE_COLUMNS: &str = "id, owner, name, version, image, class, memory_mb, vcpus, disk_mib, pids, env, \
      default_ttl_s, max_ttl_s, warm_min, warm_max, created_at, updated_at, deleted_at, startup, readiness, network, \
-     storage, on_expire, paused_ttl_s, idle_timeout_s, on_idle";
+     storage, on_expire, paused_ttl_s, idle_timeout_s, on_idle, secrets";
 
 const BUILD_COLUMNS: &str = "id, template_id, owner, state, created_at, finished_at, error, parent, image, version";
 
@@ -113,6 +114,25 @@ const KEY_COLUMNS: &str = "id, name, hash, admin, created_at, revoked_at, max_sa
      max_disk_mib, max_ttl_seconds, max_builds, max_snapshots";
 
 const SNAPSHOT_COLUMNS: &str = "id, owner, name, sandbox_id, created_at, size_bytes, recipe";
+
+const SECRET_COLUMNS: &str =
+    "id, owner, name, hosts, header, format, metadata, version, sealed, created_at, updated_at";
+
+fn secret_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SecretRecord> {
+    Ok(SecretRecord {
+        id: r.get(0)?,
+        owner: r.get(1)?,
+        name: r.get(2)?,
+        hosts: r.get(3)?,
+        header: r.get(4)?,
+        format: r.get(5)?,
+        metadata: r.get(6)?,
+        version: r.get(7)?,
+        sealed: r.get(8)?,
+        created_at: r.get(9)?,
+        updated_at: r.get(10)?,
+    })
+}
 
 fn snapshot_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SnapshotRecord> {
     Ok(SnapshotRecord {
@@ -200,6 +220,7 @@ fn template_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<TemplateRecord> {
             None => None,
             Some(_) => Some(parsed(r, 25, "template on_idle", OnIdle::parse)?),
         },
+        secrets: r.get(26)?,
     })
 }
 
@@ -235,6 +256,7 @@ fn template_values(t: &TemplateRecord) -> Vec<Value> {
         int(t.paused_ttl_s.map(|v| v as i64)),
         int(t.idle_timeout_s.map(|v| v as i64)),
         text(t.on_idle.map(OnIdle::as_str)),
+        Value::from(t.secrets.clone()),
     ]
 }
 
@@ -1484,5 +1506,66 @@ impl Store for SqliteStore {
                 .collect::<rusqlite::Result<Vec<_>>>()?;
             Ok(rows.into_iter().filter_map(|(k, s)| Some((UsageKind::parse(&k)?, s))).collect())
         })
+    }
+
+    fn insert_secret(&self, s: &SecretRecord) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                &format!(
+                    "INSERT INTO secrets ({SECRET_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)"
+                ),
+                params![
+                    s.id,
+                    s.owner,
+                    s.name,
+                    s.hosts,
+                    s.header,
+                    s.format,
+                    s.metadata,
+                    s.version,
+                    s.sealed,
+                    s.created_at,
+                    s.updated_at
+                ],
+            )
+            .map_err(conflict)?;
+            Ok(())
+        })
+    }
+
+    fn secret_by_name(&self, owner: &str, name: &str) -> Result<Option<SecretRecord>> {
+        self.with(|c| {
+            Ok(c.query_row(
+                &format!("SELECT {SECRET_COLUMNS} FROM secrets WHERE owner = ?1 AND name = ?2"),
+                [owner, name],
+                secret_row,
+            )
+            .optional()?)
+        })
+    }
+
+    fn list_secrets(&self, owner: Option<&str>) -> Result<Vec<SecretRecord>> {
+        self.with(|c| {
+            let mut st = c.prepare(&format!(
+                "SELECT {SECRET_COLUMNS} FROM secrets WHERE ?1 IS NULL OR owner = ?1 ORDER BY owner, name"
+            ))?;
+            let rows = st.query_map([owner], secret_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn update_secret(&self, s: &SecretRecord) -> Result<bool> {
+        self.with(|c| {
+            let n = c.execute(
+                "UPDATE secrets SET hosts = ?2, header = ?3, format = ?4, metadata = ?5, version = ?6, sealed = ?7, \
+                 updated_at = ?8 WHERE id = ?1",
+                params![s.id, s.hosts, s.header, s.format, s.metadata, s.version, s.sealed, s.updated_at],
+            )?;
+            Ok(n == 1)
+        })
+    }
+
+    fn delete_secret(&self, owner: &str, name: &str) -> Result<bool> {
+        self.with(|c| Ok(c.execute("DELETE FROM secrets WHERE owner = ?1 AND name = ?2", [owner, name])? == 1))
     }
 }

@@ -158,6 +158,7 @@ fn template(id: &str, version: i64) -> TemplateRecord {
         paused_ttl_s: None,
         idle_timeout_s: None,
         on_idle: None,
+        secrets: "[]".into(),
     }
 }
 
@@ -233,6 +234,7 @@ fn a_template_update_writes_every_column_an_insert_does() {
         paused_ttl_s: Some(3600),
         idle_timeout_s: Some(600),
         on_idle: Some(hutch_api::OnIdle::Delete),
+        secrets: "[\"TOKEN\"]".into(),
         updated_at: 2,
         ..template("tpl-1", 1)
     };
@@ -817,4 +819,48 @@ fn usage_counts_objects_and_a_lost_sandbox() {
     let b = rows.iter().find(|r| r.group.as_deref() == Some("b")).expect("b");
     assert_eq!(b.vcpu_seconds, 4.0);
     assert!((b.disk_gib_hours - 10.0 / 3600.0).abs() < 1e-12);
+}
+
+fn secret(owner: &str, name: &str) -> SecretRecord {
+    SecretRecord {
+        id: format!("sec-{owner}-{name}"),
+        owner: owner.into(),
+        name: name.into(),
+        hosts: "[\"api.example.com\"]".into(),
+        header: Some("Authorization".into()),
+        format: Some("Bearer {value}".into()),
+        metadata: "{}".into(),
+        version: 1,
+        sealed: vec![1, 2, 3],
+        created_at: 1,
+        updated_at: 1,
+    }
+}
+
+#[test]
+fn secrets_are_owned_by_name_updated_in_place_and_deleted() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    s.insert_secret(&secret("k1", "TOKEN")).expect("insert");
+    s.insert_secret(&secret("k2", "TOKEN")).expect("another owner, same name");
+    assert!(matches!(s.insert_secret(&secret("k1", "TOKEN")), Err(StoreError::Conflict)));
+    assert_eq!(s.secret_by_name("k1", "TOKEN").expect("get"), Some(secret("k1", "TOKEN")));
+    assert_eq!(s.secret_by_name("k1", "OTHER").expect("get"), None);
+    assert_eq!(s.list_secrets(Some("k2")).expect("list").len(), 1);
+    assert_eq!(s.list_secrets(None).expect("list").len(), 2);
+    let changed = SecretRecord {
+        hosts: "[]".into(),
+        header: None,
+        format: None,
+        metadata: "{\"a\":\"b\"}".into(),
+        version: 2,
+        sealed: vec![9],
+        updated_at: 5,
+        ..secret("k1", "TOKEN")
+    };
+    assert!(s.update_secret(&changed).expect("update"));
+    assert_eq!(s.secret_by_name("k1", "TOKEN").expect("get"), Some(changed));
+    assert!(!s.update_secret(&secret("k3", "NONE")).expect("update of none"));
+    assert!(s.delete_secret("k1", "TOKEN").expect("delete"));
+    assert!(!s.delete_secret("k1", "TOKEN").expect("delete again"));
+    assert_eq!(s.list_secrets(None).expect("list"), vec![secret("k2", "TOKEN")]);
 }

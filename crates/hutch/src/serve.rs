@@ -96,6 +96,16 @@ pub struct ServeArgs {
     /// the free space if less (HUTCH_STORAGE_SIZE).
     #[arg(long, env = "HUTCH_STORAGE_SIZE", value_parser = crate::units::parse_size)]
     pub storage_size: Option<u64>,
+    /// The egress proxy's port on the sandboxes' gateway address, where the
+    /// HTTPS of sandboxes that name secrets is redirected
+    /// (HUTCH_EGRESS_PORT).
+    #[arg(long, env = "HUTCH_EGRESS_PORT", default_value_t = hutch_runtime::net::EGRESS_PORT)]
+    pub egress_port: u16,
+    /// PEM files of CA certificates the egress proxy trusts upstream
+    /// besides Mozilla's roots, comma-separated, e.g. a company's own CA
+    /// (HUTCH_EGRESS_EXTRA_ROOTS).
+    #[arg(long, env = "HUTCH_EGRESS_EXTRA_ROOTS", value_delimiter = ',')]
+    pub egress_extra_roots: Vec<PathBuf>,
     /// How long the audit log keeps a call, e.g. `90d` or `12h`; older rows
     /// are pruned hourly (HUTCH_AUDIT_RETENTION).
     #[arg(long, env = "HUTCH_AUDIT_RETENTION", default_value = "90d", value_parser = crate::units::parse_duration)]
@@ -141,6 +151,24 @@ const AUDIT_PRUNE_EVERY: Duration = Duration::from_secs(3600);
 /// Warm network namespaces kept ready.
 const NET_POOL: usize = 8;
 
+/// The egress proxy: its CA (made at first start, key 0600), the bundle
+/// sandboxes that name secrets trust, and its listener on the gateway.
+async fn start_egress(
+    args: &ServeArgs,
+    net: &hutch_runtime::net::Network,
+) -> anyhow::Result<(Arc<hutch_server::egress::Egress>, tokio::net::TcpListener, PathBuf)> {
+    use hutch_server::egress;
+    let dir = args.state_dir.join("egress");
+    let ca = egress::Ca::load_or_create(&dir).context("the egress proxy's CA")?;
+    let bundle = egress::write_bundle(&dir, &ca).context("the sandboxes' CA bundle")?;
+    let roots = egress::upstream_roots(&args.egress_extra_roots).context("--egress-extra-roots")?;
+    let proxy = Arc::new(egress::Egress::new(ca, roots)?);
+    let addr = std::net::SocketAddrV4::new(net.config().gateway4(), net.config().egress_port);
+    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("listen on {addr}"))?;
+    tracing::info!("egress proxy listening on {addr}");
+    Ok((proxy, listener, bundle))
+}
+
 /// Prepares sandbox networking; on failure, says why (the daemon then runs
 /// `deny_all` sandboxes only).
 async fn setup_network(
@@ -151,6 +179,7 @@ async fn setup_network(
 ) -> std::result::Result<Arc<hutch_runtime::net::Network>, String> {
     use hutch_runtime::net::{NetConfig, Network};
     let mut cfg = NetConfig::new(run_dir, args.net_instance);
+    cfg.egress_port = args.egress_port;
     if !args.dns_upstream.is_empty() {
         let mut ups = Vec::new();
         for u in &args.dns_upstream {
@@ -390,6 +419,17 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     };
     let e2b_registries: Vec<String> =
         args.e2b_registries.iter().map(|r| r.trim().to_ascii_lowercase()).filter(|r| !r.is_empty()).collect();
+    // The egress proxy that injects secrets, on the gateway address.
+    let egress = match &network {
+        Ok(net) => match start_egress(&args, net).await {
+            Ok(e) => Some(e),
+            Err(e) => {
+                tracing::warn!("no egress proxy ({e:#}); sandboxes cannot name secrets");
+                None
+            }
+        },
+        Err(_) => None,
+    };
     let config = hutch_control::Config {
         network: network.clone(),
         capacity,
@@ -406,10 +446,14 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
                 retry_base: args.webhook_retry_base,
             },
         },
+        egress_bundle: egress.as_ref().map(|(_, _, bundle)| bundle.clone()),
     };
     let control = Control::new(store.clone(), runtime, config);
     // The event sequence goes on from the store before anything emits.
     control.start_events().await?;
+    if let Some((proxy, listener, _)) = egress {
+        tokio::spawn(proxy.serve(control.clone(), listener));
+    }
     control.recover().await?;
     control.start_audit_writer();
 

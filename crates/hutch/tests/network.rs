@@ -34,7 +34,7 @@ impl Drop for Guard {
 }
 
 fn policy(egress: Egress) -> Policy {
-    Policy { egress, allow: vec![], deny: vec![], group: "test/base".into() }
+    Policy { egress, allow: vec![], deny: vec![], group: "test/base".into(), inject: false }
 }
 
 #[test]

@@ -1155,6 +1155,7 @@ impl Control {
             root,
             netns: None,
             resolv_conf: None,
+            ca_bundle: None,
             volumes: Vec::new(),
         })
     }
@@ -1176,6 +1177,7 @@ fn start_build_sandbox(
         allow: Vec::new(),
         deny: Vec::new(),
         group: group.to_owned(),
+        inject: false,
     };
     let attached = net.attach(&id, &policy).map_err(|e| format!("network: {e}"))?;
     spec.netns = attached.netns;

@@ -214,6 +214,9 @@ pub struct Policy {
     pub deny: Vec<Rule>,
     /// For `private`: who may talk to each other (owner and template).
     pub group: String,
+    /// It names secrets: its HTTPS flows that its policy allows go to the
+    /// daemon's egress proxy (the `inject` sets of policy/network.nft).
+    pub inject: bool,
 }
 
 impl Policy {
@@ -246,7 +249,12 @@ pub struct NetConfig {
     pub run_dir: PathBuf,
     /// Which of the host's hutch networks this is (0 normally).
     pub instance: u8,
+    /// The egress proxy's port on the gateway address.
+    pub egress_port: u16,
 }
+
+/// The egress proxy's port unless the operator picks another.
+pub const EGRESS_PORT: u16 = 3130;
 
 impl NetConfig {
     /// Instance `n` (below MAX_INSTANCES) uses 100.(96+n).0.0/16 and
@@ -260,6 +268,7 @@ impl NetConfig {
             ipv6: None,
             run_dir: run_dir.to_path_buf(),
             instance: n,
+            egress_port: EGRESS_PORT,
         }
     }
 
@@ -1044,6 +1053,11 @@ impl Network {
                 }
             }
         }
+        if p.inject && p.egress == Egress::Default {
+            for (v, a) in &addrs {
+                ops.push(add(format!("inject{v}"), a.clone(), None));
+            }
+        }
         ops
     }
 }
@@ -1157,6 +1171,7 @@ pub fn ruleset_text(v: &nftables::Values) -> String {
         .replace("@HOST4@", &elements(true))
         .replace("@HOST6@", &elements(false))
         .replace("@GATEWAY4@", &v.gateway4.to_string())
+        .replace("@EGRESS_PORT@", &v.egress_port.to_string())
         .replace("@TABLE@", &v.table)
         .replace("@PREFIX@", &v.prefix)
         .replace("@MAX_FLOWS@", &v.max_flows.to_string())
@@ -1176,6 +1191,7 @@ pub fn ruleset_values(cfg: &NetConfig, host: &[(IpAddr, u8)]) -> nftables::Value
         max_flows: MAX_FLOWS,
         new_flows: NEW_FLOWS,
         dns_rate: DNS_RATE,
+        egress_port: cfg.egress_port,
     }
 }
 
@@ -1513,6 +1529,7 @@ mod tests {
             allow: vec![Rule::parse("allowed.test").expect("rule")],
             deny: vec![],
             group: String::new(),
+            inject: false,
         }
     }
 
@@ -1584,6 +1601,7 @@ mod tests {
             allow: allow.iter().map(|s| Rule::parse(s).expect("rule")).collect(),
             deny: deny.iter().map(|s| Rule::parse(s).expect("rule")).collect(),
             group: String::new(),
+            inject: false,
         }
     }
 
@@ -1809,6 +1827,7 @@ mod tests {
             allow: allow.iter().map(|s| Rule::parse(s).expect("rule")).collect(),
             deny: deny.iter().map(|s| Rule::parse(s).expect("rule")).collect(),
             group: String::new(),
+            inject: false,
         };
         assert!(p(Egress::Default, &[], &[]).resolves("example.com"));
         assert!(!p(Egress::Default, &[], &["example.com"]).resolves("example.com"));

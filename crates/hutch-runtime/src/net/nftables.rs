@@ -161,6 +161,7 @@ pub struct Hook {
     pub priority: i32,
 }
 
+const HOOK_PREROUTING: u32 = 0;
 const HOOK_INPUT: u32 = 1;
 const HOOK_FORWARD: u32 = 2;
 const HOOK_OUTPUT: u32 = 3;
@@ -168,6 +169,8 @@ const HOOK_POSTROUTING: u32 = 4;
 /// `priority filter`, `priority srcnat`.
 const PRIORITY_FILTER: i32 = 0;
 const PRIORITY_SRCNAT: i32 = 100;
+/// `priority dstnat`.
+const PRIORITY_DSTNAT: i32 = -100;
 
 #[derive(Debug, Clone)]
 pub struct Chain {
@@ -249,8 +252,17 @@ pub enum Expr {
     },
     /// `reject with icmpx admin-prohibited`.
     Reject,
+    /// `reject with tcp reset`.
+    RejectTcpReset,
+    /// A value into a register (`immediate`).
+    Immediate {
+        dreg: u32,
+        data: Vec<u8>,
+    },
     Verdict(Verdict),
     Masquerade,
+    /// `dnat ip to` the address in register 1 and the port in register 2.
+    Dnat4,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -265,6 +277,7 @@ pub enum Stateful {
 pub enum Verdict {
     Accept,
     Drop,
+    Return,
     Jump(String),
 }
 
@@ -287,6 +300,9 @@ const META_OIFNAME: u32 = 7;
 const META_NFPROTO: u32 = 15;
 const META_L4PROTO: u32 = 16;
 const CT_STATE: u32 = 0;
+const CT_STATUS: u32 = 2;
+/// `IPS_DST_NAT`: the flow's destination was rewritten (`ct status dnat`).
+const CT_STATUS_DNAT: u32 = 1 << 5;
 const CT_MARK: u32 = 3;
 const CT_STATE_ESTABLISHED: u32 = 2;
 const CT_STATE_RELATED: u32 = 4;
@@ -421,15 +437,35 @@ impl Rule {
 
     /// `ip daddr ADDR` (IPv4).
     pub fn daddr4_is(self, addr: std::net::Ipv4Addr) -> Rule {
-        let r = self.family(Family::V4).daddr(Family::V4);
+        self.family(Family::V4).daddr4_eq(addr)
+    }
+
+    /// `ip daddr ADDR` in a rule that already matched IPv4.
+    pub fn daddr4_eq(self, addr: std::net::Ipv4Addr) -> Rule {
+        let r = self.daddr(Family::V4);
         Rule { next: 0, ..r }.cmp(CMP_EQ, &addr.octets())
     }
 
-    /// `udp dport PORT`.
-    pub fn udp_dport(self, port: u16) -> Rule {
-        let r = self.push(Expr::Meta { key: META_L4PROTO, dreg: REG_1 }).cmp(CMP_EQ, &[libc::IPPROTO_UDP as u8]);
+    /// `udp dport PORT` / `tcp dport PORT`.
+    fn dport(self, proto: i32, port: u16) -> Rule {
+        let r = self.push(Expr::Meta { key: META_L4PROTO, dreg: REG_1 }).cmp(CMP_EQ, &[proto as u8]);
         let r = Rule { next: 0, ..r }.load(BASE_TRANSPORT, 2, 2);
         Rule { next: 0, ..r }.cmp(CMP_EQ, &port.to_be_bytes())
+    }
+
+    pub fn udp_dport(self, port: u16) -> Rule {
+        self.dport(libc::IPPROTO_UDP, port)
+    }
+
+    pub fn tcp_dport(self, port: u16) -> Rule {
+        self.dport(libc::IPPROTO_TCP, port)
+    }
+
+    /// `ct status dnat`.
+    pub fn ct_status_dnat(self) -> Rule {
+        self.push(Expr::Ct { key: CT_STATUS, dreg: REG_1 })
+            .push(Expr::Bitwise { len: 4, mask: CT_STATUS_DNAT.to_ne_bytes().to_vec(), xor: vec![0; 4] })
+            .cmp(CMP_NEQ, &[0, 0, 0, 0])
     }
 
     /// `icmpv6 type @set` (an anonymous set).
@@ -477,6 +513,22 @@ impl Rule {
         self.push(Expr::Reject)
     }
 
+    pub fn reject_tcp_reset(self) -> Rule {
+        self.push(Expr::RejectTcpReset)
+    }
+
+    /// `dnat ip to ADDR:PORT`.
+    pub fn dnat4(self, addr: std::net::Ipv4Addr, port: u16) -> Rule {
+        self.push(Expr::Immediate { dreg: REG_1, data: addr.octets().to_vec() })
+            .push(Expr::Immediate { dreg: REG_1 + 1, data: port.to_be_bytes().to_vec() })
+            .push(Expr::Dnat4)
+    }
+
+    /// `return`.
+    pub fn ret(self) -> Rule {
+        self.push(Expr::Verdict(Verdict::Return))
+    }
+
     pub fn accept(self) -> Rule {
         self.push(Expr::Verdict(Verdict::Accept))
     }
@@ -508,6 +560,8 @@ pub struct Values {
     pub max_flows: u32,
     pub new_flows: Rate,
     pub dns_rate: Rate,
+    /// The egress proxy's port on the gateway address.
+    pub egress_port: u16,
 }
 
 /// The whole ruleset: what `load` sends.
@@ -662,6 +716,9 @@ pub fn ruleset(v: &Values) -> Ruleset {
         Chain { name: "sandbox_in", hook: None },
         Chain { name: "output", hook: hook("filter", HOOK_OUTPUT, PRIORITY_FILTER - 5) },
         Chain { name: "to_sandbox_local", hook: None },
+        Chain { name: "inject_prerouting", hook: hook("nat", HOOK_PREROUTING, PRIORITY_DSTNAT) },
+        Chain { name: "inject_out4", hook: None },
+        Chain { name: "inject_forward", hook: hook("filter", HOOK_FORWARD, PRIORITY_FILTER - 6) },
         Chain { name: "postrouting", hook: hook("nat", HOOK_POSTROUTING, PRIORITY_SRCNAT) },
     ];
     let minute = Some(60_000);
@@ -694,6 +751,8 @@ pub fn ruleset(v: &Values) -> Ruleset {
         dynamic("newflows4", V4, minute),
         dynamic("newflows6", V6, minute),
         dynamic("dnsrate4", V4, minute),
+        addr_set("inject4", V4),
+        addr_set("inject6", V6),
     ];
     // Named sets are referred to by name and by their id in this
     // transaction; anonymous ones get the ids after them.
@@ -789,6 +848,14 @@ pub fn ruleset(v: &Values) -> Ruleset {
         .update_limit_over("dnsrate4", id("dnsrate4"), v.dns_rate)
         .drop());
     add(Rule::new("sandbox_in").daddr4_is(v.gateway4).udp_dport(53).accept());
+    add(Rule::new("sandbox_in")
+        .family(V4)
+        .saddr(V4)
+        .in_set("inject4", id("inject4"))
+        .daddr4_eq(v.gateway4)
+        .tcp_dport(v.egress_port)
+        .ct_status_dnat()
+        .accept());
     add(Rule::new("sandbox_in").reject());
 
     add(Rule::new("output").oifname_prefix(prefix).jump("to_sandbox_local"));
@@ -796,6 +863,37 @@ pub fn ruleset(v: &Values) -> Ruleset {
     let mut add = |r: Rule| rules.push((Vec::new(), r));
     add(Rule::new("to_sandbox_local").ct_state(CT_STATE_ESTABLISHED | CT_STATE_RELATED).accept());
     add(Rule::new("to_sandbox_local").drop());
+
+    // The redirect of sandboxes that name secrets to the egress proxy,
+    // mirroring from_sandbox's verdicts (see network.nft).
+    add(Rule::new("inject_prerouting")
+        .iifname_prefix(prefix)
+        .family(V4)
+        .saddr(V4)
+        .in_set("inject4", id("inject4"))
+        .tcp_dport(443)
+        .jump("inject_out4"));
+    let out = || Rule::new("inject_out4");
+    add(out().family(V4).saddr(V4).daddr(V4).in_set("deny4", id("deny4")).ret());
+    add(out().family(V4).daddr(V4).in_set("special4", id("special4")).ret());
+    add(out().family(V4).daddr(V4).in_set("host4", id("host4")).ret());
+    add(out().ct_state(CT_STATE_NEW).family(V4).saddr(V4).map("ctmark4", id("ctmark4")).ct_mark_set());
+    add(out()
+        .family(V4)
+        .saddr(V4)
+        .daddr(V4)
+        .in_set("allow4", id("allow4"))
+        .tcp_dport(443)
+        .dnat4(v.gateway4, v.egress_port));
+    add(out().family(V4).saddr(V4).in_set("listed4", id("listed4")).ret());
+    add(out().family(V4).saddr(V4).in_set("default4", id("default4")).tcp_dport(443).dnat4(v.gateway4, v.egress_port));
+    add(Rule::new("inject_forward")
+        .iifname_prefix(prefix)
+        .family(V6)
+        .saddr(V6)
+        .in_set("inject6", id("inject6"))
+        .tcp_dport(443)
+        .reject_tcp_reset());
 
     add(Rule::new("postrouting").iifname_prefix(prefix).oifname_not_prefix(prefix).masquerade());
 
@@ -905,9 +1003,10 @@ fn expr(m: &mut Msg, e: &Expr) {
         Expr::Fib { .. } => "fib",
         Expr::Lookup { .. } => "lookup",
         Expr::Dynset { .. } => "dynset",
-        Expr::Reject => "reject",
-        Expr::Verdict(_) => "immediate",
+        Expr::Reject | Expr::RejectTcpReset => "reject",
+        Expr::Verdict(_) | Expr::Immediate { .. } => "immediate",
         Expr::Masquerade => "masq",
+        Expr::Dnat4 => "nat",
     };
     m.nest(NFTA_LIST_ELEM).attr_str(NFTA_EXPR_NAME, name).nest(NFTA_EXPR_DATA);
     match e {
@@ -975,6 +1074,20 @@ fn expr(m: &mut Msg, e: &Expr) {
         Expr::Reject => {
             m.attr_be32(1, 2).attr(2, &[3]);
         }
+        // NFT_REJECT_TCP_RST 1
+        Expr::RejectTcpReset => {
+            m.attr_be32(1, 1).attr(2, &[0]);
+        }
+        Expr::Immediate { dreg, data } => {
+            m.attr_be32(1, *dreg);
+            data_value(m, 2, data);
+        }
+        // NFTA_NAT_TYPE 1 (1: dnat), FAMILY 2, REG_ADDR_MIN 3,
+        // REG_PROTO_MIN 5, FLAGS 7 (2: NF_NAT_RANGE_PROTO_SPECIFIED)
+        Expr::Dnat4 => {
+            m.attr_be32(1, 1).attr_be32(2, NFPROTO_IPV4 as u32).attr_be32(3, REG_1).attr_be32(5, REG_1 + 1);
+            m.attr_be32(7, 2);
+        }
         // NFTA_IMMEDIATE_DREG 1, DATA 2
         Expr::Verdict(v) => {
             m.attr_be32(1, REG_VERDICT);
@@ -982,6 +1095,7 @@ fn expr(m: &mut Msg, e: &Expr) {
             match v {
                 Verdict::Accept => m.attr_be32(NFTA_VERDICT_CODE, 1),
                 Verdict::Drop => m.attr_be32(NFTA_VERDICT_CODE, 0),
+                Verdict::Return => m.attr_be32(NFTA_VERDICT_CODE, (-5i32) as u32),
                 Verdict::Jump(chain) => {
                     m.attr_be32(NFTA_VERDICT_CODE, (-3i32) as u32).attr_str(NFTA_VERDICT_CHAIN, chain)
                 }

@@ -17,6 +17,7 @@ mod control;
 pub(crate) mod envd;
 pub(crate) mod forward;
 pub(crate) mod ports;
+mod secrets;
 mod templates;
 mod volumes;
 mod watch;
@@ -45,6 +46,7 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
     control::router(app.clone())
         .merge(templates::unkeyed())
         .merge(volumes::router(app.clone()))
+        .merge(secrets::router(app.clone()))
         .merge(envd::router(app))
 }
 
@@ -197,11 +199,14 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         | ErrorCode::ImageLayerRefused
         | ErrorCode::WebhookUrlRefused
         | ErrorCode::UsageRangeInvalid => ("invalid_argument", StatusCode::BAD_REQUEST),
-        ErrorCode::NotFound | ErrorCode::VolumeNotFound => ("not_found", StatusCode::NOT_FOUND),
+        ErrorCode::NotFound | ErrorCode::VolumeNotFound | ErrorCode::SecretNotFound => {
+            ("not_found", StatusCode::NOT_FOUND)
+        }
         ErrorCode::IdempotencyConflict
         | ErrorCode::SandboxPathConflict
         | ErrorCode::TemplateNameTaken
-        | ErrorCode::VolumeNameTaken => ("already_exists", StatusCode::CONFLICT),
+        | ErrorCode::VolumeNameTaken
+        | ErrorCode::SecretNameTaken => ("already_exists", StatusCode::CONFLICT),
         ErrorCode::SandboxPathUnreadable => ("permission_denied", StatusCode::FORBIDDEN),
         ErrorCode::FeatureUnavailable | ErrorCode::SandboxNetworkIsolated => {
             ("failed_precondition", StatusCode::BAD_REQUEST)

@@ -114,6 +114,11 @@ pub struct CreateArgs {
     /// /home/user, /mnt or /data; `:ro` mounts it read-only (repeatable).
     #[arg(long = "volume", short = 'v', value_name = "NAME:/PATH[:ro]", value_parser = super::volume::parse_mount)]
     volumes: Vec<hutch_api::VolumeMount>,
+    /// Name one of your secrets (`hutch secret`, or POST /v1/secrets): the
+    /// sandbox sees a placeholder in $NAME, the host injects the value into
+    /// HTTPS requests to the secret's hosts (repeatable).
+    #[arg(long = "secret", value_name = "NAME")]
+    secrets: Vec<String>,
     /// Make the request safe to retry: the same key gives the same sandbox.
     #[arg(long)]
     idempotency_key: Option<String>,
@@ -240,6 +245,7 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateSandbox> {
         idle_timeout_seconds: c.life.idle_timeout,
         on_idle: c.life.on_idle,
         volumes: c.volumes.clone(),
+        secrets: c.secrets.clone(),
     })
 }
 

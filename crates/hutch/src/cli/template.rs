@@ -78,6 +78,9 @@ pub struct CreateArgs {
     /// KEY=VALUE for every process of its sandboxes; repeatable.
     #[arg(long = "env", value_name = "KEY=VALUE")]
     env: Vec<String>,
+    /// A secret its sandboxes name (repeatable).
+    #[arg(long = "secret", value_name = "NAME")]
+    secrets: Vec<String>,
     /// Default lifetime of its sandboxes: 10m, 1h, ...
     #[arg(long, value_parser = parse_seconds, value_name = "DURATION")]
     ttl: Option<u64>,
@@ -281,6 +284,7 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateTemplate> {
         paused_ttl_seconds: c.life.paused_ttl,
         idle_timeout_seconds: c.life.idle_timeout,
         on_idle: c.life.on_idle,
+        secrets: c.secrets.clone(),
     })
 }
 
