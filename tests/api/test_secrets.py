@@ -158,7 +158,7 @@ def secret(api: Client) -> dict:
 
 def fetch(api: Client, sb: str, host: str, headers: dict, cafile: str = "") -> dict:
     res = api.exec(sb, argv=["python3", "-c", FETCH, host, cafile, json.dumps(headers)], timeout_seconds=30)
-    assert res["exit_code"] == 0, res
+    assert res["exit_code"] == 0, (res["exit_code"], res["stdout"][-1000:], res["stderr"][-2000:])
     return json.loads(res["stdout"])
 
 
