@@ -575,7 +575,7 @@ pub fn e2b_payload(native: &str) -> String {
         "sandboxExecutionId": "",
         "sandboxId": text("sandbox_id"),
         "sandboxTeamId": text("owner"),
-        "sandboxTemplateId": text("template_id"),
+        "sandboxTemplateId": if text("template").is_empty() { text("template_id") } else { text("template") },
         "timestamp": text("at"),
     })
     .to_string()
@@ -1044,7 +1044,7 @@ mod tests {
         assert_eq!(e2b_type("sandbox.suspended"), Some("sandbox.lifecycle.paused"));
         assert_eq!(e2b_type("sandbox.ready"), None);
         let p: serde_json::Value = serde_json::from_str(&e2b_payload(
-            r#"{"id":7,"type":"sandbox.created","sandbox_id":"sb-1","at":"2026-01-01T00:00:00Z","owner":"k1","template_id":"t"}"#,
+            r#"{"id":7,"type":"sandbox.created","sandbox_id":"sb-1","at":"2026-01-01T00:00:00Z","owner":"k1","template":"t"}"#,
         ))
         .expect("json");
         assert_eq!(p["type"], "sandbox.lifecycle.created");
@@ -1053,7 +1053,7 @@ mod tests {
             (Some("7"), Some("sb-1"), Some("k1"))
         );
         assert_eq!(p["sandboxTemplateId"], "t");
-        assert_eq!(p["eventData"]["template_id"], "t");
+        assert_eq!(p["eventData"]["template"], "t");
         assert_eq!(p["version"], "v2");
         // sha256("s" ++ "{}"), base64 without padding.
         let sig = e2b_signature("s", b"{}");
