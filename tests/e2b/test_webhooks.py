@@ -97,17 +97,22 @@ def of_sandbox(r: Receiver, sid: str) -> list[dict]:
 
 
 def test_lifecycle_events_arrive_signed_in_e2bs_shape(hooked, receiver):
-    r = register(hooked, receiver.url)
+    # No `events`: all five.
+    body = {"name": "my hook", "url": receiver.url, "enabled": True, "signatureSecret": SECRET}
+    r = call(hooked, "POST", "/events/webhooks", json=body)
     assert r.status_code == 201, r.text
     w = r.json()
     try:
         assert w["id"] and w["name"] == "my hook" and w["enabled"] is True and w["url"] == receiver.url
         assert w["teamID"] == w["teamId"] and w["teamId"] and w["createdAt"]
-        assert sorted(w["events"]) == sorted(TYPES)
+        assert sorted(w["events"]) == sorted(TYPES + ["sandbox.lifecycle.updated"])
         assert not any("secret" in k.lower() for k in w), w
         sb = Sandbox.create(timeout=120, **hooked.opts())
         sid = sb.sandbox_id
         wait_for("created", lambda: of_sandbox(receiver, sid), timeout=30, interval=0.1)
+        sb.set_timeout(200)
+        wait_for("updated", lambda: "sandbox.lifecycle.updated" in [e["type"] for e in of_sandbox(receiver, sid)],
+                 timeout=30, interval=0.1)
         sb.pause()
         wait_for("paused", lambda: "sandbox.lifecycle.paused" in [e["type"] for e in of_sandbox(receiver, sid)],
                  timeout=60, interval=0.1)
@@ -118,7 +123,10 @@ def test_lifecycle_events_arrive_signed_in_e2bs_shape(hooked, receiver):
         wait_for("killed", lambda: "sandbox.lifecycle.killed" in [e["type"] for e in of_sandbox(receiver, sid)],
                  timeout=30, interval=0.1)
         evs = of_sandbox(receiver, sid)
-        assert [e["type"] for e in evs] == TYPES[:1] + TYPES[2:] + TYPES[1:2], evs
+        assert [e["type"] for e in evs] == [
+            "sandbox.lifecycle.created", "sandbox.lifecycle.updated", "sandbox.lifecycle.paused",
+            "sandbox.lifecycle.resumed", "sandbox.lifecycle.killed"], evs
+        assert evs[1]["eventData"]["expires_at"], evs[1]
         for e in evs:
             assert set(e) >= {"version", "id", "type", "eventData", "sandboxBuildId", "sandboxExecutionId",
                               "sandboxId", "sandboxTeamId", "sandboxTemplateId", "timestamp"}, e
