@@ -133,61 +133,29 @@ impl Auditor {
 /// Appends batches until `stop`, then what is left in the queue.
 async fn write_loop(
     store: Arc<dyn Store>,
-    mut rx: mpsc::Receiver<AuditRecord>,
+    rx: mpsc::Receiver<AuditRecord>,
     counters: Arc<Counters>,
     stop: Arc<tokio::sync::Notify>,
 ) {
-    let mut batch = Vec::with_capacity(BATCH);
-    let mut stopping = false;
-    loop {
-        let n = if stopping {
-            rx.recv_many(&mut batch, BATCH).await
-        } else {
-            tokio::select! {
-                n = rx.recv_many(&mut batch, BATCH) => n,
-                () = stop.notified() => {
-                    // No row is queued from now on; those queued are written.
-                    rx.close();
-                    stopping = true;
-                    continue;
+    crate::batch::write_batches(rx, BATCH, FLUSH_EVERY, stop, |rows| {
+        let (s, counters) = (store.clone(), counters.clone());
+        async move {
+            let n = rows.len() as u64;
+            let outcome = match tokio::task::spawn_blocking(move || s.append_audit(&rows)).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            match outcome {
+                Ok(()) => counters.written.fetch_add(n, Ordering::Relaxed),
+                Err(e) => {
+                    tracing::error!("audit log: {n} entries not written: {e}");
+                    counters.failed.fetch_add(n, Ordering::Relaxed)
                 }
-            }
-        };
-        // Closed and drained.
-        if n == 0 {
-            return;
+            };
         }
-        // Rows that come soon after join this batch: one write (and one
-        // hold of the store's lock, which requests share) per interval
-        // rather than per call.
-        let deadline = tokio::time::Instant::now() + FLUSH_EVERY;
-        while !stopping && batch.len() < BATCH {
-            let room = BATCH - batch.len();
-            tokio::select! {
-                n = rx.recv_many(&mut batch, room) => if n == 0 { break },
-                () = tokio::time::sleep_until(deadline) => break,
-                () = stop.notified() => {
-                    rx.close();
-                    stopping = true;
-                }
-            }
-        }
-        let rows = std::mem::replace(&mut batch, Vec::with_capacity(BATCH));
-        let n = rows.len() as u64;
-        let s = store.clone();
-        let outcome = match tokio::task::spawn_blocking(move || s.append_audit(&rows)).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(e) => Err(e.to_string()),
-        };
-        match outcome {
-            Ok(()) => counters.written.fetch_add(n, Ordering::Relaxed),
-            Err(e) => {
-                tracing::error!("audit log: {n} entries not written: {e}");
-                counters.failed.fetch_add(n, Ordering::Relaxed)
-            }
-        };
-    }
+    })
+    .await;
 }
 
 /// `"<seq>"`: the cursor of the next page (the last row's place).

@@ -319,74 +319,51 @@ impl Events {
     }
 }
 
-/// Appends batches until `stop`, then what is left in the queue.
+/// Appends batches until `stop`, then what is left in the queue; each
+/// batch's events go to the live streams once written.
 async fn write_loop(
     store: Arc<dyn Store>,
-    mut rx: mpsc::Receiver<EventRecord>,
+    rx: mpsc::Receiver<EventRecord>,
     live: broadcast::Sender<Arc<EventRecord>>,
     written: Arc<AtomicI64>,
     counters: Arc<Counters>,
     stop: Arc<tokio::sync::Notify>,
     deliveries: Arc<tokio::sync::Notify>,
 ) {
-    let mut batch = Vec::with_capacity(BATCH);
-    let mut stopping = false;
-    loop {
-        let n = if stopping {
-            rx.recv_many(&mut batch, BATCH).await
-        } else {
-            tokio::select! {
-                n = rx.recv_many(&mut batch, BATCH) => n,
-                () = stop.notified() => {
-                    rx.close();
-                    stopping = true;
-                    continue;
+    crate::batch::write_batches(rx, BATCH, FLUSH_EVERY, stop, |batch| {
+        let (store, live, written, counters, deliveries) =
+            (store.clone(), live.clone(), written.clone(), counters.clone(), deliveries.clone());
+        async move {
+            let rows = Arc::new(batch);
+            let n = rows.len() as u64;
+            let r = rows.clone();
+            let outcome = match tokio::task::spawn_blocking(move || store.append_events(&r)).await {
+                Ok(Ok(made)) => Ok(made),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            match outcome {
+                Ok(made) => {
+                    counters.written.fetch_add(n, Ordering::Relaxed);
+                    if let Some(last) = rows.last() {
+                        written.store(last.id, Ordering::SeqCst);
+                    }
+                    for r in rows.iter() {
+                        // No live stream: nobody to tell.
+                        let _ = live.send(Arc::new(r.clone()));
+                    }
+                    if made > 0 {
+                        deliveries.notify_one();
+                    }
                 }
-            }
-        };
-        if n == 0 {
-            return;
-        }
-        let deadline = tokio::time::Instant::now() + FLUSH_EVERY;
-        while !stopping && batch.len() < BATCH {
-            let room = BATCH - batch.len();
-            tokio::select! {
-                n = rx.recv_many(&mut batch, room) => if n == 0 { break },
-                () = tokio::time::sleep_until(deadline) => break,
-                () = stop.notified() => {
-                    rx.close();
-                    stopping = true;
+                Err(e) => {
+                    tracing::error!("events: {n} events not written: {e}");
+                    counters.failed.fetch_add(n, Ordering::Relaxed);
                 }
-            }
-        }
-        let rows = Arc::new(std::mem::replace(&mut batch, Vec::with_capacity(BATCH)));
-        let n = rows.len() as u64;
-        let (s, r) = (store.clone(), rows.clone());
-        let outcome = match tokio::task::spawn_blocking(move || s.append_events(&r)).await {
-            Ok(Ok(made)) => Ok(made),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(e) => Err(e.to_string()),
-        };
-        match outcome {
-            Ok(made) => {
-                counters.written.fetch_add(n, Ordering::Relaxed);
-                if let Some(last) = rows.last() {
-                    written.store(last.id, Ordering::SeqCst);
-                }
-                for r in rows.iter() {
-                    // No live stream: nobody to tell.
-                    let _ = live.send(Arc::new(r.clone()));
-                }
-                if made > 0 {
-                    deliveries.notify_one();
-                }
-            }
-            Err(e) => {
-                tracing::error!("events: {n} events not written: {e}");
-                counters.failed.fetch_add(n, Ordering::Relaxed);
             }
         }
-    }
+    })
+    .await;
 }
 
 /// The API view of a stored event.

@@ -10,6 +10,7 @@
 
 pub mod access;
 pub mod audit;
+mod batch;
 pub mod build;
 pub mod capabilities;
 pub mod control;

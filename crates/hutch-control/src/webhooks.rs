@@ -14,6 +14,11 @@
 //! Each request carries `Hutch-Signature: t=<unix seconds>,v1=<hex>` where
 //! the hex is HMAC-SHA256 under the webhook's secret of `"<t>.<body>"`.
 //!
+//! An E2B webhook (`format` `e2b`, made by E2B's `/events/webhooks`) gets
+//! E2B's lifecycle payload instead ([`e2b_payload`]) and E2B's signature
+//! (`e2b-signature`: unpadded base64 of SHA-256 over the secret followed by
+//! the body), through the same deliveries, worker and rules.
+//!
 //! Where a webhook may point (the SSRF rules, docs/threat-model.md): only
 //! `https://`, or `http://` to an address in the operator's
 //! `--webhook-allow-http` ranges. The name is resolved at each delivery
@@ -469,6 +474,153 @@ fn next_attempt(base: Duration, attempts: u32, created_at: i64, now: i64) -> Opt
     (at <= created_at.saturating_add(GIVE_UP_AFTER)).then_some(at)
 }
 
+const FORMAT_NATIVE: &str = "native";
+const FORMAT_E2B: &str = "e2b";
+
+/// E2B's lifecycle event types and the native types each one stands for:
+/// the one place the two map.
+const E2B_TYPES: &[(&str, &[&str])] = &[
+    ("sandbox.lifecycle.created", &["sandbox.created"]),
+    ("sandbox.lifecycle.killed", &["sandbox.deleted", "sandbox.expired"]),
+    ("sandbox.lifecycle.updated", &["sandbox.extended"]),
+    ("sandbox.lifecycle.paused", &["sandbox.paused", "sandbox.suspended"]),
+    ("sandbox.lifecycle.resumed", &["sandbox.resumed"]),
+];
+
+/// The E2B type a native event type is delivered as, if any.
+pub fn e2b_type(native: &str) -> Option<&'static str> {
+    E2B_TYPES.iter().find(|(_, n)| n.contains(&native)).map(|(e, _)| *e)
+}
+
+/// E2B types to the native types stored (none named: all of them). Pure.
+pub fn e2b_to_native(types: &[String]) -> std::result::Result<Vec<String>, String> {
+    if types.len() > TYPES_MAX {
+        return Err(format!("events: at most {TYPES_MAX} types"));
+    }
+    let mut out: Vec<String> = Vec::new();
+    for t in types {
+        let (_, natives) = E2B_TYPES
+            .iter()
+            .find(|(e, _)| *e == t.trim())
+            .ok_or_else(|| format!("events: unknown E2B event type {:?}", t.chars().take(64).collect::<String>()))?;
+        for n in *natives {
+            if !out.iter().any(|o| o == n) {
+                out.push((*n).to_owned());
+            }
+        }
+    }
+    if types.is_empty() {
+        out = E2B_TYPES.iter().flat_map(|(_, n)| n.iter().map(|n| (*n).to_owned())).collect();
+    }
+    Ok(out)
+}
+
+/// The E2B types a stored (native) list stands for, in E2B's order.
+fn native_to_e2b(events: &[String]) -> Vec<String> {
+    E2B_TYPES
+        .iter()
+        .filter(|(_, n)| events.iter().any(|e| e == "*" || n.contains(&e.as_str())))
+        .map(|(e, _)| (*e).to_owned())
+        .collect()
+}
+
+fn check_secret(s: &str, field: &str) -> Result<String> {
+    if (16..=256).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_graphic()) {
+        Ok(s.to_owned())
+    } else {
+        Err(ControlError::Invalid(format!("{field}: 16 to 256 visible ASCII characters")))
+    }
+}
+
+fn check_name(s: &str) -> Result<String> {
+    if s.len() <= 256 && !s.chars().any(char::is_control) {
+        Ok(s.to_owned())
+    } else {
+        Err(ControlError::Invalid("name: at most 256 bytes, no control characters".into()))
+    }
+}
+
+/// E2B's `e2b-signature`: unpadded base64 of SHA-256(secret ++ body).
+pub fn e2b_signature(secret: &str, body: &[u8]) -> String {
+    use base64::Engine;
+    use sha2::Digest;
+    let mut h = Sha256::new();
+    h.update(secret.as_bytes());
+    h.update(body);
+    base64::engine::general_purpose::STANDARD_NO_PAD.encode(h.finalize())
+}
+
+/// E2B's lifecycle payload for a stored native event body. What hutch does
+/// not have (a build id, an execution id) is an empty string; `eventData`
+/// holds the native event's own fields, or null when it has none. Pure.
+pub fn e2b_payload(native: &str) -> String {
+    let ev: serde_json::Value = serde_json::from_str(native).unwrap_or_default();
+    let text = |k: &str| ev.get(k).and_then(|v| v.as_str()).unwrap_or("").to_owned();
+    let kind = text("type");
+    let mut data = serde_json::Map::new();
+    if let Some(o) = ev.as_object() {
+        for (k, v) in o {
+            if !matches!(k.as_str(), "id" | "type" | "sandbox_id" | "at" | "owner") {
+                data.insert(k.clone(), v.clone());
+            }
+        }
+    }
+    let id = ev.get("id").map(|v| v.to_string()).unwrap_or_default();
+    serde_json::json!({
+        "version": "v2",
+        "id": id,
+        "type": e2b_type(&kind).unwrap_or(kind.as_str()),
+        "eventData": if data.is_empty() { serde_json::Value::Null } else { serde_json::Value::Object(data) },
+        "sandboxBuildId": "",
+        "sandboxExecutionId": "",
+        "sandboxId": text("sandbox_id"),
+        "sandboxTeamId": text("owner"),
+        "sandboxTemplateId": if text("template").is_empty() { text("template_id") } else { text("template") },
+        "timestamp": text("at"),
+    })
+    .to_string()
+}
+
+/// An E2B webhook's create or update (`PATCH` takes any subset).
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct E2bWebhookRequest {
+    pub name: Option<String>,
+    pub url: Option<String>,
+    pub enabled: Option<bool>,
+    pub events: Option<Vec<String>>,
+    pub signature_secret: Option<String>,
+}
+
+/// An E2B webhook as E2B shows it (never its secret).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct E2bWebhook {
+    pub id: String,
+    #[serde(rename = "teamID")]
+    pub team_id_upper: String,
+    #[serde(rename = "teamId")]
+    pub team_id: String,
+    pub name: String,
+    #[serde(rename = "createdAt")]
+    pub created_at: String,
+    pub enabled: bool,
+    pub url: String,
+    pub events: Vec<String>,
+}
+
+fn e2b_view(w: &WebhookRecord) -> E2bWebhook {
+    E2bWebhook {
+        id: w.id.clone(),
+        team_id_upper: w.owner.clone(),
+        team_id: w.owner.clone(),
+        name: w.name.clone(),
+        created_at: rfc3339(w.created_at),
+        enabled: w.enabled,
+        url: w.url.clone(),
+        events: native_to_e2b(&w.events),
+    }
+}
+
 fn view(w: &WebhookRecord, secret: bool) -> Webhook {
     Webhook {
         id: w.id.clone(),
@@ -518,48 +670,131 @@ impl Control {
     /// `POST /v1/webhooks`: checks the URL (resolving it, as a delivery
     /// will) and the types; the answer carries the secret, once.
     pub async fn create_webhook(&self, caller: &Caller, req: &CreateWebhook) -> Result<Webhook> {
-        let policy = self.events.settings.webhooks.clone();
-        let target = parse_url(&req.url).map_err(ControlError::WebhookUrl)?;
         let events = parse_types(&req.events).map_err(ControlError::Invalid)?;
         let secret = match &req.secret {
-            Some(s) if (16..=256).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_graphic()) => s.clone(),
-            Some(_) => {
-                return Err(ControlError::Invalid("secret: 16 to 256 visible ASCII characters".into()));
-            }
+            Some(s) => check_secret(s, "secret")?,
             None => format!("whsec_{}", random_hex(24)?),
         };
-        // The URL is checked now too, so a mistake shows at once (each
-        // delivery checks it again: a name's addresses change).
+        let rec = self.insert_webhook(caller, &req.url, events, secret, FORMAT_NATIVE, String::new(), true).await?;
+        Ok(view(&rec, true))
+    }
+
+    /// Checks a webhook's URL now, so a mistake shows at once (each
+    /// delivery checks it again: a name's addresses change).
+    async fn check_url(&self, url: &str) -> Result<()> {
+        let target = parse_url(url).map_err(ControlError::WebhookUrl)?;
+        let policy = self.events.settings.webhooks.clone();
         let nets = self.sandbox_nets();
-        let t = target.clone();
-        let p = policy.clone();
         tokio::task::spawn_blocking(move || {
             use std::net::ToSocketAddrs;
-            let addrs: Vec<SocketAddr> = (t.host.as_str(), t.port)
+            let addrs: Vec<SocketAddr> = (target.host.as_str(), target.port)
                 .to_socket_addrs()
-                .map_err(|e| format!("cannot resolve {}: {e}", t.host))?
+                .map_err(|e| format!("cannot resolve {}: {e}", target.host))?
                 .collect();
             if addrs.is_empty() {
-                return Err(format!("{} has no address", t.host));
+                return Err(format!("{} has no address", target.host));
             }
             let host = host_addrs();
-            addrs.iter().try_for_each(|a| check_addr(a.ip(), t.https, &p, &host, &nets))
+            addrs.iter().try_for_each(|a| check_addr(a.ip(), target.https, &policy, &host, &nets))
         })
         .await?
-        .map_err(ControlError::WebhookUrl)?;
+        .map_err(ControlError::WebhookUrl)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn insert_webhook(
+        &self,
+        caller: &Caller,
+        url: &str,
+        events: Vec<String>,
+        secret: String,
+        format: &str,
+        name: String,
+        enabled: bool,
+    ) -> Result<WebhookRecord> {
+        self.check_url(url).await?;
         let rec = WebhookRecord {
             id: format!("wh-{}", random_hex(8)?),
             owner: caller.owner.to_string(),
-            url: req.url.clone(),
+            url: url.to_owned(),
             events,
             secret,
             created_at: now_ms(),
+            format: format.to_owned(),
+            name,
+            enabled,
         };
-        let (r, max) = (rec.clone(), policy.max_per_key);
+        let max = self.events.settings.webhooks.max_per_key;
+        let r = rec.clone();
         if !self.db(move |s| s.insert_webhook(&r, max)).await? {
             return Err(ControlError::WebhookLimit(max));
         }
-        Ok(view(&rec, true))
+        Ok(rec)
+    }
+
+    /// E2B's `POST /events/webhooks`.
+    pub async fn e2b_create_webhook(&self, caller: &Caller, req: E2bWebhookRequest) -> Result<E2bWebhook> {
+        let events = e2b_to_native(req.events.as_deref().unwrap_or(&[])).map_err(ControlError::Invalid)?;
+        let secret = match &req.signature_secret {
+            Some(s) => check_secret(s, "signatureSecret")?,
+            None => return Err(ControlError::Invalid("signatureSecret is required".into())),
+        };
+        let url = req.url.as_deref().ok_or_else(|| ControlError::Invalid("url is required".into()))?;
+        let name = check_name(req.name.as_deref().unwrap_or(""))?;
+        let rec =
+            self.insert_webhook(caller, url, events, secret, FORMAT_E2B, name, req.enabled.unwrap_or(true)).await?;
+        Ok(e2b_view(&rec))
+    }
+
+    /// E2B's `GET /events/webhooks`: the caller's E2B webhooks.
+    pub async fn e2b_webhooks(&self, caller: &Caller) -> Result<Vec<E2bWebhook>> {
+        let owner = caller.owner.to_string();
+        let rows = self.db(move |s| s.list_webhooks(Some(&owner))).await?;
+        Ok(rows.iter().filter(|w| w.format == FORMAT_E2B).map(e2b_view).collect())
+    }
+
+    async fn e2b_webhook_record(&self, caller: &Caller, id: &str) -> Result<WebhookRecord> {
+        match self.webhook_record(caller, id).await? {
+            w if w.format == FORMAT_E2B && w.owner == caller.owner.to_string() => Ok(w),
+            _ => Err(ControlError::NoWebhook(id.chars().take(64).collect())),
+        }
+    }
+
+    pub async fn e2b_webhook(&self, caller: &Caller, id: &str) -> Result<E2bWebhook> {
+        Ok(e2b_view(&self.e2b_webhook_record(caller, id).await?))
+    }
+
+    /// E2B's `PATCH /events/webhooks/{id}`: `enabled`, `url`, `events`
+    /// (and `name`); what is absent stays.
+    pub async fn e2b_update_webhook(&self, caller: &Caller, id: &str, req: E2bWebhookRequest) -> Result<E2bWebhook> {
+        let mut w = self.e2b_webhook_record(caller, id).await?;
+        if req.signature_secret.is_some() {
+            return Err(ControlError::Invalid("signatureSecret cannot be changed; make a new webhook".into()));
+        }
+        if let Some(events) = &req.events {
+            w.events = e2b_to_native(events).map_err(ControlError::Invalid)?;
+        }
+        if let Some(url) = req.url {
+            self.check_url(&url).await?;
+            w.url = url;
+        }
+        if let Some(name) = &req.name {
+            w.name = check_name(name)?;
+        }
+        if let Some(enabled) = req.enabled {
+            w.enabled = enabled;
+        }
+        let r = w.clone();
+        if !self.db(move |s| s.update_webhook(&r)).await? {
+            return Err(ControlError::NoWebhook(id.to_owned()));
+        }
+        Ok(e2b_view(&w))
+    }
+
+    pub async fn e2b_delete_webhook(&self, caller: &Caller, id: &str) -> Result<()> {
+        let w = self.e2b_webhook_record(caller, id).await?;
+        self.db(move |s| s.delete_webhook(&w.id)).await?;
+        Ok(())
     }
 
     async fn webhook_record(&self, caller: &Caller, id: &str) -> Result<WebhookRecord> {
@@ -647,22 +882,29 @@ impl Control {
     async fn attempt(&self, d: DeliveryRecord, w: WebhookRecord) {
         let policy = self.events.settings.webhooks.clone();
         let nets = self.sandbox_nets();
-        let body = d.payload.clone().into_bytes();
         let t = now_ms() / 1000;
+        let (body, sig) = if w.format == FORMAT_E2B {
+            let body = e2b_payload(&d.payload).into_bytes();
+            let sig = format!("e2b-signature: {}", e2b_signature(&w.secret, &body));
+            (body, sig)
+        } else {
+            let body = d.payload.clone().into_bytes();
+            let sig = format!("Hutch-Signature: {}", signature(&w.secret, t, &body));
+            (body, sig)
+        };
         let sent: Sent = match parse_url(&w.url) {
             Err(e) => Err(e),
             Ok(target) => {
                 let head = format!(
                     "POST {} HTTP/1.1\r\nHost: {}\r\nUser-Agent: hutch-webhooks/1\r\nContent-Type: application/json\r\n\
                      Content-Length: {}\r\nHutch-Event-Id: {}\r\nHutch-Event-Type: {}\r\nHutch-Delivery-Id: {}\r\n\
-                     Hutch-Signature: {}\r\nConnection: close\r\n\r\n",
+                     {sig}\r\nConnection: close\r\n\r\n",
                     target.path,
                     target.authority(),
                     body.len(),
                     d.event_id,
                     d.event_type,
                     d.id,
-                    signature(&w.secret, t, &body)
                 );
                 tokio::task::spawn_blocking(move || send(&target, &policy, &nets, &head, &body))
                     .await
@@ -789,6 +1031,34 @@ mod tests {
         assert_eq!(next_attempt(base, 2, 0, 0), Some(20_000));
         assert_eq!(next_attempt(base, 30, 0, 0), Some(BACKOFF_MAX));
         assert_eq!(next_attempt(base, 5, 0, GIVE_UP_AFTER), None);
+    }
+
+    #[test]
+    fn e2b_types_map_both_ways_and_payloads_are_e2bs() {
+        let n = e2b_to_native(&["sandbox.lifecycle.killed".into()]).expect("ok");
+        assert_eq!(n, ["sandbox.deleted", "sandbox.expired"]);
+        assert_eq!(native_to_e2b(&n), ["sandbox.lifecycle.killed"]);
+        assert_eq!(native_to_e2b(&e2b_to_native(&[]).expect("all")).len(), E2B_TYPES.len());
+        assert_eq!(native_to_e2b(&["*".into()]).len(), E2B_TYPES.len());
+        assert!(e2b_to_native(&["sandbox.created".into()]).is_err(), "native names are not E2B's");
+        assert_eq!(e2b_type("sandbox.suspended"), Some("sandbox.lifecycle.paused"));
+        assert_eq!(e2b_type("sandbox.ready"), None);
+        let p: serde_json::Value = serde_json::from_str(&e2b_payload(
+            r#"{"id":7,"type":"sandbox.created","sandbox_id":"sb-1","at":"2026-01-01T00:00:00Z","owner":"k1","template":"t"}"#,
+        ))
+        .expect("json");
+        assert_eq!(p["type"], "sandbox.lifecycle.created");
+        assert_eq!(
+            (p["id"].as_str(), p["sandboxId"].as_str(), p["sandboxTeamId"].as_str()),
+            (Some("7"), Some("sb-1"), Some("k1"))
+        );
+        assert_eq!(p["sandboxTemplateId"], "t");
+        assert_eq!(p["eventData"]["template"], "t");
+        assert_eq!(p["version"], "v2");
+        // sha256("s" ++ "{}"), base64 without padding.
+        let sig = e2b_signature("s", b"{}");
+        assert_eq!(sig.len(), 43);
+        assert!(!sig.ends_with('='));
     }
 
     #[test]

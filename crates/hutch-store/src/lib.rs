@@ -222,6 +222,12 @@ pub struct WebhookRecord {
     pub events: Vec<String>,
     pub secret: String,
     pub created_at: i64,
+    /// `native` or `e2b`: the payload rendered and how it is signed.
+    pub format: String,
+    /// E2B's name for it (empty for native ones).
+    pub name: String,
+    /// A disabled webhook gets no new deliveries.
+    pub enabled: bool,
 }
 
 /// Where a delivery is.
@@ -705,6 +711,9 @@ pub trait Store: Send + Sync {
     fn list_webhooks(&self, owner: Option<&str>) -> Result<Vec<WebhookRecord>>;
     /// Deletes a webhook and its deliveries; false when there was none.
     fn delete_webhook(&self, id: &str) -> Result<bool>;
+    /// Rewrites a webhook's url, events, name and enabled flag; false when
+    /// there was none.
+    fn update_webhook(&self, w: &WebhookRecord) -> Result<bool>;
     /// A webhook's deliveries, newest first, below `before` (an id).
     fn list_deliveries(&self, webhook_id: &str, before: Option<i64>, limit: u32) -> Result<Vec<DeliveryRecord>>;
     /// Pending deliveries due by `now`, oldest first, with their webhook.

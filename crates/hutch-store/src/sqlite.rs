@@ -28,6 +28,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0014_grants", include_str!("../migrations/0014_grants.sql")),
     ("0015_idle", include_str!("../migrations/0015_idle.sql")),
     ("0016_secrets", include_str!("../migrations/0016_secrets.sql")),
+    ("0017_webhook_format", include_str!("../migrations/0017_webhook_format.sql")),
 ];
 
 /// States in which a sandbox holds resources.
@@ -1389,6 +1390,10 @@ impl Store for SqliteStore {
 
     fn delete_webhook(&self, id: &str) -> Result<bool> {
         self.with(|c| crate::sqlite_events::delete_webhook(c, id))
+    }
+
+    fn update_webhook(&self, w: &WebhookRecord) -> Result<bool> {
+        self.with(|c| crate::sqlite_events::update_webhook(c, w))
     }
 
     fn list_deliveries(&self, webhook_id: &str, before: Option<i64>, limit: u32) -> Result<Vec<DeliveryRecord>> {

@@ -19,7 +19,7 @@ pub(crate) fn append_events(c: &mut Connection, rows: &[EventRecord]) -> Result<
         // The owner's webhooks that want this type (`*` or the type itself).
         let mut dl = tx.prepare_cached(
             "INSERT INTO webhook_deliveries (webhook_id, event_id, event_type, payload, status, attempts, created_at, next_at) \
-             SELECT w.id, ?1, ?2, ?3, 'pending', 0, ?4, ?4 FROM webhooks w WHERE w.owner = ?5 \
+             SELECT w.id, ?1, ?2, ?3, 'pending', 0, ?4, ?4 FROM webhooks w WHERE w.owner = ?5 AND w.enabled = 1 \
              AND EXISTS (SELECT 1 FROM json_each(w.events) WHERE value = '*' OR value = ?2)",
         )?;
         for r in rows {
@@ -96,6 +96,9 @@ fn webhook_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<WebhookRecord> {
         events: parse_events(&events),
         secret: r.get(4)?,
         created_at: r.get(5)?,
+        format: r.get(6)?,
+        name: r.get(7)?,
+        enabled: r.get(8)?,
     })
 }
 
@@ -112,7 +115,7 @@ fn events_json(events: &[String]) -> String {
     format!("[{}]", quoted.join(","))
 }
 
-const WEBHOOK_COLS: &str = "id, owner, url, events, secret, created_at";
+const WEBHOOK_COLS: &str = "id, owner, url, events, secret, created_at, format, name, enabled";
 
 pub(crate) fn insert_webhook(c: &mut Connection, w: &WebhookRecord, max: u64) -> Result<bool> {
     let tx = c.transaction()?;
@@ -121,8 +124,8 @@ pub(crate) fn insert_webhook(c: &mut Connection, w: &WebhookRecord, max: u64) ->
         return Ok(false);
     }
     tx.execute(
-        &format!("INSERT INTO webhooks ({WEBHOOK_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6)"),
-        params![w.id, w.owner, w.url, events_json(&w.events), w.secret, w.created_at],
+        &format!("INSERT INTO webhooks ({WEBHOOK_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)"),
+        params![w.id, w.owner, w.url, events_json(&w.events), w.secret, w.created_at, w.format, w.name, w.enabled],
     )
     .map_err(crate::sqlite::conflict)?;
     tx.commit()?;
@@ -146,6 +149,14 @@ pub(crate) fn delete_webhook(c: &mut Connection, id: &str) -> Result<bool> {
     tx.execute("DELETE FROM webhook_deliveries WHERE webhook_id = ?1", [id])?;
     let n = tx.execute("DELETE FROM webhooks WHERE id = ?1", [id])?;
     tx.commit()?;
+    Ok(n > 0)
+}
+
+pub(crate) fn update_webhook(c: &mut Connection, w: &WebhookRecord) -> Result<bool> {
+    let n = c.execute(
+        "UPDATE webhooks SET url = ?2, events = ?3, name = ?4, enabled = ?5 WHERE id = ?1",
+        params![w.id, w.url, events_json(&w.events), w.name, w.enabled],
+    )?;
     Ok(n > 0)
 }
 
@@ -186,7 +197,7 @@ pub(crate) fn list_deliveries(
 
 pub(crate) fn due_deliveries(c: &mut Connection, now: i64, limit: u32) -> Result<Vec<(DeliveryRecord, WebhookRecord)>> {
     let mut st = c.prepare(&format!(
-        "SELECT {DELIVERY_COLS}, w.id, w.owner, w.url, w.events, w.secret, w.created_at \
+        "SELECT {DELIVERY_COLS}, w.id, w.owner, w.url, w.events, w.secret, w.created_at, w.format, w.name, w.enabled \
          FROM webhook_deliveries d JOIN webhooks w ON w.id = d.webhook_id \
          WHERE d.status = 'pending' AND d.next_at <= ?1 ORDER BY d.next_at, d.id LIMIT ?2"
     ))?;
@@ -201,6 +212,9 @@ pub(crate) fn due_deliveries(c: &mut Connection, now: i64, limit: u32) -> Result
                 events: parse_events(&events),
                 secret: r.get(16)?,
                 created_at: r.get(17)?,
+                format: r.get(18)?,
+                name: r.get(19)?,
+                enabled: r.get(20)?,
             };
             Ok((d, w))
         })?

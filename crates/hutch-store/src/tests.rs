@@ -623,6 +623,9 @@ fn webhook(id: &str, owner: &str, events: &[&str]) -> WebhookRecord {
         events: events.iter().map(|e| (*e).to_owned()).collect(),
         secret: "s".into(),
         created_at: 1,
+        format: "native".into(),
+        name: String::new(),
+        enabled: true,
     }
 }
 
@@ -863,4 +866,47 @@ fn secrets_are_owned_by_name_updated_in_place_and_deleted() {
     assert!(s.delete_secret("k1", "TOKEN").expect("delete"));
     assert!(!s.delete_secret("k1", "TOKEN").expect("delete again"));
     assert_eq!(s.list_secrets(None).expect("list"), vec![secret("k2", "TOKEN")]);
+}
+
+#[test]
+fn webhooks_keep_their_format_and_a_disabled_one_gets_no_deliveries() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    assert!(s.insert_webhook(&webhook("wh-n", "k1", &["*"]), 4).expect("insert"));
+    let mut e = WebhookRecord { format: "e2b".into(), name: "mine".into(), ..webhook("wh-e", "k1", &["*"]) };
+    assert!(s.insert_webhook(&e, 4).expect("insert"));
+    let got = s.get_webhook("wh-e").expect("get").expect("found");
+    assert_eq!((got.format.as_str(), got.name.as_str(), got.enabled), ("e2b", "mine", true));
+    assert_eq!(s.get_webhook("wh-n").expect("get").expect("found").format, "native");
+    assert_eq!(s.append_events(&[event(1, "k1", "sandbox.created", Some("sb-1"))]).expect("append"), 2);
+    e.enabled = false;
+    e.url = "https://example.org/other".into();
+    e.events = vec!["sandbox.deleted".into()];
+    assert!(s.update_webhook(&e).expect("update"));
+    let got = s.get_webhook("wh-e").expect("get").expect("found");
+    assert_eq!(
+        (got.enabled, got.url.as_str(), got.events.as_slice()),
+        (false, "https://example.org/other", &["sandbox.deleted".to_owned()][..])
+    );
+    assert_eq!(
+        s.append_events(&[event(2, "k1", "sandbox.deleted", Some("sb-1"))]).expect("append"),
+        1,
+        "only the native one"
+    );
+    let due = s.due_deliveries(1000, 10).expect("due");
+    assert!(due.iter().any(|(_, w)| w.format == "e2b" && !w.enabled), "a pending one is still sent");
+    assert!(!s.update_webhook(&webhook("wh-none", "k1", &["*"])).expect("update"));
+}
+
+#[test]
+fn webhooks_made_before_the_format_column_are_native_and_enabled() {
+    {
+        let c = rusqlite::Connection::open_in_memory().expect("open");
+        c.execute_batch(include_str!("../migrations/0012_webhooks.sql")).expect("0012");
+        c.execute("INSERT INTO webhooks (id, owner, url, events, secret, created_at) VALUES ('wh-old', 'k1', 'https://x/', '[\"*\"]', 's', 1)", []).expect("row");
+        c.execute_batch(include_str!("../migrations/0017_webhook_format.sql")).expect("0017");
+        let (f, en): (String, bool) = c
+            .query_row("SELECT format, enabled FROM webhooks WHERE id = 'wh-old'", [], |r| Ok((r.get(0)?, r.get(1)?)))
+            .expect("q");
+        assert_eq!((f.as_str(), en), ("native", true));
+    }
 }

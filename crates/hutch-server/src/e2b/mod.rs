@@ -21,6 +21,7 @@ mod secrets;
 mod templates;
 mod volumes;
 mod watch;
+mod webhooks;
 
 use crate::App;
 use axum::http::{HeaderMap, StatusCode};
@@ -47,6 +48,7 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
         .merge(templates::unkeyed())
         .merge(volumes::router(app.clone()))
         .merge(secrets::router(app.clone()))
+        .merge(webhooks::router(app.clone()))
         .merge(envd::router(app))
 }
 
@@ -61,6 +63,7 @@ const REST_PREFIXES: &[&str] = &[
     "/snapshots",
     "/volumes",
     "/secrets",
+    "/events/webhooks",
     "/teams",
     "/api-keys",
     "/access-tokens",
