@@ -388,9 +388,13 @@ pub fn parse_status_line(answer: &[u8]) -> Option<u16> {
 /// One request's outcome: the answer's status, or why there was none.
 type Sent = std::result::Result<u16, String>;
 
-/// Sends one delivery (blocking): resolves, checks, connects to a checked
-/// address, writes, reads the status line.
-fn send(target: &Target, policy: &Policy, sandbox_nets: &[Cidr], head: &str, body: &[u8]) -> Sent {
+/// Resolves `target` (blocking) and checks every address it has: the
+/// addresses a connection may go to, or why none may.
+fn resolve_checked(
+    target: &Target,
+    policy: &Policy,
+    sandbox_nets: &[Cidr],
+) -> std::result::Result<Vec<SocketAddr>, String> {
     use std::net::ToSocketAddrs;
     let addrs: Vec<SocketAddr> = (target.host.as_str(), target.port)
         .to_socket_addrs()
@@ -403,6 +407,13 @@ fn send(target: &Target, policy: &Policy, sandbox_nets: &[Cidr], head: &str, bod
     for a in &addrs {
         check_addr(a.ip(), target.https, policy, &host, sandbox_nets)?;
     }
+    Ok(addrs)
+}
+
+/// Sends one delivery (blocking): resolves, checks, connects to a checked
+/// address, writes, reads the status line.
+fn send(target: &Target, policy: &Policy, sandbox_nets: &[Cidr], head: &str, body: &[u8]) -> Sent {
+    let addrs = resolve_checked(target, policy, sandbox_nets)?;
     let mut last = String::new();
     let mut tcp = None;
     for a in &addrs {
@@ -685,20 +696,9 @@ impl Control {
         let target = parse_url(url).map_err(ControlError::WebhookUrl)?;
         let policy = self.events.settings.webhooks.clone();
         let nets = self.sandbox_nets();
-        tokio::task::spawn_blocking(move || {
-            use std::net::ToSocketAddrs;
-            let addrs: Vec<SocketAddr> = (target.host.as_str(), target.port)
-                .to_socket_addrs()
-                .map_err(|e| format!("cannot resolve {}: {e}", target.host))?
-                .collect();
-            if addrs.is_empty() {
-                return Err(format!("{} has no address", target.host));
-            }
-            let host = host_addrs();
-            addrs.iter().try_for_each(|a| check_addr(a.ip(), target.https, &policy, &host, &nets))
-        })
-        .await?
-        .map_err(ControlError::WebhookUrl)
+        tokio::task::spawn_blocking(move || resolve_checked(&target, &policy, &nets).map(drop))
+            .await?
+            .map_err(ControlError::WebhookUrl)
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -534,24 +534,17 @@ impl Netlink {
         if ops.is_empty() {
             return Ok(());
         }
-        let mut batch = Vec::new();
-        let mut seqs = Vec::new();
-        let begin = self.next_seq();
-        batch.extend(batch_marker(NFNL_MSG_BATCH_BEGIN).finish(begin));
-        for op in ops {
-            let (ty, flags) = match op.kind {
-                SetOpKind::Add => (NFT_MSG_NEWSETELEM, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE),
-                SetOpKind::Remove => (NFT_MSG_DELSETELEM, NLM_F_REQUEST | NLM_F_ACK),
-            };
-            let m = set_elem_msg(ty, flags, family, table, op);
-            let seq = self.next_seq();
-            seqs.push(seq);
-            batch.extend(m.finish(seq));
-        }
-        let end = self.next_seq();
-        batch.extend(batch_marker(NFNL_MSG_BATCH_END).finish(end));
-        self.send(&batch)?;
-        self.wait_acks(&seqs, &format!("update nftables sets of table {table}"), |_, _| {})
+        let msgs = ops
+            .iter()
+            .map(|op| {
+                let (ty, flags) = match op.kind {
+                    SetOpKind::Add => (NFT_MSG_NEWSETELEM, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE),
+                    SetOpKind::Remove => (NFT_MSG_DELSETELEM, NLM_F_REQUEST | NLM_F_ACK),
+                };
+                set_elem_msg(ty, flags, family, table, op)
+            })
+            .collect();
+        self.transaction(msgs, &format!("update nftables sets of table {table}"))
     }
 
     /// Sends nf_tables messages (`NFNL_SUBSYS_NFTABLES << 8 | type`, each
