@@ -649,6 +649,21 @@ class Daemon:
         """Gives the network instance back (the daemon has stopped)."""
         self._net.release()
 
+    def teardown_with_network(self) -> list[str]:
+        """Ends a module's networked daemon: deletes what its clients made,
+        stops it, and waits for its network to leave the host (removed by
+        force, and reported, if it does not). The problems found."""
+        problems = self.cleanup_all() if self.alive() else []
+        self.stop()
+        self.kill_strays()
+        try:
+            wait_for("the network to leave the host", lambda: not self.network_leftovers(), timeout=10)
+        except AssertionError:
+            problems.append(f"network left on the host: {self.network_leftovers()}")
+            self.force_clean_network()
+        self.release_net()
+        return problems
+
     def force_clean_network(self) -> None:
         for name in net_links(self.net_instance):
             subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=10)

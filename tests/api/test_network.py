@@ -246,15 +246,7 @@ def netd(tmp_root: Path, internet):
     d.extra_env = {"HUTCH_DNS_UPSTREAM": f"{INET}:53", "HUTCH_NET_IPV6": "on"}
     d.start()
     yield d
-    problems = d.cleanup_all() if d.alive() else []
-    d.stop()
-    d.kill_strays()
-    try:
-        wait_for("the network to leave the host", lambda: not d.network_leftovers(), timeout=10)
-    except AssertionError:
-        problems.append(f"network left on the host: {d.network_leftovers()}")
-        d.force_clean_network()
-    d.release_net()
+    problems = d.teardown_with_network()
     assert not problems, problems
 
 

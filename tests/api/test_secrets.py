@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Client, Daemon, expect_error, require_root, wait_for
+from conftest import Client, Daemon, expect_error, require_root
 from test_network import ALLOWED, INET, NETNS, OTHER, internet  # noqa: F401 (the fixture)
 
 VALUE = "sk-live-7f3c9a1e5b2d4c6e8f0a1b2c3d4e5f6a"
@@ -131,15 +131,7 @@ def sd(tmp_root: Path, https, test_ca: Path):
     }
     d.start()
     yield d
-    problems = d.cleanup_all() if d.alive() else []
-    d.stop()
-    d.kill_strays()
-    try:
-        wait_for("the network to leave the host", lambda: not d.network_leftovers(), timeout=10)
-    except AssertionError:
-        problems.append(f"network left on the host: {d.network_leftovers()}")
-        d.force_clean_network()
-    d.release_net()
+    problems = d.teardown_with_network()
     assert not problems, problems
 
 
