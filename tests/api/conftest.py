@@ -14,6 +14,7 @@ timeout, every wait loop is bounded, and pytest-timeout caps each test.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -441,6 +442,26 @@ def net_table_exists(instance: int) -> bool:
     return r.returncode == 0
 
 
+def postgres_database_for_tests() -> str | None:
+    """With HUTCH_TEST_DAEMON_POSTGRES (a PostgreSQL URL of a role that may
+    create databases, e.g. the one scripts/pg-scratch.sh exports as
+    HUTCH_TEST_POSTGRES): a new database's URL, for one daemon's
+    `--database`, dropped when the test session ends. Without it, None:
+    daemons keep SQLite in their state directory (the default; CI's
+    setting)."""
+    admin = os.environ.get("HUTCH_TEST_DAEMON_POSTGRES")
+    if not admin:
+        return None
+    name = f"hutch_api_{os.getpid()}_{time.monotonic_ns()}"
+    subprocess.run(["psql", "-q", admin, "-c", f"CREATE DATABASE {name}"], check=True, timeout=30)
+    atexit.register(
+        lambda: subprocess.run(
+            ["psql", "-q", admin, "-c", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"], timeout=30, check=False
+        )
+    )
+    return admin.rsplit("/", 1)[0] + "/" + name
+
+
 class Daemon:
     """One `hutch serve` process with its own port, state and run dirs."""
 
@@ -468,6 +489,8 @@ class Daemon:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.clients: list[Client] = []
+        # Its PostgreSQL database (HUTCH_TEST_DAEMON_POSTGRES), or None: SQLite.
+        self.database = postgres_database_for_tests()
 
     @property
     def log_path(self) -> Path:
@@ -490,6 +513,8 @@ class Daemon:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
         env["HUTCH_RUN_DIR"] = str(self.run_dir)
         env["HUTCH_NET_INSTANCE"] = str(self.net_instance)
+        if self.database:
+            env["HUTCH_DATABASE"] = self.database
         env.update(self.extra_env)
         log = open(self.log_path, "wb")
         nofile = self.nofile
@@ -561,6 +586,8 @@ class Daemon:
 
     def cli(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
+        if self.database:
+            env["HUTCH_DATABASE"] = self.database
         return subprocess.run(
             [str(self.binary), *args, "--state-dir", str(self.state_dir)],
             env=env,
@@ -676,6 +703,12 @@ class Daemon:
         unmount_under(self.state_dir)
 
     def db_sandbox_ids(self) -> list[str]:
+        if self.database:
+            out = subprocess.run(
+                ["psql", "-Atq", self.database, "-c", "SELECT id FROM sandboxes"],
+                capture_output=True, text=True, timeout=30, check=True,
+            ).stdout
+            return out.split()
         with sqlite3.connect(f"file:{self.state_dir / 'hutch.db'}?mode=ro", uri=True, timeout=10) as db:
             return [row[0] for row in db.execute("SELECT id FROM sandboxes")]
 

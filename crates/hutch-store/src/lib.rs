@@ -33,7 +33,7 @@ pub use usage::{aggregate, split_days, UsageCount, UsageGroup, UsageInterval, Us
 pub enum StoreError {
     #[error("database error: {0}")]
     Sqlite(#[from] rusqlite::Error),
-    #[error("database error: {0}")]
+    #[error("database error: {}", pg_message(.0))]
     Postgres(#[from] ::postgres::Error),
     #[error("no free database connection (all {0} in use)")]
     PoolExhausted(usize),
@@ -46,6 +46,15 @@ pub enum StoreError {
 }
 
 pub type Result<T> = std::result::Result<T, StoreError>;
+
+/// A PostgreSQL error with the server's own words (its `Display` alone
+/// says only "db error").
+fn pg_message(e: &::postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{}: {} (SQLSTATE {})", db.severity(), db.message(), db.code().code()),
+        None => e.to_string(),
+    }
+}
 
 /// Per-key caps; `None` is no cap of the key's own (the host's still apply).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
