@@ -10,7 +10,7 @@
 # Needs Debian's postgresql package (any version; the newest installed is
 # used) and root (to run the server as `postgres`).
 
-pg_scratch_bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+pg_scratch_bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
 if [ -z "$pg_scratch_bin" ] || [ ! -x "$pg_scratch_bin/initdb" ]; then
     echo "pg-scratch: no PostgreSQL server (apt-get install postgresql)" >&2
     return 1 2>/dev/null || exit 1
