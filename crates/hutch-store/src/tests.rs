@@ -689,7 +689,7 @@ fn usage_follows_transitions_and_open_intervals_end_now(s: &Backend) {
     s.usage_mark(&r, 5_000).expect("the same: nothing");
     r.state = SandboxState::Paused;
     s.usage_mark(&r, 11_000).expect("mark");
-    let rows = report(&s, Some("k1"), 0, 100_000, 13_000, UsageGroup::Key);
+    let rows = report(s, Some("k1"), 0, 100_000, 13_000, UsageGroup::Key);
     assert_eq!(rows.len(), 1);
     let row = &rows[0];
     assert_eq!(row.key, "k1");
@@ -702,12 +702,12 @@ fn usage_follows_transitions_and_open_intervals_end_now(s: &Backend) {
     // Ended: nothing grows after.
     r.state = SandboxState::Terminated;
     s.usage_mark(&r, 13_000).expect("end");
-    assert_eq!(report(&s, None, 0, 100_000, 99_000, UsageGroup::Key), rows);
+    assert_eq!(report(s, None, 0, 100_000, 99_000, UsageGroup::Key), rows);
     assert!(s.usage_open_subjects().expect("open").is_empty());
     // Another owner's report sees none of it.
-    assert!(report(&s, Some("k2"), 0, 100_000, 99_000, UsageGroup::Key).is_empty());
+    assert!(report(s, Some("k2"), 0, 100_000, 99_000, UsageGroup::Key).is_empty());
     // A window clips: from 5 s to 8 s, running only.
-    let w = report(&s, None, 5_000, 8_000, 99_000, UsageGroup::Sandbox);
+    let w = report(s, None, 5_000, 8_000, 99_000, UsageGroup::Sandbox);
     assert_eq!(w[0].group.as_deref(), Some("a"));
     assert_eq!(w[0].memory_mib_seconds, 512.0 * 3.0);
     assert_eq!(w[0].paused_seconds, 0.0);
@@ -724,7 +724,7 @@ fn usage_by_day_splits_at_utc_midnight(s: &Backend) {
     s.usage_mark(&r, day - 3_600_000).expect("mark");
     r.state = SandboxState::Terminated;
     s.usage_mark(&r, day + 7_200_000).expect("end");
-    let rows = report(&s, None, 0, 10 * day, 20 * day, UsageGroup::Day);
+    let rows = report(s, None, 0, 10 * day, 20 * day, UsageGroup::Day);
     let got: Vec<(Option<&str>, f64)> = rows.iter().map(|r| (r.group.as_deref(), r.vcpu_seconds)).collect();
     assert_eq!(got, [(Some("1970-01-01"), 3600.0), (Some("1970-01-02"), 7200.0)]);
 }
@@ -764,12 +764,12 @@ fn usage_counts_objects_and_a_lost_sandbox(s: &Backend) {
     assert_eq!(s.usage_alive_at().expect("clock"), Some(50));
     s.usage_flush(&[], 40).expect("an older clock never goes back");
     assert_eq!(s.usage_alive_at().expect("clock"), Some(50));
-    let rows = report(&s, None, 0, 3_600_000, 3_600_000, UsageGroup::Key);
+    let rows = report(s, None, 0, 3_600_000, 3_600_000, UsageGroup::Key);
     assert_eq!(rows[0].snapshot_gib_hours, 2.0);
     assert_eq!(rows[0].volume_gib_hours, 1.0 + 2.0);
     assert_eq!((rows[0].commands, rows[0].egress_bytes), (3, 1000));
     // By sandbox, the volume is no sandbox's.
-    let by_sb = report(&s, None, 0, 3_600_000, 3_600_000, UsageGroup::Sandbox);
+    let by_sb = report(s, None, 0, 3_600_000, 3_600_000, UsageGroup::Sandbox);
     assert_eq!(by_sb.iter().map(|r| r.group.as_deref()).collect::<Vec<_>>(), [None, Some("a")]);
 
     // A sandbox that died with the daemon: running until the last flush,
@@ -779,7 +779,7 @@ fn usage_counts_objects_and_a_lost_sandbox(s: &Backend) {
     s.usage_mark(&r, 0).expect("mark");
     s.usage_lost("b", 4_000).expect("lost");
     s.usage_lost("b", 9_000).expect("again: nothing");
-    let rows = report(&s, Some("k1"), 0, 10_000, 10_000, UsageGroup::Sandbox);
+    let rows = report(s, Some("k1"), 0, 10_000, 10_000, UsageGroup::Sandbox);
     let b = rows.iter().find(|r| r.group.as_deref() == Some("b")).expect("b");
     assert_eq!(b.vcpu_seconds, 4.0);
     assert!((b.disk_gib_hours - 10.0 / 3600.0).abs() < 1e-12);

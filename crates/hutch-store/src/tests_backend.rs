@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 pub(crate) enum Backend {
     Sqlite(SqliteStore),
-    Postgres(PgTestDb),
+    Postgres(Box<PgTestDb>),
 }
 
 impl std::ops::Deref for Backend {
@@ -33,7 +33,7 @@ impl Backend {
     pub(crate) fn postgres() -> Option<Backend> {
         let mut db = PgTestDb::create()?;
         db.store = Some(db.open());
-        Some(Backend::Postgres(db))
+        Some(Backend::Postgres(Box::new(db)))
     }
 
     /// Runs SQL around the trait, for tests of what the schema refuses.
