@@ -641,3 +641,25 @@ async fn open_storage(args: &ServeArgs) -> Option<Arc<hutch_runtime::storage::St
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_database_url_picks_the_backend() {
+        assert!(is_postgres_url("postgres://hutch@%2Frun%2Fpostgresql/hutch"));
+        assert!(is_postgres_url("PostgreSQL://db.internal/hutch"));
+        assert!(!is_postgres_url("sqlite:///var/lib/hutch/hutch.db"));
+        assert!(!is_postgres_url("postgres:"));
+        let dir = std::env::temp_dir().join(format!("hutch-serve-db-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let e = open_store(Some("mysql://x/y"), &dir).err().expect("refused");
+        assert!(e.to_string().contains("postgres://"), "{e}");
+        assert!(!dir.join("hutch.db").exists(), "a refused URL makes no SQLite file");
+        // An empty value is the default: SQLite in the state directory.
+        open_store(Some(""), &dir).expect("sqlite");
+        assert!(dir.join("hutch.db").exists());
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+}
