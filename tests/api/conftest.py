@@ -648,7 +648,7 @@ class Daemon:
         process in this daemon's sandboxes' cgroups and remove the cgroups."""
         try:
             ids = self.db_sandbox_ids()
-        except sqlite3.Error:
+        except (sqlite3.Error, subprocess.SubprocessError):
             return
         for pid in host_processes_of(ids):
             try:
@@ -702,15 +702,26 @@ class Daemon:
         with the mount."""
         unmount_under(self.state_dir)
 
-    def db_sandbox_ids(self) -> list[str]:
+    def db_rows(self, sql: str, params: tuple = ()) -> list[tuple[str, ...]]:
+        """Rows of a read of the daemon's database, whichever it is: `?`
+        marks parameters; values come back as text on PostgreSQL (through
+        psql), as stored on SQLite. Write SQL both read alike (`pooled`,
+        not `pooled = 1`)."""
         if self.database:
-            out = subprocess.run(
-                ["psql", "-Atq", self.database, "-c", "SELECT id FROM sandboxes"],
-                capture_output=True, text=True, timeout=30, check=True,
-            ).stdout
-            return out.split()
+            args = ["psql", "-XAtq", "-F", "\x1f", "-v", "ON_ERROR_STOP=1", self.database]
+            parts = sql.split("?")
+            assert len(parts) == len(params) + 1, (sql, params)
+            query = parts[0]
+            for i, (v, rest) in enumerate(zip(params, parts[1:])):
+                args += ["-v", f"p{i}={v}"]
+                query += f":'p{i}'" + rest
+            out = subprocess.run(args, input=query + ";\n", capture_output=True, text=True, timeout=30, check=True)
+            return [tuple(line.split("\x1f")) for line in out.stdout.splitlines()]
         with sqlite3.connect(f"file:{self.state_dir / 'hutch.db'}?mode=ro", uri=True, timeout=10) as db:
-            return [row[0] for row in db.execute("SELECT id FROM sandboxes")]
+            return list(db.execute(sql, params))
+
+    def db_sandbox_ids(self) -> list[str]:
+        return [row[0] for row in self.db_rows("SELECT id FROM sandboxes")]
 
     def cleanup_all(self) -> list[str]:
         problems = []
