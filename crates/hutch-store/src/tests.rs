@@ -1,6 +1,6 @@
 //! The store's tests, each run on both backends: on an in-memory SQLite
 //! database always, and on a PostgreSQL database of its own when
-//! `HUTCH_TEST_POSTGRES` names a server (see `backend.rs`); then the
+//! `HUTCH_TEST_POSTGRES` names a server (see `tests_backend.rs`); then the
 //! races between daemons that only PostgreSQL can have.
 
 use super::*;
