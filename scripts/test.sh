@@ -36,6 +36,9 @@ for pkg_cmd in python3:python3 procps:pgrep util-linux:unshare mount:mount coreu
     done
     [ -n "$found" ] || need+=("$pkg")
 done
+# PostgreSQL (Debian 12: 15): the store's tests run on it as well as on
+# SQLite, in a throwaway cluster of their own (scripts/pg-scratch.sh).
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 if [ ${#need[@]} -gt 0 ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
@@ -49,7 +52,13 @@ python3 -m pip install --quiet --disable-pip-version-check -r tests/api/requirem
 # build.rs; without them its terminal says it was built without xterm).
 (cd console && npm ci --no-audit --no-fund --loglevel=error)
 cargo build --workspace --all-targets
+# A private PostgreSQL cluster (a temporary directory, a unix socket there,
+# no TCP port) for the store's tests on PostgreSQL: HUTCH_TEST_POSTGRES
+# names it; it is stopped and removed when this script exits.
+source scripts/pg-scratch.sh
+trap pg_scratch_stop EXIT
 cargo test --workspace -- --test-threads=2
+pg_scratch_stop
 # Every parser of untrusted bytes, fuzzed for a bounded time (fuzz/).
 bash scripts/fuzz.sh "${HUTCH_FUZZ_SECONDS:-20}"
 python3 -m pytest tests/api -q -p no:cacheprovider

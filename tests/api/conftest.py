@@ -14,6 +14,7 @@ timeout, every wait loop is bounded, and pytest-timeout caps each test.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -441,6 +442,26 @@ def net_table_exists(instance: int) -> bool:
     return r.returncode == 0
 
 
+def postgres_database_for_tests() -> str | None:
+    """With HUTCH_TEST_DAEMON_POSTGRES (a PostgreSQL URL of a role that may
+    create databases, e.g. the one scripts/pg-scratch.sh exports as
+    HUTCH_TEST_POSTGRES): a new database's URL, for one daemon's
+    `--database`, dropped when the test session ends. Without it, None:
+    daemons keep SQLite in their state directory (the default; CI's
+    setting)."""
+    admin = os.environ.get("HUTCH_TEST_DAEMON_POSTGRES")
+    if not admin:
+        return None
+    name = f"hutch_api_{os.getpid()}_{time.monotonic_ns()}"
+    subprocess.run(["psql", "-q", admin, "-c", f"CREATE DATABASE {name}"], check=True, timeout=30)
+    atexit.register(
+        lambda: subprocess.run(
+            ["psql", "-q", admin, "-c", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"], timeout=30, check=False
+        )
+    )
+    return admin.rsplit("/", 1)[0] + "/" + name
+
+
 class Daemon:
     """One `hutch serve` process with its own port, state and run dirs."""
 
@@ -468,6 +489,8 @@ class Daemon:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.clients: list[Client] = []
+        # Its PostgreSQL database (HUTCH_TEST_DAEMON_POSTGRES), or None: SQLite.
+        self.database = postgres_database_for_tests()
 
     @property
     def log_path(self) -> Path:
@@ -490,6 +513,8 @@ class Daemon:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
         env["HUTCH_RUN_DIR"] = str(self.run_dir)
         env["HUTCH_NET_INSTANCE"] = str(self.net_instance)
+        if self.database:
+            env["HUTCH_DATABASE"] = self.database
         env.update(self.extra_env)
         log = open(self.log_path, "wb")
         nofile = self.nofile
@@ -561,6 +586,8 @@ class Daemon:
 
     def cli(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
+        if self.database:
+            env["HUTCH_DATABASE"] = self.database
         return subprocess.run(
             [str(self.binary), *args, "--state-dir", str(self.state_dir)],
             env=env,
@@ -621,7 +648,7 @@ class Daemon:
         process in this daemon's sandboxes' cgroups and remove the cgroups."""
         try:
             ids = self.db_sandbox_ids()
-        except sqlite3.Error:
+        except (sqlite3.Error, subprocess.SubprocessError):
             return
         for pid in host_processes_of(ids):
             try:
@@ -675,9 +702,26 @@ class Daemon:
         with the mount."""
         unmount_under(self.state_dir)
 
-    def db_sandbox_ids(self) -> list[str]:
+    def db_rows(self, sql: str, params: tuple = ()) -> list[tuple[str, ...]]:
+        """Rows of a read of the daemon's database, whichever it is: `?`
+        marks parameters; values come back as text on PostgreSQL (through
+        psql), as stored on SQLite. Write SQL both read alike (`pooled`,
+        not `pooled = 1`)."""
+        if self.database:
+            args = ["psql", "-XAtq", "-F", "\x1f", "-v", "ON_ERROR_STOP=1", self.database]
+            parts = sql.split("?")
+            assert len(parts) == len(params) + 1, (sql, params)
+            query = parts[0]
+            for i, (v, rest) in enumerate(zip(params, parts[1:])):
+                args += ["-v", f"p{i}={v}"]
+                query += f":'p{i}'" + rest
+            out = subprocess.run(args, input=query + ";\n", capture_output=True, text=True, timeout=30, check=True)
+            return [tuple(line.split("\x1f")) for line in out.stdout.splitlines()]
         with sqlite3.connect(f"file:{self.state_dir / 'hutch.db'}?mode=ro", uri=True, timeout=10) as db:
-            return [row[0] for row in db.execute("SELECT id FROM sandboxes")]
+            return list(db.execute(sql, params))
+
+    def db_sandbox_ids(self) -> list[str]:
+        return [row[0] for row in self.db_rows("SELECT id FROM sandboxes")]
 
     def cleanup_all(self) -> list[str]:
         problems = []

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import sqlite3
 import tarfile
 import uuid
 from pathlib import Path
@@ -336,13 +335,12 @@ def test_a_never_ready_template_fails_its_sandboxes_with_a_code(api: Client):
 
 def readiness_failures(d: Daemon, tid: str, version: int) -> int:
     """Sandboxes of a template version the daemon ended for a readiness check that never passed."""
-    with sqlite3.connect(f"file:{d.state_dir / 'hutch.db'}?mode=ro", uri=True, timeout=10) as db:
-        (n,) = db.execute(
-            "SELECT count(*) FROM sandboxes WHERE template_id = ? AND template_version = ? "
-            "AND state = 'terminated' AND last_error_code = 'sandbox_readiness_timeout'",
-            (tid, version),
-        ).fetchone()
-        return n
+    ((n,),) = d.db_rows(
+        "SELECT count(*) FROM sandboxes WHERE template_id = ? AND template_version = ? "
+        "AND state = 'terminated' AND last_error_code = 'sandbox_readiness_timeout'",
+        (tid, version),
+    )
+    return int(n)
 
 
 def test_startup_changes_raise_the_version_and_warm_pools_keep_only_ready_sandboxes(daemon: Daemon, api: Client):

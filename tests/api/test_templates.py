@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sqlite3
 import subprocess
 import time
 import uuid
@@ -60,13 +59,11 @@ def wait_ready(c: Client, tid: str, n: int, timeout: float = 30) -> dict:
 
 def pooled_ids(d: Daemon, tid: str) -> list[str]:
     """Unclaimed warm sandboxes of a template, not terminated, from the daemon's database."""
-    with sqlite3.connect(f"file:{d.state_dir / 'hutch.db'}?mode=ro", uri=True, timeout=10) as db:
-        rows = db.execute(
-            "SELECT id FROM sandboxes WHERE pooled = 1 AND template_id = ? AND state != 'terminated' "
-            "ORDER BY created_at, id",
-            (tid,),
-        )
-        return [r[0] for r in rows]
+    rows = d.db_rows(
+        "SELECT id FROM sandboxes WHERE pooled AND template_id = ? AND state != 'terminated' ORDER BY created_at, id",
+        (tid,),
+    )
+    return [r[0] for r in rows]
 
 
 def metric(c: Client, line_prefix: str) -> float | None:
@@ -80,9 +77,8 @@ def metric(c: Client, line_prefix: str) -> float | None:
 
 def created_ms(d: Daemon, sid: str) -> int:
     """A sandbox's `created_at` as the daemon's database holds it (Unix ms)."""
-    with sqlite3.connect(f"file:{d.state_dir / 'hutch.db'}?mode=ro", uri=True, timeout=10) as db:
-        (ms,) = db.execute("SELECT created_at FROM sandboxes WHERE id = ?", (sid,)).fetchone()
-        return ms
+    ((ms,),) = d.db_rows("SELECT created_at FROM sandboxes WHERE id = ?", (sid,))
+    return int(ms)
 
 
 def wait_reconciler_ticks(c: Client, n: int) -> None:

@@ -1,23 +1,31 @@
-//! hutch's durable state behind the [`Store`] trait, and its embedded SQLite
-//! implementation. The only crate of hutch that knows SQL.
+//! hutch's durable state behind the [`Store`] trait, with two
+//! implementations: embedded SQLite ([`SqliteStore`], the default, one
+//! file in the state directory) and PostgreSQL ([`PgStore`], for daemons
+//! that share one database). The only crate of hutch that knows SQL.
 //!
 //! Records are plain values (strings, integers, Unix milliseconds, the API's
-//! state enums) so that a PostgreSQL implementation can follow without
-//! touching callers. Migrations live in `migrations/` and run in order at
+//! state enums), the same whatever the backend. Migrations live in
+//! `migrations/` (SQLite) and `migrations/postgres/`, and run in order at
 //! open.
 //!
 //! Sandbox records are never written back whole. A state changes only by
 //! [`Store::transition`], an update conditional on the state it leaves
-//! (`UPDATE ... WHERE state IN (...)`), so two writers (two tasks, or later
-//! two nodes) cannot both win one transition and a change made meanwhile
-//! (an extension during a boot) is never lost; other fields change by
-//! targeted updates ([`Store::set_expiry`], [`Store::set_network`]).
+//! (`UPDATE ... WHERE state IN (...)`), so two writers (two tasks, or two
+//! daemons sharing a PostgreSQL database) cannot both win one transition
+//! and a change made meanwhile (an extension during a boot) is never lost;
+//! other fields change by targeted updates ([`Store::set_expiry`],
+//! [`Store::set_network`]). How each backend keeps admissions (checks of
+//! what is held, then an insert) right under concurrency is said in its
+//! module: SQLite has one writer at a time; PostgreSQL takes advisory
+//! locks.
 
+mod pg;
 mod sqlite;
 mod sqlite_events;
 mod usage;
 
 pub use hutch_api::{BuildState, Class, OnExpire, OnIdle, SandboxState, StorageKind};
+pub use pg::{PgStore, DEFAULT_POOL_SIZE};
 pub use sqlite::SqliteStore;
 pub use usage::{aggregate, split_days, UsageCount, UsageGroup, UsageInterval, UsageKind, UsageQuery, UsageRow};
 
@@ -25,6 +33,10 @@ pub use usage::{aggregate, split_days, UsageCount, UsageGroup, UsageInterval, Us
 pub enum StoreError {
     #[error("database error: {0}")]
     Sqlite(#[from] rusqlite::Error),
+    #[error("database error: {}", pg_message(.0))]
+    Postgres(#[from] ::postgres::Error),
+    #[error("no free database connection (all {0} in use)")]
+    PoolExhausted(usize),
     #[error("a row with this key already exists")]
     Conflict,
     #[error("database lock poisoned")]
@@ -34,6 +46,15 @@ pub enum StoreError {
 }
 
 pub type Result<T> = std::result::Result<T, StoreError>;
+
+/// A PostgreSQL error with the server's own words (its `Display` alone
+/// says only "db error").
+fn pg_message(e: &::postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{}: {} (SQLSTATE {})", db.severity(), db.message(), db.code().code()),
+        None => e.to_string(),
+    }
+}
 
 /// Per-key caps; `None` is no cap of the key's own (the host's still apply).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

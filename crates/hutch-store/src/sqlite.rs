@@ -34,7 +34,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
 
 /// States in which a sandbox holds resources.
 /// (A paused sandbox keeps its admission: its resume is never refused.)
-const HOLDING: &str = "('starting', 'running', 'suspended', 'terminating', 'paused')";
+pub(crate) const HOLDING: &str = "('starting', 'running', 'suspended', 'terminating', 'paused')";
 
 impl SqliteStore {
     pub fn open(path: &Path) -> Result<SqliteStore> {
@@ -102,22 +102,25 @@ fn update_in_states(c: &Connection, update: &str, mut values: Vec<Value>, states
     Ok(c.execute(&sql, params_from_iter(values))?)
 }
 
-const SANDBOX_COLUMNS: &str = "id, owner, template, state, created_at, expires_at, max_expires_at, memory_mb, vcpus, \
+pub(crate) const SANDBOX_COLUMNS: &str =
+    "id, owner, template, state, created_at, expires_at, max_expires_at, memory_mb, vcpus, \
      disk_mib, pids, env, metadata, limits_applied, last_error_code, host_pid, idempotency_key, request_hash, \
      template_id, template_version, warm, pooled, network, storage, origin, on_expire, ttl_s, paused_ttl_s, class";
 
-const TEMPLATE_COLUMNS: &str = "id, owner, name, version, image, class, memory_mb, vcpus, disk_mib, pids, env, \
+pub(crate) const TEMPLATE_COLUMNS: &str =
+    "id, owner, name, version, image, class, memory_mb, vcpus, disk_mib, pids, env, \
      default_ttl_s, max_ttl_s, warm_min, warm_max, created_at, updated_at, deleted_at, startup, readiness, network, \
      storage, on_expire, paused_ttl_s, idle_timeout_s, on_idle, secrets";
 
-const BUILD_COLUMNS: &str = "id, template_id, owner, state, created_at, finished_at, error, parent, image, version";
+pub(crate) const BUILD_COLUMNS: &str =
+    "id, template_id, owner, state, created_at, finished_at, error, parent, image, version";
 
-const KEY_COLUMNS: &str = "id, name, hash, admin, created_at, revoked_at, max_sandboxes, max_memory_mb, \
+pub(crate) const KEY_COLUMNS: &str = "id, name, hash, admin, created_at, revoked_at, max_sandboxes, max_memory_mb, \
      max_disk_mib, max_ttl_seconds, max_builds, max_snapshots";
 
-const SNAPSHOT_COLUMNS: &str = "id, owner, name, sandbox_id, created_at, size_bytes, recipe";
+pub(crate) const SNAPSHOT_COLUMNS: &str = "id, owner, name, sandbox_id, created_at, size_bytes, recipe";
 
-const SECRET_COLUMNS: &str =
+pub(crate) const SECRET_COLUMNS: &str =
     "id, owner, name, hosts, header, format, metadata, version, sealed, created_at, updated_at";
 
 fn secret_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SecretRecord> {
@@ -363,7 +366,7 @@ fn claim_conflict(c: &Connection, claim: &VolumeClaim) -> Result<Option<String>>
     Ok((held > 0).then(|| claim.volume_id.clone()))
 }
 
-const VOLUME_COLUMNS: &str = "id, owner, name, size_mib, created_at";
+pub(crate) const VOLUME_COLUMNS: &str = "id, owner, name, size_mib, created_at";
 
 fn volume_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<VolumeRecord> {
     Ok(VolumeRecord {
@@ -389,7 +392,7 @@ fn disk_fits(c: &Connection, owner: &str, admission: &Admission, asked: u64) -> 
 }
 
 /// The first cap of `caps` that `asked` on top of `used` would pass.
-fn over(scope: Scope, caps: &Quotas, used: Usage, asked: Usage) -> Option<Exceeded> {
+pub(crate) fn over(scope: Scope, caps: &Quotas, used: Usage, asked: Usage) -> Option<Exceeded> {
     [
         (Resource::Sandboxes, caps.sandboxes, used.sandboxes, asked.sandboxes),
         (Resource::MemoryMb, caps.memory_mb, used.memory_mb, asked.memory_mb),
@@ -441,7 +444,7 @@ fn insert_sandbox_in(tx: &Transaction<'_>, s: &SandboxRecord) -> Result<()> {
     Ok(())
 }
 
-const USAGE_COLUMNS: &str =
+pub(crate) const USAGE_COLUMNS: &str =
     "owner, kind, subject, sandbox_id, template, memory_mb, vcpus, size_bytes, start_ms, end_ms";
 
 fn usage_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<UsageInterval> {
@@ -501,7 +504,7 @@ fn insert_interval(c: &Connection, i: &UsageInterval) -> Result<()> {
 }
 
 /// Whether two intervals bill the same (so one need not end for the other).
-fn bills_alike(a: &UsageInterval, b: &UsageInterval) -> bool {
+pub(crate) fn bills_alike(a: &UsageInterval, b: &UsageInterval) -> bool {
     a.kind == b.kind
         && a.owner == b.owner
         && a.memory_mb == b.memory_mb

@@ -103,19 +103,19 @@ fn webhook_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<WebhookRecord> {
 }
 
 /// The stored JSON array of types (written by `insert_webhook` only).
-fn parse_events(json: &str) -> Vec<String> {
+pub(crate) fn parse_events(json: &str) -> Vec<String> {
     // A JSON array of plain strings, as written below.
     let inner = json.trim().trim_start_matches('[').trim_end_matches(']');
     inner.split(',').map(|s| s.trim().trim_matches('"').to_owned()).filter(|s| !s.is_empty()).collect()
 }
 
 /// Types are `[a-z0-9._*]` (checked by the control plane): no escaping needed.
-fn events_json(events: &[String]) -> String {
+pub(crate) fn events_json(events: &[String]) -> String {
     let quoted: Vec<String> = events.iter().map(|e| format!("\"{}\"", e.replace(['"', '\\'], ""))).collect();
     format!("[{}]", quoted.join(","))
 }
 
-const WEBHOOK_COLS: &str = "id, owner, url, events, secret, created_at, format, name, enabled";
+pub(crate) const WEBHOOK_COLS: &str = "id, owner, url, events, secret, created_at, format, name, enabled";
 
 pub(crate) fn insert_webhook(c: &mut Connection, w: &WebhookRecord, max: u64) -> Result<bool> {
     let tx = c.transaction()?;
@@ -160,7 +160,8 @@ pub(crate) fn update_webhook(c: &mut Connection, w: &WebhookRecord) -> Result<bo
     Ok(n > 0)
 }
 
-const DELIVERY_COLS: &str = "d.id, d.webhook_id, d.event_id, d.event_type, d.payload, d.status, d.attempts, \
+pub(crate) const DELIVERY_COLS: &str =
+    "d.id, d.webhook_id, d.event_id, d.event_type, d.payload, d.status, d.attempts, \
      d.created_at, d.next_at, d.last_at, d.last_status, d.last_error";
 
 fn delivery_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<DeliveryRecord> {

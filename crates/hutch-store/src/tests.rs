@@ -1,14 +1,23 @@
-//! The store's tests, on an in-memory SQLite database.
+//! The store's tests, each run on both backends: on an in-memory SQLite
+//! database always, and on a PostgreSQL database of its own when
+//! `HUTCH_TEST_POSTGRES` names a server (see `tests_backend.rs`); then the
+//! races between daemons that only PostgreSQL can have.
 
 use super::*;
 use crate::sqlite::SqliteStore;
+use backend::Backend;
+
+#[path = "tests_backend.rs"]
+mod backend;
+#[path = "tests_pg.rs"]
+mod pg;
 
 /// Inserts with no caps.
 trait InsertFree {
     fn insert_sandbox_free(&self, sb: &SandboxRecord) -> Result<()>;
 }
 
-impl InsertFree for SqliteStore {
+impl<T: Store + ?Sized> InsertFree for T {
     fn insert_sandbox_free(&self, sb: &SandboxRecord) -> Result<()> {
         assert_eq!(self.insert_sandbox(sb, &Admission::default())?, Admitted::Inserted);
         Ok(())
@@ -49,9 +58,7 @@ fn sandbox(id: &str, created_at: i64) -> SandboxRecord {
     }
 }
 
-#[test]
-fn learned_addresses_survive_other_updates() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn learned_addresses_survive_other_updates(s: &Backend) {
     let r = sandbox("a", 1);
     s.insert_sandbox_free(&r).expect("insert");
     s.set_net_learned("a", "[\"198.51.100.3\"]").expect("learn");
@@ -75,9 +82,7 @@ fn migrations_apply_once_and_reopen_keeps_rows() {
     std::fs::remove_dir_all(&dir).expect("cleanup");
 }
 
-#[test]
-fn listing_pages_newest_first() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn listing_pages_newest_first(s: &Backend) {
     for (i, id) in ["a", "b", "c", "d", "e"].iter().enumerate() {
         s.insert_sandbox_free(&sandbox(id, i as i64)).expect("insert");
     }
@@ -94,9 +99,7 @@ fn listing_pages_newest_first() {
     assert_eq!(s.list_sandboxes(Some("k1"), None, 10, false).expect("list").len(), 5);
 }
 
-#[test]
-fn idempotency_keys_are_unique_per_owner() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn idempotency_keys_are_unique_per_owner(s: &Backend) {
     s.insert_sandbox_free(&sandbox("a", 1)).expect("insert");
     let mut dup = sandbox("b", 2);
     dup.idempotency_key = Some("key-a".into());
@@ -104,9 +107,7 @@ fn idempotency_keys_are_unique_per_owner() {
     assert_eq!(s.sandbox_by_key("k1", "key-a").expect("get").map(|r| r.id), Some("a".into()));
 }
 
-#[test]
-fn exec_journal_begins_once_finishes_and_loses_running_on_restart() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn exec_journal_begins_once_finishes_and_loses_running_on_restart(s: &Backend) {
     assert_eq!(s.begin_exec("sb", "k", "h1", 1).expect("begin"), Begin::Started);
     match s.begin_exec("sb", "k", "h1", 2).expect("begin") {
         Begin::Existing(e) => assert_eq!(e.state, ExecState::Running),
@@ -191,9 +192,7 @@ fn claim(now: i64) -> Claim<'static> {
     }
 }
 
-#[test]
-fn warm_claims_take_the_oldest_of_the_current_version_only() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn warm_claims_take_the_oldest_of_the_current_version_only(s: &Backend) {
     s.insert_template(&template("tpl-1", 1)).expect("insert");
     s.insert_sandbox_free(&pooled("old", 1, 1)).expect("insert");
     s.insert_sandbox_free(&pooled("new", 2, 1)).expect("insert");
@@ -221,9 +220,7 @@ fn warm_claims_take_the_oldest_of_the_current_version_only() {
     assert_eq!(s.pooled_sandboxes().expect("pooled").len(), 3);
 }
 
-#[test]
-fn a_template_update_writes_every_column_an_insert_does() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn a_template_update_writes_every_column_an_insert_does(s: &Backend) {
     s.insert_template(&template("tpl-1", 1)).expect("insert");
     let t = TemplateRecord {
         version: 2,
@@ -250,9 +247,7 @@ fn a_template_update_writes_every_column_an_insert_does() {
     assert_eq!(s.get_sandbox("a").expect("get"), Some(r));
 }
 
-#[test]
-fn template_names_are_unique_among_live_templates() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn template_names_are_unique_among_live_templates(s: &Backend) {
     s.insert_template(&template("tpl-1", 1)).expect("insert");
     assert!(matches!(s.insert_template(&template("tpl-2", 1)), Err(StoreError::Conflict)));
     let mut t = template("tpl-1", 1);
@@ -262,9 +257,7 @@ fn template_names_are_unique_among_live_templates() {
     assert_eq!(s.list_templates(Some("k1")).expect("list").len(), 1);
 }
 
-#[test]
-fn builds_are_listed_newest_first_and_unfinished_ones_fail_on_restart() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn builds_are_listed_newest_first_and_unfinished_ones_fail_on_restart(s: &Backend) {
     let mut t = template("tpl-1", 1);
     t.startup = Some(r#"{"command":"serve"}"#.into());
     s.insert_template(&t).expect("template");
@@ -295,9 +288,7 @@ fn builds_are_listed_newest_first_and_unfinished_ones_fail_on_restart() {
     assert_eq!(s.get_build("bld-0").expect("get").expect("some").state, BuildState::Succeeded);
 }
 
-#[test]
-fn keys_are_found_by_hash_and_revoked() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn keys_are_found_by_hash_and_revoked(s: &Backend) {
     let k = KeyRecord {
         id: "k1".into(),
         name: "admin".into(),
@@ -315,9 +306,7 @@ fn keys_are_found_by_hash_and_revoked() {
     assert_eq!(s.count_keys().expect("count"), 1);
 }
 
-#[test]
-fn transitions_are_conditional_on_the_state_they_leave() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn transitions_are_conditional_on_the_state_they_leave(s: &Backend) {
     let mut r = sandbox("a", 1);
     r.state = SandboxState::Starting;
     s.insert_sandbox_free(&r).expect("insert");
@@ -353,9 +342,7 @@ fn transitions_are_conditional_on_the_state_they_leave() {
         .is_none());
 }
 
-#[test]
-fn admission_counts_what_live_sandboxes_hold() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn admission_counts_what_live_sandboxes_hold(s: &Backend) {
     let owner = Quotas { sandboxes: Some(2), memory_mb: Some(1024), ..Quotas::default() };
     let host = Quotas { memory_mb: Some(1500), ..Quotas::default() };
     let adm = Admission { owner, host };
@@ -387,9 +374,7 @@ fn admission_counts_what_live_sandboxes_hold() {
     assert_eq!(s.usage(None).expect("usage").sandboxes, 2);
 }
 
-#[test]
-fn builds_at_once_are_capped_per_owner() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn builds_at_once_are_capped_per_owner(s: &Backend) {
     let b = |id: &str, owner: &str| BuildRecord {
         id: id.into(),
         template_id: "tpl-1".into(),
@@ -412,9 +397,7 @@ fn builds_at_once_are_capped_per_owner() {
     assert_eq!(s.count_running_builds(None).expect("count"), 2);
 }
 
-#[test]
-fn quotas_are_kept_with_the_key() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn quotas_are_kept_with_the_key(s: &Backend) {
     let k = KeyRecord {
         id: "k1".into(),
         name: "ci".into(),
@@ -432,9 +415,7 @@ fn quotas_are_kept_with_the_key() {
     assert!(!s.set_quotas("k1", &Quotas::default()).expect("revoked keys keep theirs"));
 }
 
-#[test]
-fn storage_is_kept_and_a_claim_takes_only_a_warm_sandbox_of_the_asked_storage() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn storage_is_kept_and_a_claim_takes_only_a_warm_sandbox_of_the_asked_storage(s: &Backend) {
     s.insert_template(&template("tpl-1", 1)).expect("template");
     assert_eq!(s.get_template("tpl-1").expect("get").expect("some").storage, None);
     let mut t = template("tpl-1", 2);
@@ -451,9 +432,7 @@ fn storage_is_kept_and_a_claim_takes_only_a_warm_sandbox_of_the_asked_storage() 
     assert_eq!((got.id.as_str(), got.storage), ("m", StorageKind::Memory));
 }
 
-#[test]
-fn snapshots_are_owned_named_once_per_owner_and_counted() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn snapshots_are_owned_named_once_per_owner_and_counted(s: &Backend) {
     let snap = |id: &str, owner: &str, name: Option<&str>| SnapshotRecord {
         id: id.into(),
         owner: owner.into(),
@@ -486,9 +465,7 @@ fn vclaim(volume_id: &str, sandbox_id: &str, read_only: bool) -> VolumeClaim {
     VolumeClaim { volume_id: volume_id.into(), sandbox_id: sandbox_id.into(), path: "/data".into(), read_only }
 }
 
-#[test]
-fn volume_claims_are_one_writer_or_many_readers_and_end_with_their_sandbox() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn volume_claims_are_one_writer_or_many_readers_and_end_with_their_sandbox(s: &Backend) {
     let free = Admission::default();
     assert_eq!(s.insert_volume(&volume("v1", "k1", "data", 64), &free).expect("insert"), Admitted::Inserted);
     assert!(matches!(s.insert_volume(&volume("v2", "k1", "data", 64), &free), Err(StoreError::Conflict)));
@@ -522,9 +499,7 @@ fn volume_claims_are_one_writer_or_many_readers_and_end_with_their_sandbox() {
     assert!(s.get_sandbox("r3").expect("get").is_none());
 }
 
-#[test]
-fn volumes_count_toward_disk_and_grow_under_the_caps() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn volumes_count_toward_disk_and_grow_under_the_caps(s: &Backend) {
     let caps = Admission { owner: Quotas { disk_mib: Some(1000), ..Quotas::default() }, host: Quotas::default() };
     assert_eq!(s.insert_volume(&volume("v1", "k1", "a", 600), &caps).expect("insert"), Admitted::Inserted);
     assert!(matches!(s.insert_volume(&volume("v2", "k1", "b", 600), &caps).expect("insert"), Admitted::Refused(_)));
@@ -555,9 +530,7 @@ fn audit_row(at: i64, key: &str, route: &str, status: u16) -> AuditRecord {
     }
 }
 
-#[test]
-fn audit_rows_append_list_newest_first_and_prune() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn audit_rows_append_list_newest_first_and_prune(s: &Backend) {
     let k = KeyRecord {
         id: "k1".into(),
         name: "ci".into(),
@@ -591,10 +564,8 @@ fn audit_rows_append_list_newest_first_and_prune() {
     assert_eq!(s.list_audit(&window).expect("list").iter().map(|r| r.at).collect::<Vec<_>>(), [103, 102, 101]);
 
     // Rows are never rewritten, even by SQL that bypasses the trait.
-    let c = s.raw_conn_for_tests();
-    let err = c.execute("UPDATE audit SET status = 200", []).expect_err("update refused");
-    assert!(err.to_string().contains("append-only"), "{err}");
-    drop(c);
+    let err = s.raw_execute("UPDATE audit SET status = 200").expect_err("update refused");
+    assert!(err.contains("append-only"), "{err}");
 
     assert_eq!(s.prune_audit(103).expect("prune"), 3);
     let left = s.list_audit(&AuditQuery { limit: 100, ..AuditQuery::default() }).expect("list");
@@ -630,9 +601,7 @@ fn webhook(id: &str, owner: &str, events: &[&str]) -> WebhookRecord {
     }
 }
 
-#[test]
-fn events_list_oldest_first_filtered_and_pruned() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn events_list_oldest_first_filtered_and_pruned(s: &Backend) {
     assert_eq!(s.last_event_id().expect("last"), 0);
     let rows = [
         event(1, "k1", "sandbox.created", Some("sb-1")),
@@ -655,9 +624,7 @@ fn events_list_oldest_first_filtered_and_pruned() {
     assert_eq!(ids(EventQuery { limit: 10, ..EventQuery::default() }), [3, 4]);
 }
 
-#[test]
-fn deliveries_are_made_with_their_events_for_matching_webhooks() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn deliveries_are_made_with_their_events_for_matching_webhooks(s: &Backend) {
     assert!(s.insert_webhook(&webhook("wh-1", "k1", &["*"]), 2).expect("insert"));
     assert!(s.insert_webhook(&webhook("wh-2", "k1", &["sandbox.ready"]), 2).expect("insert"));
     assert!(!s.insert_webhook(&webhook("wh-3", "k1", &["*"]), 2).expect("insert"), "over the owner's limit");
@@ -704,7 +671,7 @@ fn deliveries_are_made_with_their_events_for_matching_webhooks() {
     assert_eq!(s.list_deliveries("wh-1", None, 10).expect("list").len(), 0);
 }
 
-fn report(s: &SqliteStore, owner: Option<&str>, from: i64, to: i64, now: i64, group: UsageGroup) -> Vec<UsageRow> {
+fn report(s: &Backend, owner: Option<&str>, from: i64, to: i64, now: i64, group: UsageGroup) -> Vec<UsageRow> {
     s.usage_report(&UsageQuery { owner: owner.map(str::to_owned), from, to, now, group }).expect("report")
 }
 
@@ -712,9 +679,7 @@ fn report(s: &SqliteStore, owner: Option<&str>, from: i64, to: i64, now: i64, gr
 /// and vCPUs, paused time is paused, every state but terminated bills its
 /// layer; an open interval ends at `now`; a mark that changes nothing
 /// writes nothing.
-#[test]
-fn usage_follows_transitions_and_open_intervals_end_now() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn usage_follows_transitions_and_open_intervals_end_now(s: &Backend) {
     let mut r = sandbox("a", 0);
     r.state = SandboxState::Starting;
     r.disk_mib = 1024;
@@ -725,7 +690,7 @@ fn usage_follows_transitions_and_open_intervals_end_now() {
     s.usage_mark(&r, 5_000).expect("the same: nothing");
     r.state = SandboxState::Paused;
     s.usage_mark(&r, 11_000).expect("mark");
-    let rows = report(&s, Some("k1"), 0, 100_000, 13_000, UsageGroup::Key);
+    let rows = report(s, Some("k1"), 0, 100_000, 13_000, UsageGroup::Key);
     assert_eq!(rows.len(), 1);
     let row = &rows[0];
     assert_eq!(row.key, "k1");
@@ -738,38 +703,34 @@ fn usage_follows_transitions_and_open_intervals_end_now() {
     // Ended: nothing grows after.
     r.state = SandboxState::Terminated;
     s.usage_mark(&r, 13_000).expect("end");
-    assert_eq!(report(&s, None, 0, 100_000, 99_000, UsageGroup::Key), rows);
+    assert_eq!(report(s, None, 0, 100_000, 99_000, UsageGroup::Key), rows);
     assert!(s.usage_open_subjects().expect("open").is_empty());
     // Another owner's report sees none of it.
-    assert!(report(&s, Some("k2"), 0, 100_000, 99_000, UsageGroup::Key).is_empty());
+    assert!(report(s, Some("k2"), 0, 100_000, 99_000, UsageGroup::Key).is_empty());
     // A window clips: from 5 s to 8 s, running only.
-    let w = report(&s, None, 5_000, 8_000, 99_000, UsageGroup::Sandbox);
+    let w = report(s, None, 5_000, 8_000, 99_000, UsageGroup::Sandbox);
     assert_eq!(w[0].group.as_deref(), Some("a"));
     assert_eq!(w[0].memory_mib_seconds, 512.0 * 3.0);
     assert_eq!(w[0].paused_seconds, 0.0);
 }
 
-#[test]
-fn usage_by_day_splits_at_utc_midnight() {
+fn usage_by_day_splits_at_utc_midnight(s: &Backend) {
     assert_eq!(split_days(10, 20), vec![(10, 20)]);
     let day = 86_400_000;
     assert_eq!(split_days(day - 5, 2 * day + 5), vec![(day - 5, day), (day, 2 * day), (2 * day, 2 * day + 5)]);
     assert!(split_days(5, 5).is_empty());
-    let s = SqliteStore::open_in_memory().expect("open");
     let mut r = sandbox("a", 0);
     s.insert_sandbox_free(&r).expect("insert");
     // Running from an hour before midnight (1970-01-01/02) to two after.
     s.usage_mark(&r, day - 3_600_000).expect("mark");
     r.state = SandboxState::Terminated;
     s.usage_mark(&r, day + 7_200_000).expect("end");
-    let rows = report(&s, None, 0, 10 * day, 20 * day, UsageGroup::Day);
+    let rows = report(s, None, 0, 10 * day, 20 * day, UsageGroup::Day);
     let got: Vec<(Option<&str>, f64)> = rows.iter().map(|r| (r.group.as_deref(), r.vcpu_seconds)).collect();
     assert_eq!(got, [(Some("1970-01-01"), 3600.0), (Some("1970-01-02"), 7200.0)]);
 }
 
-#[test]
-fn usage_counts_objects_and_a_lost_sandbox() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn usage_counts_objects_and_a_lost_sandbox(s: &Backend) {
     let snap = UsageInterval {
         owner: "k1".into(),
         kind: UsageKind::Snapshot,
@@ -804,12 +765,12 @@ fn usage_counts_objects_and_a_lost_sandbox() {
     assert_eq!(s.usage_alive_at().expect("clock"), Some(50));
     s.usage_flush(&[], 40).expect("an older clock never goes back");
     assert_eq!(s.usage_alive_at().expect("clock"), Some(50));
-    let rows = report(&s, None, 0, 3_600_000, 3_600_000, UsageGroup::Key);
+    let rows = report(s, None, 0, 3_600_000, 3_600_000, UsageGroup::Key);
     assert_eq!(rows[0].snapshot_gib_hours, 2.0);
     assert_eq!(rows[0].volume_gib_hours, 1.0 + 2.0);
     assert_eq!((rows[0].commands, rows[0].egress_bytes), (3, 1000));
     // By sandbox, the volume is no sandbox's.
-    let by_sb = report(&s, None, 0, 3_600_000, 3_600_000, UsageGroup::Sandbox);
+    let by_sb = report(s, None, 0, 3_600_000, 3_600_000, UsageGroup::Sandbox);
     assert_eq!(by_sb.iter().map(|r| r.group.as_deref()).collect::<Vec<_>>(), [None, Some("a")]);
 
     // A sandbox that died with the daemon: running until the last flush,
@@ -819,7 +780,7 @@ fn usage_counts_objects_and_a_lost_sandbox() {
     s.usage_mark(&r, 0).expect("mark");
     s.usage_lost("b", 4_000).expect("lost");
     s.usage_lost("b", 9_000).expect("again: nothing");
-    let rows = report(&s, Some("k1"), 0, 10_000, 10_000, UsageGroup::Sandbox);
+    let rows = report(s, Some("k1"), 0, 10_000, 10_000, UsageGroup::Sandbox);
     let b = rows.iter().find(|r| r.group.as_deref() == Some("b")).expect("b");
     assert_eq!(b.vcpu_seconds, 4.0);
     assert!((b.disk_gib_hours - 10.0 / 3600.0).abs() < 1e-12);
@@ -841,9 +802,7 @@ fn secret(owner: &str, name: &str) -> SecretRecord {
     }
 }
 
-#[test]
-fn secrets_are_owned_by_name_updated_in_place_and_deleted() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn secrets_are_owned_by_name_updated_in_place_and_deleted(s: &Backend) {
     s.insert_secret(&secret("k1", "TOKEN")).expect("insert");
     s.insert_secret(&secret("k2", "TOKEN")).expect("another owner, same name");
     assert!(matches!(s.insert_secret(&secret("k1", "TOKEN")), Err(StoreError::Conflict)));
@@ -869,9 +828,7 @@ fn secrets_are_owned_by_name_updated_in_place_and_deleted() {
     assert_eq!(s.list_secrets(None).expect("list"), vec![secret("k2", "TOKEN")]);
 }
 
-#[test]
-fn webhooks_keep_their_format_and_a_disabled_one_gets_no_deliveries() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn webhooks_keep_their_format_and_a_disabled_one_gets_no_deliveries(s: &Backend) {
     assert!(s.insert_webhook(&webhook("wh-n", "k1", &["*"]), 4).expect("insert"));
     let mut e = WebhookRecord { format: "e2b".into(), name: "mine".into(), ..webhook("wh-e", "k1", &["*"]) };
     assert!(s.insert_webhook(&e, 4).expect("insert"));
@@ -912,11 +869,51 @@ fn webhooks_made_before_the_format_column_are_native_and_enabled() {
     }
 }
 
-#[test]
-fn a_sandbox_keeps_its_class() {
-    let s = SqliteStore::open_in_memory().expect("open");
+fn a_sandbox_keeps_its_class(s: &Backend) {
     s.insert_sandbox_free(&SandboxRecord { class: Class::Gvisor, ..sandbox("g", 1) }).expect("insert");
     s.insert_sandbox_free(&sandbox("c", 2)).expect("insert");
     assert_eq!(s.get_sandbox("g").expect("get").expect("some").class, Class::Gvisor);
     assert_eq!(s.get_sandbox("c").expect("get").expect("some").class, Class::Container);
 }
+
+/// Each test of both backends: `sqlite::name` always, `postgres::name`
+/// when `HUTCH_TEST_POSTGRES` is set (scripts/test.sh sets it).
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(#[test] fn $name() { super::$name(&super::Backend::sqlite()) })*
+        }
+        mod postgres {
+            $(#[test] fn $name() { if let Some(b) = super::Backend::postgres() { super::$name(&b) } })*
+        }
+    };
+}
+
+on_both_backends!(
+    learned_addresses_survive_other_updates,
+    listing_pages_newest_first,
+    idempotency_keys_are_unique_per_owner,
+    exec_journal_begins_once_finishes_and_loses_running_on_restart,
+    warm_claims_take_the_oldest_of_the_current_version_only,
+    a_template_update_writes_every_column_an_insert_does,
+    template_names_are_unique_among_live_templates,
+    builds_are_listed_newest_first_and_unfinished_ones_fail_on_restart,
+    keys_are_found_by_hash_and_revoked,
+    transitions_are_conditional_on_the_state_they_leave,
+    admission_counts_what_live_sandboxes_hold,
+    builds_at_once_are_capped_per_owner,
+    quotas_are_kept_with_the_key,
+    storage_is_kept_and_a_claim_takes_only_a_warm_sandbox_of_the_asked_storage,
+    snapshots_are_owned_named_once_per_owner_and_counted,
+    volume_claims_are_one_writer_or_many_readers_and_end_with_their_sandbox,
+    volumes_count_toward_disk_and_grow_under_the_caps,
+    audit_rows_append_list_newest_first_and_prune,
+    events_list_oldest_first_filtered_and_pruned,
+    deliveries_are_made_with_their_events_for_matching_webhooks,
+    usage_follows_transitions_and_open_intervals_end_now,
+    usage_by_day_splits_at_utc_midnight,
+    usage_counts_objects_and_a_lost_sandbox,
+    secrets_are_owned_by_name_updated_in_place_and_deleted,
+    webhooks_keep_their_format_and_a_disabled_one_gets_no_deliveries,
+    a_sandbox_keeps_its_class,
+);

@@ -6,10 +6,10 @@
 use anyhow::{Context, Result};
 use clap::Args;
 use hutch_control::Control;
-use hutch_store::{SqliteStore, Store};
+use hutch_store::{PgStore, SqliteStore, Store};
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,6 +27,13 @@ pub struct ServeArgs {
     /// Directory for the database, keys and root filesystems (HUTCH_STATE_DIR).
     #[arg(long, env = "HUTCH_STATE_DIR", default_value = "/var/lib/hutch")]
     pub state_dir: PathBuf,
+    /// The database: a `postgres://` URL for PostgreSQL (which daemons may
+    /// share), e.g. `postgres://hutch@%2Fvar%2Frun%2Fpostgresql/hutch` over
+    /// a unix socket; without TLS, so over a socket, localhost or a
+    /// trusted network. Default: SQLite in <state-dir>/hutch.db
+    /// (HUTCH_DATABASE).
+    #[arg(long, env = "HUTCH_DATABASE", value_name = "URL", hide_env_values = true)]
+    pub database: Option<String>,
     /// Which hutch network of this host to use, 0 to 31: its own subnet
     /// 100.(96+N).0.0/16, nftables table and links, for daemons side by
     /// side (HUTCH_NET_INSTANCE).
@@ -135,6 +142,32 @@ pub struct ServeArgs {
     /// Emit no events (to measure what the event path costs).
     #[arg(long, hide = true)]
     pub no_events: bool,
+}
+
+/// The daemon's store, chosen by `--database`'s scheme: PostgreSQL for a
+/// `postgres://` (or `postgresql://`) URL, else SQLite in the state
+/// directory. The URL is never printed (it may hold a password).
+pub fn open_store(database: Option<&str>, state_dir: &Path) -> Result<Arc<dyn Store>> {
+    match database.filter(|d| !d.is_empty()) {
+        None => {
+            let db = state_dir.join("hutch.db");
+            Ok(Arc::new(SqliteStore::open(&db).with_context(|| format!("open {}", db.display()))?))
+        }
+        Some(url) if is_postgres_url(url) => {
+            let store = PgStore::open(url).context("open the PostgreSQL database of --database (HUTCH_DATABASE)")?;
+            tracing::info!("state in PostgreSQL (--database)");
+            Ok(Arc::new(store))
+        }
+        Some(_) => anyhow::bail!(
+            "--database (HUTCH_DATABASE) must be a postgres:// or postgresql:// URL; leave it out for SQLite in the \
+             state directory"
+        ),
+    }
+}
+
+/// Whether `--database` names PostgreSQL.
+pub fn is_postgres_url(url: &str) -> bool {
+    ["postgres://", "postgresql://"].iter().any(|p| url.get(..p.len()).is_some_and(|s| s.eq_ignore_ascii_case(p)))
 }
 
 /// `--webhook-allow-http`'s ranges.
@@ -347,8 +380,7 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         .mode(0o700)
         .create(&args.state_dir)
         .with_context(|| format!("create state directory {}", args.state_dir.display()))?;
-    let db = args.state_dir.join("hutch.db");
-    let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&db).with_context(|| format!("open {}", db.display()))?);
+    let store = open_store(args.database.as_deref(), &args.state_dir)?;
     if store.count_keys()? == 0 {
         let key = hutch_control::keys::generate("admin", true, false, hutch_store::Quotas::default())?;
         store.insert_key(&key.record)?;
@@ -607,5 +639,27 @@ async fn open_storage(args: &ServeArgs) -> Option<Arc<hutch_runtime::storage::St
             tracing::warn!("no disk storage ({e})");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_database_url_picks_the_backend() {
+        assert!(is_postgres_url("postgres://hutch@%2Frun%2Fpostgresql/hutch"));
+        assert!(is_postgres_url("PostgreSQL://db.internal/hutch"));
+        assert!(!is_postgres_url("sqlite:///var/lib/hutch/hutch.db"));
+        assert!(!is_postgres_url("postgres:"));
+        let dir = std::env::temp_dir().join(format!("hutch-serve-db-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let e = open_store(Some("mysql://x/y"), &dir).err().expect("refused");
+        assert!(e.to_string().contains("postgres://"), "{e}");
+        assert!(!dir.join("hutch.db").exists(), "a refused URL makes no SQLite file");
+        // An empty value is the default: SQLite in the state directory.
+        open_store(Some(""), &dir).expect("sqlite");
+        assert!(dir.join("hutch.db").exists());
+        std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 }

@@ -11,7 +11,7 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 use hutch_api::ApiKey;
 use hutch_control::keys;
-use hutch_store::{Quotas, SqliteStore};
+use hutch_store::{Quotas, SqliteStore, Store};
 use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug)]
@@ -19,6 +19,10 @@ pub struct KeyArgs {
     /// The daemon's state directory, holding hutch.db (HUTCH_STATE_DIR).
     #[arg(long, global = true, env = "HUTCH_STATE_DIR", default_value = DEFAULT_STATE_DIR)]
     pub state_dir: PathBuf,
+    /// The daemon's PostgreSQL database, when it has one (`hutch serve
+    /// --database`) (HUTCH_DATABASE).
+    #[arg(long, global = true, env = "HUTCH_DATABASE", value_name = "URL", hide_env_values = true)]
+    pub database: Option<String>,
     /// Manage the keys of this daemon through its API instead (HUTCH_URL).
     #[arg(long, global = true, env = "HUTCH_URL")]
     pub url: Option<String>,
@@ -105,14 +109,17 @@ impl QuotaArgs {
 
 /// Where keys are managed: the host's database or a daemon's API.
 enum Keys {
-    Local(SqliteStore),
+    Local(Box<dyn Store>),
     Remote(super::client::Client),
 }
 
 impl Keys {
     fn of(args: &KeyArgs) -> anyhow::Result<Keys> {
         if args.url.is_none() && args.api_key.is_none() {
-            return Ok(Keys::Local(open(&args.state_dir)?));
+            return Ok(Keys::Local(match args.database.as_deref().filter(|d| !d.is_empty()) {
+                Some(url) => open_postgres(url)?,
+                None => Box::new(open(&args.state_dir)?),
+            }));
         }
         let conn = ClientOpts {
             url: args.url.clone().unwrap_or_else(|| DEFAULT_URL.to_owned()),
@@ -124,7 +131,7 @@ impl Keys {
 
     fn create(&self, name: &str, e2b: bool, quotas: Quotas) -> anyhow::Result<ApiKey> {
         Ok(match self {
-            Keys::Local(s) => keys::create(s, name, false, e2b, quotas)?,
+            Keys::Local(s) => keys::create(s.as_ref(), name, false, e2b, quotas)?,
             Keys::Remote(c) => {
                 c.create_key(&hutch_api::CreateKey { name: name.to_owned(), e2b, quotas: keys::to_api(&quotas) })?
             }
@@ -133,21 +140,21 @@ impl Keys {
 
     fn set_quotas(&self, id: &str, quotas: Quotas) -> anyhow::Result<ApiKey> {
         Ok(match self {
-            Keys::Local(s) => keys::set_quotas(s, id, quotas)?,
+            Keys::Local(s) => keys::set_quotas(s.as_ref(), id, quotas)?,
             Keys::Remote(c) => c.set_key_quotas(id, &keys::to_api(&quotas))?,
         })
     }
 
     fn list(&self) -> anyhow::Result<Vec<ApiKey>> {
         Ok(match self {
-            Keys::Local(s) => keys::list(s)?,
+            Keys::Local(s) => keys::list(s.as_ref())?,
             Keys::Remote(c) => c.list_keys()?.keys,
         })
     }
 
     fn revoke(&self, id: &str) -> anyhow::Result<()> {
         match self {
-            Keys::Local(s) => keys::revoke(s, id)?,
+            Keys::Local(s) => keys::revoke(s.as_ref(), id)?,
             Keys::Remote(c) => c.revoke_key(id)?,
         }
         Ok(())
@@ -197,6 +204,16 @@ fn run(args: KeyArgs) -> anyhow::Result<i32> {
             Ok(0)
         }
     }
+}
+
+/// The daemon's PostgreSQL database (`--database`).
+fn open_postgres(url: &str) -> anyhow::Result<Box<dyn Store>> {
+    if !crate::serve::is_postgres_url(url) {
+        anyhow::bail!("--database (HUTCH_DATABASE) must be a postgres:// or postgresql:// URL");
+    }
+    Ok(Box::new(
+        hutch_store::PgStore::open(url).context("opening the PostgreSQL database of --database (HUTCH_DATABASE)")?,
+    ))
 }
 
 /// Opens the daemon's database; refuses to create one where none is.
