@@ -924,3 +924,61 @@ fn a_killed_commands_exit_comes_after_its_whole_tree_is_gone() {
         assert!(listed(&mut c).is_empty());
     }
 }
+
+/// The agent's children that are not listed commands: after a spawn, the
+/// spare supervisor forked for the next one.
+fn spares(agent: &Agent, c: &mut Client) -> Vec<u32> {
+    let commands: Vec<u32> = listed(c).iter().map(|p| p.pid).collect();
+    let pid = agent.child.id();
+    let direct = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    direct
+        .split_whitespace()
+        .filter_map(|p| p.parse::<u32>().ok())
+        .filter(|p| !commands.iter().any(|&c| descendants(*p).contains(&c)))
+        .collect()
+}
+
+/// Commands are handed to a supervisor forked ahead of them (a spare):
+/// each one, in turn, still holds its slot while a process it left
+/// behind lives, and a signal reaches that process; the spare itself holds
+/// no slot, and one that was killed is replaced at the next spawn.
+#[test]
+fn commands_handed_to_spare_supervisors_keep_their_trees_and_a_dead_spare_is_replaced() {
+    let mut agent = Agent::start_with(1);
+    let mut c = agent.connect();
+    for round in 0..3 {
+        let pid = c.spawn(root_spawn(Cmd::Shell("setsid sleep 1000 & echo $!".into())));
+        let out = c.collect(pid);
+        let status = out.status.expect("exit");
+        assert_eq!((status.code, status.descendants_alive), (Some(0), true), "round {round}: {status:?}");
+        let orphan: u32 = String::from_utf8_lossy(&out.stdout).trim().parse().expect("pid of the setsid'd sleep");
+        // The one slot is held by the sleep left behind, not by the spare.
+        assert!(
+            matches!(
+                c.call(Request::Spawn(root_spawn(argv(&["true"]))), &[]).0,
+                Reply::Error { code: ErrorCode::Capacity, .. }
+            ),
+            "round {round}: a second command got the only slot"
+        );
+        wait_sleeping(orphan);
+        let held = Pidfd::open(orphan).expect("the sleep runs");
+        c.ok(Request::Signal { pid, signal: libc::SIGTERM });
+        held.wait_ended("the setsid'd sleep");
+        wait_listed(&mut c, "the slot to be free", |l| l.is_empty());
+    }
+    // A spare waits for the next command; kill it: the next spawn forks
+    // another and runs.
+    let mut found = Vec::new();
+    wait_for("a spare supervisor", Duration::from_secs(10), || {
+        found = spares(&agent, &mut c);
+        found.len() == 1
+    });
+    let spare = Pidfd::open(found[0]).expect("the spare runs");
+    // SAFETY: kill takes no pointers; the pid is our agent's child, held by a pidfd.
+    assert_eq!(unsafe { libc::kill(found[0] as i32, libc::SIGKILL) }, 0);
+    spare.wait_ended("the killed spare");
+    let pid = c.spawn(root_spawn(argv(&["echo", "after"])));
+    let out = c.collect(pid);
+    assert_eq!((out.status, out.stdout.as_slice()), (exited(0), &b"after\n"[..]));
+    assert!(agent.alive(), "the agent died");
+}

@@ -191,6 +191,96 @@ pub fn accept(fd: BorrowedFd<'_>) -> SysResult<OwnedFd> {
     })
 }
 
+/// A connected pair of close-on-exec stream sockets (blocking).
+pub fn socketpair() -> SysResult<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: fds is a valid array of two ints for the kernel to fill.
+    cvt(unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr()) })?;
+    // SAFETY: socketpair succeeded, so both descriptors are new and ours.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Most descriptors one [`send_with_fds`] carries.
+pub const MAX_PASSED_FDS: usize = 8;
+
+/// Sends `buf` on a stream socket without blocking and without raising
+/// SIGPIPE, with `fds` attached (`SCM_RIGHTS`) to its first byte; returns
+/// how much was sent.
+pub fn send_with_fds(sock: BorrowedFd<'_>, buf: &[u8], fds: &[RawFd]) -> SysResult<usize> {
+    if fds.len() > MAX_PASSED_FDS {
+        return Err(Errno(libc::EINVAL));
+    }
+    // u64 words: aligned for a cmsghdr.
+    let mut space = [0u64; 8 + MAX_PASSED_FDS / 2];
+    let mut iov = libc::iovec { iov_base: buf.as_ptr() as *mut libc::c_void, iov_len: buf.len() };
+    // SAFETY: msghdr is plain data; every pointer set below stays valid for the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if !fds.is_empty() {
+        let bytes = std::mem::size_of_val(fds) as u32;
+        // SAFETY: CMSG_SPACE only computes a size.
+        msg.msg_controllen = unsafe { libc::CMSG_SPACE(bytes) } as _;
+        msg.msg_control = space.as_mut_ptr().cast();
+        // SAFETY: msg_control points at `space`, large enough for one
+        // header and MAX_PASSED_FDS descriptors (checked above).
+        unsafe {
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(bytes) as _;
+            std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(cmsg).cast::<RawFd>(), fds.len());
+        }
+    }
+    // SAFETY: msg and what it points to are valid for the call.
+    cvt_size(unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) })
+}
+
+/// Receives into `buf` (blocking), taking the descriptors attached to
+/// what was read (close-on-exec) into `fds`.
+pub fn recv_with_fds(sock: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> SysResult<usize> {
+    let mut space = [0u64; 8 + MAX_PASSED_FDS / 2];
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    // SAFETY: msghdr is plain data; every pointer set below stays valid for the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = space.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&space) as _;
+    // SAFETY: msg and what it points to are valid for the call.
+    let n = cvt_size(unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) })?;
+    // SAFETY: the kernel filled msg_control with msg_controllen bytes of
+    // well-formed control messages; CMSG_NXTHDR stays within them.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
+                let count = ((*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                for i in 0..count {
+                    fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    Ok(n)
+}
+
+/// Reads from a socket without blocking, whatever its file status flags.
+pub fn recv_nowait(fd: BorrowedFd<'_>, buf: &mut [u8]) -> SysResult<usize> {
+    // SAFETY: buf is valid for writes of buf.len() bytes.
+    cvt_size(unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) })
+}
+
+/// Waits up to `timeout_ms` for `fd` to become writable.
+pub fn poll_out(fd: BorrowedFd<'_>, timeout_ms: i32) -> SysResult<bool> {
+    let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
+    // SAFETY: p is one valid pollfd.
+    let n = cvt(unsafe { libc::poll(&mut p, 1, timeout_ms) })?;
+    Ok(n > 0)
+}
+
 /// Waits up to `timeout_ms` for `fd` to become readable.
 pub fn poll_in(fd: BorrowedFd<'_>, timeout_ms: i32) -> SysResult<bool> {
     let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
