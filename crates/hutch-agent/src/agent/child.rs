@@ -2,16 +2,11 @@
 //! the command's whole process tree and can kill all of it) and the set-up
 //! of the real child between its fork and `execve`.
 //!
-//! The agent forks a supervisor before it is needed (a *spare*, see
-//! [`spare`]) and hands it a command as an [`Order`] over a socket pair, with
-//! the command's descriptors attached: a spawn then costs no fork of the
-//! agent (page tables copied, copy-on-write faults on both sides after),
-//! only a message. What every command shares (limits, capabilities, the
-//! seccomp filter, the workload cgroup) the spare inherits ([`Fixed`]).
-//! The child path allocates nothing.
+//! Everything the child needs is prepared by the agent before the first fork
+//! ([`ChildPlan`]); the child path allocates nothing.
 
-use std::ffi::{CStr, CString};
-use std::os::fd::{AsFd, BorrowedFd, IntoRawFd, OwnedFd, RawFd};
+use std::ffi::CString;
+use std::os::fd::RawFd;
 
 use super::sys::{self, CStrArray, Errno};
 
@@ -45,85 +40,10 @@ pub fn tree_signal() -> libc::c_int {
     libc::SIGRTMIN() + 1
 }
 
-/// What every command's child gets from the agent unchanged; a spare
-/// supervisor inherits it when the agent forks it.
-pub struct Fixed<'a> {
+/// Everything the supervisor and the child need, built before forking.
+pub struct ChildPlan<'a> {
     /// Whether the agent's OOM score differs from the default, so that
     /// children must set theirs back to 0.
-    pub reset_oom: bool,
-    /// Capabilities kept when the command runs as uid 0.
-    pub root_caps: u64,
-    /// The agent already cut its bounding set down to `root_caps`.
-    pub bounding_reduced: bool,
-    /// The open-file limit the agent started with.
-    pub nofile: Option<libc::rlimit>,
-    pub filter: &'a [libc::sock_filter],
-    /// `cgroup.procs` files of the workload cgroup (close-on-exec), which
-    /// the child writes itself into before it execs.
-    pub work_cgroups: &'a [RawFd],
-}
-
-/// One command, as the agent sends it to a spare supervisor: what differs
-/// from command to command. Its descriptors travel beside it
-/// ([`ORDER_FDS`]: stdin, stdout, stderr, working directory).
-#[derive(Debug, PartialEq, Eq)]
-pub struct Order {
-    /// The resolved executable; `None` when the PATH search found nothing.
-    pub exe: Option<CString>,
-    pub argv: Vec<CString>,
-    pub envp: Vec<CString>,
-    pub uid: u32,
-    pub gid: u32,
-    /// stdin/stdout/stderr are a terminal's slave side, to become the
-    /// controlling terminal.
-    pub tty: bool,
-}
-
-/// Descriptors an order carries: stdin, stdout, stderr and an O_PATH
-/// descriptor of the working directory.
-pub const ORDER_FDS: usize = 4;
-/// Largest encoded order (a spawn request fits in a frame header, the
-/// agent's environment in its configuration frame).
-const MAX_ORDER: usize = 8 * 1024 * 1024;
-
-impl Order {
-    /// Length-prefixed: u32 length, uid, gid, flags (1: tty, 2: exe), argc,
-    /// envc, then the NUL-terminated strings (exe, argv, envp).
-    pub fn encode(&self) -> Vec<u8> {
-        let strings = self.exe.iter().chain(&self.argv).chain(&self.envp);
-        let size: usize = 17 + strings.clone().map(|s| s.as_bytes_with_nul().len()).sum::<usize>();
-        let mut out = Vec::with_capacity(4 + size);
-        out.extend_from_slice(&(size as u32).to_le_bytes());
-        out.extend_from_slice(&self.uid.to_le_bytes());
-        out.extend_from_slice(&self.gid.to_le_bytes());
-        out.push(u8::from(self.tty) | if self.exe.is_some() { 2 } else { 0 });
-        out.extend_from_slice(&(self.argv.len() as u32).to_le_bytes());
-        out.extend_from_slice(&(self.envp.len() as u32).to_le_bytes());
-        for s in strings {
-            out.extend_from_slice(s.as_bytes_with_nul());
-        }
-        out
-    }
-
-    /// The order in `body` (what follows the length); `None` when malformed.
-    pub fn decode(body: &[u8]) -> Option<Order> {
-        let word = |at: usize| Some(u32::from_le_bytes(body.get(at..at + 4)?.try_into().ok()?));
-        let (uid, gid, flags, argc, envc) = (word(0)?, word(4)?, *body.get(8)?, word(9)?, word(13)?);
-        let mut rest = body.get(17..)?;
-        let mut next = || -> Option<CString> {
-            let s = CStr::from_bytes_until_nul(rest).ok()?;
-            rest = &rest[s.to_bytes_with_nul().len()..];
-            Some(s.to_owned())
-        };
-        let exe = if flags & 2 != 0 { Some(next()?) } else { None };
-        let argv = (0..argc).map(|_| next()).collect::<Option<Vec<_>>>()?;
-        let envp = (0..envc).map(|_| next()).collect::<Option<Vec<_>>>()?;
-        (rest.is_empty() && !argv.is_empty()).then_some(Order { exe, argv, envp, uid, gid, tty: flags & 1 != 0 })
-    }
-}
-
-/// Everything the supervisor and the child need for one command.
-pub struct ChildPlan<'a> {
     pub reset_oom: bool,
     /// The resolved executable; `None` when the PATH search found nothing.
     pub exe: Option<CString>,
@@ -145,7 +65,7 @@ pub struct ChildPlan<'a> {
     pub tty: bool,
     /// An O_PATH descriptor of the working directory.
     pub cwd: RawFd,
-    /// The supervisor's end of its socket to the agent.
+    /// Write end of the status pipe.
     pub status: RawFd,
     /// The open-file limit the agent started with.
     pub nofile: Option<libc::rlimit>,
@@ -159,106 +79,22 @@ fn supervisor_signals() -> [libc::c_int; 4] {
     [libc::SIGCHLD, libc::SIGUSR1, libc::SIGTERM, tree_signal()]
 }
 
-/// Body of a spare supervisor, right after the agent forked it: keeps only
-/// its socket (`sock`) and the workload cgroup, waits for its one order and
-/// supervises that command. Exits when the agent closes the socket first.
-pub fn spare(fixed: &Fixed<'_>, sock: RawFd) -> ! {
-    let mut keep = vec![sock];
-    keep.extend_from_slice(fixed.work_cgroups);
+/// Body of the supervisor process, right after the agent forked it.
+pub fn supervise(plan: &ChildPlan<'_>) -> ! {
+    let mut keep = vec![plan.stdin, plan.stdout, plan.stderr, plan.cwd, plan.status];
+    keep.extend_from_slice(plan.work_cgroups);
     sys::close_all_except(&mut keep);
     // The agent reset every other disposition at start; SIGPIPE it ignores.
     sys::default_signal(libc::SIGPIPE);
     let _ = sys::set_child_subreaper();
-    if sys::set_sigmask(&supervisor_signals()).is_err() {
+    let signals = supervisor_signals();
+    if sys::set_sigmask(&signals).is_err() {
         sys::exit_now(1);
     }
-    // SAFETY: the agent made `sock` for this process alone and kept it open across the fork.
-    let sock_fd = unsafe { BorrowedFd::borrow_raw(sock) };
-    let Some((order, fds)) = receive_order(sock_fd) else { sys::exit_now(0) };
-    // The descriptors are closed by number below (supervise), never dropped.
-    let fds: Vec<RawFd> = fds.into_iter().map(IntoRawFd::into_raw_fd).collect();
-    let plan = ChildPlan {
-        reset_oom: fixed.reset_oom,
-        exe: order.exe,
-        argv0: order.argv[0].clone(),
-        argv: CStrArray::new(order.argv),
-        envp: CStrArray::new(order.envp),
-        uid: order.uid,
-        gid: order.gid,
-        root_caps: fixed.root_caps,
-        bounding_reduced: fixed.bounding_reduced,
-        stdin: fds[0],
-        stdout: fds[1],
-        stderr: fds[2],
-        tty: order.tty,
-        cwd: fds[3],
-        status: sock,
-        nofile: fixed.nofile,
-        filter: fixed.filter,
-        work_cgroups: fixed.work_cgroups,
-    };
-    supervise(&plan)
-}
-
-/// Reads one order and its descriptors; `None` when the agent closed the
-/// socket or sent something else.
-fn receive_order(sock: BorrowedFd<'_>) -> Option<(Order, Vec<OwnedFd>)> {
-    let mut fds = Vec::new();
-    let mut len = [0u8; 4];
-    read_exact(sock, &mut len, &mut fds)?;
-    let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_ORDER {
-        return None;
-    }
-    let mut body = vec![0u8; len];
-    read_exact(sock, &mut body, &mut fds)?;
-    let order = Order::decode(&body)?;
-    (fds.len() == ORDER_FDS).then_some((order, fds))
-}
-
-fn read_exact(sock: BorrowedFd<'_>, mut buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> Option<()> {
-    while !buf.is_empty() {
-        match sys::recv_with_fds(sock, buf, fds) {
-            Ok(0) => return None,
-            Ok(n) => buf = &mut buf[n..],
-            Err(Errno(libc::EINTR)) => {}
-            Err(_) => return None,
-        }
-    }
-    Some(())
-}
-
-/// Sends an order and its descriptors to a spare supervisor, waiting at
-/// most `timeout_ms` for room in the socket.
-pub fn send_order(sock: BorrowedFd<'_>, order: &Order, fds: &[RawFd; ORDER_FDS], timeout_ms: i32) -> Result<(), Errno> {
-    let bytes = order.encode();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(timeout_ms as u64);
-    let mut sent = 0;
-    while sent < bytes.len() {
-        let attach: &[RawFd] = if sent == 0 { fds } else { &[] };
-        match sys::send_with_fds(sock.as_fd(), &bytes[sent..], attach) {
-            Ok(n) => sent += n,
-            Err(Errno(libc::EINTR)) => {}
-            Err(Errno(libc::EAGAIN)) => {
-                let left = deadline.saturating_duration_since(std::time::Instant::now()).as_millis() as i32;
-                if left == 0 || !sys::poll_out(sock, left)? {
-                    return Err(Errno(libc::ETIMEDOUT));
-                }
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-/// The supervisor's work for one command: starts the child and supervises
-/// its tree until nothing of it is left.
-fn supervise(plan: &ChildPlan<'_>) -> ! {
     extern "C" fn child_entry(arg: *mut libc::c_void) -> libc::c_int {
         // SAFETY: arg is the supervisor's `plan`, alive until spawn_vm returns.
         exec_child(unsafe { &*(arg as *const ChildPlan<'_>) })
     }
-    let signals = supervisor_signals();
     // SAFETY: exec_child allocates nothing and writes only its own stack
     // and descriptors before execve or _exit; `plan` outlives the call.
     let child = match unsafe { sys::spawn_vm(child_entry, plan as *const ChildPlan<'_> as *mut libc::c_void) } {
@@ -268,8 +104,8 @@ fn supervise(plan: &ChildPlan<'_>) -> ! {
             sys::exit_now(1);
         }
     };
-    let mut keep = [plan.status];
-    sys::close_all_except(&mut keep);
+    let mut spare = [plan.status];
+    sys::close_all_except(&mut spare);
     let mut tree = Tree {
         main: child,
         state: Main::Running,
@@ -461,22 +297,16 @@ fn descendants() -> Vec<i32> {
 /// Children of `pid` from /proc/<pid>/task/*/children; `None` when the
 /// kernel lacks that file (CONFIG_PROC_CHILDREN).
 fn children_of(pid: i32) -> Option<Vec<i32>> {
-    let me = sys::getpid();
-    if pid == me {
-        // The supervisor has one thread: one file, no directory walk.
-        return match std::fs::read_to_string(format!("/proc/{me}/task/{me}/children")) {
-            Ok(s) => Some(s.split_ascii_whitespace().filter_map(|p| p.parse::<i32>().ok()).collect()),
-            Err(_) => None,
-        };
-    }
     let tasks = match std::fs::read_dir(format!("/proc/{pid}/task")) {
         Ok(t) => t,
         Err(_) => return Some(Vec::new()),
     };
     let mut out = Vec::new();
     for task in tasks.flatten() {
-        if let Ok(s) = std::fs::read_to_string(task.path().join("children")) {
-            out.extend(s.split_ascii_whitespace().filter_map(|p| p.parse::<i32>().ok()));
+        match std::fs::read_to_string(task.path().join("children")) {
+            Ok(s) => out.extend(s.split_ascii_whitespace().filter_map(|p| p.parse::<i32>().ok())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && pid == sys::getpid() => return None,
+            Err(_) => {}
         }
     }
     Some(out)
@@ -634,34 +464,6 @@ mod tests {
         for (k, v) in [(MSG_PID, 4242), (MSG_STATUS, 0x7f00), (MSG_FORK_FAILED, -11), (MSG_STATUS_LIVE, 9)] {
             assert_eq!(decode_msg(encode_msg(k, v)), (k, v));
         }
-    }
-
-    #[test]
-    fn orders_round_trip_and_malformed_ones_are_refused() {
-        let c = |s: &str| CString::new(s).expect("no NUL");
-        let order = Order {
-            exe: Some(c("/bin/true")),
-            argv: vec![c("true"), c(""), c("a b")],
-            envp: vec![c("PATH=/bin"), c("HOME=/root")],
-            uid: 1000,
-            gid: 1001,
-            tty: true,
-        };
-        let bytes = order.encode();
-        assert_eq!(u32::from_le_bytes(bytes[..4].try_into().expect("4 bytes")) as usize, bytes.len() - 4);
-        assert_eq!(Order::decode(&bytes[4..]), Some(order));
-        let bare = Order { exe: None, argv: vec![c("x")], envp: Vec::new(), uid: 0, gid: 0, tty: false };
-        let bytes = bare.encode();
-        assert_eq!(Order::decode(&bytes[4..]), Some(bare));
-        // Cut anywhere, or with bytes left over, or without an argv: refused.
-        for cut in 0..bytes.len() - 4 {
-            assert_eq!(Order::decode(&bytes[4..4 + cut]), None, "cut at {cut}");
-        }
-        let mut long = bytes[4..].to_vec();
-        long.push(b'x');
-        assert_eq!(Order::decode(&long), None);
-        let empty = Order { exe: None, argv: Vec::new(), envp: Vec::new(), uid: 0, gid: 0, tty: false };
-        assert_eq!(Order::decode(&empty.encode()[4..]), None);
     }
 
     #[test]

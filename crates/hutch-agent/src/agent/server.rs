@@ -16,13 +16,13 @@ use hutch_agent::proto::{
     ToAgent, PROTOCOL_VERSION,
 };
 
-use super::child::{self, Fixed, Order};
+use super::child::{self, ChildPlan};
 use super::config::Config;
 use super::conn::{Conn, HARD_CAP, HIGH_WATER};
 use super::env;
 use super::files::{self, Fs, FsCreds, FsError};
 use super::output::{exit_status, Ring};
-use super::sys::{self, Epoll, Errno};
+use super::sys::{self, CStrArray, Epoll, Errno};
 use super::users::Users;
 use super::watch::Watches;
 
@@ -138,12 +138,6 @@ impl Proc {
 enum TimerKind {
     Timeout,
     PtyDrain,
-}
-
-/// A supervisor waiting for its command, and the agent's end of its socket.
-struct Spare {
-    pid: i32,
-    sock: OwnedFd,
 }
 
 /// Connections and what is queued for them.
@@ -288,10 +282,6 @@ pub struct Agent {
     by_sup: HashMap<i32, u64>,
     /// Supervisors not yet reaped: commands whose process tree still lives.
     trees: std::collections::HashSet<i32>,
-    /// A supervisor forked ahead of its command (see `child::spare`).
-    spare: Option<Spare>,
-    /// A spawn took the spare: fork the next once the replies are out.
-    refill_spare: bool,
     tags: HashMap<String, u64>,
     next_proc: u64,
     timers: BTreeSet<(Instant, u64, TimerKind)>,
@@ -337,8 +327,6 @@ impl Agent {
             by_pid: HashMap::new(),
             by_sup: HashMap::new(),
             trees: std::collections::HashSet::new(),
-            spare: None,
-            refill_spare: false,
             tags: HashMap::new(),
             next_proc: 1,
             timers: BTreeSet::new(),
@@ -365,10 +353,6 @@ impl Agent {
             }
             self.fire_timers();
             self.settle();
-            if std::mem::take(&mut self.refill_spare) && self.spare.is_none() {
-                // After the replies went out: off the spawn's path.
-                self.spare = self.fork_spare().ok();
-            }
         }
     }
 
@@ -657,7 +641,11 @@ impl Agent {
         } else {
             (None, None)
         };
+        let (status_r, status_w) = sys::pipe().map_err(|e| io("pipe", e))?;
+        sys::set_nonblocking_fresh(status_r.as_fd()).map_err(|e| io("pipe", e))?;
+
         let devnull = self.devnull()?;
+        let work_fds: Vec<i32> = self.work_cgroups.iter().map(|f| f.as_raw_fd()).collect();
         let oom_at_start = oom_kills(self.oom_events.as_ref());
         let (stdin_fd, stdout_fd, stderr_fd) = match (&slave, &out_w, &err) {
             (Some(s), _, _) => (s.as_raw_fd(), s.as_raw_fd(), s.as_raw_fd()),
@@ -666,24 +654,45 @@ impl Agent {
             }
             _ => return Err((ErrorCode::Io, "inconsistent process descriptors".into())),
         };
-        let order = Order { exe, argv: argv_c, envp: envp_c, uid: user.uid, gid: user.gid, tty: slave.is_some() };
-        let fds = [stdin_fd, stdout_fd, stderr_fd, cwd_fd.as_raw_fd()];
-        let spare = self.hand_over(&order, &fds)?;
+        let plan = ChildPlan {
+            exe,
+            argv0: argv_c[0].clone(),
+            argv: CStrArray::new(argv_c),
+            envp: CStrArray::new(envp_c),
+            uid: user.uid,
+            gid: user.gid,
+            root_caps: self.cfg.root_caps,
+            bounding_reduced: self.bounding_reduced,
+            stdin: stdin_fd,
+            stdout: stdout_fd,
+            stderr: stderr_fd,
+            tty: slave.is_some(),
+            cwd: cwd_fd.as_raw_fd(),
+            status: status_w.as_raw_fd(),
+            nofile: self.nofile,
+            reset_oom: self.reset_oom,
+            filter: &self.cfg.filter,
+            work_cgroups: &work_fds,
+        };
+        // SAFETY: the agent is single threaded.
+        let sup = match unsafe { sys::fork() } {
+            Ok(0) => child::supervise(&plan),
+            Ok(pid) => pid,
+            Err(e) => return Err(io("fork", e)),
+        };
         // The child's ends must close here, so that EOF reaches the agent.
-        drop((order, out_w, slave, stdin_r, cwd_fd));
+        drop((plan, out_w, slave, stdin_r, status_w, cwd_fd));
         let err_r = err.map(|(r, w)| {
             drop(w);
             r
         });
-        let pid = match wait_for_pid(&spare.sock) {
+        let pid = match wait_for_pid(&status_r) {
             Ok(pid) => pid,
             Err(e) => {
-                let _ = sys::kill(spare.pid, libc::SIGKILL);
+                let _ = sys::kill(sup, libc::SIGKILL);
                 return Err(e);
             }
         };
-        let (sup, status_r) = (spare.pid, spare.sock);
-        self.refill_spare = true;
 
         let serial = self.next_proc;
         self.next_proc += 1;
@@ -732,47 +741,6 @@ impl Agent {
         self.trees.insert(sup);
         self.procs.insert(serial, p);
         Ok(pid)
-    }
-
-    /// Forks a spare supervisor (see `child::spare`).
-    fn fork_spare(&self) -> Result<Spare, Errno> {
-        let (ours, theirs) = sys::socketpair()?;
-        let work_fds: Vec<i32> = self.work_cgroups.iter().map(|f| f.as_raw_fd()).collect();
-        let fixed = Fixed {
-            reset_oom: self.reset_oom,
-            root_caps: self.cfg.root_caps,
-            bounding_reduced: self.bounding_reduced,
-            nofile: self.nofile,
-            filter: &self.cfg.filter,
-            work_cgroups: &work_fds,
-        };
-        // SAFETY: the agent is single threaded.
-        match unsafe { sys::fork() }? {
-            0 => child::spare(&fixed, theirs.as_raw_fd()),
-            pid => Ok(Spare { pid, sock: ours }),
-        }
-    }
-
-    /// Gives a command to the spare supervisor (forking one if there is
-    /// none, or if the one there died) and returns it.
-    fn hand_over(&mut self, order: &Order, fds: &[i32; child::ORDER_FDS]) -> Result<Spare, SpawnError> {
-        let io = |what: &str, e: Errno| (ErrorCode::Io, format!("{what}: {e}"));
-        for _ in 0..2 {
-            let spare = match self.spare.take() {
-                Some(s) => s,
-                None => self.fork_spare().map_err(|e| io("fork", e))?,
-            };
-            match child::send_order(spare.sock.as_fd(), order, fds, SPAWN_WAIT_MS) {
-                Ok(()) => return Ok(spare),
-                // EPIPE: it died waiting (reaped by `reap`); take a fresh one.
-                Err(Errno(libc::EPIPE | libc::ECONNRESET)) => continue,
-                Err(e) => {
-                    let _ = sys::kill(spare.pid, libc::SIGKILL);
-                    return Err(io("handing the command to its supervisor", e));
-                }
-            }
-        }
-        Err((ErrorCode::Io, "the process supervisor exited at start".into()))
     }
 
     /// /dev/null for a stdin nobody writes to, opened once.
@@ -980,7 +948,7 @@ impl Agent {
             let Some(p) = self.procs.get_mut(&serial) else { return };
             let Some(fd) = p.status.as_ref() else { return };
             let mut m = [0u8; 8];
-            match sys::recv_nowait(fd.as_fd(), &mut m) {
+            match sys::read(fd.as_fd(), &mut m) {
                 Ok(8) => match child::decode_msg(m) {
                     (child::MSG_STATUS, status) => return self.main_exited(serial, status, false),
                     (child::MSG_STATUS_LIVE, status) => return self.main_exited(serial, status, true),
@@ -1096,9 +1064,6 @@ impl Agent {
             match sys::waitpid(-1, libc::WNOHANG) {
                 Ok(Some((pid, status))) => {
                     self.trees.remove(&pid);
-                    if self.spare.as_ref().is_some_and(|s| s.pid == pid) {
-                        self.spare = None;
-                    }
                     if let Some(serial) = self.by_sup.remove(&pid) {
                         self.supervisor_gone(serial, status);
                     }
@@ -1278,7 +1243,7 @@ fn wait_for_pid(status: &OwnedFd) -> Result<u32, SpawnError> {
     let mut m = [0u8; 8];
     let mut got = 0;
     while got < 8 {
-        match sys::recv_nowait(status.as_fd(), &mut m[got..]) {
+        match sys::read(status.as_fd(), &mut m[got..]) {
             Ok(0) => return Err((ErrorCode::Io, "the process supervisor exited at start".into())),
             Ok(n) => got += n,
             Err(Errno(libc::EINTR)) => {}
