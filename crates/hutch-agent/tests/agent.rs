@@ -924,3 +924,34 @@ fn a_killed_commands_exit_comes_after_its_whole_tree_is_gone() {
         assert!(listed(&mut c).is_empty());
     }
 }
+
+/// Issue 16: a command that daemonizes (forks, the child calls setsid and
+/// forks again, both parents exit) still holds its slot until that
+/// grandchild ends, and a signal to the command reaches it.
+#[test]
+fn a_double_forked_daemon_holds_its_commands_slot_until_it_ends() {
+    let agent = Agent::start_with(1);
+    let mut c = agent.connect();
+    // The intermediate shell writes the sleep's pid and exits before the
+    // command does (output of processes left behind is not collected).
+    let file = path_str(&agent.dir.join("daemon.pid"));
+    let script = format!("setsid sh -c 'sleep 1000 & echo $! > {file}' & wait; cat {file}");
+    let pid = c.spawn(root_spawn(Cmd::Shell(script)));
+    let out = c.collect(pid);
+    let status = out.status.expect("exit");
+    assert_eq!((status.code, status.descendants_alive), (Some(0), true), "{status:?}");
+    let daemon: u32 = String::from_utf8_lossy(&out.stdout).trim().parse().expect("pid of the daemon's sleep");
+    wait_sleeping(daemon);
+    let held = Pidfd::open(daemon).expect("the daemon runs");
+    // Its parents are gone; the slot is still the command's.
+    assert!(matches!(
+        c.call(Request::Spawn(root_spawn(argv(&["true"]))), &[]).0,
+        Reply::Error { code: ErrorCode::Capacity, .. }
+    ));
+    assert_eq!(listed(&mut c).iter().map(|p| p.pid).collect::<Vec<_>>(), vec![pid]);
+    c.ok(Request::Signal { pid, signal: libc::SIGKILL });
+    held.wait_ended("the daemon's sleep");
+    wait_listed(&mut c, "the slot to be free", |l| l.is_empty());
+    let next = c.spawn(root_spawn(argv(&["true"])));
+    assert_eq!(c.collect(next).status, exited(0));
+}

@@ -297,16 +297,22 @@ fn descendants() -> Vec<i32> {
 /// Children of `pid` from /proc/<pid>/task/*/children; `None` when the
 /// kernel lacks that file (CONFIG_PROC_CHILDREN).
 fn children_of(pid: i32) -> Option<Vec<i32>> {
+    let me = sys::getpid();
+    if pid == me {
+        // The supervisor has one thread: one file, no directory walk.
+        return match std::fs::read_to_string(format!("/proc/{me}/task/{me}/children")) {
+            Ok(s) => Some(s.split_ascii_whitespace().filter_map(|p| p.parse::<i32>().ok()).collect()),
+            Err(_) => None,
+        };
+    }
     let tasks = match std::fs::read_dir(format!("/proc/{pid}/task")) {
         Ok(t) => t,
         Err(_) => return Some(Vec::new()),
     };
     let mut out = Vec::new();
     for task in tasks.flatten() {
-        match std::fs::read_to_string(task.path().join("children")) {
-            Ok(s) => out.extend(s.split_ascii_whitespace().filter_map(|p| p.parse::<i32>().ok())),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && pid == sys::getpid() => return None,
-            Err(_) => {}
+        if let Ok(s) = std::fs::read_to_string(task.path().join("children")) {
+            out.extend(s.split_ascii_whitespace().filter_map(|p| p.parse::<i32>().ok()));
         }
     }
     Some(out)
