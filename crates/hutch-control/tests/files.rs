@@ -66,7 +66,14 @@ impl TestSandbox {
         &self.sb.as_ref().expect("live sandbox").socket
     }
 
+    /// As the daemon makes them for a disk layer: streamed writes through
+    /// a descriptor the agent passes (reads always try one).
     fn fs(&self) -> SandboxFs {
+        SandboxFs::new(self.socket().to_path_buf(), None).passing_writes(true)
+    }
+
+    /// As for a memory layer: streamed writes through the agent's frames.
+    fn copying_fs(&self) -> SandboxFs {
         SandboxFs::new(self.socket().to_path_buf(), None)
     }
 

@@ -1,6 +1,7 @@
 //! One client connection: its partial input frame and its outgoing buffer,
 //! with the water marks that drive backpressure.
 
+use std::collections::VecDeque;
 use std::os::fd::{AsFd, OwnedFd};
 
 use super::sys::{self, Errno};
@@ -20,6 +21,9 @@ pub struct Conn {
     out: Vec<u8>,
     /// How much of `out` was already sent.
     sent: usize,
+    /// Descriptors to pass, each with the position in `out` of the byte it
+    /// goes with (the first of a reply's frame), in order.
+    fds: VecDeque<(usize, OwnedFd)>,
     /// Events registered with epoll.
     pub events: u32,
     pub congested: bool,
@@ -38,6 +42,7 @@ impl Conn {
             input: Vec::new(),
             out: Vec::new(),
             sent: 0,
+            fds: VecDeque::new(),
             events: 0,
             congested: false,
             dirty: false,
@@ -55,11 +60,37 @@ impl Conn {
         &mut self.out
     }
 
+    /// Passes `fd` with the next byte appended to the output (a reply's
+    /// frame, appended next).
+    pub fn pass_fd(&mut self, fd: OwnedFd) {
+        self.fds.push_back((self.out.len(), fd));
+    }
+
     /// Sends as much as the socket takes; `Err` means the peer is gone.
+    /// A descriptor to pass goes with its byte, in a send of its own.
     pub fn flush(&mut self) -> Result<(), Errno> {
         while self.sent < self.out.len() {
-            match sys::send(self.fd.as_fd(), &self.out[self.sent..]) {
-                Ok(n) => self.sent += n,
+            let (end, pass) = match self.fds.front() {
+                Some((at, fd)) if *at <= self.sent => {
+                    (self.fds.get(1).map_or(self.out.len(), |(next, _)| *next), Some(fd.as_fd()))
+                }
+                Some((at, _)) => (*at, None),
+                None => (self.out.len(), None),
+            };
+            let passing = pass.is_some();
+            let chunk = &self.out[self.sent..end.max(self.sent + 1).min(self.out.len())];
+            let r = match pass {
+                Some(p) => sys::send_with_fd(self.fd.as_fd(), chunk, p),
+                None => sys::send(self.fd.as_fd(), chunk),
+            };
+            match r {
+                Ok(n) => {
+                    if passing && n > 0 {
+                        // Sent: the peer holds it now; ours closes.
+                        self.fds.pop_front();
+                    }
+                    self.sent += n;
+                }
                 Err(Errno(libc::EAGAIN)) => break,
                 Err(Errno(libc::EINTR)) => {}
                 Err(e) => return Err(e),
@@ -68,11 +99,15 @@ impl Conn {
         if self.sent == self.out.len() {
             self.out.clear();
             self.sent = 0;
+            self.fds.clear();
             if self.out.capacity() > HIGH_WATER {
                 self.out.shrink_to(64 * 1024);
             }
         } else if self.sent > 1024 * 1024 && self.sent * 2 > self.out.len() {
             self.out.drain(..self.sent);
+            for (at, _) in self.fds.iter_mut() {
+                *at -= self.sent;
+            }
             self.sent = 0;
         }
         Ok(())
