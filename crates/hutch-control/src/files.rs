@@ -256,6 +256,18 @@ pub struct SandboxFs {
     /// [`passed`]); off for memory layers, whose pages are charged to the
     /// writer's memory cgroup (the sandbox's when the agent writes).
     passed_writes: bool,
+    /// Raw reads go through a passed descriptor (on unless
+    /// [`passing_allowed`] says no).
+    passed_reads: bool,
+}
+
+/// Whether transfers may use passed descriptors at all: `HUTCH_FILES_PASS=0`
+/// in the daemon's environment turns them off (every transfer goes through
+/// the agent's frames, as before they existed): an escape hatch, and how
+/// `bench/files_bench.py` measures the old path beside the new.
+pub fn passing_allowed() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("HUTCH_FILES_PASS").map_or(true, |v| v != "0"))
 }
 
 /// Normalizes a request path against the workspace.
@@ -618,6 +630,7 @@ impl SandboxFs {
             envd: false,
             journal: None,
             passed_writes: false,
+            passed_reads: passing_allowed(),
         }
     }
 
@@ -633,7 +646,7 @@ impl SandboxFs {
     /// The same, with streamed writes through a passed descriptor when
     /// `on` (see [`passed`]); reads always try one.
     pub fn passing_writes(self, on: bool) -> SandboxFs {
-        SandboxFs { passed_writes: on, ..self }
+        SandboxFs { passed_writes: on && passing_allowed(), ..self }
     }
 
     /// The same, with archive uploads journaled in `journal`.
@@ -750,7 +763,8 @@ impl SandboxFs {
     pub async fn read_stream(&self, path: &str) -> Result<Chunks, FilesError> {
         let path = normalize(path)?;
         let mut link = self.link().await?;
-        if let Some((file, size)) = link.open_passed(&path, false, false).await? {
+        let passed = if self.passed_reads { link.open_passed(&path, false, false).await? } else { None };
+        if let Some((file, size)) = passed {
             let end = if size > 0 { size } else { FILE_DATA_CAP as u64 };
             return passed::read(file, path, end);
         }
