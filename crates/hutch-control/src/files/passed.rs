@@ -40,6 +40,7 @@ fn refused(what: impl std::fmt::Display) -> FilesError {
 /// `write`, for writing), or refuses it; everything refused is closed.
 pub fn check(mut fds: Vec<OwnedFd>, write: bool) -> Result<File, FilesError> {
     if fds.len() != 1 {
+        // More than MAX_FDS were closed as they came: "4" may mean more.
         return Err(refused(format_args!("{} descriptors for one file", fds.len())));
     }
     let fd = fds.pop().expect("one descriptor");
