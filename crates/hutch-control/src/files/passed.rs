@@ -199,9 +199,14 @@ mod tests {
         let on_passable = std::fs::File::open(&path)
             .ok()
             .filter(|f| {
-                // SAFETY: fstatfs fills the buffer given.
-                let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
-                (unsafe { libc::fstatfs(f.as_raw_fd(), &mut fs) } == 0) && proto::passable_fs(fs.f_type as i64)
+                // SAFETY: statfs is plain data, and fstatfs fills the buffer given.
+                let (r, fs) = unsafe {
+                    let mut fs: libc::statfs = std::mem::zeroed();
+                    (libc::fstatfs(f.as_raw_fd(), &mut fs), fs)
+                };
+                #[allow(clippy::unnecessary_cast)] // f_type's width differs between architectures.
+                let magic = fs.f_type as i64;
+                r == 0 && proto::passable_fs(magic)
             })
             .is_some();
         let code = |r: Result<File, FilesError>| r.map(|_| ()).map_err(|e| e.code);
