@@ -136,3 +136,71 @@ impl Conn {
         ev
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::{AsRawFd, FromRawFd};
+
+    /// Reads what is there, and the descriptors that came with it.
+    fn recv(fd: &OwnedFd) -> (Vec<u8>, Vec<OwnedFd>) {
+        let mut buf = vec![0u8; 256];
+        let mut control = [0u64; 8];
+        let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+        // SAFETY: msghdr is plain data; the pointers outlive the call.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = std::mem::size_of_val(&control);
+        // SAFETY: msg points at live buffers.
+        let n = unsafe { libc::recvmsg(fd.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        assert!(n >= 0, "recvmsg");
+        buf.truncate(n as usize);
+        let mut fds = Vec::new();
+        // SAFETY: the kernel filled the control headers walked here.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(&msg);
+            while !c.is_null() {
+                let count = ((*c).cmsg_len - libc::CMSG_LEN(0) as usize) / 4;
+                for i in 0..count {
+                    let raw = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<i32>().add(i));
+                    fds.push(OwnedFd::from_raw_fd(raw));
+                }
+                c = libc::CMSG_NXTHDR(&msg, c);
+            }
+        }
+        (buf, fds)
+    }
+
+    #[test]
+    fn a_passed_descriptor_goes_with_the_first_byte_of_its_frame() {
+        let mut pair = [0; 2];
+        // SAFETY: socketpair fills two descriptors we then own.
+        assert_eq!(unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, pair.as_mut_ptr()) }, 0);
+        // SAFETY: both are new descriptors of ours.
+        let (ours, theirs) = unsafe { (OwnedFd::from_raw_fd(pair[0]), OwnedFd::from_raw_fd(pair[1])) };
+        let mut c = Conn::new(ours);
+        c.out_buf().extend_from_slice(b"before");
+        let passed = sys::open(c"/", libc::O_PATH | libc::O_DIRECTORY).expect("open /");
+        c.pass_fd(passed);
+        c.out_buf().extend_from_slice(b"frame");
+        c.flush().expect("flush");
+        assert_eq!(c.pending(), 0);
+        assert!(c.fds.is_empty(), "the sent descriptor is closed on our side");
+        // It arrives with a read that takes its frame's first byte (the
+        // kernel may join the bytes before it into the same read), never
+        // with one that ends before.
+        let mut got = Vec::new();
+        let mut passed = Vec::new();
+        while got.len() < b"beforeframe".len() {
+            let (bytes, fds) = recv(&theirs);
+            got.extend(bytes);
+            if !fds.is_empty() {
+                assert!(got.len() > b"before".len(), "the descriptor came before its frame");
+            }
+            passed.extend(fds);
+        }
+        assert_eq!((got.as_slice(), passed.len()), (&b"beforeframe"[..], 1));
+    }
+}
