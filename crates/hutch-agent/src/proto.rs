@@ -315,6 +315,38 @@ pub enum Request {
     /// on the way answers [`ErrorCode::SymlinkRefused`]. Hosts use it for
     /// writes, so that a symlink the workload planted never redirects them.
     NoFollow { req: Box<Request> },
+    /// Opens a regular file (read-only, or with `write` write-only: it must
+    /// exist) and passes its descriptor to the host with the reply: one
+    /// descriptor (SCM_RIGHTS) on the frame of [`Reply::Opened`], so that
+    /// the host moves the file's bytes itself instead of through frames.
+    /// The path is resolved as every other (inside the root, as `user`).
+    /// A file on a file system whose descriptors are not passed (see
+    /// [`passable_fs`]: /proc, /sys...) answers `Opened` with `passed`
+    /// false and no descriptor; the host then uses [`Request::ReadFile`]
+    /// and [`Request::WriteFile`], which stay for that and for agents that
+    /// do not know this request.
+    OpenFile {
+        path: String,
+        #[serde(default)]
+        write: bool,
+        #[serde(default)]
+        user: Option<String>,
+    },
+}
+
+/// File systems whose regular files the agent passes to the host by
+/// descriptor ([`Request::OpenFile`]), by `statfs` magic: overlay (the
+/// sandbox's root), btrfs (disk layers, volumes), tmpfs (memory layers),
+/// ext2/3/4 and xfs (host directories of volumes). Nothing else: the host
+/// reads and writes these with its own identity, so a file whose contents
+/// the kernel computes for the reader (procfs, sysfs, cgroupfs, debugfs)
+/// or that a process in the sandbox serves (FUSE) must never reach it.
+/// The host checks the same list on every descriptor it receives.
+pub const PASSABLE_FS: [i64; 5] = [0x794c_7630, 0x9123_683e, 0x0102_1994, 0xef53, 0x5846_5342];
+
+/// Whether a file on a file system of `statfs` type `magic` is passed.
+pub fn passable_fs(magic: i64) -> bool {
+    PASSABLE_FS.contains(&magic)
 }
 
 /// Most entries in one [`Request::ListPage`] reply.
@@ -518,6 +550,12 @@ pub enum Reply {
     },
     Written {
         len: u64,
+    },
+    /// The answer to [`Request::OpenFile`]: with `passed`, the frame
+    /// carries the file's descriptor; `size` is the file's size when opened.
+    Opened {
+        size: u64,
+        passed: bool,
     },
     Stat {
         entry: Entry,

@@ -34,6 +34,7 @@ impl Control {
         let live = self.running_of(&s.owner, &s.id).await?;
         Ok(SandboxFs::new(live.socket.clone(), Some(s.user().to_owned()))
             .envd()
+            .passing_writes(live.on_disk())
             .with_journal(self.upload_journal(&s.id)))
     }
 
@@ -137,6 +138,8 @@ impl Control {
             }
             Err(e) => return Err(e),
         };
-        Ok(SandboxFs::new(live.socket.clone(), None).with_journal(self.upload_journal(id)))
+        Ok(SandboxFs::new(live.socket.clone(), None)
+            .passing_writes(live.on_disk())
+            .with_journal(self.upload_journal(id)))
     }
 }

@@ -28,6 +28,7 @@
 #[doc(hidden)]
 pub mod archive;
 pub mod journal;
+pub mod passed;
 pub mod pipe;
 
 pub use archive::{
@@ -251,6 +252,22 @@ pub struct SandboxFs {
     /// Where archive uploads record their undo journal; without one (tests,
     /// the CLI) a daemon crash mid-upload is not repaired.
     journal: Option<JournalDir>,
+    /// Streamed writes go through a descriptor the agent passes (see
+    /// [`passed`]); off for memory layers, whose pages are charged to the
+    /// writer's memory cgroup (the sandbox's when the agent writes).
+    passed_writes: bool,
+    /// Raw reads go through a passed descriptor (on unless
+    /// [`passing_allowed`] says no).
+    passed_reads: bool,
+}
+
+/// Whether transfers may use passed descriptors at all: `HUTCH_FILES_PASS=0`
+/// in the daemon's environment turns them off (every transfer goes through
+/// the agent's frames, as before they existed): an escape hatch, and how
+/// `bench/files_bench.py` measures the old path beside the new.
+pub fn passing_allowed() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("HUTCH_FILES_PASS").map_or(true, |v| v != "0"))
 }
 
 /// Normalizes a request path against the workspace.
@@ -447,6 +464,31 @@ impl Link {
         }
     }
 
+    /// The descriptor of a regular file, opened by the agent
+    /// ([`Request::OpenFile`], with no symlink followed when `strict`) and
+    /// checked by [`passed::check`]; `None` when the agent passes none (a
+    /// file system it does not pass, or an agent that does not know the
+    /// request's fields): the caller then moves bytes through frames.
+    async fn open_passed(
+        &mut self,
+        path: &str,
+        write: bool,
+        strict: bool,
+    ) -> Result<Option<(std::fs::File, u64)>, FilesError> {
+        let access = if write { Access::Write } else { Access::Read };
+        let mut req = Request::OpenFile { path: path.into(), write, user: self.user() };
+        if strict {
+            req = Request::NoFollow { req: Box::new(req) };
+        }
+        match self.conn.call_taking_fds(req, &[]).await {
+            Ok((Reply::Opened { size, passed: true }, _, fds)) => Ok(Some((passed::check(fds, write)?, size))),
+            Ok((Reply::Opened { passed: false, .. }, _, _)) => Ok(None),
+            Ok((other, _, _)) => Err(FilesError::unexpected(&other)),
+            Err(AgentError::Refused { code: proto::ErrorCode::InvalidRequest, .. }) => Ok(None),
+            Err(e) => Err(FilesError::from_agent(e, access)),
+        }
+    }
+
     async fn expect_ok(&mut self, req: Request, access: Access) -> Result<(), FilesError> {
         match self.strict(req, &[], access).await? {
             (Reply::Ok, _) | (Reply::Created { .. }, _) => Ok(()),
@@ -582,7 +624,14 @@ impl SandboxFs {
     /// The files of the sandbox whose agent listens on `socket`, as `user`
     /// (`user`, uid 1000, when `None`; `root` allowed).
     pub fn new(socket: PathBuf, user: Option<String>) -> SandboxFs {
-        SandboxFs { socket, user: user.unwrap_or_else(|| "user".into()), envd: false, journal: None }
+        SandboxFs {
+            socket,
+            user: user.unwrap_or_else(|| "user".into()),
+            envd: false,
+            journal: None,
+            passed_writes: false,
+            passed_reads: passing_allowed(),
+        }
     }
 
     /// The same, writing streamed files as E2B's envd does: a new file
@@ -592,6 +641,12 @@ impl SandboxFs {
     /// as envd's watchers see it.
     pub fn envd(self) -> SandboxFs {
         SandboxFs { envd: true, ..self }
+    }
+
+    /// The same, with streamed writes through a passed descriptor when
+    /// `on` (see [`passed`]); reads always try one.
+    pub fn passing_writes(self, on: bool) -> SandboxFs {
+        SandboxFs { passed_writes: on && passing_allowed(), ..self }
     }
 
     /// The same, with archive uploads journaled in `journal`.
@@ -708,6 +763,11 @@ impl SandboxFs {
     pub async fn read_stream(&self, path: &str) -> Result<Chunks, FilesError> {
         let path = normalize(path)?;
         let mut link = self.link().await?;
+        let passed = if self.passed_reads { link.open_passed(&path, false, false).await? } else { None };
+        if let Some((file, size)) = passed {
+            let end = if size > 0 { size } else { FILE_DATA_CAP as u64 };
+            return passed::read(file, path, end);
+        }
         let (first, eof, size) = link.read_chunk(&path, 0, STREAM_CHUNK, false).await?;
         // Files of /proc report size 0: read those to their end, bounded.
         let end = if size > 0 { size } else { FILE_DATA_CAP as u64 };
@@ -742,6 +802,32 @@ impl SandboxFs {
         if let Err(e) = link.write_at(&tmp, 0, &[], true, mode).await {
             link.discard(&tmp).await;
             return Err(missing_parent(e, parent));
+        }
+        if self.passed_writes {
+            match link.open_passed(&tmp, true, true).await {
+                Ok(Some((file, _))) => {
+                    let written = passed::write(file, tmp.clone(), rx).await;
+                    return match written {
+                        Ok(total) => match link.rename(&tmp, &path).await {
+                            Ok(()) => Ok(total),
+                            Err(e) => {
+                                link.discard(&tmp).await;
+                                Err(e)
+                            }
+                        },
+                        Err(e) => {
+                            link.discard(&tmp).await;
+                            Err(e)
+                        }
+                    };
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    drop(rx);
+                    link.discard(&tmp).await;
+                    return Err(e);
+                }
+            }
         }
         let mut total = 0u64;
         while let Some(chunk) = rx.recv().await {

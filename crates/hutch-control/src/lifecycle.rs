@@ -188,6 +188,11 @@ pub struct Live {
 }
 
 impl Live {
+    /// Whether its writable layer is on disk (see [`crate::files::SandboxFs::passing_writes`]).
+    pub(crate) fn on_disk(&self) -> bool {
+        self.handle.lock().ok().is_some_and(|h| h.as_ref().is_some_and(|sb| sb.on_disk()))
+    }
+
     pub(crate) fn new(sb: hutch_runtime::Sandbox, owner: OwnerId, pooled: bool) -> Arc<Live> {
         Arc::new(Live {
             id: SandboxId::from_record(&sb.id),

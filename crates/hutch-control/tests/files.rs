@@ -66,7 +66,14 @@ impl TestSandbox {
         &self.sb.as_ref().expect("live sandbox").socket
     }
 
+    /// As the daemon makes them for a disk layer: streamed writes through
+    /// a descriptor the agent passes (reads always try one).
     fn fs(&self) -> SandboxFs {
+        SandboxFs::new(self.socket().to_path_buf(), None).passing_writes(true)
+    }
+
+    /// As for a memory layer: streamed writes through the agent's frames.
+    fn copying_fs(&self) -> SandboxFs {
         SandboxFs::new(self.socket().to_path_buf(), None)
     }
 
@@ -655,4 +662,104 @@ async fn interrupted_uploads_are_settled_from_their_journal() {
     assert_eq!(journal::recover(&dir, t.socket()).await, 3);
     assert_eq!(t.sh("cd m && ls -A && cat a b", "user").await, "a\nb\nold-a\nold-b\n");
     assert_eq!(t.sh("cd done && ls -A && cat f", "user").await, "f\nro\nnew\n");
+}
+
+/// A big file, different in every MiB.
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[(i >> 20) & 3]).collect()
+}
+
+async fn feed(data: &[u8]) -> hutch_control::files::Chunks {
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let data = data.to_vec();
+    tokio::spawn(async move {
+        for c in data.chunks(300 << 10) {
+            if tx.send(Ok(c.to_vec())).await.is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+#[tokio::test]
+async fn a_64_mib_file_round_trips_byte_identical_through_a_passed_descriptor_and_through_frames() {
+    let t = TestSandbox::start("roundtrip", 512 << 20);
+    let data = pattern(64 << 20);
+    for (name, fs) in [("passed", t.fs()), ("frames", t.copying_fs())] {
+        let n = fs.write_stream(&format!("{name}.bin"), feed(&data).await).await.expect("write");
+        assert_eq!(n, data.len() as u64, "{name}");
+        let got = collect(fs.read_stream(&format!("{name}.bin")).await.expect("read")).await.expect("chunks");
+        assert!(got == data, "{name}: the bytes read back differ");
+    }
+    // The workload sees the same bytes.
+    let sums = t.sh("sha256sum passed.bin frames.bin", "user").await;
+    let want = sha_hex(&data);
+    assert_eq!(sums.matches(&want).count(), 2, "{sums}");
+}
+
+#[tokio::test]
+async fn passed_descriptors_never_leave_the_sandbox_root() {
+    let t = TestSandbox::start("escape", 256 << 20);
+    let fs = t.fs();
+    // Host paths the sandbox must never reach.
+    let host_dir = t.base.join("host-dir");
+    std::fs::create_dir_all(&host_dir).expect("mkdir");
+    let secret = host_dir.join("secret");
+    std::fs::write(&secret, b"host secret").expect("write");
+    let (hd, hs) = (host_dir.display(), secret.display());
+    t.sh(
+        &format!("ln -s {hs} abs; ln -s ../../../../../../../..{hs} rel; ln -s /proc/1/root/etc/passwd magic; ln -s /etc/passwd pw"),
+        "user",
+    )
+    .await;
+    // Reads follow symlinks inside the root only.
+    for link in ["abs", "rel"] {
+        assert_eq!(code(fs.read_stream(link).await), ErrorCode::NotFound, "{link}");
+    }
+    assert!(fs.read_stream("magic").await.is_err(), "a magic link was followed");
+    assert_eq!(code(fs.read_stream("../etc/passwd").await), ErrorCode::InvalidPath);
+    let pw = collect(fs.read_stream("pw").await.expect("read")).await.expect("chunks");
+    assert_eq!(String::from_utf8_lossy(&pw), t.sh("cat /etc/passwd", "user").await, "not the sandbox's passwd");
+    // Writes replace a symlink, never write through it.
+    for link in ["abs", "rel"] {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tx.send(Ok(b"mine".to_vec())).await.expect("send");
+        drop(tx);
+        fs.write_stream(link, rx).await.expect("write");
+        assert_eq!(t.sh(&format!("cat {link}; test ! -L {link} && echo regular"), "user").await, "mineregular\n");
+    }
+    assert_eq!(std::fs::read(&secret).expect("secret"), b"host secret");
+
+    // A parent swapped for a symlink while a write streams: the rest of
+    // the bytes go to the file already open, inside the sandbox; the
+    // rename into place refuses the symlink.
+    t.sh(&format!("mkdir d; ln -s {hd} hostlink"), "user").await;
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    let this = fs.clone();
+    let write = tokio::spawn(async move { this.write_stream("d/f", rx).await });
+    tx.send(Ok(vec![1u8; 1 << 20])).await.expect("send");
+    // Accepted once the first chunk was taken: the file is open by now.
+    tx.send(Ok(vec![2u8; 1 << 20])).await.expect("send");
+    t.sh(&format!("mv d d.old && ln -s {hd} d"), "user").await;
+    let _ = tx.send(Ok(vec![3u8; 1 << 20])).await;
+    drop(tx);
+    let r = write.await.expect("write task");
+    assert!(r.is_err(), "the rename followed the swapped symlink: {r:?}");
+    assert!(!host_dir.join("f").exists(), "a write left the sandbox");
+    assert_eq!(std::fs::read_dir(&host_dir).expect("host dir").count(), 1, "the host directory changed");
+
+    // A parent swapped while a read streams: the read goes on with the
+    // file it opened.
+    let data = pattern(16 << 20);
+    t.sh("mkdir big", "user").await;
+    fs.write_stream("big/f", feed(&data).await).await.expect("write");
+    let mut rx = fs.read_stream("big/f").await.expect("read");
+    let mut got = rx.recv().await.expect("a first chunk").expect("chunk");
+    t.sh(&format!("mv big big.old && ln -s {hd} big"), "user").await;
+    while let Some(c) = rx.recv().await {
+        got.extend(c.expect("chunk"));
+    }
+    assert!(got == data, "the read changed files half way");
+    assert_eq!(std::fs::read(&secret).expect("secret"), b"host secret");
 }

@@ -7,9 +7,10 @@
 
 use crate::agent::{AgentError, Codec, Message};
 use hutch_agent::proto::{Reply, Request};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::UnixStream;
 
 pub use crate::agent::REPLY_TIMEOUT;
@@ -17,10 +18,18 @@ pub use crate::agent::REPLY_TIMEOUT;
 /// How long a connect may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Most descriptors [`AsyncConn::call_taking_fds`] keeps; more are closed
+/// as they arrive.
+pub const MAX_FDS: usize = 4;
+
 #[derive(Debug)]
 pub struct AsyncConn {
     stream: UnixStream,
     codec: Codec,
+    /// While a [`AsyncConn::call_taking_fds`] runs: the descriptors
+    /// received so far. Otherwise reads are plain, and the kernel closes
+    /// any descriptor the agent sends.
+    fds: Option<Vec<OwnedFd>>,
 }
 
 impl AsyncConn {
@@ -28,7 +37,7 @@ impl AsyncConn {
         let stream = tokio::time::timeout(CONNECT_TIMEOUT, UnixStream::connect(path))
             .await
             .map_err(|_| AgentError::Timeout(CONNECT_TIMEOUT))??;
-        Ok(AsyncConn { stream, codec: Codec::new() })
+        Ok(AsyncConn { stream, codec: Codec::new(), fds: None })
     }
 
     /// Whether nothing unread is buffered: the connection can serve another
@@ -48,6 +57,22 @@ impl AsyncConn {
     pub async fn call(&mut self, req: Request, data: &[u8]) -> Result<(Reply, Vec<u8>), AgentError> {
         let id = self.send(req, data).await?;
         self.wait_reply(id).await
+    }
+
+    /// [`AsyncConn::call`], also answering every descriptor (SCM_RIGHTS)
+    /// that came with the bytes read meanwhile, whatever message they came
+    /// with: at most [`MAX_FDS`] of them (the rest closed), close-on-exec.
+    /// They are untrusted: the caller checks how many there are and what
+    /// each is, and closes them by dropping them.
+    pub async fn call_taking_fds(
+        &mut self,
+        req: Request,
+        data: &[u8],
+    ) -> Result<(Reply, Vec<u8>, Vec<OwnedFd>), AgentError> {
+        self.fds = Some(Vec::new());
+        let r = self.call(req, data).await;
+        let fds = self.fds.take().unwrap_or_default();
+        r.map(|(reply, data)| (reply, data, fds))
     }
 
     pub async fn wait_reply(&mut self, id: u64) -> Result<(Reply, Vec<u8>), AgentError> {
@@ -78,13 +103,61 @@ impl AsyncConn {
             if let Some(m) = self.codec.decode()? {
                 return Ok(m);
             }
-            let n = self.stream.read(self.codec.read_buf()).await?;
+            let n = match self.fds.as_mut() {
+                None => self.stream.read(self.codec.read_buf()).await?,
+                Some(fds) => {
+                    let buf = self.codec.read_buf();
+                    let stream = &self.stream;
+                    stream.async_io(Interest::READABLE, || recv_with_fds(stream.as_raw_fd(), buf, fds)).await?
+                }
+            };
             if n == 0 {
                 return Err(AgentError::Closed);
             }
             self.codec.filled(n);
         }
     }
+}
+
+/// One `recvmsg` without blocking: bytes into `buf`, descriptors onto
+/// `fds` (up to [`MAX_FDS`]; the kernel closes what does not fit the
+/// control buffer, and those past the cap are closed here).
+fn recv_with_fds(sock: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> std::io::Result<usize> {
+    // Room for 16 descriptors, aligned for cmsghdr.
+    let mut control = [0u64; 10];
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    // SAFETY: msghdr is plain data; the pointers set below outlive the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&control);
+    // SAFETY: msg points at a buffer and a control buffer valid for the call.
+    let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel filled msg_controllen bytes of control headers;
+    // CMSG_FIRSTHDR/CMSG_NXTHDR stay within them, and each SCM_RIGHTS
+    // header's data holds (cmsg_len - CMSG_LEN(0)) / 4 descriptors, new in
+    // this process and ours to own.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let count = ((*cmsg).cmsg_len - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
+                for i in 0..count {
+                    let fd = OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i)));
+                    if fds.len() < MAX_FDS {
+                        fds.push(fd);
+                    }
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    Ok(n as usize)
 }
 
 #[cfg(test)]
@@ -115,7 +188,7 @@ mod tests {
         let (ours, theirs) = UnixStream::pair().expect("pair");
         let message = format!("{}é{}", "a".repeat(1023), "b".repeat(3000));
         let agent = tokio::spawn(fake_agent(theirs, Reply::Error { code: ErrorCode::NotFound, message }));
-        let mut conn = AsyncConn { stream: ours, codec: Codec::new() };
+        let mut conn = AsyncConn { stream: ours, codec: Codec::new(), fds: None };
         match conn.call(Request::Ping, &[]).await {
             Err(AgentError::Refused { code: ErrorCode::NotFound, message }) => assert!(message.ends_with('…')),
             other => panic!("{other:?}"),

@@ -840,6 +840,12 @@ impl Runtime {
 }
 
 impl Sandbox {
+    /// Whether its writable layer is a disk layer (else memory, or a build's
+    /// host directory).
+    pub fn on_disk(&self) -> bool {
+        self.layer.is_some()
+    }
+
     /// Opens a new connection to the sandbox's agent.
     pub fn connect(&self) -> Result<AgentConn, AgentError> {
         AgentConn::connect(&self.socket)

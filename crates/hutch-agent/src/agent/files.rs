@@ -204,6 +204,18 @@ impl Fs {
         Ok((Reply::Data { eof, size }, buf))
     }
 
+    /// Opens a regular file to pass to the host ([`proto::Request::OpenFile`]):
+    /// read-only, or write-only (it must exist). Answers its size and the
+    /// descriptor, or no descriptor when its file system is not one whose
+    /// descriptors are passed ([`proto::passable_fs`]).
+    pub fn open_passed(&self, path: &str, write: bool) -> FsResult<(u64, Option<OwnedFd>)> {
+        let (flags, op) = if write { (libc::O_WRONLY, "write") } else { (libc::O_RDONLY, "read") };
+        let fd = self.open_regular(path, flags, 0, op)?;
+        let size = sys::fstat(fd.as_fd()).map_err(|e| FsError::os(op, path, e))?.st_size as u64;
+        let passable = sys::fstatfs_type(fd.as_fd()).is_ok_and(proto::passable_fs);
+        Ok((size, passable.then_some(fd)))
+    }
+
     pub fn write_file(&self, path: &str, w: &WriteFile, data: &[u8]) -> FsResult<Reply> {
         if w.parents {
             if let Some((dir, _)) = path.rsplit_once('/').filter(|(d, _)| !d.is_empty()) {

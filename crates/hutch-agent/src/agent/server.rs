@@ -164,6 +164,23 @@ impl Outbox {
         Ok(())
     }
 
+    /// [`Outbox::send`] of a message that carries `fd` (SCM_RIGHTS).
+    fn send_with_fd(&mut self, id: u64, msg: &FromAgent, fd: OwnedFd) -> Result<(), FrameError> {
+        let mut frame = Vec::new();
+        proto::encode(msg, &[], &mut frame)?;
+        let Some(c) = self.conns.get_mut(&id) else { return Ok(()) };
+        if c.closing {
+            return Ok(());
+        }
+        c.pass_fd(fd);
+        c.out_buf().extend_from_slice(&frame);
+        if !c.dirty {
+            c.dirty = true;
+            self.dirty.push(id);
+        }
+        Ok(())
+    }
+
     fn doom(&mut self, id: u64) {
         if let Some(c) = self.conns.get_mut(&id) {
             if !c.closing {
@@ -287,6 +304,8 @@ pub struct Agent {
     timers: BTreeSet<(Instant, u64, TimerKind)>,
     watches: Watches,
     scratch: Vec<u8>,
+    /// The descriptor the file operation being answered passes.
+    passing: Option<OwnedFd>,
 }
 
 impl Agent {
@@ -332,6 +351,7 @@ impl Agent {
             timers: BTreeSet::new(),
             watches: Watches::default(),
             scratch: Vec::with_capacity(READ_CHUNK),
+            passing: None,
         })
     }
 
@@ -548,6 +568,15 @@ impl Agent {
                 Err(e) => (error(e.code, e.message), Vec::new()),
             },
         };
+        if let Some(fd) = self.passing.take() {
+            if let Reply::Opened { passed: true, .. } = reply {
+                if self.out.send_with_fd(conn, &FromAgent::Reply { id, reply }, fd).is_err() {
+                    let reply = error(ErrorCode::Io, "the reply does not fit in a frame");
+                    let _ = self.out.send(conn, &FromAgent::Reply { id, reply }, &[]);
+                }
+                return;
+            }
+        }
         self.reply(conn, id, reply, &bytes);
     }
 
@@ -1110,7 +1139,8 @@ impl Agent {
             | Request::SetXattrs { user, .. }
             | Request::GetXattrs { user, .. }
             | Request::ListPage { user, .. }
-            | Request::Chmod { user, .. } => user.as_deref(),
+            | Request::Chmod { user, .. }
+            | Request::OpenFile { user, .. } => user.as_deref(),
             Request::WriteFile(w) => w.user.as_deref(),
             _ => return Err(FsError::new(ErrorCode::InvalidRequest, "not a file operation")),
         };
@@ -1138,6 +1168,12 @@ impl Agent {
                 fs.list_page(&norm(&path)?, recursive, after.as_deref(), limit)?
             }
             Request::Chmod { path, mode, .. } => (fs.chmod(&norm(&path)?, mode)?, none()),
+            Request::OpenFile { path, write, .. } => {
+                let (size, fd) = fs.open_passed(&norm(&path)?, write)?;
+                let passed = fd.is_some();
+                self.passing = fd;
+                (Reply::Opened { size, passed }, none())
+            }
             Request::Watch { path, recursive, allow_network_mounts, .. } => {
                 let path = norm(&path)?;
                 let dir = fs.open_dir(&path)?;

@@ -178,6 +178,34 @@ pub fn send(fd: BorrowedFd<'_>, buf: &[u8]) -> SysResult<usize> {
     })
 }
 
+/// [`send`] with one descriptor attached (SCM_RIGHTS) to the first byte:
+/// the peer receives it with the read that takes that byte.
+pub fn send_with_fd(fd: BorrowedFd<'_>, buf: &[u8], pass: BorrowedFd<'_>) -> SysResult<usize> {
+    const SPACE: usize = 64;
+    #[repr(C, align(8))]
+    struct Control([u8; SPACE]);
+    let mut control = Control([0; SPACE]);
+    let mut iov = libc::iovec { iov_base: buf.as_ptr() as *mut libc::c_void, iov_len: buf.len() };
+    // SAFETY: msghdr is plain data; every pointer set below outlives the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.0.as_mut_ptr().cast();
+    // SAFETY: CMSG_SPACE is arithmetic.
+    msg.msg_controllen = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    // SAFETY: msg_control points at SPACE bytes, more than CMSG_SPACE of one
+    // descriptor, so the first header and its data are in bounds.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), pass.as_raw_fd());
+    }
+    // SAFETY: msg and what it points at are valid for the call.
+    cvt_size(unsafe { libc::sendmsg(fd.as_raw_fd(), &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) })
+}
+
 /// Accepts one connection as a non-blocking, close-on-exec socket.
 pub fn accept(fd: BorrowedFd<'_>) -> SysResult<OwnedFd> {
     // SAFETY: null address pointers are allowed when the peer address is not wanted.
