@@ -107,7 +107,7 @@ pub enum RuntimeError {
     NoStorage,
 }
 
-fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> RuntimeError {
+pub(crate) fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> RuntimeError {
     let what = what.into();
     move |source| RuntimeError::Io { what, source }
 }
@@ -245,7 +245,7 @@ pub struct Runtime {
     cfg: Config,
     layout: Layout,
     seccomp: Vec<seccomp::Filter>,
-    base: PathBuf,
+    pub(crate) base: PathBuf,
     storage: Option<std::sync::Arc<Storage>>,
 }
 
@@ -257,25 +257,27 @@ pub struct Sandbox {
     pub pid: libc::pid_t,
     pub socket: PathBuf,
     pub cgroup: Cgroup,
-    slot: Option<Slot>,
+    pub(crate) slot: Option<Slot>,
     /// Its disk layer, if it has one (and the storage that holds it).
-    layer: Option<(Layer, std::sync::Arc<Storage>)>,
+    pub(crate) layer: Option<(Layer, std::sync::Arc<Storage>)>,
     /// How long each phase of the start took, for `hutch run --timings`.
     pub timings: Vec<(&'static str, Duration)>,
+    /// A sandbox of the gvisor class: where its bundle and runsc state are.
+    pub(crate) gvisor: Option<crate::gvisor::Paths>,
 }
 
 /// Phase durations of a start.
-struct Marks {
+pub(crate) struct Marks {
     last: std::time::Instant,
-    done: Vec<(&'static str, Duration)>,
+    pub(crate) done: Vec<(&'static str, Duration)>,
 }
 
 impl Marks {
-    fn new() -> Marks {
+    pub(crate) fn new() -> Marks {
         Marks { last: std::time::Instant::now(), done: Vec::new() }
     }
 
-    fn mark(&mut self, phase: &'static str) {
+    pub(crate) fn mark(&mut self, phase: &'static str) {
         let now = std::time::Instant::now();
         self.done.push((phase, now - self.last));
         self.last = now;
@@ -529,6 +531,9 @@ impl Runtime {
         if self.socket_path(&id).as_os_str().len() > MAX_SOCKET_PATH {
             return Err(RuntimeError::InvalidId(format!("{id} (its socket path would pass {MAX_SOCKET_PATH} bytes)")));
         }
+        if std::env::var_os("HUTCH_GVISOR_ALL").is_some() {
+            return self.start_gvisor(spec, id);
+        }
         let mut marks = Marks::new();
         // A disk layer is readied (its quota, overlay's mark of its last
         // volatile mount) before anything else is taken.
@@ -574,7 +579,8 @@ impl Runtime {
         };
         let socket = self.socket_path(&id);
         marks.mark("cgroup");
-        let mut sandbox = Sandbox { id, pid: 0, socket, cgroup, slot: Some(slot), layer, timings: Vec::new() };
+        let mut sandbox =
+            Sandbox { id, pid: 0, socket, cgroup, slot: Some(slot), layer, timings: Vec::new(), gvisor: None };
         let launched = helper.finish().map_err(io_err("create the sandbox's namespaces")).and_then(|ns| {
             marks.mark("namespaces");
             self.launch(&mut sandbox, spec, ns, &mut marks)
@@ -786,6 +792,20 @@ impl Runtime {
             stale.release();
             cleaned.push(id);
         }
+        // gvisor sandboxes hold no uid slot: their bundles say what exists.
+        for id in self.gvisor_ids() {
+            let paths = crate::gvisor::Paths::new(&self.cfg.run_dir, &id);
+            let cg = Cgroup::existing(&self.layout, &id);
+            if crate::gvisor::state(&paths).as_deref() == Some("running") && cg.populated().unwrap_or(true) {
+                continue;
+            }
+            crate::gvisor::teardown(&paths);
+            if cg.exists() && cg.destroy(Duration::from_secs(1)).is_err() {
+                continue;
+            }
+            let _ = fs::remove_file(self.socket_path(&id));
+            cleaned.push(id);
+        }
         cleaned
     }
 
@@ -813,6 +833,7 @@ impl Runtime {
             slot: None,
             layer,
             timings: Vec::new(),
+            gvisor: Some(crate::gvisor::Paths::new(&self.cfg.run_dir, id)).filter(crate::gvisor::Paths::exists),
         }
     }
 
@@ -852,7 +873,10 @@ impl Sandbox {
             Some((layer, storage)) => {
                 storage.usage(layer).map(|u| (u.used_bytes, u.limit_bytes.unwrap_or(0))).unwrap_or((0, 0))
             }
-            None => statfs_used(&format!("/proc/{}/root/", self.pid)).unwrap_or((0, 0)),
+            None => match &self.gvisor {
+                Some(paths) => statfs_used(&paths.root_statfs_path()).unwrap_or((0, 0)),
+                None => statfs_used(&format!("/proc/{}/root/", self.pid)).unwrap_or((0, 0)),
+            },
         };
         Usage {
             memory_bytes: self.cgroup.memory_current(),
@@ -903,7 +927,10 @@ impl Sandbox {
     /// disk layer stays: it is the caller's to keep or delete
     /// ([`Storage::delete`]).
     pub fn destroy(self) -> Result<(), RuntimeError> {
-        let Sandbox { pid, socket, cgroup, slot, .. } = self;
+        let Sandbox { pid, socket, cgroup, slot, gvisor, .. } = self;
+        if let Some(paths) = &gvisor {
+            crate::gvisor::teardown(paths);
+        }
         let _ = cgroup.kill_all();
         // Only a sandbox we started is our child; an adopted one's PID 1 was
         // reparented, and its pid may have been reused since.
