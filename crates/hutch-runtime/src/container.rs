@@ -244,7 +244,7 @@ impl Default for SandboxSpec {
 pub struct Runtime {
     cfg: Config,
     layout: Layout,
-    seccomp: Vec<seccomp::Filter>,
+    pub(crate) seccomp: Vec<seccomp::Filter>,
     pub(crate) base: PathBuf,
     storage: Option<std::sync::Arc<Storage>>,
 }

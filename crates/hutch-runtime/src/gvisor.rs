@@ -301,6 +301,20 @@ impl Runtime {
             .and_then(|mut f| io::Write::write_all(&mut f, &frame))
             .map_err(io_err(format!("write {}", cfg_path.display())))?;
 
+        // The container class's seccomp filters, installed by the agent on
+        // itself (see hutch-agent's `--dir`).
+        let mut filters = Vec::new();
+        for f in self.seccomp_filters() {
+            filters.extend_from_slice(&(f.program.len() as u32).to_le_bytes());
+            for i in &f.program {
+                filters.extend_from_slice(&i.code.to_ne_bytes());
+                filters.extend_from_slice(&[i.jt, i.jf]);
+                filters.extend_from_slice(&i.k.to_ne_bytes());
+            }
+        }
+        let sec_path = paths.agent_dir.join("seccomp");
+        fs::write(&sec_path, &filters).map_err(io_err(format!("write {}", sec_path.display())))?;
+
         let agent = match &spec.agent_override {
             Some((p, _)) => p.clone(),
             None => self.config().agent.clone(),
@@ -354,6 +368,10 @@ impl Runtime {
         }
         let _ = fs::remove_file(to);
         fs::rename(&from, to).map_err(io_err(format!("move {} to {}", from.display(), to.display())))
+    }
+
+    fn seccomp_filters(&self) -> &[crate::seccomp::Filter] {
+        &self.seccomp
     }
 
     fn base_dir(&self) -> &Path {
@@ -516,3 +534,33 @@ fn oci_spec(
 /// per address space and thread group of the sandbox), added to the
 /// sandbox's pids limit in its host cgroup.
 const SENTRY_TASKS: u32 = 512;
+
+/// runsc's version line, if runsc is installed.
+pub fn runsc_version() -> Option<String> {
+    let out = Command::new(runsc_path()).arg("--version").stderr(Stdio::null()).output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    out.status.success().then(|| text.lines().next().unwrap_or("").trim().to_owned())
+}
+
+/// Whether runsc starts a sandbox on `platform` here: runs `true` in a
+/// throw-away sandbox (`runsc do`, the host's root read-only, no network),
+/// with its state in a directory of its own, removed after.
+pub fn probe_platform(platform: &str) -> Result<(), String> {
+    let root = std::env::temp_dir().join(format!("hutch-runsc-probe-{}", std::process::id()));
+    let out = Command::new(runsc_path())
+        .arg("--root")
+        .arg(&root)
+        .arg(format!("--platform={platform}"))
+        .args(["--network=none", "do", "true"])
+        .stdin(Stdio::null())
+        .output();
+    let _ = fs::remove_dir_all(&root);
+    match out {
+        Ok(o) if o.status.success() => Ok(()),
+        Ok(o) => {
+            let err = String::from_utf8_lossy(&o.stderr);
+            Err(err.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("failed").trim().to_owned())
+        }
+        Err(e) => Err(e.to_string()),
+    }
+}

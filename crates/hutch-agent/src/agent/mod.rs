@@ -97,6 +97,14 @@ fn own_descriptors(dir: &std::path::Path) -> std::io::Result<()> {
     let listener = std::os::unix::net::UnixListener::bind(&sock)?;
     let config = std::fs::File::open(dir.join("config"))?;
     let _ = std::fs::remove_file(dir.join("config"));
+    // The sandbox's seccomp filters, which the container class installs
+    // before the agent's exec: here the agent installs them on itself, and
+    // every process it starts inherits them.
+    let filters = std::fs::read(dir.join("seccomp"))?;
+    let _ = std::fs::remove_file(dir.join("seccomp"));
+    for filter in parse_filters(&filters).ok_or_else(|| std::io::Error::other("malformed seccomp file"))? {
+        sys::install_seccomp(&filter).map_err(|e| std::io::Error::from_raw_os_error(e.0))?;
+    }
     // Descriptors 0 to 2 are open (runsc's /dev/null or pipes), so these
     // two are 3 and 4 already unless something else was; either way each
     // ends at its number and nothing else stays open.
@@ -112,6 +120,31 @@ fn own_descriptors(dir: &std::path::Path) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Classic-BPF programs, each a little-endian u32 count of instructions and
+/// that many 8-byte `sock_filter`s (native order); `None` if malformed.
+fn parse_filters(mut bytes: &[u8]) -> Option<Vec<Vec<libc::sock_filter>>> {
+    let mut out = Vec::new();
+    while !bytes.is_empty() {
+        let n = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
+        if n == 0 || n > 4096 {
+            return None;
+        }
+        let body = bytes.get(4..4 + n * 8)?;
+        out.push(
+            body.chunks_exact(8)
+                .map(|c| libc::sock_filter {
+                    code: u16::from_ne_bytes([c[0], c[1]]),
+                    jt: c[2],
+                    jf: c[3],
+                    k: u32::from_ne_bytes([c[4], c[5], c[6], c[7]]),
+                })
+                .collect(),
+        );
+        bytes = &bytes[4 + n * 8..];
+    }
+    Some(out)
 }
 
 /// Takes the workload cgroup's descriptors the configuration announces
