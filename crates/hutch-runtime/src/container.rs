@@ -15,6 +15,7 @@ use crate::seccomp::{self, SeccompError};
 use crate::storage::{Layer, LayerName, Storage, StorageError};
 use crate::uids::{self, Slot, UidError};
 use hutch_agent::proto::{self, AgentConfig};
+use hutch_api::Class;
 use std::fs::{self, File};
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -105,6 +106,8 @@ pub enum RuntimeError {
     Storage(#[from] StorageError),
     #[error("a disk layer was asked for, but this runtime has no storage")]
     NoStorage,
+    #[error("this host does not run {0} sandboxes: {1}")]
+    ClassUnavailable(Class, String),
 }
 
 pub(crate) fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> RuntimeError {
@@ -167,6 +170,8 @@ pub enum RootSource {
 /// What one sandbox gets.
 #[derive(Debug, Clone)]
 pub struct SandboxSpec {
+    /// How it is isolated.
+    pub class: Class,
     /// The root file system.
     pub root: RootSource,
     /// Chosen by the caller, or random when `None`.
@@ -222,6 +227,7 @@ pub enum Writable {
 impl Default for SandboxSpec {
     fn default() -> Self {
         SandboxSpec {
+            class: Class::Container,
             root: RootSource::Base,
             id: None,
             limits: Limits { memory_bytes: 512 << 20, pids: 256, cpu_millis: 1000 },
@@ -522,8 +528,19 @@ impl Runtime {
         &self.cfg
     }
 
+    /// Whether this runtime starts sandboxes of `class` (Err: why not).
+    pub fn runs(&self, class: Class) -> Result<(), String> {
+        match class {
+            Class::Container => Ok(()),
+            Class::Gvisor => Err("hutch does not run gVisor sandboxes yet".into()),
+            Class::Process => Err("hutch does not run process sandboxes yet".into()),
+            Class::Microvm => Err("hutch does not run micro-VM sandboxes yet".into()),
+        }
+    }
+
     /// Starts a sandbox and returns once its agent is running.
     pub fn start(&self, spec: &SandboxSpec) -> Result<Sandbox, RuntimeError> {
+        self.runs(spec.class).map_err(|why| RuntimeError::ClassUnavailable(spec.class, why))?;
         let id = match &spec.id {
             Some(id) => valid_id(id)?,
             None => random_id()?,

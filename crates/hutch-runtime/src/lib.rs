@@ -26,3 +26,4 @@ pub mod sys;
 pub mod uids;
 
 pub use container::{Config, RootSource, Runtime, RuntimeError, Sandbox, SandboxSpec, Writable};
+pub use hutch_api::Class;
