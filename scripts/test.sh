@@ -28,7 +28,7 @@ need=()
 # openssl makes the test CA of the secrets tests (tests/api/test_secrets.py).
 for pkg_cmd in python3:python3 procps:pgrep util-linux:unshare mount:mount coreutils:sha256sum \
     nftables:nft iproute2:ip mmdebstrap:mmdebstrap docker-registry:docker-registry \
-    nodejs:node npm:npm btrfs-progs:mkfs.btrfs chromium:chromium umoci:umoci systemd:systemd-analyze openssl:openssl; do
+    nodejs:node npm:npm btrfs-progs:mkfs.btrfs chromium:chromium umoci:umoci systemd:systemd-analyze openssl:openssl runsc:runsc; do
     pkg=${pkg_cmd%%:*} cmd=${pkg_cmd##*:}
     found=
     for dir in /usr/bin /bin /usr/sbin /sbin; do
@@ -50,6 +50,8 @@ python3 -m pip install --quiet --disable-pip-version-check -r tests/api/requirem
 (cd console && npm ci --no-audit --no-fund --loglevel=error)
 cargo build --workspace --all-targets
 cargo test --workspace -- --test-threads=2
+# The escape probes again, in the gvisor class (runsc).
+HUTCH_TEST_CLASS=gvisor cargo test -p hutch --test escape -- --test-threads=2
 # Every parser of untrusted bytes, fuzzed for a bounded time (fuzz/).
 bash scripts/fuzz.sh "${HUTCH_FUZZ_SECONDS:-20}"
 python3 -m pytest tests/api -q -p no:cacheprovider

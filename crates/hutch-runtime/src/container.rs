@@ -532,7 +532,7 @@ impl Runtime {
     pub fn runs(&self, class: Class) -> Result<(), String> {
         match class {
             Class::Container => Ok(()),
-            Class::Gvisor => Err("hutch does not run gVisor sandboxes yet".into()),
+            Class::Gvisor => crate::gvisor::available(),
             Class::Process => Err("hutch does not run process sandboxes yet".into()),
             Class::Microvm => Err("hutch does not run micro-VM sandboxes yet".into()),
         }
@@ -548,7 +548,7 @@ impl Runtime {
         if self.socket_path(&id).as_os_str().len() > MAX_SOCKET_PATH {
             return Err(RuntimeError::InvalidId(format!("{id} (its socket path would pass {MAX_SOCKET_PATH} bytes)")));
         }
-        if std::env::var_os("HUTCH_GVISOR_ALL").is_some() {
+        if spec.class == Class::Gvisor {
             return self.start_gvisor(spec, id);
         }
         let mut marks = Marks::new();

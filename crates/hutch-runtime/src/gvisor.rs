@@ -319,11 +319,7 @@ impl Runtime {
             Some((p, _)) => p.clone(),
             None => self.config().agent.clone(),
         };
-        let netns = match &spec.netns {
-            Some(fd) => Some(format!("/proc/{}/fd/{}", std::process::id(), std::os::fd::AsRawFd::as_raw_fd(&**fd))),
-            None => None,
-        };
-        let bundle = oci_spec(paths, spec, &agent, usr, netns.as_deref(), &self.rootfs_has(&paths.rootfs()));
+        let bundle = oci_spec(paths, spec, &agent, usr, &self.rootfs_has(&paths.rootfs()));
         let cfg_json = paths.bundle.join("config.json");
         fs::write(&cfg_json, serde_json::to_vec_pretty(&bundle).unwrap_or_default())
             .map_err(io_err(format!("write {}", cfg_json.display())))?;
@@ -331,7 +327,28 @@ impl Runtime {
 
         let mut cmd = paths.runsc();
         cmd.args(["--platform=ptrace", "--host-uds=create"]);
-        cmd.arg(if netns.is_some() { "--network=sandbox" } else { "--network=none" });
+        // runsc of 2022-12 cannot take a namespace's interfaces into its
+        // netstack on kernels that show net.core sysctls in every namespace
+        // (it then takes any namespace for the host's): the sandbox uses
+        // the host kernel's stack instead (`--network=host`, gVisor's
+        // hostinet), inside the sandbox's own namespace, which runsc joins
+        // by being started in it. See ARCHITECTURE.md.
+        if let Some(fd) = &spec.netns {
+            let fd = std::os::fd::AsRawFd::as_raw_fd(&**fd);
+            // SAFETY: setns is async-signal-safe and touches no memory of
+            // the parent; fd stays open in the child until its exec.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                    if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+            cmd.arg("--network=host");
+        } else {
+            cmd.arg("--network=none");
+        }
         cmd.arg("run").arg("--detach").arg("--bundle").arg(&paths.bundle).arg(&paths.id);
         run(cmd, "start the gvisor sandbox", &paths.bundle.join("runsc.log"))?;
         marks.mark("runsc run");
@@ -449,14 +466,7 @@ pub fn teardown(paths: &Paths) {
 }
 
 /// The OCI runtime spec runsc starts the sandbox from.
-fn oci_spec(
-    paths: &Paths,
-    spec: &SandboxSpec,
-    agent: &Path,
-    host_usr: bool,
-    netns: Option<&str>,
-    has: &[bool; 2],
-) -> Value {
+fn oci_spec(paths: &Paths, spec: &SandboxSpec, agent: &Path, host_usr: bool, has: &[bool; 2]) -> Value {
     let Limits { memory_bytes, pids, cpu_millis } = spec.limits;
     let caps: Vec<&str> = ALL_CAPS.to_vec();
     let mut mounts = vec![
@@ -484,10 +494,10 @@ fn oci_spec(
     }
     let mut namespaces =
         vec![json!({"type": "pid"}), json!({"type": "ipc"}), json!({"type": "uts"}), json!({"type": "mount"})];
-    namespaces.push(match netns {
-        Some(path) => json!({"type": "network", "path": path}),
-        None => json!({"type": "network"}),
-    });
+    // The network: runsc's own flag decides (see launch_gvisor).
+    if spec.netns.is_none() {
+        namespaces.push(json!({"type": "network"}));
+    }
     let rlimits: Vec<Value> = crate::container::KERNEL_CAPS
         .rlimits()
         .iter()
@@ -534,6 +544,18 @@ fn oci_spec(
 /// per address space and thread group of the sandbox), added to the
 /// sandbox's pids limit in its host cgroup.
 const SENTRY_TASKS: u32 = 512;
+
+/// Whether this host runs gvisor sandboxes: runsc answers `--version`
+/// (asked once per process).
+pub fn available() -> Result<(), String> {
+    static ANSWER: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+    ANSWER
+        .get_or_init(|| match runsc_version() {
+            Some(_) => Ok(()),
+            None => Err(format!("runsc ({}) is not installed: apt-get install runsc", runsc_path().display())),
+        })
+        .clone()
+}
 
 /// runsc's version line, if runsc is installed.
 pub fn runsc_version() -> Option<String> {
