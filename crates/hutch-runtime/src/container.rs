@@ -813,7 +813,7 @@ impl Runtime {
         for id in self.gvisor_ids() {
             let paths = crate::gvisor::Paths::new(&self.cfg.run_dir, &id);
             let cg = Cgroup::existing(&self.layout, &id);
-            if crate::gvisor::state(&paths).as_deref() == Some("running") && cg.populated().unwrap_or(true) {
+            if paths.sentry_pid().is_some() || cg.populated().unwrap_or(true) {
                 continue;
             }
             crate::gvisor::teardown(&paths);

@@ -116,11 +116,29 @@ impl Paths {
         self.bundle.exists()
     }
 
-    /// runsc with the runtime's global flags.
+    /// Where runsc writes the sentry's host pid.
+    fn pid_file(&self) -> PathBuf {
+        self.bundle.join("sandbox.pid")
+    }
+
+    /// The sentry's host pid, while it lives.
+    pub fn sentry_pid(&self) -> Option<libc::pid_t> {
+        let pid: libc::pid_t = fs::read_to_string(self.pid_file()).ok()?.trim().parse().ok()?;
+        // SAFETY: kill with signal 0 only checks for existence.
+        (pid > 0 && unsafe { libc::kill(pid, 0) } == 0).then_some(pid)
+    }
+
+    /// runsc with the runtime's global flags, run in the sentry's network
+    /// namespace while it lives: runsc reaches a sandbox through an
+    /// abstract unix socket, which belongs to the namespace the sandbox
+    /// was started in (the sandbox's own, for a networked one).
     pub fn runsc(&self) -> Command {
         let mut c = Command::new(runsc_path());
         c.arg("--root").arg(&self.state_root);
         c.stdin(Stdio::null());
+        if let Some(ns) = self.sentry_pid().and_then(|p| fs::File::open(format!("/proc/{p}/ns/net")).ok()) {
+            enter_netns(&mut c, ns.into());
+        }
         c
     }
 }
@@ -327,6 +345,10 @@ impl Runtime {
 
         let mut cmd = paths.runsc();
         cmd.args(["--platform=ptrace", "--host-uds=create"]);
+        // HUTCH_RUNSC_DEBUG=DIR: runsc's debug logs of every sandbox there.
+        if let Some(dir) = std::env::var_os("HUTCH_RUNSC_DEBUG") {
+            cmd.arg("--debug").arg(format!("--debug-log={}/", Path::new(&dir).join(&paths.id).display()));
+        }
         // runsc of 2022-12 cannot take a namespace's interfaces into its
         // netstack on kernels that show net.core sysctls in every namespace
         // (it then takes any namespace for the host's): the sandbox uses
@@ -334,26 +356,23 @@ impl Runtime {
         // hostinet), inside the sandbox's own namespace, which runsc joins
         // by being started in it. See ARCHITECTURE.md.
         if let Some(fd) = &spec.netns {
-            let fd = std::os::fd::AsRawFd::as_raw_fd(&**fd);
-            // SAFETY: setns is async-signal-safe and touches no memory of
-            // the parent; fd stays open in the child until its exec.
-            unsafe {
-                std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
-                    if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
-                        return Err(io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
+            let dup = fd.try_clone().map_err(io_err("duplicate the network namespace"))?;
+            enter_netns(&mut cmd, dup);
             cmd.arg("--network=host");
         } else {
             cmd.arg("--network=none");
         }
-        cmd.arg("run").arg("--detach").arg("--bundle").arg(&paths.bundle).arg(&paths.id);
+        cmd.arg("run").arg("--detach").arg("--pid-file").arg(paths.pid_file());
+        cmd.arg("--bundle").arg(&paths.bundle).arg(&paths.id);
         run(cmd, "start the gvisor sandbox", &paths.bundle.join("runsc.log"))?;
+        // runsc made the cgroups: only now are there directories to name.
+        sb.cgroup = Cgroup::existing(self.layout(), &paths.id);
         marks.mark("runsc run");
-        sb.pid = sandbox_pid(paths).unwrap_or(0);
         self.take_agent_socket(paths, &sb.socket)?;
+        sb.pid = paths.sentry_pid().ok_or_else(|| RuntimeError::Io {
+            what: format!("the sandbox process of {}", paths.id),
+            source: io::Error::other("runsc's sandbox process is gone"),
+        })?;
         marks.mark("agent");
         Ok(())
     }
@@ -372,7 +391,7 @@ impl Runtime {
                         source: io::Error::new(io::ErrorKind::InvalidData, "not a socket"),
                     })
                 }
-                Err(_) if Instant::now() < deadline && state(paths).as_deref() != Some("stopped") => {
+                Err(_) if Instant::now() < deadline && paths.sentry_pid().is_some() => {
                     std::thread::sleep(Duration::from_millis(2));
                 }
                 Err(e) => {
@@ -410,11 +429,20 @@ impl Runtime {
     }
 }
 
-/// The sentry's pid on the host, from runsc's state.
-pub fn sandbox_pid(paths: &Paths) -> Option<libc::pid_t> {
-    let out = paths.runsc().arg("state").arg(&paths.id).stderr(Stdio::null()).output().ok()?;
-    let v: Value = serde_json::from_slice(&out.stdout).ok()?;
-    v.get("pid")?.as_i64().map(|p| p as libc::pid_t)
+/// Makes `cmd` start in the network namespace `ns`.
+fn enter_netns(cmd: &mut Command, ns: std::os::fd::OwnedFd) {
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&ns);
+    // SAFETY: setns is async-signal-safe and touches no memory of the
+    // parent; the closure owns `ns`, so fd stays open until the exec.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(cmd, move || {
+            let _keep = &ns;
+            if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
 }
 
 /// runsc's word on the sandbox: "running", "stopped", ...; `None` when it
@@ -431,22 +459,22 @@ pub fn state(paths: &Paths) -> Option<String> {
 /// Kills the sandbox and removes everything it held on the host but the
 /// cgroup (the caller's, see [`Sandbox::destroy`]) and a disk layer.
 pub fn teardown(paths: &Paths) {
-    if paths.state_root.join(&paths.id).exists() || state(paths).is_some() {
-        let _ = paths
-            .runsc()
-            .args(["kill", "--all"])
-            .arg(&paths.id)
-            .arg("KILL")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-        let _ = paths
-            .runsc()
-            .args(["delete", "--force"])
-            .arg(&paths.id)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
+    let quiet = |mut c: Command| {
+        let _ = c.stdout(Stdio::null()).stderr(Stdio::null()).status();
+    };
+    let mut kill = paths.runsc();
+    kill.args(["kill", "--all"]).arg(&paths.id).arg("KILL");
+    quiet(kill);
+    // The sentry is killed with its cgroup by the caller too; delete then
+    // removes runsc's state whether or not it still reaches the sandbox.
+    let mut delete = paths.runsc();
+    delete.args(["delete", "--force"]).arg(&paths.id);
+    quiet(delete);
+    if let Some(pid) = paths.sentry_pid() {
+        crate::sys::kill(pid, libc::SIGKILL);
+        let mut delete = paths.runsc();
+        delete.args(["delete", "--force"]).arg(&paths.id);
+        quiet(delete);
     }
     umount(&paths.rootfs());
     umount(&paths.mem());
