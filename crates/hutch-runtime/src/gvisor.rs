@@ -167,7 +167,9 @@ fn umount(target: &Path) {
 /// for its whole life. On failure the error carries the file's last line.
 fn run(mut cmd: Command, what: &str, log: &Path) -> Result<(), RuntimeError> {
     let file = fs::File::create(log).map_err(io_err(format!("create {}", log.display())))?;
-    let status = cmd.stdout(Stdio::null()).stderr(file).status().map_err(io_err(format!("{what}: run runsc")))?;
+    // runsc logs its errors to stdout unless told otherwise.
+    let out = file.try_clone().map_err(io_err(format!("dup {}", log.display())))?;
+    let status = cmd.stdout(out).stderr(file).status().map_err(io_err(format!("{what}: run runsc")))?;
     if !status.success() {
         let err = fs::read_to_string(log).unwrap_or_default();
         let last = err.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").trim().to_owned();
@@ -219,6 +221,8 @@ impl Runtime {
                 Ok(sandbox)
             }
             Err(e) => {
+                // The cgroups runsc made, if it got that far.
+                sandbox.cgroup = Cgroup::existing(self.layout(), &id);
                 let _ = sandbox.destroy();
                 Err(e)
             }
@@ -343,6 +347,32 @@ impl Runtime {
             .map_err(io_err(format!("write {}", cfg_json.display())))?;
         marks.mark("bundle");
 
+        // Now and then (one start in ten under load here) runsc's gofer
+        // fails to bind the root ("mounting root on root: no such file or
+        // directory") and runsc exits 128: one more try after a delete.
+        let log = paths.bundle.join("runsc.log");
+        if let Err(first) = run(self.runsc_run(paths, spec)?, "start the gvisor sandbox", &log) {
+            tracing::warn!("gvisor sandbox {}: {first}; trying once more", paths.id);
+            let mut delete = paths.runsc();
+            delete.args(["delete", "--force"]).arg(&paths.id);
+            let _ = delete.stdout(Stdio::null()).stderr(Stdio::null()).status();
+            let _ = fs::remove_file(paths.pid_file());
+            run(self.runsc_run(paths, spec)?, "start the gvisor sandbox", &log)?;
+        }
+        // runsc made the cgroups: only now are there directories to name.
+        sb.cgroup = Cgroup::existing(self.layout(), &paths.id);
+        marks.mark("runsc run");
+        self.take_agent_socket(paths, &sb.socket)?;
+        sb.pid = paths.sentry_pid().ok_or_else(|| RuntimeError::Io {
+            what: format!("the sandbox process of {}", paths.id),
+            source: io::Error::other("runsc's sandbox process is gone"),
+        })?;
+        marks.mark("agent");
+        Ok(())
+    }
+
+    /// `runsc run` of sandbox `paths.id`, detached.
+    fn runsc_run(&self, paths: &Paths, spec: &SandboxSpec) -> Result<Command, RuntimeError> {
         let mut cmd = paths.runsc();
         cmd.args(["--platform=ptrace", "--host-uds=create"]);
         // HUTCH_RUNSC_DEBUG=DIR: runsc's debug logs of every sandbox there.
@@ -364,17 +394,7 @@ impl Runtime {
         }
         cmd.arg("run").arg("--detach").arg("--pid-file").arg(paths.pid_file());
         cmd.arg("--bundle").arg(&paths.bundle).arg(&paths.id);
-        run(cmd, "start the gvisor sandbox", &paths.bundle.join("runsc.log"))?;
-        // runsc made the cgroups: only now are there directories to name.
-        sb.cgroup = Cgroup::existing(self.layout(), &paths.id);
-        marks.mark("runsc run");
-        self.take_agent_socket(paths, &sb.socket)?;
-        sb.pid = paths.sentry_pid().ok_or_else(|| RuntimeError::Io {
-            what: format!("the sandbox process of {}", paths.id),
-            source: io::Error::other("runsc's sandbox process is gone"),
-        })?;
-        marks.mark("agent");
-        Ok(())
+        Ok(cmd)
     }
 
     /// Waits for the agent's socket in its directory and moves it where

@@ -605,10 +605,23 @@ pub fn setresuid(uid: libc::uid_t) -> SysResult<()> {
 /// previous values are not reported because the agent always restores 0.
 pub fn set_fs_ids(uid: libc::uid_t, gid: libc::gid_t) {
     // SAFETY: no pointers; setfsgid/setfsuid cannot fail in a way that
-    // reports an error.
+    // reports an error; setresuid/setresgid take integers only.
     unsafe {
+        // Back to root from effective ids taken below: uid first (root's
+        // again, which restores the effective capabilities), then gid.
+        if uid == 0 && gid == 0 && libc::geteuid() != 0 {
+            libc::setresuid(u32::MAX, 0, u32::MAX);
+            libc::setresgid(u32::MAX, 0, u32::MAX);
+        }
         libc::setfsgid(gid);
         libc::setfsuid(uid);
+        // gVisor (2022-12) ignores setfsuid: the file system ids follow
+        // the effective ones there, so take those (the saved ids stay
+        // root's, to come back).
+        if libc::setfsuid(u32::MAX) as libc::uid_t != uid {
+            libc::setresgid(u32::MAX, gid, u32::MAX);
+            libc::setresuid(u32::MAX, uid, u32::MAX);
+        }
     }
 }
 
