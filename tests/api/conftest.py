@@ -495,7 +495,7 @@ class Daemon:
             for c in self.clients:
                 c.base = self.base
         self.starts += 1
-        env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_") or k == "HUTCH_RUNSC_DEBUG"}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
         env["HUTCH_RUN_DIR"] = str(self.run_dir)
         env["HUTCH_NET_INSTANCE"] = str(self.net_instance)
         env.update(self.extra_env)

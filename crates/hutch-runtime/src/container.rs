@@ -252,6 +252,9 @@ pub struct Runtime {
     layout: Layout,
     pub(crate) seccomp: Vec<seccomp::Filter>,
     pub(crate) base: PathBuf,
+    /// Ids of gvisor sandboxes being started, which [`Runtime::sweep`]
+    /// must not take for dead.
+    pub(crate) gvisor_starting: std::sync::Mutex<std::collections::BTreeSet<String>>,
     storage: Option<std::sync::Arc<Storage>>,
 }
 
@@ -322,7 +325,7 @@ impl Runtime {
         if !cfg.agent.is_file() {
             return Err(RuntimeError::NoAgent { path: cfg.agent.clone() });
         }
-        Ok(Runtime { cfg, layout, seccomp, base, storage: None })
+        Ok(Runtime { cfg, layout, seccomp, base, gvisor_starting: Default::default(), storage: None })
     }
 
     /// Gives the runtime disk storage for writable layers
@@ -810,7 +813,8 @@ impl Runtime {
             cleaned.push(id);
         }
         // gvisor sandboxes hold no uid slot: their bundles say what exists.
-        for id in self.gvisor_ids() {
+        let starting = lock(&self.gvisor_starting).clone();
+        for id in self.gvisor_ids().into_iter().filter(|id| !starting.contains(id)) {
             let paths = crate::gvisor::Paths::new(&self.cfg.run_dir, &id);
             let cg = Cgroup::existing(&self.layout, &id);
             if paths.sentry_pid().is_some() || cg.populated().unwrap_or(true) {
@@ -1042,4 +1046,10 @@ mod tests {
         assert!(valid_id(&id).is_ok());
         assert_eq!(id.len(), 19);
     }
+}
+
+/// A mutex's guard, poisoned or not (what it guards stays consistent: sets
+/// of ids).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }

@@ -215,7 +215,12 @@ impl Runtime {
             timings: Vec::new(),
             gvisor: Some(paths.clone()),
         };
-        match self.launch_gvisor(&paths, spec, &mut sandbox, &mut marks) {
+        // Runtime::sweep leaves a sandbox alone while it starts (before
+        // runsc has made its cgroup, nothing else says it lives).
+        crate::container::lock(&self.gvisor_starting).insert(id.clone());
+        let launched = self.launch_gvisor(&paths, spec, &mut sandbox, &mut marks);
+        crate::container::lock(&self.gvisor_starting).remove(&id);
+        match launched {
             Ok(()) => {
                 sandbox.timings = marks.done;
                 Ok(sandbox)
@@ -347,18 +352,7 @@ impl Runtime {
             .map_err(io_err(format!("write {}", cfg_json.display())))?;
         marks.mark("bundle");
 
-        // Now and then (one start in ten under load here) runsc's gofer
-        // fails to bind the root ("mounting root on root: no such file or
-        // directory") and runsc exits 128: one more try after a delete.
-        let log = paths.bundle.join("runsc.log");
-        if let Err(first) = run(self.runsc_run(paths, spec)?, "start the gvisor sandbox", &log) {
-            tracing::warn!("gvisor sandbox {}: {first}; trying once more", paths.id);
-            let mut delete = paths.runsc();
-            delete.args(["delete", "--force"]).arg(&paths.id);
-            let _ = delete.stdout(Stdio::null()).stderr(Stdio::null()).status();
-            let _ = fs::remove_file(paths.pid_file());
-            run(self.runsc_run(paths, spec)?, "start the gvisor sandbox", &log)?;
-        }
+        run(self.runsc_run(paths, spec)?, "start the gvisor sandbox", &paths.bundle.join("runsc.log"))?;
         // runsc made the cgroups: only now are there directories to name.
         sb.cgroup = Cgroup::existing(self.layout(), &paths.id);
         marks.mark("runsc run");
