@@ -28,7 +28,7 @@ need=()
 # openssl makes the test CA of the secrets tests (tests/api/test_secrets.py).
 for pkg_cmd in python3:python3 procps:pgrep util-linux:unshare mount:mount coreutils:sha256sum \
     nftables:nft iproute2:ip mmdebstrap:mmdebstrap docker-registry:docker-registry \
-    nodejs:node npm:npm btrfs-progs:mkfs.btrfs chromium:chromium umoci:umoci systemd:systemd-analyze openssl:openssl; do
+    nodejs:node npm:npm btrfs-progs:mkfs.btrfs chromium:chromium umoci:umoci systemd:systemd-analyze openssl:openssl runsc:runsc; do
     pkg=${pkg_cmd%%:*} cmd=${pkg_cmd##*:}
     found=
     for dir in /usr/bin /bin /usr/sbin /sbin; do
@@ -59,6 +59,8 @@ source scripts/pg-scratch.sh
 trap pg_scratch_stop EXIT
 cargo test --workspace -- --test-threads=2
 pg_scratch_stop
+# The escape probes again, in the gvisor class (runsc).
+HUTCH_TEST_CLASS=gvisor cargo test -p hutch --test escape -- --test-threads=2
 # Every parser of untrusted bytes, fuzzed for a bounded time (fuzz/).
 bash scripts/fuzz.sh "${HUTCH_FUZZ_SECONDS:-20}"
 python3 -m pytest tests/api -q -p no:cacheprovider

@@ -152,6 +152,14 @@ def leftovers(run_dir: Path, sandbox_id: str) -> list[str]:
         left.append(f"socket {sock}")
     left += [f"uid slot {UID_SLOTS / n}" for n, owner in slot_owners(run_dir).items() if owner == sandbox_id]
     left += [f"process {pid} ({line})" for pid, line in host_processes_of([sandbox_id]).items()]
+    # The gvisor class: its agent directory, OCI bundle, runsc state, mounts.
+    for sub in ("gv", "gvb"):
+        if (run_dir / sub / sandbox_id).exists():
+            left.append(f"gvisor directory {run_dir / sub / sandbox_id}")
+    if (run_dir / "runsc").is_dir():
+        left += [f"runsc state {p}" for p in (run_dir / "runsc").glob(f"{sandbox_id}*")]
+    with open("/proc/self/mountinfo") as f:
+        left += [f"mount {line.split()[4]}" for line in f if f"/{sandbox_id}/" in line.split()[4] + "/"]
     return left
 
 

@@ -10,12 +10,16 @@
 
 mod agent;
 
-/// Entry point called by the C runtime; argv and the (empty) environment
-/// are not used.
+/// Entry point called by the C runtime; the (empty) environment is not
+/// used, argv only by the gvisor class (see `agent::main`).
 #[cfg(not(test))]
 #[no_mangle]
-pub extern "C" fn main(_argc: std::ffi::c_int, _argv: *const *const std::ffi::c_char) -> std::ffi::c_int {
-    agent::main()
+pub extern "C" fn main(argc: std::ffi::c_int, argv: *const *const std::ffi::c_char) -> std::ffi::c_int {
+    let args: Vec<&std::ffi::CStr> = (0..argc.max(0) as usize)
+        // SAFETY: the C runtime passes argc valid, NUL-terminated strings.
+        .map(|i| unsafe { std::ffi::CStr::from_ptr(*argv.add(i)) })
+        .collect();
+    agent::main(&args)
 }
 
 /// Unit-test builds keep the harness's own entry point; this keeps the
@@ -23,5 +27,5 @@ pub extern "C" fn main(_argc: std::ffi::c_int, _argv: *const *const std::ffi::c_
 #[cfg(test)]
 #[allow(dead_code)]
 fn main() {
-    std::process::exit(agent::main());
+    std::process::exit(agent::main(&[]));
 }

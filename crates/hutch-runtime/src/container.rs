@@ -110,7 +110,7 @@ pub enum RuntimeError {
     ClassUnavailable(Class, String),
 }
 
-fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> RuntimeError {
+pub(crate) fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> RuntimeError {
     let what = what.into();
     move |source| RuntimeError::Io { what, source }
 }
@@ -250,8 +250,11 @@ impl Default for SandboxSpec {
 pub struct Runtime {
     cfg: Config,
     layout: Layout,
-    seccomp: Vec<seccomp::Filter>,
-    base: PathBuf,
+    pub(crate) seccomp: Vec<seccomp::Filter>,
+    pub(crate) base: PathBuf,
+    /// Ids of gvisor sandboxes being started, which [`Runtime::sweep`]
+    /// must not take for dead.
+    pub(crate) gvisor_starting: std::sync::Mutex<std::collections::BTreeSet<String>>,
     storage: Option<std::sync::Arc<Storage>>,
 }
 
@@ -263,25 +266,27 @@ pub struct Sandbox {
     pub pid: libc::pid_t,
     pub socket: PathBuf,
     pub cgroup: Cgroup,
-    slot: Option<Slot>,
+    pub(crate) slot: Option<Slot>,
     /// Its disk layer, if it has one (and the storage that holds it).
-    layer: Option<(Layer, std::sync::Arc<Storage>)>,
+    pub(crate) layer: Option<(Layer, std::sync::Arc<Storage>)>,
     /// How long each phase of the start took, for `hutch run --timings`.
     pub timings: Vec<(&'static str, Duration)>,
+    /// A sandbox of the gvisor class: where its bundle and runsc state are.
+    pub(crate) gvisor: Option<crate::gvisor::Paths>,
 }
 
 /// Phase durations of a start.
-struct Marks {
+pub(crate) struct Marks {
     last: std::time::Instant,
-    done: Vec<(&'static str, Duration)>,
+    pub(crate) done: Vec<(&'static str, Duration)>,
 }
 
 impl Marks {
-    fn new() -> Marks {
+    pub(crate) fn new() -> Marks {
         Marks { last: std::time::Instant::now(), done: Vec::new() }
     }
 
-    fn mark(&mut self, phase: &'static str) {
+    pub(crate) fn mark(&mut self, phase: &'static str) {
         let now = std::time::Instant::now();
         self.done.push((phase, now - self.last));
         self.last = now;
@@ -320,7 +325,7 @@ impl Runtime {
         if !cfg.agent.is_file() {
             return Err(RuntimeError::NoAgent { path: cfg.agent.clone() });
         }
-        Ok(Runtime { cfg, layout, seccomp, base, storage: None })
+        Ok(Runtime { cfg, layout, seccomp, base, gvisor_starting: Default::default(), storage: None })
     }
 
     /// Gives the runtime disk storage for writable layers
@@ -530,7 +535,7 @@ impl Runtime {
     pub fn runs(&self, class: Class) -> Result<(), String> {
         match class {
             Class::Container => Ok(()),
-            Class::Gvisor => Err("hutch does not run gVisor sandboxes yet".into()),
+            Class::Gvisor => crate::gvisor::available(),
             Class::Process => Err("hutch does not run process sandboxes yet".into()),
             Class::Microvm => Err("hutch does not run micro-VM sandboxes yet".into()),
         }
@@ -545,6 +550,9 @@ impl Runtime {
         };
         if self.socket_path(&id).as_os_str().len() > MAX_SOCKET_PATH {
             return Err(RuntimeError::InvalidId(format!("{id} (its socket path would pass {MAX_SOCKET_PATH} bytes)")));
+        }
+        if spec.class == Class::Gvisor {
+            return self.start_gvisor(spec, id);
         }
         let mut marks = Marks::new();
         // A disk layer is readied (its quota, overlay's mark of its last
@@ -591,7 +599,8 @@ impl Runtime {
         };
         let socket = self.socket_path(&id);
         marks.mark("cgroup");
-        let mut sandbox = Sandbox { id, pid: 0, socket, cgroup, slot: Some(slot), layer, timings: Vec::new() };
+        let mut sandbox =
+            Sandbox { id, pid: 0, socket, cgroup, slot: Some(slot), layer, timings: Vec::new(), gvisor: None };
         let launched = helper.finish().map_err(io_err("create the sandbox's namespaces")).and_then(|ns| {
             marks.mark("namespaces");
             self.launch(&mut sandbox, spec, ns, &mut marks)
@@ -803,6 +812,21 @@ impl Runtime {
             stale.release();
             cleaned.push(id);
         }
+        // gvisor sandboxes hold no uid slot: their bundles say what exists.
+        let starting = lock(&self.gvisor_starting).clone();
+        for id in self.gvisor_ids().into_iter().filter(|id| !starting.contains(id)) {
+            let paths = crate::gvisor::Paths::new(&self.cfg.run_dir, &id);
+            let cg = Cgroup::existing(&self.layout, &id);
+            if paths.sentry_pid().is_some() || cg.populated().unwrap_or(true) {
+                continue;
+            }
+            crate::gvisor::teardown(&paths);
+            if cg.exists() && cg.destroy(Duration::from_secs(1)).is_err() {
+                continue;
+            }
+            let _ = fs::remove_file(self.socket_path(&id));
+            cleaned.push(id);
+        }
         cleaned
     }
 
@@ -830,6 +854,7 @@ impl Runtime {
             slot: None,
             layer,
             timings: Vec::new(),
+            gvisor: Some(crate::gvisor::Paths::new(&self.cfg.run_dir, id)).filter(crate::gvisor::Paths::exists),
         }
     }
 
@@ -875,7 +900,10 @@ impl Sandbox {
             Some((layer, storage)) => {
                 storage.usage(layer).map(|u| (u.used_bytes, u.limit_bytes.unwrap_or(0))).unwrap_or((0, 0))
             }
-            None => statfs_used(&format!("/proc/{}/root/", self.pid)).unwrap_or((0, 0)),
+            None => match &self.gvisor {
+                Some(paths) => statfs_used(&paths.root_statfs_path()).unwrap_or((0, 0)),
+                None => statfs_used(&format!("/proc/{}/root/", self.pid)).unwrap_or((0, 0)),
+            },
         };
         Usage {
             memory_bytes: self.cgroup.memory_current(),
@@ -926,7 +954,10 @@ impl Sandbox {
     /// disk layer stays: it is the caller's to keep or delete
     /// ([`Storage::delete`]).
     pub fn destroy(self) -> Result<(), RuntimeError> {
-        let Sandbox { pid, socket, cgroup, slot, .. } = self;
+        let Sandbox { pid, socket, cgroup, slot, gvisor, .. } = self;
+        if let Some(paths) = &gvisor {
+            crate::gvisor::teardown(paths);
+        }
         let _ = cgroup.kill_all();
         // Only a sandbox we started is our child; an adopted one's PID 1 was
         // reparented, and its pid may have been reused since.
@@ -1021,4 +1052,10 @@ mod tests {
         assert!(valid_id(&id).is_ok());
         assert_eq!(id.len(), 19);
     }
+}
+
+/// A mutex's guard, poisoned or not (what it guards stays consistent: sets
+/// of ids).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }

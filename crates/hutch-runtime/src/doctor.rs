@@ -222,11 +222,24 @@ pub fn check(cfg: &Config) -> Report {
     let (kvm_ok, kvm_detail) = kvm();
     f.push(finding("kvm", kvm_ok, kvm_detail, "run on a host with hardware virtualisation and /dev/kvm"));
 
-    let runsc = which("runsc");
+    // The gvisor class runs on ptrace; kvm is reported when /dev/kvm works.
+    let runsc = crate::gvisor::runsc_version();
+    let gvisor_ok = runsc.is_some() && root && crate::gvisor::probe_platform("ptrace").is_ok();
+    let mut platforms = Vec::new();
+    if gvisor_ok {
+        platforms.push("ptrace");
+        if kvm_ok && crate::gvisor::probe_platform("kvm").is_ok() {
+            platforms.push("kvm");
+        }
+    }
     f.push(finding(
         "gvisor",
-        runsc.is_some(),
-        runsc.clone().unwrap_or_else(|| "runsc not found".into()),
+        gvisor_ok,
+        match &runsc {
+            Some(v) if gvisor_ok => format!("{v}; platforms that start a sandbox: {}", platforms.join(", ")),
+            Some(v) => format!("{v}; no sandbox starts on the ptrace platform"),
+            None => "runsc not found".into(),
+        },
         "apt-get install runsc (the gvisor class)",
     ));
 
@@ -249,8 +262,14 @@ pub fn check(cfg: &Config) -> Report {
         },
         ClassSupport {
             class: "gvisor",
-            available: false,
-            why: if runsc.is_some() { "runsc present; driver not built yet".into() } else { "runsc missing".into() },
+            available: gvisor_ok && container_ok,
+            why: if gvisor_ok {
+                "runsc on the ptrace platform, over the container class's root and network".into()
+            } else if runsc.is_some() {
+                "runsc present, but no sandbox starts on ptrace".into()
+            } else {
+                "runsc missing".into()
+            },
         },
         ClassSupport {
             class: "microvm",
@@ -318,11 +337,6 @@ fn kvm() -> (bool, String) {
     } else {
         (true, "/dev/kvm with hardware virtualisation".into())
     }
-}
-
-fn which(name: &str) -> Option<String> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path).map(|d| d.join(name)).find(|p| p.is_file()).map(|p| p.display().to_string())
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ pub mod capture;
 pub mod cgroup;
 pub mod container;
 pub mod doctor;
+pub mod gvisor;
 pub mod image;
 pub mod launch;
 pub mod net;

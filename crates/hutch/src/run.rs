@@ -55,12 +55,20 @@ pub struct RunArgs {
     /// Name of the sandbox (its cgroup and socket are named after it).
     #[arg(long, value_parser = parse_name)]
     name: Option<String>,
+    /// Isolation class: `container` or `gvisor` (runsc, a user-space
+    /// kernel in front of the host's).
+    #[arg(long, default_value = "container", value_parser = parse_class)]
+    class: hutch_api::Class,
     /// Print sandbox start and teardown timings to stderr.
     #[arg(long, hide = true)]
     timings: bool,
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<String>,
+}
+
+fn parse_class(s: &str) -> Result<hutch_api::Class, String> {
+    hutch_api::Class::parse(s).ok_or_else(|| format!("unknown class {s:?}: container, gvisor, process or microvm"))
 }
 
 /// The layers and environment of image `name` (a preset is built if missing).
@@ -128,6 +136,7 @@ fn run(args: &RunArgs) -> Result<i32, String> {
         limits,
         disk_bytes: args.disk,
         die_with_parent: true,
+        class: args.class,
         ..SandboxSpec::default()
     };
     let mut sandbox = runtime.start(&spec).map_err(|e| e.to_string())?;

@@ -14,6 +14,7 @@ mod users;
 mod watch;
 
 use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 
 use hutch_agent::proto;
 
@@ -25,10 +26,22 @@ const CONFIG_FD: i32 = 4;
 const LOCK_FD: i32 = 5;
 
 /// Starts the agent; returns only when the listening socket failed.
-pub fn main() -> i32 {
+///
+/// `--dir DIR` (the gvisor class, whose runtime passes no descriptor into
+/// the sandbox): the agent makes descriptors 3 and 4 itself, listening on
+/// `DIR/agent.sock` (a host socket, made through gVisor's gofer) and
+/// reading `DIR/config` (which it then removes).
+pub fn main(args: &[&std::ffi::CStr]) -> i32 {
     // Before anything else: nobody in the sandbox may ptrace the agent or
     // read its /proc files.
     let _ = sys::set_dumpable(false);
+    if let [_, flag, dir] = args {
+        if flag.to_bytes() == b"--dir"
+            && own_descriptors(std::path::Path::new(std::ffi::OsStr::from_bytes(dir.to_bytes()))).is_err()
+        {
+            return 1;
+        }
+    }
     let _ = sys::set_child_subreaper();
     if sys::set_cloexec(LISTEN_FD).is_err() {
         return 1;
@@ -72,6 +85,72 @@ pub fn main() -> i32 {
     };
     let _fatal = agent.run();
     1
+}
+
+/// Makes the listening socket (descriptor 3) and the configuration
+/// (descriptor 4) of an agent started with `--dir`.
+fn own_descriptors(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::fd::IntoRawFd;
+    let sock = dir.join("agent.sock");
+    // A restored sandbox finds the socket of the one it was checkpointed from.
+    let _ = std::fs::remove_file(&sock);
+    // Bound and listening under another name first: the host takes the
+    // socket as soon as `agent.sock` appears, and a socket bound but not
+    // yet listening would refuse its first connection.
+    let fresh = dir.join("agent.sock.new");
+    let _ = std::fs::remove_file(&fresh);
+    let listener = std::os::unix::net::UnixListener::bind(&fresh)?;
+    std::fs::rename(&fresh, &sock)?;
+    let config = std::fs::File::open(dir.join("config"))?;
+    let _ = std::fs::remove_file(dir.join("config"));
+    // The sandbox's seccomp filters, which the container class installs
+    // before the agent's exec: here the agent installs them on itself, and
+    // every process it starts inherits them.
+    let filters = std::fs::read(dir.join("seccomp"))?;
+    let _ = std::fs::remove_file(dir.join("seccomp"));
+    for filter in parse_filters(&filters).ok_or_else(|| std::io::Error::other("malformed seccomp file"))? {
+        sys::install_seccomp(&filter).map_err(|e| std::io::Error::from_raw_os_error(e.0))?;
+    }
+    // Descriptors 0 to 2 are open (runsc's /dev/null or pipes), so these
+    // two are 3 and 4 already unless something else was; either way each
+    // ends at its number and nothing else stays open.
+    let (listener, config) = (listener.into_raw_fd(), config.into_raw_fd());
+    for (fd, to) in [(listener, LISTEN_FD), (config, CONFIG_FD)] {
+        if fd != to {
+            sys::dup_to(fd, to).map_err(|e| std::io::Error::from_raw_os_error(e.0))?;
+            if fd != LISTEN_FD && fd != CONFIG_FD {
+                // SAFETY: fd is the descriptor just taken from a std type,
+                // now duplicated; nothing else names it.
+                drop(unsafe { OwnedFd::from_raw_fd(fd) });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Classic-BPF programs, each a little-endian u32 count of instructions and
+/// that many 8-byte `sock_filter`s (native order); `None` if malformed.
+fn parse_filters(mut bytes: &[u8]) -> Option<Vec<Vec<libc::sock_filter>>> {
+    let mut out = Vec::new();
+    while !bytes.is_empty() {
+        let n = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
+        if n == 0 || n > 4096 {
+            return None;
+        }
+        let body = bytes.get(4..4 + n * 8)?;
+        out.push(
+            body.chunks_exact(8)
+                .map(|c| libc::sock_filter {
+                    code: u16::from_ne_bytes([c[0], c[1]]),
+                    jt: c[2],
+                    jf: c[3],
+                    k: u32::from_ne_bytes([c[4], c[5], c[6], c[7]]),
+                })
+                .collect(),
+        );
+        bytes = &bytes[4 + n * 8..];
+    }
+    Some(out)
 }
 
 /// Takes the workload cgroup's descriptors the configuration announces

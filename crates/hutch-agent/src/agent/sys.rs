@@ -527,8 +527,13 @@ pub fn drop_bounding(mask: u64) -> SysResult<()> {
     Ok(())
 }
 
+/// Empties the ambient set. EINVAL is a kernel without ambient
+/// capabilities (gVisor's), where there is nothing to clear.
 pub fn clear_ambient_caps() -> SysResult<()> {
-    prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong, 0)
+    match prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong, 0) {
+        Err(Errno(libc::EINVAL)) => Ok(()),
+        r => r,
+    }
 }
 
 #[repr(C)]
@@ -628,10 +633,23 @@ pub fn setresuid(uid: libc::uid_t) -> SysResult<()> {
 /// previous values are not reported because the agent always restores 0.
 pub fn set_fs_ids(uid: libc::uid_t, gid: libc::gid_t) {
     // SAFETY: no pointers; setfsgid/setfsuid cannot fail in a way that
-    // reports an error.
+    // reports an error; setresuid/setresgid take integers only.
     unsafe {
+        // Back to root from effective ids taken below: uid first (root's
+        // again, which restores the effective capabilities), then gid.
+        if uid == 0 && gid == 0 && libc::geteuid() != 0 {
+            libc::setresuid(u32::MAX, 0, u32::MAX);
+            libc::setresgid(u32::MAX, 0, u32::MAX);
+        }
         libc::setfsgid(gid);
         libc::setfsuid(uid);
+        // gVisor (2022-12) ignores setfsuid: the file system ids follow
+        // the effective ones there, so take those (the saved ids stay
+        // root's, to come back).
+        if libc::setfsuid(u32::MAX) as libc::uid_t != uid {
+            libc::setresgid(u32::MAX, gid, u32::MAX);
+            libc::setresuid(u32::MAX, uid, u32::MAX);
+        }
     }
 }
 
@@ -725,9 +743,92 @@ pub fn openat2(
                 return Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) });
             }
             Err(Errno(libc::EAGAIN)) | Err(Errno(libc::EINTR)) if tries < 16 => tries += 1,
+            // gVisor before 2023 has no openat2: resolve by hand.
+            Err(Errno(libc::ENOSYS)) => return resolve_in_root(dir, path.to_bytes(), flags, mode, resolve),
             Err(e) => return Err(e),
         }
     }
+}
+
+/// What `openat2` does with `RESOLVE_IN_ROOT` (and `RESOLVE_NO_SYMLINKS`
+/// when asked), one component at a time from `root`: `..` stops at `root`,
+/// an absolute symlink restarts from it, every link is read as text (so a
+/// /proc "magic" link is never followed as the kernel would: its text is
+/// resolved in the root like any other), at most 40 links.
+fn resolve_in_root(
+    root: BorrowedFd<'_>,
+    path: &[u8],
+    flags: libc::c_int,
+    mode: libc::mode_t,
+    resolve: u64,
+) -> SysResult<OwnedFd> {
+    let no_symlinks = resolve & libc::RESOLVE_NO_SYMLINKS != 0;
+    let dir_flags = libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+    // Components still to walk, the next one last.
+    let mut todo: Vec<Vec<u8>> =
+        path.split(|&b| b == b'/').filter(|c| !c.is_empty()).rev().map(<[u8]>::to_vec).collect();
+    let mut stack: Vec<OwnedFd> = Vec::new();
+    let mut links = 0;
+    fn cur<'a>(stack: &'a [OwnedFd], root: BorrowedFd<'a>) -> BorrowedFd<'a> {
+        stack.last().map(|f| f.as_fd()).unwrap_or(root)
+    }
+    if todo.is_empty() {
+        return openat(root, c".", flags & !libc::O_CREAT, mode);
+    }
+    while let Some(comp) = todo.pop() {
+        let last = todo.is_empty();
+        if comp == b"." {
+            if last {
+                return openat(cur(&stack, root), c".", flags & !libc::O_CREAT, mode);
+            }
+            continue;
+        }
+        if comp == b".." {
+            stack.pop();
+            if last {
+                return openat(cur(&stack, root), c".", flags & !libc::O_CREAT, mode);
+            }
+            continue;
+        }
+        let name = CString::new(comp).map_err(|_| Errno(libc::EINVAL))?;
+        let opened = if last {
+            openat(cur(&stack, root), &name, flags | libc::O_NOFOLLOW, mode)
+        } else {
+            openat(cur(&stack, root), &name, dir_flags, 0)
+        };
+        match opened {
+            Ok(fd) if last => return Ok(fd),
+            Ok(fd) => {
+                stack.push(fd);
+                continue;
+            }
+            // ELOOP: a symlink under O_NOFOLLOW; ENOTDIR: perhaps one too.
+            // The caller's own O_NOFOLLOW on the last component stands.
+            Err(e) if last && flags & libc::O_NOFOLLOW != 0 => return Err(e),
+            Err(e @ (Errno(libc::ELOOP) | Errno(libc::ENOTDIR))) => {
+                let target = match readlinkat(cur(&stack, root), &name) {
+                    Ok(t) => t,
+                    Err(_) => return Err(e),
+                };
+                if no_symlinks {
+                    return Err(Errno(libc::ELOOP));
+                }
+                links += 1;
+                if links > 40 {
+                    return Err(Errno(libc::ELOOP));
+                }
+                if target.first() == Some(&b'/') {
+                    stack.clear();
+                }
+                todo.extend(target.split(|&b| b == b'/').filter(|c| !c.is_empty()).rev().map(<[u8]>::to_vec));
+                if todo.is_empty() {
+                    return openat(cur(&stack, root), c".", flags & !libc::O_CREAT, mode);
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(Errno(libc::ENOENT))
 }
 
 /// `open(2)` of an absolute path, close-on-exec.

@@ -68,10 +68,11 @@ impl Env {
         cmd
     }
 
-    /// Runs `hutch run [opts] -- cmd...` with stdin closed and returns its output.
+    /// Runs `hutch run [opts] -- cmd...` with stdin closed and returns its
+    /// output, in the isolation class of [`class`].
     pub fn run(&self, opts: &[&str], cmd: &[&str]) -> Output {
         let mut c = self.hutch();
-        c.arg("run").args(opts).arg("--").args(cmd).stdin(Stdio::null());
+        c.arg("run").arg("--class").arg(class()).args(opts).arg("--").args(cmd).stdin(Stdio::null());
         c.output().expect("spawn hutch")
     }
 
@@ -251,4 +252,10 @@ pub fn wait_until(what: &str, timeout: std::time::Duration, mut cond: impl FnMut
         assert!(std::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
+}
+
+/// The isolation class `hutch run` tests use: HUTCH_TEST_CLASS, else
+/// `container` (scripts/test.sh runs the escape tests on gvisor too).
+pub fn class() -> String {
+    std::env::var("HUTCH_TEST_CLASS").unwrap_or_else(|_| "container".into())
 }

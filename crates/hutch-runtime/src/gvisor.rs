@@ -1,0 +1,630 @@
+//! The `gvisor` isolation class: the sandbox runs under `runsc` (gVisor),
+//! a user-space kernel between the workload and the host's, on the ptrace
+//! platform, with the agent as its first process.
+//!
+//! What the host prepares is the container class's: the same image layers
+//! and writable layer, stacked by an overlay mounted on the host (the
+//! bundle's `rootfs`), which gVisor's gofer serves to the sandbox; the same
+//! network namespace (named by path in the OCI spec; runsc's netstack takes
+//! its addresses and routes, so the host's nftables policy still applies on
+//! the veth); a cgroup of the same name (made by runsc from the spec's
+//! `linux.resources`), holding the sentry, gofer and everything they run.
+//!
+//! The agent link: runsc passes no descriptor but stdio into a sandbox, so
+//! the agent, started with `--dir /run/hutch`, makes its own listening
+//! socket there. That directory is a bind of the host's
+//! `<run>/gv/<id>/`, and `--host-uds=create` makes a socket bound in it a
+//! real host socket. The host moves it, once bound, to the container class's
+//! place (`<run>/sockets/<id>.sock`), where the sandbox cannot reach it: the
+//! daemon never connects through a path the sandbox could replace with a
+//! symlink. See ARCHITECTURE.md.
+//!
+//! Host layout of sandbox `id`, every part of it removed by
+//! [`Runtime::destroy_gvisor`] or [`Runtime::sweep`]:
+//! - `<run>/gv/<id>/`: the agent's directory (config, then its socket);
+//! - `<run>/gvb/<id>/`: the OCI bundle: `config.json`, `rootfs` (the overlay),
+//!   `mem` (the tmpfs of a memory writable layer);
+//! - `<run>/runsc/<id>`: runsc's state, under the runtime's own `--root`;
+//! - the cgroups `hutch/<id>`.
+
+use crate::cgroup::{Cgroup, Limits};
+use crate::container::{io_err, Marks, RootSource, Runtime, RuntimeError, Sandbox, SandboxSpec, Writable};
+use crate::rootfs;
+use crate::storage::StorageError;
+use hutch_agent::proto::{self, AgentConfig};
+use serde_json::{json, Value};
+use std::fs;
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The runsc binary: `HUTCH_RUNSC`, else `runsc` on the PATH.
+pub fn runsc_path() -> PathBuf {
+    std::env::var_os("HUTCH_RUNSC").map(PathBuf::from).unwrap_or_else(|| "runsc".into())
+}
+
+/// Where the agent's directory is mounted in the sandbox.
+const AGENT_DIR: &str = "/run/hutch";
+/// Where the agent binary is mounted in the sandbox.
+const AGENT_BIN: &str = "/run/hutch-agent";
+/// How long the agent has to bind its socket after runsc started it.
+const AGENT_WAIT: Duration = Duration::from_secs(20);
+
+/// Every capability: the agent is the sandbox's root, as in the container
+/// class (whose agent holds them all in its user namespace); it cuts the
+/// bounding set to [`crate::container::ROOT_CAPS`] for workloads.
+const ALL_CAPS: &[&str] = &[
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_DAC_READ_SEARCH",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_NET_ADMIN",
+    "CAP_NET_RAW",
+    "CAP_SYS_CHROOT",
+    "CAP_SYS_PTRACE",
+    "CAP_SYS_ADMIN",
+    "CAP_SYS_RESOURCE",
+    "CAP_MKNOD",
+    "CAP_AUDIT_WRITE",
+    "CAP_SETFCAP",
+];
+
+/// The host paths of one gvisor sandbox.
+#[derive(Debug, Clone)]
+pub struct Paths {
+    pub id: String,
+    /// runsc's `--root`, shared by the runtime's gvisor sandboxes.
+    pub state_root: PathBuf,
+    /// The agent's directory, bound at [`AGENT_DIR`].
+    pub agent_dir: PathBuf,
+    pub bundle: PathBuf,
+}
+
+impl Paths {
+    pub fn new(run_dir: &Path, id: &str) -> Paths {
+        Paths {
+            id: id.to_owned(),
+            state_root: run_dir.join("runsc"),
+            agent_dir: run_dir.join("gv").join(id),
+            bundle: run_dir.join("gvb").join(id),
+        }
+    }
+
+    fn rootfs(&self) -> PathBuf {
+        self.bundle.join("rootfs")
+    }
+
+    fn mem(&self) -> PathBuf {
+        self.bundle.join("mem")
+    }
+
+    /// The overlay's statfs: the writable layer's file system.
+    pub fn root_statfs_path(&self) -> String {
+        format!("{}/", self.rootfs().display())
+    }
+
+    /// Whether sandbox `id` of this run directory is (or was) a gvisor one.
+    pub fn exists(&self) -> bool {
+        self.bundle.exists()
+    }
+
+    /// Where runsc writes the sentry's host pid.
+    fn pid_file(&self) -> PathBuf {
+        self.bundle.join("sandbox.pid")
+    }
+
+    /// The sentry's host pid, while it lives.
+    pub fn sentry_pid(&self) -> Option<libc::pid_t> {
+        let pid: libc::pid_t = fs::read_to_string(self.pid_file()).ok()?.trim().parse().ok()?;
+        // SAFETY: kill with signal 0 only checks for existence.
+        (pid > 0 && unsafe { libc::kill(pid, 0) } == 0).then_some(pid)
+    }
+
+    /// runsc with the runtime's global flags, run in the sentry's network
+    /// namespace while it lives: runsc reaches a sandbox through an
+    /// abstract unix socket, which belongs to the namespace the sandbox
+    /// was started in (the sandbox's own, for a networked one).
+    pub fn runsc(&self) -> Command {
+        let mut c = Command::new(runsc_path());
+        c.arg("--root").arg(&self.state_root);
+        c.stdin(Stdio::null());
+        if let Some(ns) = self.sentry_pid().and_then(|p| fs::File::open(format!("/proc/{p}/ns/net")).ok()) {
+            enter_netns(&mut c, ns.into());
+        }
+        c
+    }
+}
+
+fn mount(source: &str, target: &Path, fstype: &str, flags: libc::c_ulong, data: &str) -> io::Result<()> {
+    let (s, t, f, d) =
+        (crate::sys::cstr(source)?, crate::sys::cstr(target)?, crate::sys::cstr(fstype)?, crate::sys::cstr(data)?);
+    // SAFETY: all four are valid C strings that outlive the call.
+    let r = unsafe { libc::mount(s.as_ptr(), t.as_ptr(), f.as_ptr(), flags, d.as_ptr() as *const libc::c_void) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+fn umount(target: &Path) {
+    if let Ok(t) = crate::sys::cstr(target) {
+        // SAFETY: t is a valid C string.
+        unsafe { libc::umount2(t.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+/// Runs runsc to its end. Its stderr goes to a file, not a pipe: a
+/// detached sandbox inherits runsc's descriptors and would hold a pipe open
+/// for its whole life. On failure the error carries the file's last line.
+fn run(mut cmd: Command, what: &str, log: &Path) -> Result<(), RuntimeError> {
+    let file = fs::File::create(log).map_err(io_err(format!("create {}", log.display())))?;
+    // runsc logs its errors to stdout unless told otherwise.
+    let out = file.try_clone().map_err(io_err(format!("dup {}", log.display())))?;
+    let status = cmd.stdout(out).stderr(file).status().map_err(io_err(format!("{what}: run runsc")))?;
+    if !status.success() {
+        let err = fs::read_to_string(log).unwrap_or_default();
+        let last = err.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").trim().to_owned();
+        return Err(RuntimeError::Io {
+            what: what.to_owned(),
+            source: io::Error::other(format!("runsc failed ({status}): {last}")),
+        });
+    }
+    Ok(())
+}
+
+impl Runtime {
+    /// Starts a gvisor sandbox (see the module comment); on failure nothing
+    /// of it is left but a disk layer the caller made.
+    pub(crate) fn start_gvisor(&self, spec: &SandboxSpec, id: String) -> Result<Sandbox, RuntimeError> {
+        let mut marks = Marks::new();
+        let paths = Paths::new(&self.config().run_dir, &id);
+        let layer = match &spec.writable {
+            Writable::Layer(layer) => {
+                if layer.read_only() {
+                    return Err(StorageError::ReadOnly(layer.name().clone()).into());
+                }
+                let storage = self.storage().cloned().ok_or(RuntimeError::NoStorage)?;
+                storage.prepare_mount(layer)?;
+                storage.set_limit(layer, Some(spec.disk_bytes))?;
+                Some((layer.clone(), storage))
+            }
+            Writable::Memory => None,
+            Writable::HostDir(_) => {
+                return Err(RuntimeError::Io {
+                    what: "start a gvisor sandbox".into(),
+                    source: io::Error::new(io::ErrorKind::Unsupported, "build sandboxes run in the container class"),
+                })
+            }
+        };
+        let mut sandbox = Sandbox {
+            id: id.clone(),
+            pid: 0,
+            socket: self.socket_path(&id),
+            cgroup: Cgroup::existing(self.layout(), &id),
+            slot: None,
+            layer,
+            timings: Vec::new(),
+            gvisor: Some(paths.clone()),
+        };
+        // Runtime::sweep leaves a sandbox alone while it starts (before
+        // runsc has made its cgroup, nothing else says it lives).
+        crate::container::lock(&self.gvisor_starting).insert(id.clone());
+        let launched = self.launch_gvisor(&paths, spec, &mut sandbox, &mut marks);
+        crate::container::lock(&self.gvisor_starting).remove(&id);
+        match launched {
+            Ok(()) => {
+                sandbox.timings = marks.done;
+                Ok(sandbox)
+            }
+            Err(e) => {
+                // The cgroups runsc made, if it got that far.
+                sandbox.cgroup = Cgroup::existing(self.layout(), &id);
+                let _ = sandbox.destroy();
+                Err(e)
+            }
+        }
+    }
+
+    fn launch_gvisor(
+        &self,
+        paths: &Paths,
+        spec: &SandboxSpec,
+        sb: &mut Sandbox,
+        marks: &mut Marks,
+    ) -> Result<(), RuntimeError> {
+        for dir in [&paths.state_root, &paths.agent_dir, &paths.bundle, &paths.rootfs()] {
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(io_err(format!("mkdir {}", dir.display())))?;
+        }
+        // The bundle's root must be searchable by the gofer.
+        let _ = fs::set_permissions(&paths.bundle, std::os::unix::fs::PermissionsExt::from_mode(0o711));
+        let _ = fs::set_permissions(&paths.rootfs(), std::os::unix::fs::PermissionsExt::from_mode(0o755));
+        // The writable layer.
+        let (upper, work) = match &sb.layer {
+            Some((layer, _)) => (layer.upper(), layer.path().join("work")),
+            None => {
+                let mem = paths.mem();
+                fs::DirBuilder::new().mode(0o700).create(&mem).map_err(io_err(format!("mkdir {}", mem.display())))?;
+                mount(
+                    "hutch",
+                    &mem,
+                    "tmpfs",
+                    libc::MS_NOSUID | libc::MS_NODEV,
+                    &format!("size={},mode=0700", spec.disk_bytes.max(1 << 20)),
+                )
+                .map_err(io_err(format!("mount the writable layer at {}", mem.display())))?;
+                let (upper, work) = (mem.join("upper"), mem.join("work"));
+                for d in [&upper, &work] {
+                    fs::DirBuilder::new().mode(0o755).create(d).map_err(io_err(format!("mkdir {}", d.display())))?;
+                }
+                for (rel, mode, owner) in rootfs::UPPER_DIRS {
+                    let p = upper.join(rel);
+                    fs::DirBuilder::new()
+                        .recursive(true)
+                        .mode(*mode)
+                        .create(&p)
+                        .map_err(io_err(format!("mkdir {}", p.display())))?;
+                    fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(*mode))
+                        .map_err(io_err("chmod"))?;
+                    std::os::unix::fs::chown(&p, Some(*owner), Some(*owner)).map_err(io_err("chown"))?;
+                }
+                (upper, work)
+            }
+        };
+        let (mut lowers, usr) = match &spec.root {
+            RootSource::Base => (vec![self.base_dir().to_path_buf()], true),
+            RootSource::Layers(layers) => (layers.clone(), false),
+        };
+        lowers.extend(spec.extra_lowers.iter().cloned());
+        let lowerdirs: Vec<String> = lowers.iter().rev().map(|p| p.display().to_string()).collect();
+        let mut data = format!(
+            "lowerdir={},upperdir={},workdir={},volatile",
+            lowerdirs.join(":"),
+            upper.display(),
+            work.display()
+        );
+        if sb.layer.is_some() {
+            data.push_str(",redirect_dir=off,metacopy=off");
+        }
+        mount("overlay", &paths.rootfs(), "overlay", libc::MS_NOSUID, &data)
+            .map_err(io_err(format!("mount the root at {}", paths.rootfs().display())))?;
+        marks.mark("root");
+
+        // The agent's configuration, read once at its start.
+        let config = AgentConfig {
+            version: proto::PROTOCOL_VERSION,
+            env: spec.env.clone(),
+            root_caps: crate::container::ROOT_CAPS.iter().fold(0u64, |m, c| m | 1 << c),
+            replay_bytes: 64 * 1024,
+            max_commands: proto::MAX_COMMANDS,
+            // The workload shares the sentry's cgroup; the host's cgroup
+            // files do not reach into the sandbox.
+            work_cgroups: 0,
+            oom_events: false,
+        };
+        let mut frame = Vec::with_capacity(512);
+        proto::encode(&config, &[], &mut frame).map_err(|e| RuntimeError::Io {
+            what: "encode agent config".into(),
+            source: io::Error::new(io::ErrorKind::InvalidData, e),
+        })?;
+        let cfg_path = paths.agent_dir.join("config");
+        fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&cfg_path)
+            .and_then(|mut f| io::Write::write_all(&mut f, &frame))
+            .map_err(io_err(format!("write {}", cfg_path.display())))?;
+
+        // The container class's seccomp filters, installed by the agent on
+        // itself (see hutch-agent's `--dir`).
+        let mut filters = Vec::new();
+        for f in self.seccomp_filters() {
+            filters.extend_from_slice(&(f.program.len() as u32).to_le_bytes());
+            for i in &f.program {
+                filters.extend_from_slice(&i.code.to_ne_bytes());
+                filters.extend_from_slice(&[i.jt, i.jf]);
+                filters.extend_from_slice(&i.k.to_ne_bytes());
+            }
+        }
+        let sec_path = paths.agent_dir.join("seccomp");
+        fs::write(&sec_path, &filters).map_err(io_err(format!("write {}", sec_path.display())))?;
+
+        let agent = match &spec.agent_override {
+            Some((p, _)) => p.clone(),
+            None => self.config().agent.clone(),
+        };
+        let bundle = oci_spec(paths, spec, &agent, usr, &self.rootfs_has(&paths.rootfs()));
+        let cfg_json = paths.bundle.join("config.json");
+        fs::write(&cfg_json, serde_json::to_vec_pretty(&bundle).unwrap_or_default())
+            .map_err(io_err(format!("write {}", cfg_json.display())))?;
+        marks.mark("bundle");
+
+        run(self.runsc_run(paths, spec)?, "start the gvisor sandbox", &paths.bundle.join("runsc.log"))?;
+        // runsc made the cgroups: only now are there directories to name.
+        sb.cgroup = Cgroup::existing(self.layout(), &paths.id);
+        marks.mark("runsc run");
+        self.take_agent_socket(paths, &sb.socket)?;
+        sb.pid = paths.sentry_pid().ok_or_else(|| RuntimeError::Io {
+            what: format!("the sandbox process of {}", paths.id),
+            source: io::Error::other("runsc's sandbox process is gone"),
+        })?;
+        marks.mark("agent");
+        Ok(())
+    }
+
+    /// `runsc run` of sandbox `paths.id`, detached.
+    fn runsc_run(&self, paths: &Paths, spec: &SandboxSpec) -> Result<Command, RuntimeError> {
+        let mut cmd = paths.runsc();
+        cmd.args(["--platform=ptrace", "--host-uds=create"]);
+        // HUTCH_RUNSC_DEBUG=DIR: runsc's debug logs of every sandbox there.
+        if let Some(dir) = std::env::var_os("HUTCH_RUNSC_DEBUG") {
+            cmd.arg("--debug").arg(format!("--debug-log={}/", Path::new(&dir).join(&paths.id).display()));
+        }
+        // runsc of 2022-12 cannot take a namespace's interfaces into its
+        // netstack on kernels that show net.core sysctls in every namespace
+        // (it then takes any namespace for the host's): the sandbox uses
+        // the host kernel's stack instead (`--network=host`, gVisor's
+        // hostinet), inside the sandbox's own namespace, which runsc joins
+        // by being started in it. See ARCHITECTURE.md.
+        if let Some(fd) = &spec.netns {
+            let dup = fd.try_clone().map_err(io_err("duplicate the network namespace"))?;
+            enter_netns(&mut cmd, dup);
+            cmd.arg("--network=host");
+        } else {
+            cmd.arg("--network=none");
+        }
+        cmd.arg("run").arg("--detach").arg("--pid-file").arg(paths.pid_file());
+        cmd.arg("--bundle").arg(&paths.bundle).arg(&paths.id);
+        Ok(cmd)
+    }
+
+    /// Waits for the agent's socket in its directory and moves it where
+    /// only the host reaches it.
+    pub(crate) fn take_agent_socket(&self, paths: &Paths, to: &Path) -> Result<(), RuntimeError> {
+        let from = paths.agent_dir.join("agent.sock");
+        let deadline = Instant::now() + AGENT_WAIT;
+        loop {
+            match fs::symlink_metadata(&from) {
+                Ok(m) if m.file_type().is_socket() => break,
+                Ok(_) => {
+                    return Err(RuntimeError::Io {
+                        what: format!("the agent socket {}", from.display()),
+                        source: io::Error::new(io::ErrorKind::InvalidData, "not a socket"),
+                    })
+                }
+                Err(_) if Instant::now() < deadline && paths.sentry_pid().is_some() => {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) => {
+                    return Err(RuntimeError::Io {
+                        what: format!("wait for the agent socket {}", from.display()),
+                        source: e,
+                    })
+                }
+            }
+        }
+        let _ = fs::remove_file(to);
+        fs::rename(&from, to).map_err(io_err(format!("move {} to {}", from.display(), to.display())))
+    }
+
+    fn seccomp_filters(&self) -> &[crate::seccomp::Filter] {
+        &self.seccomp
+    }
+
+    fn base_dir(&self) -> &Path {
+        &self.base
+    }
+
+    /// Which of the optional bind targets the root holds.
+    fn rootfs_has(&self, root: &Path) -> [bool; 2] {
+        ["etc/resolv.conf", "etc/ssl/certs/ca-certificates.crt"]
+            .map(|p| fs::symlink_metadata(root.join(p)).map(|m| m.is_file()).unwrap_or(false))
+    }
+
+    /// Ids of gvisor sandboxes this runtime's run directory holds.
+    pub fn gvisor_ids(&self) -> Vec<String> {
+        let dir = self.config().run_dir.join("gvb");
+        fs::read_dir(dir)
+            .map(|rd| rd.flatten().filter_map(|e| e.file_name().into_string().ok()).collect())
+            .unwrap_or_default()
+    }
+}
+
+/// Makes `cmd` start in the network namespace `ns`.
+fn enter_netns(cmd: &mut Command, ns: std::os::fd::OwnedFd) {
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&ns);
+    // SAFETY: setns is async-signal-safe and touches no memory of the
+    // parent; the closure owns `ns`, so fd stays open until the exec.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(cmd, move || {
+            let _keep = &ns;
+            if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// runsc's word on the sandbox: "running", "stopped", ...; `None` when it
+/// knows no such sandbox.
+pub fn state(paths: &Paths) -> Option<String> {
+    let out = paths.runsc().arg("state").arg(&paths.id).stderr(Stdio::null()).output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let v: Value = serde_json::from_slice(&out.stdout).ok()?;
+    v.get("status")?.as_str().map(str::to_owned)
+}
+
+/// Kills the sandbox and removes everything it held on the host but the
+/// cgroup (the caller's, see [`Sandbox::destroy`]) and a disk layer.
+pub fn teardown(paths: &Paths) {
+    let quiet = |mut c: Command| {
+        let _ = c.stdout(Stdio::null()).stderr(Stdio::null()).status();
+    };
+    let mut kill = paths.runsc();
+    kill.args(["kill", "--all"]).arg(&paths.id).arg("KILL");
+    quiet(kill);
+    // The sentry is killed with its cgroup by the caller too; delete then
+    // removes runsc's state whether or not it still reaches the sandbox.
+    let mut delete = paths.runsc();
+    delete.args(["delete", "--force"]).arg(&paths.id);
+    quiet(delete);
+    if let Some(pid) = paths.sentry_pid() {
+        crate::sys::kill(pid, libc::SIGKILL);
+        let mut delete = paths.runsc();
+        delete.args(["delete", "--force"]).arg(&paths.id);
+        quiet(delete);
+    }
+    umount(&paths.rootfs());
+    umount(&paths.mem());
+    let _ = fs::remove_dir_all(&paths.bundle);
+    let _ = fs::remove_dir_all(&paths.agent_dir);
+    // runsc's own leftovers, should delete have failed half way.
+    let _ = fs::remove_dir_all(paths.state_root.join(&paths.id));
+    if let Ok(rd) = fs::read_dir(&paths.state_root) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with(&format!("{}_sandbox:", paths.id)) || name.starts_with(&format!("{}.", paths.id)) {
+                let p = e.path();
+                let _ = if p.is_dir() { fs::remove_dir_all(&p) } else { fs::remove_file(&p) };
+            }
+        }
+    }
+}
+
+/// The OCI runtime spec runsc starts the sandbox from.
+fn oci_spec(paths: &Paths, spec: &SandboxSpec, agent: &Path, host_usr: bool, has: &[bool; 2]) -> Value {
+    let Limits { memory_bytes, pids, cpu_millis } = spec.limits;
+    let caps: Vec<&str> = ALL_CAPS.to_vec();
+    let mut mounts = vec![
+        json!({"destination": "/proc", "type": "proc", "source": "proc"}),
+        json!({"destination": "/dev", "type": "tmpfs", "source": "tmpfs"}),
+        json!({"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]}),
+        json!({"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+               "options": ["nosuid", "nodev", "mode=1777", format!("size={}", (memory_bytes / 2).min(64 << 20))]}),
+        json!({"destination": "/run", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=755"]}),
+        json!({"destination": AGENT_DIR, "type": "bind", "source": paths.agent_dir, "options": ["rbind", "rw", "nosuid", "nodev", "noexec"]}),
+        json!({"destination": AGENT_BIN, "type": "bind", "source": agent, "options": ["rbind", "ro", "nosuid", "nodev"]}),
+    ];
+    if host_usr {
+        mounts.push(json!({"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro", "nosuid", "nodev"]}));
+    }
+    let binds = [(&spec.resolv_conf, "/etc/resolv.conf"), (&spec.ca_bundle, "/etc/ssl/certs/ca-certificates.crt")];
+    for ((src, dst), present) in binds.iter().zip(has) {
+        if let (Some(src), true) = (src, present) {
+            mounts.push(json!({"destination": dst, "type": "bind", "source": src, "options": ["rbind", "ro", "nosuid", "nodev", "noexec"]}));
+        }
+    }
+    for v in &spec.volumes {
+        let mode = if v.read_only { "ro" } else { "rw" };
+        mounts.push(json!({"destination": v.target, "type": "bind", "source": v.source, "options": ["rbind", mode, "nosuid", "nodev"]}));
+    }
+    let mut namespaces =
+        vec![json!({"type": "pid"}), json!({"type": "ipc"}), json!({"type": "uts"}), json!({"type": "mount"})];
+    // The network: runsc's own flag decides (see launch_gvisor).
+    if spec.netns.is_none() {
+        namespaces.push(json!({"type": "network"}));
+    }
+    let rlimits: Vec<Value> = crate::container::KERNEL_CAPS
+        .rlimits()
+        .iter()
+        .map(|(r, l)| {
+            let name = match *r as u32 {
+                libc::RLIMIT_MSGQUEUE => "RLIMIT_MSGQUEUE",
+                libc::RLIMIT_SIGPENDING => "RLIMIT_SIGPENDING",
+                _ => "RLIMIT_MEMLOCK",
+            };
+            json!({"type": name, "hard": l, "soft": l})
+        })
+        .chain(crate::sys::workload_nofile().map(|(s, h)| json!({"type": "RLIMIT_NOFILE", "hard": h, "soft": s})))
+        .collect();
+    let period = 100_000u64;
+    json!({
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": false,
+            "user": {"uid": 0, "gid": 0},
+            "args": [AGENT_BIN, "--dir", AGENT_DIR],
+            "env": [],
+            "cwd": "/",
+            "capabilities": {"bounding": caps, "effective": caps, "permitted": caps, "inheritable": []},
+            "rlimits": rlimits,
+        },
+        "root": {"path": paths.rootfs(), "readonly": false},
+        "hostname": "sandbox",
+        "mounts": mounts,
+        "linux": {
+            "namespaces": namespaces,
+            "cgroupsPath": format!("/{}/{}", crate::cgroup::PARENT, paths.id),
+            "resources": {
+                "memory": {"limit": memory_bytes},
+                // Host tasks: the sentry's threads and the ptrace stubs, besides
+                // what the sandbox runs.
+                "pids": {"limit": pids.saturating_add(crate::cgroup::AGENT_PIDS).saturating_add(SENTRY_TASKS)},
+                "cpu": {"quota": (cpu_millis as u64) * period / 1000, "period": period},
+            },
+        },
+    })
+}
+
+/// Host tasks the sentry itself takes (its Go threads, one ptrace stub
+/// per address space and thread group of the sandbox), added to the
+/// sandbox's pids limit in its host cgroup.
+const SENTRY_TASKS: u32 = 512;
+
+/// Whether this host runs gvisor sandboxes: runsc answers `--version`
+/// (asked once per process).
+pub fn available() -> Result<(), String> {
+    static ANSWER: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+    ANSWER
+        .get_or_init(|| match runsc_version() {
+            Some(_) => Ok(()),
+            None => Err(format!("runsc ({}) is not installed: apt-get install runsc", runsc_path().display())),
+        })
+        .clone()
+}
+
+/// runsc's version line, if runsc is installed.
+pub fn runsc_version() -> Option<String> {
+    let out = Command::new(runsc_path()).arg("--version").stderr(Stdio::null()).output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    out.status.success().then(|| text.lines().next().unwrap_or("").trim().to_owned())
+}
+
+/// Whether runsc starts a sandbox on `platform` here: runs `true` in a
+/// throw-away sandbox (`runsc do`, the host's root read-only, no network),
+/// with its state in a directory of its own, removed after.
+pub fn probe_platform(platform: &str) -> Result<(), String> {
+    let root = std::env::temp_dir().join(format!("hutch-runsc-probe-{}", std::process::id()));
+    let out = Command::new(runsc_path())
+        .arg("--root")
+        .arg(&root)
+        .arg(format!("--platform={platform}"))
+        .args(["--network=none", "do", "true"])
+        .stdin(Stdio::null())
+        .output();
+    let _ = fs::remove_dir_all(&root);
+    match out {
+        Ok(o) if o.status.success() => Ok(()),
+        Ok(o) => {
+            let err = String::from_utf8_lossy(&o.stderr);
+            Err(err.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("failed").trim().to_owned())
+        }
+        Err(e) => Err(e.to_string()),
+    }
+}
