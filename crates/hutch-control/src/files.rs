@@ -192,7 +192,8 @@ impl FilesError {
                         Access::Read | Access::Write | Access::List => ErrorCode::Internal,
                     },
                     A::Capacity => ErrorCode::SandboxCommandCapacity,
-                    A::Io => ErrorCode::Internal,
+                    // Only tenant administration answers it, never a sandbox's request.
+                    A::Io | A::Unsupported => ErrorCode::Internal,
                 };
                 (code, message)
             }

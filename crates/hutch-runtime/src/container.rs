@@ -105,6 +105,10 @@ pub enum RuntimeError {
     Storage(#[from] StorageError),
     #[error("a disk layer was asked for, but this runtime has no storage")]
     NoStorage,
+    /// The isolation class cannot run on this host (e.g. `process` without
+    /// Landlock).
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> RuntimeError {
@@ -257,11 +261,14 @@ pub struct Sandbox {
     pub pid: libc::pid_t,
     pub socket: PathBuf,
     pub cgroup: Cgroup,
-    slot: Option<Slot>,
+    pub(crate) slot: Option<Slot>,
     /// Its disk layer, if it has one (and the storage that holds it).
-    layer: Option<(Layer, std::sync::Arc<Storage>)>,
+    pub(crate) layer: Option<(Layer, std::sync::Arc<Storage>)>,
     /// How long each phase of the start took, for `hutch run --timings`.
     pub timings: Vec<(&'static str, Duration)>,
+    /// For a `process` class sandbox (a tenant): its host container's
+    /// agent socket; `pid` is then the host container's PID 1.
+    pub host: Option<PathBuf>,
 }
 
 /// Phase durations of a start.
@@ -522,6 +529,18 @@ impl Runtime {
 
     /// Starts a sandbox and returns once its agent is running.
     pub fn start(&self, spec: &SandboxSpec) -> Result<Sandbox, RuntimeError> {
+        self.start_as(spec, false)
+    }
+
+    /// Starts a host container of the `process` class: a container whose
+    /// agent serves tenants ([`Runtime::start_tenant`]), with /proc mounted
+    /// `hidepid=invisible` and command slots for all its tenants.
+    pub fn start_host(&self, spec: &SandboxSpec) -> Result<Sandbox, RuntimeError> {
+        crate::process::require_landlock(crate::process::landlock_abi())?;
+        self.start_as(spec, true)
+    }
+
+    fn start_as(&self, spec: &SandboxSpec, host: bool) -> Result<Sandbox, RuntimeError> {
         let id = match &spec.id {
             Some(id) => valid_id(id)?,
             None => random_id()?,
@@ -574,10 +593,11 @@ impl Runtime {
         };
         let socket = self.socket_path(&id);
         marks.mark("cgroup");
-        let mut sandbox = Sandbox { id, pid: 0, socket, cgroup, slot: Some(slot), layer, timings: Vec::new() };
+        let mut sandbox =
+            Sandbox { id, pid: 0, socket, cgroup, slot: Some(slot), layer, timings: Vec::new(), host: None };
         let launched = helper.finish().map_err(io_err("create the sandbox's namespaces")).and_then(|ns| {
             marks.mark("namespaces");
-            self.launch(&mut sandbox, spec, ns, &mut marks)
+            self.launch(&mut sandbox, spec, ns, &mut marks, host)
         });
         match launched {
             Ok(()) => {
@@ -597,6 +617,7 @@ impl Runtime {
         spec: &SandboxSpec,
         ns: launch::Namespaces,
         marks: &mut Marks,
+        host: bool,
     ) -> Result<(), RuntimeError> {
         let slot = sb.slot.as_ref().expect("a starting sandbox holds its uid slot");
         let userns = ns.user;
@@ -627,7 +648,7 @@ impl Runtime {
             env: spec.env.clone(),
             root_caps: ROOT_CAPS.iter().fold(0u64, |m, c| m | 1 << c),
             replay_bytes: 64 * 1024,
-            max_commands: hutch_agent::proto::MAX_COMMANDS,
+            max_commands: if host { crate::process::HOST_COMMANDS } else { hutch_agent::proto::MAX_COMMANDS },
             work_cgroups,
             oom_events,
         };
@@ -694,6 +715,7 @@ impl Runtime {
                     userns_fd: userns.as_raw_fd(),
                     shm_bytes: (spec.limits.memory_bytes / 2).min(64 << 20),
                     max_ptys: KERNEL_CAPS.ptys,
+                    hidepid: host,
                 },
             )?;
             rootfs::plan_volumes(&mut plan, &stage, slot.base(), userns.as_raw_fd(), &spec.volumes)?;
@@ -813,6 +835,7 @@ impl Runtime {
             slot: None,
             layer,
             timings: Vec::new(),
+            host: None,
         }
     }
 
@@ -867,6 +890,9 @@ impl Sandbox {
     /// observation (our child PID 1 was reaped, or the cgroup was read and
     /// holds no process); a check that failed is [`Liveness::Unknown`].
     pub fn liveness(&self) -> Liveness {
+        if self.host.is_some() {
+            return self.tenant_liveness();
+        }
         if self.pid > 0 && self.slot.is_some() {
             // Our own child: reap it if it died, so it leaves no zombie.
             let mut status = 0;
@@ -903,6 +929,9 @@ impl Sandbox {
     /// disk layer stays: it is the caller's to keep or delete
     /// ([`Storage::delete`]).
     pub fn destroy(self) -> Result<(), RuntimeError> {
+        if self.host.is_some() {
+            return self.destroy_tenant();
+        }
         let Sandbox { pid, socket, cgroup, slot, .. } = self;
         let _ = cgroup.kill_all();
         // Only a sandbox we started is our child; an adopted one's PID 1 was

@@ -18,6 +18,7 @@ pub mod image;
 pub mod launch;
 pub mod net;
 pub mod portconnect;
+pub mod process;
 pub mod rootfs;
 pub mod seccomp;
 pub mod storage;
@@ -25,3 +26,4 @@ pub mod sys;
 pub mod uids;
 
 pub use container::{Config, RootSource, Runtime, RuntimeError, Sandbox, SandboxSpec, Writable};
+pub use process::ProcessSpec;

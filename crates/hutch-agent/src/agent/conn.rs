@@ -29,6 +29,10 @@ pub struct Conn {
     pub closing: bool,
     /// Complete requests in `input` wait until the replies drain.
     pub held: bool,
+    /// The tenant this connection belongs to (accepted on its socket).
+    pub tenant: Option<u64>,
+    /// Descriptors the host passed, for the request they came with.
+    pub fds: Vec<OwnedFd>,
 }
 
 impl Conn {
@@ -43,6 +47,8 @@ impl Conn {
             dirty: false,
             closing: false,
             held: false,
+            tenant: None,
+            fds: Vec::new(),
         }
     }
 
