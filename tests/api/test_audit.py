@@ -225,8 +225,10 @@ def test_capabilities_say_what_the_daemon_allows(daemon: Daemon):
     assert caps["api_version"] == "v1" and caps["version"], caps
     classes = {c["name"]: c for c in caps["classes"]}
     assert classes["container"]["available"] is True, classes
-    for other in ("gvisor", "microvm"):
-        assert classes[other]["available"] is False and classes[other]["reason"], classes
+    assert sorted(classes) == ["container", "gvisor", "microvm", "process"], classes
+    assert classes["microvm"]["available"] is False, classes
+    for c in classes.values():
+        assert c["available"] or c["reason"], classes
     features = caps["features"]
     for f in ("networks", "disk_storage", "snapshots", "fork", "memory_snapshots", "secrets", "fleet", "console",
               "mcp"):

@@ -41,7 +41,7 @@ def test_create_answers_a_running_sandbox_with_enforced_limits(api: Client, daem
     try:
         assert sb["id"].startswith("sb-"), sb
         assert sb["state"] == "running"
-        assert sb["template"] == "base"
+        assert sb["template"] == "base" and sb["class"] == "container", sb
         assert sb["memory_mb"] == 1024
         assert sb["limits"] == {"vcpus": 1.0, "disk_mib": 2048, "pids": 512, "applied": "enforced"}
         assert sb["metadata"] == FULL_BODY["metadata"]

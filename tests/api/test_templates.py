@@ -158,6 +158,8 @@ def test_template_requests_are_validated(api: Client):
     r = expect_error(api.post("/v1/templates", {"name": tname(), "image": "no-such-image"}), 400, "image_not_found")
     assert "no-such-image" in r["error"]
     expect_error(api.post("/v1/templates", {"name": tname(), "class": "microvm"}), 400, "invalid_request")
+    r = expect_error(api.post("/v1/templates", {"name": tname(), "class": "vm"}), 400, "invalid_request")
+    assert "container" in r["error"], r
     expect_error(api.post("/v1/templates", {"name": "base"}), 400, "invalid_request")
     expect_error(api.post("/v1/templates", {"name": "Bad/Name"}), 400, "invalid_request")
     expect_error(api.post("/v1/templates", {"name": tname(), "warm": {"min": 3, "max": 2}}), 400, "invalid_request")

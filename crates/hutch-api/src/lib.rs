@@ -337,6 +337,47 @@ impl SandboxState {
     }
 }
 
+/// How a sandbox is isolated from the host and from other sandboxes.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum Class {
+    /// Fresh namespaces, an overlay root, a cgroup, seccomp and a uid range
+    /// of its own, on the host's kernel.
+    #[default]
+    Container,
+    /// The container class's pieces with gVisor's user-space kernel in
+    /// front of the host's.
+    Gvisor,
+    /// A uid, home, cgroup and Landlock domain of its own inside one
+    /// container shared with its template's other sandboxes.
+    Process,
+    /// A virtual machine of its own (a design only: no host runs it yet).
+    Microvm,
+}
+
+impl Class {
+    pub const ALL: [Class; 4] = [Class::Container, Class::Gvisor, Class::Process, Class::Microvm];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Class::Container => "container",
+            Class::Gvisor => "gvisor",
+            Class::Process => "process",
+            Class::Microvm => "microvm",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Class> {
+        Class::ALL.into_iter().find(|c| c.as_str() == s)
+    }
+}
+
+impl std::fmt::Display for Class {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Where a sandbox's files live.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq, Hash)]
 #[serde(rename_all = "snake_case")]
@@ -809,6 +850,9 @@ pub struct Sandbox {
     /// The id of the API key that owns it.
     #[serde(default)]
     pub owner: String,
+    /// How it is isolated.
+    #[serde(default)]
+    pub class: Class,
     /// Where its files live.
     #[serde(default)]
     pub storage: StorageKind,
@@ -857,7 +901,8 @@ pub struct CreateTemplate {
     /// Root filesystem; only `base` for now.
     #[serde(default)]
     pub image: Option<String>,
-    /// Isolation class; only `container`.
+    /// Isolation class: `container` (the default), or another class
+    /// `GET /v1/capabilities` lists as available.
     #[serde(default)]
     pub class: Option<String>,
     /// Memory limit in MiB of its sandboxes, 64 to 262144. Default 1024.

@@ -69,19 +69,13 @@ impl Control {
         Ok(Capabilities {
             api_version: hutch_api::API_VERSION.to_owned(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
-            classes: vec![
-                IsolationClass { name: crate::templates::CLASS.into(), available: true, reason: None },
-                IsolationClass {
-                    name: "gvisor".into(),
-                    available: false,
-                    reason: Some("hutch does not run gVisor sandboxes yet".into()),
-                },
-                IsolationClass {
-                    name: "microvm".into(),
-                    available: false,
-                    reason: Some("hutch does not run micro-VM sandboxes yet".into()),
-                },
-            ],
+            classes: hutch_api::Class::ALL
+                .into_iter()
+                .map(|class| {
+                    let runs = self.runtime.runs(class);
+                    IsolationClass { name: class.as_str().into(), available: runs.is_ok(), reason: runs.err() }
+                })
+                .collect(),
             limits: self.limit_ranges(),
             usage,
             features,

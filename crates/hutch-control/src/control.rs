@@ -260,6 +260,7 @@ pub(crate) fn view(r: &SandboxRecord) -> Sandbox {
         template_version: r.template_version.map(|v| v as u64),
         network: NetRecord::parse(&r.network).view(),
         owner: r.owner.clone(),
+        class: r.class,
         storage: r.storage,
         // A fork's origin is a layer of its own, not a snapshot to name.
         snapshot: r.origin.clone().filter(|o| o.starts_with("snap-")),

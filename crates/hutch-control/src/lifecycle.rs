@@ -148,7 +148,9 @@ impl Reason {
             E::Setup(_) => Reason::SetupFailed,
             E::Agent(_) | E::NoAgent { .. } => Reason::AgentFailed,
             E::Storage(_) | E::NoStorage => Reason::StorageFailed,
-            E::InvalidId(_) | E::Rootfs(_) | E::Seccomp(_) | E::Io { .. } | E::Unsupported(_) => Reason::StartRejected,
+            E::InvalidId(_) | E::ClassUnavailable(..) | E::Rootfs(_) | E::Seccomp(_) | E::Io { .. } => {
+                Reason::StartRejected
+            }
         }
     }
 }

@@ -267,6 +267,7 @@ impl Control {
             on_expire: hutch_api::OnExpire::Delete,
             ttl_s: None,
             paused_ttl_s: None,
+            class: recipe.class,
         };
         // Warm sandboxes count toward their owner's quotas and the host's
         // capacity like any other.

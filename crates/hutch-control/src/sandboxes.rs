@@ -321,6 +321,7 @@ impl Control {
             on_expire: lifecycle.on_expire,
             ttl_s: lifecycle.ttl_s(),
             paused_ttl_s: lifecycle.paused_ttl_s,
+            class: tpl.class,
         };
         let rec = record.clone();
         for c in &mut claims {
@@ -445,6 +446,7 @@ impl Control {
         let mut env: BTreeMap<String, String> = image_env.into_iter().collect();
         env.extend(serde_json::from_str::<BTreeMap<String, String>>(&record.env).unwrap_or_default());
         let spec = SandboxSpec {
+            class: record.class,
             root,
             id: Some(record.id.clone()),
             limits: CgLimits {

@@ -54,6 +54,9 @@ struct SnapRecipe {
     on_expire: hutch_api::OnExpire,
     #[serde(default)]
     paused_ttl_s: Option<u64>,
+    /// Recipes kept before classes were chosen are containers.
+    #[serde(default)]
+    class: hutch_api::Class,
 }
 
 impl SnapRecipe {
@@ -83,6 +86,7 @@ impl SnapRecipe {
             // Placeholders are the sandbox's own: its snapshot's sandboxes
             // name secrets anew.
             secrets: Vec::new(),
+            class: self.class,
         }
     }
 }
@@ -244,6 +248,7 @@ impl Control {
             network: NetworkRequest { egress: net.egress, allow: net.allow, deny: net.deny },
             on_expire: r.on_expire,
             paused_ttl_s: r.paused_ttl_s,
+            class: r.class,
         })
     }
 

@@ -10,7 +10,8 @@ use crate::error::{ControlError, Result};
 pub use crate::ids::TemplateId;
 use crate::ids::{Caller, OwnerId};
 use hutch_api::{
-    CreateTemplate, LimitsRequest, Readiness, SandboxState, Startup, Template, TemplateList, UpdateTemplate, Warm,
+    Class, CreateTemplate, LimitsRequest, Readiness, SandboxState, Startup, Template, TemplateList, UpdateTemplate,
+    Warm,
 };
 use hutch_store::{StoreError, TemplateRecord};
 use std::collections::BTreeMap;
@@ -20,9 +21,8 @@ use std::time::Duration;
 pub const WARM_MAX: u32 = 16;
 /// Longest `max_ttl_seconds` a template may set (7 days).
 pub const MAX_TTL_CAP: u64 = 7 * 86_400;
-/// The builtin image and the only class.
+/// The builtin image.
 const IMAGE: &str = hutch_runtime::image::BASE;
-pub(crate) const CLASS: &str = "container";
 
 /// The built-in template of E2B's code interpreter (`e2b-code-interpreter`
 /// asks for it by this name): the `code-interpreter` preset image (built on
@@ -66,6 +66,8 @@ pub struct Recipe {
     pub on_idle: Option<hutch_api::OnIdle>,
     /// The owner's secrets its sandboxes name.
     pub secrets: Vec<String>,
+    /// How its sandboxes are isolated.
+    pub class: Class,
 }
 
 /// The secrets a template's sandboxes name.
@@ -107,6 +109,7 @@ impl Recipe {
             idle_timeout_s: None,
             on_idle: None,
             secrets: Vec::new(),
+            class: Class::Container,
         }
     }
 
@@ -148,6 +151,8 @@ impl Recipe {
             idle_timeout_s: t.idle_timeout_s,
             on_idle: t.on_idle,
             secrets: secrets_of(t),
+            // Written only by check_class: always one of the names.
+            class: Class::parse(&t.class).unwrap_or_default(),
         }
     }
 
@@ -233,11 +238,17 @@ fn to_json<T: serde::Serialize>(v: Option<&T>) -> Option<String> {
     v.and_then(|v| serde_json::to_string(v).ok())
 }
 
-fn check_class(class: Option<&str>) -> Result<()> {
-    match class {
-        None | Some(CLASS) => Ok(()),
-        Some(other) => Err(ControlError::Invalid(format!("class {other:?}: only `container` is available"))),
-    }
+/// The class a template asks for (None: the container class), if this
+/// host runs it.
+/// (`runs`: the runtime's answer for a class.)
+fn check_class(class: Option<&str>, runs: impl Fn(Class) -> std::result::Result<(), String>) -> Result<Class> {
+    let Some(name) = class else { return Ok(Class::Container) };
+    let Some(class) = Class::parse(name) else {
+        let names: Vec<&str> = Class::ALL.iter().map(|c| c.as_str()).collect();
+        return Err(ControlError::Invalid(format!("class {name:?}: must be one of {}", names.join(", "))));
+    };
+    runs(class).map_err(|why| ControlError::Invalid(format!("class {class}: {why}")))?;
+    Ok(class)
 }
 
 fn check_lifetimes(default_ttl: u64, max_ttl: u64) -> Result<()> {
@@ -377,7 +388,7 @@ impl Control {
         let image = self.check_image(req.image.as_deref())?;
         check_startup(req.startup.as_ref())?;
         check_readiness(req.readiness.as_ref())?;
-        check_class(req.class.as_deref())?;
+        let class = check_class(req.class.as_deref(), |c| self.runtime.runs(c))?;
         let (memory_mb, vcpus, disk_mib, pids) = resolve_limits(req.memory_mb, req.limits.as_ref())?;
         crate::control::check_map("env", &req.env, 256)?;
         let max_ttl = req.max_ttl_seconds.unwrap_or(BASE.max_ttl.as_secs());
@@ -392,7 +403,7 @@ impl Control {
             name: req.name.clone(),
             version: 1,
             image,
-            class: CLASS.into(),
+            class: class.as_str().into(),
             memory_mb,
             vcpus,
             disk_mib,
@@ -448,8 +459,11 @@ impl Control {
             return Err(ControlError::Forbidden("only a template's owner may change it".into()));
         }
         check_build_image(req.image.as_deref(), Some(&old.id))?;
-        check_class(req.class.as_deref())?;
+        let class = req.class.as_deref().map(|c| check_class(Some(c), |c| self.runtime.runs(c))).transpose()?;
         let mut t = old.clone();
+        if let Some(class) = class {
+            t.class = class.as_str().into();
+        }
         if let Some(image) = &req.image {
             let state = &self.runtime.config().state_dir;
             if crate::build::is_build_image_of(image, &old.id) {
@@ -517,6 +531,7 @@ impl Control {
         self.check_on_expire(t.on_expire, t.storage)?;
         crate::idle::IdlePolicy::from_request(t.idle_timeout_s, t.on_idle)?;
         let changed = t.image != old.image
+            || t.class != old.class
             || t.storage != old.storage
             || network_of(&t) != network_of(&old)
             || t.startup != old.startup
@@ -582,7 +597,11 @@ mod tests {
         );
         assert!(check_readiness(Some(&Readiness { command: None, port: Some(80), timeout_seconds: Some(5) })).is_ok());
         assert!(check_startup(Some(&Startup { command: " ".into(), user: None })).is_err());
-        assert!(check_class(Some("microvm")).is_err());
+        let none = |_| Err("not here".to_owned());
+        assert!(check_class(Some("microvm"), none).is_err());
+        assert!(check_class(Some("vm"), |_| Ok(())).is_err());
+        assert_eq!(check_class(None, none).expect("default"), Class::Container);
+        assert_eq!(check_class(Some("gvisor"), |_| Ok(())).expect("runs"), Class::Gvisor);
         assert!(check_warm(Warm { min: 3, max: 2 }).is_err());
         assert!(check_warm(Warm { min: 0, max: WARM_MAX + 1 }).is_err());
         assert!(check_warm(Warm { min: 2, max: 4 }).is_ok());

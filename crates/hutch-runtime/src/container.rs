@@ -15,6 +15,7 @@ use crate::seccomp::{self, SeccompError};
 use crate::storage::{Layer, LayerName, Storage, StorageError};
 use crate::uids::{self, Slot, UidError};
 use hutch_agent::proto::{self, AgentConfig};
+use hutch_api::Class;
 use std::fs::{self, File};
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -105,10 +106,8 @@ pub enum RuntimeError {
     Storage(#[from] StorageError),
     #[error("a disk layer was asked for, but this runtime has no storage")]
     NoStorage,
-    /// The isolation class cannot run on this host (e.g. `process` without
-    /// Landlock).
-    #[error("{0}")]
-    Unsupported(String),
+    #[error("this host does not run {0} sandboxes: {1}")]
+    ClassUnavailable(Class, String),
 }
 
 fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> RuntimeError {
@@ -171,6 +170,8 @@ pub enum RootSource {
 /// What one sandbox gets.
 #[derive(Debug, Clone)]
 pub struct SandboxSpec {
+    /// How it is isolated.
+    pub class: Class,
     /// The root file system.
     pub root: RootSource,
     /// Chosen by the caller, or random when `None`.
@@ -226,6 +227,7 @@ pub enum Writable {
 impl Default for SandboxSpec {
     fn default() -> Self {
         SandboxSpec {
+            class: Class::Container,
             root: RootSource::Base,
             id: None,
             limits: Limits { memory_bytes: 512 << 20, pids: 256, cpu_millis: 1000 },
@@ -527,8 +529,25 @@ impl Runtime {
         &self.cfg
     }
 
+    /// Whether this runtime starts sandboxes of `class` (Err: why not).
+    pub fn runs(&self, class: Class) -> Result<(), String> {
+        match class {
+            Class::Container => Ok(()),
+            Class::Gvisor => Err("hutch does not run gVisor sandboxes yet".into()),
+            Class::Process => crate::process::require_landlock(crate::process::landlock_abi()).map(drop),
+            Class::Microvm => Err("hutch does not run micro-VM sandboxes yet".into()),
+        }
+    }
+
     /// Starts a sandbox and returns once its agent is running.
     pub fn start(&self, spec: &SandboxSpec) -> Result<Sandbox, RuntimeError> {
+        self.runs(spec.class).map_err(|why| RuntimeError::ClassUnavailable(spec.class, why))?;
+        if spec.class == Class::Process {
+            return Err(RuntimeError::ClassUnavailable(
+                Class::Process,
+                "a process sandbox is a tenant of a host container: start it with Runtime::start_tenant".into(),
+            ));
+        }
         self.start_as(spec, false)
     }
 
@@ -536,7 +555,7 @@ impl Runtime {
     /// agent serves tenants ([`Runtime::start_tenant`]), with /proc mounted
     /// `hidepid=invisible` and command slots for all its tenants.
     pub fn start_host(&self, spec: &SandboxSpec) -> Result<Sandbox, RuntimeError> {
-        crate::process::require_landlock(crate::process::landlock_abi())?;
+        self.runs(Class::Process).map_err(|why| RuntimeError::ClassUnavailable(Class::Process, why))?;
         self.start_as(spec, true)
     }
 

@@ -26,4 +26,5 @@ pub mod sys;
 pub mod uids;
 
 pub use container::{Config, RootSource, Runtime, RuntimeError, Sandbox, SandboxSpec, Writable};
+pub use hutch_api::Class;
 pub use process::ProcessSpec;

@@ -45,14 +45,13 @@ pub fn landlock_abi() -> i64 {
     ret.max(0)
 }
 
-/// Refuses the process class where Landlock is missing.
-pub fn require_landlock(abi: i64) -> Result<i64, RuntimeError> {
+/// Refuses the process class where Landlock is missing (the one probe
+/// [`Runtime::runs`] and capabilities answer with).
+pub fn require_landlock(abi: i64) -> Result<i64, String> {
     if abi >= 1 {
         Ok(abi)
     } else {
-        Err(RuntimeError::Unsupported(
-            "the process class needs Landlock, which this kernel does not offer (boot with lsm=landlock,...)".into(),
-        ))
+        Err("it needs Landlock, which this kernel does not offer (boot with lsm=landlock,...)".into())
     }
 }
 
@@ -75,7 +74,7 @@ impl Runtime {
     /// Makes a process-class sandbox inside `host` (from
     /// [`Runtime::start_host`]). On error nothing of it is left.
     pub fn start_tenant(&self, host: &Sandbox, spec: &ProcessSpec) -> Result<Sandbox, RuntimeError> {
-        require_landlock(landlock_abi())?;
+        require_landlock(landlock_abi()).map_err(|why| RuntimeError::ClassUnavailable(hutch_api::Class::Process, why))?;
         let started = Instant::now();
         let id = match &spec.id {
             Some(id) => valid_id(id)?,
@@ -192,8 +191,8 @@ mod tests {
 
     #[test]
     fn no_landlock_no_process_class() {
-        assert!(matches!(require_landlock(0), Err(RuntimeError::Unsupported(_))));
-        assert!(matches!(require_landlock(-1), Err(RuntimeError::Unsupported(_))));
+        assert!(require_landlock(0).unwrap_err().contains("Landlock"));
+        assert!(require_landlock(-1).is_err());
         assert_eq!(require_landlock(7).unwrap(), 7);
     }
 }

@@ -99,7 +99,7 @@ use utoipa::{Modify, OpenApi};
         hutch_api::Network, hutch_api::Egress,
         hutch_api::TemplateList, hutch_api::Startup, hutch_api::Readiness, hutch_api::Build, hutch_api::BuildState,
         hutch_api::BuildList, hutch_api::ApiKey, hutch_api::ApiKeyList, hutch_api::CreateKey, hutch_api::KeyQuotas,
-        hutch_api::Usage, hutch_api::CreateSnapshot, hutch_api::Snapshot, hutch_api::SnapshotList, hutch_api::CreateVolume, hutch_api::UpdateVolume, hutch_api::Volume, hutch_api::VolumeList, hutch_api::VolumeHolder, hutch_api::VolumeMount, hutch_api::CreateSecret, hutch_api::UpdateSecret, hutch_api::Secret, hutch_api::SecretList, hutch_api::Fork, hutch_api::ForkResult, hutch_api::Suspend, hutch_api::SuspendMode, hutch_api::Diff, hutch_api::Capabilities, hutch_api::LimitRanges, hutch_api::Range, hutch_api::IsolationClass, hutch_api::Feature, hutch_api::AuditEntry, hutch_api::AuditList, hutch_api::UsageGroupBy, hutch_api::UsageRow, hutch_api::UsageReport,
+        hutch_api::Usage, hutch_api::Class, hutch_api::CreateSnapshot, hutch_api::Snapshot, hutch_api::SnapshotList, hutch_api::CreateVolume, hutch_api::UpdateVolume, hutch_api::Volume, hutch_api::VolumeList, hutch_api::VolumeHolder, hutch_api::VolumeMount, hutch_api::CreateSecret, hutch_api::UpdateSecret, hutch_api::Secret, hutch_api::SecretList, hutch_api::Fork, hutch_api::ForkResult, hutch_api::Suspend, hutch_api::SuspendMode, hutch_api::Diff, hutch_api::Capabilities, hutch_api::LimitRanges, hutch_api::Range, hutch_api::IsolationClass, hutch_api::Feature, hutch_api::AuditEntry, hutch_api::AuditList, hutch_api::UsageGroupBy, hutch_api::UsageRow, hutch_api::UsageReport,
         hutch_api::Change,
         hutch_api::StorageKind,
         hutch_api::OnExpire,

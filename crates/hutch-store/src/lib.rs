@@ -17,7 +17,7 @@ mod sqlite;
 mod sqlite_events;
 mod usage;
 
-pub use hutch_api::{BuildState, OnExpire, OnIdle, SandboxState, StorageKind};
+pub use hutch_api::{BuildState, Class, OnExpire, OnIdle, SandboxState, StorageKind};
 pub use sqlite::SqliteStore;
 pub use usage::{aggregate, split_days, UsageCount, UsageGroup, UsageInterval, UsageKind, UsageQuery, UsageRow};
 
@@ -107,6 +107,8 @@ pub struct SandboxRecord {
     pub ttl_s: Option<u64>,
     /// How long it is kept once paused at its expiry (seconds).
     pub paused_ttl_s: Option<u64>,
+    /// How it is isolated.
+    pub class: Class,
 }
 
 /// A snapshot as stored. Times are Unix milliseconds.

@@ -29,6 +29,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0015_idle", include_str!("../migrations/0015_idle.sql")),
     ("0016_secrets", include_str!("../migrations/0016_secrets.sql")),
     ("0017_webhook_format", include_str!("../migrations/0017_webhook_format.sql")),
+    ("0018_class", include_str!("../migrations/0018_class.sql")),
 ];
 
 /// States in which a sandbox holds resources.
@@ -103,7 +104,7 @@ fn update_in_states(c: &Connection, update: &str, mut values: Vec<Value>, states
 
 const SANDBOX_COLUMNS: &str = "id, owner, template, state, created_at, expires_at, max_expires_at, memory_mb, vcpus, \
      disk_mib, pids, env, metadata, limits_applied, last_error_code, host_pid, idempotency_key, request_hash, \
-     template_id, template_version, warm, pooled, network, storage, origin, on_expire, ttl_s, paused_ttl_s";
+     template_id, template_version, warm, pooled, network, storage, origin, on_expire, ttl_s, paused_ttl_s, class";
 
 const TEMPLATE_COLUMNS: &str = "id, owner, name, version, image, class, memory_mb, vcpus, disk_mib, pids, env, \
      default_ttl_s, max_ttl_s, warm_min, warm_max, created_at, updated_at, deleted_at, startup, readiness, network, \
@@ -291,6 +292,7 @@ fn sandbox_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRecord> {
         on_expire: parsed(r, 25, "sandbox on_expire", OnExpire::parse)?,
         ttl_s: r.get::<_, Option<i64>>(26)?.map(|v| v as u64),
         paused_ttl_s: r.get::<_, Option<i64>>(27)?.map(|v| v as u64),
+        class: parsed(r, 28, "sandbox class", Class::parse)?,
     })
 }
 
@@ -402,7 +404,7 @@ fn over(scope: Scope, caps: &Quotas, used: Usage, asked: Usage) -> Option<Exceed
 
 fn insert_sandbox_in(tx: &Transaction<'_>, s: &SandboxRecord) -> Result<()> {
     tx.execute(
-        &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", placeholders(1, 28)),
+        &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", placeholders(1, 29)),
         params![
             s.id,
             s.owner,
@@ -431,7 +433,8 @@ fn insert_sandbox_in(tx: &Transaction<'_>, s: &SandboxRecord) -> Result<()> {
             s.origin,
             s.on_expire.as_str(),
             s.ttl_s.map(|v| v as i64),
-            s.paused_ttl_s.map(|v| v as i64)
+            s.paused_ttl_s.map(|v| v as i64),
+            s.class.as_str()
         ],
     )
     .map_err(conflict)?;

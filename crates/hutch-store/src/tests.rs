@@ -45,6 +45,7 @@ fn sandbox(id: &str, created_at: i64) -> SandboxRecord {
         on_expire: OnExpire::Delete,
         ttl_s: Some(1),
         paused_ttl_s: None,
+        class: Class::Container,
     }
 }
 
@@ -909,4 +910,13 @@ fn webhooks_made_before_the_format_column_are_native_and_enabled() {
             .expect("q");
         assert_eq!((f.as_str(), en), ("native", true));
     }
+}
+
+#[test]
+fn a_sandbox_keeps_its_class() {
+    let s = SqliteStore::open_in_memory().expect("open");
+    s.insert_sandbox_free(&SandboxRecord { class: Class::Gvisor, ..sandbox("g", 1) }).expect("insert");
+    s.insert_sandbox_free(&sandbox("c", 2)).expect("insert");
+    assert_eq!(s.get_sandbox("g").expect("get").expect("some").class, Class::Gvisor);
+    assert_eq!(s.get_sandbox("c").expect("get").expect("some").class, Class::Container);
 }

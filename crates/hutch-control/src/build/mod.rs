@@ -1140,6 +1140,7 @@ impl Control {
         let prefix = self.builds.sandbox_prefix(&self.state_dir()).map_err(|e| format!("daemon instance tag: {e}"))?;
         let random = hutch_runtime::sys::random_hex(BUILD_SANDBOX_RANDOM_LEN.div_ceil(2));
         Ok(SandboxSpec {
+            class: hutch_runtime::Class::Container,
             id: Some(format!("{prefix}{}", &random[..BUILD_SANDBOX_RANDOM_LEN])),
             limits: CgLimits {
                 memory_bytes: t.memory_mb << 20,

@@ -337,6 +337,7 @@ mod tests {
         Sandbox {
             id: id.into(),
             template: "base".into(),
+            class: hutch_api::Class::Container,
             state,
             created_at: "2023-11-14T22:03:20Z".into(),
             expires_at: "2023-11-14T22:23:20Z".into(),
