@@ -716,7 +716,8 @@ pub enum ErrorCode {
     Capacity,
     /// Anything else the kernel refused; the message has the errno.
     Io,
-    /// The process class cannot run here (no Landlock).
+    /// Not for this sandbox's class: a process sandbox asked for root, or
+    /// a tenant where Landlock is missing.
     Unsupported,
 }
 

@@ -192,8 +192,9 @@ impl FilesError {
                         Access::Read | Access::Write | Access::List => ErrorCode::Internal,
                     },
                     A::Capacity => ErrorCode::SandboxCommandCapacity,
-                    // Only tenant administration answers it, never a sandbox's request.
-                    A::Io | A::Unsupported => ErrorCode::Internal,
+                    A::Io => ErrorCode::Internal,
+                    // A process sandbox asked for root.
+                    A::Unsupported => ErrorCode::ClassUnsupported,
                 };
                 (code, message)
             }

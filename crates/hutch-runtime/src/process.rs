@@ -74,7 +74,8 @@ impl Runtime {
     /// Makes a process-class sandbox inside `host` (from
     /// [`Runtime::start_host`]). On error nothing of it is left.
     pub fn start_tenant(&self, host: &Sandbox, spec: &ProcessSpec) -> Result<Sandbox, RuntimeError> {
-        require_landlock(landlock_abi()).map_err(|why| RuntimeError::ClassUnavailable(hutch_api::Class::Process, why))?;
+        require_landlock(landlock_abi())
+            .map_err(|why| RuntimeError::ClassUnavailable(hutch_api::Class::Process, why))?;
         let started = Instant::now();
         let id = match &spec.id {
             Some(id) => valid_id(id)?,

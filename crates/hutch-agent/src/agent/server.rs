@@ -23,7 +23,7 @@ use super::env;
 use super::files::{self, Fs, FsCreds, FsError};
 use super::output::{exit_status, Ring};
 use super::sys::{self, CStrArray, Epoll, Errno};
-use super::tenants::Tenants;
+use super::tenants::{self, Tenants};
 use super::users::Users;
 use super::watch::Watches;
 
@@ -699,8 +699,8 @@ impl Agent {
             Some(t) if name == "user" => t.user(),
             Some(_) => {
                 return Err((
-                    ErrorCode::UnknownUser,
-                    format!("unknown user {name:?}: a process sandbox has one user, \"user\""),
+                    ErrorCode::Unsupported,
+                    format!("user {name:?}: a process sandbox runs only as \"user\" (no root)"),
                 ))
             }
             None => self
@@ -711,6 +711,7 @@ impl Agent {
         let default_cwd = if tenant_of.is_some() { user.home.as_str() } else { "/workspace" };
         let cwd =
             files::normalize(req.cwd.as_deref().unwrap_or(default_cwd), &user.home).map_err(|e| (e.code, e.message))?;
+        let cwd = if tenant_of.is_some() { tenants::workspace_is_home(cwd, &user.home) } else { cwd };
         let env = match tenant_of {
             Some(t) => {
                 let mut base = self.cfg.env.clone();
@@ -1267,8 +1268,8 @@ impl Agent {
             Some(t) if name == "user" => t.user(),
             Some(_) => {
                 return Err(FsError::new(
-                    ErrorCode::UnknownUser,
-                    format!("unknown user {name:?}: a process sandbox has one user, \"user\""),
+                    ErrorCode::Unsupported,
+                    format!("user {name:?}: a process sandbox runs only as \"user\" (no root)"),
                 ))
             }
             None => self
@@ -1279,7 +1280,10 @@ impl Agent {
         let base = user.home.as_str();
         let _creds = FsCreds::switch(user.uid, user.gid);
         let fs = &self.fs;
-        let norm = |p: &str| files::normalize(p, base);
+        let in_tenant = tenant.is_some();
+        let norm = |p: &str| {
+            files::normalize(p, base).map(|p| if in_tenant { tenants::workspace_is_home(p, base) } else { p })
+        };
         let none = Vec::new;
         Ok(match req {
             Request::ReadFile { path, offset, len, .. } => fs.read_file(&norm(&path)?, offset, len)?,

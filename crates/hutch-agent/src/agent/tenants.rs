@@ -246,9 +246,29 @@ fn remove_dirs(home: &str, tmp: &str) {
     }
 }
 
+/// A tenant's workspace is its home: the API's default directory
+/// (`/workspace`, where relative paths and commands start) is the tenant's
+/// `/home/<name>`, under its own name too.
+pub fn workspace_is_home(path: String, home: &str) -> String {
+    match path.strip_prefix("/workspace") {
+        Some("") => home.to_owned(),
+        Some(rest) if rest.starts_with('/') => format!("{home}{rest}"),
+        _ => path,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_workspace_is_the_home() {
+        let w = |p: &str| workspace_is_home(p.into(), "/home/a");
+        assert_eq!(w("/workspace"), "/home/a");
+        assert_eq!(w("/workspace/x/y"), "/home/a/x/y");
+        assert_eq!(w("/workspaces"), "/workspaces");
+        assert_eq!(w("/etc/passwd"), "/etc/passwd");
+    }
 
     #[test]
     fn no_landlock_no_tenant() {
