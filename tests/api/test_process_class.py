@@ -111,7 +111,7 @@ def test_what_the_class_cannot_do_is_refused(api: Client):
             expect_error(api.exec_raw(sid, {"command": "id -u", "user": "root"}), 409, "class_unsupported")
             r = api.post(f"/v1/sandboxes/{sid}/snapshots", {"name": "s"})
             assert r.status_code == 409, r.text
-        r = api.post("/v1/sandboxes", {"template": t["name"], "network": {"egress": "allow_all"}})
+        r = api.post("/v1/sandboxes", {"template": t["name"], "network": {"egress": "deny_all"}})
         expect_error(r, 409, "class_unsupported")
         r = api.post("/v1/sandboxes", {"template": t["name"], "volumes": [{"name": "v", "path": "/data"}]})
         assert r.status_code in (404, 409), r.text

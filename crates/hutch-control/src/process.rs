@@ -22,30 +22,86 @@ pub const HOST_PREFIX: &str = "ph-";
 const HOST_MEMORY: u64 = 2 << 30;
 const HOST_PIDS: u32 = 4096;
 
-/// The live host containers of this daemon.
+/// The live host containers of this daemon, each with how many tenants
+/// it holds: a host container ends with its last tenant (so a template's
+/// deletion, or the end of its sandboxes, leaves nothing running), and is
+/// made again by the next create.
 #[derive(Default)]
 pub(crate) struct Hosts {
-    map: tokio::sync::Mutex<HashMap<String, Arc<Sandbox>>>,
+    map: tokio::sync::Mutex<HostMap>,
+}
+
+#[derive(Default)]
+struct HostMap {
+    by_key: HashMap<String, (Arc<Sandbox>, usize)>,
+    /// Tenant (sandbox id) to the key of its host.
+    tenants: HashMap<String, String>,
 }
 
 impl Hosts {
-    /// The host container for `key`, started with `start` when there is
-    /// none yet (creates of one key wait for that start; others do not
-    /// hold it long).
-    pub(crate) async fn get_or_start<F>(&self, key: String, start: F) -> Result<Arc<Sandbox>>
+    /// The host container for `key`, counting `tenant` in it, started with
+    /// `start` when there is none yet (creates of any key wait for that
+    /// start: it happens once per key). Call [`Hosts::release`] when the
+    /// tenant ends or failed to start.
+    pub(crate) async fn acquire<F>(&self, key: String, tenant: &str, start: F) -> Result<Arc<Sandbox>>
     where
         F: FnOnce() -> std::result::Result<Sandbox, ControlError> + Send + 'static,
     {
         let mut map = self.map.lock().await;
-        if let Some(h) = map.get(&key) {
-            if std::path::Path::new(&format!("/proc/{}", h.pid)).exists() {
-                return Ok(h.clone());
+        let alive = |h: &Sandbox| std::path::Path::new(&format!("/proc/{}", h.pid)).exists();
+        if map.by_key.get(&key).is_some_and(|(h, _)| !alive(h)) {
+            if let Some((dead, _)) = map.by_key.remove(&key) {
+                end(dead).await;
             }
-            map.remove(&key);
         }
-        let host = Arc::new(tokio::task::spawn_blocking(start).await??);
-        map.insert(key, host.clone());
+        if !map.by_key.contains_key(&key) {
+            let host = Arc::new(tokio::task::spawn_blocking(start).await??);
+            map.by_key.insert(key.clone(), (host, 0));
+        }
+        let entry = map.by_key.get_mut(&key).expect("present");
+        entry.1 += 1;
+        let host = entry.0.clone();
+        map.tenants.insert(tenant.to_owned(), key);
         Ok(host)
+    }
+
+    /// Counts `tenant` out of its host container; ends the host container
+    /// when it was the last.
+    pub(crate) async fn release(&self, tenant: &str, network: Option<&Arc<hutch_runtime::net::Network>>) {
+        let mut map = self.map.lock().await;
+        let Some(key) = map.tenants.remove(tenant) else { return };
+        let last = match map.by_key.get_mut(&key) {
+            Some(entry) => {
+                entry.1 = entry.1.saturating_sub(1);
+                entry.1 == 0
+            }
+            None => false,
+        };
+        if last {
+            if let Some((host, _)) = map.by_key.remove(&key) {
+                let id = host.id.clone();
+                end(host).await;
+                if let Some(net) = network {
+                    net.release(&id);
+                }
+            }
+        }
+    }
+}
+
+/// Ends a host container (what is left of its tenants with it).
+async fn end(host: Arc<Sandbox>) {
+    let id = host.id.clone();
+    let ended = match Arc::try_unwrap(host) {
+        Ok(sb) => tokio::task::spawn_blocking(move || sb.destroy()).await.map_err(|e| e.to_string()),
+        // Still held by a create that failed: its processes end now, its
+        // directories with the next sweep.
+        Err(sb) => Ok(sb.cgroup.kill_all().map_err(hutch_runtime::RuntimeError::from)),
+    };
+    match ended {
+        Ok(Ok(())) => tracing::debug!("host container {id} ended"),
+        Ok(Err(e)) => tracing::warn!("host container {id}: {e}"),
+        Err(e) => tracing::warn!("host container {id}: {e}"),
     }
 }
 

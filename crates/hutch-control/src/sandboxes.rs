@@ -455,7 +455,7 @@ impl Control {
         let (rt, policy2) = (self.runtime.clone(), policy.clone());
         let host = self
             .hosts
-            .get_or_start(key, move || {
+            .acquire(key, &record.id, move || {
                 match start_with_network(&rt, host_spec, network, &host_id, &policy2, interface, true) {
                     Ok((sb, _, _)) => Ok(sb),
                     Err(BootError::Runtime(e)) => Err(ControlError::StartFailed(Reason::of_start(&e))),
@@ -480,6 +480,9 @@ impl Control {
         let tenant = hutch_runtime::ProcessSpec { id: spec.id.clone(), limits: spec.limits, env: spec.env.clone() };
         let rt = self.runtime.clone();
         let started = tokio::task::spawn_blocking(move || rt.start_tenant(&host, &tenant)).await?;
+        if started.is_err() {
+            self.hosts.release(&record.id, self.network.as_ref().ok()).await;
+        }
         Ok(started.map(|sb| (sb, None, applied)).map_err(BootError::Runtime))
     }
 
@@ -733,6 +736,7 @@ impl Control {
         };
         let rt = self.runtime.clone();
         let sid = id.to_string();
+        let tenant = handle.is_tenant();
         let destroyed = tokio::task::spawn_blocking(move || {
             let result = handle.destroy();
             rt.sweep();
@@ -740,6 +744,9 @@ impl Control {
             result.and_then(|()| rt.delete_layer(&sid).map(drop))
         })
         .await?;
+        if tenant && destroyed.is_ok() {
+            self.hosts.release(id.as_str(), self.network.as_ref().ok()).await;
+        }
         if let Err(e) = destroyed {
             // Stays `terminating`: the reconciler tries again.
             tracing::warn!("sandbox {id}: teardown failed, will retry: {e}");
