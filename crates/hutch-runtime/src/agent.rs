@@ -233,6 +233,7 @@ impl AgentConn {
     pub fn call_with_fds(&mut self, req: Request, fds: &[std::os::fd::RawFd]) -> Result<(Reply, Vec<u8>), AgentError> {
         use std::os::fd::AsRawFd;
         let (id, bytes) = self.codec.request(req, &[])?;
+        // SAFETY: CMSG_SPACE only computes a size.
         let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) } as usize;
         let mut control = vec![0u64; space.div_ceil(8)];
         let mut iov = libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() };

@@ -124,7 +124,7 @@ impl Runtime {
             }
             None => false,
         };
-        let mut rlimits: Vec<(i32, u64)> = KERNEL_CAPS.rlimits().iter().map(|&(r, v)| (r as i32, v)).collect();
+        let mut rlimits: Vec<(i32, u64)> = KERNEL_CAPS.rlimits().iter().map(|&(r, v)| (r, v)).collect();
         rlimits.push((libc::RLIMIT_NPROC as i32, spec.limits.pids as u64));
         let req = Request::AddTenant(TenantSpec {
             name: sb.id.clone(),
@@ -192,8 +192,8 @@ mod tests {
 
     #[test]
     fn no_landlock_no_process_class() {
-        assert!(require_landlock(0).unwrap_err().contains("Landlock"));
+        assert!(require_landlock(0).expect_err("refused").contains("Landlock"));
         assert!(require_landlock(-1).is_err());
-        assert_eq!(require_landlock(7).unwrap(), 7);
+        assert_eq!(require_landlock(7).expect("ABI 7"), 7);
     }
 }

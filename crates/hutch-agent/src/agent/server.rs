@@ -567,7 +567,7 @@ impl Agent {
         let tenant = self.out.conns.get(&conn).and_then(|c| c.tenant);
         let req = match self.scope(conn, tenant, req) {
             Ok(r) => r,
-            Err(reply) => return self.reply(conn, id, reply, &[]),
+            Err(reply) => return self.reply(conn, id, *reply, &[]),
         };
         let (reply, bytes) = match req {
             Request::AddTenant(spec) => (self.add_tenant(conn, spec), Vec::new()),
@@ -601,11 +601,11 @@ impl Agent {
 
     /// Holds a tenant's connection to what is the tenant's: no tenant
     /// administration, and only its own processes.
-    fn scope(&self, conn: u64, tenant: Option<u64>, req: Request) -> Result<Request, Reply> {
+    fn scope(&self, conn: u64, tenant: Option<u64>, req: Request) -> Result<Request, Box<Reply>> {
         let Some(t) = tenant else { return Ok(req) };
         let pid = match &req {
             Request::AddTenant(_) | Request::RemoveTenant { .. } => {
-                return Err(error(ErrorCode::InvalidRequest, "not on a sandbox's connection"))
+                return Err(Box::new(error(ErrorCode::InvalidRequest, "not on a sandbox's connection")))
             }
             Request::Detach { pid }
             | Request::Stdin { pid }
@@ -618,7 +618,7 @@ impl Agent {
         let owner = self.by_pid.get(&pid).and_then(|s| self.procs.get(s)).map(|p| p.tenant);
         if owner != Some(Some(t)) {
             let _ = conn;
-            return Err(error(ErrorCode::UnknownProcess, format!("no process {pid}")));
+            return Err(Box::new(error(ErrorCode::UnknownProcess, format!("no process {pid}"))));
         }
         Ok(req)
     }

@@ -918,7 +918,6 @@ pub fn landlock_abi() -> SysResult<i64> {
     const VERSION: libc::c_uint = 1;
     // SAFETY: the version query takes no ruleset attributes.
     cvt_long(unsafe { libc::syscall(libc::SYS_landlock_create_ruleset, std::ptr::null::<u8>(), 0usize, VERSION) })
-        .map(|v| v as i64)
 }
 
 #[repr(C)]

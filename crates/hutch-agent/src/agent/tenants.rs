@@ -272,9 +272,9 @@ mod tests {
 
     #[test]
     fn no_landlock_no_tenant() {
-        assert_eq!(require_landlock(Ok(0)).unwrap_err().0, ErrorCode::Unsupported);
-        assert_eq!(require_landlock(Err(sys::Errno(libc::ENOSYS))).unwrap_err().0, ErrorCode::Unsupported);
-        assert_eq!(require_landlock(Err(sys::Errno(libc::EOPNOTSUPP))).unwrap_err().0, ErrorCode::Unsupported);
+        assert_eq!(require_landlock(Ok(0)).expect_err("refused").0, ErrorCode::Unsupported);
+        assert_eq!(require_landlock(Err(sys::Errno(libc::ENOSYS))).expect_err("refused").0, ErrorCode::Unsupported);
+        assert_eq!(require_landlock(Err(sys::Errno(libc::EOPNOTSUPP))).expect_err("refused").0, ErrorCode::Unsupported);
         assert_eq!(require_landlock(Ok(7)), Ok(7));
     }
 
@@ -289,7 +289,7 @@ mod tests {
             max_commands: 4,
             rlimits: vec![],
         };
-        let err = t.add(spec, Vec::new(), Ok(0)).unwrap_err();
+        let err = t.add(spec, Vec::new(), Ok(0)).expect_err("refused");
         assert_eq!(err.0, ErrorCode::Unsupported);
         assert!(t.by_id.is_empty() && !t.prepared && t.next_uid == 0);
     }
