@@ -332,7 +332,49 @@ pub enum Request {
         #[serde(default)]
         user: Option<String>,
     },
+    /// Makes a tenant: a process-class sandbox inside this (shared host)
+    /// container. Only on the agent's own listening socket, never on a
+    /// tenant's. The descriptors come with the frame (`SCM_RIGHTS`), in
+    /// this order: the tenant's listening socket, then `cgroups`
+    /// `cgroup.procs` files (open for writing) its commands join in order,
+    /// then, with `oom_events`, its OOM counter file. Replies
+    /// [`Reply::TenantAdded`]. Every connection accepted on that socket is
+    /// the tenant's: its commands and file operations run as the tenant's
+    /// uid under its Landlock rules, and it sees only its own processes.
+    AddTenant(TenantSpec),
+    /// Ends a tenant: kills what is left of its processes, closes its
+    /// socket and connections, removes its home and its /tmp directory.
+    /// Its uid is never given out again by this agent.
+    RemoveTenant { name: String },
 }
+
+
+/// Most descriptors an [`Request::AddTenant`] carries.
+pub const MAX_TENANT_FDS: usize = 2 + 2 * MAX_WORK_CGROUPS as usize;
+
+/// A tenant of a shared host container (see [`Request::AddTenant`]).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct TenantSpec {
+    /// The sandbox's id: 1 to 64 of a-z, 0-9 and -; names its home
+    /// (`/home/<name>`) and its temporary directory (`/tmp/<name>`).
+    pub name: String,
+    /// How many `cgroup.procs` descriptors follow the listening socket.
+    pub cgroups: u32,
+    /// Whether the OOM counter's descriptor follows them.
+    pub oom_events: bool,
+    /// Environment of the tenant's processes (after the container's,
+    /// before the request's).
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
+    /// Most commands of this tenant alive at once.
+    pub max_commands: u32,
+    /// Resource limits (`RLIMIT_*` number, soft and hard value) every
+    /// process of the tenant starts with.
+    #[serde(default)]
+    pub rlimits: Vec<(i32, u64)>,
+}
+
 
 /// File systems whose regular files the agent passes to the host by
 /// descriptor ([`Request::OpenFile`]), by `statfs` magic: overlay (the
@@ -585,6 +627,11 @@ pub enum Reply {
         code: ErrorCode,
         message: String,
     },
+    /// A tenant was made: its uid (its gid is the same) and its home.
+    TenantAdded {
+        uid: u32,
+        home: String,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -709,6 +756,9 @@ pub enum ErrorCode {
     Capacity,
     /// Anything else the kernel refused; the message has the errno.
     Io,
+    /// Not for this sandbox's class: a process sandbox asked for root, or
+    /// a tenant where Landlock is missing.
+    Unsupported,
 }
 
 impl ErrorCode {

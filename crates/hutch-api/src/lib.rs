@@ -114,6 +114,9 @@ pub enum ErrorCode {
     /// The sandbox's files are in memory (`"storage": "memory"`): only a
     /// disk layer can be snapshotted.
     SnapshotUnsupported,
+    /// The sandbox's isolation class cannot do this (a `process` sandbox:
+    /// root, its own network policy, volumes, ports, disk layers).
+    ClassUnsupported,
     /// The host's storage for sandboxes' files is full.
     StorageFull,
     /// The snapshot cannot become an image archive: its sandbox ran on
@@ -212,6 +215,7 @@ impl ErrorCode {
             | ErrorCode::TemplateNameTaken
             | ErrorCode::SnapshotNameTaken
             | ErrorCode::SnapshotUnsupported
+            | ErrorCode::ClassUnsupported
             | ErrorCode::SnapshotNotExportable
             | ErrorCode::VolumeNameTaken
             | ErrorCode::VolumeInUse
@@ -276,6 +280,7 @@ impl ErrorCode {
             ErrorCode::Conflict => "conflict",
             ErrorCode::SnapshotNameTaken => "snapshot_name_taken",
             ErrorCode::SnapshotUnsupported => "snapshot_unsupported",
+            ErrorCode::ClassUnsupported => "class_unsupported",
             ErrorCode::StorageFull => "storage_full",
             ErrorCode::SnapshotNotExportable => "snapshot_not_exportable",
             ErrorCode::VolumeNotFound => "volume_not_found",

@@ -201,6 +201,8 @@ pub struct Control {
     /// The CA bundle (the host's roots and the egress proxy's CA) bound
     /// into sandboxes that name secrets; None: no egress proxy runs.
     pub(crate) egress_bundle: Option<std::path::PathBuf>,
+    /// Host containers of the process class.
+    pub(crate) hosts: crate::process::Hosts,
 }
 
 /// The stable digest of a request body, for idempotency checks.
@@ -330,6 +332,7 @@ impl Control {
             net_updates: Arc::new(Mutex::new(())),
             secret_keys: crate::secrets::SecretKeys::default(),
             egress_bundle: config.egress_bundle,
+            hosts: crate::process::Hosts::default(),
             history: Arc::new(crate::history::History::default()),
             audit: crate::audit::Auditor::default(),
             events: crate::events::Events::new(config.events),

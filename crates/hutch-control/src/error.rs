@@ -34,6 +34,9 @@ pub enum ControlError {
         "sandbox {0} keeps its files in memory (\"storage\": \"memory\"): only disk layers are snapshotted, forked or compared"
     )]
     SnapshotUnsupported(String),
+    /// What the sandbox's (or template's) isolation class cannot do.
+    #[error("{0}")]
+    ClassUnsupported(String),
     #[error("the host's storage for sandboxes' files is full: {0}")]
     StorageFull(String),
     /// A snapshot that cannot become an image archive (the message says why).
@@ -216,6 +219,7 @@ impl ControlError {
             ControlError::Conflict(_) => ErrorCode::Conflict,
             ControlError::SnapshotNameTaken(_) => ErrorCode::SnapshotNameTaken,
             ControlError::SnapshotUnsupported(_) => ErrorCode::SnapshotUnsupported,
+            ControlError::ClassUnsupported(_) => ErrorCode::ClassUnsupported,
             ControlError::StorageFull(_) => ErrorCode::StorageFull,
             ControlError::SnapshotNotExportable(_) => ErrorCode::SnapshotNotExportable,
             ControlError::NoSecret(_) => ErrorCode::SecretNotFound,

@@ -194,6 +194,8 @@ impl FilesError {
                     },
                     A::Capacity => ErrorCode::SandboxCommandCapacity,
                     A::Io => ErrorCode::Internal,
+                    // A process sandbox asked for root.
+                    A::Unsupported => ErrorCode::ClassUnsupported,
                 };
                 (code, message)
             }

@@ -31,6 +31,7 @@ pub mod lifecycle;
 pub mod metrics;
 pub mod network;
 pub mod pool;
+pub mod process;
 pub mod pty;
 pub mod ready;
 pub mod recover;

@@ -80,6 +80,21 @@ impl Control {
         let live: HashSet<String> = self.lives().iter().map(|l| l.id.to_string()).collect();
         crate::files::journal::sweep(&self.runtime.config().state_dir.join("uploads"), move |id| live.contains(id))
             .await;
+        // Host containers of the process class a former daemon left: their
+        // tenants were ended above (a tenant does not outlive its daemon).
+        let rt = self.runtime.clone();
+        let net = self.network.as_ref().ok().cloned();
+        let _ = tokio::task::spawn_blocking(move || {
+            for id in rt.cgroups().into_iter().filter(|c| c.starts_with(crate::process::HOST_PREFIX)) {
+                if let Err(e) = rt.adopt(&id).destroy() {
+                    tracing::warn!("host container {id}: {e}");
+                }
+                if let Some(n) = &net {
+                    n.release(&id);
+                }
+            }
+        })
+        .await;
         // Anything on the host with no record (rows come first, so only
         // what a stopped daemon was tearing down) is swept.
         let rt = self.runtime.clone();

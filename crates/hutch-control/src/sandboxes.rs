@@ -234,7 +234,12 @@ impl Control {
             }
         }
         net.secrets = secret_names.clone();
-        let storage = self.storage_kind(req.storage.or(tpl.storage))?;
+        // A process sandbox's home is in its host container's memory layer.
+        let storage = if tpl.class == hutch_runtime::Class::Process && req.storage.or(tpl.storage).is_none() {
+            StorageKind::Memory
+        } else {
+            self.storage_kind(req.storage.or(tpl.storage))?
+        };
         let on_expire = req.on_expire.or(tpl.on_expire);
         self.check_on_expire(on_expire, Some(storage))?;
         let lifecycle = Lifecycle {
@@ -256,6 +261,23 @@ impl Control {
                     return Err(ControlError::IdempotencyConflict);
                 }
                 return Ok((view(&existing), false));
+            }
+        }
+        if tpl.class == hutch_runtime::Class::Process {
+            let net_as_template = req.network.as_ref().is_none_or(|n| *n == tpl.network);
+            let refusal = if !net_as_template {
+                Some("a process sandbox shares its template's network policy: it has no network settings of its own")
+            } else if !claims.is_empty() {
+                Some("a process sandbox mounts no volumes")
+            } else if storage == StorageKind::Disk || origin.is_some() {
+                Some("a process sandbox keeps its home in memory: no disk layer, snapshot or fork")
+            } else if !secret_names.is_empty() {
+                Some("a process sandbox names no secrets (the egress proxy is per sandbox)")
+            } else {
+                None
+            };
+            if let Some(why) = refusal {
+                return Err(ControlError::ClassUnsupported(why.into()));
             }
         }
         let metadata = serde_json::to_string(&req.metadata).unwrap_or_else(|_| "{}".into());
@@ -409,6 +431,61 @@ impl Control {
         })
     }
 
+    /// Starts a process-class sandbox: a tenant of the host container of
+    /// its owner, template and root (started on first use, with the
+    /// sandbox's network policy, which every tenant of it shares).
+    async fn start_tenant(
+        &self,
+        record: &SandboxRecord,
+        spec: SandboxSpec,
+        network: std::result::Result<Arc<Network>, String>,
+        policy: hutch_runtime::net::Policy,
+        interface: bool,
+    ) -> Result<std::result::Result<Booted, BootError>> {
+        let key = format!(
+            "{}|{}|{:?}|{:?}|{:?}",
+            record.owner,
+            record.template_id.as_deref().unwrap_or(&record.template),
+            spec.root,
+            spec.extra_lowers,
+            spec.ca_bundle
+        );
+        let host_id = crate::process::host_id()?;
+        let host_spec = crate::process::host_spec(&spec, host_id.clone());
+        let (rt, policy2) = (self.runtime.clone(), policy.clone());
+        let host = self
+            .hosts
+            .acquire(key, &record.id, move || {
+                match start_with_network(&rt, host_spec, network, &host_id, &policy2, interface, true) {
+                    Ok((sb, _, _)) => Ok(sb),
+                    Err(BootError::Runtime(e)) => Err(ControlError::StartFailed(Reason::of_start(&e))),
+                    Err(BootError::Network(reason, why)) => {
+                        tracing::warn!("host container {host_id}: network policy not enforceable: {why}");
+                        Err(ControlError::StartFailed(reason))
+                    }
+                }
+            })
+            .await;
+        let host = match host {
+            Ok(h) => h,
+            Err(e) => {
+                let id = SandboxId::from_record(&record.id);
+                if let ControlError::StartFailed(reason) = &e {
+                    self.fail_start(&id, *reason).await?;
+                }
+                return Err(e);
+            }
+        };
+        let applied = crate::network::applied(Some(policy.egress));
+        let tenant = hutch_runtime::ProcessSpec { id: spec.id.clone(), limits: spec.limits, env: spec.env.clone() };
+        let rt = self.runtime.clone();
+        let started = tokio::task::spawn_blocking(move || rt.start_tenant(&host, &tenant)).await?;
+        if started.is_err() {
+            self.hosts.release(&record.id, self.network.as_ref().ok()).await;
+        }
+        Ok(started.map(|sb| (sb, None, applied)).map_err(BootError::Runtime))
+    }
+
     /// Ends a `starting` record that never ran, with `reason`.
     async fn fail_start(&self, id: &SandboxId, reason: Reason) -> Result<()> {
         self.transition(id, Transition::FailStart, Set::reason(Some(reason))).await?;
@@ -487,36 +564,40 @@ impl Control {
         let interface = net.interface;
         let (storage, origin) = (record.storage, record.origin.clone());
         let refill = origin.clone().filter(|o| storage == StorageKind::Disk && o.starts_with("snap-"));
-        let started = tokio::task::spawn_blocking(move || {
-            let mut spec = spec;
-            // A disk layer of its own, named after it (empty, or a copy of
-            // the snapshot it starts from); nothing of it is left if the
-            // start fails.
-            // A paused sandbox's layer is its own already: kept whatever
-            // happens.
-            let mut kept = false;
-            if storage == StorageKind::Disk {
-                let layer = match rt.layer_of(&sid).map_err(BootError::Runtime)? {
-                    Some(layer) => {
-                        kept = true;
-                        Ok(layer)
-                    }
-                    None => match &origin {
-                        Some(snap) => rt.layer_from_snapshot(&sid, snap),
-                        None => rt.new_layer(&sid),
-                    },
-                };
-                spec.writable = hutch_runtime::Writable::Layer(layer.map_err(BootError::Runtime)?);
-            }
-            let started = start_with_network(&rt, spec, network, &sid, &policy, interface);
-            if started.is_err() && storage == StorageKind::Disk && !kept {
-                if let Err(e) = rt.delete_layer(&sid) {
-                    tracing::warn!("sandbox {sid}: its layer stays until the next sweep: {e}");
+        let started = if record.class == hutch_runtime::Class::Process {
+            self.start_tenant(&record, spec, network, policy, interface).await?
+        } else {
+            tokio::task::spawn_blocking(move || {
+                let mut spec = spec;
+                // A disk layer of its own, named after it (empty, or a copy of
+                // the snapshot it starts from); nothing of it is left if the
+                // start fails.
+                // A paused sandbox's layer is its own already: kept whatever
+                // happens.
+                let mut kept = false;
+                if storage == StorageKind::Disk {
+                    let layer = match rt.layer_of(&sid).map_err(BootError::Runtime)? {
+                        Some(layer) => {
+                            kept = true;
+                            Ok(layer)
+                        }
+                        None => match &origin {
+                            Some(snap) => rt.layer_from_snapshot(&sid, snap),
+                            None => rt.new_layer(&sid),
+                        },
+                    };
+                    spec.writable = hutch_runtime::Writable::Layer(layer.map_err(BootError::Runtime)?);
                 }
-            }
-            started
-        })
-        .await?;
+                let started = start_with_network(&rt, spec, network, &sid, &policy, interface, false);
+                if started.is_err() && storage == StorageKind::Disk && !kept {
+                    if let Err(e) = rt.delete_layer(&sid) {
+                        tracing::warn!("sandbox {sid}: its layer stays until the next sweep: {e}");
+                    }
+                }
+                started
+            })
+            .await?
+        };
         // The next create from the same snapshot finds a spare ready.
         if let Some(snap) = refill {
             self.keep_spares(snap);
@@ -655,6 +736,7 @@ impl Control {
         };
         let rt = self.runtime.clone();
         let sid = id.to_string();
+        let tenant = handle.is_tenant();
         let destroyed = tokio::task::spawn_blocking(move || {
             let result = handle.destroy();
             rt.sweep();
@@ -662,6 +744,9 @@ impl Control {
             result.and_then(|()| rt.delete_layer(&sid).map(drop))
         })
         .await?;
+        if tenant && destroyed.is_ok() {
+            self.hosts.release(id.as_str(), self.network.as_ref().ok()).await;
+        }
         if let Err(e) = destroyed {
             // Stays `terminating`: the reconciler tries again.
             tracing::warn!("sandbox {id}: teardown failed, will retry: {e}");
@@ -1039,7 +1124,9 @@ fn start_with_network(
     id: &str,
     policy: &hutch_runtime::net::Policy,
     interface: bool,
+    host: bool,
 ) -> std::result::Result<Booted, BootError> {
+    let start = |spec: &SandboxSpec| if host { rt.start_host(spec) } else { rt.start(spec) };
     use hutch_runtime::net::Egress;
     let net = match network {
         Ok(n) => n,
@@ -1049,7 +1136,7 @@ fn start_with_network(
         Err(_) => {
             // No networking on this host: the sandbox's own namespace with
             // only `lo` is exactly deny_all.
-            let sb = rt.start(&spec).map_err(BootError::Runtime)?;
+            let sb = start(&spec).map_err(BootError::Runtime)?;
             return Ok((sb, None, "deny_all".into()));
         }
     };
@@ -1059,7 +1146,7 @@ fn start_with_network(
     if spec.netns.is_some() {
         spec.resolv_conf = Some(net.resolv_conf().to_path_buf());
     }
-    let sb = match rt.start(&spec) {
+    let sb = match start(&spec) {
         Ok(sb) => sb,
         Err(e) => {
             net.release(id);

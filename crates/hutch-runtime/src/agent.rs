@@ -228,6 +228,38 @@ impl AgentConn {
         Ok(id)
     }
 
+    /// Like [`AgentConn::call`], passing descriptors with the request
+    /// (`SCM_RIGHTS` on its first bytes): [`Request::AddTenant`].
+    pub fn call_with_fds(&mut self, req: Request, fds: &[std::os::fd::RawFd]) -> Result<(Reply, Vec<u8>), AgentError> {
+        use std::os::fd::AsRawFd;
+        let (id, bytes) = self.codec.request(req, &[])?;
+        // SAFETY: CMSG_SPACE only computes a size.
+        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) } as usize;
+        let mut control = vec![0u64; space.div_ceil(8)];
+        let mut iov = libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() };
+        // SAFETY: a zeroed msghdr is valid; every pointer set below outlives
+        // the sendmsg call, and the control buffer is CMSG_SPACE bytes.
+        let sent = unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = control.as_mut_ptr().cast();
+            msg.msg_controllen = space as _;
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) as _;
+            std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(cmsg) as *mut std::os::fd::RawFd, fds.len());
+            libc::sendmsg(self.stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
+        };
+        if sent < 0 {
+            return Err(io::Error::last_os_error().into());
+        }
+        let rest = bytes[sent as usize..].to_vec();
+        self.stream.write_all(&rest)?;
+        self.wait_reply(id)
+    }
+
     /// Sends a request and waits for its reply, keeping other messages for
     /// `recv`. Error replies become [`AgentError::Refused`].
     pub fn call(&mut self, req: Request, data: &[u8]) -> Result<(Reply, Vec<u8>), AgentError> {

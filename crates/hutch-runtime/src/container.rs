@@ -273,6 +273,9 @@ pub struct Sandbox {
     pub timings: Vec<(&'static str, Duration)>,
     /// A sandbox of the gvisor class: where its bundle and runsc state are.
     pub(crate) gvisor: Option<crate::gvisor::Paths>,
+    /// For a `process` class sandbox (a tenant): its host container's
+    /// agent socket; `pid` is then the host container's PID 1.
+    pub host: Option<PathBuf>,
 }
 
 /// Phase durations of a start.
@@ -536,7 +539,7 @@ impl Runtime {
         match class {
             Class::Container => Ok(()),
             Class::Gvisor => crate::gvisor::available(),
-            Class::Process => Err("hutch does not run process sandboxes yet".into()),
+            Class::Process => crate::process::require_landlock(crate::process::landlock_abi()).map(drop),
             Class::Microvm => Err("hutch does not run micro-VM sandboxes yet".into()),
         }
     }
@@ -544,6 +547,24 @@ impl Runtime {
     /// Starts a sandbox and returns once its agent is running.
     pub fn start(&self, spec: &SandboxSpec) -> Result<Sandbox, RuntimeError> {
         self.runs(spec.class).map_err(|why| RuntimeError::ClassUnavailable(spec.class, why))?;
+        if spec.class == Class::Process {
+            return Err(RuntimeError::ClassUnavailable(
+                Class::Process,
+                "a process sandbox is a tenant of a host container: start it with Runtime::start_tenant".into(),
+            ));
+        }
+        self.start_as(spec, false)
+    }
+
+    /// Starts a host container of the `process` class: a container whose
+    /// agent serves tenants ([`Runtime::start_tenant`]), with /proc mounted
+    /// `hidepid=invisible` and command slots for all its tenants.
+    pub fn start_host(&self, spec: &SandboxSpec) -> Result<Sandbox, RuntimeError> {
+        self.runs(Class::Process).map_err(|why| RuntimeError::ClassUnavailable(Class::Process, why))?;
+        self.start_as(spec, true)
+    }
+
+    fn start_as(&self, spec: &SandboxSpec, host: bool) -> Result<Sandbox, RuntimeError> {
         let id = match &spec.id {
             Some(id) => valid_id(id)?,
             None => random_id()?,
@@ -600,10 +621,10 @@ impl Runtime {
         let socket = self.socket_path(&id);
         marks.mark("cgroup");
         let mut sandbox =
-            Sandbox { id, pid: 0, socket, cgroup, slot: Some(slot), layer, timings: Vec::new(), gvisor: None };
+            Sandbox { id, pid: 0, socket, cgroup, slot: Some(slot), layer, timings: Vec::new(), gvisor: None, host: None };
         let launched = helper.finish().map_err(io_err("create the sandbox's namespaces")).and_then(|ns| {
             marks.mark("namespaces");
-            self.launch(&mut sandbox, spec, ns, &mut marks)
+            self.launch(&mut sandbox, spec, ns, &mut marks, host)
         });
         match launched {
             Ok(()) => {
@@ -623,6 +644,7 @@ impl Runtime {
         spec: &SandboxSpec,
         ns: launch::Namespaces,
         marks: &mut Marks,
+        host: bool,
     ) -> Result<(), RuntimeError> {
         let slot = sb.slot.as_ref().expect("a starting sandbox holds its uid slot");
         let userns = ns.user;
@@ -653,7 +675,7 @@ impl Runtime {
             env: spec.env.clone(),
             root_caps: ROOT_CAPS.iter().fold(0u64, |m, c| m | 1 << c),
             replay_bytes: 64 * 1024,
-            max_commands: hutch_agent::proto::MAX_COMMANDS,
+            max_commands: if host { crate::process::HOST_COMMANDS } else { hutch_agent::proto::MAX_COMMANDS },
             work_cgroups,
             oom_events,
         };
@@ -720,6 +742,7 @@ impl Runtime {
                     userns_fd: userns.as_raw_fd(),
                     shm_bytes: (spec.limits.memory_bytes / 2).min(64 << 20),
                     max_ptys: KERNEL_CAPS.ptys,
+                    hidepid: host,
                 },
             )?;
             rootfs::plan_volumes(&mut plan, &stage, slot.base(), userns.as_raw_fd(), &spec.volumes)?;
@@ -855,6 +878,7 @@ impl Runtime {
             layer,
             timings: Vec::new(),
             gvisor: Some(crate::gvisor::Paths::new(&self.cfg.run_dir, id)).filter(crate::gvisor::Paths::exists),
+            host: None,
         }
     }
 
@@ -918,6 +942,9 @@ impl Sandbox {
     /// observation (our child PID 1 was reaped, or the cgroup was read and
     /// holds no process); a check that failed is [`Liveness::Unknown`].
     pub fn liveness(&self) -> Liveness {
+        if self.host.is_some() {
+            return self.tenant_liveness();
+        }
         if self.pid > 0 && self.slot.is_some() {
             // Our own child: reap it if it died, so it leaves no zombie.
             let mut status = 0;
@@ -954,6 +981,9 @@ impl Sandbox {
     /// disk layer stays: it is the caller's to keep or delete
     /// ([`Storage::delete`]).
     pub fn destroy(self) -> Result<(), RuntimeError> {
+        if self.host.is_some() {
+            return self.destroy_tenant();
+        }
         let Sandbox { pid, socket, cgroup, slot, gvisor, .. } = self;
         if let Some(paths) = &gvisor {
             crate::gvisor::teardown(paths);

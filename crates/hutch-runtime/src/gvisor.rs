@@ -214,6 +214,7 @@ impl Runtime {
             layer,
             timings: Vec::new(),
             gvisor: Some(paths.clone()),
+            host: None,
         };
         // Runtime::sweep leaves a sandbox alone while it starts (before
         // runsc has made its cgroup, nothing else says it lives).

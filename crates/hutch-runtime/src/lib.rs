@@ -19,6 +19,7 @@ pub mod image;
 pub mod launch;
 pub mod net;
 pub mod portconnect;
+pub mod process;
 pub mod rootfs;
 pub mod seccomp;
 pub mod storage;
@@ -27,3 +28,4 @@ pub mod uids;
 
 pub use container::{Config, RootSource, Runtime, RuntimeError, Sandbox, SandboxSpec, Writable};
 pub use hutch_api::Class;
+pub use process::ProcessSpec;

@@ -184,6 +184,10 @@ pub struct FsSpec<'a> {
     /// pool for all non-initial devpts instances (`kernel.pty.max` minus
     /// `kernel.pty.reserve`) is shared by every sandbox.
     pub max_ptys: u32,
+    /// Mount /proc with `hidepid=invisible`: a process sees only its own
+    /// uid's processes (the process class's host containers, whose tenants
+    /// are uids).
+    pub hidepid: bool,
 }
 
 /// The writable layer of a sandbox's overlay.
@@ -331,7 +335,7 @@ pub fn plan_root(plan: &mut Plan, spec: &FsSpec) -> io::Result<()> {
             userns: spec.userns_fd,
         });
     }
-    plan_proc(plan, &root)?;
+    plan_proc(plan, &root, spec.hidepid)?;
     plan_dev(plan, &root, base, spec.shm_bytes, spec.max_ptys)?;
     plan.mount(Some("sysfs"), &root.join("sys"), Some("sysfs"), crate::sys::MS_RO_NOSUID_NODEV_NOEXEC, None)?;
     Ok(())
@@ -393,9 +397,10 @@ pub fn plan_volumes(
     Ok(())
 }
 
-fn plan_proc(plan: &mut Plan, root: &Path) -> io::Result<()> {
+fn plan_proc(plan: &mut Plan, root: &Path, hidepid: bool) -> io::Result<()> {
     let proc_dir = root.join("proc");
-    plan.mount(Some("proc"), &proc_dir, Some("proc"), libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC, None)?;
+    let data = hidepid.then_some("hidepid=invisible");
+    plan.mount(Some("proc"), &proc_dir, Some("proc"), libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC, data)?;
     let mut masks = Plan::default();
     for rel in PROC_READONLY {
         let p = proc_dir.join(rel);
@@ -537,6 +542,7 @@ mod tests {
             userns_fd: 9,
             shm_bytes: 64 << 20,
             max_ptys: 128,
+            hidepid: false,
         };
         plan_root(&mut plan, &spec).expect("plan");
         let text: Vec<String> = plan.steps.iter().map(|s| s.to_string()).collect();
@@ -563,6 +569,7 @@ mod tests {
             userns_fd: 9,
             shm_bytes: 64 << 20,
             max_ptys: 128,
+            hidepid: false,
         };
         plan_root(&mut plan, &spec).expect("plan");
         let text: Vec<String> = plan.steps.iter().map(|s| s.to_string()).collect();
@@ -600,6 +607,7 @@ mod tests {
             userns_fd: 9,
             shm_bytes: 64 << 20,
             max_ptys: 128,
+            hidepid: false,
         };
         plan_root(&mut plan, &spec).expect("plan");
         let text: Vec<String> = plan.steps.iter().map(|s| s.to_string()).collect();

@@ -73,6 +73,16 @@ pub struct ChildPlan<'a> {
     /// `cgroup.procs` files of the workload cgroup (close-on-exec), which
     /// the child writes itself into before it execs.
     pub work_cgroups: &'a [RawFd],
+    /// A tenant's restrictions (process class), applied after the ids.
+    pub tenant: Option<TenantLimits<'a>>,
+}
+
+/// What a tenant's command takes on before exec (see `tenants.rs`).
+pub struct TenantLimits<'a> {
+    /// The tenant's Landlock ruleset (close-on-exec).
+    pub landlock: RawFd,
+    /// Resource limits, soft and hard.
+    pub rlimits: &'a [(i32, u64)],
 }
 
 fn supervisor_signals() -> [libc::c_int; 4] {
@@ -83,6 +93,9 @@ fn supervisor_signals() -> [libc::c_int; 4] {
 pub fn supervise(plan: &ChildPlan<'_>) -> ! {
     let mut keep = vec![plan.stdin, plan.stdout, plan.stderr, plan.cwd, plan.status];
     keep.extend_from_slice(plan.work_cgroups);
+    if let Some(t) = &plan.tenant {
+        keep.push(t.landlock);
+    }
     sys::close_all_except(&mut keep);
     // The agent reset every other disposition at start; SIGPIPE it ignores.
     sys::default_signal(libc::SIGPIPE);
@@ -419,6 +432,9 @@ fn exec_child(plan: &ChildPlan<'_>) -> ! {
     if let Err(e) = sys::set_no_new_privs() {
         fail(b"no_new_privs", e, 126);
     }
+    if let Some(t) = &plan.tenant {
+        apply_tenant(t);
+    }
     if !plan.filter.is_empty() {
         if let Err(e) = sys::install_seccomp(plan.filter) {
             fail(b"seccomp", e, 126);
@@ -431,6 +447,19 @@ fn exec_child(plan: &ChildPlan<'_>) -> ! {
             let e = sys::execve(exe, &plan.argv, &plan.envp);
             fail(argv0, e, if e.0 == libc::ENOENT { 127 } else { 126 })
         }
+    }
+}
+
+/// A tenant's rlimits and Landlock domain; exits 126 on failure (a
+/// command never runs without its tenant's rules).
+fn apply_tenant(t: &TenantLimits<'_>) {
+    for &(resource, value) in t.rlimits {
+        if let Err(e) = sys::set_rlimit(resource, value) {
+            fail(b"resource limit", e, 126);
+        }
+    }
+    if let Err(e) = sys::landlock_restrict_self(t.landlock) {
+        fail(b"landlock", e, 126);
     }
 }
 

@@ -23,7 +23,7 @@ pub struct Conn {
     sent: usize,
     /// Descriptors to pass, each with the position in `out` of the byte it
     /// goes with (the first of a reply's frame), in order.
-    fds: VecDeque<(usize, OwnedFd)>,
+    passing: VecDeque<(usize, OwnedFd)>,
     /// Events registered with epoll.
     pub events: u32,
     pub congested: bool,
@@ -33,6 +33,10 @@ pub struct Conn {
     pub closing: bool,
     /// Complete requests in `input` wait until the replies drain.
     pub held: bool,
+    /// The tenant this connection belongs to (accepted on its socket).
+    pub tenant: Option<u64>,
+    /// Descriptors the host passed, for the request they came with.
+    pub received: Vec<OwnedFd>,
 }
 
 impl Conn {
@@ -42,12 +46,14 @@ impl Conn {
             input: Vec::new(),
             out: Vec::new(),
             sent: 0,
-            fds: VecDeque::new(),
+            passing: VecDeque::new(),
             events: 0,
             congested: false,
             dirty: false,
             closing: false,
             held: false,
+            tenant: None,
+            received: Vec::new(),
         }
     }
 
@@ -63,16 +69,16 @@ impl Conn {
     /// Passes `fd` with the next byte appended to the output (a reply's
     /// frame, appended next).
     pub fn pass_fd(&mut self, fd: OwnedFd) {
-        self.fds.push_back((self.out.len(), fd));
+        self.passing.push_back((self.out.len(), fd));
     }
 
     /// Sends as much as the socket takes; `Err` means the peer is gone.
     /// A descriptor to pass goes with its byte, in a send of its own.
     pub fn flush(&mut self) -> Result<(), Errno> {
         while self.sent < self.out.len() {
-            let (end, pass) = match self.fds.front() {
+            let (end, pass) = match self.passing.front() {
                 Some((at, fd)) if *at <= self.sent => {
-                    (self.fds.get(1).map_or(self.out.len(), |(next, _)| *next), Some(fd.as_fd()))
+                    (self.passing.get(1).map_or(self.out.len(), |(next, _)| *next), Some(fd.as_fd()))
                 }
                 Some((at, _)) => (*at, None),
                 None => (self.out.len(), None),
@@ -87,7 +93,7 @@ impl Conn {
                 Ok(n) => {
                     if passing && n > 0 {
                         // Sent: the peer holds it now; ours closes.
-                        self.fds.pop_front();
+                        self.passing.pop_front();
                     }
                     self.sent += n;
                 }
@@ -99,13 +105,13 @@ impl Conn {
         if self.sent == self.out.len() {
             self.out.clear();
             self.sent = 0;
-            self.fds.clear();
+            self.passing.clear();
             if self.out.capacity() > HIGH_WATER {
                 self.out.shrink_to(64 * 1024);
             }
         } else if self.sent > 1024 * 1024 && self.sent * 2 > self.out.len() {
             self.out.drain(..self.sent);
-            for (at, _) in self.fds.iter_mut() {
+            for (at, _) in self.passing.iter_mut() {
                 *at -= self.sent;
             }
             self.sent = 0;
@@ -187,7 +193,7 @@ mod tests {
         c.out_buf().extend_from_slice(b"frame");
         c.flush().expect("flush");
         assert_eq!(c.pending(), 0);
-        assert!(c.fds.is_empty(), "the sent descriptor is closed on our side");
+        assert!(c.passing.is_empty(), "the sent descriptor is closed on our side");
         // It arrives with a read that takes its frame's first byte (the
         // kernel may join the bytes before it into the same read), never
         // with one that ends before.

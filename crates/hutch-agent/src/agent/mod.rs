@@ -10,6 +10,7 @@ mod files;
 mod output;
 mod server;
 mod sys;
+mod tenants;
 mod users;
 mod watch;
 

@@ -23,6 +23,7 @@ use super::env;
 use super::files::{self, Fs, FsCreds, FsError};
 use super::output::{exit_status, Ring};
 use super::sys::{self, CStrArray, Epoll, Errno};
+use super::tenants::{self, Tenants};
 use super::users::Users;
 use super::watch::Watches;
 
@@ -34,6 +35,8 @@ const T_STDOUT: u64 = 5;
 const T_STDERR: u64 = 6;
 const T_STDIN: u64 = 7;
 const T_STATUS: u64 = 8;
+/// A tenant's listening socket (process class); the id is the tenant's.
+const T_TENANT: u64 = 9;
 
 fn token(kind: u64, id: u64) -> u64 {
     kind << 56 | id
@@ -110,6 +113,8 @@ struct Proc {
     exited: Option<(i32, Instant)>,
     /// The main child exited while other processes of its tree lived.
     descendants_alive: bool,
+    /// The tenant whose command this is (process class).
+    tenant: Option<u64>,
     /// The exit was sent and the streams closed (`info.exited` is set);
     /// the record stays while the rest of the tree lives.
     finished: bool,
@@ -306,6 +311,8 @@ pub struct Agent {
     scratch: Vec<u8>,
     /// The descriptor the file operation being answered passes.
     passing: Option<OwnedFd>,
+    /// Process-class sandboxes sharing this agent.
+    tenants: Tenants,
 }
 
 impl Agent {
@@ -352,6 +359,7 @@ impl Agent {
             watches: Watches::default(),
             scratch: Vec::with_capacity(READ_CHUNK),
             passing: None,
+            tenants: Tenants::default(),
         })
     }
 
@@ -401,6 +409,7 @@ impl Agent {
             }
             T_STDIN => self.stdin_writable(id),
             T_STATUS => self.status_readable(id),
+            T_TENANT => self.accept_tenant(id),
             _ => {}
         }
         Ok(())
@@ -433,6 +442,28 @@ impl Agent {
         }
     }
 
+    /// Accepts connections on a tenant's socket: each is the tenant's.
+    fn accept_tenant(&mut self, tenant: u64) {
+        let Some(t) = self.tenants.get(tenant) else { return };
+        loop {
+            match sys::accept(t.listener.as_fd()) {
+                Ok(fd) => {
+                    if self.out.conns.len() >= MAX_CONNS {
+                        continue;
+                    }
+                    let id = self.next_conn;
+                    self.next_conn += 1;
+                    let mut c = Conn::new(fd);
+                    c.tenant = Some(tenant);
+                    self.epoll.update(c.fd.as_raw_fd(), token(T_CONN, id), &mut c.events, IN);
+                    self.out.conns.insert(id, c);
+                }
+                Err(Errno(libc::EINTR | libc::ECONNABORTED | libc::EPROTO | libc::EPERM)) => {}
+                Err(_) => return,
+            }
+        }
+    }
+
     fn mark_dirty(&mut self, id: u64) {
         if let Some(c) = self.out.conns.get_mut(&id) {
             if !c.dirty {
@@ -448,7 +479,15 @@ impl Agent {
         if c.closing || c.congested {
             return;
         }
-        match sys::read_append(c.fd.as_fd(), &mut c.input, 256 * 1024) {
+        // Only the host's own connections may pass descriptors (tenants).
+        let read = match c.tenant {
+            None => sys::recv_append(c.fd.as_fd(), &mut c.input, 256 * 1024, &mut c.received),
+            Some(_) => sys::read_append(c.fd.as_fd(), &mut c.input, 256 * 1024),
+        };
+        if c.received.len() > proto::MAX_TENANT_FDS {
+            return self.out.doom(id);
+        }
+        match read {
             Ok(0) => return self.out.doom(id),
             Ok(_) => {}
             Err(Errno(libc::EAGAIN | libc::EINTR)) => return,
@@ -545,7 +584,14 @@ impl Agent {
     }
 
     fn handle(&mut self, conn: u64, id: u64, req: Request, data: &[u8]) {
+        let tenant = self.out.conns.get(&conn).and_then(|c| c.tenant);
+        let req = match self.scope(conn, tenant, req) {
+            Ok(r) => r,
+            Err(reply) => return self.reply(conn, id, *reply, &[]),
+        };
         let (reply, bytes) = match req {
+            Request::AddTenant(spec) => (self.add_tenant(conn, spec), Vec::new()),
+            Request::RemoveTenant { name } => (self.remove_tenant(&name), Vec::new()),
             Request::Ping => (Reply::Pong { version: PROTOCOL_VERSION }, Vec::new()),
             Request::Spawn(s) => (self.spawn(conn, s), Vec::new()),
             Request::Attach { target } => return self.attach(conn, id, target),
@@ -554,7 +600,7 @@ impl Agent {
             Request::CloseStdin { pid } => (self.close_stdin(pid), Vec::new()),
             Request::Signal { pid, signal } => (self.signal(pid, signal), Vec::new()),
             Request::Resize { pid, size } => (self.resize(pid, size.cols, size.rows), Vec::new()),
-            Request::List => (self.list(), Vec::new()),
+            Request::List => (self.list(tenant), Vec::new()),
             Request::Unwatch { watch } => {
                 let reply = if self.watches.owner(watch) == Some(conn) && self.watches.remove(watch) {
                     Reply::Ok
@@ -580,6 +626,62 @@ impl Agent {
         self.reply(conn, id, reply, &bytes);
     }
 
+    // -- tenants (process class) ---------------------------------------------
+
+    /// Holds a tenant's connection to what is the tenant's: no tenant
+    /// administration, and only its own processes.
+    fn scope(&self, conn: u64, tenant: Option<u64>, req: Request) -> Result<Request, Box<Reply>> {
+        let Some(t) = tenant else { return Ok(req) };
+        let pid = match &req {
+            Request::AddTenant(_) | Request::RemoveTenant { .. } => {
+                return Err(Box::new(error(ErrorCode::InvalidRequest, "not on a sandbox's connection")))
+            }
+            Request::Detach { pid }
+            | Request::Stdin { pid }
+            | Request::CloseStdin { pid }
+            | Request::Signal { pid, .. }
+            | Request::Resize { pid, .. }
+            | Request::Attach { target: Target::Pid(pid) } => *pid,
+            _ => return Ok(req),
+        };
+        let owner = self.by_pid.get(&pid).and_then(|s| self.procs.get(s)).map(|p| p.tenant);
+        if owner != Some(Some(t)) {
+            let _ = conn;
+            return Err(Box::new(error(ErrorCode::UnknownProcess, format!("no process {pid}"))));
+        }
+        Ok(req)
+    }
+
+    fn add_tenant(&mut self, conn: u64, spec: proto::TenantSpec) -> Reply {
+        let fds = self.out.conns.get_mut(&conn).map(|c| std::mem::take(&mut c.received)).unwrap_or_default();
+        match self.tenants.add(spec, fds, sys::landlock_abi()) {
+            Ok(id) => {
+                let t = self.tenants.by_id.get_mut(&id).expect("just added");
+                self.epoll.update(t.listener.as_raw_fd(), token(T_TENANT, id), &mut t.listen_events, IN);
+                Reply::TenantAdded { uid: t.uid, home: t.home.clone() }
+            }
+            Err((code, message)) => error(code, message),
+        }
+    }
+
+    /// Ends a tenant: its socket and connections, what is left of its
+    /// commands (the host killed its cgroup already, normally), its
+    /// directories. Removing one that does not exist is not an error.
+    fn remove_tenant(&mut self, name: &str) -> Reply {
+        let Some((id, t)) = self.tenants.remove(name) else { return Reply::Ok };
+        let mut events = t.listen_events;
+        self.epoll.update(t.listener.as_raw_fd(), 0, &mut events, 0);
+        drop(t);
+        let conns: Vec<u64> = self.out.conns.iter().filter(|(_, c)| c.tenant == Some(id)).map(|(&k, _)| k).collect();
+        for c in conns {
+            self.out.doom(c);
+        }
+        for p in self.procs.values().filter(|p| p.tenant == Some(id) && !p.sup_gone) {
+            let _ = sys::kill(p.sup, libc::SIGUSR1);
+        }
+        Reply::Ok
+    }
+
     // -- processes -----------------------------------------------------------
 
     fn spawn(&mut self, conn: u64, req: Spawn) -> Reply {
@@ -602,20 +704,53 @@ impl Agent {
                 ),
             ));
         }
+        let tenant = self.out.conns.get(&conn).and_then(|c| c.tenant);
+        if let Some(t) = tenant {
+            let max = self.tenants.get(t).map_or(0, |t| t.max_commands);
+            let held = self.procs.values().filter(|p| p.tenant == Some(t) && self.trees.contains(&p.sup)).count();
+            if held >= max {
+                return Err((
+                    ErrorCode::Capacity,
+                    format!(
+                        "all {max} command slots are in use; a command holds its slot while any process it started lives"
+                    ),
+                ));
+            }
+        }
         if let Some(tag) = &req.tag {
-            if self.tags.contains_key(tag) {
+            if self.tags.contains_key(&tag_key(tenant, tag)) {
                 return Err((ErrorCode::TagInUse, format!("tag {tag:?} is in use")));
             }
         }
         let name = req.user.as_deref().unwrap_or("user");
-        let user = self
-            .users
-            .lookup(self.fs.root(), name)
-            .ok_or_else(|| (ErrorCode::UnknownUser, format!("unknown user {name:?}")))?;
-        let cwd = files::normalize(req.cwd.as_deref().unwrap_or("/workspace"), &user.home)
-            .map_err(|e| (e.code, e.message))?;
-        let env = env::build(&self.cfg.env, &user, req.pty.is_some(), &req.env)
-            .map_err(|m| (ErrorCode::InvalidRequest, m))?;
+        let tenant_of = tenant.and_then(|t| self.tenants.get(t));
+        let user = match tenant_of {
+            Some(t) if name == "user" => t.user(),
+            Some(_) => {
+                return Err((
+                    ErrorCode::Unsupported,
+                    format!("user {name:?}: a process sandbox runs only as \"user\" (no root)"),
+                ))
+            }
+            None => self
+                .users
+                .lookup(self.fs.root(), name)
+                .ok_or_else(|| (ErrorCode::UnknownUser, format!("unknown user {name:?}")))?,
+        };
+        let default_cwd = if tenant_of.is_some() { user.home.as_str() } else { "/workspace" };
+        let cwd =
+            files::normalize(req.cwd.as_deref().unwrap_or(default_cwd), &user.home).map_err(|e| (e.code, e.message))?;
+        let cwd = if tenant_of.is_some() { tenants::workspace_is_home(cwd, &user.home) } else { cwd };
+        let env = match tenant_of {
+            Some(t) => {
+                let mut base = self.cfg.env.clone();
+                base.extend(t.env.iter().cloned());
+                base.push(("TMPDIR".into(), t.tmp()));
+                env::build(&base, &user, req.pty.is_some(), &req.env)
+            }
+            None => env::build(&self.cfg.env, &user, req.pty.is_some(), &req.env),
+        }
+        .map_err(|m| (ErrorCode::InvalidRequest, m))?;
         let argv: Vec<String> = match &req.cmd {
             Cmd::Argv(v) if v.is_empty() => return Err((ErrorCode::InvalidRequest, "empty argv".into())),
             Cmd::Argv(v) => v.clone(),
@@ -674,8 +809,15 @@ impl Agent {
         sys::set_nonblocking_fresh(status_r.as_fd()).map_err(|e| io("pipe", e))?;
 
         let devnull = self.devnull()?;
-        let work_fds: Vec<i32> = self.work_cgroups.iter().map(|f| f.as_raw_fd()).collect();
-        let oom_at_start = oom_kills(self.oom_events.as_ref());
+        let tenant_of = tenant.and_then(|t| self.tenants.get(t));
+        let work_fds: Vec<i32> = match tenant_of {
+            Some(t) => t.cgroups.iter().map(|f| f.as_raw_fd()).collect(),
+            None => self.work_cgroups.iter().map(|f| f.as_raw_fd()).collect(),
+        };
+        let oom_at_start = oom_kills(match tenant_of {
+            Some(t) => t.oom_events.as_ref(),
+            None => self.oom_events.as_ref(),
+        });
         let (stdin_fd, stdout_fd, stderr_fd) = match (&slave, &out_w, &err) {
             (Some(s), _, _) => (s.as_raw_fd(), s.as_raw_fd(), s.as_raw_fd()),
             (None, Some(o), Some((_, e))) => {
@@ -702,6 +844,7 @@ impl Agent {
             reset_oom: self.reset_oom,
             filter: &self.cfg.filter,
             work_cgroups: &work_fds,
+            tenant: tenant_of.map(|t| child::TenantLimits { landlock: t.ruleset.as_raw_fd(), rlimits: &t.rlimits }),
         };
         // SAFETY: the agent is single threaded.
         let sup = match unsafe { sys::fork() } {
@@ -757,13 +900,14 @@ impl Agent {
             exited: None,
             descendants_alive: false,
             finished: false,
+            tenant,
         };
         sync_proc(&self.epoll, &self.out, serial, &mut p);
         if let Some(at) = timeout_at {
             self.timers.insert((at, serial, TimerKind::Timeout));
         }
         if let Some(tag) = req.tag {
-            self.tags.insert(tag, serial);
+            self.tags.insert(tag_key(tenant, &tag), serial);
         }
         self.by_pid.insert(pid, serial);
         self.by_sup.insert(sup, serial);
@@ -803,7 +947,10 @@ impl Agent {
     fn attach(&mut self, conn: u64, id: u64, target: Target) {
         let serial = match &target {
             Target::Pid(pid) => self.by_pid.get(pid),
-            Target::Tag(tag) => self.tags.get(tag),
+            Target::Tag(tag) => {
+                let tenant = self.out.conns.get(&conn).and_then(|c| c.tenant);
+                self.tags.get(&tag_key(tenant, tag))
+            }
         };
         let Some(p) = serial.and_then(|s| self.procs.get_mut(s)) else {
             let reply = error(ErrorCode::UnknownProcess, format!("no process {target:?}"));
@@ -937,8 +1084,9 @@ impl Agent {
 
     /// Commands holding a slot, sorted by pid; cut to fit one frame header
     /// (first without their environments, then fewer of them).
-    fn list(&self) -> Reply {
-        let mut processes: Vec<ProcessInfo> = self.procs.values().map(|p| p.info.clone()).collect();
+    fn list(&self, tenant: Option<u64>) -> Reply {
+        let mut processes: Vec<ProcessInfo> =
+            self.procs.values().filter(|p| p.tenant == tenant).map(|p| p.info.clone()).collect();
         processes.sort_by_key(|p| p.pid);
         let budget = proto::MAX_HEADER - 256;
         let size = |ps: &[ProcessInfo]| serde_json::to_vec(ps).map_or(usize::MAX, |v| v.len());
@@ -1078,7 +1226,7 @@ impl Agent {
             self.timers.remove(&(at, serial, TimerKind::Timeout));
         }
         if let Some(tag) = &p.info.tag {
-            self.tags.remove(tag);
+            self.tags.remove(&tag_key(p.tenant, tag));
         }
         self.by_pid.remove(&p.info.pid);
         if self.by_sup.get(&p.sup) == Some(&serial) {
@@ -1145,14 +1293,27 @@ impl Agent {
             _ => return Err(FsError::new(ErrorCode::InvalidRequest, "not a file operation")),
         };
         let name = user.unwrap_or("user");
-        let user = self
-            .users
-            .lookup(self.fs.root(), name)
-            .ok_or_else(|| FsError::new(ErrorCode::UnknownUser, format!("unknown user {name:?}")))?;
+        let tenant = self.out.conns.get(&conn).and_then(|c| c.tenant).and_then(|t| self.tenants.get(t));
+        let user = match tenant {
+            Some(t) if name == "user" => t.user(),
+            Some(_) => {
+                return Err(FsError::new(
+                    ErrorCode::Unsupported,
+                    format!("user {name:?}: a process sandbox runs only as \"user\" (no root)"),
+                ))
+            }
+            None => self
+                .users
+                .lookup(self.fs.root(), name)
+                .ok_or_else(|| FsError::new(ErrorCode::UnknownUser, format!("unknown user {name:?}")))?,
+        };
         let base = user.home.as_str();
         let _creds = FsCreds::switch(user.uid, user.gid);
         let fs = &self.fs;
-        let norm = |p: &str| files::normalize(p, base);
+        let in_tenant = tenant.is_some();
+        let norm = |p: &str| {
+            files::normalize(p, base).map(|p| if in_tenant { tenants::workspace_is_home(p, base) } else { p })
+        };
         let none = Vec::new;
         Ok(match req {
             Request::ReadFile { path, offset, len, .. } => fs.read_file(&norm(&path)?, offset, len)?,
@@ -1257,6 +1418,14 @@ fn killed_by_sigkill(status: &ExitStatus) -> bool {
 }
 
 /// The workload cgroup's OOM kills so far, from its counter file.
+/// The key of a command's tag: tenants' tags live apart from each other's.
+fn tag_key(tenant: Option<u64>, tag: &str) -> String {
+    match tenant {
+        Some(t) => format!("{t}\0{tag}"),
+        None => tag.to_owned(),
+    }
+}
+
 fn oom_kills(file: Option<&OwnedFd>) -> Option<u64> {
     let mut buf = [0u8; 512];
     let n = sys::pread(file?.as_fd(), &mut buf, 0).ok()?;

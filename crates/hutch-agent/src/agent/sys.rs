@@ -980,3 +980,150 @@ pub fn inotify_rm_watch(fd: BorrowedFd<'_>, wd: i32) {
     // SAFETY: no pointers; an unknown wd yields EINVAL, which is ignored.
     unsafe { libc::inotify_rm_watch(fd.as_raw_fd(), wd) };
 }
+
+// ---------------------------------------------------------------------------
+// Descriptor passing, resource limits, Landlock (the process class)
+
+/// Reads like [`read_append`], and takes the descriptors (`SCM_RIGHTS`)
+/// that came with the bytes into `fds`, close-on-exec.
+pub fn recv_append(fd: BorrowedFd<'_>, buf: &mut Vec<u8>, max: usize, fds: &mut Vec<OwnedFd>) -> SysResult<usize> {
+    const MAX_FDS: usize = 16;
+    buf.reserve(max);
+    let spare = buf.spare_capacity_mut();
+    let mut iov = libc::iovec { iov_base: spare.as_mut_ptr().cast(), iov_len: max };
+    // u64s keep the control buffer aligned for cmsghdr.
+    let mut control = [0u64; (MAX_FDS * 4 + 64) / 8];
+    // SAFETY: a zeroed msghdr is valid; the pointers set below outlive the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&control) as _;
+    // SAFETY: msg points at valid buffers of the lengths it states.
+    let n = cvt_size(unsafe { libc::recvmsg(fd.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) })?;
+    // SAFETY: the first n bytes of the spare capacity were just written.
+    unsafe { buf.set_len(buf.len() + n) };
+    // SAFETY: walking the control messages the kernel wrote into `control`.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg) as *const RawFd;
+                let count = ((*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                for i in 0..count {
+                    fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    Ok(n)
+}
+
+/// Sets a resource limit, soft and hard; allocates nothing.
+pub fn set_rlimit(resource: i32, value: u64) -> SysResult<()> {
+    let lim = libc::rlimit { rlim_cur: value, rlim_max: value };
+    // SAFETY: lim is a valid rlimit.
+    cvt(unsafe { libc::setrlimit(resource as _, &lim) }).map(|_| ())
+}
+
+pub fn chown_path(path: &CStr, uid: libc::uid_t, gid: libc::gid_t) -> SysResult<()> {
+    // SAFETY: path is a valid C string.
+    cvt(unsafe { libc::lchown(path.as_ptr(), uid, gid) }).map(|_| ())
+}
+
+pub fn chmod_path(path: &CStr, mode: libc::mode_t) -> SysResult<()> {
+    // SAFETY: path is a valid C string.
+    cvt(unsafe { libc::chmod(path.as_ptr(), mode) }).map(|_| ())
+}
+
+pub fn mkdir_path(path: &CStr, mode: libc::mode_t) -> SysResult<()> {
+    // SAFETY: path is a valid C string.
+    cvt(unsafe { libc::mkdir(path.as_ptr(), mode) }).map(|_| ())
+}
+
+/// Landlock's ABI version on this kernel; 0 (or an error) when disabled.
+pub fn landlock_abi() -> SysResult<i64> {
+    const VERSION: libc::c_uint = 1;
+    // SAFETY: the version query takes no ruleset attributes.
+    cvt_long(unsafe { libc::syscall(libc::SYS_landlock_create_ruleset, std::ptr::null::<u8>(), 0usize, VERSION) })
+}
+
+#[repr(C)]
+struct RulesetAttr {
+    handled_access_fs: u64,
+    handled_access_net: u64,
+    scoped: u64,
+}
+
+#[repr(C, packed)]
+struct PathBeneathAttr {
+    allowed_access: u64,
+    parent_fd: i32,
+}
+
+/// Landlock file system rights (`LANDLOCK_ACCESS_FS_*`).
+pub mod ll {
+    pub const EXECUTE: u64 = 1;
+    pub const WRITE_FILE: u64 = 1 << 1;
+    pub const READ_FILE: u64 = 1 << 2;
+    pub const READ_DIR: u64 = 1 << 3;
+    pub const TRUNCATE: u64 = 1 << 14;
+    pub const IOCTL_DEV: u64 = 1 << 15;
+    /// What reading and running programs take.
+    pub const READ: u64 = EXECUTE | READ_FILE | READ_DIR;
+
+    /// Every file system right Landlock ABI `abi` knows: bits 0-12 (ABI 1),
+    /// REFER (2), TRUNCATE (3), IOCTL_DEV (5).
+    pub fn handled(abi: i64) -> u64 {
+        let mut all: u64 = (1 << 13) - 1;
+        if abi >= 2 {
+            all |= 1 << 13;
+        }
+        if abi >= 3 {
+            all |= TRUNCATE;
+        }
+        if abi >= 5 {
+            all |= IOCTL_DEV;
+        }
+        all
+    }
+}
+
+/// Makes a Landlock ruleset that handles every file system right of `abi`
+/// (and, from ABI 6, scopes signals and abstract unix sockets to the
+/// domain: a process cannot signal, or connect to an abstract socket of,
+/// a process outside its domain) and allows each `(dir, rights)` beneath
+/// `dir` (rights outside what `abi` handles are dropped).
+pub fn landlock_ruleset(abi: i64, rules: &[(BorrowedFd<'_>, u64)]) -> SysResult<OwnedFd> {
+    const RULE_PATH_BENEATH: libc::c_int = 1;
+    let all = ll::handled(abi);
+    let attr = RulesetAttr { handled_access_fs: all, handled_access_net: 0, scoped: if abi >= 6 { 0b11 } else { 0 } };
+    let size = if abi >= 6 { std::mem::size_of::<RulesetAttr>() } else { 8 };
+    // SAFETY: attr is a valid ruleset attribute of `size` bytes.
+    let fd =
+        cvt_long(unsafe { libc::syscall(libc::SYS_landlock_create_ruleset, &attr as *const RulesetAttr, size, 0) })?;
+    // SAFETY: the kernel just returned this descriptor, owned by nobody else.
+    let ruleset = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+    for (dir, access) in rules {
+        let rule = PathBeneathAttr { allowed_access: access & all, parent_fd: dir.as_raw_fd() };
+        // SAFETY: rule is a valid path-beneath attribute.
+        cvt_long(unsafe {
+            libc::syscall(
+                libc::SYS_landlock_add_rule,
+                ruleset.as_raw_fd(),
+                RULE_PATH_BENEATH,
+                &rule as *const PathBeneathAttr,
+                0,
+            )
+        })?;
+    }
+    Ok(ruleset)
+}
+
+/// Restricts the calling thread by a ruleset (needs no_new_privs);
+/// allocates nothing.
+pub fn landlock_restrict_self(ruleset: RawFd) -> SysResult<()> {
+    // SAFETY: no pointers.
+    cvt_long(unsafe { libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0) }).map(|_| ())
+}

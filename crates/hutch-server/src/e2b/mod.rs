@@ -242,6 +242,7 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         ErrorCode::Conflict => ("aborted", StatusCode::CONFLICT),
         ErrorCode::SnapshotNameTaken
         | ErrorCode::SnapshotUnsupported
+        | ErrorCode::ClassUnsupported
         | ErrorCode::SnapshotNotExportable
         | ErrorCode::VolumeInUse => ("failed_precondition", StatusCode::CONFLICT),
         ErrorCode::StorageFull => ("resource_exhausted", StatusCode::INSUFFICIENT_STORAGE),

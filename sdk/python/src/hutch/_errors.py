@@ -69,7 +69,8 @@ class ConflictError(HutchError):
     """The thing changed or is taken (`conflict`, `template_name_taken`,
     `snapshot_name_taken`, `volume_name_taken`, `volume_in_use`), or cannot be done to it as it is
     (`snapshot_unsupported`: a memory layer has no snapshot, fork or pause to
-    disk; `snapshot_not_exportable`: a snapshot of a sandbox on `base`, or
+    disk; `class_unsupported`: what a `process` sandbox cannot do;
+    `snapshot_not_exportable`: a snapshot of a sandbox on `base`, or
     whose image left the store, is no image archive)."""
 
 
@@ -158,6 +159,7 @@ CODE_CLASSES: Dict[str, Type[HutchError]] = {
     "template_name_taken": ConflictError,
     "snapshot_name_taken": ConflictError,
     "snapshot_unsupported": ConflictError,
+    "class_unsupported": ConflictError,
     "snapshot_not_exportable": ConflictError,
     "volume_name_taken": ConflictError,
     "secret_name_taken": ConflictError,

@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Isolation classes side by side, in one run of one release daemon:
+`container` and `process` (a template of each, same limits).
+
+For each class prints:
+  - create -> first exec (`true`) -> delete, 200 sequential rounds:
+    median / p95 of create, of create -> first exec, and of delete
+    (client-side, keep-alive http.client: the HTTP floor, GET /healthz,
+    is printed too, so the server's share can be read off);
+  - 1,000 sandboxes created, each running `true`, and deleted, by 8 client
+    threads: the wall time.
+
+Goals (issue 14): process class create -> first exec <= 1 ms server-side,
+and 1,000 in <= 1 s. Run as root:
+    cargo build --release && python3 bench/class_bench.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from api_bench import RELEASE, TIMEOUT, Daemon, check, ms, pct  # noqa: E402
+
+
+def round_trip(s, base: str, body: str) -> tuple[float, float, float]:
+    t0 = time.perf_counter()
+    sb = check(s.post(base + "/v1/sandboxes", data=body, timeout=TIMEOUT), 201)
+    t1 = time.perf_counter()
+    res = check(s.post(f"{base}/v1/sandboxes/{sb['id']}/exec", data='{"argv":["true"]}', timeout=TIMEOUT), 200)
+    t2 = time.perf_counter()
+    if res["exit_code"] != 0:
+        raise RuntimeError(f"`true` exited {res['exit_code']}: {res}")
+    check(s.delete(f"{base}/v1/sandboxes/{sb['id']}", timeout=TIMEOUT), 200)
+    return t1 - t0, t2 - t0, time.perf_counter() - t2
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--binary", type=Path, default=RELEASE)
+    ap.add_argument("--sequential", type=int, default=200)
+    ap.add_argument("--fanout", type=int, default=1000)
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--classes", default="container,process")
+    args = ap.parse_args()
+    d = Daemon(args.binary)
+    try:
+        s = d.session()
+        health = []
+        for _ in range(200):
+            t = time.perf_counter()
+            s.get(d.base + "/healthz", timeout=TIMEOUT).raise_for_status()
+            health.append(time.perf_counter() - t)
+        print(f"hutch serve {args.binary}; HTTP floor (GET /healthz) median {ms(statistics.median(health))} ms")
+        results = {}
+        for cls in args.classes.split(","):
+            tpl = check(s.post(d.base + "/v1/templates", data=json.dumps(
+                {"name": f"bench-{cls}", "class": cls, "memory_mb": 256, "limits": {"pids": 64}}), timeout=TIMEOUT), 201)
+            body = json.dumps({"template": tpl["name"], "ttl_seconds": 600})
+            # Warm-up (the process class's host container is made here).
+            keep = check(s.post(d.base + "/v1/sandboxes", data=body, timeout=TIMEOUT), 201)
+            for _ in range(5):
+                round_trip(s, d.base, body)
+            rounds = [round_trip(s, d.base, body) for _ in range(args.sequential)]
+            print(f"\n{cls}: {len(rounds)} sequential rounds")
+            print(f"  {'ms':24} {'median':>8} {'p95':>8}")
+            for i, name in enumerate(("create", "create -> first exec", "delete")):
+                xs = [r[i] for r in rounds]
+                print(f"  {name:24} {ms(statistics.median(xs))} {ms(pct(xs, 95))}")
+            local = threading.local()
+
+            def one(_):
+                if not hasattr(local, "s"):
+                    local.s = d.session()
+                return round_trip(local.s, d.base, body)
+
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(args.threads) as pool:
+                fan = list(pool.map(one, range(args.fanout)))
+            wall = time.perf_counter() - t0
+            print(f"  {args.fanout} created + `true` + deleted, {args.threads} clients: {wall:.2f} s "
+                  f"({args.fanout / wall:.0f}/s); create -> first exec median {ms(statistics.median([r[1] for r in fan]))} ms")
+            results[cls] = (statistics.median([r[1] for r in rounds]), wall)
+            check(s.delete(f"{d.base}/v1/sandboxes/{keep['id']}", timeout=TIMEOUT), 200)
+            s.delete(f"{d.base}/v1/templates/{tpl['id']}", timeout=TIMEOUT)
+        if "process" in results:
+            first, wall = results["process"]
+            print("\ngoals (process class)")
+            print(f"  create -> first exec median (client) {first * 1000:7.2f} ms   goal 1 ms server-side")
+            print(f"  {args.fanout} with {args.threads} clients          {wall:7.2f} s    goal 1 s")
+        return 0
+    finally:
+        d.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

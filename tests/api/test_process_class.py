@@ -1,0 +1,117 @@
+"""The `process` isolation class over the API: a template with
+`"class": "process"` makes sandboxes that are tenants of one shared host
+container (a uid, a home, a cgroup and a Landlock domain each). Commands,
+files, env and delete work as for containers; two sandboxes cannot read,
+write, see or signal each other; each is held to its own limits; what the
+class cannot do is refused with `class_unsupported`."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+
+from conftest import Client, expect_error, expect_status
+
+
+@contextlib.contextmanager
+def process_template(api: Client, name: str, **extra):
+    body = {"name": name, "class": "process", "memory_mb": 128, "limits": {"pids": 32}, **extra}
+    r = api.post("/v1/templates", body)
+    expect_status(r, 201)
+    t = r.json()
+    try:
+        yield t
+    finally:
+        expect_status(api.delete(f"/v1/templates/{t['id']}"), (204, 404))
+
+
+@contextlib.contextmanager
+def sandboxes(api: Client, template: str, n: int, **body):
+    made: list[dict] = []
+    try:
+        for _ in range(n):
+            made.append(api.create(template=template, **body))
+        yield made
+    finally:
+        for sb in made:
+            expect_status(api.delete(f"/v1/sandboxes/{sb['id']}"), (200, 404))
+
+
+def write(api: Client, sid: str, path: str, data: bytes):
+    return api.post(f"/v1/sandboxes/{sid}/files/write", {"path": path, "data": base64.b64encode(data).decode()})
+
+
+def read(api: Client, sid: str, path: str):
+    return api.post(f"/v1/sandboxes/{sid}/files/read", {"path": path})
+
+
+def test_create_exec_files_env_delete(api: Client):
+    with process_template(api, "proc-basic", env={"FROM_TEMPLATE": "t"}) as t:
+        with sandboxes(api, t["name"], 1, env={"FROM_REQUEST": "r"}) as [sb]:
+            sid = sb["id"]
+            assert api.sandbox(sid)["class"] == "process"
+            out = api.sh(sid, "id -u; pwd; echo $HOME $FROM_TEMPLATE $FROM_REQUEST")
+            uid, cwd, env = out.splitlines()
+            assert int(uid) >= 10000, out
+            assert cwd == f"/home/{sid}", out
+            assert env == f"/home/{sid} t r", out
+            expect_status(write(api, sid, "notes.txt", b"hello"), (200, 204))
+            assert api.sh(sid, "cat ~/notes.txt") == "hello"
+            r = read(api, sid, f"/home/{sid}/notes.txt")
+            expect_status(r, 200)
+            # Exit codes, stderr and a background command, as for containers.
+            res = api.exec(sid, "echo err >&2; exit 3")
+            assert res["exit_code"] == 3 and res["stderr"] == "err\n", res
+            pid = api.background(sid, "sleep 60")
+            assert pid in [p["pid"] for p in api.processes(sid)]
+        # Deleted: its home is gone from the host container.
+        with sandboxes(api, t["name"], 1) as [other]:
+            out = api.exec(other["id"], f"test -e /home/{sid} && echo left || echo gone")
+            assert out["stdout"] == "gone\n", out
+
+
+def test_two_sandboxes_cannot_reach_each_other(api: Client):
+    with process_template(api, "proc-pair") as t, sandboxes(api, t["name"], 2) as [a, b]:
+        ida, idb = a["id"], b["id"]
+        api.sh(ida, "echo secret > ~/s; echo t > $TMPDIR/t")
+        pid = api.background(ida, "sleep 300")
+        # Neither its home nor its /tmp, through commands or the files API.
+        for cmd in (f"cat /home/{ida}/s", f"ls /home/{ida}", f"touch /home/{ida}/x", f"cat /tmp/{ida}/t",
+                    "touch /tmp/x", "touch /dev/shm/x", "touch /etc/x"):
+            res = api.exec(idb, cmd)
+            assert res["exit_code"] != 0, (cmd, res)
+        r = read(api, idb, f"/home/{ida}/s")
+        assert r.status_code >= 400, r.text
+        r = write(api, idb, f"/home/{ida}/planted", b"x")
+        assert r.status_code >= 400, r.text
+        # Not its processes: invisible in /proc, kill answers EPERM, not listed.
+        out = api.exec(idb, f"test -e /proc/{pid} && echo visible; kill -9 {pid}; echo rc=$?")
+        assert "visible" not in out["stdout"] and "rc=1" in out["stdout"], out
+        assert pid not in [p["pid"] for p in api.processes(idb)]
+        expect_status(api.post(f"/v1/sandboxes/{idb}/processes/{pid}/signal", {"signal": "SIGKILL"}), 404)
+        assert pid in [p["pid"] for p in api.processes(ida)]
+
+
+def test_each_is_held_to_its_own_limits(api: Client):
+    with process_template(api, "proc-limits") as t, sandboxes(api, t["name"], 2) as [a, b]:
+        # A fork bomb meets its own pids limit (32): the other runs on.
+        out = api.exec(a["id"], "for i in $(seq 64); do sleep 5 & done 2>&1; echo done", timeout_seconds=30)
+        assert "Resource temporarily unavailable" in out["stdout"], out
+        assert api.sh(b["id"], "for i in $(seq 16); do true & done; wait; echo ok") == "ok\n"
+        # Memory past its limit (128 MiB) is an OOM kill of its own.
+        res = api.exec(a["id"], "head -c 300m /dev/zero | tail > /dev/null", timeout_seconds=30)
+        assert res["exit_code"] != 0, res
+        assert api.sh(b["id"], "echo fine") == "fine\n"
+
+
+def test_what_the_class_cannot_do_is_refused(api: Client):
+    with process_template(api, "proc-refuse") as t:
+        with sandboxes(api, t["name"], 1) as [sb]:
+            sid = sb["id"]
+            expect_error(api.exec_raw(sid, {"command": "id -u", "user": "root"}), 409, "class_unsupported")
+            r = api.post(f"/v1/sandboxes/{sid}/snapshots", {"name": "s"})
+            assert r.status_code == 409, r.text
+        r = api.post("/v1/sandboxes", {"template": t["name"], "network": {"egress": "deny_all"}})
+        expect_error(r, 409, "class_unsupported")
+        r = api.post("/v1/sandboxes", {"template": t["name"], "volumes": [{"name": "v", "path": "/data"}]})
+        assert r.status_code in (404, 409), r.text
