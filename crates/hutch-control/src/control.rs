@@ -137,6 +137,8 @@ pub struct Config {
     /// that name secrets; None: no egress proxy runs, and a sandbox that
     /// names a secret is refused.
     pub egress_bundle: Option<std::path::PathBuf>,
+    /// This daemon's node: its name, address and heartbeat.
+    pub node: crate::nodes::NodeConfig,
 }
 
 impl Config {
@@ -151,6 +153,7 @@ impl Config {
             metrics_token: None,
             events: crate::events::Settings::default(),
             egress_bundle: None,
+            node: crate::nodes::NodeConfig::local(),
         }
     }
 }
@@ -201,6 +204,8 @@ pub struct Control {
     /// The CA bundle (the host's roots and the egress proxy's CA) bound
     /// into sandboxes that name secrets; None: no egress proxy runs.
     pub(crate) egress_bundle: Option<std::path::PathBuf>,
+    /// This daemon's node: it acts only on sandboxes of this node.
+    pub(crate) node: crate::nodes::NodeConfig,
 }
 
 /// The stable digest of a request body, for idempotency checks.
@@ -270,6 +275,7 @@ pub(crate) fn view(r: &SandboxRecord) -> Sandbox {
         on_idle: None,
         idle_since: None,
         volumes: Vec::new(),
+        node: r.node.clone(),
     }
 }
 
@@ -330,6 +336,7 @@ impl Control {
             net_updates: Arc::new(Mutex::new(())),
             secret_keys: crate::secrets::SecretKeys::default(),
             egress_bundle: config.egress_bundle,
+            node: config.node,
             history: Arc::new(crate::history::History::default()),
             audit: crate::audit::Auditor::default(),
             events: crate::events::Events::new(config.events),
@@ -511,6 +518,7 @@ impl Control {
             }
         }
         let r = self.record(caller, id, Need::Use).await?;
+        self.on_this_node(&r)?;
         match r.state {
             // Running in the store but not (yet) in memory: its boot is
             // finishing.
