@@ -36,6 +36,8 @@ enum Command {
     Template(Box<cli::template::TemplateArgs>),
     /// Manage API keys in the daemon's database (on its host, no HTTP).
     Key(cli::keys::KeyArgs),
+    /// List the nodes (daemons) sharing a daemon's database (admin keys).
+    Node(cli::node::NodeArgs),
     /// Import, pull, list and remove images through the API; build Debian images on the host.
     Image(cli::image::ImageArgs),
     /// An MCP server on stdin/stdout, for MCP clients: a bridge to a
@@ -76,6 +78,7 @@ fn main() {
         Command::Volume(args) => cli::volume::main(args),
         Command::Template(args) => cli::template::main(*args),
         Command::Key(args) => cli::keys::main(args),
+        Command::Node(args) => cli::node::main(args),
         Command::Image(args) => cli::image::main(args),
         Command::Mcp(args) => cli::mcp::main(args),
         Command::Doctor { json, state_dir } => doctor(json, state_dir),
