@@ -21,7 +21,7 @@ enum Command {
     /// Run one command in a fresh sandbox, without a daemon.
     Run(run::RunArgs),
     /// Run the daemon: the HTTP API on --listen, state in --state-dir.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Create, list and manage sandboxes of a running daemon.
     Sandbox(cli::sandbox::SandboxArgs),
     /// Run a command in a sandbox of a running daemon.
@@ -70,7 +70,7 @@ fn main() {
     }
     let code = match cli.command {
         Command::Run(args) => run::main(args),
-        Command::Serve(args) => serve::main(args),
+        Command::Serve(args) => serve::main(*args),
         Command::Sandbox(args) => cli::sandbox::main(args),
         Command::Exec(args) => cli::exec::main(args),
         Command::Files(args) => cli::files::main(args),
