@@ -540,7 +540,8 @@ impl Resource {
 }
 
 /// Caps a new sandbox must fit under, checked in the insert's transaction:
-/// the owner's quotas and what the host may hold.
+/// the owner's quotas (over every node's sandboxes) and what the host may
+/// hold (over the sandboxes of the new one's node).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Admission {
     pub owner: Quotas,

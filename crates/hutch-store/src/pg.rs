@@ -602,13 +602,20 @@ fn get_sandbox_in(c: &mut impl GenericClient, id: &str) -> Result<Option<Sandbox
 
 /// What sandboxes hold, volumes' sizes counted in `disk_mib`.
 fn usage_in(c: &mut impl GenericClient, owner: Option<&str>) -> Result<Usage> {
+    usage_of(c, owner, None)
+}
+
+/// What the sandboxes of `owner` (None: everyone's) on `node` (None: every
+/// node) hold, with the owner's volumes.
+fn usage_of(c: &mut impl GenericClient, owner: Option<&str>, node: Option<&str>) -> Result<Usage> {
     let r = c.query_one(
         &format!(
             "SELECT COUNT(*), COALESCE(SUM(memory_mb), 0)::BIGINT, (COALESCE(SUM(disk_mib), 0) \
              + (SELECT COALESCE(SUM(size_mib), 0) FROM volumes WHERE $1::TEXT IS NULL OR owner = $1))::BIGINT \
-             FROM sandboxes WHERE state IN {HOLDING} AND ($1::TEXT IS NULL OR owner = $1)"
+             FROM sandboxes WHERE state IN {HOLDING} AND ($1::TEXT IS NULL OR owner = $1) \
+             AND ($2::TEXT IS NULL OR node = $2)"
         ),
-        &[&owner],
+        &[&owner, &node],
     )?;
     Ok(Usage { sandboxes: uint(&r, 0)?, memory_mb: uint(&r, 1)?, disk_mib: uint(&r, 2)? })
 }
@@ -847,7 +854,8 @@ impl Store for PgStore {
             // the last holder of the lock inserted.
             t.execute("SELECT pg_advisory_xact_lock($1, 0)", &[&lock::ADMISSION])?;
             let asked = Usage { sandboxes: 1, memory_mb: s.memory_mb, disk_mib: s.disk_mib };
-            if let Some(e) = over(Scope::Host, &admission.host, usage_in(t, None)?, asked) {
+            // The host's caps count its own node's sandboxes.
+            if let Some(e) = over(Scope::Host, &admission.host, usage_of(t, None, Some(&s.node))?, asked) {
                 return Ok(Admitted::Refused(e));
             }
             if let Some(e) = over(Scope::Owner, &admission.owner, usage_in(t, Some(&s.owner))?, asked) {

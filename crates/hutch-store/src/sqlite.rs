@@ -359,13 +359,19 @@ fn get_sandbox_in(c: &Connection, id: &str) -> Result<Option<SandboxRecord>> {
 
 /// What sandboxes hold, volumes' sizes counted in `disk_mib`.
 fn usage_in(c: &Connection, owner: Option<&str>) -> Result<Usage> {
+    usage_of(c, owner, None)
+}
+
+/// What the sandboxes of `owner` (None: everyone's) on `node` (None: every
+/// node) hold, with the owner's volumes.
+fn usage_of(c: &Connection, owner: Option<&str>, node: Option<&str>) -> Result<Usage> {
     Ok(c.query_row(
         &format!(
             "SELECT COUNT(*), COALESCE(SUM(memory_mb), 0), COALESCE(SUM(disk_mib), 0) \
              + (SELECT COALESCE(SUM(size_mib), 0) FROM volumes WHERE ?1 IS NULL OR owner = ?1) FROM sandboxes \
-             WHERE state IN {HOLDING} AND (?1 IS NULL OR owner = ?1)"
+             WHERE state IN {HOLDING} AND (?1 IS NULL OR owner = ?1) AND (?2 IS NULL OR node = ?2)"
         ),
-        params![owner],
+        params![owner, node],
         |r| {
             Ok(Usage {
                 sandboxes: r.get::<_, i64>(0)? as u64,
@@ -693,7 +699,8 @@ impl Store for SqliteStore {
             // two creates cannot both fit under the last free unit.
             let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
             let asked = Usage { sandboxes: 1, memory_mb: s.memory_mb, disk_mib: s.disk_mib };
-            let host = usage_in(&tx, None)?;
+            // The host's caps count its own node's sandboxes.
+            let host = usage_of(&tx, None, Some(&s.node))?;
             if let Some(e) = over(Scope::Host, &admission.host, host, asked) {
                 return Ok(Admitted::Refused(e));
             }

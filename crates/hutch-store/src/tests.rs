@@ -934,7 +934,14 @@ fn a_node_sees_only_its_own_sandboxes_where_it_acts(s: &Backend) {
     assert_eq!(s.sandbox_idle_all(Some("a")).expect("idle").len(), 1);
     assert_eq!(s.sandbox_idle_all(None).expect("idle").len(), 2);
     assert_eq!(s.count_by_node().expect("count"), [("a".to_owned(), 1), ("b".to_owned(), 2)]);
-    assert_eq!(s.give_all_sandboxes_to("a").expect("give"), 2);
+    // A host's caps count its own node's sandboxes only (an owner's, all).
+    let host = Admission { host: Quotas { sandboxes: Some(1), ..Quotas::default() }, ..Admission::default() };
+    let c1 = SandboxRecord { node: "c".into(), ..sandbox("c1", 4) };
+    assert_eq!(s.insert_sandbox(&c1, &host).expect("insert"), Admitted::Inserted);
+    let c2 = SandboxRecord { node: "c".into(), ..sandbox("c2", 5) };
+    assert!(matches!(s.insert_sandbox(&c2, &host).expect("insert"), Admitted::Refused(_)));
+    s.transition("c1", &[SandboxState::Running], SandboxState::Terminated, &Changes::default()).expect("end");
+    assert_eq!(s.give_all_sandboxes_to("a").expect("give"), 3);
     assert_eq!(s.count_by_node().expect("count"), [("a".to_owned(), 3)]);
 }
 
