@@ -37,7 +37,8 @@ for pkg_cmd in python3:python3 procps:pgrep util-linux:unshare mount:mount coreu
     [ -n "$found" ] || need+=("$pkg")
 done
 # PostgreSQL (Debian 12: 15): the store's tests run on it as well as on
-# SQLite, in a throwaway cluster of their own (scripts/pg-scratch.sh).
+# SQLite, in a throwaway cluster of their own (scripts/pg-scratch.sh), and
+# tests/api/test_fleet.py runs two daemons on one database in another.
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 if [ ${#need[@]} -gt 0 ]; then
     apt-get update -qq

@@ -48,6 +48,9 @@ pub enum ErrorCode {
     /// The sandbox is not running (starting, suspended, terminating or
     /// terminated); the command was not sent.
     SandboxSessionNotRunning,
+    /// The sandbox lives on another node of the fleet (the message names
+    /// it); this node does not act on it. Ask that node.
+    SandboxOnOtherNode,
     /// All command slots of the sandbox are in use; nothing was started.
     SandboxCommandCapacity,
     /// The host cannot start another sandbox now.
@@ -208,6 +211,7 @@ impl ErrorCode {
             ErrorCode::IdempotencyConflict
             | ErrorCode::ExecutionOutcomeUnknown
             | ErrorCode::SandboxSessionNotRunning
+            | ErrorCode::SandboxOnOtherNode
             | ErrorCode::SandboxDiskFull
             | ErrorCode::SandboxPathConflict
             | ErrorCode::SandboxFilePartOutOfOrder
@@ -248,6 +252,7 @@ impl ErrorCode {
             ErrorCode::IdempotencyConflict => "idempotency_conflict",
             ErrorCode::ExecutionOutcomeUnknown => "execution_outcome_unknown",
             ErrorCode::SandboxSessionNotRunning => "sandbox_session_not_running",
+            ErrorCode::SandboxOnOtherNode => "sandbox_on_other_node",
             ErrorCode::SandboxCommandCapacity => "sandbox_command_capacity",
             ErrorCode::SandboxCapacityUnavailable => "sandbox_capacity_unavailable",
             ErrorCode::SandboxStartFailed => "sandbox_start_failed",
@@ -884,6 +889,44 @@ pub struct Sandbox {
     /// of a create and of `GET /v1/sandboxes/{id}`; absent when none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<VolumeMount>,
+    /// The node (`hutch serve --node`) it lives on.
+    #[serde(default)]
+    pub node: String,
+}
+
+/// A node of the fleet: one `hutch serve` sharing the database
+/// (`GET /v1/nodes`, admin only).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct Node {
+    pub name: String,
+    /// The URL it advertises for its API.
+    pub advertise: String,
+    /// `active`, `draining` or `lost`.
+    pub state: String,
+    /// RFC 3339, UTC.
+    pub started_at: String,
+    pub heartbeat_at: String,
+    /// Milliseconds since its last heartbeat, as the answering node sees it.
+    pub heartbeat_age_ms: u64,
+    pub capacity: NodeCapacity,
+    /// Its sandboxes that are not terminated (warm ones included).
+    pub sandboxes: u64,
+}
+
+/// What a node may hold.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct NodeCapacity {
+    pub memory_mib: u64,
+    pub disk_mib: u64,
+    pub sandboxes: u64,
+    /// The isolation classes it runs.
+    pub classes: Vec<String>,
+}
+
+/// `GET /v1/nodes`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct NodeList {
+    pub nodes: Vec<Node>,
 }
 
 /// A warm pool's bounds: the daemon keeps `min` sandboxes started and

@@ -277,7 +277,7 @@ impl Control {
 
     /// Makes a grant for one port of a running sandbox of `owner`.
     pub async fn create_access(&self, caller: &Caller, sid: &SandboxId, req: &CreateAccess) -> Result<NewGrant> {
-        let r = self.record(caller, sid, Need::Use).await?;
+        let r = self.record_here(caller, sid, Need::Use).await?;
         self.running(caller, sid).await?;
         let id = sid.as_str();
         let port = valid_port(u32::from(req.port))?;
@@ -326,7 +326,7 @@ impl Control {
 
     /// Revokes one grant; revoking it again (or after it expired) is a no-op.
     pub async fn revoke_access(&self, caller: &Caller, sid: &SandboxId, grant_id: &str) -> Result<()> {
-        self.record(caller, sid, Need::Manage).await?;
+        self.record_here(caller, sid, Need::Manage).await?;
         let id = sid.as_str();
         let inner = self.access.lock();
         if !inner.by_hash.values().any(|g| g.sandbox == id && g.id == grant_id) {
@@ -338,7 +338,7 @@ impl Control {
 
     /// Revokes every grant of a sandbox; returns how many were live.
     pub async fn revoke_all_access(&self, caller: &Caller, sid: &SandboxId) -> Result<usize> {
-        self.record(caller, sid, Need::Manage).await?;
+        self.record_here(caller, sid, Need::Manage).await?;
         Ok(revoke_where(&self.access.lock(), |g| g.sandbox == sid.as_str()))
     }
 

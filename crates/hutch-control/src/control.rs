@@ -137,6 +137,8 @@ pub struct Config {
     /// that name secrets; None: no egress proxy runs, and a sandbox that
     /// names a secret is refused.
     pub egress_bundle: Option<std::path::PathBuf>,
+    /// This daemon's node: its name, address and heartbeat.
+    pub node: crate::nodes::NodeConfig,
 }
 
 impl Config {
@@ -151,6 +153,7 @@ impl Config {
             metrics_token: None,
             events: crate::events::Settings::default(),
             egress_bundle: None,
+            node: crate::nodes::NodeConfig::local(),
         }
     }
 }
@@ -203,6 +206,8 @@ pub struct Control {
     pub(crate) egress_bundle: Option<std::path::PathBuf>,
     /// Host containers of the process class.
     pub(crate) hosts: crate::process::Hosts,
+    /// This daemon's node: it acts only on sandboxes of this node.
+    pub(crate) node: crate::nodes::NodeConfig,
 }
 
 /// The stable digest of a request body, for idempotency checks.
@@ -272,6 +277,7 @@ pub(crate) fn view(r: &SandboxRecord) -> Sandbox {
         on_idle: None,
         idle_since: None,
         volumes: Vec::new(),
+        node: r.node.clone(),
     }
 }
 
@@ -333,6 +339,7 @@ impl Control {
             secret_keys: crate::secrets::SecretKeys::default(),
             egress_bundle: config.egress_bundle,
             hosts: crate::process::Hosts::default(),
+            node: config.node,
             history: Arc::new(crate::history::History::default()),
             audit: crate::audit::Auditor::default(),
             events: crate::events::Events::new(config.events),
@@ -514,6 +521,7 @@ impl Control {
             }
         }
         let r = self.record(caller, id, Need::Use).await?;
+        self.on_this_node(&r)?;
         match r.state {
             // Running in the store but not (yet) in memory: its boot is
             // finishing.

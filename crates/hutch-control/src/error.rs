@@ -46,6 +46,8 @@ pub enum ControlError {
     NoProcess { sandbox: String, pid: u32 },
     #[error("sandbox {id} is {}, not running; the command was not sent", state.as_str())]
     NotRunning { id: String, state: SandboxState },
+    #[error("sandbox {id} lives on node {node:?}; this node acts only on its own sandboxes (ask node {node:?})")]
+    OtherNode { id: String, node: String },
     #[error("all {0} command slots of the sandbox are in use; nothing was started")]
     Capacity(usize),
     #[error("this Idempotency-Key was used with a different request")]
@@ -191,6 +193,7 @@ impl ControlError {
             ControlError::TemplateNameTaken(_) => ErrorCode::TemplateNameTaken,
             ControlError::NoImage(_) => ErrorCode::ImageNotFound,
             ControlError::NotRunning { .. } => ErrorCode::SandboxSessionNotRunning,
+            ControlError::OtherNode { .. } => ErrorCode::SandboxOnOtherNode,
             ControlError::Capacity(_) | ControlError::WatcherCapacity { .. } => ErrorCode::SandboxCommandCapacity,
             ControlError::IdempotencyConflict => ErrorCode::IdempotencyConflict,
             ControlError::OutcomeUnknown => ErrorCode::ExecutionOutcomeUnknown,

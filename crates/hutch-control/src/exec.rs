@@ -182,7 +182,7 @@ impl Control {
             None => self.running(caller, id).await?,
             Some(key) => {
                 // The sandbox must be the caller's (404) before a key is taken for it.
-                self.record(caller, id, Need::Use).await?;
+                self.record_here(caller, id, Need::Use).await?;
                 if let Some(replay) = self.journal_begin(id.as_str(), key, &hash).await? {
                     return replay;
                 }

@@ -397,7 +397,7 @@ impl Control {
         if !(1..=MAX_GRANT_SECONDS).contains(&req.ttl_seconds) {
             return Err(ControlError::Invalid(format!("ttl_seconds must be 1 to {MAX_GRANT_SECONDS}")));
         }
-        let r = self.record(caller, sid, crate::control::Need::Use).await?;
+        let r = self.record_here(caller, sid, crate::control::Need::Use).await?;
         if matches!(r.state, SandboxState::Terminating | SandboxState::Terminated) {
             return Err(ControlError::NotRunning { id: sid.to_string(), state: r.state });
         }

@@ -253,7 +253,7 @@ impl Control {
         from_s: Option<i64>,
         until_s: Option<i64>,
     ) -> crate::error::Result<Vec<Sample>> {
-        let r = self.record(caller, id, crate::control::Need::Manage).await?;
+        let r = self.record_here(caller, id, crate::control::Need::Manage).await?;
         let from = from_s.map_or(r.created_at, |s| s.saturating_mul(1000));
         // The end second is included whole.
         let until = until_s.map_or(now_ms(), |s| s.saturating_mul(1000).saturating_add(999));
@@ -272,7 +272,7 @@ impl Control {
         id: &SandboxId,
         q: &LogQuery,
     ) -> crate::error::Result<Vec<LogEntry>> {
-        self.record(caller, id, crate::control::Need::Manage).await?;
+        self.record_here(caller, id, crate::control::Need::Manage).await?;
         Ok(self.history.entries(id, q))
     }
 }

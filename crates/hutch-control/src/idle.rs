@@ -96,7 +96,8 @@ impl Control {
     /// past its idle timeout with no command running.
     pub(crate) async fn sweep_idle(self: &Arc<Self>) {
         if !self.idle.loaded.load(Ordering::SeqCst) {
-            match self.db(|s| s.sandbox_idle_all()).await {
+            let node = self.node.name.clone();
+            match self.db(move |s| s.sandbox_idle_all(Some(&node))).await {
                 Ok(rows) => {
                     let mut map = self.idle.lock();
                     for (id, t, o) in rows {

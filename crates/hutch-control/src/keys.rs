@@ -199,7 +199,9 @@ impl Control {
 
     /// Ends every sandbox of a revoked key (warm ones included).
     pub(crate) async fn end_sandboxes_of(self: &Arc<Self>, owner: &OwnerId) {
-        let rows = match self.db(|s| s.sandboxes_in(crate::lifecycle::HOLDING)).await {
+        // This node's: other nodes end theirs at their next tick.
+        let node = self.node.name.clone();
+        let rows = match self.db(move |s| s.sandboxes_on(Some(&node), crate::lifecycle::HOLDING)).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!("key {owner} revoked; its sandboxes end at the next tick: {e}");

@@ -30,6 +30,7 @@ pub mod keys;
 pub mod lifecycle;
 pub mod metrics;
 pub mod network;
+pub mod nodes;
 pub mod pool;
 pub mod process;
 pub mod pty;

@@ -174,7 +174,7 @@ impl crate::control::Control {
         req: &NetworkRequest,
         e2b: Option<E2bNetwork>,
     ) -> Result<hutch_api::Sandbox> {
-        let r = self.record(caller, id, crate::control::Need::Use).await?;
+        let r = self.record_here(caller, id, crate::control::Need::Use).await?;
         if r.state != hutch_api::SandboxState::Running {
             return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
         }
@@ -227,7 +227,7 @@ impl crate::control::Control {
             format!("network policy changed to {}", describe(&updated)),
             &[("egress", egress_name(updated.egress).to_owned())],
         );
-        let r = self.record(caller, id, crate::control::Need::Use).await?;
+        let r = self.record_here(caller, id, crate::control::Need::Use).await?;
         Ok(crate::control::view(&r))
     }
 }

@@ -65,6 +65,7 @@ impl Control {
         let (expires_at, max_expires_at) =
             (now + lifecycle.ttl.as_millis() as i64, now + recipe.max_ttl.as_millis() as i64);
         let lifecycle = *lifecycle;
+        let node = self.node.name.clone();
         let claimed = self
             .db(move |s| {
                 s.claim_warm(&hutch_store::Claim {
@@ -80,6 +81,7 @@ impl Control {
                     on_expire: lifecycle.on_expire,
                     ttl_s: lifecycle.ttl_s(),
                     paused_ttl_s: lifecycle.paused_ttl_s,
+                    node: &node,
                 })
             })
             .await?;
@@ -120,7 +122,8 @@ impl Control {
 
     /// Drains every warm sandbox of a template (after its delete).
     pub(crate) async fn drain_template(self: &Arc<Self>, template_id: &str) {
-        let pooled = match self.db(|s| s.pooled_sandboxes()).await {
+        let node = self.node.name.clone();
+        let pooled = match self.db(move |s| s.pooled_sandboxes(Some(&node))).await {
             Ok(p) => p,
             Err(e) => {
                 tracing::warn!("template {template_id}: cannot list its warm pool: {e}");
@@ -139,7 +142,9 @@ impl Control {
         let templates = self.db(|s| s.list_templates(None)).await?;
         let templates: Vec<_> = templates.into_iter().filter(|t| !revoked.contains(&t.owner)).collect();
         let by_id: HashMap<&str, &hutch_store::TemplateRecord> = templates.iter().map(|t| (t.id.as_str(), t)).collect();
-        let pooled = self.db(|s| s.pooled_sandboxes()).await?;
+        // This node's pools only: each node keeps its own.
+        let node = self.node.name.clone();
+        let pooled = self.db(move |s| s.pooled_sandboxes(Some(&node))).await?;
         // Per template: (ready, starting) of the current version.
         let mut counts: HashMap<&str, (u32, u32)> = HashMap::new();
         let mut total = 0usize;
@@ -268,6 +273,7 @@ impl Control {
             ttl_s: None,
             paused_ttl_s: None,
             class: recipe.class,
+            node: self.node.name.clone(),
         };
         // Warm sandboxes count toward their owner's quotas and the host's
         // capacity like any other.

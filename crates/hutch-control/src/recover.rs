@@ -28,7 +28,9 @@ impl Control {
         if lost > 0 {
             tracing::info!("{lost} commands were running when the daemon stopped; their outcome is unknown");
         }
-        for r in self.db(|s| s.sandboxes_in(HOLDING)).await? {
+        // Only this node's sandboxes: other nodes' live on other hosts.
+        let node = self.node.name.clone();
+        for r in self.db(move |s| s.sandboxes_on(Some(&node), HOLDING)).await? {
             let id = SandboxId::from_record(&r.id);
             let handle = self.runtime.adopt(&r.id);
             let (handle, alive) = tokio::task::spawn_blocking(move || {
@@ -71,7 +73,8 @@ impl Control {
         }
         // Paused sandboxes keep their layers; processes a daemon stopped
         // while pausing left behind end now.
-        for r in self.db(|s| s.sandboxes_in(&[SandboxState::Paused])).await? {
+        let node = self.node.name.clone();
+        for r in self.db(move |s| s.sandboxes_on(Some(&node), &[SandboxState::Paused])).await? {
             if let Err(e) = self.end_processes(&SandboxId::from_record(&r.id)).await {
                 tracing::warn!("paused sandbox {}: {e}", r.id);
             }
@@ -158,7 +161,8 @@ impl Control {
         let (mut unknown, mut first_unknown) = (0usize, None);
         let revoked = self.revoked_owners().await?;
         let states = [SandboxState::Running, SandboxState::Suspended, SandboxState::Terminating, SandboxState::Paused];
-        let rows = self.db(move |s| s.sandboxes_in(&states)).await?;
+        let node = self.node.name.clone();
+        let rows = self.db(move |s| s.sandboxes_on(Some(&node), &states)).await?;
         self.forget_notices(&rows.iter().map(|r| r.id.clone()).collect());
         for r in rows {
             let id = SandboxId::from_record(&r.id);

@@ -344,6 +344,7 @@ impl Control {
             ttl_s: lifecycle.ttl_s(),
             paused_ttl_s: lifecycle.paused_ttl_s,
             class: tpl.class,
+            node: self.node.name.clone(),
         };
         let rec = record.clone();
         for c in &mut claims {
@@ -703,7 +704,7 @@ impl Control {
 
     /// Deletes a sandbox; idempotent: a terminated one answers as it is.
     pub async fn delete(self: &Arc<Self>, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
-        let r = self.record(caller, id, Need::Manage).await?;
+        let r = self.record_here(caller, id, Need::Manage).await?;
         if r.state == SandboxState::Terminated {
             return Ok(view(&r));
         }
@@ -766,7 +767,7 @@ impl Control {
     /// refused, as a create is, unless `clamp` (E2B's timeout, which
     /// clamps).
     pub async fn extend(&self, caller: &Caller, id: &SandboxId, req: &Extend, clamp: bool) -> Result<Sandbox> {
-        let r = self.record(caller, id, Need::Manage).await?;
+        let r = self.record_here(caller, id, Need::Manage).await?;
         let live = [SandboxState::Starting, SandboxState::Running, SandboxState::Suspended, SandboxState::Paused];
         if !live.contains(&r.state) {
             return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
@@ -807,7 +808,7 @@ impl Control {
                 Ok(view(&r))
             }
             None => {
-                let r = self.record(caller, id, Need::Manage).await?;
+                let r = self.record_here(caller, id, Need::Manage).await?;
                 Err(ControlError::NotRunning { id: id.to_string(), state: r.state })
             }
         }
@@ -822,7 +823,7 @@ impl Control {
     ) -> Result<Sandbox> {
         match mode {
             hutch_api::SuspendMode::Memory => {
-                let r = self.record(caller, id, Need::Manage).await?;
+                let r = self.record_here(caller, id, Need::Manage).await?;
                 if r.state == SandboxState::Paused {
                     return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
                 }
@@ -880,7 +881,7 @@ impl Control {
     /// Resumes a frozen sandbox, or starts a paused one again on its files
     /// (a fresh agent, its template's startup command run again).
     pub async fn resume(self: &Arc<Self>, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
-        let r = self.record(caller, id, Need::Manage).await?;
+        let r = self.record_here(caller, id, Need::Manage).await?;
         if r.state == SandboxState::Paused {
             let on_expire = r.on_expire;
             let ttl_s = r.ttl_s;
@@ -898,7 +899,7 @@ impl Control {
     /// processes at start), then its processes end, its network lease is
     /// released, and its layer is written to disk. Its admission stays.
     async fn pause(self: &Arc<Self>, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
-        let r = self.record(caller, id, Need::Manage).await?;
+        let r = self.record_here(caller, id, Need::Manage).await?;
         if r.state == SandboxState::Paused {
             return Ok(view(&r));
         }
@@ -914,7 +915,7 @@ impl Control {
         self.pausing.lock().unwrap_or_else(|p| p.into_inner()).insert(id.to_string(), waiting);
         let ended = async {
             let Some(paused) = self.transition(id, Transition::Pause, Set::default()).await? else {
-                let r = self.record(caller, id, Need::Manage).await?;
+                let r = self.record_here(caller, id, Need::Manage).await?;
                 return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
             };
             self.access.revoke_sandbox(id.as_str());
@@ -985,7 +986,7 @@ impl Control {
     }
 
     async fn freeze(&self, caller: &Caller, id: &SandboxId, frozen: bool) -> Result<Sandbox> {
-        let r = self.record(caller, id, Need::Manage).await?;
+        let r = self.record_here(caller, id, Need::Manage).await?;
         let (t, to) = if frozen {
             (Transition::Suspend, SandboxState::Suspended)
         } else {
@@ -1030,7 +1031,7 @@ impl Control {
                 Ok(view(&r))
             }
             None => {
-                let r = self.record(caller, id, Need::Manage).await?;
+                let r = self.record_here(caller, id, Need::Manage).await?;
                 // A concurrent call made the same change (two requests
                 // resuming a sandbox by its port at once): done.
                 if r.state == to {

@@ -218,7 +218,7 @@ impl Control {
     /// The record of a sandbox whose files can be captured (snapshot, fork,
     /// diff): the caller's, running or suspended, on a disk layer.
     async fn capturable(&self, caller: &Caller, id: &SandboxId) -> Result<hutch_store::SandboxRecord> {
-        let r = self.record(caller, id, crate::control::Need::Use).await?;
+        let r = self.record_here(caller, id, crate::control::Need::Use).await?;
         if !matches!(r.state, SandboxState::Running | SandboxState::Suspended) {
             return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
         }

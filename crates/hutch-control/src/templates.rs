@@ -301,7 +301,7 @@ impl Control {
 
     /// The API view of a template, with its ready warm sandboxes counted.
     async fn template_view(&self, t: &TemplateRecord) -> Result<Template> {
-        let pooled = self.db(|s| s.pooled_sandboxes()).await?;
+        let pooled = self.db(|s| s.pooled_sandboxes(None)).await?;
         let ready = pooled
             .iter()
             .filter(|s| {

@@ -236,6 +236,7 @@ impl Control {
     /// whatever has no interval yet (made before metering) gets one now.
     pub(crate) async fn usage_reconcile(&self, at: i64) -> Result<()> {
         let now = now_ms();
+        let node = self.node.name.clone();
         self.db(move |s| {
             for (kind, subject) in s.usage_open_subjects()? {
                 match kind {
@@ -255,7 +256,7 @@ impl Control {
             }
             let alive: Vec<SandboxState> =
                 SandboxState::ALL.into_iter().filter(|s| *s != SandboxState::Terminated).collect();
-            for r in s.sandboxes_in(&alive)? {
+            for r in s.sandboxes_on(Some(&node), &alive)? {
                 // A state change no ledger write followed happened between
                 // the last flush and the crash: `at` is the best bound.
                 s.usage_mark(&r, at.max(r.created_at))?;

@@ -55,6 +55,7 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
         )
         .route("/v1/sandboxes/{id}/file-parts", post(file_part))
         .route("/v1/keys", get(list_keys).post(create_key))
+        .route("/v1/nodes", get(list_nodes))
         .route("/v1/keys/{id}", axum::routing::delete(revoke_key).patch(set_quotas))
         .route("/v1/keys/{id}/grant-secret/rotate", post(rotate_grant_secret))
         .route("/v1/sandboxes/{id}/grants", post(create_grant))
@@ -215,6 +216,15 @@ pub(crate) async fn list_keys(
     Extension(caller): Extension<Caller>,
 ) -> ApiResult<Json<ApiKeyList>> {
     Ok(Json(app.control.list_keys(&caller).await?))
+}
+
+#[utoipa::path(get, path = "/v1/nodes",
+    responses((status = 200, body = hutch_api::NodeList), (status = 403, body = hutch_api::ErrorBody)))]
+pub(crate) async fn list_nodes(
+    State(app): AppState,
+    Extension(caller): Extension<Caller>,
+) -> ApiResult<Json<hutch_api::NodeList>> {
+    Ok(Json(app.control.list_nodes(&caller).await?))
 }
 
 #[utoipa::path(post, path = "/v1/keys", request_body = CreateKey,

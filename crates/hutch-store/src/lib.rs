@@ -130,6 +130,50 @@ pub struct SandboxRecord {
     pub paused_ttl_s: Option<u64>,
     /// How it is isolated.
     pub class: Class,
+    /// The node (daemon) it lives on: the only one that acts on it.
+    pub node: String,
+}
+
+/// Where a node of the fleet is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeState {
+    Active,
+    /// Takes no new sandboxes.
+    Draining,
+    /// Declared gone (it stopped heartbeating).
+    Lost,
+}
+
+impl NodeState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeState::Active => "active",
+            NodeState::Draining => "draining",
+            NodeState::Lost => "lost",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<NodeState> {
+        [NodeState::Active, NodeState::Draining, NodeState::Lost].into_iter().find(|n| n.as_str() == s)
+    }
+}
+
+/// A node (one `hutch serve`) of the daemons sharing the database. Times
+/// are Unix milliseconds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeRecord {
+    pub name: String,
+    /// The URL other nodes and clients reach its API at.
+    pub advertise: String,
+    /// Its capacity: memory and disk (MiB) and sandboxes it may hold.
+    pub memory_mib: u64,
+    pub disk_mib: u64,
+    pub sandboxes: u64,
+    /// The isolation classes it can run.
+    pub classes: Vec<String>,
+    pub state: NodeState,
+    pub started_at: i64,
+    pub heartbeat_at: i64,
 }
 
 /// A snapshot as stored. Times are Unix milliseconds.
@@ -415,6 +459,8 @@ pub struct Claim<'a> {
     pub on_expire: OnExpire,
     pub ttl_s: Option<u64>,
     pub paused_ttl_s: Option<u64>,
+    /// Only a warm sandbox of this node (the claimer's).
+    pub node: &'a str,
 }
 
 /// Where an idempotent command is.
@@ -494,7 +540,8 @@ impl Resource {
 }
 
 /// Caps a new sandbox must fit under, checked in the insert's transaction:
-/// the owner's quotas and what the host may hold.
+/// the owner's quotas (over every node's sandboxes) and what the host may
+/// hold (over the sandboxes of the new one's node).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Admission {
     pub owner: Quotas,
@@ -543,8 +590,9 @@ pub trait Store: Send + Sync {
     fn revoke_key(&self, id: &str, at: i64) -> Result<bool>;
     /// Sets a sandbox's idle policy (`on_idle`: `pause` or `delete`).
     fn set_sandbox_idle(&self, id: &str, timeout_s: u64, on_idle: &str) -> Result<()>;
-    /// The idle policies of sandboxes that have not ended: (id, timeout, on_idle).
-    fn sandbox_idle_all(&self) -> Result<Vec<(String, u64, String)>>;
+    /// The idle policies of sandboxes that have not ended, of one node
+    /// (None: of every node): (id, timeout, on_idle).
+    fn sandbox_idle_all(&self, node: Option<&str>) -> Result<Vec<(String, u64, String)>>;
     /// A live key's grant secret: None when no live key has this id,
     /// Some(None) when it has none yet.
     fn grant_secret(&self, id: &str) -> Result<Option<Option<String>>>;
@@ -607,8 +655,12 @@ pub trait Store: Send + Sync {
         limit: u32,
         live: bool,
     ) -> Result<Vec<SandboxRecord>>;
-    /// Sandboxes in any of these states, oldest first.
-    fn sandboxes_in(&self, states: &[SandboxState]) -> Result<Vec<SandboxRecord>>;
+    /// Sandboxes in any of these states, oldest first: every node's.
+    fn sandboxes_in(&self, states: &[SandboxState]) -> Result<Vec<SandboxRecord>> {
+        self.sandboxes_on(None, states)
+    }
+    /// [`Store::sandboxes_in`] of one node only (None: every node's).
+    fn sandboxes_on(&self, node: Option<&str>, states: &[SandboxState]) -> Result<Vec<SandboxRecord>>;
     /// How many sandboxes are in each state.
     fn count_by_state(&self) -> Result<Vec<(SandboxState, u64)>>;
     /// What the sandboxes of `owner` (None: of everyone) hold now.
@@ -646,8 +698,9 @@ pub trait Store: Send + Sync {
     /// Takes a running pooled sandbox out of its pool for draining (state
     /// `terminating`); false when a claim took it first.
     fn drain_pooled(&self, id: &str) -> Result<bool>;
-    /// Pooled sandboxes (any state but terminated), oldest first.
-    fn pooled_sandboxes(&self) -> Result<Vec<SandboxRecord>>;
+    /// Pooled sandboxes (any state but terminated), oldest first, of one
+    /// node (None: of every node).
+    fn pooled_sandboxes(&self, node: Option<&str>) -> Result<Vec<SandboxRecord>>;
 
     // Template builds.
     /// Inserts a build if its owner has fewer than `max_running` builds
@@ -767,6 +820,24 @@ pub trait Store: Send + Sync {
     fn usage_report(&self, q: &UsageQuery) -> Result<Vec<UsageRow>>;
     /// Subjects with an open interval (sandbox, snapshot and volume ids).
     fn usage_open_subjects(&self) -> Result<Vec<(UsageKind, String)>>;
+
+    // Nodes: the daemons sharing the database.
+    /// Registers a node, or registers it again (a restart): its address,
+    /// capacity, `started_at` and heartbeat are written and it is active.
+    fn register_node(&self, n: &NodeRecord) -> Result<()>;
+    /// Records a heartbeat; false when no node has this name.
+    fn heartbeat_node(&self, name: &str, at: i64) -> Result<bool>;
+    /// Every node, by name.
+    fn list_nodes(&self) -> Result<Vec<NodeRecord>>;
+    /// Declares a node lost, unless it is already (one winner); false when
+    /// it was lost already or is unknown.
+    fn mark_node_lost(&self, name: &str) -> Result<bool>;
+    /// Sandboxes not terminated (pooled ones included), per node.
+    fn count_by_node(&self) -> Result<Vec<(String, u64)>>;
+    /// Gives every sandbox of another node to `node`; how many. Only for
+    /// a database one daemon keeps alone (SQLite): its sandboxes are that
+    /// daemon's whatever node name it had (none, before nodes existed).
+    fn give_all_sandboxes_to(&self, node: &str) -> Result<u64>;
 }
 
 #[cfg(test)]

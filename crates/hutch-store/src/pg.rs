@@ -50,8 +50,8 @@
 //! still happen, the call's transaction is run again, a few times.
 
 use crate::sqlite::{
-    bills_alike, over, BUILD_COLUMNS, HOLDING, KEY_COLUMNS, SANDBOX_COLUMNS, SECRET_COLUMNS, SNAPSHOT_COLUMNS,
-    TEMPLATE_COLUMNS, USAGE_COLUMNS, VOLUME_COLUMNS,
+    bills_alike, over, split_classes, BUILD_COLUMNS, HOLDING, KEY_COLUMNS, NODE_COLUMNS, SANDBOX_COLUMNS,
+    SECRET_COLUMNS, SNAPSHOT_COLUMNS, TEMPLATE_COLUMNS, USAGE_COLUMNS, VOLUME_COLUMNS,
 };
 use crate::sqlite_events::{events_json, parse_events, DELIVERY_COLS, WEBHOOK_COLS};
 use crate::*;
@@ -61,7 +61,10 @@ use postgres::{Client, GenericClient, NoTls, Row, Transaction};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
-const MIGRATIONS: &[(&str, &str)] = &[("0001_init", include_str!("../migrations/postgres/0001_init.sql"))];
+const MIGRATIONS: &[(&str, &str)] = &[
+    ("0001_init", include_str!("../migrations/postgres/0001_init.sql")),
+    ("0002_nodes", include_str!("../migrations/postgres/0002_nodes.sql")),
+];
 
 /// Connections a store opens at most, unless told otherwise.
 pub const DEFAULT_POOL_SIZE: usize = 8;
@@ -365,6 +368,7 @@ fn sandbox_row(r: &Row) -> Result<SandboxRecord> {
         ttl_s: opt_uint(r, 26)?,
         paused_ttl_s: opt_uint(r, 27)?,
         class: text_enum(r, 28, "sandbox class", Class::parse)?,
+        node: r.try_get(29)?,
     })
 }
 
@@ -598,13 +602,20 @@ fn get_sandbox_in(c: &mut impl GenericClient, id: &str) -> Result<Option<Sandbox
 
 /// What sandboxes hold, volumes' sizes counted in `disk_mib`.
 fn usage_in(c: &mut impl GenericClient, owner: Option<&str>) -> Result<Usage> {
+    usage_of(c, owner, None)
+}
+
+/// What the sandboxes of `owner` (None: everyone's) on `node` (None: every
+/// node) hold, with the owner's volumes.
+fn usage_of(c: &mut impl GenericClient, owner: Option<&str>, node: Option<&str>) -> Result<Usage> {
     let r = c.query_one(
         &format!(
             "SELECT COUNT(*), COALESCE(SUM(memory_mb), 0)::BIGINT, (COALESCE(SUM(disk_mib), 0) \
              + (SELECT COALESCE(SUM(size_mib), 0) FROM volumes WHERE $1::TEXT IS NULL OR owner = $1))::BIGINT \
-             FROM sandboxes WHERE state IN {HOLDING} AND ($1::TEXT IS NULL OR owner = $1)"
+             FROM sandboxes WHERE state IN {HOLDING} AND ($1::TEXT IS NULL OR owner = $1) \
+             AND ($2::TEXT IS NULL OR node = $2)"
         ),
-        &[&owner],
+        &[&owner, &node],
     )?;
     Ok(Usage { sandboxes: uint(&r, 0)?, memory_mb: uint(&r, 1)?, disk_mib: uint(&r, 2)? })
 }
@@ -632,7 +643,7 @@ fn disk_fits(c: &mut impl GenericClient, owner: &str, admission: &Admission, ask
 
 fn insert_sandbox_in(c: &mut impl GenericClient, s: &SandboxRecord) -> Result<()> {
     c.execute(
-        &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", marks(1, 29)),
+        &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", marks(1, 30)),
         &[
             &s.id,
             &s.owner,
@@ -663,6 +674,7 @@ fn insert_sandbox_in(c: &mut impl GenericClient, s: &SandboxRecord) -> Result<()
             &opt_i64(s.ttl_s),
             &opt_i64(s.paused_ttl_s),
             &s.class.as_str(),
+            &s.node,
         ],
     )
     .map_err(conflict)?;
@@ -776,13 +788,13 @@ impl Store for PgStore {
         })
     }
 
-    fn sandbox_idle_all(&self) -> Result<Vec<(String, u64, String)>> {
+    fn sandbox_idle_all(&self, node: Option<&str>) -> Result<Vec<(String, u64, String)>> {
         self.with(|c| {
             rows(
                 c.query(
                     "SELECT id, idle_timeout_s, COALESCE(on_idle, 'pause') FROM sandboxes \
-                     WHERE idle_timeout_s IS NOT NULL AND state <> 'terminated'",
-                    &[],
+                     WHERE idle_timeout_s IS NOT NULL AND state <> 'terminated' AND ($1::TEXT IS NULL OR node = $1)",
+                    &[&node],
                 )?,
                 |r| Ok((r.try_get(0)?, uint(r, 1)?, r.try_get(2)?)),
             )
@@ -842,7 +854,8 @@ impl Store for PgStore {
             // the last holder of the lock inserted.
             t.execute("SELECT pg_advisory_xact_lock($1, 0)", &[&lock::ADMISSION])?;
             let asked = Usage { sandboxes: 1, memory_mb: s.memory_mb, disk_mib: s.disk_mib };
-            if let Some(e) = over(Scope::Host, &admission.host, usage_in(t, None)?, asked) {
+            // The host's caps count its own node's sandboxes.
+            if let Some(e) = over(Scope::Host, &admission.host, usage_of(t, None, Some(&s.node))?, asked) {
                 return Ok(Admitted::Refused(e));
             }
             if let Some(e) = over(Scope::Owner, &admission.owner, usage_in(t, Some(&s.owner))?, asked) {
@@ -977,13 +990,16 @@ impl Store for PgStore {
         })
     }
 
-    fn sandboxes_in(&self, states: &[SandboxState]) -> Result<Vec<SandboxRecord>> {
+    fn sandboxes_on(&self, node: Option<&str>, states: &[SandboxState]) -> Result<Vec<SandboxRecord>> {
         let states: Vec<&str> = states.iter().map(|s| s.as_str()).collect();
         self.with(|c| {
             rows(
                 c.query(
-                    &format!("SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE state = ANY($1) ORDER BY created_at, id"),
-                    &[&states],
+                    &format!(
+                        "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE state = ANY($1) \
+                         AND ($2::TEXT IS NULL OR node = $2) ORDER BY created_at, id"
+                    ),
+                    &[&states, &node],
                 )?,
                 sandbox_row,
             )
@@ -1117,8 +1133,8 @@ impl Store for PgStore {
                 "SELECT s.id FROM sandboxes s JOIN templates t ON t.id = s.template_id \
                  WHERE s.pooled AND s.state = 'running' AND s.template_id = $1 AND s.owner = $2 \
                  AND t.deleted_at IS NULL AND s.template_version = t.version AND s.storage = $3 \
-                 ORDER BY s.created_at, s.id LIMIT 1 FOR UPDATE OF s SKIP LOCKED",
-                &[&cl.template_id, &cl.owner, &cl.storage.as_str()],
+                 AND s.node = $4 ORDER BY s.created_at, s.id LIMIT 1 FOR UPDATE OF s SKIP LOCKED",
+                &[&cl.template_id, &cl.owner, &cl.storage.as_str(), &cl.node],
             )?
             else {
                 return Ok(None);
@@ -1159,15 +1175,15 @@ impl Store for PgStore {
         })
     }
 
-    fn pooled_sandboxes(&self) -> Result<Vec<SandboxRecord>> {
+    fn pooled_sandboxes(&self, node: Option<&str>) -> Result<Vec<SandboxRecord>> {
         self.with(|c| {
             rows(
                 c.query(
                     &format!(
                         "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE pooled AND state <> 'terminated' \
-                         ORDER BY created_at, id"
+                         AND ($1::TEXT IS NULL OR node = $1) ORDER BY created_at, id"
                     ),
-                    &[],
+                    &[&node],
                 )?,
                 sandbox_row,
             )
@@ -1877,6 +1893,75 @@ impl Store for PgStore {
                 |r| Ok((r.try_get::<_, String>(0)?, r.try_get::<_, String>(1)?)),
             )?;
             Ok(all.into_iter().filter_map(|(k, s)| Some((UsageKind::parse(&k)?, s))).collect())
+        })
+    }
+
+    fn register_node(&self, n: &NodeRecord) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                &format!(
+                    "INSERT INTO nodes ({NODE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, 'active', $7, $8) \
+                     ON CONFLICT (name) DO UPDATE SET advertise = excluded.advertise, \
+                     memory_mib = excluded.memory_mib, disk_mib = excluded.disk_mib, \
+                     sandboxes = excluded.sandboxes, classes = excluded.classes, state = 'active', \
+                     started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at"
+                ),
+                &[
+                    &n.name,
+                    &n.advertise,
+                    &opt_i64(Some(n.memory_mib)),
+                    &opt_i64(Some(n.disk_mib)),
+                    &opt_i64(Some(n.sandboxes)),
+                    &n.classes.join(","),
+                    &n.started_at,
+                    &n.heartbeat_at,
+                ],
+            )?;
+            Ok(())
+        })
+    }
+
+    fn heartbeat_node(&self, name: &str, at: i64) -> Result<bool> {
+        self.with(|c| Ok(c.execute("UPDATE nodes SET heartbeat_at = $2 WHERE name = $1", &[&name, &at])? == 1))
+    }
+
+    fn list_nodes(&self) -> Result<Vec<NodeRecord>> {
+        self.with(|c| {
+            rows(c.query(&format!("SELECT {NODE_COLUMNS} FROM nodes ORDER BY name"), &[])?, |r| {
+                Ok(NodeRecord {
+                    name: r.try_get(0)?,
+                    advertise: r.try_get(1)?,
+                    memory_mib: uint(r, 2)?,
+                    disk_mib: uint(r, 3)?,
+                    sandboxes: uint(r, 4)?,
+                    classes: split_classes(&r.try_get::<_, String>(5)?),
+                    state: text_enum(r, 6, "node state", NodeState::parse)?,
+                    started_at: r.try_get(7)?,
+                    heartbeat_at: r.try_get(8)?,
+                })
+            })
+        })
+    }
+
+    fn mark_node_lost(&self, name: &str) -> Result<bool> {
+        self.with(|c| {
+            Ok(c.execute("UPDATE nodes SET state = 'lost' WHERE name = $1 AND state <> 'lost'", &[&name])? == 1)
+        })
+    }
+
+    fn give_all_sandboxes_to(&self, node: &str) -> Result<u64> {
+        self.with(|c| Ok(c.execute("UPDATE sandboxes SET node = $1 WHERE node <> $1", &[&node])?))
+    }
+
+    fn count_by_node(&self) -> Result<Vec<(String, u64)>> {
+        self.with(|c| {
+            rows(
+                c.query(
+                    "SELECT node, COUNT(*) FROM sandboxes WHERE state <> 'terminated' GROUP BY node ORDER BY node",
+                    &[],
+                )?,
+                |r| Ok((r.try_get(0)?, uint(r, 1)?)),
+            )
         })
     }
 }

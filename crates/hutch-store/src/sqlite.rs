@@ -30,6 +30,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0016_secrets", include_str!("../migrations/0016_secrets.sql")),
     ("0017_webhook_format", include_str!("../migrations/0017_webhook_format.sql")),
     ("0018_class", include_str!("../migrations/0018_class.sql")),
+    ("0019_nodes", include_str!("../migrations/0019_nodes.sql")),
 ];
 
 /// States in which a sandbox holds resources.
@@ -105,7 +106,7 @@ fn update_in_states(c: &Connection, update: &str, mut values: Vec<Value>, states
 pub(crate) const SANDBOX_COLUMNS: &str =
     "id, owner, template, state, created_at, expires_at, max_expires_at, memory_mb, vcpus, \
      disk_mib, pids, env, metadata, limits_applied, last_error_code, host_pid, idempotency_key, request_hash, \
-     template_id, template_version, warm, pooled, network, storage, origin, on_expire, ttl_s, paused_ttl_s, class";
+     template_id, template_version, warm, pooled, network, storage, origin, on_expire, ttl_s, paused_ttl_s, class, node";
 
 pub(crate) const TEMPLATE_COLUMNS: &str =
     "id, owner, name, version, image, class, memory_mb, vcpus, disk_mib, pids, env, \
@@ -148,6 +149,28 @@ fn snapshot_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SnapshotRecord> {
         created_at: r.get(4)?,
         size_bytes: r.get::<_, i64>(5)?.max(0) as u64,
         recipe: r.get(6)?,
+    })
+}
+
+pub(crate) const NODE_COLUMNS: &str =
+    "name, advertise, memory_mib, disk_mib, sandboxes, classes, state, started_at, heartbeat_at";
+
+/// The classes a node runs, as stored (comma-separated).
+pub(crate) fn split_classes(s: &str) -> Vec<String> {
+    s.split(',').filter(|c| !c.is_empty()).map(str::to_owned).collect()
+}
+
+fn node_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<NodeRecord> {
+    Ok(NodeRecord {
+        name: r.get(0)?,
+        advertise: r.get(1)?,
+        memory_mib: r.get::<_, i64>(2)?.max(0) as u64,
+        disk_mib: r.get::<_, i64>(3)?.max(0) as u64,
+        sandboxes: r.get::<_, i64>(4)?.max(0) as u64,
+        classes: split_classes(&r.get::<_, String>(5)?),
+        state: parsed(r, 6, "node state", NodeState::parse)?,
+        started_at: r.get(7)?,
+        heartbeat_at: r.get(8)?,
     })
 }
 
@@ -296,6 +319,7 @@ fn sandbox_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRecord> {
         ttl_s: r.get::<_, Option<i64>>(26)?.map(|v| v as u64),
         paused_ttl_s: r.get::<_, Option<i64>>(27)?.map(|v| v as u64),
         class: parsed(r, 28, "sandbox class", Class::parse)?,
+        node: r.get(29)?,
     })
 }
 
@@ -335,13 +359,19 @@ fn get_sandbox_in(c: &Connection, id: &str) -> Result<Option<SandboxRecord>> {
 
 /// What sandboxes hold, volumes' sizes counted in `disk_mib`.
 fn usage_in(c: &Connection, owner: Option<&str>) -> Result<Usage> {
+    usage_of(c, owner, None)
+}
+
+/// What the sandboxes of `owner` (None: everyone's) on `node` (None: every
+/// node) hold, with the owner's volumes.
+fn usage_of(c: &Connection, owner: Option<&str>, node: Option<&str>) -> Result<Usage> {
     Ok(c.query_row(
         &format!(
             "SELECT COUNT(*), COALESCE(SUM(memory_mb), 0), COALESCE(SUM(disk_mib), 0) \
              + (SELECT COALESCE(SUM(size_mib), 0) FROM volumes WHERE ?1 IS NULL OR owner = ?1) FROM sandboxes \
-             WHERE state IN {HOLDING} AND (?1 IS NULL OR owner = ?1)"
+             WHERE state IN {HOLDING} AND (?1 IS NULL OR owner = ?1) AND (?2 IS NULL OR node = ?2)"
         ),
-        params![owner],
+        params![owner, node],
         |r| {
             Ok(Usage {
                 sandboxes: r.get::<_, i64>(0)? as u64,
@@ -407,7 +437,7 @@ pub(crate) fn over(scope: Scope, caps: &Quotas, used: Usage, asked: Usage) -> Op
 
 fn insert_sandbox_in(tx: &Transaction<'_>, s: &SandboxRecord) -> Result<()> {
     tx.execute(
-        &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", placeholders(1, 29)),
+        &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", placeholders(1, 30)),
         params![
             s.id,
             s.owner,
@@ -437,7 +467,8 @@ fn insert_sandbox_in(tx: &Transaction<'_>, s: &SandboxRecord) -> Result<()> {
             s.on_expire.as_str(),
             s.ttl_s.map(|v| v as i64),
             s.paused_ttl_s.map(|v| v as i64),
-            s.class.as_str()
+            s.class.as_str(),
+            s.node
         ],
     )
     .map_err(conflict)?;
@@ -601,14 +632,14 @@ impl Store for SqliteStore {
         })
     }
 
-    fn sandbox_idle_all(&self) -> Result<Vec<(String, u64, String)>> {
+    fn sandbox_idle_all(&self, node: Option<&str>) -> Result<Vec<(String, u64, String)>> {
         self.with(|c| {
             let mut st = c.prepare(
                 "SELECT id, idle_timeout_s, COALESCE(on_idle, 'pause') FROM sandboxes \
-                 WHERE idle_timeout_s IS NOT NULL AND state != 'terminated'",
+                 WHERE idle_timeout_s IS NOT NULL AND state != 'terminated' AND (?1 IS NULL OR node = ?1)",
             )?;
             let rows = st
-                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?.max(0) as u64, r.get(2)?)))?
+                .query_map([node], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?.max(0) as u64, r.get(2)?)))?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
             Ok(rows)
         })
@@ -668,7 +699,8 @@ impl Store for SqliteStore {
             // two creates cannot both fit under the last free unit.
             let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
             let asked = Usage { sandboxes: 1, memory_mb: s.memory_mb, disk_mib: s.disk_mib };
-            let host = usage_in(&tx, None)?;
+            // The host's caps count its own node's sandboxes.
+            let host = usage_of(&tx, None, Some(&s.node))?;
             if let Some(e) = over(Scope::Host, &admission.host, host, asked) {
                 return Ok(Admitted::Refused(e));
             }
@@ -822,14 +854,17 @@ impl Store for SqliteStore {
         })
     }
 
-    fn sandboxes_in(&self, states: &[SandboxState]) -> Result<Vec<SandboxRecord>> {
+    fn sandboxes_on(&self, node: Option<&str>, states: &[SandboxState]) -> Result<Vec<SandboxRecord>> {
         self.with(|c| {
             let mut out = Vec::new();
             let mut st = c.prepare(&format!(
-                "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE state = ?1 ORDER BY created_at, id"
+                "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE state = ?1 AND (?2 IS NULL OR node = ?2) \
+                 ORDER BY created_at, id"
             ))?;
             for state in states {
-                out.extend(st.query_map([state.as_str()], sandbox_row)?.collect::<rusqlite::Result<Vec<_>>>()?);
+                out.extend(
+                    st.query_map(params![state.as_str(), node], sandbox_row)?.collect::<rusqlite::Result<Vec<_>>>()?,
+                );
             }
             out.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
             Ok(out)
@@ -1239,8 +1274,8 @@ impl Store for SqliteStore {
                     "SELECT s.id FROM sandboxes s JOIN templates t ON t.id = s.template_id \
                      WHERE s.pooled = 1 AND s.state = 'running' AND s.template_id = ?1 AND s.owner = ?2 \
                      AND t.deleted_at IS NULL AND s.template_version = t.version AND s.storage = ?3 \
-                     ORDER BY s.created_at, s.id LIMIT 1",
-                    [cl.template_id, cl.owner, cl.storage.as_str()],
+                     AND s.node = ?4 ORDER BY s.created_at, s.id LIMIT 1",
+                    [cl.template_id, cl.owner, cl.storage.as_str(), cl.node],
                     |r| r.get(0),
                 )
                 .optional()?;
@@ -1280,13 +1315,13 @@ impl Store for SqliteStore {
         })
     }
 
-    fn pooled_sandboxes(&self) -> Result<Vec<SandboxRecord>> {
+    fn pooled_sandboxes(&self, node: Option<&str>) -> Result<Vec<SandboxRecord>> {
         self.with(|c| {
             let mut st = c.prepare(&format!(
                 "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE pooled = 1 AND state != 'terminated' \
-                 ORDER BY created_at, id"
+                 AND (?1 IS NULL OR node = ?1) ORDER BY created_at, id"
             ))?;
-            let rows = st.query_map([], sandbox_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
+            let rows = st.query_map([node], sandbox_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
             Ok(rows)
         })
     }
@@ -1516,6 +1551,65 @@ impl Store for SqliteStore {
                 .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
             Ok(rows.into_iter().filter_map(|(k, s)| Some((UsageKind::parse(&k)?, s))).collect())
+        })
+    }
+
+    fn register_node(&self, n: &NodeRecord) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                &format!(
+                    "INSERT INTO nodes ({NODE_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'active', ?7, ?8) \
+                     ON CONFLICT (name) DO UPDATE SET advertise = excluded.advertise, \
+                     memory_mib = excluded.memory_mib, disk_mib = excluded.disk_mib, \
+                     sandboxes = excluded.sandboxes, classes = excluded.classes, state = 'active', \
+                     started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at"
+                ),
+                params![
+                    n.name,
+                    n.advertise,
+                    n.memory_mib as i64,
+                    n.disk_mib as i64,
+                    n.sandboxes as i64,
+                    n.classes.join(","),
+                    n.started_at,
+                    n.heartbeat_at
+                ],
+            )?;
+            Ok(())
+        })
+    }
+
+    fn heartbeat_node(&self, name: &str, at: i64) -> Result<bool> {
+        self.with(|c| Ok(c.execute("UPDATE nodes SET heartbeat_at = ?2 WHERE name = ?1", params![name, at])? == 1))
+    }
+
+    fn list_nodes(&self) -> Result<Vec<NodeRecord>> {
+        self.with(|c| {
+            let mut st = c.prepare(&format!("SELECT {NODE_COLUMNS} FROM nodes ORDER BY name"))?;
+            let rows = st.query_map([], node_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn mark_node_lost(&self, name: &str) -> Result<bool> {
+        self.with(
+            |c| Ok(c.execute("UPDATE nodes SET state = 'lost' WHERE name = ?1 AND state != 'lost'", [name])? == 1),
+        )
+    }
+
+    fn give_all_sandboxes_to(&self, node: &str) -> Result<u64> {
+        self.with(|c| Ok(c.execute("UPDATE sandboxes SET node = ?1 WHERE node != ?1", [node])? as u64))
+    }
+
+    fn count_by_node(&self) -> Result<Vec<(String, u64)>> {
+        self.with(|c| {
+            let mut st = c.prepare(
+                "SELECT node, COUNT(*) FROM sandboxes WHERE state != 'terminated' GROUP BY node ORDER BY node",
+            )?;
+            let rows = st
+                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?.max(0) as u64)))?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
         })
     }
 

@@ -55,6 +55,7 @@ fn sandbox(id: &str, created_at: i64) -> SandboxRecord {
         ttl_s: Some(1),
         paused_ttl_s: None,
         class: Class::Container,
+        node: "local".into(),
     }
 }
 
@@ -189,6 +190,7 @@ fn claim(now: i64) -> Claim<'static> {
         on_expire: OnExpire::Pause,
         ttl_s: Some(60),
         paused_ttl_s: Some(120),
+        node: "local",
     }
 }
 
@@ -217,7 +219,7 @@ fn warm_claims_take_the_oldest_of_the_current_version_only(s: &Backend) {
     assert!(s.update_template(&t, 1).expect("delete"));
     assert_eq!(s.claim_warm(&claim(103)).expect("claim"), None);
     assert!(s.template_by_name("k1", "py").expect("get").is_none());
-    assert_eq!(s.pooled_sandboxes().expect("pooled").len(), 3);
+    assert_eq!(s.pooled_sandboxes(None).expect("pooled").len(), 3);
 }
 
 fn a_template_update_writes_every_column_an_insert_does(s: &Backend) {
@@ -876,6 +878,73 @@ fn a_sandbox_keeps_its_class(s: &Backend) {
     assert_eq!(s.get_sandbox("c").expect("get").expect("some").class, Class::Container);
 }
 
+fn node(name: &str, at: i64) -> NodeRecord {
+    NodeRecord {
+        name: name.into(),
+        advertise: format!("http://{name}:8080"),
+        memory_mib: 4096,
+        disk_mib: 10240,
+        sandboxes: 100,
+        classes: vec!["container".into(), "gvisor".into()],
+        state: NodeState::Active,
+        started_at: at,
+        heartbeat_at: at,
+    }
+}
+
+fn nodes_register_heartbeat_and_are_lost_once(s: &Backend) {
+    assert!(s.list_nodes().expect("list").is_empty());
+    s.register_node(&node("b", 10)).expect("register");
+    s.register_node(&node("a", 10)).expect("register");
+    assert!(s.heartbeat_node("a", 20).expect("beat"));
+    assert!(!s.heartbeat_node("nobody", 20).expect("beat"));
+    let nodes = s.list_nodes().expect("list");
+    assert_eq!(nodes.iter().map(|n| n.name.as_str()).collect::<Vec<_>>(), ["a", "b"]);
+    assert_eq!(nodes[0], NodeRecord { heartbeat_at: 20, ..node("a", 10) });
+    assert!(s.mark_node_lost("b").expect("lost"));
+    assert!(!s.mark_node_lost("b").expect("lost twice"));
+    assert!(!s.mark_node_lost("nobody").expect("unknown"));
+    assert_eq!(s.list_nodes().expect("list")[1].state, NodeState::Lost);
+    // A node that starts again is active again, with its new capacity.
+    s.register_node(&NodeRecord { sandboxes: 7, classes: vec![], ..node("b", 30) }).expect("again");
+    let b = s.list_nodes().expect("list").pop().expect("b");
+    assert_eq!(b, NodeRecord { sandboxes: 7, classes: vec![], ..node("b", 30) });
+}
+
+fn a_node_sees_only_its_own_sandboxes_where_it_acts(s: &Backend) {
+    s.insert_template(&template("tpl-1", 1)).expect("insert");
+    s.insert_sandbox_free(&SandboxRecord { node: "a".into(), ..sandbox("a1", 1) }).expect("insert");
+    s.insert_sandbox_free(&SandboxRecord { node: "b".into(), ..sandbox("b1", 2) }).expect("insert");
+    s.insert_sandbox_free(&SandboxRecord { node: "b".into(), ..pooled("bp", 3, 1) }).expect("insert");
+    assert_eq!(s.get_sandbox("a1").expect("get").expect("a1").node, "a");
+    let running = [SandboxState::Running];
+    let ids = |rows: Vec<SandboxRecord>| rows.into_iter().map(|r| r.id).collect::<Vec<_>>();
+    assert_eq!(ids(s.sandboxes_in(&running).expect("all")), ["a1", "b1", "bp"]);
+    assert_eq!(ids(s.sandboxes_on(Some("a"), &running).expect("a")), ["a1"]);
+    assert_eq!(ids(s.sandboxes_on(Some("b"), &running).expect("b")), ["b1", "bp"]);
+    assert_eq!(ids(s.pooled_sandboxes(Some("a")).expect("a")), Vec::<String>::new());
+    assert_eq!(ids(s.pooled_sandboxes(Some("b")).expect("b")), ["bp"]);
+    // Reads still show every node's.
+    assert_eq!(s.list_sandboxes(None, None, 10, true).expect("list").len(), 2);
+    // A warm sandbox is claimed only by its own node.
+    assert_eq!(s.claim_warm(&Claim { node: "a", ..claim(10) }).expect("claim"), None);
+    assert_eq!(s.claim_warm(&Claim { node: "b", ..claim(10) }).expect("claim").expect("bp").id, "bp");
+    s.set_sandbox_idle("a1", 60, "pause").expect("idle");
+    s.set_sandbox_idle("b1", 60, "pause").expect("idle");
+    assert_eq!(s.sandbox_idle_all(Some("a")).expect("idle").len(), 1);
+    assert_eq!(s.sandbox_idle_all(None).expect("idle").len(), 2);
+    assert_eq!(s.count_by_node().expect("count"), [("a".to_owned(), 1), ("b".to_owned(), 2)]);
+    // A host's caps count its own node's sandboxes only (an owner's, all).
+    let host = Admission { host: Quotas { sandboxes: Some(1), ..Quotas::default() }, ..Admission::default() };
+    let c1 = SandboxRecord { node: "c".into(), ..sandbox("c1", 4) };
+    assert_eq!(s.insert_sandbox(&c1, &host).expect("insert"), Admitted::Inserted);
+    let c2 = SandboxRecord { node: "c".into(), ..sandbox("c2", 5) };
+    assert!(matches!(s.insert_sandbox(&c2, &host).expect("insert"), Admitted::Refused(_)));
+    s.transition("c1", &[SandboxState::Running], SandboxState::Terminated, &Changes::default()).expect("end");
+    assert_eq!(s.give_all_sandboxes_to("a").expect("give"), 3);
+    assert_eq!(s.count_by_node().expect("count"), [("a".to_owned(), 3)]);
+}
+
 /// Each test of both backends: `sqlite::name` always, `postgres::name`
 /// when `HUTCH_TEST_POSTGRES` is set (scripts/test.sh sets it).
 macro_rules! on_both_backends {
@@ -916,4 +985,6 @@ on_both_backends!(
     secrets_are_owned_by_name_updated_in_place_and_deleted,
     webhooks_keep_their_format_and_a_disabled_one_gets_no_deliveries,
     a_sandbox_keeps_its_class,
+    nodes_register_heartbeat_and_are_lost_once,
+    a_node_sees_only_its_own_sandboxes_where_it_acts,
 );

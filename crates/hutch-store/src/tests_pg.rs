@@ -77,7 +77,7 @@ fn two_daemons_never_claim_one_warm_sandbox_twice() {
     });
     assert!(a.is_disjoint(&b), "claimed twice: {:?}", a.intersection(&b).collect::<Vec<_>>());
     assert_eq!(a.len() + b.len(), 30, "every pooled sandbox was claimed once");
-    assert!(s.pooled_sandboxes().expect("pooled").iter().all(|r| !r.pooled));
+    assert!(s.pooled_sandboxes(None).expect("pooled").iter().all(|r| !r.pooled));
 }
 
 #[test]

@@ -21,7 +21,7 @@ enum Command {
     /// Run one command in a fresh sandbox, without a daemon.
     Run(run::RunArgs),
     /// Run the daemon: the HTTP API on --listen, state in --state-dir.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Create, list and manage sandboxes of a running daemon.
     Sandbox(cli::sandbox::SandboxArgs),
     /// Run a command in a sandbox of a running daemon.
@@ -36,6 +36,8 @@ enum Command {
     Template(Box<cli::template::TemplateArgs>),
     /// Manage API keys in the daemon's database (on its host, no HTTP).
     Key(cli::keys::KeyArgs),
+    /// List the nodes (daemons) sharing a daemon's database (admin keys).
+    Node(cli::node::NodeArgs),
     /// Import, pull, list and remove images through the API; build Debian images on the host.
     Image(cli::image::ImageArgs),
     /// An MCP server on stdin/stdout, for MCP clients: a bridge to a
@@ -68,7 +70,7 @@ fn main() {
     }
     let code = match cli.command {
         Command::Run(args) => run::main(args),
-        Command::Serve(args) => serve::main(args),
+        Command::Serve(args) => serve::main(*args),
         Command::Sandbox(args) => cli::sandbox::main(args),
         Command::Exec(args) => cli::exec::main(args),
         Command::Files(args) => cli::files::main(args),
@@ -76,6 +78,7 @@ fn main() {
         Command::Volume(args) => cli::volume::main(args),
         Command::Template(args) => cli::template::main(*args),
         Command::Key(args) => cli::keys::main(args),
+        Command::Node(args) => cli::node::main(args),
         Command::Image(args) => cli::image::main(args),
         Command::Mcp(args) => cli::mcp::main(args),
         Command::Doctor { json, state_dir } => doctor(json, state_dir),

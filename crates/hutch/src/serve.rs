@@ -34,6 +34,18 @@ pub struct ServeArgs {
     /// (HUTCH_DATABASE).
     #[arg(long, env = "HUTCH_DATABASE", value_name = "URL", hide_env_values = true)]
     pub database: Option<String>,
+    /// This daemon's name among the nodes sharing the database: 1 to 63 of
+    /// `a-z0-9-._`. It acts only on the sandboxes of its node. Default:
+    /// the host name (HUTCH_NODE).
+    #[arg(long, env = "HUTCH_NODE", value_name = "NAME")]
+    pub node: Option<String>,
+    /// The URL other nodes and clients reach this daemon's API at.
+    /// Default: http://<--listen> (HUTCH_ADVERTISE).
+    #[arg(long, env = "HUTCH_ADVERTISE", value_name = "URL")]
+    pub advertise: Option<String>,
+    /// Time between the node's heartbeats in the database (HUTCH_HEARTBEAT).
+    #[arg(long, env = "HUTCH_HEARTBEAT", default_value = "5s", value_parser = crate::units::parse_duration)]
+    pub heartbeat: Duration,
     /// Which hutch network of this host to use, 0 to 31: its own subnet
     /// 100.(96+N).0.0/16, nftables table and links, for daemons side by
     /// side (HUTCH_NET_INSTANCE).
@@ -165,6 +177,21 @@ pub fn open_store(database: Option<&str>, state_dir: &Path) -> Result<Arc<dyn St
     }
 }
 
+/// `--node`, or the host name (lowercased): checked.
+pub fn node_name(given: Option<&str>) -> Result<String> {
+    let name = match given.filter(|n| !n.is_empty()) {
+        Some(n) => n.to_owned(),
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .context("read the host name (or give --node)")?
+            .trim()
+            .to_ascii_lowercase(),
+    };
+    if !hutch_control::nodes::valid_name(&name) {
+        anyhow::bail!("node name {name:?}: use 1 to 63 of a-z0-9-._, starting with a letter or digit (--node)");
+    }
+    Ok(name)
+}
+
 /// Whether `--database` names PostgreSQL.
 pub fn is_postgres_url(url: &str) -> bool {
     ["postgres://", "postgresql://"].iter().any(|p| url.get(..p.len()).is_some_and(|s| s.eq_ignore_ascii_case(p)))
@@ -206,6 +233,7 @@ async fn start_egress(
 /// `deny_all` sandboxes only).
 async fn setup_network(
     args: &ServeArgs,
+    node: &str,
     run_dir: &std::path::Path,
     store: &Arc<dyn Store>,
     held: Arc<hutch_runtime::net::InstanceLock>,
@@ -229,9 +257,10 @@ async fn setup_network(
         "off" | "0" | "false" => Some(false),
         _ => None,
     };
-    // Links of sandboxes that outlived the last daemon stay.
+    // Links of sandboxes that outlived the last daemon stay (this node's:
+    // others' are on their own hosts, or instances).
     let keep = store
-        .sandboxes_in(&hutch_control::lifecycle::HOLDING_STATES)
+        .sandboxes_on(Some(node), &hutch_control::lifecycle::HOLDING_STATES)
         .map_err(|e| e.to_string())?
         .iter()
         .filter_map(|r| {
@@ -380,7 +409,17 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         .mode(0o700)
         .create(&args.state_dir)
         .with_context(|| format!("create state directory {}", args.state_dir.display()))?;
+    let node = node_name(args.node.as_deref())?;
+    let advertise = args.advertise.clone().unwrap_or_else(|| format!("http://{}", args.listen));
     let store = open_store(args.database.as_deref(), &args.state_dir)?;
+    if !args.database.as_deref().is_some_and(is_postgres_url) {
+        // An SQLite database is this daemon's alone: every sandbox in it
+        // is this node's, whatever the node was called before.
+        let moved = store.give_all_sandboxes_to(&node)?;
+        if moved > 0 {
+            tracing::info!("{moved} sandboxes of this database are now node {node:?}'s");
+        }
+    }
     if store.count_keys()? == 0 {
         let key = hutch_control::keys::generate("admin", true, false, hutch_store::Quotas::default())?;
         store.insert_key(&key.record)?;
@@ -399,7 +438,7 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     let runtime = hutch_runtime::Runtime::new(cfg).context("start the container runtime")?;
     let storage = open_storage(&args).await;
     let runtime = Arc::new(runtime.with_storage(storage.clone()));
-    let network = setup_network(&args, &runtime.config().run_dir, &store, instance.clone()).await;
+    let network = setup_network(&args, &node, &runtime.config().run_dir, &store, instance.clone()).await;
     match &network {
         Ok(n) => {
             tracing::info!("sandbox network {}/16{} ready", n.config().subnet4, if n.ipv6() { " and IPv6" } else { "" })
@@ -479,6 +518,7 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
             },
         },
         egress_bundle: egress.as_ref().map(|(_, _, bundle)| bundle.clone()),
+        node: hutch_control::nodes::NodeConfig { name: node.clone(), advertise, heartbeat: args.heartbeat },
     };
     let control = Control::new(store.clone(), runtime, config);
     // The event sequence goes on from the store before anything emits.
@@ -486,7 +526,10 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     if let Some((proxy, listener, _)) = egress {
         tokio::spawn(proxy.serve(control.clone(), listener));
     }
+    control.register_node().await?;
+    tracing::info!("node {node:?} registered");
     control.recover().await?;
+    control.spawn_heartbeat();
     control.start_audit_writer();
 
     // The audit log's retention: at start, then hourly.
@@ -604,14 +647,14 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     let _held = instance;
     // With no sandbox left, nothing of the network needs to stay.
     if let Ok(net) = network {
-        let running = store.sandboxes_in(&hutch_control::lifecycle::HOLDING_STATES)?;
+        let running = store.sandboxes_on(Some(&node), &hutch_control::lifecycle::HOLDING_STATES)?;
         if running.is_empty() {
             tokio::task::spawn_blocking(move || net.teardown()).await?;
         }
     }
     // Nor of the storage image's mount: the next start mounts it again.
     if let Some(storage) = storage {
-        if store.sandboxes_in(&hutch_control::lifecycle::HOLDING_STATES)?.is_empty() {
+        if store.sandboxes_on(Some(&node), &hutch_control::lifecycle::HOLDING_STATES)?.is_empty() {
             if let Err(e) = storage.detach() {
                 tracing::warn!("storage: {e}");
             }

@@ -211,7 +211,7 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         | ErrorCode::VolumeNameTaken
         | ErrorCode::SecretNameTaken => ("already_exists", StatusCode::CONFLICT),
         ErrorCode::SandboxPathUnreadable => ("permission_denied", StatusCode::FORBIDDEN),
-        ErrorCode::FeatureUnavailable | ErrorCode::SandboxNetworkIsolated => {
+        ErrorCode::FeatureUnavailable | ErrorCode::SandboxNetworkIsolated | ErrorCode::SandboxOnOtherNode => {
             ("failed_precondition", StatusCode::BAD_REQUEST)
         }
         ErrorCode::ExecutionOutcomeUnknown | ErrorCode::Internal => ("internal", StatusCode::INTERNAL_SERVER_ERROR),

@@ -205,6 +205,12 @@ impl Client {
     }
 
     /// `GET /v1/volumes`.
+    /// `GET /v1/nodes`.
+    pub fn list_nodes(&self) -> Result<hutch_api::NodeList> {
+        let url = self.url(&["nodes"]);
+        self.json(&url, self.authed("GET", &url), Payload::None)
+    }
+
     pub fn list_volumes(&self) -> Result<hutch_api::VolumeList> {
         let url = self.url(&["volumes"]);
         self.json(&url, self.authed("GET", &url), Payload::None)

@@ -9,6 +9,7 @@ pub mod files;
 pub mod image;
 pub mod keys;
 pub mod mcp;
+pub mod node;
 pub mod output;
 pub mod sandbox;
 pub mod snapshot;

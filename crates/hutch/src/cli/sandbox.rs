@@ -358,6 +358,7 @@ mod tests {
             on_idle: None,
             idle_since: None,
             volumes: Vec::new(),
+            node: "local".into(),
         }
     }
 

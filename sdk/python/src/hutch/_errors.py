@@ -85,6 +85,11 @@ class SandboxNotRunningError(HutchError):
     (`sandbox_session_not_running`)."""
 
 
+class SandboxOnOtherNodeError(HutchError):
+    """The sandbox lives on another node of the fleet, which alone acts on
+    it (`sandbox_on_other_node`; the message names the node)."""
+
+
 class SandboxStartError(HutchError):
     """The sandbox did not start (`sandbox_start_failed`,
     `sandbox_startup_failed`, `sandbox_readiness_timeout`)."""
@@ -173,6 +178,7 @@ CODE_CLASSES: Dict[str, Type[HutchError]] = {
     "idempotency_conflict": IdempotencyError,
     "execution_outcome_unknown": IdempotencyError,
     "sandbox_session_not_running": SandboxNotRunningError,
+    "sandbox_on_other_node": SandboxOnOtherNodeError,
     "sandbox_start_failed": SandboxStartError,
     "sandbox_startup_failed": SandboxStartError,
     "sandbox_readiness_timeout": SandboxStartError,

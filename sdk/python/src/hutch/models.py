@@ -99,6 +99,8 @@ class SandboxInfo:
     on_idle: Optional[str] = None
     #: since when it is idle (RFC 3339); None while a command runs
     idle_since: Optional[str] = None
+    #: the node (daemon) it lives on, which alone acts on it
+    node: str = ""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -125,6 +127,7 @@ class SandboxInfo:
             idle_timeout_seconds=d.get("idle_timeout_seconds"),
             on_idle=d.get("on_idle"),
             idle_since=d.get("idle_since"),
+            node=d.get("node", ""),
             raw=dict(d),
         )
 
