@@ -14,6 +14,8 @@ mod agent;
 /// used, argv only by the gvisor class (see `agent::main`).
 #[cfg(not(test))]
 #[no_mangle]
+// Only the C runtime calls it, with its own argc and argv.
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
 pub extern "C" fn main(argc: std::ffi::c_int, argv: *const *const std::ffi::c_char) -> std::ffi::c_int {
     let args: Vec<&std::ffi::CStr> = (0..argc.max(0) as usize)
         // SAFETY: the C runtime passes argc valid, NUL-terminated strings.

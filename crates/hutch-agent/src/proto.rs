@@ -348,7 +348,6 @@ pub enum Request {
     RemoveTenant { name: String },
 }
 
-
 /// Most descriptors an [`Request::AddTenant`] carries.
 pub const MAX_TENANT_FDS: usize = 2 + 2 * MAX_WORK_CGROUPS as usize;
 
@@ -374,7 +373,6 @@ pub struct TenantSpec {
     #[serde(default)]
     pub rlimits: Vec<(i32, u64)>,
 }
-
 
 /// File systems whose regular files the agent passes to the host by
 /// descriptor ([`Request::OpenFile`]), by `statfs` magic: overlay (the

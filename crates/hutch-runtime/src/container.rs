@@ -620,8 +620,17 @@ impl Runtime {
         };
         let socket = self.socket_path(&id);
         marks.mark("cgroup");
-        let mut sandbox =
-            Sandbox { id, pid: 0, socket, cgroup, slot: Some(slot), layer, timings: Vec::new(), gvisor: None, host: None };
+        let mut sandbox = Sandbox {
+            id,
+            pid: 0,
+            socket,
+            cgroup,
+            slot: Some(slot),
+            layer,
+            timings: Vec::new(),
+            gvisor: None,
+            host: None,
+        };
         let launched = helper.finish().map_err(io_err("create the sandbox's namespaces")).and_then(|ns| {
             marks.mark("namespaces");
             self.launch(&mut sandbox, spec, ns, &mut marks, host)
@@ -1068,6 +1077,12 @@ pub fn random_id() -> Result<String, RuntimeError> {
     Ok(format!("sb-{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>()))
 }
 
+/// A mutex's guard, poisoned or not (what it guards stays consistent: sets
+/// of ids).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1082,10 +1097,4 @@ mod tests {
         assert!(valid_id(&id).is_ok());
         assert_eq!(id.len(), 19);
     }
-}
-
-/// A mutex's guard, poisoned or not (what it guards stays consistent: sets
-/// of ids).
-pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }

@@ -251,7 +251,7 @@ impl Runtime {
         }
         // The bundle's root must be searchable by the gofer.
         let _ = fs::set_permissions(&paths.bundle, std::os::unix::fs::PermissionsExt::from_mode(0o711));
-        let _ = fs::set_permissions(&paths.rootfs(), std::os::unix::fs::PermissionsExt::from_mode(0o755));
+        let _ = fs::set_permissions(paths.rootfs(), std::os::unix::fs::PermissionsExt::from_mode(0o755));
         // The writable layer.
         let (upper, work) = match &sb.layer {
             Some((layer, _)) => (layer.upper(), layer.path().join("work")),
