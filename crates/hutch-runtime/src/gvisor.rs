@@ -418,7 +418,19 @@ impl Runtime {
             }
         }
         let _ = fs::remove_file(to);
-        fs::rename(&from, to).map_err(io_err(format!("move {} to {}", from.display(), to.display())))
+        fs::rename(&from, to).map_err(io_err(format!("move {} to {}", from.display(), to.display())))?;
+        // The socket appears when the agent binds it, a moment before it
+        // listens: a connection in between is refused, so the first one
+        // the host makes waits here until one is accepted.
+        loop {
+            match std::os::unix::net::UnixStream::connect(to) {
+                Ok(_) => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(e) => return Err(RuntimeError::Io { what: format!("connect to {}", to.display()), source: e }),
+            }
+        }
     }
 
     fn seccomp_filters(&self) -> &[crate::seccomp::Filter] {

@@ -95,13 +95,9 @@ fn own_descriptors(dir: &std::path::Path) -> std::io::Result<()> {
     let sock = dir.join("agent.sock");
     // A restored sandbox finds the socket of the one it was checkpointed from.
     let _ = std::fs::remove_file(&sock);
-    // Bound and listening under another name first: the host takes the
-    // socket as soon as `agent.sock` appears, and a socket bound but not
-    // yet listening would refuse its first connection.
-    let fresh = dir.join("agent.sock.new");
-    let _ = std::fs::remove_file(&fresh);
-    let listener = std::os::unix::net::UnixListener::bind(&fresh)?;
-    std::fs::rename(&fresh, &sock)?;
+    // (Bound and listening at once; the host retries a connection refused
+    // between the two: gVisor's gofer refuses to rename a socket.)
+    let listener = std::os::unix::net::UnixListener::bind(&sock)?;
     let config = std::fs::File::open(dir.join("config"))?;
     let _ = std::fs::remove_file(dir.join("config"));
     // The sandbox's seccomp filters, which the container class installs
