@@ -174,7 +174,7 @@ pub fn check(cfg: &Config) -> Report {
         "build the kernel with CONFIG_SECCOMP_FILTER",
     ));
 
-    let landlock = landlock_abi();
+    let landlock = crate::process::landlock_abi();
     f.push(finding(
         "landlock",
         landlock > 0,
@@ -302,21 +302,6 @@ fn kill_supported(v2: &Path) -> bool {
         .ok()
         .and_then(|mut it| it.find_map(|e| e.ok().filter(|e| e.path().join("cgroup.kill").exists())))
         .is_some()
-}
-
-fn landlock_abi() -> i64 {
-    const LANDLOCK_CREATE_RULESET_VERSION: libc::c_uint = 1;
-    // SAFETY: with a null attribute and size 0 and the VERSION flag, the call
-    // only returns the ABI version.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_landlock_create_ruleset,
-            std::ptr::null::<u8>(),
-            0usize,
-            LANDLOCK_CREATE_RULESET_VERSION,
-        )
-    };
-    ret.max(0)
 }
 
 /// Whether /dev/kvm exists, and whether it is a real hypervisor: PVM (a

@@ -392,45 +392,39 @@ impl Runtime {
         Ok(cmd)
     }
 
-    /// Waits for the agent's socket in its directory and moves it where
-    /// only the host reaches it.
+    /// Waits until the agent accepts a connection on its socket in its
+    /// directory, then moves the socket where only the host reaches it.
+    ///
+    /// The socket appears when the agent binds it, a moment before it
+    /// listens, and the gofer makes the host's socket and its listen from
+    /// the path: a socket moved in between never listens. So the host
+    /// connects first, at the agent's own path (nothing but the agent runs
+    /// in the sandbox yet: no workload can have swapped it), retrying a
+    /// refused connection, and moves it only once one was accepted.
     pub(crate) fn take_agent_socket(&self, paths: &Paths, to: &Path) -> Result<(), RuntimeError> {
         let from = paths.agent_dir.join("agent.sock");
         let deadline = Instant::now() + AGENT_WAIT;
+        let waited = |e: io::Error| RuntimeError::Io {
+            what: format!("wait for the agent socket {}", from.display()),
+            source: e,
+        };
         loop {
-            match fs::symlink_metadata(&from) {
-                Ok(m) if m.file_type().is_socket() => break,
-                Ok(_) => {
-                    return Err(RuntimeError::Io {
-                        what: format!("the agent socket {}", from.display()),
-                        source: io::Error::new(io::ErrorKind::InvalidData, "not a socket"),
-                    })
-                }
-                Err(_) if Instant::now() < deadline && paths.sentry_pid().is_some() => {
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-                Err(e) => {
-                    return Err(RuntimeError::Io {
-                        what: format!("wait for the agent socket {}", from.display()),
-                        source: e,
-                    })
-                }
+            let retry = match fs::symlink_metadata(&from) {
+                Ok(m) if m.file_type().is_socket() => match std::os::unix::net::UnixStream::connect(&from) {
+                    Ok(_) => break,
+                    Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => e,
+                    Err(e) => return Err(waited(e)),
+                },
+                Ok(_) => return Err(waited(io::Error::new(io::ErrorKind::InvalidData, "not a socket"))),
+                Err(e) => e,
+            };
+            if Instant::now() >= deadline || paths.sentry_pid().is_none() {
+                return Err(waited(retry));
             }
+            std::thread::sleep(Duration::from_millis(1));
         }
         let _ = fs::remove_file(to);
-        fs::rename(&from, to).map_err(io_err(format!("move {} to {}", from.display(), to.display())))?;
-        // The socket appears when the agent binds it, a moment before it
-        // listens: a connection in between is refused, so the first one
-        // the host makes waits here until one is accepted.
-        loop {
-            match std::os::unix::net::UnixStream::connect(to) {
-                Ok(_) => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused && Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                Err(e) => return Err(RuntimeError::Io { what: format!("connect to {}", to.display()), source: e }),
-            }
-        }
+        fs::rename(&from, to).map_err(io_err(format!("move {} to {}", from.display(), to.display())))
     }
 
     fn seccomp_filters(&self) -> &[crate::seccomp::Filter] {
