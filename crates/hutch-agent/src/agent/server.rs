@@ -420,16 +420,7 @@ impl Agent {
     fn accept(&mut self) -> Result<(), Errno> {
         loop {
             match sys::accept(self.listener.as_fd()) {
-                Ok(fd) => {
-                    if self.out.conns.len() >= MAX_CONNS {
-                        continue;
-                    }
-                    let id = self.next_conn;
-                    self.next_conn += 1;
-                    let mut c = Conn::new(fd);
-                    self.epoll.update(c.fd.as_raw_fd(), token(T_CONN, id), &mut c.events, IN);
-                    self.out.conns.insert(id, c);
-                }
+                Ok(fd) => self.admit(fd, None),
                 Err(Errno(libc::EAGAIN)) => return Ok(()),
                 Err(Errno(libc::EINTR | libc::ECONNABORTED | libc::EPROTO | libc::EPERM)) => {}
                 Err(Errno(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)) => {
@@ -442,22 +433,26 @@ impl Agent {
         }
     }
 
+    /// Registers an accepted connection (of `tenant`, when accepted on a
+    /// tenant's socket); past [`MAX_CONNS`] it is closed at once.
+    fn admit(&mut self, fd: OwnedFd, tenant: Option<u64>) {
+        if self.out.conns.len() >= MAX_CONNS {
+            return;
+        }
+        let id = self.next_conn;
+        self.next_conn += 1;
+        let mut c = Conn::new(fd);
+        c.tenant = tenant;
+        self.epoll.update(c.fd.as_raw_fd(), token(T_CONN, id), &mut c.events, IN);
+        self.out.conns.insert(id, c);
+    }
+
     /// Accepts connections on a tenant's socket: each is the tenant's.
     fn accept_tenant(&mut self, tenant: u64) {
-        let Some(t) = self.tenants.get(tenant) else { return };
         loop {
+            let Some(t) = self.tenants.get(tenant) else { return };
             match sys::accept(t.listener.as_fd()) {
-                Ok(fd) => {
-                    if self.out.conns.len() >= MAX_CONNS {
-                        continue;
-                    }
-                    let id = self.next_conn;
-                    self.next_conn += 1;
-                    let mut c = Conn::new(fd);
-                    c.tenant = Some(tenant);
-                    self.epoll.update(c.fd.as_raw_fd(), token(T_CONN, id), &mut c.events, IN);
-                    self.out.conns.insert(id, c);
-                }
+                Ok(fd) => self.admit(fd, Some(tenant)),
                 Err(Errno(libc::EINTR | libc::ECONNABORTED | libc::EPROTO | libc::EPERM)) => {}
                 Err(_) => return,
             }
