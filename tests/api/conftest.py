@@ -822,6 +822,42 @@ def sandbox(api: Client):
     api.delete(f"/v1/sandboxes/{sb['id']}")
 
 
+def stop_and_clean(d: Daemon, problems: list[str], revive: bool = False) -> None:
+    """Stops a daemon (started or not) after deleting its sandboxes, and
+    checks the host holds nothing of it; what is wrong goes to `problems`.
+    `revive`: a daemon found dead is started once more to delete what it
+    left (its sandboxes are its own node's only)."""
+    if d.starts == 0:
+        d.release_net()
+        return
+    # Helpers a killed daemon left behind hold its port: end them first.
+    if not d.alive():
+        d.kill_strays()
+        if revive:
+            try:
+                d.start()
+            except AssertionError as e:
+                problems.append(str(e))
+    if d.alive():
+        problems += d.cleanup_all()
+        try:
+            d.stop()
+        except AssertionError as e:
+            problems.append(str(e))
+    d.kill_strays()
+    left = wait_for_host_clean(d)
+    if left:
+        problems.append(f"{d.name}: left on the host: {left}")
+        d.force_clean()
+    try:
+        wait_for("the network to leave the host", lambda: not d.network_leftovers(), timeout=10)
+    except AssertionError:
+        problems.append(f"{d.name}: network left on the host: {d.network_leftovers()}")
+        d.force_clean_network()
+    d.release_storage()
+    d.release_net()
+
+
 @pytest.fixture
 def own_daemon(tmp_root: Path, request: pytest.FixtureRequest):
     """A daemon the test manages itself (restarts, kills). At the end: every
@@ -832,36 +868,74 @@ def own_daemon(tmp_root: Path, request: pytest.FixtureRequest):
     root.mkdir(parents=True)
     d = Daemon(root, name="own")
     yield d
-    problems = []
-    if d.starts == 0:
-        d.release_net()
+    problems: list[str] = []
+    stop_and_clean(d, problems, revive=True)
+    assert not problems, problems
+
+
+@pytest.fixture(scope="session")
+def pg_admin():
+    """A PostgreSQL URL of a role that may create databases:
+    HUTCH_TEST_DAEMON_POSTGRES when set, else a throwaway cluster of this
+    session's own (scripts/pg-scratch.sh), stopped and removed at its end."""
+    given = os.environ.get("HUTCH_TEST_DAEMON_POSTGRES")
+    if given:
+        yield given
         return
-    # Helpers a killed daemon left behind hold its port: end them first.
-    if not d.alive():
-        d.kill_strays()
-    if d.alive():
-        problems += d.cleanup_all()
-        d.stop()
-    else:
-        # Bring it back once to delete what the test left.
-        try:
-            d.start()
-            problems += d.cleanup_all()
-            d.stop()
-        except AssertionError as e:
-            problems.append(str(e))
-    d.kill_strays()
-    left = wait_for_host_clean(d)
-    if left:
-        problems.append(f"left on the host after the test: {left}")
-        d.force_clean()
+    out = subprocess.run(
+        ["bash", "-c", 'source scripts/pg-scratch.sh >&2 && printf "%s\\n%s\\n" "$HUTCH_TEST_POSTGRES" "$pg_scratch_dir"'],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, f"pg-scratch.sh failed: {out.stderr}"
+    url, cluster = out.stdout.split()
     try:
-        wait_for("the network to leave the host", lambda: not d.network_leftovers(), timeout=10)
-    except AssertionError:
-        problems.append(f"network left on the host: {d.network_leftovers()}")
-        d.force_clean_network()
-    d.release_storage()
-    d.release_net()
+        yield url
+    finally:
+        # As pg_scratch_stop does (the cluster outlives the shell that made it).
+        stop = f'"$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)/pg_ctl" -D {cluster}/data -m immediate -w stop'
+        subprocess.run(["runuser", "-u", "postgres", "--", "bash", "-c", stop], capture_output=True, timeout=60)
+        subprocess.run(["rm", "-rf", cluster], timeout=60)
+
+
+@pytest.fixture
+def fleet_of(tmp_root: Path, pg_admin: str):
+    """A factory of fleets: `fleet_of(["a", "b", "c"], env={...})` starts one
+    daemon per node name (in that order; the first makes the admin key), each
+    with its own state, run dir, network instance and port, all on one new
+    PostgreSQL database, heartbeating every second. At the end: each node's
+    sandboxes deleted (a node found dead is started again for that), every
+    node stopped, the host checked clean, the database dropped."""
+    name = f"hutch_fleet_{time.monotonic_ns()}"
+    subprocess.run(["psql", "-q", pg_admin, "-c", f"CREATE DATABASE {name}"], check=True, timeout=30)
+    database = pg_admin.rsplit("/", 1)[0] + "/" + name
+    made: list[Daemon] = []
+
+    def make(names: list[str], env: dict[str, str] | None = None) -> list[Daemon]:
+        nodes = []
+        for node in names:
+            root = tmp_root / f"fleet-{len(list(tmp_root.glob('fleet-*')))}"
+            root.mkdir(parents=True)
+            d = Daemon(root, name=node)
+            d.database = database
+            d.extra_env.update({"HUTCH_NODE": node, "HUTCH_HEARTBEAT": "1s", **(env or {})})
+            made.append(d)
+            nodes.append(d)
+        for d in nodes:
+            d.start()
+        return nodes
+
+    problems: list[str] = []
+    try:
+        yield make
+    finally:
+        for d in reversed(made):
+            stop_and_clean(d, problems, revive=True)
+        subprocess.run(
+            ["psql", "-q", pg_admin, "-c", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"], timeout=30, check=False
+        )
     assert not problems, problems
 
 

@@ -3,110 +3,23 @@ its own node's sandboxes; reads show every node's; an operation on another
 node's sandbox is refused with `sandbox_on_other_node`; `/v1/nodes` lists
 both with their heartbeats.
 
-PostgreSQL: HUTCH_TEST_DAEMON_POSTGRES when set (a role that may create
-databases), else a throwaway cluster of this module's own
-(scripts/pg-scratch.sh), stopped and removed at its end."""
+The fleet's PostgreSQL comes from conftest's `pg_admin` (one throwaway
+cluster per test session unless HUTCH_TEST_DAEMON_POSTGRES names one)."""
 
 import json
-import os
 import subprocess
-import time
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Client, Daemon, expect_error, wait_for, wait_for_host_clean
+from conftest import Client, expect_error, wait_for
 
 NODE_A, NODE_B = "fleet-a", "fleet-b"
 
 
-@pytest.fixture(scope="module")
-def pg_admin():
-    """A PostgreSQL URL of a role that may create databases."""
-    given = os.environ.get("HUTCH_TEST_DAEMON_POSTGRES")
-    if given:
-        yield given
-        return
-    out = subprocess.run(
-        ["bash", "-c", 'source scripts/pg-scratch.sh >&2 && printf "%s\\n%s\\n" "$HUTCH_TEST_POSTGRES" "$pg_scratch_dir"'],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, f"pg-scratch.sh failed: {out.stderr}"
-    url, cluster = out.stdout.split()
-    try:
-        yield url
-    finally:
-        # As pg_scratch_stop does (the cluster outlives the shell that made it).
-        stop = f'"$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)/pg_ctl" -D {cluster}/data -m immediate -w stop'
-        subprocess.run(["runuser", "-u", "postgres", "--", "bash", "-c", stop], capture_output=True, timeout=60)
-        subprocess.run(["rm", "-rf", cluster], timeout=60)
-
-
-@pytest.fixture(scope="module")
-def database(pg_admin: str):
-    name = f"hutch_fleet_{time.monotonic_ns()}"
-    subprocess.run(["psql", "-q", pg_admin, "-c", f"CREATE DATABASE {name}"], check=True, timeout=30)
-    try:
-        yield pg_admin.rsplit("/", 1)[0] + "/" + name
-    finally:
-        subprocess.run(
-            ["psql", "-q", pg_admin, "-c", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"], timeout=30, check=False
-        )
-
-
-def stop_and_clean(d: Daemon, problems: list[str]) -> None:
-    """Stops a node (started or not) and checks its host is clean."""
-    if d.starts == 0:
-        d.release_net()
-        return
-    if not d.alive():
-        d.kill_strays()
-    if d.alive():
-        problems += d.cleanup_all()
-        try:
-            d.stop()
-        except AssertionError as e:
-            problems.append(str(e))
-    d.kill_strays()
-    left = wait_for_host_clean(d)
-    if left:
-        problems.append(f"{d.name}: left on the host: {left}")
-        d.force_clean()
-    try:
-        wait_for("the network to leave the host", lambda: not d.network_leftovers(), timeout=10)
-    except AssertionError:
-        problems.append(f"{d.name}: network left on the host: {d.network_leftovers()}")
-        d.force_clean_network()
-    d.release_storage()
-    d.release_net()
-
-
 @pytest.fixture
-def fleet(tmp_root: Path, database: str):
-    """Nodes A and B on one database, each with its own state, run dir,
-    network instance and port; A starts first (and makes the admin key)."""
-    nodes = []
-    for name in (NODE_A, NODE_B):
-        root = tmp_root / f"fleet-{name[-1]}"
-        root.mkdir(parents=True)
-        d = Daemon(root, name=name)
-        d.database = database
-        d.extra_env.update({"HUTCH_NODE": name, "HUTCH_HEARTBEAT": "1s"})
-        nodes.append(d)
-    a, b = nodes
-    problems: list[str] = []
-    try:
-        a.start()
-        b.start()
-        yield a, b
-    finally:
-        # A's sandboxes are deleted through A (B refuses them).
-        for d in (b, a):
-            stop_and_clean(d, problems)
-    assert not problems, problems
+def fleet(fleet_of):
+    """Nodes A and B on one database; A starts first (and makes the admin key)."""
+    return fleet_of([NODE_A, NODE_B])
 
 
 def node_of(c: Client, sandbox_id: str) -> dict:
