@@ -1,17 +1,21 @@
-"""Two daemons (nodes) sharing one PostgreSQL database: each acts only on
-its own node's sandboxes; reads show every node's; an operation on another
-node's sandbox is refused with `sandbox_on_other_node`; `/v1/nodes` lists
-both with their heartbeats.
+"""Nodes sharing one PostgreSQL database: any node answers any call (a
+call for another node's sandbox is forwarded to it, streams, WebSocket
+upgrades and the port proxy included); creates are placed across the
+nodes; each node's own work (its reconciler, its recovery) touches only
+its sandboxes; `/v1/nodes` lists them with their heartbeats.
 
 The fleet's PostgreSQL comes from conftest's `pg_admin` (one throwaway
 cluster per test session unless HUTCH_TEST_DAEMON_POSTGRES names one)."""
 
-import json
+import base64
 import subprocess
+import time
 
 import pytest
 
-from conftest import Client, expect_error, wait_for
+import requests
+
+from conftest import Client, EventStream, expect_error, stdout_of, wait_for
 
 NODE_A, NODE_B = "fleet-a", "fleet-b"
 
@@ -51,18 +55,16 @@ def test_nodes_share_a_database_and_act_only_on_their_own_sandboxes(fleet):
     assert mine and mine[0]["node"] == NODE_A, listed
     assert node_of(on_b, sid)["state"] == "running"
 
-    # B refuses to act on it, naming the owner node; nothing changed.
-    for method, path, body in [
-        ("POST", f"/v1/sandboxes/{sid}/exec", {"command": "echo no"}),
-        ("DELETE", f"/v1/sandboxes/{sid}", None),
-        ("POST", f"/v1/sandboxes/{sid}/suspend", {"mode": "memory"}),
-        ("POST", f"/v1/sandboxes/{sid}/extend", {"by": 60}),
-        ("GET", f"/v1/sandboxes/{sid}/files?path=/etc/hostname", None),
-    ]:
-        kw = {"data": json.dumps(body), "headers": {"Content-Type": "application/json"}} if body else {}
-        r = on_b.request(method, path, **kw)
-        e = expect_error(r, 409, "sandbox_on_other_node")
-        assert NODE_A in e["error"], e
+    # B answers for it: the calls are forwarded to A, which acts.
+    assert on_b.exec(sid, "echo via b")["stdout"] == "via b\n"
+    r = on_b.post(f"/v1/sandboxes/{sid}/extend", {"by": 60})
+    assert r.status_code == 200, r.text
+
+    # A call that says a node forwarded it is answered where it lands:
+    # B, which does not act on A's sandbox (nothing loops).
+    r = on_b.post(f"/v1/sandboxes/{sid}/exec", {"command": "echo no"}, headers={"hutch-node": NODE_A})
+    e = expect_error(r, 409, "sandbox_on_other_node")
+    assert NODE_A in e["error"], e
 
     # B's reconciler runs past A's sandbox (three more passes) and ends nothing of it.
     start = ticks(on_b)
@@ -105,3 +107,111 @@ def test_nodes_share_a_database_and_act_only_on_their_own_sandboxes(fleet):
     r = on_a.delete(f"/v1/sandboxes/{sid}")
     assert r.status_code == 200, r.text
     assert node_of(on_b, sid)["state"] == "terminated"
+
+
+def test_any_node_answers_for_any_sandbox_and_creates_spread(fleet_of):
+    """Three nodes: 30 sandboxes created through A land on all three; each
+    is listed, executed in and has its files written and read through the
+    other nodes; streams, a PTY and the port proxy pass through a node
+    that does not own the sandbox; E2B's API too."""
+    import websocket
+
+    from test_proxy import grant, start_app, via_path
+
+    a, b, c = fleet_of(["fleet-a", "fleet-b", "fleet-c"])
+    key = a.admin_key()
+    via = {d.name: Client(d.base, key, a.clients if d is a else None) for d in (a, b, c)}
+
+    made = [via["fleet-a"].create() for _ in range(30)]
+    nodes = {sb["node"] for sb in made}
+    assert nodes == {"fleet-a", "fleet-b", "fleet-c"}, [sb["node"] for sb in made]
+
+    listed = {s["id"]: s["node"] for s in via["fleet-c"].list_all()}
+    for sb in made:
+        assert listed.get(sb["id"]) == sb["node"], (sb, listed.get(sb["id"]))
+
+    for i, sb in enumerate(made):
+        sid = sb["id"]
+        others = [n for n in ("fleet-a", "fleet-b", "fleet-c") if n != sb["node"]]
+        first, second = via[others[0]], via[others[1]]
+        out = first.exec(sid, f"echo {sid} > /workspace/who; cat /workspace/who")
+        assert out["exit_code"] == 0 and out["stdout"] == f"{sid}\n", out
+        r = second.get(f"/v1/sandboxes/{sid}/files", params={"path": "/workspace/who"})
+        assert r.status_code == 200 and r.content == f"{sid}\n".encode(), (r.status_code, r.text)
+        data = base64.b64encode(f"file {i}".encode()).decode()
+        r = second.post(f"/v1/sandboxes/{sid}/files/write", {"path": "/workspace/n", "data": data})
+        assert r.status_code == 204, r.text
+        assert via[sb["node"]].sh(sid, "cat /workspace/n") == f"file {i}"
+
+    # A stream (NDJSON) through a node that does not own the sandbox.
+    remote = next(sb for sb in made if sb["node"] == "fleet-c")
+    sid = remote["id"]
+    r = via["fleet-a"].exec_raw(
+        sid,
+        {"command": "echo first; sleep 0.2; echo second"},
+        headers={"Accept": "application/x-ndjson"},
+        stream=True,
+    )
+    assert r.status_code == 200, r.text
+    stream = EventStream(r)
+    events = stream.rest()
+    assert stdout_of(events) == "first\nsecond\n", events
+
+    # A PTY (a WebSocket upgrade) through B.
+    url = f"{b.base.replace('http://', 'ws://', 1)}/v1/sandboxes/{sid}/pty"
+    ws = websocket.create_connection(url, header=[f"Authorization: Bearer {key}"], timeout=30)
+    try:
+        ws.send_binary(b"echo pty-$((6*7))\n")
+        seen = b""
+        deadline = time.monotonic() + 30
+        while b"pty-42" not in seen and time.monotonic() < deadline:
+            op, data = ws.recv_data()
+            if op == websocket.ABNF.OPCODE_BINARY:
+                seen += data
+        assert b"pty-42" in seen, seen
+    finally:
+        ws.close()
+
+    # The port proxy's path form through A, with an access grant made through B.
+    start_app(via["fleet-b"], sid)
+    token = grant(via["fleet-b"], sid)["token"]
+    r = via_path(a, sid, "/hello", token)
+    assert r.status_code == 200, r.text
+
+    # Without a key, the owner node refuses it, as it would directly.
+    r = requests.post(f"{a.base}/v1/sandboxes/{sid}/exec", json={"command": "true"}, timeout=30)
+    expect_error(r, 401, "unauthorized")
+
+    # E2B: a create through A, read and killed through the others.
+    e2b = {"X-API-Key": key}
+    r = requests.post(f"{a.base}/sandboxes", json={"templateID": "base"}, headers=e2b, timeout=60)
+    assert r.status_code == 201, r.text
+    eid = r.json()["sandboxID"]
+    for d in (b, c):
+        r = requests.get(f"{d.base}/sandboxes/{eid}", headers=e2b, timeout=30)
+        assert r.status_code == 200 and r.json()["sandboxID"] == eid, r.text
+    r = requests.delete(f"{c.base}/sandboxes/{eid}", headers=e2b, timeout=60)
+    assert r.status_code == 204, r.text
+
+    # Deletes through any node.
+    for i, sb in enumerate(made):
+        r = via[("fleet-a", "fleet-b", "fleet-c")[i % 3]].delete(f"/v1/sandboxes/{sb['id']}")
+        assert r.status_code == 200, r.text
+    states = {s["id"]: s["state"] for s in via["fleet-b"].list_all()}
+    assert all(states.get(sb["id"], "terminated") == "terminated" for sb in made), states
+
+
+def test_a_node_that_does_not_answer_is_named(fleet_of):
+    """A call for the sandbox of a node that is down is refused with
+    `node_unreachable`, naming the node; once it is back, calls reach it."""
+    a, b = fleet_of(["fleet-a", "fleet-b"])
+    key = a.admin_key()
+    on_a, on_b = Client(a.base, key, a.clients), Client(b.base, key, b.clients)
+    # Creates through B spread over both nodes: take one that landed on B.
+    sid = wait_for("a sandbox on fleet-b", lambda: (sb := on_b.create())["node"] == "fleet-b" and sb["id"], timeout=60)
+    b.kill9()
+    r = on_a.post(f"/v1/sandboxes/{sid}/exec", {"command": "true"})
+    e = expect_error(r, 502, "node_unreachable")
+    assert "fleet-b" in e["error"], e
+    b.start()
+    assert on_a.exec(sid, "echo back")["stdout"] == "back\n"

@@ -51,6 +51,9 @@ pub enum ErrorCode {
     /// The sandbox lives on another node of the fleet (the message names
     /// it); this node does not act on it. Ask that node.
     SandboxOnOtherNode,
+    /// The sandbox's node did not answer the request this node forwarded
+    /// to it (it is down or unreachable); nothing was done.
+    NodeUnreachable,
     /// All command slots of the sandbox are in use; nothing was started.
     SandboxCommandCapacity,
     /// The host cannot start another sandbox now.
@@ -232,7 +235,10 @@ impl ErrorCode {
             | ErrorCode::QuotaExceeded
             | ErrorCode::WebhookLimitReached => 429,
             ErrorCode::Internal => 500,
-            ErrorCode::SandboxPortUnreachable | ErrorCode::RegistryError | ErrorCode::ImageBuildFailed => 502,
+            ErrorCode::SandboxPortUnreachable
+            | ErrorCode::RegistryError
+            | ErrorCode::ImageBuildFailed
+            | ErrorCode::NodeUnreachable => 502,
             ErrorCode::SandboxStartFailed
             | ErrorCode::SandboxStartupFailed
             | ErrorCode::SandboxReadinessTimeout
@@ -253,6 +259,7 @@ impl ErrorCode {
             ErrorCode::ExecutionOutcomeUnknown => "execution_outcome_unknown",
             ErrorCode::SandboxSessionNotRunning => "sandbox_session_not_running",
             ErrorCode::SandboxOnOtherNode => "sandbox_on_other_node",
+            ErrorCode::NodeUnreachable => "node_unreachable",
             ErrorCode::SandboxCommandCapacity => "sandbox_command_capacity",
             ErrorCode::SandboxCapacityUnavailable => "sandbox_capacity_unavailable",
             ErrorCode::SandboxStartFailed => "sandbox_start_failed",

@@ -208,6 +208,8 @@ pub struct Control {
     pub(crate) hosts: crate::process::Hosts,
     /// This daemon's node: it acts only on sandboxes of this node.
     pub(crate) node: crate::nodes::NodeConfig,
+    /// What this daemon last read of the fleet, for routing and placement.
+    pub(crate) fleet: crate::nodes::FleetView,
 }
 
 /// The stable digest of a request body, for idempotency checks.
@@ -340,6 +342,7 @@ impl Control {
             egress_bundle: config.egress_bundle,
             hosts: crate::process::Hosts::default(),
             node: config.node,
+            fleet: Default::default(),
             history: Arc::new(crate::history::History::default()),
             audit: crate::audit::Auditor::default(),
             events: crate::events::Events::new(config.events),

@@ -65,6 +65,8 @@ pub struct Metrics {
     /// warm pool that found none ready.
     pub warm_claims_total: AtomicU64,
     pub warm_misses_total: AtomicU64,
+    /// Creates no node of the fleet could take (placement found none).
+    pub placement_failures_total: AtomicU64,
     /// Time to start one warm sandbox.
     pub warm_refill: Histogram,
     /// Ready warm sandboxes per template, as of the last reconciler tick.
@@ -109,6 +111,7 @@ impl Default for Metrics {
             reconciler_ticks_total: AtomicU64::new(0),
             warm_claims_total: AtomicU64::new(0),
             warm_misses_total: AtomicU64::new(0),
+            placement_failures_total: AtomicU64::new(0),
             warm_refill: Histogram::new(LATENCY),
             warm_pool_sizes: Mutex::new(Vec::new()),
         }
@@ -116,6 +119,11 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// A create that no node of the fleet could take.
+    pub fn placement_failed(&self) {
+        self.placement_failures_total.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn set_reconciler_lag(&self, secs: f64) {
         self.reconciler_lag.store(secs.to_bits(), Ordering::Relaxed);
     }
@@ -183,6 +191,12 @@ impl Metrics {
             "# HELP hutch_warm_misses_total Creates of a template with a warm pool that found none ready.\n\
              # TYPE hutch_warm_misses_total counter\nhutch_warm_misses_total {}",
             self.warm_misses_total.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP hutch_placement_failures_total Creates no node of the fleet could take.\n\
+             # TYPE hutch_placement_failures_total counter\nhutch_placement_failures_total {}",
+            self.placement_failures_total.load(Ordering::Relaxed)
         );
         self.warm_refill.render("hutch_warm_refill_seconds", "Time to start one warm sandbox.", &mut out);
         out

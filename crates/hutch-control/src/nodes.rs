@@ -7,16 +7,27 @@
 //! deletions, revoked keys), its warm pools and its idle sweep read only
 //! its node's sandboxes; an operation through the API on another node's
 //! sandbox is refused with `sandbox_on_other_node` (naming the node).
-//! Reads (list, get) show every node's sandboxes. Not yet: forwarding to
-//! the owner node, placement across nodes, lost-node handling.
+//! Reads (list, get) show every node's sandboxes.
+//!
+//! Routing: any node answers any call. The HTTP layer asks
+//! [`Control::locate`] where a sandbox lives and forwards the request to
+//! the owner node's advertised URL ([`Route::Node`]); a create asks
+//! [`Control::place`] which node should take it (class support, a warm
+//! sandbox of its template, free capacity). Both read a [`FleetView`]
+//! kept for one heartbeat, so a lone node pays nothing per request. A
+//! forwarded request names its node and, with a fleet secret, is signed
+//! ([`Control::sign_forward`], [`Control::verify_forward`]).
 
 use crate::control::{now_ms, rfc3339, Control, Need};
 use crate::error::{ControlError, Result};
 use crate::ids::{Caller, SandboxId};
+use hmac::{Hmac, Mac};
 use hutch_api::{Node, NodeCapacity, NodeList};
 use hutch_store::{NodeRecord, NodeState, SandboxRecord};
-use std::sync::Arc;
-use std::time::Duration;
+use sha2::Sha256;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// The node name of a daemon not told one, and of every sandbox made
 /// before nodes existed.
@@ -33,12 +44,15 @@ pub struct NodeConfig {
     /// The URL its API is reached at.
     pub advertise: String,
     pub heartbeat: Duration,
+    /// The fleet's shared secret, which signs forwarded requests (None:
+    /// forwarded requests are unsigned and carry no trust of their own).
+    pub secret: Option<Arc<[u8]>>,
 }
 
 impl NodeConfig {
     /// The local node, for tests.
     pub fn local() -> NodeConfig {
-        NodeConfig { name: LOCAL.to_owned(), advertise: String::new(), heartbeat: DEFAULT_HEARTBEAT }
+        NodeConfig { name: LOCAL.to_owned(), advertise: String::new(), heartbeat: DEFAULT_HEARTBEAT, secret: None }
     }
 }
 
@@ -150,6 +164,207 @@ impl Control {
                 })
                 .collect(),
         })
+    }
+}
+
+/// Where a request is answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Route {
+    /// By this node.
+    Here,
+    /// By another node of the fleet, at its advertised URL.
+    Node { name: String, url: String },
+}
+
+/// A signed forward is honoured this long after it was signed (clocks of
+/// the fleet's hosts are assumed to agree within it).
+pub const FORWARD_SKEW_S: i64 = 60;
+
+/// What this daemon last read of the fleet: the nodes, their sandboxes and
+/// their warm sandboxes per template. Read again after a heartbeat's time;
+/// placements made meanwhile are counted in, so a burst of creates spreads.
+#[derive(Default)]
+pub(crate) struct FleetView(Mutex<Option<View>>);
+
+#[derive(Clone)]
+struct View {
+    read: Instant,
+    nodes: Arc<Vec<NodeRecord>>,
+    /// Sandboxes (not terminated) per node.
+    counts: HashMap<String, u64>,
+    /// Ready warm sandboxes per (node, template id).
+    warm: HashMap<(String, String), u64>,
+}
+
+impl FleetView {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<View>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Control {
+    /// The fleet as last read (again when older than a heartbeat); None
+    /// when it cannot be read (the caller answers here, which says what
+    /// is wrong in its own words).
+    async fn fleet_view(&self) -> Option<View> {
+        let max_age = self.node.heartbeat.min(Duration::from_secs(5));
+        if let Some(v) = self.fleet.lock().as_ref() {
+            if v.read.elapsed() < max_age {
+                return Some(v.clone());
+            }
+        }
+        let read = self.db(|s| Ok((s.list_nodes()?, s.count_by_node()?, s.pooled_sandboxes(None)?))).await;
+        let (nodes, counts, pooled) = match read {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!("node {}: cannot read the fleet: {e}", self.node.name);
+                return None;
+            }
+        };
+        let mut warm: HashMap<(String, String), u64> = HashMap::new();
+        for p in pooled.iter().filter(|p| p.state == hutch_api::SandboxState::Running) {
+            if let Some(t) = &p.template_id {
+                *warm.entry((p.node.clone(), t.clone())).or_default() += 1;
+            }
+        }
+        let view = View { read: Instant::now(), nodes: Arc::new(nodes), counts: counts.into_iter().collect(), warm };
+        *self.fleet.lock() = Some(view.clone());
+        Some(view)
+    }
+
+    /// Whether a node is there to take requests: active or draining (it
+    /// still answers for its sandboxes), heartbeating within three beats.
+    fn answering(&self, n: &NodeRecord, now: i64) -> bool {
+        let silent = Duration::from_millis((now - n.heartbeat_at).max(0) as u64);
+        n.state != NodeState::Lost && !n.advertise.is_empty() && silent <= self.node.heartbeat * 3
+    }
+
+    fn others_take_creates(&self, view: &View, now: i64) -> bool {
+        view.nodes.iter().any(|n| n.name != self.node.name && n.state == NodeState::Active && self.answering(n, now))
+    }
+
+    /// Whether no other node takes creates now (a lone daemon, or a fleet
+    /// whose other nodes are silent, lost or draining): creates stay here.
+    pub async fn alone(&self) -> bool {
+        match self.fleet_view().await {
+            Some(view) => !self.others_take_creates(&view, now_ms()),
+            None => true,
+        }
+    }
+
+    /// Where calls for sandbox `id` are answered: here when it is this
+    /// node's (or unknown, or malformed: this node says so), else at its
+    /// node's advertised URL. A node that is lost, or advertises no URL,
+    /// is not asked: this node answers (its state says what happened).
+    pub async fn locate(&self, id: &str) -> Route {
+        let Ok(id) = SandboxId::parse(id) else { return Route::Here };
+        if self.live(&id).is_some() {
+            return Route::Here;
+        }
+        let Some(view) = self.fleet_view().await else { return Route::Here };
+        if view.nodes.iter().all(|n| n.name == self.node.name) {
+            return Route::Here;
+        }
+        let node = match self.db(move |s| s.get_sandbox(id.as_str())).await {
+            Ok(Some(r)) if r.node != self.node.name => r.node,
+            _ => return Route::Here,
+        };
+        match view.nodes.iter().find(|n| n.name == node) {
+            Some(n) if n.state != NodeState::Lost && !n.advertise.is_empty() => {
+                Route::Node { name: n.name.clone(), url: n.advertise.clone() }
+            }
+            _ => Route::Here,
+        }
+    }
+
+    /// The node a create of `template` (None: `base`) by `caller` goes to:
+    /// among the active nodes heartbeating within three beats that run the
+    /// template's class and have room, one holding a warm sandbox of it,
+    /// else the one with the largest free share of its capacity; this node
+    /// wins ties. Here when no other node qualifies (this node then takes
+    /// it or refuses it in its own words) or the template is unknown.
+    pub async fn place(&self, caller: &Caller, template: Option<&str>) -> Route {
+        let Some(view) = self.fleet_view().await else { return Route::Here };
+        let now = now_ms();
+        if !self.others_take_creates(&view, now) {
+            return Route::Here;
+        }
+        let Ok(recipe) = self.recipe(&caller.owner, template).await else { return Route::Here };
+        let class = recipe.class.as_str();
+        let chosen = view
+            .nodes
+            .iter()
+            .filter(|n| n.state == NodeState::Active && (n.name == self.node.name || self.answering(n, now)))
+            .filter(|n| n.classes.iter().any(|c| c == class))
+            .filter_map(|n| {
+                let used = view.counts.get(&n.name).copied().unwrap_or(0);
+                let free = n.sandboxes.saturating_sub(used);
+                let warm =
+                    recipe.id.as_ref().map_or(0, |t| view.warm.get(&(n.name.clone(), t.clone())).copied().unwrap_or(0));
+                (free > 0 || warm > 0).then(|| {
+                    let share = free.saturating_mul(1000) / n.sandboxes.max(1);
+                    ((warm > 0, share, n.name == self.node.name), n)
+                })
+            })
+            .max_by_key(|(key, _)| *key)
+            .map(|(_, n)| n);
+        let Some(n) = chosen else {
+            self.metrics.placement_failed();
+            return Route::Here;
+        };
+        // Count it in until the next read, so a burst spreads.
+        if let Some(v) = self.fleet.lock().as_mut() {
+            *v.counts.entry(n.name.clone()).or_default() += 1;
+            if let Some(t) = &recipe.id {
+                if let Some(w) = v.warm.get_mut(&(n.name.clone(), t.clone())) {
+                    *w = w.saturating_sub(1);
+                }
+            }
+        }
+        if n.name == self.node.name {
+            Route::Here
+        } else {
+            Route::Node { name: n.name.clone(), url: n.advertise.clone() }
+        }
+    }
+
+    fn forward_mac(&self, secret: &[u8], node: &str, at: i64, method: &str, path: &str, client: &str) -> Hmac<Sha256> {
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes keys of any length");
+        for part in [node, &at.to_string(), method, path, client] {
+            mac.update(part.as_bytes());
+            mac.update(b"\n");
+        }
+        mac
+    }
+
+    /// The signature of a request this node forwards (None without a
+    /// fleet secret): over this node's name, the time, the method, the
+    /// path and query, and the client's address it vouches for.
+    pub fn sign_forward(&self, at: i64, method: &str, path: &str, client: &str) -> Option<String> {
+        let secret = self.node.secret.as_ref()?;
+        let mac = self.forward_mac(secret, &self.node.name, at, method, path, client);
+        Some(hex::encode(mac.finalize().into_bytes()))
+    }
+
+    /// Whether a forwarded request's signature is a fleet node's, made
+    /// within [`FORWARD_SKEW_S`] of `now` (seconds). False without a secret.
+    #[allow(clippy::too_many_arguments)]
+    pub fn verify_forward(
+        &self,
+        node: &str,
+        at: i64,
+        now: i64,
+        method: &str,
+        path: &str,
+        client: &str,
+        signature: &str,
+    ) -> bool {
+        let Some(secret) = self.node.secret.as_ref() else { return false };
+        if (now - at).abs() > FORWARD_SKEW_S || !valid_name(node) {
+            return false;
+        }
+        let Ok(sig) = hex::decode(signature) else { return false };
+        self.forward_mac(secret, node, at, method, path, client).verify_slice(&sig).is_ok()
     }
 }
 

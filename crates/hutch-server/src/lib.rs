@@ -16,6 +16,7 @@ mod e2b;
 pub mod egress;
 mod events;
 mod extract;
+pub mod fleet;
 #[doc(hidden)]
 pub mod fuzz_api;
 mod images;
@@ -46,6 +47,14 @@ pub use routes::router;
 /// Shared state of every handler.
 pub struct App {
     pub control: Arc<Control>,
+    /// Connections to the fleet's other nodes.
+    pub forwarder: fleet::Forwarder,
+}
+
+impl App {
+    pub fn new(control: Arc<Control>) -> App {
+        App { control, forwarder: Default::default() }
+    }
 }
 
 /// An error as the API answers it.

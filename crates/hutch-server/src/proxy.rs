@@ -516,7 +516,7 @@ fn request_token(headers: &HeaderMap) -> Option<String> {
 
 /// Whether the request asks for a WebSocket upgrade, the only protocol
 /// the proxy switches to.
-fn wants_upgrade(headers: &HeaderMap) -> bool {
+pub(crate) fn wants_upgrade(headers: &HeaderMap) -> bool {
     connection_tokens(headers).iter().any(|t| t == "upgrade")
         && headers.get_all(header::UPGRADE).iter().any(|v| upgrade_offers_websocket(v.as_bytes()))
 }

@@ -98,6 +98,9 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
         .layer(middleware::from_fn_with_state(app.clone(), crate::proxy::by_host))
         // Mutating calls of every API, recorded at their response's start.
         .layer(middleware::from_fn_with_state(app.clone(), crate::audit::layer))
+        // Calls for another node's sandboxes, and creates placed elsewhere,
+        // are passed to that node before anything here reads them.
+        .layer(middleware::from_fn_with_state(app.clone(), crate::fleet::route))
         .with_state(app)
 }
 

@@ -46,6 +46,13 @@ pub struct ServeArgs {
     /// Time between the node's heartbeats in the database (HUTCH_HEARTBEAT).
     #[arg(long, env = "HUTCH_HEARTBEAT", default_value = "5s", value_parser = crate::units::parse_duration)]
     pub heartbeat: Duration,
+    /// A file holding the fleet's shared secret (32 or more visible ASCII
+    /// characters, the same on every node): requests one node forwards to
+    /// another are signed with it, so the owner node trusts the client
+    /// address they vouch for. Without it forwarding still works, unsigned
+    /// (HUTCH_FLEET_SECRET_FILE).
+    #[arg(long, env = "HUTCH_FLEET_SECRET_FILE", value_name = "PATH")]
+    pub fleet_secret_file: Option<std::path::PathBuf>,
     /// Which hutch network of this host to use, 0 to 31: its own subnet
     /// 100.(96+N).0.0/16, nftables table and links, for daemons side by
     /// side (HUTCH_NET_INSTANCE).
@@ -328,6 +335,18 @@ async fn setup_network(
 /// The key of the E2B API's sandbox access tokens: 32 random bytes in
 /// `<state>/e2b.secret` (mode 0600), made on first start. Deleting it
 /// revokes every token at the next start.
+/// A token or secret read from the file a flag names: `min` or more
+/// visible ASCII characters, surrounding white space dropped.
+fn secret_file(flag: &str, path: Option<&std::path::Path>, min: usize) -> Result<Option<String>> {
+    let Some(path) = path else { return Ok(None) };
+    let text = std::fs::read_to_string(path).with_context(|| format!("read {flag} {}", path.display()))?;
+    let token = text.trim();
+    if token.len() < min || !token.bytes().all(|b| b.is_ascii_graphic()) {
+        anyhow::bail!("{flag} {}: it must hold {min} or more visible ASCII characters", path.display());
+    }
+    Ok(Some(token.to_owned()))
+}
+
 fn e2b_secret(state_dir: &std::path::Path) -> Result<Vec<u8>> {
     let path = state_dir.join("e2b.secret");
     match std::fs::read_to_string(&path) {
@@ -473,21 +492,8 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
                 .ok_or_else(|| anyhow::anyhow!("--e2b-domain {d:?} is not a domain name (with an optional port)"))?,
         ),
     };
-    let metrics_token = match &args.metrics_token_file {
-        None => None,
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("read --metrics-token-file {}", path.display()))?;
-            let token = text.trim();
-            if token.len() < 16 || !token.bytes().all(|b| b.is_ascii_graphic()) {
-                anyhow::bail!(
-                    "--metrics-token-file {}: the token must be 16 or more visible ASCII characters",
-                    path.display()
-                );
-            }
-            Some(token.to_owned())
-        }
-    };
+    let metrics_token = secret_file("--metrics-token-file", args.metrics_token_file.as_deref(), 16)?;
+    let fleet_secret = secret_file("--fleet-secret-file", args.fleet_secret_file.as_deref(), 32)?;
     let e2b_registries: Vec<String> =
         args.e2b_registries.iter().map(|r| r.trim().to_ascii_lowercase()).filter(|r| !r.is_empty()).collect();
     // The egress proxy that injects secrets, on the gateway address.
@@ -518,7 +524,12 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
             },
         },
         egress_bundle: egress.as_ref().map(|(_, _, bundle)| bundle.clone()),
-        node: hutch_control::nodes::NodeConfig { name: node.clone(), advertise, heartbeat: args.heartbeat },
+        node: hutch_control::nodes::NodeConfig {
+            name: node.clone(),
+            advertise,
+            heartbeat: args.heartbeat,
+            secret: fleet_secret.map(|s| std::sync::Arc::from(s.into_bytes())),
+        },
     };
     let control = Control::new(store.clone(), runtime, config);
     // The event sequence goes on from the store before anything emits.
@@ -612,7 +623,7 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         limits.max_unauthenticated(),
         limits.max_client_connections
     );
-    let app = Arc::new(hutch_server::App { control: control.clone() });
+    let app = Arc::new(hutch_server::App::new(control.clone()));
     let stopping = Arc::new(tokio::sync::Notify::new());
     let notify = stopping.clone();
     let shutdown = async move {

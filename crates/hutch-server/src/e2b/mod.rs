@@ -184,7 +184,7 @@ impl IntoResponse for E2bError {
 
 /// A Connect error code's name and HTTP status, for each of hutch's codes:
 /// the one place that maps them, exhaustive, no wildcard.
-fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
+pub(crate) fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
     match code {
         ErrorCode::Unauthorized => ("unauthenticated", StatusCode::UNAUTHORIZED),
         ErrorCode::InvalidRequest | ErrorCode::InvalidPath | ErrorCode::SandboxPathNotDirectory => {
@@ -231,9 +231,10 @@ fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         | ErrorCode::GrantExpired => ("unauthenticated", StatusCode::UNAUTHORIZED),
         ErrorCode::AccessTokenWrongTarget => ("permission_denied", StatusCode::FORBIDDEN),
         ErrorCode::AccessGrantCapacity => ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS),
-        ErrorCode::SandboxPortUnreachable | ErrorCode::RegistryError | ErrorCode::ImageBuildFailed => {
-            ("unavailable", StatusCode::BAD_GATEWAY)
-        }
+        ErrorCode::SandboxPortUnreachable
+        | ErrorCode::RegistryError
+        | ErrorCode::ImageBuildFailed
+        | ErrorCode::NodeUnreachable => ("unavailable", StatusCode::BAD_GATEWAY),
         ErrorCode::Forbidden | ErrorCode::GrantScope => ("permission_denied", StatusCode::FORBIDDEN),
         ErrorCode::QuotaExceeded | ErrorCode::WebhookLimitReached => {
             ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS)
