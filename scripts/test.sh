@@ -53,6 +53,12 @@ python3 -m pip install --quiet --disable-pip-version-check -r tests/api/requirem
 # build.rs; without them its terminal says it was built without xterm).
 (cd console && npm ci --no-audit --no-fund --loglevel=error)
 cargo build --workspace --all-targets
+# The deployment files (deploy/: the Helm chart, rendered here by the
+# test's own template evaluator, its plain manifests, the Nomad job, the
+# systemd unit), checked as data against `hutch serve`'s flags and
+# variables: there is no helm, nomad or cluster here. A second or so.
+python3 -m pip install --quiet --disable-pip-version-check -r tests/deploy/requirements.txt
+python3 -m pytest tests/deploy -q -p no:cacheprovider
 # A private PostgreSQL cluster (a temporary directory, a unix socket there,
 # no TCP port) for the store's tests on PostgreSQL: HUTCH_TEST_POSTGRES
 # names it; it is stopped and removed when this script exits.

@@ -1,0 +1,540 @@
+"""The deployment files (deploy/): the Helm chart, its plain manifests and
+kustomization, the Nomad job, the systemd unit and the image's Dockerfile.
+
+There is no helm, kubectl, nomad or cluster on the test machines: the
+chart is rendered by gotmpl.py (the Go template subset it uses) and the
+objects are checked as data: the kinds, image, privileges, host
+namespaces and paths, probes, the environment (every HUTCH_* variable
+named anywhere in deploy/ must be one hutch reads), and that the plain
+manifests are what the chart renders with its default values.
+"""
+
+import glob
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import hcl2
+import pytest
+import yaml
+
+from gotmpl import Missing, Renderer, TemplateError
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+CHART = DEPLOY / "helm" / "hutch"
+K8S = DEPLOY / "k8s"
+NOMAD = DEPLOY / "nomad" / "hutch.nomad.hcl"
+UNIT = DEPLOY / "systemd" / "hutch.service"
+DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
+SERVE_RS = ROOT / "crates" / "hutch" / "src" / "serve.rs"
+MANAGED_BY = "app.kubernetes.io/managed-by"
+
+
+# --- what hutch reads -------------------------------------------------------
+
+def serve_args():
+    """{flag: env} of `hutch serve`, from its clap definitions (hidden
+    flags left out, as `--help` does)."""
+    src = SERVE_RS.read_text()
+    body = re.search(r"pub struct ServeArgs \{(.*?)\n\}", src, re.S).group(1)
+    args = {}
+    for attr, field in re.findall(r"#\[arg\((.*?)\)\]\s*(?:///[^\n]*\s*)*pub (\w+):", body, re.S):
+        if not re.search(r"\blong\b", attr) or re.search(r"\bhide\s*=\s*true", attr):
+            continue
+        named = re.search(r'\blong\s*=\s*"([^"]+)"', attr)
+        flag = "--" + (named.group(1) if named else field.replace("_", "-"))
+        env = re.search(r'\benv\s*=\s*"(HUTCH_\w+)"', attr)
+        args[flag] = env.group(1) if env else None
+    assert len(args) > 20, f"ServeArgs not understood: {args}"
+    return args
+
+
+def runtime_env():
+    """HUTCH_* variables the crates read themselves (std::env::var)."""
+    names = set()
+    for path in glob.glob(str(ROOT / "crates" / "*" / "src" / "**" / "*.rs"), recursive=True):
+        for name in re.findall(r'env::var(?:_os)?\(\s*"(HUTCH_\w+)"', Path(path).read_text()):
+            names.add(name)
+    return names
+
+
+def known_env():
+    return {e for e in serve_args().values() if e} | runtime_env()
+
+
+def hutch_binary():
+    given = os.environ.get("HUTCH_BIN")
+    candidates = [given] if given else []
+    candidates += [str(ROOT / "target" / "x86_64-unknown-linux-gnu" / "debug" / "hutch"),
+                   str(ROOT / "target" / "debug" / "hutch")]
+    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+
+
+def test_the_clap_definitions_read_here_are_what_the_binary_accepts():
+    binary = hutch_binary()
+    if binary is None:
+        pytest.skip("no built hutch binary (scripts/test.sh builds one before this stage)")
+    out = subprocess.run([binary, "serve", "--help"], capture_output=True, text=True, check=True).stdout
+    flags = set(re.findall(r"^\s+(--[a-z0-9-]+)", out, re.M)) - {"--help"}
+    envs = set(re.findall(r"\[env: (HUTCH_\w+)", out))
+    args = serve_args()
+    assert flags == set(args), f"serve.rs {sorted(args)} vs --help {sorted(flags)}"
+    assert envs == {e for e in args.values() if e}
+
+
+def hutch_vars_in(text):
+    return set(re.findall(r"\bHUTCH_[A-Z0-9_]*[A-Z0-9]\b", text))
+
+
+def test_every_hutch_variable_named_in_deploy_is_one_hutch_reads():
+    known = known_env()
+    files = [p for p in DEPLOY.rglob("*") if p.is_file()] + [ROOT / "docs" / "deploy.md"]
+    seen = set()
+    for path in files:
+        names = hutch_vars_in(path.read_text())
+        unknown = names - known
+        assert not unknown, f"{path.relative_to(ROOT)} names {sorted(unknown)}, which hutch does not read"
+        seen |= names
+    # The ones a fleet node needs are named somewhere.
+    assert {"HUTCH_DATABASE", "HUTCH_NODE", "HUTCH_ADVERTISE", "HUTCH_LISTEN", "HUTCH_STATE_DIR"} <= seen
+
+
+# --- the chart --------------------------------------------------------------
+
+def load_yaml(path):
+    return yaml.safe_load(Path(path).read_text())
+
+
+def values():
+    return load_yaml(CHART / "values.yaml")
+
+
+def templates():
+    return {p.name: p.read_text() for p in (CHART / "templates").iterdir() if p.is_file()}
+
+
+def merge(base, over):
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def render(overrides=None, release="hutch"):
+    """The chart's objects with values.yaml and `overrides`, as helm
+    template would render them: [object]."""
+    chart = load_yaml(CHART / "Chart.yaml")
+    root = {
+        "Values": merge(values(), overrides or {}),
+        "Release": {"Name": release, "Namespace": "hutch", "Service": "Helm"},
+        "Chart": {"Name": chart["name"], "Version": chart["version"], "AppVersion": chart["appVersion"]},
+    }
+    r = Renderer(templates())
+    objs = []
+    for name in sorted(templates()):
+        if name.startswith("_") or not name.endswith(".yaml"):
+            continue
+        objs += [d for d in yaml.safe_load_all(r.render(name, root)) if d]
+    return objs
+
+
+def by_kind(objs, kind):
+    found = [o for o in objs if o["kind"] == kind]
+    assert len(found) == 1, f"{len(found)} {kind} objects"
+    return found[0]
+
+
+def container(objs):
+    ds = by_kind(objs, "DaemonSet")
+    cs = ds["spec"]["template"]["spec"]["containers"]
+    assert len(cs) == 1
+    return cs[0]
+
+
+def env_of(c):
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+FULL = {
+    "ingress": {"enabled": True, "host": "hutch.example.com", "className": "nginx", "tlsSecret": "hutch-tls"},
+    "serve": {"e2bDomain": "sbx.example.com", "dnsUpstream": "1.1.1.1,9.9.9.9"},
+    "priorityClassName": "system-node-critical",
+    "imagePullSecrets": [{"name": "regcred"}],
+}
+
+
+def test_chart_metadata_and_its_optional_postgresql():
+    chart = load_yaml(CHART / "Chart.yaml")
+    assert chart["apiVersion"] == "v2" and chart["name"] == "hutch" and chart["type"] == "application"
+    version = re.search(r'^version = "([^"]+)"', (ROOT / "Cargo.toml").read_text(), re.M).group(1)
+    assert chart["appVersion"] == version, "appVersion is the workspace's version"
+    assert values()["image"]["tag"] == version
+    deps = {d["name"]: d for d in chart.get("dependencies", [])}
+    assert deps["postgresql"]["condition"] == "postgresql.enabled"
+    assert values()["postgresql"]["enabled"] is False, "PostgreSQL in the release is opt-in"
+
+
+def test_the_chart_renders_every_kind_the_fleet_needs():
+    kinds = sorted(o["kind"] for o in render(FULL))
+    assert kinds == ["DaemonSet", "Ingress", "Secret", "Service", "ServiceAccount"]
+    # Defaults: no Ingress (it needs a host name).
+    assert sorted(o["kind"] for o in render()) == ["DaemonSet", "Secret", "Service", "ServiceAccount"]
+
+
+def value_paths(node, prefix=()):
+    if isinstance(node, dict) and node:
+        for k, v in node.items():
+            yield from value_paths(v, prefix + (k,))
+    else:
+        yield prefix
+
+
+# Values consumed whole (toYaml, with) rather than key by key.
+WHOLE = {("nodeSelector",), ("tolerations",), ("resources",), ("ingress", "annotations"), ("imagePullSecrets",)}
+
+
+def test_every_value_a_template_names_is_in_values_yaml_and_every_value_is_used():
+    vals = values()
+    named = set()
+    for name, text in templates().items():
+        for path in re.findall(r"\.Values((?:\.\w+)+)", text):
+            parts = tuple(path.strip(".").split("."))
+            node = vals
+            for p in parts:
+                assert isinstance(node, dict) and p in node, f"{name}: .Values.{'.'.join(parts)} is not in values.yaml"
+                node = node[p]
+            named.add(parts)
+    for path in value_paths(vals):
+        used = any(path[:len(n)] == n for n in named) or any(path[:len(w)] == w for w in WHOLE)
+        assert used, f"values.yaml's {'.'.join(path)} is named by no template"
+
+
+def test_each_privilege_and_host_path_says_why_in_values_yaml():
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    for section in ("security", "hostPaths"):
+        start = lines.index(f"{section}:")
+        keys = 0
+        for i in range(start + 1, len(lines)):
+            line = lines[i]
+            if line and not line.startswith(" "):
+                break
+            m = re.match(r"  (\w+):", line)
+            if m:
+                keys += 1
+                assert lines[i - 1].lstrip().startswith("#"), f"values.yaml {section}.{m.group(1)} has no comment"
+        assert keys >= 3, section
+
+
+def test_the_renderer_refuses_what_it_does_not_know():
+    # So that the comparisons below can fail: a missing value, an unknown
+    # function and an unbalanced block are errors, not empty output.
+    r = Renderer({"a": "x: {{ .Values.nope }}", "b": "{{ frobnicate 1 }}"})
+    with pytest.raises(Missing):
+        r.render("a", {"Values": {}})
+    with pytest.raises(TemplateError):
+        r.render("b", {"Values": {}})
+    with pytest.raises(TemplateError):
+        Renderer({"c": "{{ if .Values.x }}y"})
+
+
+# --- the node's pod ---------------------------------------------------------
+
+def test_the_node_is_privileged_on_the_hosts_namespaces_and_paths():
+    objs = render()
+    ds = by_kind(objs, "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    c = container(objs)
+    sec = c["securityContext"]
+    assert sec["privileged"] is True and sec["runAsUser"] == 0
+    assert sec["seccompProfile"]["type"] == "Unconfined"
+    assert pod["hostNetwork"] is True and pod["hostPID"] is True
+    assert pod["dnsPolicy"] == "ClusterFirstWithHostNet", "with hostNetwork, cluster names need this policy"
+    assert pod["automountServiceAccountToken"] is False and pod["serviceAccountName"] == "hutch"
+    assert by_kind(objs, "ServiceAccount")["automountServiceAccountToken"] is False
+    # A DaemonSet on the labelled hosts, tolerating their taint.
+    vals = values()
+    assert pod["nodeSelector"] == vals["nodeSelector"] == {"hutch.dev/node": "true"}
+    assert any(t["key"] == "hutch.dev/node" for t in pod["tolerations"])
+    sel = ds["spec"]["selector"]["matchLabels"]
+    assert all(ds["spec"]["template"]["metadata"]["labels"][k] == v for k, v in sel.items())
+    # The daemon in the host's cgroup namespace.
+    assert c["command"][:5] == ["nsenter", "--target", "1", "--cgroup", "--"]
+    assert c["command"][5:] == ["/usr/local/bin/hutch", "serve"]
+    # Host paths: where, which type, which propagation.
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    state = vals["serve"]["stateDir"]
+    want = {
+        state: ("DirectoryOrCreate", "Bidirectional", False),
+        vals["hostPaths"]["runDir"]: ("DirectoryOrCreate", "Bidirectional", False),
+        "/sys/fs/cgroup": ("Directory", None, False),
+        "/dev": ("Directory", None, False),
+        "/lib/modules": ("Directory", None, True),
+    }
+    assert set(mounts) == set(want)
+    for path, (kind, propagation, ro) in want.items():
+        m = mounts[path]
+        host = volumes[m["name"]]["hostPath"]
+        assert host["path"] == path and host["type"] == kind, path
+        assert m.get("mountPropagation") == propagation, path
+        assert bool(m.get("readOnly")) == ro, path
+    # The run directory holds the host-wide uid locks (/run/hutch/uids).
+    assert vals["hostPaths"]["runDir"] == "/run/hutch"
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == 1
+
+
+def test_probes_hit_healthz_on_the_containers_port_and_the_service_routes_there():
+    objs = render()
+    c = container(objs)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert list(ports.values()) == [values()["port"]]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        get = c[probe]["httpGet"]
+        assert get["path"] == "/healthz", probe
+        port = ports.get(get["port"], get["port"])
+        assert port == values()["port"], probe
+        assert "host" not in get, "the kubelet probes the pod's IP, where the API listens"
+    svc = by_kind(objs, "Service")
+    (sp,) = svc["spec"]["ports"]
+    assert ports.get(sp["targetPort"], sp["targetPort"]) == values()["port"]
+    assert sp["port"] == values()["service"]["port"]
+    ds = by_kind(objs, "DaemonSet")
+    assert svc["spec"]["selector"] == ds["spec"]["selector"]["matchLabels"]
+
+
+def test_the_environment_names_the_node_its_address_and_the_database_secret():
+    objs = render()
+    c = container(objs)
+    env = env_of(c)
+    names = [e["name"] for e in c["env"]]
+    assert not (set(names) - {"POD_IP"}) - known_env()
+    assert env["HUTCH_NODE"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] in ("status.podIP", "status.hostIP")
+    # $(POD_IP) is expanded only when POD_IP comes first.
+    assert names.index("POD_IP") < names.index("HUTCH_LISTEN") < names.index("HUTCH_ADVERTISE")
+    port = values()["port"]
+    assert env["HUTCH_LISTEN"]["value"] == f"$(POD_IP):{port}"
+    assert env["HUTCH_ADVERTISE"]["value"] == f"http://$(POD_IP):{port}"
+    assert env["HUTCH_STATE_DIR"]["value"] == values()["serve"]["stateDir"]
+    assert env["HUTCH_HEARTBEAT"]["value"] == values()["serve"]["heartbeat"]
+    # The database URL only from a Secret, one the chart makes with that key.
+    db = env["HUTCH_DATABASE"]
+    assert "value" not in db
+    ref = db["valueFrom"]["secretKeyRef"]
+    secret = by_kind(objs, "Secret")
+    assert secret["metadata"]["name"] == ref["name"]
+    assert secret["stringData"][ref["key"]] == values()["database"]["url"]
+    assert values()["database"]["url"].startswith("postgres://")
+    # Unset options are not passed.
+    assert "HUTCH_E2B_DOMAIN" not in env and "HUTCH_DNS_UPSTREAM" not in env
+
+
+def test_the_charts_options_render_what_they_say():
+    objs = render(FULL)
+    env = env_of(container(objs))
+    assert env["HUTCH_E2B_DOMAIN"]["value"] == "sbx.example.com"
+    assert env["HUTCH_DNS_UPSTREAM"]["value"] == "1.1.1.1,9.9.9.9"
+    pod = by_kind(objs, "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    # The Ingress: the API's host and the E2B sandbox hosts, to the Service.
+    ing = by_kind(objs, "Ingress")
+    assert ing["spec"]["ingressClassName"] == "nginx"
+    hosts = [r["host"] for r in ing["spec"]["rules"]]
+    assert hosts == ["hutch.example.com", "*.sbx.example.com"]
+    assert ing["spec"]["tls"] == [{"secretName": "hutch-tls", "hosts": hosts}]
+    svc = by_kind(objs, "Service")
+    for rule in ing["spec"]["rules"]:
+        (path,) = rule["http"]["paths"]
+        backend = path["backend"]["service"]
+        assert backend["name"] == svc["metadata"]["name"]
+        assert backend["port"]["name"] in [p["name"] for p in svc["spec"]["ports"]]
+    no_wild = render(merge(FULL, {"ingress": {"sandboxHosts": False}}))
+    assert [r["host"] for r in by_kind(no_wild, "Ingress")["spec"]["rules"]] == ["hutch.example.com"]
+    with pytest.raises(TemplateError, match="ingress.host"):
+        render({"ingress": {"enabled": True}})
+    # A Secret of the operator's (e.g. CloudNativePG's): the chart makes none.
+    objs = render({"database": {"existingSecret": "pg-app", "existingSecretKey": "uri"}})
+    assert not [o for o in objs if o["kind"] == "Secret"]
+    ref = env_of(container(objs))["HUTCH_DATABASE"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "pg-app", "key": "uri"}
+    # Bitnami's PostgreSQL in the release: a password is required, and the
+    # URL names the subchart's Service.
+    with pytest.raises(TemplateError, match="password"):
+        render({"postgresql": {"enabled": True}})
+    objs = render({"postgresql": {"enabled": True, "auth": {"password": "s3cret"}}}, release="fleet")
+    assert by_kind(objs, "Secret")["stringData"]["database-url"] == "postgres://hutch:s3cret@fleet-postgresql:5432/hutch"
+    with pytest.raises(TemplateError, match="database.url"):
+        render({"database": {"url": ""}})
+
+
+# --- the plain manifests ----------------------------------------------------
+
+def plain():
+    objs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name != "kustomization.yaml":
+            objs += [(path.name, d) for d in yaml.safe_load_all(path.read_text()) if d]
+    return objs
+
+
+def without_managed_by(obj):
+    """The rendered object without Helm's managed-by label (the plain
+    manifests are not Helm's)."""
+    if isinstance(obj, dict):
+        return {k: without_managed_by(v) for k, v in obj.items() if k != MANAGED_BY}
+    if isinstance(obj, list):
+        return [without_managed_by(v) for v in obj]
+    return obj
+
+
+def test_the_plain_manifests_are_what_the_chart_renders_with_its_defaults():
+    rendered = {(o["kind"], o["metadata"]["name"]): without_managed_by(o) for o in render()}
+    manifests = {(o["kind"], o["metadata"]["name"]): o for _, o in plain()}
+    kust = load_yaml(K8S / "kustomization.yaml")
+    # The plain manifests add the namespace the kustomization names.
+    assert manifests.pop(("Namespace", kust["namespace"]))
+    assert set(manifests) == set(rendered)
+    for key, obj in rendered.items():
+        assert manifests[key] == obj, f"deploy/k8s {key} differs from the chart's render"
+
+
+def test_the_plain_manifests_key_settings_are_values_yaml():
+    # The same agreement, said setting by setting.
+    vals = values()
+    objs = [o for _, o in plain()]
+    c = container(objs)
+    pod = by_kind(objs, "DaemonSet")["spec"]["template"]["spec"]
+    assert c["image"] == f'{vals["image"]["repository"]}:{vals["image"]["tag"]}'
+    assert c["imagePullPolicy"] == vals["image"]["pullPolicy"]
+    assert [p["containerPort"] for p in c["ports"]] == [vals["port"]]
+    assert pod["nodeSelector"] == vals["nodeSelector"]
+    assert pod["tolerations"] == vals["tolerations"]
+    assert c["securityContext"]["privileged"] == vals["security"]["privileged"]
+    assert c["securityContext"]["runAsUser"] == vals["security"]["runAsUser"]
+    assert pod["hostNetwork"] == vals["security"]["hostNetwork"]
+    assert pod["hostPID"] == vals["security"]["hostPID"]
+    assert c["resources"] == vals["resources"]
+    assert pod["terminationGracePeriodSeconds"] == vals["terminationGracePeriodSeconds"]
+    svc = by_kind(objs, "Service")
+    assert svc["spec"]["type"] == vals["service"]["type"]
+    assert svc["spec"]["ports"][0]["port"] == vals["service"]["port"]
+    key = vals["database"]["existingSecretKey"]
+    assert by_kind(objs, "Secret")["stringData"][key] == vals["database"]["url"]
+
+
+def test_the_kustomization_lists_every_manifest():
+    kust = load_yaml(K8S / "kustomization.yaml")
+    assert kust["kind"] == "Kustomization"
+    files = sorted(p.name for p in K8S.iterdir() if p.name != "kustomization.yaml")
+    assert sorted(kust["resources"]) == files
+    assert len(set(kust["resources"])) == len(kust["resources"])
+    (ns,) = [o for _, o in plain() if o["kind"] == "Namespace"]
+    assert ns["metadata"]["name"] == kust["namespace"]
+    # No object pins a namespace of its own against the kustomization's.
+    assert all("namespace" not in o["metadata"] for _, o in plain())
+
+
+# --- Nomad ------------------------------------------------------------------
+
+def nomad_job():
+    opts = hcl2.SerializationOptions(with_comments=False, explicit_blocks=False,
+                                     preserve_heredocs=False, strip_string_quotes=True)
+    doc = hcl2.loads(NOMAD.read_text(), serialization_options=opts)
+    (job,) = doc["job"]
+    ((name, body),) = job.items()
+    assert name == "hutch"
+    return body
+
+
+def test_the_nomad_job_runs_one_privileged_node_per_opted_in_client():
+    job = nomad_job()
+    assert job["type"] == "system"
+    constraints = {c["attribute"]: c["value"] for c in job["constraint"]}
+    assert constraints.get("${meta.hutch_node}") == "true"
+    (group,) = job["group"]
+    ((_, group),) = group.items()
+    ports = {}
+    for net in group["network"]:
+        for port in net["port"]:
+            for label, spec in port.items():
+                ports[label] = spec
+    assert ports == {"http": {"static": values()["port"]}}
+    (service,) = group["service"]
+    assert service["port"] == "http"
+    (check,) = service["check"]
+    assert check["type"] == "http" and check["path"] == "/healthz"
+    (task,) = group["task"]
+    ((_, task),) = task.items()
+    # raw_exec: root in the host's namespaces (exec would confine it to a
+    # chroot, a PID namespace and a cgroup that end with the task).
+    assert task["driver"] == "raw_exec"
+    assert "user" not in task or task["user"] == "root"
+    (config,) = task["config"]
+    assert config["command"] == "/usr/local/bin/hutch" and config["args"] == ["serve"]
+    (env,) = task["env"]
+    assert set(env) <= known_env(), sorted(set(env) - known_env())
+    assert env["HUTCH_NODE"] == "${node.unique.name}"
+    assert env["HUTCH_LISTEN"] == "${NOMAD_ADDR_http}"
+    assert env["HUTCH_ADVERTISE"] == "http://${NOMAD_ADDR_http}"
+    # The database URL from a Nomad variable, into the environment, from a
+    # file in the task's secrets directory.
+    (tmpl,) = task["template"]
+    assert tmpl["env"] is True and tmpl["destination"].startswith("secrets/")
+    assert re.search(r"nomadVar .*HUTCH_DATABASE=\{\{ *\.\w+ *\}\}", tmpl["data"])
+    assert "HUTCH_DATABASE" not in env
+    assert task["kill_signal"] == "SIGTERM"
+
+
+# --- systemd ----------------------------------------------------------------
+
+def unit_lines():
+    return [l for l in UNIT.read_text().splitlines() if l and not l.startswith("#")]
+
+
+def test_the_systemd_unit_passes_only_flags_and_variables_hutch_serve_has():
+    args = serve_args()
+    (exec_start,) = [l.split("=", 1)[1] for l in unit_lines() if l.startswith("ExecStart=")]
+    words = exec_start.split()
+    assert words[0] == "/usr/local/bin/hutch" and words[1] == "serve"
+    flags = [w for w in words[2:] if w.startswith("--")]
+    assert flags and all(f in args for f in flags), flags
+    envs = dict(l.split("=", 1)[1].split("=", 1) for l in unit_lines() if l.startswith("Environment="))
+    assert set(envs) <= known_env()
+    # The address is a variable: a flag would win over the environment file.
+    assert "--listen" not in flags and envs["HUTCH_LISTEN"] == "127.0.0.1:7700"
+    # A flag and its variable, if both given, agree.
+    for flag, value in zip(words[2::2], words[3::2]):
+        env = args[flag]
+        if env in envs:
+            assert envs[env] == value, flag
+    # The fleet's settings come from an optional file, after Environment=.
+    (env_file,) = [l.split("=", 1)[1] for l in unit_lines() if l.startswith("EnvironmentFile=")]
+    assert env_file.startswith("-/")
+    text = UNIT.read_text()
+    for name in ("HUTCH_DATABASE", "HUTCH_NODE", "HUTCH_ADVERTISE"):
+        assert name in text, f"the unit says nothing of {name}"
+
+
+# --- the image and the docs -------------------------------------------------
+
+def test_the_image_ships_what_the_pod_runs():
+    text = DOCKERFILE.read_text()
+    copy = re.search(r"^COPY (.+) (\S+)$", text, re.M)
+    assert copy and set(copy.group(1).split()) == {"hutch", "hutch-agent"} and copy.group(2) == "/usr/local/bin/"
+    install = re.search(r"apt-get install[^\n]*\\?\n((?:.*\\\n)*.*)", text).group(0)
+    c = container(render())
+    if c["command"][0] == "nsenter":
+        assert "util-linux" in install
+    assert "mmdebstrap" in install, "presets and Debian image builds"
+    assert c["command"][5] == "/usr/local/bin/hutch"
+
+
+def test_the_docs_say_what_ran_and_are_linked():
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    for part in ("deploy/helm/hutch", "deploy/k8s", "deploy/nomad", "deploy/systemd", "tests/deploy"):
+        assert part in doc, part
+    assert "docs/deploy.md" in (ROOT / "README.md").read_text()
+    assert "docs/deploy.md" in (ROOT / "ARCHITECTURE.md").read_text()
