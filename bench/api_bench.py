@@ -107,7 +107,10 @@ class Daemon:
                 self.stop()
                 sys.exit(f"hutch serve did not become healthy in {ready_within:.0f} s")
             time.sleep(0.05)
-        self.key = (self.root / "state" / "admin.key").read_text().strip()
+        # A daemon joining a fleet's database finds the admin key made: its
+        # bench sets `key` itself.
+        key_file = self.root / "state" / "admin.key"
+        self.key = key_file.read_text().strip() if key_file.exists() else None
 
     def session(self) -> "Lean":
         return Lean(self.base, self.key)
