@@ -202,6 +202,34 @@ impl FleetView {
     }
 }
 
+/// The node a create goes to (see [`Control::place`]): of the active,
+/// `fresh` nodes that run `class` and have room (or a warm sandbox of
+/// `template`), one with a warm sandbox first, then the largest free share
+/// of its capacity, then `me`. Pure, for the tests.
+fn choose<'a>(
+    view: &'a View,
+    me: &str,
+    class: &str,
+    template: Option<&str>,
+    fresh: impl Fn(&NodeRecord) -> bool,
+) -> Option<&'a NodeRecord> {
+    view.nodes
+        .iter()
+        .filter(|n| n.state == NodeState::Active && fresh(n))
+        .filter(|n| n.classes.iter().any(|c| c == class))
+        .filter_map(|n| {
+            let used = view.counts.get(&n.name).copied().unwrap_or(0);
+            let free = n.sandboxes.saturating_sub(used);
+            let warm = template.map_or(0, |t| view.warm.get(&(n.name.clone(), t.to_owned())).copied().unwrap_or(0));
+            (free > 0 || warm > 0).then(|| {
+                let share = free.saturating_mul(1000) / n.sandboxes.max(1);
+                ((warm > 0, share, n.name == me), n)
+            })
+        })
+        .max_by_key(|(key, _)| *key)
+        .map(|(_, n)| n)
+}
+
 impl Control {
     /// The fleet as last read (again when older than a heartbeat); None
     /// when it cannot be read (the caller answers here, which says what
@@ -290,24 +318,8 @@ impl Control {
             return Route::Here;
         }
         let Ok(recipe) = self.recipe(&caller.owner, template).await else { return Route::Here };
-        let class = recipe.class.as_str();
-        let chosen = view
-            .nodes
-            .iter()
-            .filter(|n| n.state == NodeState::Active && (n.name == self.node.name || self.answering(n, now)))
-            .filter(|n| n.classes.iter().any(|c| c == class))
-            .filter_map(|n| {
-                let used = view.counts.get(&n.name).copied().unwrap_or(0);
-                let free = n.sandboxes.saturating_sub(used);
-                let warm =
-                    recipe.id.as_ref().map_or(0, |t| view.warm.get(&(n.name.clone(), t.clone())).copied().unwrap_or(0));
-                (free > 0 || warm > 0).then(|| {
-                    let share = free.saturating_mul(1000) / n.sandboxes.max(1);
-                    ((warm > 0, share, n.name == self.node.name), n)
-                })
-            })
-            .max_by_key(|(key, _)| *key)
-            .map(|(_, n)| n);
+        let fresh = |n: &NodeRecord| n.name == self.node.name || self.answering(n, now);
+        let chosen = choose(&view, &self.node.name, recipe.class.as_str(), recipe.id.as_deref(), fresh);
         let Some(n) = chosen else {
             self.metrics.placement_failed();
             return Route::Here;
@@ -370,6 +382,7 @@ impl Control {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
     #[test]
     fn node_names_are_host_names() {
         for ok in ["local", "node-a", "host1.example.com", "a", "n_1"] {
@@ -378,5 +391,78 @@ mod tests {
         for bad in ["", "-a", "A", "a b", "a/b", &"x".repeat(64)] {
             assert!(!super::valid_name(bad), "{bad}");
         }
+    }
+
+    fn node(name: &str, sandboxes: u64, classes: &[&str], state: NodeState) -> NodeRecord {
+        NodeRecord {
+            name: name.into(),
+            advertise: format!("http://{name}:7700"),
+            memory_mib: 1024,
+            disk_mib: 1024,
+            sandboxes,
+            classes: classes.iter().map(|c| c.to_string()).collect(),
+            state,
+            started_at: 0,
+            heartbeat_at: 0,
+        }
+    }
+
+    fn view(nodes: Vec<NodeRecord>, counts: &[(&str, u64)], warm: &[(&str, &str, u64)]) -> View {
+        View {
+            read: Instant::now(),
+            nodes: Arc::new(nodes),
+            counts: counts.iter().map(|(n, c)| (n.to_string(), *c)).collect(),
+            warm: warm.iter().map(|(n, t, c)| ((n.to_string(), t.to_string()), *c)).collect(),
+        }
+    }
+
+    fn chosen(v: &View, class: &str, template: Option<&str>, silent: &[&str]) -> Option<String> {
+        choose(v, "a", class, template, |n| !silent.contains(&n.name.as_str())).map(|n| n.name.clone())
+    }
+
+    #[test]
+    fn placement_takes_the_freest_share_and_this_node_on_ties() {
+        let c = ["container"];
+        let v = view(
+            vec![node("a", 100, &c, NodeState::Active), node("b", 100, &c, NodeState::Active)],
+            &[("a", 10), ("b", 10)],
+            &[],
+        );
+        assert_eq!(chosen(&v, "container", None, &[]).as_deref(), Some("a"));
+        let v = view(
+            vec![node("a", 100, &c, NodeState::Active), node("b", 1000, &c, NodeState::Active)],
+            &[("a", 10), ("b", 500)],
+            &[],
+        );
+        // a: 90% free; b: 50% free.
+        assert_eq!(chosen(&v, "container", None, &[]).as_deref(), Some("a"));
+        let v = view(
+            vec![node("a", 100, &c, NodeState::Active), node("b", 100, &c, NodeState::Active)],
+            &[("a", 11), ("b", 10)],
+            &[],
+        );
+        assert_eq!(chosen(&v, "container", None, &[]).as_deref(), Some("b"));
+    }
+
+    #[test]
+    fn placement_prefers_a_warm_sandbox_and_skips_full_silent_draining_lost_and_classless_nodes() {
+        let v = view(
+            vec![
+                node("a", 100, &["container"], NodeState::Active),
+                node("b", 100, &["container"], NodeState::Active),
+                node("c", 100, &["container", "gvisor"], NodeState::Active),
+                node("d", 100, &["container", "gvisor"], NodeState::Draining),
+                node("e", 100, &["container", "gvisor"], NodeState::Lost),
+            ],
+            &[("a", 0), ("b", 99), ("c", 50)],
+            &[("b", "tpl-1", 1)],
+        );
+        assert_eq!(chosen(&v, "container", Some("tpl-1"), &[]).as_deref(), Some("b"));
+        assert_eq!(chosen(&v, "container", Some("tpl-2"), &[]).as_deref(), Some("a"));
+        assert_eq!(chosen(&v, "gvisor", None, &[]).as_deref(), Some("c"));
+        assert_eq!(chosen(&v, "gvisor", None, &["c"]), None);
+        assert_eq!(chosen(&v, "process", None, &[]), None);
+        let full = view(vec![node("a", 10, &["container"], NodeState::Active)], &[("a", 10)], &[]);
+        assert_eq!(chosen(&full, "container", None, &[]), None);
     }
 }
