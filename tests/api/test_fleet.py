@@ -215,3 +215,43 @@ def test_a_node_that_does_not_answer_is_named(fleet_of):
     assert "fleet-b" in e["error"], e
     b.start()
     assert on_a.exec(sid, "echo back")["stdout"] == "back\n"
+
+
+def warm_on(d, key: str, tid: str) -> int:
+    """Ready warm sandboxes of a template on node `d` (its /metrics)."""
+    text = Client(d.base, key).get("/metrics").text
+    for line in text.splitlines():
+        if line.startswith("hutch_warm_pool_size{") and f'template_id="{tid}"' in line:
+            return int(float(line.split()[-1]))
+    return 0
+
+
+def test_a_warm_pool_is_the_fleets_and_creates_go_where_it_is(fleet_of):
+    """A template's warm sizes are the fleet's: three warm sandboxes are
+    split 2 + 1 over two nodes; a create of it, through either node, is
+    served by a warm sandbox, and the pool refills to three."""
+    a, b = fleet_of(["fleet-a", "fleet-b"])
+    key = a.admin_key()
+    on_a, on_b = Client(a.base, key, a.clients), Client(b.base, key, b.clients)
+    r = on_a.post("/v1/templates", {"name": "fleet-warm", "warm": {"min": 3, "max": 3}})
+    assert r.status_code == 201, r.text
+    tid = r.json()["id"]
+
+    def split():
+        counts = (warm_on(a, key, tid), warm_on(b, key, tid))
+        return counts == (2, 1) and counts
+
+    wait_for("the pool split 2 + 1 over the nodes", split, timeout=60)
+    def claims() -> int:
+        total = 0
+        for d in (a, b):
+            line = next(l for l in Client(d.base, key).get("/metrics").text.splitlines()
+                        if l.startswith("hutch_warm_claims_total "))
+            total += int(float(line.split()[1]))
+        return total
+
+    before = claims()
+    sb = on_b.create(template="fleet-warm")
+    assert sb["node"] in ("fleet-a", "fleet-b"), sb
+    assert claims() == before + 1, "the create was not served by a warm sandbox"
+    wait_for("the pool to refill to three", lambda: warm_on(a, key, tid) + warm_on(b, key, tid) == 3, timeout=60)

@@ -202,6 +202,18 @@ impl FleetView {
     }
 }
 
+/// `me`'s part of `total` split over `members` (sorted): `total / n`, one
+/// more for the first `total % n`; none when `me` is not a member, the
+/// whole when nobody is (a view without this node yet).
+fn share(total: u32, members: &[&str], me: &str) -> u32 {
+    if members.is_empty() {
+        return total;
+    }
+    let Some(i) = members.iter().position(|m| *m == me) else { return 0 };
+    let n = members.len() as u32;
+    total / n + u32::from((i as u32) < total % n)
+}
+
 /// The node a create goes to (see [`Control::place`]): of the active,
 /// `fresh` nodes that run `class` and have room (or a warm sandbox of
 /// `template`), one with a warm sandbox first, then the largest free share
@@ -278,6 +290,25 @@ impl Control {
             Some(view) => !self.others_take_creates(&view, now_ms()),
             None => true,
         }
+    }
+
+    /// This node's share of a template's warm pool size `total`, which is
+    /// the fleet's: split evenly over the active nodes heartbeating within
+    /// three beats that run `class`, the remainder going to the first
+    /// names. A node outside them (draining, or not running the class)
+    /// keeps none; a node that cannot read the fleet keeps the whole.
+    pub(crate) async fn fleet_share(&self, total: u32, class: &str) -> u32 {
+        let Some(view) = self.fleet_view().await else { return total };
+        let now = now_ms();
+        let mut members: Vec<&str> = view
+            .nodes
+            .iter()
+            .filter(|n| n.state == NodeState::Active && (n.name == self.node.name || self.answering(n, now)))
+            .filter(|n| n.classes.iter().any(|c| c == class))
+            .map(|n| n.name.as_str())
+            .collect();
+        members.sort_unstable();
+        share(total, &members, &self.node.name)
     }
 
     /// Where calls for sandbox `id` are answered: here when it is this
@@ -418,6 +449,18 @@ mod tests {
 
     fn chosen(v: &View, class: &str, template: Option<&str>, silent: &[&str]) -> Option<String> {
         choose(v, "a", class, template, |n| !silent.contains(&n.name.as_str())).map(|n| n.name.clone())
+    }
+
+    #[test]
+    fn a_fleet_wide_count_is_split_evenly_and_whole() {
+        let m = ["a", "b", "c"];
+        assert_eq!([share(5, &m, "a"), share(5, &m, "b"), share(5, &m, "c")], [2, 2, 1]);
+        assert_eq!([share(1, &m, "a"), share(1, &m, "b"), share(1, &m, "c")], [1, 0, 0]);
+        for total in 0..20 {
+            assert_eq!(m.iter().map(|me| share(total, &m, me)).sum::<u32>(), total);
+        }
+        assert_eq!(share(4, &m, "d"), 0);
+        assert_eq!(share(4, &[], "a"), 4);
     }
 
     #[test]

@@ -142,7 +142,15 @@ impl Control {
         let templates = self.db(|s| s.list_templates(None)).await?;
         let templates: Vec<_> = templates.into_iter().filter(|t| !revoked.contains(&t.owner)).collect();
         let by_id: HashMap<&str, &hutch_store::TemplateRecord> = templates.iter().map(|t| (t.id.as_str(), t)).collect();
-        // This node's pools only: each node keeps its own.
+        // This node's pools only: each keeps its share of every template's
+        // sizes, which are the fleet's (`fleet_share`).
+        let mut shares: HashMap<&str, (u32, u32)> = HashMap::new();
+        for t in &templates {
+            let class = crate::templates::Recipe::from_record(t).class;
+            let min = self.fleet_share(t.warm_min, class.as_str()).await;
+            let max = self.fleet_share(t.warm_max, class.as_str()).await;
+            shares.insert(t.id.as_str(), (min, max));
+        }
         let node = self.node.name.clone();
         let pooled = self.db(move |s| s.pooled_sandboxes(Some(&node))).await?;
         // Per template: (ready, starting) of the current version.
@@ -160,7 +168,7 @@ impl Control {
                 continue;
             };
             let c = counts.entry(t.id.as_str()).or_default();
-            if c.0 + c.1 >= t.warm_max {
+            if c.0 + c.1 >= shares.get(t.id.as_str()).map_or(t.warm_max, |s| s.1) {
                 self.drain(r).await;
                 continue;
             }
@@ -184,7 +192,8 @@ impl Control {
             }
             // A sandbox's placeholders are made for it at create: a
             // template whose sandboxes name secrets keeps no warm pool.
-            let warm_min = if crate::templates::Recipe::from_record(t).secrets.is_empty() { t.warm_min } else { 0 };
+            let share = shares.get(t.id.as_str()).map_or(t.warm_min, |s| s.0);
+            let warm_min = if crate::templates::Recipe::from_record(t).secrets.is_empty() { share } else { 0 };
             for _ in (ready + starting)..warm_min {
                 if self.is_shutting_down() {
                     break;
