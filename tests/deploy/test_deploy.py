@@ -237,6 +237,13 @@ def test_the_renderer_refuses_what_it_does_not_know():
         r.render("b", {"Values": {}})
     with pytest.raises(TemplateError):
         Renderer({"c": "{{ if .Values.x }}y"})
+    # fail stops the render; len and lt compare only what Go would.
+    r = Renderer({"d": '{{ if lt (len .Values.s) 3 }}{{ fail "short" }}{{ end }}ok', "e": "{{ lt 1 .Values.s }}"})
+    assert r.render("d", {"Values": {"s": "abc"}}) == "ok"
+    with pytest.raises(TemplateError, match="short"):
+        r.render("d", {"Values": {"s": "ab"}})
+    with pytest.raises(TemplateError):
+        r.render("e", {"Values": {"s": "2"}})
 
 
 # --- the node's pod ---------------------------------------------------------
