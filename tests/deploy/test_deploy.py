@@ -573,10 +573,27 @@ def test_the_nomad_job_runs_one_privileged_node_per_opted_in_client():
     assert env["HUTCH_ADVERTISE"] == "http://${NOMAD_ADDR_http}"
     # The database URL from a Nomad variable, into the environment, from a
     # file in the task's secrets directory.
-    (tmpl,) = task["template"]
+    templates = {t["destination"]: t for t in task["template"]}
+    (tmpl,) = [t for t in templates.values() if "HUTCH_DATABASE" in t["data"]]
     assert tmpl["env"] is True and tmpl["destination"].startswith("secrets/")
     assert re.search(r"nomadVar .*HUTCH_DATABASE=\{\{ *\.\w+ *\}\}", tmpl["data"])
     assert "HUTCH_DATABASE" not in env
+    # The fleet's shared secret from the variable too, as a file the task
+    # reads (not its environment) in its secrets directory.
+    path = env["HUTCH_FLEET_SECRET_FILE"]
+    assert path.startswith("${NOMAD_SECRETS_DIR}/"), path
+    fleet = templates.get("secrets/" + path.removeprefix("${NOMAD_SECRETS_DIR}/"))
+    assert fleet, f"no template writes {path}: {sorted(templates)}"
+    assert not fleet.get("env"), "the secret stays in its file"
+    assert fleet["perms"] == "0400"
+    var = r'nomadVar \\?"([^"\\]+)\\?"'
+    m = re.fullmatch(r"\{\{ *with " + var + r" *\}\}\{\{ *\.(\w+) *\}\}\{\{ *end *\}\}", fleet["data"].strip())
+    assert m, fleet["data"]
+    # The variable the database URL comes from, and the item the job's
+    # comment tells to put there.
+    assert m.group(1) == re.search(var, tmpl["data"]).group(1)
+    assert re.search(rf"^# .*nomad var put {m.group(1)} .*\n#\s+{m.group(2)}=", NOMAD.read_text(), re.M)
+    assert not re.search(r"HUTCH_FLEET_SECRET\b", tmpl["data"])
     assert task["kill_signal"] == "SIGTERM"
 
 
