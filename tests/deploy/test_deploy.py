@@ -625,6 +625,10 @@ def test_the_systemd_unit_passes_only_flags_and_variables_hutch_serve_has():
     text = UNIT.read_text()
     for name in ("HUTCH_DATABASE", "HUTCH_NODE", "HUTCH_ADVERTISE"):
         assert name in text, f"the unit says nothing of {name}"
+    # The fleet's shared secret: a file of its own, named in the
+    # environment file; never a value in the unit.
+    assert re.search(r"^#\s+HUTCH_FLEET_SECRET_FILE=/etc/hutch/[\w.-]+$", text, re.M)
+    assert not [l for l in unit_lines() if "FLEET_SECRET" in l]
 
 
 # --- the image and the docs -------------------------------------------------
