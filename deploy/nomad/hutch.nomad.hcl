@@ -7,8 +7,11 @@
 #     installs them and the systemd unit, not started);
 #   - raw_exec enabled (plugin "raw_exec" { config { enabled = true } });
 #   - meta { hutch_node = "true" } in the client's configuration.
-# The database URL, in a Nomad variable this job reads:
-#   nomad var put nomad/jobs/hutch database_url=postgres://hutch:...@db:5432/hutch
+# The database URL and the fleet's shared secret (32 or more visible ASCII
+# characters, signing the requests nodes forward to each other), in a
+# Nomad variable this job reads (`var put` replaces all its items):
+#   nomad var put nomad/jobs/hutch database_url=postgres://hutch:...@db:5432/hutch \
+#     fleet_secret="$(openssl rand -hex 32)"
 job "hutch" {
   # One allocation per eligible client, like a DaemonSet.
   type = "system"
@@ -74,13 +77,15 @@ job "hutch" {
       }
 
       # Nomad's runtime variables: the node's name and the address Nomad
-      # gave the port (the client's); the database URL from the variable.
+      # gave the port (the client's); the database URL from the variable;
+      # the fleet's shared secret from the file the second template writes.
       env {
-        HUTCH_NODE      = "${node.unique.name}"
-        HUTCH_LISTEN    = "${NOMAD_ADDR_http}"
-        HUTCH_ADVERTISE = "http://${NOMAD_ADDR_http}"
-        HUTCH_STATE_DIR = "/var/lib/hutch"
-        HUTCH_HEARTBEAT = "5s"
+        HUTCH_NODE              = "${node.unique.name}"
+        HUTCH_LISTEN            = "${NOMAD_ADDR_http}"
+        HUTCH_ADVERTISE         = "http://${NOMAD_ADDR_http}"
+        HUTCH_STATE_DIR         = "/var/lib/hutch"
+        HUTCH_HEARTBEAT         = "5s"
+        HUTCH_FLEET_SECRET_FILE = "${NOMAD_SECRETS_DIR}/fleet.secret"
       }
 
       template {
@@ -90,6 +95,17 @@ job "hutch" {
         destination = "secrets/database.env"
         env         = true
         # A new URL restarts the node (its sandboxes go on and are adopted).
+        change_mode = "restart"
+      }
+
+      # The fleet's shared secret, as a file only the task's user (root)
+      # reads; hutch reads it at start, so a new one restarts the node.
+      template {
+        data        = <<-EOT
+          {{ with nomadVar "nomad/jobs/hutch" }}{{ .fleet_secret }}{{ end }}
+        EOT
+        destination = "secrets/fleet.secret"
+        perms       = "0400"
         change_mode = "restart"
       }
 

@@ -152,6 +152,22 @@ def _required(msg, v):
     return v
 
 
+def _fail(msg):
+    raise TemplateError(f"fail: {msg}")
+
+
+def _len(v):
+    if not isinstance(v, (str, list, dict)):
+        raise TemplateError(f"len of {v!r}")
+    return len(v)
+
+
+def _lt(a, b):
+    if type(a) is not type(b) or not isinstance(a, (int, str)) or isinstance(a, bool):
+        raise TemplateError(f"incomparable: {a!r} < {b!r}")
+    return a < b
+
+
 def _indent(n, s):
     return "\n".join(" " * n + line for line in go_string(s).split("\n"))
 
@@ -163,6 +179,9 @@ FUNCS = {
     "toYaml": to_yaml,
     "default": lambda d, v=None: v if truthy(v) else d,
     "required": _required,
+    "fail": _fail,
+    "len": _len,
+    "lt": _lt,
     "printf": lambda fmt, *args: re.sub(r"%[sdv]", "{}", fmt).format(*(go_string(a) for a in args)),
     "not": lambda v: not truthy(v),
     "and": lambda *vs: next((v for v in vs if not truthy(v)), vs[-1]),

@@ -98,7 +98,8 @@ def test_every_hutch_variable_named_in_deploy_is_one_hutch_reads():
         assert not unknown, f"{path.relative_to(ROOT)} names {sorted(unknown)}, which hutch does not read"
         seen |= names
     # The ones a fleet node needs are named somewhere.
-    assert {"HUTCH_DATABASE", "HUTCH_NODE", "HUTCH_ADVERTISE", "HUTCH_LISTEN", "HUTCH_STATE_DIR"} <= seen
+    assert {"HUTCH_DATABASE", "HUTCH_NODE", "HUTCH_ADVERTISE", "HUTCH_LISTEN", "HUTCH_STATE_DIR",
+            "HUTCH_FLEET_SECRET_FILE"} <= seen
 
 
 # --- the chart --------------------------------------------------------------
@@ -122,15 +123,23 @@ def merge(base, over):
     return out
 
 
-def render(overrides=None, release="hutch"):
-    """The chart's objects with values.yaml and `overrides`, as helm
-    template would render them: [object]."""
+def render_root(overrides, release):
     chart = load_yaml(CHART / "Chart.yaml")
-    root = {
+    return {
         "Values": merge(values(), overrides or {}),
         "Release": {"Name": release, "Namespace": "hutch", "Service": "Helm"},
         "Chart": {"Name": chart["name"], "Version": chart["version"], "AppVersion": chart["appVersion"]},
     }
+
+
+def render_notes(overrides=None, release="hutch"):
+    return Renderer(templates()).render("NOTES.txt", render_root(overrides, release))
+
+
+def render(overrides=None, release="hutch"):
+    """The chart's objects with values.yaml and `overrides`, as helm
+    template would render them: [object]."""
+    root = render_root(overrides, release)
     r = Renderer(templates())
     objs = []
     for name in sorted(templates()):
@@ -237,6 +246,13 @@ def test_the_renderer_refuses_what_it_does_not_know():
         r.render("b", {"Values": {}})
     with pytest.raises(TemplateError):
         Renderer({"c": "{{ if .Values.x }}y"})
+    # fail stops the render; len and lt compare only what Go would.
+    r = Renderer({"d": '{{ if lt (len .Values.s) 3 }}{{ fail "short" }}{{ end }}ok', "e": "{{ lt 1 .Values.s }}"})
+    assert r.render("d", {"Values": {"s": "abc"}}) == "ok"
+    with pytest.raises(TemplateError, match="short"):
+        r.render("d", {"Values": {"s": "ab"}})
+    with pytest.raises(TemplateError):
+        r.render("e", {"Values": {"s": "2"}})
 
 
 # --- the node's pod ---------------------------------------------------------
@@ -273,7 +289,8 @@ def test_the_node_is_privileged_on_the_hosts_namespaces_and_paths():
         "/dev": ("Directory", None, False),
         "/lib/modules": ("Directory", None, True),
     }
-    assert set(mounts) == set(want)
+    host_mounts = {p for p, m in mounts.items() if "hostPath" in volumes[m["name"]]}
+    assert host_mounts == set(want)
     for path, (kind, propagation, ro) in want.items():
         m = mounts[path]
         host = volumes[m["name"]]["hostPath"]
@@ -368,6 +385,81 @@ def test_the_charts_options_render_what_they_say():
     assert by_kind(objs, "Secret")["stringData"]["database-url"] == "postgres://hutch:s3cret@fleet-postgresql:5432/hutch"
     with pytest.raises(TemplateError, match="database.url"):
         render({"database": {"url": ""}})
+
+
+# --- the fleet's shared secret ----------------------------------------------
+
+FLEET_SECRET = "fleet-secret-0123456789abcdef0123456789abcdef"
+
+
+def fleet_secret_source(objs):
+    """Where the node's HUTCH_FLEET_SECRET_FILE comes from: the
+    (Secret name, key) of the read-only, mode 0400 Secret volume mounted
+    where the variable points, after checking that wiring."""
+    pod = by_kind(objs, "DaemonSet")["spec"]["template"]["spec"]
+    c = container(objs)
+    var = env_of(c)["HUTCH_FLEET_SECRET_FILE"]
+    # A path, not the secret: no valueFrom, nothing but a file name.
+    assert set(var) == {"name", "value"}, var
+    path = var["value"]
+    assert path.startswith("/") and "$(" not in path, path
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert mount.get("readOnly") is True and "subPath" not in mount, mount
+    secret = volumes[mount["name"]].get("secret")
+    assert secret, f"{path} is not on a Secret's volume: {volumes[mount['name']]}"
+    assert secret["defaultMode"] == 0o400, secret
+    assert "optional" not in secret or secret["optional"] is False, "the node waits for its secret"
+    (item,) = secret["items"]
+    assert path == mount["mountPath"].rstrip("/") + "/" + item["path"], (path, mount, item)
+    # No variable takes the fleet's Secret into the environment.
+    for e in c["env"]:
+        ref = e.get("valueFrom", {}).get("secretKeyRef")
+        assert not ref or ref["name"] != secret["secretName"], e
+    return secret["secretName"], item["key"]
+
+
+def secrets_named(objs, name):
+    return [o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == name]
+
+
+def test_the_node_reads_the_fleet_secret_from_a_mounted_secret():
+    # Defaults: the Secret `<release>-fleet`, which the chart does not make
+    # (no placeholder, nothing random): the operator makes it.
+    for release in ("hutch", "fleet"):
+        objs = render(release=release)
+        name, key = fleet_secret_source(objs)
+        assert (name, key) == (f"{release}-fleet", values()["fleetSecret"]["existingSecretKey"])
+        assert not secrets_named(objs, name)
+        # The install's notes say how to make it.
+        notes = render_notes(release=release)
+        assert f"create secret generic {name} \\\n    --from-literal={key}=" in notes, notes
+    # fleetSecret.value: the chart makes that Secret, and the secret is in
+    # it and nowhere in the DaemonSet.
+    objs = render({"fleetSecret": {"value": FLEET_SECRET}})
+    name, key = fleet_secret_source(objs)
+    (secret,) = secrets_named(objs, name)
+    assert secret["stringData"] == {key: FLEET_SECRET}
+    assert FLEET_SECRET not in yaml.safe_dump(by_kind(objs, "DaemonSet"))
+    # A Secret of the operator's: the chart makes none.
+    objs = render({"fleetSecret": {"existingSecret": "shared", "existingSecretKey": "k", "value": FLEET_SECRET}})
+    assert fleet_secret_source(objs) == ("shared", "k")
+    assert not secrets_named(objs, "hutch-fleet") and FLEET_SECRET not in yaml.safe_dump(objs)
+    for given in ({"value": FLEET_SECRET}, {"existingSecret": "shared"}):
+        assert "create secret" not in render_notes({"fleetSecret": given})
+    # One hutch would refuse is refused at render.
+    with pytest.raises(TemplateError, match="fleetSecret.value"):
+        render({"fleetSecret": {"value": "too-short"}})
+
+
+def test_the_plain_manifests_read_the_fleet_secret_from_a_secret_made_apart():
+    objs = [o for _, o in plain()]
+    name, key = fleet_secret_source(objs)
+    assert key == values()["fleetSecret"]["existingSecretKey"]
+    assert not secrets_named(objs, name), "a published fleet secret would sign for anyone"
+    # The kustomization says how to make it, under that name and key.
+    text = (K8S / "kustomization.yaml").read_text()
+    assert re.search(rf"create secret generic {name} \\\n#\s+--from-literal={key}=", text), text
 
 
 # --- the plain manifests ----------------------------------------------------
@@ -481,10 +573,27 @@ def test_the_nomad_job_runs_one_privileged_node_per_opted_in_client():
     assert env["HUTCH_ADVERTISE"] == "http://${NOMAD_ADDR_http}"
     # The database URL from a Nomad variable, into the environment, from a
     # file in the task's secrets directory.
-    (tmpl,) = task["template"]
+    templates = {t["destination"]: t for t in task["template"]}
+    (tmpl,) = [t for t in templates.values() if "HUTCH_DATABASE" in t["data"]]
     assert tmpl["env"] is True and tmpl["destination"].startswith("secrets/")
     assert re.search(r"nomadVar .*HUTCH_DATABASE=\{\{ *\.\w+ *\}\}", tmpl["data"])
     assert "HUTCH_DATABASE" not in env
+    # The fleet's shared secret from the variable too, as a file the task
+    # reads (not its environment) in its secrets directory.
+    path = env["HUTCH_FLEET_SECRET_FILE"]
+    assert path.startswith("${NOMAD_SECRETS_DIR}/"), path
+    fleet = templates.get("secrets/" + path.removeprefix("${NOMAD_SECRETS_DIR}/"))
+    assert fleet, f"no template writes {path}: {sorted(templates)}"
+    assert not fleet.get("env"), "the secret stays in its file"
+    assert fleet["perms"] == "0400"
+    var = r'nomadVar \\?"([^"\\]+)\\?"'
+    m = re.fullmatch(r"\{\{ *with " + var + r" *\}\}\{\{ *\.(\w+) *\}\}\{\{ *end *\}\}", fleet["data"].strip())
+    assert m, fleet["data"]
+    # The variable the database URL comes from, and the item the job's
+    # comment tells to put there.
+    assert m.group(1) == re.search(var, tmpl["data"]).group(1)
+    assert re.search(rf"^# .*nomad var put {m.group(1)} .*\n#\s+{m.group(2)}=", NOMAD.read_text(), re.M)
+    assert not re.search(r"HUTCH_FLEET_SECRET\b", tmpl["data"])
     assert task["kill_signal"] == "SIGTERM"
 
 
@@ -516,6 +625,10 @@ def test_the_systemd_unit_passes_only_flags_and_variables_hutch_serve_has():
     text = UNIT.read_text()
     for name in ("HUTCH_DATABASE", "HUTCH_NODE", "HUTCH_ADVERTISE"):
         assert name in text, f"the unit says nothing of {name}"
+    # The fleet's shared secret: a file of its own, named in the
+    # environment file; never a value in the unit.
+    assert re.search(r"^#\s+HUTCH_FLEET_SECRET_FILE=/etc/hutch/[\w.-]+$", text, re.M)
+    assert not [l for l in unit_lines() if "FLEET_SECRET" in l]
 
 
 # --- the image and the docs -------------------------------------------------
