@@ -69,6 +69,10 @@ pub struct Metrics {
     pub warm_refill: Histogram,
     /// Ready warm sandboxes per template, as of the last reconciler tick.
     warm_pool_sizes: Mutex<Vec<WarmPoolSize>>,
+    /// Creates no node could be found for (see [`Metrics::placement_failed`]).
+    placement_failures_total: AtomicU64,
+    /// Nodes this node declared lost.
+    pub nodes_lost_total: AtomicU64,
 }
 
 /// One template's warm pool, for `hutch_warm_pool_size`.
@@ -111,6 +115,8 @@ impl Default for Metrics {
             warm_misses_total: AtomicU64::new(0),
             warm_refill: Histogram::new(LATENCY),
             warm_pool_sizes: Mutex::new(Vec::new()),
+            placement_failures_total: AtomicU64::new(0),
+            nodes_lost_total: AtomicU64::new(0),
         }
     }
 }
@@ -118,6 +124,12 @@ impl Default for Metrics {
 impl Metrics {
     pub fn set_reconciler_lag(&self, secs: f64) {
         self.reconciler_lag.store(secs.to_bits(), Ordering::Relaxed);
+    }
+
+    /// A create found no node to place it on (none active with the room,
+    /// the class or the template it needs): `hutch_placement_failures_total`.
+    pub fn placement_failed(&self) {
+        self.placement_failures_total.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn set_warm_pool_sizes(&self, sizes: Vec<WarmPoolSize>) {
@@ -185,6 +197,15 @@ impl Metrics {
             self.warm_misses_total.load(Ordering::Relaxed)
         );
         self.warm_refill.render("hutch_warm_refill_seconds", "Time to start one warm sandbox.", &mut out);
+        let _ = writeln!(
+            out,
+            "# HELP hutch_placement_failures_total Creates no node of the fleet could take.\n\
+             # TYPE hutch_placement_failures_total counter\nhutch_placement_failures_total {}\n\
+             # HELP hutch_fleet_nodes_lost_total Nodes this node declared lost.\n\
+             # TYPE hutch_fleet_nodes_lost_total counter\nhutch_fleet_nodes_lost_total {}",
+            self.placement_failures_total.load(Ordering::Relaxed),
+            self.nodes_lost_total.load(Ordering::Relaxed)
+        );
         out
     }
 }
@@ -222,6 +243,7 @@ impl crate::control::Control {
             Viewer::Owner(o) => Some(o),
         };
         self.render_usage(owner, &mut text).await?;
+        self.render_fleet(owner.is_none(), &mut text).await?;
         Ok(text)
     }
 }
@@ -243,6 +265,9 @@ mod tests {
         assert!(text.contains("hutch_exec_seconds_bucket{le=\"0.5\"} 2"));
         assert!(text.contains("hutch_exec_seconds_count 2"));
         assert!(text.contains("hutch_reconciler_ticks_total 0"));
+        assert!(text.contains("\nhutch_placement_failures_total 0\n"), "{text}");
+        m.placement_failed();
+        assert!(m.render(&[], 0, Viewer::Admin).contains("\nhutch_placement_failures_total 1\n"));
         m.reconciler_ticks_total.fetch_add(1, Ordering::Relaxed);
         let text = m.render(&[], 0, Viewer::Admin);
         assert!(text.contains("\nhutch_reconciler_ticks_total 1\n"), "{text}");

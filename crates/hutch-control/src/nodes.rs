@@ -33,12 +33,20 @@ pub struct NodeConfig {
     /// The URL its API is reached at.
     pub advertise: String,
     pub heartbeat: Duration,
+    /// Silence after which another node is declared lost
+    /// ([`crate::fleet`]).
+    pub lost_after: Duration,
 }
 
 impl NodeConfig {
     /// The local node, for tests.
     pub fn local() -> NodeConfig {
-        NodeConfig { name: LOCAL.to_owned(), advertise: String::new(), heartbeat: DEFAULT_HEARTBEAT }
+        NodeConfig {
+            name: LOCAL.to_owned(),
+            advertise: String::new(),
+            heartbeat: DEFAULT_HEARTBEAT,
+            lost_after: crate::fleet::DEFAULT_LOST_AFTER,
+        }
     }
 }
 
@@ -100,7 +108,9 @@ impl Control {
     }
 
     /// Heartbeats every `heartbeat` until the daemon shuts down. A beat
-    /// that finds no row (the row was deleted) registers the node again.
+    /// that finds no row (the row was deleted) registers the node again;
+    /// one that finds the node lost ends what it no longer owns first
+    /// ([`Control::beat`]).
     pub fn spawn_heartbeat(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let this = self.clone();
         tokio::spawn(async move {
@@ -109,16 +119,7 @@ impl Control {
             tick.tick().await;
             while !this.is_shutting_down() {
                 tick.tick().await;
-                let name = this.node.name.clone();
-                match this.db(move |s| s.heartbeat_node(&name, now_ms())).await {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        if let Err(e) = this.register_node().await {
-                            tracing::warn!("node {}: cannot register again: {e}", this.node.name);
-                        }
-                    }
-                    Err(e) => tracing::warn!("node {}: heartbeat failed: {e}", this.node.name),
-                }
+                this.beat().await;
             }
         })
     }
@@ -133,8 +134,13 @@ impl Control {
         Ok(NodeList {
             nodes: nodes
                 .into_iter()
-                .map(|n| Node {
-                    sandboxes: counts.iter().find(|(name, _)| *name == n.name).map_or(0, |(_, c)| *c),
+                .map(|n| {
+                    let held = counts.iter().find(|(name, _)| *name == n.name).map_or(0, |(_, c)| *c);
+                    (n, held)
+                })
+                .map(|(n, held)| Node {
+                    sandboxes: held,
+                    drained: (n.state == NodeState::Draining).then_some(held == 0),
                     heartbeat_age_ms: (now - n.heartbeat_at).max(0) as u64,
                     started_at: rfc3339(n.started_at),
                     heartbeat_at: rfc3339(n.heartbeat_at),

@@ -142,7 +142,10 @@ impl Control {
         let templates = self.db(|s| s.list_templates(None)).await?;
         let templates: Vec<_> = templates.into_iter().filter(|t| !revoked.contains(&t.owner)).collect();
         let by_id: HashMap<&str, &hutch_store::TemplateRecord> = templates.iter().map(|t| (t.id.as_str(), t)).collect();
-        // This node's pools only: each node keeps its own.
+        // This node's pools only: each node keeps its own. A draining (or
+        // lost) node keeps none: its warm sandboxes go, none are made.
+        let own = self.own_node_state().await?;
+        let keeps = !matches!(own, Some(hutch_store::NodeState::Draining | hutch_store::NodeState::Lost));
         let node = self.node.name.clone();
         let pooled = self.db(move |s| s.pooled_sandboxes(Some(&node))).await?;
         // Per template: (ready, starting) of the current version.
@@ -155,7 +158,7 @@ impl Control {
             }
             let current =
                 r.template_id.as_deref().and_then(|id| by_id.get(id)).filter(|t| Some(t.version) == r.template_version);
-            let Some(t) = current else {
+            let Some(t) = current.filter(|_| keeps) else {
                 self.drain(r).await;
                 continue;
             };
@@ -184,7 +187,8 @@ impl Control {
             }
             // A sandbox's placeholders are made for it at create: a
             // template whose sandboxes name secrets keeps no warm pool.
-            let warm_min = if crate::templates::Recipe::from_record(t).secrets.is_empty() { t.warm_min } else { 0 };
+            let warm_min =
+                if keeps && crate::templates::Recipe::from_record(t).secrets.is_empty() { t.warm_min } else { 0 };
             for _ in (ready + starting)..warm_min {
                 if self.is_shutting_down() {
                     break;
@@ -274,6 +278,7 @@ impl Control {
             paused_ttl_s: None,
             class: recipe.class,
             node: self.node.name.clone(),
+            reason: None,
         };
         // Warm sandboxes count toward their owner's quotas and the host's
         // capacity like any other.

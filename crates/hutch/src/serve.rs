@@ -46,6 +46,11 @@ pub struct ServeArgs {
     /// Time between the node's heartbeats in the database (HUTCH_HEARTBEAT).
     #[arg(long, env = "HUTCH_HEARTBEAT", default_value = "5s", value_parser = crate::units::parse_duration)]
     pub heartbeat: Duration,
+    /// How long another node may stay silent (no heartbeat) before this
+    /// one declares it lost: its running sandboxes become `lost`. At least
+    /// twice --heartbeat (HUTCH_NODE_LOST_AFTER).
+    #[arg(long, env = "HUTCH_NODE_LOST_AFTER", default_value = "30s", value_parser = crate::units::parse_duration)]
+    pub node_lost_after: Duration,
     /// Which hutch network of this host to use, 0 to 31: its own subnet
     /// 100.(96+N).0.0/16, nftables table and links, for daemons side by
     /// side (HUTCH_NET_INSTANCE).
@@ -410,6 +415,7 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         .create(&args.state_dir)
         .with_context(|| format!("create state directory {}", args.state_dir.display()))?;
     let node = node_name(args.node.as_deref())?;
+    hutch_control::fleet::check_lost_after(args.node_lost_after, args.heartbeat).map_err(anyhow::Error::msg)?;
     let advertise = args.advertise.clone().unwrap_or_else(|| format!("http://{}", args.listen));
     let store = open_store(args.database.as_deref(), &args.state_dir)?;
     if !args.database.as_deref().is_some_and(is_postgres_url) {
@@ -518,7 +524,12 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
             },
         },
         egress_bundle: egress.as_ref().map(|(_, _, bundle)| bundle.clone()),
-        node: hutch_control::nodes::NodeConfig { name: node.clone(), advertise, heartbeat: args.heartbeat },
+        node: hutch_control::nodes::NodeConfig {
+            name: node.clone(),
+            advertise,
+            heartbeat: args.heartbeat,
+            lost_after: args.node_lost_after,
+        },
     };
     let control = Control::new(store.clone(), runtime, config);
     // The event sequence goes on from the store before anything emits.
