@@ -267,7 +267,10 @@ impl Control {
     pub(crate) async fn render_fleet(&self, admin: bool, out: &mut String) -> Result<()> {
         let (nodes, counts) = self.db(|s| Ok((s.list_nodes()?, s.count_by_node()?))).await?;
         let now = now_ms();
-        let _ = writeln!(out, "# HELP hutch_fleet_nodes Nodes sharing the database, by state.\n# TYPE hutch_fleet_nodes gauge");
+        let _ = writeln!(
+            out,
+            "# HELP hutch_fleet_nodes Nodes sharing the database, by state.\n# TYPE hutch_fleet_nodes gauge"
+        );
         for st in [NodeState::Active, NodeState::Draining, NodeState::Lost] {
             let n = nodes.iter().filter(|n| n.state == st).count();
             let _ = writeln!(out, "hutch_fleet_nodes{{state=\"{}\"}} {n}", st.as_str());
@@ -294,7 +297,8 @@ impl Control {
         );
         for n in &nodes {
             let c = counts.iter().find(|(name, _)| *name == n.name).map_or(0, |(_, c)| *c);
-            let _ = writeln!(out, "hutch_fleet_node_sandboxes{{node=\"{}\",state=\"{}\"}} {c}", n.name, n.state.as_str());
+            let _ =
+                writeln!(out, "hutch_fleet_node_sandboxes{{node=\"{}\",state=\"{}\"}} {c}", n.name, n.state.as_str());
         }
         let _ = writeln!(
             out,

@@ -16,6 +16,7 @@ mod e2b;
 pub mod egress;
 mod events;
 mod extract;
+mod fleet;
 #[doc(hidden)]
 pub mod fuzz_api;
 mod images;

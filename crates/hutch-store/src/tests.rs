@@ -973,7 +973,8 @@ fn a_lost_node_loses_its_live_sandboxes_and_notes_its_paused_ones(s: &Backend) {
     let open = s.usage_open_subjects().expect("open");
     assert!(open.iter().all(|(_, id)| !lost.iter().any(|r| &r.id == id)), "{open:?}");
     // A lost sandbox leaves no state but by a transition naming `lost`.
-    assert!(s.transition("c-run", &[SandboxState::Running], SandboxState::Terminating, &Changes::default())
+    assert!(s
+        .transition("c-run", &[SandboxState::Running], SandboxState::Terminating, &Changes::default())
         .expect("transition")
         .is_none());
     // The node that comes back finds what it must end: its lost rows.
