@@ -245,6 +245,10 @@ impl Control {
         };
         let n = name.to_owned();
         let moved = self.db(move |s| s.set_node_state(&n, &from, to)).await?;
+        // Hook for the registry's move (issue 15, item 3; not built here):
+        // a draining node's paused sandboxes, `sandboxes_on(Some(name),
+        // [Paused])`, are what it would push and give to other nodes, so
+        // that the node becomes `drained`. Nothing moves them yet.
         let node = self.list_nodes(caller).await?.nodes.into_iter().find(|x| x.name == name);
         match (moved, node) {
             (_, None) => Err(ControlError::NoNode(name.chars().take(63).collect())),

@@ -7,8 +7,9 @@
 //! deletions, revoked keys), its warm pools and its idle sweep read only
 //! its node's sandboxes; an operation through the API on another node's
 //! sandbox is refused with `sandbox_on_other_node` (naming the node).
-//! Reads (list, get) show every node's sandboxes. Not yet: forwarding to
-//! the owner node, placement across nodes, lost-node handling.
+//! Reads (list, get) show every node's sandboxes. Lost nodes and drains:
+//! [`crate::fleet`]. Not yet: forwarding to the owner node, placement
+//! across nodes.
 
 use crate::control::{now_ms, rfc3339, Control, Need};
 use crate::error::{ControlError, Result};
