@@ -16,6 +16,8 @@ sandbox is made through its own node, and deleted through it at the end."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 
 from conftest import Client, cgroup_dirs, expect_error, expect_status, host_processes_of, wait_cleaned, wait_for
@@ -210,5 +212,42 @@ def test_a_drained_node_refuses_creates_and_says_when_it_is_empty(fleet_of):
         p = cli(a.binary, "node", "undrain", B, "--url", a.base, "--api-key", key, "--json")
         assert p.returncode == 0 and json.loads(p.stdout)["state"] == "active", p.stdout + p.stderr
     finally:
+        problems = cleanup(made)
+    assert not problems, problems
+
+
+def test_a_node_cut_off_while_running_ends_what_it_lost_when_it_hears_of_it(fleet_of):
+    """A node stopped (SIGSTOP) for longer than the limit is declared lost
+    while its sandboxes run on; continued, its next heartbeat hears it is
+    lost: it ends them on its host, then is active again."""
+    a, c = fleet_of([A, C], env=ENV)
+    key = a.admin_key()
+    on_a, on_c = Client(a.base, key), Client(c.base, key)
+    made: dict[str, tuple[Client, str]] = {}
+    stopped = False
+    try:
+        sb = on_c.create()
+        made[sb["id"]] = (on_c, C)
+        assert host_processes_of([sb["id"]])
+        os.kill(c.proc.pid, signal.SIGSTOP)
+        stopped = True
+        wait_for(
+            f"{sb['id']} to be lost",
+            lambda: state_of(on_a, sb["id"])["state"] == "lost",
+            timeout=LOST_AFTER * 6,
+        )
+        # Cut off, the node could not end it: it still runs on the host.
+        assert host_processes_of([sb["id"]])
+        os.kill(c.proc.pid, signal.SIGCONT)
+        stopped = False
+        wait_cleaned(c, sb["id"], timeout=30)
+        wait_for(f"{C} to be active again", lambda: nodes(on_a)[C]["state"] == "active", timeout=30)
+        assert state_of(on_c, sb["id"])["state"] == "lost"
+        again = on_c.create()
+        made[again["id"]] = (on_c, C)
+        assert on_c.exec(again["id"], "echo again")["stdout"] == "again\n"
+    finally:
+        if stopped:
+            os.kill(c.proc.pid, signal.SIGCONT)
         problems = cleanup(made)
     assert not problems, problems
