@@ -162,9 +162,15 @@ def test_a_drained_node_refuses_creates_and_says_when_it_is_empty(fleet_of):
     key = a.admin_key()
     on_a, on_b = Client(a.base, key), Client(b.base, key)
     made: dict[str, tuple[Client, str]] = {}
+    template = None
     try:
         sb = on_b.create()
         made[sb["id"]] = (on_b, B)
+        # A warm pool of one: each node keeps its own.
+        r = on_a.post("/v1/templates", {"name": "drain-warm", "warm": {"min": 1, "max": 1}})
+        expect_status(r, 201)
+        template = r.json()["id"]
+        wait_for("B's warm sandbox", lambda: nodes(on_a)[B]["sandboxes"] == 2, timeout=60)
 
         # Only admin keys drain; unknown nodes are named as such.
         _, user_key = a.new_key("drain-user")
@@ -190,10 +196,12 @@ def test_a_drained_node_refuses_creates_and_says_when_it_is_empty(fleet_of):
         doc = cli(a.binary, "doctor", "--fleet", "--url", a.base, "--api-key", key)
         assert doc.returncode == 0 and "draining" in doc.stdout, doc.stdout + doc.stderr
 
-        # Once its last sandbox is gone, the operator sees it is empty.
+        # Once its last sandbox is gone (its warm one drained: a draining
+        # node keeps no pool), the operator sees it is empty.
         on_b.destroy(sb["id"])
         del made[sb["id"]]
-        assert nodes(on_a)[B]["drained"] is True
+        wait_for(f"{B} to be drained", lambda: nodes(on_a)[B]["drained"] is True, timeout=30)
+        assert nodes(on_a)[A]["sandboxes"] == 2, "A keeps its warm sandbox and its own"
         p = cli(a.binary, "node", "list", "--url", a.base, "--api-key", key)
         assert p.returncode == 0 and "draining (drained)" in p.stdout, p.stdout
 
@@ -211,8 +219,19 @@ def test_a_drained_node_refuses_creates_and_says_when_it_is_empty(fleet_of):
         made[sb["id"]] = (on_b, B)
         p = cli(a.binary, "node", "undrain", B, "--url", a.base, "--api-key", key, "--json")
         assert p.returncode == 0 and json.loads(p.stdout)["state"] == "active", p.stdout + p.stderr
+        # Its pool fills again.
+        wait_for("B's warm sandbox again", lambda: nodes(on_a)[B]["sandboxes"] == 2, timeout=60)
     finally:
         problems = cleanup(made)
+        if template:
+            r = on_a.delete(f"/v1/templates/{template}")
+            if r.status_code not in (204, 404):
+                problems.append(f"delete template: {r.status_code} {r.text}")
+            # Each node drains its own pool of a deleted template.
+            try:
+                wait_for("the pools to drain", lambda: all(n["sandboxes"] == 0 for n in nodes(on_a).values()), 60)
+            except AssertionError as e:
+                problems.append(str(e))
     assert not problems, problems
 
 
