@@ -706,9 +706,14 @@ impl Control {
 
     /// Deletes a sandbox; idempotent: a terminated one answers as it is.
     pub async fn delete(self: &Arc<Self>, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
+        // A lost one has ended already, whichever node is asked (its node,
+        // back, ends what is left of it on its host).
+        let r = self.record(caller, id, Need::Manage).await?;
+        if r.state == SandboxState::Lost {
+            return Ok(view(&r));
+        }
         let r = self.record_here(caller, id, Need::Manage).await?;
-        // A lost one has ended already (its node ends what is left of it).
-        if matches!(r.state, SandboxState::Terminated | SandboxState::Lost) {
+        if r.state == SandboxState::Terminated {
             return Ok(view(&r));
         }
         self.destroy(id, None).await?;
