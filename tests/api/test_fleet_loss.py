@@ -23,7 +23,7 @@ import subprocess
 from conftest import Client, cgroup_dirs, expect_error, expect_status, host_processes_of, wait_cleaned, wait_for
 
 A, B, C = "loss-a", "loss-b", "loss-c"
-LOST_AFTER = 4  # seconds; heartbeats every second (fleet_of)
+LOST_AFTER = 6  # seconds; heartbeats every second (fleet_of): room for a loaded host
 ENV = {"HUTCH_NODE_LOST_AFTER": f"{LOST_AFTER}s"}
 
 
