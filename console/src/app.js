@@ -115,7 +115,7 @@ export function countdown(expiresAt, state) {
 
 export function tickCountdown(cell) {
   const state = cell.dataset.state;
-  if (state === "terminated" || state === "terminating") { cell.textContent = "—"; return; }
+  if (state === "terminated" || state === "terminating" || state === "lost") { cell.textContent = "—"; return; }
   const left = secondsUntil(cell.dataset.expires);
   cell.textContent = left > 0 ? duration(left) : "expiring";
 }
@@ -133,7 +133,7 @@ export function sandboxActions(sb, after) {
   const path = (rest) => api.sandboxPath(sb.id, rest);
   const act = (label, f, cls) =>
     el("button", { type: "button", class: cls, "data-action": label, onclick: () => attempt(async () => { await f(); await after(); }) }, label);
-  const live = sb.state !== "terminated" && sb.state !== "terminating";
+  const live = sb.state !== "terminated" && sb.state !== "terminating" && sb.state !== "lost";
   return el("span", { class: "actions" },
     live && act("+10m", () => api.post(path("/extend"), { by: 600 })),
     sb.state === "running" && act("suspend", () => api.post(path("/suspend"), {})),

@@ -71,7 +71,7 @@ export function sandboxView(root, id) {
   const series = { cpu: [], mem: [] };
   const loadMetrics = async () => {
     // An ended sandbox has no samples left to show.
-    if (sandbox && (sandbox.state === "terminated" || sandbox.state === "terminating")) return;
+    if (sandbox && ["terminated", "terminating", "lost"].includes(sandbox.state)) return;
     const m = await api.get(path("/metrics"));
     series.cpu = m.samples.map((s) => [Date.parse(s.at), s.cpu_used_pct]);
     series.mem = m.samples.map((s) => [Date.parse(s.at), s.mem_total_bytes ? (100 * s.mem_used_bytes) / s.mem_total_bytes : 0]);

@@ -181,6 +181,11 @@ pub enum ErrorCode {
     SecretNotFound,
     /// The caller already has a secret of this name.
     SecretNameTaken,
+    /// No node of the fleet has this name.
+    NodeNotFound,
+    /// The node asked is draining (or was declared lost): it takes no new
+    /// sandboxes. Send the create to another node.
+    NodeDraining,
 }
 
 impl ErrorCode {
@@ -209,7 +214,9 @@ impl ErrorCode {
             | ErrorCode::ImageLayerRefused
             | ErrorCode::WebhookUrlRefused
             | ErrorCode::UsageRangeInvalid => 400,
-            ErrorCode::NotFound | ErrorCode::VolumeNotFound | ErrorCode::SecretNotFound => 404,
+            ErrorCode::NotFound | ErrorCode::VolumeNotFound | ErrorCode::SecretNotFound | ErrorCode::NodeNotFound => {
+                404
+            }
             ErrorCode::MethodNotAllowed => 405,
             ErrorCode::IdempotencyConflict
             | ErrorCode::ExecutionOutcomeUnknown
@@ -242,6 +249,7 @@ impl ErrorCode {
             ErrorCode::SandboxStartFailed
             | ErrorCode::SandboxStartupFailed
             | ErrorCode::SandboxReadinessTimeout
+            | ErrorCode::NodeDraining
             | ErrorCode::Unavailable => 503,
             ErrorCode::StorageFull => 507,
         }
@@ -311,6 +319,8 @@ impl ErrorCode {
             ErrorCode::UsageRangeInvalid => "usage_range_invalid",
             ErrorCode::SecretNotFound => "secret_not_found",
             ErrorCode::SecretNameTaken => "secret_name_taken",
+            ErrorCode::NodeNotFound => "node_not_found",
+            ErrorCode::NodeDraining => "node_draining",
         }
     }
 }
@@ -326,16 +336,21 @@ pub enum SandboxState {
     Terminated,
     /// Paused to disk: no processes, no memory; its files are kept.
     Paused,
+    /// Its node was declared lost (it stopped heartbeating) while it ran:
+    /// what it held there is gone for the fleet. Final, like `terminated`;
+    /// its `reason` says which node and since when.
+    Lost,
 }
 
 impl SandboxState {
-    pub const ALL: [SandboxState; 6] = [
+    pub const ALL: [SandboxState; 7] = [
         SandboxState::Starting,
         SandboxState::Running,
         SandboxState::Suspended,
         SandboxState::Terminating,
         SandboxState::Terminated,
         SandboxState::Paused,
+        SandboxState::Lost,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -346,6 +361,7 @@ impl SandboxState {
             SandboxState::Terminating => "terminating",
             SandboxState::Terminated => "terminated",
             SandboxState::Paused => "paused",
+            SandboxState::Lost => "lost",
         }
     }
 
@@ -899,6 +915,11 @@ pub struct Sandbox {
     /// The node (`hutch serve --node`) it lives on.
     #[serde(default)]
     pub node: String,
+    /// Why it is in its state, in words, when hutch knows more than
+    /// `last_error_code`: for a `lost` sandbox, which node stopped
+    /// heartbeating and when; for a paused one, that its node was lost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// A node of the fleet: one `hutch serve` sharing the database
@@ -916,8 +937,12 @@ pub struct Node {
     /// Milliseconds since its last heartbeat, as the answering node sees it.
     pub heartbeat_age_ms: u64,
     pub capacity: NodeCapacity,
-    /// Its sandboxes that are not terminated (warm ones included).
+    /// Its sandboxes that are not terminated or lost (warm ones included).
     pub sandboxes: u64,
+    /// For a `draining` node: true once it holds no sandboxes (the
+    /// operator may stop it). Absent for other states.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drained: Option<bool>,
 }
 
 /// What a node may hold.

@@ -280,6 +280,7 @@ pub(crate) fn view(r: &SandboxRecord) -> Sandbox {
         idle_since: None,
         volumes: Vec::new(),
         node: r.node.clone(),
+        reason: r.reason.clone(),
     }
 }
 
@@ -524,6 +525,10 @@ impl Control {
             }
         }
         let r = self.record(caller, id, Need::Use).await?;
+        // A lost sandbox runs nowhere, whichever node is asked.
+        if r.state == hutch_api::SandboxState::Lost {
+            return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
+        }
         self.on_this_node(&r)?;
         match r.state {
             // Running in the store but not (yet) in memory: its boot is

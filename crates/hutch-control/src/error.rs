@@ -153,6 +153,11 @@ pub enum ControlError {
     WebhookUrl(String),
     #[error("this key has {0} webhooks, as many as it may have; delete one first")]
     WebhookLimit(u64),
+    #[error("no node {0:?} (hutch node list)")]
+    NoNode(String),
+    /// A create sent to a node that takes no new sandboxes.
+    #[error("node {node} is {}: it takes no new sandboxes; send the create to another node", if *.lost { "lost (ending what it held)" } else { "draining" })]
+    NodeDraining { node: String, lost: bool },
 }
 
 fn describe(e: &Exceeded) -> String {
@@ -232,6 +237,8 @@ impl ControlError {
             ControlError::VolumeInUse(_) => ErrorCode::VolumeInUse,
             ControlError::VolumePathInvalid(_) => ErrorCode::VolumePathInvalid,
             ControlError::VolumeShrink { .. } => ErrorCode::VolumeShrinkRefused,
+            ControlError::NoNode(_) => ErrorCode::NodeNotFound,
+            ControlError::NodeDraining { .. } => ErrorCode::NodeDraining,
             ControlError::Image(e) => match e {
                 hutch_runtime::image::ImageError::NotFound(_) => ErrorCode::ImageNotFound,
                 hutch_runtime::image::ImageError::Invalid { .. } => ErrorCode::ImageInvalid,

@@ -141,6 +141,8 @@ impl Kind {
             // A start cut short by a delete: the delete was the event.
             Transition::FailStart if quiet.contains(&code) => None,
             Transition::FailStart => Some(Kind::SandboxFailed),
+            // Its node was declared lost: it failed, with `node_lost`.
+            Transition::Lose => Some(Kind::SandboxFailed),
         }
     }
 }

@@ -21,6 +21,7 @@ pub mod events;
 pub mod exec;
 pub mod fileops;
 pub mod files;
+pub mod fleet;
 pub mod grants;
 pub mod history;
 pub mod idle;

@@ -11,7 +11,12 @@
 //!
 //!   running, suspended ──Pause──► paused ──Wake──► starting
 //!   paused ──Terminate──► terminating
+//!   starting, running, suspended, terminating ──Lose──► lost
 //! ```
+//!
+//! `Lose` is taken by another node, for every sandbox of a node declared
+//! lost at once ([`hutch_store::Store::mark_node_lost`], see
+//! [`crate::fleet`]); `lost` is final.
 //!
 //! Every change of state is one of these, made by a conditional update of
 //! the store ([`hutch_store::Store::transition`]): it names the states it
@@ -45,6 +50,8 @@ pub(crate) enum Transition {
     Pause,
     /// A paused sandbox starts again on its layer.
     Wake,
+    /// Its node was declared lost (it stopped heartbeating).
+    Lose,
 }
 
 impl Transition {
@@ -59,6 +66,7 @@ impl Transition {
             Transition::FailStart => &[Starting, Terminating],
             Transition::Pause => &[Running, Suspended],
             Transition::Wake => &[Paused],
+            Transition::Lose => &[Starting, Running, Suspended, Terminating],
         }
     }
 
@@ -70,6 +78,7 @@ impl Transition {
             Transition::Finish | Transition::FailStart => SandboxState::Terminated,
             Transition::Pause => SandboxState::Paused,
             Transition::Wake => SandboxState::Starting,
+            Transition::Lose => SandboxState::Lost,
         }
     }
 }
@@ -112,6 +121,8 @@ pub enum Reason {
     StorageFailed,
     /// Idle past its `idle_timeout_seconds` with `on_idle: "delete"`.
     Idle,
+    /// Its node was declared lost.
+    NodeLost,
 }
 
 impl Reason {
@@ -136,6 +147,7 @@ impl Reason {
             Reason::ImageUnavailable => "image_unavailable",
             Reason::StorageFailed => "sandbox_storage_failed",
             Reason::Idle => "sandbox_idle",
+            Reason::NodeLost => "node_lost",
         }
     }
 

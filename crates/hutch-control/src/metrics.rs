@@ -65,12 +65,14 @@ pub struct Metrics {
     /// warm pool that found none ready.
     pub warm_claims_total: AtomicU64,
     pub warm_misses_total: AtomicU64,
-    /// Creates no node of the fleet could take (placement found none).
-    pub placement_failures_total: AtomicU64,
     /// Time to start one warm sandbox.
     pub warm_refill: Histogram,
     /// Ready warm sandboxes per template, as of the last reconciler tick.
     warm_pool_sizes: Mutex<Vec<WarmPoolSize>>,
+    /// Creates no node could be found for (see [`Metrics::placement_failed`]).
+    placement_failures_total: AtomicU64,
+    /// Nodes this node declared lost.
+    pub nodes_lost_total: AtomicU64,
 }
 
 /// One template's warm pool, for `hutch_warm_pool_size`.
@@ -111,21 +113,23 @@ impl Default for Metrics {
             reconciler_ticks_total: AtomicU64::new(0),
             warm_claims_total: AtomicU64::new(0),
             warm_misses_total: AtomicU64::new(0),
-            placement_failures_total: AtomicU64::new(0),
             warm_refill: Histogram::new(LATENCY),
             warm_pool_sizes: Mutex::new(Vec::new()),
+            placement_failures_total: AtomicU64::new(0),
+            nodes_lost_total: AtomicU64::new(0),
         }
     }
 }
 
 impl Metrics {
-    /// A create that no node of the fleet could take.
-    pub fn placement_failed(&self) {
-        self.placement_failures_total.fetch_add(1, Ordering::Relaxed);
-    }
-
     pub fn set_reconciler_lag(&self, secs: f64) {
         self.reconciler_lag.store(secs.to_bits(), Ordering::Relaxed);
+    }
+
+    /// A create found no node to place it on (none active with the room,
+    /// the class or the template it needs): `hutch_placement_failures_total`.
+    pub fn placement_failed(&self) {
+        self.placement_failures_total.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn set_warm_pool_sizes(&self, sizes: Vec<WarmPoolSize>) {
@@ -192,13 +196,16 @@ impl Metrics {
              # TYPE hutch_warm_misses_total counter\nhutch_warm_misses_total {}",
             self.warm_misses_total.load(Ordering::Relaxed)
         );
+        self.warm_refill.render("hutch_warm_refill_seconds", "Time to start one warm sandbox.", &mut out);
         let _ = writeln!(
             out,
             "# HELP hutch_placement_failures_total Creates no node of the fleet could take.\n\
-             # TYPE hutch_placement_failures_total counter\nhutch_placement_failures_total {}",
-            self.placement_failures_total.load(Ordering::Relaxed)
+             # TYPE hutch_placement_failures_total counter\nhutch_placement_failures_total {}\n\
+             # HELP hutch_fleet_nodes_lost_total Nodes this node declared lost.\n\
+             # TYPE hutch_fleet_nodes_lost_total counter\nhutch_fleet_nodes_lost_total {}",
+            self.placement_failures_total.load(Ordering::Relaxed),
+            self.nodes_lost_total.load(Ordering::Relaxed)
         );
-        self.warm_refill.render("hutch_warm_refill_seconds", "Time to start one warm sandbox.", &mut out);
         out
     }
 }
@@ -236,6 +243,7 @@ impl crate::control::Control {
             Viewer::Owner(o) => Some(o),
         };
         self.render_usage(owner, &mut text).await?;
+        self.render_fleet(owner.is_none(), &mut text).await?;
         Ok(text)
     }
 }
@@ -257,6 +265,9 @@ mod tests {
         assert!(text.contains("hutch_exec_seconds_bucket{le=\"0.5\"} 2"));
         assert!(text.contains("hutch_exec_seconds_count 2"));
         assert!(text.contains("hutch_reconciler_ticks_total 0"));
+        assert!(text.contains("\nhutch_placement_failures_total 0\n"), "{text}");
+        m.placement_failed();
+        assert!(m.render(&[], 0, Viewer::Admin).contains("\nhutch_placement_failures_total 1\n"));
         m.reconciler_ticks_total.fetch_add(1, Ordering::Relaxed);
         let text = m.render(&[], 0, Viewer::Admin);
         assert!(text.contains("\nhutch_reconciler_ticks_total 1\n"), "{text}");

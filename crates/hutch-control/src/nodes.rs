@@ -7,7 +7,8 @@
 //! deletions, revoked keys), its warm pools and its idle sweep read only
 //! its node's sandboxes; an operation through the API on another node's
 //! sandbox is refused with `sandbox_on_other_node` (naming the node).
-//! Reads (list, get) show every node's sandboxes.
+//! Reads (list, get) show every node's sandboxes. Lost nodes and drains:
+//! [`crate::fleet`].
 //!
 //! Routing: any node answers any call. The HTTP layer asks
 //! [`Control::locate`] where a sandbox lives and forwards the request to
@@ -44,6 +45,9 @@ pub struct NodeConfig {
     /// The URL its API is reached at.
     pub advertise: String,
     pub heartbeat: Duration,
+    /// Silence after which another node is declared lost
+    /// ([`crate::fleet`]).
+    pub lost_after: Duration,
     /// The fleet's shared secret, which signs forwarded requests (None:
     /// forwarded requests are unsigned and carry no trust of their own).
     pub secret: Option<Arc<[u8]>>,
@@ -52,7 +56,13 @@ pub struct NodeConfig {
 impl NodeConfig {
     /// The local node, for tests.
     pub fn local() -> NodeConfig {
-        NodeConfig { name: LOCAL.to_owned(), advertise: String::new(), heartbeat: DEFAULT_HEARTBEAT, secret: None }
+        NodeConfig {
+            name: LOCAL.to_owned(),
+            advertise: String::new(),
+            heartbeat: DEFAULT_HEARTBEAT,
+            lost_after: crate::fleet::DEFAULT_LOST_AFTER,
+            secret: None,
+        }
     }
 }
 
@@ -114,7 +124,9 @@ impl Control {
     }
 
     /// Heartbeats every `heartbeat` until the daemon shuts down. A beat
-    /// that finds no row (the row was deleted) registers the node again.
+    /// that finds no row (the row was deleted) registers the node again;
+    /// one that finds the node lost ends what it no longer owns first
+    /// ([`Control::beat`]).
     pub fn spawn_heartbeat(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let this = self.clone();
         tokio::spawn(async move {
@@ -123,16 +135,7 @@ impl Control {
             tick.tick().await;
             while !this.is_shutting_down() {
                 tick.tick().await;
-                let name = this.node.name.clone();
-                match this.db(move |s| s.heartbeat_node(&name, now_ms())).await {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        if let Err(e) = this.register_node().await {
-                            tracing::warn!("node {}: cannot register again: {e}", this.node.name);
-                        }
-                    }
-                    Err(e) => tracing::warn!("node {}: heartbeat failed: {e}", this.node.name),
-                }
+                this.beat().await;
             }
         })
     }
@@ -147,8 +150,13 @@ impl Control {
         Ok(NodeList {
             nodes: nodes
                 .into_iter()
-                .map(|n| Node {
-                    sandboxes: counts.iter().find(|(name, _)| *name == n.name).map_or(0, |(_, c)| *c),
+                .map(|n| {
+                    let held = counts.iter().find(|(name, _)| *name == n.name).map_or(0, |(_, c)| *c);
+                    (n, held)
+                })
+                .map(|(n, held)| Node {
+                    sandboxes: held,
+                    drained: (n.state == NodeState::Draining).then_some(held == 0),
                     heartbeat_age_ms: (now - n.heartbeat_at).max(0) as u64,
                     started_at: rfc3339(n.started_at),
                     heartbeat_at: rfc3339(n.heartbeat_at),

@@ -143,7 +143,10 @@ impl Control {
         let templates: Vec<_> = templates.into_iter().filter(|t| !revoked.contains(&t.owner)).collect();
         let by_id: HashMap<&str, &hutch_store::TemplateRecord> = templates.iter().map(|t| (t.id.as_str(), t)).collect();
         // This node's pools only: each keeps its share of every template's
-        // sizes, which are the fleet's (`fleet_share`).
+        // sizes, which are the fleet's (`fleet_share`). A draining (or lost)
+        // node keeps none: its warm sandboxes go, none are made.
+        let own = self.own_node_state().await?;
+        let keeps = !matches!(own, Some(hutch_store::NodeState::Draining | hutch_store::NodeState::Lost));
         let mut shares: HashMap<&str, (u32, u32)> = HashMap::new();
         for t in &templates {
             let class = crate::templates::Recipe::from_record(t).class;
@@ -163,7 +166,7 @@ impl Control {
             }
             let current =
                 r.template_id.as_deref().and_then(|id| by_id.get(id)).filter(|t| Some(t.version) == r.template_version);
-            let Some(t) = current else {
+            let Some(t) = current.filter(|_| keeps) else {
                 self.drain(r).await;
                 continue;
             };
@@ -193,7 +196,7 @@ impl Control {
             // A sandbox's placeholders are made for it at create: a
             // template whose sandboxes name secrets keeps no warm pool.
             let share = shares.get(t.id.as_str()).map_or(t.warm_min, |s| s.0);
-            let warm_min = if crate::templates::Recipe::from_record(t).secrets.is_empty() { share } else { 0 };
+            let warm_min = if keeps && crate::templates::Recipe::from_record(t).secrets.is_empty() { share } else { 0 };
             for _ in (ready + starting)..warm_min {
                 if self.is_shutting_down() {
                     break;
@@ -283,6 +286,7 @@ impl Control {
             paused_ttl_s: None,
             class: recipe.class,
             node: self.node.name.clone(),
+            reason: None,
         };
         // Warm sandboxes count toward their owner's quotas and the host's
         // capacity like any other.

@@ -79,6 +79,12 @@ impl Control {
                 tracing::warn!("paused sandbox {}: {e}", r.id);
             }
         }
+        // Back after being declared lost (or after its sandboxes moved): what
+        // the fleet no longer gives this node ends here (its rows stay).
+        let disowned = self.end_disowned().await?;
+        if disowned > 0 {
+            tracing::info!("ended {disowned} sandboxes that are no longer this node's");
+        }
         // Upload journals of sandboxes that are gone describe nothing left.
         let live: HashSet<String> = self.lives().iter().map(|l| l.id.to_string()).collect();
         crate::files::journal::sweep(&self.runtime.config().state_dir.join("uploads"), move |id| live.contains(id))
@@ -103,13 +109,17 @@ impl Control {
         let rt = self.runtime.clone();
         let _ = tokio::task::spawn_blocking(move || rt.sweep()).await;
         // Disk layers of sandboxes that ended (or never were: a create cut
-        // short) are deleted; those of every sandbox not terminated stay.
-        // The storage is this state directory's: only this daemon's layers.
+        // short), were lost, or are another node's now are deleted; those
+        // of this node's sandboxes that keep files stay. The storage is this
+        // state directory's: only this daemon's layers.
         if let Some(storage) = self.runtime.storage().cloned() {
-            let alive: Vec<SandboxState> =
-                SandboxState::ALL.into_iter().filter(|s| *s != SandboxState::Terminated).collect();
-            let keep: HashSet<String> =
-                self.db(move |s| s.sandboxes_in(&alive)).await?.into_iter().map(|r| r.id).collect();
+            let node = self.node.name.clone();
+            let keep: HashSet<String> = self
+                .db(move |s| s.sandboxes_on(Some(&node), &crate::lifecycle::KEEPING_FILES))
+                .await?
+                .into_iter()
+                .map(|r| r.id)
+                .collect();
             let swept = tokio::task::spawn_blocking(move || {
                 storage.sweep(hutch_runtime::storage::Kind::Sandbox, |name| keep.contains(name))
             })
@@ -215,6 +225,11 @@ impl Control {
             tracing::warn!("cannot tell whether {unknown} sandboxes are alive ({first}); they are left running");
         }
         self.metrics.set_reconciler_lag(lag);
+        if !self.is_shutting_down() {
+            if let Err(e) = self.look_for_lost_nodes().await {
+                tracing::warn!("fleet: cannot look for lost nodes: {e}; retrying next tick");
+            }
+        }
         if !self.is_shutting_down() {
             if let Err(e) = self.tend_pools(&revoked).await {
                 tracing::warn!("warm pools: {e}; retrying next tick");

@@ -137,6 +137,7 @@ impl Control {
         if self.is_shutting_down() {
             return Err(ControlError::ShuttingDown);
         }
+        self.refuse_if_draining().await?;
         let owner = &caller.owner;
         // Everything is checked before anything is reserved.
         // A template, or a snapshot with the settings of its sandbox.
@@ -345,6 +346,7 @@ impl Control {
             paused_ttl_s: lifecycle.paused_ttl_s,
             class: tpl.class,
             node: self.node.name.clone(),
+            reason: None,
         };
         let rec = record.clone();
         for c in &mut claims {
@@ -704,6 +706,12 @@ impl Control {
 
     /// Deletes a sandbox; idempotent: a terminated one answers as it is.
     pub async fn delete(self: &Arc<Self>, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
+        // A lost one has ended already, whichever node is asked (its node,
+        // back, ends what is left of it on its host).
+        let r = self.record(caller, id, Need::Manage).await?;
+        if r.state == SandboxState::Lost {
+            return Ok(view(&r));
+        }
         let r = self.record_here(caller, id, Need::Manage).await?;
         if r.state == SandboxState::Terminated {
             return Ok(view(&r));

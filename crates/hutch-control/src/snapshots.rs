@@ -296,6 +296,8 @@ impl Control {
         req: &Fork,
         opts: crate::sandboxes::CreateOptions,
     ) -> Result<ForkResult> {
+        // Children are new sandboxes of this node.
+        self.refuse_if_draining().await?;
         let count = req.count.unwrap_or(1);
         if !(1..=FORK_MAX).contains(&count) {
             return Err(ControlError::Invalid(format!("count must be 1 to {FORK_MAX}")));

@@ -22,6 +22,7 @@ pub mod fuzz_api;
 mod images;
 pub mod listener;
 mod mcp;
+mod nodes;
 mod openapi;
 pub mod proxy;
 mod pty;

@@ -52,6 +52,8 @@ use utoipa::{Modify, OpenApi};
         crate::templates::build_logs,
         crate::routes::list_keys,
         crate::routes::list_nodes,
+        crate::nodes::drain_node,
+        crate::nodes::undrain_node,
         crate::routes::create_key,
         crate::routes::revoke_key,
         crate::routes::set_quotas,

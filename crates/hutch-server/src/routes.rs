@@ -56,6 +56,8 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
         .route("/v1/sandboxes/{id}/file-parts", post(file_part))
         .route("/v1/keys", get(list_keys).post(create_key))
         .route("/v1/nodes", get(list_nodes))
+        .route("/v1/nodes/{name}/drain", post(crate::nodes::drain_node))
+        .route("/v1/nodes/{name}/undrain", post(crate::nodes::undrain_node))
         .route("/v1/keys/{id}", axum::routing::delete(revoke_key).patch(set_quotas))
         .route("/v1/keys/{id}/grant-secret/rotate", post(rotate_grant_secret))
         .route("/v1/sandboxes/{id}/grants", post(create_grant))

@@ -132,6 +132,9 @@ pub struct SandboxRecord {
     pub class: Class,
     /// The node (daemon) it lives on: the only one that acts on it.
     pub node: String,
+    /// Why it is in its state, in words, when more is known than
+    /// `last_error_code` (a node's loss).
+    pub reason: Option<String>,
 }
 
 /// Where a node of the fleet is.
@@ -174,6 +177,21 @@ pub struct NodeRecord {
     pub state: NodeState,
     pub started_at: i64,
     pub heartbeat_at: i64,
+}
+
+/// What declaring a node lost does ([`Store::mark_node_lost`]).
+#[derive(Debug, Clone, Copy)]
+pub struct NodeLoss<'a> {
+    pub name: &'a str,
+    /// Only if its last heartbeat is older than this (Unix ms).
+    pub silent_before: i64,
+    /// The states of its sandboxes that become `lost`.
+    pub from: &'a [SandboxState],
+    /// Their `last_error_code`.
+    pub code: &'a str,
+    pub reason: &'a str,
+    /// The note its paused sandboxes get.
+    pub paused_reason: &'a str,
 }
 
 /// A snapshot as stored. Times are Unix milliseconds.
@@ -823,16 +841,29 @@ pub trait Store: Send + Sync {
 
     // Nodes: the daemons sharing the database.
     /// Registers a node, or registers it again (a restart): its address,
-    /// capacity, `started_at` and heartbeat are written and it is active.
+    /// capacity, `started_at` and heartbeat are written and it is active
+    /// (a draining node stays draining: an operator's drain outlives a
+    /// restart).
     fn register_node(&self, n: &NodeRecord) -> Result<()>;
-    /// Records a heartbeat; false when no node has this name.
-    fn heartbeat_node(&self, name: &str, at: i64) -> Result<bool>;
+    /// Records a heartbeat of a node that is not lost, and says its state
+    /// (None: no node has this name). A lost node's beat is not recorded:
+    /// it must first end what the fleet no longer gives it, then register
+    /// again.
+    fn heartbeat_node(&self, name: &str, at: i64) -> Result<Option<NodeState>>;
     /// Every node, by name.
     fn list_nodes(&self) -> Result<Vec<NodeRecord>>;
-    /// Declares a node lost, unless it is already (one winner); false when
-    /// it was lost already or is unknown.
-    fn mark_node_lost(&self, name: &str) -> Result<bool>;
-    /// Sandboxes not terminated (pooled ones included), per node.
+    /// Declares a node lost, in one transaction with its sandboxes, if it
+    /// is not lost already and has not beaten since `loss.silent_before`
+    /// (one winner among the nodes looking). Its sandboxes in `loss.from`
+    /// become `lost` (with `loss.code` and `loss.reason`); its paused ones
+    /// keep their state and get `loss.paused_reason`. None when it was not
+    /// declared (lost already, it beat meanwhile, or unknown); otherwise
+    /// the sandboxes made lost, as they are now.
+    fn mark_node_lost(&self, loss: &NodeLoss<'_>) -> Result<Option<Vec<SandboxRecord>>>;
+    /// Moves a node from one of `from` to `to` (a drain, an undrain);
+    /// false when it is in none of `from` (or unknown).
+    fn set_node_state(&self, name: &str, from: &[NodeState], to: NodeState) -> Result<bool>;
+    /// Sandboxes neither terminated nor lost (pooled ones included), per node.
     fn count_by_node(&self) -> Result<Vec<(String, u64)>>;
     /// Gives every sandbox of another node to `node`; how many. Only for
     /// a database one daemon keeps alone (SQLite): its sandboxes are that

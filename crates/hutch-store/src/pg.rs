@@ -64,6 +64,7 @@ use std::time::Duration;
 const MIGRATIONS: &[(&str, &str)] = &[
     ("0001_init", include_str!("../migrations/postgres/0001_init.sql")),
     ("0002_nodes", include_str!("../migrations/postgres/0002_nodes.sql")),
+    ("0003_node_loss", include_str!("../migrations/postgres/0003_node_loss.sql")),
 ];
 
 /// Connections a store opens at most, unless told otherwise.
@@ -369,6 +370,7 @@ fn sandbox_row(r: &Row) -> Result<SandboxRecord> {
         paused_ttl_s: opt_uint(r, 27)?,
         class: text_enum(r, 28, "sandbox class", Class::parse)?,
         node: r.try_get(29)?,
+        reason: r.try_get(30)?,
     })
 }
 
@@ -643,7 +645,7 @@ fn disk_fits(c: &mut impl GenericClient, owner: &str, admission: &Admission, ask
 
 fn insert_sandbox_in(c: &mut impl GenericClient, s: &SandboxRecord) -> Result<()> {
     c.execute(
-        &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", marks(1, 30)),
+        &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", marks(1, 31)),
         &[
             &s.id,
             &s.owner,
@@ -675,6 +677,7 @@ fn insert_sandbox_in(c: &mut impl GenericClient, s: &SandboxRecord) -> Result<()
             &opt_i64(s.paused_ttl_s),
             &s.class.as_str(),
             &s.node,
+            &s.reason,
         ],
     )
     .map_err(conflict)?;
@@ -793,7 +796,8 @@ impl Store for PgStore {
             rows(
                 c.query(
                     "SELECT id, idle_timeout_s, COALESCE(on_idle, 'pause') FROM sandboxes \
-                     WHERE idle_timeout_s IS NOT NULL AND state <> 'terminated' AND ($1::TEXT IS NULL OR node = $1)",
+                     WHERE idle_timeout_s IS NOT NULL AND state NOT IN ('terminated', 'lost') \
+                     AND ($1::TEXT IS NULL OR node = $1)",
                     &[&node],
                 )?,
                 |r| Ok((r.try_get(0)?, uint(r, 1)?, r.try_get(2)?)),
@@ -1180,7 +1184,7 @@ impl Store for PgStore {
             rows(
                 c.query(
                     &format!(
-                        "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE pooled AND state <> 'terminated' \
+                        "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE pooled AND state NOT IN ('terminated', 'lost') \
                          AND ($1::TEXT IS NULL OR node = $1) ORDER BY created_at, id"
                     ),
                     &[&node],
@@ -1903,7 +1907,8 @@ impl Store for PgStore {
                     "INSERT INTO nodes ({NODE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, 'active', $7, $8) \
                      ON CONFLICT (name) DO UPDATE SET advertise = excluded.advertise, \
                      memory_mib = excluded.memory_mib, disk_mib = excluded.disk_mib, \
-                     sandboxes = excluded.sandboxes, classes = excluded.classes, state = 'active', \
+                     sandboxes = excluded.sandboxes, classes = excluded.classes, \
+                     state = CASE WHEN nodes.state = 'draining' THEN 'draining' ELSE 'active' END, \
                      started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at"
                 ),
                 &[
@@ -1921,8 +1926,17 @@ impl Store for PgStore {
         })
     }
 
-    fn heartbeat_node(&self, name: &str, at: i64) -> Result<bool> {
-        self.with(|c| Ok(c.execute("UPDATE nodes SET heartbeat_at = $2 WHERE name = $1", &[&name, &at])? == 1))
+    fn heartbeat_node(&self, name: &str, at: i64) -> Result<Option<NodeState>> {
+        self.with(|c| {
+            // One statement: the beat is written unless the node is lost,
+            // and its state is read in the same snapshot.
+            let row = c.query_opt(
+                "WITH beat AS (UPDATE nodes SET heartbeat_at = $2 WHERE name = $1 AND state <> 'lost' RETURNING state) \
+                 SELECT state FROM beat UNION ALL SELECT state FROM nodes WHERE name = $1 AND state = 'lost'",
+                &[&name, &at],
+            )?;
+            row.map(|r| text_enum(&r, 0, "node state", NodeState::parse)).transpose()
+        })
     }
 
     fn list_nodes(&self) -> Result<Vec<NodeRecord>> {
@@ -1943,9 +1957,43 @@ impl Store for PgStore {
         })
     }
 
-    fn mark_node_lost(&self, name: &str) -> Result<bool> {
+    fn mark_node_lost(&self, loss: &NodeLoss<'_>) -> Result<Option<Vec<SandboxRecord>>> {
+        self.tx(|t| {
+            // The node's row is the lock: a second declarer waits on it,
+            // then finds it lost and changes nothing.
+            let won = t.execute(
+                "UPDATE nodes SET state = 'lost' WHERE name = $1 AND state <> 'lost' AND heartbeat_at < $2",
+                &[&loss.name, &loss.silent_before],
+            )?;
+            if won == 0 {
+                return Ok(None);
+            }
+            let states: Vec<&str> = loss.from.iter().map(|s| s.as_str()).collect();
+            let lost = rows(
+                t.query(
+                    &format!(
+                        "UPDATE sandboxes SET state = 'lost', last_error_code = $3, reason = $4 \
+                         WHERE node = $1 AND state = ANY($2) RETURNING {SANDBOX_COLUMNS}"
+                    ),
+                    &[&loss.name, &states, &loss.code, &loss.reason],
+                )?,
+                sandbox_row,
+            )?;
+            t.execute(
+                "UPDATE sandboxes SET reason = $2 WHERE node = $1 AND state = 'paused'",
+                &[&loss.name, &loss.paused_reason],
+            )?;
+            Ok(Some(lost))
+        })
+    }
+
+    fn set_node_state(&self, name: &str, from: &[NodeState], to: NodeState) -> Result<bool> {
+        let states: Vec<&str> = from.iter().map(|s| s.as_str()).collect();
         self.with(|c| {
-            Ok(c.execute("UPDATE nodes SET state = 'lost' WHERE name = $1 AND state <> 'lost'", &[&name])? == 1)
+            Ok(c.execute(
+                "UPDATE nodes SET state = $2 WHERE name = $1 AND state = ANY($3)",
+                &[&name, &to.as_str(), &states],
+            )? == 1)
         })
     }
 
@@ -1957,7 +2005,8 @@ impl Store for PgStore {
         self.with(|c| {
             rows(
                 c.query(
-                    "SELECT node, COUNT(*) FROM sandboxes WHERE state <> 'terminated' GROUP BY node ORDER BY node",
+                    "SELECT node, COUNT(*) FROM sandboxes WHERE state NOT IN ('terminated', 'lost') \
+                     GROUP BY node ORDER BY node",
                     &[],
                 )?,
                 |r| Ok((r.try_get(0)?, uint(r, 1)?)),

@@ -31,6 +31,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0017_webhook_format", include_str!("../migrations/0017_webhook_format.sql")),
     ("0018_class", include_str!("../migrations/0018_class.sql")),
     ("0019_nodes", include_str!("../migrations/0019_nodes.sql")),
+    ("0020_node_loss", include_str!("../migrations/0020_node_loss.sql")),
 ];
 
 /// States in which a sandbox holds resources.
@@ -106,7 +107,7 @@ fn update_in_states(c: &Connection, update: &str, mut values: Vec<Value>, states
 pub(crate) const SANDBOX_COLUMNS: &str =
     "id, owner, template, state, created_at, expires_at, max_expires_at, memory_mb, vcpus, \
      disk_mib, pids, env, metadata, limits_applied, last_error_code, host_pid, idempotency_key, request_hash, \
-     template_id, template_version, warm, pooled, network, storage, origin, on_expire, ttl_s, paused_ttl_s, class, node";
+     template_id, template_version, warm, pooled, network, storage, origin, on_expire, ttl_s, paused_ttl_s, class, node, reason";
 
 pub(crate) const TEMPLATE_COLUMNS: &str =
     "id, owner, name, version, image, class, memory_mb, vcpus, disk_mib, pids, env, \
@@ -320,6 +321,7 @@ fn sandbox_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRecord> {
         paused_ttl_s: r.get::<_, Option<i64>>(27)?.map(|v| v as u64),
         class: parsed(r, 28, "sandbox class", Class::parse)?,
         node: r.get(29)?,
+        reason: r.get(30)?,
     })
 }
 
@@ -437,7 +439,7 @@ pub(crate) fn over(scope: Scope, caps: &Quotas, used: Usage, asked: Usage) -> Op
 
 fn insert_sandbox_in(tx: &Transaction<'_>, s: &SandboxRecord) -> Result<()> {
     tx.execute(
-        &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", placeholders(1, 30)),
+        &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", placeholders(1, 31)),
         params![
             s.id,
             s.owner,
@@ -468,7 +470,8 @@ fn insert_sandbox_in(tx: &Transaction<'_>, s: &SandboxRecord) -> Result<()> {
             s.ttl_s.map(|v| v as i64),
             s.paused_ttl_s.map(|v| v as i64),
             s.class.as_str(),
-            s.node
+            s.node,
+            s.reason
         ],
     )
     .map_err(conflict)?;
@@ -636,7 +639,7 @@ impl Store for SqliteStore {
         self.with(|c| {
             let mut st = c.prepare(
                 "SELECT id, idle_timeout_s, COALESCE(on_idle, 'pause') FROM sandboxes \
-                 WHERE idle_timeout_s IS NOT NULL AND state != 'terminated' AND (?1 IS NULL OR node = ?1)",
+                 WHERE idle_timeout_s IS NOT NULL AND state NOT IN ('terminated', 'lost') AND (?1 IS NULL OR node = ?1)",
             )?;
             let rows = st
                 .query_map([node], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?.max(0) as u64, r.get(2)?)))?
@@ -1318,7 +1321,7 @@ impl Store for SqliteStore {
     fn pooled_sandboxes(&self, node: Option<&str>) -> Result<Vec<SandboxRecord>> {
         self.with(|c| {
             let mut st = c.prepare(&format!(
-                "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE pooled = 1 AND state != 'terminated' \
+                "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE pooled = 1 AND state NOT IN ('terminated', 'lost') \
                  AND (?1 IS NULL OR node = ?1) ORDER BY created_at, id"
             ))?;
             let rows = st.query_map([node], sandbox_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
@@ -1561,7 +1564,8 @@ impl Store for SqliteStore {
                     "INSERT INTO nodes ({NODE_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'active', ?7, ?8) \
                      ON CONFLICT (name) DO UPDATE SET advertise = excluded.advertise, \
                      memory_mib = excluded.memory_mib, disk_mib = excluded.disk_mib, \
-                     sandboxes = excluded.sandboxes, classes = excluded.classes, state = 'active', \
+                     sandboxes = excluded.sandboxes, classes = excluded.classes, \
+                     state = CASE WHEN nodes.state = 'draining' THEN 'draining' ELSE 'active' END, \
                      started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at"
                 ),
                 params![
@@ -1579,8 +1583,23 @@ impl Store for SqliteStore {
         })
     }
 
-    fn heartbeat_node(&self, name: &str, at: i64) -> Result<bool> {
-        self.with(|c| Ok(c.execute("UPDATE nodes SET heartbeat_at = ?2 WHERE name = ?1", params![name, at])? == 1))
+    fn heartbeat_node(&self, name: &str, at: i64) -> Result<Option<NodeState>> {
+        self.with(|c| {
+            let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+            tx.execute("UPDATE nodes SET heartbeat_at = ?2 WHERE name = ?1 AND state != 'lost'", params![name, at])?;
+            let state: Option<String> =
+                tx.query_row("SELECT state FROM nodes WHERE name = ?1", [name], |r| r.get(0)).optional()?;
+            tx.commit()?;
+            state
+                .map(|s| {
+                    NodeState::parse(&s).ok_or_else(|| StoreError::Corrupt {
+                        what: "node state",
+                        id: name.to_owned(),
+                        value: s.clone(),
+                    })
+                })
+                .transpose()
+        })
     }
 
     fn list_nodes(&self) -> Result<Vec<NodeRecord>> {
@@ -1591,10 +1610,57 @@ impl Store for SqliteStore {
         })
     }
 
-    fn mark_node_lost(&self, name: &str) -> Result<bool> {
-        self.with(
-            |c| Ok(c.execute("UPDATE nodes SET state = 'lost' WHERE name = ?1 AND state != 'lost'", [name])? == 1),
-        )
+    fn mark_node_lost(&self, loss: &NodeLoss<'_>) -> Result<Option<Vec<SandboxRecord>>> {
+        self.with(|c| {
+            let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+            let won = tx.execute(
+                "UPDATE nodes SET state = 'lost' WHERE name = ?1 AND state != 'lost' AND heartbeat_at < ?2",
+                params![loss.name, loss.silent_before],
+            )?;
+            if won == 0 {
+                return Ok(None);
+            }
+            let states: Vec<&str> = loss.from.iter().map(|s| s.as_str()).collect();
+            let ids: Vec<String> = if states.is_empty() {
+                Vec::new()
+            } else {
+                let sql = format!(
+                    "SELECT id FROM sandboxes WHERE node = ?1 AND state IN ({}) ORDER BY created_at, id",
+                    placeholders(2, states.len())
+                );
+                let mut values: Vec<Value> = vec![loss.name.to_owned().into()];
+                values.extend(states.iter().map(|s| Value::from((*s).to_owned())));
+                let mut st = tx.prepare(&sql)?;
+                let ids = st.query_map(params_from_iter(values), |r| r.get(0))?.collect::<rusqlite::Result<_>>()?;
+                ids
+            };
+            let mut lost = Vec::with_capacity(ids.len());
+            for id in &ids {
+                tx.execute(
+                    "UPDATE sandboxes SET state = 'lost', last_error_code = ?2, reason = ?3 WHERE id = ?1",
+                    params![id, loss.code, loss.reason],
+                )?;
+                lost.extend(get_sandbox_in(&tx, id)?);
+            }
+            tx.execute(
+                "UPDATE sandboxes SET reason = ?2 WHERE node = ?1 AND state = 'paused'",
+                params![loss.name, loss.paused_reason],
+            )?;
+            tx.commit()?;
+            Ok(Some(lost))
+        })
+    }
+
+    fn set_node_state(&self, name: &str, from: &[NodeState], to: NodeState) -> Result<bool> {
+        if from.is_empty() {
+            return Ok(false);
+        }
+        self.with(|c| {
+            let states: Vec<&str> = from.iter().map(|s| s.as_str()).collect();
+            let values: Vec<Value> = vec![name.to_owned().into(), to.as_str().to_owned().into()];
+            let n = update_in_states(c, "UPDATE nodes SET state = ?2 WHERE name = ?1 AND state IN", values, &states)?;
+            Ok(n == 1)
+        })
     }
 
     fn give_all_sandboxes_to(&self, node: &str) -> Result<u64> {
@@ -1604,7 +1670,8 @@ impl Store for SqliteStore {
     fn count_by_node(&self) -> Result<Vec<(String, u64)>> {
         self.with(|c| {
             let mut st = c.prepare(
-                "SELECT node, COUNT(*) FROM sandboxes WHERE state != 'terminated' GROUP BY node ORDER BY node",
+                "SELECT node, COUNT(*) FROM sandboxes WHERE state NOT IN ('terminated', 'lost') \
+                 GROUP BY node ORDER BY node",
             )?;
             let rows = st
                 .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?.max(0) as u64)))?

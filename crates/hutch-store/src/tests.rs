@@ -56,6 +56,7 @@ fn sandbox(id: &str, created_at: i64) -> SandboxRecord {
         paused_ttl_s: None,
         class: Class::Container,
         node: "local".into(),
+        reason: None,
     }
 }
 
@@ -896,19 +897,109 @@ fn nodes_register_heartbeat_and_are_lost_once(s: &Backend) {
     assert!(s.list_nodes().expect("list").is_empty());
     s.register_node(&node("b", 10)).expect("register");
     s.register_node(&node("a", 10)).expect("register");
-    assert!(s.heartbeat_node("a", 20).expect("beat"));
-    assert!(!s.heartbeat_node("nobody", 20).expect("beat"));
+    assert_eq!(s.heartbeat_node("a", 20).expect("beat"), Some(NodeState::Active));
+    assert_eq!(s.heartbeat_node("nobody", 20).expect("beat"), None);
     let nodes = s.list_nodes().expect("list");
     assert_eq!(nodes.iter().map(|n| n.name.as_str()).collect::<Vec<_>>(), ["a", "b"]);
     assert_eq!(nodes[0], NodeRecord { heartbeat_at: 20, ..node("a", 10) });
-    assert!(s.mark_node_lost("b").expect("lost"));
-    assert!(!s.mark_node_lost("b").expect("lost twice"));
-    assert!(!s.mark_node_lost("nobody").expect("unknown"));
+    // Only a node silent since before `silent_before` is declared lost.
+    assert_eq!(s.mark_node_lost(&loss("a", 20)).expect("beat since"), None);
+    assert_eq!(s.mark_node_lost(&loss("b", 11)).expect("lost"), Some(vec![]));
+    assert_eq!(s.mark_node_lost(&loss("b", 11)).expect("lost twice"), None);
+    assert_eq!(s.mark_node_lost(&loss("nobody", 11)).expect("unknown"), None);
     assert_eq!(s.list_nodes().expect("list")[1].state, NodeState::Lost);
+    // A lost node's beat is not recorded: it is told it is lost.
+    assert_eq!(s.heartbeat_node("b", 40).expect("beat"), Some(NodeState::Lost));
+    assert_eq!(s.list_nodes().expect("list")[1].heartbeat_at, 10);
     // A node that starts again is active again, with its new capacity.
     s.register_node(&NodeRecord { sandboxes: 7, classes: vec![], ..node("b", 30) }).expect("again");
     let b = s.list_nodes().expect("list").pop().expect("b");
     assert_eq!(b, NodeRecord { sandboxes: 7, classes: vec![], ..node("b", 30) });
+}
+
+fn loss(name: &str, silent_before: i64) -> NodeLoss<'_> {
+    NodeLoss {
+        name,
+        silent_before,
+        from: &[SandboxState::Starting, SandboxState::Running, SandboxState::Suspended, SandboxState::Terminating],
+        code: "node_lost",
+        reason: "node stopped heartbeating",
+        paused_reason: "node lost; kept paused",
+    }
+}
+
+fn a_lost_node_loses_its_live_sandboxes_and_notes_its_paused_ones(s: &Backend) {
+    s.insert_template(&template("tpl-1", 1)).expect("insert");
+    s.register_node(&node("a", 10)).expect("register");
+    s.register_node(&node("c", 10)).expect("register");
+    let on_c = |r: SandboxRecord| SandboxRecord { node: "c".into(), ..r };
+    s.insert_sandbox_free(&on_c(sandbox("c-run", 1))).expect("insert");
+    s.insert_sandbox_free(&on_c(SandboxRecord { state: SandboxState::Suspended, ..sandbox("c-susp", 2) }))
+        .expect("insert");
+    s.insert_sandbox_free(&on_c(SandboxRecord { state: SandboxState::Paused, ..sandbox("c-paused", 3) }))
+        .expect("insert");
+    s.insert_sandbox_free(&on_c(SandboxRecord { state: SandboxState::Terminated, ..sandbox("c-gone", 4) }))
+        .expect("insert");
+    s.insert_sandbox_free(&on_c(pooled("c-warm", 5, 1))).expect("insert");
+    s.insert_sandbox_free(&SandboxRecord { node: "a".into(), ..sandbox("a-run", 6) }).expect("insert");
+    let quota = Admission { owner: Quotas { sandboxes: Some(5), ..Quotas::default() }, ..Admission::default() };
+    let extra = SandboxRecord { node: "a".into(), ..sandbox("a-extra", 7) };
+    // c-run, c-susp, c-paused, a-run (k1's) and the pooled one hold: k1 is at 5.
+    assert!(matches!(s.insert_sandbox(&extra, &quota).expect("insert"), Admitted::Refused(_)));
+    for id in ["c-run", "c-susp", "c-warm"] {
+        s.usage_mark(&s.get_sandbox(id).expect("get").expect("row"), 5).expect("usage");
+    }
+
+    let mut lost = s.mark_node_lost(&loss("c", 11)).expect("lost").expect("declared");
+    lost.sort_by(|a, b| a.id.cmp(&b.id));
+    assert_eq!(lost.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(), ["c-run", "c-susp", "c-warm"]);
+    for r in &lost {
+        assert_eq!(r.state, SandboxState::Lost);
+        assert_eq!(r.last_error_code.as_deref(), Some("node_lost"));
+        assert_eq!(r.reason.as_deref(), Some("node stopped heartbeating"));
+        s.usage_mark(r, 10).expect("usage ends");
+    }
+    // A disk-paused sandbox keeps its state (its files may move) with a note.
+    let paused = s.get_sandbox("c-paused").expect("get").expect("row");
+    assert_eq!((paused.state, paused.reason.as_deref()), (SandboxState::Paused, Some("node lost; kept paused")));
+    assert_eq!(s.get_sandbox("c-gone").expect("get").expect("row").state, SandboxState::Terminated);
+    assert_eq!(s.get_sandbox("a-run").expect("get").expect("row").state, SandboxState::Running);
+    // Lost sandboxes hold nothing: the owner's quota has room again, the
+    // node counts only its paused one, its pool is empty, nothing is open.
+    assert_eq!(s.insert_sandbox(&extra, &quota).expect("insert"), Admitted::Inserted);
+    assert_eq!(s.count_by_node().expect("count"), [("a".to_owned(), 2), ("c".to_owned(), 1)]);
+    assert!(s.pooled_sandboxes(Some("c")).expect("pooled").is_empty());
+    assert!(s.claim_warm(&Claim { node: "c", ..claim(20) }).expect("claim").is_none());
+    let open = s.usage_open_subjects().expect("open");
+    assert!(open.iter().all(|(_, id)| !lost.iter().any(|r| &r.id == id)), "{open:?}");
+    // A lost sandbox leaves no state but by a transition naming `lost`.
+    assert!(s
+        .transition("c-run", &[SandboxState::Running], SandboxState::Terminating, &Changes::default())
+        .expect("transition")
+        .is_none());
+    // The node that comes back finds what it must end: its lost rows.
+    let ended = s.sandboxes_on(Some("c"), &[SandboxState::Lost]).expect("lost rows");
+    assert_eq!(ended.len(), 3);
+    s.register_node(&node("c", 30)).expect("back");
+    assert_eq!(s.heartbeat_node("c", 31).expect("beat"), Some(NodeState::Active));
+    assert_eq!(s.get_sandbox("c-run").expect("get").expect("row").state, SandboxState::Lost);
+}
+
+fn a_drained_node_stays_draining_across_a_restart(s: &Backend) {
+    s.register_node(&node("a", 10)).expect("register");
+    let (active, draining) = ([NodeState::Active], [NodeState::Draining]);
+    assert!(s.set_node_state("a", &active, NodeState::Draining).expect("drain"));
+    assert!(!s.set_node_state("a", &active, NodeState::Draining).expect("drain twice"));
+    assert!(!s.set_node_state("nobody", &active, NodeState::Draining).expect("unknown"));
+    assert_eq!(s.heartbeat_node("a", 20).expect("beat"), Some(NodeState::Draining));
+    s.register_node(&node("a", 30)).expect("restart");
+    assert_eq!(s.list_nodes().expect("list")[0].state, NodeState::Draining);
+    assert!(s.set_node_state("a", &draining, NodeState::Active).expect("undrain"));
+    assert_eq!(s.list_nodes().expect("list")[0].state, NodeState::Active);
+    // A lost node is not drained or undrained: it comes back by registering.
+    assert!(s.mark_node_lost(&loss("a", 31)).expect("lost").is_some());
+    assert!(!s.set_node_state("a", &active, NodeState::Draining).expect("drain lost"));
+    assert!(!s.set_node_state("a", &draining, NodeState::Active).expect("undrain lost"));
 }
 
 fn a_node_sees_only_its_own_sandboxes_where_it_acts(s: &Backend) {
@@ -987,4 +1078,6 @@ on_both_backends!(
     a_sandbox_keeps_its_class,
     nodes_register_heartbeat_and_are_lost_once,
     a_node_sees_only_its_own_sandboxes_where_it_acts,
+    a_lost_node_loses_its_live_sandboxes_and_notes_its_paused_ones,
+    a_drained_node_stays_draining_across_a_restart,
 );

@@ -60,6 +60,61 @@ fn two_daemons_never_both_win_one_transition() {
 }
 
 #[test]
+fn two_nodes_never_both_declare_a_node_lost() {
+    let Some(db) = db() else { return };
+    let s = db.store.as_ref().expect("open");
+    for name in ["a", "b", "c"] {
+        s.register_node(&NodeRecord {
+            name: name.into(),
+            advertise: String::new(),
+            memory_mib: 0,
+            disk_mib: 0,
+            sandboxes: 0,
+            classes: vec![],
+            state: NodeState::Active,
+            started_at: 1,
+            heartbeat_at: 1,
+        })
+        .expect("register");
+    }
+    for id in ids(20) {
+        s.insert_sandbox_free(&SandboxRecord { node: "c".into(), ..sandbox(&id, 1) }).expect("insert");
+    }
+    for _ in 0..5 {
+        let [a, b] = race(&db, |s, _| {
+            let from = [SandboxState::Running];
+            let loss = NodeLoss {
+                name: "c",
+                silent_before: 2,
+                from: &from,
+                code: "node_lost",
+                reason: "gone",
+                paused_reason: "gone",
+            };
+            s.mark_node_lost(&loss).expect("declare").map(|v| v.len())
+        });
+        assert_eq!([a, b].iter().filter(|w| w.is_some()).count(), 1, "one winner: {a:?} {b:?}");
+        assert_eq!(a.or(b), Some(20), "the winner lost every sandbox");
+        s.register_node(&NodeRecord {
+            name: "c".into(),
+            advertise: String::new(),
+            memory_mib: 0,
+            disk_mib: 0,
+            sandboxes: 0,
+            classes: vec![],
+            state: NodeState::Active,
+            started_at: 1,
+            heartbeat_at: 1,
+        })
+        .expect("back");
+        for id in ids(20) {
+            s.raw_execute_for_tests(&format!("UPDATE sandboxes SET state = 'running' WHERE id = '{id}'"))
+                .expect("reset");
+        }
+    }
+}
+
+#[test]
 fn two_daemons_never_claim_one_warm_sandbox_twice() {
     let Some(db) = db() else { return };
     let s = db.store.as_ref().expect("open");

@@ -41,7 +41,7 @@ impl UsageKind {
             S::Running => Some(UsageKind::Running),
             S::Paused | S::Suspended => Some(UsageKind::Paused),
             S::Starting | S::Terminating => Some(UsageKind::Held),
-            S::Terminated => None,
+            S::Terminated | S::Lost => None,
         }
     }
 }

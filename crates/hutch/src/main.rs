@@ -43,7 +43,8 @@ enum Command {
     /// An MCP server on stdin/stdout, for MCP clients: a bridge to a
     /// running daemon's /mcp (HUTCH_URL, HUTCH_API_KEY).
     Mcp(cli::mcp::McpArgs),
-    /// Report what this host offers for sandboxes and what it lacks.
+    /// Report what this host offers for sandboxes and what it lacks; with
+    /// --fleet, the health of the nodes sharing a daemon's database.
     Doctor {
         /// Print the report as JSON.
         #[arg(long)]
@@ -52,6 +53,22 @@ enum Command {
         /// (HUTCH_STATE_DIR).
         #[arg(long, env = "HUTCH_STATE_DIR", default_value = "/var/lib/hutch")]
         state_dir: std::path::PathBuf,
+        /// Check the fleet instead (through --url, an admin key): every
+        /// node's state, heartbeat age, capacity and classes; exit 1 when a
+        /// node is lost or stale.
+        #[arg(long)]
+        fleet: bool,
+        /// With --fleet: the daemon's API (HUTCH_URL).
+        #[arg(long, env = "HUTCH_URL", default_value = cli::DEFAULT_URL)]
+        url: String,
+        /// With --fleet: an admin key (HUTCH_API_KEY); else the one in
+        /// <state-dir>/admin.key.
+        #[arg(long, env = "HUTCH_API_KEY", hide_env_values = true)]
+        api_key: Option<String>,
+        /// With --fleet: a node not lost but without a heartbeat for this
+        /// long is stale.
+        #[arg(long, default_value = "15s", value_parser = units::parse_duration)]
+        stale_after: std::time::Duration,
     },
 }
 
@@ -81,7 +98,10 @@ fn main() {
         Command::Node(args) => cli::node::main(args),
         Command::Image(args) => cli::image::main(args),
         Command::Mcp(args) => cli::mcp::main(args),
-        Command::Doctor { json, state_dir } => doctor(json, state_dir),
+        Command::Doctor { json, state_dir, fleet: true, url, api_key, stale_after } => {
+            cli::node::doctor_fleet(&cli::ClientOpts { url, api_key, state_dir }, stale_after, json)
+        }
+        Command::Doctor { json, state_dir, fleet: false, .. } => doctor(json, state_dir),
     };
     std::process::exit(code);
 }

@@ -53,6 +53,11 @@ pub struct ServeArgs {
     /// (HUTCH_FLEET_SECRET_FILE).
     #[arg(long, env = "HUTCH_FLEET_SECRET_FILE", value_name = "PATH")]
     pub fleet_secret_file: Option<std::path::PathBuf>,
+    /// How long another node may stay silent (no heartbeat) before this
+    /// one declares it lost: its running sandboxes become `lost`. At least
+    /// twice --heartbeat (HUTCH_NODE_LOST_AFTER).
+    #[arg(long, env = "HUTCH_NODE_LOST_AFTER", default_value = "30s", value_parser = crate::units::parse_duration)]
+    pub node_lost_after: Duration,
     /// Which hutch network of this host to use, 0 to 31: its own subnet
     /// 100.(96+N).0.0/16, nftables table and links, for daemons side by
     /// side (HUTCH_NET_INSTANCE).
@@ -429,6 +434,7 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         .create(&args.state_dir)
         .with_context(|| format!("create state directory {}", args.state_dir.display()))?;
     let node = node_name(args.node.as_deref())?;
+    hutch_control::fleet::check_lost_after(args.node_lost_after, args.heartbeat).map_err(anyhow::Error::msg)?;
     let advertise = args.advertise.clone().unwrap_or_else(|| format!("http://{}", args.listen));
     let store = open_store(args.database.as_deref(), &args.state_dir)?;
     if !args.database.as_deref().is_some_and(is_postgres_url) {
@@ -529,6 +535,7 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
             advertise,
             heartbeat: args.heartbeat,
             secret: fleet_secret.map(|s| std::sync::Arc::from(s.into_bytes())),
+            lost_after: args.node_lost_after,
         },
     };
     let control = Control::new(store.clone(), runtime, config);

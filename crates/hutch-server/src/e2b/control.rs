@@ -87,12 +87,13 @@ fn not_found(id: &str) -> E2bError {
     E2bError::new(StatusCode::NOT_FOUND, format!("sandbox \"{id}\" doesn't exist or you don't have access to it"))
 }
 
-/// E2B's state of a sandbox; `None` for one that is gone.
+/// E2B's state of a sandbox; `None` for one that is gone (E2B has no
+/// `lost`: a sandbox of a lost node is gone to its clients, as a killed one).
 fn e2b_state(s: SandboxState) -> Option<&'static str> {
     match s {
         SandboxState::Starting | SandboxState::Running => Some("running"),
         SandboxState::Suspended | SandboxState::Paused => Some("paused"),
-        SandboxState::Terminating | SandboxState::Terminated => None,
+        SandboxState::Terminating | SandboxState::Terminated | SandboxState::Lost => None,
     }
 }
 

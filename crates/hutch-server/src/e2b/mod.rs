@@ -202,7 +202,7 @@ pub(crate) fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         | ErrorCode::ImageLayerRefused
         | ErrorCode::WebhookUrlRefused
         | ErrorCode::UsageRangeInvalid => ("invalid_argument", StatusCode::BAD_REQUEST),
-        ErrorCode::NotFound | ErrorCode::VolumeNotFound | ErrorCode::SecretNotFound => {
+        ErrorCode::NotFound | ErrorCode::VolumeNotFound | ErrorCode::SecretNotFound | ErrorCode::NodeNotFound => {
             ("not_found", StatusCode::NOT_FOUND)
         }
         ErrorCode::IdempotencyConflict
@@ -220,6 +220,7 @@ pub(crate) fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         | ErrorCode::SandboxStartupFailed
         | ErrorCode::SandboxReadinessTimeout
         | ErrorCode::SandboxCapacityUnavailable
+        | ErrorCode::NodeDraining
         | ErrorCode::Unavailable => ("unavailable", StatusCode::SERVICE_UNAVAILABLE),
         ErrorCode::SandboxCommandCapacity
         | ErrorCode::SandboxDiskFull

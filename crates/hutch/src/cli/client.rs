@@ -211,6 +211,12 @@ impl Client {
         self.json(&url, self.authed("GET", &url), Payload::None)
     }
 
+    /// `POST /v1/nodes/{name}/drain` (`undrain` false) or `/undrain`.
+    pub fn drain_node(&self, name: &str, undrain: bool) -> Result<hutch_api::Node> {
+        let url = self.url(&["nodes", name, if undrain { "undrain" } else { "drain" }]);
+        self.json(&url, self.authed("POST", &url), Payload::None)
+    }
+
     pub fn list_volumes(&self) -> Result<hutch_api::VolumeList> {
         let url = self.url(&["volumes"]);
         self.json(&url, self.authed("GET", &url), Payload::None)

@@ -359,6 +359,7 @@ mod tests {
             idle_since: None,
             volumes: Vec::new(),
             node: "local".into(),
+            reason: None,
         }
     }
 

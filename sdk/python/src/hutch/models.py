@@ -73,7 +73,7 @@ class SandboxInfo:
 
     id: str
     template: str
-    #: starting, running, suspended, terminating, terminated
+    #: starting, running, suspended, paused, terminating, terminated, lost
     state: str
     created_at: str
     expires_at: str
@@ -101,6 +101,8 @@ class SandboxInfo:
     idle_since: Optional[str] = None
     #: the node (daemon) it lives on, which alone acts on it
     node: str = ""
+    #: why it is in its state, in words, when known (a lost node's name)
+    reason: Optional[str] = None
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -128,6 +130,7 @@ class SandboxInfo:
             on_idle=d.get("on_idle"),
             idle_since=d.get("idle_since"),
             node=d.get("node", ""),
+            reason=d.get("reason"),
             raw=dict(d),
         )
 
