@@ -44,7 +44,7 @@ def test_nodes_share_a_database_and_act_only_on_their_own_sandboxes(fleet):
     on_a = Client(a.base, key, a.clients)
     on_b = Client(b.base, key)
 
-    sb = on_a.create()
+    sb = on_b.create(node=NODE_A)
     sid = sb["id"]
     assert sb["node"] == NODE_A, sb
     assert on_a.exec(sid, "echo hi")["stdout"] == "hi\n"
@@ -102,6 +102,10 @@ def test_nodes_share_a_database_and_act_only_on_their_own_sandboxes(fleet):
     )
     assert p.returncode == 0, p.stderr
     assert NODE_A in p.stdout and NODE_B in p.stdout and "active" in p.stdout, p.stdout
+
+    # Only an admin names a sandbox's node, and only an active node.
+    expect_error(Client(b.base, user.key).post("/v1/sandboxes", {"node": NODE_A}), 403, "forbidden")
+    expect_error(on_b.post("/v1/sandboxes", {"node": "no-such-node"}), 400, "invalid_request")
 
     # A deletes its own.
     r = on_a.delete(f"/v1/sandboxes/{sid}")
@@ -208,7 +212,7 @@ def test_a_node_that_does_not_answer_is_named(fleet_of):
     key = a.admin_key()
     on_a, on_b = Client(a.base, key, a.clients), Client(b.base, key, b.clients)
     # Creates through B spread over both nodes: take one that landed on B.
-    sid = wait_for("a sandbox on fleet-b", lambda: (sb := on_b.create())["node"] == "fleet-b" and sb["id"], timeout=60)
+    sid = on_a.create(node="fleet-b")["id"]
     b.kill9()
     r = on_a.post(f"/v1/sandboxes/{sid}/exec", {"command": "true"})
     e = expect_error(r, 502, "node_unreachable")

@@ -7,11 +7,13 @@ become `lost` (with a reason naming C), its disk-paused one stays paused
 with a note, its owner's quota is freed, creates go on on A and B. C
 started again ends on its host what the fleet no longer gives it (its
 processes, cgroups, sockets), keeps its paused sandbox, and is active
-again. A drained node refuses creates (`node_draining`) and says when it is
+again. A drained node refuses creates named for it (`node_draining`),
+placement passes it by, and it says when it is
 empty; `hutch doctor --fleet` fails while a node is lost.
 
-Until placement lands, a create lands on the node it is sent to: each
-sandbox is made through its own node, and deleted through it at the end."""
+Creates are placed across the nodes: the admin names the node of each
+sandbox (`node`), a user's create is made until it lands on the node
+wanted."""
 
 from __future__ import annotations
 
@@ -73,10 +75,17 @@ def test_a_silent_node_is_lost_and_cleans_up_when_it_comes_back(fleet_of):
     made: dict[str, tuple[Client, str]] = {}
 
     def create(node: str, client: dict[str, Client] = on, **body) -> str:
-        sb = client[node].create(**body)
-        assert sb["node"] == node, sb
-        made[sb["id"]] = (client[node], node)
-        return sb["id"]
+        # The admin names the node; a user's create is placed, so it is
+        # made again until it lands there (its others deleted at once).
+        if client is on:
+            body["node"] = node
+        for _ in range(30):
+            sb = client[node].create(**body)
+            if sb["node"] == node:
+                made[sb["id"]] = (client[node], node)
+                return sb["id"]
+            client[node].destroy(sb["id"])
+        raise AssertionError(f"no create through {node} landed on it")
 
     try:
         for node in (A, B):
@@ -165,10 +174,10 @@ def test_a_drained_node_refuses_creates_and_says_when_it_is_empty(fleet_of):
     made: dict[str, tuple[Client, str]] = {}
     template = None
     try:
-        sb = on_b.create()
+        sb = on_b.create(node=B)
         made[sb["id"]] = (on_b, B)
-        # A warm pool of one: each node keeps its own.
-        r = on_a.post("/v1/templates", {"name": "drain-warm", "warm": {"min": 1, "max": 1}})
+        # A warm pool of two: the fleet's, one on each node.
+        r = on_a.post("/v1/templates", {"name": "drain-warm", "warm": {"min": 2, "max": 2}})
         expect_status(r, 201)
         template = r.json()["id"]
         wait_for("B's warm sandbox", lambda: nodes(on_a)[B]["sandboxes"] == 2, timeout=60)
@@ -184,7 +193,7 @@ def test_a_drained_node_refuses_creates_and_says_when_it_is_empty(fleet_of):
         p = cli(a.binary, "node", "drain", B, "--url", a.base, "--api-key", key)
         assert p.returncode == 0, p.stderr
         assert "draining" in p.stdout and "still holds" in p.stdout, p.stdout
-        e = expect_error(on_b.post("/v1/sandboxes", {"ttl_seconds": 900}), 503, "node_draining")
+        e = expect_error(on_b.post("/v1/sandboxes", {"ttl_seconds": 900, "node": B}), 503, "node_draining")
         assert B in e["error"], e
         listed = nodes(on_a)
         assert listed[B]["state"] == "draining" and listed[B]["drained"] is False, listed[B]
@@ -202,7 +211,8 @@ def test_a_drained_node_refuses_creates_and_says_when_it_is_empty(fleet_of):
         on_b.destroy(sb["id"])
         del made[sb["id"]]
         wait_for(f"{B} to be drained", lambda: nodes(on_a)[B]["drained"] is True, timeout=30)
-        assert nodes(on_a)[A]["sandboxes"] == 2, "A keeps its warm sandbox and its own"
+        # A keeps the whole pool (the fleet's two: B takes no share) and its own.
+        wait_for("A to hold the whole pool", lambda: nodes(on_a)[A]["sandboxes"] == 3, timeout=60)
         p = cli(a.binary, "node", "list", "--url", a.base, "--api-key", key)
         assert p.returncode == 0 and "draining (drained)" in p.stdout, p.stdout
 
@@ -210,13 +220,17 @@ def test_a_drained_node_refuses_creates_and_says_when_it_is_empty(fleet_of):
         b.stop()
         b.start()
         assert nodes(on_a)[B]["state"] == "draining"
-        expect_error(on_b.post("/v1/sandboxes", {"ttl_seconds": 900}), 503, "node_draining")
+        expect_error(on_b.post("/v1/sandboxes", {"ttl_seconds": 900, "node": B}), 503, "node_draining")
+        # Sent to B without a node, a create is placed on A.
+        placed = on_b.create()
+        made[placed["id"]] = (on_a, A)
+        assert placed["node"] == A, placed
 
         # Undrain through the API: B takes sandboxes again.
         r = on_a.post(f"/v1/nodes/{B}/undrain")
         expect_status(r, 200)
         assert r.json()["state"] == "active" and "drained" not in r.json(), r.json()
-        sb = on_b.create()
+        sb = on_b.create(node=B)
         made[sb["id"]] = (on_b, B)
         p = cli(a.binary, "node", "undrain", B, "--url", a.base, "--api-key", key, "--json")
         assert p.returncode == 0 and json.loads(p.stdout)["state"] == "active", p.stdout + p.stderr
@@ -246,7 +260,7 @@ def test_a_node_cut_off_while_running_ends_what_it_lost_when_it_hears_of_it(flee
     made: dict[str, tuple[Client, str]] = {}
     stopped = False
     try:
-        sb = on_c.create()
+        sb = on_c.create(node=C)
         made[sb["id"]] = (on_c, C)
         assert host_processes_of([sb["id"]])
         os.kill(c.proc.pid, signal.SIGSTOP)
@@ -263,7 +277,7 @@ def test_a_node_cut_off_while_running_ends_what_it_lost_when_it_hears_of_it(flee
         wait_cleaned(c, sb["id"], timeout=30)
         wait_for(f"{C} to be active again", lambda: nodes(on_a)[C]["state"] == "active", timeout=30)
         assert state_of(on_c, sb["id"])["state"] == "lost"
-        again = on_c.create()
+        again = on_c.create(node=C)
         made[again["id"]] = (on_c, C)
         assert on_c.exec(again["id"], "echo again")["stdout"] == "again\n"
     finally:

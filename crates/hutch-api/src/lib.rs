@@ -574,6 +574,11 @@ pub struct CreateSandbox {
     /// the headers of HTTPS requests to the secret's hosts only.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub secrets: Vec<String>,
+    /// The fleet node to run it on, whatever placement would pick (an
+    /// admin key only): the create goes to that node, which must be
+    /// active.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
 }
 
 /// `POST /v1/secrets`: a value that never enters a sandbox.

@@ -350,9 +350,20 @@ impl Control {
     /// else the one with the largest free share of its capacity; this node
     /// wins ties. Here when no other node qualifies (this node then takes
     /// it or refuses it in its own words) or the template is unknown.
-    pub async fn place(&self, caller: &Caller, template: Option<&str>) -> Route {
+    ///
+    /// A create that names its node (`pinned`, an admin's) goes there when
+    /// it is an active node; else here, which refuses it.
+    pub async fn place(&self, caller: &Caller, template: Option<&str>, pinned: Option<&str>) -> Route {
         let Some(view) = self.fleet_view().await else { return Route::Here };
         let now = now_ms();
+        if let Some(name) = pinned {
+            return match view.nodes.iter().find(|n| n.name == name) {
+                Some(n) if n.name != self.node.name && n.state == NodeState::Active && !n.advertise.is_empty() => {
+                    Route::Node { name: n.name.clone(), url: n.advertise.clone() }
+                }
+                _ => Route::Here,
+            };
+        }
         if !self.others_take_creates(&view, now) {
             return Route::Here;
         }

@@ -138,6 +138,16 @@ impl Control {
             return Err(ControlError::ShuttingDown);
         }
         self.refuse_if_draining().await?;
+        if let Some(node) = &req.node {
+            if !caller.admin {
+                return Err(ControlError::Forbidden("only an admin key may name the node of a sandbox".into()));
+            }
+            if *node != self.node.name {
+                return Err(ControlError::Invalid(format!(
+                    "node {node:?} does not take this create: it is not an active node of the fleet (GET /v1/nodes)"
+                )));
+            }
+        }
         let owner = &caller.owner;
         // Everything is checked before anything is reserved.
         // A template, or a snapshot with the settings of its sandbox.

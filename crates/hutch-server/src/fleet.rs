@@ -223,15 +223,15 @@ async fn placed(app: &App, flavor: Flavor, req: Request) -> Result<(Route, Reque
         }
     };
     let field = if flavor == Flavor::E2b { "templateID" } else { "template" };
-    let named = serde_json::from_slice::<serde_json::Value>(&bytes)
-        .ok()
-        .and_then(|v| v.get(field).and_then(|t| t.as_str()).map(str::to_owned))
-        .filter(|t| !t.is_empty() && t != "base");
+    let body = serde_json::from_slice::<serde_json::Value>(&bytes).ok();
+    let text = |name: &str| body.as_ref().and_then(|v| v.get(name)).and_then(|t| t.as_str()).map(str::to_owned);
+    let named = text(field).filter(|t| !t.is_empty() && t != "base");
+    let pinned = if flavor == Flavor::Native { text("node") } else { None };
     let template = match (flavor, named) {
         (Flavor::E2b, Some(t)) => Some(app.control.e2b_template_name(&caller, &t).await.unwrap_or(t)),
         (_, t) => t,
     };
-    let route = app.control.place(&caller, template.as_deref()).await;
+    let route = app.control.place(&caller, template.as_deref(), pinned.as_deref()).await;
     Ok((route, Request::from_parts(parts, Body::from(bytes))))
 }
 

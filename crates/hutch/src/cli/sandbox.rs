@@ -119,6 +119,10 @@ pub struct CreateArgs {
     /// HTTPS requests to the secret's hosts (repeatable).
     #[arg(long = "secret", value_name = "NAME")]
     secrets: Vec<String>,
+    /// Run it on this node of the fleet, whatever placement would pick
+    /// (an admin key only).
+    #[arg(long, value_name = "NAME")]
+    node: Option<String>,
     /// Make the request safe to retry: the same key gives the same sandbox.
     #[arg(long)]
     idempotency_key: Option<String>,
@@ -246,6 +250,7 @@ fn create_request(c: &CreateArgs) -> anyhow::Result<CreateSandbox> {
         on_idle: c.life.on_idle,
         volumes: c.volumes.clone(),
         secrets: c.secrets.clone(),
+        node: c.node.clone(),
     })
 }
 
