@@ -352,7 +352,10 @@ impl Control {
     /// it or refuses it in its own words) or the template is unknown.
     ///
     /// A create that names its node (`pinned`, an admin's) goes there when
-    /// it is an active node; else here, which refuses it.
+    /// it is an active node; else here, which refuses it. A template on an
+    /// image other than `base` or a preset stays here (images are on the
+    /// node that made them), as does a create naming a snapshot or
+    /// volumes (the HTTP layer keeps those here).
     pub async fn place(&self, caller: &Caller, template: Option<&str>, pinned: Option<&str>) -> Route {
         let Some(view) = self.fleet_view().await else { return Route::Here };
         let now = now_ms();
@@ -368,6 +371,11 @@ impl Control {
             return Route::Here;
         }
         let Ok(recipe) = self.recipe(&caller.owner, template).await else { return Route::Here };
+        // An image other than `base` and the presets (which every node makes
+        // on first use) is on the node that pulled, imported or built it.
+        if recipe.image != "base" && !hutch_runtime::image::debian::is_preset(&recipe.image) {
+            return Route::Here;
+        }
         let fresh = |n: &NodeRecord| n.name == self.node.name || self.answering(n, now);
         let chosen = choose(&view, &self.node.name, recipe.class.as_str(), recipe.id.as_deref(), fresh);
         let Some(n) = chosen else {

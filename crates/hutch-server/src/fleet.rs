@@ -227,6 +227,15 @@ async fn placed(app: &App, flavor: Flavor, req: Request) -> Result<(Route, Reque
     let text = |name: &str| body.as_ref().and_then(|v| v.get(name)).and_then(|t| t.as_str()).map(str::to_owned);
     let named = text(field).filter(|t| !t.is_empty() && t != "base");
     let pinned = if flavor == Flavor::Native { text("node") } else { None };
+    // Snapshots and volumes are files on the node that made them: a create
+    // naming one stays on the node asked, which has them or says so.
+    let listed = |name: &str| {
+        body.as_ref().and_then(|v| v.get(name)).is_some_and(|x| !x.is_null() && x != &serde_json::json!([]))
+    };
+    let named_snapshot = named.as_deref().is_some_and(|t| hutch_control::SnapshotId::parse(t).is_ok());
+    if pinned.is_none() && (listed("snapshot") || listed("volumes") || listed("volumeMounts") || named_snapshot) {
+        return Ok((Route::Here, Request::from_parts(parts, Body::from(bytes))));
+    }
     let template = match (flavor, named) {
         (Flavor::E2b, Some(t)) => Some(app.control.e2b_template_name(&caller, &t).await.unwrap_or(t)),
         (_, t) => t,
