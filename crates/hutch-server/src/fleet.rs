@@ -32,7 +32,7 @@ use hyper_util::rt::TokioIo;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The forwarding node's name.
 pub const NODE_HEADER: &str = "hutch-node";
@@ -51,8 +51,9 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Bounds on the owner node's answer head.
 const MAX_HEADERS: usize = 100;
 const MAX_HEADER_BYTES: usize = 64 << 10;
-/// Idle connections kept per node.
+/// Idle connections kept per node, and for how long one is reused.
 const POOL_PER_NODE: usize = 32;
+const IDLE_REUSE: Duration = Duration::from_secs(15);
 
 /// Which API a request speaks, for its errors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,18 +106,21 @@ pub fn aim(method: &Method, path: &str, host: Option<&str>, e2b_domain: Option<&
     }
 }
 
-/// Idle HTTP/1.1 connections to other nodes, by their address.
+/// Idle HTTP/1.1 connections to other nodes, by their address, with when
+/// each was kept.
 #[derive(Default)]
 pub struct Forwarder {
-    idle: Mutex<HashMap<String, Vec<SendRequest<Body>>>>,
+    idle: Mutex<HashMap<String, Vec<(Instant, SendRequest<Body>)>>>,
 }
 
 impl Forwarder {
+    /// A kept connection that is ready and young enough that its node has
+    /// not closed it for idleness (60 s by default, far above `IDLE_REUSE`).
     fn take(&self, authority: &str) -> Option<SendRequest<Body>> {
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         let list = idle.get_mut(authority)?;
-        while let Some(s) = list.pop() {
-            if s.is_ready() {
+        while let Some((kept, s)) = list.pop() {
+            if s.is_ready() && kept.elapsed() < IDLE_REUSE {
                 return Some(s);
             }
         }
@@ -126,9 +130,9 @@ impl Forwarder {
     fn keep(&self, authority: &str, sender: SendRequest<Body>) {
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         let list = idle.entry(authority.to_owned()).or_default();
-        list.retain(|s| !s.is_closed());
+        list.retain(|(kept, s)| !s.is_closed() && kept.elapsed() < IDLE_REUSE);
         if list.len() < POOL_PER_NODE {
-            list.push(sender);
+            list.push((Instant::now(), sender));
         }
     }
 }
