@@ -110,8 +110,11 @@ pub fn aim(method: &Method, path: &str, host: Option<&str>, e2b_domain: Option<&
 /// each was kept.
 #[derive(Default)]
 pub struct Forwarder {
-    idle: Mutex<HashMap<String, Vec<(Instant, SendRequest<Body>)>>>,
+    idle: Mutex<HashMap<String, Vec<Kept>>>,
 }
+
+/// A connection kept idle, and since when.
+type Kept = (Instant, SendRequest<Body>);
 
 impl Forwarder {
     /// A kept connection that is ready and young enough that its node has
