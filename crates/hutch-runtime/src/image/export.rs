@@ -498,7 +498,39 @@ enum Member<'a> {
     Layer(&'a Path, &'a Blob),
 }
 
+/// Writes the layer at `dir` as its tar (what [`measure`] gave `blob`):
+/// one that reads differently stops with [`ExportError::Changed`] before
+/// anything past `blob.size` is written.
+pub fn write_layer<W: Write>(dir: &Path, blob: &Blob, out: &mut W) -> Result<(), ExportError> {
+    let mut checked = Checked { inner: out, hash: Sha256::new(), n: 0, limit: blob.size };
+    let changed = || ExportError::Changed(dir.display().to_string());
+    let written = match layer_tar(dir, &mut checked) {
+        Ok(_) => (checked.n, hex::encode(checked.hash.finalize())),
+        Err(ExportError::Io { source, .. }) if source.kind() == io::ErrorKind::InvalidData => return Err(changed()),
+        Err(e) => return Err(e),
+    };
+    if written != (blob.size, blob.digest.clone()) {
+        return Err(changed());
+    }
+    Ok(())
+}
+
 impl Plan {
+    /// The layers (their trees and their blobs), bottom first.
+    pub fn layers(&self) -> &[(PathBuf, Blob)] {
+        &self.layers
+    }
+
+    /// The image configuration: its blob and bytes.
+    pub fn config(&self) -> (&Blob, &[u8]) {
+        (&self.config.0, &self.config.1)
+    }
+
+    /// The OCI image manifest: its blob and bytes.
+    pub fn manifest(&self) -> (&Blob, &[u8]) {
+        (&self.manifest.0, &self.manifest.1)
+    }
+
     /// The diff_ids (hex) of the layers, bottom first.
     pub fn diff_ids(&self) -> Vec<String> {
         self.layers.iter().map(|(_, b)| b.digest.clone()).collect()
@@ -577,18 +609,7 @@ impl Plan {
                 }
                 Member::Layer(dir, blob) => {
                     out.write_all(self.member_header(&blob.path(), blob.size, false)?.as_bytes()).map_err(w)?;
-                    let mut checked = Checked { inner: &mut *out, hash: Sha256::new(), n: 0, limit: blob.size };
-                    let changed = || ExportError::Changed(dir.display().to_string());
-                    let written = match layer_tar(dir, &mut checked) {
-                        Ok(_) => (checked.n, hex::encode(checked.hash.finalize())),
-                        Err(ExportError::Io { source, .. }) if source.kind() == io::ErrorKind::InvalidData => {
-                            return Err(changed())
-                        }
-                        Err(e) => return Err(e),
-                    };
-                    if written != (blob.size, blob.digest.clone()) {
-                        return Err(changed());
-                    }
+                    write_layer(dir, blob, out)?;
                     pad(out, blob.size)?;
                 }
             }
