@@ -108,8 +108,15 @@ impl Control {
         if let Some(storage) = self.runtime.storage().cloned() {
             let alive: Vec<SandboxState> =
                 SandboxState::ALL.into_iter().filter(|s| *s != SandboxState::Terminated).collect();
-            let keep: HashSet<String> =
-                self.db(move |s| s.sandboxes_in(&alive)).await?.into_iter().map(|r| r.id).collect();
+            // Another node's (one moved away while this node was gone) are not kept.
+            let node = self.node.name.clone();
+            let keep: HashSet<String> = self
+                .db(move |s| s.sandboxes_in(&alive))
+                .await?
+                .into_iter()
+                .filter(|r| r.node == node)
+                .map(|r| r.id)
+                .collect();
             let swept = tokio::task::spawn_blocking(move || {
                 storage.sweep(hutch_runtime::storage::Kind::Sandbox, |name| keep.contains(name))
             })

@@ -149,6 +149,8 @@ impl Control {
             }
             Some(reference) => {
                 let (snap, recipe) = self.snapshot_recipe(owner, reference).await?;
+                // Its files pulled if they are on another node (see `moves`).
+                self.snapshot_here(&snap).await?;
                 (recipe, Some(snap))
             }
             None => (self.recipe(owner, req.template.as_deref()).await?, None),
@@ -881,6 +883,8 @@ impl Control {
     /// Resumes a frozen sandbox, or starts a paused one again on its files
     /// (a fresh agent, its template's startup command run again).
     pub async fn resume(self: &Arc<Self>, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
+        // Paused on a node that is gone: taken here first (see `moves`).
+        self.adopt_paused(caller, id).await?;
         let r = self.record_here(caller, id, Need::Manage).await?;
         if r.state == SandboxState::Paused {
             let on_expire = r.on_expire;
@@ -920,6 +924,8 @@ impl Control {
             };
             self.access.revoke_sandbox(id.as_str());
             self.end_processes(id).await?;
+            // Its files, for another node (with a fleet's registry).
+            self.push_paused(id).await;
             Ok(view(&paused))
         }
         .await;

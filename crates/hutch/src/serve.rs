@@ -46,6 +46,17 @@ pub struct ServeArgs {
     /// Time between the node's heartbeats in the database (HUTCH_HEARTBEAT).
     #[arg(long, env = "HUTCH_HEARTBEAT", default_value = "5s", value_parser = crate::units::parse_duration)]
     pub heartbeat: Duration,
+    /// The fleet's OCI registry (any Distribution-compatible one), as
+    /// `http[s]://host[:port][/prefix]`: snapshots and sandboxes paused to
+    /// disk are pushed there, so that another node starts them. Plain HTTP
+    /// to loopback only, unless --registry-insecure; anonymous or token
+    /// access (HUTCH_REGISTRY).
+    #[arg(long, env = "HUTCH_REGISTRY", value_name = "URL")]
+    pub registry: Option<String>,
+    /// Allow plain HTTP to a --registry that is not on loopback (a trusted
+    /// network only) (HUTCH_REGISTRY_INSECURE).
+    #[arg(long, env = "HUTCH_REGISTRY_INSECURE")]
+    pub registry_insecure: bool,
     /// Which hutch network of this host to use, 0 to 31: its own subnet
     /// 100.(96+N).0.0/16, nftables table and links, for daemons side by
     /// side (HUTCH_NET_INSTANCE).
@@ -488,6 +499,13 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
             Some(token.to_owned())
         }
     };
+    let registry = match &args.registry {
+        Some(url) => Some(
+            hutch_runtime::image::push::Target::parse(url, args.registry_insecure)
+                .map_err(|e| anyhow::anyhow!("--registry: {e}"))?,
+        ),
+        None => None,
+    };
     let e2b_registries: Vec<String> =
         args.e2b_registries.iter().map(|r| r.trim().to_ascii_lowercase()).filter(|r| !r.is_empty()).collect();
     // The egress proxy that injects secrets, on the gateway address.
@@ -519,6 +537,7 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         },
         egress_bundle: egress.as_ref().map(|(_, _, bundle)| bundle.clone()),
         node: hutch_control::nodes::NodeConfig { name: node.clone(), advertise, heartbeat: args.heartbeat },
+        registry,
     };
     let control = Control::new(store.clone(), runtime, config);
     // The event sequence goes on from the store before anything emits.
