@@ -31,21 +31,33 @@ use crate::control::{now_ms, Control, Need};
 use crate::error::{ControlError, Result};
 use crate::ids::{Caller, SandboxId};
 use hutch_api::SandboxState;
+use hutch_runtime::image::export::Blob;
 use hutch_runtime::image::export::{Export, ExportLayer};
 use hutch_runtime::image::moved;
-use hutch_runtime::image::push::{push, Target};
+use hutch_runtime::image::push::{push, Mounts, Target};
 use hutch_runtime::image::registry::PullOptions;
 use hutch_runtime::image::ImageStore;
 use hutch_runtime::storage::{Kind, LayerName, StorageError};
 use hutch_store::{NodeState, Pushed, SandboxRecord, SnapshotRecord};
+use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Heartbeats a node may miss before its paused sandboxes may be taken.
 pub const LOST_AFTER_BEATS: u32 = 5;
 
 /// One pull at a time per node: two creates from one snapshot pull once.
 static PULLS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Where this daemon pushed blobs, to mount them into the next repository.
+static MOUNTS: std::sync::LazyLock<Mounts> = std::sync::LazyLock::new(Mounts::default);
+
+/// Most image layers whose measure is kept.
+const MEASURED_KEPT: usize = 4096;
+
+/// The blobs of image store layers measured for a push (they never
+/// change), so the next push of the image reads none of them.
+static MEASURED: std::sync::LazyLock<Mutex<HashMap<PathBuf, Blob>>> = std::sync::LazyLock::new(Default::default);
 
 fn not_movable(what: &str, why: impl std::fmt::Display) -> ControlError {
     ControlError::NotMovable(format!("{what} cannot start on another node: {why}"))
@@ -66,6 +78,7 @@ impl Control {
         tokio::task::spawn_blocking(move || {
             let store = ImageStore::open(&state).map_err(ControlError::Image)?;
             let Some(leaving) = moved::leaving(&store, &img, &o).map_err(ControlError::Image)? else { return Ok(None) };
+            let image_dirs = leaving.dirs.clone();
             let mut layers: Vec<ExportLayer> = leaving
                 .dirs
                 .into_iter()
@@ -83,7 +96,21 @@ impl Control {
                 mtime: (created_at.max(0) / 1000) as u64,
                 tag: "moved:latest".into(),
             };
-            export.plan().map(Some).map_err(|e| ControlError::Runtime(format!("the files to push: {e}")))
+            let known = |dir: &std::path::Path| {
+                let kept = MEASURED.lock().ok()?;
+                image_dirs.iter().any(|d| d == dir).then(|| kept.get(dir).cloned()).flatten()
+            };
+            let plan =
+                export.plan_with(&known).map_err(|e| ControlError::Runtime(format!("the files to push: {e}")))?;
+            if let Ok(mut kept) = MEASURED.lock() {
+                if kept.len() + image_dirs.len() > MEASURED_KEPT {
+                    kept.clear();
+                }
+                for (dir, blob) in plan.layers().iter().filter(|(d, _)| image_dirs.contains(d)) {
+                    kept.insert(dir.clone(), blob.clone());
+                }
+            }
+            Ok(Some(plan))
         })
         .await?
     }
@@ -96,7 +123,17 @@ impl Control {
         plan: hutch_runtime::image::export::Plan,
     ) -> Result<String> {
         let target = target.clone();
-        tokio::task::spawn_blocking(move || push(&target, &name, &plan)).await?.map_err(ControlError::Image)
+        let pushed = tokio::task::spawn_blocking(move || push(&target, &name, &plan, &MOUNTS))
+            .await?
+            .map_err(ControlError::Image)?;
+        tracing::debug!(
+            "pushed {}: {} blobs there, {} mounted, {} uploaded",
+            pushed.reference,
+            pushed.had,
+            pushed.mounted,
+            pushed.uploaded
+        );
+        Ok(pushed.reference)
     }
 
     /// The image a sandbox's template runs on.
@@ -112,16 +149,22 @@ impl Control {
         Ok(recipe.image)
     }
 
-    /// After a pause to disk: pushes the sandbox's files (its old push is
-    /// forgotten first). A failure is logged: the sandbox stays paused
-    /// here, and cannot start elsewhere.
+    /// Before a pause to disk: forgets the sandbox's last push (its files
+    /// changed since it ran again), so that no node takes it for them,
+    /// even if this daemon stops before the new push.
+    pub(crate) async fn forget_push(&self, id: &SandboxId) -> Result<()> {
+        if self.registry.is_none() {
+            return Ok(());
+        }
+        let sid = id.to_string();
+        self.db(move |s| s.set_pushed(Pushed::Sandbox, &sid, None)).await?;
+        Ok(())
+    }
+
+    /// After a pause to disk: pushes the sandbox's files. A failure is
+    /// logged: the sandbox stays paused here, and cannot start elsewhere.
     pub(crate) async fn push_paused(&self, id: &SandboxId) {
         let Some(target) = self.registry.clone() else { return };
-        let sid = id.to_string();
-        if let Err(e) = self.db(move |s| s.set_pushed(Pushed::Sandbox, &sid, None)).await {
-            tracing::warn!("sandbox {id}: cannot forget its old push: {e}");
-            return;
-        }
         let pushed = async {
             let Some(r) = self.sandbox_record(id).await? else { return Ok(None) };
             let image = self.image_of(&r).await?;
@@ -249,7 +292,8 @@ impl Control {
             return Err(not_movable(
                 &format!("snapshot {snap}"),
                 "its files are on the node it was taken on and were not pushed to the fleet's registry \
-                 (its sandbox ran on `base`, whose files are the host's own, or that node has no registry)",
+                 (its sandbox ran on `base`, whose files are the host's own; or that node has no registry, \
+                 or its push failed: see that node's log)",
             ));
         };
         self.pull_layer(reference, r.owner, name).await
@@ -281,7 +325,8 @@ impl Control {
                 &what,
                 format!(
                     "it was paused on node {:?}, which is gone, and its files were not pushed to the fleet's \
-                     registry (it runs on `base`, whose files are the host's own, or that node has no registry)",
+                     registry (it runs on `base`, whose files are the host's own; or that node has no \
+                     registry, or its push failed: see that node's log)",
                     r.node
                 ),
             ));

@@ -918,6 +918,7 @@ impl Control {
         let (done, waiting) = tokio::sync::watch::channel(false);
         self.pausing.lock().unwrap_or_else(|p| p.into_inner()).insert(id.to_string(), waiting);
         let ended = async {
+            self.forget_push(id).await?;
             let Some(paused) = self.transition(id, Transition::Pause, Set::default()).await? else {
                 let r = self.record_here(caller, id, Need::Manage).await?;
                 return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });

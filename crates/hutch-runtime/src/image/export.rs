@@ -412,6 +412,14 @@ impl Export {
     /// The first pass: measures every layer (see the module's notes) and
     /// makes the configuration, manifest and indexes.
     pub fn plan(&self) -> Result<Plan, ExportError> {
+        self.plan_with(&|_| None)
+    }
+
+    /// [`Export::plan`] with layers measured before: `known(dir)` gives
+    /// the blob of a layer that cannot have changed since (an image
+    /// store's layer); a wrong one stops the writing, as a layer that
+    /// changed does.
+    pub fn plan_with(&self, known: &dyn Fn(&Path) -> Option<Blob>) -> Result<Plan, ExportError> {
         if self.layers.is_empty() || self.layers.len() >= super::MAX_LAYERS {
             return Err(ExportError::Refused(format!(
                 "{} layers; an image archive carries 1 to {}",
@@ -421,7 +429,11 @@ impl Export {
         }
         let mut layers = Vec::new();
         for l in &self.layers {
-            layers.push((l.dir.clone(), measure(&l.dir)?));
+            let blob = match known(&l.dir) {
+                Some(b) => b,
+                None => measure(&l.dir)?,
+            };
+            layers.push((l.dir.clone(), blob));
         }
         let history: Vec<serde_json::Value> = self
             .layers

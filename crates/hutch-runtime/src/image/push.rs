@@ -96,6 +96,31 @@ impl Target {
     }
 }
 
+/// Most blobs [`Mounts`] remembers.
+const MOUNTS_KEPT: usize = 16384;
+
+/// Where blobs were pushed (registry and digest → repository), so that a
+/// push to another repository mounts them from there (one request)
+/// rather than uploading them again: blobs are per repository in the
+/// Distribution API.
+#[derive(Debug, Default)]
+pub struct Mounts(std::sync::Mutex<std::collections::HashMap<(String, String), String>>);
+
+impl Mounts {
+    fn get(&self, registry: &str, digest: &str) -> Option<String> {
+        self.0.lock().ok()?.get(&(registry.to_owned(), digest.to_owned())).cloned()
+    }
+
+    fn put(&self, registry: &str, digest: &str, repo: &str) {
+        if let Ok(mut m) = self.0.lock() {
+            if m.len() >= MOUNTS_KEPT {
+                m.clear();
+            }
+            m.insert((registry.to_owned(), digest.to_owned()), repo.to_owned());
+        }
+    }
+}
+
 /// Whether repository `name` may be pushed to: one path component.
 fn valid_repo_name(name: &str) -> bool {
     !name.is_empty()
@@ -125,21 +150,40 @@ fn upload_url(base: &str, location: &str, digest: &str) -> Result<String, ImageE
     Ok(format!("{url}{sep}digest=sha256:{digest}"))
 }
 
-/// Uploads one blob unless the repository has it: `write` writes its
-/// bytes (`blob.size` of them).
+/// How a blob got into the repository.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Put {
+    /// It was there.
+    Had,
+    /// Mounted from another repository of the registry.
+    Mounted,
+    Uploaded,
+}
+
+/// Puts one blob into the repository unless it has it: mounted from a
+/// repository it was pushed to before (`from`), else uploaded: `write`
+/// writes its bytes (`blob.size` of them).
 fn put_blob(
     c: &mut Client,
     blob: &Blob,
+    from: Option<&str>,
     write: &(dyn Fn(&mut dyn Write) -> Result<(), ImageError> + Sync),
-) -> Result<bool, ImageError> {
+) -> Result<Put, ImageError> {
     let blob_url = format!("{}/v2/{}/blobs/sha256:{}", c.base, c.repo, blob.digest);
     match c.call("HEAD", &blob_url, &[], None) {
-        Ok(_) => return Ok(false),
+        Ok(_) => return Ok(Put::Had),
         Err(ImageError::Registry(m)) if m.contains("HTTP 404") => {}
         Err(e) => return Err(e),
     }
-    let start = format!("{}/v2/{}/blobs/uploads/", c.base, c.repo);
+    let mut start = format!("{}/v2/{}/blobs/uploads/", c.base, c.repo);
+    if let Some(from) = from.filter(|f| *f != c.repo) {
+        start.push_str(&format!("?mount=sha256:{}&from={from}", blob.digest));
+    }
     let opened = c.call("POST", &start, &[("Content-Length", "0")], Some(&[]))?;
+    // 201: mounted; 202: an upload opened instead.
+    if opened.status() == 201 {
+        return Ok(Put::Mounted);
+    }
     let location = opened.header("location").ok_or_else(|| reg("the registry opened an upload without a location"))?;
     let url = upload_url(&c.base, location, &blob.digest)?;
     // The body streams from a thread of its own through a pipe.
@@ -160,35 +204,59 @@ fn put_blob(
         // The writer's failure says more than the registry's.
         written?;
         match sent {
-            Ok(_) => Ok(true),
+            Ok(_) => Ok(Put::Uploaded),
             Err(ureq::Error::Status(code, r)) => Err(status_error("PUT", &url, code, r)),
             Err(ureq::Error::Transport(t)) => Err(reg(t.to_string())),
         }
     })
 }
 
-/// Pushes `plan` to repository `name` under `target`'s prefix and returns
-/// its reference by digest (`host/prefix/name@sha256:...`).
-pub fn push(target: &Target, name: &str, plan: &Plan) -> Result<String, ImageError> {
+/// What a push did, blob by blob.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Pushed {
+    /// `host/prefix/name@sha256:...`.
+    pub reference: String,
+    /// Blobs the repository had, mounted from another, and uploaded.
+    pub had: usize,
+    pub mounted: usize,
+    pub uploaded: usize,
+}
+
+/// Pushes `plan` to repository `name` under `target`'s prefix (blobs
+/// pushed before through `mounts` are mounted, not uploaded again).
+pub fn push(target: &Target, name: &str, plan: &Plan, mounts: &Mounts) -> Result<Pushed, ImageError> {
     if !valid_repo_name(name) {
         return Err(reg(format!("{name:?} is not a repository name")));
     }
     let repo = target.repository(name);
     let mut c = target.client(&repo);
-    let mut pushed = std::collections::HashSet::new();
+    let mut seen = std::collections::HashSet::new();
+    let mut done = Pushed::default();
+    let count = |put: Put, digest: &str, done: &mut Pushed| {
+        mounts.put(&target.registry, digest, &repo);
+        match put {
+            Put::Had => done.had += 1,
+            Put::Mounted => done.mounted += 1,
+            Put::Uploaded => done.uploaded += 1,
+        }
+    };
     for (dir, blob) in plan.layers() {
-        if !pushed.insert(blob.digest.clone()) {
+        if !seen.insert(blob.digest.clone()) {
             continue;
         }
         let write = |out: &mut dyn Write| {
             let mut out = out;
             write_layer(dir, blob, &mut out).map_err(|e| reg(format!("layer {}: {e}", dir.display())))
         };
-        put_blob(&mut c, blob, &write)?;
+        let from = mounts.get(&target.registry, &blob.digest);
+        let put = put_blob(&mut c, blob, from.as_deref(), &write)?;
+        count(put, &blob.digest, &mut done);
     }
     let (config, bytes) = plan.config();
-    if pushed.insert(config.digest.clone()) {
-        put_blob(&mut c, config, &|out: &mut dyn Write| out.write_all(bytes).map_err(|e| reg(format!("config: {e}"))))?;
+    if seen.insert(config.digest.clone()) {
+        let write = |out: &mut dyn Write| out.write_all(bytes).map_err(|e| reg(format!("config: {e}")));
+        let put = put_blob(&mut c, config, None, &write)?;
+        count(put, &config.digest, &mut done);
     }
     let (manifest, bytes) = plan.manifest();
     let url = format!("{}/v2/{}/manifests/sha256:{}", c.base, repo, manifest.digest);
@@ -200,7 +268,8 @@ pub fn push(target: &Target, name: &str, plan: &Plan) -> Result<String, ImageErr
         }
     }
     let _ = read_bounded(answer, 4096, "answer");
-    Ok(format!("{}/{repo}@sha256:{}", target.registry, manifest.digest))
+    done.reference = format!("{}/{repo}@sha256:{}", target.registry, manifest.digest);
+    Ok(done)
 }
 
 #[cfg(test)]
@@ -301,7 +370,7 @@ mod tests {
     }
 
     #[test]
-    fn a_pushed_export_pulls_back_by_digest_and_pushes_again_the_same() {
+    fn a_pushed_export_pulls_back_by_digest_and_pushes_again_mount_or_nothing() {
         use super::super::export::{Export, ExportLayer};
         use super::super::registry::{PullOptions, Pulling};
         let reg = Registry::start();
@@ -327,11 +396,18 @@ mod tests {
         };
         let plan = export.plan().expect("plan");
         let target = Target::parse(&format!("http://127.0.0.1:{}/fleet", reg.port), false).expect("target");
-        let reference = push(&target, "sb-0123456789abcdef", &plan).expect("push");
+        let mounts = Mounts::default();
+        let first = push(&target, "sb-0123456789abcdef", &plan, &mounts).expect("push");
+        let reference = first.reference.clone();
         assert!(target.holds(&reference), "{reference}");
         assert!(reference.ends_with(&format!("@sha256:{}", plan.manifest().0.digest)), "{reference}");
+        assert_eq!((first.had, first.mounted, first.uploaded), (0, 0, 3), "{first:?}");
         // Again: every blob is there already (the HEADs say so).
-        assert_eq!(push(&target, "sb-0123456789abcdef", &plan).expect("again"), reference);
+        let again = push(&target, "sb-0123456789abcdef", &plan, &mounts).expect("again");
+        assert_eq!((again.reference.as_str(), again.had, again.uploaded), (reference.as_str(), 3, 0), "{again:?}");
+        // To another repository: mounted from the first, nothing uploaded.
+        let other = push(&target, "sb-fedcba9876543210", &plan, &mounts).expect("other");
+        assert_eq!((other.mounted, other.uploaded), (2, 1), "{other:?}");
         let mut p = Pulling::open(&reference, &PullOptions::default()).expect("open");
         assert_eq!(p.layers(), 2);
         assert_eq!(p.config()["config"]["Env"][0], "A=1");
