@@ -132,7 +132,8 @@ fn valid_repo_name(name: &str) -> bool {
 /// The URL an upload continues at: the registry's `Location` (absolute,
 /// or a path on the registry), with `digest` added to its query. Another
 /// host is refused (the token is the registry's).
-fn upload_url(base: &str, location: &str, digest: &str) -> Result<String, ImageError> {
+#[doc(hidden)] // public for the fuzz targets (fuzz/)
+pub fn upload_url(base: &str, location: &str, digest: &str) -> Result<String, ImageError> {
     if location.len() > 4096 || location.chars().any(|c| c.is_control() || c.is_whitespace()) {
         return Err(reg("the registry's upload location is malformed"));
     }
