@@ -150,3 +150,98 @@ pub fn pull_moved(
     p.extract(n - 1, top, &opts.limits)?;
     Ok(name)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::export::{Export, ExportLayer};
+    use super::super::push::tests::Registry;
+    use super::super::push::{push, Mounts, Target};
+    use super::super::{LayerScope, Limits};
+    use super::*;
+
+    fn store(root: &Path, name: &str) -> ImageStore {
+        ImageStore::open(&root.join(name)).expect("store")
+    }
+
+    fn layer(store: &ImageStore, file: &str, body: &str) -> String {
+        let tmp = store.temp_dir().expect("tmp");
+        std::fs::write(tmp.join(file), body).expect("write");
+        store.commit_layer(&tmp, LayerScope::Shared).expect("commit")
+    }
+
+    #[test]
+    fn a_template_builds_image_moves_with_its_parent_and_owner_and_the_files_on_top() {
+        let reg = Registry::start();
+        let root = std::env::temp_dir().join(format!("hutch-moved-{}", crate::sys::random_hex(4)));
+        let here = store(&root, "here");
+        let (p1, b1) = (layer(&here, "base-file", "parent\n"), layer(&here, "built", "by the build\n"));
+        let config = |env: &str| (vec![env.to_owned()], vec!["/bin/sh".to_owned()], Some("/workspace".to_owned()));
+        let (env, cmd, workdir) = config("FROM=parent");
+        let parent = Image {
+            name: "app".into(),
+            layers: vec![p1],
+            env,
+            cmd,
+            workdir,
+            source: "import:x".into(),
+            created_at: 1,
+            parent: None,
+            owner: None,
+        };
+        here.put(&parent).expect("parent");
+        let (env, cmd, workdir) = config("FROM=build");
+        let build = Image {
+            name: "tpl-0123".into(),
+            layers: vec![b1],
+            env,
+            cmd,
+            workdir,
+            source: "build".into(),
+            created_at: 2,
+            parent: Some("app".into()),
+            owner: Some("k1".into()),
+        };
+        here.put(&build).expect("build");
+        // Another owner does not get it; `base` does not move.
+        assert!(leaving(&here, "tpl-0123", "k2").is_err());
+        assert!(leaving(&here, BASE, "k1").expect("base").is_none());
+        let out = leaving(&here, "tpl-0123", "k1").expect("leaving").expect("movable");
+        assert_eq!(out.dirs.len(), 2);
+        let upper = root.join("upper");
+        std::fs::create_dir_all(upper.join("workspace")).expect("mkdir");
+        std::fs::write(upper.join("workspace/note"), "mine\n").expect("write");
+        let mut layers: Vec<ExportLayer> =
+            out.dirs.iter().map(|d| ExportLayer { dir: d.clone(), created_by: "image".into() }).collect();
+        layers.push(ExportLayer { dir: upper.clone(), created_by: "files".into() });
+        let export = Export {
+            layers,
+            env: out.config.env.clone(),
+            cmd: out.config.cmd.clone(),
+            workdir: out.config.workdir.clone(),
+            labels: out.labels.clone(),
+            created: "2026-01-01T00:00:00Z".into(),
+            tag: "moved:latest".into(),
+            ..Export::default()
+        };
+        let target = Target::parse(&format!("http://127.0.0.1:{}/fleet", reg.port), false).expect("target");
+        let pushed = push(&target, "sandbox-sb-1", &export.plan().expect("plan"), &Mounts::default()).expect("push");
+
+        // A node without either image makes both, as they were.
+        let there = store(&root, "there");
+        let top = root.join("top");
+        std::fs::create_dir_all(&top).expect("mkdir");
+        let opts = PullOptions { limits: Limits::default(), ..PullOptions::default() };
+        assert_eq!(pull_moved(&there, &pushed.reference, &opts, "k1", &top).expect("pull"), "tpl-0123");
+        assert_eq!(std::fs::read_to_string(top.join("workspace/note")).expect("read"), "mine\n");
+        let b = there.get("tpl-0123").expect("build");
+        assert_eq!((b.parent.as_deref(), b.owner.as_deref(), b.env.clone()), (Some("app"), Some("k1"), build.env));
+        let p = there.get("app").expect("parent");
+        assert_eq!((p.parent.clone(), p.owner.clone(), p.env.clone()), (None, None, parent.env.clone()));
+        assert_eq!(p.workdir.as_deref(), Some("/workspace"));
+        let dirs = there.layer_dirs(&p).expect("dirs");
+        assert_eq!(std::fs::read_to_string(dirs[0].join("base-file")).expect("read"), "parent\n");
+        let dirs = there.layer_dirs(&b).expect("dirs");
+        assert_eq!(std::fs::read_to_string(dirs[0].join("built")).expect("read"), "by the build\n");
+        let _ = std::fs::remove_dir_all(&root);
+    }
+}

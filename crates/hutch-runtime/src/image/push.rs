@@ -274,7 +274,7 @@ pub fn push(target: &Target, name: &str, plan: &Plan, mounts: &Mounts) -> Result
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -321,14 +321,14 @@ mod tests {
 
     /// Debian's docker-registry on a free loopback port, its storage in a
     /// temporary directory; stopped and removed when dropped.
-    struct Registry {
+    pub(crate) struct Registry {
         child: std::process::Child,
         dir: std::path::PathBuf,
-        port: u16,
+        pub(crate) port: u16,
     }
 
     impl Registry {
-        fn start() -> Registry {
+        pub(crate) fn start() -> Registry {
             let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
             let dir = std::env::temp_dir().join(format!("hutch-push-registry-{}", crate::sys::random_hex(4)));
             std::fs::create_dir_all(&dir).expect("mkdir");
