@@ -4,7 +4,7 @@ is paused to disk (pushed as it pauses), B is killed (-9), and a resume
 sent to node A takes it (once B's heartbeats stop), pulls its image and
 files, and runs it on A with the same id and its files; a snapshot made on
 B starts a sandbox on A; a paused sandbox on `base` (the host's own files)
-is refused with `not_movable`.
+and a snapshot of it, are refused with `not_movable`.
 
 The image exists only on B (imported there): A makes it from the pull."""
 
@@ -103,6 +103,9 @@ def test_a_paused_sandbox_and_a_snapshot_of_a_killed_node_start_on_another(regis
         assert r.json()["state"] == "paused", r.json()
         # A sandbox on `base`, paused to disk too: its files are B's host's own.
         on_base = on_b.create()["id"]
+        r = on_b.post(f"/v1/sandboxes/{on_base}/snapshots", {})
+        expect_status(r, 201)
+        base_snap = r.json()["id"]
         expect_status(on_b.post(f"/v1/sandboxes/{on_base}/suspend", {"mode": "disk"}), 200)
 
         b.kill9()
@@ -130,6 +133,8 @@ def test_a_paused_sandbox_and_a_snapshot_of_a_killed_node_start_on_another(regis
         e = expect_error(on_a.post(f"/v1/sandboxes/{on_base}/resume", {}), 409, "not_movable")
         assert "base" in e["error"], e
         assert on_a.sandbox(on_base)["node"] == NODE_B
+        e = expect_error(on_a.post("/v1/sandboxes", {"snapshot": base_snap}), 409, "not_movable")
+        assert base_snap in e["error"] and "base" in e["error"], e
     finally:
         problems = delete_everywhere(key, {NODE_A: a, NODE_B: b})
         assert not problems, problems
