@@ -4,7 +4,7 @@ is paused to disk (pushed as it pauses), B is killed (-9), and a resume
 sent to node A takes it (once B's heartbeats stop), pulls its image and
 files, and runs it on A with the same id and its files; a snapshot made on
 B starts a sandbox on A; a paused sandbox on `base` (the host's own files)
-and a snapshot of it, are refused with `not_movable`.
+and a snapshot of it are refused with `not_movable`.
 
 The image exists only on B (imported there): A makes it from the pull."""
 
