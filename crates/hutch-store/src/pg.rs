@@ -64,7 +64,7 @@ use std::time::Duration;
 const MIGRATIONS: &[(&str, &str)] = &[
     ("0001_init", include_str!("../migrations/postgres/0001_init.sql")),
     ("0002_nodes", include_str!("../migrations/postgres/0002_nodes.sql")),
-    ("0003_moves", include_str!("../migrations/postgres/0003_moves.sql")),
+    ("0004_moves", include_str!("../migrations/postgres/0004_moves.sql")),
 ];
 
 /// Connections a store opens at most, unless told otherwise.

@@ -31,7 +31,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0017_webhook_format", include_str!("../migrations/0017_webhook_format.sql")),
     ("0018_class", include_str!("../migrations/0018_class.sql")),
     ("0019_nodes", include_str!("../migrations/0019_nodes.sql")),
-    ("0020_moves", include_str!("../migrations/0020_moves.sql")),
+    ("0021_moves", include_str!("../migrations/0021_moves.sql")),
 ];
 
 /// States in which a sandbox holds resources.
