@@ -64,7 +64,8 @@ def delete_everywhere(key: str, nodes: dict[str, Daemon]) -> list[str]:
 def resume_through(c: Client, sid: str) -> dict | None:
     """The resumed sandbox, or None while its node is not yet taken for gone."""
     r = c.post(f"/v1/sandboxes/{sid}/resume", {}, timeout=120)
-    if r.status_code == 409 and r.json()["code"] == "sandbox_on_other_node":
+    # Refused as another node's, or sent on to that node, which does not answer.
+    if (r.status_code, r.json().get("code")) in ((409, "sandbox_on_other_node"), (502, "node_unreachable")):
         return None
     expect_status(r, 200)
     return r.json()
