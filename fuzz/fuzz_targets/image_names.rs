@@ -1,13 +1,15 @@
 //! Names in image pulls and archives (hutch-runtime's image registry and
 //! archive code): image references, a registry's `WWW-Authenticate`
-//! challenge, and the member names, symlink targets and digest-named
+//! challenge and a push's upload `Location`, and the member names, symlink targets and digest-named
 //! members of an image archive. A reference re-parses from its parts to
 //! itself, member names stay inside the archive and normalize to
-//! themselves, and a name's digest is a well-formed sha256.
+//! themselves, a name's digest is a well-formed sha256, and an upload
+//! goes on at the registry itself, with the blob's digest.
 #![no_main]
 
 use hutch_runtime::image::archive::{name_digest, normalize, resolve_link};
 use hutch_runtime::image::extract::digest_hex;
+use hutch_runtime::image::push::upload_url;
 use hutch_runtime::image::registry::{parse_params, Reference};
 use libfuzzer_sys::fuzz_target;
 
@@ -23,6 +25,12 @@ fuzz_target!(|data: &[u8]| {
         let again = format!("{}/{}{sep}{}", r.registry, r.repository, r.reference);
         assert_eq!(Reference::parse(&again).ok(), Some(r.clone()), "{again:?}");
         let _ = r.is_loopback();
+    }
+    let base = "http://127.0.0.1:5000";
+    if let Ok(url) = upload_url(base, s, "ab") {
+        assert!(url.starts_with(&format!("{base}/")), "{url:?}");
+        assert!(url.ends_with("digest=sha256:ab"), "{url:?}");
+        assert!(!url.chars().any(|c| c.is_control() || c.is_whitespace()), "{url:?}");
     }
     let params = parse_params(s);
     assert!(params.len() <= s.matches('=').count());

@@ -129,6 +129,10 @@ pub enum ErrorCode {
     /// `base` (the host's files), its image left the store, or it holds
     /// what an image layer cannot carry.
     SnapshotNotExportable,
+    /// A sandbox paused to disk, or a snapshot, whose files cannot start
+    /// on another node (not pushed to the fleet's registry: it ran on
+    /// `base`, or no registry is set; the message says which).
+    NotMovable,
     /// The thing changed while the request was made; read it again and retry.
     Conflict,
     /// No volume of this name or id is the caller's.
@@ -231,6 +235,7 @@ impl ErrorCode {
             | ErrorCode::SnapshotUnsupported
             | ErrorCode::ClassUnsupported
             | ErrorCode::SnapshotNotExportable
+            | ErrorCode::NotMovable
             | ErrorCode::VolumeNameTaken
             | ErrorCode::VolumeInUse
             | ErrorCode::SecretNameTaken
@@ -303,6 +308,7 @@ impl ErrorCode {
             ErrorCode::ClassUnsupported => "class_unsupported",
             ErrorCode::StorageFull => "storage_full",
             ErrorCode::SnapshotNotExportable => "snapshot_not_exportable",
+            ErrorCode::NotMovable => "not_movable",
             ErrorCode::VolumeNotFound => "volume_not_found",
             ErrorCode::VolumeNameTaken => "volume_name_taken",
             ErrorCode::VolumeInUse => "volume_in_use",

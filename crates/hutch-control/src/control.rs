@@ -139,6 +139,9 @@ pub struct Config {
     pub egress_bundle: Option<std::path::PathBuf>,
     /// This daemon's node: its name, address and heartbeat.
     pub node: crate::nodes::NodeConfig,
+    /// The fleet's OCI registry, through which snapshots and sandboxes
+    /// paused to disk start on another node (see `moves`).
+    pub registry: Option<hutch_runtime::image::push::Target>,
 }
 
 impl Config {
@@ -154,6 +157,7 @@ impl Config {
             events: crate::events::Settings::default(),
             egress_bundle: None,
             node: crate::nodes::NodeConfig::local(),
+            registry: None,
         }
     }
 }
@@ -210,6 +214,8 @@ pub struct Control {
     pub(crate) node: crate::nodes::NodeConfig,
     /// What this daemon last read of the fleet, for routing and placement.
     pub(crate) fleet: crate::nodes::FleetView,
+    /// The fleet's registry (see `moves`).
+    pub(crate) registry: Option<hutch_runtime::image::push::Target>,
 }
 
 /// The stable digest of a request body, for idempotency checks.
@@ -344,6 +350,7 @@ impl Control {
             hosts: crate::process::Hosts::default(),
             node: config.node,
             fleet: Default::default(),
+            registry: config.registry,
             history: Arc::new(crate::history::History::default()),
             audit: crate::audit::Auditor::default(),
             events: crate::events::Events::new(config.events),

@@ -42,6 +42,9 @@ pub enum ControlError {
     /// A snapshot that cannot become an image archive (the message says why).
     #[error("{0}")]
     SnapshotNotExportable(String),
+    /// Files that cannot start on another node (the message says why).
+    #[error("{0}")]
+    NotMovable(String),
     #[error("no process {pid} in sandbox {sandbox}")]
     NoProcess { sandbox: String, pid: u32 },
     #[error("sandbox {id} is {}, not running; the command was not sent", state.as_str())]
@@ -230,6 +233,7 @@ impl ControlError {
             ControlError::ClassUnsupported(_) => ErrorCode::ClassUnsupported,
             ControlError::StorageFull(_) => ErrorCode::StorageFull,
             ControlError::SnapshotNotExportable(_) => ErrorCode::SnapshotNotExportable,
+            ControlError::NotMovable(_) => ErrorCode::NotMovable,
             ControlError::NoSecret(_) => ErrorCode::SecretNotFound,
             ControlError::SecretNameTaken(_) => ErrorCode::SecretNameTaken,
             ControlError::NoVolume(_) => ErrorCode::VolumeNotFound,

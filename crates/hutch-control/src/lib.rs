@@ -30,6 +30,7 @@ pub mod images;
 pub mod keys;
 pub mod lifecycle;
 pub mod metrics;
+pub mod moves;
 pub mod network;
 pub mod nodes;
 pub mod pool;

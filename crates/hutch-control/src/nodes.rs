@@ -322,7 +322,9 @@ impl Control {
     /// Where calls for sandbox `id` are answered: here when it is this
     /// node's (or unknown, or malformed: this node says so), else at its
     /// node's advertised URL. A node that is lost, or advertises no URL,
-    /// is not asked: this node answers (its state says what happened).
+    /// is not asked: this node answers (its state says what happened); so
+    /// does this node for a paused sandbox with pushed files whose node is
+    /// draining or silent (a resume here moves it).
     pub async fn locate(&self, id: &str) -> Route {
         let Ok(id) = SandboxId::parse(id) else { return Route::Here };
         if self.live(&id).is_some() {
@@ -332,11 +334,22 @@ impl Control {
         if view.nodes.iter().all(|n| n.name == self.node.name) {
             return Route::Here;
         }
-        let node = match self.db(move |s| s.get_sandbox(id.as_str())).await {
-            Ok(Some(r)) if r.node != self.node.name => r.node,
+        let record = match self.db(move |s| s.get_sandbox(id.as_str())).await {
+            Ok(Some(r)) if r.node != self.node.name => r,
             _ => return Route::Here,
         };
-        match view.nodes.iter().find(|n| n.name == node) {
+        let now = now_ms();
+        let node = view.nodes.iter().find(|n| n.name == record.node);
+        // A paused sandbox whose files are in the registry is moved here by
+        // a resume when its node is on its way out (see `moves`).
+        let leaving = node.is_some_and(|n| n.state == NodeState::Draining || !self.answering(n, now));
+        if leaving && record.state == hutch_api::SandboxState::Paused {
+            let id = record.id.clone();
+            if let Ok(Some(_)) = self.db(move |s| s.pushed(hutch_store::Pushed::Sandbox, &id)).await {
+                return Route::Here;
+            }
+        }
+        match node {
             Some(n) if n.state != NodeState::Lost && !n.advertise.is_empty() => {
                 Route::Node { name: n.name.clone(), url: n.advertise.clone() }
             }

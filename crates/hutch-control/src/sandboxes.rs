@@ -160,6 +160,8 @@ impl Control {
             }
             Some(reference) => {
                 let (snap, recipe) = self.snapshot_recipe(owner, reference).await?;
+                // Its files pulled if they are on another node (see `moves`).
+                self.snapshot_here(&snap).await?;
                 (recipe, Some(snap))
             }
             None => (self.recipe(owner, req.template.as_deref()).await?, None),
@@ -899,6 +901,8 @@ impl Control {
     /// Resumes a frozen sandbox, or starts a paused one again on its files
     /// (a fresh agent, its template's startup command run again).
     pub async fn resume(self: &Arc<Self>, caller: &Caller, id: &SandboxId) -> Result<Sandbox> {
+        // Paused on a node that is gone: taken here first (see `moves`).
+        self.adopt_paused(caller, id).await?;
         let r = self.record_here(caller, id, Need::Manage).await?;
         if r.state == SandboxState::Paused {
             let on_expire = r.on_expire;
@@ -932,12 +936,15 @@ impl Control {
         let (done, waiting) = tokio::sync::watch::channel(false);
         self.pausing.lock().unwrap_or_else(|p| p.into_inner()).insert(id.to_string(), waiting);
         let ended = async {
+            self.forget_push(id).await?;
             let Some(paused) = self.transition(id, Transition::Pause, Set::default()).await? else {
                 let r = self.record_here(caller, id, Need::Manage).await?;
                 return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
             };
             self.access.revoke_sandbox(id.as_str());
             self.end_processes(id).await?;
+            // Its files, for another node (with a fleet's registry).
+            self.push_paused(id).await;
             Ok(view(&paused))
         }
         .await;

@@ -177,6 +177,8 @@ impl Control {
                 let template = self.sandbox_record(id).await.ok().flatten().map(|r| r.template);
                 let interval = crate::usage::snapshot_interval(&record, template);
                 self.usage_mark_object(&record.id, Some(interval)).await;
+                // Pushed for the fleet's other nodes, before spares are made.
+                self.push_snapshot(&record).await;
                 self.keep_spares(record.id.clone());
                 let mut d = serde_json::Map::new();
                 d.insert("snapshot_id".into(), record.id.clone().into());

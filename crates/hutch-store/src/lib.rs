@@ -869,6 +869,35 @@ pub trait Store: Send + Sync {
     /// a database one daemon keeps alone (SQLite): its sandboxes are that
     /// daemon's whatever node name it had (none, before nodes existed).
     fn give_all_sandboxes_to(&self, node: &str) -> Result<u64>;
+
+    // Moves between nodes, through the fleet's OCI registry.
+    /// Records where `object` `id`'s files were pushed (None: forgets it);
+    /// false when there is no such row.
+    fn set_pushed(&self, object: Pushed, id: &str, reference: Option<&str>) -> Result<bool>;
+    /// Where `object` `id`'s files were pushed, if they were.
+    fn pushed(&self, object: Pushed, id: &str) -> Result<Option<String>>;
+    /// Gives sandbox `id` from node `from` to node `to`, only if it is
+    /// still on `from`, paused to disk and pushed: of two nodes taking it,
+    /// one wins.
+    fn move_paused(&self, id: &str, from: &str, to: &str) -> Result<bool>;
+}
+
+/// What a push reference is kept for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pushed {
+    /// A sandbox paused to disk: its image's layers and its files.
+    Sandbox,
+    /// A snapshot: its sandbox's image's layers and the snapshot's files.
+    Snapshot,
+}
+
+impl Pushed {
+    fn table(self) -> &'static str {
+        match self {
+            Pushed::Sandbox => "sandboxes",
+            Pushed::Snapshot => "snapshots",
+        }
+    }
 }
 
 #[cfg(test)]

@@ -65,6 +65,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0001_init", include_str!("../migrations/postgres/0001_init.sql")),
     ("0002_nodes", include_str!("../migrations/postgres/0002_nodes.sql")),
     ("0003_node_loss", include_str!("../migrations/postgres/0003_node_loss.sql")),
+    ("0004_moves", include_str!("../migrations/postgres/0004_moves.sql")),
 ];
 
 /// Connections a store opens at most, unless told otherwise.
@@ -1999,6 +2000,26 @@ impl Store for PgStore {
 
     fn give_all_sandboxes_to(&self, node: &str) -> Result<u64> {
         self.with(|c| Ok(c.execute("UPDATE sandboxes SET node = $1 WHERE node <> $1", &[&node])?))
+    }
+
+    fn set_pushed(&self, object: Pushed, id: &str, reference: Option<&str>) -> Result<bool> {
+        let sql = format!("UPDATE {} SET pushed_ref = $2 WHERE id = $1", object.table());
+        self.with(|c| Ok(c.execute(&sql, &[&id, &reference])? == 1))
+    }
+
+    fn pushed(&self, object: Pushed, id: &str) -> Result<Option<String>> {
+        let sql = format!("SELECT pushed_ref FROM {} WHERE id = $1", object.table());
+        self.with(|c| Ok(c.query_opt(&sql, &[&id])?.map(|r| r.try_get::<_, Option<String>>(0)).transpose()?.flatten()))
+    }
+
+    fn move_paused(&self, id: &str, from: &str, to: &str) -> Result<bool> {
+        self.with(|c| {
+            Ok(c.execute(
+                "UPDATE sandboxes SET node = $3 WHERE id = $1 AND node = $2 AND state = 'paused' \
+                 AND pushed_ref IS NOT NULL",
+                &[&id, &from, &to],
+            )? == 1)
+        })
     }
 
     fn count_by_node(&self) -> Result<Vec<(String, u64)>> {

@@ -32,6 +32,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0018_class", include_str!("../migrations/0018_class.sql")),
     ("0019_nodes", include_str!("../migrations/0019_nodes.sql")),
     ("0020_node_loss", include_str!("../migrations/0020_node_loss.sql")),
+    ("0021_moves", include_str!("../migrations/0021_moves.sql")),
 ];
 
 /// States in which a sandbox holds resources.
@@ -1665,6 +1666,26 @@ impl Store for SqliteStore {
 
     fn give_all_sandboxes_to(&self, node: &str) -> Result<u64> {
         self.with(|c| Ok(c.execute("UPDATE sandboxes SET node = ?1 WHERE node != ?1", [node])? as u64))
+    }
+
+    fn set_pushed(&self, object: Pushed, id: &str, reference: Option<&str>) -> Result<bool> {
+        let sql = format!("UPDATE {} SET pushed_ref = ?2 WHERE id = ?1", object.table());
+        self.with(|c| Ok(c.execute(&sql, params![id, reference])? == 1))
+    }
+
+    fn pushed(&self, object: Pushed, id: &str) -> Result<Option<String>> {
+        let sql = format!("SELECT pushed_ref FROM {} WHERE id = ?1", object.table());
+        self.with(|c| Ok(c.query_row(&sql, [id], |r| r.get::<_, Option<String>>(0)).optional()?.flatten()))
+    }
+
+    fn move_paused(&self, id: &str, from: &str, to: &str) -> Result<bool> {
+        self.with(|c| {
+            Ok(c.execute(
+                "UPDATE sandboxes SET node = ?3 WHERE id = ?1 AND node = ?2 AND state = 'paused' \
+                 AND pushed_ref IS NOT NULL",
+                params![id, from, to],
+            )? == 1)
+        })
     }
 
     fn count_by_node(&self) -> Result<Vec<(String, u64)>> {

@@ -1036,6 +1036,44 @@ fn a_node_sees_only_its_own_sandboxes_where_it_acts(s: &Backend) {
     assert_eq!(s.count_by_node().expect("count"), [("a".to_owned(), 3)]);
 }
 
+fn pushes_are_kept_and_a_paused_sandbox_moves_to_one_node_only(s: &Backend) {
+    s.insert_sandbox_free(&SandboxRecord { node: "c".into(), state: SandboxState::Paused, ..sandbox("p1", 1) })
+        .expect("insert");
+    s.insert_sandbox_free(&SandboxRecord { node: "c".into(), ..sandbox("r1", 2) }).expect("insert");
+    let snap = SnapshotRecord {
+        id: "snap-1".into(),
+        owner: "k1".into(),
+        name: None,
+        sandbox_id: "r1".into(),
+        created_at: 1,
+        size_bytes: 10,
+        recipe: "{}".into(),
+    };
+    assert!(s.insert_snapshot(&snap, None).expect("insert"));
+    assert_eq!(s.pushed(Pushed::Sandbox, "p1").expect("read"), None);
+    assert_eq!(s.pushed(Pushed::Snapshot, "nobody").expect("read"), None);
+    // Not pushed: it cannot move.
+    assert!(!s.move_paused("p1", "c", "a").expect("move"));
+    let r = "127.0.0.1:5000/fleet/sb-p1@sha256:00";
+    assert!(s.set_pushed(Pushed::Sandbox, "p1", Some(r)).expect("set"));
+    assert!(s.set_pushed(Pushed::Sandbox, "r1", Some(r)).expect("set"));
+    assert!(s.set_pushed(Pushed::Snapshot, "snap-1", Some("x@sha256:11")).expect("set"));
+    assert!(!s.set_pushed(Pushed::Snapshot, "snap-nobody", Some("x")).expect("set"));
+    assert_eq!(s.pushed(Pushed::Sandbox, "p1").expect("read").as_deref(), Some(r));
+    assert_eq!(s.pushed(Pushed::Snapshot, "snap-1").expect("read").as_deref(), Some("x@sha256:11"));
+    // Other writes keep it.
+    s.transition("r1", &[SandboxState::Running], SandboxState::Suspended, &Changes::default()).expect("suspend");
+    assert_eq!(s.pushed(Pushed::Sandbox, "r1").expect("read").as_deref(), Some(r));
+    // Only a paused sandbox moves, only from the node it is on, once.
+    assert!(!s.move_paused("r1", "c", "a").expect("not paused"));
+    assert!(!s.move_paused("p1", "b", "a").expect("not on b"));
+    assert!(s.move_paused("p1", "c", "a").expect("move"));
+    assert!(!s.move_paused("p1", "c", "b").expect("the second loses"));
+    assert_eq!(s.get_sandbox("p1").expect("get").expect("p1").node, "a");
+    assert!(s.set_pushed(Pushed::Sandbox, "p1", None).expect("forget"));
+    assert_eq!(s.pushed(Pushed::Sandbox, "p1").expect("read"), None);
+}
+
 /// Each test of both backends: `sqlite::name` always, `postgres::name`
 /// when `HUTCH_TEST_POSTGRES` is set (scripts/test.sh sets it).
 macro_rules! on_both_backends {
@@ -1080,4 +1118,5 @@ on_both_backends!(
     a_node_sees_only_its_own_sandboxes_where_it_acts,
     a_lost_node_loses_its_live_sandboxes_and_notes_its_paused_ones,
     a_drained_node_stays_draining_across_a_restart,
+    pushes_are_kept_and_a_paused_sandbox_moves_to_one_node_only,
 );

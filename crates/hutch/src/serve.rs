@@ -58,6 +58,17 @@ pub struct ServeArgs {
     /// twice --heartbeat (HUTCH_NODE_LOST_AFTER).
     #[arg(long, env = "HUTCH_NODE_LOST_AFTER", default_value = "30s", value_parser = crate::units::parse_duration)]
     pub node_lost_after: Duration,
+    /// The fleet's OCI registry (any Distribution-compatible one), as
+    /// `http[s]://host[:port][/prefix]`: snapshots and sandboxes paused to
+    /// disk are pushed there, so that another node starts them. Plain HTTP
+    /// to loopback only, unless --registry-insecure; anonymous or token
+    /// access (HUTCH_REGISTRY).
+    #[arg(long, env = "HUTCH_REGISTRY", value_name = "URL")]
+    pub registry: Option<String>,
+    /// Allow plain HTTP to a --registry that is not on loopback (a trusted
+    /// network only) (HUTCH_REGISTRY_INSECURE).
+    #[arg(long, env = "HUTCH_REGISTRY_INSECURE")]
+    pub registry_insecure: bool,
     /// Which hutch network of this host to use, 0 to 31: its own subnet
     /// 100.(96+N).0.0/16, nftables table and links, for daemons side by
     /// side (HUTCH_NET_INSTANCE).
@@ -500,6 +511,13 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     };
     let metrics_token = secret_file("--metrics-token-file", args.metrics_token_file.as_deref(), 16)?;
     let fleet_secret = secret_file("--fleet-secret-file", args.fleet_secret_file.as_deref(), 32)?;
+    let registry = match &args.registry {
+        Some(url) => Some(
+            hutch_runtime::image::push::Target::parse(url, args.registry_insecure)
+                .map_err(|e| anyhow::anyhow!("--registry: {e}"))?,
+        ),
+        None => None,
+    };
     let e2b_registries: Vec<String> =
         args.e2b_registries.iter().map(|r| r.trim().to_ascii_lowercase()).filter(|r| !r.is_empty()).collect();
     // The egress proxy that injects secrets, on the gateway address.
@@ -537,6 +555,7 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
             secret: fleet_secret.map(|s| std::sync::Arc::from(s.into_bytes())),
             lost_after: args.node_lost_after,
         },
+        registry,
     };
     let control = Control::new(store.clone(), runtime, config);
     // The event sequence goes on from the store before anything emits.

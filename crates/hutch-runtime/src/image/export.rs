@@ -412,6 +412,14 @@ impl Export {
     /// The first pass: measures every layer (see the module's notes) and
     /// makes the configuration, manifest and indexes.
     pub fn plan(&self) -> Result<Plan, ExportError> {
+        self.plan_with(&|_| None)
+    }
+
+    /// [`Export::plan`] with layers measured before: `known(dir)` gives
+    /// the blob of a layer that cannot have changed since (an image
+    /// store's layer); a wrong one stops the writing, as a layer that
+    /// changed does.
+    pub fn plan_with(&self, known: &dyn Fn(&Path) -> Option<Blob>) -> Result<Plan, ExportError> {
         if self.layers.is_empty() || self.layers.len() >= super::MAX_LAYERS {
             return Err(ExportError::Refused(format!(
                 "{} layers; an image archive carries 1 to {}",
@@ -421,7 +429,11 @@ impl Export {
         }
         let mut layers = Vec::new();
         for l in &self.layers {
-            layers.push((l.dir.clone(), measure(&l.dir)?));
+            let blob = match known(&l.dir) {
+                Some(b) => b,
+                None => measure(&l.dir)?,
+            };
+            layers.push((l.dir.clone(), blob));
         }
         let history: Vec<serde_json::Value> = self
             .layers
@@ -498,7 +510,39 @@ enum Member<'a> {
     Layer(&'a Path, &'a Blob),
 }
 
+/// Writes the layer at `dir` as its tar (what [`measure`] gave `blob`):
+/// one that reads differently stops with [`ExportError::Changed`] before
+/// anything past `blob.size` is written.
+pub fn write_layer<W: Write>(dir: &Path, blob: &Blob, out: &mut W) -> Result<(), ExportError> {
+    let mut checked = Checked { inner: out, hash: Sha256::new(), n: 0, limit: blob.size };
+    let changed = || ExportError::Changed(dir.display().to_string());
+    let written = match layer_tar(dir, &mut checked) {
+        Ok(_) => (checked.n, hex::encode(checked.hash.finalize())),
+        Err(ExportError::Io { source, .. }) if source.kind() == io::ErrorKind::InvalidData => return Err(changed()),
+        Err(e) => return Err(e),
+    };
+    if written != (blob.size, blob.digest.clone()) {
+        return Err(changed());
+    }
+    Ok(())
+}
+
 impl Plan {
+    /// The layers (their trees and their blobs), bottom first.
+    pub fn layers(&self) -> &[(PathBuf, Blob)] {
+        &self.layers
+    }
+
+    /// The image configuration: its blob and bytes.
+    pub fn config(&self) -> (&Blob, &[u8]) {
+        (&self.config.0, &self.config.1)
+    }
+
+    /// The OCI image manifest: its blob and bytes.
+    pub fn manifest(&self) -> (&Blob, &[u8]) {
+        (&self.manifest.0, &self.manifest.1)
+    }
+
     /// The diff_ids (hex) of the layers, bottom first.
     pub fn diff_ids(&self) -> Vec<String> {
         self.layers.iter().map(|(_, b)| b.digest.clone()).collect()
@@ -577,18 +621,7 @@ impl Plan {
                 }
                 Member::Layer(dir, blob) => {
                     out.write_all(self.member_header(&blob.path(), blob.size, false)?.as_bytes()).map_err(w)?;
-                    let mut checked = Checked { inner: &mut *out, hash: Sha256::new(), n: 0, limit: blob.size };
-                    let changed = || ExportError::Changed(dir.display().to_string());
-                    let written = match layer_tar(dir, &mut checked) {
-                        Ok(_) => (checked.n, hex::encode(checked.hash.finalize())),
-                        Err(ExportError::Io { source, .. }) if source.kind() == io::ErrorKind::InvalidData => {
-                            return Err(changed())
-                        }
-                        Err(e) => return Err(e),
-                    };
-                    if written != (blob.size, blob.digest.clone()) {
-                        return Err(changed());
-                    }
+                    write_layer(dir, blob, out)?;
                     pad(out, blob.size)?;
                 }
             }

@@ -517,6 +517,53 @@ pub fn digest_hex(d: &str) -> Result<&str, ImageError> {
     }
 }
 
+/// Extracts one layer blob (a tar, plain or gzip-compressed) into `dir`
+/// (an existing, empty, trusted directory), checking `blob_digest` against
+/// the bytes as given and `diff_id` against the uncompressed tar; returns
+/// the diff_id (hex). On an error `dir` holds part of the layer: the
+/// caller removes it.
+pub fn extract_checked<R: Read>(
+    blob: R,
+    blob_digest: Option<&str>,
+    diff_id: Option<&str>,
+    dir: &Path,
+    limits: &Limits,
+) -> Result<String, ImageError> {
+    let outer = Rc::new(RefCell::new(Tally::default()));
+    let inner = Rc::new(RefCell::new(Tally::default()));
+    // Compressed bytes are bounded too: a stream of empty gzip members
+    // would otherwise never end.
+    let outer_limit = limits.max_bytes.saturating_add(limits.max_bytes / 64 + (1 << 20));
+    let counted = Counted { inner: blob, tally: outer.clone(), limit: outer_limit, hash: blob_digest.is_some() };
+    let mut buffered = BufReader::with_capacity(256 * 1024, counted);
+    let magic = buffered.fill_buf().map_err(super::io_err("read layer"))?.to_vec();
+    let decoded: Box<dyn Read> = if magic.starts_with(&[0x1f, 0x8b]) {
+        Box::new(flate2::bufread::MultiGzDecoder::new(buffered))
+    } else if magic.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+        return Err(refuse("zstd-compressed layers are not supported; use gzip or plain tar"));
+    } else {
+        Box::new(buffered)
+    };
+    let mut tar = Counted { inner: decoded, tally: inner.clone(), limit: limits.max_bytes, hash: true };
+    extract_tar(&mut tar, dir, limits).map_err(|e| match e {
+        ImageError::LayerRefused(m) if m.contains("malformed tar") && inner.borrow().n > limits.max_bytes => {
+            refuse(Bounded(limits.max_bytes).to_string())
+        }
+        e => e,
+    })?;
+    // The digests cover everything, including the tar's end blocks.
+    io::copy(&mut tar, &mut io::sink()).map_err(|e| match e.get_ref().and_then(|i| i.downcast_ref::<Bounded>()) {
+        Some(b) => refuse(b.to_string()),
+        None => refuse(format!("reading the layer: {e}")),
+    })?;
+    drop(tar);
+    let got_diff = hex::encode(std::mem::take(&mut inner.borrow_mut().h).finalize());
+    let got_blob = hex::encode(std::mem::take(&mut outer.borrow_mut().h).finalize());
+    expect_digest("layer blob", blob_digest, &got_blob)?;
+    expect_digest("layer diff_id", diff_id, &got_diff)?;
+    Ok(got_diff)
+}
+
 /// Imports one layer blob (a tar, plain or gzip-compressed) into the store
 /// and returns its diff_id (hex). `blob_digest` is checked against the
 /// bytes as given, `diff_id` against the uncompressed tar; a layer the
@@ -537,44 +584,8 @@ pub fn import_layer<R: Read>(
             return Ok(hex.to_owned());
         }
     }
-    let outer = Rc::new(RefCell::new(Tally::default()));
-    let inner = Rc::new(RefCell::new(Tally::default()));
-    // Compressed bytes are bounded too: a stream of empty gzip members
-    // would otherwise never end.
-    let outer_limit = limits.max_bytes.saturating_add(limits.max_bytes / 64 + (1 << 20));
-    let counted = Counted { inner: blob, tally: outer.clone(), limit: outer_limit, hash: blob_digest.is_some() };
-    let mut buffered = BufReader::with_capacity(256 * 1024, counted);
-    let magic = buffered.fill_buf().map_err(super::io_err("read layer"))?.to_vec();
-    let decoded: Box<dyn Read> = if magic.starts_with(&[0x1f, 0x8b]) {
-        Box::new(flate2::bufread::MultiGzDecoder::new(buffered))
-    } else if magic.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
-        return Err(refuse("zstd-compressed layers are not supported; use gzip or plain tar"));
-    } else {
-        Box::new(buffered)
-    };
-    let mut tar = Counted { inner: decoded, tally: inner.clone(), limit: limits.max_bytes, hash: true };
     let tmp = store.temp_dir()?;
-    let result = (|| {
-        extract_tar(&mut tar, &tmp, limits).map_err(|e| match e {
-            ImageError::LayerRefused(m) if m.contains("malformed tar") && inner.borrow().n > limits.max_bytes => {
-                refuse(Bounded(limits.max_bytes).to_string())
-            }
-            e => e,
-        })?;
-        // The digests cover everything, including the tar's end blocks.
-        io::copy(&mut tar, &mut io::sink()).map_err(|e| {
-            match e.get_ref().and_then(|i| i.downcast_ref::<Bounded>()) {
-                Some(b) => refuse(b.to_string()),
-                None => refuse(format!("reading the layer: {e}")),
-            }
-        })?;
-        drop(tar);
-        let got_diff = hex::encode(std::mem::take(&mut inner.borrow_mut().h).finalize());
-        let got_blob = hex::encode(std::mem::take(&mut outer.borrow_mut().h).finalize());
-        expect_digest("layer blob", blob_digest, &got_blob)?;
-        expect_digest("layer diff_id", diff_id, &got_diff)?;
-        Ok(got_diff)
-    })();
+    let result = extract_checked(blob, blob_digest, diff_id, &tmp, limits);
     match result {
         Ok(hex) => {
             store.commit_as(&tmp, &hex)?;

@@ -31,6 +31,8 @@ pub mod debian;
 pub mod export;
 pub mod extract;
 pub mod interp;
+pub mod moved;
+pub mod push;
 pub mod registry;
 mod top;
 pub mod tree;

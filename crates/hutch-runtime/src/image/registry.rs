@@ -116,36 +116,60 @@ pub struct PullOptions {
     pub limits: Limits,
 }
 
-struct Client {
-    agent: ureq::Agent,
-    base: String,
-    repo: String,
-    token: Option<String>,
+pub(super) struct Client {
+    pub(super) agent: ureq::Agent,
+    pub(super) base: String,
+    pub(super) repo: String,
+    pub(super) token: Option<String>,
+}
+
+/// The agent of every registry call: bounded waits, a few redirects.
+pub(super) fn agent() -> ureq::Agent {
+    ureq::AgentBuilder::new()
+        .timeout_connect(Duration::from_secs(15))
+        .timeout_read(Duration::from_secs(60))
+        .timeout_write(Duration::from_secs(60))
+        .redirects(5)
+        .build()
 }
 
 impl Client {
     fn get(&mut self, path: &str, accept: Option<&str>) -> Result<ureq::Response, ImageError> {
         let url = format!("{}/v2/{}/{}", self.base, self.repo, path);
+        self.call("GET", &url, &[("Accept", accept.unwrap_or(""))], None)
+    }
+
+    /// One request to `url` (this registry's), with the token got through
+    /// a 401's challenge if one comes; `body` is sent as it is (none: an
+    /// empty request). An answer other than 2xx is an error naming it.
+    pub(super) fn call(
+        &mut self,
+        method: &str,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+    ) -> Result<ureq::Response, ImageError> {
         let mut retried = false;
         loop {
-            let mut req = self.agent.get(&url);
-            if let Some(a) = accept {
-                req = req.set("Accept", a);
+            let mut req = self.agent.request(method, url);
+            for (k, v) in headers.iter().filter(|(_, v)| !v.is_empty()) {
+                req = req.set(k, v);
             }
             if let Some(t) = &self.token {
                 req = req.set("Authorization", &format!("Bearer {t}"));
             }
-            match req.call() {
+            let sent = match body {
+                Some(b) => req.send_bytes(b),
+                None => req.call(),
+            };
+            match sent {
                 Ok(r) => return Ok(r),
                 Err(ureq::Error::Status(401, r)) if !retried => {
                     let challenge = r.header("www-authenticate").unwrap_or("").to_owned();
                     self.token = Some(self.fetch_token(&challenge)?);
                     retried = true;
                 }
-                Err(ureq::Error::Status(code, r)) => {
-                    let body = r.into_string().unwrap_or_default();
-                    return Err(reg(format!("GET {url}: HTTP {code}: {}", body.chars().take(300).collect::<String>())));
-                }
+                Err(ureq::Error::Status(code, r)) => return Err(status_error(method, url, code, r)),
                 Err(ureq::Error::Transport(t)) => return Err(reg(t.to_string())),
             }
         }
@@ -200,7 +224,14 @@ impl Client {
     }
 }
 
-fn read_bounded(resp: ureq::Response, max: u64, what: &str) -> Result<Vec<u8>, ImageError> {
+/// An answer other than 2xx, with the start of its body.
+pub(super) fn status_error(method: &str, url: &str, code: u16, r: ureq::Response) -> ImageError {
+    let body = read_bounded(r, 4096, "answer").map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
+    let url = url.split('?').next().unwrap_or(url);
+    reg(format!("{method} {url}: HTTP {code}: {}", body.chars().take(300).collect::<String>()))
+}
+
+pub(super) fn read_bounded(resp: ureq::Response, max: u64, what: &str) -> Result<Vec<u8>, ImageError> {
     let mut body = Vec::new();
     resp.into_reader().take(max + 1).read_to_end(&mut body).map_err(|e| reg(format!("{what}: {e}")))?;
     if body.len() as u64 > max {
@@ -233,48 +264,97 @@ pub fn parse_params(s: &str) -> Vec<(String, String)> {
     out
 }
 
+/// A pull under way: the manifest and configuration read and checked,
+/// the layers fetched one by one as the caller asks.
+pub struct Pulling {
+    c: Client,
+    reference: String,
+    config: serde_json::Value,
+    refs: Vec<super::archive::LayerRef>,
+    /// The layers' diff_ids (`sha256:...`), bottom first.
+    ids: Vec<String>,
+}
+
+impl Pulling {
+    /// Reads `reference`'s manifest (an index: the linux/amd64 one) and
+    /// configuration, each checked against its digest.
+    pub fn open(reference: &str, opts: &PullOptions) -> Result<Pulling, ImageError> {
+        let r = Reference::parse(reference)?;
+        let scheme = if r.is_loopback() || opts.insecure { "http" } else { "https" };
+        let mut c = Client {
+            agent: agent(),
+            base: format!("{scheme}://{}", r.host()),
+            repo: r.repository.clone(),
+            token: None,
+        };
+        let mut doc = c.manifest(&r.reference)?;
+        for _ in 0..4 {
+            if !is_index(&doc) {
+                break;
+            }
+            let d = pick_platform(reference, &doc)?;
+            doc = c.manifest(&d)?;
+        }
+        let (config_digest, refs) = parse_manifest(reference, &doc)?;
+        let body = read_bounded(c.get(&format!("blobs/{config_digest}"), None)?, MAX_JSON, "config")?;
+        check_bytes("config", &body, Some(&config_digest))?;
+        let config: serde_json::Value = serde_json::from_slice(&body).map_err(|e| reg(format!("config: {e}")))?;
+        let ids = diff_ids(reference, &config, refs.len())?;
+        Ok(Pulling { c, reference: reference.to_owned(), config, refs, ids })
+    }
+
+    /// The image configuration (checked against its digest).
+    pub fn config(&self) -> &serde_json::Value {
+        &self.config
+    }
+
+    /// How many layers the image has.
+    pub fn layers(&self) -> usize {
+        self.refs.len()
+    }
+
+    fn blob(&mut self, i: usize, limits: &Limits) -> Result<impl Read, ImageError> {
+        let l = &self.refs[i];
+        if l.size.is_some_and(|s| s > limits.max_bytes) {
+            return Err(ImageError::LayerRefused(format!("{}: larger than the layer limit", l.digest)));
+        }
+        let digest = l.digest.clone();
+        let resp = self.c.get(&format!("blobs/{digest}"), None)?;
+        Ok(resp.into_reader().take(limits.max_bytes.saturating_add(limits.max_bytes / 64 + (1 << 20))))
+    }
+
+    /// Layer `i` (bottom first) in the store (fetched unless the store has
+    /// it): its diff_id (hex).
+    pub fn import(&mut self, store: &ImageStore, i: usize, limits: &Limits) -> Result<String, ImageError> {
+        let hex = super::extract::digest_hex(&self.ids[i])?.to_owned();
+        if store.has_layer(&hex) {
+            return Ok(hex);
+        }
+        let body = self.blob(i, limits)?;
+        import_layer(store, body, Some(&self.refs[i].digest.clone()), Some(&self.ids[i].clone()), limits)
+    }
+
+    /// Layer `i` extracted into `dir` (an existing, empty directory), its
+    /// digests checked; on an error `dir` holds part of it (the caller
+    /// removes it).
+    pub fn extract(&mut self, i: usize, dir: &std::path::Path, limits: &Limits) -> Result<String, ImageError> {
+        let body = self.blob(i, limits)?;
+        let (digest, id) = (self.refs[i].digest.clone(), self.ids[i].clone());
+        super::extract::extract_checked(body, Some(&digest), Some(&id), dir, limits)
+    }
+}
+
 /// Pulls `reference` into the store and records it (default name: the
 /// reference's [`local_name`]).
 pub fn pull(store: &ImageStore, reference: &str, opts: &PullOptions) -> Result<Image, ImageError> {
-    let r = Reference::parse(reference)?;
-    let scheme = if r.is_loopback() || opts.insecure { "http" } else { "https" };
-    let agent = ureq::AgentBuilder::new()
-        .timeout_connect(Duration::from_secs(15))
-        .timeout_read(Duration::from_secs(60))
-        .redirects(5)
-        .build();
-    let mut c = Client { agent, base: format!("{scheme}://{}", r.host()), repo: r.repository.clone(), token: None };
     let _lock = store.lock(libc::LOCK_SH)?;
-    let mut doc = c.manifest(&r.reference)?;
-    for _ in 0..4 {
-        if !is_index(&doc) {
-            break;
-        }
-        let d = pick_platform(reference, &doc)?;
-        doc = c.manifest(&d)?;
-    }
-    let (config_digest, refs) = parse_manifest(reference, &doc)?;
-    let body = read_bounded(c.get(&format!("blobs/{config_digest}"), None)?, MAX_JSON, "config")?;
-    check_bytes("config", &body, Some(&config_digest))?;
-    let config: serde_json::Value = serde_json::from_slice(&body).map_err(|e| reg(format!("config: {e}")))?;
-    let ids = diff_ids(reference, &config, refs.len())?;
+    let mut p = Pulling::open(reference, opts)?;
     let mut layers = Vec::new();
-    for (l, id) in refs.iter().zip(&ids) {
-        let hex = super::extract::digest_hex(id)?;
-        if store.has_layer(hex) {
-            layers.push(hex.to_owned());
-            continue;
-        }
-        if l.size.is_some_and(|s| s > opts.limits.max_bytes) {
-            return Err(ImageError::LayerRefused(format!("{}: larger than the layer limit", l.digest)));
-        }
-        let resp = c.get(&format!("blobs/{}", l.digest), None)?;
-        let body =
-            resp.into_reader().take(opts.limits.max_bytes.saturating_add(opts.limits.max_bytes / 64 + (1 << 20)));
-        layers.push(import_layer(store, body, Some(&l.digest), Some(id), &opts.limits)?);
+    for i in 0..p.layers() {
+        layers.push(p.import(store, i, &opts.limits)?);
     }
     let name = opts.name.clone().unwrap_or_else(|| local_name(reference));
-    store.finish_image(&name, layers, ImageConfig::from_oci(&config), format!("pull:{reference}"))
+    store.finish_image(&name, layers, ImageConfig::from_oci(&p.config), format!("pull:{}", p.reference))
 }
 
 #[cfg(test)]

@@ -246,6 +246,7 @@ pub(crate) fn connect_code(code: ErrorCode) -> (&'static str, StatusCode) {
         | ErrorCode::SnapshotUnsupported
         | ErrorCode::ClassUnsupported
         | ErrorCode::SnapshotNotExportable
+        | ErrorCode::NotMovable
         | ErrorCode::VolumeInUse => ("failed_precondition", StatusCode::CONFLICT),
         ErrorCode::StorageFull => ("resource_exhausted", StatusCode::INSUFFICIENT_STORAGE),
     }

@@ -71,7 +71,8 @@ class ConflictError(HutchError):
     (`snapshot_unsupported`: a memory layer has no snapshot, fork or pause to
     disk; `class_unsupported`: what a `process` sandbox cannot do;
     `snapshot_not_exportable`: a snapshot of a sandbox on `base`, or
-    whose image left the store, is no image archive)."""
+    whose image left the store, is no image archive; `not_movable`: a
+    paused sandbox or a snapshot whose files cannot start on another node)."""
 
 
 class IdempotencyError(HutchError):
@@ -166,6 +167,7 @@ CODE_CLASSES: Dict[str, Type[HutchError]] = {
     "snapshot_unsupported": ConflictError,
     "class_unsupported": ConflictError,
     "snapshot_not_exportable": ConflictError,
+    "not_movable": ConflictError,
     "volume_name_taken": ConflictError,
     "secret_name_taken": ConflictError,
     "volume_in_use": ConflictError,

@@ -1,0 +1,141 @@
+"""Moves through the fleet's OCI registry (Debian's docker-registry here, on
+loopback): two nodes with `--registry`; a sandbox of node B writes files and
+is paused to disk (pushed as it pauses), B is killed (-9), and a resume
+sent to node A takes it (once B's heartbeats stop), pulls its image and
+files, and runs it on A with the same id and its files; a snapshot made on
+B starts a sandbox on A; a paused sandbox on `base` (the host's own files)
+and a snapshot of it are refused with `not_movable`.
+
+The image exists only on B (imported there): A makes it from the pull."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import Client, Daemon, expect_error, expect_status, wait_for
+from test_images import api_import, docker_save, two_layers, uname
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from oci_images import Layer, Registry  # noqa: E402
+
+NODE_A, NODE_B = "move-a", "move-b"
+
+
+@pytest.fixture
+def registry(tmp_root: Path):
+    """Set up before the fleet, so stopped after it."""
+    reg = Registry(tmp_root)
+    try:
+        yield reg
+    finally:
+        reg.stop()
+
+
+def delete_everywhere(key: str, nodes: dict[str, Daemon]) -> list[str]:
+    """Deletes every sandbox through the node it is on (a dead node is
+    started again for that) and every snapshot; what failed."""
+    problems = []
+    first = next(iter(nodes.values()))
+    listed = Client(first.base, key).get("/v1/sandboxes", params={"limit": 1000})
+    if listed.status_code != 200:
+        return [f"list: {listed.status_code} {listed.text}"]
+    for sb in listed.json()["sandboxes"]:
+        if sb["state"] == "terminated":
+            continue
+        d = nodes[sb["node"]]
+        if not d.alive():
+            d.kill_strays()
+            d.start()
+        r = Client(d.base, key).delete(f"/v1/sandboxes/{sb['id']}")
+        if r.status_code != 200:
+            problems.append(f"delete {sb['id']} on {sb['node']}: {r.status_code} {r.text}")
+    c = Client(first.base, key)
+    for snap in c.get("/v1/snapshots").json().get("snapshots", []):
+        r = c.delete(f"/v1/snapshots/{snap['id']}")
+        if r.status_code not in (200, 204, 404):
+            problems.append(f"delete snapshot {snap['id']}: {r.status_code} {r.text}")
+    return problems
+
+
+def resume_through(c: Client, sid: str) -> dict | None:
+    """The resumed sandbox, or None while its node is not yet taken for gone."""
+    r = c.post(f"/v1/sandboxes/{sid}/resume", {}, timeout=120)
+    # Refused as another node's, or sent on to that node, which does not answer.
+    if (r.status_code, r.json().get("code")) in ((409, "sandbox_on_other_node"), (502, "node_unreachable")):
+        return None
+    expect_status(r, 200)
+    return r.json()
+
+
+def test_a_paused_sandbox_and_a_snapshot_of_a_killed_node_start_on_another(registry: Registry, fleet_of):
+    url = f"http://127.0.0.1:{registry.port}/hutch-fleet"
+    a, b = fleet_of([NODE_A, NODE_B], env={"HUTCH_REGISTRY": url})
+    key = a.admin_key()
+    on_a, on_b = Client(a.base, key), Client(b.base, key)
+    try:
+        # An image on B only; a sandbox of it on B writes, deletes and adds.
+        image = uname("moving")
+        lower, upper = two_layers(uuid.uuid4().hex)
+        # Tools that need the C library only.
+        tools = Layer()
+        for tool in ("rm", "head", "sha256sum"):
+            tools = tools.file(f"usr/bin/{tool}", Path(f"/usr/bin/{tool}").read_bytes(), 0o755)
+        archive = docker_save([lower, tools.bytes(), upper], ["MOVED=yes"], "x/m:1")
+        expect_status(api_import(on_b, archive, name=image), 201)
+        r = on_b.post("/v1/templates", {"name": uname("tpl"), "image": image})
+        expect_status(r, 201)
+        sb = on_b.create(template=r.json()["name"], wait_seconds=60, node=NODE_B)
+        sid = sb["id"]
+        assert sb["node"] == NODE_B, sb
+        digest = on_b.sh(sid, "echo moved > /workspace/note && "
+                              "head -c 3000000 /dev/urandom > /workspace/blob && sha256sum /workspace/blob")
+        # A deletion of a lower file: a whiteout in the top layer.
+        on_b.sh(sid, "rm /data/kept", user="root")
+        # A snapshot of it (pushed as it is made), then it pauses to disk (pushed too).
+        r = on_b.post(f"/v1/sandboxes/{sid}/snapshots", {"name": "before-move"})
+        expect_status(r, 201)
+        snap = r.json()
+        r = on_b.post(f"/v1/sandboxes/{sid}/suspend", {"mode": "disk"})
+        expect_status(r, 200)
+        assert r.json()["state"] == "paused", r.json()
+        # A sandbox on `base`, paused to disk too: its files are B's host's own.
+        on_base = on_b.create(node=NODE_B)["id"]
+        r = on_b.post(f"/v1/sandboxes/{on_base}/snapshots", {})
+        expect_status(r, 201)
+        base_snap = r.json()["id"]
+        expect_status(on_b.post(f"/v1/sandboxes/{on_base}/suspend", {"mode": "disk"}), 200)
+
+        b.kill9()
+        b.kill_strays()
+
+        # Through A, once B is taken for gone: the same sandbox, on A, its files intact.
+        moved = wait_for("node A to take the paused sandbox", lambda: resume_through(on_a, sid),
+                         timeout=60, interval=0.5)
+        assert moved["id"] == sid and moved["node"] == NODE_A and moved["state"] == "running", moved
+        assert on_a.sandbox(sid)["node"] == NODE_A
+        assert on_a.sh(sid, "cat /workspace/note; echo $MOVED") == "moved\nyes\n"
+        assert on_a.sh(sid, "sha256sum /workspace/blob") == digest
+        assert on_a.sh(sid, "test -e /data/kept && echo there || echo gone; cat /opq/new") == "gone\nnew\n"
+        # It keeps working here: a pause and a resume on A.
+        expect_status(on_a.post(f"/v1/sandboxes/{sid}/suspend", {"mode": "disk"}), 200)
+        assert resume_through(on_a, sid)["node"] == NODE_A
+        assert on_a.sh(sid, "cat /workspace/note") == "moved\n"
+
+        # The snapshot made on B starts a sandbox on A.
+        child = on_a.create(snapshot=snap["id"], wait_seconds=60)
+        assert child["node"] == NODE_A, child
+        assert on_a.sh(child["id"], "cat /workspace/note; sha256sum /workspace/blob") == "moved\n" + digest
+
+        # The sandbox on `base` cannot move: said so, and it stays B's.
+        e = expect_error(on_a.post(f"/v1/sandboxes/{on_base}/resume", {}), 409, "not_movable")
+        assert "base" in e["error"], e
+        assert on_a.sandbox(on_base)["node"] == NODE_B
+        e = expect_error(on_a.post("/v1/sandboxes", {"snapshot": base_snap}), 409, "not_movable")
+        assert base_snap in e["error"] and "base" in e["error"], e
+    finally:
+        problems = delete_everywhere(key, {NODE_A: a, NODE_B: b})
+        assert not problems, problems
