@@ -323,8 +323,8 @@ impl Control {
     /// node's (or unknown, or malformed: this node says so), else at its
     /// node's advertised URL. A node that is lost, or advertises no URL,
     /// is not asked: this node answers (its state says what happened); so
-    /// does this node for a paused sandbox with pushed files whose node is
-    /// draining or silent (a resume here moves it).
+    /// does this node for a paused sandbox of a silent node, or of a
+    /// draining one that pushed its files (a resume here moves it).
     pub async fn locate(&self, id: &str) -> Route {
         let Ok(id) = SandboxId::parse(id) else { return Route::Here };
         if self.live(&id).is_some() {
@@ -340,13 +340,18 @@ impl Control {
         };
         let now = now_ms();
         let node = view.nodes.iter().find(|n| n.name == record.node);
-        // A paused sandbox whose files are in the registry is moved here by
-        // a resume when its node is on its way out (see `moves`).
-        let leaving = node.is_some_and(|n| n.state == NodeState::Draining || !self.answering(n, now));
-        if leaving && record.state == hutch_api::SandboxState::Paused {
-            let id = record.id.clone();
-            if let Ok(Some(_)) = self.db(move |s| s.pushed(hutch_store::Pushed::Sandbox, &id)).await {
+        // A paused sandbox of a node that does not answer is answered here
+        // (a resume moves it if its files are in the registry, or says why
+        // not: see `moves`); so is one of a draining node whose files are.
+        if record.state == hutch_api::SandboxState::Paused {
+            if node.is_some_and(|n| !self.answering(n, now)) {
                 return Route::Here;
+            }
+            if node.is_some_and(|n| n.state == NodeState::Draining) {
+                let id = record.id.clone();
+                if let Ok(Some(_)) = self.db(move |s| s.pushed(hutch_store::Pushed::Sandbox, &id)).await {
+                    return Route::Here;
+                }
             }
         }
         match node {
