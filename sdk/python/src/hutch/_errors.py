@@ -87,8 +87,9 @@ class SandboxNotRunningError(HutchError):
 
 
 class SandboxOnOtherNodeError(HutchError):
-    """The sandbox lives on another node of the fleet, which alone acts on
-    it (`sandbox_on_other_node`; the message names the node)."""
+    """A call another node forwarded reached a node that is not the
+    sandbox's (`sandbox_on_other_node`; the message names the owner).
+    Calls a client sends are forwarded to the owner instead."""
 
 
 class SandboxStartError(HutchError):
@@ -181,6 +182,9 @@ CODE_CLASSES: Dict[str, Type[HutchError]] = {
     "execution_outcome_unknown": IdempotencyError,
     "sandbox_session_not_running": SandboxNotRunningError,
     "sandbox_on_other_node": SandboxOnOtherNodeError,
+    "node_not_found": NotFoundError,
+    "node_draining": CapacityError,
+    "node_unreachable": ServerError,
     "sandbox_start_failed": SandboxStartError,
     "sandbox_startup_failed": SandboxStartError,
     "sandbox_readiness_timeout": SandboxStartError,
