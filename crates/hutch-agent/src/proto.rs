@@ -346,6 +346,34 @@ pub enum Request {
     /// socket and connections, removes its home and its /tmp directory.
     /// Its uid is never given out again by this agent.
     RemoveTenant { name: String },
+    /// Before a checkpoint of the sandbox (gvisor class, agent started
+    /// with `--dir`): replies [`Reply::Ok`], then closes every connection
+    /// and its listening socket (a host socket cannot be saved) and waits
+    /// for a [`Resume`] file (`RESUME_FILE` in its directory), after
+    /// which it binds a fresh socket there. Processes keep running; their
+    /// output is kept as for a process nobody is attached to. Only on the
+    /// agent's own socket; refused ([`ErrorCode::Unsupported`]) by an
+    /// agent without a directory.
+    Quiesce,
+}
+
+/// The file, in the directory of an agent started with `--dir`, that
+/// ends its [`Request::Quiesce`]: one frame whose header is a [`Resume`]
+/// and whose data is entropy the agent writes into `/dev/urandom`.
+pub const RESUME_FILE: &str = "resume";
+
+/// Who a sandbox is after a restore (its own, or a new copy's).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Resume {
+    /// The sandbox-wide environment from now on (replaces the one of
+    /// [`AgentConfig::env`]; `None` keeps it); commands started before
+    /// keep theirs.
+    #[serde(default)]
+    pub env: Option<Vec<(String, String)>>,
+    /// The host name to set, if any.
+    #[serde(default)]
+    pub hostname: Option<String>,
 }
 
 /// Most descriptors an [`Request::AddTenant`] carries.

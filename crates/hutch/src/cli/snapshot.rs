@@ -83,7 +83,7 @@ fn run(args: SnapshotArgs) -> anyhow::Result<i32> {
     let client = args.conn.client()?;
     match args.command {
         SnapshotCommand::Create { sandbox, name, json } => {
-            show(&client.create_snapshot(&sandbox, &CreateSnapshot { name })?, json)?;
+            show(&client.create_snapshot(&sandbox, &CreateSnapshot { name, memory: None })?, json)?;
         }
         SnapshotCommand::List { json } => {
             let list = client.list_snapshots()?;
