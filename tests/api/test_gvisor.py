@@ -185,10 +185,11 @@ def test_daemon_restart_adopts_a_gvisor_sandbox(own_daemon: Daemon):
 
 # A process holding a value in memory (never written anywhere but once, for
 # the test to know it) and a counter; each time /tmp/ask appears it answers
-# with both and fresh bytes of os.urandom, through /tmp/answer. Only this
-# process's memory can give the counter's next value after a restore.
+# with both, fresh bytes of os.urandom and the next number of Python's
+# `random` (seeded at import: user-space state), through /tmp/answer. Only
+# this process's memory can give the counter's next value after a restore.
 HOLDER = r"""
-import os, time
+import os, random, time
 held = os.urandom(16).hex()
 n = 0
 open('/tmp/held.tmp', 'w').write(held)
@@ -198,7 +199,7 @@ while True:
         os.unlink('/tmp/ask')
         n += 1
         with open('/tmp/answer.tmp', 'w') as f:
-            f.write(f'{held} {n} {os.urandom(16).hex()}')
+            f.write(f'{held} {n} {os.urandom(16).hex()} {random.random()!r}')
         os.rename('/tmp/answer.tmp', '/tmp/answer')
     time.sleep(0.005)
 """
@@ -211,12 +212,13 @@ def start_holder(api: Client, sid: str) -> str:
     return api.sh(sid, "cat /tmp/held")
 
 
-def ask(api: Client, sid: str) -> tuple[str, int, str]:
-    """The holder's value, its counter and fresh random bytes, from its memory."""
+def ask(api: Client, sid: str) -> tuple[str, int, str, str]:
+    """The holder's value, its counter, fresh bytes of os.urandom and its
+    `random` module's next number, from its memory."""
     api.sh(sid, "rm -f /tmp/answer && touch /tmp/ask")
     wait_for("the holder's answer", lambda: api.exec(sid, "cat /tmp/answer")["exit_code"] == 0, timeout=30)
-    held, n, rand = api.sh(sid, "cat /tmp/answer").split()
-    return held, int(n), rand
+    held, n, rand, prng = api.sh(sid, "cat /tmp/answer").split()
+    return held, int(n), rand, prng
 
 
 def memory_dirs(d: Daemon) -> set[str]:
@@ -300,6 +302,9 @@ def test_a_fork_with_memory_continues_each_child_with_its_own_entropy(
         assert parent[:2] == (held, 2)
         rands = {a[2] for a in answers} | {parent[2]}
         assert len(rands) == 4, (answers, parent)
+        # A generator in the process's own memory is copied with it: the
+        # same next number everywhere (docs/threat-model.md says so).
+        assert len({a[3] for a in answers} | {parent[3]}) == 1, (answers, parent)
         assert [api.sh(k, "echo $HUTCH_SANDBOX_ID") for k in kids] == [f"{k}\n" for k in kids]
     finally:
         for k in kids:

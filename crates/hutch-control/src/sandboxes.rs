@@ -468,7 +468,7 @@ impl Control {
         let host = self
             .hosts
             .acquire(key, &record.id, move || {
-                match start_with_network(&rt, host_spec, network, &host_id, &policy2, interface, true, None) {
+                match start_with_network(&rt, host_spec, network, &host_id, &policy2, interface, Launch::Host) {
                     Ok((sb, _, _)) => Ok(sb),
                     Err(BootError::Runtime(e)) => Err(ControlError::StartFailed(Reason::of_start(&e))),
                     Err(BootError::Network(reason, why)) => {
@@ -612,16 +612,8 @@ impl Control {
                     Some(o) if gvisor && !kept && rt.has_memory(o) => Some(rt.memory_image(o)),
                     _ => None,
                 };
-                let mut started = start_with_network(
-                    &rt,
-                    spec.clone(),
-                    network.clone(),
-                    &sid,
-                    &policy,
-                    interface,
-                    false,
-                    image.as_deref(),
-                );
+                let how = image.as_deref().map_or(Launch::Start, Launch::Restore);
+                let mut started = start_with_network(&rt, spec.clone(), network.clone(), &sid, &policy, interface, how);
                 if own {
                     // Used once: a paused sandbox that fails to restore
                     // starts afresh on its files.
@@ -630,7 +622,7 @@ impl Control {
                         tracing::warn!(
                             "sandbox {sid}: its memory did not restore ({e}); it starts afresh on its files"
                         );
-                        started = start_with_network(&rt, spec, network, &sid, &policy, interface, false, None);
+                        started = start_with_network(&rt, spec, network, &sid, &policy, interface, Launch::Start);
                     }
                 }
                 if started.is_ok() && image.is_some() {
@@ -1188,6 +1180,16 @@ enum BootError {
     Network(Reason, String),
 }
 
+/// How [`start_with_network`] starts the sandbox.
+#[derive(Clone, Copy)]
+enum Launch<'a> {
+    Start,
+    /// A host container of the process class.
+    Host,
+    /// A gvisor sandbox continued from this memory image.
+    Restore(&'a std::path::Path),
+}
+
 type Booted = (hutch_runtime::Sandbox, Option<Attached>, String);
 
 /// Attaches the sandbox's network, starts it inside, and reads back what
@@ -1202,13 +1204,12 @@ fn start_with_network(
     id: &str,
     policy: &hutch_runtime::net::Policy,
     interface: bool,
-    host: bool,
-    image: Option<&std::path::Path>,
+    how: Launch<'_>,
 ) -> std::result::Result<Booted, BootError> {
-    let start = |spec: &SandboxSpec| match image {
-        Some(image) => rt.restore_gvisor(spec, image),
-        None if host => rt.start_host(spec),
-        None => rt.start(spec),
+    let start = |spec: &SandboxSpec| match how {
+        Launch::Start => rt.start(spec),
+        Launch::Host => rt.start_host(spec),
+        Launch::Restore(image) => rt.restore_gvisor(spec, image),
     };
     use hutch_runtime::net::Egress;
     let net = match network {

@@ -285,12 +285,19 @@ impl Control {
                 return Err(ControlError::NotRunning { id: sid, state: SandboxState::Terminating });
             };
             let rt2 = rt.clone();
-            rt.checkpoint_gvisor(sb, &snap, true, || rt2.snapshot_layer(&sid, &snap).map(|(_, size)| size))
-                .map_err(storage_error)
+            let size = rt
+                .checkpoint_gvisor(sb, &snap, true, || rt2.snapshot_layer(&sid, &snap).map(|(_, size)| size))
+                .map_err(storage_error)?;
+            Ok((size, sb.pid))
         })
-        .await?;
+        .await;
         live.drop_conns();
-        taken
+        let (size, pid) = taken??;
+        // The restored sentry is a new host process.
+        let (sid, set) = (id.to_string(), crate::control::Set { host_pid: Some(i64::from(pid)), ..Default::default() });
+        let running = [SandboxState::Running];
+        self.db(move |s| s.transition(&sid, &running, SandboxState::Running, &set.changes())).await?;
+        Ok(size)
     }
 
     /// Captures sandbox `id`'s layer as snapshot layer `name`, the sandbox
