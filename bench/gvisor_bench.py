@@ -194,10 +194,14 @@ def main() -> int:
     ap.add_argument("--debug", action="store_true", help="use the debug build")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--execs", type=int, default=100)
+    ap.add_argument("--memory-only", action="store_true", help="only the API's memory snapshots, fork and pause")
     args = ap.parse_args()
     d = Daemon(DEBUG if args.debug else RELEASE)
     try:
         s = d.session()
+        if args.memory_only:
+            memory_api(s, d.base, template(s, d.base, "gvisor"), d.root / "state")
+            return 0
         for cls in ("container", "gvisor"):
             tpl = template(s, d.base, cls)
             rs = rounds(s, d.base, tpl, args.rounds)

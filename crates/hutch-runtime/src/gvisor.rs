@@ -609,7 +609,16 @@ impl Runtime {
             what: format!("checkpoint {}", sb.id),
             source: io::Error::new(io::ErrorKind::Unsupported, "only gvisor sandboxes are checkpointed"),
         })?;
-        quiesce(&sb.socket)?;
+        match quiesce(&sb.socket) {
+            Ok(()) => {}
+            Err((acknowledged, e)) => {
+                // It may be closing: have it listen again.
+                if acknowledged {
+                    let _ = write_resume(&paths, None).and_then(|()| self.take_agent_socket(&paths, &sb.socket));
+                }
+                return Err(e);
+            }
+        }
         let image = self.memory_image(name);
         let partial = image.with_file_name(format!(".{name}.partial"));
         let _ = fs::remove_dir_all(&partial);
@@ -674,17 +683,19 @@ impl Runtime {
 }
 
 /// Asks the agent at `socket` to close its sockets, and waits until it
-/// has.
-fn quiesce(socket: &Path) -> Result<(), RuntimeError> {
+/// has. On failure, whether the agent took the request.
+fn quiesce(socket: &Path) -> Result<(), (bool, RuntimeError)> {
     let failed = |e: crate::agent::AgentError| RuntimeError::Io {
         what: "quiesce the agent".into(),
         source: io::Error::other(e.to_string()),
     };
-    let mut conn = crate::agent::AgentConn::connect(socket).map_err(failed)?;
+    let mut conn = crate::agent::AgentConn::connect(socket).map_err(|e| (false, failed(e)))?;
     conn.set_reply_timeout(Duration::from_secs(10));
-    match conn.call(proto::Request::Quiesce, &[]).map_err(failed)? {
-        (proto::Reply::Ok, _) => {}
-        (other, _) => return Err(failed(crate::agent::AgentError::Unexpected(Box::new(other)))),
+    match conn.call(proto::Request::Quiesce, &[]) {
+        Ok((proto::Reply::Ok, _)) => {}
+        Ok((other, _)) => return Err((false, failed(crate::agent::AgentError::Unexpected(Box::new(other))))),
+        // No answer: it may have taken the request all the same.
+        Err(e) => return Err((true, failed(e))),
     }
     // It closes its listener, then every connection: ours ending says
     // both are closed. (A connect to the socket's path says nothing: the
@@ -693,7 +704,9 @@ fn quiesce(socket: &Path) -> Result<(), RuntimeError> {
     loop {
         match conn.recv(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)))) {
             Ok(_) => continue,
-            Err(crate::agent::AgentError::Timeout(t)) => return Err(failed(crate::agent::AgentError::Timeout(t))),
+            Err(crate::agent::AgentError::Timeout(t)) => {
+                return Err((true, failed(crate::agent::AgentError::Timeout(t))))
+            }
             Err(_) => return Ok(()),
         }
     }

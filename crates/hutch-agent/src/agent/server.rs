@@ -605,9 +605,11 @@ impl Agent {
     // -- checkpoints (gvisor class) ------------------------------------------
 
     fn start_quiesce(&mut self) -> Reply {
-        if self.dir.is_none() {
+        let Some(dir) = &self.dir else {
             return error(ErrorCode::Unsupported, "only an agent with a directory (gvisor class) quiesces");
-        }
+        };
+        // Only the host's resume file, written from now on, ends the wait.
+        let _ = std::fs::remove_file(dir.join(proto::RESUME_FILE));
         self.quiesce = Quiesce::Closing;
         Reply::Ok
     }
