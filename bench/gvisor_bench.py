@@ -91,7 +91,8 @@ def holding(s, base: str, tpl: str, mib: int) -> str:
 
 
 def memory_api(s, base: str, tpl: str, state_dir: Path) -> None:
-    """Memory snapshot, restore, fork of 10 and pause to disk through the API."""
+    """Memory snapshot, restore, fork of 10 and pause to disk through the API,
+    then the daemon's own breakdown of each checkpoint (its log)."""
     sid = holding(s, base, tpl, 200)
     made = [sid]
     try:
@@ -130,6 +131,10 @@ def memory_api(s, base: str, tpl: str, state_dir: Path) -> None:
     finally:
         for m in made:
             s.delete(f"{base}/v1/sandboxes/{m}")
+    log = state_dir.parent / "daemon.log"
+    for line in log.read_text(errors="replace").splitlines():
+        if "memory image" in line:
+            print("    daemon:", json.loads(line).get("message", line) if line.startswith("{") else line)
 
 
 def checkpoint_restore(mib: int) -> dict:

@@ -609,8 +609,9 @@ impl Runtime {
             what: format!("checkpoint {}", sb.id),
             source: io::Error::new(io::ErrorKind::Unsupported, "only gvisor sandboxes are checkpointed"),
         })?;
+        let t0 = Instant::now();
         match quiesce(&sb.socket) {
-            Ok(()) => {}
+            Ok(()) => tracing::debug!("sandbox {}: agent quiesced in {} ms", paths.id, t0.elapsed().as_millis()),
             Err((acknowledged, e)) => {
                 // It may be closing: have it listen again.
                 if acknowledged {
@@ -642,7 +643,9 @@ impl Runtime {
             }
             return Err(e);
         }
+        let t1 = Instant::now();
         let result = between();
+        let t2 = Instant::now();
         // Restored from the image where it was written (runsc has read it
         // all once the agent listens again), then the image is kept or not.
         let restored = if keep_running { self.restore_in_place(&paths, sb, &partial) } else { Ok(()) };
@@ -656,15 +659,30 @@ impl Runtime {
             }
         }
         restored?;
+        let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_millis();
+        tracing::info!(
+            "sandbox {}: memory image {name} in {} ms (quiesce and checkpoint {} ms, capture {} ms, restore {} ms)",
+            paths.id,
+            ms(t0, Instant::now()),
+            ms(t0, t1),
+            ms(t1, t2),
+            ms(t2, Instant::now())
+        );
         result
     }
 
     /// Restores a sandbox just checkpointed into `image` under its own id
     /// and bundle.
     fn restore_in_place(&self, paths: &Paths, sb: &mut Sandbox, image: &Path) -> Result<(), RuntimeError> {
+        let mut marks = Marks::new();
+        // runsc's delete waits (2 s at most) until the stopped sentry and
+        // gofer are reaped, which is their parent's (init's) to do: fast
+        // where init reaps at once (systemd), about 1.5 s on hosts whose
+        // init is slow to.
         let mut delete = paths.runsc_here();
         delete.arg("delete").arg(&paths.id);
         run(delete, "delete the checkpointed sandbox", &paths.bundle.join("checkpoint.log"))?;
+        marks.mark("delete");
         let _ = fs::remove_file(paths.pid_file());
         write_resume(paths, None)?;
         let mut cmd = sandbox_runsc(paths);
@@ -673,7 +691,10 @@ impl Runtime {
         cmd.arg("restore").arg("--detach").arg("--image-path").arg(image);
         cmd.arg("--pid-file").arg(paths.pid_file()).arg("--bundle").arg(&paths.bundle).arg(&paths.id);
         run(cmd, "restore the gvisor sandbox", &paths.bundle.join("runsc.log"))?;
+        marks.mark("runsc restore");
         self.take_agent_socket(paths, &sb.socket)?;
+        marks.mark("agent");
+        tracing::debug!("sandbox {}: restored in place: {:?}", paths.id, marks.done);
         sb.pid = paths.sentry_pid().ok_or_else(|| RuntimeError::Io {
             what: format!("the sandbox process of {}", paths.id),
             source: io::Error::other("runsc's sandbox process is gone"),
