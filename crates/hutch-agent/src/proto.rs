@@ -847,6 +847,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_resume_file_keeps_or_replaces_the_environment() {
+        let mut buf = Vec::new();
+        let env = vec![("HUTCH_SANDBOX_ID".to_owned(), "sb-1".to_owned())];
+        encode(&Resume { env: Some(env.clone()), hostname: None }, &[7; 64], &mut buf).expect("encode");
+        let frame = split_frame(&buf).expect("frame").expect("whole");
+        assert_eq!(frame.consumed, buf.len());
+        let r: Resume = parse_header(frame.header).expect("header");
+        assert_eq!((r.env, r.hostname, frame.data), (Some(env), None, &[7u8; 64][..]));
+        // An empty header keeps the agent's environment; unknown fields are refused.
+        assert_eq!(parse_header::<Resume>(b"{}").expect("empty"), Resume { env: None, hostname: None });
+        assert!(parse_header::<Resume>(br#"{"root": true}"#).is_err());
+    }
+
+    #[test]
     fn frame_round_trip_keeps_header_and_data() {
         let mut buf = Vec::new();
         let msg = FromAgent::Output { pid: 7, stream: Stream::Stderr };
