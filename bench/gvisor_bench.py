@@ -6,9 +6,12 @@
   - exec round trip (`true`) in one running sandbox of each class, 100 runs;
   - a syscall-heavy command (`python3 -c` stat-ing a file 100,000 times)
     in each class: the ptrace platform's cost per system call;
+  - through the API: a memory snapshot of a gvisor sandbox (`deny_all`)
+    holding a 200 MiB Python process, a create from it (runsc restore)
+    and its first exec; a fork of 10 with memory of a sandbox holding a
+    16 MiB one, and a pause to disk and resume (memory kept);
   - runsc checkpoint and restore of a sandbox holding a 200 MiB Python
-    process (runsc directly, on a bundle of its own: the API's memory
-    snapshots are not built yet), and the image's size.
+    process (runsc directly, on a bundle of its own), and the image's size.
 
 Starts its own daemon (bench/api_bench.py's), from the release binary or,
 with --debug, the debug one. Run as root:
@@ -66,6 +69,72 @@ def execs(s, base: str, sid: str, body: str, n: int) -> list[float]:
 
 
 STATS = json.dumps({"argv": ["python3", "-c", "import os\nfor _ in range(100000): os.stat('/etc/passwd')"]})
+
+
+def holding(s, base: str, tpl: str, mib: int) -> str:
+    """A deny_all gvisor sandbox running python that holds `mib` MiB."""
+    body = {"template": tpl, "ttl_seconds": 900, "memory_mb": max(512, 2 * mib + 256),
+            "network": {"egress": "deny_all"}}
+    sb = check(s.post(base + "/v1/sandboxes", data=json.dumps(body)), 201)
+    script = (f"import os, time\nx = os.urandom({mib} << 20)\n"
+              "open('/tmp/ready', 'w').close()\nwhile True: time.sleep(1)\n")
+    check(s.post(f"{base}/v1/sandboxes/{sb['id']}/exec",
+                 data=json.dumps({"argv": ["python3", "-c", script], "background": True})), 200)
+    deadline = time.monotonic() + 120
+    while True:
+        res = check(s.post(f"{base}/v1/sandboxes/{sb['id']}/exec", data='{"argv":["test","-e","/tmp/ready"]}'), 200)
+        if res["exit_code"] == 0:
+            return sb["id"]
+        if time.monotonic() > deadline:
+            raise RuntimeError("python did not fill its memory")
+        time.sleep(0.2)
+
+
+def memory_api(s, base: str, tpl: str, state_dir: Path) -> None:
+    """Memory snapshot, restore, fork of 10 and pause to disk through the API,
+    then the daemon's own breakdown of each checkpoint (its log)."""
+    sid = holding(s, base, tpl, 200)
+    made = [sid]
+    try:
+        t0 = time.perf_counter()
+        snap = check(s.post(f"{base}/v1/sandboxes/{sid}/snapshots", data='{"memory": true}'), 201)
+        took = time.perf_counter() - t0
+        img = state_dir / "memory" / snap["id"]
+        size = sum(f.stat().st_size for f in img.rglob("*") if f.is_file()) / (1 << 20)
+        print(f"gvisor    memory snapshot of a 200 MiB python (checkpoint, layer, restore in place): {ms(took)} ms,"
+              f" image {size:.0f} MiB")
+        t0 = time.perf_counter()
+        nb = check(s.post(base + "/v1/sandboxes", data=json.dumps({"snapshot": snap["id"]})), 201)
+        t1 = time.perf_counter()
+        made.append(nb["id"])
+        res = check(s.post(f"{base}/v1/sandboxes/{nb['id']}/exec", data='{"argv":["test","-e","/tmp/ready"]}'), 200)
+        t2 = time.perf_counter()
+        print(f"gvisor    create from it (runsc restore): {ms(t1 - t0)} ms; first exec {ms(t2 - t1)} ms;"
+              f" state survived: {res['exit_code'] == 0}")
+        t0 = time.perf_counter()
+        r = check(s.post(f"{base}/v1/sandboxes/{nb['id']}/suspend", data='{"mode":"disk"}'), 200)
+        t1 = time.perf_counter()
+        assert r["state"] == "paused", r
+        check(s.post(f"{base}/v1/sandboxes/{nb['id']}/resume", data="{}"), 200)
+        t2 = time.perf_counter()
+        print(f"gvisor    pause to disk (checkpoint) {ms(t1 - t0)} ms; resume (restore) {ms(t2 - t1)} ms")
+        s.delete(f"{base}/v1/snapshots/{snap['id']}")
+        small = holding(s, base, tpl, 16)
+        made.append(small)
+        t0 = time.perf_counter()
+        kids = check(s.post(f"{base}/v1/sandboxes/{small}/fork", data='{"count": 10}'), 201)["sandboxes"]
+        took = time.perf_counter() - t0
+        made += [k["id"] for k in kids]
+        ok = all(check(s.post(f"{base}/v1/sandboxes/{k['id']}/exec", data='{"argv":["test","-e","/tmp/ready"]}'),
+                       200)["exit_code"] == 0 for k in kids)
+        print(f"gvisor    fork of 10 with memory (16 MiB python): {ms(took)} ms; all continued: {ok}")
+    finally:
+        for m in made:
+            s.delete(f"{base}/v1/sandboxes/{m}")
+    log = state_dir.parent / "daemon.log"
+    for line in log.read_text(errors="replace").splitlines():
+        if "memory image" in line:
+            print("    daemon:", json.loads(line).get("message", line) if line.startswith("{") else line)
 
 
 def checkpoint_restore(mib: int) -> dict:
@@ -130,10 +199,14 @@ def main() -> int:
     ap.add_argument("--debug", action="store_true", help="use the debug build")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--execs", type=int, default=100)
+    ap.add_argument("--memory-only", action="store_true", help="only the API's memory snapshots, fork and pause")
     args = ap.parse_args()
     d = Daemon(DEBUG if args.debug else RELEASE)
     try:
         s = d.session()
+        if args.memory_only:
+            memory_api(s, d.base, template(s, d.base, "gvisor"), d.root / "state")
+            return 0
         for cls in ("container", "gvisor"):
             tpl = template(s, d.base, cls)
             rs = rounds(s, d.base, tpl, args.rounds)
@@ -150,6 +223,8 @@ def main() -> int:
             xs = execs(s, d.base, sb["id"], STATS, 3)
             print(f"{cls:9} 100,000 stat calls in python: median {ms(statistics.median(xs))} ms")
             s.delete(f"{d.base}/v1/sandboxes/{sb['id']}")
+            if cls == "gvisor":
+                memory_api(s, d.base, tpl, d.root / "state")
     finally:
         d.stop()
     cr = checkpoint_restore(200)

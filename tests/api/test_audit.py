@@ -235,8 +235,10 @@ def test_capabilities_say_what_the_daemon_allows(daemon: Daemon):
         assert isinstance(features[f]["enabled"], bool), (f, features)
         if not features[f]["enabled"]:
             assert features[f]["reason"], (f, features)
-    for f in ("memory_snapshots", "fleet"):
-        assert features[f]["enabled"] is False, features
+    assert features["fleet"]["enabled"] is False, features
+    # Memory snapshots are gvisor's, on a disk layer.
+    assert features["memory_snapshots"]["enabled"] == (
+        classes["gvisor"]["available"] and features["disk_storage"]["enabled"]), (classes, features)
     # Secrets are injected by the egress proxy, which needs networks.
     assert features["secrets"]["enabled"] == features["networks"]["enabled"], features
     # The key's holdings and quotas, as /v1/usage says them (which adds

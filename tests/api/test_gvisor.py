@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from conftest import Client, Daemon, leftovers, wait_cleaned, wait_for
+from conftest import Client, Daemon, expect_error, expect_status, leftovers, wait_cleaned, wait_for
 
 
 def b64(data: bytes) -> str:
@@ -176,6 +176,171 @@ def test_daemon_restart_adopts_a_gvisor_sandbox(own_daemon: Daemon):
     api = own_daemon.client()
     assert api.sandbox(sid)["state"] == "running"
     assert api.sh(sid, "cat /workspace/k") == "kept\n"
+    api.destroy(sid)
+    wait_cleaned(own_daemon, sid)
+    api.delete(f"/v1/templates/{name}")
+
+
+# ---- memory: snapshots, forks and pauses to disk that keep running processes
+
+# A process holding a value in memory (never written anywhere but once, for
+# the test to know it) and a counter; each time /tmp/ask appears it answers
+# with both, fresh bytes of os.urandom and the next number of Python's
+# `random` (seeded at import: user-space state), through /tmp/answer. Only
+# this process's memory can give the counter's next value after a restore.
+HOLDER = r"""
+import os, random, time
+held = os.urandom(16).hex()
+n = 0
+open('/tmp/held.tmp', 'w').write(held)
+os.rename('/tmp/held.tmp', '/tmp/held')
+while True:
+    if os.path.exists('/tmp/ask'):
+        os.unlink('/tmp/ask')
+        n += 1
+        with open('/tmp/answer.tmp', 'w') as f:
+            f.write(f'{held} {n} {os.urandom(16).hex()} {random.random()!r}')
+        os.rename('/tmp/answer.tmp', '/tmp/answer')
+    time.sleep(0.005)
+"""
+
+
+def start_holder(api: Client, sid: str) -> str:
+    api.post(f"/v1/sandboxes/{sid}/files/write", {"path": "/workspace/holder.py", "data": b64(HOLDER.encode())})
+    api.background(sid, "exec python3 /workspace/holder.py")
+    wait_for("the holder to start", lambda: api.exec(sid, "cat /tmp/held")["exit_code"] == 0, timeout=30)
+    return api.sh(sid, "cat /tmp/held")
+
+
+def ask(api: Client, sid: str) -> tuple[str, int, str, str]:
+    """The holder's value, its counter, fresh bytes of os.urandom and its
+    `random` module's next number, from its memory."""
+    api.sh(sid, "rm -f /tmp/answer && touch /tmp/ask")
+    wait_for("the holder's answer", lambda: api.exec(sid, "cat /tmp/answer")["exit_code"] == 0, timeout=30)
+    held, n, rand, prng = api.sh(sid, "cat /tmp/answer").split()
+    return held, int(n), rand, prng
+
+
+def memory_dirs(d: Daemon) -> set[str]:
+    m = d.state_dir / "memory"
+    return {p.name for p in m.iterdir()} if m.is_dir() else set()
+
+
+def test_a_memory_snapshot_keeps_running_processes(daemon: Daemon, api: Client, gvisor_template: str):
+    sb = api.create(template=gvisor_template, network={"egress": "deny_all"})
+    sid, made, snap = sb["id"], [], None
+    try:
+        held = start_holder(api, sid)
+        assert ask(api, sid)[:2] == (held, 1)
+        r = api.post(f"/v1/sandboxes/{sid}/snapshots", {"memory": True})
+        expect_status(r, 201)
+        snap = r.json()
+        assert snap["memory"] is True, snap
+        assert api.get(f"/v1/snapshots/{snap['id']}").json()["memory"] is True
+        assert snap["id"] in memory_dirs(daemon)
+        # The sandbox continues, its agent reachable again.
+        assert ask(api, sid)[:2] == (held, 2)
+        # A new sandbox continues the process from the snapshot's instant,
+        # with its own identity.
+        nb = api.create(snapshot=snap["id"])
+        made.append(nb["id"])
+        assert nb["class"] == "gvisor" and nb["id"] != sid, nb
+        assert ask(api, nb["id"])[:2] == (held, 2)
+        assert api.sh(nb["id"], "echo $HUTCH_SANDBOX_ID") == f"{nb['id']}\n"
+        assert api.sh(sid, "echo $HUTCH_SANDBOX_ID") == f"{sid}\n"
+        # Both go on on their own.
+        assert ask(api, nb["id"])[:2] == (held, 3)
+        assert ask(api, sid)[:2] == (held, 3)
+        # A create from it asking for a network is refused: runsc restores
+        # no host sockets.
+        r = api.post("/v1/sandboxes", {"snapshot": snap["id"], "network": {"egress": "default"}})
+        expect_error(r, 409, "class_unsupported")
+    finally:
+        for m in made:
+            api.destroy(m)
+        if snap:
+            expect_status(api.delete(f"/v1/snapshots/{snap['id']}"), 204)
+        api.destroy(sid)
+    assert snap["id"] not in memory_dirs(daemon)
+    for m in [sid, *made]:
+        wait_cleaned(daemon, m)
+
+
+def test_memory_snapshots_are_refused_where_memory_cannot_be_saved(api: Client, gvisor_template: str):
+    # A container sandbox: its class keeps files only.
+    sb = api.create()
+    # A networked gvisor sandbox: runsc cannot save hostinet's sockets.
+    gb = api.create(template=gvisor_template)
+    try:
+        for s in (sb, gb):
+            r = api.post(f"/v1/sandboxes/{s['id']}/snapshots", {"memory": True})
+            expect_error(r, 409, "class_unsupported")
+        assert api.sh(gb["id"], "echo still") == "still\n"
+        assert not [s for s in api.get("/v1/snapshots").json()["snapshots"] if s["sandbox_id"] in (sb["id"], gb["id"])]
+    finally:
+        api.destroy(sb["id"])
+        api.destroy(gb["id"])
+
+
+def test_a_fork_with_memory_continues_each_child_with_its_own_entropy(
+    daemon: Daemon, api: Client, gvisor_template: str
+):
+    sb = api.create(template=gvisor_template, network={"egress": "deny_all"})
+    sid, kids = sb["id"], []
+    try:
+        held = start_holder(api, sid)
+        assert ask(api, sid)[:2] == (held, 1)
+        r = api.post(f"/v1/sandboxes/{sid}/fork", {"count": 3})
+        expect_status(r, 201)
+        kids = [k["id"] for k in r.json()["sandboxes"]]
+        assert len(kids) == 3
+        answers = [ask(api, k) for k in kids]
+        # Each continues from the same point (the counter's next value)...
+        assert [(a[0], a[1]) for a in answers] == [(held, 2)] * 3, answers
+        # ...and draws different random numbers from the kernel.
+        parent = ask(api, sid)
+        assert parent[:2] == (held, 2)
+        rands = {a[2] for a in answers} | {parent[2]}
+        assert len(rands) == 4, (answers, parent)
+        # A generator in the process's own memory is copied with it: the
+        # same next number everywhere (docs/threat-model.md says so).
+        assert len({a[3] for a in answers} | {parent[3]}) == 1, (answers, parent)
+        assert [api.sh(k, "echo $HUTCH_SANDBOX_ID") for k in kids] == [f"{k}\n" for k in kids]
+    finally:
+        for k in kids:
+            api.destroy(k)
+        api.destroy(sid)
+    for m in [sid, *kids]:
+        wait_cleaned(daemon, m)
+    assert not [n for n in memory_dirs(daemon) if n.startswith("fork-")], memory_dirs(daemon)
+
+
+def test_a_pause_to_disk_keeps_memory_across_a_daemon_restart(own_daemon: Daemon):
+    own_daemon.start()
+    api = own_daemon.client()
+    name = tname()
+    r = api.post("/v1/templates", {"name": name, "class": "gvisor"})
+    assert r.status_code == 201, r.text
+    sb = api.create(template=name, network={"egress": "deny_all"})
+    sid = sb["id"]
+    held = start_holder(api, sid)
+    assert ask(api, sid)[:2] == (held, 1)
+    r = api.post(f"/v1/sandboxes/{sid}/suspend", {"mode": "disk"})
+    expect_status(r, 200)
+    assert r.json()["state"] == "paused", r.json()
+    # Its processes ended; its memory is on disk.
+    assert sid in memory_dirs(own_daemon)
+    assert not leftovers(own_daemon.run_dir, sid)
+    own_daemon.stop()
+    own_daemon.start()
+    api = own_daemon.client()
+    assert api.sandbox(sid)["state"] == "paused"
+    r = api.post(f"/v1/sandboxes/{sid}/resume", {})
+    expect_status(r, 200)
+    wait_for("the sandbox to run", lambda: api.sandbox(sid)["state"] == "running", timeout=60)
+    assert ask(api, sid)[:2] == (held, 2)
+    # The image is used once.
+    assert sid not in memory_dirs(own_daemon)
     api.destroy(sid)
     wait_cleaned(own_daemon, sid)
     api.delete(f"/v1/templates/{name}")

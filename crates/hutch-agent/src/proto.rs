@@ -346,6 +346,34 @@ pub enum Request {
     /// socket and connections, removes its home and its /tmp directory.
     /// Its uid is never given out again by this agent.
     RemoveTenant { name: String },
+    /// Before a checkpoint of the sandbox (gvisor class, agent started
+    /// with `--dir`): replies [`Reply::Ok`], then closes every connection
+    /// and its listening socket (a host socket cannot be saved) and waits
+    /// for a [`Resume`] file (`RESUME_FILE` in its directory), after
+    /// which it binds a fresh socket there. Processes keep running; their
+    /// output is kept as for a process nobody is attached to. Only on the
+    /// agent's own socket; refused ([`ErrorCode::Unsupported`]) by an
+    /// agent without a directory.
+    Quiesce,
+}
+
+/// The file, in the directory of an agent started with `--dir`, that
+/// ends its [`Request::Quiesce`]: one frame whose header is a [`Resume`]
+/// and whose data is entropy the agent writes into `/dev/urandom`.
+pub const RESUME_FILE: &str = "resume";
+
+/// Who a sandbox is after a restore (its own, or a new copy's).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Resume {
+    /// The sandbox-wide environment from now on (replaces the one of
+    /// [`AgentConfig::env`]; `None` keeps it); commands started before
+    /// keep theirs.
+    #[serde(default)]
+    pub env: Option<Vec<(String, String)>>,
+    /// The host name to set, if any.
+    #[serde(default)]
+    pub hostname: Option<String>,
 }
 
 /// Most descriptors an [`Request::AddTenant`] carries.
@@ -817,6 +845,20 @@ pub fn normalize_path(path: &str, base: &str) -> Result<String, ErrorCode> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_resume_file_keeps_or_replaces_the_environment() {
+        let mut buf = Vec::new();
+        let env = vec![("HUTCH_SANDBOX_ID".to_owned(), "sb-1".to_owned())];
+        encode(&Resume { env: Some(env.clone()), hostname: None }, &[7; 64], &mut buf).expect("encode");
+        let frame = split_frame(&buf).expect("frame").expect("whole");
+        assert_eq!(frame.consumed, buf.len());
+        let r: Resume = parse_header(frame.header).expect("header");
+        assert_eq!((r.env, r.hostname, frame.data), (Some(env), None, &[7u8; 64][..]));
+        // An empty header keeps the agent's environment; unknown fields are refused.
+        assert_eq!(parse_header::<Resume>(b"{}").expect("empty"), Resume { env: None, hostname: None });
+        assert!(parse_header::<Resume>(br#"{"root": true}"#).is_err());
+    }
 
     #[test]
     fn frame_round_trip_keeps_header_and_data() {

@@ -744,6 +744,11 @@ pub struct CreateSnapshot {
     /// starting with `snap-`.
     #[serde(default)]
     pub name: Option<String>,
+    /// Keep the sandbox's memory and running processes too (gvisor class
+    /// without a network namespace only): a sandbox created from it
+    /// continues them. Default false: files only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<bool>,
 }
 
 /// `POST /v1/sandboxes/{id}/fork`.
@@ -797,7 +802,8 @@ pub struct Snapshot {
     /// until either changes).
     pub size_bytes: u64,
     pub created_at: String,
-    /// Always false: a snapshot holds files, not memory or processes.
+    /// Whether it holds the sandbox's memory and processes too (taken
+    /// with `"memory": true`); else files only.
     pub memory: bool,
     /// The id of the API key that owns it.
     pub owner: String,

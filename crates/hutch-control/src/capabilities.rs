@@ -52,7 +52,11 @@ impl Control {
         }
         features.insert(
             "memory_snapshots".to_owned(),
-            off("snapshots keep a sandbox's files; its processes and memory are not saved"),
+            match (disk, self.runtime.runs(hutch_api::Class::Gvisor)) {
+                (true, Ok(())) => on(),
+                (false, _) => off(format!("memory snapshots keep a disk layer too: {no_disk}")),
+                (true, Err(why)) => off(format!("memory snapshots are of gvisor sandboxes: {why}")),
+            },
         );
         features.insert(
             "secrets".to_owned(),

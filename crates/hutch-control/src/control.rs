@@ -306,7 +306,7 @@ impl Set {
         Set { reason, ..Set::default() }
     }
 
-    fn changes(&self) -> Changes<'_> {
+    pub(crate) fn changes(&self) -> Changes<'_> {
         Changes {
             last_error_code: self.reason.map(crate::lifecycle::Reason::as_str),
             host_pid: self.host_pid,

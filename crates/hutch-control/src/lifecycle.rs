@@ -274,6 +274,13 @@ impl Live {
         }
     }
 
+    /// Drops the idle connections: its agent closed them (a checkpoint).
+    pub(crate) fn drop_conns(&self) {
+        if let Ok(mut v) = self.idle.lock() {
+            v.clear();
+        }
+    }
+
     /// A new connection of its own (for a stream that outlives the call).
     pub(crate) async fn fresh_conn(&self) -> std::result::Result<AsyncConn, AgentError> {
         AsyncConn::connect(&self.socket).await

@@ -230,6 +230,17 @@ impl Control {
         let mut net = self.network_record(Some(req.network.as_ref().unwrap_or(&tpl.network)))?;
         net.interface = opts.interface && net.egress == hutch_api::Egress::DenyAll;
         net.e2b = opts.e2b.clone();
+        // A copy of a memory image continues without a network, as the
+        // sandbox it was taken of (see snapshots::memory_capable).
+        if origin.as_deref().is_some_and(|o| self.runtime.has_memory(o))
+            && (net.egress != hutch_api::Egress::DenyAll || net.interface)
+        {
+            return Err(ControlError::ClassUnsupported(
+                "a sandbox started from a memory snapshot keeps its `deny_all` egress (gVisor cannot restore onto \
+                 the host's network stack)"
+                    .into(),
+            ));
+        }
         // Secrets: the template's and the request's, each the owner's.
         let secret_names = {
             let mut all = tpl.secrets.clone();
@@ -471,7 +482,7 @@ impl Control {
         let host = self
             .hosts
             .acquire(key, &record.id, move || {
-                match start_with_network(&rt, host_spec, network, &host_id, &policy2, interface, true) {
+                match start_with_network(&rt, host_spec, network, &host_id, &policy2, interface, Launch::Host) {
                     Ok((sb, _, _)) => Ok(sb),
                     Err(BootError::Runtime(e)) => Err(ControlError::StartFailed(Reason::of_start(&e))),
                     Err(BootError::Network(reason, why)) => {
@@ -579,6 +590,10 @@ impl Control {
         let interface = net.interface;
         let (storage, origin) = (record.storage, record.origin.clone());
         let refill = origin.clone().filter(|o| storage == StorageKind::Disk && o.starts_with("snap-"));
+        // Set when its processes continue from a memory image.
+        let restored = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let restored2 = restored.clone();
+        let gvisor = record.class == hutch_runtime::Class::Gvisor;
         let started = if record.class == hutch_runtime::Class::Process {
             self.start_tenant(&record, spec, network, policy, interface).await?
         } else {
@@ -603,7 +618,30 @@ impl Control {
                     };
                     spec.writable = hutch_runtime::Writable::Layer(layer.map_err(BootError::Runtime)?);
                 }
-                let started = start_with_network(&rt, spec, network, &sid, &policy, interface, false);
+                // A gvisor sandbox continues from a memory image: its own
+                // (paused to disk), else the one its layer was copied from.
+                let own = gvisor && rt.has_memory(&sid);
+                let image = match &origin {
+                    _ if own => Some(rt.memory_image(&sid)),
+                    Some(o) if gvisor && !kept && rt.has_memory(o) => Some(rt.memory_image(o)),
+                    _ => None,
+                };
+                let how = image.as_deref().map_or(Launch::Start, Launch::Restore);
+                let mut started = start_with_network(&rt, spec.clone(), network.clone(), &sid, &policy, interface, how);
+                if own {
+                    // Used once: a paused sandbox that fails to restore
+                    // starts afresh on its files.
+                    rt.delete_memory(&sid);
+                    if let Err(BootError::Runtime(e)) = &started {
+                        tracing::warn!(
+                            "sandbox {sid}: its memory did not restore ({e}); it starts afresh on its files"
+                        );
+                        started = start_with_network(&rt, spec, network, &sid, &policy, interface, Launch::Start);
+                    }
+                }
+                if started.is_ok() && image.is_some() {
+                    restored2.store(true, std::sync::atomic::Ordering::SeqCst);
+                }
                 if started.is_err() && storage == StorageKind::Disk && !kept {
                     if let Err(e) = rt.delete_layer(&sid) {
                         tracing::warn!("sandbox {sid}: its layer stays until the next sweep: {e}");
@@ -643,7 +681,9 @@ impl Control {
         tracing::debug!("sandbox {id} started: {:?}", sb.timings);
         let host_pid = i64::from(sb.pid);
         let live = Live::new(sb, owner, record.pooled);
-        if recipe.startup.is_some() || recipe.readiness.is_some() {
+        // A restored sandbox's startup command runs already (or ran).
+        let restored = restored.load(std::sync::atomic::Ordering::SeqCst);
+        if !restored && (recipe.startup.is_some() || recipe.readiness.is_some()) {
             self.until_ready(&record, &live, recipe, workdir).await?;
         }
         let ready = Set {
@@ -761,7 +801,9 @@ impl Control {
         let destroyed = tokio::task::spawn_blocking(move || {
             let result = handle.destroy();
             rt.sweep();
-            // Its files go once its processes have: the disk layer, if any.
+            // Its files go once its processes have: the disk layer, if any,
+            // and the memory of a pause to disk.
+            rt.delete_memory(&sid);
             result.and_then(|()| rt.delete_layer(&sid).map(drop))
         })
         .await?;
@@ -942,6 +984,10 @@ impl Control {
                 return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
             };
             self.access.revoke_sandbox(id.as_str());
+            // A gvisor sandbox keeps its memory on disk too.
+            if crate::snapshots::memory_capable(&r).is_ok() {
+                self.checkpoint_to_disk(id).await;
+            }
             self.end_processes(id).await?;
             // Its files, for another node (with a fleet's registry).
             self.push_paused(id).await;
@@ -951,6 +997,29 @@ impl Control {
         self.pausing.lock().unwrap_or_else(|p| p.into_inner()).remove(id.as_str());
         done.send_replace(true);
         ended
+    }
+
+    /// Checkpoints a gvisor sandbox being paused into its own memory image
+    /// (`<state>/memory/<id>`), which its wake restores. Its processes end
+    /// with the checkpoint. A failure keeps its files only.
+    async fn checkpoint_to_disk(&self, id: &SandboxId) {
+        let Some(live) = self.live(id) else { return };
+        let (rt, sid) = (self.runtime.clone(), id.to_string());
+        let saved = tokio::task::spawn_blocking(move || {
+            let mut guard = live.handle.lock().map_err(|_| "lock poisoned".to_owned())?;
+            let sb = guard.as_mut().ok_or_else(|| "sandbox is being deleted".to_owned())?;
+            if live.is_suspended() {
+                sb.thaw().map_err(|e| e.to_string())?;
+                live.set_suspended(false);
+            }
+            rt.checkpoint_gvisor(sb, &sid, false, || Ok(())).map_err(|e| e.to_string())
+        })
+        .await;
+        match saved {
+            Ok(Ok(())) => self.log(id, crate::history::LogLevel::Info, "memory saved to disk", &[]),
+            Ok(Err(e)) => tracing::warn!("sandbox {id}: its memory was not saved, only its files: {e}"),
+            Err(e) => tracing::warn!("sandbox {id}: its memory was not saved, only its files: {e}"),
+        }
     }
 
     /// Waits (a minute at most) for a pause of `id` under way to finish.
@@ -1136,6 +1205,16 @@ enum BootError {
     Network(Reason, String),
 }
 
+/// How [`start_with_network`] starts the sandbox.
+#[derive(Clone, Copy)]
+enum Launch<'a> {
+    Start,
+    /// A host container of the process class.
+    Host,
+    /// A gvisor sandbox continued from this memory image.
+    Restore(&'a std::path::Path),
+}
+
 type Booted = (hutch_runtime::Sandbox, Option<Attached>, String);
 
 /// Attaches the sandbox's network, starts it inside, and reads back what
@@ -1150,9 +1229,13 @@ fn start_with_network(
     id: &str,
     policy: &hutch_runtime::net::Policy,
     interface: bool,
-    host: bool,
+    how: Launch<'_>,
 ) -> std::result::Result<Booted, BootError> {
-    let start = |spec: &SandboxSpec| if host { rt.start_host(spec) } else { rt.start(spec) };
+    let start = |spec: &SandboxSpec| match how {
+        Launch::Start => rt.start(spec),
+        Launch::Host => rt.start_host(spec),
+        Launch::Restore(image) => rt.restore_gvisor(spec, image),
+    };
     use hutch_runtime::net::Egress;
     let net = match network {
         Ok(n) => n,

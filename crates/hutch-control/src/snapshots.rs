@@ -57,6 +57,9 @@ struct SnapRecipe {
     /// Recipes kept before classes were chosen are containers.
     #[serde(default)]
     class: hutch_api::Class,
+    /// It holds a memory image too (`<state>/memory/<id>`, gvisor class).
+    #[serde(default)]
+    memory: bool,
 }
 
 impl SnapRecipe {
@@ -115,7 +118,7 @@ fn view(r: &SnapshotRecord) -> Snapshot {
         sandbox_id: r.sandbox_id.clone(),
         size_bytes: r.size_bytes,
         created_at: rfc3339(r.created_at),
-        memory: false,
+        memory: serde_json::from_str::<SnapRecipe>(&r.recipe).is_ok_and(|x| x.memory),
         owner: r.owner.clone(),
     }
 }
@@ -136,8 +139,13 @@ impl Control {
             check_name(name)?;
         }
         let r = self.capturable(caller, id).await?;
+        let memory = req.memory == Some(true);
+        if memory {
+            memory_capable(&r)?;
+        }
         let owner = OwnerId::from_record(&r.owner);
-        let recipe = self.recipe_of(&r).await?;
+        let mut recipe = self.recipe_of(&r).await?;
+        recipe.memory = memory;
         // Refusals that need no capture come first.
         let max = self.quotas_of(&owner).await?.snapshots;
         let o = owner.to_string();
@@ -152,7 +160,11 @@ impl Control {
             }
         }
         let snap_id = SnapshotId::random()?;
-        let mut captured = self.capture(id, r.state, snap_id.as_str()).await?;
+        let mut captured = if memory {
+            self.capture_memory(id, snap_id.as_str()).await?
+        } else {
+            self.capture(id, r.state, snap_id.as_str()).await?
+        };
         // With simple quotas the capture counts what the sandbox wrote; what
         // it started from is its origin snapshot's (a fork point has no row).
         if self.runtime.storage().is_some_and(|st| st.quotas() == hutch_runtime::storage::Quotas::Simple) {
@@ -251,7 +263,43 @@ impl Control {
             on_expire: r.on_expire,
             paused_ttl_s: r.paused_ttl_s,
             class: r.class,
+            memory: false,
         })
+    }
+
+    /// Captures a gvisor sandbox's layer and memory as snapshot `name`:
+    /// its agent quiesces, runsc checkpoints it into the memory image
+    /// `name`, the layer is captured while it is stopped, and it is
+    /// restored in place (its agent connections end: the idle ones are
+    /// dropped). Returns the bytes the layer references.
+    async fn capture_memory(&self, id: &SandboxId, name: &str) -> Result<u64> {
+        let live = self
+            .live(id)
+            .ok_or_else(|| ControlError::NotRunning { id: id.to_string(), state: SandboxState::Starting })?;
+        let (rt, sid, snap) = (self.runtime.clone(), id.to_string(), name.to_owned());
+        let l2 = live.clone();
+        let taken = tokio::task::spawn_blocking(move || {
+            let mut guard = l2.handle.lock().map_err(|_| ControlError::Runtime("lock poisoned".into()))?;
+            if l2.is_suspended() {
+                return Err(ControlError::NotRunning { id: sid, state: SandboxState::Suspended });
+            }
+            let Some(sb) = guard.as_mut() else {
+                return Err(ControlError::NotRunning { id: sid, state: SandboxState::Terminating });
+            };
+            let rt2 = rt.clone();
+            let size = rt
+                .checkpoint_gvisor(sb, &snap, true, || rt2.snapshot_layer(&sid, &snap).map(|(_, size)| size))
+                .map_err(storage_error)?;
+            Ok((size, sb.pid))
+        })
+        .await;
+        live.drop_conns();
+        let (size, pid) = taken??;
+        // The restored sentry is a new host process.
+        let (sid, set) = (id.to_string(), crate::control::Set { host_pid: Some(i64::from(pid)), ..Default::default() });
+        let running = [SandboxState::Running];
+        self.db(move |s| s.transition(&sid, &running, SandboxState::Running, &set.changes())).await?;
+        Ok(size)
     }
 
     /// Captures sandbox `id`'s layer as snapshot layer `name`, the sandbox
@@ -310,7 +358,13 @@ impl Control {
         // child has its copy (or swept at the next start if the daemon
         // stops first).
         let point = format!("fork-{}", crate::ids::random_hex(8)?);
-        self.capture(id, r.state, &point).await?;
+        // A gvisor sandbox that can be checkpointed forks with its memory:
+        // each child continues its processes.
+        if r.state == SandboxState::Running && memory_capable(&r).is_ok() {
+            self.capture_memory(id, &point).await?;
+        } else {
+            self.capture(id, r.state, &point).await?;
+        }
         // The children start side by side; each is admitted on its own.
         let mut starts = tokio::task::JoinSet::new();
         for i in 0..count {
@@ -534,7 +588,11 @@ impl Control {
         keep.extend(
             self.db(|s| s.sandboxes_in(&crate::lifecycle::KEEPING_FILES)).await?.into_iter().filter_map(|r| r.origin),
         );
+        // Memory images: a snapshot's, a fork point's, or a paused sandbox's.
+        keep.extend(self.db(|s| s.sandboxes_in(&crate::lifecycle::KEEPING_FILES)).await?.into_iter().map(|r| r.id));
+        let rt = self.runtime.clone();
         let swept = tokio::task::spawn_blocking(move || {
+            rt.sweep_memory(|name| keep.contains(name));
             storage.sweep(hutch_runtime::storage::Kind::Snapshot, |name| keep.contains(name))
         })
         .await?;
@@ -543,6 +601,29 @@ impl Control {
         }
         Ok(())
     }
+}
+
+/// Whether sandbox `r`'s memory can be saved: a gvisor sandbox without a
+/// network namespace (runsc cannot save gVisor's hostinet, the host
+/// sockets a networked gvisor sandbox uses).
+pub(crate) fn memory_capable(r: &hutch_store::SandboxRecord) -> Result<()> {
+    if r.class != hutch_api::Class::Gvisor {
+        return Err(ControlError::ClassUnsupported(format!(
+            "sandbox {} is of the {} class: only gvisor sandboxes keep their memory in a snapshot, a fork or a pause \
+             to disk (the container class's keep files only)",
+            r.id,
+            r.class.as_str()
+        )));
+    }
+    let net = NetRecord::parse(&r.network);
+    if net.egress != hutch_api::Egress::DenyAll || net.interface {
+        return Err(ControlError::ClassUnsupported(format!(
+            "sandbox {} has a network: gVisor (runsc 2022-12) cannot save a sandbox on the host's network stack; \
+             memory snapshots are of gvisor sandboxes with `deny_all` egress",
+            r.id
+        )));
+    }
+    Ok(())
 }
 
 fn exceeded(limit: u64, used: u64) -> ControlError {

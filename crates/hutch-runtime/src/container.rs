@@ -449,8 +449,10 @@ impl Runtime {
             .map_err(io_err(format!("archive the changes of {id}")))
     }
 
-    /// Deletes snapshot `snap`; false if there was none.
+    /// Deletes snapshot `snap` (and its memory image, if it has one);
+    /// false if there was none.
     pub fn delete_snapshot(&self, snap: &str) -> Result<bool, RuntimeError> {
+        self.delete_memory(snap);
         match &self.storage {
             Some(storage) => Ok(storage.delete(&LayerName::new(crate::storage::Kind::Snapshot, snap)?)?),
             None => Ok(false),

@@ -121,6 +121,16 @@ impl Paths {
         self.bundle.join("sandbox.pid")
     }
 
+    /// runsc with the runtime's global flags, in the daemon's network
+    /// namespace: where `runsc run` of a sandbox without a namespace of
+    /// its own (`deny_all`, `--network=none`) bound its control socket.
+    pub fn runsc_here(&self) -> Command {
+        let mut c = Command::new(runsc_path());
+        c.arg("--root").arg(&self.state_root);
+        c.stdin(Stdio::null());
+        c
+    }
+
     /// The sentry's host pid, while it lives.
     pub fn sentry_pid(&self) -> Option<libc::pid_t> {
         let pid: libc::pid_t = fs::read_to_string(self.pid_file()).ok()?.trim().parse().ok()?;
@@ -133,9 +143,7 @@ impl Paths {
     /// abstract unix socket, which belongs to the namespace the sandbox
     /// was started in (the sandbox's own, for a networked one).
     pub fn runsc(&self) -> Command {
-        let mut c = Command::new(runsc_path());
-        c.arg("--root").arg(&self.state_root);
-        c.stdin(Stdio::null());
+        let mut c = self.runsc_here();
         if let Some(ns) = self.sentry_pid().and_then(|p| fs::File::open(format!("/proc/{p}/ns/net")).ok()) {
             enter_netns(&mut c, ns.into());
         }
@@ -185,6 +193,27 @@ impl Runtime {
     /// Starts a gvisor sandbox (see the module comment); on failure nothing
     /// of it is left but a disk layer the caller made.
     pub(crate) fn start_gvisor(&self, spec: &SandboxSpec, id: String) -> Result<Sandbox, RuntimeError> {
+        self.start_gvisor_from(spec, id, None)
+    }
+
+    /// Starts gvisor sandbox `spec.id` by restoring the memory image
+    /// `image` (see [`Runtime::checkpoint_gvisor`]) over the writable
+    /// layer of the spec (a copy of the disk layer the image was taken
+    /// with): every process continues where it was. The agent takes the
+    /// spec's environment (and `HUTCH_SANDBOX_ID`) and fresh entropy.
+    pub fn restore_gvisor(&self, spec: &SandboxSpec, image: &Path) -> Result<Sandbox, RuntimeError> {
+        self.runs(crate::Class::Gvisor).map_err(|why| RuntimeError::ClassUnavailable(crate::Class::Gvisor, why))?;
+        if spec.class != crate::Class::Gvisor || !matches!(spec.writable, Writable::Layer(_)) {
+            return Err(RuntimeError::Io {
+                what: "restore a sandbox".into(),
+                source: io::Error::new(io::ErrorKind::Unsupported, "only gvisor sandboxes on disk layers restore"),
+            });
+        }
+        let id = crate::container::valid_id(spec.id.as_deref().unwrap_or(""))?;
+        self.start_gvisor_from(spec, id, Some(image))
+    }
+
+    fn start_gvisor_from(&self, spec: &SandboxSpec, id: String, image: Option<&Path>) -> Result<Sandbox, RuntimeError> {
         let mut marks = Marks::new();
         let paths = Paths::new(&self.config().run_dir, &id);
         let layer = match &spec.writable {
@@ -219,7 +248,7 @@ impl Runtime {
         // Runtime::sweep leaves a sandbox alone while it starts (before
         // runsc has made its cgroup, nothing else says it lives).
         crate::container::lock(&self.gvisor_starting).insert(id.clone());
-        let launched = self.launch_gvisor(&paths, spec, &mut sandbox, &mut marks);
+        let launched = self.launch_gvisor(&paths, spec, image, &mut sandbox, &mut marks);
         crate::container::lock(&self.gvisor_starting).remove(&id);
         match launched {
             Ok(()) => {
@@ -239,6 +268,7 @@ impl Runtime {
         &self,
         paths: &Paths,
         spec: &SandboxSpec,
+        image: Option<&Path>,
         sb: &mut Sandbox,
         marks: &mut Marks,
     ) -> Result<(), RuntimeError> {
@@ -303,10 +333,31 @@ impl Runtime {
             .map_err(io_err(format!("mount the root at {}", paths.rootfs().display())))?;
         marks.mark("root");
 
+        // Its identity: the sandbox's id in every command's environment.
+        let mut env = spec.env.clone();
+        env.retain(|(k, _)| k != SANDBOX_ID_VAR);
+        env.push((SANDBOX_ID_VAR.to_owned(), paths.id.clone()));
+        if let Some(image) = image {
+            // A restored agent is configured already: it waits (quiesced)
+            // for the resume file and takes the new identity from it.
+            write_resume(paths, Some(env))?;
+            let bundle = oci_spec(paths, spec, &self.agent_of(spec), usr, &self.rootfs_has(&paths.rootfs()));
+            let cfg_json = paths.bundle.join("config.json");
+            fs::write(&cfg_json, serde_json::to_vec_pretty(&bundle).unwrap_or_default())
+                .map_err(io_err(format!("write {}", cfg_json.display())))?;
+            marks.mark("bundle");
+            let mut cmd = self.runsc_global(paths, spec)?;
+            cmd.arg("restore").arg("--detach").arg("--image-path").arg(image);
+            cmd.arg("--pid-file").arg(paths.pid_file()).arg("--bundle").arg(&paths.bundle).arg(&paths.id);
+            run(cmd, "restore the gvisor sandbox", &paths.bundle.join("runsc.log"))?;
+            sb.cgroup = Cgroup::existing(self.layout(), &paths.id);
+            marks.mark("runsc restore");
+            return self.agent_up(paths, sb, marks);
+        }
         // The agent's configuration, read once at its start.
         let config = AgentConfig {
             version: proto::PROTOCOL_VERSION,
-            env: spec.env.clone(),
+            env,
             root_caps: crate::container::ROOT_CAPS.iter().fold(0u64, |m, c| m | 1 << c),
             replay_bytes: 64 * 1024,
             max_commands: proto::MAX_COMMANDS,
@@ -343,20 +394,32 @@ impl Runtime {
         let sec_path = paths.agent_dir.join("seccomp");
         fs::write(&sec_path, &filters).map_err(io_err(format!("write {}", sec_path.display())))?;
 
-        let agent = match &spec.agent_override {
-            Some((p, _)) => p.clone(),
-            None => self.config().agent.clone(),
-        };
-        let bundle = oci_spec(paths, spec, &agent, usr, &self.rootfs_has(&paths.rootfs()));
+        let bundle = oci_spec(paths, spec, &self.agent_of(spec), usr, &self.rootfs_has(&paths.rootfs()));
         let cfg_json = paths.bundle.join("config.json");
         fs::write(&cfg_json, serde_json::to_vec_pretty(&bundle).unwrap_or_default())
             .map_err(io_err(format!("write {}", cfg_json.display())))?;
         marks.mark("bundle");
 
-        run(self.runsc_run(paths, spec)?, "start the gvisor sandbox", &paths.bundle.join("runsc.log"))?;
+        let mut cmd = self.runsc_global(paths, spec)?;
+        cmd.arg("run").arg("--detach").arg("--pid-file").arg(paths.pid_file());
+        cmd.arg("--bundle").arg(&paths.bundle).arg(&paths.id);
+        run(cmd, "start the gvisor sandbox", &paths.bundle.join("runsc.log"))?;
         // runsc made the cgroups: only now are there directories to name.
         sb.cgroup = Cgroup::existing(self.layout(), &paths.id);
         marks.mark("runsc run");
+        self.agent_up(paths, sb, marks)
+    }
+
+    /// The agent binary a sandbox of `spec` runs.
+    fn agent_of(&self, spec: &SandboxSpec) -> PathBuf {
+        match &spec.agent_override {
+            Some((p, _)) => p.clone(),
+            None => self.config().agent.clone(),
+        }
+    }
+
+    /// Waits for the agent's socket and the sentry's pid.
+    fn agent_up(&self, paths: &Paths, sb: &mut Sandbox, marks: &mut Marks) -> Result<(), RuntimeError> {
         self.take_agent_socket(paths, &sb.socket)?;
         sb.pid = paths.sentry_pid().ok_or_else(|| RuntimeError::Io {
             what: format!("the sandbox process of {}", paths.id),
@@ -366,14 +429,10 @@ impl Runtime {
         Ok(())
     }
 
-    /// `runsc run` of sandbox `paths.id`, detached.
-    fn runsc_run(&self, paths: &Paths, spec: &SandboxSpec) -> Result<Command, RuntimeError> {
-        let mut cmd = paths.runsc();
-        cmd.args(["--platform=ptrace", "--host-uds=create"]);
-        // HUTCH_RUNSC_DEBUG=DIR: runsc's debug logs of every sandbox there.
-        if let Some(dir) = std::env::var_os("HUTCH_RUNSC_DEBUG") {
-            cmd.arg("--debug").arg(format!("--debug-log={}/", Path::new(&dir).join(&paths.id).display()));
-        }
+    /// runsc with the flags of a sandbox of `spec` (a `run` or a
+    /// `restore` follows).
+    fn runsc_global(&self, paths: &Paths, spec: &SandboxSpec) -> Result<Command, RuntimeError> {
+        let mut cmd = sandbox_runsc(paths);
         // runsc of 2022-12 cannot take a namespace's interfaces into its
         // netstack on kernels that show net.core sysctls in every namespace
         // (it then takes any namespace for the host's): the sandbox uses
@@ -387,8 +446,6 @@ impl Runtime {
         } else {
             cmd.arg("--network=none");
         }
-        cmd.arg("run").arg("--detach").arg("--pid-file").arg(paths.pid_file());
-        cmd.arg("--bundle").arg(&paths.bundle).arg(&paths.id);
         Ok(cmd)
     }
 
@@ -447,6 +504,232 @@ impl Runtime {
         fs::read_dir(dir)
             .map(|rd| rd.flatten().filter_map(|e| e.file_name().into_string().ok()).collect())
             .unwrap_or_default()
+    }
+}
+
+/// The variable every command of a gvisor sandbox finds its id in (set
+/// anew in a restored copy).
+pub const SANDBOX_ID_VAR: &str = "HUTCH_SANDBOX_ID";
+
+/// Bytes of the host's entropy handed to a restored sandbox's kernel.
+const RESUME_ENTROPY: usize = 64;
+
+/// The name of the file runsc writes a checkpoint to, in its image directory.
+const IMAGE_FILE: &str = "checkpoint.img";
+
+/// runsc with the flags every sandbox of this runtime runs with.
+fn sandbox_runsc(paths: &Paths) -> Command {
+    let mut cmd = paths.runsc();
+    cmd.args(["--platform=ptrace", "--host-uds=create"]);
+    // HUTCH_RUNSC_DEBUG=DIR: runsc's debug logs of every sandbox there.
+    if let Some(dir) = std::env::var_os("HUTCH_RUNSC_DEBUG") {
+        cmd.arg("--debug").arg(format!("--debug-log={}/", Path::new(&dir).join(&paths.id).display()));
+    }
+    cmd
+}
+
+/// Writes the file that ends a quiesced agent's wait ([`proto::Resume`]):
+/// its environment (`None` keeps its own) and fresh entropy from the host.
+fn write_resume(paths: &Paths, env: Option<Vec<(String, String)>>) -> Result<(), RuntimeError> {
+    let mut entropy = [0u8; RESUME_ENTROPY];
+    crate::sys::random_bytes(&mut entropy).map_err(io_err("entropy for a restored sandbox"))?;
+    let mut frame = Vec::with_capacity(1024);
+    proto::encode(&proto::Resume { env, hostname: None }, &entropy, &mut frame).map_err(|e| RuntimeError::Io {
+        what: "encode the agent's resume file".into(),
+        source: io::Error::new(io::ErrorKind::InvalidData, e),
+    })?;
+    // Written aside and renamed: the agent never reads half of it.
+    let (tmp, path) = (paths.agent_dir.join(".resume"), paths.agent_dir.join(proto::RESUME_FILE));
+    let _ = fs::remove_file(&tmp);
+    fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .and_then(|mut f| io::Write::write_all(&mut f, &frame))
+        .and_then(|()| fs::rename(&tmp, &path))
+        .map_err(io_err(format!("write {}", path.display())))
+}
+
+impl Runtime {
+    /// Where memory image `name` (a snapshot's, a fork point's, or a
+    /// sandbox's paused to disk) is kept: `<state>/memory/<name>/`.
+    pub fn memory_image(&self, name: &str) -> PathBuf {
+        self.config().state_dir.join("memory").join(name)
+    }
+
+    /// Whether memory image `name` is whole (one being written is not).
+    pub fn has_memory(&self, name: &str) -> bool {
+        crate::container::valid_id(name).is_ok() && self.memory_image(name).join(IMAGE_FILE).is_file()
+    }
+
+    /// Deletes memory image `name`, if there is one.
+    pub fn delete_memory(&self, name: &str) {
+        if crate::container::valid_id(name).is_ok() {
+            let _ = fs::remove_dir_all(self.memory_image(name));
+        }
+    }
+
+    /// Deletes the memory images `keep` does not name, and every image
+    /// left half written (call it at start, before any checkpoint).
+    pub fn sweep_memory(&self, keep: impl Fn(&str) -> bool) {
+        let Ok(rd) = fs::read_dir(self.config().state_dir.join("memory")) else { return };
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') || !keep(&name) {
+                tracing::info!("memory image {name}: deleted (no snapshot, fork point or paused sandbox holds it)");
+                let _ = fs::remove_dir_all(e.path());
+            }
+        }
+    }
+
+    /// Checkpoints gvisor sandbox `sb` into memory image `name`: its agent
+    /// closes its host sockets ([`proto::Request::Quiesce`]), `runsc
+    /// checkpoint` saves the sentry (every process's memory, its own tmpfs
+    /// files) and stops it, `between` runs on the stopped sandbox (a
+    /// capture of its disk layer: consistent with the memory), and with
+    /// `keep_running` the sandbox is restored in place, same id and bundle,
+    /// its agent listening again (`sb.pid` is the new sentry's). runsc's
+    /// `--leave-running` does the same restore but waits for the sandbox
+    /// to end, so it is not used. Without `keep_running` the sandbox's
+    /// processes are gone; destroy it.
+    ///
+    /// runsc cannot save host sockets: a sandbox on gVisor's hostinet (any
+    /// with a network namespace) is refused by runsc, and its agent listens
+    /// again. On any failure the image is not kept.
+    pub fn checkpoint_gvisor<T>(
+        &self,
+        sb: &mut Sandbox,
+        name: &str,
+        keep_running: bool,
+        between: impl FnOnce() -> Result<T, RuntimeError>,
+    ) -> Result<T, RuntimeError> {
+        crate::container::valid_id(name)?;
+        let paths = sb.gvisor.clone().ok_or_else(|| RuntimeError::Io {
+            what: format!("checkpoint {}", sb.id),
+            source: io::Error::new(io::ErrorKind::Unsupported, "only gvisor sandboxes are checkpointed"),
+        })?;
+        let t0 = Instant::now();
+        match quiesce(&sb.socket) {
+            Ok(()) => tracing::debug!("sandbox {}: agent quiesced in {} ms", paths.id, t0.elapsed().as_millis()),
+            Err((acknowledged, e)) => {
+                // It may be closing: have it listen again.
+                if acknowledged {
+                    let _ = write_resume(&paths, None).and_then(|()| self.take_agent_socket(&paths, &sb.socket));
+                }
+                return Err(e);
+            }
+        }
+        let image = self.memory_image(name);
+        let partial = image.with_file_name(format!(".{name}.partial"));
+        let _ = fs::remove_dir_all(&partial);
+        let made = fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&partial)
+            .map_err(io_err(format!("mkdir {}", partial.display())));
+        // Only a sandbox without a network namespace is saved (runsc refuses
+        // hostinet): its control socket is in the daemon's namespace.
+        let mut cmd = paths.runsc_here();
+        cmd.arg("checkpoint").arg("--image-path").arg(&partial).arg(&paths.id);
+        let saved = made.and_then(|()| run(cmd, "checkpoint the gvisor sandbox", &paths.bundle.join("checkpoint.log")));
+        if let Err(e) = saved {
+            let _ = fs::remove_dir_all(&partial);
+            // Still running (runsc refused before it stopped anything):
+            // the agent listens again.
+            if paths.sentry_pid().is_some() {
+                write_resume(&paths, None)?;
+                self.take_agent_socket(&paths, &sb.socket)?;
+            }
+            return Err(e);
+        }
+        let t1 = Instant::now();
+        let result = between();
+        let t2 = Instant::now();
+        // Restored from the image where it was written (runsc has read it
+        // all once the agent listens again), then the image is kept or not.
+        let restored = if keep_running { self.restore_in_place(&paths, sb, &partial) } else { Ok(()) };
+        match &result {
+            Ok(_) => {
+                let _ = fs::remove_dir_all(&image);
+                fs::rename(&partial, &image).map_err(io_err(format!("move {} into place", partial.display())))?;
+            }
+            Err(_) => {
+                let _ = fs::remove_dir_all(&partial);
+            }
+        }
+        restored?;
+        let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_millis();
+        tracing::info!(
+            "sandbox {}: memory image {name} in {} ms (quiesce and checkpoint {} ms, capture {} ms, restore {} ms)",
+            paths.id,
+            ms(t0, Instant::now()),
+            ms(t0, t1),
+            ms(t1, t2),
+            ms(t2, Instant::now())
+        );
+        result
+    }
+
+    /// Restores a sandbox just checkpointed into `image` under its own id
+    /// and bundle.
+    fn restore_in_place(&self, paths: &Paths, sb: &mut Sandbox, image: &Path) -> Result<(), RuntimeError> {
+        let mut marks = Marks::new();
+        // runsc's delete waits (2 s at most) until the stopped sentry and
+        // gofer are reaped, which is their parent's (init's) to do: fast
+        // where init reaps at once (systemd), about 1.5 s on hosts whose
+        // init is slow to.
+        let mut delete = paths.runsc_here();
+        delete.arg("delete").arg(&paths.id);
+        run(delete, "delete the checkpointed sandbox", &paths.bundle.join("checkpoint.log"))?;
+        marks.mark("delete");
+        let _ = fs::remove_file(paths.pid_file());
+        write_resume(paths, None)?;
+        let mut cmd = sandbox_runsc(paths);
+        // Only a sandbox without a network namespace was saved.
+        cmd.arg("--network=none");
+        cmd.arg("restore").arg("--detach").arg("--image-path").arg(image);
+        cmd.arg("--pid-file").arg(paths.pid_file()).arg("--bundle").arg(&paths.bundle).arg(&paths.id);
+        run(cmd, "restore the gvisor sandbox", &paths.bundle.join("runsc.log"))?;
+        marks.mark("runsc restore");
+        self.take_agent_socket(paths, &sb.socket)?;
+        marks.mark("agent");
+        tracing::debug!("sandbox {}: restored in place: {:?}", paths.id, marks.done);
+        sb.pid = paths.sentry_pid().ok_or_else(|| RuntimeError::Io {
+            what: format!("the sandbox process of {}", paths.id),
+            source: io::Error::other("runsc's sandbox process is gone"),
+        })?;
+        Ok(())
+    }
+}
+
+/// Asks the agent at `socket` to close its sockets, and waits until it
+/// has. On failure, whether the agent took the request.
+fn quiesce(socket: &Path) -> Result<(), (bool, RuntimeError)> {
+    let failed = |e: crate::agent::AgentError| RuntimeError::Io {
+        what: "quiesce the agent".into(),
+        source: io::Error::other(e.to_string()),
+    };
+    let mut conn = crate::agent::AgentConn::connect(socket).map_err(|e| (false, failed(e)))?;
+    conn.set_reply_timeout(Duration::from_secs(10));
+    match conn.call(proto::Request::Quiesce, &[]) {
+        Ok((proto::Reply::Ok, _)) => {}
+        Ok((other, _)) => return Err((false, failed(crate::agent::AgentError::Unexpected(Box::new(other))))),
+        // No answer: it may have taken the request all the same.
+        Err(e) => return Err((true, failed(e))),
+    }
+    // It closes its listener, then every connection: ours ending says
+    // both are closed. (A connect to the socket's path says nothing: the
+    // gofer's host socket may still take connections into its backlog.)
+    let deadline = Instant::now() + AGENT_WAIT;
+    loop {
+        match conn.recv(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)))) {
+            Ok(_) => continue,
+            Err(crate::agent::AgentError::Timeout(t)) => {
+                return Err((true, failed(crate::agent::AgentError::Timeout(t))))
+            }
+            Err(_) => return Ok(()),
+        }
     }
 }
 

@@ -84,6 +84,11 @@ pub fn main(args: &[&std::ffi::CStr]) -> i32 {
         Ok(a) => a,
         Err(_) => return 1,
     };
+    if let [_, flag, dir] = args {
+        if flag.to_bytes() == b"--dir" {
+            agent.set_dir(std::path::PathBuf::from(std::ffi::OsStr::from_bytes(dir.to_bytes())));
+        }
+    }
     let _fatal = agent.run();
     1
 }
@@ -92,12 +97,7 @@ pub fn main(args: &[&std::ffi::CStr]) -> i32 {
 /// (descriptor 4) of an agent started with `--dir`.
 fn own_descriptors(dir: &std::path::Path) -> std::io::Result<()> {
     use std::os::fd::IntoRawFd;
-    let sock = dir.join("agent.sock");
-    // A restored sandbox finds the socket of the one it was checkpointed from.
-    let _ = std::fs::remove_file(&sock);
-    // (Bound and listening at once; the host retries a connection refused
-    // between the two: gVisor's gofer refuses to rename a socket.)
-    let listener = std::os::unix::net::UnixListener::bind(&sock)?;
+    let listener = bind_socket(dir)?;
     let config = std::fs::File::open(dir.join("config"))?;
     let _ = std::fs::remove_file(dir.join("config"));
     // The sandbox's seccomp filters, which the container class installs
@@ -123,6 +123,17 @@ fn own_descriptors(dir: &std::path::Path) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Binds and listens on `DIR/agent.sock` (an agent started with `--dir`),
+/// at its start and after a [`proto::Request::Quiesce`].
+pub(crate) fn bind_socket(dir: &std::path::Path) -> std::io::Result<std::os::unix::net::UnixListener> {
+    let sock = dir.join("agent.sock");
+    // A restored sandbox finds the socket of the one it was checkpointed from.
+    let _ = std::fs::remove_file(&sock);
+    // (Bound and listening at once; the host retries a connection refused
+    // between the two: gVisor's gofer refuses to rename a socket.)
+    std::os::unix::net::UnixListener::bind(&sock)
 }
 
 /// Classic-BPF programs, each a little-endian u32 count of instructions and

@@ -62,6 +62,20 @@ const PTY_GRACE: Duration = Duration::from_millis(50);
 const SPAWN_WAIT_MS: i32 = 10_000;
 /// How long the listener rests after running out of descriptors.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// How often a quiesced agent looks for its resume file.
+const RESUME_POLL: Duration = Duration::from_millis(5);
+/// Largest resume file read.
+const RESUME_MAX: u64 = 1 << 20;
+
+/// Where the agent is in a [`Request::Quiesce`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Quiesce {
+    Serving,
+    /// Answered: connections and listener close once flushed.
+    Closing,
+    /// Closed; the resume file is looked for at this instant.
+    Waiting(Instant),
+}
 
 fn error(code: ErrorCode, message: impl Into<String>) -> Reply {
     Reply::Error { code, message: message.into() }
@@ -289,8 +303,12 @@ pub struct Agent {
     reset_oom: bool,
     bounding_reduced: bool,
     epoll: Epoll,
-    listener: OwnedFd,
+    /// Taken while quiesced.
+    listener: Option<OwnedFd>,
     listen_events: u32,
+    /// The directory of an agent started with `--dir` (gvisor class).
+    dir: Option<std::path::PathBuf>,
+    quiesce: Quiesce,
     listen_retry: Option<Instant>,
     sigfd: OwnedFd,
     fs: Fs,
@@ -339,8 +357,10 @@ impl Agent {
             reset_oom: std::fs::read("/proc/self/oom_score_adj").map(|v| v.trim_ascii() != b"0").unwrap_or(true),
             bounding_reduced,
             epoll,
-            listener,
+            listener: Some(listener),
             listen_events,
+            dir: None,
+            quiesce: Quiesce::Serving,
             listen_retry: None,
             sigfd,
             fs: Fs::new(root),
@@ -361,6 +381,11 @@ impl Agent {
             passing: None,
             tenants: Tenants::default(),
         })
+    }
+
+    /// The agent's directory (`--dir`): what makes [`Request::Quiesce`] possible.
+    pub fn set_dir(&mut self, dir: std::path::PathBuf) {
+        self.dir = Some(dir);
     }
 
     /// Runs until the listening socket fails; returns that error.
@@ -418,13 +443,16 @@ impl Agent {
     // -- connections -------------------------------------------------------
 
     fn accept(&mut self) -> Result<(), Errno> {
+        let Some(listener) = self.listener.as_ref().map(|l| l.as_raw_fd()) else { return Ok(()) };
         loop {
-            match sys::accept(self.listener.as_fd()) {
+            // SAFETY: the listener stays open for this call (nothing below
+            // takes it).
+            match sys::accept(unsafe { std::os::fd::BorrowedFd::borrow_raw(listener) }) {
                 Ok(fd) => self.admit(fd, None),
                 Err(Errno(libc::EAGAIN)) => return Ok(()),
                 Err(Errno(libc::EINTR | libc::ECONNABORTED | libc::EPROTO | libc::EPERM)) => {}
                 Err(Errno(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)) => {
-                    self.epoll.update(self.listener.as_raw_fd(), 0, &mut self.listen_events, 0);
+                    self.epoll.update(listener, 0, &mut self.listen_events, 0);
                     self.listen_retry = Some(Instant::now() + ACCEPT_BACKOFF);
                     return Ok(());
                 }
@@ -569,6 +597,89 @@ impl Agent {
                 sync_proc(&self.epoll, &self.out, serial, p);
             }
         }
+        if self.quiesce == Quiesce::Closing {
+            self.close_all();
+        }
+    }
+
+    // -- checkpoints (gvisor class) ------------------------------------------
+
+    fn start_quiesce(&mut self) -> Reply {
+        let Some(dir) = &self.dir else {
+            return error(ErrorCode::Unsupported, "only an agent with a directory (gvisor class) quiesces");
+        };
+        // Only the host's resume file, written from now on, ends the wait.
+        let _ = std::fs::remove_file(dir.join(proto::RESUME_FILE));
+        self.quiesce = Quiesce::Closing;
+        Reply::Ok
+    }
+
+    /// Closes every connection (after a last flush of what was answered)
+    /// and the listening socket: nothing of the host's sockets is left in
+    /// the sandbox for a checkpoint.
+    fn close_all(&mut self) {
+        // The listener first: a host that sees its connection end knows
+        // the listener is closed too.
+        if let Some(l) = self.listener.take() {
+            self.epoll.update(l.as_raw_fd(), 0, &mut self.listen_events, 0);
+        }
+        self.listen_retry = None;
+        let ids: Vec<u64> = self.out.conns.keys().copied().collect();
+        for id in &ids {
+            if let Some(c) = self.out.conns.get_mut(id) {
+                let _ = c.flush();
+                let mut events = c.events;
+                self.epoll.update(c.fd.as_raw_fd(), 0, &mut events, 0);
+            }
+            self.out.conns.remove(id);
+            self.watches.remove_conn(*id);
+        }
+        for (&serial, p) in self.procs.iter_mut() {
+            p.subs.clear();
+            sync_proc(&self.epoll, &self.out, serial, p);
+        }
+        self.out.dirty.clear();
+        self.out.doomed.clear();
+        self.quiesce = Quiesce::Waiting(Instant::now() + RESUME_POLL);
+    }
+
+    /// Looks for the resume file; once there, listens again, takes the
+    /// identity it gives and feeds its entropy to the kernel.
+    fn try_resume(&mut self) -> Result<(), Errno> {
+        let Some(dir) = self.dir.clone() else { return Ok(()) };
+        let path = dir.join(proto::RESUME_FILE);
+        let Ok(f) = std::fs::File::open(&path) else {
+            self.quiesce = Quiesce::Waiting(Instant::now() + RESUME_POLL);
+            return Ok(());
+        };
+        // Listening first: a failure leaves the file for the next look.
+        let listener: OwnedFd = match super::bind_socket(&dir) {
+            Ok(l) => l.into(),
+            Err(e) => return Err(Errno(e.raw_os_error().unwrap_or(libc::EIO))),
+        };
+        let mut bytes = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut std::io::Read::take(f, RESUME_MAX), &mut bytes);
+        let _ = std::fs::remove_file(&path);
+        if let Ok(Some(frame)) = proto::split_frame(&bytes) {
+            if let Ok(resume) = proto::parse_header::<proto::Resume>(frame.header) {
+                if let Some(vars) = resume.env {
+                    self.cfg.env = vars.into_iter().filter(|(k, v)| env::check_var(k, v).is_ok()).collect();
+                }
+                if let Some(name) = resume.hostname.filter(|n| !n.is_empty() && n.len() <= 64) {
+                    let _ = sys::sethostname(name.as_bytes());
+                }
+            }
+            if !frame.data.is_empty() {
+                if let Ok(mut f) = std::fs::OpenOptions::new().write(true).open("/dev/urandom") {
+                    let _ = std::io::Write::write_all(&mut f, frame.data);
+                }
+            }
+        }
+        sys::set_nonblocking(listener.as_fd())?;
+        self.epoll.update(listener.as_raw_fd(), token(T_LISTEN, 0), &mut self.listen_events, IN);
+        self.listener = Some(listener);
+        self.quiesce = Quiesce::Serving;
+        Ok(())
     }
 
     fn reply(&mut self, conn: u64, id: u64, reply: Reply, data: &[u8]) {
@@ -587,6 +698,7 @@ impl Agent {
         let (reply, bytes) = match req {
             Request::AddTenant(spec) => (self.add_tenant(conn, spec), Vec::new()),
             Request::RemoveTenant { name } => (self.remove_tenant(&name), Vec::new()),
+            Request::Quiesce => (self.start_quiesce(), Vec::new()),
             Request::Ping => (Reply::Pong { version: PROTOCOL_VERSION }, Vec::new()),
             Request::Spawn(s) => (self.spawn(conn, s), Vec::new()),
             Request::Attach { target } => return self.attach(conn, id, target),
@@ -628,7 +740,7 @@ impl Agent {
     fn scope(&self, conn: u64, tenant: Option<u64>, req: Request) -> Result<Request, Box<Reply>> {
         let Some(t) = tenant else { return Ok(req) };
         let pid = match &req {
-            Request::AddTenant(_) | Request::RemoveTenant { .. } => {
+            Request::AddTenant(_) | Request::RemoveTenant { .. } | Request::Quiesce => {
                 return Err(Box::new(error(ErrorCode::InvalidRequest, "not on a sandbox's connection")))
             }
             Request::Detach { pid }
@@ -1364,7 +1476,11 @@ impl Agent {
     // -- timers --------------------------------------------------------------
 
     fn timeout_ms(&self) -> i32 {
-        let next = [self.timers.first().map(|t| t.0), self.listen_retry].into_iter().flatten().min();
+        let resume = match self.quiesce {
+            Quiesce::Waiting(at) => Some(at),
+            _ => None,
+        };
+        let next = [self.timers.first().map(|t| t.0), self.listen_retry, resume].into_iter().flatten().min();
         let Some(at) = next else { return -1 };
         let left = at.saturating_duration_since(Instant::now());
         // Round up, so that the loop does not wake just before the deadline.
@@ -1398,7 +1514,16 @@ impl Agent {
         }
         if self.listen_retry.is_some_and(|at| at <= now) {
             self.listen_retry = None;
-            self.epoll.update(self.listener.as_raw_fd(), token(T_LISTEN, 0), &mut self.listen_events, IN);
+            if let Some(l) = &self.listener {
+                self.epoll.update(l.as_raw_fd(), token(T_LISTEN, 0), &mut self.listen_events, IN);
+            }
+        }
+        if matches!(self.quiesce, Quiesce::Waiting(at) if at <= now) {
+            // A resume that cannot listen leaves the agent unreachable:
+            // look again later rather than end PID 1.
+            if self.try_resume().is_err() {
+                self.quiesce = Quiesce::Waiting(now + ACCEPT_BACKOFF);
+            }
         }
     }
 }

@@ -501,6 +501,12 @@ pub fn set_child_subreaper() -> SysResult<()> {
     prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0)
 }
 
+/// Sets the host name of the agent's UTS namespace.
+pub fn sethostname(name: &[u8]) -> SysResult<()> {
+    // SAFETY: name is a valid buffer of name.len() bytes for the call.
+    cvt(unsafe { libc::sethostname(name.as_ptr() as *const libc::c_char, name.len()) }).map(|_| ())
+}
+
 pub fn set_no_new_privs() -> SysResult<()> {
     prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0)
 }

@@ -702,7 +702,7 @@ async fn create_snapshot(
     disk_paused(&sb)?;
     let snap = app
         .control
-        .snapshot(&caller, &sid, &CreateSnapshot { name: r.name.filter(|n| !n.is_empty()) })
+        .snapshot(&caller, &sid, &CreateSnapshot { name: r.name.filter(|n| !n.is_empty()), memory: None })
         .await
         .map_err(refusal(&id))?;
     Ok((StatusCode::CREATED, Json(snapshot_info(&snap))).into_response())

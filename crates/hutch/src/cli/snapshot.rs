@@ -25,6 +25,10 @@ pub enum SnapshotCommand {
         /// Unique among your snapshots.
         #[arg(long)]
         name: Option<String>,
+        /// Keep its memory and running processes too (gvisor sandboxes
+        /// with `deny_all` egress).
+        #[arg(long)]
+        memory: bool,
         /// Print JSON (a Snapshot).
         #[arg(long)]
         json: bool,
@@ -82,8 +86,9 @@ fn show(s: &Snapshot, json: bool) -> anyhow::Result<()> {
 fn run(args: SnapshotArgs) -> anyhow::Result<i32> {
     let client = args.conn.client()?;
     match args.command {
-        SnapshotCommand::Create { sandbox, name, json } => {
-            show(&client.create_snapshot(&sandbox, &CreateSnapshot { name })?, json)?;
+        SnapshotCommand::Create { sandbox, name, memory, json } => {
+            let req = CreateSnapshot { name, memory: memory.then_some(true) };
+            show(&client.create_snapshot(&sandbox, &req)?, json)?;
         }
         SnapshotCommand::List { json } => {
             let list = client.list_snapshots()?;
