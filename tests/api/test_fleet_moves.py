@@ -14,25 +14,15 @@ import sys
 import uuid
 from pathlib import Path
 
-import pytest
 
 from conftest import Client, Daemon, expect_error, expect_status, wait_for
-from test_images import api_import, docker_save, two_layers, uname
+# `registry` (test_images's fixture): asked before the fleet, so stopped after it.
+from test_images import api_import, docker_save, registry, two_layers, uname  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from oci_images import Layer, Registry  # noqa: E402
 
 NODE_A, NODE_B = "move-a", "move-b"
-
-
-@pytest.fixture
-def registry(tmp_root: Path):
-    """Set up before the fleet, so stopped after it."""
-    reg = Registry(tmp_root)
-    try:
-        yield reg
-    finally:
-        reg.stop()
 
 
 def delete_everywhere(key: str, nodes: dict[str, Daemon]) -> list[str]:
@@ -71,7 +61,7 @@ def resume_through(c: Client, sid: str) -> dict | None:
     return r.json()
 
 
-def test_a_paused_sandbox_and_a_snapshot_of_a_killed_node_start_on_another(registry: Registry, fleet_of):
+def test_a_paused_sandbox_and_a_snapshot_of_a_killed_node_start_on_another(registry: Registry, fleet_of):  # noqa: F811
     url = f"http://127.0.0.1:{registry.port}/hutch-fleet"
     a, b = fleet_of([NODE_A, NODE_B], env={"HUTCH_REGISTRY": url})
     key = a.admin_key()

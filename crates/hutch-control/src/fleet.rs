@@ -198,36 +198,11 @@ impl Control {
         Ok(ended)
     }
 
-    /// The host's part of a deletion, without a transition: processes,
-    /// cgroups, network, disk layer, tenant. For a sandbox whose row says
-    /// it is no longer this node's.
+    /// The host's part of a deletion, without a transition, for a sandbox
+    /// whose row says it is no longer this node's ([`Control::teardown_host`]).
     async fn release_host(self: &Arc<Self>, id: &SandboxId, origin: Option<String>) -> Result<()> {
         self.cancel(id);
-        self.access.revoke_sandbox(id.as_str());
-        self.history.forget(id);
-        self.idle.forget(id.as_str());
-        let live = self.remove_live(id);
-        let handle = match live.as_ref().and_then(|l| l.handle.lock().ok().and_then(|mut h| h.take())) {
-            Some(h) => h,
-            None => self.runtime.adopt(id.as_str()),
-        };
-        let rt = self.runtime.clone();
-        let sid = id.to_string();
-        let tenant = handle.is_tenant();
-        tokio::task::spawn_blocking(move || {
-            let result = handle.destroy();
-            rt.sweep();
-            result.and_then(|()| rt.delete_layer(&sid).map(drop))
-        })
-        .await?
-        .map_err(|e| ControlError::Runtime(format!("sandbox {id}: {e}")))?;
-        if tenant {
-            self.hosts.release(id.as_str(), self.network.as_ref().ok()).await;
-        }
-        if let Ok(net) = &self.network {
-            let (net, sid) = (net.clone(), id.to_string());
-            tokio::task::spawn_blocking(move || net.release(&sid)).await?;
-        }
+        self.teardown_host(id).await?;
         self.release_origin(origin).await;
         Ok(())
     }

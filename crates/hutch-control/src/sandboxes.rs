@@ -787,6 +787,22 @@ impl Control {
         }
         // Already terminating (a retry, or a drain): go on with the teardown.
         self.transition(id, Transition::Terminate, Set::reason(reason)).await?;
+        if let Err(e) = self.teardown_host(id).await {
+            // Stays `terminating`: the reconciler tries again.
+            tracing::warn!("sandbox {id}: teardown failed, will retry: {e}");
+            return Err(e);
+        }
+        self.transition(id, Transition::Finish, Set::default()).await?;
+        self.release_origin(r.origin.clone()).await;
+        Ok(())
+    }
+
+    /// The host's part of a sandbox's end, the one teardown of a delete and
+    /// of a node's release of what it no longer owns: its grants, history
+    /// and idle clock forgotten; its processes, cgroups, disk layer and
+    /// saved memory gone; its tenant slot and network lease released. An
+    /// error leaves the rest for a retry.
+    pub(crate) async fn teardown_host(self: &Arc<Self>, id: &SandboxId) -> Result<()> {
         self.access.revoke_sandbox(id.as_str());
         self.history.forget(id);
         self.idle.forget(id.as_str());
@@ -798,7 +814,7 @@ impl Control {
         let rt = self.runtime.clone();
         let sid = id.to_string();
         let tenant = handle.is_tenant();
-        let destroyed = tokio::task::spawn_blocking(move || {
+        tokio::task::spawn_blocking(move || {
             let result = handle.destroy();
             rt.sweep();
             // Its files go once its processes have: the disk layer, if any,
@@ -806,21 +822,15 @@ impl Control {
             rt.delete_memory(&sid);
             result.and_then(|()| rt.delete_layer(&sid).map(drop))
         })
-        .await?;
-        if tenant && destroyed.is_ok() {
+        .await?
+        .map_err(|e| ControlError::Runtime(format!("sandbox {id}: {e}")))?;
+        if tenant {
             self.hosts.release(id.as_str(), self.network.as_ref().ok()).await;
-        }
-        if let Err(e) = destroyed {
-            // Stays `terminating`: the reconciler tries again.
-            tracing::warn!("sandbox {id}: teardown failed, will retry: {e}");
-            return Err(ControlError::Runtime(e.to_string()));
         }
         if let Ok(net) = &self.network {
             let (net, sid) = (net.clone(), id.to_string());
             tokio::task::spawn_blocking(move || net.release(&sid)).await?;
         }
-        self.transition(id, Transition::Finish, Set::default()).await?;
-        self.release_origin(r.origin.clone()).await;
         Ok(())
     }
 
