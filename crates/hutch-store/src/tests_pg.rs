@@ -64,18 +64,7 @@ fn two_nodes_never_both_declare_a_node_lost() {
     let Some(db) = db() else { return };
     let s = db.store.as_ref().expect("open");
     for name in ["a", "b", "c"] {
-        s.register_node(&NodeRecord {
-            name: name.into(),
-            advertise: String::new(),
-            memory_mib: 0,
-            disk_mib: 0,
-            sandboxes: 0,
-            classes: vec![],
-            state: NodeState::Active,
-            started_at: 1,
-            heartbeat_at: 1,
-        })
-        .expect("register");
+        s.register_node(&node(name, 1)).expect("register");
     }
     for id in ids(20) {
         s.insert_sandbox_free(&SandboxRecord { node: "c".into(), ..sandbox(&id, 1) }).expect("insert");
@@ -95,18 +84,7 @@ fn two_nodes_never_both_declare_a_node_lost() {
         });
         assert_eq!([a, b].iter().filter(|w| w.is_some()).count(), 1, "one winner: {a:?} {b:?}");
         assert_eq!(a.or(b), Some(20), "the winner lost every sandbox");
-        s.register_node(&NodeRecord {
-            name: "c".into(),
-            advertise: String::new(),
-            memory_mib: 0,
-            disk_mib: 0,
-            sandboxes: 0,
-            classes: vec![],
-            state: NodeState::Active,
-            started_at: 1,
-            heartbeat_at: 1,
-        })
-        .expect("back");
+        s.register_node(&node("c", 1)).expect("back");
         for id in ids(20) {
             s.raw_execute_for_tests(&format!("UPDATE sandboxes SET state = 'running' WHERE id = '{id}'"))
                 .expect("reset");
