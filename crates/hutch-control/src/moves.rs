@@ -112,6 +112,34 @@ impl Control {
         .await?
     }
 
+    /// Pushes `object` `id`'s files at `upper` (over image `image`, of
+    /// `owner`) to `target` as repository `<object>-<id>`, and records the
+    /// reference; None when they cannot move (an image over `base`).
+    #[allow(clippy::too_many_arguments)]
+    async fn push_files(
+        &self,
+        target: &Target,
+        object: Pushed,
+        id: &str,
+        owner: &str,
+        image: &str,
+        upper: PathBuf,
+        created_by: String,
+        created_at: i64,
+    ) -> Result<Option<String>> {
+        let Some(plan) = self.moving_plan(owner, image, upper, created_by, created_at).await? else {
+            return Ok(None);
+        };
+        let repository = match object {
+            Pushed::Sandbox => format!("sandbox-{id}"),
+            Pushed::Snapshot => format!("snapshot-{id}"),
+        };
+        let reference = self.push_plan(target, repository, plan).await?;
+        let (id, rf) = (id.to_owned(), reference.clone());
+        self.db(move |s| s.set_pushed(object, &id, Some(&rf))).await?;
+        Ok(Some(reference))
+    }
+
     /// Pushes `plan` as repository `name`; its reference.
     async fn push_plan(
         &self,
@@ -170,13 +198,7 @@ impl Control {
                 return Ok(None);
             };
             let by = format!("hutch sandbox {id} paused");
-            let Some(plan) = self.moving_plan(&r.owner, &image, layer.upper(), by, now_ms()).await? else {
-                return Ok(None);
-            };
-            let reference = self.push_plan(&target, format!("sandbox-{id}"), plan).await?;
-            let (sid, rf) = (id.to_string(), reference.clone());
-            self.db(move |s| s.set_pushed(Pushed::Sandbox, &sid, Some(&rf))).await?;
-            Ok::<_, ControlError>(Some(reference))
+            self.push_files(&target, Pushed::Sandbox, id.as_str(), &r.owner, &image, layer.upper(), by, now_ms()).await
         }
         .await;
         match pushed {
@@ -200,14 +222,8 @@ impl Control {
                 return Ok(None);
             };
             let by = format!("hutch snapshot {id} of sandbox {}", record.sandbox_id);
-            let Some(plan) = self.moving_plan(&record.owner, &image, layer.upper(), by, record.created_at).await?
-            else {
-                return Ok(None);
-            };
-            let reference = self.push_plan(&target, format!("snapshot-{id}"), plan).await?;
-            let (sid, rf) = (id.clone(), reference.clone());
-            self.db(move |s| s.set_pushed(Pushed::Snapshot, &sid, Some(&rf))).await?;
-            Ok::<_, ControlError>(Some(reference))
+            let (owner, at) = (&record.owner, record.created_at);
+            self.push_files(&target, Pushed::Snapshot, &id, owner, &image, layer.upper(), by, at).await
         }
         .await;
         match pushed {
