@@ -341,10 +341,7 @@ impl Runtime {
             // A restored agent is configured already: it waits (quiesced)
             // for the resume file and takes the new identity from it.
             write_resume(paths, Some(env))?;
-            let bundle = oci_spec(paths, spec, &self.agent_of(spec), usr, &self.rootfs_has(&paths.rootfs()));
-            let cfg_json = paths.bundle.join("config.json");
-            fs::write(&cfg_json, serde_json::to_vec_pretty(&bundle).unwrap_or_default())
-                .map_err(io_err(format!("write {}", cfg_json.display())))?;
+            self.write_bundle(paths, spec, usr)?;
             marks.mark("bundle");
             let mut cmd = self.runsc_global(paths, spec)?;
             cmd.arg("restore").arg("--detach").arg("--image-path").arg(image);
@@ -394,10 +391,7 @@ impl Runtime {
         let sec_path = paths.agent_dir.join("seccomp");
         fs::write(&sec_path, &filters).map_err(io_err(format!("write {}", sec_path.display())))?;
 
-        let bundle = oci_spec(paths, spec, &self.agent_of(spec), usr, &self.rootfs_has(&paths.rootfs()));
-        let cfg_json = paths.bundle.join("config.json");
-        fs::write(&cfg_json, serde_json::to_vec_pretty(&bundle).unwrap_or_default())
-            .map_err(io_err(format!("write {}", cfg_json.display())))?;
+        self.write_bundle(paths, spec, usr)?;
         marks.mark("bundle");
 
         let mut cmd = self.runsc_global(paths, spec)?;
@@ -408,6 +402,14 @@ impl Runtime {
         sb.cgroup = Cgroup::existing(self.layout(), &paths.id);
         marks.mark("runsc run");
         self.agent_up(paths, sb, marks)
+    }
+
+    /// The OCI bundle's `config.json` runsc runs or restores the sandbox by.
+    fn write_bundle(&self, paths: &Paths, spec: &SandboxSpec, usr: bool) -> Result<(), RuntimeError> {
+        let bundle = oci_spec(paths, spec, &self.agent_of(spec), usr, &self.rootfs_has(&paths.rootfs()));
+        let cfg_json = paths.bundle.join("config.json");
+        fs::write(&cfg_json, serde_json::to_vec_pretty(&bundle).unwrap_or_default())
+            .map_err(io_err(format!("write {}", cfg_json.display())))
     }
 
     /// The agent binary a sandbox of `spec` runs.
