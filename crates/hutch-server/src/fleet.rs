@@ -146,13 +146,14 @@ pub(crate) async fn route(State(app): State<Arc<App>>, mut req: Request, next: N
     if arrived_forwarded(&app, &mut req) {
         return next.run(req).await;
     }
-    let host = req.uri().host().map(str::to_owned).or_else(|| header_str(req.headers(), "host").map(str::to_owned));
+    let host =
+        req.uri().host().map(str::to_owned).or_else(|| crate::e2b::header(req.headers(), "host").map(str::to_owned));
     let aimed = aim(
         req.method(),
         req.uri().path(),
         host.as_deref(),
         app.control.e2b_domain(),
-        header_str(req.headers(), "e2b-sandbox-id"),
+        crate::e2b::header(req.headers(), "e2b-sandbox-id"),
     );
     let flavor = if crate::e2b::owns_path(req.uri().path()).is_some() { Flavor::E2b } else { Flavor::Native };
     let (route, req) = match aimed {
@@ -173,13 +174,13 @@ pub(crate) async fn route(State(app): State<Arc<App>>, mut req: Request, next: N
 /// whatever it names). A signed forward's client address becomes the
 /// request's. The fleet headers are removed either way.
 fn arrived_forwarded(app: &App, req: &mut Request) -> bool {
-    let Some(node) = header_str(req.headers(), NODE_HEADER).map(str::to_owned) else {
+    let Some(node) = crate::e2b::header(req.headers(), NODE_HEADER).map(str::to_owned) else {
         strip_fleet_headers(req.headers_mut());
         return false;
     };
-    let client = header_str(req.headers(), CLIENT_HEADER).unwrap_or("").to_owned();
-    let at = header_str(req.headers(), TIME_HEADER).and_then(|t| t.parse::<i64>().ok()).unwrap_or(0);
-    let signature = header_str(req.headers(), SIGNATURE_HEADER).unwrap_or("").to_owned();
+    let client = crate::e2b::header(req.headers(), CLIENT_HEADER).unwrap_or("").to_owned();
+    let at = crate::e2b::header(req.headers(), TIME_HEADER).and_then(|t| t.parse::<i64>().ok()).unwrap_or(0);
+    let signature = crate::e2b::header(req.headers(), SIGNATURE_HEADER).unwrap_or("").to_owned();
     let path = req.uri().path_and_query().map(|p| p.as_str()).unwrap_or("/").to_owned();
     let now = unix_seconds();
     if app.control.verify_forward(&node, at, now, req.method().as_str(), &path, &client, &signature) {
@@ -197,12 +198,8 @@ fn strip_fleet_headers(headers: &mut HeaderMap) {
     }
 }
 
-fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
-    headers.get(name).and_then(|v| v.to_str().ok())
-}
-
 fn unix_seconds() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
+    hutch_api::time::now_ms() / 1000
 }
 
 /// A create's node: the caller is authenticated here (placement reads its
@@ -215,10 +212,14 @@ async fn placed(app: &App, flavor: Flavor, req: Request) -> Result<(Route, Reque
     }
     let caller = match flavor {
         Flavor::Native => {
-            let key = header_str(req.headers(), "authorization").and_then(|v| v.strip_prefix("Bearer ")).unwrap_or("");
+            let key = crate::e2b::header(req.headers(), "authorization")
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .unwrap_or("");
             app.control.authenticate_native(key.trim()).await
         }
-        Flavor::E2b => app.control.authenticate(header_str(req.headers(), "x-api-key").unwrap_or("").trim()).await,
+        Flavor::E2b => {
+            app.control.authenticate(crate::e2b::header(req.headers(), "x-api-key").unwrap_or("").trim()).await
+        }
     };
     let Ok(Some(caller)) = caller else { return Ok((Route::Here, req)) };
     let (parts, body) = req.into_parts();
