@@ -247,7 +247,11 @@ async fn start_egress(
     let roots = egress::upstream_roots(&args.egress_extra_roots).context("--egress-extra-roots")?;
     let proxy = Arc::new(egress::Egress::new(ca, roots)?);
     let addr = std::net::SocketAddrV4::new(net.config().gateway4(), net.config().egress_port);
-    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("listen on {addr}"))?;
+    // The gateway address lives on the host end of each veth: bind before
+    // the first one exists.
+    let listener = hutch_runtime::net::listen_tcp_freebind(addr)
+        .and_then(tokio::net::TcpListener::from_std)
+        .with_context(|| format!("listen on {addr}"))?;
     tracing::info!("egress proxy listening on {addr}");
     Ok((proxy, listener, bundle))
 }

@@ -1352,26 +1352,50 @@ fn is_hutch_link(name: &str) -> bool {
 /// the gateway address lives on the host end of each veth, and the
 /// resolver listens before the first one exists.
 pub fn bind_udp_freebind(addr: std::net::SocketAddrV4) -> io::Result<std::net::UdpSocket> {
+    bind_freebind(addr, libc::SOCK_DGRAM).map(std::net::UdpSocket::from)
+}
+
+/// A TCP listener on `addr` even while no link holds the address yet (the
+/// egress proxy on the gateway address starts before the first veth).
+pub fn listen_tcp_freebind(addr: std::net::SocketAddrV4) -> io::Result<std::net::TcpListener> {
+    let fd = bind_freebind(addr, libc::SOCK_STREAM)?;
+    // SAFETY: listen(2) on a bound socket we own.
+    if unsafe { libc::listen(fd.as_raw_fd(), 1024) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(std::net::TcpListener::from(fd))
+}
+
+/// A nonblocking socket of `kind` with IP_FREEBIND, bound to `addr`.
+fn bind_freebind(addr: std::net::SocketAddrV4, kind: libc::c_int) -> io::Result<OwnedFd> {
     // SAFETY: plain socket(2); checked and owned below.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0) };
+    let fd = unsafe { libc::socket(libc::AF_INET, kind | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: fd was just created and is owned by nobody else.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     let one: libc::c_int = 1;
-    // SAFETY: setsockopt reads a live c_int of the size given.
-    let rc = unsafe {
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_IP,
-            libc::IP_FREEBIND,
-            &one as *const libc::c_int as *const libc::c_void,
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
+    // A listener also rebinds past connections of a previous daemon that
+    // linger in TIME_WAIT, as std's and tokio's listeners do.
+    let mut opts = vec![(libc::SOL_IP, libc::IP_FREEBIND)];
+    if kind == libc::SOCK_STREAM {
+        opts.push((libc::SOL_SOCKET, libc::SO_REUSEADDR));
+    }
+    for (level, opt) in opts {
+        // SAFETY: setsockopt reads a live c_int of the size given.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                level,
+                opt,
+                &one as *const libc::c_int as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
     }
     let sa = libc::sockaddr_in {
         sin_family: libc::AF_INET as libc::sa_family_t,
@@ -1390,7 +1414,7 @@ pub fn bind_udp_freebind(addr: std::net::SocketAddrV4) -> io::Result<std::net::U
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(std::net::UdpSocket::from(fd))
+    Ok(fd)
 }
 
 /// Asks for a receive buffer of `bytes` (past `rmem_max`, as root);
@@ -1471,6 +1495,22 @@ fn open_fd(path: &str) -> io::Result<OwnedFd> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The egress proxy listens on the gateway address before any veth
+    /// holds it: a plain bind there fails, ours does not, and both kinds
+    /// report the address they took.
+    #[test]
+    fn freebind_sockets_bind_an_address_no_link_holds() {
+        // TEST-NET-2: on no link of any host.
+        let addr = std::net::SocketAddrV4::new(Ipv4Addr::new(198, 51, 100, 1), 0);
+        assert!(std::net::TcpListener::bind(addr).is_err(), "198.51.100.1 is on a link of this host");
+        let tcp = listen_tcp_freebind(addr).expect("tcp");
+        let udp = bind_udp_freebind(addr).expect("udp");
+        for local in [tcp.local_addr().expect("tcp addr"), udp.local_addr().expect("udp addr")] {
+            assert_eq!(local.ip(), std::net::IpAddr::V4(*addr.ip()));
+            assert_ne!(local.port(), 0);
+        }
+    }
 
     /// A network instance no other test or daemon on this host holds: the
     /// same per-instance lock files as tests/net_instances.py, then the
