@@ -153,7 +153,8 @@ impl Control {
             tracing::warn!("usage: sandbox {}: {e}", r.id);
         }
         if matches!(r.state, SandboxState::Paused | SandboxState::Terminated) {
-            self.flush_usage().await;
+            // Its counts so far, without reading every live link again.
+            self.flush_counted(false).await;
         }
     }
 
@@ -175,10 +176,18 @@ impl Control {
     /// Writes what was counted (commands, and the bytes each sandbox's link
     /// received since the last read) and the daemon's liveness clock.
     pub async fn flush_usage(&self) {
+        self.flush_counted(true).await
+    }
+
+    /// [`Control::flush_usage`]; with `read_links` false, of the links
+    /// only those of sandboxes released since (a pause or an end writes
+    /// its own counts: reading every live link there would make each end
+    /// cost as much as the sandboxes alive).
+    async fn flush_counted(&self, read_links: bool) {
         let _one = self.meter.flushing.lock().await;
         if let Ok(n) = &self.network {
             let n = n.clone();
-            if let Ok(bytes) = tokio::task::spawn_blocking(move || n.take_egress()).await {
+            if let Ok(bytes) = tokio::task::spawn_blocking(move || n.take_egress(read_links)).await {
                 for (id, b) in bytes {
                     self.meter.add(&id, 0, b);
                 }

@@ -708,7 +708,7 @@ impl Network {
         let slot = Slot { netns: Arc::new(netns), host_if: host_if.to_owned(), index };
         self.lease(id, slot, policy)?;
         // What it sent before now was the last daemon's to count.
-        if let Some(rx) = self.rx_bytes(host_if) {
+        if let Some(rx) = Self::rx_bytes(host_if) {
             lock(&self.rx_seen).insert(host_if.to_owned(), rx);
         }
         let again: Vec<(IpAddr, Duration)> = learned.iter().map(|a| (*a, LEARNED_TTL_FLOOR)).collect();
@@ -753,11 +753,13 @@ impl Network {
         }
     }
 
-    /// The bytes link `host_if` received (its sandbox sent), over rtnetlink.
-    fn rx_bytes(&self, host_if: &str) -> Option<u64> {
-        let index = host_index(host_if).ok()?;
-        let read = lock(&self.rtnl).link_rx_bytes(index);
-        read.ok()?.into_iter().find(|(name, _)| name == host_if).map(|(_, rx)| rx)
+    /// The bytes link `host_if` received (its sandbox sent), from /sys of
+    /// the host. Not over rtnetlink: the kernel answers a veth's
+    /// `RTM_GETLINK` with its peer's namespace id, found by a walk over
+    /// every namespace id of the host, under the lock every link change
+    /// takes; a dump of all links costs the square of the sandboxes alive.
+    fn rx_bytes(host_if: &str) -> Option<u64> {
+        std::fs::read_to_string(format!("/sys/class/net/{host_if}/statistics/rx_bytes")).ok()?.trim().parse().ok()
     }
 
     /// Hands out the bytes `counter` of `host_if` shows beyond what was
@@ -775,33 +777,26 @@ impl Network {
     /// Bytes sandbox `id` sent out since they were last taken.
     fn account(&self, id: &str) -> Option<u64> {
         let host_if = lock(&self.state).leases.get(id)?.slot.as_ref()?.host_if.clone();
-        let rx = self.rx_bytes(&host_if)?;
+        let rx = Self::rx_bytes(&host_if)?;
         Some(self.attribute(&host_if, rx))
     }
 
     /// Egress metering: the bytes each sandbox sent out through its link
-    /// (its host link's received bytes, read over rtnetlink in one dump)
-    /// since the last call, released sandboxes' included. Sandboxes
-    /// without a link send nothing out.
-    pub fn take_egress(&self) -> Vec<(String, u64)> {
+    /// (its host link's received bytes) since the last call, released
+    /// sandboxes' included; with `live` false, only the released ones'
+    /// (cheap: no link is read). Sandboxes without a link send nothing out.
+    pub fn take_egress(&self, live: bool) -> Vec<(String, u64)> {
         let mut out = std::mem::take(&mut *lock(&self.egress_released));
-        let links: Vec<(String, String)> = lock(&self.state)
-            .leases
-            .iter()
-            .filter_map(|(id, l)| Some((id.clone(), l.slot.as_ref()?.host_if.clone())))
-            .collect();
-        if !links.is_empty() {
-            let read = lock(&self.rtnl).link_rx_bytes(0);
-            match read {
-                Ok(counters) => {
-                    let counters: HashMap<String, u64> = counters.into_iter().collect();
-                    for (id, host_if) in links {
-                        if let Some(rx) = counters.get(&host_if) {
-                            out.push((id, self.attribute(&host_if, *rx)));
-                        }
-                    }
+        if live {
+            let links: Vec<(String, String)> = lock(&self.state)
+                .leases
+                .iter()
+                .filter_map(|(id, l)| Some((id.clone(), l.slot.as_ref()?.host_if.clone())))
+                .collect();
+            for (id, host_if) in links {
+                if let Some(rx) = Self::rx_bytes(&host_if) {
+                    out.push((id, self.attribute(&host_if, rx)));
                 }
-                Err(e) => tracing::warn!("egress metering: cannot read link counters: {e}"),
             }
         }
         out.retain(|(_, n)| *n > 0);
@@ -1223,9 +1218,25 @@ impl Network {
 /// the network of its prefix), and every on-link route of the main table
 /// (no gateway: a VPN's or a bridge's network). Routes through a gateway
 /// lead elsewhere and are not the host's networks.
+///
+/// Link names come from `if_indextoname`, not from a dump of every link:
+/// the kernel fills each veth of a dump with its peer's namespace id by
+/// walking every namespace id, so a dump costs the square of the
+/// sandboxes alive, under the lock every sandbox's link change takes.
 pub fn host_networks(rtnl: &mut Netlink) -> io::Result<Vec<(IpAddr, u8)>> {
-    let links: HashMap<u32, String> = rtnl.links()?.into_iter().collect();
-    Ok(host_networks_from(&rtnl.addresses()?, &rtnl.routes()?, &links))
+    let (addrs, routes) = (rtnl.addresses()?, rtnl.routes()?);
+    let indices: BTreeSet<u32> = addrs.iter().map(|a| a.index).chain(routes.iter().filter_map(|r| r.oif)).collect();
+    let links: HashMap<u32, String> = indices.into_iter().filter_map(|i| Some((i, link_name(i)?))).collect();
+    Ok(host_networks_from(&addrs, &routes, &links))
+}
+
+/// The name of host link `index`, if it exists (`if_indextoname`).
+fn link_name(index: u32) -> Option<String> {
+    let mut name = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: if_indextoname writes at most IF_NAMESIZE bytes into name.
+    let p = unsafe { libc::if_indextoname(index, name.as_mut_ptr()) };
+    // SAFETY: on success, name holds a NUL-terminated string.
+    (!p.is_null()).then(|| unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned())
 }
 
 /// Pure part of `host_networks`, sorted and without duplicates.
@@ -1317,16 +1328,14 @@ impl Network {
 
 /// Whether a datagram of rtnetlink notifications may change the host's
 /// networks: anything but the addresses and routes of hutch's own veths
-/// (which change with every sandbox network made).
+/// (which change with every sandbox network made and ended) and of links
+/// already gone. A link that is gone took its networks with it: until the
+/// next full read (every few seconds) they stay special, which only keeps
+/// sandboxes away from them a little longer. Reading everything again for
+/// each of those would make every sandbox's end cost as much as the
+/// sandboxes alive.
 fn notifications_matter(buf: &[u8]) -> bool {
     use netlink::{RTM_DELADDR, RTM_DELROUTE, RTM_NEWADDR, RTM_NEWROUTE};
-    let hutch_link = |index: u32| {
-        let mut name = [0 as libc::c_char; libc::IF_NAMESIZE];
-        // SAFETY: if_indextoname writes at most IF_NAMESIZE bytes into name.
-        let p = unsafe { libc::if_indextoname(index, name.as_mut_ptr()) };
-        // SAFETY: on success, name holds a NUL-terminated string.
-        !p.is_null() && is_hutch_link(&unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy())
-    };
     for msg in netlink::messages(buf) {
         let Ok(msg) = msg else { return true };
         let index = match msg.ty {
@@ -1334,8 +1343,9 @@ fn notifications_matter(buf: &[u8]) -> bool {
             RTM_NEWROUTE | RTM_DELROUTE => netlink::parse_route(msg.payload).map(|r| r.oif.unwrap_or(0)),
             _ => continue,
         };
-        match index {
-            Some(i) if i != 0 && hutch_link(i) => continue,
+        match index.filter(|i| *i != 0).map(link_name) {
+            Some(None) => continue,
+            Some(Some(name)) if is_hutch_link(&name) => continue,
             _ => return true,
         }
     }

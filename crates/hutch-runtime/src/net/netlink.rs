@@ -48,8 +48,6 @@ pub const RTMGRP_IPV6_ROUTE: u32 = 0x400;
 
 const IFLA_ADDRESS: u16 = 1;
 const IFLA_IFNAME: u16 = 3;
-const IFLA_STATS: u16 = 7;
-const IFLA_STATS64: u16 = 23;
 const IFLA_MTU: u16 = 4;
 const IFLA_LINKINFO: u16 = 18;
 const IFLA_NET_NS_FD: u16 = 28;
@@ -410,19 +408,6 @@ impl Netlink {
             .collect())
     }
 
-    /// Bytes each link received (`rx_bytes`: what its peer sent), as
-    /// (name, bytes): of link `index`, or (0) of every link.
-    pub fn link_rx_bytes(&mut self, index: u32) -> io::Result<Vec<(String, u64)>> {
-        let flags = if index == 0 { NLM_F_REQUEST | NLM_F_DUMP } else { NLM_F_REQUEST | NLM_F_ACK };
-        let mut m = Msg::new(RTM_GETLINK, flags);
-        m.bytes(&ifinfomsg(0, index as i32, 0, 0));
-        Ok(self
-            .dump(m, "read link counters")?
-            .iter()
-            .filter_map(|(ty, p)| (*ty == RTM_NEWLINK).then(|| parse_link_rx(p)).flatten())
-            .collect())
-    }
-
     /// Every address of every link (both families).
     pub fn addresses(&mut self) -> io::Result<Vec<AddrMsg>> {
         let mut m = Msg::new(RTM_GETADDR, NLM_F_REQUEST | NLM_F_DUMP);
@@ -708,29 +693,6 @@ pub fn parse_link(payload: &[u8]) -> Option<(u32, String)> {
     Some((u32::try_from(index).ok()?, name))
 }
 
-/// A link's name and received bytes from an `RTM_NEWLINK` payload
-/// (`IFLA_STATS64`, else the 32-bit `IFLA_STATS`). Pure: for fuzzing.
-pub fn parse_link_rx(payload: &[u8]) -> Option<(String, u64)> {
-    let (_, name) = parse_link(payload)?;
-    let attrs = Attrs(payload.get(16..)?);
-    let mut rx = None;
-    for (ty, data) in attrs {
-        match ty {
-            IFLA_STATS64 => {
-                // rtnl_link_stats64: rx_packets, tx_packets, rx_bytes, ...
-                let b: [u8; 8] = data.get(16..24)?.try_into().ok()?;
-                rx = Some(u64::from_ne_bytes(b));
-            }
-            IFLA_STATS if rx.is_none() => {
-                let b: [u8; 4] = data.get(8..12)?.try_into().ok()?;
-                rx = Some(u64::from(u32::from_ne_bytes(b)));
-            }
-            _ => {}
-        }
-    }
-    Some((name, rx?))
-}
-
 /// An address of a link, from an `RTM_NEWADDR`/`RTM_DELADDR` payload.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AddrMsg {
@@ -886,17 +848,11 @@ mod tests {
     }
 
     #[test]
-    fn link_counters_prefer_64_bits() {
-        let mut s64 = vec![0u8; 8 * 24];
-        s64[16..24].copy_from_slice(&(5_000_000_000u64).to_ne_bytes());
-        let mut s32 = vec![0u8; 4 * 24];
-        s32[8..12].copy_from_slice(&7u32.to_ne_bytes());
-        let both = link_payload(3, "hv1", &[(IFLA_STATS, s32.clone()), (IFLA_STATS64, s64)]);
-        assert_eq!(parse_link_rx(&both), Some(("hv1".to_owned(), 5_000_000_000)));
-        let old = link_payload(3, "hv1", &[(IFLA_STATS, s32)]);
-        assert_eq!(parse_link_rx(&old), Some(("hv1".to_owned(), 7)));
-        assert_eq!(parse_link_rx(&link_payload(3, "hv1", &[])), None);
-        assert_eq!(parse_link_rx(&link_payload(3, "hv1", &[(IFLA_STATS64, vec![1, 2, 3])])), None);
+    fn links_give_their_index_and_name() {
+        assert_eq!(parse_link(&link_payload(3, "hv1", &[])), Some((3, "hv1".to_owned())));
+        assert_eq!(parse_link(&link_payload(-1, "hv1", &[])), None, "a negative index is no link");
+        assert_eq!(parse_link(&ifinfomsg(0, 3, 0, 0)), None, "a link without a name");
+        assert_eq!(parse_link(&[0u8; 8]), None, "shorter than ifinfomsg");
     }
 
     #[test]
