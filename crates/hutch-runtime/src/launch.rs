@@ -73,10 +73,11 @@ pub enum Step {
         path: CString,
         mode: libc::mode_t,
     },
-    /// Opens an existing file and writes `data` (sysctls, oom_score_adj).
-    WriteFile {
-        path: CString,
-        data: CString,
+    /// Opens the directory `dir` once, then writes each `(name, data)` to
+    /// the existing file `name` in it (sysctls).
+    WriteFiles {
+        dir: CString,
+        files: Vec<(CString, CString)>,
     },
     /// Bind mounts `source` on `target` through an id-mapped, detached mount
     /// (open_tree + mount_setattr + move_mount), with `attrs` set too.
@@ -203,7 +204,11 @@ impl fmt::Display for Step {
             Step::Symlink { path, .. } => write!(f, "symlink {}", s(path)),
             Step::Chown { path, .. } => write!(f, "chown {}", s(path)),
             Step::Chmod { path, .. } => write!(f, "chmod {}", s(path)),
-            Step::WriteFile { path, .. } => write!(f, "write {}", s(path)),
+            Step::WriteFiles { dir, files } => {
+                write!(f, "write {}/", s(dir))?;
+                let names: Vec<String> = files.iter().map(|(name, _)| s(name)).collect();
+                write!(f, "{}", names.join(","))
+            }
             Step::IdmapBind { source, target, .. } => {
                 write!(f, "id-mapped bind of {} on {}", s(source), s(target))
             }
@@ -578,15 +583,25 @@ unsafe fn run_step(step: &Step, report: &mut RawFd) -> Result<(), i32> {
                 sc!(libc::SYS_fchownat, libc::AT_FDCWD, path.as_ptr(), *uid, *gid, libc::AT_SYMLINK_NOFOLLOW).map(drop)
             }
             Step::Chmod { path, mode } => sc!(libc::SYS_fchmodat, libc::AT_FDCWD, path.as_ptr(), *mode, 0).map(drop),
-            Step::WriteFile { path, data } => {
-                let fd = sc!(libc::SYS_openat, libc::AT_FDCWD, path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC)?;
-                let bytes = data.as_bytes();
-                let n = sc!(libc::SYS_write, fd, bytes.as_ptr(), bytes.len());
-                let _ = sc!(libc::SYS_close, fd);
-                if n? != bytes.len() {
-                    return Err(libc::EIO);
-                }
-                Ok(())
+            Step::WriteFiles { dir, files } => {
+                let dirfd = sc!(
+                    libc::SYS_openat,
+                    libc::AT_FDCWD,
+                    dir.as_ptr(),
+                    libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC
+                )?;
+                let written = files.iter().try_for_each(|(name, data)| {
+                    let fd = sc!(libc::SYS_openat, dirfd, name.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC)?;
+                    let bytes = data.as_bytes();
+                    let n = sc!(libc::SYS_write, fd, bytes.as_ptr(), bytes.len());
+                    let _ = sc!(libc::SYS_close, fd);
+                    if n? != bytes.len() {
+                        return Err(libc::EIO);
+                    }
+                    Ok(())
+                });
+                let _ = sc!(libc::SYS_close, dirfd);
+                written
             }
             Step::IdmapBind { source, target, attrs, userns } => {
                 idmap_bind(source, *attrs, *userns, libc::AT_FDCWD, target.as_ptr(), MOVE_MOUNT_F_EMPTY_PATH)
@@ -855,18 +870,33 @@ impl NsHelper {
         // mid-create) nor hold our descriptors (the listening socket, the
         // database, uid slot locks) while it lives.
         plan.push(Step::CloseFds { keep: wr.as_raw_fd() });
+        // A procfs of its own for the sysctls below, in a mount namespace of
+        // its own. Through the host's procfs, each path under /proc/sys
+        // would cost as much as the sandboxes alive: every live namespace
+        // leaves its dentries of `net` and `user` files in that procfs,
+        // all in one hash chain per name (same parent, same name), which a
+        // lookup compares one by one under a lock. A fresh procfs holds
+        // this namespace's only.
+        plan.push(Step::Unshare { flags: libc::CLONE_NEWNS });
+        plan.mount(None, Path::new("/"), None, libc::MS_REC | libc::MS_SLAVE, None)?;
+        plan.mount(
+            Some("proc"),
+            Path::new("/proc"),
+            Some("proc"),
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            None,
+        )?;
         if with_net {
             plan.push(Step::Unshare { flags: libc::CLONE_NEWNET });
             plan.push(Step::LoopbackUp);
             // Per network namespace: any user of the sandbox may bind low
             // ports and ping, as the namespace is the sandbox's alone.
-            plan.push(Step::WriteFile {
-                path: cstr("/proc/sys/net/ipv4/ip_unprivileged_port_start")?,
-                data: cstr("0")?,
-            });
-            plan.push(Step::WriteFile {
-                path: cstr("/proc/sys/net/ipv4/ping_group_range")?,
-                data: cstr(format!("{base} {}", base + count - 1))?,
+            plan.push(Step::WriteFiles {
+                dir: cstr("/proc/sys/net/ipv4")?,
+                files: vec![
+                    (cstr("ip_unprivileged_port_start")?, cstr("0")?),
+                    (cstr("ping_group_range")?, cstr(format!("{base} {}", base + count - 1))?),
+                ],
             });
         }
         for &(resource, limit) in rlimits {
@@ -877,9 +907,10 @@ impl NsHelper {
         // SAFETY: getpid has no preconditions.
         plan.push(Step::DieWithParentPid { parent: unsafe { libc::getpid() } });
         plan.push(Step::Unshare { flags: libc::CLONE_NEWUSER });
-        for name in NO_NAMESPACES {
-            plan.push(Step::WriteFile { path: cstr(format!("/proc/sys/user/{name}"))?, data: cstr("0")? });
-        }
+        plan.push(Step::WriteFiles {
+            dir: cstr("/proc/sys/user")?,
+            files: NO_NAMESPACES.iter().map(|name| Ok((cstr(*name)?, cstr("0")?))).collect::<io::Result<_>>()?,
+        });
         plan.push(Step::Notify { fd: wr.as_raw_fd() });
         plan.push(Step::Pause);
         let helper = Helper::start(plan, wr, rd)?;
@@ -946,7 +977,10 @@ mod tests {
         let (rd, wr) = crate::sys::pipe().expect("pipe");
         let mut plan = Plan::default();
         plan.push(Step::CloseFds { keep: wr.as_raw_fd() });
-        plan.push(Step::WriteFile { path: cstr("/nonexistent/hutch/helper").expect("c"), data: cstr("x").expect("c") });
+        plan.push(Step::WriteFiles {
+            dir: cstr("/nonexistent/hutch").expect("c"),
+            files: vec![(cstr("helper").expect("c"), cstr("x").expect("c"))],
+        });
         plan.push(Step::Notify { fd: wr.as_raw_fd() });
         plan.push(Step::Pause);
         // SAFETY: writing this thread's own errno.
