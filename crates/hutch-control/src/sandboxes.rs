@@ -806,17 +806,16 @@ impl Control {
         self.access.revoke_sandbox(id.as_str());
         self.history.forget(id);
         self.idle.forget(id.as_str());
-        let live = self.remove_live(id);
-        let handle = match live.as_ref().and_then(|l| l.handle.lock().ok().and_then(|mut h| h.take())) {
-            Some(h) => h,
-            None => self.runtime.adopt(id.as_str()),
-        };
+        let handle = self.take_handle(id);
         let rt = self.runtime.clone();
         let sid = id.to_string();
         let tenant = handle.is_tenant();
+        let sweep = handle.leaves_ids_to_sweep();
         tokio::task::spawn_blocking(move || {
             let result = handle.destroy();
-            rt.sweep();
+            if sweep {
+                rt.sweep();
+            }
             // Its files go once its processes have: the disk layer, if any,
             // and the memory of a pause to disk.
             rt.delete_memory(&sid);
@@ -1041,18 +1040,27 @@ impl Control {
         }
     }
 
+    /// A sandbox's runtime handle, taken from its live entry, or adopted
+    /// when this daemon holds none (it was started by an earlier run).
+    fn take_handle(&self, id: &SandboxId) -> hutch_runtime::Sandbox {
+        let live = self.remove_live(id);
+        match live.as_ref().and_then(|l| l.handle.lock().ok().and_then(|mut h| h.take())) {
+            Some(h) => h,
+            None => self.runtime.adopt(id.as_str()),
+        }
+    }
+
     /// Ends a paused sandbox's processes (if any are left) and what they
     /// held on the host, keeping its layer, written to disk.
     pub(crate) async fn end_processes(&self, id: &SandboxId) -> Result<()> {
-        let live = self.remove_live(id);
-        let handle = match live.as_ref().and_then(|l| l.handle.lock().ok().and_then(|mut h| h.take())) {
-            Some(h) => h,
-            None => self.runtime.adopt(id.as_str()),
-        };
+        let handle = self.take_handle(id);
         let rt = self.runtime.clone();
+        let sweep = handle.leaves_ids_to_sweep();
         tokio::task::spawn_blocking(move || {
             let ended = handle.destroy();
-            rt.sweep();
+            if sweep {
+                rt.sweep();
+            }
             if let Some(storage) = rt.storage() {
                 if let Err(e) = storage.sync() {
                     tracing::warn!("storage: {e}");

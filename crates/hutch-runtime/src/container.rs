@@ -987,6 +987,15 @@ impl Sandbox {
         self.cgroup.thaw()
     }
 
+    /// Whether destroying it leaves a uid range that only a
+    /// [`Runtime::sweep`] frees: a container sandbox adopted from an
+    /// earlier run, whose PID 1 held its range, not a slot of ours. (A
+    /// sweep reads every slot of the host: a destroy that needs none
+    /// skips it.)
+    pub fn leaves_ids_to_sweep(&self) -> bool {
+        self.slot.is_none() && self.gvisor.is_none() && self.host.is_none()
+    }
+
     /// Kills every process of the sandbox and removes everything it held:
     /// cgroup, socket, uid range. Mounts and namespaces die with PID 1. A
     /// disk layer stays: it is the caller's to keep or delete
