@@ -375,6 +375,10 @@ pub struct Changes<'a> {
     pub limits_applied: Option<&'a str>,
     /// JSON, as [`SandboxRecord::network`].
     pub network: Option<&'a str>,
+    /// A condition, not a change: the transition happens only while the
+    /// row names this node (a sandbox another node took meanwhile, as a
+    /// move does, is not started here).
+    pub on_node: Option<&'a str>,
 }
 
 /// A template as stored. Times are Unix milliseconds; lifetimes seconds.
@@ -889,6 +893,9 @@ pub enum Pushed {
     Sandbox,
     /// A snapshot: its sandbox's image's layers and the snapshot's files.
     Snapshot,
+    /// A successful template build: its image's layers (its parent's,
+    /// then its own) and an empty top layer.
+    Build,
 }
 
 impl Pushed {
@@ -896,6 +903,7 @@ impl Pushed {
         match self {
             Pushed::Sandbox => "sandboxes",
             Pushed::Snapshot => "snapshots",
+            Pushed::Build => "builds",
         }
     }
 }

@@ -66,6 +66,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0002_nodes", include_str!("../migrations/postgres/0002_nodes.sql")),
     ("0003_node_loss", include_str!("../migrations/postgres/0003_node_loss.sql")),
     ("0004_moves", include_str!("../migrations/postgres/0004_moves.sql")),
+    ("0005_build_push", include_str!("../migrations/postgres/0005_build_push.sql")),
 ];
 
 /// Connections a store opens at most, unless told otherwise.
@@ -918,9 +919,19 @@ impl Store for PgStore {
                     "UPDATE sandboxes SET state = $2, \
                      last_error_code = COALESCE($3, last_error_code), host_pid = COALESCE($4, host_pid), \
                      limits_applied = COALESCE($5, limits_applied), network = COALESCE($6, network) \
-                     WHERE id = $1 AND state = ANY($7) RETURNING {SANDBOX_COLUMNS}"
+                     WHERE id = $1 AND state = ANY($7) AND ($8::text IS NULL OR node = $8) \
+                     RETURNING {SANDBOX_COLUMNS}"
                 ),
-                &[&id, &to.as_str(), &ch.last_error_code, &ch.host_pid, &ch.limits_applied, &ch.network, &states],
+                &[
+                    &id,
+                    &to.as_str(),
+                    &ch.last_error_code,
+                    &ch.host_pid,
+                    &ch.limits_applied,
+                    &ch.network,
+                    &states,
+                    &ch.on_node,
+                ],
             )?
             .map(|r| sandbox_row(&r))
             .transpose()

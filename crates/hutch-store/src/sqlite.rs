@@ -33,6 +33,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0019_nodes", include_str!("../migrations/0019_nodes.sql")),
     ("0020_node_loss", include_str!("../migrations/0020_node_loss.sql")),
     ("0021_moves", include_str!("../migrations/0021_moves.sql")),
+    ("0022_build_push", include_str!("../migrations/0022_build_push.sql")),
 ];
 
 /// States in which a sandbox holds resources.
@@ -771,12 +772,13 @@ impl Store for SqliteStore {
                 ch.host_pid.into(),
                 ch.limits_applied.map(str::to_owned).into(),
                 ch.network.map(str::to_owned).into(),
+                ch.on_node.map(str::to_owned).into(),
             ];
             let states: Vec<&str> = from.iter().map(|s| s.as_str()).collect();
             let update = "UPDATE sandboxes SET state = ?2, \
                  last_error_code = COALESCE(?3, last_error_code), host_pid = COALESCE(?4, host_pid), \
                  limits_applied = COALESCE(?5, limits_applied), network = COALESCE(?6, network) \
-                 WHERE id = ?1 AND state IN";
+                 WHERE id = ?1 AND (?7 IS NULL OR node = ?7) AND state IN";
             if update_in_states(&tx, update, values, &states)? == 0 {
                 return Ok(None);
             }

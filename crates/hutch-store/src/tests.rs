@@ -285,6 +285,10 @@ fn builds_are_listed_newest_first_and_unfinished_ones_fail_on_restart(s: &Backen
     }
     let ids: Vec<String> = s.list_builds("tpl-1").expect("list").into_iter().map(|b| b.id).collect();
     assert_eq!(ids, ["bld-2", "bld-1", "bld-0"]);
+    // A build's image pushed to the fleet's registry: the reference is kept.
+    assert_eq!(s.pushed(Pushed::Build, "bld-0").expect("read"), None);
+    assert!(s.set_pushed(Pushed::Build, "bld-0", Some("r/build-bld-0@sha256:22")).expect("set"));
+    assert_eq!(s.pushed(Pushed::Build, "bld-0").expect("read").as_deref(), Some("r/build-bld-0@sha256:22"));
     assert_eq!(s.fail_unfinished_builds(9, "interrupted").expect("fail"), 2);
     let b = s.get_build("bld-1").expect("get").expect("some");
     assert_eq!((b.state, b.finished_at, b.error.as_deref()), (BuildState::Failed, Some(9), Some("interrupted")));
@@ -1070,6 +1074,11 @@ fn pushes_are_kept_and_a_paused_sandbox_moves_to_one_node_only(s: &Backend) {
     assert!(s.move_paused("p1", "c", "a").expect("move"));
     assert!(!s.move_paused("p1", "c", "b").expect("the second loses"));
     assert_eq!(s.get_sandbox("p1").expect("get").expect("p1").node, "a");
+    // The node it left cannot start it any more; the node it is on can.
+    let wake = |node| Changes { on_node: Some(node), ..Changes::default() };
+    assert!(s.transition("p1", &[SandboxState::Paused], SandboxState::Starting, &wake("c")).expect("c").is_none());
+    let woke = s.transition("p1", &[SandboxState::Paused], SandboxState::Starting, &wake("a")).expect("a");
+    assert_eq!(woke.map(|r| (r.state, r.node)), Some((SandboxState::Starting, "a".to_owned())));
     assert!(s.set_pushed(Pushed::Sandbox, "p1", None).expect("forget"));
     assert_eq!(s.pushed(Pushed::Sandbox, "p1").expect("read"), None);
 }
