@@ -422,6 +422,18 @@ impl Control {
         }
     }
 
+    /// The route to node `name`: there when it answers (active or
+    /// draining, heartbeating, advertising a URL), else here.
+    pub(crate) async fn route_to(&self, name: &str) -> Route {
+        let Some(view) = self.fleet_view().await else { return Route::Here };
+        match view.nodes.iter().find(|n| n.name == name) {
+            Some(n) if n.name != self.node.name && self.answering(n, now_ms()) => {
+                Route::Node { name: n.name.clone(), url: n.advertise.clone() }
+            }
+            _ => Route::Here,
+        }
+    }
+
     /// The node a paused sandbox of class `class` moves to as this node
     /// drains: chosen as a create without a template is ([`choose`]);
     /// None when no other active node runs the class and has room.

@@ -218,6 +218,8 @@ pub struct VolumeRecord {
     pub name: String,
     pub size_mib: u64,
     pub created_at: i64,
+    /// The node whose disk holds its files.
+    pub node: String,
 }
 
 /// A sandbox's mount of a volume. It holds while the sandbox is in any

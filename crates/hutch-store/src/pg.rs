@@ -67,6 +67,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0003_node_loss", include_str!("../migrations/postgres/0003_node_loss.sql")),
     ("0004_moves", include_str!("../migrations/postgres/0004_moves.sql")),
     ("0005_build_push", include_str!("../migrations/postgres/0005_build_push.sql")),
+    ("0006_volume_node", include_str!("../migrations/postgres/0006_volume_node.sql")),
 ];
 
 /// Connections a store opens at most, unless told otherwise.
@@ -509,6 +510,7 @@ fn volume_row(r: &Row) -> Result<VolumeRecord> {
         name: r.try_get(2)?,
         size_mib: uint(r, 3)?,
         created_at: r.try_get(4)?,
+        node: r.try_get(5)?,
     })
 }
 
@@ -1277,8 +1279,8 @@ impl Store for PgStore {
                 return Ok(Admitted::Refused(e));
             }
             t.execute(
-                &format!("INSERT INTO volumes ({VOLUME_COLUMNS}) VALUES ($1, $2, $3, $4, $5)"),
-                &[&v.id, &v.owner, &v.name, &(v.size_mib.min(i64::MAX as u64) as i64), &v.created_at],
+                &format!("INSERT INTO volumes ({VOLUME_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6)"),
+                &[&v.id, &v.owner, &v.name, &(v.size_mib.min(i64::MAX as u64) as i64), &v.created_at, &v.node],
             )
             .map_err(conflict)?;
             Ok(Admitted::Inserted)

@@ -34,6 +34,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0020_node_loss", include_str!("../migrations/0020_node_loss.sql")),
     ("0021_moves", include_str!("../migrations/0021_moves.sql")),
     ("0022_build_push", include_str!("../migrations/0022_build_push.sql")),
+    ("0023_volume_node", include_str!("../migrations/0023_volume_node.sql")),
 ];
 
 /// States in which a sandbox holds resources.
@@ -400,7 +401,7 @@ fn claim_conflict(c: &Connection, claim: &VolumeClaim) -> Result<Option<String>>
     Ok((held > 0).then(|| claim.volume_id.clone()))
 }
 
-pub(crate) const VOLUME_COLUMNS: &str = "id, owner, name, size_mib, created_at";
+pub(crate) const VOLUME_COLUMNS: &str = "id, owner, name, size_mib, created_at, node";
 
 fn volume_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<VolumeRecord> {
     Ok(VolumeRecord {
@@ -409,6 +410,7 @@ fn volume_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<VolumeRecord> {
         name: r.get(2)?,
         size_mib: r.get::<_, i64>(3)?.max(0) as u64,
         created_at: r.get(4)?,
+        node: r.get(5)?,
     })
 }
 
@@ -1068,8 +1070,8 @@ impl Store for SqliteStore {
                 return Ok(Admitted::Refused(e));
             }
             tx.execute(
-                &format!("INSERT INTO volumes ({VOLUME_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5)"),
-                params![v.id, v.owner, v.name, v.size_mib as i64, v.created_at],
+                &format!("INSERT INTO volumes ({VOLUME_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6)"),
+                params![v.id, v.owner, v.name, v.size_mib as i64, v.created_at, v.node],
             )
             .map_err(conflict)?;
             tx.commit()?;

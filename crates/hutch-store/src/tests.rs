@@ -465,7 +465,7 @@ fn snapshots_are_owned_named_once_per_owner_and_counted(s: &Backend) {
 }
 
 fn volume(id: &str, owner: &str, name: &str, size_mib: u64) -> VolumeRecord {
-    VolumeRecord { id: id.into(), owner: owner.into(), name: name.into(), size_mib, created_at: 1 }
+    VolumeRecord { id: id.into(), owner: owner.into(), name: name.into(), size_mib, created_at: 1, node: "n1".into() }
 }
 
 fn vclaim(volume_id: &str, sandbox_id: &str, read_only: bool) -> VolumeClaim {
@@ -478,6 +478,8 @@ fn volume_claims_are_one_writer_or_many_readers_and_end_with_their_sandbox(s: &B
     assert!(matches!(s.insert_volume(&volume("v2", "k1", "data", 64), &free), Err(StoreError::Conflict)));
     // Another owner's name space is its own.
     assert_eq!(s.insert_volume(&volume("v3", "k2", "data", 64), &free).expect("insert"), Admitted::Inserted);
+    // Its node is kept: its routes are answered there.
+    assert_eq!(s.volume_by_name("k2", "data").expect("get").map(|v| v.node).as_deref(), Some("n1"));
     let claiming = |id: &str, ro: bool| s.insert_sandbox_claiming(&sandbox(id, 1), &free, &[vclaim("v1", id, ro)]);
     assert_eq!(claiming("w1", false).expect("w1"), Admitted::Inserted);
     // A second writer, or a reader beside the writer: refused, not inserted.
