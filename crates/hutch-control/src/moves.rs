@@ -266,17 +266,18 @@ impl Control {
         pushed
     }
 
-    /// Where the build of template `template` that made `image` was pushed
-    /// (None: no registry here, not a build's image, or not pushed).
-    pub(crate) async fn build_pushed(&self, template: Option<&str>, image: &str) -> Result<Option<String>> {
+    /// Where the build of template `template` that made `image` was pushed,
+    /// and the build's owner (None: no registry here, not a build's image,
+    /// or not pushed).
+    pub(crate) async fn build_pushed(&self, template: Option<&str>, image: &str) -> Result<Option<(String, String)>> {
         let Some(template) = template.filter(|_| self.registry.is_some()) else { return Ok(None) };
         let (t, img) = (template.to_owned(), image.to_owned());
         self.db(move |s| {
             let builds = s.list_builds(&t)?;
-            match builds.iter().find(|b| b.image.as_deref() == Some(img.as_str())) {
-                Some(b) => s.pushed(Pushed::Build, &b.id),
-                None => Ok(None),
-            }
+            let Some(b) = builds.into_iter().find(|b| b.image.as_deref() == Some(img.as_str())) else {
+                return Ok(None);
+            };
+            Ok(s.pushed(Pushed::Build, &b.id)?.map(|reference| (reference, b.owner)))
         })
         .await
     }
@@ -285,7 +286,7 @@ impl Control {
     /// this node lacks is pulled from the fleet's registry when its build
     /// was pushed. Anything else is left to the boot, which says what is
     /// missing in its own words.
-    pub(crate) async fn image_here(&self, owner: &str, recipe: &crate::templates::Recipe) -> Result<()> {
+    pub(crate) async fn image_here(&self, recipe: &crate::templates::Recipe) -> Result<()> {
         let image = recipe.image.as_str();
         if self.registry.is_none() || image == "base" || hutch_runtime::image::debian::is_preset(image) {
             return Ok(());
@@ -302,14 +303,17 @@ impl Control {
         if have {
             return Ok(());
         }
-        let Some(reference) = self.build_pushed(recipe.id.as_deref(), image).await? else { return Ok(()) };
+        // The build's image is its owner's, as where it was built.
+        let Some((reference, owner)) = self.build_pushed(recipe.id.as_deref(), image).await? else {
+            return Ok(());
+        };
         let Some(target) = self.registry.clone() else { return Ok(()) };
         if !target.holds(&reference) {
             return Err(ControlError::Runtime(format!(
                 "image {image}: the store names {reference}, not in this node's registry"
             )));
         }
-        let (store, owner) = (self.images()?, owner.to_owned());
+        let store = self.images()?;
         let _one = PULLS.lock().await;
         tokio::task::spawn_blocking(move || {
             let opts = PullOptions { insecure: target.insecure, ..PullOptions::default() };

@@ -531,7 +531,7 @@ impl Control {
         let owner = OwnerId::from_record(&record.owner);
         // A build's image made on another node is pulled first (`moves`);
         // a preset is built on its first use: on the blocking pool.
-        let pulled = self.image_here(&record.owner, recipe).await;
+        let pulled = self.image_here(recipe).await;
         let (state, name, o) = (self.runtime.config().state_dir.clone(), recipe.image.clone(), record.owner.clone());
         let resolved = match pulled {
             Ok(()) => tokio::task::spawn_blocking(move || crate::build::image_root(&state, &name, Some(&o))).await?,

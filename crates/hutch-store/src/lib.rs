@@ -871,10 +871,11 @@ pub trait Store: Send + Sync {
     fn set_node_state(&self, name: &str, from: &[NodeState], to: NodeState) -> Result<bool>;
     /// Sandboxes neither terminated nor lost (pooled ones included), per node.
     fn count_by_node(&self) -> Result<Vec<(String, u64)>>;
-    /// Gives every sandbox of another node to `node`; how many. Only for
-    /// a database one daemon keeps alone (SQLite): its sandboxes are that
-    /// daemon's whatever node name it had (none, before nodes existed).
-    fn give_all_sandboxes_to(&self, node: &str) -> Result<u64>;
+    /// Gives every sandbox and volume of another node to `node`; how many.
+    /// Only for a database one daemon keeps alone (SQLite): its sandboxes
+    /// and volumes are that daemon's whatever node name it had (none,
+    /// before nodes existed).
+    fn give_all_to(&self, node: &str) -> Result<u64>;
 
     // Moves between nodes, through the fleet's OCI registry.
     /// Records where `object` `id`'s files were pushed (None: forgets it);

@@ -2011,8 +2011,11 @@ impl Store for PgStore {
         })
     }
 
-    fn give_all_sandboxes_to(&self, node: &str) -> Result<u64> {
-        self.with(|c| Ok(c.execute("UPDATE sandboxes SET node = $1 WHERE node <> $1", &[&node])?))
+    fn give_all_to(&self, node: &str) -> Result<u64> {
+        self.with(|c| {
+            let sandboxes = c.execute("UPDATE sandboxes SET node = $1 WHERE node <> $1", &[&node])?;
+            Ok(sandboxes + c.execute("UPDATE volumes SET node = $1 WHERE node <> $1", &[&node])?)
+        })
     }
 
     fn set_pushed(&self, object: Pushed, id: &str, reference: Option<&str>) -> Result<bool> {

@@ -1038,8 +1038,11 @@ fn a_node_sees_only_its_own_sandboxes_where_it_acts(s: &Backend) {
     let c2 = SandboxRecord { node: "c".into(), ..sandbox("c2", 5) };
     assert!(matches!(s.insert_sandbox(&c2, &host).expect("insert"), Admitted::Refused(_)));
     s.transition("c1", &[SandboxState::Running], SandboxState::Terminated, &Changes::default()).expect("end");
-    assert_eq!(s.give_all_sandboxes_to("a").expect("give"), 3);
+    let free = Admission::default();
+    assert_eq!(s.insert_volume(&volume("v1", "k1", "data", 64), &free).expect("volume"), Admitted::Inserted);
+    assert_eq!(s.give_all_to("a").expect("give"), 4);
     assert_eq!(s.count_by_node().expect("count"), [("a".to_owned(), 3)]);
+    assert_eq!(s.get_volume("v1").expect("get").map(|v| v.node).as_deref(), Some("a"));
 }
 
 fn pushes_are_kept_and_a_paused_sandbox_moves_to_one_node_only(s: &Backend) {
