@@ -35,6 +35,12 @@
 //!   elsewhere, above). A wake is conditional on the row naming the node
 //!   that wakes, so a resume here that raced the hand-over fails rather
 //!   than start a sandbox whose row is another node's.
+//! - **Template builds.** A successful build is pushed before it says so
+//!   ([`Control::push_build`]: its image, parent layers included, under an
+//!   empty top layer; `build-<id>`, the reference in the build's row). A
+//!   boot on a build's image this node lacks pulls it first
+//!   ([`Control::image_here`]), so placement sends creates of a pushed
+//!   build anywhere.
 
 use crate::control::{now_ms, Control, Need};
 use crate::error::{ControlError, Result};
