@@ -32,6 +32,7 @@ fuzz_target!(|data: &[u8]| {
             assert!(named, "{id} is named nowhere in {path:?} {host:?} {sandbox:?}");
         }
         Aim::Create(_) => assert_eq!(method, Method::POST),
+        Aim::Volume(v) => assert!(path.split('/').any(|seg| seg == v), "{v} is named nowhere in {path:?}"),
         Aim::Local => {}
     }
     let _ = http_authority(path);

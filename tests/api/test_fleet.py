@@ -107,6 +107,26 @@ def test_nodes_share_a_database_and_act_only_on_their_own_sandboxes(fleet):
     expect_error(Client(b.base, user.key).post("/v1/sandboxes", {"node": NODE_A}), 403, "forbidden")
     expect_error(on_b.post("/v1/sandboxes", {"node": "no-such-node"}), 400, "invalid_request")
 
+    # A volume made on B has its files on B: calls for it through A are
+    # answered by B, and a create through A that mounts it goes to B.
+    u_a, u_b = Client(a.base, user.key), Client(b.base, user.key)
+    r = u_b.post("/v1/volumes", {"name": "on-b", "size_mib": 64})
+    assert r.status_code == 201, r.text
+    vid = r.json()["id"]
+    vsb = u_a.create(volumes=[{"name": "on-b", "path": "/data"}])
+    assert vsb["node"] == NODE_B, vsb
+    u_a.sh(vsb["id"], "head -c 1048576 /dev/urandom > /data/blob")
+    # Only B reads its usage.
+    wait_for("B to show the volume's usage through A",
+             lambda: u_a.get("/v1/volumes/on-b").json()["used_bytes"] >= 1 << 20, timeout=30)
+    r = u_a.request("PATCH", f"/v1/volumes/{vid}", json={"size_mib": 128})
+    assert r.status_code == 200 and r.json()["size_mib"] == 128, r.text
+    expect_error(u_a.delete("/v1/volumes/on-b"), 409, "volume_in_use")
+    assert u_a.delete(f"/v1/sandboxes/{vsb['id']}").status_code == 200
+    assert u_a.delete("/v1/volumes/on-b").status_code == 204
+    # Its files went with it, on B.
+    assert not (b.state_dir / "storage" / "fs" / "volumes" / vid).exists()
+
     # A deletes its own.
     r = on_a.delete(f"/v1/sandboxes/{sid}")
     assert r.status_code == 200, r.text

@@ -6,7 +6,12 @@ files, and runs it on A with the same id and its files; a snapshot made on
 B starts a sandbox on A; a paused sandbox on `base` (the host's own files)
 and a snapshot of it are refused with `not_movable`.
 
-The image exists only on B (imported there): A makes it from the pull."""
+The image exists only on B (imported there): A makes it from the pull.
+
+Then B comes back: a template build made on A is pushed as it succeeds and
+B pulls it for a sandbox placed there; B drains, gives that sandbox (paused
+to disk) to A, and says it is drained once its unmovable paused sandbox (on
+`base`) is deleted."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from pathlib import Path
 
 
 from conftest import Client, Daemon, expect_error, expect_status, wait_for
+from test_builds import build
 # `registry` (test_images's fixture): asked before the fleet, so stopped after it.
 from test_images import api_import, docker_save, registry, two_layers, uname  # noqa: F401
 
@@ -78,7 +84,8 @@ def test_a_paused_sandbox_and_a_snapshot_of_a_killed_node_start_on_another(regis
         expect_status(api_import(on_b, archive, name=image), 201)
         r = on_b.post("/v1/templates", {"name": uname("tpl"), "image": image})
         expect_status(r, 201)
-        sb = on_b.create(template=r.json()["name"], wait_seconds=60, node=NODE_B)
+        r_tpl = r.json()
+        sb = on_b.create(template=r_tpl["name"], wait_seconds=60, node=NODE_B)
         sid = sb["id"]
         assert sb["node"] == NODE_B, sb
         digest = on_b.sh(sid, "echo moved > /workspace/note && "
@@ -126,6 +133,46 @@ def test_a_paused_sandbox_and_a_snapshot_of_a_killed_node_start_on_another(regis
         assert on_a.sandbox(on_base)["node"] == NODE_B
         e = expect_error(on_a.post("/v1/sandboxes", {"snapshot": base_snap}), 409, "not_movable")
         assert base_snap in e["error"] and "base" in e["error"], e
+
+        # B comes back. A template build made on A is pushed as it succeeds,
+        # and B, which lacks its image, pulls it for a sandbox placed there.
+        b.start()
+        done, log = build(on_a, r_tpl["id"], {"Dockerfile": "COPY built.txt /workspace/built.txt\n",
+                                         "built.txt": "built on A\n"})
+        assert done["state"] == "succeeded", (done, log)
+        assert "Pushed to the fleet's registry as 127.0.0.1:" in log, log
+        def create_on_b() -> dict | None:
+            # None until A's view of the fleet has B active again.
+            r = on_a.post("/v1/sandboxes", {"template": r_tpl["name"], "wait_seconds": 60, "node": NODE_B,
+                                            "ttl_seconds": 900})
+            if r.status_code == 400 and "not an active node" in r.text:
+                return None
+            expect_status(r, 201)
+            return r.json()
+
+        built = wait_for("a create placed on B", create_on_b, timeout=30, interval=0.2)
+        assert built["node"] == NODE_B and built["state"] == "running", built
+        assert on_b.sh(built["id"], "cat /workspace/built.txt; echo $MOVED") == "built on A\nyes\n"
+
+        # B drains: its paused sandbox that can move goes to A (pushed as it
+        # paused); the one on `base` stays, and B is not drained while it does.
+        on_b.sh(built["id"], "echo before-drain > /workspace/drain")
+        expect_status(on_b.post(f"/v1/sandboxes/{built['id']}/suspend", {"mode": "disk"}), 200)
+        r = on_a.post(f"/v1/nodes/{NODE_B}/drain", {})
+        expect_status(r, 200)
+        wait_for("node B to give its paused sandbox to A",
+                 lambda: on_a.sandbox(built["id"])["node"] == NODE_A, timeout=30, interval=0.2)
+        assert on_a.sandbox(built["id"])["state"] == "paused"
+        listed = {n["name"]: n for n in on_a.get("/v1/nodes").json()["nodes"]}
+        assert (listed[NODE_B]["sandboxes"], listed[NODE_B]["drained"]) == (1, False), listed[NODE_B]
+        assert on_a.sandbox(on_base)["node"] == NODE_B
+        expect_status(on_b.delete(f"/v1/sandboxes/{on_base}"), 200)
+        listed = {n["name"]: n for n in on_a.get("/v1/nodes").json()["nodes"]}
+        assert (listed[NODE_B]["sandboxes"], listed[NODE_B]["drained"]) == (0, True), listed[NODE_B]
+        # Resumed through B (which answers for what is A's now): on A, its files pulled.
+        resumed = resume_through(on_b, built["id"])
+        assert resumed["node"] == NODE_A and resumed["state"] == "running", resumed
+        assert on_a.sh(built["id"], "cat /workspace/drain /workspace/built.txt") == "before-drain\nbuilt on A\n"
     finally:
         problems = delete_everywhere(key, {NODE_A: a, NODE_B: b})
         assert not problems, problems

@@ -956,8 +956,9 @@ pub struct Node {
     pub capacity: NodeCapacity,
     /// Its sandboxes that are not terminated or lost (warm ones included).
     pub sandboxes: u64,
-    /// For a `draining` node: true once it holds no sandboxes (the
-    /// operator may stop it). Absent for other states.
+    /// For a `draining` node: true once no sandbox names it (its paused
+    /// ones moved to other nodes, the others ended or deleted): the
+    /// operator may stop it. Absent for other states.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drained: Option<bool>,
 }

@@ -299,6 +299,8 @@ pub(crate) struct Set {
     pub limits_applied: Option<&'static str>,
     /// JSON, as the record's `network`.
     pub network: Option<String>,
+    /// Only while the row names this node ([`Changes::on_node`]).
+    pub on_node: Option<String>,
 }
 
 impl Set {
@@ -312,6 +314,7 @@ impl Set {
             host_pid: self.host_pid,
             limits_applied: self.limits_applied,
             network: self.network.as_deref(),
+            on_node: self.on_node.as_deref(),
         }
     }
 }

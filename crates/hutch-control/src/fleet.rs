@@ -21,11 +21,17 @@
 //! in its recovery, before its sweep.
 //!
 //! **Drain.** `POST /v1/nodes/{name}/drain` (admin keys) makes a node
-//! `draining`: it refuses creates (`node_draining`) and keeps no warm pool,
-//! and `GET /v1/nodes` says `drained: true` once it holds no sandbox.
-//! Moving a draining node's paused sandboxes to other nodes belongs to the
-//! registry's move (issue 15, item 3): until it exists, they stay and the
-//! node is not `drained` until they are resumed elsewhere or deleted.
+//! `draining`: it refuses creates (`node_draining`) and keeps no warm pool.
+//! At each of its heartbeats it gives its disk-paused sandboxes to other
+//! nodes through the registry ([`Control::move_out_paused`]: pushed if not
+//! yet, handed over, their files here deleted). Running and suspended
+//! sandboxes are left to end (their lifetime, their owner's delete) or to
+//! be paused to disk, after which they move too. `GET /v1/nodes` says
+//! `drained: true` once no sandbox names the node: then nothing the
+//! fleet holds needs it, and it may be stopped. A paused sandbox that
+//! cannot move (on `base`, with volumes, a node without a registry, no
+//! other node running its class) keeps it from being drained until it is
+//! resumed or deleted.
 
 use crate::control::{now_ms, rfc3339, Control};
 use crate::error::{ControlError, Result};
@@ -146,7 +152,19 @@ impl Control {
     pub(crate) async fn beat(self: &Arc<Self>) {
         let name = self.node.name.clone();
         match self.db(move |s| s.heartbeat_node(&name, now_ms())).await {
-            Ok(Some(NodeState::Active | NodeState::Draining)) => {}
+            Ok(Some(NodeState::Active)) => {}
+            Ok(Some(NodeState::Draining)) => {
+                // Its paused sandboxes go to other nodes (`moves`), in the
+                // background: a push must not hold the next beat.
+                let this = self.clone();
+                tokio::spawn(async move {
+                    match this.move_out_paused().await {
+                        Ok(0) => {}
+                        Ok(n) => tracing::info!("node {}: draining; moved {n} paused sandboxes", this.node.name),
+                        Err(e) => tracing::warn!("node {}: draining; its paused sandboxes: {e}", this.node.name),
+                    }
+                });
+            }
             Ok(Some(NodeState::Lost)) => {
                 tracing::warn!(
                     "node {}: the fleet declared this node lost; ending what it no longer gives it",
@@ -220,10 +238,8 @@ impl Control {
         };
         let n = name.to_owned();
         let moved = self.db(move |s| s.set_node_state(&n, &from, to)).await?;
-        // Hook for the registry's move (issue 15, item 3; not built here):
-        // a draining node's paused sandboxes, `sandboxes_on(Some(name),
-        // [Paused])`, are what it would push and give to other nodes, so
-        // that the node becomes `drained`. Nothing moves them yet.
+        // The draining node itself moves its paused sandboxes away, at its
+        // next heartbeats (`move_out_paused`): their files are on its disk.
         let node = self.list_nodes(caller).await?.nodes.into_iter().find(|x| x.name == name);
         match (moved, node) {
             (_, None) => Err(ControlError::NoNode(name.chars().take(63).collect())),

@@ -26,6 +26,21 @@
 //!   has it) and the files into its layer, and resumes it here, same id.
 //! - **Creates from a snapshot** whose files this node lacks pull them
 //!   first.
+//! - **Drain.** A draining node gives its disk-paused sandboxes away
+//!   ([`Control::move_out_paused`], each heartbeat): it pushes one not
+//!   pushed yet, then hands it to an active node that runs its class and
+//!   has room, with the same conditional update (here → there only if
+//!   still paused, still here and pushed), and deletes its files here.
+//!   The node it went to pulls them when it is resumed (as for a resume
+//!   elsewhere, above). A wake is conditional on the row naming the node
+//!   that wakes, so a resume here that raced the hand-over fails rather
+//!   than start a sandbox whose row is another node's.
+//! - **Template builds.** A successful build is pushed before it says so
+//!   ([`Control::push_build`]: its image, parent layers included, under an
+//!   empty top layer; `build-<id>`, the reference in the build's row). A
+//!   boot on a build's image this node lacks pulls it first
+//!   ([`Control::image_here`]), so placement sends creates of a pushed
+//!   build anywhere.
 
 use crate::control::{now_ms, Control, Need};
 use crate::error::{ControlError, Result};
@@ -45,6 +60,10 @@ use std::sync::{Arc, Mutex};
 
 /// One pull at a time per node: two creates from one snapshot pull once.
 static PULLS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// One pass of a drain's moves at a time per node (heartbeats come faster
+/// than a push may take).
+static MOVING_OUT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Where this daemon pushed blobs, to mount them into the next repository.
 static MOUNTS: std::sync::LazyLock<Mounts> = std::sync::LazyLock::new(Mounts::default);
@@ -133,6 +152,7 @@ impl Control {
         let repository = match object {
             Pushed::Sandbox => format!("sandbox-{id}"),
             Pushed::Snapshot => format!("snapshot-{id}"),
+            Pushed::Build => format!("build-{id}"),
         };
         let reference = self.push_plan(target, repository, plan).await?;
         let (id, rf) = (id.to_owned(), reference.clone());
@@ -233,6 +253,88 @@ impl Control {
         }
     }
 
+    /// After a template build succeeds, before it says so: pushes its image
+    /// (as a moved image with an empty top layer), so that any node starts
+    /// its sandboxes. The reference, None without a registry or for a
+    /// build over `base` (the host's own files: its sandboxes start on
+    /// this node only). A failure is the caller's to report; the build
+    /// stands.
+    pub(crate) async fn push_build(&self, build_id: &str, owner: &str, image: &str) -> Result<Option<String>> {
+        let Some(target) = self.registry.clone() else { return Ok(None) };
+        let store = self.images()?;
+        let empty = tokio::task::spawn_blocking(move || store.temp_dir()).await?.map_err(ControlError::Image)?;
+        let by = format!("hutch build {build_id}");
+        let pushed = self.push_files(&target, Pushed::Build, build_id, owner, image, empty.clone(), by, now_ms()).await;
+        // Empty, and nothing else writes there: a quick remove.
+        if let Err(e) = std::fs::remove_dir(&empty) {
+            tracing::debug!("{}: {e}", empty.display());
+        }
+        pushed
+    }
+
+    /// Where the build of template `template` that made `image` was pushed,
+    /// and the build's owner (None: no registry here, not a build's image,
+    /// or not pushed).
+    pub(crate) async fn build_pushed(&self, template: Option<&str>, image: &str) -> Result<Option<(String, String)>> {
+        let Some(template) = template.filter(|_| self.registry.is_some()) else { return Ok(None) };
+        let (t, img) = (template.to_owned(), image.to_owned());
+        self.db(move |s| {
+            let builds = s.list_builds(&t)?;
+            let Some(b) = builds.into_iter().find(|b| b.image.as_deref() == Some(img.as_str())) else {
+                return Ok(None);
+            };
+            Ok(s.pushed(Pushed::Build, &b.id)?.map(|reference| (reference, b.owner)))
+        })
+        .await
+    }
+
+    /// Before a boot on `recipe` for `owner`: a template build's image that
+    /// this node lacks is pulled from the fleet's registry when its build
+    /// was pushed. Anything else is left to the boot, which says what is
+    /// missing in its own words.
+    pub(crate) async fn image_here(&self, recipe: &crate::templates::Recipe) -> Result<()> {
+        let image = recipe.image.as_str();
+        if self.registry.is_none() || image == "base" || hutch_runtime::image::debian::is_preset(image) {
+            return Ok(());
+        }
+        let store = self.images()?;
+        let img = image.to_owned();
+        let have = tokio::task::spawn_blocking(move || match store.get(&img) {
+            Ok(_) => Ok(true),
+            Err(hutch_runtime::image::ImageError::NotFound(_)) => Ok(false),
+            Err(e) => Err(e),
+        })
+        .await?
+        .map_err(ControlError::Image)?;
+        if have {
+            return Ok(());
+        }
+        // The build's image is its owner's, as where it was built.
+        let Some((reference, owner)) = self.build_pushed(recipe.id.as_deref(), image).await? else {
+            return Ok(());
+        };
+        let Some(target) = self.registry.clone() else { return Ok(()) };
+        if !target.holds(&reference) {
+            return Err(ControlError::Runtime(format!(
+                "image {image}: the store names {reference}, not in this node's registry"
+            )));
+        }
+        let store = self.images()?;
+        let _one = PULLS.lock().await;
+        tokio::task::spawn_blocking(move || {
+            let opts = PullOptions { insecure: target.insecure, ..PullOptions::default() };
+            // Its top layer is empty: pulled into a directory thrown away.
+            let top = store.temp_dir()?;
+            let pulled = moved::pull_moved(&store, &reference, &opts, &owner, &top);
+            let _ = std::fs::remove_dir_all(&top);
+            pulled
+        })
+        .await?
+        .map_err(ControlError::Image)?;
+        tracing::info!("image {image}: pulled from the fleet's registry");
+        Ok(())
+    }
+
     /// Whether node `name` is gone: marked lost or draining, unknown, or
     /// silent for `--node-lost-after` (it is about to be declared lost).
     async fn node_gone(&self, name: &str) -> Result<bool> {
@@ -310,6 +412,59 @@ impl Control {
             ));
         };
         self.pull_layer(reference, r.owner, name).await
+    }
+
+    /// While this node drains (each heartbeat, see `fleet`): its sandboxes
+    /// paused to disk go to other nodes. One not pushed yet is pushed
+    /// first (paused before this node had a registry, or its push failed);
+    /// one pushed is given to an active node that runs its class and has
+    /// room, and its files here are deleted. What cannot move (on `base`,
+    /// with volumes, no registry, no node to take it) stays here and keeps
+    /// the node from being drained. How many moved.
+    pub(crate) async fn move_out_paused(self: &Arc<Self>) -> Result<usize> {
+        let Ok(_one) = MOVING_OUT.try_lock() else { return Ok(0) };
+        if self.registry.is_none() {
+            return Ok(0);
+        }
+        let me = self.node.name.clone();
+        let paused = self.db(move |s| s.sandboxes_on(Some(&me), &[SandboxState::Paused])).await?;
+        let mut moved = 0;
+        for r in paused {
+            let id = SandboxId::from_record(&r.id);
+            // A pause under way pushes it itself; a sandbox with volumes
+            // keeps them here.
+            if self.pausing.lock().unwrap_or_else(|p| p.into_inner()).contains_key(id.as_str())
+                || !self.volume_mounts_of(&r.id).await?.is_empty()
+            {
+                continue;
+            }
+            let sid = r.id.clone();
+            if self.db(move |s| s.pushed(Pushed::Sandbox, &sid)).await?.is_none() {
+                self.push_paused(&id).await;
+            }
+            let Some(to) = self.place_moved(r.class.as_str()).await else {
+                tracing::debug!("sandbox {id}: no active node takes it now; it stays paused here");
+                continue;
+            };
+            let (sid, from, there) = (r.id.clone(), r.node.clone(), to.clone());
+            // Not pushed (on `base`, or its push failed), or it changed meanwhile.
+            if !self.db(move |s| s.move_paused(&sid, &from, &there)).await? {
+                continue;
+            }
+            tracing::info!("sandbox {id}: given to node {to} as node {} drains", self.node.name);
+            self.log(
+                &id,
+                crate::history::LogLevel::Info,
+                format!("moved from node {} (draining) to node {to}", self.node.name),
+                &[("from", self.node.name.clone()), ("to", to.clone())],
+            );
+            // Its files here are no longer its: node `to` pulls them.
+            if let Err(e) = self.teardown_host(&id).await {
+                tracing::warn!("sandbox {id}: moved, but its files here stay until the next start's sweep: {e}");
+            }
+            moved += 1;
+        }
+        Ok(moved)
     }
 
     /// Before a resume: a sandbox paused to disk on a node that is gone is

@@ -372,8 +372,9 @@ impl Control {
     /// A create that names its node (`pinned`, an admin's) goes there when
     /// it is an active node; else here, which refuses it. A template on an
     /// image other than `base` or a preset stays here (images are on the
-    /// node that made them), as does a create naming a snapshot or
-    /// volumes (the HTTP layer keeps those here).
+    /// node that made them) unless it is a build pushed to the fleet's
+    /// registry (any node pulls it), as does a create naming a snapshot
+    /// or volumes (the HTTP layer keeps those here).
     pub async fn place(&self, caller: &Caller, template: Option<&str>, pinned: Option<&str>) -> Route {
         let Some(view) = self.fleet_view().await else { return Route::Here };
         let now = now_ms();
@@ -390,9 +391,14 @@ impl Control {
         }
         let Ok(recipe) = self.recipe(&caller.owner, template).await else { return Route::Here };
         // An image other than `base` and the presets (which every node makes
-        // on first use) is on the node that pulled, imported or built it.
+        // on first use) is on the node that pulled, imported or built it;
+        // a build pushed to the fleet's registry, on every node that asks
+        // (`moves`).
         if recipe.image != "base" && !hutch_runtime::image::debian::is_preset(&recipe.image) {
-            return Route::Here;
+            match self.build_pushed(recipe.id.as_deref(), &recipe.image).await {
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => return Route::Here,
+            }
         }
         let fresh = |n: &NodeRecord| n.name == self.node.name || self.answering(n, now);
         let chosen = choose(&view, &self.node.name, recipe.class.as_str(), recipe.id.as_deref(), fresh);
@@ -414,6 +420,32 @@ impl Control {
         } else {
             Route::Node { name: n.name.clone(), url: n.advertise.clone() }
         }
+    }
+
+    /// The route to node `name`: there when it answers (active or
+    /// draining, heartbeating, advertising a URL), else here.
+    pub(crate) async fn route_to(&self, name: &str) -> Route {
+        let Some(view) = self.fleet_view().await else { return Route::Here };
+        match view.nodes.iter().find(|n| n.name == name) {
+            Some(n) if n.name != self.node.name && self.answering(n, now_ms()) => {
+                Route::Node { name: n.name.clone(), url: n.advertise.clone() }
+            }
+            _ => Route::Here,
+        }
+    }
+
+    /// The node a paused sandbox of class `class` moves to as this node
+    /// drains: chosen as a create without a template is ([`choose`]);
+    /// None when no other active node runs the class and has room.
+    pub(crate) async fn place_moved(&self, class: &str) -> Option<String> {
+        let view = self.fleet_view().await?;
+        let now = now_ms();
+        let fresh = |n: &NodeRecord| n.name != self.node.name && self.answering(n, now);
+        let name = choose(&view, &self.node.name, class, None, fresh)?.name.clone();
+        if let Some(v) = self.fleet.lock().as_mut() {
+            *v.counts.entry(name.clone()).or_default() += 1;
+        }
+        Some(name)
     }
 
     fn forward_mac(&self, secret: &[u8], node: &str, at: i64, method: &str, path: &str, client: &str) -> Hmac<Sha256> {

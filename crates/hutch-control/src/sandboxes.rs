@@ -529,9 +529,14 @@ impl Control {
         let t0 = Instant::now();
         let id = SandboxId::from_record(&record.id);
         let owner = OwnerId::from_record(&record.owner);
-        // A preset is built on its first use: on the blocking pool.
+        // A build's image made on another node is pulled first (`moves`);
+        // a preset is built on its first use: on the blocking pool.
+        let pulled = self.image_here(recipe).await;
         let (state, name, o) = (self.runtime.config().state_dir.clone(), recipe.image.clone(), record.owner.clone());
-        let resolved = tokio::task::spawn_blocking(move || crate::build::image_root(&state, &name, Some(&o))).await?;
+        let resolved = match pulled {
+            Ok(()) => tokio::task::spawn_blocking(move || crate::build::image_root(&state, &name, Some(&o))).await?,
+            Err(e) => Err(ControlError::ImageUnavailable(format!("{}: from the fleet's registry: {e}", recipe.image))),
+        };
         let crate::build::ImageRoot { root, layers: extra_lowers, env: image_env, workdir } = match resolved {
             Ok(r) => r,
             Err(e) => {
@@ -1089,8 +1094,14 @@ impl Control {
             },
             None => self.recipe(&owner, Some(&r.template)).await?,
         };
-        let Some(record) = self.transition(&id, Transition::Wake, Set::default()).await? else {
-            return Err(ControlError::NotRunning { id: id.to_string(), state: r.state });
+        // Only while it is this node's: a draining node may have given it
+        // to another meanwhile (`moves`), whose files are then its.
+        let here = Set { on_node: Some(self.node.name.clone()), ..Set::default() };
+        let Some(record) = self.transition(&id, Transition::Wake, here).await? else {
+            return match self.sandbox_record(&id).await? {
+                Some(now) if now.node != self.node.name => Err(ControlError::OtherNode { id: now.id, node: now.node }),
+                _ => Err(ControlError::NotRunning { id: id.to_string(), state: r.state }),
+            };
         };
         let this = self.clone();
         let booted = tokio::spawn(async move { this.boot(record, &recipe).await }).await??;

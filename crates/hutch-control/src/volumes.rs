@@ -135,12 +135,19 @@ impl Control {
         }
     }
 
+    /// A volume as the API shows it. Its usage is read from its files,
+    /// which only its node has: 0 for a volume of another node (a route of
+    /// one volume is answered by its node, see `fleet`; a listing is not).
     async fn view_volume(&self, r: &VolumeRecord) -> Result<Volume> {
         let (rt, id) = (self.runtime.clone(), r.id.clone());
-        let used = tokio::task::spawn_blocking(move || rt.volume_used(&id)).await?.unwrap_or_else(|e| {
-            tracing::warn!("volume {}: its usage: {e}", r.id);
+        let used = if r.node == self.node.name {
+            tokio::task::spawn_blocking(move || rt.volume_used(&id)).await?.unwrap_or_else(|e| {
+                tracing::warn!("volume {}: its usage: {e}", r.id);
+                0
+            })
+        } else {
             0
-        });
+        };
         let id = r.id.clone();
         let holders = self.db(move |s| s.volume_holders(&id)).await?;
         Ok(Volume {
@@ -182,6 +189,7 @@ impl Control {
             name: req.name.clone(),
             size_mib,
             created_at: now_ms(),
+            node: self.node.name.clone(),
         };
         let rec = record.clone();
         let refusal = match self.db(move |s| s.insert_volume(&rec, &admission)).await {
@@ -231,6 +239,17 @@ impl Control {
             }
         };
         found.ok_or_else(|| ControlError::NoVolume(reference.chars().take(80).collect()))
+    }
+
+    /// Where the calls for volume `reference` (by id, or `caller`'s by
+    /// name) are answered: at the node whose disk holds its files, when
+    /// that node answers; else here (unknown volumes, a node lost or
+    /// silent: this node says what it can).
+    pub async fn locate_volume(&self, caller: &Caller, reference: &str) -> crate::nodes::Route {
+        match self.volume_record(caller, reference).await {
+            Ok(r) if r.node != self.node.name => self.route_to(&r.node).await,
+            _ => crate::nodes::Route::Here,
+        }
     }
 
     pub async fn get_volume(&self, caller: &Caller, reference: &str) -> Result<Volume> {

@@ -1,6 +1,8 @@
 //! Any node of a fleet answers any call: a request that names another
-//! node's sandbox (by its path, an E2B header, or a proxy host name) is
-//! passed to that node, and a create goes to the node placement picks.
+//! node's sandbox (by its path, an E2B header, or a proxy host name) or
+//! volume (`/v1/volumes/{id or name}`: its files are on its node) is
+//! passed to that node, and a create goes to the node placement picks
+//! (the node of the volumes it mounts, if it names any).
 //! The control plane decides where ([`Control::locate`],
 //! [`Control::place`]); this layer only moves the bytes, over HTTP/1.1
 //! with the request's own credentials, streams and WebSocket upgrades
@@ -70,6 +72,8 @@ pub enum Aim {
     Sandbox(String),
     /// A new sandbox: placement decides where.
     Create(Flavor),
+    /// Something about this volume (an id or a name, as written).
+    Volume(String),
     /// Nothing of one sandbox: answered here.
     Local,
 }
@@ -100,6 +104,7 @@ pub fn aim(method: &Method, path: &str, host: Option<&str>, e2b_domain: Option<&
         (Some("sandboxes"), None, ..) | (Some("v2" | "v3"), Some("sandboxes"), None, _) if method == Method::POST => {
             Aim::Create(Flavor::E2b)
         }
+        (Some("v1"), Some("volumes"), Some(v), None) if !v.is_empty() => Aim::Volume(v.to_owned()),
         (Some("sandboxes"), Some(id), ..) if !id.is_empty() => Aim::Sandbox(id.to_owned()),
         (Some("v2" | "v3"), Some("sandboxes"), Some(id), _) if !id.is_empty() => Aim::Sandbox(id.to_owned()),
         _ => Aim::Local,
@@ -159,6 +164,11 @@ pub(crate) async fn route(State(app): State<Arc<App>>, mut req: Request, next: N
     let (route, req) = match aimed {
         Aim::Local => return next.run(req).await,
         Aim::Sandbox(id) => (app.control.locate(&id).await, req),
+        Aim::Volume(_) if app.control.alone().await => return next.run(req).await,
+        Aim::Volume(v) => match caller_of(&app, Flavor::Native, req.headers()).await {
+            Some(caller) => (app.control.locate_volume(&caller, &v).await, req),
+            None => return next.run(req).await,
+        },
         Aim::Create(flavor) => match placed(&app, flavor, req).await {
             Ok(pair) => pair,
             Err(resp) => return resp,
@@ -210,18 +220,7 @@ async fn placed(app: &App, flavor: Flavor, req: Request) -> Result<(Route, Reque
     if app.control.alone().await {
         return Ok((Route::Here, req));
     }
-    let caller = match flavor {
-        Flavor::Native => {
-            let key = crate::e2b::header(req.headers(), "authorization")
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .unwrap_or("");
-            app.control.authenticate_native(key.trim()).await
-        }
-        Flavor::E2b => {
-            app.control.authenticate(crate::e2b::header(req.headers(), "x-api-key").unwrap_or("").trim()).await
-        }
-    };
-    let Ok(Some(caller)) = caller else { return Ok((Route::Here, req)) };
+    let Some(caller) = caller_of(app, flavor, req.headers()).await else { return Ok((Route::Here, req)) };
     let (parts, body) = req.into_parts();
     let bytes = match axum::body::to_bytes(body, CREATE_BODY_LIMIT).await {
         Ok(b) => b,
@@ -235,8 +234,17 @@ async fn placed(app: &App, flavor: Flavor, req: Request) -> Result<(Route, Reque
     let text = |name: &str| body.as_ref().and_then(|v| v.get(name)).and_then(|t| t.as_str()).map(str::to_owned);
     let named = text(field).filter(|t| !t.is_empty() && t != "base");
     let pinned = if flavor == Flavor::Native { text("node") } else { None };
-    // Snapshots and volumes are files on the node that made them: a create
-    // naming one stays on the node asked, which has them or says so.
+    // Volumes are files on the node that made them: a create mounting
+    // some goes to the first one's node (which has them all, or says which
+    // it lacks).
+    let first_volume = body.as_ref().and_then(|v| v["volumes"][0]["name"].as_str()).map(str::to_owned);
+    if let (Flavor::Native, None, Some(volume)) = (flavor, &pinned, first_volume) {
+        let route = app.control.locate_volume(&caller, &volume).await;
+        return Ok((route, Request::from_parts(parts, Body::from(bytes))));
+    }
+    // So are snapshots (whose files a node pulls where it can) and E2B's
+    // volume mounts: a create naming one stays on the node asked, which
+    // has them or says so.
     let listed = |name: &str| {
         body.as_ref().and_then(|v| v.get(name)).is_some_and(|x| !x.is_null() && x != &serde_json::json!([]))
     };
@@ -250,6 +258,20 @@ async fn placed(app: &App, flavor: Flavor, req: Request) -> Result<(Route, Reque
     };
     let route = app.control.place(&caller, template.as_deref(), pinned.as_deref()).await;
     Ok((route, Request::from_parts(parts, Body::from(bytes))))
+}
+
+/// The caller a request's credential names (None: none, or not a valid
+/// one; the node that answers says so).
+async fn caller_of(app: &App, flavor: Flavor, headers: &HeaderMap) -> Option<hutch_control::Caller> {
+    let caller = match flavor {
+        Flavor::Native => {
+            let key =
+                crate::e2b::header(headers, "authorization").and_then(|v| v.strip_prefix("Bearer ")).unwrap_or("");
+            app.control.authenticate_native(key.trim()).await
+        }
+        Flavor::E2b => app.control.authenticate(crate::e2b::header(headers, "x-api-key").unwrap_or("").trim()).await,
+    };
+    caller.ok().flatten()
 }
 
 fn error(flavor: Flavor, e: ApiError) -> Response {
@@ -433,6 +455,15 @@ mod tests {
         assert_eq!(aim_of(Method::GET, "/sandboxes"), Aim::Local);
         assert_eq!(aim_of(Method::GET, "/v1/keys"), Aim::Local);
         assert_eq!(aim_of(Method::POST, "/v1/templates"), Aim::Local);
+    }
+
+    #[test]
+    fn calls_for_one_volume_aim_at_it_and_its_list_stays_here() {
+        for m in [Method::GET, Method::PATCH, Method::DELETE] {
+            assert_eq!(aim_of(m, "/v1/volumes/data"), Aim::Volume("data".into()));
+        }
+        assert_eq!(aim_of(Method::GET, "/v1/volumes"), Aim::Local);
+        assert_eq!(aim_of(Method::POST, "/v1/volumes"), Aim::Local);
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::sync::Arc;
 type AppState = State<Arc<App>>;
 
 #[utoipa::path(post, path = "/v1/nodes/{name}/drain", params(("name" = String, Path)),
-    responses((status = 200, body = hutch_api::Node, description = "the node, now draining: it takes no new sandboxes"),
+    responses((status = 200, body = hutch_api::Node, description = "the node, now draining: it takes no new sandboxes and moves its paused ones to other nodes"),
               (status = 403, body = hutch_api::ErrorBody), (status = 404, body = hutch_api::ErrorBody),
               (status = 409, body = hutch_api::ErrorBody, description = "the node is lost")))]
 pub(crate) async fn drain_node(

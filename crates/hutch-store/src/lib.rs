@@ -218,6 +218,8 @@ pub struct VolumeRecord {
     pub name: String,
     pub size_mib: u64,
     pub created_at: i64,
+    /// The node whose disk holds its files.
+    pub node: String,
 }
 
 /// A sandbox's mount of a volume. It holds while the sandbox is in any
@@ -375,6 +377,10 @@ pub struct Changes<'a> {
     pub limits_applied: Option<&'a str>,
     /// JSON, as [`SandboxRecord::network`].
     pub network: Option<&'a str>,
+    /// A condition, not a change: the transition happens only while the
+    /// row names this node (a sandbox another node took meanwhile, as a
+    /// move does, is not started here).
+    pub on_node: Option<&'a str>,
 }
 
 /// A template as stored. Times are Unix milliseconds; lifetimes seconds.
@@ -865,10 +871,11 @@ pub trait Store: Send + Sync {
     fn set_node_state(&self, name: &str, from: &[NodeState], to: NodeState) -> Result<bool>;
     /// Sandboxes neither terminated nor lost (pooled ones included), per node.
     fn count_by_node(&self) -> Result<Vec<(String, u64)>>;
-    /// Gives every sandbox of another node to `node`; how many. Only for
-    /// a database one daemon keeps alone (SQLite): its sandboxes are that
-    /// daemon's whatever node name it had (none, before nodes existed).
-    fn give_all_sandboxes_to(&self, node: &str) -> Result<u64>;
+    /// Gives every sandbox and volume of another node to `node`; how many.
+    /// Only for a database one daemon keeps alone (SQLite): its sandboxes
+    /// and volumes are that daemon's whatever node name it had (none,
+    /// before nodes existed).
+    fn give_all_to(&self, node: &str) -> Result<u64>;
 
     // Moves between nodes, through the fleet's OCI registry.
     /// Records where `object` `id`'s files were pushed (None: forgets it);
@@ -889,6 +896,9 @@ pub enum Pushed {
     Sandbox,
     /// A snapshot: its sandbox's image's layers and the snapshot's files.
     Snapshot,
+    /// A successful template build: its image's layers (its parent's,
+    /// then its own) and an empty top layer.
+    Build,
 }
 
 impl Pushed {
@@ -896,6 +906,7 @@ impl Pushed {
         match self {
             Pushed::Sandbox => "sandboxes",
             Pushed::Snapshot => "snapshots",
+            Pushed::Build => "builds",
         }
     }
 }

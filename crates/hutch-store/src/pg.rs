@@ -66,6 +66,8 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0002_nodes", include_str!("../migrations/postgres/0002_nodes.sql")),
     ("0003_node_loss", include_str!("../migrations/postgres/0003_node_loss.sql")),
     ("0004_moves", include_str!("../migrations/postgres/0004_moves.sql")),
+    ("0005_build_push", include_str!("../migrations/postgres/0005_build_push.sql")),
+    ("0006_volume_node", include_str!("../migrations/postgres/0006_volume_node.sql")),
 ];
 
 /// Connections a store opens at most, unless told otherwise.
@@ -508,6 +510,7 @@ fn volume_row(r: &Row) -> Result<VolumeRecord> {
         name: r.try_get(2)?,
         size_mib: uint(r, 3)?,
         created_at: r.try_get(4)?,
+        node: r.try_get(5)?,
     })
 }
 
@@ -918,9 +921,19 @@ impl Store for PgStore {
                     "UPDATE sandboxes SET state = $2, \
                      last_error_code = COALESCE($3, last_error_code), host_pid = COALESCE($4, host_pid), \
                      limits_applied = COALESCE($5, limits_applied), network = COALESCE($6, network) \
-                     WHERE id = $1 AND state = ANY($7) RETURNING {SANDBOX_COLUMNS}"
+                     WHERE id = $1 AND state = ANY($7) AND ($8::text IS NULL OR node = $8) \
+                     RETURNING {SANDBOX_COLUMNS}"
                 ),
-                &[&id, &to.as_str(), &ch.last_error_code, &ch.host_pid, &ch.limits_applied, &ch.network, &states],
+                &[
+                    &id,
+                    &to.as_str(),
+                    &ch.last_error_code,
+                    &ch.host_pid,
+                    &ch.limits_applied,
+                    &ch.network,
+                    &states,
+                    &ch.on_node,
+                ],
             )?
             .map(|r| sandbox_row(&r))
             .transpose()
@@ -1266,8 +1279,8 @@ impl Store for PgStore {
                 return Ok(Admitted::Refused(e));
             }
             t.execute(
-                &format!("INSERT INTO volumes ({VOLUME_COLUMNS}) VALUES ($1, $2, $3, $4, $5)"),
-                &[&v.id, &v.owner, &v.name, &(v.size_mib.min(i64::MAX as u64) as i64), &v.created_at],
+                &format!("INSERT INTO volumes ({VOLUME_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6)"),
+                &[&v.id, &v.owner, &v.name, &(v.size_mib.min(i64::MAX as u64) as i64), &v.created_at, &v.node],
             )
             .map_err(conflict)?;
             Ok(Admitted::Inserted)
@@ -1998,8 +2011,11 @@ impl Store for PgStore {
         })
     }
 
-    fn give_all_sandboxes_to(&self, node: &str) -> Result<u64> {
-        self.with(|c| Ok(c.execute("UPDATE sandboxes SET node = $1 WHERE node <> $1", &[&node])?))
+    fn give_all_to(&self, node: &str) -> Result<u64> {
+        self.with(|c| {
+            let sandboxes = c.execute("UPDATE sandboxes SET node = $1 WHERE node <> $1", &[&node])?;
+            Ok(sandboxes + c.execute("UPDATE volumes SET node = $1 WHERE node <> $1", &[&node])?)
+        })
     }
 
     fn set_pushed(&self, object: Pushed, id: &str, reference: Option<&str>) -> Result<bool> {

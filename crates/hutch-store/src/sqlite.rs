@@ -33,6 +33,8 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0019_nodes", include_str!("../migrations/0019_nodes.sql")),
     ("0020_node_loss", include_str!("../migrations/0020_node_loss.sql")),
     ("0021_moves", include_str!("../migrations/0021_moves.sql")),
+    ("0022_build_push", include_str!("../migrations/0022_build_push.sql")),
+    ("0023_volume_node", include_str!("../migrations/0023_volume_node.sql")),
 ];
 
 /// States in which a sandbox holds resources.
@@ -399,7 +401,7 @@ fn claim_conflict(c: &Connection, claim: &VolumeClaim) -> Result<Option<String>>
     Ok((held > 0).then(|| claim.volume_id.clone()))
 }
 
-pub(crate) const VOLUME_COLUMNS: &str = "id, owner, name, size_mib, created_at";
+pub(crate) const VOLUME_COLUMNS: &str = "id, owner, name, size_mib, created_at, node";
 
 fn volume_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<VolumeRecord> {
     Ok(VolumeRecord {
@@ -408,6 +410,7 @@ fn volume_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<VolumeRecord> {
         name: r.get(2)?,
         size_mib: r.get::<_, i64>(3)?.max(0) as u64,
         created_at: r.get(4)?,
+        node: r.get(5)?,
     })
 }
 
@@ -771,12 +774,13 @@ impl Store for SqliteStore {
                 ch.host_pid.into(),
                 ch.limits_applied.map(str::to_owned).into(),
                 ch.network.map(str::to_owned).into(),
+                ch.on_node.map(str::to_owned).into(),
             ];
             let states: Vec<&str> = from.iter().map(|s| s.as_str()).collect();
             let update = "UPDATE sandboxes SET state = ?2, \
                  last_error_code = COALESCE(?3, last_error_code), host_pid = COALESCE(?4, host_pid), \
                  limits_applied = COALESCE(?5, limits_applied), network = COALESCE(?6, network) \
-                 WHERE id = ?1 AND state IN";
+                 WHERE id = ?1 AND (?7 IS NULL OR node = ?7) AND state IN";
             if update_in_states(&tx, update, values, &states)? == 0 {
                 return Ok(None);
             }
@@ -1066,8 +1070,8 @@ impl Store for SqliteStore {
                 return Ok(Admitted::Refused(e));
             }
             tx.execute(
-                &format!("INSERT INTO volumes ({VOLUME_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5)"),
-                params![v.id, v.owner, v.name, v.size_mib as i64, v.created_at],
+                &format!("INSERT INTO volumes ({VOLUME_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6)"),
+                params![v.id, v.owner, v.name, v.size_mib as i64, v.created_at, v.node],
             )
             .map_err(conflict)?;
             tx.commit()?;
@@ -1664,8 +1668,11 @@ impl Store for SqliteStore {
         })
     }
 
-    fn give_all_sandboxes_to(&self, node: &str) -> Result<u64> {
-        self.with(|c| Ok(c.execute("UPDATE sandboxes SET node = ?1 WHERE node != ?1", [node])? as u64))
+    fn give_all_to(&self, node: &str) -> Result<u64> {
+        self.with(|c| {
+            let sandboxes = c.execute("UPDATE sandboxes SET node = ?1 WHERE node != ?1", [node])?;
+            Ok((sandboxes + c.execute("UPDATE volumes SET node = ?1 WHERE node != ?1", [node])?) as u64)
+        })
     }
 
     fn set_pushed(&self, object: Pushed, id: &str, reference: Option<&str>) -> Result<bool> {

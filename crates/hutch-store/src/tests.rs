@@ -285,6 +285,10 @@ fn builds_are_listed_newest_first_and_unfinished_ones_fail_on_restart(s: &Backen
     }
     let ids: Vec<String> = s.list_builds("tpl-1").expect("list").into_iter().map(|b| b.id).collect();
     assert_eq!(ids, ["bld-2", "bld-1", "bld-0"]);
+    // A build's image pushed to the fleet's registry: the reference is kept.
+    assert_eq!(s.pushed(Pushed::Build, "bld-0").expect("read"), None);
+    assert!(s.set_pushed(Pushed::Build, "bld-0", Some("r/build-bld-0@sha256:22")).expect("set"));
+    assert_eq!(s.pushed(Pushed::Build, "bld-0").expect("read").as_deref(), Some("r/build-bld-0@sha256:22"));
     assert_eq!(s.fail_unfinished_builds(9, "interrupted").expect("fail"), 2);
     let b = s.get_build("bld-1").expect("get").expect("some");
     assert_eq!((b.state, b.finished_at, b.error.as_deref()), (BuildState::Failed, Some(9), Some("interrupted")));
@@ -461,7 +465,7 @@ fn snapshots_are_owned_named_once_per_owner_and_counted(s: &Backend) {
 }
 
 fn volume(id: &str, owner: &str, name: &str, size_mib: u64) -> VolumeRecord {
-    VolumeRecord { id: id.into(), owner: owner.into(), name: name.into(), size_mib, created_at: 1 }
+    VolumeRecord { id: id.into(), owner: owner.into(), name: name.into(), size_mib, created_at: 1, node: "n1".into() }
 }
 
 fn vclaim(volume_id: &str, sandbox_id: &str, read_only: bool) -> VolumeClaim {
@@ -474,6 +478,8 @@ fn volume_claims_are_one_writer_or_many_readers_and_end_with_their_sandbox(s: &B
     assert!(matches!(s.insert_volume(&volume("v2", "k1", "data", 64), &free), Err(StoreError::Conflict)));
     // Another owner's name space is its own.
     assert_eq!(s.insert_volume(&volume("v3", "k2", "data", 64), &free).expect("insert"), Admitted::Inserted);
+    // Its node is kept: its routes are answered there.
+    assert_eq!(s.volume_by_name("k2", "data").expect("get").map(|v| v.node).as_deref(), Some("n1"));
     let claiming = |id: &str, ro: bool| s.insert_sandbox_claiming(&sandbox(id, 1), &free, &[vclaim("v1", id, ro)]);
     assert_eq!(claiming("w1", false).expect("w1"), Admitted::Inserted);
     // A second writer, or a reader beside the writer: refused, not inserted.
@@ -1032,8 +1038,11 @@ fn a_node_sees_only_its_own_sandboxes_where_it_acts(s: &Backend) {
     let c2 = SandboxRecord { node: "c".into(), ..sandbox("c2", 5) };
     assert!(matches!(s.insert_sandbox(&c2, &host).expect("insert"), Admitted::Refused(_)));
     s.transition("c1", &[SandboxState::Running], SandboxState::Terminated, &Changes::default()).expect("end");
-    assert_eq!(s.give_all_sandboxes_to("a").expect("give"), 3);
+    let free = Admission::default();
+    assert_eq!(s.insert_volume(&volume("v1", "k1", "data", 64), &free).expect("volume"), Admitted::Inserted);
+    assert_eq!(s.give_all_to("a").expect("give"), 4);
     assert_eq!(s.count_by_node().expect("count"), [("a".to_owned(), 3)]);
+    assert_eq!(s.get_volume("v1").expect("get").map(|v| v.node).as_deref(), Some("a"));
 }
 
 fn pushes_are_kept_and_a_paused_sandbox_moves_to_one_node_only(s: &Backend) {
@@ -1070,6 +1079,11 @@ fn pushes_are_kept_and_a_paused_sandbox_moves_to_one_node_only(s: &Backend) {
     assert!(s.move_paused("p1", "c", "a").expect("move"));
     assert!(!s.move_paused("p1", "c", "b").expect("the second loses"));
     assert_eq!(s.get_sandbox("p1").expect("get").expect("p1").node, "a");
+    // The node it left cannot start it any more; the node it is on can.
+    let wake = |node| Changes { on_node: Some(node), ..Changes::default() };
+    assert!(s.transition("p1", &[SandboxState::Paused], SandboxState::Starting, &wake("c")).expect("c").is_none());
+    let woke = s.transition("p1", &[SandboxState::Paused], SandboxState::Starting, &wake("a")).expect("a");
+    assert_eq!(woke.map(|r| (r.state, r.node)), Some((SandboxState::Starting, "a".to_owned())));
     assert!(s.set_pushed(Pushed::Sandbox, "p1", None).expect("forget"));
     assert_eq!(s.pushed(Pushed::Sandbox, "p1").expect("read"), None);
 }

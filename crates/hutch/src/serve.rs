@@ -453,11 +453,11 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     let advertise = args.advertise.clone().unwrap_or_else(|| format!("http://{}", args.listen));
     let store = open_store(args.database.as_deref(), &args.state_dir)?;
     if !args.database.as_deref().is_some_and(is_postgres_url) {
-        // An SQLite database is this daemon's alone: every sandbox in it
-        // is this node's, whatever the node was called before.
-        let moved = store.give_all_sandboxes_to(&node)?;
+        // An SQLite database is this daemon's alone: every sandbox and
+        // volume in it is this node's, whatever the node was called before.
+        let moved = store.give_all_to(&node)?;
         if moved > 0 {
-            tracing::info!("{moved} sandboxes of this database are now node {node:?}'s");
+            tracing::info!("{moved} sandboxes and volumes of this database are now node {node:?}'s");
         }
     }
     if store.count_keys()? == 0 {

@@ -741,6 +741,24 @@ impl Control {
         rec.finished_at = Some(now_ms());
         match outcome {
             Ok((image, version)) => {
+                // Pushed before it says it succeeded, so that every node
+                // may start its sandboxes as soon as it has (see `moves`).
+                match self.push_build(&rec.id, &rec.owner, &image).await {
+                    Ok(Some(reference)) => log.line(&format!("Pushed to the fleet's registry as {reference}")),
+                    Ok(None) if self.registry.is_some() => {
+                        log.line("Not pushed to the fleet's registry: built over `base` (the host's own files)")
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::warn!(
+                            "build {}: its push failed (its sandboxes start on this node only): {e}",
+                            rec.id
+                        );
+                        log.line(&format!(
+                            "Pushing to the fleet's registry failed: its sandboxes start on this node only: {e}"
+                        ));
+                    }
+                }
                 log.line(&format!("Build succeeded: image {image}, template version {version}"));
                 rec.state = BuildState::Succeeded;
                 rec.image = Some(image);
