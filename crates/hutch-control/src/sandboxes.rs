@@ -819,7 +819,7 @@ impl Control {
         tokio::task::spawn_blocking(move || {
             let result = handle.destroy();
             if sweep {
-                rt.sweep();
+                rt.sweep_own();
             }
             // Its files go once its processes have: the disk layer, if any,
             // and the memory of a pause to disk.
@@ -1064,7 +1064,7 @@ impl Control {
         tokio::task::spawn_blocking(move || {
             let ended = handle.destroy();
             if sweep {
-                rt.sweep();
+                rt.sweep_own();
             }
             if let Some(storage) = rt.storage() {
                 if let Err(e) = storage.sync() {

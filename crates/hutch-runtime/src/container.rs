@@ -818,12 +818,14 @@ impl Runtime {
     /// behind: cgroups, sockets and uid slots whose sandbox no longer runs.
     /// Returns the ids cleaned. Slots of other runtimes are theirs to sweep,
     /// unless their run directory is gone, in which case only the slot is
-    /// freed (their cgroups and sockets are not ours to judge).
+    /// freed (their cgroups and sockets are not ours to judge). Reads every
+    /// slot of the host: for a daemon's start; [`Runtime::sweep_own`] is
+    /// the routine one.
     pub fn sweep(&self) -> Vec<String> {
-        let mut cleaned = Vec::new();
         // Slots written before run directories were recorded belong to the
         // runtime whose run directory held the slots.
         let legacy_ours = self.cfg.uid_dir == self.cfg.run_dir.join("uids");
+        let mut cleaned = Vec::new();
         for stale in uids::stale(&self.cfg.uid_dir) {
             let ours = match stale.home.as_deref() {
                 Some(home) => home == self.cfg.run_dir,
@@ -835,18 +837,41 @@ impl Runtime {
                 }
                 continue;
             }
-            let id = stale.owner.clone();
-            if valid_id(&id).is_ok() {
-                let cg = Cgroup::existing(&self.layout, &id);
-                if cg.exists() && cg.destroy(Duration::from_secs(1)).is_err() {
-                    continue;
-                }
-                let _ = fs::remove_file(self.cfg.run_dir.join("sockets").join(format!("{id}.sock")));
-            }
-            stale.release();
-            cleaned.push(id);
+            cleaned.extend(self.clean_stale(stale));
         }
-        // gvisor sandboxes hold no uid slot: their bundles say what exists.
+        cleaned.extend(self.sweep_gvisor());
+        cleaned
+    }
+
+    /// [`Runtime::sweep`] of the slots this runtime marked as it took them
+    /// (a cost of the sandboxes of this run directory, not of the host).
+    pub fn sweep_own(&self) -> Vec<String> {
+        let mut cleaned: Vec<String> = uids::stale_marked(&self.cfg.uid_dir, &self.cfg.run_dir)
+            .into_iter()
+            .filter_map(|s| self.clean_stale(s))
+            .collect();
+        cleaned.extend(self.sweep_gvisor());
+        cleaned
+    }
+
+    /// Ends what a dead sandbox of ours held (its cgroup, its socket), then
+    /// frees its slot. None if its cgroup does not go (the slot stays).
+    fn clean_stale(&self, stale: uids::Stale) -> Option<String> {
+        let id = stale.owner.clone();
+        if valid_id(&id).is_ok() {
+            let cg = Cgroup::existing(&self.layout, &id);
+            if cg.exists() && cg.destroy(Duration::from_secs(1)).is_err() {
+                return None;
+            }
+            let _ = fs::remove_file(self.cfg.run_dir.join("sockets").join(format!("{id}.sock")));
+        }
+        stale.release();
+        Some(id)
+    }
+
+    /// gvisor sandboxes hold no uid slot: their bundles say what exists.
+    fn sweep_gvisor(&self) -> Vec<String> {
+        let mut cleaned = Vec::new();
         let starting = lock(&self.gvisor_starting).clone();
         for id in self.gvisor_ids().into_iter().filter(|id| !starting.contains(id)) {
             let paths = crate::gvisor::Paths::new(&self.cfg.run_dir, &id);
@@ -989,9 +1014,8 @@ impl Sandbox {
 
     /// Whether destroying it leaves a uid range that only a
     /// [`Runtime::sweep`] frees: a container sandbox adopted from an
-    /// earlier run, whose PID 1 held its range, not a slot of ours. (A
-    /// sweep reads every slot of the host: a destroy that needs none
-    /// skips it.)
+    /// earlier run, whose PID 1 held its range, not a slot of ours (a
+    /// destroy that needs no sweep skips it).
     pub fn leaves_ids_to_sweep(&self) -> bool {
         self.slot.is_none() && self.gvisor.is_none() && self.host.is_none()
     }

@@ -12,7 +12,12 @@
 //! ([`HOST_DIR`]), whatever run directory a runtime uses: two daemons, or
 //! `hutch run` beside a daemon, never hand out the same range. A slot's file
 //! records the sandbox id and the run directory of the runtime that took
-//! it, so each runtime sweeps only what its own sandboxes left.
+//! it, so each runtime sweeps only what its own sandboxes left. A runtime
+//! also marks each slot it takes in its run directory
+//! (`<run>/slots/<n>`), so that its routine sweep ([`stale_marked`]) reads
+//! its own slots, not every slot of the host: with thousands of sandboxes
+//! alive, opening and locking each file cost every `hutch run` more than
+//! the rest of its sweep.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Seek, Write};
@@ -46,6 +51,8 @@ pub struct Slot {
     pub index: u32,
     file: File,
     path: PathBuf,
+    /// Its mark in the run directory of the runtime that took it.
+    marker: Option<PathBuf>,
 }
 
 impl Slot {
@@ -62,7 +69,36 @@ impl Slot {
     /// Gives the slot back: unlinks the file, then drops the lock. Only call
     /// this when no process of the sandbox can still hold the lock.
     pub fn release(self) {
+        if let Some(m) = &self.marker {
+            let _ = fs::remove_file(m);
+        }
         let _ = fs::remove_file(&self.path);
+    }
+}
+
+/// Where a runtime whose run directory is `home` marks slot `index`.
+fn marker(home: &Path, index: u32) -> PathBuf {
+    home.join("slots").join(index.to_string())
+}
+
+/// Marks a slot just taken in `home`'s directory; without its mark, the
+/// slot is given back.
+fn mark(mut slot: Slot, home: &Path) -> io::Result<Slot> {
+    let path = marker(home, slot.index);
+    // Not recursive: the run directory is its runtime's to make.
+    let made = match fs::DirBuilder::new().mode(0o700).create(home.join("slots")) {
+        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => Err(e),
+        _ => OpenOptions::new().write(true).create(true).truncate(false).mode(0o600).open(&path),
+    };
+    match made {
+        Ok(_) => {
+            slot.marker = Some(path);
+            Ok(slot)
+        }
+        Err(e) => {
+            slot.release();
+            Err(e)
+        }
     }
 }
 
@@ -78,7 +114,7 @@ pub fn allocate(dir: &Path, owner: &str, home: &Path) -> Result<Slot, UidError> 
     for i in 0..SLOTS {
         let index = (start + i) % SLOTS;
         if let Some(slot) = try_slot(dir, index, &record).map_err(err)? {
-            return Ok(slot);
+            return mark(slot, home).map_err(err);
         }
     }
     Err(UidError::Exhausted)
@@ -88,7 +124,7 @@ pub fn allocate(dir: &Path, owner: &str, home: &Path) -> Result<Slot, UidError> 
 pub fn take(dir: &Path, index: u32, owner: &str, home: &Path) -> Result<Option<Slot>, UidError> {
     let err = |source| UidError::Io { dir: dir.to_path_buf(), source };
     fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(err)?;
-    try_slot(dir, index, &record(owner, home)).map_err(err)
+    try_slot(dir, index, &record(owner, home)).map_err(err)?.map(|slot| mark(slot, home)).transpose().map_err(err)
 }
 
 /// What a slot's file holds: the sandbox id, then the run directory.
@@ -119,7 +155,7 @@ fn try_slot(dir: &Path, index: u32, owner: &str) -> io::Result<Option<Slot>> {
     }
     file.set_len(0)?;
     file.write_all(owner.as_bytes())?;
-    Ok(Some(Slot { index, file, path }))
+    Ok(Some(Slot { index, file, path, marker: None }))
 }
 
 /// A slot whose file exists but whose lock nobody holds: its sandbox died
@@ -138,6 +174,19 @@ impl Stale {
     }
 }
 
+/// Locks an opened slot file if nobody holds it and it is still the file
+/// at `path` (whoever released it may have unlinked it between our open
+/// and our lock, and a new holder made another).
+fn lock_in_place(file: &File, path: &Path) -> bool {
+    if !matches!(crate::sys::try_lock(file.as_raw_fd()), Ok(true)) {
+        return false;
+    }
+    match (fs::metadata(path), file.metadata()) {
+        (Ok(a), Ok(b)) => a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
 /// Finds the slots of dead sandboxes. Each is returned locked, so that
 /// nobody else takes it while the caller cleans up after its owner.
 pub fn stale(dir: &Path) -> Vec<Stale> {
@@ -153,14 +202,48 @@ pub fn stale(dir: &Path) -> Vec<Stale> {
         let Ok(mut file) = OpenOptions::new().read(true).write(true).open(&path) else {
             continue;
         };
-        if !matches!(crate::sys::try_lock(file.as_raw_fd()), Ok(true)) {
+        if !lock_in_place(&file, &path) {
             continue;
         }
         let mut text = String::new();
         let _ = file.rewind();
         let _ = Read::by_ref(&mut file).take(4096).read_to_string(&mut text);
         let (owner, home) = parse_record(&text);
-        out.push(Stale { owner, home, slot: Slot { index, file, path } });
+        let marker = home.as_deref().map(|h| marker(h, index));
+        out.push(Stale { owner, home, slot: Slot { index, file, path, marker } });
+    }
+    out
+}
+
+/// [`stale`], of the slots that the runtime of run directory `home`
+/// marked only. A mark whose slot is gone or is another runtime's now is
+/// removed. Slots taken before marks existed, and those of run
+/// directories that are gone, are found by [`stale`] alone.
+pub fn stale_marked(dir: &Path, home: &Path) -> Vec<Stale> {
+    let Ok(entries) = fs::read_dir(home.join("slots")) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let Some(index) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let path = dir.join(index.to_string());
+        let Ok(mut file) = OpenOptions::new().read(true).write(true).open(&path) else {
+            let _ = fs::remove_file(e.path());
+            continue;
+        };
+        if !lock_in_place(&file, &path) {
+            continue;
+        }
+        let mut text = String::new();
+        let _ = Read::by_ref(&mut file).take(4096).read_to_string(&mut text);
+        let (owner, recorded) = parse_record(&text);
+        if recorded.as_deref() != Some(home) {
+            let _ = fs::remove_file(e.path());
+            continue;
+        }
+        out.push(Stale { owner, home: recorded, slot: Slot { index, file, path, marker: Some(e.path()) } });
     }
     out
 }
@@ -175,11 +258,25 @@ mod tests {
         d
     }
 
+    /// A run directory that exists (a runtime makes its own).
+    fn home(name: &str) -> PathBuf {
+        let d = dir(&format!("home-{name}"));
+        fs::create_dir(&d).expect("mkdir");
+        d
+    }
+
+    /// Whether a run directory holds no mark, then removes it.
+    fn no_marks_left(home: &Path) {
+        let marks = fs::read_dir(home.join("slots")).map(|d| d.count()).unwrap_or(0);
+        assert_eq!(marks, 0, "{} holds marks", home.display());
+        fs::remove_dir_all(home).expect("cleanup");
+    }
+
     #[test]
     fn held_slots_are_distinct_and_released_slots_leave_no_file() {
-        let d = dir("distinct");
-        let a = allocate(&d, "a", Path::new("/run/x")).expect("alloc");
-        let b = allocate(&d, "b", Path::new("/run/x")).expect("alloc");
+        let (d, x) = (dir("distinct"), home("x"));
+        let a = allocate(&d, "a", &x).expect("alloc");
+        let b = allocate(&d, "b", &x).expect("alloc");
         assert_ne!(a.index, b.index);
         assert_ne!(a.base(), b.base());
         assert!(a.base() >= FIRST_ID);
@@ -188,36 +285,44 @@ mod tests {
         b.release();
         assert_eq!(fs::read_dir(&d).expect("readdir").count(), 0);
         fs::remove_dir(&d).expect("cleanup");
+        no_marks_left(&x);
     }
 
     #[test]
     fn a_dropped_slot_without_release_is_found_stale_with_its_owner() {
-        let d = dir("stale");
-        let a = allocate(&d, "sandbox-1", Path::new("/run/hutch-a")).expect("alloc");
+        let (d, run_a) = (dir("stale"), home("a"));
+        let a = allocate(&d, "sandbox-1", &run_a).expect("alloc");
         let index = a.index;
         drop(a);
-        let found = stale(&d);
-        assert_eq!(found.len(), 1);
-        assert_eq!(found[0].owner, "sandbox-1");
-        assert_eq!(found[0].home.as_deref(), Some(Path::new("/run/hutch-a")));
-        assert_eq!(found[0].slot.index, index);
-        for s in found {
+        let check = |found: Vec<Stale>| {
+            assert_eq!(found.len(), 1);
+            assert_eq!(found[0].owner, "sandbox-1");
+            assert_eq!(found[0].home.as_deref(), Some(run_a.as_path()));
+            assert_eq!(found[0].slot.index, index);
+        };
+        // One after the other: each holds the locks of what it found.
+        check(stale(&d));
+        check(stale_marked(&d, &run_a));
+        for s in stale(&d) {
             s.release();
         }
         assert_eq!(fs::read_dir(&d).expect("readdir").count(), 0);
         fs::remove_dir(&d).expect("cleanup");
+        no_marks_left(&run_a);
     }
 
     #[test]
     fn a_held_slot_cannot_be_taken_again() {
-        let d = dir("take");
-        let a = allocate(&d, "a", Path::new("/run/one")).expect("alloc");
-        assert!(take(&d, a.index, "b", Path::new("/run/two")).expect("take").is_none());
+        let (d, one, two) = (dir("take"), home("one"), home("two"));
+        let a = allocate(&d, "a", &one).expect("alloc");
+        assert!(take(&d, a.index, "b", &two).expect("take").is_none());
         let index = a.index;
         a.release();
-        let b = take(&d, index, "b", Path::new("/run/two")).expect("take").expect("free again");
+        let b = take(&d, index, "b", &two).expect("take").expect("free again");
         b.release();
         fs::remove_dir(&d).expect("cleanup");
+        no_marks_left(&one);
+        no_marks_left(&two);
     }
 
     #[test]

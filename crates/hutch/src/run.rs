@@ -155,7 +155,7 @@ fn run(args: &RunArgs) -> Result<i32, String> {
     let timings = std::mem::take(&mut sandbox.timings);
     let t1 = std::time::Instant::now();
     let destroyed = sandbox.destroy();
-    runtime.sweep();
+    runtime.sweep_own();
     if args.timings {
         let phases: Vec<String> = timings.iter().map(|(p, d)| format!("{p} {d:?}")).collect();
         eprintln!(

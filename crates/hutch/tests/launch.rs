@@ -81,11 +81,47 @@ fn a_runtime_sweeps_only_the_slots_of_its_own_sandboxes() {
     assert!(!path_b.exists());
     // A slot whose runtime's run directory is gone is freed by anyone.
     let gone = env_b.run.join("gone");
+    std::fs::create_dir(&gone).expect("mkdir");
     let orphan = uids::allocate(&dir, "t-sweep-orphan", &gone).expect("slot");
     let path = dir.join(orphan.index.to_string());
     drop(orphan);
+    std::fs::remove_dir_all(&gone).expect("rm");
     rt_a.sweep();
     assert!(!path.exists(), "an orphaned slot stays taken forever");
+}
+
+#[test]
+fn a_runtimes_own_sweep_reads_the_slots_it_marked() {
+    let env_a = Env::new("own-a");
+    let env_b = Env::new("own-b");
+    let (rt_a, rt_b) = (runtime(&env_a), runtime(&env_b));
+    let dir = rt_a.config().uid_dir.clone();
+    let mark_a = |i: u32| env_a.run.join("slots").join(i.to_string());
+    // Dead sandboxes' slots (dropped without release: unlocked, file and mark left).
+    let of_a = uids::allocate(&dir, "t-own-of-a", &env_a.run).expect("slot");
+    let of_b = uids::allocate(&dir, "t-own-of-b", &env_b.run).expect("slot");
+    let (ia, ib) = (of_a.index, of_b.index);
+    assert!(mark_a(ia).exists(), "a slot taken is marked in its runtime's run directory");
+    drop((of_a, of_b));
+    assert_eq!(rt_a.sweep_own(), vec!["t-own-of-a".to_owned()]);
+    assert!(!dir.join(ia.to_string()).exists() && !mark_a(ia).exists(), "A's slot and mark are gone");
+    assert!(dir.join(ib.to_string()).exists(), "B's stale slot is B's to sweep");
+    // A's mark of a slot that B took over after A's sandbox died: left
+    // while B holds it, dropped once the slot is found to be B's.
+    let dead = uids::allocate(&dir, "t-own-dead", &env_a.run).expect("slot");
+    let index = dead.index;
+    drop(dead);
+    let of_b2 = uids::take(&dir, index, "t-own-of-b2", &env_b.run).expect("take").expect("a dead slot is free");
+    assert!(rt_a.sweep_own().is_empty(), "B holds it");
+    assert!(mark_a(index).exists());
+    drop(of_b2);
+    assert!(rt_a.sweep_own().is_empty(), "the slot is B's now");
+    assert!(!mark_a(index).exists(), "A's mark of B's slot is dropped");
+    assert!(dir.join(index.to_string()).exists(), "and the slot is left to B");
+    let mut of_b = rt_b.sweep_own();
+    of_b.sort();
+    assert_eq!(of_b, vec!["t-own-of-b".to_owned(), "t-own-of-b2".to_owned()]);
+    assert!(!dir.join(index.to_string()).exists() && !dir.join(ib.to_string()).exists());
 }
 
 #[test]
