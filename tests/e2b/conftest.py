@@ -31,6 +31,11 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = REPO / "target" / "x86_64-unknown-linux-gnu" / "debug" / "hutch"
 START_TIMEOUT = 30
 TEST_TIMEOUT = 180
+# The isolation class of the sandboxes the suite makes: HUTCH_TEST_CLASS
+# (`container` when unset), the daemons' default class (`hutch serve
+# --default-class`), so E2B's `base` and every template built here run in
+# it; scripts/test.sh runs the suite again with `gvisor`.
+TEST_CLASS = os.environ.get("HUTCH_TEST_CLASS", "container")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -72,6 +77,7 @@ class E2bDaemon:
         self.base = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
         env["HUTCH_RUN_DIR"] = str(run)
+        env["HUTCH_DEFAULT_CLASS"] = TEST_CLASS
         env.update(extra_env or {})
         self.net = NetInstance.claim()
         env["HUTCH_NET_INSTANCE"] = str(self.net.number)

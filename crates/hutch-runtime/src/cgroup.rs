@@ -560,7 +560,10 @@ impl Cgroup {
             }
             dir
         };
-        if let Some(root) = &layout.v2 {
+        // Only a directory that is there: runsc (the gvisor class) makes its
+        // cgroups in the v1 hierarchies of a hybrid host and none in the v2
+        // tree, where freezing would then fail instead of using v1's freezer.
+        if let Some(root) = layout.v2.as_ref().filter(|root| root.join(PARENT).join(name).is_dir()) {
             let sb = add(root.join(PARENT).join(name), &mut cg.dirs);
             let (agent, work) = (sb.join(AGENT), sb.join(WORK));
             if work.is_dir() {

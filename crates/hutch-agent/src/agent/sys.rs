@@ -700,12 +700,40 @@ pub fn open_pty(cols: u16, rows: u16) -> SysResult<(OwnedFd, OwnedFd)> {
     let unlock: libc::c_int = 0;
     // SAFETY: TIOCSPTLCK reads one int.
     cvt(unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSPTLCK, &unlock) })?;
+    let flags = libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC;
     // SAFETY: TIOCGPTPEER takes open flags and returns a new descriptor.
-    let slave = owned(unsafe {
-        libc::ioctl(master.as_raw_fd(), libc::TIOCGPTPEER, libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC)
-    })?;
+    let slave = match owned(unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCGPTPEER, flags) }) {
+        // gVisor's kernel (the gvisor class) has no TIOCGPTPEER: open the
+        // peer by its number, and check that what opened is that terminal.
+        Err(Errno(libc::ENOTTY | libc::EINVAL)) => open_pty_peer(master.as_fd(), flags)?,
+        other => other?,
+    };
     set_winsize(master.as_fd(), cols, rows)?;
     Ok((master, slave))
+}
+
+/// The peer of pseudo-terminal `master` by its path, `/dev/pts/<n>`, not
+/// through a symlink, refused unless it is the Unix 98 terminal numbered n.
+fn open_pty_peer(master: BorrowedFd<'_>, flags: libc::c_int) -> SysResult<OwnedFd> {
+    let mut n: libc::c_uint = 0;
+    // SAFETY: TIOCGPTN writes one unsigned int.
+    cvt(unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCGPTN, &mut n) })?;
+    let path = std::ffi::CString::new(format!("/dev/pts/{n}")).map_err(|_| Errno(libc::EINVAL))?;
+    // SAFETY: the path is a valid C string.
+    let peer = owned(unsafe { libc::open(path.as_ptr(), flags | libc::O_NOFOLLOW) })?;
+    // SAFETY: an all-zero stat is a valid value for fstat to fill.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a writable stat buffer.
+    cvt(unsafe { libc::fstat(peer.as_raw_fd(), &mut st) })?;
+    // Unix 98 terminals' peers: majors 136 to 143, 256 numbers each.
+    let (major, minor) = (libc::major(st.st_rdev), libc::minor(st.st_rdev));
+    let is_peer = st.st_mode & libc::S_IFMT == libc::S_IFCHR
+        && (136..144).contains(&major)
+        && (major - 136) * 256 + minor == n;
+    if !is_peer {
+        return Err(Errno(libc::ENXIO));
+    }
+    Ok(peer)
 }
 
 pub fn set_winsize(fd: BorrowedFd<'_>, cols: u16, rows: u16) -> SysResult<()> {
