@@ -464,7 +464,11 @@ impl Control {
             return Err(ControlError::Forbidden("only a template's owner may change it".into()));
         }
         check_build_image(req.image.as_deref(), Some(&old.id))?;
-        let class = req.class.as_deref().map(|c| check_class(Some(c), self.default_class, |c| self.runtime.runs(c))).transpose()?;
+        let class = req
+            .class
+            .as_deref()
+            .map(|c| check_class(Some(c), self.default_class, |c| self.runtime.runs(c)))
+            .transpose()?;
         let mut t = old.clone();
         if let Some(class) = class {
             t.class = class.as_str().into();

@@ -727,9 +727,8 @@ fn open_pty_peer(master: BorrowedFd<'_>, flags: libc::c_int) -> SysResult<OwnedF
     cvt(unsafe { libc::fstat(peer.as_raw_fd(), &mut st) })?;
     // Unix 98 terminals' peers: majors 136 to 143, 256 numbers each.
     let (major, minor) = (libc::major(st.st_rdev), libc::minor(st.st_rdev));
-    let is_peer = st.st_mode & libc::S_IFMT == libc::S_IFCHR
-        && (136..144).contains(&major)
-        && (major - 136) * 256 + minor == n;
+    let is_peer =
+        st.st_mode & libc::S_IFMT == libc::S_IFCHR && (136..144).contains(&major) && (major - 136) * 256 + minor == n;
     if !is_peer {
         return Err(Errno(libc::ENXIO));
     }
@@ -826,7 +825,15 @@ fn resolve_in_root(
         }
         let name = CString::new(comp).map_err(|_| Errno(libc::EINVAL))?;
         let opened = if last {
-            openat(cur(&stack, root), &name, flags | libc::O_NOFOLLOW, mode)
+            openat(cur(&stack, root), &name, flags | libc::O_NOFOLLOW, mode).and_then(|fd| {
+                // O_PATH with O_NOFOLLOW opens a symlink itself: one the
+                // caller did not refuse is followed, as below.
+                let path_only = flags & (libc::O_PATH | libc::O_NOFOLLOW) == libc::O_PATH;
+                match path_only && fstat(fd.as_fd())?.st_mode & libc::S_IFMT == libc::S_IFLNK {
+                    true => Err(Errno(libc::ELOOP)),
+                    false => Ok(fd),
+                }
+            })
         } else {
             openat(cur(&stack, root), &name, dir_flags, 0)
         };
@@ -1160,4 +1167,32 @@ pub fn landlock_ruleset(abi: i64, rules: &[(BorrowedFd<'_>, u64)]) -> SysResult<
 pub fn landlock_restrict_self(ruleset: RawFd) -> SysResult<()> {
     // SAFETY: no pointers.
     cvt_long(unsafe { libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0) }).map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// gVisor's path (no openat2): a final symlink is followed inside the
+    /// root unless the caller refuses it, also for an O_PATH open.
+    #[test]
+    fn resolve_in_root_follows_a_final_symlink_unless_refused() {
+        let dir = std::env::temp_dir().join(format!("hutch-resolve-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).expect("mkdir");
+        std::fs::write(dir.join("f"), b"x").expect("write");
+        std::os::unix::fs::symlink("f", dir.join("rel")).expect("symlink");
+        std::os::unix::fs::symlink("/f", dir.join("abs")).expect("symlink");
+        let root = std::fs::File::open(&dir).expect("open root");
+        let root = root.as_fd();
+        let kind = |fd: SysResult<OwnedFd>| fd.map(|fd| fstat(fd.as_fd()).expect("fstat").st_mode & libc::S_IFMT);
+        for link in [&b"rel"[..], b"abs"] {
+            assert_eq!(kind(resolve_in_root(root, link, libc::O_PATH, 0, 0)), Ok(libc::S_IFREG));
+            assert_eq!(kind(resolve_in_root(root, link, libc::O_RDONLY, 0, 0)), Ok(libc::S_IFREG));
+            assert_eq!(kind(resolve_in_root(root, link, libc::O_PATH | libc::O_NOFOLLOW, 0, 0)), Ok(libc::S_IFLNK));
+            let refused = resolve_in_root(root, link, libc::O_PATH, 0, libc::RESOLVE_NO_SYMLINKS);
+            assert_eq!(refused.err(), Some(Errno(libc::ELOOP)));
+        }
+        std::fs::remove_dir_all(&dir).expect("clean up");
+    }
 }
