@@ -491,11 +491,11 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     }
     let cfg = hutch_runtime::Config { state_dir: args.state_dir.clone(), ..hutch_runtime::Config::from_env() };
     let runtime = hutch_runtime::Runtime::new(cfg).context("start the container runtime")?;
-    let storage = open_storage(&args).await;
-    let runtime = Arc::new(runtime.with_storage(storage.clone()));
     runtime
         .runs(args.default_class)
         .map_err(|why| anyhow::anyhow!("--default-class {}: this host cannot run it: {why}", args.default_class))?;
+    let storage = open_storage(&args).await;
+    let runtime = Arc::new(runtime.with_storage(storage.clone()));
     let network = setup_network(&args, &node, &runtime.config().run_dir, &store, instance.clone()).await;
     match &network {
         Ok(n) => {

@@ -854,6 +854,15 @@ fn resolve_in_root(
                 if no_symlinks {
                     return Err(Errno(libc::ELOOP));
                 }
+                // A /proc "magic" link (a process's cwd, root, exe, fds:
+                // those that read as absolute paths): refused, as openat2
+                // refuses it under RESOLVE_IN_ROOT, instead of its text
+                // being resolved as another path in the root.
+                if target.first() == Some(&b'/')
+                    && fstatfs_type(cur(&stack, root)).is_ok_and(|t| t == libc::PROC_SUPER_MAGIC)
+                {
+                    return Err(Errno(libc::EXDEV));
+                }
                 links += 1;
                 if links > 40 {
                     return Err(Errno(libc::ELOOP));
@@ -1193,6 +1202,14 @@ mod tests {
             let refused = resolve_in_root(root, link, libc::O_PATH, 0, libc::RESOLVE_NO_SYMLINKS);
             assert_eq!(refused.err(), Some(Errno(libc::ELOOP)));
         }
+        // /proc's magic links are refused as openat2 refuses them; its
+        // plain ones (self) are followed.
+        let slash = std::fs::File::open("/").expect("open /");
+        for magic in [&b"proc/self/cwd"[..], b"proc/self/exe"] {
+            let refused = resolve_in_root(slash.as_fd(), magic, libc::O_PATH, 0, 0);
+            assert_eq!(refused.err(), Some(Errno(libc::EXDEV)), "{}", String::from_utf8_lossy(magic));
+        }
+        assert_eq!(kind(resolve_in_root(slash.as_fd(), b"proc/self/status", libc::O_RDONLY, 0, 0)), Ok(libc::S_IFREG));
         std::fs::remove_dir_all(&dir).expect("clean up");
     }
 }
