@@ -16,6 +16,7 @@ import requests
 
 from conftest import (
     GVISOR_NO_WORK_CGROUP,
+    GVISOR_STATX,
     on_class,
     Client,
     Daemon,
@@ -275,6 +276,7 @@ def test_idempotency_key_must_be_1_to_256_characters(api: Client, sandbox: dict)
 # ---------------------------------------------------------------- command slots
 
 
+@on_class("gvisor", reason=GVISOR_STATX)
 def test_the_65th_command_is_refused_and_runs_nothing(api: Client):
     sb = api.create(limits={"pids": 1024})
     sid = sb["id"]
@@ -309,6 +311,7 @@ def test_the_65th_command_is_refused_and_runs_nothing(api: Client):
         api.destroy(sid)
 
 
+@on_class("gvisor", reason=GVISOR_STATX)
 def test_foreground_commands_hold_slots_too(api: Client):
     sb = api.create(limits={"pids": 1024})
     sid = sb["id"]

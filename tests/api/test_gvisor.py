@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEBUG_BIN, Client, Daemon, expect_error, expect_status, leftovers, wait_cleaned, wait_for
+from conftest import DEBUG_BIN, NetInstance, Client, Daemon, expect_error, expect_status, leftovers, wait_cleaned, wait_for
 
 
 def b64(data: bytes) -> str:
@@ -210,9 +210,15 @@ def test_a_default_class_the_host_cannot_run_is_refused_at_start(tmp_root: Path,
     root = tmp_root / f"bad-class-{bad}"
     root.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
-    p = subprocess.run(
-        [str(DEBUG_BIN), "serve", "--listen", "127.0.0.1:1", "--state-dir", str(root / "state"), "--default-class", bad],
-        env=env, capture_output=True, text=True, timeout=30)
+    net = NetInstance.claim()
+    try:
+        env["HUTCH_NET_INSTANCE"] = str(net.number)
+        p = subprocess.run(
+            [str(DEBUG_BIN), "serve", "--listen", "127.0.0.1:1", "--state-dir", str(root / "state"),
+             "--default-class", bad],
+            env=env, capture_output=True, text=True, timeout=30)
+    finally:
+        net.release()
     assert p.returncode != 0, p
     assert "default-class" in p.stderr, p.stderr
 

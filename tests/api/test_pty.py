@@ -19,7 +19,7 @@ import pytest
 import requests
 import websocket
 
-from conftest import TEST_CLASS, Client, Daemon, expect_error, wait_for
+from conftest import GVISOR_PTY_BACKPRESSURE, TEST_CLASS, Client, Daemon, expect_error, on_class, wait_for
 
 # Seconds any single wait on the socket may take.
 PATIENCE = 30
@@ -293,6 +293,7 @@ def rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+@on_class("gvisor", reason=GVISOR_PTY_BACKPRESSURE)
 def test_a_client_that_does_not_read_stalls_the_command_not_the_daemon(daemon: Daemon, api: Client, sandbox: dict):
     sid = sandbox["id"]
     mib = 96

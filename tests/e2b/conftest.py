@@ -212,7 +212,8 @@ def shared(daemon):
     """One sandbox for the tests that only read or write inside it."""
     from e2b import Sandbox
 
-    sb = Sandbox.create(metadata={"suite": "e2b", "kind": "shared"}, envs={"SUITE_VAR": "hutch"}, timeout=600)
+    # Long enough for the whole suite in the slowest class (gvisor: ~11 min).
+    sb = Sandbox.create(metadata={"suite": "e2b", "kind": "shared"}, envs={"SUITE_VAR": "hutch"}, timeout=1800)
     yield sb
     sb.kill()
 

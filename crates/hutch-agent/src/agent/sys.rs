@@ -824,18 +824,27 @@ fn resolve_in_root(
             continue;
         }
         let name = CString::new(comp).map_err(|_| Errno(libc::EINVAL))?;
-        let opened = if last {
-            openat(cur(&stack, root), &name, flags | libc::O_NOFOLLOW, mode).and_then(|fd| {
-                // O_PATH with O_NOFOLLOW opens a symlink itself: one the
-                // caller did not refuse is followed, as below.
-                let path_only = flags & (libc::O_PATH | libc::O_NOFOLLOW) == libc::O_PATH;
-                match path_only && fstat(fd.as_fd())?.st_mode & libc::S_IFMT == libc::S_IFLNK {
-                    true => Err(Errno(libc::ELOOP)),
-                    false => Ok(fd),
-                }
-            })
-        } else {
-            openat(cur(&stack, root), &name, dir_flags, 0)
+        // Each component is asked first whether it is a symlink: gVisor's
+        // open follows one under O_NOFOLLOW when O_DIRECTORY is set (and
+        // its procfs jumps through a magic link), so an open cannot say.
+        let link = readlinkat(cur(&stack, root), &name).ok();
+        // A /proc "magic" link (a process's cwd, root, exe, fds: those that
+        // read as absolute paths) is refused, as openat2 refuses it under
+        // RESOLVE_IN_ROOT.
+        if link.as_ref().is_some_and(|t| t.first() == Some(&b'/'))
+            && fstatfs_type(cur(&stack, root)).is_ok_and(|t| t == libc::PROC_SUPER_MAGIC)
+        {
+            return Err(Errno(libc::EXDEV));
+        }
+        let opened = match (&link, last) {
+            // The caller's own O_NOFOLLOW: O_PATH opens the link itself.
+            (Some(_), true) if flags & (libc::O_PATH | libc::O_NOFOLLOW) == libc::O_PATH | libc::O_NOFOLLOW => {
+                openat(cur(&stack, root), &name, flags, mode)
+            }
+            // Followed (or refused) below.
+            (Some(_), _) => Err(Errno(libc::ELOOP)),
+            (None, true) => openat(cur(&stack, root), &name, flags | libc::O_NOFOLLOW, mode),
+            (None, false) => openat(cur(&stack, root), &name, dir_flags, 0),
         };
         match opened {
             Ok(fd) if last => return Ok(fd),
@@ -853,15 +862,6 @@ fn resolve_in_root(
                 };
                 if no_symlinks {
                     return Err(Errno(libc::ELOOP));
-                }
-                // A /proc "magic" link (a process's cwd, root, exe, fds:
-                // those that read as absolute paths): refused, as openat2
-                // refuses it under RESOLVE_IN_ROOT, instead of its text
-                // being resolved as another path in the root.
-                if target.first() == Some(&b'/')
-                    && fstatfs_type(cur(&stack, root)).is_ok_and(|t| t == libc::PROC_SUPER_MAGIC)
-                {
-                    return Err(Errno(libc::EXDEV));
                 }
                 links += 1;
                 if links > 40 {
@@ -1202,6 +1202,14 @@ mod tests {
             let refused = resolve_in_root(root, link, libc::O_PATH, 0, libc::RESOLVE_NO_SYMLINKS);
             assert_eq!(refused.err(), Some(Errno(libc::ELOOP)));
         }
+        std::fs::create_dir(dir.join("d")).expect("mkdir");
+        std::os::unix::fs::symlink("d", dir.join("dl")).expect("symlink");
+        let dir_flags = libc::O_RDONLY | libc::O_DIRECTORY;
+        assert_eq!(kind(resolve_in_root(root, b"dl", dir_flags, 0, 0)), Ok(libc::S_IFDIR));
+        let refused = resolve_in_root(root, b"dl", dir_flags, 0, libc::RESOLVE_NO_SYMLINKS);
+        assert_eq!(refused.err(), Some(Errno(libc::ELOOP)));
+        let refused = resolve_in_root(root, b"dl/x", libc::O_RDONLY, 0, libc::RESOLVE_NO_SYMLINKS);
+        assert_eq!(refused.err(), Some(Errno(libc::ELOOP)));
         // /proc's magic links are refused as openat2 refuses them; its
         // plain ones (self) are followed.
         let slash = std::fs::File::open("/").expect("open /");
