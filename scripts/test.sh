@@ -95,9 +95,9 @@ python3 -m pytest tests/e2b -q -p no:cacheprovider
 # class, and the gvisor-specific routes have tests/api/test_gvisor.py in the
 # run above. What the class does not do is marked in the tests
 # (`on_class("gvisor", ...)`). Measured on the 2-core test host
-# (2026-12-02, shared with other builds): E2B 9 min alone; E2B 11 min and
-# these six files 15 min when both ran side by side (ptrace gVisor: ~0.4 s
-# per create and first exec, ~0.25 s per exec).
+# (2026-12-02, shared with other builds): E2B 9 min and these six files
+# 11 min, each alone (ptrace gVisor: ~0.4 s per create and first exec,
+# ~0.25 s per exec).
 HUTCH_TEST_CLASS=gvisor python3 -m pytest tests/e2b -q -p no:cacheprovider
 HUTCH_TEST_CLASS=gvisor python3 -m pytest tests/api/test_exec.py tests/api/test_processes.py tests/api/test_pty.py \
     tests/api/test_files.py tests/api/test_pause.py tests/api/test_snapshots.py -q -p no:cacheprovider
