@@ -48,6 +48,41 @@ TEST_TIMEOUT = 300
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
+# The isolation class of the sandboxes the suite makes: HUTCH_TEST_CLASS
+# (`container` when unset). Every daemon starts with it as its default class
+# (`hutch serve --default-class`), so the builtin `base` template and every
+# template a test makes without naming a class run in it; scripts/test.sh
+# runs the suite again with `gvisor`. Tests that name a class keep theirs.
+TEST_CLASS = os.environ.get("HUTCH_TEST_CLASS", "container")
+
+# What the gvisor class's runsc (Debian 12's, 0.0~20221219) does not do; the
+# tests that need it are marked with `on_class("gvisor", reason=...)`.
+# Its sentry refuses AT_NO_AUTOMOUNT in statx and newfstatat (EINVAL): GNU
+# coreutils' `stat` and `ls -l` fail on every path (python's os.stat works).
+GVISOR_STATX = "runsc 20221219 refuses statx(AT_NO_AUTOMOUNT): coreutils' stat and ls fail"
+# Its gofer refuses user.* extended attributes on the sandbox's files
+# (setxattr: EOPNOTSUPP): file metadata kept as xattrs cannot be kept there.
+GVISOR_XATTRS = "runsc 20221219's gofer refuses user.* xattrs (EOPNOTSUPP)"
+# By design (ARCHITECTURE.md, the gvisor class): the workload has no cgroup
+# of its own, so a command past the memory limit is not killed alone.
+GVISOR_NO_WORK_CGROUP = "no per-command cgroup: the sentry, not the command, meets the memory limit"
+# Not yet diagnosed: a command's descendants that outlive it are not seen
+# by the agent's supervisor under gVisor (descendants_alive stays false and
+# they hold no command slot).
+GVISOR_DESCENDANTS = "a command's surviving descendants are not tracked under gVisor (open)"
+# Not yet diagnosed: a terminal nobody reads does not hold its command back
+# as soon (96 MiB went out; the container class stops it within 48).
+GVISOR_PTY_BACKPRESSURE = "an unread terminal's output is not held back as soon under gVisor (open)"
+
+
+def on_class(*classes: str, reason: str, strict: bool = True):
+    """Marks a test expected to fail when the suite runs in one of
+    `classes`, for a `reason` the class owns (what it does not do);
+    strict: a pass there fails the run, so the mark goes once it does (not
+    strict: only for a failure seen once and not yet understood)."""
+    return pytest.mark.xfail(TEST_CLASS in classes, reason=f"{TEST_CLASS} class: {reason}", strict=strict)
+
+
 
 # --------------------------------------------------------------------------
 # pytest configuration
@@ -522,6 +557,7 @@ class Daemon:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
         env["HUTCH_RUN_DIR"] = str(self.run_dir)
         env["HUTCH_NET_INSTANCE"] = str(self.net_instance)
+        env["HUTCH_DEFAULT_CLASS"] = TEST_CLASS
         if self.database:
             env["HUTCH_DATABASE"] = self.database
         env.update(self.extra_env)

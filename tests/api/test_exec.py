@@ -15,6 +15,9 @@ import pytest
 import requests
 
 from conftest import (
+    GVISOR_NO_WORK_CGROUP,
+    GVISOR_STATX,
+    on_class,
     Client,
     Daemon,
     EventStream,
@@ -273,11 +276,13 @@ def test_idempotency_key_must_be_1_to_256_characters(api: Client, sandbox: dict)
 # ---------------------------------------------------------------- command slots
 
 
+@on_class("gvisor", reason=GVISOR_STATX)
 def test_the_65th_command_is_refused_and_runs_nothing(api: Client):
     sb = api.create(limits={"pids": 1024})
     sid = sb["id"]
     try:
-        pids = [api.background(sid, "sleep 30") for _ in range(COMMAND_SLOTS)]
+        # Long enough to outlive 64 starts in the slowest class (gvisor: ~0.3 s each).
+        pids = [api.background(sid, "sleep 300") for _ in range(COMMAND_SLOTS)]
         assert len(set(pids)) == COMMAND_SLOTS
         r = api.exec_raw(sid, {"command": "touch /workspace/sixty-fifth"})
         expect_error(r, 429, "sandbox_command_capacity")
@@ -306,12 +311,13 @@ def test_the_65th_command_is_refused_and_runs_nothing(api: Client):
         api.destroy(sid)
 
 
+@on_class("gvisor", reason=GVISOR_STATX)
 def test_foreground_commands_hold_slots_too(api: Client):
     sb = api.create(limits={"pids": 1024})
     sid = sb["id"]
     try:
         for _ in range(COMMAND_SLOTS - 1):
-            api.background(sid, "sleep 30")
+            api.background(sid, "sleep 300")
         holder: dict = {}
         other = api.clone()
 
@@ -420,6 +426,7 @@ def test_exec_with_oversized_or_malformed_commands_is_400(api: Client, sandbox: 
     expect_error(api.exec_raw(sandbox["id"], body), 400, "invalid_request")
 
 
+@on_class("gvisor", reason=GVISOR_NO_WORK_CGROUP)
 def test_filling_memory_kills_the_command_not_the_sandbox(api: Client):
     """A 400 MB write to RAM-backed /tmp in a 128 MiB sandbox: the OOM killer
     ends the command (reported as such), the sandbox and its agent live on.

@@ -27,6 +27,7 @@ import pytest
 import requests
 
 from conftest import REQUEST_TIMEOUT, Client, Daemon, expect_error, expect_status, host_processes_of, wait_for
+from conftest import GVISOR_STATX, on_class
 
 MiB = 1 << 20
 FILE_DATA_CAP = 8 * MiB
@@ -88,6 +89,7 @@ def upload(api: Client, sid: str, path: str, archive: bytes, name: str = "a.tar"
 # ---------------------------------------------------------------- read and write
 
 
+@on_class("gvisor", reason=GVISOR_STATX)
 def test_write_then_read_round_trips_and_belongs_to_the_user(api: Client, sandbox: dict):
     sid = sandbox["id"]
     data = b"hello\n\x00\xff binary"
@@ -208,6 +210,7 @@ def test_a_full_disk_is_409_sandbox_disk_full(api: Client):
 # ---------------------------------------------------------------- archives
 
 
+@on_class("gvisor", reason=GVISOR_STATX)
 def test_archive_upload_writes_a_tree(api: Client, sandbox: dict):
     sid = sandbox["id"]
     entries = [
@@ -274,6 +277,7 @@ def put_part(api: Client, sid: str, path: str, whole: bytes, offset: int, end: i
     })
 
 
+@on_class("gvisor", reason=GVISOR_STATX)
 def test_a_file_larger_than_8_mib_in_parts(api: Client, sandbox: dict):
     sid = sandbox["id"]
     whole = os.urandom(9 * MiB + 7)
@@ -457,6 +461,7 @@ def healthz_while(d: Daemon, busy: threading.Event) -> tuple[threading.Thread, l
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@on_class("gvisor", reason=GVISOR_STATX)
 def test_daemon_memory_stays_bounded_while_transfers_stream_a_gib_each_way(own_daemon: Daemon):
     d = own_daemon.start()
     api = d.client()
@@ -696,6 +701,7 @@ def test_kill_9_while_an_archive_is_moved_into_place_leaves_one_tree(own_daemon:
     restart_and_check(d, api, sid, t, root)
 
 
+@on_class("gvisor", reason=GVISOR_STATX)
 def test_e2b_files_take_gzip_forms_and_refuse_other_encodings(daemon: Daemon, api: Client, sandbox: dict):
     sid = sandbox["id"]
     envd = envd_headers(daemon, sid)

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import socket
 import subprocess
 import threading
 import uuid
+from pathlib import Path
 
 import pytest
 
-from conftest import Client, Daemon, expect_error, expect_status, leftovers, wait_cleaned, wait_for
+from conftest import DEBUG_BIN, NetInstance, Client, Daemon, expect_error, expect_status, leftovers, wait_cleaned, wait_for
 
 
 def b64(data: bytes) -> str:
@@ -179,6 +181,46 @@ def test_daemon_restart_adopts_a_gvisor_sandbox(own_daemon: Daemon):
     api.destroy(sid)
     wait_cleaned(own_daemon, sid)
     api.delete(f"/v1/templates/{name}")
+
+
+def test_the_daemons_default_class_is_that_of_base_and_of_templates_naming_none(own_daemon: Daemon):
+    own_daemon.extra_env["HUTCH_DEFAULT_CLASS"] = "gvisor"
+    own_daemon.start()
+    api = own_daemon.client()
+    assert api.get("/v1/capabilities").json()["default_class"] == "gvisor"
+    sb = api.create()
+    try:
+        assert sb["class"] == "gvisor" and api.sh(sb["id"], "echo in") == "in\n", sb
+    finally:
+        api.destroy(sb["id"])
+    plain, named = tname(), tname()
+    r = api.post("/v1/templates", {"name": plain})
+    assert r.status_code == 201 and r.json()["class"] == "gvisor", r.text
+    r = api.post("/v1/templates", {"name": named, "class": "container"})
+    assert r.status_code == 201 and r.json()["class"] == "container", r.text
+    sb = api.create(template=named)
+    try:
+        assert sb["class"] == "container", sb
+    finally:
+        api.destroy(sb["id"])
+
+
+@pytest.mark.parametrize("bad", ["vm", "microvm"])
+def test_a_default_class_the_host_cannot_run_is_refused_at_start(tmp_root: Path, bad: str):
+    root = tmp_root / f"bad-class-{bad}"
+    root.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
+    net = NetInstance.claim()
+    try:
+        env["HUTCH_NET_INSTANCE"] = str(net.number)
+        p = subprocess.run(
+            [str(DEBUG_BIN), "serve", "--listen", "127.0.0.1:1", "--state-dir", str(root / "state"),
+             "--default-class", bad],
+            env=env, capture_output=True, text=True, timeout=30)
+    finally:
+        net.release()
+    assert p.returncode != 0, p
+    assert "default-class" in p.stderr, p.stderr
 
 
 # ---- memory: snapshots, forks and pauses to disk that keep running processes

@@ -13,6 +13,7 @@ import threading
 import requests
 
 from conftest import Client, Daemon, expect_error, expect_status, wait_for
+from conftest import GVISOR_STATX, on_class
 
 
 def snapshot_dirs(d: Daemon) -> set[str]:
@@ -26,6 +27,7 @@ def take(api: Client, sid: str, expect: int = 201, **body) -> dict:
     return r.json()
 
 
+@on_class("gvisor", reason=GVISOR_STATX)
 def test_a_snapshot_keeps_files_at_one_instant_and_starts_sandboxes(api: Client, daemon: Daemon):
     src = api.create()
     sid = src["id"]
@@ -204,6 +206,7 @@ def fork_dirs(d: Daemon) -> set[str]:
     return {n for n in snapshot_dirs(d) if n.startswith("fork-")}
 
 
+@on_class("gvisor", reason=GVISOR_STATX)
 def test_fork_starts_n_sandboxes_with_the_parents_files_at_one_instant(api: Client, daemon: Daemon):
     parent = api.create()
     pid = parent["id"]

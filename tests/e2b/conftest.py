@@ -31,6 +31,27 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = REPO / "target" / "x86_64-unknown-linux-gnu" / "debug" / "hutch"
 START_TIMEOUT = 30
 TEST_TIMEOUT = 180
+# The isolation class of the sandboxes the suite makes: HUTCH_TEST_CLASS
+# (`container` when unset), the daemons' default class (`hutch serve
+# --default-class`), so E2B's `base` and every template built here run in
+# it; scripts/test.sh runs the suite again with `gvisor`.
+TEST_CLASS = os.environ.get("HUTCH_TEST_CLASS", "container")
+
+# What the gvisor class's runsc (Debian 12's, 0.0~20221219) does not do; the
+# tests that need it are marked with `on_class("gvisor", reason=...)`.
+# Its sentry refuses AT_NO_AUTOMOUNT in statx and newfstatat (EINVAL): GNU
+# coreutils' `stat` and `ls -l` fail on every path (python's os.stat works).
+GVISOR_STATX = "runsc 20221219 refuses statx(AT_NO_AUTOMOUNT): coreutils' stat and ls fail"
+# Its gofer refuses user.* extended attributes on the sandbox's files
+# (setxattr: EOPNOTSUPP): file metadata kept as xattrs cannot be kept there.
+GVISOR_XATTRS = "runsc 20221219's gofer refuses user.* xattrs (EOPNOTSUPP)"
+
+
+def on_class(*classes: str, reason: str):
+    """Marks a test expected to fail when the suite runs in one of
+    `classes`, for a `reason` the class owns (what it does not do);
+    strict: a pass there fails the run, so the mark goes once it does."""
+    return pytest.mark.xfail(TEST_CLASS in classes, reason=f"{TEST_CLASS} class: {reason}", strict=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -72,6 +93,7 @@ class E2bDaemon:
         self.base = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
         env["HUTCH_RUN_DIR"] = str(run)
+        env["HUTCH_DEFAULT_CLASS"] = TEST_CLASS
         env.update(extra_env or {})
         self.net = NetInstance.claim()
         env["HUTCH_NET_INSTANCE"] = str(self.net.number)
@@ -190,7 +212,8 @@ def shared(daemon):
     """One sandbox for the tests that only read or write inside it."""
     from e2b import Sandbox
 
-    sb = Sandbox.create(metadata={"suite": "e2b", "kind": "shared"}, envs={"SUITE_VAR": "hutch"}, timeout=600)
+    # Long enough for the whole suite in the slowest class (gvisor: ~11 min).
+    sb = Sandbox.create(metadata={"suite": "e2b", "kind": "shared"}, envs={"SUITE_VAR": "hutch"}, timeout=1800)
     yield sb
     sb.kill()
 

@@ -22,6 +22,7 @@ from e2b import (
 from packaging.version import Version
 
 from conftest import wait_for
+from conftest import GVISOR_STATX, on_class
 
 
 def poll(handle, want, timeout=10.0):
@@ -42,6 +43,7 @@ def kinds(events, name):
 # -- files -------------------------------------------------------------------
 
 
+@on_class("gvisor", reason=GVISOR_STATX)
 def test_files_written_are_0644_and_a_replaced_file_keeps_its_mode(shared):
     info = shared.files.write("modes/new.txt", "x")
     assert info.path == "/home/user/modes/new.txt"

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TEST_CLASS
+
 JS = Path(__file__).resolve().parents[1] / "e2b-js"
 # The suite's files run this many at once (each waits on the daemon far more
 # than it computes).
@@ -49,6 +51,8 @@ def test_javascript_sdk_suite(daemon, interpreter_image):
         "E2B_OTHER_API_KEY": other,
         # The daemon's --e2b-domain, which `getHost` names.
         "E2B_TEST_PORT_DOMAIN": daemon["domain"],
+        # The daemon's default class: what its runsc does not do is `todo` there.
+        "HUTCH_TEST_CLASS": TEST_CLASS,
     })
     files = sorted(str(p.relative_to(JS)) for p in (JS / "test").glob("*.test.mjs"))
     assert files, f"no tests in {JS / 'test'}"

@@ -5,6 +5,7 @@ import time
 import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState, SandboxNotFoundException, NotFoundException
 from conftest import wait_for
+from conftest import GVISOR_STATX, on_class
 
 
 def test_create_with_metadata_and_info(shared):
@@ -137,6 +138,7 @@ def test_list_filters_by_template_start_time_and_order_over_plain_http(daemon):
         second.kill()
 
 
+@on_class("gvisor", reason=GVISOR_STATX)
 def test_a_template_id_names_one_of_the_callers_templates(daemon):
     """`Sandbox.create("name")` runs the caller's hutch template of that name:
     its env and network policy come with it; an unknown name is a 404."""

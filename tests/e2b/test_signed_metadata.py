@@ -5,6 +5,8 @@ import urllib.parse
 
 import requests
 
+from conftest import GVISOR_XATTRS, on_class
+
 
 def test_signed_upload_and_download(shared):
     url = shared.upload_url("signed/up.txt")
@@ -51,6 +53,7 @@ def test_tampered_or_misused_signature_refused(shared):
     assert shared.files.read("signed/secret.txt") == "s"
 
 
+@on_class("gvisor", reason=GVISOR_XATTRS)
 def test_write_metadata_round_trip(shared):
     info = shared.files.write("meta/a.txt", "m", metadata={"Owner": "alice", "stage": "raw"})
     assert info.metadata == {"owner": "alice", "stage": "raw"}
@@ -70,6 +73,7 @@ def test_write_metadata_round_trip(shared):
     assert shared.files.get_info("meta/plain.txt").metadata is None
 
 
+@on_class("gvisor", reason=GVISOR_XATTRS)
 def test_write_files_metadata_applies_to_each(shared):
     infos = shared.files.write_files(
         [{"path": "meta/many/x", "data": "1"}, {"path": "meta/many/y", "data": "2"}], metadata={"k": "v"}
@@ -78,6 +82,7 @@ def test_write_files_metadata_applies_to_each(shared):
     assert shared.files.get_info("meta/many/y").metadata == {"k": "v"}
 
 
+@on_class("gvisor", reason=GVISOR_XATTRS)
 def test_metadata_header_over_plain_http(shared):
     url = shared.upload_url("meta/raw.bin")
     r = requests.post(

@@ -18,6 +18,7 @@ from e2b import Sandbox, Template
 from e2b.exceptions import BuildException
 
 from conftest import E2bDaemon, wait_for
+from conftest import GVISOR_STATX, on_class
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from oci_images import OCI_MANIFEST, Registry, oci_image, shell_layer  # noqa: E402
@@ -59,6 +60,7 @@ def api(daemon, method, path, key=None, **kw):
     return requests.request(method, daemon["base"] + path, headers=headers, timeout=30, **kw)
 
 
+@on_class("gvisor", reason=GVISOR_STATX)
 def test_a_built_template_starts_sandboxes_with_its_files_env_and_start_command(built):
     info, logs = built
     assert info.template_id.startswith("tpl-") and info.name == f"{NAME}:v1"

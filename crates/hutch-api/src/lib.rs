@@ -2025,6 +2025,9 @@ pub struct Capabilities {
     /// The daemon's version.
     pub version: String,
     pub classes: Vec<IsolationClass>,
+    /// The class of the builtin templates and of a template that names
+    /// none (`hutch serve --default-class`; `container` unless set).
+    pub default_class: String,
     pub limits: LimitRanges,
     /// The calling key's quotas and what it holds (as `GET /v1/usage`).
     pub usage: Usage,

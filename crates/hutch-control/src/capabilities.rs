@@ -80,6 +80,7 @@ impl Control {
                     IsolationClass { name: class.as_str().into(), available: runs.is_ok(), reason: runs.err() }
                 })
                 .collect(),
+            default_class: self.default_class.as_str().into(),
             limits: self.limit_ranges(),
             usage,
             features,

@@ -142,6 +142,10 @@ pub struct Config {
     /// The fleet's OCI registry, through which snapshots and sandboxes
     /// paused to disk start on another node (see `moves`).
     pub registry: Option<hutch_runtime::image::push::Target>,
+    /// The class of the builtin templates (`base`, and the code
+    /// interpreter's) and of a template that names none; `container`
+    /// unless the operator says (`hutch serve --default-class`).
+    pub default_class: hutch_api::Class,
 }
 
 impl Config {
@@ -158,6 +162,7 @@ impl Config {
             egress_bundle: None,
             node: crate::nodes::NodeConfig::local(),
             registry: None,
+            default_class: hutch_api::Class::Container,
         }
     }
 }
@@ -216,6 +221,8 @@ pub struct Control {
     pub(crate) fleet: crate::nodes::FleetView,
     /// The fleet's registry (see `moves`).
     pub(crate) registry: Option<hutch_runtime::image::push::Target>,
+    /// See `Config::default_class`.
+    pub(crate) default_class: hutch_api::Class,
 }
 
 /// The stable digest of a request body, for idempotency checks.
@@ -354,6 +361,7 @@ impl Control {
             node: config.node,
             fleet: Default::default(),
             registry: config.registry,
+            default_class: config.default_class,
             history: Arc::new(crate::history::History::default()),
             audit: crate::audit::Auditor::default(),
             events: crate::events::Events::new(config.events),

@@ -85,7 +85,8 @@ fn network_of(t: &TemplateRecord) -> hutch_api::NetworkRequest {
 }
 
 impl Recipe {
-    fn base() -> Recipe {
+    /// The builtin `base` template, in `class` (the daemon's default).
+    fn base(class: Class) -> Recipe {
         let (memory_mb, vcpus, disk_mib, pids) = resolve_limits(None, None).unwrap_or((1024, 1.0, 1024, 512));
         Recipe {
             name: BASE.name.to_owned(),
@@ -109,11 +110,11 @@ impl Recipe {
             idle_timeout_s: None,
             on_idle: None,
             secrets: Vec::new(),
-            class: Class::Container,
+            class,
         }
     }
 
-    fn interpreter() -> Recipe {
+    fn interpreter(class: Class) -> Recipe {
         use hutch_runtime::image::interp;
         Recipe {
             name: INTERPRETER.to_owned(),
@@ -124,7 +125,7 @@ impl Recipe {
                 port: Some(interp::PORT),
                 timeout_seconds: Some(INTERPRETER_READY_SECONDS),
             }),
-            ..Recipe::base()
+            ..Recipe::base(class)
         }
     }
 
@@ -238,11 +239,15 @@ fn to_json<T: serde::Serialize>(v: Option<&T>) -> Option<String> {
     v.and_then(|v| serde_json::to_string(v).ok())
 }
 
-/// The class a template asks for (None: the container class), if this
-/// host runs it.
+/// The class a template asks for (None: `default`, the daemon's default
+/// class), if this host runs it.
 /// (`runs`: the runtime's answer for a class.)
-fn check_class(class: Option<&str>, runs: impl Fn(Class) -> std::result::Result<(), String>) -> Result<Class> {
-    let Some(name) = class else { return Ok(Class::Container) };
+fn check_class(
+    class: Option<&str>,
+    default: Class,
+    runs: impl Fn(Class) -> std::result::Result<(), String>,
+) -> Result<Class> {
+    let Some(name) = class else { return Ok(default) };
     let Some(class) = Class::parse(name) else {
         let names: Vec<&str> = Class::ALL.iter().map(|c| c.as_str()).collect();
         return Err(ControlError::Invalid(format!("class {name:?}: must be one of {}", names.join(", "))));
@@ -279,13 +284,13 @@ impl Control {
     /// What a create of `name` (None: `base`) runs for `owner`.
     pub(crate) async fn recipe(&self, owner: &OwnerId, name: Option<&str>) -> Result<Recipe> {
         match name {
-            None => Ok(Recipe::base()),
-            Some(n) if n == BASE.name => Ok(Recipe::base()),
+            None => Ok(Recipe::base(self.default_class)),
+            Some(n) if n == BASE.name => Ok(Recipe::base(self.default_class)),
             Some(n) => {
                 let (o, name) = (owner.to_string(), n.to_owned());
                 match self.db(move |s| s.template_by_name(&o, &name)).await? {
                     Some(t) => Ok(Recipe::from_record(&t)),
-                    None if n == INTERPRETER => Ok(Recipe::interpreter()),
+                    None if n == INTERPRETER => Ok(Recipe::interpreter(self.default_class)),
                     None => Err(ControlError::UnknownTemplate(n.to_owned())),
                 }
             }
@@ -388,7 +393,7 @@ impl Control {
         let image = self.check_image(req.image.as_deref())?;
         check_startup(req.startup.as_ref())?;
         check_readiness(req.readiness.as_ref())?;
-        let class = check_class(req.class.as_deref(), |c| self.runtime.runs(c))?;
+        let class = check_class(req.class.as_deref(), self.default_class, |c| self.runtime.runs(c))?;
         let (memory_mb, vcpus, disk_mib, pids) = resolve_limits(req.memory_mb, req.limits.as_ref())?;
         crate::control::check_map("env", &req.env, 256)?;
         let max_ttl = req.max_ttl_seconds.unwrap_or(BASE.max_ttl.as_secs());
@@ -459,7 +464,11 @@ impl Control {
             return Err(ControlError::Forbidden("only a template's owner may change it".into()));
         }
         check_build_image(req.image.as_deref(), Some(&old.id))?;
-        let class = req.class.as_deref().map(|c| check_class(Some(c), |c| self.runtime.runs(c))).transpose()?;
+        let class = req
+            .class
+            .as_deref()
+            .map(|c| check_class(Some(c), self.default_class, |c| self.runtime.runs(c)))
+            .transpose()?;
         let mut t = old.clone();
         if let Some(class) = class {
             t.class = class.as_str().into();
@@ -598,10 +607,12 @@ mod tests {
         assert!(check_readiness(Some(&Readiness { command: None, port: Some(80), timeout_seconds: Some(5) })).is_ok());
         assert!(check_startup(Some(&Startup { command: " ".into(), user: None })).is_err());
         let none = |_| Err("not here".to_owned());
-        assert!(check_class(Some("microvm"), none).is_err());
-        assert!(check_class(Some("vm"), |_| Ok(())).is_err());
-        assert_eq!(check_class(None, none).expect("default"), Class::Container);
-        assert_eq!(check_class(Some("gvisor"), |_| Ok(())).expect("runs"), Class::Gvisor);
+        assert!(check_class(Some("microvm"), Class::Container, none).is_err());
+        assert!(check_class(Some("vm"), Class::Container, |_| Ok(())).is_err());
+        assert_eq!(check_class(None, Class::Container, none).expect("default"), Class::Container);
+        assert_eq!(check_class(None, Class::Gvisor, none).expect("default"), Class::Gvisor);
+        assert_eq!(check_class(Some("gvisor"), Class::Container, |_| Ok(())).expect("runs"), Class::Gvisor);
+        assert!(check_class(Some("container"), Class::Gvisor, none).is_err());
         assert!(check_warm(Warm { min: 3, max: 2 }).is_err());
         assert!(check_warm(Warm { min: 0, max: WARM_MAX + 1 }).is_err());
         assert!(check_warm(Warm { min: 2, max: 4 }).is_ok());

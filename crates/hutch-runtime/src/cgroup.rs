@@ -560,7 +560,10 @@ impl Cgroup {
             }
             dir
         };
-        if let Some(root) = &layout.v2 {
+        // Only a directory that is there: runsc (the gvisor class) makes its
+        // cgroups in the v1 hierarchies of a hybrid host and none in the v2
+        // tree, where freezing would then fail instead of using v1's freezer.
+        if let Some(root) = layout.v2.as_ref().filter(|root| root.join(PARENT).join(name).is_dir()) {
             let sb = add(root.join(PARENT).join(name), &mut cg.dirs);
             let (agent, work) = (sb.join(AGENT), sb.join(WORK));
             if work.is_dir() {
@@ -791,6 +794,57 @@ fn ensure_parent(root: &Path, parent: &Path, controllers: &[&str]) -> Result<(),
 
 fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
     fs::write(path, value).map_err(io_err(path))
+}
+
+/// Puts every process of `name`'s v1 cgroups also into a v2 directory of
+/// that name (made if missing). runsc (the gvisor class) makes a sandbox's
+/// cgroups in the v1 hierarchies of a hybrid host and none in its v2 tree,
+/// where the freezer and `cgroup.kill` are; joined there, a gvisor sandbox
+/// freezes, thaws and is killed as a container's. Nothing to do on a host
+/// without v1 controllers (runsc's cgroup is the v2 one then) or without a
+/// v2 tree. Repeated until a pass moves nothing: a process forked by one
+/// not yet moved lands in the old place.
+pub fn join_v2(layout: &Layout, name: &str) -> Result<(), CgroupError> {
+    let Some(v2) = &layout.v2 else { return Ok(()) };
+    let v1: Vec<PathBuf> = Controller::ALL
+        .iter()
+        .filter_map(|c| match layout.placement(*c) {
+            Some(Placement::V1(root)) => Some(root.join(PARENT).join(name)),
+            _ => None,
+        })
+        .chain(layout.v1_freezer.iter().map(|root| root.join(PARENT).join(name)))
+        .filter(|d| d.is_dir())
+        .collect();
+    if v1.is_empty() {
+        return Ok(());
+    }
+    let dir = v2.join(PARENT).join(name);
+    fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+    let procs = dir.join("cgroup.procs");
+    let pids_in = |file: &Path| -> Result<Vec<String>, CgroupError> {
+        Ok(fs::read_to_string(file).map_err(io_err(file))?.lines().map(str::to_owned).collect())
+    };
+    for _ in 0..100 {
+        let here = pids_in(&procs)?;
+        let mut moved = false;
+        for d in &v1 {
+            for pid in pids_in(&d.join("cgroup.procs"))? {
+                if here.contains(&pid) {
+                    continue;
+                }
+                match fs::write(&procs, &pid) {
+                    Ok(()) => moved = true,
+                    // Ended meanwhile.
+                    Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
+                    Err(e) => return Err(io_err(&procs)(e)),
+                }
+            }
+        }
+        if !moved {
+            return Ok(());
+        }
+    }
+    Err(CgroupError::Busy { path: dir })
 }
 
 /// Writes a control file the kernel may not offer (swap accounting off).

@@ -1029,10 +1029,13 @@ impl Sandbox {
             return self.destroy_tenant();
         }
         let Sandbox { pid, socket, cgroup, slot, gvisor, .. } = self;
+        // The cgroup first: a frozen (paused) gvisor sandbox's sentry
+        // answers no runsc command, and `runsc kill` would wait for it for
+        // ever; once it is dead runsc only removes its state.
+        let _ = cgroup.kill_all();
         if let Some(paths) = &gvisor {
             crate::gvisor::teardown(paths);
         }
-        let _ = cgroup.kill_all();
         // Only a sandbox we started is our child; an adopted one's PID 1 was
         // reparented, and its pid may have been reused since.
         if pid > 0 && slot.is_some() {

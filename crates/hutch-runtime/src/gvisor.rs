@@ -347,6 +347,7 @@ impl Runtime {
             cmd.arg("restore").arg("--detach").arg("--image-path").arg(image);
             cmd.arg("--pid-file").arg(paths.pid_file()).arg("--bundle").arg(&paths.bundle).arg(&paths.id);
             run(cmd, "restore the gvisor sandbox", &paths.bundle.join("runsc.log"))?;
+            crate::cgroup::join_v2(self.layout(), &paths.id)?;
             sb.cgroup = Cgroup::existing(self.layout(), &paths.id);
             marks.mark("runsc restore");
             return self.agent_up(paths, sb, marks);
@@ -398,7 +399,9 @@ impl Runtime {
         cmd.arg("run").arg("--detach").arg("--pid-file").arg(paths.pid_file());
         cmd.arg("--bundle").arg(&paths.bundle).arg(&paths.id);
         run(cmd, "start the gvisor sandbox", &paths.bundle.join("runsc.log"))?;
-        // runsc made the cgroups: only now are there directories to name.
+        // runsc made the cgroups: only now are there directories to name
+        // (and the v2 one to join, for the freezer).
+        crate::cgroup::join_v2(self.layout(), &paths.id)?;
         sb.cgroup = Cgroup::existing(self.layout(), &paths.id);
         marks.mark("runsc run");
         self.agent_up(paths, sb, marks)

@@ -11,7 +11,8 @@
 //!
 //! Pid reuse: [`Sandbox::net_ns`] opens a pidfd first and only then checks
 //! that the pid is the sandbox's init (in its cgroup, pid 1 of a namespace
-//! one level below ours), and that the pidfd's process is still alive after
+//! one level below ours; for the gvisor class, the sentry runsc names, in
+//! the sandbox's cgroup: its sockets are the workload's), and that the pidfd's process is still alive after
 //! the check. A pidfd names one process for good: once checked, `setns`
 //! through it can only join that sandbox's namespace, or fail with ESRCH
 //! when the sandbox is gone.
@@ -52,6 +53,16 @@ impl Sandbox {
     /// /proc (and the cgroup's process list for an adopted sandbox, whose
     /// PID 1 is not our child): call it once and keep the handle.
     pub fn net_ns(&self) -> Result<NetNs, PortError> {
+        // The gvisor class: the sentry, whose network namespace the
+        // workload's sockets are in (hostinet), is no pid namespace's init.
+        if let Some(sentry) = self.gvisor.as_ref().and_then(|g| g.sentry_pid()) {
+            if let Ok(pidfd) = pidfd_open(sentry) {
+                if in_cgroup_of(sentry, &self.id) && pidfd_alive(&pidfd) {
+                    return Ok(NetNs { sandbox: self.id.clone(), pidfd });
+                }
+            }
+            return Err(PortError::Gone(self.id.clone()));
+        }
         let candidates = if self.pid > 0 {
             vec![self.pid]
         } else {
@@ -82,9 +93,11 @@ fn is_init_of(pid: libc::pid_t, id: &str) -> bool {
         .find_map(|l| l.strip_prefix("NSpid:"))
         .map(|v| v.split_whitespace().collect())
         .unwrap_or_default();
-    if nspid.len() != 2 || nspid[1] != "1" {
-        return false;
-    }
+    nspid.len() == 2 && nspid[1] == "1" && in_cgroup_of(pid, id)
+}
+
+/// Whether `pid` is in sandbox `id`'s cgroup.
+fn in_cgroup_of(pid: libc::pid_t, id: &str) -> bool {
     let Ok(cgroups) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else { return false };
     let suffix = format!("/hutch/{id}");
     cgroups.lines().any(|l| l.splitn(3, ':').nth(2).is_some_and(|path| path.ends_with(&suffix)))

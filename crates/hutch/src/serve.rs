@@ -69,6 +69,13 @@ pub struct ServeArgs {
     /// network only) (HUTCH_REGISTRY_INSECURE).
     #[arg(long, env = "HUTCH_REGISTRY_INSECURE")]
     pub registry_insecure: bool,
+    /// The isolation class of the builtin templates (`base`, the code
+    /// interpreter's) and of a template that names none: `container`,
+    /// `gvisor` or `process`; the daemon refuses to start when this host
+    /// does not run it. Templates that name a class keep theirs
+    /// (HUTCH_DEFAULT_CLASS).
+    #[arg(long, env = "HUTCH_DEFAULT_CLASS", default_value = "container", value_parser = parse_class)]
+    pub default_class: hutch_api::Class,
     /// Which hutch network of this host to use, 0 to 31: its own subnet
     /// 100.(96+N).0.0/16, nftables table and links, for daemons side by
     /// side (HUTCH_NET_INSTANCE).
@@ -177,6 +184,14 @@ pub struct ServeArgs {
     /// Emit no events (to measure what the event path costs).
     #[arg(long, hide = true)]
     pub no_events: bool,
+}
+
+/// An isolation class by its name.
+fn parse_class(name: &str) -> std::result::Result<hutch_api::Class, String> {
+    hutch_api::Class::parse(name).ok_or_else(|| {
+        let names: Vec<&str> = hutch_api::Class::ALL.iter().map(|c| c.as_str()).collect();
+        format!("must be one of {}", names.join(", "))
+    })
 }
 
 /// The daemon's store, chosen by `--database`'s scheme: PostgreSQL for a
@@ -476,6 +491,9 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     }
     let cfg = hutch_runtime::Config { state_dir: args.state_dir.clone(), ..hutch_runtime::Config::from_env() };
     let runtime = hutch_runtime::Runtime::new(cfg).context("start the container runtime")?;
+    runtime
+        .runs(args.default_class)
+        .map_err(|why| anyhow::anyhow!("--default-class {}: this host cannot run it: {why}", args.default_class))?;
     let storage = open_storage(&args).await;
     let runtime = Arc::new(runtime.with_storage(storage.clone()));
     let network = setup_network(&args, &node, &runtime.config().run_dir, &store, instance.clone()).await;
@@ -560,6 +578,7 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
             lost_after: args.node_lost_after,
         },
         registry,
+        default_class: args.default_class,
     };
     let control = Control::new(store.clone(), runtime, config);
     // The event sequence goes on from the store before anything emits.

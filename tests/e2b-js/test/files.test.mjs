@@ -3,6 +3,7 @@ import assert from 'node:assert/strict'
 import { randomBytes } from 'node:crypto'
 import { after, before, test } from 'node:test'
 import { FileType, NotFoundError, Sandbox, SandboxError } from 'e2b'
+import { GVISOR_STATX, GVISOR_XATTRS, onClass } from './helpers.mjs'
 
 let sb
 before(async () => {
@@ -12,7 +13,7 @@ after(async () => {
   await sb?.kill()
 })
 
-test('write and read text, bytes, blobs and streams', async () => {
+test('write and read text, bytes, blobs and streams', onClass('gvisor', GVISOR_STATX), async () => {
   const info = await sb.files.write('notes/a.txt', 'hello')
   assert.equal(info.path, '/home/user/notes/a.txt')
   assert.equal(info.name, 'a.txt')
@@ -109,7 +110,7 @@ test('gzip, octet-stream and streamed uploads round trip', async () => {
   assert.deepEqual([0, 1, 2, 3].map((i) => back[i * (256 << 10)]), [0, 1, 2, 3])
 })
 
-test('file metadata is stored and read back', async () => {
+test('file metadata is stored and read back', onClass('gvisor', GVISOR_XATTRS), async () => {
   const info = await sb.files.write('meta/m.txt', 'x', { metadata: { Origin: 'js-sdk', kind: 'note' } })
   assert.deepEqual(info.metadata, { origin: 'js-sdk', kind: 'note' })
   assert.deepEqual((await sb.files.getInfo('meta/m.txt')).metadata, { origin: 'js-sdk', kind: 'note' })

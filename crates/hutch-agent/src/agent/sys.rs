@@ -700,12 +700,39 @@ pub fn open_pty(cols: u16, rows: u16) -> SysResult<(OwnedFd, OwnedFd)> {
     let unlock: libc::c_int = 0;
     // SAFETY: TIOCSPTLCK reads one int.
     cvt(unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSPTLCK, &unlock) })?;
+    let flags = libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC;
     // SAFETY: TIOCGPTPEER takes open flags and returns a new descriptor.
-    let slave = owned(unsafe {
-        libc::ioctl(master.as_raw_fd(), libc::TIOCGPTPEER, libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC)
-    })?;
+    let slave = match owned(unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCGPTPEER, flags) }) {
+        // gVisor's kernel (the gvisor class) has no TIOCGPTPEER: open the
+        // peer by its number, and check that what opened is that terminal.
+        Err(Errno(libc::ENOTTY | libc::EINVAL)) => open_pty_peer(master.as_fd(), flags)?,
+        other => other?,
+    };
     set_winsize(master.as_fd(), cols, rows)?;
     Ok((master, slave))
+}
+
+/// The peer of pseudo-terminal `master` by its path, `/dev/pts/<n>`, not
+/// through a symlink, refused unless it is the Unix 98 terminal numbered n.
+fn open_pty_peer(master: BorrowedFd<'_>, flags: libc::c_int) -> SysResult<OwnedFd> {
+    let mut n: libc::c_uint = 0;
+    // SAFETY: TIOCGPTN writes one unsigned int.
+    cvt(unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCGPTN, &mut n) })?;
+    let path = std::ffi::CString::new(format!("/dev/pts/{n}")).map_err(|_| Errno(libc::EINVAL))?;
+    // SAFETY: the path is a valid C string.
+    let peer = owned(unsafe { libc::open(path.as_ptr(), flags | libc::O_NOFOLLOW) })?;
+    // SAFETY: an all-zero stat is a valid value for fstat to fill.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a writable stat buffer.
+    cvt(unsafe { libc::fstat(peer.as_raw_fd(), &mut st) })?;
+    // Unix 98 terminals' peers: majors 136 to 143, 256 numbers each.
+    let (major, minor) = (libc::major(st.st_rdev), libc::minor(st.st_rdev));
+    let is_peer =
+        st.st_mode & libc::S_IFMT == libc::S_IFCHR && (136..144).contains(&major) && (major - 136) * 256 + minor == n;
+    if !is_peer {
+        return Err(Errno(libc::ENXIO));
+    }
+    Ok(peer)
 }
 
 pub fn set_winsize(fd: BorrowedFd<'_>, cols: u16, rows: u16) -> SysResult<()> {
@@ -797,10 +824,27 @@ fn resolve_in_root(
             continue;
         }
         let name = CString::new(comp).map_err(|_| Errno(libc::EINVAL))?;
-        let opened = if last {
-            openat(cur(&stack, root), &name, flags | libc::O_NOFOLLOW, mode)
-        } else {
-            openat(cur(&stack, root), &name, dir_flags, 0)
+        // Each component is asked first whether it is a symlink: gVisor's
+        // open follows one under O_NOFOLLOW when O_DIRECTORY is set (and
+        // its procfs jumps through a magic link), so an open cannot say.
+        let link = readlinkat(cur(&stack, root), &name).ok();
+        // A /proc "magic" link (a process's cwd, root, exe, fds: those that
+        // read as absolute paths) is refused, as openat2 refuses it under
+        // RESOLVE_IN_ROOT.
+        if link.as_ref().is_some_and(|t| t.first() == Some(&b'/'))
+            && fstatfs_type(cur(&stack, root)).is_ok_and(|t| t == libc::PROC_SUPER_MAGIC)
+        {
+            return Err(Errno(libc::EXDEV));
+        }
+        let opened = match (&link, last) {
+            // The caller's own O_NOFOLLOW: O_PATH opens the link itself.
+            (Some(_), true) if flags & (libc::O_PATH | libc::O_NOFOLLOW) == libc::O_PATH | libc::O_NOFOLLOW => {
+                openat(cur(&stack, root), &name, flags, mode)
+            }
+            // Followed (or refused) below.
+            (Some(_), _) => Err(Errno(libc::ELOOP)),
+            (None, true) => openat(cur(&stack, root), &name, flags | libc::O_NOFOLLOW, mode),
+            (None, false) => openat(cur(&stack, root), &name, dir_flags, 0),
         };
         match opened {
             Ok(fd) if last => return Ok(fd),
@@ -1132,4 +1176,48 @@ pub fn landlock_ruleset(abi: i64, rules: &[(BorrowedFd<'_>, u64)]) -> SysResult<
 pub fn landlock_restrict_self(ruleset: RawFd) -> SysResult<()> {
     // SAFETY: no pointers.
     cvt_long(unsafe { libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0) }).map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// gVisor's path (no openat2): a final symlink is followed inside the
+    /// root unless the caller refuses it, also for an O_PATH open.
+    #[test]
+    fn resolve_in_root_follows_a_final_symlink_unless_refused() {
+        let dir = std::env::temp_dir().join(format!("hutch-resolve-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).expect("mkdir");
+        std::fs::write(dir.join("f"), b"x").expect("write");
+        std::os::unix::fs::symlink("f", dir.join("rel")).expect("symlink");
+        std::os::unix::fs::symlink("/f", dir.join("abs")).expect("symlink");
+        let root = std::fs::File::open(&dir).expect("open root");
+        let root = root.as_fd();
+        let kind = |fd: SysResult<OwnedFd>| fd.map(|fd| fstat(fd.as_fd()).expect("fstat").st_mode & libc::S_IFMT);
+        for link in [&b"rel"[..], b"abs"] {
+            assert_eq!(kind(resolve_in_root(root, link, libc::O_PATH, 0, 0)), Ok(libc::S_IFREG));
+            assert_eq!(kind(resolve_in_root(root, link, libc::O_RDONLY, 0, 0)), Ok(libc::S_IFREG));
+            assert_eq!(kind(resolve_in_root(root, link, libc::O_PATH | libc::O_NOFOLLOW, 0, 0)), Ok(libc::S_IFLNK));
+            let refused = resolve_in_root(root, link, libc::O_PATH, 0, libc::RESOLVE_NO_SYMLINKS);
+            assert_eq!(refused.err(), Some(Errno(libc::ELOOP)));
+        }
+        std::fs::create_dir(dir.join("d")).expect("mkdir");
+        std::os::unix::fs::symlink("d", dir.join("dl")).expect("symlink");
+        let dir_flags = libc::O_RDONLY | libc::O_DIRECTORY;
+        assert_eq!(kind(resolve_in_root(root, b"dl", dir_flags, 0, 0)), Ok(libc::S_IFDIR));
+        let refused = resolve_in_root(root, b"dl", dir_flags, 0, libc::RESOLVE_NO_SYMLINKS);
+        assert_eq!(refused.err(), Some(Errno(libc::ELOOP)));
+        let refused = resolve_in_root(root, b"dl/x", libc::O_RDONLY, 0, libc::RESOLVE_NO_SYMLINKS);
+        assert_eq!(refused.err(), Some(Errno(libc::ELOOP)));
+        // /proc's magic links are refused as openat2 refuses them; its
+        // plain ones (self) are followed.
+        let slash = std::fs::File::open("/").expect("open /");
+        for magic in [&b"proc/self/cwd"[..], b"proc/self/exe"] {
+            let refused = resolve_in_root(slash.as_fd(), magic, libc::O_PATH, 0, 0);
+            assert_eq!(refused.err(), Some(Errno(libc::EXDEV)), "{}", String::from_utf8_lossy(magic));
+        }
+        assert_eq!(kind(resolve_in_root(slash.as_fd(), b"proc/self/status", libc::O_RDONLY, 0, 0)), Ok(libc::S_IFREG));
+        std::fs::remove_dir_all(&dir).expect("clean up");
+    }
 }
