@@ -86,13 +86,16 @@ fn run(args: &ExecArgs) -> anyhow::Result<i32> {
         return Ok(if res.timed_out { EXIT_TIMEOUT } else { exit_code(res.exit_code) });
     }
     let body = if args.interactive {
-        // Started with stdin open and its output kept, then attached: the
-        // attach replays what came before it.
+        // Started with stdin open and its output kept, then attached (the
+        // attach replays what came before it), then fed: a command that
+        // ends as soon as it has read its input must not end before the
+        // attach, which would find no process.
         let req = ExecRequest { background: Some(true), keep_output: Some(true), ..req };
         let pid = client.exec_background(&args.id, &req, &key)?.pid;
+        let body = client.process_stream(&args.id, pid)?;
         let (c, id) = (client.clone(), args.id.clone());
         std::thread::spawn(move || forward_stdin(&c, &id, pid, io::stdin().lock()));
-        client.process_stream(&args.id, pid)?
+        body
     } else {
         client.exec_stream(&args.id, &req, &key)?
     };
