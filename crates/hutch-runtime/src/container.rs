@@ -863,7 +863,7 @@ impl Runtime {
             if cg.exists() && cg.destroy(Duration::from_secs(1)).is_err() {
                 return None;
             }
-            let _ = fs::remove_file(self.cfg.run_dir.join("sockets").join(format!("{id}.sock")));
+            let _ = fs::remove_file(self.socket_path(&id));
         }
         stale.release();
         Some(id)

@@ -187,6 +187,21 @@ fn lock_in_place(file: &File, path: &Path) -> bool {
     }
 }
 
+/// The slot file at `path`, locked, with its record (owner, run
+/// directory), if nobody holds it (None if someone does; an error if it
+/// cannot be opened).
+fn lock_unheld(path: &Path) -> io::Result<Option<(File, String, Option<PathBuf>)>> {
+    let mut file = OpenOptions::new().read(true).write(true).open(path)?;
+    if !lock_in_place(&file, path) {
+        return Ok(None);
+    }
+    let mut text = String::new();
+    let _ = file.rewind();
+    let _ = Read::by_ref(&mut file).take(4096).read_to_string(&mut text);
+    let (owner, home) = parse_record(&text);
+    Ok(Some((file, owner, home)))
+}
+
 /// Finds the slots of dead sandboxes. Each is returned locked, so that
 /// nobody else takes it while the caller cleans up after its owner.
 pub fn stale(dir: &Path) -> Vec<Stale> {
@@ -199,16 +214,9 @@ pub fn stale(dir: &Path) -> Vec<Stale> {
             continue;
         };
         let path = e.path();
-        let Ok(mut file) = OpenOptions::new().read(true).write(true).open(&path) else {
+        let Ok(Some((file, owner, home))) = lock_unheld(&path) else {
             continue;
         };
-        if !lock_in_place(&file, &path) {
-            continue;
-        }
-        let mut text = String::new();
-        let _ = file.rewind();
-        let _ = Read::by_ref(&mut file).take(4096).read_to_string(&mut text);
-        let (owner, home) = parse_record(&text);
         let marker = home.as_deref().map(|h| marker(h, index));
         out.push(Stale { owner, home, slot: Slot { index, file, path, marker } });
     }
@@ -229,16 +237,14 @@ pub fn stale_marked(dir: &Path, home: &Path) -> Vec<Stale> {
             continue;
         };
         let path = dir.join(index.to_string());
-        let Ok(mut file) = OpenOptions::new().read(true).write(true).open(&path) else {
-            let _ = fs::remove_file(e.path());
-            continue;
+        let (file, owner, recorded) = match lock_unheld(&path) {
+            Ok(Some(found)) => found,
+            Ok(None) => continue,
+            Err(_) => {
+                let _ = fs::remove_file(e.path());
+                continue;
+            }
         };
-        if !lock_in_place(&file, &path) {
-            continue;
-        }
-        let mut text = String::new();
-        let _ = Read::by_ref(&mut file).take(4096).read_to_string(&mut text);
-        let (owner, recorded) = parse_record(&text);
         if recorded.as_deref() != Some(home) {
             let _ = fs::remove_file(e.path());
             continue;
