@@ -51,14 +51,34 @@ fi
 bin="fuzz/target/$(rustc -vV | sed -n 's/^host: //p')/release"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-passed=0
-failed=()
-for t in "${targets[@]}"; do
+# The targets run side by side, one per core (HUTCH_FUZZ_JOBS to change):
+# each libFuzzer process is single-threaded, so on CI's two cores this
+# halves the step's time without shortening any target's run.
+jobs=${HUTCH_FUZZ_JOBS:-$(nproc)}
+fuzz_one() {
+    local t=$1
     mkdir -p "$scratch/$t" "fuzz/corpus/$t" "fuzz/artifacts/$t"
-    echo "fuzz: $t for ${seconds} s"
     if "$bin/$t" "$scratch/$t" "fuzz/corpus/$t" -artifact_prefix="fuzz/artifacts/$t/" \
         -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
         >"$scratch/$t.log" 2>&1; then
+        touch "$scratch/$t.passed"
+    fi
+}
+running=0
+for t in "${targets[@]}"; do
+    if [ "$running" -ge "$jobs" ]; then
+        wait -n || true
+        running=$((running - 1))
+    fi
+    echo "fuzz: $t for ${seconds} s"
+    fuzz_one "$t" &
+    running=$((running + 1))
+done
+wait
+passed=0
+failed=()
+for t in "${targets[@]}"; do
+    if [ -e "$scratch/$t.passed" ]; then
         passed=$((passed + 1))
         grep -E '^stat::number_of_executed_units' "$scratch/$t.log" | sed "s/^/fuzz: $t: /" || true
     else

@@ -70,19 +70,54 @@ pg_scratch_stop
 HUTCH_TEST_CLASS=gvisor cargo test -p hutch --test escape -- --test-threads=2
 # Every parser of untrusted bytes, fuzzed for a bounded time (fuzz/).
 bash scripts/fuzz.sh "${HUTCH_FUZZ_SECONDS:-20}"
-python3 -m pytest tests/api -q -p no:cacheprovider
-python3 -m pip install --quiet --disable-pip-version-check -r tests/e2b/requirements.txt
 # The E2B JavaScript SDK's packages, as pinned in its package-lock.json; the
 # SDK wants Node 20.18.1 or newer (not 21): with an older Node (Debian 12
 # ships 18), npm's `node` package puts a pinned one in tests/e2b-js/.node,
 # first on PATH for the suite (tests/e2b/test_js.py runs it).
+python3 -m pip install --quiet --disable-pip-version-check -r tests/e2b/requirements.txt
 (cd tests/e2b-js && npm ci --no-audit --no-fund --loglevel=error)
 if ! node -e 'const [a, b, c] = process.versions.node.split(".").map(Number);
     process.exit(a >= 22 || (a === 20 && (b > 18 || (b === 18 && c >= 1))) ? 0 : 1)'; then
     npm install --prefix tests/e2b-js/.node --no-save --no-audit --no-fund --loglevel=error node@22.23.3
     export PATH="$PWD/tests/e2b-js/.node/node_modules/.bin:$PATH"
 fi
-python3 -m pytest tests/e2b -q -p no:cacheprovider
+# The Python SDK, installed as a user would (pip install ./sdk/python), with
+# its test extras; its suite starts one daemon of its own for the session.
+python3 -m pip install --quiet --disable-pip-version-check './sdk/python[test]'
+
+# The end-to-end suites run two at a time: each starts daemons of its own
+# (state directories, network instances and ports apart; see the
+# conftest.py files), and much of their time is spent waiting on sandboxes,
+# so on CI's two cores a pair takes little more than its longer half. Each
+# half writes to a log of its own, printed whole when both have ended; the
+# step fails if either half failed.
+side_by_side() {
+    local logs pids=() rc=0 i
+    logs=$(mktemp -d)
+    for i in 1 2; do
+        bash -c "${!i}" >"$logs/$i" 2>&1 &
+        pids+=($!)
+    done
+    for i in 1 2; do
+        if ! wait "${pids[$((i - 1))]}"; then
+            rc=1
+            echo "test.sh: failed: ${!i}" >"$logs/$i.failed"
+        fi
+    done
+    for i in 1 2; do
+        echo "=== ${!i}"
+        cat "$logs/$i"
+        cat "$logs/$i.failed" 2>/dev/null || true
+    done
+    rm -rf "$logs"
+    return $rc
+}
+
+# The native API's suite beside the E2B suite (both SDKs) and then our own
+# Python SDK's.
+side_by_side \
+    'python3 -m pytest tests/api -q -p no:cacheprovider' \
+    'python3 -m pytest tests/e2b -q -p no:cacheprovider && python3 -m pytest sdk/python/tests -q -p no:cacheprovider'
 # Both API suites again with gvisor (runsc, ptrace platform) as the
 # daemons' default class (HUTCH_TEST_CLASS: `hutch serve --default-class`,
 # so `base` and every template made without a class run under runsc; see
@@ -98,10 +133,6 @@ python3 -m pytest tests/e2b -q -p no:cacheprovider
 # (2026-12-02, shared with other builds): E2B 9 min and these six files
 # 11 min, each alone (ptrace gVisor: ~0.4 s per create and first exec,
 # ~0.25 s per exec).
-HUTCH_TEST_CLASS=gvisor python3 -m pytest tests/e2b -q -p no:cacheprovider
-HUTCH_TEST_CLASS=gvisor python3 -m pytest tests/api/test_exec.py tests/api/test_processes.py tests/api/test_pty.py \
-    tests/api/test_files.py tests/api/test_pause.py tests/api/test_snapshots.py -q -p no:cacheprovider
-# The Python SDK, installed as a user would (pip install ./sdk/python), with
-# its test extras; its suite starts one daemon of its own for the session.
-python3 -m pip install --quiet --disable-pip-version-check './sdk/python[test]'
-python3 -m pytest sdk/python/tests -q -p no:cacheprovider
+side_by_side \
+    'HUTCH_TEST_CLASS=gvisor python3 -m pytest tests/e2b -q -p no:cacheprovider' \
+    'HUTCH_TEST_CLASS=gvisor python3 -m pytest tests/api/test_exec.py tests/api/test_processes.py tests/api/test_pty.py tests/api/test_files.py tests/api/test_pause.py tests/api/test_snapshots.py -q -p no:cacheprovider'
