@@ -206,6 +206,8 @@ pub struct Control {
     pub(crate) pausing: Mutex<HashMap<String, tokio::sync::watch::Receiver<bool>>>,
     /// Set while an idle sweep runs (one at a time).
     pub(crate) idle_sweeping: Arc<AtomicBool>,
+    /// Sandboxes whose destruction is under way here ([`Control::claim_ending`]).
+    pub(crate) ending: Mutex<HashSet<SandboxId>>,
     /// Usage counted and not yet written.
     pub(crate) meter: crate::usage::Meter,
     /// The key that seals secrets, loaded at first use.
@@ -369,6 +371,7 @@ impl Control {
             idle: crate::idle::Idle::default(),
             pausing: Mutex::new(HashMap::new()),
             idle_sweeping: Arc::new(AtomicBool::new(false)),
+            ending: Mutex::new(HashSet::new()),
             meter: crate::usage::Meter::default(),
         })
     }
@@ -476,6 +479,17 @@ impl Control {
         self.live_map().remove(id)
     }
 
+    /// Claims the destruction of sandbox `id` until the guard drops; None
+    /// while another claim holds it. A delete marks its sandbox
+    /// `terminating` before its teardown, and the reconciler retries the
+    /// teardown of every `terminating` one: without the claim it would
+    /// tear down, again and at once, every sandbox a delete is ending
+    /// (adopting each as a stranger's, sweeping the run directory's slots).
+    pub(crate) fn claim_ending(&self, id: &SandboxId) -> Option<Ending<'_>> {
+        let mut ending = self.ending.lock().unwrap_or_else(|p| p.into_inner());
+        ending.insert(id.clone()).then(|| Ending { control: self, id: id.clone() })
+    }
+
     fn cancelled_set(&self) -> std::sync::MutexGuard<'_, HashSet<SandboxId>> {
         self.cancelled.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -569,6 +583,18 @@ pub(crate) fn allowed(caller: &Caller, owner: &str, need: Need) -> bool {
     match need {
         Need::Manage => caller.may_manage(owner),
         Need::Use => caller.may_use(owner),
+    }
+}
+
+/// A claim on a sandbox's destruction ([`Control::claim_ending`]).
+pub(crate) struct Ending<'a> {
+    control: &'a Control,
+    id: SandboxId,
+}
+
+impl Drop for Ending<'_> {
+    fn drop(&mut self) {
+        self.control.ending.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
     }
 }
 
