@@ -354,6 +354,11 @@ async fn setup_network(
                 Ok(Err(e)) => tracing::warn!("cannot load the sandboxes' nftables table again: {e}"),
                 _ => {}
             }
+            // Namespaces released beyond what creates took back go a few
+            // at a time once the pool is idle (deleting links is slow with
+            // many alive; see `Network::trim_pool`).
+            let f = filler.clone();
+            let _ = tokio::task::spawn_blocking(move || f.trim_pool(std::time::Instant::now())).await;
             if filler.pooled() < NET_POOL {
                 let f = filler.clone();
                 if let Ok(Err(e)) = tokio::task::spawn_blocking(move || f.fill_pool(NET_POOL)).await {

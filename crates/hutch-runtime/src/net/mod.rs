@@ -32,6 +32,20 @@ const PEER_NAME: &str = "eth0";
 pub const MAX_INSTANCES: u8 = 32;
 /// Namespaces kept ready beyond those in use.
 const POOL_KEEP: usize = 64;
+/// Released namespaces kept for reuse, at most. Deleting a veth costs a
+/// walk of the host's whole IPv6 routing table under the lock every link
+/// change takes (several routes per sandbox link): with thousands alive,
+/// each deletion costs milliseconds and they all queue on that lock. So a
+/// sandbox's end keeps its namespace (its processes, sockets, flows and
+/// set elements gone), the next creates take them back, and the pool is
+/// trimmed to [`POOL_KEEP`] off the request path ([`Network::trim_pool`])
+/// once no create has taken from it for [`POOL_IDLE`]. About 0.3 MiB of
+/// host memory each (a namespace and a veth pair).
+const POOL_RETAIN: usize = 4096;
+/// How long the pool must go untouched before it is trimmed.
+const POOL_IDLE: Duration = Duration::from_secs(10);
+/// Links deleted per trim: the trim shares the link lock with creates.
+const TRIM_BATCH: usize = 8;
 /// Addresses a resolver may admit for one sandbox.
 pub const MAX_LEARNED: usize = 4096;
 /// An admitted address stays at least this long, whatever its answer's
@@ -346,7 +360,11 @@ struct Lease {
 
 #[derive(Debug, Default)]
 struct State {
-    pool: Vec<Slot>,
+    /// Ready namespaces, oldest released first: a create takes the front,
+    /// so an address freed now is the last to be given again.
+    pool: std::collections::VecDeque<Slot>,
+    /// When a create last took from the pool (or a release filled it).
+    pool_used: Option<Instant>,
     leases: HashMap<String, Lease>,
     /// Address indexes in use (pooled or leased).
     used: BTreeSet<u32>,
@@ -356,7 +374,7 @@ struct State {
     /// Addresses of sandboxes that outlived the last daemon, until adopted.
     reserved: BTreeSet<u32>,
     /// Namespaces the pool is filled to; released ones are kept up to
-    /// twice this, the rest dropped.
+    /// [`POOL_RETAIN`], and trimmed back to twice this when idle.
     target: usize,
 }
 
@@ -505,9 +523,45 @@ impl Network {
         lock(&self.state).target = n.min(POOL_KEEP);
         while lock(&self.state).pool.len() < n.min(POOL_KEEP) {
             let slot = self.make_slot()?;
-            lock(&self.state).pool.push(slot);
+            lock(&self.state).pool.push_back(slot);
         }
         Ok(())
+    }
+
+    /// Deletes a few pooled namespaces beyond what the pool is kept at,
+    /// once no create has taken from it for [`POOL_IDLE`] (called off the
+    /// request path, repeatedly). Returns how many were deleted.
+    pub fn trim_pool(&self, now: Instant) -> usize {
+        let doomed: Vec<Slot> = {
+            let mut st = lock(&self.state);
+            let keep = (2 * st.target).clamp(1, POOL_KEEP);
+            let busy = st.pool_used.is_some_and(|t| now.saturating_duration_since(t) < POOL_IDLE);
+            if busy || st.pool.len() <= keep {
+                return 0;
+            }
+            let n = (st.pool.len() - keep).min(TRIM_BATCH);
+            // The most recently released: the front is handed out next.
+            let at = st.pool.len() - n;
+            let doomed: Vec<Slot> = st.pool.drain(at..).collect();
+            for slot in &doomed {
+                st.used.remove(&slot.index);
+            }
+            doomed
+        };
+        let n = doomed.len();
+        for slot in doomed {
+            self.drop_slot(slot);
+        }
+        n
+    }
+
+    /// Deletes a namespace's host link; the namespace goes with its last
+    /// descriptor.
+    fn drop_slot(&self, slot: Slot) {
+        lock(&self.rx_seen).remove(&slot.host_if);
+        if let Ok(i) = host_index(&slot.host_if) {
+            let _ = lock(&self.rtnl).del_link(i);
+        }
     }
 
     pub fn pooled(&self) -> usize {
@@ -621,7 +675,11 @@ impl Network {
     /// runs. Under `deny_all` its address is in no set: every packet it
     /// sends through the host is refused, and the resolver answers nothing.
     pub fn attach_with_interface(&self, id: &str, policy: &Policy) -> Result<Attached, NetError> {
-        let pooled = lock(&self.state).pool.pop();
+        let pooled = {
+            let mut st = lock(&self.state);
+            st.pool_used = Some(Instant::now());
+            st.pool.pop_front()
+        };
         let slot = match pooled {
             Some(s) => s,
             None => self.make_slot()?,
@@ -673,7 +731,7 @@ impl Network {
         let mut nft = lock(&self.nft);
         let mut st = lock(&self.state);
         if let Err(e) = nft.set_elements(NFPROTO_INET, &self.cfg.table(), &elements) {
-            st.pool.push(slot);
+            st.pool.push_back(slot);
             return Err(io_err("admit the sandbox to its policy")(e));
         }
         st.leases.insert(
@@ -740,17 +798,15 @@ impl Network {
             if let Err(e) = nft.flush_conntrack(self.ct_mark(slot.index)) {
                 tracing::warn!("sandbox {id}: cannot forget its tracked flows: {e}");
             }
-            if st.pool.len() < (2 * st.target).clamp(1, POOL_KEEP) && Arc::strong_count(&slot.netns) == 1 {
-                st.pool.push(slot);
+            if st.pool.len() < POOL_RETAIN && Arc::strong_count(&slot.netns) == 1 {
+                st.pool.push_back(slot);
+                st.pool_used = Some(Instant::now());
                 return;
             }
             st.used.remove(&slot.index);
             slot
         };
-        lock(&self.rx_seen).remove(&slot.host_if);
-        if let Ok(i) = host_index(&slot.host_if) {
-            let _ = lock(&self.rtnl).del_link(i);
-        }
+        self.drop_slot(slot);
     }
 
     /// The bytes link `host_if` received (its sandbox sent), from /sys of
@@ -1804,6 +1860,40 @@ mod tests {
         let want: Vec<(IpAddr, u8)> =
             [("10.8.0.0", 24), ("192.0.2.10", 24)].iter().map(|(a, l)| (a.parse().expect("ip"), *l)).collect();
         assert_eq!(got, want);
+    }
+
+    #[test]
+    fn released_namespaces_stay_pooled_until_the_pool_idles_then_go_a_few_at_a_time() {
+        let t = TestNet::new();
+        let net = &t.net;
+        let ids: Vec<String> = (0..TRIM_BATCH + 3).map(|i| format!("sb-pool{i}")).collect();
+        let mut links = Vec::new();
+        for id in &ids {
+            links.push(net.attach(id, &listed()).expect("attach").host_if.expect("a link"));
+        }
+        for id in &ids {
+            net.release(id);
+        }
+        // Every released namespace is kept, its link still on the host.
+        assert_eq!(net.pooled(), ids.len());
+        assert!(links.iter().all(|l| host_index(l).is_ok()), "a released link was deleted");
+        // Not trimmed while creates or releases touched the pool lately.
+        let now = Instant::now();
+        assert_eq!(net.trim_pool(now), 0);
+        // Idle: a batch goes, then the rest down to what the pool keeps (1:
+        // this network was never asked to fill its pool).
+        let later = now + POOL_IDLE + Duration::from_secs(1);
+        assert_eq!(net.trim_pool(later), TRIM_BATCH);
+        assert_eq!(net.trim_pool(later), 2);
+        assert_eq!(net.trim_pool(later), 0);
+        assert_eq!(net.pooled(), 1);
+        let left: Vec<&String> = links.iter().filter(|l| host_index(l).is_ok()).collect();
+        assert_eq!(left.len(), 1, "links left on the host: {left:?}");
+        // The oldest released is kept, and the next create takes it.
+        assert_eq!(left[0], &links[0]);
+        let again = net.attach("sb-pool-again", &listed()).expect("attach");
+        assert_eq!(again.host_if.as_ref(), Some(&links[0]));
+        net.release("sb-pool-again");
     }
 
     #[test]
