@@ -216,6 +216,12 @@ pub struct Cgroup {
     work_dirs: Vec<PathBuf>,
     /// Bytes the sandbox may use beyond the workload's memory limit.
     headroom: u64,
+    /// The OOM counter's file, kept open once read: the reconciler reads
+    /// it for every sandbox twice a second, and opening it (a path walk
+    /// through a directory of thousands of sandboxes) costs several times
+    /// the read; with thousands alive that was most of an idle daemon's
+    /// time.
+    oom_file: std::sync::OnceLock<fs::File>,
 }
 
 impl Cgroup {
@@ -234,6 +240,7 @@ impl Cgroup {
             agent_dirs: Vec::new(),
             work_dirs: Vec::new(),
             headroom,
+            oom_file: std::sync::OnceLock::new(),
         }
     }
 
@@ -403,7 +410,19 @@ impl Cgroup {
     /// How many times the kernel's OOM killer ran among the sandbox's
     /// commands (in the whole sandbox, for one made before the split).
     pub fn oom_kills(&self) -> u64 {
-        self.oom_events_file().map_or(0, |f| read_key(&f, "oom_kill"))
+        use std::os::unix::fs::FileExt;
+        let file = match self.oom_file.get() {
+            Some(f) => f,
+            None => {
+                // Not kept when it cannot be opened now: the next read tries again.
+                let Some(f) = self.oom_events_file().and_then(|p| fs::File::open(p).ok()) else { return 0 };
+                self.oom_file.get_or_init(|| f)
+            }
+        };
+        // A flat keyed file of a few short lines, read whole from its start.
+        let mut buf = [0u8; 1024];
+        let n = file.read_at(&mut buf, 0).unwrap_or(0);
+        std::str::from_utf8(&buf[..n]).ok().and_then(|t| key_in(t, "oom_kill")).unwrap_or(0)
     }
 
     /// How many forks failed because a pids limit (the workload's or the
@@ -857,15 +876,15 @@ fn write_if_present(path: &Path, value: &str) -> Result<(), CgroupError> {
 
 /// Reads `key N` out of a flat keyed file; 0 when absent.
 fn read_key(path: &Path, key: &str) -> u64 {
-    fs::read_to_string(path)
-        .ok()
-        .and_then(|text| {
-            text.lines().find_map(|l| {
-                let (k, v) = l.split_once(' ')?;
-                (k == key).then(|| v.trim().parse().ok()).flatten()
-            })
-        })
-        .unwrap_or(0)
+    fs::read_to_string(path).ok().and_then(|text| key_in(&text, key)).unwrap_or(0)
+}
+
+/// `key N` out of the text of a flat keyed file.
+fn key_in(text: &str, key: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let (k, v) = l.split_once(' ')?;
+        (k == key).then(|| v.trim().parse().ok()).flatten()
+    })
 }
 
 fn read_u64(path: &Path) -> u64 {
@@ -978,6 +997,9 @@ mod tests {
         assert_eq!(cg.oom_events_file(), Some(dir.join("work/memory.events")));
         touch(&dir.join("work/memory.events"), "low 0\nhigh 0\nmax 9\noom 2\noom_kill 2\noom_group_kill 0\n");
         assert_eq!(cg.oom_kills(), 2);
+        // The file is kept open after the first read, and read again.
+        touch(&dir.join("work/memory.events"), "low 0\nhigh 0\nmax 9\noom 3\noom_kill 3\noom_group_kill 0\n");
+        assert_eq!(cg.oom_kills(), 3);
         // Children are removed before their parent.
         assert_eq!(cg.dirs, [dir.clone(), dir.join("agent"), dir.join("work")]);
         let again = Cgroup::existing(&layout, "sb1");
