@@ -200,6 +200,21 @@ fn select(log: &VecDeque<LogEntry>, q: &LogQuery) -> Vec<LogEntry> {
     }
 }
 
+/// A sample of a sandbox's use (its CPU share is filled in by
+/// [`History::sample`]).
+fn sample_of(r: &hutch_store::SandboxRecord, u: &hutch_runtime::container::Usage) -> Sample {
+    Sample {
+        at_ms: 0,
+        cpu_count: r.vcpus.ceil().max(1.0) as u32,
+        cpu_used_pct: 0.0,
+        mem_used: u.memory_bytes,
+        mem_total: r.memory_mb << 20,
+        mem_cache: u.memory_cache_bytes,
+        disk_used: u.disk_used_bytes,
+        disk_total: u.disk_total_bytes,
+    }
+}
+
 impl Control {
     /// Adds an entry to a sandbox's log.
     pub(crate) fn log(&self, id: &SandboxId, level: LogLevel, message: impl Into<String>, fields: &[(&str, String)]) {
@@ -208,16 +223,40 @@ impl Control {
 
     /// Takes a sample of every running sandbox (suspended ones are not
     /// sampled: their counters stand still). Called every
-    /// [`SAMPLE_EVERY`] by the daemon.
+    /// [`SAMPLE_EVERY`] by the daemon. One read of the store and one
+    /// blocking task for them all: with thousands alive, a query and a task
+    /// per sandbox were most of an idle daemon's work.
     pub async fn sample_metrics(&self) {
         let lives = self.lives();
         let ids: std::collections::HashSet<&SandboxId> = lives.iter().map(|l| &l.id).collect();
         self.history.retain(|id| ids.contains(id));
-        for live in lives {
-            if live.is_suspended() || live.is_pooled() {
-                continue;
+        let lives: Vec<_> = lives.into_iter().filter(|l| !l.is_suspended() && !l.is_pooled()).collect();
+        if lives.is_empty() {
+            return;
+        }
+        let node = self.node.name.clone();
+        let Ok(rows) = self.db(move |s| s.sandboxes_on(Some(&node), &[hutch_store::SandboxState::Running])).await
+        else {
+            return;
+        };
+        let rows: std::collections::HashMap<String, hutch_store::SandboxRecord> =
+            rows.into_iter().map(|r| (r.id.clone(), r)).collect();
+        let usages = tokio::task::spawn_blocking(move || {
+            lives
+                .into_iter()
+                .filter_map(|live| {
+                    let usage = live.handle.lock().ok()?.as_ref()?.usage();
+                    Some((live.id.clone(), usage))
+                })
+                .collect::<Vec<_>>()
+        })
+        .await
+        .unwrap_or_default();
+        let at = now_ms();
+        for (id, u) in usages {
+            if let Some(r) = rows.get(id.as_str()) {
+                self.history.sample(&id, at, r.created_at, u.cpu_ns, sample_of(r, &u));
             }
-            self.sample_one(&live.id).await;
         }
     }
 
@@ -231,17 +270,7 @@ impl Control {
         })
         .await;
         let Ok(Some(u)) = usage else { return };
-        let sample = Sample {
-            at_ms: 0,
-            cpu_count: r.vcpus.ceil().max(1.0) as u32,
-            cpu_used_pct: 0.0,
-            mem_used: u.memory_bytes,
-            mem_total: r.memory_mb << 20,
-            mem_cache: u.memory_cache_bytes,
-            disk_used: u.disk_used_bytes,
-            disk_total: u.disk_total_bytes,
-        };
-        self.history.sample(id, now_ms(), r.created_at, u.cpu_ns, sample);
+        self.history.sample(id, now_ms(), r.created_at, u.cpu_ns, sample_of(&r, &u));
     }
 
     /// The samples of a sandbox of the caller between two instants (Unix
