@@ -44,8 +44,14 @@ const POOL_KEEP: usize = 64;
 const POOL_RETAIN: usize = 4096;
 /// How long the pool must go untouched before it is trimmed.
 const POOL_IDLE: Duration = Duration::from_secs(10);
-/// Links deleted per trim: the trim shares the link lock with creates.
+/// Links deleted per trim, at most, and the time a trim may spend: each
+/// deletion holds the lock every create's link setup takes (for tens of
+/// milliseconds with thousands of links on the host).
 const TRIM_BATCH: usize = 8;
+const TRIM_BUDGET: Duration = Duration::from_millis(20);
+/// How long a daemon's exit spends deleting pooled links one by one; the
+/// rest go with their namespaces, which the kernel tears down after.
+const TEARDOWN_BUDGET: Duration = Duration::from_secs(5);
 /// Addresses a resolver may admit for one sandbox.
 pub const MAX_LEARNED: usize = 4096;
 /// An admitted address stays at least this long, whatever its answer's
@@ -532,25 +538,23 @@ impl Network {
     /// once no create has taken from it for [`POOL_IDLE`] (called off the
     /// request path, repeatedly). Returns how many were deleted.
     pub fn trim_pool(&self, now: Instant) -> usize {
-        let doomed: Vec<Slot> = {
-            let mut st = lock(&self.state);
-            let keep = (2 * st.target).clamp(1, POOL_KEEP);
-            let busy = st.pool_used.is_some_and(|t| now.saturating_duration_since(t) < POOL_IDLE);
-            if busy || st.pool.len() <= keep {
-                return 0;
-            }
-            let n = (st.pool.len() - keep).min(TRIM_BATCH);
-            // The most recently released: the front is handed out next.
-            let at = st.pool.len() - n;
-            let doomed: Vec<Slot> = st.pool.drain(at..).collect();
-            for slot in &doomed {
+        let started = Instant::now();
+        let mut n = 0;
+        while n < TRIM_BATCH && started.elapsed() < TRIM_BUDGET {
+            let slot = {
+                let mut st = lock(&self.state);
+                let keep = (2 * st.target).clamp(1, POOL_KEEP);
+                let busy = st.pool_used.is_some_and(|t| now.saturating_duration_since(t) < POOL_IDLE);
+                if busy || st.pool.len() <= keep {
+                    break;
+                }
+                // The most recently released: the front is handed out next.
+                let Some(slot) = st.pool.pop_back() else { break };
                 st.used.remove(&slot.index);
-            }
-            doomed
-        };
-        let n = doomed.len();
-        for slot in doomed {
+                slot
+            };
             self.drop_slot(slot);
+            n += 1;
         }
         n
     }
@@ -1259,10 +1263,15 @@ impl Network {
     /// with no sandbox running (their networks would go with it).
     pub fn teardown(&self) {
         let pool = std::mem::take(&mut lock(&self.state).pool);
+        let started = Instant::now();
         let mut rtnl = lock(&self.rtnl);
         for slot in pool {
-            if let Ok(i) = host_index(&slot.host_if) {
-                let _ = rtnl.del_link(i);
+            // Past the budget (thousands pooled), each namespace is only
+            // closed: the kernel deletes its veth pair as it frees it.
+            if started.elapsed() < TEARDOWN_BUDGET {
+                if let Ok(i) = host_index(&slot.host_if) {
+                    let _ = rtnl.del_link(i);
+                }
             }
         }
         let _ = nftables::delete_table(&mut lock(&self.nft), &self.cfg.table());
@@ -1880,12 +1889,21 @@ mod tests {
         // Not trimmed while creates or releases touched the pool lately.
         let now = Instant::now();
         assert_eq!(net.trim_pool(now), 0);
-        // Idle: a batch goes, then the rest down to what the pool keeps (1:
-        // this network was never asked to fill its pool).
+        // Idle: each pass deletes at least one and at most a batch (fewer
+        // when deletions are slow), down to what the pool keeps (1: this
+        // network was never asked to fill its pool).
         let later = now + POOL_IDLE + Duration::from_secs(1);
-        assert_eq!(net.trim_pool(later), TRIM_BATCH);
-        assert_eq!(net.trim_pool(later), 2);
-        assert_eq!(net.trim_pool(later), 0);
+        let mut passes = Vec::new();
+        loop {
+            let n = net.trim_pool(later);
+            if n == 0 {
+                break;
+            }
+            passes.push(n);
+        }
+        assert!(passes.iter().all(|n| *n <= TRIM_BATCH), "a pass deleted more than a batch: {passes:?}");
+        assert_eq!(passes.iter().sum::<usize>(), ids.len() - 1, "passes: {passes:?}");
+        assert!(passes.len() >= 2, "{} links went in one pass", ids.len() - 1);
         assert_eq!(net.pooled(), 1);
         let left: Vec<&String> = links.iter().filter(|l| host_index(l).is_ok()).collect();
         assert_eq!(left.len(), 1, "links left on the host: {left:?}");
