@@ -444,6 +444,33 @@ pub fn main(args: ServeArgs) -> i32 {
     }
 }
 
+/// Makes the admin key of an empty database and writes its secret to
+/// `admin.key` in the state directory (mode 0600). Of daemons starting
+/// together on one empty database, one makes it (`insert_first_key`);
+/// the others say whose it is.
+fn make_admin_key(store: &dyn hutch_store::Store, state_dir: &std::path::Path) -> Result<()> {
+    let key = hutch_control::keys::generate("admin", true, false, hutch_store::Quotas::default())?;
+    if !store.insert_first_key(&key.record)? {
+        let first = store.list_keys()?.into_iter().find(|k| k.admin && k.revoked_at.is_none());
+        tracing::info!(
+            "another node made the admin API key first ({}); its secret is in that node's admin.key",
+            first.map_or_else(|| "it is no longer live".to_owned(), |k| format!("key {}", k.id))
+        );
+        return Ok(());
+    }
+    let path = state_dir.join("admin.key");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("write {}", path.display()))?;
+    writeln!(f, "{}", key.secret)?;
+    tracing::info!("created the admin API key; it is in {} (mode 0600)", path.display());
+    Ok(())
+}
+
 async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     // The network instance is this daemon's alone, for its whole life:
     // another live daemon holding it means this one must not start (it
@@ -476,18 +503,7 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         }
     }
     if store.count_keys()? == 0 {
-        let key = hutch_control::keys::generate("admin", true, false, hutch_store::Quotas::default())?;
-        store.insert_key(&key.record)?;
-        let path = args.state_dir.join("admin.key");
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&path)
-            .with_context(|| format!("write {}", path.display()))?;
-        writeln!(f, "{}", key.secret)?;
-        tracing::info!("created the admin API key; it is in {} (mode 0600)", path.display());
+        make_admin_key(store.as_ref(), &args.state_dir)?;
     }
     let cfg = hutch_runtime::Config { state_dir: args.state_dir.clone(), ..hutch_runtime::Config::from_env() };
     let runtime = hutch_runtime::Runtime::new(cfg).context("start the container runtime")?;
@@ -568,6 +584,12 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
                 max_per_key: args.webhook_max,
                 retry_base: args.webhook_retry_base,
             },
+            // Other daemons may append to a shared database.
+            follow_others: args
+                .database
+                .as_deref()
+                .is_some_and(is_postgres_url)
+                .then_some(hutch_control::events::FOLLOW_OTHERS),
         },
         egress_bundle: egress.as_ref().map(|(_, _, bundle)| bundle.clone()),
         node: hutch_control::nodes::NodeConfig {
