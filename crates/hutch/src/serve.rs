@@ -62,7 +62,7 @@ pub struct ServeArgs {
     /// `http[s]://host[:port][/prefix]`: snapshots and sandboxes paused to
     /// disk are pushed there, so that another node starts them. Plain HTTP
     /// to loopback only, unless --registry-insecure; anonymous or token
-    /// access (HUTCH_REGISTRY).
+    /// access. Empty: none, as when not given (HUTCH_REGISTRY).
     #[arg(long, env = "HUTCH_REGISTRY", value_name = "URL")]
     pub registry: Option<String>,
     /// Allow plain HTTP to a --registry that is not on loopback (a trusted
@@ -444,6 +444,15 @@ pub fn main(args: ServeArgs) -> i32 {
     }
 }
 
+/// The fleet's registry from `--registry`: none when not given or empty
+/// (the deployments pass an empty `HUTCH_REGISTRY` for none).
+fn registry_target(url: Option<&str>, insecure: bool) -> Result<Option<hutch_runtime::image::push::Target>> {
+    url.map(str::trim)
+        .filter(|u| !u.is_empty())
+        .map(|u| hutch_runtime::image::push::Target::parse(u, insecure).map_err(|e| anyhow::anyhow!("--registry: {e}")))
+        .transpose()
+}
+
 /// Makes the admin key of an empty database and writes its secret to
 /// `admin.key` in the state directory (mode 0600). Of daemons starting
 /// together on one empty database, one makes it (`insert_first_key`);
@@ -549,13 +558,7 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     };
     let metrics_token = secret_file("--metrics-token-file", args.metrics_token_file.as_deref(), 16)?;
     let fleet_secret = secret_file("--fleet-secret-file", args.fleet_secret_file.as_deref(), 32)?;
-    let registry = match &args.registry {
-        Some(url) => Some(
-            hutch_runtime::image::push::Target::parse(url, args.registry_insecure)
-                .map_err(|e| anyhow::anyhow!("--registry: {e}"))?,
-        ),
-        None => None,
-    };
+    let registry = registry_target(args.registry.as_deref(), args.registry_insecure)?;
     let e2b_registries: Vec<String> =
         args.e2b_registries.iter().map(|r| r.trim().to_ascii_lowercase()).filter(|r| !r.is_empty()).collect();
     // The egress proxy that injects secrets, on the gateway address.
@@ -774,6 +777,10 @@ mod tests {
     #[test]
     fn the_database_url_picks_the_backend() {
         assert!(is_postgres_url("postgres://hutch@%2Frun%2Fpostgresql/hutch"));
+        assert!(registry_target(None, false).expect("none").is_none());
+        assert!(registry_target(Some(""), false).expect("empty is none").is_none());
+        assert!(registry_target(Some("http://127.0.0.1:5000"), false).expect("loopback").is_some());
+        assert!(registry_target(Some("http://registry.example.com"), false).is_err(), "plain HTTP off loopback");
         assert!(is_postgres_url("PostgreSQL://db.internal/hutch"));
         assert!(!is_postgres_url("sqlite:///var/lib/hutch/hutch.db"));
         assert!(!is_postgres_url("postgres:"));
