@@ -5,8 +5,9 @@ nodes; each node's own work (its reconciler, its recovery) touches only
 its sandboxes; `/v1/nodes` lists them with their heartbeats. Events are
 the fleet's (one sequence of ids, streams that follow every node's, a
 `Last-Event-ID` that resumes on any node), each webhook delivery is sent
-by one node, and of daemons starting together on an empty database one
-makes the admin key.
+by one node, of daemons starting together on an empty database one
+makes the admin key, and a node's restart fails only its own unfinished
+builds.
 
 The fleet's PostgreSQL comes from conftest's `pg_admin` (one throwaway
 cluster per test session unless HUTCH_TEST_DAEMON_POSTGRES names one)."""
@@ -393,3 +394,28 @@ def test_daemons_starting_together_on_an_empty_database_make_one_admin_key(fleet
         expect_status(r, 200)
         admins = [k for k in r.json()["keys"] if k["admin"]]
         assert len(admins) == 1, admins
+
+
+def test_a_nodes_restart_fails_only_its_own_unfinished_builds(fleet_of):
+    """A build runs on A; B restarting (its start fails the builds a
+    stopped daemon left) leaves it building; A's own restart fails it."""
+    from test_builds import build_log, make_template, start_build, wait_build
+
+    a, b = fleet_of([NODE_A, NODE_B])
+    on_a = Client(a.base, a.admin_key())
+    t = make_template(on_a)
+    bld = start_build(on_a, t["id"], {"Dockerfile": "RUN echo started; exec sleep 600\n"})
+    try:
+        wait_for("the step to run", lambda: "\nstarted\n" in build_log(on_a, t["id"], bld["id"]),
+                 timeout=60, interval=0.1)
+        b.stop()
+        b.start()
+        r = on_a.get(f"/v1/templates/{t['id']}/builds/{bld['id']}")
+        expect_status(r, 200)
+        assert r.json()["state"] == "building", r.json()
+        a.kill9()
+        a.start()
+        done = wait_build(on_a, t["id"], bld["id"], timeout=30)
+        assert done["state"] == "failed" and "interrupted" in done["error"], done
+    finally:
+        on_a.delete(f"/v1/templates/{t['id']}")
