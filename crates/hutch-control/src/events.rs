@@ -525,6 +525,13 @@ impl Control {
         }
         let last = self.db(|s| s.last_event_id()).await?;
         self.events.start_writer(self.store.clone(), last);
+        // Deliveries this node claimed before it stopped were cut short:
+        // sent again now, not when their claims run out.
+        let node = self.node.name.clone();
+        let freed = self.db(move |s| s.release_deliveries(&node)).await?;
+        if freed > 0 {
+            tracing::info!("{freed} webhook deliveries were being sent when the daemon stopped; sending them again");
+        }
         let this = self.clone();
         tokio::spawn(async move { this.deliver_loop().await });
         Ok(())

@@ -11,7 +11,8 @@
 //! the database each run a worker: a worker claims what it sends (for
 //! [`CLAIM`], `Store::claim_deliveries`), so one node sends each attempt,
 //! and a claim its node did not record by then (the node died) is taken
-//! by another. A delivery may still be sent more than once (a crash
+//! by another; a node's start frees its own claims at once (its sends
+//! were cut short). A delivery may still be sent more than once (a crash
 //! between its send and its record): the receiver deduplicates by
 //! `Hutch-Delivery-Id`.
 //!

@@ -843,6 +843,9 @@ pub trait Store: Send + Sync {
         until: i64,
         limit: u32,
     ) -> Result<Vec<(DeliveryRecord, WebhookRecord)>>;
+    /// Frees the claims of `node` (at its start: none of its attempts is
+    /// in flight, so what it holds was cut short by its stop); how many.
+    fn release_deliveries(&self, node: &str) -> Result<u64>;
     /// When the next pending delivery is due and free to claim, if any is.
     fn next_delivery_at(&self) -> Result<Option<i64>>;
     /// Records an attempt of a delivery `node` claimed, and frees it;

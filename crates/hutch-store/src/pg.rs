@@ -1839,6 +1839,13 @@ impl Store for PgStore {
         Ok(got)
     }
 
+    fn release_deliveries(&self, node: &str) -> Result<u64> {
+        self.with(|c| {
+            let sql = "UPDATE webhook_deliveries SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by = $1";
+            Ok(c.execute(sql, &[&node])?)
+        })
+    }
+
     fn next_delivery_at(&self) -> Result<Option<i64>> {
         self.with(|c| {
             Ok(c.query_one(

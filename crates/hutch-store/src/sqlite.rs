@@ -1483,6 +1483,13 @@ impl Store for SqliteStore {
         self.with(|c| crate::sqlite_events::claim_deliveries(c, node, now, until, limit))
     }
 
+    fn release_deliveries(&self, node: &str) -> Result<u64> {
+        self.with(|c| {
+            let sql = "UPDATE webhook_deliveries SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by = ?1";
+            Ok(c.execute(sql, [node])? as u64)
+        })
+    }
+
     fn next_delivery_at(&self) -> Result<Option<i64>> {
         self.with(crate::sqlite_events::next_delivery_at)
     }

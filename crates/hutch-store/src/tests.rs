@@ -727,6 +727,11 @@ fn deliveries_are_made_with_their_events_for_matching_webhooks(s: &Backend) {
     assert!(s.record_attempt(d.id, "a", &retry).expect("attempt"));
     assert_eq!(s.claim_deliveries("b", 2000, 3000, 10).expect("due").len(), 2, "a's other claims ran out");
     assert!(s.claim_deliveries("b", 2500, 3000, 10).expect("due").is_empty(), "b holds them");
+    // A restart of b frees what b held (its sends were cut short): a takes
+    // them at once, not when the claims run out.
+    assert_eq!(s.release_deliveries("b").expect("release"), 2);
+    assert_eq!(s.claim_deliveries("a", 2600, 3000, 10).expect("due").len(), 2);
+    assert_eq!(s.release_deliveries("b").expect("release"), 0, "a's claims are a's");
     let d = d.id;
     let again = s.claim_deliveries("a", 5000, 6000, 10).expect("due");
     assert!(again.iter().any(|(x, _)| x.id == d), "its retry is due");
