@@ -865,11 +865,12 @@ pub trait Store: Send + Sync {
     /// to have run) and opens a `held` one from then: what a restart does
     /// for a sandbox that died with the last daemon.
     fn usage_lost(&self, sandbox_id: &str, at: i64) -> Result<()>;
-    /// Adds counts and records that the daemon was alive at `alive_at`,
-    /// in one transaction.
-    fn usage_flush(&self, counts: &[UsageCount], alive_at: i64) -> Result<()>;
-    /// When the daemon last flushed (None: never).
-    fn usage_alive_at(&self) -> Result<Option<i64>>;
+    /// Adds counts and records that `node` was alive at `alive_at`, in
+    /// one transaction.
+    fn usage_flush(&self, counts: &[UsageCount], node: &str, alive_at: i64) -> Result<()>;
+    /// When `node` last flushed (None: never). A node that has not flushed
+    /// since clocks were kept per node gets the one clock kept before.
+    fn usage_alive_at(&self, node: &str) -> Result<Option<i64>>;
     /// The report `q` asks for.
     fn usage_report(&self, q: &UsageQuery) -> Result<Vec<UsageRow>>;
     /// Subjects with an open interval (sandbox, snapshot and volume ids).

@@ -71,6 +71,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0007_event_ids", include_str!("../migrations/postgres/0007_event_ids.sql")),
     ("0008_delivery_claims", include_str!("../migrations/postgres/0008_delivery_claims.sql")),
     ("0009_node_work", include_str!("../migrations/postgres/0009_node_work.sql")),
+    ("0010_node_clock", include_str!("../migrations/postgres/0010_node_clock.sql")),
 ];
 
 /// Connections a store opens at most, unless told otherwise.
@@ -1899,7 +1900,7 @@ impl Store for PgStore {
         })
     }
 
-    fn usage_flush(&self, counts: &[UsageCount], alive_at: i64) -> Result<()> {
+    fn usage_flush(&self, counts: &[UsageCount], node: &str, alive_at: i64) -> Result<()> {
         self.tx(|t| {
             let st = t.prepare(
                 "INSERT INTO usage_counts (owner, sandbox_id, template, at, commands, egress_bytes) \
@@ -1919,17 +1920,22 @@ impl Store for PgStore {
                 )?;
             }
             t.execute(
-                "INSERT INTO usage_clock (id, alive_at) VALUES (1, $1) \
-                 ON CONFLICT (id) DO UPDATE SET alive_at = GREATEST(usage_clock.alive_at, excluded.alive_at)",
-                &[&alive_at],
+                "INSERT INTO usage_node_clock (node, alive_at) VALUES ($1, $2) ON CONFLICT (node) \
+                 DO UPDATE SET alive_at = GREATEST(usage_node_clock.alive_at, excluded.alive_at)",
+                &[&node, &alive_at],
             )?;
             Ok(())
         })
     }
 
-    fn usage_alive_at(&self) -> Result<Option<i64>> {
+    fn usage_alive_at(&self, node: &str) -> Result<Option<i64>> {
         self.with(|c| {
-            c.query_opt("SELECT alive_at FROM usage_clock WHERE id = 1", &[])?.map(|r| Ok(r.try_get(0)?)).transpose()
+            Ok(c.query_one(
+                "SELECT COALESCE((SELECT alive_at FROM usage_node_clock WHERE node = $1), \
+                 (SELECT alive_at FROM usage_clock WHERE id = 1))",
+                &[&node],
+            )?
+            .try_get(0)?)
         })
     }
 

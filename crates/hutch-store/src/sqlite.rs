@@ -38,6 +38,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0024_event_ids", include_str!("../migrations/0024_event_ids.sql")),
     ("0025_delivery_claims", include_str!("../migrations/0025_delivery_claims.sql")),
     ("0026_node_work", include_str!("../migrations/0026_node_work.sql")),
+    ("0027_node_clock", include_str!("../migrations/0027_node_clock.sql")),
 ];
 
 /// States in which a sandbox holds resources.
@@ -1528,7 +1529,7 @@ impl Store for SqliteStore {
         })
     }
 
-    fn usage_flush(&self, counts: &[UsageCount], alive_at: i64) -> Result<()> {
+    fn usage_flush(&self, counts: &[UsageCount], node: &str, alive_at: i64) -> Result<()> {
         self.with(|c| {
             let tx = c.transaction()?;
             {
@@ -1548,17 +1549,24 @@ impl Store for SqliteStore {
                 }
             }
             tx.execute(
-                "INSERT INTO usage_clock (id, alive_at) VALUES (1, ?1) \
-                 ON CONFLICT (id) DO UPDATE SET alive_at = MAX(alive_at, excluded.alive_at)",
-                [alive_at],
+                "INSERT INTO usage_node_clock (node, alive_at) VALUES (?1, ?2) \
+                 ON CONFLICT (node) DO UPDATE SET alive_at = MAX(alive_at, excluded.alive_at)",
+                params![node, alive_at],
             )?;
             tx.commit()?;
             Ok(())
         })
     }
 
-    fn usage_alive_at(&self) -> Result<Option<i64>> {
-        self.with(|c| Ok(c.query_row("SELECT alive_at FROM usage_clock WHERE id = 1", [], |r| r.get(0)).optional()?))
+    fn usage_alive_at(&self, node: &str) -> Result<Option<i64>> {
+        self.with(|c| {
+            Ok(c.query_row(
+                "SELECT COALESCE((SELECT alive_at FROM usage_node_clock WHERE node = ?1), \
+                 (SELECT alive_at FROM usage_clock WHERE id = 1))",
+                [node],
+                |r| r.get(0),
+            )?)
+        })
     }
 
     fn usage_report(&self, q: &UsageQuery) -> Result<Vec<UsageRow>> {

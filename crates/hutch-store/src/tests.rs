@@ -837,12 +837,21 @@ fn usage_counts_objects_and_a_lost_sandbox(s: &Backend) {
             commands: 3,
             egress_bytes: 1000,
         }],
+        "a",
         50,
     )
     .expect("flush");
-    assert_eq!(s.usage_alive_at().expect("clock"), Some(50));
-    s.usage_flush(&[], 40).expect("an older clock never goes back");
-    assert_eq!(s.usage_alive_at().expect("clock"), Some(50));
+    assert_eq!(s.usage_alive_at("a").expect("clock"), Some(50));
+    s.usage_flush(&[], "a", 40).expect("an older clock never goes back");
+    assert_eq!(s.usage_alive_at("a").expect("clock"), Some(50));
+    // Each node's own: another node's later flush is not this one's.
+    s.usage_flush(&[], "b", 90).expect("flush");
+    assert_eq!((s.usage_alive_at("a").expect("a"), s.usage_alive_at("b").expect("b")), (Some(50), Some(90)));
+    assert_eq!(s.usage_alive_at("c").expect("never flushed"), None);
+    // The one clock kept before clocks were per node, for a node with none.
+    s.raw_execute("INSERT INTO usage_clock (id, alive_at) VALUES (1, 70)").expect("an earlier version's clock");
+    assert_eq!(s.usage_alive_at("c").expect("c"), Some(70));
+    assert_eq!(s.usage_alive_at("a").expect("a"), Some(50));
     let rows = report(s, None, 0, 3_600_000, 3_600_000, UsageGroup::Key);
     assert_eq!(rows[0].snapshot_gib_hours, 2.0);
     assert_eq!(rows[0].volume_gib_hours, 1.0 + 2.0);
