@@ -12,6 +12,27 @@
 # Nomad variable this job reads (`var put` replaces all its items):
 #   nomad var put nomad/jobs/hutch database_url=postgres://hutch:...@db:5432/hutch \
 #     fleet_secret="$(openssl rand -hex 32)"
+# The fleet's registry, if any (below):
+#   nomad job run -var registry=https://registry.example.com/hutch hutch.nomad.hcl
+
+# HUTCH_REGISTRY: the fleet's OCI registry (any Distribution-compatible
+# one, the same for every node, readable and writable by the nodes only:
+# it holds every tenant's files), as http[s]://host[:port][/prefix].
+# Snapshots, sandboxes paused to disk and template builds are pushed there
+# as they are made, so another node starts them. Empty: no registry, as in
+# `hutch serve`.
+variable "registry" {
+  type    = string
+  default = ""
+}
+
+# HUTCH_REGISTRY_INSECURE: allow plain HTTP to a registry that is not on
+# loopback (a trusted network only).
+variable "registry_insecure" {
+  type    = bool
+  default = false
+}
+
 job "hutch" {
   # One allocation per eligible client, like a DaemonSet.
   type = "system"
@@ -86,6 +107,8 @@ job "hutch" {
         HUTCH_STATE_DIR         = "/var/lib/hutch"
         HUTCH_HEARTBEAT         = "5s"
         HUTCH_FLEET_SECRET_FILE = "${NOMAD_SECRETS_DIR}/fleet.secret"
+        HUTCH_REGISTRY          = var.registry
+        HUTCH_REGISTRY_INSECURE = "${var.registry_insecure}"
       }
 
       template {

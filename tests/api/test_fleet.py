@@ -2,20 +2,28 @@
 call for another node's sandbox is forwarded to it, streams, WebSocket
 upgrades and the port proxy included); creates are placed across the
 nodes; each node's own work (its reconciler, its recovery) touches only
-its sandboxes; `/v1/nodes` lists them with their heartbeats.
+its sandboxes; `/v1/nodes` lists them with their heartbeats. Events are
+the fleet's (one sequence of ids, streams that follow every node's, a
+`Last-Event-ID` that resumes on any node), each webhook delivery is sent
+by one node, of daemons starting together on an empty database one
+makes the admin key, and a node's restart fails only its own unfinished
+builds.
 
 The fleet's PostgreSQL comes from conftest's `pg_admin` (one throwaway
 cluster per test session unless HUTCH_TEST_DAEMON_POSTGRES names one)."""
 
 import base64
+import queue
 import subprocess
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 import requests
 
-from conftest import Client, EventStream, expect_error, stdout_of, wait_for
+from conftest import Client, EventStream, expect_error, expect_status, stdout_of, wait_for
 
 NODE_A, NODE_B = "fleet-a", "fleet-b"
 
@@ -279,3 +287,135 @@ def test_a_warm_pool_is_the_fleets_and_creates_go_where_it_is(fleet_of):
     assert sb["node"] in ("fleet-a", "fleet-b"), sb
     assert claims() == before + 1, "the create was not served by a warm sandbox"
     wait_for("the pool to refill to three", lambda: warm_on(a, key, tid) + warm_on(b, key, tid) == 3, timeout=60)
+
+
+def read_events(stream, n: int, timeout: float = 60) -> list[dict]:
+    """The next `n` events of an `Sse` stream, each awaited at most
+    `timeout` seconds (a stream that stalls fails the test in time)."""
+    got: queue.Queue = queue.Queue()
+
+    def pump():
+        try:
+            for _ in range(n):
+                got.put(stream.next())
+        except Exception as e:  # noqa: BLE001 - handed to the test's thread
+            got.put(e)
+
+    threading.Thread(target=pump, daemon=True).start()
+    out = []
+    for _ in range(n):
+        try:
+            e = got.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"the stream stalled after {len(out)} of {n} events: {out}") from None
+        if isinstance(e, Exception):
+            raise e
+        out.append(e)
+    return out
+
+
+def test_events_and_webhook_deliveries_are_the_fleets(fleet_of):
+    """Both nodes emit at once: one sequence of ids (none given twice, the
+    same list through either node); a stream on A follows B's events too,
+    in id order; a `Last-Event-ID` seen on A resumes on B; and each webhook
+    delivery reaches the receiver once, sent by one node."""
+    from test_events import ENV, Receiver, Sse, deliveries, events, verify
+
+    a, b = fleet_of([NODE_A, NODE_B], env=ENV)
+    key = a.admin_key()
+    on = {NODE_A: Client(a.base, key), NODE_B: Client(b.base, key)}
+    rx = Receiver()
+    streams = []
+    made = []
+    try:
+        r = on[NODE_A].post("/v1/webhooks", {"url": rx.url, "events": ["sandbox.created", "sandbox.ready"]})
+        expect_status(r, 201)
+        hook = r.json()
+        live = Sse(on[NODE_A])
+        streams.append(live)
+        # Creates on both nodes at once, each through the node it lands on.
+        nodes = [NODE_A, NODE_B] * 4
+        with ThreadPoolExecutor(len(nodes)) as pool:
+            made = list(pool.map(lambda n: on[n].create(node=n), nodes))
+        assert sorted(sb["node"] for sb in made) == sorted(nodes)
+        # created and ready of each: A's stream has B's too, in id order.
+        seen = read_events(live, 2 * len(made))
+        assert {e["sandbox_id"] for e in seen} == {sb["id"] for sb in made}, seen
+        ids = [e["id"] for e in seen]
+        assert ids == sorted(ids) and len(set(ids)) == len(ids), ids
+        # One sequence: the same events through either node, no id twice.
+        listed = events(on[NODE_A])
+        assert events(on[NODE_B]) == listed
+        assert len({e["id"] for e in listed}) == len(listed)
+        assert [e for e in listed if e["id"] >= ids[0]] == seen
+        # A cursor seen on A resumes on B: the events after it, in order.
+        mid = seen[len(seen) // 2 - 1]["id"]
+        resumed = Sse(on[NODE_B], last=mid)
+        streams.append(resumed)
+        after = [e for e in seen if e["id"] > mid]
+        assert read_events(resumed, len(after)) == after
+        # Each delivery is sent once (no second node sends it too).
+        def all_delivered():
+            ds = deliveries(on[NODE_A], hook["id"])
+            return len(ds) == len(seen) and all(d["status"] == "delivered" for d in ds) and ds
+
+        ds = wait_for("every delivery delivered", all_delivered, timeout=60, interval=0.2)
+        assert all(d["attempts"] == 1 for d in ds), ds
+        got = rx.requests()
+        sent = sorted(h["hutch-delivery-id"] for h, _, _ in got)
+        assert sent == sorted(str(d["id"]) for d in ds), "each delivery sent once"
+        # The id a receiver gets is the event's (the store's).
+        assert sorted(verify(hook["secret"], h, body)["id"] for h, body, _ in got) == ids
+    finally:
+        for s in streams:
+            s.close()
+        rx.close()
+        for sb in made:
+            expect_status(on[sb["node"]].delete(f"/v1/sandboxes/{sb['id']}"), 200)
+
+
+def test_daemons_starting_together_on_an_empty_database_make_one_admin_key(fleet_of, monkeypatch):
+    """Two nodes started at once on an empty database: one admin key, its
+    secret in one node's admin.key, and it works through both."""
+    from conftest import Daemon
+
+    # fleet_of starts its nodes one after another: made unstarted here,
+    # then started together.
+    monkeypatch.setattr(Daemon, "start", lambda self, *args, **kwargs: self)
+    made = fleet_of(["first-a", "first-b"])
+    monkeypatch.undo()
+    with ThreadPoolExecutor(len(made)) as pool:
+        list(pool.map(lambda d: d.start(), made))
+    files = [d.state_dir / "admin.key" for d in made if (d.state_dir / "admin.key").exists()]
+    assert len(files) == 1, files
+    key = files[0].read_text().strip()
+    for d in made:
+        r = Client(d.base, key).get("/v1/keys")
+        expect_status(r, 200)
+        admins = [k for k in r.json()["keys"] if k["admin"]]
+        assert len(admins) == 1, admins
+
+
+def test_a_nodes_restart_fails_only_its_own_unfinished_builds(fleet_of):
+    """A build runs on A; B restarting (its start fails the builds a
+    stopped daemon left) leaves it building; A's own restart fails it."""
+    from test_builds import build_log, make_template, start_build, wait_build
+
+    a, b = fleet_of([NODE_A, NODE_B])
+    on_a = Client(a.base, a.admin_key())
+    t = make_template(on_a)
+    bld = start_build(on_a, t["id"], {"Dockerfile": "RUN echo started; exec sleep 600\n"})
+    try:
+        wait_for("the step to run", lambda: "\nstarted\n" in build_log(on_a, t["id"], bld["id"]),
+                 timeout=60, interval=0.1)
+        b.stop()
+        b.start()
+        r = on_a.get(f"/v1/templates/{t['id']}/builds/{bld['id']}")
+        expect_status(r, 200)
+        assert r.json()["state"] == "building", r.json()
+        a.kill9()
+        a.start()
+        done = wait_build(on_a, t["id"], bld["id"], timeout=30)
+        assert done["state"] == "failed" and "interrupted" in done["error"], done
+    finally:
+        on_a.delete(f"/v1/templates/{t['id']}")

@@ -11,13 +11,19 @@ The image exists only on B (imported there): A makes it from the pull.
 Then B comes back: a template build made on A is pushed as it succeeds and
 B pulls it for a sandbox placed there; B drains, gives that sandbox (paused
 to disk) to A, and says it is drained once its unmovable paused sandbox (on
-`base`) is deleted."""
+`base`) is deleted.
+
+And a sandbox paused to disk while its node had no registry (so never
+pushed) is pushed by its node's drain once the node has one, handed to the
+other node, and resumes there with its files."""
 
 from __future__ import annotations
 
 import sys
 import uuid
 from pathlib import Path
+
+import requests
 
 
 from conftest import Client, Daemon, expect_error, expect_status, wait_for
@@ -175,4 +181,57 @@ def test_a_paused_sandbox_and_a_snapshot_of_a_killed_node_start_on_another(regis
         assert on_a.sh(built["id"], "cat /workspace/drain /workspace/built.txt") == "before-drain\nbuilt on A\n"
     finally:
         problems = delete_everywhere(key, {NODE_A: a, NODE_B: b})
+        assert not problems, problems
+
+
+def catalog(registry: Registry) -> list[str]:
+    r = requests.get(f"{registry.base}/v2/_catalog", params={"n": 1000}, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()["repositories"]
+
+
+def test_a_paused_sandbox_never_pushed_is_pushed_at_drain_and_resumes_on_the_other_node(
+    registry: Registry, fleet_of  # noqa: F811
+):
+    url = f"http://127.0.0.1:{registry.port}/hutch-drain"
+    # A has the registry from the start; B has none when its sandbox pauses.
+    (a,) = fleet_of(["drain-a"], env={"HUTCH_REGISTRY": url})
+    (b,) = fleet_of(["drain-b"])
+    key = a.admin_key()
+    on_a, on_b = Client(a.base, key), Client(b.base, key)
+    try:
+        # An image on B only, a sandbox of it on B that writes, paused to disk.
+        image = uname("unpushed")
+        lower, upper = two_layers(uuid.uuid4().hex)
+        expect_status(api_import(on_b, docker_save([lower, upper], ["UNPUSHED=yes"], "x/u:1"), name=image), 201)
+        r = on_b.post("/v1/templates", {"name": uname("tpl"), "image": image})
+        expect_status(r, 201)
+        sid = on_b.create(template=r.json()["name"], wait_seconds=60, node="drain-b", ttl_seconds=900)["id"]
+        on_b.sh(sid, "echo kept > /workspace/note")
+        r = on_b.post(f"/v1/sandboxes/{sid}/suspend", {"mode": "disk"})
+        expect_status(r, 200)
+        assert r.json()["state"] == "paused", r.json()
+
+        pushed_as = f"hutch-drain/sandbox-{sid}"
+        assert pushed_as not in catalog(registry), "paused without a registry: never pushed"
+
+        # B starts again with the registry, and is drained: its pass pushes
+        # the sandbox (never pushed) and hands it to A.
+        b.stop()
+        b.extra_env["HUTCH_REGISTRY"] = url
+        b.start()
+        expect_status(on_a.post("/v1/nodes/drain-b/drain", {}), 200)
+        wait_for("node B to push its paused sandbox and give it to A",
+                 lambda: on_a.sandbox(sid)["node"] == "drain-a", timeout=60, interval=0.2)
+        assert on_a.sandbox(sid)["state"] == "paused"
+        assert pushed_as in catalog(registry)
+        listed = {n["name"]: n for n in on_a.get("/v1/nodes").json()["nodes"]}
+        assert (listed["drain-b"]["sandboxes"], listed["drain-b"]["drained"]) == (0, True), listed["drain-b"]
+        # Resumed through B (draining, it answers for A's): on A, with its
+        # files pulled from the registry.
+        resumed = resume_through(on_b, sid)
+        assert resumed["node"] == "drain-a" and resumed["state"] == "running", resumed
+        assert on_a.sh(sid, "cat /workspace/note; echo $UNPUSHED") == "kept\nyes\n"
+    finally:
+        problems = delete_everywhere(key, {"drain-a": a, "drain-b": b})
         assert not problems, problems

@@ -387,6 +387,60 @@ def test_the_charts_options_render_what_they_say():
         render({"database": {"url": ""}})
 
 
+# --- the fleet's registry ---------------------------------------------------
+
+def comment_above(section, key):
+    """The comment lines right above `section.key` in values.yaml, as one
+    line of words."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    i = lines.index(f"{section}:") + 1
+    while not lines[i].startswith(f"  {key}:"):
+        i += 1
+    words = []
+    while lines[i - 1].lstrip().startswith("#"):
+        i -= 1
+        words.insert(0, lines[i].lstrip().lstrip("#").strip())
+    return " ".join(words)
+
+
+REGISTRY = "https://registry.example.com/hutch"
+
+
+def test_every_deployment_sets_the_registry_from_a_value_and_empty_means_none():
+    # The chart: HUTCH_REGISTRY from serve.registry, empty by default (no
+    # registry: `hutch serve` takes an empty one as none), and the
+    # insecure switch beside it; values.yaml says what they are.
+    vals = values()
+    assert vals["serve"]["registry"] == "" and vals["serve"]["registryInsecure"] is False
+    assert "HUTCH_REGISTRY: " in comment_above("serve", "registry")
+    assert "Empty: no registry" in comment_above("serve", "registry")
+    assert "HUTCH_REGISTRY_INSECURE: " in comment_above("serve", "registryInsecure")
+    env = env_of(container(render()))
+    assert env["HUTCH_REGISTRY"] == {"name": "HUTCH_REGISTRY", "value": ""}
+    assert env["HUTCH_REGISTRY_INSECURE"] == {"name": "HUTCH_REGISTRY_INSECURE", "value": "false"}
+    env = env_of(container(render({"serve": {"registry": REGISTRY, "registryInsecure": True}})))
+    assert env["HUTCH_REGISTRY"]["value"] == REGISTRY
+    assert env["HUTCH_REGISTRY_INSECURE"]["value"] == "true"
+    # The plain manifests: the chart's defaults (an overlay sets it).
+    env = env_of(container([o for _, o in plain()]))
+    assert env["HUTCH_REGISTRY"]["value"] == vals["serve"]["registry"]
+    assert env["HUTCH_REGISTRY_INSECURE"]["value"] == "false"
+    # Nomad: from the job's variables, empty and off by default.
+    variables = {}
+    for v in hcl2.loads(NOMAD.read_text(), serialization_options=hcl2.SerializationOptions(
+            with_comments=False, explicit_blocks=False, strip_string_quotes=True)).get("variable", []):
+        variables.update(v)
+    assert variables["registry"] == {"type": "string", "default": ""}
+    assert variables["registry_insecure"] == {"type": "bool", "default": False}
+    (task,) = nomad_task()["env"]
+    assert task["HUTCH_REGISTRY"] == "${var.registry}"
+    assert task["HUTCH_REGISTRY_INSECURE"] == "${var.registry_insecure}"
+    # docs/deploy.md says how each one sets it.
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    for how in ("serve.registry", "-var registry=", "HUTCH_REGISTRY="):
+        assert how in doc, how
+
+
 # --- the fleet's shared secret ----------------------------------------------
 
 FLEET_SECRET = "fleet-secret-0123456789abcdef0123456789abcdef"
@@ -539,6 +593,14 @@ def nomad_job():
     ((name, body),) = job.items()
     assert name == "hutch"
     return body
+
+
+def nomad_task():
+    (group,) = nomad_job()["group"]
+    ((_, group),) = group.items()
+    (task,) = group["task"]
+    ((_, task),) = task.items()
+    return task
 
 
 def test_the_nomad_job_runs_one_privileged_node_per_opted_in_client():

@@ -1,17 +1,22 @@
 //! Events: every transition and notable outcome of what a key owns, in one
-//! increasing sequence per daemon, stored with the owner, read back by
-//! `GET /v1/events`, followed live by `GET /v1/events/stream` and handed
-//! to the owner's webhooks (`webhooks`).
+//! increasing sequence (one for every daemon sharing the store), stored
+//! with the owner, read back by `GET /v1/events`, followed live by
+//! `GET /v1/events/stream` and handed to the owner's webhooks (`webhooks`).
 //!
-//! The request path never waits on the database: [`Control::emit`] gives
-//! the event its id and puts it on a bounded queue under one lock (so the
-//! queue's order is the ids' order) and returns. One writer task appends
-//! what it finds there in batches, one transaction each, which also makes
-//! the webhook deliveries of those events; only then are they broadcast to
-//! live streams, so a stream that replays from the store and then follows
-//! the broadcast misses nothing. A full queue drops the event, counted
-//! (`hutch_events_dropped_total`) and logged. A crash loses what was
-//! queued and not yet written (at most about [`FLUSH_EVERY`] of events).
+//! The request path never waits on the database: [`Control::emit`] puts
+//! the event on a bounded queue and returns. One writer task appends what
+//! it finds there in batches, one transaction each, which gives the events
+//! their ids (the store's: they commit in their order, whichever daemon
+//! appends, `Store::append_events`) and makes their webhook deliveries.
+//! The stored body has no id of its own (0): the row's id is put in when
+//! it is read ([`view`], [`with_id`]). Only once written are events
+//! published to live streams, by the [`Tail`]: in id order, each once,
+//! this daemon's and (in a fleet, looked for every
+//! [`Settings::follow_others`]) other daemons', so a stream that replays
+//! from the store and then follows the broadcast misses nothing. A full
+//! queue drops the event, counted (`hutch_events_dropped_total`) and
+//! logged. A crash loses what was queued and not yet written (at most
+//! about [`FLUSH_EVERY`] of events).
 //!
 //! Sandbox transitions are emitted in one place, [`Control::transition`]
 //! (after the store's conditional update succeeded); the rest where their
@@ -49,6 +54,11 @@ pub const DEFAULT_EXPIRING_NOTICE: Duration = Duration::from_secs(60);
 const PAGE_MAX: u32 = 1000;
 /// Events one replay reads from the store at a time.
 const REPLAY_PAGE: u32 = 256;
+/// How often a daemon sharing its store looks for the events other
+/// daemons appended (what their live streams wait at most for them).
+pub const FOLLOW_OTHERS: Duration = Duration::from_millis(250);
+/// Events the tail reads from the store at a time.
+const TAIL_PAGE: u32 = 512;
 
 /// Every event type: one list, the only names a filter or a webhook may use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -173,6 +183,10 @@ pub struct Settings {
     pub expiring_notice: Duration,
     /// Where webhooks may deliver and how many a key may have.
     pub webhooks: crate::webhooks::Policy,
+    /// How often the events other daemons sharing the store appended are
+    /// looked for, to publish them to this daemon's live streams. None:
+    /// this daemon is the store's only writer (SQLite).
+    pub follow_others: Option<Duration>,
 }
 
 impl Default for Settings {
@@ -181,6 +195,7 @@ impl Default for Settings {
             enabled: true,
             expiring_notice: DEFAULT_EXPIRING_NOTICE,
             webhooks: crate::webhooks::Policy::default(),
+            follow_others: None,
         }
     }
 }
@@ -192,20 +207,80 @@ struct Counters {
     failed: AtomicU64,
 }
 
-/// The sequence, the queue to the writer, the live broadcast.
+/// Publishes stored events to this daemon's live streams: in id order,
+/// each once, what this daemon appended and what other daemons sharing the
+/// store did. Correct because ids commit in their order
+/// (`Store::append_events`): after the last id published, the store never
+/// gains a lower one.
+struct Tail {
+    store: Arc<dyn Store>,
+    live: broadcast::Sender<Arc<EventRecord>>,
+    /// The last id published.
+    last: tokio::sync::Mutex<i64>,
+    /// The same, read without waiting (where a stream "from now" starts).
+    published: Arc<AtomicI64>,
+}
+
+impl Tail {
+    /// This daemon appended `rows` (ids increasing). Those right after the
+    /// last id published are published as they are; a gap (another
+    /// daemon's events, or an append that failed) is read from the store.
+    async fn appended(&self, rows: &[EventRecord]) {
+        let mut last = self.last.lock().await;
+        let fresh: Vec<&EventRecord> = rows.iter().filter(|r| r.id > *last).collect();
+        let follows = fresh.iter().zip(1..).all(|(r, i)| r.id == *last + i);
+        if !follows {
+            return self.catch_up(&mut last).await;
+        }
+        for r in fresh {
+            // No live stream: nobody to tell.
+            let _ = self.live.send(Arc::new(r.clone()));
+            *last = r.id;
+        }
+        self.published.store(*last, Ordering::SeqCst);
+    }
+
+    /// Publishes what the store has after the last id published.
+    async fn follow(&self) {
+        let mut last = self.last.lock().await;
+        self.catch_up(&mut last).await;
+    }
+
+    async fn catch_up(&self, last: &mut i64) {
+        loop {
+            let q = EventQuery { after: Some(*last), limit: TAIL_PAGE, ..EventQuery::default() };
+            let store = self.store.clone();
+            let page = match tokio::task::spawn_blocking(move || store.list_events(&q)).await {
+                Ok(Ok(page)) => page,
+                Ok(Err(e)) => return tracing::warn!("events: cannot read what was appended: {e}"),
+                Err(e) => return tracing::warn!("events: cannot read what was appended: {e}"),
+            };
+            for r in &page {
+                let _ = self.live.send(Arc::new(r.clone()));
+                *last = r.id;
+            }
+            self.published.store(*last, Ordering::SeqCst);
+            if page.len() < TAIL_PAGE as usize {
+                return;
+            }
+        }
+    }
+}
+
+/// The queue to the writer, the live broadcast.
 pub(crate) struct Events {
     pub(crate) settings: Settings,
-    /// The last id given, and the queue, under one lock: ids enter the
-    /// queue in order.
-    tx: Mutex<(i64, mpsc::Sender<EventRecord>)>,
+    tx: mpsc::Sender<EventRecord>,
     rx: Mutex<Option<mpsc::Receiver<EventRecord>>>,
     /// Events written, as they were, for live streams.
     live: broadcast::Sender<Arc<EventRecord>>,
-    /// The last id written.
+    /// The last id published to live streams.
     written: Arc<AtomicI64>,
     counters: Arc<Counters>,
     stop: Arc<tokio::sync::Notify>,
     writer: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Looks for other daemons' events (`Settings::follow_others`).
+    follower: Mutex<Option<tokio::task::JoinHandle<()>>>,
     started: AtomicBool,
     /// Sandboxes told of their coming expiry, with the expiry told of (an
     /// extension makes a new notice due).
@@ -220,21 +295,22 @@ impl Events {
         let (live, _) = broadcast::channel(LIVE_BUFFER);
         Events {
             settings,
-            tx: Mutex::new((0, tx)),
+            tx,
             rx: Mutex::new(Some(rx)),
             live,
             written: Arc::default(),
             counters: Arc::default(),
             stop: Arc::default(),
             writer: Mutex::new(None),
+            follower: Mutex::new(None),
             started: AtomicBool::new(false),
             expiring: Mutex::new(HashMap::new()),
             deliveries: Arc::default(),
         }
     }
 
-    /// Gives an event its id and queues it for the writer; never waits (a
-    /// full queue drops it, counted and logged).
+    /// Queues an event for the writer (which gets its id from the store);
+    /// never waits (a full queue drops it, counted and logged).
     pub(crate) fn push(
         &self,
         owner: &str,
@@ -243,31 +319,26 @@ impl Events {
         details: serde_json::Map<String, serde_json::Value>,
     ) {
         let at = now_ms();
-        // The id is given under the queue's lock; the body is written with it.
-        let mut row = EventRecord {
+        // The id is the store's, given when appended: the body has none (0).
+        let ev = Event {
             id: 0,
-            at,
-            owner: owner.to_owned(),
             kind: kind.as_str().to_owned(),
             sandbox_id: sandbox.map(str::to_owned),
-            body: String::new(),
-        };
-        let mut g = self.tx.lock().unwrap_or_else(|p| p.into_inner());
-        let id = g.0 + 1;
-        let ev = Event {
-            id: id as u64,
-            kind: row.kind.clone(),
-            sandbox_id: row.sandbox_id.clone(),
             at: rfc3339(at),
-            owner: row.owner.clone(),
+            owner: owner.to_owned(),
             details,
         };
-        row.body = serde_json::to_string(&ev).unwrap_or_default();
-        row.id = id;
-        match g.1.try_send(row) {
-            Ok(()) => g.0 = id,
+        let row = EventRecord {
+            id: 0,
+            at,
+            body: serde_json::to_string(&ev).unwrap_or_default(),
+            owner: ev.owner,
+            kind: ev.kind,
+            sandbox_id: ev.sandbox_id,
+        };
+        match self.tx.try_send(row) {
+            Ok(()) => {}
             Err(e) => {
-                drop(g);
                 let n = self.counters.dropped.fetch_add(1, Ordering::Relaxed) + 1;
                 if n.is_power_of_two() {
                     let why = match e {
@@ -280,16 +351,33 @@ impl Events {
         }
     }
 
-    /// Starts the writer after the stored events' `last` id.
+    /// Starts the writer, and live streams after the stored events' `last`
+    /// id.
     pub(crate) fn start_writer(&self, store: Arc<dyn Store>, last: i64) {
-        self.tx.lock().unwrap_or_else(|p| p.into_inner()).0 = last;
         self.written.store(last, Ordering::SeqCst);
         let Some(rx) = self.rx.lock().ok().and_then(|mut r| r.take()) else { return };
+        let tail = Arc::new(Tail {
+            store: store.clone(),
+            live: self.live.clone(),
+            last: tokio::sync::Mutex::new(last),
+            published: self.written.clone(),
+        });
+        if let Some(every) = self.settings.follow_others {
+            let tail = tail.clone();
+            let follower = tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(every).await;
+                    tail.follow().await;
+                }
+            });
+            if let Ok(mut f) = self.follower.lock() {
+                *f = Some(follower);
+            }
+        }
         let handle = tokio::spawn(write_loop(
             store,
             rx,
-            self.live.clone(),
-            self.written.clone(),
+            tail,
             self.counters.clone(),
             self.stop.clone(),
             self.deliveries.clone(),
@@ -301,6 +389,9 @@ impl Events {
 
     /// Writes what is queued and stops the writer.
     pub(crate) async fn finish(&self) {
+        if let Some(f) = self.follower.lock().ok().and_then(|mut f| f.take()) {
+            f.abort();
+        }
         self.stop.notify_one();
         let handle = self.writer.lock().ok().and_then(|mut w| w.take());
         if let Some(h) = handle {
@@ -322,38 +413,33 @@ impl Events {
 }
 
 /// Appends batches until `stop`, then what is left in the queue; each
-/// batch's events go to the live streams once written.
+/// batch's events go to the tail once written.
 async fn write_loop(
     store: Arc<dyn Store>,
     rx: mpsc::Receiver<EventRecord>,
-    live: broadcast::Sender<Arc<EventRecord>>,
-    written: Arc<AtomicI64>,
+    tail: Arc<Tail>,
     counters: Arc<Counters>,
     stop: Arc<tokio::sync::Notify>,
     deliveries: Arc<tokio::sync::Notify>,
 ) {
-    crate::batch::write_batches(rx, BATCH, FLUSH_EVERY, stop, |batch| {
-        let (store, live, written, counters, deliveries) =
-            (store.clone(), live.clone(), written.clone(), counters.clone(), deliveries.clone());
+    crate::batch::write_batches(rx, BATCH, FLUSH_EVERY, stop, |mut batch| {
+        let (store, tail, counters, deliveries) = (store.clone(), tail.clone(), counters.clone(), deliveries.clone());
         async move {
-            let rows = Arc::new(batch);
-            let n = rows.len() as u64;
-            let r = rows.clone();
-            let outcome = match tokio::task::spawn_blocking(move || store.append_events(&r)).await {
-                Ok(Ok(made)) => Ok(made),
+            let n = batch.len() as u64;
+            let outcome = match tokio::task::spawn_blocking(move || {
+                let made = store.append_events(&mut batch);
+                made.map(|made| (made, batch))
+            })
+            .await
+            {
+                Ok(Ok(done)) => Ok(done),
                 Ok(Err(e)) => Err(e.to_string()),
                 Err(e) => Err(e.to_string()),
             };
             match outcome {
-                Ok(made) => {
+                Ok((made, rows)) => {
                     counters.written.fetch_add(n, Ordering::Relaxed);
-                    if let Some(last) = rows.last() {
-                        written.store(last.id, Ordering::SeqCst);
-                    }
-                    for r in rows.iter() {
-                        // No live stream: nobody to tell.
-                        let _ = live.send(Arc::new(r.clone()));
-                    }
+                    tail.appended(&rows).await;
                     if made > 0 {
                         deliveries.notify_one();
                     }
@@ -368,16 +454,31 @@ async fn write_loop(
     .await;
 }
 
-/// The API view of a stored event.
+/// The API view of a stored event: its body, with the id the store gave
+/// it (a body stored before ids were the store's has the same one).
 pub(crate) fn view(r: &EventRecord) -> Event {
-    serde_json::from_str(&r.body).unwrap_or_else(|_| Event {
-        id: r.id as u64,
+    let mut ev = serde_json::from_str(&r.body).unwrap_or_else(|_| Event {
+        id: 0,
         kind: r.kind.clone(),
         sandbox_id: r.sandbox_id.clone(),
         at: rfc3339(r.at),
         owner: r.owner.clone(),
         details: serde_json::Map::new(),
-    })
+    });
+    ev.id = r.id as u64;
+    ev
+}
+
+/// A stored event body (a webhook delivery's payload) with the event's id,
+/// as it is sent; a body that is not an event is sent as it is.
+pub(crate) fn with_id(body: &str, id: i64) -> String {
+    match serde_json::from_str::<Event>(body) {
+        Ok(mut ev) => {
+            ev.id = id as u64;
+            serde_json::to_string(&ev).unwrap_or_else(|_| body.to_owned())
+        }
+        Err(_) => body.to_owned(),
+    }
 }
 
 /// What `GET /v1/events` and the stream ask for.
@@ -415,8 +516,8 @@ fn decode_cursor(c: &str) -> Result<i64> {
 }
 
 impl Control {
-    /// Continues the sequence after the stored events and starts the
-    /// writer and the webhook worker (once; later calls do nothing). Call
+    /// Starts live streams after the stored events, and the writer and
+    /// the webhook worker (once; later calls do nothing). Call
     /// before anything can emit (before `recover`).
     pub async fn start_events(self: &Arc<Self>) -> Result<()> {
         if self.events.started.swap(true, Ordering::SeqCst) {
@@ -424,6 +525,13 @@ impl Control {
         }
         let last = self.db(|s| s.last_event_id()).await?;
         self.events.start_writer(self.store.clone(), last);
+        // Deliveries this node claimed before it stopped were cut short:
+        // sent again now, not when their claims run out.
+        let node = self.node.name.clone();
+        let freed = self.db(move |s| s.release_deliveries(&node)).await?;
+        if freed > 0 {
+            tracing::info!("{freed} webhook deliveries were being sent when the daemon stopped; sending them again");
+        }
         let this = self.clone();
         tokio::spawn(async move { this.deliver_loop().await });
         Ok(())
@@ -726,6 +834,77 @@ mod tests {
             e.counters.dropped.load(Ordering::Relaxed)
         );
         assert_eq!(store.last_event_id().expect("last"), 20_000);
+    }
+
+    /// Two daemons on one store (as a fleet on one PostgreSQL): the live
+    /// streams of one get every event of both, once each, in id order,
+    /// whether its own appends follow what it published (published as
+    /// they are) or jump over the other's (read from the store), and the
+    /// other's events also when it appends nothing (the follower).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn live_streams_get_every_daemons_events_once_in_id_order() {
+        let store: Arc<dyn Store> = Arc::new(hutch_store::SqliteStore::open_in_memory().expect("open"));
+        let fleet = Settings { follow_others: Some(Duration::from_millis(10)), ..Settings::default() };
+        let (a, b) = (Events::new(fleet.clone()), Events::new(fleet));
+        a.start_writer(store.clone(), 0);
+        b.start_writer(store.clone(), 0);
+        let mut live = a.live.subscribe();
+        let written = |n: i64| {
+            let store = store.clone();
+            async move {
+                while store.last_event_id().expect("last") < n {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+        };
+        let push = |e: &Events| e.push("key-000000000001", Kind::SandboxCreated, None, serde_json::Map::new());
+        let mut n = 0;
+        for _ in 0..10 {
+            // b's events are stored before a's next ones: a's ids jump.
+            push(&b);
+            push(&b);
+            n += 2;
+            written(n).await;
+            push(&a);
+            n += 1;
+            written(n).await;
+        }
+        // Only b's: a's streams get them through its follower.
+        for _ in 0..5 {
+            push(&b);
+        }
+        n += 5;
+        let mut got = Vec::new();
+        while got.len() < n as usize {
+            let r = tokio::time::timeout(Duration::from_secs(10), live.recv())
+                .await
+                .expect("every event reaches a's live streams")
+                .expect("live");
+            got.push(r.id);
+        }
+        assert_eq!(got, (1..=n).collect::<Vec<_>>());
+        assert_eq!(a.written.load(Ordering::SeqCst), n);
+        a.finish().await;
+        b.finish().await;
+        assert!(live.try_recv().is_err(), "nothing twice");
+    }
+
+    #[test]
+    fn a_stored_body_gets_its_rows_id() {
+        let ev = Event {
+            id: 0,
+            kind: "sandbox.created".into(),
+            sandbox_id: Some("sb-1".into()),
+            at: rfc3339(1),
+            owner: "key-1".into(),
+            details: serde_json::Map::new(),
+        };
+        let body = serde_json::to_string(&ev).expect("json");
+        let r = EventRecord { id: 42, at: 1, owner: ev.owner.clone(), kind: ev.kind.clone(), sandbox_id: None, body };
+        assert_eq!(view(&r).id, 42);
+        let sent: serde_json::Value = serde_json::from_str(&with_id(&r.body, 42)).expect("json");
+        assert_eq!(sent["id"], 42);
+        assert_eq!(with_id("not json", 42), "not json");
     }
 
     #[test]

@@ -241,8 +241,8 @@ impl Control {
         if key.is_empty() || key.len() > 256 {
             return Err(ControlError::Invalid("Idempotency-Key must be 1 to 256 characters".into()));
         }
-        let (sc, k, h) = (scope.to_owned(), key.to_owned(), hash.to_owned());
-        match self.db(move |s| s.begin_exec(&sc, &k, &h, crate::control::now_ms())).await? {
+        let (sc, k, h, node) = (scope.to_owned(), key.to_owned(), hash.to_owned(), self.node.name.clone());
+        match self.db(move |s| s.begin_exec(&sc, &k, &h, crate::control::now_ms(), &node)).await? {
             hutch_store::Begin::Started => Ok(None),
             hutch_store::Begin::Existing(e) if e.request_hash != hash => Err(ControlError::IdempotencyConflict),
             hutch_store::Begin::Existing(e) if e.state == ExecState::Done => {

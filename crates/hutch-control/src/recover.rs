@@ -24,11 +24,13 @@ impl Control {
         // When the last daemon was last known alive (its last usage flush):
         // sandboxes that did not outlive it stopped counting then.
         let alive_at = self.usage_alive_at().await.unwrap_or_else(now_ms);
-        let lost = self.db(|s| s.mark_running_execs_lost()).await?;
+        // Only this node's commands and sandboxes: other nodes' live on
+        // other hosts.
+        let node = self.node.name.clone();
+        let lost = self.db(move |s| s.mark_running_execs_lost(&node)).await?;
         if lost > 0 {
             tracing::info!("{lost} commands were running when the daemon stopped; their outcome is unknown");
         }
-        // Only this node's sandboxes: other nodes' live on other hosts.
         let node = self.node.name.clone();
         for r in self.db(move |s| s.sandboxes_on(Some(&node), HOLDING)).await? {
             let id = SandboxId::from_record(&r.id);

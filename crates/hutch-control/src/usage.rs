@@ -195,7 +195,7 @@ impl Control {
         }
         let pending = std::mem::take(&mut *self.meter.pending.lock().unwrap_or_else(|e| e.into_inner()));
         let now = now_ms();
-        let taken = pending.clone();
+        let (taken, node) = (pending.clone(), self.node.name.clone());
         let written = self
             .db(move |s| {
                 let mut counts = Vec::with_capacity(taken.len());
@@ -211,7 +211,7 @@ impl Control {
                         egress_bytes,
                     });
                 }
-                s.usage_flush(&counts, now)
+                s.usage_flush(&counts, &node, now)
             })
             .await;
         if let Err(e) = written {
@@ -223,11 +223,13 @@ impl Control {
     }
 
     /// After a restart (`recover`, before anything runs): brings the ledger
-    /// in line with the records. Returns when the last daemon was last
-    /// known alive (its last flush), the time at which the intervals of
-    /// sandboxes that did not outlive it end.
+    /// in line with the records. Returns when this node's last daemon was
+    /// last known alive (its last flush; another node's flushes are not
+    /// its), the time at which the intervals of sandboxes that did not
+    /// outlive it end.
     pub(crate) async fn usage_alive_at(&self) -> Option<i64> {
-        self.db(|s| s.usage_alive_at()).await.ok().flatten()
+        let node = self.node.name.clone();
+        self.db(move |s| s.usage_alive_at(&node)).await.ok().flatten()
     }
 
     /// A sandbox that did not outlive the last daemon stopped running at

@@ -7,9 +7,14 @@
 //! answer delivers; anything else (an error status, a refused connection,
 //! a timeout) is tried again after an exponential backoff (base
 //! `--webhook-retry-base`, doubling, at most an hour apart) until a day
-//! after the event, when it is given up on (`failed`). A delivery may be
-//! sent more than once (a crash between its send and its record): the
-//! receiver deduplicates by `Hutch-Delivery-Id`.
+//! after the event, when it is given up on (`failed`). Daemons sharing
+//! the database each run a worker: a worker claims what it sends (for
+//! [`CLAIM`], `Store::claim_deliveries`), so one node sends each attempt,
+//! and a claim its node did not record by then (the node died) is taken
+//! by another; a node's start frees its own claims at once (its sends
+//! were cut short). A delivery may still be sent more than once (a crash
+//! between its send and its record): the receiver deduplicates by
+//! `Hutch-Delivery-Id`.
 //!
 //! Each request carries `Hutch-Signature: t=<unix seconds>,v1=<hex>` where
 //! the hex is HMAC-SHA256 under the webhook's secret of `"<t>.<body>"`.
@@ -46,6 +51,11 @@ const URL_MAX: usize = 2048;
 const TYPES_MAX: usize = 32;
 /// Deliveries sent at once.
 const CONCURRENCY: u32 = 8;
+/// How long a node holds the deliveries it claimed (daemons sharing the
+/// database send each once): far longer than one attempt takes (its
+/// connect and I/O timeouts). A node that dies mid-send leaves its claims
+/// to run out, and another node tries them again.
+const CLAIM: Duration = Duration::from_secs(300);
 /// A delivery is given up on this long after its event.
 const GIVE_UP_AFTER: i64 = 86_400_000;
 /// Longest wait between two attempts.
@@ -854,7 +864,8 @@ impl Control {
     pub(crate) async fn deliver_loop(self: Arc<Self>) {
         loop {
             let now = now_ms();
-            let due = match self.db(move |s| s.due_deliveries(now, CONCURRENCY)).await {
+            let (node, until) = (self.node.name.clone(), now + CLAIM.as_millis() as i64);
+            let due = match self.db(move |s| s.claim_deliveries(&node, now, until, CONCURRENCY)).await {
                 Ok(d) => d,
                 Err(e) => {
                     tracing::warn!("webhooks: {e}");
@@ -883,12 +894,14 @@ impl Control {
         let policy = self.events.settings.webhooks.clone();
         let nets = self.sandbox_nets();
         let t = now_ms() / 1000;
+        // The stored body has no id of its own: the event's is put in.
+        let payload = crate::events::with_id(&d.payload, d.event_id);
         let (body, sig) = if w.format == FORMAT_E2B {
-            let body = e2b_payload(&d.payload).into_bytes();
+            let body = e2b_payload(&payload).into_bytes();
             let sig = format!("e2b-signature: {}", e2b_signature(&w.secret, &body));
             (body, sig)
         } else {
-            let body = d.payload.clone().into_bytes();
+            let body = payload.into_bytes();
             let sig = format!("Hutch-Signature: {}", signature(&w.secret, t, &body));
             (body, sig)
         };
@@ -932,8 +945,14 @@ impl Control {
                 Attempt { at: now, status, next_at: next, http_status: code, error: Some(cut(error)) }
             }
         };
-        if let Err(e) = self.db(move |s| s.record_attempt(d.id, &a)).await {
-            tracing::warn!("webhooks: delivery {}: cannot record its attempt: {e}", d.id);
+        let node = self.node.name.clone();
+        match self.db(move |s| s.record_attempt(d.id, &node, &a)).await {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(
+                "webhooks: delivery {}: its claim ran out before its attempt was recorded; another node has it",
+                d.id
+            ),
+            Err(e) => tracing::warn!("webhooks: delivery {}: cannot record its attempt: {e}", d.id),
         }
     }
 }

@@ -275,7 +275,8 @@ pub struct AuditQuery {
 /// One event as stored. Times are Unix milliseconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EventRecord {
-    /// Given by the daemon: one increasing sequence.
+    /// Given by the store when appended: one increasing sequence for every
+    /// daemon sharing it.
     pub id: i64,
     pub at: i64,
     pub owner: String,
@@ -462,6 +463,9 @@ pub struct BuildRecord {
     /// The image made and the template version it became, on success.
     pub image: Option<String>,
     pub version: Option<i64>,
+    /// The node that runs it ("" when unknown: made before builds named
+    /// their node).
+    pub node: String,
 }
 
 /// What a claim of a warm sandbox sets on it.
@@ -607,6 +611,10 @@ pub enum Admitted {
 /// them on a blocking pool.
 pub trait Store: Send + Sync {
     fn insert_key(&self, key: &KeyRecord) -> Result<()>;
+    /// Inserts `key` only if the store has no key at all (the admin key a
+    /// daemon makes at its first start); false when one exists. Of daemons
+    /// starting together on an empty database, one inserts.
+    fn insert_first_key(&self, key: &KeyRecord) -> Result<bool>;
     fn key_by_hash(&self, hash: &str) -> Result<Option<KeyRecord>>;
     fn get_key(&self, id: &str) -> Result<Option<KeyRecord>>;
     fn list_keys(&self) -> Result<Vec<KeyRecord>>;
@@ -690,15 +698,17 @@ pub trait Store: Send + Sync {
     /// What the sandboxes of `owner` (None: of everyone) hold now.
     fn usage(&self, owner: Option<&str>) -> Result<Usage>;
 
-    /// Takes an idempotency key for a command, or returns its entry.
-    fn begin_exec(&self, scope: &str, key: &str, request_hash: &str, now: i64) -> Result<Begin>;
+    /// Takes an idempotency key for a command that `node` runs, or returns
+    /// its entry.
+    fn begin_exec(&self, scope: &str, key: &str, request_hash: &str, now: i64, node: &str) -> Result<Begin>;
     /// Records a command's outcome (`result` already stripped of output
     /// when output is not kept).
     fn finish_exec(&self, scope: &str, key: &str, result: &str) -> Result<()>;
     /// Frees a key whose command never started (capacity refusal).
     fn release_exec(&self, scope: &str, key: &str) -> Result<()>;
-    /// After a restart: commands that were running have lost their outcome.
-    fn mark_running_execs_lost(&self) -> Result<u64>;
+    /// After a restart of `node`: its commands that were running have lost
+    /// their outcome (and those of no known node). Other nodes' run on.
+    fn mark_running_execs_lost(&self, node: &str) -> Result<u64>;
 
     /// Inserts a template; [`StoreError::Conflict`] when its owner has a
     /// live template of that name.
@@ -768,8 +778,9 @@ pub trait Store: Send + Sync {
     fn list_builds(&self, template_id: &str) -> Result<Vec<BuildRecord>>;
     /// Builds queued or running, of one owner or of everyone.
     fn count_running_builds(&self, owner: Option<&str>) -> Result<u64>;
-    /// Marks builds that a stopped daemon left queued or building as failed.
-    fn fail_unfinished_builds(&self, now: i64, error: &str) -> Result<u64>;
+    /// After a restart of `node`: marks the builds it left queued or
+    /// building (and those of no known node) as failed. Other nodes' run on.
+    fn fail_unfinished_builds(&self, node: &str, now: i64, error: &str) -> Result<u64>;
 
     // Secrets.
     /// [`StoreError::Conflict`] when its owner has a secret of that name.
@@ -792,13 +803,18 @@ pub trait Store: Send + Sync {
     fn prune_audit(&self, before: i64) -> Result<u64>;
 
     // Events and webhooks.
-    /// The highest event id stored (0 when none): where the daemon's
-    /// sequence goes on.
+    /// The highest event id stored (0 when none): where a daemon's live
+    /// view of the events starts.
     fn last_event_id(&self) -> Result<i64>;
-    /// Appends events in one transaction, and for each, a pending delivery
-    /// to every webhook of its owner that wants its type; how many
-    /// deliveries were made.
-    fn append_events(&self, rows: &[EventRecord]) -> Result<u64>;
+    /// Appends events in one transaction, giving each its id (what `id`
+    /// held is ignored; it is set), and for each, a pending delivery to
+    /// every webhook of its owner that wants its type; how many deliveries
+    /// were made. Ids increase in the rows' order, are never given twice
+    /// (not even after a prune), and commit in their order, whichever
+    /// daemon appends: a reader that sees an id sees every lower one that
+    /// will ever be stored, so reading "after the last id seen" misses
+    /// nothing. Ids may have gaps (an append that failed).
+    fn append_events(&self, rows: &mut [EventRecord]) -> Result<u64>;
     /// Events matching `q`, oldest first.
     fn list_events(&self, q: &EventQuery) -> Result<Vec<EventRecord>>;
     /// Deletes events older than `before`, and deliveries made before it
@@ -816,12 +832,26 @@ pub trait Store: Send + Sync {
     fn update_webhook(&self, w: &WebhookRecord) -> Result<bool>;
     /// A webhook's deliveries, newest first, below `before` (an id).
     fn list_deliveries(&self, webhook_id: &str, before: Option<i64>, limit: u32) -> Result<Vec<DeliveryRecord>>;
-    /// Pending deliveries due by `now`, oldest first, with their webhook.
-    fn due_deliveries(&self, now: i64, limit: u32) -> Result<Vec<(DeliveryRecord, WebhookRecord)>>;
-    /// When the next pending delivery is due, if any is.
+    /// Claims for `node` until `until` at most `limit` pending deliveries
+    /// due by `now` that no node holds (or whose claim ran out by `now`),
+    /// oldest first, with their webhook: of nodes claiming at once, each
+    /// delivery goes to one.
+    fn claim_deliveries(
+        &self,
+        node: &str,
+        now: i64,
+        until: i64,
+        limit: u32,
+    ) -> Result<Vec<(DeliveryRecord, WebhookRecord)>>;
+    /// Frees the claims of `node` (at its start: none of its attempts is
+    /// in flight, so what it holds was cut short by its stop); how many.
+    fn release_deliveries(&self, node: &str) -> Result<u64>;
+    /// When the next pending delivery is due and free to claim, if any is.
     fn next_delivery_at(&self) -> Result<Option<i64>>;
-    /// Records an attempt of a delivery.
-    fn record_attempt(&self, id: i64, a: &Attempt) -> Result<()>;
+    /// Records an attempt of a delivery `node` claimed, and frees it;
+    /// false (nothing recorded) when the delivery is no longer `node`'s
+    /// (its claim ran out and another node took it).
+    fn record_attempt(&self, id: i64, node: &str, a: &Attempt) -> Result<bool>;
     // Usage metering: a ledger of intervals (see [`UsageKind`]).
     /// Brings a sandbox's open interval in line with its record at `at`:
     /// nothing when it already bills the same (kind, owner, limits);
@@ -835,11 +865,12 @@ pub trait Store: Send + Sync {
     /// to have run) and opens a `held` one from then: what a restart does
     /// for a sandbox that died with the last daemon.
     fn usage_lost(&self, sandbox_id: &str, at: i64) -> Result<()>;
-    /// Adds counts and records that the daemon was alive at `alive_at`,
-    /// in one transaction.
-    fn usage_flush(&self, counts: &[UsageCount], alive_at: i64) -> Result<()>;
-    /// When the daemon last flushed (None: never).
-    fn usage_alive_at(&self) -> Result<Option<i64>>;
+    /// Adds counts and records that `node` was alive at `alive_at`, in
+    /// one transaction.
+    fn usage_flush(&self, counts: &[UsageCount], node: &str, alive_at: i64) -> Result<()>;
+    /// When `node` last flushed (None: never). A node that has not flushed
+    /// since clocks were kept per node gets the one clock kept before.
+    fn usage_alive_at(&self, node: &str) -> Result<Option<i64>>;
     /// The report `q` asks for.
     fn usage_report(&self, q: &UsageQuery) -> Result<Vec<UsageRow>>;
     /// Subjects with an open interval (sandbox, snapshot and volume ids).
@@ -871,10 +902,10 @@ pub trait Store: Send + Sync {
     fn set_node_state(&self, name: &str, from: &[NodeState], to: NodeState) -> Result<bool>;
     /// Sandboxes neither terminated nor lost (pooled ones included), per node.
     fn count_by_node(&self) -> Result<Vec<(String, u64)>>;
-    /// Gives every sandbox and volume of another node to `node`; how many.
-    /// Only for a database one daemon keeps alone (SQLite): its sandboxes
-    /// and volumes are that daemon's whatever node name it had (none,
-    /// before nodes existed).
+    /// Gives every sandbox and volume of another node to `node`; how many
+    /// (its commands and builds go too, uncounted). Only for a database
+    /// one daemon keeps alone (SQLite): its sandboxes and volumes are that
+    /// daemon's whatever node name it had (none, before nodes existed).
     fn give_all_to(&self, node: &str) -> Result<u64>;
 
     // Moves between nodes, through the fleet's OCI registry.

@@ -68,6 +68,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0004_moves", include_str!("../migrations/postgres/0004_moves.sql")),
     ("0005_build_push", include_str!("../migrations/postgres/0005_build_push.sql")),
     ("0006_volume_node", include_str!("../migrations/postgres/0006_volume_node.sql")),
+    ("0007_event_ids", include_str!("../migrations/postgres/0007_event_ids.sql")),
+    ("0008_delivery_claims", include_str!("../migrations/postgres/0008_delivery_claims.sql")),
+    ("0009_node_work", include_str!("../migrations/postgres/0009_node_work.sql")),
+    ("0010_node_clock", include_str!("../migrations/postgres/0010_node_clock.sql")),
 ];
 
 /// Connections a store opens at most, unless told otherwise.
@@ -91,6 +95,10 @@ mod lock {
     pub const BUILDS: i32 = 0x6875_7404;
     pub const WEBHOOKS: i32 = 0x6875_7405;
     pub const USAGE: i32 = 0x6875_7406;
+    /// Appends of events: their ids commit in their order.
+    pub const EVENTS: i32 = 0x6875_7407;
+    /// The first key (the admin key a daemon makes at its first start).
+    pub const KEYS: i32 = 0x6875_7408;
 }
 
 type Param<'a> = &'a (dyn ToSql + Sync);
@@ -222,6 +230,28 @@ fn marks(first: usize, n: usize) -> String {
 
 fn lock_xact(c: &mut impl GenericClient, key: i32, on: &str) -> Result<()> {
     c.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", &[&key, &on])?;
+    Ok(())
+}
+
+fn insert_key(c: &mut impl GenericClient, k: &KeyRecord) -> Result<()> {
+    c.execute(
+        &format!("INSERT INTO api_keys ({KEY_COLUMNS}) VALUES ({})", marks(1, 12)),
+        &[
+            &k.id,
+            &k.name,
+            &k.hash,
+            &k.admin,
+            &k.created_at,
+            &k.revoked_at,
+            &opt_i64(k.quotas.sandboxes),
+            &opt_i64(k.quotas.memory_mb),
+            &opt_i64(k.quotas.disk_mib),
+            &opt_i64(k.quotas.ttl_seconds),
+            &opt_i64(k.quotas.builds),
+            &opt_i64(k.quotas.snapshots),
+        ],
+    )
+    .map_err(conflict)?;
     Ok(())
 }
 
@@ -458,6 +488,7 @@ fn build_row(r: &Row) -> Result<BuildRecord> {
         parent: r.try_get(7)?,
         image: r.try_get(8)?,
         version: r.try_get(9)?,
+        node: r.try_get::<_, Option<String>>(10)?.unwrap_or_default(),
     })
 }
 
@@ -734,26 +765,19 @@ fn mark_in(t: &mut Transaction<'_>, subject: &str, open: Option<&UsageInterval>,
 
 impl Store for PgStore {
     fn insert_key(&self, k: &KeyRecord) -> Result<()> {
-        self.with(|c| {
-            c.execute(
-                &format!("INSERT INTO api_keys ({KEY_COLUMNS}) VALUES ({})", marks(1, 12)),
-                &[
-                    &k.id,
-                    &k.name,
-                    &k.hash,
-                    &k.admin,
-                    &k.created_at,
-                    &k.revoked_at,
-                    &opt_i64(k.quotas.sandboxes),
-                    &opt_i64(k.quotas.memory_mb),
-                    &opt_i64(k.quotas.disk_mib),
-                    &opt_i64(k.quotas.ttl_seconds),
-                    &opt_i64(k.quotas.builds),
-                    &opt_i64(k.quotas.snapshots),
-                ],
-            )
-            .map_err(conflict)?;
-            Ok(())
+        self.with(|c| insert_key(c, k))
+    }
+
+    fn insert_first_key(&self, k: &KeyRecord) -> Result<bool> {
+        self.tx(|t| {
+            // Daemons starting together on an empty database: the second
+            // holder of the lock counts the first one's key.
+            t.execute("SELECT pg_advisory_xact_lock($1, 0)", &[&lock::KEYS])?;
+            if uint(&t.query_one("SELECT COUNT(*) FROM api_keys", &[])?, 0)? > 0 {
+                return Ok(false);
+            }
+            insert_key(t, k)?;
+            Ok(true)
         })
     }
 
@@ -1036,14 +1060,14 @@ impl Store for PgStore {
         self.with(|c| usage_in(c, owner))
     }
 
-    fn begin_exec(&self, scope: &str, key: &str, request_hash: &str, now: i64) -> Result<Begin> {
+    fn begin_exec(&self, scope: &str, key: &str, request_hash: &str, now: i64, node: &str) -> Result<Begin> {
         self.tx(|t| {
             // A key released meanwhile is taken again: at most twice.
             for _ in 0..2 {
                 let taken = t.execute(
-                    "INSERT INTO executions (scope, key, request_hash, state, result, created_at) \
-                     VALUES ($1, $2, $3, 'running', NULL, $4) ON CONFLICT (scope, key) DO NOTHING",
-                    &[&scope, &key, &request_hash, &now],
+                    "INSERT INTO executions (scope, key, request_hash, state, result, created_at, node) \
+                     VALUES ($1, $2, $3, 'running', NULL, $4, $5) ON CONFLICT (scope, key) DO NOTHING",
+                    &[&scope, &key, &request_hash, &now, &node],
                 )?;
                 if taken == 1 {
                     return Ok(Begin::Started);
@@ -1077,8 +1101,11 @@ impl Store for PgStore {
         })
     }
 
-    fn mark_running_execs_lost(&self) -> Result<u64> {
-        self.with(|c| Ok(c.execute("UPDATE executions SET state = 'lost' WHERE state = 'running'", &[])?))
+    fn mark_running_execs_lost(&self, node: &str) -> Result<u64> {
+        self.with(|c| {
+            let sql = "UPDATE executions SET state = 'lost' WHERE state = 'running' AND (node = $1 OR node IS NULL)";
+            Ok(c.execute(sql, &[&node])?)
+        })
     }
 
     fn insert_template(&self, t: &TemplateRecord) -> Result<()> {
@@ -1416,7 +1443,7 @@ impl Store for PgStore {
                 }
             }
             t.execute(
-                &format!("INSERT INTO builds ({BUILD_COLUMNS}) VALUES ({})", marks(1, 10)),
+                &format!("INSERT INTO builds ({BUILD_COLUMNS}) VALUES ({})", marks(1, 11)),
                 &[
                     &b.id,
                     &b.template_id,
@@ -1428,6 +1455,7 @@ impl Store for PgStore {
                     &b.parent,
                     &b.image,
                     &b.version,
+                    &b.node,
                 ],
             )
             .map_err(conflict)?;
@@ -1485,11 +1513,12 @@ impl Store for PgStore {
         })
     }
 
-    fn fail_unfinished_builds(&self, now: i64, error: &str) -> Result<u64> {
+    fn fail_unfinished_builds(&self, node: &str, now: i64, error: &str) -> Result<u64> {
         self.with(|c| {
             Ok(c.execute(
-                "UPDATE builds SET state = 'failed', finished_at = $1, error = $2 WHERE state IN ('queued', 'building')",
-                &[&now, &error],
+                "UPDATE builds SET state = 'failed', finished_at = $1, error = $2 \
+                 WHERE state IN ('queued', 'building') AND (node = $3 OR node IS NULL OR node = '')",
+                &[&now, &error, &node],
             )?)
         })
     }
@@ -1630,10 +1659,14 @@ impl Store for PgStore {
         self.with(|c| Ok(c.query_one("SELECT COALESCE(MAX(id), 0) FROM events", &[])?.try_get(0)?))
     }
 
-    fn append_events(&self, rows: &[EventRecord]) -> Result<u64> {
-        self.tx(|t| {
+    fn append_events(&self, rows: &mut [EventRecord]) -> Result<u64> {
+        let (ids, made) = self.tx(|t| {
+            // Ids are taken and committed under one lock, so they commit in
+            // their order: a reader that sees an id sees every lower one
+            // (the lock is released after the commit is visible).
+            t.execute("SELECT pg_advisory_xact_lock($1, 0)", &[&lock::EVENTS])?;
             let ev = t.prepare(
-                "INSERT INTO events (id, at, owner, type, sandbox_id, body) VALUES ($1, $2, $3, $4, $5, $6)",
+                "INSERT INTO events (at, owner, type, sandbox_id, body) VALUES ($1, $2, $3, $4, $5) RETURNING id",
             )?;
             // The owner's enabled webhooks that want this type (`*` or the
             // type itself).
@@ -1644,12 +1677,18 @@ impl Store for PgStore {
                  jsonb_array_elements_text(w.events::jsonb) e(v) WHERE e.v = '*' OR e.v = $2)",
             )?;
             let mut made = 0;
-            for r in rows {
-                t.execute(&ev, &[&r.id, &r.at, &r.owner, &r.kind, &r.sandbox_id, &r.body])?;
-                made += t.execute(&dl, &[&r.id, &r.kind, &r.body, &r.at, &r.owner])?;
+            let mut ids = Vec::with_capacity(rows.len());
+            for r in rows.iter() {
+                let id: i64 = t.query_one(&ev, &[&r.at, &r.owner, &r.kind, &r.sandbox_id, &r.body])?.try_get(0)?;
+                made += t.execute(&dl, &[&id, &r.kind, &r.body, &r.at, &r.owner])?;
+                ids.push(id);
             }
-            Ok(made)
-        })
+            Ok((ids, made))
+        })?;
+        for (r, id) in rows.iter_mut().zip(ids) {
+            r.id = id;
+        }
+        Ok(made)
     }
 
     fn list_events(&self, q: &EventQuery) -> Result<Vec<EventRecord>> {
@@ -1770,36 +1809,63 @@ impl Store for PgStore {
         })
     }
 
-    fn due_deliveries(&self, now: i64, limit: u32) -> Result<Vec<(DeliveryRecord, WebhookRecord)>> {
-        self.with(|c| {
+    fn claim_deliveries(
+        &self,
+        node: &str,
+        now: i64,
+        until: i64,
+        limit: u32,
+    ) -> Result<Vec<(DeliveryRecord, WebhookRecord)>> {
+        // The due rows are locked as they are picked, skipping those
+        // another node is claiming: two claimers take different rows. A
+        // row claimed and committed meanwhile is checked again on its new
+        // version (READ COMMITTED) and left out.
+        let mut got = self.with(|c| {
             rows(
                 c.query(
                     &format!(
-                        "SELECT {DELIVERY_COLS}, w.id, w.owner, w.url, w.events, w.secret, w.created_at, w.format, \
-                         w.name, w.enabled FROM webhook_deliveries d JOIN webhooks w ON w.id = d.webhook_id \
-                         WHERE d.status = 'pending' AND d.next_at <= $1 ORDER BY d.next_at, d.id LIMIT $2"
+                        "UPDATE webhook_deliveries d SET claimed_by = $1, claimed_until = $3 FROM webhooks w \
+                         WHERE w.id = d.webhook_id AND d.id IN (SELECT id FROM webhook_deliveries \
+                         WHERE status = 'pending' AND next_at <= $2 AND (claimed_until IS NULL OR claimed_until <= $2) \
+                         ORDER BY next_at, id LIMIT $4 FOR UPDATE SKIP LOCKED) \
+                         RETURNING {DELIVERY_COLS}, w.id, w.owner, w.url, w.events, w.secret, w.created_at, w.format, \
+                         w.name, w.enabled"
                     ),
-                    &[&now, &i64::from(limit)],
+                    &[&node, &now, &until, &i64::from(limit)],
                 )?,
                 |r| Ok((delivery_row(r)?, webhook_row(r, 12)?)),
             )
+        })?;
+        got.sort_by_key(|(d, _)| (d.next_at, d.id));
+        Ok(got)
+    }
+
+    fn release_deliveries(&self, node: &str) -> Result<u64> {
+        self.with(|c| {
+            let sql = "UPDATE webhook_deliveries SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by = $1";
+            Ok(c.execute(sql, &[&node])?)
         })
     }
 
     fn next_delivery_at(&self) -> Result<Option<i64>> {
         self.with(|c| {
-            Ok(c.query_one("SELECT MIN(next_at) FROM webhook_deliveries WHERE status = 'pending'", &[])?.try_get(0)?)
+            Ok(c.query_one(
+                "SELECT MIN(GREATEST(next_at, claimed_until)) FROM webhook_deliveries WHERE status = 'pending'",
+                &[],
+            )?
+            .try_get(0)?)
         })
     }
 
-    fn record_attempt(&self, id: i64, a: &Attempt) -> Result<()> {
+    fn record_attempt(&self, id: i64, node: &str, a: &Attempt) -> Result<bool> {
         self.with(|c| {
-            c.execute(
+            let n = c.execute(
                 "UPDATE webhook_deliveries SET status = $2, attempts = attempts + 1, next_at = $3, last_at = $4, \
-                 last_status = $5, last_error = $6 WHERE id = $1",
-                &[&id, &a.status.as_str(), &a.next_at, &a.at, &a.http_status.map(i64::from), &a.error],
+                 last_status = $5, last_error = $6, claimed_by = NULL, claimed_until = NULL \
+                 WHERE id = $1 AND claimed_by = $7",
+                &[&id, &a.status.as_str(), &a.next_at, &a.at, &a.http_status.map(i64::from), &a.error, &node],
             )?;
-            Ok(())
+            Ok(n > 0)
         })
     }
 
@@ -1834,7 +1900,7 @@ impl Store for PgStore {
         })
     }
 
-    fn usage_flush(&self, counts: &[UsageCount], alive_at: i64) -> Result<()> {
+    fn usage_flush(&self, counts: &[UsageCount], node: &str, alive_at: i64) -> Result<()> {
         self.tx(|t| {
             let st = t.prepare(
                 "INSERT INTO usage_counts (owner, sandbox_id, template, at, commands, egress_bytes) \
@@ -1854,17 +1920,22 @@ impl Store for PgStore {
                 )?;
             }
             t.execute(
-                "INSERT INTO usage_clock (id, alive_at) VALUES (1, $1) \
-                 ON CONFLICT (id) DO UPDATE SET alive_at = GREATEST(usage_clock.alive_at, excluded.alive_at)",
-                &[&alive_at],
+                "INSERT INTO usage_node_clock (node, alive_at) VALUES ($1, $2) ON CONFLICT (node) \
+                 DO UPDATE SET alive_at = GREATEST(usage_node_clock.alive_at, excluded.alive_at)",
+                &[&node, &alive_at],
             )?;
             Ok(())
         })
     }
 
-    fn usage_alive_at(&self) -> Result<Option<i64>> {
+    fn usage_alive_at(&self, node: &str) -> Result<Option<i64>> {
         self.with(|c| {
-            c.query_opt("SELECT alive_at FROM usage_clock WHERE id = 1", &[])?.map(|r| Ok(r.try_get(0)?)).transpose()
+            Ok(c.query_one(
+                "SELECT COALESCE((SELECT alive_at FROM usage_node_clock WHERE node = $1), \
+                 (SELECT alive_at FROM usage_clock WHERE id = 1))",
+                &[&node],
+            )?
+            .try_get(0)?)
         })
     }
 
@@ -2014,6 +2085,8 @@ impl Store for PgStore {
     fn give_all_to(&self, node: &str) -> Result<u64> {
         self.with(|c| {
             let sandboxes = c.execute("UPDATE sandboxes SET node = $1 WHERE node <> $1", &[&node])?;
+            c.execute("UPDATE executions SET node = $1 WHERE node IS DISTINCT FROM $1", &[&node])?;
+            c.execute("UPDATE builds SET node = $1 WHERE node IS DISTINCT FROM $1", &[&node])?;
             Ok(sandboxes + c.execute("UPDATE volumes SET node = $1 WHERE node <> $1", &[&node])?)
         })
     }

@@ -35,6 +35,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0021_moves", include_str!("../migrations/0021_moves.sql")),
     ("0022_build_push", include_str!("../migrations/0022_build_push.sql")),
     ("0023_volume_node", include_str!("../migrations/0023_volume_node.sql")),
+    ("0024_event_ids", include_str!("../migrations/0024_event_ids.sql")),
+    ("0025_delivery_claims", include_str!("../migrations/0025_delivery_claims.sql")),
+    ("0026_node_work", include_str!("../migrations/0026_node_work.sql")),
+    ("0027_node_clock", include_str!("../migrations/0027_node_clock.sql")),
 ];
 
 /// States in which a sandbox holds resources.
@@ -118,7 +122,7 @@ pub(crate) const TEMPLATE_COLUMNS: &str =
      storage, on_expire, paused_ttl_s, idle_timeout_s, on_idle, secrets";
 
 pub(crate) const BUILD_COLUMNS: &str =
-    "id, template_id, owner, state, created_at, finished_at, error, parent, image, version";
+    "id, template_id, owner, state, created_at, finished_at, error, parent, image, version, node";
 
 pub(crate) const KEY_COLUMNS: &str = "id, name, hash, admin, created_at, revoked_at, max_sandboxes, max_memory_mb, \
      max_disk_mib, max_ttl_seconds, max_builds, max_snapshots";
@@ -212,6 +216,7 @@ fn build_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<BuildRecord> {
         parent: r.get(7)?,
         image: r.get(8)?,
         version: r.get(9)?,
+        node: r.get::<_, Option<String>>(10)?.unwrap_or_default(),
     })
 }
 
@@ -575,28 +580,43 @@ fn mark_in(c: &mut Connection, subject: &str, open: Option<UsageInterval>, at: i
     Ok(())
 }
 
+fn insert_key(c: &Connection, k: &KeyRecord) -> Result<()> {
+    c.execute(
+        &format!("INSERT INTO api_keys ({KEY_COLUMNS}) VALUES ({})", placeholders(1, 12)),
+        params![
+            k.id,
+            k.name,
+            k.hash,
+            k.admin as i64,
+            k.created_at,
+            k.revoked_at,
+            k.quotas.sandboxes.map(|v| v as i64),
+            k.quotas.memory_mb.map(|v| v as i64),
+            k.quotas.disk_mib.map(|v| v as i64),
+            k.quotas.ttl_seconds.map(|v| v as i64),
+            k.quotas.builds.map(|v| v as i64),
+            k.quotas.snapshots.map(|v| v as i64)
+        ],
+    )
+    .map_err(conflict)?;
+    Ok(())
+}
+
 impl Store for SqliteStore {
     fn insert_key(&self, k: &KeyRecord) -> Result<()> {
+        self.with(|c| insert_key(c, k))
+    }
+
+    fn insert_first_key(&self, k: &KeyRecord) -> Result<bool> {
         self.with(|c| {
-            c.execute(
-                &format!("INSERT INTO api_keys ({KEY_COLUMNS}) VALUES ({})", placeholders(1, 12)),
-                params![
-                    k.id,
-                    k.name,
-                    k.hash,
-                    k.admin as i64,
-                    k.created_at,
-                    k.revoked_at,
-                    k.quotas.sandboxes.map(|v| v as i64),
-                    k.quotas.memory_mb.map(|v| v as i64),
-                    k.quotas.disk_mib.map(|v| v as i64),
-                    k.quotas.ttl_seconds.map(|v| v as i64),
-                    k.quotas.builds.map(|v| v as i64),
-                    k.quotas.snapshots.map(|v| v as i64)
-                ],
-            )
-            .map_err(conflict)?;
-            Ok(())
+            // IMMEDIATE: the count and the insert are one writer's.
+            let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+            if tx.query_row("SELECT COUNT(*) FROM api_keys", [], |r| r.get::<_, i64>(0))? > 0 {
+                return Ok(false);
+            }
+            insert_key(&tx, k)?;
+            tx.commit()?;
+            Ok(true)
         })
     }
 
@@ -895,7 +915,7 @@ impl Store for SqliteStore {
         self.with(|c| usage_in(c, owner))
     }
 
-    fn begin_exec(&self, scope: &str, key: &str, request_hash: &str, now: i64) -> Result<Begin> {
+    fn begin_exec(&self, scope: &str, key: &str, request_hash: &str, now: i64, node: &str) -> Result<Begin> {
         self.with(|c| {
             let tx = c.transaction()?;
             let existing = tx
@@ -909,8 +929,9 @@ impl Store for SqliteStore {
                 return Ok(Begin::Existing(e));
             }
             tx.execute(
-                "INSERT INTO executions (scope, key, request_hash, state, result, created_at) VALUES (?1, ?2, ?3, 'running', NULL, ?4)",
-                params![scope, key, request_hash, now],
+                "INSERT INTO executions (scope, key, request_hash, state, result, created_at, node) \
+                 VALUES (?1, ?2, ?3, 'running', NULL, ?4, ?5)",
+                params![scope, key, request_hash, now, node],
             )?;
             tx.commit()?;
             Ok(Begin::Started)
@@ -934,8 +955,11 @@ impl Store for SqliteStore {
         })
     }
 
-    fn mark_running_execs_lost(&self) -> Result<u64> {
-        self.with(|c| Ok(c.execute("UPDATE executions SET state = 'lost' WHERE state = 'running'", [])? as u64))
+    fn mark_running_execs_lost(&self, node: &str) -> Result<u64> {
+        self.with(|c| {
+            let sql = "UPDATE executions SET state = 'lost' WHERE state = 'running' AND (node = ?1 OR node IS NULL)";
+            Ok(c.execute(sql, [node])? as u64)
+        })
     }
 
     fn insert_template(&self, t: &TemplateRecord) -> Result<()> {
@@ -1194,7 +1218,7 @@ impl Store for SqliteStore {
                 }
             }
             tx.execute(
-                &format!("INSERT INTO builds ({BUILD_COLUMNS}) VALUES ({})", placeholders(1, 10)),
+                &format!("INSERT INTO builds ({BUILD_COLUMNS}) VALUES ({})", placeholders(1, 11)),
                 params![
                     b.id,
                     b.template_id,
@@ -1205,7 +1229,8 @@ impl Store for SqliteStore {
                     b.error,
                     b.parent,
                     b.image,
-                    b.version
+                    b.version,
+                    b.node
                 ],
             )
             .map_err(conflict)?;
@@ -1261,12 +1286,12 @@ impl Store for SqliteStore {
         })
     }
 
-    fn fail_unfinished_builds(&self, now: i64, error: &str) -> Result<u64> {
+    fn fail_unfinished_builds(&self, node: &str, now: i64, error: &str) -> Result<u64> {
         self.with(|c| {
             let n = c.execute(
                 "UPDATE builds SET state = 'failed', finished_at = ?1, error = ?2 \
-                 WHERE state IN ('queued', 'building')",
-                params![now, error],
+                 WHERE state IN ('queued', 'building') AND (node = ?3 OR node IS NULL OR node = '')",
+                params![now, error, node],
             )?;
             Ok(n as u64)
         })
@@ -1413,7 +1438,7 @@ impl Store for SqliteStore {
         self.with(crate::sqlite_events::last_event_id)
     }
 
-    fn append_events(&self, rows: &[EventRecord]) -> Result<u64> {
+    fn append_events(&self, rows: &mut [EventRecord]) -> Result<u64> {
         self.with(|c| crate::sqlite_events::append_events(c, rows))
     }
 
@@ -1449,16 +1474,29 @@ impl Store for SqliteStore {
         self.with(|c| crate::sqlite_events::list_deliveries(c, webhook_id, before, limit))
     }
 
-    fn due_deliveries(&self, now: i64, limit: u32) -> Result<Vec<(DeliveryRecord, WebhookRecord)>> {
-        self.with(|c| crate::sqlite_events::due_deliveries(c, now, limit))
+    fn claim_deliveries(
+        &self,
+        node: &str,
+        now: i64,
+        until: i64,
+        limit: u32,
+    ) -> Result<Vec<(DeliveryRecord, WebhookRecord)>> {
+        self.with(|c| crate::sqlite_events::claim_deliveries(c, node, now, until, limit))
+    }
+
+    fn release_deliveries(&self, node: &str) -> Result<u64> {
+        self.with(|c| {
+            let sql = "UPDATE webhook_deliveries SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by = ?1";
+            Ok(c.execute(sql, [node])? as u64)
+        })
     }
 
     fn next_delivery_at(&self) -> Result<Option<i64>> {
         self.with(crate::sqlite_events::next_delivery_at)
     }
 
-    fn record_attempt(&self, id: i64, a: &Attempt) -> Result<()> {
-        self.with(|c| crate::sqlite_events::record_attempt(c, id, a))
+    fn record_attempt(&self, id: i64, node: &str, a: &Attempt) -> Result<bool> {
+        self.with(|c| crate::sqlite_events::record_attempt(c, id, node, a))
     }
 
     fn usage_mark(&self, sb: &SandboxRecord, at: i64) -> Result<()> {
@@ -1491,7 +1529,7 @@ impl Store for SqliteStore {
         })
     }
 
-    fn usage_flush(&self, counts: &[UsageCount], alive_at: i64) -> Result<()> {
+    fn usage_flush(&self, counts: &[UsageCount], node: &str, alive_at: i64) -> Result<()> {
         self.with(|c| {
             let tx = c.transaction()?;
             {
@@ -1511,17 +1549,24 @@ impl Store for SqliteStore {
                 }
             }
             tx.execute(
-                "INSERT INTO usage_clock (id, alive_at) VALUES (1, ?1) \
-                 ON CONFLICT (id) DO UPDATE SET alive_at = MAX(alive_at, excluded.alive_at)",
-                [alive_at],
+                "INSERT INTO usage_node_clock (node, alive_at) VALUES (?1, ?2) \
+                 ON CONFLICT (node) DO UPDATE SET alive_at = MAX(alive_at, excluded.alive_at)",
+                params![node, alive_at],
             )?;
             tx.commit()?;
             Ok(())
         })
     }
 
-    fn usage_alive_at(&self) -> Result<Option<i64>> {
-        self.with(|c| Ok(c.query_row("SELECT alive_at FROM usage_clock WHERE id = 1", [], |r| r.get(0)).optional()?))
+    fn usage_alive_at(&self, node: &str) -> Result<Option<i64>> {
+        self.with(|c| {
+            Ok(c.query_row(
+                "SELECT COALESCE((SELECT alive_at FROM usage_node_clock WHERE node = ?1), \
+                 (SELECT alive_at FROM usage_clock WHERE id = 1))",
+                [node],
+                |r| r.get(0),
+            )?)
+        })
     }
 
     fn usage_report(&self, q: &UsageQuery) -> Result<Vec<UsageRow>> {
@@ -1671,6 +1716,8 @@ impl Store for SqliteStore {
     fn give_all_to(&self, node: &str) -> Result<u64> {
         self.with(|c| {
             let sandboxes = c.execute("UPDATE sandboxes SET node = ?1 WHERE node != ?1", [node])?;
+            c.execute("UPDATE executions SET node = ?1 WHERE node IS NOT ?1", [node])?;
+            c.execute("UPDATE builds SET node = ?1 WHERE node IS NOT ?1", [node])?;
             Ok((sandboxes + c.execute("UPDATE volumes SET node = ?1 WHERE node != ?1", [node])?) as u64)
         })
     }

@@ -9,21 +9,23 @@ pub(crate) fn last_event_id(c: &mut Connection) -> Result<i64> {
     Ok(c.query_row("SELECT COALESCE(MAX(id), 0) FROM events", [], |r| r.get(0))?)
 }
 
-pub(crate) fn append_events(c: &mut Connection, rows: &[EventRecord]) -> Result<u64> {
+pub(crate) fn append_events(c: &mut Connection, rows: &mut [EventRecord]) -> Result<u64> {
     let tx = c.transaction()?;
     let mut made = 0u64;
     {
-        let mut ev = tx.prepare_cached(
-            "INSERT INTO events (id, at, owner, type, sandbox_id, body) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-        )?;
+        // The id is the table's (AUTOINCREMENT): one writer at a time, so
+        // ids commit in their order.
+        let mut ev =
+            tx.prepare_cached("INSERT INTO events (at, owner, type, sandbox_id, body) VALUES (?1, ?2, ?3, ?4, ?5)")?;
         // The owner's webhooks that want this type (`*` or the type itself).
         let mut dl = tx.prepare_cached(
             "INSERT INTO webhook_deliveries (webhook_id, event_id, event_type, payload, status, attempts, created_at, next_at) \
              SELECT w.id, ?1, ?2, ?3, 'pending', 0, ?4, ?4 FROM webhooks w WHERE w.owner = ?5 AND w.enabled = 1 \
              AND EXISTS (SELECT 1 FROM json_each(w.events) WHERE value = '*' OR value = ?2)",
         )?;
-        for r in rows {
-            ev.execute(params![r.id, r.at, r.owner, r.kind, r.sandbox_id, r.body])?;
+        for r in rows.iter_mut() {
+            ev.execute(params![r.at, r.owner, r.kind, r.sandbox_id, r.body])?;
+            r.id = tx.last_insert_rowid();
             made += dl.execute(params![r.id, r.kind, r.body, r.at, r.owner])? as u64;
         }
     }
@@ -196,42 +198,65 @@ pub(crate) fn list_deliveries(
     Ok(rows)
 }
 
-pub(crate) fn due_deliveries(c: &mut Connection, now: i64, limit: u32) -> Result<Vec<(DeliveryRecord, WebhookRecord)>> {
-    let mut st = c.prepare(&format!(
-        "SELECT {DELIVERY_COLS}, w.id, w.owner, w.url, w.events, w.secret, w.created_at, w.format, w.name, w.enabled \
-         FROM webhook_deliveries d JOIN webhooks w ON w.id = d.webhook_id \
-         WHERE d.status = 'pending' AND d.next_at <= ?1 ORDER BY d.next_at, d.id LIMIT ?2"
-    ))?;
-    let rows = st
-        .query_map(params![now, limit], |r| {
-            let d = delivery_row(r)?;
-            let events: String = r.get(15)?;
-            let w = WebhookRecord {
-                id: r.get(12)?,
-                owner: r.get(13)?,
-                url: r.get(14)?,
-                events: parse_events(&events),
-                secret: r.get(16)?,
-                created_at: r.get(17)?,
-                format: r.get(18)?,
-                name: r.get(19)?,
-                enabled: r.get(20)?,
-            };
-            Ok((d, w))
-        })?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
+/// Claims due deliveries no node holds (or whose claim ran out): one
+/// writer at a time, so the select and the claim are one step.
+pub(crate) fn claim_deliveries(
+    c: &mut Connection,
+    node: &str,
+    now: i64,
+    until: i64,
+    limit: u32,
+) -> Result<Vec<(DeliveryRecord, WebhookRecord)>> {
+    let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    let rows = {
+        let mut st = tx.prepare(&format!(
+            "SELECT {DELIVERY_COLS}, w.id, w.owner, w.url, w.events, w.secret, w.created_at, w.format, w.name, w.enabled \
+             FROM webhook_deliveries d JOIN webhooks w ON w.id = d.webhook_id \
+             WHERE d.status = 'pending' AND d.next_at <= ?1 AND (d.claimed_until IS NULL OR d.claimed_until <= ?1) \
+             ORDER BY d.next_at, d.id LIMIT ?2"
+        ))?;
+        let rows = st
+            .query_map(params![now, limit], |r| {
+                let d = delivery_row(r)?;
+                let events: String = r.get(15)?;
+                let w = WebhookRecord {
+                    id: r.get(12)?,
+                    owner: r.get(13)?,
+                    url: r.get(14)?,
+                    events: parse_events(&events),
+                    secret: r.get(16)?,
+                    created_at: r.get(17)?,
+                    format: r.get(18)?,
+                    name: r.get(19)?,
+                    enabled: r.get(20)?,
+                };
+                Ok((d, w))
+            })?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        let mut claim =
+            tx.prepare_cached("UPDATE webhook_deliveries SET claimed_by = ?2, claimed_until = ?3 WHERE id = ?1")?;
+        for (d, _) in &rows {
+            claim.execute(params![d.id, node, until])?;
+        }
+        rows
+    };
+    tx.commit()?;
     Ok(rows)
 }
 
 pub(crate) fn next_delivery_at(c: &mut Connection) -> Result<Option<i64>> {
-    Ok(c.query_row("SELECT MIN(next_at) FROM webhook_deliveries WHERE status = 'pending'", [], |r| r.get(0))?)
+    Ok(c.query_row(
+        "SELECT MIN(MAX(next_at, COALESCE(claimed_until, 0))) FROM webhook_deliveries WHERE status = 'pending'",
+        [],
+        |r| r.get(0),
+    )?)
 }
 
-pub(crate) fn record_attempt(c: &mut Connection, id: i64, a: &Attempt) -> Result<()> {
-    c.execute(
+pub(crate) fn record_attempt(c: &mut Connection, id: i64, node: &str, a: &Attempt) -> Result<bool> {
+    let n = c.execute(
         "UPDATE webhook_deliveries SET status = ?2, attempts = attempts + 1, next_at = ?3, last_at = ?4, \
-         last_status = ?5, last_error = ?6 WHERE id = ?1",
-        params![id, a.status.as_str(), a.next_at, a.at, a.http_status, a.error],
+         last_status = ?5, last_error = ?6, claimed_by = NULL, claimed_until = NULL WHERE id = ?1 AND claimed_by = ?7",
+        params![id, a.status.as_str(), a.next_at, a.at, a.http_status, a.error, node],
     )?;
-    Ok(())
+    Ok(n > 0)
 }

@@ -110,28 +110,41 @@ fn idempotency_keys_are_unique_per_owner(s: &Backend) {
 }
 
 fn exec_journal_begins_once_finishes_and_loses_running_on_restart(s: &Backend) {
-    assert_eq!(s.begin_exec("sb", "k", "h1", 1).expect("begin"), Begin::Started);
-    match s.begin_exec("sb", "k", "h1", 2).expect("begin") {
+    assert_eq!(s.begin_exec("sb", "k", "h1", 1, "a").expect("begin"), Begin::Started);
+    match s.begin_exec("sb", "k", "h1", 2, "a").expect("begin") {
         Begin::Existing(e) => assert_eq!(e.state, ExecState::Running),
         other => panic!("{other:?}"),
     }
     s.finish_exec("sb", "k", "{\"exit_code\":0}").expect("finish");
-    match s.begin_exec("sb", "k", "h1", 3).expect("begin") {
+    match s.begin_exec("sb", "k", "h1", 3, "a").expect("begin") {
         Begin::Existing(e) => {
             assert_eq!((e.state, e.result.as_deref()), (ExecState::Done, Some("{\"exit_code\":0}")))
         }
         other => panic!("{other:?}"),
     }
-    assert_eq!(s.begin_exec("sb", "k2", "h", 4).expect("begin"), Begin::Started);
-    assert_eq!(s.mark_running_execs_lost().expect("lost"), 1);
+    assert_eq!(s.begin_exec("sb", "k2", "h", 4, "a").expect("begin"), Begin::Started);
+    // Another node's command runs on through this node's restart; one of
+    // no known node (journaled before commands named theirs) is lost.
+    assert_eq!(s.begin_exec("sb-b", "k", "h", 4, "b").expect("begin"), Begin::Started);
+    s.raw_execute(
+        "INSERT INTO executions (scope, key, request_hash, state, result, created_at) \
+         VALUES ('sb-old', 'k', 'h', 'running', NULL, 1)",
+    )
+    .expect("a row of an earlier version");
+    assert_eq!(s.mark_running_execs_lost("a").expect("lost"), 2);
+    match s.begin_exec("sb-b", "k", "h", 5, "b").expect("begin") {
+        Begin::Existing(e) => assert_eq!(e.state, ExecState::Running, "b's command is b's to lose"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(s.mark_running_execs_lost("b").expect("lost"), 1);
     s.release_exec("sb", "k2").expect("release only frees running keys");
-    match s.begin_exec("sb", "k2", "h", 5).expect("begin") {
+    match s.begin_exec("sb", "k2", "h", 5, "a").expect("begin") {
         Begin::Existing(e) => assert_eq!(e.state, ExecState::Lost),
         other => panic!("{other:?}"),
     }
-    assert_eq!(s.begin_exec("sb", "k3", "h", 6).expect("begin"), Begin::Started);
+    assert_eq!(s.begin_exec("sb", "k3", "h", 6, "a").expect("begin"), Begin::Started);
     s.release_exec("sb", "k3").expect("release");
-    assert_eq!(s.begin_exec("sb", "k3", "h", 7).expect("begin"), Begin::Started);
+    assert_eq!(s.begin_exec("sb", "k3", "h", 7, "a").expect("begin"), Begin::Started);
 }
 
 fn template(id: &str, version: i64) -> TemplateRecord {
@@ -280,19 +293,36 @@ fn builds_are_listed_newest_first_and_unfinished_ones_fail_on_restart(s: &Backen
             parent: "base".into(),
             image: None,
             version: None,
+            node: "a".into(),
         };
         assert!(s.insert_build(&b, None).expect("insert"));
     }
+    // Another node's build, and one of no known node (an earlier version).
+    let other = BuildRecord {
+        id: "bld-b".into(),
+        node: "b".into(),
+        created_at: -1,
+        ..s.get_build("bld-1").expect("get").expect("some")
+    };
+    assert!(s.insert_build(&other, None).expect("insert"));
+    let old = BuildRecord { id: "bld-old".into(), created_at: -2, ..other.clone() };
+    assert!(s.insert_build(&old, None).expect("insert"));
+    s.raw_execute("UPDATE builds SET node = NULL WHERE id = 'bld-old'").expect("a row of an earlier version");
+    assert_eq!(s.get_build("bld-old").expect("get").expect("some").node, "");
     let ids: Vec<String> = s.list_builds("tpl-1").expect("list").into_iter().map(|b| b.id).collect();
-    assert_eq!(ids, ["bld-2", "bld-1", "bld-0"]);
+    assert_eq!(ids, ["bld-2", "bld-1", "bld-0", "bld-b", "bld-old"]);
     // A build's image pushed to the fleet's registry: the reference is kept.
     assert_eq!(s.pushed(Pushed::Build, "bld-0").expect("read"), None);
     assert!(s.set_pushed(Pushed::Build, "bld-0", Some("r/build-bld-0@sha256:22")).expect("set"));
     assert_eq!(s.pushed(Pushed::Build, "bld-0").expect("read").as_deref(), Some("r/build-bld-0@sha256:22"));
-    assert_eq!(s.fail_unfinished_builds(9, "interrupted").expect("fail"), 2);
+    assert_eq!(s.fail_unfinished_builds("a", 9, "interrupted").expect("fail"), 3);
     let b = s.get_build("bld-1").expect("get").expect("some");
     assert_eq!((b.state, b.finished_at, b.error.as_deref()), (BuildState::Failed, Some(9), Some("interrupted")));
+    assert_eq!(b.node, "a");
     assert_eq!(s.get_build("bld-0").expect("get").expect("some").state, BuildState::Succeeded);
+    assert_eq!(s.get_build("bld-old").expect("get").expect("some").state, BuildState::Failed);
+    assert_eq!(s.get_build("bld-b").expect("get").expect("some").state, BuildState::Building, "b's to fail");
+    assert_eq!(s.fail_unfinished_builds("b", 10, "interrupted").expect("fail"), 1);
 }
 
 fn keys_are_found_by_hash_and_revoked(s: &Backend) {
@@ -311,6 +341,21 @@ fn keys_are_found_by_hash_and_revoked(s: &Backend) {
     assert!(!s.revoke_key("k1", 6).expect("revoke twice"));
     assert_eq!(s.key_by_hash("abc").expect("get").and_then(|k| k.revoked_at), Some(5));
     assert_eq!(s.count_keys().expect("count"), 1);
+}
+
+fn the_first_key_is_made_only_on_a_store_without_keys(s: &Backend) {
+    let admin = |id: &str| KeyRecord {
+        id: id.into(),
+        name: "admin".into(),
+        hash: format!("hash-{id}"),
+        admin: true,
+        created_at: 1,
+        revoked_at: None,
+        quotas: Quotas::default(),
+    };
+    assert!(s.insert_first_key(&admin("k1")).expect("first"));
+    assert!(!s.insert_first_key(&admin("k2")).expect("second"), "a key exists");
+    assert_eq!(s.list_keys().expect("keys").iter().map(|k| k.id.as_str()).collect::<Vec<_>>(), ["k1"]);
 }
 
 fn transitions_are_conditional_on_the_state_they_leave(s: &Backend) {
@@ -393,6 +438,7 @@ fn builds_at_once_are_capped_per_owner(s: &Backend) {
         parent: "base".into(),
         image: None,
         version: None,
+        node: "a".into(),
     };
     assert!(s.insert_build(&b("b1", "k1"), Some(1)).expect("first"));
     assert!(!s.insert_build(&b("b2", "k1"), Some(1)).expect("second"));
@@ -612,13 +658,18 @@ fn webhook(id: &str, owner: &str, events: &[&str]) -> WebhookRecord {
 
 fn events_list_oldest_first_filtered_and_pruned(s: &Backend) {
     assert_eq!(s.last_event_id().expect("last"), 0);
-    let rows = [
+    // The ids the rows come with are not the store's: it gives its own.
+    let mut rows = [
         event(1, "k1", "sandbox.created", Some("sb-1")),
         event(2, "k2", "sandbox.created", Some("sb-2")),
         event(3, "k1", "sandbox.ready", Some("sb-1")),
         event(4, "k1", "key.revoked", None),
     ];
-    assert_eq!(s.append_events(&rows).expect("append"), 0, "no webhooks, no deliveries");
+    for r in &mut rows {
+        r.id = 77;
+    }
+    assert_eq!(s.append_events(&mut rows).expect("append"), 0, "no webhooks, no deliveries");
+    assert_eq!(rows.map(|r| r.id), [1, 2, 3, 4]);
     assert_eq!(s.last_event_id().expect("last"), 4);
     let ids = |q: EventQuery| s.list_events(&q).expect("list").iter().map(|e| e.id).collect::<Vec<_>>();
     assert_eq!(ids(EventQuery { limit: 10, ..EventQuery::default() }), [1, 2, 3, 4]);
@@ -627,10 +678,15 @@ fn events_list_oldest_first_filtered_and_pruned(s: &Backend) {
     assert_eq!(ids(EventQuery { kinds: vec!["sandbox.created".into()], limit: 10, ..EventQuery::default() }), [1, 2]);
     assert_eq!(ids(EventQuery { sandbox_id: Some("sb-1".into()), limit: 10, ..EventQuery::default() }), [1, 3]);
     assert_eq!(ids(EventQuery { from: Some(102), to: Some(103), limit: 10, ..EventQuery::default() }), [2, 3]);
-    // An id is given once.
-    assert!(s.append_events(&[event(4, "k1", "x", None)]).is_err());
     assert_eq!(s.prune_events(103).expect("prune"), 2);
     assert_eq!(ids(EventQuery { limit: 10, ..EventQuery::default() }), [3, 4]);
+    // An id is given once, even when the newest were pruned: a cursor
+    // never points past events still to come.
+    assert_eq!(s.prune_events(i64::MAX).expect("prune"), 2);
+    let mut more = [event(0, "k1", "sandbox.created", Some("sb-3")), event(0, "k1", "sandbox.ready", Some("sb-3"))];
+    s.append_events(&mut more).expect("append");
+    assert_eq!(more.map(|r| r.id), [5, 6]);
+    assert_eq!(ids(EventQuery { after: Some(4), limit: 10, ..EventQuery::default() }), [5, 6]);
 }
 
 fn deliveries_are_made_with_their_events_for_matching_webhooks(s: &Backend) {
@@ -642,9 +698,9 @@ fn deliveries_are_made_with_their_events_for_matching_webhooks(s: &Backend) {
     assert_eq!(s.list_webhooks(Some("k1")).expect("list").len(), 2);
     assert_eq!(s.list_webhooks(None).expect("list").len(), 3);
 
-    let rows = [event(1, "k1", "sandbox.created", Some("sb-1")), event(2, "k1", "sandbox.ready", Some("sb-1"))];
+    let mut rows = [event(1, "k1", "sandbox.created", Some("sb-1")), event(2, "k1", "sandbox.ready", Some("sb-1"))];
     // created → wh-1; ready → wh-1 and wh-2; k2's webhook sees none of k1's.
-    assert_eq!(s.append_events(&rows).expect("append"), 3);
+    assert_eq!(s.append_events(&mut rows).expect("append"), 3);
     assert_eq!(s.list_deliveries("wh-4", None, 10).expect("list").len(), 0);
     let d1 = s.list_deliveries("wh-1", None, 10).expect("list");
     assert_eq!(d1.iter().map(|d| d.event_id).collect::<Vec<_>>(), [2, 1], "newest first");
@@ -652,9 +708,12 @@ fn deliveries_are_made_with_their_events_for_matching_webhooks(s: &Backend) {
     assert_eq!(d1[0].payload, rows[1].body);
 
     assert_eq!(s.next_delivery_at().expect("next"), Some(101));
-    assert_eq!(s.due_deliveries(101, 10).expect("due").len(), 1);
-    let due = s.due_deliveries(1000, 10).expect("due");
-    assert_eq!(due.len(), 3);
+    assert_eq!(s.claim_deliveries("a", 101, 200, 1).expect("due").len(), 1);
+    // What "a" holds is not "b"'s to take until the claim runs out (200).
+    assert_eq!(s.claim_deliveries("b", 150, 250, 10).expect("due").len(), 2, "the two a did not claim");
+    assert_eq!(s.next_delivery_at().expect("next"), Some(200), "a claim counts until it runs out");
+    let due = s.claim_deliveries("a", 1000, 2000, 10).expect("due");
+    assert_eq!(due.len(), 3, "claims that ran out are taken again");
     let (d, w) = &due[0];
     assert_eq!((d.event_id, w.id.as_str()), (1, "wh-1"));
     let retry = Attempt {
@@ -664,11 +723,21 @@ fn deliveries_are_made_with_their_events_for_matching_webhooks(s: &Backend) {
         http_status: Some(500),
         error: Some("HTTP 500".into()),
     };
-    s.record_attempt(d.id, &retry).expect("attempt");
-    assert_eq!(s.due_deliveries(1000, 10).expect("due").len(), 2);
+    assert!(!s.record_attempt(d.id, "b", &retry).expect("attempt"), "b's claim ran out, a has it");
+    assert!(s.record_attempt(d.id, "a", &retry).expect("attempt"));
+    assert_eq!(s.claim_deliveries("b", 2000, 3000, 10).expect("due").len(), 2, "a's other claims ran out");
+    assert!(s.claim_deliveries("b", 2500, 3000, 10).expect("due").is_empty(), "b holds them");
+    // A restart of b frees what b held (its sends were cut short): a takes
+    // them at once, not when the claims run out.
+    assert_eq!(s.release_deliveries("b").expect("release"), 2);
+    assert_eq!(s.claim_deliveries("a", 2600, 3000, 10).expect("due").len(), 2);
+    assert_eq!(s.release_deliveries("b").expect("release"), 0, "a's claims are a's");
+    let d = d.id;
+    let again = s.claim_deliveries("a", 5000, 6000, 10).expect("due");
+    assert!(again.iter().any(|(x, _)| x.id == d), "its retry is due");
     let ok =
         Attempt { at: 5000, status: DeliveryStatus::Delivered, next_at: None, http_status: Some(200), error: None };
-    s.record_attempt(d.id, &ok).expect("attempt");
+    assert!(s.record_attempt(d, "a", &ok).expect("attempt"));
     let d = s.list_deliveries("wh-1", None, 10).expect("list").pop().expect("one");
     assert_eq!((d.status, d.attempts, d.last_status), (DeliveryStatus::Delivered, 2, Some(200)));
 
@@ -768,12 +837,21 @@ fn usage_counts_objects_and_a_lost_sandbox(s: &Backend) {
             commands: 3,
             egress_bytes: 1000,
         }],
+        "a",
         50,
     )
     .expect("flush");
-    assert_eq!(s.usage_alive_at().expect("clock"), Some(50));
-    s.usage_flush(&[], 40).expect("an older clock never goes back");
-    assert_eq!(s.usage_alive_at().expect("clock"), Some(50));
+    assert_eq!(s.usage_alive_at("a").expect("clock"), Some(50));
+    s.usage_flush(&[], "a", 40).expect("an older clock never goes back");
+    assert_eq!(s.usage_alive_at("a").expect("clock"), Some(50));
+    // Each node's own: another node's later flush is not this one's.
+    s.usage_flush(&[], "b", 90).expect("flush");
+    assert_eq!((s.usage_alive_at("a").expect("a"), s.usage_alive_at("b").expect("b")), (Some(50), Some(90)));
+    assert_eq!(s.usage_alive_at("c").expect("never flushed"), None);
+    // The one clock kept before clocks were per node, for a node with none.
+    s.raw_execute("INSERT INTO usage_clock (id, alive_at) VALUES (1, 70)").expect("an earlier version's clock");
+    assert_eq!(s.usage_alive_at("c").expect("c"), Some(70));
+    assert_eq!(s.usage_alive_at("a").expect("a"), Some(50));
     let rows = report(s, None, 0, 3_600_000, 3_600_000, UsageGroup::Key);
     assert_eq!(rows[0].snapshot_gib_hours, 2.0);
     assert_eq!(rows[0].volume_gib_hours, 1.0 + 2.0);
@@ -844,7 +922,7 @@ fn webhooks_keep_their_format_and_a_disabled_one_gets_no_deliveries(s: &Backend)
     let got = s.get_webhook("wh-e").expect("get").expect("found");
     assert_eq!((got.format.as_str(), got.name.as_str(), got.enabled), ("e2b", "mine", true));
     assert_eq!(s.get_webhook("wh-n").expect("get").expect("found").format, "native");
-    assert_eq!(s.append_events(&[event(1, "k1", "sandbox.created", Some("sb-1"))]).expect("append"), 2);
+    assert_eq!(s.append_events(&mut [event(1, "k1", "sandbox.created", Some("sb-1"))]).expect("append"), 2);
     e.enabled = false;
     e.url = "https://example.org/other".into();
     e.events = vec!["sandbox.deleted".into()];
@@ -855,11 +933,11 @@ fn webhooks_keep_their_format_and_a_disabled_one_gets_no_deliveries(s: &Backend)
         (false, "https://example.org/other", &["sandbox.deleted".to_owned()][..])
     );
     assert_eq!(
-        s.append_events(&[event(2, "k1", "sandbox.deleted", Some("sb-1"))]).expect("append"),
+        s.append_events(&mut [event(2, "k1", "sandbox.deleted", Some("sb-1"))]).expect("append"),
         1,
         "only the native one"
     );
-    let due = s.due_deliveries(1000, 10).expect("due");
+    let due = s.claim_deliveries("a", 1000, 2000, 10).expect("due");
     assert!(due.iter().any(|(_, w)| w.format == "e2b" && !w.enabled), "a pending one is still sent");
     assert!(!s.update_webhook(&webhook("wh-none", "k1", &["*"])).expect("update"));
 }
@@ -1111,6 +1189,7 @@ on_both_backends!(
     template_names_are_unique_among_live_templates,
     builds_are_listed_newest_first_and_unfinished_ones_fail_on_restart,
     keys_are_found_by_hash_and_revoked,
+    the_first_key_is_made_only_on_a_store_without_keys,
     transitions_are_conditional_on_the_state_they_leave,
     admission_counts_what_live_sandboxes_hold,
     builds_at_once_are_capped_per_owner,

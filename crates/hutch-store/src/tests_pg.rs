@@ -181,6 +181,7 @@ fn two_daemons_keep_the_snapshot_and_build_caps() {
                     parent: "base".into(),
                     image: None,
                     version: None,
+                    node: "a".into(),
                 };
                 s.insert_build(&b, Some(3)).expect("build")
             })
@@ -188,6 +189,94 @@ fn two_daemons_keep_the_snapshot_and_build_caps() {
         (snaps, builds)
     });
     assert_eq!((a.0 + b.0, a.1 + b.1), (5, 3));
+}
+
+#[test]
+fn two_daemons_appending_events_give_each_id_once_and_a_follower_misses_none() {
+    let Some(db) = db() else { return };
+    // A follower reads as a stream does, after the last id it saw, while
+    // two daemons append batches: an id that committed before a lower one
+    // would make it skip the lower one for good.
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let follower = {
+        let (store, done) = (db.open(), done.clone());
+        std::thread::spawn(move || {
+            let (mut seen, mut last) = (Vec::new(), 0);
+            loop {
+                let finished = done.load(std::sync::atomic::Ordering::SeqCst);
+                let q = EventQuery { after: Some(last), limit: 1000, ..EventQuery::default() };
+                let page = store.list_events(&q).expect("list");
+                seen.extend(page.iter().map(|e| e.id));
+                last = page.last().map_or(last, |e| e.id);
+                if finished && page.is_empty() {
+                    return seen;
+                }
+            }
+        })
+    };
+    let [a, b] = race(&db, |s, i| {
+        let mut given = Vec::new();
+        for _ in 0..100 {
+            let mut rows: Vec<EventRecord> =
+                (0..5).map(|_| event(0, ["k1", "k2"][i], "sandbox.created", None)).collect();
+            s.append_events(&mut rows).expect("append");
+            given.extend(rows.iter().map(|r| r.id));
+        }
+        given
+    });
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    let seen = follower.join().expect("follower");
+    assert!(a.windows(2).all(|w| w[0] < w[1]) && b.windows(2).all(|w| w[0] < w[1]), "each daemon's ids increase");
+    let mut all: Vec<i64> = a.iter().chain(&b).copied().collect();
+    all.sort_unstable();
+    all.dedup();
+    assert_eq!(all.len(), 1000, "no id was given twice");
+    assert_eq!(seen, all, "the follower saw every event once, in id order");
+}
+
+#[test]
+fn two_daemons_never_claim_one_webhook_delivery_both() {
+    let Some(db) = db() else { return };
+    let s = db.store.as_ref().expect("open");
+    s.insert_webhook(&webhook("wh-1", "k1", &["*"]), 10).expect("webhook");
+    let mut rows: Vec<EventRecord> = (0..60).map(|_| event(0, "k1", "sandbox.created", None)).collect();
+    assert_eq!(s.append_events(&mut rows).expect("append"), 60);
+    let [a, b] = race(&db, |s, i| {
+        let node = ["a", "b"][i];
+        let mut got = BTreeSet::new();
+        loop {
+            let claimed = s.claim_deliveries(node, 10_000, 20_000, 3).expect("claim");
+            if claimed.is_empty() {
+                return got;
+            }
+            got.extend(claimed.into_iter().map(|(d, _)| d.id));
+        }
+    });
+    assert!(a.is_disjoint(&b), "claimed by both: {:?}", a.intersection(&b).collect::<Vec<_>>());
+    assert_eq!(a.len() + b.len(), 60, "every delivery was claimed once");
+}
+
+#[test]
+fn two_daemons_starting_on_an_empty_database_make_one_admin_key() {
+    let Some(db) = db() else { return };
+    let s = db.store.as_ref().expect("open");
+    for round in 0..5 {
+        let [a, b] = race(&db, move |s, i| {
+            let k = KeyRecord {
+                id: format!("key-{round}-{i}"),
+                name: "admin".into(),
+                hash: format!("hash-{round}-{i}"),
+                admin: true,
+                created_at: 1,
+                revoked_at: None,
+                quotas: Quotas::default(),
+            };
+            s.insert_first_key(&k).expect("first key")
+        });
+        assert!(a != b, "one winner: {a} {b}");
+        assert_eq!(s.count_keys().expect("count"), 1);
+        s.raw_execute_for_tests("DELETE FROM api_keys").expect("empty again");
+    }
 }
 
 #[test]

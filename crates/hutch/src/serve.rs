@@ -62,7 +62,7 @@ pub struct ServeArgs {
     /// `http[s]://host[:port][/prefix]`: snapshots and sandboxes paused to
     /// disk are pushed there, so that another node starts them. Plain HTTP
     /// to loopback only, unless --registry-insecure; anonymous or token
-    /// access (HUTCH_REGISTRY).
+    /// access. Empty: none, as when not given (HUTCH_REGISTRY).
     #[arg(long, env = "HUTCH_REGISTRY", value_name = "URL")]
     pub registry: Option<String>,
     /// Allow plain HTTP to a --registry that is not on loopback (a trusted
@@ -449,6 +449,42 @@ pub fn main(args: ServeArgs) -> i32 {
     }
 }
 
+/// The fleet's registry from `--registry`: none when not given or empty
+/// (the deployments pass an empty `HUTCH_REGISTRY` for none).
+fn registry_target(url: Option<&str>, insecure: bool) -> Result<Option<hutch_runtime::image::push::Target>> {
+    url.map(str::trim)
+        .filter(|u| !u.is_empty())
+        .map(|u| hutch_runtime::image::push::Target::parse(u, insecure).map_err(|e| anyhow::anyhow!("--registry: {e}")))
+        .transpose()
+}
+
+/// Makes the admin key of an empty database and writes its secret to
+/// `admin.key` in the state directory (mode 0600). Of daemons starting
+/// together on one empty database, one makes it (`insert_first_key`);
+/// the others say whose it is.
+fn make_admin_key(store: &dyn hutch_store::Store, state_dir: &std::path::Path) -> Result<()> {
+    let key = hutch_control::keys::generate("admin", true, false, hutch_store::Quotas::default())?;
+    if !store.insert_first_key(&key.record)? {
+        let first = store.list_keys()?.into_iter().find(|k| k.admin && k.revoked_at.is_none());
+        tracing::info!(
+            "another node made the admin API key first ({}); its secret is in that node's admin.key",
+            first.map_or_else(|| "it is no longer live".to_owned(), |k| format!("key {}", k.id))
+        );
+        return Ok(());
+    }
+    let path = state_dir.join("admin.key");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("write {}", path.display()))?;
+    writeln!(f, "{}", key.secret)?;
+    tracing::info!("created the admin API key; it is in {} (mode 0600)", path.display());
+    Ok(())
+}
+
 async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     // The network instance is this daemon's alone, for its whole life:
     // another live daemon holding it means this one must not start (it
@@ -481,18 +517,7 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         }
     }
     if store.count_keys()? == 0 {
-        let key = hutch_control::keys::generate("admin", true, false, hutch_store::Quotas::default())?;
-        store.insert_key(&key.record)?;
-        let path = args.state_dir.join("admin.key");
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&path)
-            .with_context(|| format!("write {}", path.display()))?;
-        writeln!(f, "{}", key.secret)?;
-        tracing::info!("created the admin API key; it is in {} (mode 0600)", path.display());
+        make_admin_key(store.as_ref(), &args.state_dir)?;
     }
     let cfg = hutch_runtime::Config { state_dir: args.state_dir.clone(), ..hutch_runtime::Config::from_env() };
     let runtime = hutch_runtime::Runtime::new(cfg).context("start the container runtime")?;
@@ -538,13 +563,7 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     };
     let metrics_token = secret_file("--metrics-token-file", args.metrics_token_file.as_deref(), 16)?;
     let fleet_secret = secret_file("--fleet-secret-file", args.fleet_secret_file.as_deref(), 32)?;
-    let registry = match &args.registry {
-        Some(url) => Some(
-            hutch_runtime::image::push::Target::parse(url, args.registry_insecure)
-                .map_err(|e| anyhow::anyhow!("--registry: {e}"))?,
-        ),
-        None => None,
-    };
+    let registry = registry_target(args.registry.as_deref(), args.registry_insecure)?;
     let e2b_registries: Vec<String> =
         args.e2b_registries.iter().map(|r| r.trim().to_ascii_lowercase()).filter(|r| !r.is_empty()).collect();
     // The egress proxy that injects secrets, on the gateway address.
@@ -573,6 +592,12 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
                 max_per_key: args.webhook_max,
                 retry_base: args.webhook_retry_base,
             },
+            // Other daemons may append to a shared database.
+            follow_others: args
+                .database
+                .as_deref()
+                .is_some_and(is_postgres_url)
+                .then_some(hutch_control::events::FOLLOW_OTHERS),
         },
         egress_bundle: egress.as_ref().map(|(_, _, bundle)| bundle.clone()),
         node: hutch_control::nodes::NodeConfig {
@@ -757,6 +782,10 @@ mod tests {
     #[test]
     fn the_database_url_picks_the_backend() {
         assert!(is_postgres_url("postgres://hutch@%2Frun%2Fpostgresql/hutch"));
+        assert!(registry_target(None, false).expect("none").is_none());
+        assert!(registry_target(Some(""), false).expect("empty is none").is_none());
+        assert!(registry_target(Some("http://127.0.0.1:5000"), false).expect("loopback").is_some());
+        assert!(registry_target(Some("http://registry.example.com"), false).is_err(), "plain HTTP off loopback");
         assert!(is_postgres_url("PostgreSQL://db.internal/hutch"));
         assert!(!is_postgres_url("sqlite:///var/lib/hutch/hutch.db"));
         assert!(!is_postgres_url("postgres:"));

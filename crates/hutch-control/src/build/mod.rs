@@ -551,6 +551,7 @@ impl Control {
             parent,
             image: None,
             version: None,
+            node: self.node.name.clone(),
         };
         let log = Log::create(&store.build_log(&record.id))
             .map_err(|e| ControlError::Runtime(format!("build log {}: {e}", record.id)))?;
@@ -665,12 +666,15 @@ impl Control {
 
     /// Marks builds a stopped daemon left unfinished as failed, and removes
     /// their sandboxes, scratch layers and half-made layers: only this
-    /// daemon's (its instance's build sandboxes; its own state directory).
+    /// daemon's (its node's builds; its instance's build sandboxes; its
+    /// own state directory).
     /// Brings a store of an earlier version up to date: drops the step
     /// cache entries that were keyed without their owner and names the
     /// owner of each build's image.
     pub(crate) fn recover_builds(&self) -> Result<()> {
-        let n = self.store.fail_unfinished_builds(now_ms(), "interrupted: the daemon stopped during the build")?;
+        // Only this node's: other nodes' builds run on.
+        let error = "interrupted: the daemon stopped during the build";
+        let n = self.store.fail_unfinished_builds(&self.node.name, now_ms(), error)?;
         if n > 0 {
             tracing::warn!("{n} template builds were interrupted by a daemon restart; marked failed");
         }
