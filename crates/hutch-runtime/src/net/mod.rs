@@ -366,10 +366,17 @@ struct Lease {
 
 #[derive(Debug, Default)]
 struct State {
-    /// Ready namespaces, oldest released first: a create takes the front,
-    /// so an address freed now is the last to be given again.
+    /// Namespaces made ahead of time, never used: for any sandbox.
     pool: std::collections::VecDeque<Slot>,
-    /// When a create last took from the pool (or a release filled it).
+    /// Namespaces of sandboxes that ended, with their policy group (owner
+    /// and template), oldest first: each is handed again only within its
+    /// group, oldest first, so that an address freed now is the last to be
+    /// given again. What a sandbox leaves in its namespace after its
+    /// processes die (TCP connections in TIME_WAIT or orphaned, listed in
+    /// its `/proc/net/tcp` with their peers for up to a minute) is seen
+    /// only by its group, which `private` egress already lets talk to it.
+    released: std::collections::VecDeque<(String, Slot)>,
+    /// When a create last took from the pools (or a release filled one).
     pool_used: Option<Instant>,
     leases: HashMap<String, Lease>,
     /// Address indexes in use (pooled or leased).
@@ -545,11 +552,19 @@ impl Network {
                 let mut st = lock(&self.state);
                 let keep = (2 * st.target).clamp(1, POOL_KEEP);
                 let busy = st.pool_used.is_some_and(|t| now.saturating_duration_since(t) < POOL_IDLE);
-                if busy || st.pool.len() <= keep {
+                if busy {
                     break;
                 }
-                // The most recently released: the front is handed out next.
-                let Some(slot) = st.pool.pop_back() else { break };
+                // The most recently released first: the oldest are handed
+                // out next.
+                let slot = match st.released.pop_back() {
+                    Some((_, slot)) => slot,
+                    None if st.pool.len() > keep => match st.pool.pop_back() {
+                        Some(slot) => slot,
+                        None => break,
+                    },
+                    None => break,
+                };
                 st.used.remove(&slot.index);
                 slot
             };
@@ -570,6 +585,11 @@ impl Network {
 
     pub fn pooled(&self) -> usize {
         lock(&self.state).pool.len()
+    }
+
+    /// Namespaces of ended sandboxes kept for their groups.
+    pub fn released(&self) -> usize {
+        lock(&self.state).released.len()
     }
 
     fn take_index(&self) -> Result<u32, NetError> {
@@ -682,7 +702,10 @@ impl Network {
         let pooled = {
             let mut st = lock(&self.state);
             st.pool_used = Some(Instant::now());
-            st.pool.pop_front()
+            match st.released.iter().position(|(group, _)| *group == policy.group) {
+                Some(at) => st.released.remove(at).map(|(_, slot)| slot),
+                None => st.pool.pop_front(),
+            }
         };
         let slot = match pooled {
             Some(s) => s,
@@ -735,7 +758,8 @@ impl Network {
         let mut nft = lock(&self.nft);
         let mut st = lock(&self.state);
         if let Err(e) = nft.set_elements(NFPROTO_INET, &self.cfg.table(), &elements) {
-            st.pool.push_back(slot);
+            // Kept for this group only: it may have served it before.
+            st.released.push_back((policy.group.clone(), slot));
             return Err(io_err("admit the sandbox to its policy")(e));
         }
         st.leases.insert(
@@ -802,8 +826,8 @@ impl Network {
             if let Err(e) = nft.flush_conntrack(self.ct_mark(slot.index)) {
                 tracing::warn!("sandbox {id}: cannot forget its tracked flows: {e}");
             }
-            if st.pool.len() < POOL_RETAIN && Arc::strong_count(&slot.netns) == 1 {
-                st.pool.push_back(slot);
+            if st.released.len() < POOL_RETAIN && Arc::strong_count(&slot.netns) == 1 {
+                st.released.push_back((lease.policy.group, slot));
                 st.pool_used = Some(Instant::now());
                 return;
             }
@@ -1262,7 +1286,11 @@ impl Network {
     /// the pooled namespaces and their links. Only for a daemon that ends
     /// with no sandbox running (their networks would go with it).
     pub fn teardown(&self) {
-        let pool = std::mem::take(&mut lock(&self.state).pool);
+        let pool: Vec<Slot> = {
+            let mut st = lock(&self.state);
+            let released = std::mem::take(&mut st.released).into_iter().map(|(_, slot)| slot);
+            std::mem::take(&mut st.pool).into_iter().chain(released).collect()
+        };
         let started = Instant::now();
         let mut rtnl = lock(&self.rtnl);
         for slot in pool {
@@ -1872,26 +1900,34 @@ mod tests {
     }
 
     #[test]
-    fn released_namespaces_stay_pooled_until_the_pool_idles_then_go_a_few_at_a_time() {
+    fn released_namespaces_serve_only_their_group_and_go_a_few_at_a_time_once_idle() {
         let t = TestNet::new();
         let net = &t.net;
+        let group = |g: &str| Policy { group: g.into(), ..listed() };
         let ids: Vec<String> = (0..TRIM_BATCH + 3).map(|i| format!("sb-pool{i}")).collect();
         let mut links = Vec::new();
         for id in &ids {
-            links.push(net.attach(id, &listed()).expect("attach").host_if.expect("a link"));
+            links.push(net.attach(id, &group("owner-a/t")).expect("attach").host_if.expect("a link"));
         }
         for id in &ids {
             net.release(id);
         }
         // Every released namespace is kept, its link still on the host.
-        assert_eq!(net.pooled(), ids.len());
+        assert_eq!(net.released(), ids.len());
         assert!(links.iter().all(|l| host_index(l).is_ok()), "a released link was deleted");
+        // Another group never gets one; the same group gets the oldest.
+        let other = net.attach("sb-other", &group("owner-b/t")).expect("attach").host_if.expect("a link");
+        assert!(!links.contains(&other), "owner-b was given owner-a's namespace {other}");
+        let again = net.attach("sb-again", &group("owner-a/t")).expect("attach").host_if.expect("a link");
+        assert_eq!(again, links[0]);
+        net.release("sb-other");
+        net.release("sb-again");
+        assert_eq!(net.released(), ids.len() + 1);
         // Not trimmed while creates or releases touched the pool lately.
         let now = Instant::now();
         assert_eq!(net.trim_pool(now), 0);
         // Idle: each pass deletes at least one and at most a batch (fewer
-        // when deletions are slow), down to what the pool keeps (1: this
-        // network was never asked to fill its pool).
+        // when deletions are slow), until none is left.
         let later = now + POOL_IDLE + Duration::from_secs(1);
         let mut passes = Vec::new();
         loop {
@@ -1902,16 +1938,10 @@ mod tests {
             passes.push(n);
         }
         assert!(passes.iter().all(|n| *n <= TRIM_BATCH), "a pass deleted more than a batch: {passes:?}");
-        assert_eq!(passes.iter().sum::<usize>(), ids.len() - 1, "passes: {passes:?}");
-        assert!(passes.len() >= 2, "{} links went in one pass", ids.len() - 1);
-        assert_eq!(net.pooled(), 1);
-        let left: Vec<&String> = links.iter().filter(|l| host_index(l).is_ok()).collect();
-        assert_eq!(left.len(), 1, "links left on the host: {left:?}");
-        // The oldest released is kept, and the next create takes it.
-        assert_eq!(left[0], &links[0]);
-        let again = net.attach("sb-pool-again", &listed()).expect("attach");
-        assert_eq!(again.host_if.as_ref(), Some(&links[0]));
-        net.release("sb-pool-again");
+        assert_eq!(passes.iter().sum::<usize>(), ids.len() + 1, "passes: {passes:?}");
+        assert_eq!(net.released(), 0);
+        let left: Vec<&String> = links.iter().chain([&other]).filter(|l| host_index(l).is_ok()).collect();
+        assert!(left.is_empty(), "links left on the host: {left:?}");
     }
 
     #[test]
