@@ -370,8 +370,8 @@ struct State {
     pool: std::collections::VecDeque<Slot>,
     /// Namespaces of sandboxes that ended, with their policy group (owner
     /// and template), oldest first: each is handed again only within its
-    /// group, oldest first, so that an address freed now is the last to be
-    /// given again. What a sandbox leaves in its namespace after its
+    /// group, the most recently released first (the oldest are trimmed
+    /// first). What a sandbox leaves in its namespace after its
     /// processes die (TCP connections in TIME_WAIT or orphaned, listed in
     /// its `/proc/net/tcp` with their peers for up to a minute) is seen
     /// only by its group, which `private` egress already lets talk to it.
@@ -555,9 +555,8 @@ impl Network {
                 if busy {
                     break;
                 }
-                // The most recently released first: the oldest are handed
-                // out next.
-                let slot = match st.released.pop_back() {
+                // The oldest released first: the newest are handed out next.
+                let slot = match st.released.pop_front() {
                     Some((_, slot)) => slot,
                     None if st.pool.len() > keep => match st.pool.pop_back() {
                         Some(slot) => slot,
@@ -702,7 +701,7 @@ impl Network {
         let pooled = {
             let mut st = lock(&self.state);
             st.pool_used = Some(Instant::now());
-            match st.released.iter().position(|(group, _)| *group == policy.group) {
+            match st.released.iter().rposition(|(group, _)| *group == policy.group) {
                 Some(at) => st.released.remove(at).map(|(_, slot)| slot),
                 None => st.pool.pop_front(),
             }
@@ -1915,11 +1914,11 @@ mod tests {
         // Every released namespace is kept, its link still on the host.
         assert_eq!(net.released(), ids.len());
         assert!(links.iter().all(|l| host_index(l).is_ok()), "a released link was deleted");
-        // Another group never gets one; the same group gets the oldest.
+        // Another group never gets one; the same group gets the newest.
         let other = net.attach("sb-other", &group("owner-b/t")).expect("attach").host_if.expect("a link");
         assert!(!links.contains(&other), "owner-b was given owner-a's namespace {other}");
         let again = net.attach("sb-again", &group("owner-a/t")).expect("attach").host_if.expect("a link");
-        assert_eq!(again, links[0]);
+        assert_eq!(Some(&again), links.last());
         net.release("sb-other");
         net.release("sb-again");
         assert_eq!(net.released(), ids.len() + 1);
