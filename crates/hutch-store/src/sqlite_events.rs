@@ -90,17 +90,22 @@ pub(crate) fn prune_events(c: &mut Connection, before: i64) -> Result<u64> {
 }
 
 fn webhook_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<WebhookRecord> {
-    let events: String = r.get(3)?;
+    webhook_at(r, 0)
+}
+
+/// A webhook from the row's columns `first..first + 9` (`WEBHOOK_COLS`).
+fn webhook_at(r: &rusqlite::Row<'_>, first: usize) -> rusqlite::Result<WebhookRecord> {
+    let events: String = r.get(first + 3)?;
     Ok(WebhookRecord {
-        id: r.get(0)?,
-        owner: r.get(1)?,
-        url: r.get(2)?,
+        id: r.get(first)?,
+        owner: r.get(first + 1)?,
+        url: r.get(first + 2)?,
         events: parse_events(&events),
-        secret: r.get(4)?,
-        created_at: r.get(5)?,
-        format: r.get(6)?,
-        name: r.get(7)?,
-        enabled: r.get(8)?,
+        secret: r.get(first + 4)?,
+        created_at: r.get(first + 5)?,
+        format: r.get(first + 6)?,
+        name: r.get(first + 7)?,
+        enabled: r.get(first + 8)?,
     })
 }
 
@@ -216,22 +221,8 @@ pub(crate) fn claim_deliveries(
              ORDER BY d.next_at, d.id LIMIT ?2"
         ))?;
         let rows = st
-            .query_map(params![now, limit], |r| {
-                let d = delivery_row(r)?;
-                let events: String = r.get(15)?;
-                let w = WebhookRecord {
-                    id: r.get(12)?,
-                    owner: r.get(13)?,
-                    url: r.get(14)?,
-                    events: parse_events(&events),
-                    secret: r.get(16)?,
-                    created_at: r.get(17)?,
-                    format: r.get(18)?,
-                    name: r.get(19)?,
-                    enabled: r.get(20)?,
-                };
-                Ok((d, w))
-            })?
+            // The delivery's 12 columns, then the webhook's.
+            .query_map(params![now, limit], |r| Ok((delivery_row(r)?, webhook_at(r, 12)?)))?
             .collect::<rusqlite::Result<Vec<_>>>()?;
         let mut claim =
             tx.prepare_cached("UPDATE webhook_deliveries SET claimed_by = ?2, claimed_until = ?3 WHERE id = ?1")?;
