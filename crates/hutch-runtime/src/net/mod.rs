@@ -555,15 +555,14 @@ impl Network {
                 if busy {
                     break;
                 }
-                // The oldest released first: the newest are handed out next.
+                // The oldest released first (the newest are handed out
+                // next), then fresh ones beyond what the pool keeps.
                 let slot = match st.released.pop_front() {
-                    Some((_, slot)) => slot,
-                    None if st.pool.len() > keep => match st.pool.pop_back() {
-                        Some(slot) => slot,
-                        None => break,
-                    },
-                    None => break,
+                    Some((_, slot)) => Some(slot),
+                    None if st.pool.len() > keep => st.pool.pop_back(),
+                    None => None,
                 };
+                let Some(slot) = slot else { break };
                 st.used.remove(&slot.index);
                 slot
             };
@@ -1291,15 +1290,11 @@ impl Network {
             std::mem::take(&mut st.pool).into_iter().chain(released).collect()
         };
         let started = Instant::now();
-        let mut rtnl = lock(&self.rtnl);
-        for slot in pool {
-            // Past the budget (thousands pooled), each namespace is only
-            // closed: the kernel deletes its veth pair as it frees it.
-            if started.elapsed() < TEARDOWN_BUDGET {
-                if let Ok(i) = host_index(&slot.host_if) {
-                    let _ = rtnl.del_link(i);
-                }
-            }
+        // Past the budget (thousands pooled), the rest of the namespaces
+        // are only closed: the kernel deletes each veth pair as it frees
+        // its namespace.
+        for slot in pool.into_iter().take_while(|_| started.elapsed() < TEARDOWN_BUDGET) {
+            self.drop_slot(slot);
         }
         let _ = nftables::delete_table(&mut lock(&self.nft), &self.cfg.table());
     }
