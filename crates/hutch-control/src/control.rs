@@ -206,8 +206,8 @@ pub struct Control {
     pub(crate) pausing: Mutex<HashMap<String, tokio::sync::watch::Receiver<bool>>>,
     /// Set while an idle sweep runs (one at a time).
     pub(crate) idle_sweeping: Arc<AtomicBool>,
-    /// Sandboxes whose destruction is under way here ([`Control::claim_ending`]).
-    pub(crate) ending: Mutex<HashSet<SandboxId>>,
+    /// Sandboxes whose destruction is under way here.
+    pub(crate) ending: Endings,
     /// Usage counted and not yet written.
     pub(crate) meter: crate::usage::Meter,
     /// The key that seals secrets, loaded at first use.
@@ -371,7 +371,7 @@ impl Control {
             idle: crate::idle::Idle::default(),
             pausing: Mutex::new(HashMap::new()),
             idle_sweeping: Arc::new(AtomicBool::new(false)),
-            ending: Mutex::new(HashSet::new()),
+            ending: Endings::default(),
             meter: crate::usage::Meter::default(),
         })
     }
@@ -479,17 +479,6 @@ impl Control {
         self.live_map().remove(id)
     }
 
-    /// Claims the destruction of sandbox `id` until the guard drops; None
-    /// while another claim holds it. A delete marks its sandbox
-    /// `terminating` before its teardown, and the reconciler retries the
-    /// teardown of every `terminating` one: without the claim it would
-    /// tear down, again and at once, every sandbox a delete is ending
-    /// (adopting each as a stranger's, sweeping the run directory's slots).
-    pub(crate) fn claim_ending(&self, id: &SandboxId) -> Option<Ending<'_>> {
-        let mut ending = self.ending.lock().unwrap_or_else(|p| p.into_inner());
-        ending.insert(id.clone()).then(|| Ending { control: self, id: id.clone() })
-    }
-
     fn cancelled_set(&self) -> std::sync::MutexGuard<'_, HashSet<SandboxId>> {
         self.cancelled.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -586,21 +575,54 @@ pub(crate) fn allowed(caller: &Caller, owner: &str, need: Need) -> bool {
     }
 }
 
-/// A claim on a sandbox's destruction ([`Control::claim_ending`]).
+/// Sandboxes whose destruction is under way: one teardown of each at a
+/// time. A delete marks its sandbox `terminating` before its teardown, and
+/// the reconciler retries the teardown of every `terminating` one: without
+/// a claim it would tear down, again and at once, every sandbox a delete
+/// is ending (adopting each as a stranger's, sweeping the run directory's
+/// slots).
+#[derive(Default)]
+pub(crate) struct Endings(Mutex<HashSet<SandboxId>>);
+
+impl Endings {
+    /// Claims the destruction of `id` until the guard drops; None while
+    /// another claim holds it.
+    pub(crate) fn claim(&self, id: &SandboxId) -> Option<Ending<'_>> {
+        let mut held = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        held.insert(id.clone()).then(|| Ending { endings: self, id: id.clone() })
+    }
+}
+
+/// A claim on a sandbox's destruction ([`Endings::claim`]).
 pub(crate) struct Ending<'a> {
-    control: &'a Control,
+    endings: &'a Endings,
     id: SandboxId,
 }
 
 impl Drop for Ending<'_> {
     fn drop(&mut self) {
-        self.control.ending.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
+        self.endings.0.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sandboxs_destruction_is_claimed_once_until_its_claim_ends() {
+        let endings = Endings::default();
+        let (a, b) = (
+            SandboxId::parse("sb-0123456789abcdef").expect("id"),
+            SandboxId::parse("sb-fedcba9876543210").expect("id"),
+        );
+        let first = endings.claim(&a).expect("the first claim");
+        assert!(endings.claim(&a).is_none(), "a second teardown was let in beside the first");
+        let other = endings.claim(&b).expect("another sandbox's claim");
+        drop(first);
+        assert!(endings.claim(&a).is_some(), "the claim outlived its guard");
+        drop(other);
+    }
 
     #[test]
     fn limits_are_bounded() {

@@ -793,7 +793,7 @@ impl Control {
         // One teardown at a time: a second call while one runs (the
         // reconciler's retry of the `terminating` row a delete just wrote)
         // leaves it to the first, which marks it terminated.
-        let Some(_ending) = self.claim_ending(id) else { return Ok(()) };
+        let Some(_ending) = self.ending.claim(id) else { return Ok(()) };
         // Already terminating (a retry, or a drain): go on with the teardown.
         self.transition(id, Transition::Terminate, Set::reason(reason)).await?;
         if let Err(e) = self.teardown_host(id).await {
