@@ -780,12 +780,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_database_url_picks_the_backend() {
-        assert!(is_postgres_url("postgres://hutch@%2Frun%2Fpostgresql/hutch"));
+    fn an_empty_registry_is_none_and_a_given_one_is_checked() {
         assert!(registry_target(None, false).expect("none").is_none());
         assert!(registry_target(Some(""), false).expect("empty is none").is_none());
         assert!(registry_target(Some("http://127.0.0.1:5000"), false).expect("loopback").is_some());
         assert!(registry_target(Some("http://registry.example.com"), false).is_err(), "plain HTTP off loopback");
+    }
+
+    #[test]
+    fn the_database_url_picks_the_backend() {
+        assert!(is_postgres_url("postgres://hutch@%2Frun%2Fpostgresql/hutch"));
         assert!(is_postgres_url("PostgreSQL://db.internal/hutch"));
         assert!(!is_postgres_url("sqlite:///var/lib/hutch/hutch.db"));
         assert!(!is_postgres_url("postgres:"));
