@@ -89,25 +89,24 @@ python3 -m pip install --quiet --disable-pip-version-check './sdk/python[test]'
 # (state directories, network instances and ports apart; see the
 # conftest.py files), and much of their time is spent waiting on sandboxes,
 # so on CI's two cores a pair takes little more than its longer half. Each
-# half writes to a log of its own, printed whole when both have ended; the
+# half writes to a log of its own, printed whole once it has ended; the
 # step fails if either half failed.
 side_by_side() {
-    local logs pids=() rc=0 i
+    local logs pids=() rc=0 i ok
     logs=$(mktemp -d)
     for i in 1 2; do
         bash -c "${!i}" >"$logs/$i" 2>&1 &
         pids+=($!)
     done
     for i in 1 2; do
-        if ! wait "${pids[$((i - 1))]}"; then
-            rc=1
-            echo "test.sh: failed: ${!i}" >"$logs/$i.failed"
-        fi
-    done
-    for i in 1 2; do
+        ok=1
+        wait "${pids[$((i - 1))]}" || ok=
         echo "=== ${!i}"
         cat "$logs/$i"
-        cat "$logs/$i.failed" 2>/dev/null || true
+        if [ -z "$ok" ]; then
+            echo "test.sh: failed: ${!i}"
+            rc=1
+        fi
     done
     rm -rf "$logs"
     return $rc
