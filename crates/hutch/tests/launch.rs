@@ -21,6 +21,18 @@ impl Drop for Guard {
     }
 }
 
+/// A slot looks held while any open description of its file is locked, and
+/// a launching sandbox's child holds, until it execs, a copy of every
+/// descriptor this process had open: the slot files another test is taking
+/// or probing included. In a daemon such a slot is swept on a later pass;
+/// here, tests that start sandboxes or count what a sweep finds take this
+/// lock so that they run one at a time.
+static SLOTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    SLOTS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The host uid of a process's root (`Uid:` of /proc/PID/status, real).
 fn host_uid(pid: i32) -> u32 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
@@ -30,6 +42,7 @@ fn host_uid(pid: i32) -> u32 {
 
 #[test]
 fn two_runtimes_on_different_run_dirs_never_share_a_uid_range() {
+    let _one = one_at_a_time();
     let env_a = Env::new("uids-a");
     let env_b = Env::new("uids-b");
     let (rt_a, rt_b) = (runtime(&env_a), runtime(&env_b));
@@ -63,6 +76,7 @@ fn two_runtimes_on_different_run_dirs_never_share_a_uid_range() {
 
 #[test]
 fn a_runtime_sweeps_only_the_slots_of_its_own_sandboxes() {
+    let _one = one_at_a_time();
     let env_a = Env::new("sweep-a");
     let env_b = Env::new("sweep-b");
     let (rt_a, rt_b) = (runtime(&env_a), runtime(&env_b));
@@ -92,6 +106,7 @@ fn a_runtime_sweeps_only_the_slots_of_its_own_sandboxes() {
 
 #[test]
 fn a_runtimes_own_sweep_reads_the_slots_it_marked() {
+    let _one = one_at_a_time();
     let env_a = Env::new("own-a");
     let env_b = Env::new("own-b");
     let (rt_a, rt_b) = (runtime(&env_a), runtime(&env_b));
@@ -126,6 +141,7 @@ fn a_runtimes_own_sweep_reads_the_slots_it_marked() {
 
 #[test]
 fn a_sandbox_whose_agent_cannot_be_executed_reports_the_exec_step_and_errno() {
+    let _one = one_at_a_time();
     let env = Env::new("noexec");
     let rt = runtime(&env);
     // An "agent" the kernel refuses to run: no ELF header and no #! line.
