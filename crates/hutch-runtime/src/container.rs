@@ -115,6 +115,24 @@ pub(crate) fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> Runti
     move |source| RuntimeError::Io { what, source }
 }
 
+/// The run directory's empty directory, bound read-only over the /proc
+/// directories a sandbox must not see.
+const EMPTY_DIR: &str = "empty";
+
+/// Makes `dir` (mode 0555) if it is missing, and refuses one that holds
+/// anything: every sandbox would see it.
+fn ensure_empty(dir: &Path) -> Result<(), RuntimeError> {
+    let what = || format!("empty directory {}", dir.display());
+    match fs::DirBuilder::new().mode(0o555).create(dir) {
+        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(io_err(what())(e)),
+        _ => {}
+    }
+    match fs::read_dir(dir).map_err(io_err(what()))?.next() {
+        None => Ok(()),
+        Some(_) => Err(io_err(what())(io::Error::new(io::ErrorKind::DirectoryNotEmpty, "holds files"))),
+    }
+}
+
 /// Where the runtime keeps things on the host.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -312,6 +330,7 @@ impl Runtime {
                 .create(&dir)
                 .map_err(io_err(format!("mkdir {}", dir.display())))?;
         }
+        ensure_empty(&cfg.run_dir.join(EMPTY_DIR))?;
         // A unix socket path holds at most 107 bytes: refuse a run directory
         // too long for an agent socket now, not at every create.
         let probe = cfg.run_dir.join("sockets").join(format!("{}.sock", "x".repeat(RANDOM_ID_LEN)));
@@ -751,6 +770,7 @@ impl Runtime {
                     },
                     id_base: slot.base(),
                     userns_fd: userns.as_raw_fd(),
+                    empty: &self.cfg.run_dir.join(EMPTY_DIR),
                     shm_bytes: (spec.limits.memory_bytes / 2).min(64 << 20),
                     max_ptys: KERNEL_CAPS.ptys,
                     hidepid: host,

@@ -178,7 +178,11 @@ pub struct FsSpec<'a> {
     pub id_base: u32,
     /// Descriptor of the sandbox's user namespace, for id-mapped mounts.
     pub userns_fd: i32,
-    /// Size cap of /dev/shm.
+    /// An empty directory of the host that nobody can write to, bound
+    /// read-only over the /proc directories the sandbox must not see (a
+    /// bind costs no superblock; see [`plan_proc`]).
+    pub empty: &'a Path,
+    /// Size cap of /dev/shm (and /dev, which holds it).
     pub shm_bytes: u64,
     /// Most pseudo-terminals open at once (devpts `max=`): the kernel's
     /// pool for all non-initial devpts instances (`kernel.pty.max` minus
@@ -213,11 +217,15 @@ pub enum Upper<'a> {
 pub const UPPER_DIRS: &[(&str, u32, u32)] =
     &[("home", 0o755, 0), ("home/user", 0o750, 1000), ("workspace", 0o755, 1000), ("tmp", 0o1777, 0)];
 
+/// What /dev holds besides /dev/shm: device nodes, links and directories.
+const DEV_BYTES: u64 = 64 << 10;
+
 /// Size of the staging tmpfs when it holds only mount points.
 const STAGE_BYTES: u64 = 1 << 20;
 
 /// /proc entries hidden behind an empty file or directory (they leak host
-/// information or offer host-wide knobs).
+/// information or offer host-wide knobs): binds of /dev/null and of
+/// [`FsSpec::empty`].
 const PROC_MASKED_FILES: &[&str] =
     &["kcore", "keys", "latency_stats", "timer_list", "timer_stats", "sched_debug", "sysrq-trigger", "kallsyms"];
 const PROC_MASKED_DIRS: &[&str] = &["acpi", "scsi", "asound"];
@@ -335,7 +343,7 @@ pub fn plan_root(plan: &mut Plan, spec: &FsSpec) -> io::Result<()> {
             userns: spec.userns_fd,
         });
     }
-    plan_proc(plan, &root, spec.hidepid)?;
+    plan_proc(plan, &root, spec.empty, spec.hidepid)?;
     plan_dev(plan, &root, base, spec.shm_bytes, spec.max_ptys)?;
     plan.mount(Some("sysfs"), &root.join("sys"), Some("sysfs"), crate::sys::MS_RO_NOSUID_NODEV_NOEXEC, None)?;
     Ok(())
@@ -397,7 +405,11 @@ pub fn plan_volumes(
     Ok(())
 }
 
-fn plan_proc(plan: &mut Plan, root: &Path, hidepid: bool) -> io::Result<()> {
+/// Mounts /proc and hides or freezes what it must not offer. Masks are
+/// binds, not file systems of their own: every superblock on the host makes
+/// each memory cgroup's removal longer (the kernel walks every superblock's
+/// reclaim lists as a cgroup goes), so a sandbox makes no more than it needs.
+fn plan_proc(plan: &mut Plan, root: &Path, empty: &Path, hidepid: bool) -> io::Result<()> {
     let proc_dir = root.join("proc");
     let data = hidepid.then_some("hidepid=invisible");
     plan.mount(Some("proc"), &proc_dir, Some("proc"), libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC, data)?;
@@ -411,13 +423,9 @@ fn plan_proc(plan: &mut Plan, root: &Path, hidepid: bool) -> io::Result<()> {
         masks.mount(Some("/dev/null"), &proc_dir.join(rel), None, libc::MS_BIND, None)?;
     }
     for rel in PROC_MASKED_DIRS {
-        masks.mount(
-            Some("hutch"),
-            &proc_dir.join(rel),
-            Some("tmpfs"),
-            crate::sys::MS_RO_NOSUID_NODEV_NOEXEC,
-            Some("size=0"),
-        )?;
+        let p = proc_dir.join(rel);
+        masks.mount(Some(&empty.to_string_lossy()), &p, None, libc::MS_BIND, None)?;
+        masks.mount(None, &p, None, libc::MS_BIND | libc::MS_REMOUNT | crate::sys::MS_RO_NOSUID_NODEV_NOEXEC, None)?;
     }
     for step in masks.steps {
         plan.push(Step::IfExists(Box::new(step)));
@@ -425,6 +433,9 @@ fn plan_proc(plan: &mut Plan, root: &Path, hidepid: bool) -> io::Result<()> {
     Ok(())
 }
 
+/// A minimal /dev: the harmless devices, a devpts instance of its own, and
+/// /dev/shm. /dev/shm is a directory of /dev's tmpfs (sized for both), bound
+/// over itself to add `nodev`: one superblock for the two (see [`plan_proc`]).
 fn plan_dev(plan: &mut Plan, root: &Path, base: u32, shm_bytes: u64, max_ptys: u32) -> io::Result<()> {
     let dev = root.join("dev");
     plan.mount(
@@ -432,7 +443,7 @@ fn plan_dev(plan: &mut Plan, root: &Path, base: u32, shm_bytes: u64, max_ptys: u
         &dev,
         Some("tmpfs"),
         libc::MS_NOSUID | libc::MS_NOEXEC,
-        Some(&format!("size=64k,mode=0755,uid={base},gid={base}")),
+        Some(&format!("size={},mode=0755,uid={base},gid={base}", DEV_BYTES + shm_bytes.max(1 << 20))),
     )?;
     for (name, major, minor) in DEVICES {
         let p = dev.join(name);
@@ -452,12 +463,15 @@ fn plan_dev(plan: &mut Plan, root: &Path, base: u32, shm_bytes: u64, max_ptys: u
     )?;
     let shm = dev.join("shm");
     plan.mkdir(&shm, 0o1777)?;
+    plan.push(Step::Chmod { path: cstr(&shm)?, mode: 0o1777 });
+    plan.push(Step::Chown { path: cstr(&shm)?, uid: base, gid: base });
+    plan.mount(Some(&shm.to_string_lossy()), &shm, None, libc::MS_BIND, None)?;
     plan.mount(
-        Some("shm"),
+        None,
         &shm,
-        Some("tmpfs"),
-        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-        Some(&format!("size={},mode=1777,uid={base},gid={base}", shm_bytes.max(1 << 20))),
+        None,
+        libc::MS_BIND | libc::MS_REMOUNT | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        None,
     )?;
     for (target, link) in [
         ("pts/ptmx", "ptmx"),
@@ -540,6 +554,7 @@ mod tests {
             upper: Upper::Memory(1 << 30),
             id_base: 1 << 31,
             userns_fd: 9,
+            empty: Path::new("/run/hutch/empty"),
             shm_bytes: 64 << 20,
             max_ptys: 128,
             hidepid: false,
@@ -550,6 +565,21 @@ mod tests {
         assert!(text.iter().any(|s| s == "mknod /run/hutch/stage/root/dev/null"));
         assert!(text.iter().any(|s| s.starts_with("mount overlay on /run/hutch/stage/root")));
         assert!(text.iter().any(|s| s == "id-mapped bind of /usr on /run/hutch/stage/root/usr"));
+        // Each file system mounted is a superblock, which every memory
+        // cgroup's removal walks: masks and /dev/shm are binds.
+        let made: Vec<&str> =
+            text.iter().filter_map(|s| s.strip_prefix("mount ")).filter(|s| !s.starts_with("bind on")).collect();
+        let want = [
+            "tmpfs on /run/hutch/stage",
+            "overlay on /run/hutch/stage/root",
+            "proc on /run/hutch/stage/root/proc",
+            "tmpfs on /run/hutch/stage/root/dev",
+            "devpts on /run/hutch/stage/root/dev/pts",
+            "sysfs on /run/hutch/stage/root/sys",
+        ];
+        assert_eq!(made, want, "{text:#?}");
+        assert!(text.iter().any(|s| s.ends_with("bind on /run/hutch/stage/root/proc/acpi")), "{text:#?}");
+        assert!(text.iter().any(|s| s == "mount bind on /run/hutch/stage/root/dev/shm"), "{text:#?}");
     }
 
     #[test]
@@ -567,6 +597,7 @@ mod tests {
             upper: Upper::HostDir(Path::new("/state/images/scratch/b1")),
             id_base: 1 << 31,
             userns_fd: 9,
+            empty: Path::new("/run/hutch/empty"),
             shm_bytes: 64 << 20,
             max_ptys: 128,
             hidepid: false,
@@ -605,6 +636,7 @@ mod tests {
             upper: Upper::Layer(Path::new("/var/lib/hutch/storage/fs/sandboxes/sb-1")),
             id_base: 1 << 31,
             userns_fd: 9,
+            empty: Path::new("/run/hutch/empty"),
             shm_bytes: 64 << 20,
             max_ptys: 128,
             hidepid: false,

@@ -87,6 +87,52 @@ fn mounting_is_refused_even_to_root() {
 }
 
 #[test]
+fn hidden_proc_directories_are_empty_and_read_only_and_dev_shm_keeps_its_flags() {
+    let env = Env::new("esc-masks");
+    let script = r#"
+import os, errno
+mounts = {}
+for line in open('/proc/self/mountinfo'):
+    f = line.split()
+    sep = f.index('-')
+    mounts[f[4]] = (f[2], f[5].split(','), f[sep + 1])
+if os.path.isdir('/proc/acpi'):
+    dev, opts, fstype = mounts['/proc/acpi']
+    print('acpi', dev, 'ro' in opts, os.listdir('/proc/acpi'))
+    try:
+        open('/proc/acpi/x', 'w'); print('acpi-write ok')
+    except OSError as e: print('acpi-write', errno.errorcode[e.errno])
+dev, opts, fstype = mounts['/dev/shm']
+print('shm', sorted(o for o in opts if o in ('nodev', 'nosuid', 'noexec')), dev == mounts['/dev'][0])
+open('/dev/shm/x', 'w').write('x' * 4096)
+print('shm-room', os.statvfs('/dev/shm').f_blocks * os.statvfs('/dev/shm').f_frsize >= 1 << 20)
+print('shm-mode', oct(os.stat('/dev/shm').st_mode & 0o7777), os.stat('/dev/shm').st_uid)
+"#;
+    let text = probe(&env, script);
+    assert!(text.contains("shm-room True"), "{text}");
+    assert!(text.contains("shm-mode 0o1777 0"), "{text}");
+    if class() == "gvisor" {
+        // gVisor's kernel makes its own /proc and /dev; the host's holds
+        // none of them.
+        assert!(!text.contains("acpi-write ok"), "{text}");
+        return;
+    }
+    // Each file system a sandbox mounts is a superblock on the host, which
+    // every memory cgroup's removal walks: the masks and /dev/shm are binds.
+    if std::path::Path::new("/proc/acpi").is_dir() {
+        // The run directory's empty directory: the mount's device is the
+        // run directory's.
+        use std::os::unix::fs::MetadataExt;
+        let dev = std::fs::metadata(&env.run).expect("stat run dir").dev();
+        let (major, minor) = (libc::major(dev), libc::minor(dev));
+        assert!(text.contains(&format!("acpi {major}:{minor} True []")), "{text}");
+        assert!(text.contains("acpi-write EROFS") || text.contains("acpi-write EACCES"), "{text}");
+    }
+    // /dev's file system, mounted again with nodev.
+    assert!(text.contains("shm ['nodev', 'noexec', 'nosuid'] True"), "{text}");
+}
+
+#[test]
 fn module_loading_bpf_keyring_and_clock_are_refused() {
     let env = Env::new("esc-kernel");
     let script = format!(
