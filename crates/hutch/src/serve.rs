@@ -106,7 +106,10 @@ pub struct ServeArgs {
     pub header_timeout: Duration,
     /// Time a connection may stay idle between requests; streams and
     /// WebSockets are never idle while their request runs (HUTCH_IDLE_TIMEOUT).
-    #[arg(long, env = "HUTCH_IDLE_TIMEOUT", default_value = "60s", value_parser = crate::units::parse_duration)]
+    /// Longer than clients keep idle connections in their pools (90 s in Go
+    /// and reqwest), so that a client never sends a request on a connection
+    /// the daemon is closing at that moment.
+    #[arg(long, env = "HUTCH_IDLE_TIMEOUT", default_value = "120s", value_parser = crate::units::parse_duration)]
     pub idle_timeout: Duration,
     /// How far the sandboxes' memory and disk limits may add up past the
     /// host's memory and the state directory's file system: 8 lets the
