@@ -683,8 +683,11 @@ fn snapshot_info(s: &Snapshot) -> Value {
     json!({"snapshotID": s.id, "names": s.name.iter().collect::<Vec<_>>()})
 }
 
-/// `POST /sandboxes/{id}/snapshots`: the native snapshot (files, not
-/// memory: `mode="full"` is refused rather than half kept).
+/// `POST /sandboxes/{id}/snapshots`: the native snapshot. `mode="full"`
+/// (`memory: true`) keeps memory too where the sandbox's class can (a
+/// gvisor sandbox without a network) and is refused elsewhere (409
+/// `class_unsupported`) rather than half kept; the SDK's default and
+/// `mode="filesystem"` keep files.
 async fn create_snapshot(
     State(app): AppState,
     Extension(caller): Extension<Caller>,
@@ -692,17 +695,11 @@ async fn create_snapshot(
     req: Request,
 ) -> E2bResult<Response> {
     let r: SnapshotRequest = body(req).await?;
-    if r.memory == Some(true) {
-        return Err(E2bError::new(
-            StatusCode::BAD_REQUEST,
-            "snapshots keep files, not memory: take one with mode=\"filesystem\"",
-        ));
-    }
     let (sid, sb, _) = live_view(&app, &caller, &id).await?;
     disk_paused(&sb)?;
     let snap = app
         .control
-        .snapshot(&caller, &sid, &CreateSnapshot { name: r.name.filter(|n| !n.is_empty()), memory: None })
+        .snapshot(&caller, &sid, &CreateSnapshot { name: r.name.filter(|n| !n.is_empty()), memory: r.memory })
         .await
         .map_err(refusal(&id))?;
     Ok((StatusCode::CREATED, Json(snapshot_info(&snap))).into_response())
