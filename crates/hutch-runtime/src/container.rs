@@ -784,14 +784,7 @@ impl Runtime {
             for (resolv, target) in binds.iter().filter_map(|(src, t)| src.as_ref().map(|s| (s, *t))) {
                 let target = stage.join(target);
                 let mut bind = Plan::default();
-                bind.mount(Some(&resolv.to_string_lossy()), &target, None, libc::MS_BIND, None)?;
-                bind.mount(
-                    None,
-                    &target,
-                    None,
-                    libc::MS_BIND | libc::MS_REMOUNT | crate::sys::MS_RO_NOSUID_NODEV_NOEXEC,
-                    None,
-                )?;
+                bind.bind(resolv, &target, false, crate::sys::MS_RO_NOSUID_NODEV_NOEXEC)?;
                 for step in bind.steps {
                     plan.push(Step::IfExists(Box::new(step)));
                 }

@@ -274,6 +274,15 @@ impl Plan {
         Ok(())
     }
 
+    /// Binds `source` on `target` (with its submounts if `recursive`),
+    /// then remounts the bind with `flags` (a bind takes no flags of its
+    /// own when made).
+    pub fn bind(&mut self, source: &Path, target: &Path, recursive: bool, flags: libc::c_ulong) -> io::Result<()> {
+        let rec = if recursive { libc::MS_REC } else { 0 };
+        self.mount(Some(&source.to_string_lossy()), target, None, libc::MS_BIND | rec, None)?;
+        self.mount(None, target, None, libc::MS_BIND | libc::MS_REMOUNT | flags, None)
+    }
+
     pub fn exec(
         &mut self,
         exe_fd: RawFd,

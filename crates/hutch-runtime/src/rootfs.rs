@@ -416,16 +416,13 @@ fn plan_proc(plan: &mut Plan, root: &Path, empty: &Path, hidepid: bool) -> io::R
     let mut masks = Plan::default();
     for rel in PROC_READONLY {
         let p = proc_dir.join(rel);
-        masks.mount(Some(&p.to_string_lossy()), &p, None, libc::MS_BIND | libc::MS_REC, None)?;
-        masks.mount(None, &p, None, libc::MS_BIND | libc::MS_REMOUNT | crate::sys::MS_RO_NOSUID_NODEV_NOEXEC, None)?;
+        masks.bind(&p, &p, true, crate::sys::MS_RO_NOSUID_NODEV_NOEXEC)?;
     }
     for rel in PROC_MASKED_FILES {
         masks.mount(Some("/dev/null"), &proc_dir.join(rel), None, libc::MS_BIND, None)?;
     }
     for rel in PROC_MASKED_DIRS {
-        let p = proc_dir.join(rel);
-        masks.mount(Some(&empty.to_string_lossy()), &p, None, libc::MS_BIND, None)?;
-        masks.mount(None, &p, None, libc::MS_BIND | libc::MS_REMOUNT | crate::sys::MS_RO_NOSUID_NODEV_NOEXEC, None)?;
+        masks.bind(empty, &proc_dir.join(rel), false, crate::sys::MS_RO_NOSUID_NODEV_NOEXEC)?;
     }
     for step in masks.steps {
         plan.push(Step::IfExists(Box::new(step)));
@@ -465,14 +462,7 @@ fn plan_dev(plan: &mut Plan, root: &Path, base: u32, shm_bytes: u64, max_ptys: u
     plan.mkdir(&shm, 0o1777)?;
     plan.push(Step::Chmod { path: cstr(&shm)?, mode: 0o1777 });
     plan.push(Step::Chown { path: cstr(&shm)?, uid: base, gid: base });
-    plan.mount(Some(&shm.to_string_lossy()), &shm, None, libc::MS_BIND, None)?;
-    plan.mount(
-        None,
-        &shm,
-        None,
-        libc::MS_BIND | libc::MS_REMOUNT | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-        None,
-    )?;
+    plan.bind(&shm, &shm, false, libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC)?;
     for (target, link) in [
         ("pts/ptmx", "ptmx"),
         ("/proc/self/fd", "fd"),
