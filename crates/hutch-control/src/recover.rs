@@ -14,6 +14,12 @@ use hutch_runtime::container::{Liveness, Sandbox};
 use hutch_store::SandboxRecord;
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::Duration;
+
+/// How long a kept sandbox cgroup waits for a sandbox before it is removed.
+const SPARE_IDLE: Duration = Duration::from_secs(30);
+/// Kept cgroups one reconciler pass removes at most.
+const SPARES_TRIMMED_PER_PASS: usize = 8;
 
 impl Control {
     /// After a restart: takes charge of sandboxes that outlived the last
@@ -227,6 +233,11 @@ impl Control {
             tracing::warn!("cannot tell whether {unknown} sandboxes are alive ({first}); they are left running");
         }
         self.metrics.set_reconciler_lag(lag);
+        // Kept cgroups unused for a while go, a few per pass: once a burst
+        // is over, taking them offline is cheap again.
+        if let Some(spares) = self.runtime.spares().cloned() {
+            let _ = tokio::task::spawn_blocking(move || spares.trim(SPARE_IDLE, SPARES_TRIMMED_PER_PASS)).await;
+        }
         if !self.is_shutting_down() {
             if let Err(e) = self.look_for_lost_nodes().await {
                 tracing::warn!("fleet: cannot look for lost nodes: {e}; retrying next tick");

@@ -222,6 +222,20 @@ pub struct Cgroup {
     /// the read; with thousands alive that was most of an idle daemon's
     /// time.
     oom_file: std::sync::OnceLock<fs::File>,
+    /// Where it goes when its sandbox ends: kept for the next one, when it
+    /// came from (or may go to) a [`Spares`] pool.
+    spares: Option<std::sync::Arc<Spares>>,
+    /// Counters the kernel cannot reset, as they stood when a kept cgroup
+    /// was handed to this sandbox; what it reports is counted from there.
+    base: Counters,
+}
+
+/// The counters of a cgroup that only ever grow.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Counters {
+    oom_kills: u64,
+    pids_limit_hits: u64,
+    cpu_throttled_periods: u64,
 }
 
 impl Cgroup {
@@ -241,6 +255,8 @@ impl Cgroup {
             work_dirs: Vec::new(),
             headroom,
             oom_file: std::sync::OnceLock::new(),
+            spares: None,
+            base: Counters::default(),
         }
     }
 
@@ -253,7 +269,7 @@ impl Cgroup {
     /// again.
     pub fn create(layout: &Layout, name: &str, limits: &Limits, headroom: u64) -> Result<Cgroup, CgroupError> {
         let mut cg = Cgroup::named(name, headroom);
-        match cg.populate(layout, limits) {
+        match cg.populate(layout, limits, false) {
             Ok(()) => Ok(cg),
             Err(e) => {
                 let _ = cg.remove_dirs(Duration::from_millis(200));
@@ -262,7 +278,44 @@ impl Cgroup {
         }
     }
 
-    fn populate(&mut self, layout: &Layout, limits: &Limits) -> Result<(), CgroupError> {
+    /// [`Cgroup::create`], from a kept cgroup of `spares` when it has one
+    /// (renamed to `name`: no memory cgroup is made), and returned there
+    /// by [`Cgroup::destroy`] when the sandbox ends. A kept cgroup that
+    /// cannot take the new limits is removed and a new one made.
+    pub fn create_from(
+        spares: &std::sync::Arc<Spares>,
+        name: &str,
+        limits: &Limits,
+        headroom: u64,
+    ) -> Result<Cgroup, CgroupError> {
+        let layout = &spares.layout;
+        while let Some(spare) = spares.take() {
+            if spares.rename(&spare, name).is_err() {
+                spares.remove(&spare);
+                continue;
+            }
+            let mut cg = Cgroup::named(name, headroom);
+            match cg.populate(layout, limits, true) {
+                Ok(()) => {
+                    cg.base = cg.counters();
+                    cg.spares = Some(spares.clone());
+                    return Ok(cg);
+                }
+                Err(e) => {
+                    tracing::debug!("kept cgroup {spare} refused the limits of {name}: {e}");
+                    let _ = cg.remove_dirs(Duration::from_millis(200));
+                }
+            }
+        }
+        let mut cg = Cgroup::create(layout, name, limits, headroom)?;
+        cg.spares = Some(spares.clone());
+        Ok(cg)
+    }
+
+    /// Makes the cgroup's directories (with `reuse`, takes the v1 ones that
+    /// exist already: a kept cgroup renamed to this name) and writes the
+    /// limits.
+    fn populate(&mut self, layout: &Layout, limits: &Limits, reuse: bool) -> Result<(), CgroupError> {
         if let Some(root) = &layout.v2 {
             let on_v2 = |c: Controller| layout.placement(c) == Some(&Placement::V2);
             let needed: Vec<&str> = Controller::ALL.iter().filter(|c| on_v2(**c)).map(|c| c.name()).collect();
@@ -288,7 +341,7 @@ impl Cgroup {
             self.v2 = Some(sb);
         }
         if let Some(dir) = &layout.v1_freezer {
-            let sb = self.make_dir(dir.join(PARENT).join(&self.name))?;
+            let sb = self.make_v1_dir(dir.join(PARENT).join(&self.name), reuse)?;
             self.add_agent_dir(sb.clone());
             self.v1_freezer = Some(sb);
         }
@@ -297,7 +350,7 @@ impl Cgroup {
                 None => return Err(CgroupError::MissingController { controller: c.name() }),
                 Some(Placement::V2) => (self.v2.clone().expect("v2 placement implies a v2 tree"), true),
                 Some(Placement::V1(root)) => {
-                    let sb = self.make_dir(root.join(PARENT).join(&self.name))?;
+                    let sb = self.make_v1_dir(root.join(PARENT).join(&self.name), reuse)?;
                     self.add_agent_dir(sb.clone());
                     (sb, false)
                 }
@@ -305,7 +358,7 @@ impl Cgroup {
             let work = match c {
                 Controller::Memory | Controller::Pids if v2 => Some(dir.join(WORK)),
                 Controller::Memory | Controller::Pids => {
-                    let work = self.make_dir(dir.join(WORK))?;
+                    let work = self.make_v1_dir(dir.join(WORK), reuse)?;
                     if !self.work_dirs.contains(&work) {
                         self.work_dirs.push(work.clone());
                     }
@@ -350,6 +403,16 @@ impl Cgroup {
         Ok(dir)
     }
 
+    /// [`Cgroup::make_dir`], or, with `reuse`, the directory that is
+    /// there already (a v1 directory of a kept cgroup).
+    fn make_v1_dir(&mut self, dir: PathBuf, reuse: bool) -> Result<PathBuf, CgroupError> {
+        if reuse && !self.dirs.contains(&dir) && dir.is_dir() {
+            self.dirs.push(dir.clone());
+            return Ok(dir);
+        }
+        self.make_dir(dir)
+    }
+
     /// Writes the limits; callable again to change them.
     pub fn apply(&self, limits: &Limits) -> Result<(), CgroupError> {
         let sandbox_memory = limits.memory_bytes.saturating_add(self.headroom);
@@ -360,9 +423,17 @@ impl Cgroup {
                     write_if_present(&dir.join("memory.swap.max"), "0")?;
                 }
                 Some((dir, false)) => {
-                    write(&dir.join("memory.limit_in_bytes"), &bytes.to_string())?;
-                    // Without this a sandbox could push its memory into swap.
-                    write_if_present(&dir.join("memory.memsw.limit_in_bytes"), &bytes.to_string())?;
+                    // Without memory+swap a sandbox could push its memory
+                    // into swap; v1 keeps it at or above the memory limit,
+                    // so a rising limit writes it first.
+                    let (limit, memsw) = (dir.join("memory.limit_in_bytes"), dir.join("memory.memsw.limit_in_bytes"));
+                    if bytes > read_u64(&limit) {
+                        write_if_present(&memsw, &bytes.to_string())?;
+                        write(&limit, &bytes.to_string())?;
+                    } else {
+                        write(&limit, &bytes.to_string())?;
+                        write_if_present(&memsw, &bytes.to_string())?;
+                    }
                 }
                 None => {}
             }
@@ -410,6 +481,30 @@ impl Cgroup {
     /// How many times the kernel's OOM killer ran among the sandbox's
     /// commands (in the whole sandbox, for one made before the split).
     pub fn oom_kills(&self) -> u64 {
+        self.raw_oom_kills().saturating_sub(self.base.oom_kills)
+    }
+
+    /// How many forks failed because a pids limit (the workload's or the
+    /// sandbox's) was reached.
+    pub fn pids_limit_hits(&self) -> u64 {
+        self.raw_pids_limit_hits().saturating_sub(self.base.pids_limit_hits)
+    }
+
+    /// How many CPU periods the sandbox was throttled in.
+    pub fn cpu_throttled_periods(&self) -> u64 {
+        self.raw_cpu_throttled_periods().saturating_sub(self.base.cpu_throttled_periods)
+    }
+
+    /// The growing counters as the kernel has them now.
+    fn counters(&self) -> Counters {
+        Counters {
+            oom_kills: self.raw_oom_kills(),
+            pids_limit_hits: self.raw_pids_limit_hits(),
+            cpu_throttled_periods: self.raw_cpu_throttled_periods(),
+        }
+    }
+
+    fn raw_oom_kills(&self) -> u64 {
         use std::os::unix::fs::FileExt;
         let file = match self.oom_file.get() {
             Some(f) => f,
@@ -425,16 +520,13 @@ impl Cgroup {
         std::str::from_utf8(&buf[..n]).ok().and_then(|t| key_in(t, "oom_kill")).unwrap_or(0)
     }
 
-    /// How many forks failed because a pids limit (the workload's or the
-    /// sandbox's) was reached.
-    pub fn pids_limit_hits(&self) -> u64 {
+    fn raw_pids_limit_hits(&self) -> u64 {
         let hits = |dir: &Option<PathBuf>| dir.as_ref().map_or(0, |d| read_key(&d.join("pids.events"), "max"));
         // A v2 host may count a child's events in its parent too: not a sum.
         hits(&self.work_pids).max(hits(&self.pids))
     }
 
-    /// How many CPU periods the sandbox was throttled in.
-    pub fn cpu_throttled_periods(&self) -> u64 {
+    fn raw_cpu_throttled_periods(&self) -> u64 {
         self.cpu.as_ref().map_or(0, |(dir, _)| read_key(&dir.join("cpu.stat"), "nr_throttled"))
     }
 
@@ -539,9 +631,69 @@ impl Cgroup {
 
     /// Kills what is left and removes every directory, waiting up to
     /// `patience` for exiting processes to leave.
+    /// A cgroup of a [`Spares`] pool goes back there instead, once empty,
+    /// when the pool has room and the kernel lets go of its charges.
     pub fn destroy(mut self, patience: Duration) -> Result<(), CgroupError> {
         let _ = self.kill_all();
+        if let Some(spares) = self.spares.take() {
+            if self.keep_in(&spares, patience) {
+                return Ok(());
+            }
+        }
         self.remove_dirs(patience)
+    }
+
+    /// Empties the cgroup and hands its v1 directories to `spares` under
+    /// a spare's name; its v2 directories (no memory cgroup there: see
+    /// [`Spares::new`]) are removed. False when it is not kept: the caller
+    /// removes what is left.
+    fn keep_in(&mut self, spares: &std::sync::Arc<Spares>, patience: Duration) -> bool {
+        if !spares.has_room() {
+            return false;
+        }
+        let deadline = Instant::now() + patience;
+        loop {
+            match self.populated() {
+                Ok(false) => break,
+                Ok(true) if Instant::now() < deadline => std::thread::sleep(Duration::from_micros(200)),
+                _ => return false,
+            }
+        }
+        // What the last sandbox left charged (page cache, kernel objects)
+        // is reclaimed down to a floor before anyone else's sandbox gets
+        // the cgroup; a cgroup the kernel cannot bring that low goes.
+        let Some((memory, false)) = &self.memory else { return false };
+        if !reclaim_v1(memory, SPARE_CHARGE_BYTES) {
+            return false;
+        }
+        // CPU time restarts from zero (a v2 tree's count, used where there
+        // is one, is in a directory made anew).
+        if let Some((dir, false)) = &self.cpu {
+            let _ = fs::write(dir.join("cpuacct.usage"), "0");
+        }
+        // The v2 directories go: taking them offline is cheap.
+        let v2 = spares.layout.v2.clone();
+        let mut v2_dirs: Vec<PathBuf> = Vec::new();
+        self.dirs.retain(|d| {
+            let on_v2 = v2.as_ref().is_some_and(|root| d.starts_with(root));
+            if on_v2 {
+                v2_dirs.push(d.clone());
+            }
+            !on_v2
+        });
+        for d in v2_dirs.iter().rev() {
+            if fs::remove_dir(d).is_err() {
+                self.dirs.extend(v2_dirs.iter().cloned());
+                return false;
+            }
+        }
+        let spare = spares.new_name();
+        if spares.rename(&self.name, &spare).is_err() {
+            return false;
+        }
+        spares.put(spare);
+        self.dirs.clear();
+        true
     }
 
     fn remove_dirs(&mut self, patience: Duration) -> Result<(), CgroupError> {
@@ -774,13 +926,191 @@ pub fn list_sandboxes(layout: &Layout) -> BTreeSet<String> {
     for root in roots {
         if let Ok(entries) = fs::read_dir(root.join(PARENT)) {
             for e in entries.flatten() {
-                if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-                    names.insert(e.file_name().to_string_lossy().into_owned());
+                let name = e.file_name().to_string_lossy().into_owned();
+                // Kept cgroups (see Spares) are no sandbox's.
+                if e.file_type().map(|t| t.is_dir()).unwrap_or(false) && !name.starts_with('_') {
+                    names.insert(name);
                 }
             }
         }
     }
     names
+}
+
+/// Charges a kept cgroup may carry into its next sandbox: what the kernel
+/// holds in per-CPU charge batches and kernel objects once the page cache
+/// is reclaimed.
+pub const SPARE_CHARGE_BYTES: u64 = 1 << 20;
+
+/// Brings the charges of the v1 memory cgroup `dir` (holding no process)
+/// down to `floor` by lowering its limit there and back, which reclaims
+/// until it fits and stops (`memory.force_empty` insists on every last
+/// page and cost several milliseconds of CPU here where this costs a
+/// fraction of one). False if the kernel could not.
+fn reclaim_v1(dir: &Path, floor: u64) -> bool {
+    let limit = dir.join("memory.limit_in_bytes");
+    let memsw = dir.join("memory.memsw.limit_in_bytes");
+    // Lower memory below memory+swap first; raise memory+swap first.
+    let ok = fs::write(&limit, floor.to_string()).is_ok();
+    let _ = fs::write(&memsw, "-1");
+    let _ = fs::write(&limit, "-1");
+    ok && [&dir.join(WORK), dir].iter().all(|d| read_u64(&d.join("memory.usage_in_bytes")) <= floor)
+}
+
+/// Emptied sandbox cgroups, kept to be handed to the next sandbox. Making
+/// a memory cgroup, and above all taking one offline (which walks two
+/// lists per mounted file system on the host, under the cgroup mutex every
+/// cgroup operation takes), is what made creating and deleting sandboxes
+/// slower as more were alive. A kept cgroup is renamed: it exists only
+/// where every resource controller is on cgroup v1, the only version that
+/// renames a cgroup; a v2 tree used beside them (freeze and kill) holds no
+/// memory cgroup, and its directories are made and removed each time.
+///
+/// Spares are named `_<tag>-<n>` (never a sandbox id: ids have no `_`),
+/// the tag being this runtime's, so that two daemons on one host never
+/// take or sweep each other's.
+#[derive(Debug)]
+pub struct Spares {
+    layout: Layout,
+    prefix: String,
+    next: std::sync::atomic::AtomicU64,
+    free: std::sync::Mutex<Vec<(String, Instant)>>,
+    max: usize,
+    /// Set by [`Spares::clear`]: nothing is kept after it.
+    closed: std::sync::atomic::AtomicBool,
+}
+
+impl Spares {
+    /// A pool of at most `max` spares for `layout`, or None where cgroups
+    /// cannot be kept (a resource controller on cgroup v2). Spares an
+    /// earlier run with this tag left are removed.
+    pub fn new(layout: &Layout, tag: &str, max: usize) -> Option<std::sync::Arc<Spares>> {
+        let all_v1 = Controller::ALL.iter().all(|c| matches!(layout.placement(*c), Some(Placement::V1(_))));
+        if !all_v1 || max == 0 {
+            return None;
+        }
+        let spares = Spares {
+            layout: layout.clone(),
+            prefix: format!("_{tag}-"),
+            next: Default::default(),
+            free: Default::default(),
+            max,
+            closed: Default::default(),
+        };
+        let left: BTreeSet<String> = spares
+            .roots()
+            .iter()
+            .filter_map(|root| fs::read_dir(root.join(PARENT)).ok())
+            .flat_map(|entries| entries.flatten())
+            .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+            .filter(|n| n.starts_with(&spares.prefix))
+            .collect();
+        for name in left {
+            spares.remove(&name);
+        }
+        Some(std::sync::Arc::new(spares))
+    }
+
+    /// The v1 hierarchies a sandbox's cgroup has a directory in, each once
+    /// (co-mounted controllers share one).
+    fn roots(&self) -> Vec<PathBuf> {
+        let mut roots: Vec<PathBuf> = Vec::new();
+        let freezer = self.layout.v2.is_none().then_some(self.layout.v1_freezer.as_ref()).flatten();
+        let placed = Controller::ALL.iter().filter_map(|c| match self.layout.placement(*c) {
+            Some(Placement::V1(root)) => Some(root),
+            _ => None,
+        });
+        for root in placed.chain(freezer) {
+            let real = fs::canonicalize(root).unwrap_or_else(|_| root.clone());
+            if !roots.iter().any(|r| fs::canonicalize(r).unwrap_or_else(|_| r.clone()) == real) {
+                roots.push(root.clone());
+            }
+        }
+        roots
+    }
+
+    /// Renames `from` to `to` in every hierarchy, all or none.
+    fn rename(&self, from: &str, to: &str) -> Result<(), CgroupError> {
+        let roots = self.roots();
+        for (i, root) in roots.iter().enumerate() {
+            let (a, b) = (root.join(PARENT).join(from), root.join(PARENT).join(to));
+            if let Err(source) = fs::rename(&a, &b) {
+                for done in &roots[..i] {
+                    let _ = fs::rename(done.join(PARENT).join(to), done.join(PARENT).join(from));
+                }
+                return Err(CgroupError::Io { path: a, source });
+            }
+        }
+        Ok(())
+    }
+
+    fn new_name(&self) -> String {
+        format!("{}{}", self.prefix, self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(String, Instant)>> {
+        self.free.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn has_room(&self) -> bool {
+        !self.closed.load(std::sync::atomic::Ordering::SeqCst) && self.lock().len() < self.max
+    }
+
+    /// The most recently kept spare (its memory the likeliest still warm).
+    fn take(&self) -> Option<String> {
+        self.lock().pop().map(|(name, _)| name)
+    }
+
+    fn put(&self, name: String) {
+        let mut free = self.lock();
+        if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
+            drop(free);
+            self.remove(&name);
+        } else {
+            free.push((name, Instant::now()));
+        }
+    }
+
+    /// Removes a spare's directories.
+    fn remove(&self, name: &str) {
+        let mut cg = Cgroup::existing(&self.layout, name);
+        let _ = cg.remove_dirs(Duration::from_millis(200));
+    }
+
+    /// How many spares are kept now.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Removes up to `at_most` spares unused for longer than `idle`, the
+    /// oldest first; returns how many went. Spares stay while sandboxes
+    /// come and go, and go once a burst is over, when taking them offline
+    /// is cheap again (fewer file systems are mounted).
+    pub fn trim(&self, idle: Duration, at_most: usize) -> usize {
+        let gone: Vec<String> = {
+            let mut free = self.lock();
+            let old = free.iter().take_while(|(_, at)| at.elapsed() >= idle).count().min(at_most);
+            free.drain(..old).map(|(name, _)| name).collect()
+        };
+        for name in &gone {
+            self.remove(name);
+        }
+        gone.len()
+    }
+
+    /// Removes every spare and keeps none from now on (a daemon's
+    /// shutdown).
+    pub fn clear(&self) {
+        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+        let all: Vec<String> = self.lock().drain(..).map(|(name, _)| name).collect();
+        for name in all {
+            self.remove(&name);
+        }
+    }
 }
 
 /// Creates the `hutch` parent in the v2 tree and lets its children use the

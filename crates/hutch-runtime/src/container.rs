@@ -274,6 +274,9 @@ pub struct Runtime {
     /// must not take for dead.
     pub(crate) gvisor_starting: std::sync::Mutex<std::collections::BTreeSet<String>>,
     storage: Option<std::sync::Arc<Storage>>,
+    /// Emptied sandbox cgroups kept for the next sandbox (a daemon's; see
+    /// [`Runtime::keep_cgroups`]).
+    spares: Option<std::sync::Arc<cgroup::Spares>>,
 }
 
 /// A running sandbox.
@@ -347,7 +350,32 @@ impl Runtime {
         if !cfg.agent.is_file() {
             return Err(RuntimeError::NoAgent { path: cfg.agent.clone() });
         }
-        Ok(Runtime { cfg, layout, seccomp, base, gvisor_starting: Default::default(), storage: None })
+        Ok(Runtime { cfg, layout, seccomp, base, gvisor_starting: Default::default(), storage: None, spares: None })
+    }
+
+    /// Keeps up to `max` emptied sandbox cgroups for the next sandboxes,
+    /// where the host's cgroups allow it ([`cgroup::Spares`]); for a
+    /// daemon, whose sandboxes come and go. Returns whether they are kept.
+    /// Spares this run directory's last daemon left are removed.
+    pub fn keep_cgroups(mut self, max: usize) -> Runtime {
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(self.cfg.run_dir.as_os_str().as_encoded_bytes());
+        let tag = hex::encode(&digest[..4]);
+        self.spares = cgroup::Spares::new(&self.layout, &tag, max);
+        self
+    }
+
+    /// A sandbox's cgroup: a kept one where there is one.
+    pub(crate) fn new_cgroup(&self, id: &str, limits: &Limits, headroom: u64) -> Result<Cgroup, CgroupError> {
+        match &self.spares {
+            Some(spares) => Cgroup::create_from(spares, id, limits, headroom),
+            None => Cgroup::create(&self.layout, id, limits, headroom),
+        }
+    }
+
+    /// The kept cgroups, where there are any.
+    pub fn spares(&self) -> Option<&std::sync::Arc<cgroup::Spares>> {
+        self.spares.as_ref()
     }
 
     /// Gives the runtime disk storage for writable layers
@@ -631,7 +659,7 @@ impl Runtime {
             Writable::Layer(_) => cgroup::AGENT_RESERVE_BYTES,
             Writable::Memory | Writable::HostDir(_) => spec.disk_bytes.saturating_add(cgroup::AGENT_RESERVE_BYTES),
         };
-        let cgroup = match Cgroup::create(&self.layout, &id, &spec.limits, headroom) {
+        let cgroup = match self.new_cgroup(&id, &spec.limits, headroom) {
             Ok(c) => c,
             Err(e) => {
                 drop(helper);
@@ -934,6 +962,15 @@ impl Runtime {
     /// Ids of sandbox cgroups that exist on the host.
     pub fn cgroups(&self) -> std::collections::BTreeSet<String> {
         cgroup::list_sandboxes(&self.layout)
+    }
+}
+
+impl Drop for Runtime {
+    /// Kept cgroups are no sandbox's: they go with the runtime.
+    fn drop(&mut self) {
+        if let Some(spares) = &self.spares {
+            spares.clear();
+        }
     }
 }
 

@@ -16,7 +16,7 @@
 //! place of it.
 
 use crate::agent::{AgentConn, AgentError};
-use crate::cgroup::{Cgroup, Limits};
+use crate::cgroup::Limits;
 use crate::container::{random_id, valid_id, Liveness, Runtime, RuntimeError, Sandbox, KERNEL_CAPS};
 use hutch_agent::proto::{self, Reply, Request, TenantSpec};
 use std::fs::{self, File};
@@ -81,7 +81,7 @@ impl Runtime {
             Some(id) => valid_id(id)?,
             None => random_id()?,
         };
-        let cgroup = Cgroup::create(self.layout(), &id, &spec.limits, 0)?;
+        let cgroup = self.new_cgroup(&id, &spec.limits, 0)?;
         let cg_done = started.elapsed();
         let socket = self.socket_path(&id);
         let mut sandbox = Sandbox {

@@ -523,12 +523,17 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         make_admin_key(store.as_ref(), &args.state_dir)?;
     }
     let cfg = hutch_runtime::Config { state_dir: args.state_dir.clone(), ..hutch_runtime::Config::from_env() };
+    // Emptied sandbox cgroups kept for the next creates (cgroup v1 hosts;
+    // see hutch_runtime::cgroup::Spares): as many as a burst of deletes
+    // leaves, each holding what its sandbox's cgroup held, until the
+    // reconciler removes those idle for a while.
+    const KEPT_CGROUPS: usize = 4096;
     let runtime = hutch_runtime::Runtime::new(cfg).context("start the container runtime")?;
     runtime
         .runs(args.default_class)
         .map_err(|why| anyhow::anyhow!("--default-class {}: this host cannot run it: {why}", args.default_class))?;
     let storage = open_storage(&args).await;
-    let runtime = Arc::new(runtime.with_storage(storage.clone()));
+    let runtime = Arc::new(runtime.with_storage(storage.clone()).keep_cgroups(KEPT_CGROUPS));
     let network = setup_network(&args, &node, &runtime.config().run_dir, &store, instance.clone()).await;
     match &network {
         Ok(n) => {
@@ -613,7 +618,7 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         registry,
         default_class: args.default_class,
     };
-    let control = Control::new(store.clone(), runtime, config);
+    let control = Control::new(store.clone(), runtime.clone(), config);
     // The event sequence goes on from the store before anything emits.
     control.start_events().await?;
     if let Some((proxy, listener, _)) = egress {
@@ -737,6 +742,10 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     control.finish_audit().await;
     control.finish_events().await;
     control.flush_usage().await;
+    // Kept cgroups are no sandbox's, and no create follows now.
+    if let Some(spares) = runtime.spares().cloned() {
+        tokio::task::spawn_blocking(move || spares.clear()).await?;
+    }
     let _held = instance;
     // With no sandbox left, nothing of the network needs to stay.
     if let Ok(net) = network {

@@ -317,3 +317,74 @@ fn filling_memory_kills_the_command_never_the_agent() {
     let (_, st) = sh(&mut conn, "kill -9 $$", "user", None);
     assert!(st.signal == Some(libc::SIGKILL) && !st.oom_killed, "{st:?}");
 }
+
+/// Issue 16: a daemon keeps an ended sandbox's cgroup for the next one
+/// (no memory cgroup made or taken offline). The next sandbox gets it
+/// empty, under its own limits, with its counters from zero, though the
+/// last one was OOM-killed in it; and nothing of it is left once the
+/// runtime goes.
+#[test]
+fn a_kept_cgroup_serves_the_next_sandbox_from_zero() {
+    let env = Env::new("link-spare");
+    let rt = runtime(&env).keep_cgroups(4);
+    let Some(spares) = rt.spares().cloned() else {
+        // Only cgroup v1 renames a cgroup: elsewhere every sandbox gets a
+        // new one, which the other tests cover.
+        let layout = hutch_runtime::cgroup::Layout::detect(std::path::Path::new("/sys/fs/cgroup")).expect("layout");
+        assert!(!matches!(layout.memory, Some(hutch_runtime::cgroup::Placement::V1(_))), "v1 memory keeps cgroups");
+        return;
+    };
+    let layout = hutch_runtime::cgroup::Layout::detect(std::path::Path::new("/sys/fs/cgroup")).expect("layout");
+    let Some(hutch_runtime::cgroup::Placement::V1(memory_root)) = layout.memory else {
+        unreachable!("kept cgroups need v1 memory")
+    };
+    let dir = |name: &str| memory_root.join(hutch_runtime::cgroup::PARENT).join(name);
+    let spare_dirs = || -> Vec<String> {
+        std::fs::read_dir(dir(""))
+            .expect("read hutch/")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with('_'))
+            .collect()
+    };
+    let before = spare_dirs();
+    let defaults = SandboxSpec::default();
+
+    let mut first =
+        start(&rt, &SandboxSpec { limits: Limits { memory_bytes: 128 << 20, ..defaults.limits }, ..defaults.clone() });
+    let mut conn = first.connect().expect("connect");
+    let (_, st) = sh(&mut conn, "head -c 400M /dev/zero > /tmp/fill", "user", Some(120_000));
+    assert!(st.oom_killed, "{st:?}");
+    assert!(first.cgroup.oom_kills() >= 1);
+    drop(conn);
+    let first_id = first.id.clone();
+    first.0.take().expect("live").destroy().expect("destroy");
+    assert!(!dir(&first_id).exists(), "the ended sandbox's name is gone");
+    assert_eq!(spares.len(), 1, "its cgroup was kept");
+    let kept: Vec<String> = spare_dirs().into_iter().filter(|n| !before.contains(n)).collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    let usage: u64 = std::fs::read_to_string(dir(&kept[0]).join("memory.usage_in_bytes"))
+        .expect("usage")
+        .trim()
+        .parse()
+        .expect("number");
+    assert!(usage <= hutch_runtime::cgroup::SPARE_CHARGE_BYTES, "the last sandbox's charges were reclaimed: {usage}");
+
+    let second = start(
+        &rt,
+        &SandboxSpec { limits: Limits { memory_bytes: 256 << 20, pids: 50, ..defaults.limits }, ..defaults },
+    );
+    assert_eq!(spares.len(), 0, "the next sandbox took it");
+    assert!(!dir(&kept[0]).exists() && dir(&second.id).join("work").is_dir());
+    let read = |p: &str| std::fs::read_to_string(dir(&second.id).join(p)).expect(p).trim().to_owned();
+    assert_eq!(read("work/memory.limit_in_bytes"), (256u64 << 20).to_string());
+    assert_eq!(second.cgroup.oom_kills(), 0, "the last sandbox's OOM kill is not this one's");
+    let mut conn = second.connect().expect("connect");
+    let (out, st) = sh(&mut conn, "head -c 200M /dev/zero > /tmp/fill && echo written", "user", Some(120_000));
+    assert_eq!((out.as_str(), st.oom_killed), ("written\n", false), "its own, larger limit holds: {st:?}");
+    drop(conn);
+    drop(second);
+    assert_eq!(spares.len(), 1);
+    drop(rt);
+    assert_eq!(spare_dirs(), before, "the runtime's kept cgroups go with it");
+}
