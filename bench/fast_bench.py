@@ -180,6 +180,8 @@ def main() -> int:
     ap.add_argument("--levels", default="250,1000,2000,4000",
                     help="numbers of idle sandboxes alive at which create, exec and delete are measured")
     ap.add_argument("--skip", default="", help="rows to leave out: run,warm,exec,fanout,abuse,levels")
+    ap.add_argument("--kept-cgroups", type=int, default=None,
+                    help="the daemon's --kept-cgroups (default: its own; 0 to compare without kept cgroups)")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     levels = sorted(int(x) for x in a.levels.split(",") if x)
@@ -194,7 +196,8 @@ def main() -> int:
         row("`hutch run -- true` vs bwrap", med_ms(ours), med_ms(bw), statistics.median(ours) / statistics.median(bw))
 
     headroom = max(levels, default=0) * 4
-    d = Daemon(a.binary, args=["--overcommit", "64", "--max-sandboxes", str(max(headroom, 1000))])
+    kept = [] if a.kept_cgroups is None else ["--kept-cgroups", str(a.kept_cgroups)]
+    d = Daemon(a.binary, args=["--overcommit", "64", "--max-sandboxes", str(max(headroom, 1000)), *kept])
     try:
         s, base = d.session(), d.base
         if "warm" not in skip:

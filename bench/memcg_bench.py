@@ -17,8 +17,18 @@ mutex, so the cost lands on whichever cgroup operation comes next: the mean
 per life (total over rounds) is the figure to compare; medians and p90 are
 printed beside it.
 
+With --reuse, each level also times the life a runtime that keeps emptied
+cgroups gives a sandbox instead: rename a kept cgroup in, charge it, lower
+its limit to reclaim what it holds (as hutch does), rename it back.
+
+A caution: holding many superblocks raises, until the next boot, the
+kernel's high-water mark of shrinker ids, and every memory cgroup made
+afterwards gets a per-node map sized by it (about 1 KiB per 64 ids): after
+a run at 40,000 each new memory cgroup took about 0.6 MiB of kernel memory
+on this host. Measure memory per sandbox on a host that has not run this.
+
 Run as root:
-    python3 bench/memcg_bench.py [--levels 0,10000,20000,40000] [--rounds 200]
+    python3 bench/memcg_bench.py [--levels 0,10000,20000,40000] [--rounds 200] [--reuse]
 It cleans up what it makes (its cgroups and the mount namespace holder)
 even when interrupted.
 """
@@ -86,8 +96,8 @@ def one_life(parent: Path, name: str, scratch: Path) -> float:
 
 def one_reuse(parent: Path, name: str, scratch: Path) -> float:
     """Seconds for the same life on a kept cgroup: rename a spare in, charge
-    it from a process inside, empty its charges and rename it back (what a
-    runtime that pools emptied cgroups does instead of mkdir and rmdir)."""
+    it from a process inside, reclaim its charges and rename it back (what
+    hutch's runtime does instead of mkdir and rmdir; see cgroup::Spares)."""
     spare, d = parent / "spare", parent / name
     t0 = time.perf_counter()
     spare.rename(d)
@@ -101,11 +111,10 @@ def one_reuse(parent: Path, name: str, scratch: Path) -> float:
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
-    empty = d / "memory.force_empty"
-    if empty.exists():
-        empty.write_text("0")
-    else:
-        (d / "memory.reclaim").write_text(str(1 << 30))
+    # Lower the limit (reclaim down to 1 MiB) and lift it again.
+    limit = d / "memory.limit_in_bytes"
+    limit.write_text(str(1 << 20))
+    limit.write_text("-1")
     d.rename(spare)
     return time.perf_counter() - t0
 
@@ -154,6 +163,8 @@ def main() -> None:
     if os.geteuid() != 0:
         sys.exit("run as root")
     parent = memory_parent()
+    if args.reuse and not (parent / "memory.limit_in_bytes").exists():
+        sys.exit("--reuse needs cgroup v1's memory hierarchy: cgroup v2 does not rename a cgroup")
     scratch = Path(f"/tmp/hutch-memcg-bench-{os.getpid()}")
     scratch.mkdir()
     try:

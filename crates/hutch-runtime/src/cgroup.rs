@@ -289,7 +289,9 @@ impl Cgroup {
         headroom: u64,
     ) -> Result<Cgroup, CgroupError> {
         let layout = &spares.layout;
-        while let Some(spare) = spares.take() {
+        // Two tries: a spare that fails is removed, and a fault that fails
+        // every one must not cost a removal per spare.
+        for spare in (0..2).map_while(|_| spares.take()) {
             if spares.rename(&spare, name).is_err() {
                 spares.remove(&spare);
                 continue;

@@ -321,6 +321,8 @@ impl Runtime {
     /// Detects the cgroup layout, compiles the seccomp profile and makes
     /// sure the `base` root filesystem exists.
     pub fn new(cfg: Config) -> Result<Runtime, RuntimeError> {
+        // Early, while the process holds few descriptors.
+        launch::reserve_launch_slots();
         let layout = Layout::detect(&cfg.cgroup_root)?;
         // Best effort: without it every start on a v1 host waits ~10 ms for
         // RCU (see cgroup::migrations_fast); `hutch doctor` reports it.
@@ -760,7 +762,7 @@ impl Runtime {
 
         let parent =
             if spec.die_with_parent { Some(launch::pidfd_self().map_err(io_err("pidfd_open"))?) } else { None };
-        let plan = (|| -> io::Result<Plan> {
+        let mut plan = (|| -> io::Result<Plan> {
             let mut plan = Plan::default();
             if let Some(fd) = &parent {
                 plan.push(Step::DieWithParent { parent: fd.as_raw_fd() });
@@ -841,7 +843,7 @@ impl Runtime {
         .map_err(io_err("prepare the sandbox plan"))?;
 
         marks.mark("prepare");
-        let child = launch::spawn(&plan).map_err(io_err("clone the sandbox"))?;
+        let child = launch::spawn(&mut plan).map_err(io_err("clone the sandbox"))?;
         marks.mark("clone");
         sb.pid = child.pid;
         // The OOM killer should pick a workload, never the agent; workloads

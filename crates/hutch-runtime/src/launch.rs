@@ -22,7 +22,7 @@
 use std::ffi::CString;
 use std::fmt;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::path::Path;
 
 /// One thing the child does, with all its arguments prepared.
@@ -251,6 +251,51 @@ impl Plan {
         self.steps.push(step);
     }
 
+    /// Every descriptor of ours the steps name (Exec's targets are numbers
+    /// in the child, not ours).
+    fn fds_mut(&mut self) -> Vec<&mut RawFd> {
+        fn of<'a>(step: &'a mut Step, out: &mut Vec<&'a mut RawFd>) {
+            match step {
+                Step::IfExists(inner) => of(inner, out),
+                Step::JoinCgroup { fd, .. }
+                | Step::EnterUserns { fd }
+                | Step::SetNs { fd, .. }
+                | Step::Notify { fd }
+                | Step::DieWithParent { parent: fd }
+                | Step::CloseFds { keep: fd }
+                | Step::IdmapBind { userns: fd, .. }
+                | Step::IdmapBindAt { userns: fd, .. } => out.push(fd),
+                Step::Exec { exe_fd, fds, .. } => {
+                    out.push(exe_fd);
+                    out.extend(fds.iter_mut().map(|(src, _)| src));
+                }
+                Step::Unshare { .. }
+                | Step::Mount { .. }
+                | Step::Mkdir { .. }
+                | Step::Mknod { .. }
+                | Step::Symlink { .. }
+                | Step::Chown { .. }
+                | Step::Chmod { .. }
+                | Step::WriteFiles { .. }
+                | Step::MkdirsAt { .. }
+                | Step::LoopbackUp
+                | Step::SetHostname { .. }
+                | Step::PivotRoot { .. }
+                | Step::Seccomp { .. }
+                | Step::SetRlimit { .. }
+                | Step::EffectiveIds { .. }
+                | Step::FsIds { .. }
+                | Step::Pause
+                | Step::DieWithParentPid { .. } => {}
+            }
+        }
+        let mut out = Vec::new();
+        for step in &mut self.steps {
+            of(step, &mut out);
+        }
+        out
+    }
+
     pub fn mkdir(&mut self, path: &Path, mode: libc::mode_t) -> io::Result<()> {
         self.push(Step::Mkdir { path: cstr(path)?, mode });
         Ok(())
@@ -331,33 +376,217 @@ use hutch_agent::vm::VmStack;
 struct ChildArgs<'a> {
     plan: &'a Plan,
     report: RawFd,
+    /// Cloned sharing our descriptor table (`CLONE_FILES`, see
+    /// [`Lease`]): the child first takes a table of its own holding only
+    /// the descriptors below this number, and, for a helper (which runs
+    /// beside us), says so on `report`, so that we can take the lent
+    /// descriptors back.
+    unshare_below: Option<u32>,
+    notify_unshared: bool,
 }
+
+/// The step index a failure to take a descriptor table of its own reports.
+const UNSHARE_STEP: u32 = u32::MAX - 1;
 
 extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
     // SAFETY: arg points at the ChildArgs on the parent's stack, which lives
     // until clone returns, and with CLONE_VFORK clone returns only once this
     // child has exec'd or exited.
     let args = unsafe { &*(arg as *const ChildArgs) };
+    if let Some(below) = args.unshare_below {
+        // Everything from `below` up is left in the shared table: the new
+        // one is a copy of the few descriptors beneath, made without
+        // touching (taking a reference to, then closing) each of the
+        // daemon's thousands.
+        let flags = libc::CLOSE_RANGE_UNSHARE as usize;
+        // SAFETY: close_range takes no pointer; write reads READY only.
+        let ok = unsafe {
+            raw::check(raw::syscall(libc::SYS_close_range, [below as usize, u32::MAX as usize, flags, 0, 0, 0])).is_ok()
+                && (!args.notify_unshared
+                    || raw::syscall(
+                        libc::SYS_write,
+                        [args.report as usize, READY.as_ptr() as usize, READY.len(), 0, 0, 0],
+                    ) == READY.len() as isize)
+        };
+        if !ok {
+            report_failure(args.report, UNSHARE_STEP, libc::EBADF);
+        }
+    }
     // SAFETY: we are the freshly cloned child; run_plan only makes system
     // calls on the plan's memory and its own stack.
     unsafe { run_plan(args.plan, args.report) }
+}
+
+/// Writes a failed step's index and errno to `report`, and exits.
+fn report_failure(report: RawFd, index: u32, errno: i32) -> ! {
+    let mut msg = [0u8; 8];
+    msg[..4].copy_from_slice(&index.to_ne_bytes());
+    msg[4..].copy_from_slice(&errno.to_ne_bytes());
+    // SAFETY: msg is on our stack; a failed write leaves nothing to do.
+    unsafe { raw::syscall(libc::SYS_write, [report as usize, msg.as_ptr() as usize, msg.len(), 0, 0, 0]) };
+    raw::exit(125)
+}
+
+/// The name of step `index` of `plan` in an error.
+fn step_name(plan: &Plan, index: usize) -> String {
+    match plan.steps.get(index) {
+        Some(step) => step.to_string(),
+        None if index == UNSHARE_STEP as usize => "take a descriptor table of its own".into(),
+        None => "unknown".into(),
+    }
+}
+
+/// Descriptor numbers set aside, low in our table, to lend to children:
+/// see [`Lease`].
+struct Slots {
+    /// Blocks of numbers, each holding /dev/null while not lent.
+    blocks: std::sync::Mutex<Vec<Vec<RawFd>>>,
+    /// /dev/null, put back into a slot when its loan ends.
+    null: RawFd,
+    /// One above the highest slot: what a child keeps of the table.
+    below: RawFd,
+}
+
+static SLOTS: std::sync::OnceLock<Option<Slots>> = std::sync::OnceLock::new();
+/// Launches that may be in flight with lent descriptors at once.
+const SLOT_BLOCKS: usize = 4;
+/// Descriptors one launch may borrow (a sandbox's plan names about 15).
+const SLOTS_PER_BLOCK: usize = 24;
+/// Set aside only while our table is this small: above, the copy a child
+/// keeps would cost what it saves.
+const SLOTS_BELOW: RawFd = 512;
+
+/// Sets descriptor numbers aside, once per process, for children to
+/// borrow (see [`Lease`]); call it early, while few descriptors are open.
+/// Without them (or when they are all lent) a child is cloned with a copy
+/// of our whole table and closes what it does not need, which costs each
+/// of our descriptors a reference taken and a close: with thousands of
+/// sandboxes alive (the daemon keeps a network namespace and an OOM
+/// counter of each open) that was the largest cost of a create.
+pub fn reserve_launch_slots() {
+    SLOTS.get_or_init(|| {
+        let null = crate::sys::open("/dev/null", libc::O_RDWR).ok()?;
+        let mut blocks = Vec::with_capacity(SLOT_BLOCKS);
+        let mut taken: Vec<OwnedFd> = Vec::new();
+        for _ in 0..SLOT_BLOCKS {
+            let mut block = Vec::with_capacity(SLOTS_PER_BLOCK);
+            for _ in 0..SLOTS_PER_BLOCK {
+                // The lowest free number (F_DUPFD from 0), close-on-exec.
+                // SAFETY: fcntl on a descriptor we own; the result is owned below.
+                let fd = unsafe { libc::fcntl(null.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
+                if fd < 0 {
+                    return None;
+                }
+                // SAFETY: fd was just made and is owned by nobody else.
+                taken.push(unsafe { OwnedFd::from_raw_fd(fd) });
+                block.push(fd);
+            }
+            blocks.push(block);
+        }
+        let below = taken.iter().map(|f| f.as_raw_fd()).max().unwrap_or(0) + 1;
+        if below > SLOTS_BELOW {
+            return None;
+        }
+        // Kept for the life of the process.
+        for f in taken {
+            let _ = f.into_raw_fd();
+        }
+        Some(Slots { blocks: std::sync::Mutex::new(blocks), null: null.into_raw_fd(), below })
+    });
+}
+
+/// Descriptors of ours lent to a child at numbers of a [`Slots`] block, so
+/// that a child cloned sharing our table (`CLONE_FILES`) can take a table
+/// of its own holding only the numbers below the slots
+/// (`close_range(..., CLOSE_RANGE_UNSHARE)`), whatever the size of ours.
+/// The plan's descriptors are renumbered to the slots. While the loan
+/// lasts, which is until the child has its own table, our other threads
+/// never get those numbers: they are never free. Dropping the lease puts
+/// /dev/null back into each slot.
+struct Lease {
+    slots: &'static Slots,
+    block: Vec<RawFd>,
+    used: usize,
+}
+
+impl Lease {
+    /// Lends `plan`'s descriptors and `extra` ones, renumbering them; None
+    /// (nothing changed) if no slots were set aside, all are lent, or the
+    /// plan names more descriptors than a block holds.
+    fn take(plan: &mut Plan, extra: &mut [&mut RawFd]) -> Option<Lease> {
+        let slots = SLOTS.get()?.as_ref()?;
+        let mut fds = plan.fds_mut();
+        fds.extend(extra.iter_mut().map(|f| &mut **f));
+        let mut distinct: Vec<RawFd> = fds.iter().map(|f| **f).collect();
+        distinct.sort_unstable();
+        distinct.dedup();
+        if distinct.len() > SLOTS_PER_BLOCK {
+            return None;
+        }
+        let block = slots.blocks.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
+        let mut lease = Lease { slots, block, used: 0 };
+        for (i, &fd) in distinct.iter().enumerate() {
+            let slot = lease.block[i];
+            // SAFETY: fcntl and dup3 on descriptors we hold; dup3 replaces
+            // the slot's /dev/null, a number nobody else uses.
+            let ok = unsafe {
+                let flags = libc::fcntl(fd, libc::F_GETFD);
+                let cloexec = if flags >= 0 && flags & libc::FD_CLOEXEC != 0 { libc::O_CLOEXEC } else { 0 };
+                flags >= 0 && libc::dup3(fd, slot, cloexec) == slot
+            };
+            if !ok {
+                return None; // The lease's drop restores what was lent.
+            }
+            lease.used = i + 1;
+        }
+        for f in fds {
+            let i = distinct.binary_search(f).expect("every descriptor was lent");
+            *f = lease.block[i];
+        }
+        Some(lease)
+    }
+
+    fn below(&self) -> u32 {
+        self.slots.below as u32
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        for &slot in &self.block[..self.used] {
+            // SAFETY: dup3 of our /dev/null over a slot of ours.
+            unsafe { libc::dup3(self.slots.null, slot, libc::O_CLOEXEC) };
+        }
+        let block = std::mem::take(&mut self.block);
+        self.slots.blocks.lock().unwrap_or_else(|p| p.into_inner()).push(block);
+    }
 }
 
 /// Clones a child into the sandbox namespaces and runs `plan` in it. The
 /// child shares our memory and we are suspended until it execs the agent or
 /// exits (`CLONE_VM | CLONE_VFORK`, as posix_spawn does), so it must not
 /// write anything but its own stack: `run_plan` only makes system calls.
-pub fn spawn(plan: &Plan) -> io::Result<Child> {
+///
+/// The plan's descriptors are lent to the child at low numbers where that
+/// is possible (see [`Lease`]): the plan is renumbered.
+pub fn spawn(plan: &mut Plan) -> io::Result<Child> {
     let (rd, wr) = crate::sys::pipe()?;
     let stack = VmStack::new(64 * 1024)?;
-    let args = ChildArgs { plan, report: wr.as_raw_fd() };
-    let flags = libc::CLONE_VFORK | NAMESPACES | libc::SIGCHLD;
+    let mut report = wr.as_raw_fd();
+    let lease = Lease::take(plan, &mut [&mut report]);
+    let unshare_below = lease.as_ref().map(Lease::below);
+    let args = ChildArgs { plan, report, unshare_below, notify_unshared: false };
+    let shared = if lease.is_some() { libc::CLONE_FILES } else { 0 };
+    let flags = libc::CLONE_VFORK | NAMESPACES | libc::SIGCHLD | shared;
     // SAFETY: child_main runs `run_plan` (raw system calls only) on `stack`,
     // which outlives the child's use of it (CLONE_VFORK), with a pointer to
     // `args`, which does too.
     let pid = unsafe {
         hutch_agent::vm::clone_vm(child_main, &stack, flags, &args as *const ChildArgs as *mut libc::c_void)?
     };
+    // The child has exec'd or exited (CLONE_VFORK): it no longer shares
+    // our table, and the loan ends.
+    drop(lease);
     drop(wr);
     Ok(Child { pid, report: rd })
 }
@@ -374,11 +603,7 @@ impl Child {
                 let index = u32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
                 let errno = i32::from_ne_bytes([buf[4], buf[5], buf[6], buf[7]]);
                 crate::sys::reap(self.pid);
-                Err(StepError {
-                    index,
-                    step: plan.steps.get(index).map(|s| s.to_string()).unwrap_or_else(|| "unknown".into()),
-                    source: io::Error::from_raw_os_error(errno),
-                })
+                Err(StepError { index, step: step_name(plan, index), source: io::Error::from_raw_os_error(errno) })
             }
             Ok(_) | Err(_) => {
                 crate::sys::kill(self.pid, libc::SIGKILL);
@@ -402,12 +627,7 @@ unsafe fn run_plan(plan: &Plan, report: RawFd) -> ! {
     for (index, step) in plan.steps.iter().enumerate() {
         // SAFETY: every pointer a step passes comes from data the plan owns.
         if let Err(errno) = unsafe { run_step(step, &mut report) } {
-            let mut msg = [0u8; 8];
-            msg[..4].copy_from_slice(&(index as u32).to_ne_bytes());
-            msg[4..].copy_from_slice(&errno.to_ne_bytes());
-            // SAFETY: msg is on our stack; a failed write leaves nothing to do.
-            unsafe { raw::syscall(libc::SYS_write, [report as usize, msg.as_ptr() as usize, msg.len(), 0, 0, 0]) };
-            raw::exit(125);
+            report_failure(report, index as u32, errno);
         }
     }
     // A plan ends with Exec or Pause; reaching here is a bug.
@@ -772,13 +992,18 @@ impl Helper {
     /// Starts `plan`, which must end in [`Step::Pause`]; `report` is the
     /// write end of the pipe whose read end is `report_rd` (its steps may
     /// name it, to keep it open and to notify).
-    fn start(plan: Plan, report: OwnedFd, report_rd: OwnedFd) -> io::Result<Helper> {
+    fn start(mut plan: Plan, report: OwnedFd, report_rd: OwnedFd) -> io::Result<Helper> {
+        let mut report_fd = report.as_raw_fd();
+        let lease = Lease::take(&mut plan, &mut [&mut report_fd]);
         let plan = Box::new(plan);
         // SAFETY: the reference is only used by the helper, which is killed
         // and reaped before `plan` is dropped (see Drop and end).
         let plan_ref: &'static Plan = unsafe { &*(plan.as_ref() as *const Plan) };
-        let args = Box::new(ChildArgs { plan: plan_ref, report: report.as_raw_fd() });
+        let unshare_below = lease.as_ref().map(Lease::below);
+        let args =
+            Box::new(ChildArgs { plan: plan_ref, report: report_fd, unshare_below, notify_unshared: lease.is_some() });
         let stack = VmStack::new(16 * 1024)?;
+        let shared = if lease.is_some() { libc::CLONE_FILES } else { 0 };
         // SAFETY: the helper runs `run_plan` (raw system calls only, none
         // touching errno in the TLS it shares with us) on its own stack;
         // `args`, `plan` and `stack` outlive it (kept in the result).
@@ -786,12 +1011,18 @@ impl Helper {
             hutch_agent::vm::clone_vm(
                 child_main,
                 &stack,
-                libc::SIGCHLD,
+                libc::SIGCHLD | shared,
                 args.as_ref() as *const ChildArgs as *mut libc::c_void,
             )?
         };
         drop(report);
-        Ok(Helper { pid, report: report_rd, plan, args, stack, done: false })
+        let helper = Helper { pid, report: report_rd, plan, args, stack, done: false };
+        if lease.is_some() {
+            // The loan ends once the helper has a table of its own.
+            helper.ready("helper")?;
+            drop(lease);
+        }
+        Ok(helper)
     }
 
     /// Waits until the helper notified or failed; a failure names its step.
@@ -803,7 +1034,7 @@ impl Helper {
         }
         let index = u32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
         let errno = i32::from_ne_bytes([buf[4], buf[5], buf[6], buf[7]]);
-        let step = self.plan.steps.get(index).map(|s| s.to_string()).unwrap_or_else(|| "start".into());
+        let step = step_name(&self.plan, index);
         let source = if n == 8 { io::Error::from_raw_os_error(errno) } else { io::ErrorKind::UnexpectedEof.into() };
         Err(io::Error::new(source.kind(), format!("{what}: {step}: {source}")))
     }
@@ -973,7 +1204,7 @@ mod tests {
         let mut plan = Plan::default();
         // A descriptor placed at 3, where the report pipe may well sit.
         plan.exec(exe.as_raw_fd(), &["not-an-agent"], vec![(keep.as_raw_fd(), 3)], None).expect("plan");
-        let child = spawn(&plan).expect("clone");
+        let child = spawn(&mut plan).expect("clone");
         let err = child.wait_started(&plan).expect_err("the exec failed; the child must not read as started");
         std::fs::remove_dir_all(&dir).expect("cleanup");
         assert_eq!(err.index, 0);
@@ -1003,6 +1234,41 @@ mod tests {
         // TLS the helper shares.
         // SAFETY: reading this thread's own errno.
         assert_eq!(unsafe { *errno_location() }, 0, "the helper wrote the caller's errno");
+    }
+
+    #[test]
+    fn a_child_gets_lent_descriptors_and_none_of_the_rest_of_a_large_table() {
+        reserve_launch_slots();
+        let slots = SLOTS.get().and_then(Option::as_ref).expect("slots set aside in a small table");
+        // A table of a few hundred descriptors, as a daemon's with many
+        // sandboxes alive.
+        let many: Vec<OwnedFd> =
+            (0..400).map(|_| crate::sys::open("/dev/null", libc::O_RDONLY).expect("open")).collect();
+        let (rd, wr) = crate::sys::pipe().expect("pipe");
+        let sh = crate::sys::open("/bin/sh", libc::O_PATH).expect("open sh");
+        let mut plan = Plan::default();
+        // The shell lists its descriptors into the pipe, at 3.
+        plan.exec(sh.as_raw_fd(), &["sh", "-c", "ls /proc/self/fd >&3"], vec![(wr.as_raw_fd(), 3)], None)
+            .expect("plan");
+        let child = spawn(&mut plan).expect("clone");
+        let Step::Exec { exe_fd, fds, .. } = &plan.steps[0] else { unreachable!() };
+        assert!(*exe_fd < slots.below && fds[0].0 < slots.below, "the plan names lent numbers");
+        let pid = child.wait_started(&plan).expect("started");
+        drop(wr);
+        let mut out = vec![0u8; 4096];
+        let n = crate::sys::read_full(rd.as_raw_fd(), &mut out).expect("read");
+        crate::sys::reap(pid);
+        let listed: Vec<String> = String::from_utf8_lossy(&out[..n]).lines().map(str::to_owned).collect();
+        // 0-2, the pipe, and the directory ls reads: nothing of ours.
+        assert!(listed.len() <= 5 && listed.iter().all(|fd| fd.parse::<u32>().is_ok_and(|n| n < 8)), "{listed:?}");
+        // The slots hold /dev/null again, and every block is back.
+        for block in slots.blocks.lock().expect("lock").iter() {
+            for slot in block {
+                let target = std::fs::read_link(format!("/proc/self/fd/{slot}")).expect("slot open");
+                assert_eq!(target, Path::new("/dev/null"));
+            }
+        }
+        drop(many);
     }
 
     #[test]

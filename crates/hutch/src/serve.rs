@@ -111,6 +111,14 @@ pub struct ServeArgs {
     /// the daemon is closing at that moment.
     #[arg(long, env = "HUTCH_IDLE_TIMEOUT", default_value = "120s", value_parser = crate::units::parse_duration)]
     pub idle_timeout: Duration,
+    /// Ended sandboxes' cgroups kept for the next sandboxes, at most
+    /// (HUTCH_KEPT_CGROUPS; 0 keeps none). A new memory cgroup, and above
+    /// all removing one, costs more the more file systems the host mounts;
+    /// a kept one is renamed instead. Each holds what its sandbox's cgroup
+    /// held in the kernel until it is used or, idle for 30 s, removed.
+    /// cgroup v1 hosts only (v2 cannot rename a cgroup).
+    #[arg(long, env = "HUTCH_KEPT_CGROUPS", default_value_t = 4096)]
+    pub kept_cgroups: usize,
     /// How far the sandboxes' memory and disk limits may add up past the
     /// host's memory and the state directory's file system: 8 lets the
     /// limits of the sandboxes alive sum to 8 times the host's memory
@@ -523,17 +531,12 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         make_admin_key(store.as_ref(), &args.state_dir)?;
     }
     let cfg = hutch_runtime::Config { state_dir: args.state_dir.clone(), ..hutch_runtime::Config::from_env() };
-    // Emptied sandbox cgroups kept for the next creates (cgroup v1 hosts;
-    // see hutch_runtime::cgroup::Spares): as many as a burst of deletes
-    // leaves, each holding what its sandbox's cgroup held, until the
-    // reconciler removes those idle for a while.
-    const KEPT_CGROUPS: usize = 4096;
     let runtime = hutch_runtime::Runtime::new(cfg).context("start the container runtime")?;
     runtime
         .runs(args.default_class)
         .map_err(|why| anyhow::anyhow!("--default-class {}: this host cannot run it: {why}", args.default_class))?;
     let storage = open_storage(&args).await;
-    let runtime = Arc::new(runtime.with_storage(storage.clone()).keep_cgroups(KEPT_CGROUPS));
+    let runtime = Arc::new(runtime.with_storage(storage.clone()).keep_cgroups(args.kept_cgroups));
     let network = setup_network(&args, &node, &runtime.config().run_dir, &store, instance.clone()).await;
     match &network {
         Ok(n) => {
