@@ -446,16 +446,21 @@ impl Cgroup {
         if let Some(dir) = &self.work_pids {
             write(&dir.join("pids.max"), &limits.pids.to_string())?;
         }
-        if let Some((dir, v2)) = &self.cpu {
-            let quota = (limits.cpu_millis as u64 * CPU_PERIOD_US / 1000).max(1000);
-            if *v2 {
-                write(&dir.join("cpu.max"), &format!("{quota} {CPU_PERIOD_US}"))?;
-            } else {
-                write(&dir.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;
-                write(&dir.join("cpu.cfs_quota_us"), &quota.to_string())?;
-            }
+        self.set_cpu(Some(limits.cpu_millis))
+    }
+
+    /// Writes the CPU limit alone: `cpu_millis` thousandths of a CPU, or
+    /// none at all (`None`).
+    pub fn set_cpu(&self, cpu_millis: Option<u32>) -> Result<(), CgroupError> {
+        let Some((dir, v2)) = &self.cpu else { return Ok(()) };
+        let quota = cpu_millis.map(|m| (m as u64 * CPU_PERIOD_US / 1000).max(1000));
+        if *v2 {
+            let max = quota.map_or_else(|| "max".to_owned(), |q| q.to_string());
+            write(&dir.join("cpu.max"), &format!("{max} {CPU_PERIOD_US}"))
+        } else {
+            write(&dir.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;
+            write(&dir.join("cpu.cfs_quota_us"), &quota.map_or_else(|| "-1".to_owned(), |q| q.to_string()))
         }
-        Ok(())
     }
 
     /// `cgroup.procs` files the sandbox's PID 1 (the agent) writes itself
@@ -1317,6 +1322,10 @@ mod tests {
         assert_eq!(read(dir.join("memory.max")), (356u64 << 20).to_string());
         assert_eq!(read(dir.join("pids.max")), (64 + AGENT_PIDS).to_string());
         assert_eq!(read(dir.join("cpu.max")), "150000 100000");
+        cg.set_cpu(None).expect("lift the cpu limit");
+        assert_eq!(read(dir.join("cpu.max")), "max 100000");
+        cg.set_cpu(Some(1500)).expect("set the cpu limit");
+        assert_eq!(read(dir.join("cpu.max")), "150000 100000");
         assert_eq!(read(root.join("cgroup.subtree_control")), "+memory +pids +cpu");
         // No internal processes on v2: the agent and the workload in leaves,
         // the workload's limits on its own.
@@ -1363,6 +1372,10 @@ mod tests {
         assert_eq!(read("memory/hutch/sb2/work/memory.limit_in_bytes"), "4096");
         assert_eq!(read("pids/hutch/sb2/work/pids.max"), "9");
         assert_eq!(read("pids/hutch/sb2/pids.max"), (9 + AGENT_PIDS).to_string());
+        assert_eq!(read("cpu/hutch/sb2/cpu.cfs_quota_us"), "50000");
+        cg.set_cpu(None).expect("lift the cpu limit");
+        assert_eq!(read("cpu/hutch/sb2/cpu.cfs_quota_us"), "-1");
+        cg.set_cpu(Some(500)).expect("set the cpu limit");
         assert_eq!(read("cpu/hutch/sb2/cpu.cfs_quota_us"), "50000");
         assert!(!root.join("cpu/hutch/sb2/work").exists(), "cpu is shared by agent and workload");
         // v1 has internal processes: the agent stays in the sandbox's cgroups.
