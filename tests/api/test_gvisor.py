@@ -268,15 +268,29 @@ def memory_dirs(d: Daemon) -> set[str]:
     return {p.name for p in m.iterdir()} if m.is_dir() else set()
 
 
+def cpu_quota(sid: str) -> str:
+    """The CPU limit on a sandbox's host cgroup, as the kernel has it
+    (microseconds per 100 ms period; "-1" or "max" for none)."""
+    v1 = Path(f"/sys/fs/cgroup/cpu/hutch/{sid}/cpu.cfs_quota_us")
+    if v1.exists():
+        return v1.read_text().strip()
+    return Path(f"/sys/fs/cgroup/hutch/{sid}/cpu.max").read_text().split()[0]
+
+
 def test_a_memory_snapshot_keeps_running_processes(daemon: Daemon, api: Client, gvisor_template: str):
     sb = api.create(template=gvisor_template, network={"egress": "deny_all"})
     sid, made, snap = sb["id"], [], None
     try:
         held = start_holder(api, sid)
         assert ask(api, sid)[:2] == (held, 1)
+        quota = cpu_quota(sid)
+        assert quota not in ("-1", "max"), quota
         r = api.post(f"/v1/sandboxes/{sid}/snapshots", {"memory": True})
         expect_status(r, 201)
         snap = r.json()
+        # The checkpoint and the restore run without the CPU limit (they
+        # take more than a CPU); it is back on both sandboxes after them.
+        assert cpu_quota(sid) == quota
         assert snap["memory"] is True, snap
         assert api.get(f"/v1/snapshots/{snap['id']}").json()["memory"] is True
         assert snap["id"] in memory_dirs(daemon)
@@ -287,6 +301,7 @@ def test_a_memory_snapshot_keeps_running_processes(daemon: Daemon, api: Client, 
         nb = api.create(snapshot=snap["id"])
         made.append(nb["id"])
         assert nb["class"] == "gvisor" and nb["id"] != sid, nb
+        assert cpu_quota(nb["id"]) == quota
         assert ask(api, nb["id"])[:2] == (held, 2)
         assert api.sh(nb["id"], "echo $HUTCH_SANDBOX_ID") == f"{nb['id']}\n"
         assert api.sh(sid, "echo $HUTCH_SANDBOX_ID") == f"{sid}\n"

@@ -948,15 +948,22 @@ impl Runtime {
             let name = crate::storage::LayerName::sandbox(id).ok()?;
             Some((s.open_layer(&name).ok()??, s.clone()))
         });
+        let gvisor = Some(crate::gvisor::Paths::new(&self.cfg.run_dir, id)).filter(crate::gvisor::Paths::exists);
+        let cgroup = Cgroup::existing(&self.layout, id);
+        if let Some(paths) = &gvisor {
+            // A restore the last daemon did not finish may have left it
+            // without its CPU limit.
+            self.reapply_cpu_limit(paths, &cgroup);
+        }
         Sandbox {
             id: id.to_owned(),
             pid: 0,
             socket: self.socket_path(id),
-            cgroup: Cgroup::existing(&self.layout, id),
+            cgroup,
             slot: None,
             layer,
             timings: Vec::new(),
-            gvisor: Some(crate::gvisor::Paths::new(&self.cfg.run_dir, id)).filter(crate::gvisor::Paths::exists),
+            gvisor,
             host: None,
         }
     }

@@ -345,7 +345,7 @@ impl Runtime {
             marks.mark("bundle");
             let mut cmd = self.runsc_global(paths, spec)?;
             cmd.arg("restore").arg("--detach").arg("--image-path").arg(image);
-            cmd.arg("--pid-file").arg(paths.pid_file()).arg("--bundle").arg(&paths.bundle).arg(&paths.id);
+            cmd.arg("--pid-file").arg(paths.pid_file());
             self.restore_unthrottled(paths, cmd)?;
             crate::cgroup::join_v2(self.layout(), &paths.id)?;
             sb.cgroup = Cgroup::existing(self.layout(), &paths.id);
@@ -415,34 +415,53 @@ impl Runtime {
             .map_err(io_err(format!("write {}", cfg_json.display())))
     }
 
-    /// Runs `cmd`, a `runsc restore` of the sandbox of `paths`, with the
-    /// CPU limit taken out of its bundle, then puts the limit on the
-    /// restored sandbox's cgroup. The restore is the sentry reading the
-    /// whole image into memory before any process of the sandbox runs
-    /// again, on about 1.2 CPUs for 200 MiB: held to the one CPU of a
-    /// default sandbox it took 436 ms instead of 305 (medians, runsc
-    /// 2022-12, 2 cores, bench/gvisor_restore.py). The sandbox's processes run
-    /// unlimited from runsc's return to the write here, well under a
-    /// millisecond. `config.json` keeps its limit for a later restore.
-    fn restore_unthrottled(&self, paths: &Paths, cmd: Command) -> Result<(), RuntimeError> {
+    /// Runs `cmd`, a `runsc restore` of the sandbox of `paths` (its
+    /// bundle and id still to add), on a copy of the bundle's spec without
+    /// the CPU limit, then puts the limit on the restored sandbox's cgroup.
+    /// The restore is the sentry reading the whole image into memory
+    /// before any process of the sandbox runs again, on about 1.2 CPUs for
+    /// 200 MiB: held to the one CPU of a default sandbox it took 436 ms
+    /// instead of 305 (medians, runsc 2022-12, 2 cores,
+    /// bench/gvisor_restore.py). The sandbox's processes run unlimited from
+    /// runsc's return to the write here, well under a millisecond. The
+    /// bundle's own `config.json` keeps the limit: should the daemon die in
+    /// between, the next one puts it back as it adopts the sandbox
+    /// ([`Runtime::adopt`]).
+    fn restore_unthrottled(&self, paths: &Paths, mut cmd: Command) -> Result<(), RuntimeError> {
         let path = paths.bundle.join("config.json");
         let full = fs::read(&path).map_err(io_err(format!("read {}", path.display())))?;
         let lifted = serde_json::from_slice::<Value>(&full).ok().and_then(|mut v| {
             let cpu = take_cpu_limit(&mut v)?;
             Some((serde_json::to_vec_pretty(&v).ok()?, cpu))
         });
-        if let Some((config, _)) = &lifted {
-            fs::write(&path, config).map_err(io_err(format!("write {}", path.display())))?;
-        }
+        // The spec names everything by absolute path: a bundle of its own
+        // holds the copy.
+        let side = paths.bundle.join("unthrottled");
+        let bundle = match &lifted {
+            Some((config, _)) => {
+                fs::create_dir_all(&side).map_err(io_err(format!("mkdir {}", side.display())))?;
+                let at = side.join("config.json");
+                fs::write(&at, config).map_err(io_err(format!("write {}", at.display())))?;
+                &side
+            }
+            None => &paths.bundle,
+        };
+        cmd.arg("--bundle").arg(bundle).arg(&paths.id);
         let restored = run(cmd, "restore the gvisor sandbox", &paths.bundle.join("runsc.log"));
-        if lifted.is_some() {
-            fs::write(&path, &full).map_err(io_err(format!("write {}", path.display())))?;
-        }
+        let _ = fs::remove_dir_all(&side);
         restored?;
         if let Some((_, cpu)) = lifted {
             Cgroup::existing(self.layout(), &paths.id).set_cpu(Some(cpu))?;
         }
         Ok(())
+    }
+
+    /// Puts the CPU limit of the bundle's spec on an adopted gvisor
+    /// sandbox's cgroup (see [`Runtime::restore_unthrottled`]).
+    pub(crate) fn reapply_cpu_limit(&self, paths: &Paths, cgroup: &Cgroup) {
+        if let Some(cpu) = bundle_cpu_limit(paths) {
+            let _ = cgroup.set_cpu(Some(cpu));
+        }
     }
 
     /// The agent binary a sandbox of `spec` runs.
@@ -735,7 +754,7 @@ impl Runtime {
         // Only a sandbox without a network namespace was saved.
         cmd.arg("--network=none");
         cmd.arg("restore").arg("--detach").arg("--image-path").arg(image);
-        cmd.arg("--pid-file").arg(paths.pid_file()).arg("--bundle").arg(&paths.bundle).arg(&paths.id);
+        cmd.arg("--pid-file").arg(paths.pid_file());
         self.restore_unthrottled(paths, cmd)?;
         marks.mark("runsc restore");
         self.take_agent_socket(paths, &sb.socket)?;

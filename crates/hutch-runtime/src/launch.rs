@@ -1018,11 +1018,45 @@ impl Helper {
         drop(report);
         let helper = Helper { pid, report: report_rd, plan, args, stack, done: false };
         if lease.is_some() {
-            // The loan ends once the helper has a table of its own.
-            helper.ready("helper")?;
+            // The loan ends once the helper has a table of its own. Until
+            // then a slot of ours holds the pipe's write end too, so the
+            // helper's death would not end the read: we watch for it.
+            helper.wait_unshared()?;
             drop(lease);
         }
         Ok(helper)
+    }
+
+    /// Waits for the notice a helper sharing our table gives once it has
+    /// a table of its own, or for its death.
+    fn wait_unshared(&self) -> io::Result<()> {
+        let mut pfd = libc::pollfd { fd: self.report.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        loop {
+            // SAFETY: pfd is one valid pollfd.
+            let n = unsafe { libc::poll(&mut pfd, 1, 50) };
+            if n > 0 {
+                return self.ready("helper");
+            }
+            if n < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+                return Err(io::Error::last_os_error());
+            }
+            // SAFETY: siginfo_t is plain data, valid zeroed.
+            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+            // SAFETY: waitid on our child into `info`; WNOWAIT leaves it
+            // waitable for end() to reap.
+            let r = unsafe {
+                libc::waitid(
+                    libc::P_PID,
+                    self.pid as libc::id_t,
+                    &mut info,
+                    libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+                )
+            };
+            // SAFETY: waitid filled `info` (si_pid stays 0 if nothing exited).
+            if r == 0 && unsafe { info.si_pid() } != 0 {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "helper: died before it started"));
+            }
+        }
     }
 
     /// Waits until the helper notified or failed; a failure names its step.
