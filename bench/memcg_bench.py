@@ -74,22 +74,26 @@ def memory_parent() -> Path:
     sys.exit("no memory cgroup controller found (v1 memory or v2 root with memory enabled)")
 
 
+def charge(cgroup: Path, scratch_file: Path) -> None:
+    """Charges `cgroup` a dentry and an inode from a process inside it."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            (cgroup / "cgroup.procs").write_text("0")
+            scratch_file.touch()
+            scratch_file.unlink()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
 def one_life(parent: Path, name: str, scratch: Path) -> float:
     """Seconds to make a memory cgroup, charge it a file's dentry and inode
     from a process inside, and remove it."""
     d = parent / name
     t0 = time.perf_counter()
     d.mkdir()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            (d / "cgroup.procs").write_text("0")
-            f = scratch / name
-            f.touch()
-            f.unlink()
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
+    charge(d, scratch / name)
     d.rmdir()
     return time.perf_counter() - t0
 
@@ -101,16 +105,7 @@ def one_reuse(parent: Path, name: str, scratch: Path) -> float:
     spare, d = parent / "spare", parent / name
     t0 = time.perf_counter()
     spare.rename(d)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            (d / "cgroup.procs").write_text("0")
-            f = scratch / name
-            f.touch()
-            f.unlink()
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
+    charge(d, scratch / name)
     # Lower the limit (reclaim down to 1 MiB) and lift it again.
     limit = d / "memory.limit_in_bytes"
     limit.write_text(str(1 << 20))
