@@ -188,8 +188,10 @@ fn pid_one_cannot_be_traced_read_or_killed() {
         assert!(text.contains("environ 13"), "EACCES expected: {text}");
     }
     // The agent ignores signals from inside its namespace and keeps serving:
-    // the probe's output arrived through it after the signals.
-    assert!(text.contains("agent state S"), "{text}");
+    // the probe's output arrived through it after the signals, and it is
+    // neither stopped (T) nor dead (Z), but asleep or, as it relays the
+    // probe's output, running.
+    assert!(text.contains("agent state S") || text.contains("agent state R"), "{text}");
     // The agent runs under the same seccomp filter as the workload.
     assert!(text.contains("agent Seccomp:\t2"), "{text}");
 }
