@@ -638,6 +638,7 @@ impl Cgroup {
 
     /// Kills what is left and removes every directory, waiting up to
     /// `patience` for exiting processes to leave.
+    ///
     /// A cgroup of a [`Spares`] pool goes back there instead, once empty,
     /// when the pool has room and the kernel lets go of its charges.
     pub fn destroy(mut self, patience: Duration) -> Result<(), CgroupError> {
@@ -964,6 +965,24 @@ fn reclaim_v1(dir: &Path, floor: u64) -> bool {
     ok && [&dir.join(WORK), dir].iter().all(|d| read_u64(&d.join("memory.usage_in_bytes")) <= floor)
 }
 
+/// The v1 hierarchies a sandbox's cgroup has a directory in under
+/// `layout`, each once (co-mounted controllers share one).
+fn v1_roots(layout: &Layout) -> Vec<PathBuf> {
+    let freezer = layout.v2.is_none().then_some(layout.v1_freezer.as_ref()).flatten();
+    let placed = Controller::ALL.iter().filter_map(|c| match layout.placement(*c) {
+        Some(Placement::V1(root)) => Some(root),
+        _ => None,
+    });
+    let mut roots: Vec<(PathBuf, PathBuf)> = Vec::new();
+    for root in placed.chain(freezer) {
+        let real = fs::canonicalize(root).unwrap_or_else(|_| root.clone());
+        if !roots.iter().any(|(_, r)| *r == real) {
+            roots.push((root.clone(), real));
+        }
+    }
+    roots.into_iter().map(|(root, _)| root).collect()
+}
+
 /// Emptied sandbox cgroups, kept to be handed to the next sandbox. Making
 /// a memory cgroup, and above all taking one offline (which walks two
 /// lists per mounted file system on the host, under the cgroup mutex every
@@ -979,6 +998,9 @@ fn reclaim_v1(dir: &Path, floor: u64) -> bool {
 #[derive(Debug)]
 pub struct Spares {
     layout: Layout,
+    /// The v1 hierarchies a sandbox's cgroup has a directory in, each once
+    /// (co-mounted controllers share one): what a rename renames.
+    roots: Vec<PathBuf>,
     prefix: String,
     next: std::sync::atomic::AtomicU64,
     free: std::sync::Mutex<Vec<(String, Instant)>>,
@@ -998,6 +1020,7 @@ impl Spares {
         }
         let spares = Spares {
             layout: layout.clone(),
+            roots: v1_roots(layout),
             prefix: format!("_{tag}-"),
             next: Default::default(),
             free: Default::default(),
@@ -1005,7 +1028,7 @@ impl Spares {
             closed: Default::default(),
         };
         let left: BTreeSet<String> = spares
-            .roots()
+            .roots
             .iter()
             .filter_map(|root| fs::read_dir(root.join(PARENT)).ok())
             .flat_map(|entries| entries.flatten())
@@ -1018,27 +1041,9 @@ impl Spares {
         Some(std::sync::Arc::new(spares))
     }
 
-    /// The v1 hierarchies a sandbox's cgroup has a directory in, each once
-    /// (co-mounted controllers share one).
-    fn roots(&self) -> Vec<PathBuf> {
-        let mut roots: Vec<PathBuf> = Vec::new();
-        let freezer = self.layout.v2.is_none().then_some(self.layout.v1_freezer.as_ref()).flatten();
-        let placed = Controller::ALL.iter().filter_map(|c| match self.layout.placement(*c) {
-            Some(Placement::V1(root)) => Some(root),
-            _ => None,
-        });
-        for root in placed.chain(freezer) {
-            let real = fs::canonicalize(root).unwrap_or_else(|_| root.clone());
-            if !roots.iter().any(|r| fs::canonicalize(r).unwrap_or_else(|_| r.clone()) == real) {
-                roots.push(root.clone());
-            }
-        }
-        roots
-    }
-
     /// Renames `from` to `to` in every hierarchy, all or none.
     fn rename(&self, from: &str, to: &str) -> Result<(), CgroupError> {
-        let roots = self.roots();
+        let roots = &self.roots;
         for (i, root) in roots.iter().enumerate() {
             let (a, b) = (root.join(PARENT).join(from), root.join(PARENT).join(to));
             if let Err(source) = fs::rename(&a, &b) {

@@ -357,8 +357,9 @@ impl Runtime {
 
     /// Keeps up to `max` emptied sandbox cgroups for the next sandboxes,
     /// where the host's cgroups allow it ([`cgroup::Spares`]); for a
-    /// daemon, whose sandboxes come and go. Returns whether they are kept.
-    /// Spares this run directory's last daemon left are removed.
+    /// daemon, whose sandboxes come and go ([`Runtime::spares`] says
+    /// whether they are). Spares this run directory's last daemon left are
+    /// removed.
     pub fn keep_cgroups(mut self, max: usize) -> Runtime {
         use sha2::Digest;
         let digest = sha2::Sha256::digest(self.cfg.run_dir.as_os_str().as_encoded_bytes());
