@@ -154,14 +154,35 @@ def test_memory_limit_holds(daemon: Daemon, api: Client, gvisor_template: str):
     wait_cleaned(daemon, sid)
 
 
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _ended(pid: int) -> bool:
+    """Gone, or a zombie (the reaper is init's to reap once it ends)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def test_delete_leaves_nothing(daemon: Daemon, api: Client, gvisor_template: str):
     sb = api.create(template=gvisor_template)
     sid = sb["id"]
     assert api.sh(sid, "echo up") == "up\n"
     assert (daemon.run_dir / "gvb" / sid).is_dir()
+    # The sentry's parent is the reaper runsc was started under (not init,
+    # which may reap late, nor the daemon).
+    sentry = int((daemon.run_dir / "gvb" / sid / "sandbox.pid").read_text())
+    reaper = _parent(sentry)
+    argv = Path(f"/proc/{reaper}/cmdline").read_bytes().split(b"\0")
+    assert b"--reap" in argv, argv
     api.destroy(sid)
     wait_cleaned(daemon, sid)
     assert not leftovers(daemon.run_dir, sid)
+    # It reaped the sentry and then ended.
+    wait_for("the sentry to be reaped", lambda: not Path(f"/proc/{sentry}").exists(), timeout=10)
+    wait_for("the reaper to end", lambda: _ended(reaper), timeout=10)
 
 
 def test_daemon_restart_adopts_a_gvisor_sandbox(own_daemon: Daemon):

@@ -362,6 +362,12 @@ pub enum Request {
 /// and whose data is entropy the agent writes into `/dev/urandom`.
 pub const RESUME_FILE: &str = "resume";
 
+/// The agent binary's flag for its host-side mode, `hutch-agent --reap
+/// PROGRAM ARGS...`: PROGRAM runs with a reaper of its own for the
+/// processes it leaves behind (the agent's `reaper` module). The host runs
+/// `runsc run --detach` and `runsc restore --detach` through it.
+pub const REAP_FLAG: &str = "--reap";
+
 /// Who a sandbox is after a restore (its own, or a new copy's).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]

@@ -955,3 +955,46 @@ fn a_double_forked_daemon_holds_its_commands_slot_until_it_ends() {
     let next = c.spawn(root_spawn(argv(&["true"])));
     assert_eq!(c.collect(next).status, exited(0));
 }
+
+/// The host-side `--reap` mode (the daemon starts `runsc run --detach`
+/// through it): the caller gets the program's exit status when the program
+/// ends; a process the program left running is the reaper's child, is
+/// reaped as soon as it ends (no zombie left for init), and the reaper
+/// exits after its last child.
+#[test]
+fn the_reap_mode_passes_the_status_back_and_reaps_what_the_program_left() {
+    let agent = env!("CARGO_BIN_EXE_hutch-agent");
+    let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+    let dir = std::env::temp_dir().join(format!("hutch-agent-reap-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let file = dir.join("left.pid");
+    let script = format!("sleep 1000 & echo $! > {}; exit 7", path_str(&file));
+    let status = Command::new(agent).args([proto::REAP_FLAG, "sh", "-c", &script]).status().expect("run the reaper");
+    assert_eq!(status.code(), Some(7));
+    let left: u32 = std::fs::read_to_string(&file).expect("pid file").trim().parse().expect("a pid");
+    let _ = std::fs::remove_dir_all(&dir);
+    wait_sleeping(left);
+    let held = Pidfd::open(left).expect("the sleep runs");
+    let stat = std::fs::read_to_string(format!("/proc/{left}/stat")).expect("stat of the sleep");
+    let reaper: u32 =
+        stat.rsplit(')').next().and_then(|s| s.split_whitespace().nth(1)).and_then(|p| p.parse().ok()).expect("ppid");
+    let cmdline = std::fs::read(format!("/proc/{reaper}/cmdline")).unwrap_or_default();
+    let reaper_held = Pidfd::open(reaper);
+    // SAFETY: kill takes no pointers.
+    unsafe { libc::kill(left as i32, libc::SIGKILL) };
+    assert!(
+        cmdline.split(|b| *b == 0).any(|a| a == proto::REAP_FLAG.as_bytes()),
+        "the sleep's parent {reaper} is not the reaper: {:?}",
+        String::from_utf8_lossy(&cmdline)
+    );
+    held.wait_ended("the sleep");
+    // Reaped: not even a zombie is left.
+    wait_for("the sleep to be reaped", Duration::from_secs(10), || !Path::new(&format!("/proc/{left}")).exists());
+    reaper_held.expect("the reaper runs until its child ends").wait_ended("the reaper");
+
+    // A program killed by a signal: 128 + its number; one that cannot run: 127.
+    let status = Command::new(agent).args([proto::REAP_FLAG, "sh", "-c", "kill -9 $$"]).status().expect("run");
+    assert_eq!(status.code(), Some(128 + libc::SIGKILL));
+    let status = Command::new(agent).args([proto::REAP_FLAG, "/nonexistent/program"]).status().expect("run");
+    assert_eq!(status.code(), Some(127));
+}

@@ -19,6 +19,12 @@
 //! daemon never connects through a path the sandbox could replace with a
 //! symlink. See ARCHITECTURE.md.
 //!
+//! Host processes: `runsc run --detach` (or `restore --detach`) leaves the
+//! sentry and the gofer behind when it returns. It runs under a reaper of
+//! its own (the agent binary's `--reap` mode, see [`sandbox_runsc`]),
+//! which inherits them, reaps them and the sentry's helper processes as
+//! they end, and exits after the last; it is outside the sandbox's cgroup.
+//!
 //! Host layout of sandbox `id`, every part of it removed by
 //! [`Runtime::destroy_gvisor`] or [`Runtime::sweep`]:
 //! - `<run>/gv/<id>/`: the agent's directory (config, then its socket);
@@ -125,10 +131,14 @@ impl Paths {
     /// namespace: where `runsc run` of a sandbox without a namespace of
     /// its own (`deny_all`, `--network=none`) bound its control socket.
     pub fn runsc_here(&self) -> Command {
-        let mut c = Command::new(runsc_path());
-        c.arg("--root").arg(&self.state_root);
-        c.stdin(Stdio::null());
-        c
+        self.runsc_from(Command::new(runsc_path()))
+    }
+
+    /// `launcher`, a command that runs runsc, with the global flags added.
+    fn runsc_from(&self, mut launcher: Command) -> Command {
+        launcher.arg("--root").arg(&self.state_root);
+        launcher.stdin(Stdio::null());
+        launcher
     }
 
     /// The sentry's host pid, while it lives.
@@ -486,7 +496,7 @@ impl Runtime {
     /// runsc with the flags of a sandbox of `spec` (a `run` or a
     /// `restore` follows).
     fn runsc_global(&self, paths: &Paths, spec: &SandboxSpec) -> Result<Command, RuntimeError> {
-        let mut cmd = sandbox_runsc(paths);
+        let mut cmd = sandbox_runsc(paths, &self.config().agent);
         // runsc of 2022-12 cannot take a namespace's interfaces into its
         // netstack on kernels that show net.core sysctls in every namespace
         // (it then takes any namespace for the host's): the sandbox uses
@@ -571,9 +581,17 @@ const RESUME_ENTROPY: usize = 64;
 /// The name of the file runsc writes a checkpoint to, in its image directory.
 const IMAGE_FILE: &str = "checkpoint.img";
 
-/// runsc with the flags every sandbox of this runtime runs with.
-fn sandbox_runsc(paths: &Paths) -> Command {
-    let mut cmd = paths.runsc();
+/// runsc with the flags every sandbox of this runtime runs with, for the
+/// `run --detach` or `restore --detach` that starts one. runsc returns
+/// leaving the sandbox's processes behind: it runs through `reaper` (the
+/// agent binary's host-side mode, [`proto::REAP_FLAG`]), which stays to
+/// reap them as they end. Left to init, whose reaping is slow on some
+/// hosts, they kept runsc's `delete` waiting (about 1.2 s per memory
+/// snapshot, fork or pause on this host's init).
+fn sandbox_runsc(paths: &Paths, reaper: &Path) -> Command {
+    let mut launcher = Command::new(reaper);
+    launcher.arg(proto::REAP_FLAG).arg(runsc_path());
+    let mut cmd = paths.runsc_from(launcher);
     cmd.args(["--platform=ptrace", "--host-uds=create"]);
     // HUTCH_RUNSC_DEBUG=DIR: runsc's debug logs of every sandbox there.
     if let Some(dir) = std::env::var_os("HUTCH_RUNSC_DEBUG") {
@@ -741,16 +759,15 @@ impl Runtime {
     fn restore_in_place(&self, paths: &Paths, sb: &mut Sandbox, image: &Path) -> Result<(), RuntimeError> {
         let mut marks = Marks::new();
         // runsc's delete waits (2 s at most) until the stopped sentry and
-        // gofer are reaped, which is their parent's (init's) to do: fast
-        // where init reaps at once (systemd), about 1.5 s on hosts whose
-        // init is slow to.
+        // gofer are reaped: by the reaper they were started under (see
+        // sandbox_runsc), or by init should that reaper be gone.
         let mut delete = paths.runsc_here();
         delete.arg("delete").arg(&paths.id);
         run(delete, "delete the checkpointed sandbox", &paths.bundle.join("checkpoint.log"))?;
         marks.mark("delete");
         let _ = fs::remove_file(paths.pid_file());
         write_resume(paths, None)?;
-        let mut cmd = sandbox_runsc(paths);
+        let mut cmd = sandbox_runsc(paths, &self.config().agent);
         // Only a sandbox without a network namespace was saved.
         cmd.arg("--network=none");
         cmd.arg("restore").arg("--detach").arg("--image-path").arg(image);

@@ -8,6 +8,7 @@ mod conn;
 mod env;
 mod files;
 mod output;
+mod reaper;
 mod server;
 mod sys;
 mod tenants;
@@ -33,6 +34,12 @@ const LOCK_FD: i32 = 5;
 /// `DIR/agent.sock` (a host socket, made through gVisor's gofer) and
 /// reading `DIR/config` (which it then removes).
 pub fn main(args: &[&std::ffi::CStr]) -> i32 {
+    // On the host, for the daemon: see `reaper`.
+    if let [_, flag, program, rest @ ..] = args {
+        if flag.to_bytes() == proto::REAP_FLAG.as_bytes() {
+            return reaper::run(program, rest);
+        }
+    }
     // Before anything else: nobody in the sandbox may ptrace the agent or
     // read its /proc files.
     let _ = sys::set_dumpable(false);

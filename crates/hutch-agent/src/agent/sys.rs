@@ -481,6 +481,14 @@ pub fn exit_now(code: i32) -> ! {
     unsafe { libc::_exit(code) }
 }
 
+/// `execvp(3)`: `execve` with the process's own environment, looking a
+/// bare name up on its PATH.
+pub fn execvp(file: &CStr, argv: &CStrArray) -> Errno {
+    // SAFETY: as for execve; the C runtime keeps `environ` valid.
+    unsafe { libc::execvp(file.as_ptr(), argv.ptrs.as_ptr()) };
+    Errno::last()
+}
+
 pub fn execve(path: &CStr, argv: &CStrArray, envp: &CStrArray) -> Errno {
     // SAFETY: path is NUL-terminated; argv and envp are NULL-terminated
     // arrays of pointers to NUL-terminated strings that CStrArray keeps alive.
