@@ -240,13 +240,23 @@ pub fn close_all_except(keep: &mut [RawFd]) {
         }
         next = k as u32 + 1;
     }
-    close_range(next, u32::MAX);
+    close_range(next, LAST_FD);
 }
 
+/// The highest descriptor number there can be: a descriptor is an `int`.
+/// Linux takes any `last` up to `~0U` and stops at the table's end; gVisor
+/// refuses one above `INT_MAX` with EINVAL (its sys_file.go, runsc
+/// 2022-12), which sent every command's supervisor through the loop below
+/// twice: some 8,000 `close` calls, each one trapped by the ptrace
+/// platform, 150 to 300 ms of every exec in the gvisor class.
+const LAST_FD: u32 = i32::MAX as u32;
+
 fn close_range(first: u32, last: u32) {
+    // Widened, so that no stale upper half of a register reaches the kernel.
+    let (first, last) = (libc::c_ulong::from(first), libc::c_ulong::from(last.min(LAST_FD)));
     // SAFETY: close_range takes no pointers; it only closes descriptors,
     // which the caller (a freshly forked supervisor) no longer needs.
-    let r = unsafe { libc::syscall(libc::SYS_close_range, first, last, 0u32) };
+    let r = unsafe { libc::syscall(libc::SYS_close_range, first, last, 0 as libc::c_ulong) };
     if r < 0 {
         // Kernels before 5.9: close one by one, up to a sane bound.
         for fd in first..=last.min(4096) {
