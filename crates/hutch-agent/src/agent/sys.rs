@@ -1230,4 +1230,46 @@ mod tests {
         assert_eq!(kind(resolve_in_root(slash.as_fd(), b"proc/self/status", libc::O_RDONLY, 0, 0)), Ok(libc::S_IFREG));
         std::fs::remove_dir_all(&dir).expect("clean up");
     }
+
+    /// Every descriptor but those kept is closed, past the one-by-one
+    /// fallback's bound too: close_range itself took the range (gVisor
+    /// refuses a last descriptor above INT_MAX, and every exec there paid
+    /// for the fallback).
+    #[test]
+    fn close_all_except_closes_the_whole_range_in_one_call() {
+        // In a child of its own: the test harness's descriptors stay open.
+        // SAFETY: the child only makes system calls, then _exits.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork");
+        if pid == 0 {
+            let code = (|| {
+                let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+                // SAFETY: lim is valid for the kernel to fill, then read.
+                if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+                    return 2;
+                }
+                lim.rlim_cur = lim.rlim_max.min(8192);
+                // SAFETY: lim is a valid rlimit.
+                if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 || lim.rlim_cur <= 4097 {
+                    return 0; // No descriptor above the fallback's bound here.
+                }
+                let high = (lim.rlim_cur - 1) as RawFd;
+                // SAFETY: dup2 of stderr onto numbers this child owns.
+                if unsafe { libc::dup2(2, 40) } != 40 || unsafe { libc::dup2(2, high) } != high {
+                    return 3;
+                }
+                close_all_except(&mut [40]);
+                // SAFETY: F_GETFD only reads the descriptor's flags.
+                let open = |fd: RawFd| unsafe { libc::fcntl(fd, libc::F_GETFD) } >= 0;
+                match (open(40), open(high)) {
+                    (true, false) => 0,
+                    _ => 1,
+                }
+            })();
+            exit_now(code);
+        }
+        let status = waitpid(pid, 0).expect("waitpid").expect("the child").1;
+        assert!(libc::WIFEXITED(status), "status {status:#x}");
+        assert_eq!(libc::WEXITSTATUS(status), 0, "1: not closed or not kept, 2, 3: set-up failed");
+    }
 }
