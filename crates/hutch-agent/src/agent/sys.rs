@@ -248,7 +248,7 @@ pub fn close_all_except(keep: &mut [RawFd]) {
 /// refuses one above `INT_MAX` with EINVAL (its sys_file.go, runsc
 /// 2022-12), which sent every command's supervisor through the loop below
 /// twice: some 8,000 `close` calls, each one trapped by the ptrace
-/// platform, 150 to 300 ms of every exec in the gvisor class.
+/// platform, 150 to 400 ms of every exec in the gvisor class.
 const LAST_FD: u32 = i32::MAX as u32;
 
 fn close_range(first: u32, last: u32) {
