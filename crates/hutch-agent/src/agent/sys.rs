@@ -240,13 +240,23 @@ pub fn close_all_except(keep: &mut [RawFd]) {
         }
         next = k as u32 + 1;
     }
-    close_range(next, u32::MAX);
+    close_range(next, LAST_FD);
 }
 
+/// The highest descriptor number there can be: a descriptor is an `int`.
+/// Linux takes any `last` up to `~0U` and stops at the table's end; gVisor
+/// refuses one above `INT_MAX` with EINVAL (its sys_file.go, runsc
+/// 2022-12), which sent every command's supervisor through the loop below
+/// twice: some 8,000 `close` calls, each one trapped by the ptrace
+/// platform, 150 to 400 ms of every exec in the gvisor class.
+const LAST_FD: u32 = i32::MAX as u32;
+
 fn close_range(first: u32, last: u32) {
+    // Widened, so that no stale upper half of a register reaches the kernel.
+    let (first, last) = (libc::c_ulong::from(first), libc::c_ulong::from(last.min(LAST_FD)));
     // SAFETY: close_range takes no pointers; it only closes descriptors,
     // which the caller (a freshly forked supervisor) no longer needs.
-    let r = unsafe { libc::syscall(libc::SYS_close_range, first, last, 0u32) };
+    let r = unsafe { libc::syscall(libc::SYS_close_range, first, last, 0 as libc::c_ulong) };
     if r < 0 {
         // Kernels before 5.9: close one by one, up to a sane bound.
         for fd in first..=last.min(4096) {
@@ -1227,5 +1237,50 @@ mod tests {
         }
         assert_eq!(kind(resolve_in_root(slash.as_fd(), b"proc/self/status", libc::O_RDONLY, 0, 0)), Ok(libc::S_IFREG));
         std::fs::remove_dir_all(&dir).expect("clean up");
+    }
+
+    /// Every descriptor but those kept is closed, past the one-by-one
+    /// fallback's bound too: close_range itself took the range (gVisor
+    /// refuses a last descriptor above INT_MAX, and every exec there paid
+    /// for the fallback).
+    #[test]
+    fn close_all_except_closes_the_whole_range_in_one_call() {
+        // In a child of its own: the test harness's descriptors stay open.
+        // SAFETY: the child only makes system calls, then _exits.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork");
+        if pid == 0 {
+            let code = (|| {
+                let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+                // SAFETY: lim is valid for the kernel to fill, then read.
+                if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+                    return 2;
+                }
+                // Room above the fallback's bound (raising the hard limit
+                // takes root, as the agent's tests run).
+                lim.rlim_cur = 8192;
+                lim.rlim_max = lim.rlim_max.max(8192);
+                // SAFETY: lim is a valid rlimit.
+                if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+                    return 2;
+                }
+                let high: RawFd = 8191;
+                // SAFETY: dup2 of stderr onto numbers this child owns.
+                if unsafe { libc::dup2(2, 40) } != 40 || unsafe { libc::dup2(2, high) } != high {
+                    return 3;
+                }
+                close_all_except(&mut [40]);
+                // SAFETY: F_GETFD only reads the descriptor's flags.
+                let open = |fd: RawFd| unsafe { libc::fcntl(fd, libc::F_GETFD) } >= 0;
+                match (open(40), open(high)) {
+                    (true, false) => 0,
+                    _ => 1,
+                }
+            })();
+            exit_now(code);
+        }
+        let status = waitpid(pid, 0).expect("waitpid").expect("the child").1;
+        assert!(libc::WIFEXITED(status), "status {status:#x}");
+        assert_eq!(libc::WEXITSTATUS(status), 0, "1: not closed or not kept, 2, 3: set-up failed");
     }
 }
