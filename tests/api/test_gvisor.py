@@ -66,19 +66,15 @@ def test_exec_output_exit_code_env_and_users(api: Client, gsb: dict):
     assert api.sh(gsb["id"], "echo $FROM_TEMPLATE $MINE", env={"MINE": "1"}) == "yes 1\n"
 
 
-def test_a_command_holds_no_descriptor_of_the_agent_and_starts_at_once(api: Client, gsb: dict):
+def test_a_command_holds_no_descriptor_of_the_agent(api: Client, gsb: dict):
     """Its supervisor closes every descriptor of the agent's with one
-    close_range up to INT_MAX: gVisor refuses a range that ends above it,
-    and the one-by-one fallback, a close per descriptor number, each one
-    trapped by the ptrace platform, took 150 to 400 ms of every exec (the
-    agent's own `duration_ms` of `true`: 280 to 320). The bound leaves
-    room for a loaded 2-core host (5 to 30 ms there)."""
+    close_range up to INT_MAX (gVisor refuses a range that ends above it;
+    the one-by-one fallback then cost 150 to 400 ms of every exec, which
+    bench/gvisor_bench.py's exec round trip shows)."""
     listing = "import os; print(sorted(int(f) for f in os.listdir('/proc/self/fd')))"
     res = api.exec(gsb["id"], argv=["python3", "-c", listing])
     # stdin, stdout, stderr, and the directory being listed.
     assert (res["exit_code"], res["stdout"]) == (0, "[0, 1, 2, 3]\n"), res
-    took = sorted(api.exec(gsb["id"], argv=["true"])["duration_ms"] for _ in range(5))
-    assert took[2] < 100, took
 
 
 def test_files_write_and_read(api: Client, gsb: dict):
