@@ -115,3 +115,36 @@ def test_what_the_class_cannot_do_is_refused(api: Client):
         expect_error(r, 409, "class_unsupported")
         r = api.post("/v1/sandboxes", {"template": t["name"], "volumes": [{"name": "v", "path": "/data"}]})
         assert r.status_code in (404, 409), r.text
+
+
+def server_timing(r) -> dict[str, float]:
+    out = {}
+    for part in r.headers["Server-Timing"].split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        out[name] = float(dur)
+    return out
+
+
+def test_create_and_exec_say_where_their_time_went(api: Client):
+    with process_template(api, "proc-timing") as t:
+        r = api.post("/v1/sandboxes", {"template": t["name"]})
+        expect_status(r, 201)
+        sid = r.json()["id"]
+        try:
+            created = server_timing(r)
+            # Phases in the order they ran, then the total, which holds them.
+            assert list(created) == ["admit", "image", "host", "tenant", "start", "ready", "total"], created
+            assert all(v >= 0 for v in created.values()), created
+            assert created["host"] + created["tenant"] <= created["start"] + 0.01, created
+            top = created["admit"] + created["image"] + created["start"] + created["ready"]
+            assert top <= created["total"] + 0.01, created
+            x = api.post(f"/v1/sandboxes/{sid}/exec", {"argv": ["true"]})
+            expect_status(x, 200)
+            ran = server_timing(x)
+            assert list(ran) == ["lookup", "run", "total"], ran
+            assert ran["lookup"] + ran["run"] <= ran["total"] + 0.01, ran
+            # Every answer has one, errors too; nothing of the request in it.
+            nf = api.get("/v1/sandboxes/sb-nothere")
+            assert list(server_timing(nf)) == ["total"], nf.headers
+        finally:
+            expect_status(api.delete(f"/v1/sandboxes/{sid}"), (200, 404))

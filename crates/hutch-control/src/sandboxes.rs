@@ -196,6 +196,7 @@ impl Control {
         origin: Option<String>,
         opts: &CreateOptions,
     ) -> Result<(Sandbox, bool)> {
+        let t0 = Instant::now();
         let owner = &caller.owner;
         // The template's limits, field by field unless the request overrides.
         let asked = req.limits.clone().unwrap_or_default();
@@ -387,8 +388,10 @@ impl Control {
             Err(ControlError::Store(StoreError::Conflict)) => return self.replayed(owner, key).await,
             Err(e) => return Err(e),
         }
+        crate::timing::mark("admit", t0);
         let this = self.clone();
-        let started = tokio::spawn(async move { this.boot(record, &tpl).await });
+        let phases = crate::timing::Phases::current();
+        let started = tokio::spawn(crate::timing::within(phases, async move { this.boot(record, &tpl).await }));
         match tokio::time::timeout(wait, started).await {
             Ok(Ok(Ok(r))) => Ok((view(&r), true)),
             Ok(Ok(Err(e))) => Err(e),
@@ -468,6 +471,7 @@ impl Control {
         policy: hutch_runtime::net::Policy,
         interface: bool,
     ) -> Result<std::result::Result<Booted, BootError>> {
+        let t0 = Instant::now();
         let key = format!(
             "{}|{}|{:?}|{:?}|{:?}",
             record.owner,
@@ -492,6 +496,7 @@ impl Control {
                 }
             })
             .await;
+        let t0 = crate::timing::mark("host", t0);
         let host = match host {
             Ok(h) => h,
             Err(e) => {
@@ -506,6 +511,7 @@ impl Control {
         let tenant = hutch_runtime::ProcessSpec { id: spec.id.clone(), limits: spec.limits, env: spec.env.clone() };
         let rt = self.runtime.clone();
         let started = tokio::task::spawn_blocking(move || rt.start_tenant(&host, &tenant)).await?;
+        crate::timing::mark("tenant", t0);
         if started.is_err() {
             self.hosts.release(&record.id, self.network.as_ref().ok()).await;
         }
@@ -537,6 +543,7 @@ impl Control {
             Ok(()) => tokio::task::spawn_blocking(move || crate::build::image_root(&state, &name, Some(&o))).await?,
             Err(e) => Err(ControlError::ImageUnavailable(format!("{}: from the fleet's registry: {e}", recipe.image))),
         };
+        let t1 = crate::timing::mark("image", t0);
         let crate::build::ImageRoot { root, layers: extra_lowers, env: image_env, workdir } = match resolved {
             Ok(r) => r,
             Err(e) => {
@@ -683,6 +690,7 @@ impl Control {
                 return Err(ControlError::StartFailed(reason));
             }
         };
+        let t2 = crate::timing::mark("start", t1);
         tracing::debug!("sandbox {id} started: {:?}", sb.timings);
         let host_pid = i64::from(sb.pid);
         let live = Live::new(sb, owner, record.pooled);
@@ -700,6 +708,7 @@ impl Control {
         let became = self.transition(&id, Transition::Ready, ready).await?;
         self.insert_live(live);
         self.uncancel(&id);
+        crate::timing::mark("ready", t2);
         match became {
             Some(r) => {
                 self.metrics.create_to_ready.observe(t0.elapsed().as_secs_f64());
