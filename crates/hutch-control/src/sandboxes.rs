@@ -164,7 +164,12 @@ impl Control {
                 self.snapshot_here(&snap).await?;
                 (recipe, Some(snap))
             }
-            None => (self.recipe(owner, req.template.as_deref()).await?, None),
+            None => {
+                let t0 = Instant::now();
+                let recipe = self.recipe(owner, req.template.as_deref()).await?;
+                crate::timing::mark("template", t0);
+                (recipe, None)
+            }
         };
         // The request's, else the template's (a snapshot's recipe has none).
         let idle = crate::idle::IdlePolicy::from_request(
@@ -311,7 +316,11 @@ impl Control {
         // lifetime are record fields).
         let net_as_template = req.network.as_ref().is_none_or(|n| *n == tpl.network);
         let storage_as_template = storage == self.storage_kind(tpl.storage)?;
+        // A template that keeps no warm pool has none to claim from (what
+        // a pool it kept before leaves is being drained): no trip to the
+        // store for it.
         if origin.is_none()
+            && tpl.warm_min > 0
             && claims.is_empty()
             && secret_names.is_empty()
             && req.env.is_empty()
@@ -376,10 +385,18 @@ impl Control {
         for c in &mut claims {
             c.sandbox_id = record.id.clone();
         }
-        match self.db(move |s| s.insert_sandbox_claiming(&rec, &admission, &claims)).await {
+        // Its usage interval opens in the same trip to the store.
+        let inserted = self.db(move |s| {
+            let admitted = s.insert_sandbox_claiming(&rec, &admission, &claims)?;
+            if matches!(admitted, Admitted::Inserted) {
+                Control::usage_mark_in(s, &rec);
+            }
+            Ok(admitted)
+        });
+        match inserted.await {
             Ok(Admitted::Inserted) => {
                 self.emit_created(&record);
-                self.usage_mark(&record).await;
+                self.usage_marked(&record).await;
             }
             Ok(Admitted::Refused(e)) => return Err(self.refused(owner.as_str(), e)),
             Ok(Admitted::VolumeInUse(v)) => return Err(self.volume_busy(&v).await),
@@ -580,8 +597,13 @@ impl Control {
             writable: hutch_runtime::Writable::Memory,
             volumes: Vec::new(),
         };
-        // The volumes it mounts (its claims, kept across a pause to disk).
-        let spec = match self.volume_mounts_of(&record.id).await {
+        // The volumes it mounts (its claims, kept across a pause to disk);
+        // a process sandbox has none (its create refuses them).
+        let mounts = match record.class {
+            hutch_runtime::Class::Process => Ok(Vec::new()),
+            _ => self.volume_mounts_of(&record.id).await,
+        };
+        let spec = match mounts {
             Ok(volumes) => SandboxSpec { volumes, ..spec },
             Err(e) => {
                 tracing::warn!("sandbox {id} failed to start: {e}");

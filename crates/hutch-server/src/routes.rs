@@ -191,9 +191,12 @@ pub(crate) fn admit(caller: &Caller, req: &Request) -> Result<(), ApiError> {
 /// The bearer credential's caller (an API key, or a grant whose scope
 /// admits the request), or 401/403.
 pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
+    let t0 = std::time::Instant::now();
     let secret = bearer(&req).to_owned();
     let secret = secret.as_str();
-    match app.control.authenticate_native(secret).await {
+    let known = app.control.authenticate_native(secret).await;
+    hutch_control::timing::mark("auth", t0);
+    match known {
         Ok(Some(caller)) => {
             if let Err(e) = admit(&caller, &req) {
                 return crate::transfer::refuse(req, e.into_response()).await;
