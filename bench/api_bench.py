@@ -142,8 +142,9 @@ class Daemon:
 class Reply:
     """What a Lean call answers: status, body, and the request for errors."""
 
-    def __init__(self, method: str, url: str, status: int, body: bytes):
+    def __init__(self, method: str, url: str, status: int, body: bytes, headers=None):
         self.method, self.url, self.status_code, self.body = method, url, status, body
+        self.headers = headers if headers is not None else {}
 
     @property
     def text(self) -> str:
@@ -173,7 +174,7 @@ class Lean:
             try:
                 self.conn.request(method, path, body=data, headers=self.headers)
                 r = self.conn.getresponse()
-                return Reply(method, url, r.status, r.read())
+                return Reply(method, url, r.status, r.read(), r.headers)
             except (http.client.HTTPException, ConnectionError):
                 self.conn.close()
                 self.conn = http.client.HTTPConnection(*self.addr, timeout=TIMEOUT)

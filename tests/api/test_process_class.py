@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import contextlib
 
+import requests
 from conftest import Client, expect_error, expect_status
 
 
@@ -115,3 +116,40 @@ def test_what_the_class_cannot_do_is_refused(api: Client):
         expect_error(r, 409, "class_unsupported")
         r = api.post("/v1/sandboxes", {"template": t["name"], "volumes": [{"name": "v", "path": "/data"}]})
         assert r.status_code in (404, 409), r.text
+
+
+def server_timing(r) -> dict[str, float]:
+    out = {}
+    for part in r.headers["Server-Timing"].split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        out[name] = float(dur)
+    return out
+
+
+def test_create_and_exec_say_where_their_time_went(api: Client):
+    with process_template(api, "proc-timing") as t:
+        r = api.post("/v1/sandboxes", {"template": t["name"]})
+        expect_status(r, 201)
+        sid = r.json()["id"]
+        try:
+            created = server_timing(r)
+            # Phases in the order they ran, then the total, which holds them.
+            assert list(created) == ["auth", "template", "admit", "image", "host", "tenant", "start", "ready",
+                                     "total"], created
+            assert all(v >= 0 for v in created.values()), created
+            assert created["host"] + created["tenant"] <= created["start"] + 0.01, created
+            top = sum(created[p] for p in ("auth", "template", "admit", "image", "start", "ready"))
+            assert top <= created["total"] + 0.01, created
+            x = api.post(f"/v1/sandboxes/{sid}/exec", {"argv": ["true"]})
+            expect_status(x, 200)
+            ran = server_timing(x)
+            assert list(ran) == ["auth", "lookup", "run", "total"], ran
+            assert ran["auth"] + ran["lookup"] + ran["run"] <= ran["total"] + 0.01, ran
+            # Every answer has one, errors too; nothing of the request in it.
+            nf = api.get("/v1/sandboxes/sb-nothere")
+            assert list(server_timing(nf)) == ["auth", "total"], nf.headers
+            # A refused key's answer too.
+            anon = requests.get(api.base + "/v1/sandboxes", timeout=10)
+            assert anon.status_code == 401 and list(server_timing(anon)) == ["auth", "total"], anon.headers
+        finally:
+            expect_status(api.delete(f"/v1/sandboxes/{sid}"), (200, 404))

@@ -391,12 +391,21 @@ impl Control {
     /// `set`; None when the sandbox was in none of the states it leaves.
     pub(crate) async fn transition(&self, id: &SandboxId, t: Transition, set: Set) -> Result<Option<SandboxRecord>> {
         let id = id.as_str().to_owned();
-        let moved = self.db(move |s| s.transition(&id, t.from(), t.to(), &set.changes())).await?;
         // The one place a sandbox's transitions become events and usage
-        // intervals: after the store's conditional update said it happened.
+        // intervals: after the store's conditional update said it happened
+        // (its usage mark in the same trip to the store).
+        let moved = self
+            .db(move |s| {
+                let moved = s.transition(&id, t.from(), t.to(), &set.changes())?;
+                if let Some(r) = &moved {
+                    Control::usage_mark_in(s, r);
+                }
+                Ok(moved)
+            })
+            .await?;
         if let Some(r) = &moved {
             self.emit_transition(t, r);
-            self.usage_mark(r).await;
+            self.usage_marked(r).await;
         }
         Ok(moved)
     }

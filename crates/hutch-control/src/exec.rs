@@ -176,6 +176,7 @@ impl Control {
         key: Option<&str>,
         events: Option<mpsc::Sender<ExecEvent>>,
     ) -> Result<ExecReply> {
+        let t0 = Instant::now();
         let cmd = validate(req)?;
         let hash = request_hash(req);
         let live = match key {
@@ -204,7 +205,9 @@ impl Control {
             Cmd::Shell(c) => c.clone(),
             Cmd::Argv(a) => a.join(" "),
         };
+        let t1 = crate::timing::mark("lookup", t0);
         let outcome = self.run(&live, cmd, req, events).await;
+        crate::timing::mark("run", t1);
         match &outcome {
             Ok(ExecReply::Result(r)) => {
                 let level = if r.exit_code == 0 { LogLevel::Info } else { LogLevel::Warn };

@@ -44,6 +44,7 @@ pub mod session;
 pub mod snapshot_export;
 pub mod snapshots;
 pub mod templates;
+pub mod timing;
 pub mod usage;
 pub mod volumes;
 pub mod webhooks;

@@ -164,7 +164,12 @@ impl Control {
                 self.snapshot_here(&snap).await?;
                 (recipe, Some(snap))
             }
-            None => (self.recipe(owner, req.template.as_deref()).await?, None),
+            None => {
+                let t0 = Instant::now();
+                let recipe = self.recipe(owner, req.template.as_deref()).await?;
+                crate::timing::mark("template", t0);
+                (recipe, None)
+            }
         };
         // The request's, else the template's (a snapshot's recipe has none).
         let idle = crate::idle::IdlePolicy::from_request(
@@ -196,6 +201,7 @@ impl Control {
         origin: Option<String>,
         opts: &CreateOptions,
     ) -> Result<(Sandbox, bool)> {
+        let t0 = Instant::now();
         let owner = &caller.owner;
         // The template's limits, field by field unless the request overrides.
         let asked = req.limits.clone().unwrap_or_default();
@@ -310,7 +316,11 @@ impl Control {
         // lifetime are record fields).
         let net_as_template = req.network.as_ref().is_none_or(|n| *n == tpl.network);
         let storage_as_template = storage == self.storage_kind(tpl.storage)?;
+        // A template that keeps no warm pool has none to claim from (what
+        // a pool it kept before leaves is being drained): no trip to the
+        // store for it.
         if origin.is_none()
+            && tpl.warm_min > 0
             && claims.is_empty()
             && secret_names.is_empty()
             && req.env.is_empty()
@@ -375,10 +385,18 @@ impl Control {
         for c in &mut claims {
             c.sandbox_id = record.id.clone();
         }
-        match self.db(move |s| s.insert_sandbox_claiming(&rec, &admission, &claims)).await {
+        // Its usage interval opens in the same trip to the store.
+        let inserted = self.db(move |s| {
+            let admitted = s.insert_sandbox_claiming(&rec, &admission, &claims)?;
+            if matches!(admitted, Admitted::Inserted) {
+                Control::usage_mark_in(s, &rec);
+            }
+            Ok(admitted)
+        });
+        match inserted.await {
             Ok(Admitted::Inserted) => {
                 self.emit_created(&record);
-                self.usage_mark(&record).await;
+                self.usage_marked(&record).await;
             }
             Ok(Admitted::Refused(e)) => return Err(self.refused(owner.as_str(), e)),
             Ok(Admitted::VolumeInUse(v)) => return Err(self.volume_busy(&v).await),
@@ -387,8 +405,10 @@ impl Control {
             Err(ControlError::Store(StoreError::Conflict)) => return self.replayed(owner, key).await,
             Err(e) => return Err(e),
         }
+        crate::timing::mark("admit", t0);
         let this = self.clone();
-        let started = tokio::spawn(async move { this.boot(record, &tpl).await });
+        let phases = crate::timing::Phases::current();
+        let started = tokio::spawn(crate::timing::within(phases, async move { this.boot(record, &tpl).await }));
         match tokio::time::timeout(wait, started).await {
             Ok(Ok(Ok(r))) => Ok((view(&r), true)),
             Ok(Ok(Err(e))) => Err(e),
@@ -468,6 +488,7 @@ impl Control {
         policy: hutch_runtime::net::Policy,
         interface: bool,
     ) -> Result<std::result::Result<Booted, BootError>> {
+        let t0 = Instant::now();
         let key = format!(
             "{}|{}|{:?}|{:?}|{:?}",
             record.owner,
@@ -492,6 +513,7 @@ impl Control {
                 }
             })
             .await;
+        let t0 = crate::timing::mark("host", t0);
         let host = match host {
             Ok(h) => h,
             Err(e) => {
@@ -506,6 +528,7 @@ impl Control {
         let tenant = hutch_runtime::ProcessSpec { id: spec.id.clone(), limits: spec.limits, env: spec.env.clone() };
         let rt = self.runtime.clone();
         let started = tokio::task::spawn_blocking(move || rt.start_tenant(&host, &tenant)).await?;
+        crate::timing::mark("tenant", t0);
         if started.is_err() {
             self.hosts.release(&record.id, self.network.as_ref().ok()).await;
         }
@@ -537,6 +560,7 @@ impl Control {
             Ok(()) => tokio::task::spawn_blocking(move || crate::build::image_root(&state, &name, Some(&o))).await?,
             Err(e) => Err(ControlError::ImageUnavailable(format!("{}: from the fleet's registry: {e}", recipe.image))),
         };
+        let t1 = crate::timing::mark("image", t0);
         let crate::build::ImageRoot { root, layers: extra_lowers, env: image_env, workdir } = match resolved {
             Ok(r) => r,
             Err(e) => {
@@ -573,8 +597,13 @@ impl Control {
             writable: hutch_runtime::Writable::Memory,
             volumes: Vec::new(),
         };
-        // The volumes it mounts (its claims, kept across a pause to disk).
-        let spec = match self.volume_mounts_of(&record.id).await {
+        // The volumes it mounts (its claims, kept across a pause to disk);
+        // a process sandbox has none (its create refuses them).
+        let mounts = match record.class {
+            hutch_runtime::Class::Process => Ok(Vec::new()),
+            _ => self.volume_mounts_of(&record.id).await,
+        };
+        let spec = match mounts {
             Ok(volumes) => SandboxSpec { volumes, ..spec },
             Err(e) => {
                 tracing::warn!("sandbox {id} failed to start: {e}");
@@ -683,6 +712,7 @@ impl Control {
                 return Err(ControlError::StartFailed(reason));
             }
         };
+        let t2 = crate::timing::mark("start", t1);
         tracing::debug!("sandbox {id} started: {:?}", sb.timings);
         let host_pid = i64::from(sb.pid);
         let live = Live::new(sb, owner, record.pooled);
@@ -700,6 +730,7 @@ impl Control {
         let became = self.transition(&id, Transition::Ready, ready).await?;
         self.insert_live(live);
         self.uncancel(&id);
+        crate::timing::mark("ready", t2);
         match became {
             Some(r) => {
                 self.metrics.create_to_ready.observe(t0.elapsed().as_secs_f64());

@@ -78,10 +78,11 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
         .merge(crate::volumes::router(app.clone()))
         .merge(crate::events::router(app.clone()))
         .merge(crate::secrets::router(app.clone()))
-        .layer(middleware::map_response(no_store));
+        .layer(middleware::map_response(no_store))
+        .layer(middleware::from_fn(server_timing));
     Router::new()
         .merge(native)
-        .merge(crate::e2b::router(app.clone()))
+        .merge(crate::e2b::router(app.clone()).layer(middleware::from_fn(server_timing)))
         .merge(crate::pty::router(app.clone()))
         .merge(crate::console::router())
         .route("/healthz", get(healthz))
@@ -112,6 +113,35 @@ async fn no_store(mut resp: Response) -> Response {
         resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     }
     resp
+}
+
+/// `Server-Timing` on the native and E2B APIs' answers: the phases the
+/// control plane named (hutch_control::timing), then `total`, the time
+/// from the request's arrival at the router to its response's headers
+/// (for a stream, its start), in milliseconds. Sandbox ports' answers
+/// (the proxy) carry none of it.
+async fn server_timing(req: Request, next: Next) -> Response {
+    let t0 = std::time::Instant::now();
+    let phases = hutch_control::timing::Phases::default();
+    let mut resp = phases.clone().scope(next.run(req)).await;
+    let value = timing_header(&phases.taken(), t0.elapsed());
+    if let Ok(v) = HeaderValue::from_str(&value) {
+        resp.headers_mut().append(header::HeaderName::from_static("server-timing"), v);
+    }
+    resp
+}
+
+/// `name;dur=ms, ...` (three decimals: microseconds), `total` last.
+fn timing_header(phases: &[(&'static str, std::time::Duration)], total: std::time::Duration) -> String {
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
+    let mut out = String::new();
+    for (name, took) in phases.iter().chain([&("total", total)]) {
+        if !out.is_empty() {
+            out.push_str(", ");
+        }
+        out.push_str(&format!("{name};dur={:.3}", ms(*took)));
+    }
+    out
 }
 
 /// The credential of `Authorization: Bearer ...` ("" without one).
@@ -161,9 +191,12 @@ pub(crate) fn admit(caller: &Caller, req: &Request) -> Result<(), ApiError> {
 /// The bearer credential's caller (an API key, or a grant whose scope
 /// admits the request), or 401/403.
 pub(crate) async fn authenticate(State(app): AppState, mut req: Request, next: Next) -> Response {
+    let t0 = std::time::Instant::now();
     let secret = bearer(&req).to_owned();
     let secret = secret.as_str();
-    match app.control.authenticate_native(secret).await {
+    let known = app.control.authenticate_native(secret).await;
+    hutch_control::timing::mark("auth", t0);
+    match known {
         Ok(Some(caller)) => {
             if let Err(e) = admit(&caller, &req) {
                 return crate::transfer::refuse(req, e.into_response()).await;
@@ -905,4 +938,20 @@ pub(crate) async fn file_part(
         data: &part.data,
     };
     Ok(Json(fs.put_part_base64(part).await?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::timing_header;
+    use std::time::Duration;
+
+    #[test]
+    fn server_timing_names_phases_then_total_in_ms() {
+        let phases = [("admit", Duration::from_micros(250)), ("start", Duration::from_micros(1500))];
+        assert_eq!(
+            timing_header(&phases, Duration::from_millis(2)),
+            "admit;dur=0.250, start;dur=1.500, total;dur=2.000"
+        );
+        assert_eq!(timing_header(&[], Duration::from_micros(1)), "total;dur=0.001");
+    }
 }

@@ -41,6 +41,36 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0027_node_clock", include_str!("../migrations/0027_node_clock.sql")),
 ];
 
+/// Statements the connection keeps prepared: more than the store has, so
+/// that none is parsed twice.
+const STATEMENT_CACHE: usize = 512;
+
+/// Runs statements through the connection's cache of prepared ones: a
+/// create's or a transition's statements are parsed once, not at every
+/// call (parsing and planning them was about a third of the store's
+/// time). SQL built with `format!` is cached per text like any other.
+trait Cached {
+    fn execute_c<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize>;
+    fn query_row_c<T, P, F>(&self, sql: &str, params: P, f: F) -> rusqlite::Result<T>
+    where
+        P: rusqlite::Params,
+        F: FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>;
+}
+
+impl Cached for Connection {
+    fn execute_c<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize> {
+        self.prepare_cached(sql)?.execute(params)
+    }
+
+    fn query_row_c<T, P, F>(&self, sql: &str, params: P, f: F) -> rusqlite::Result<T>
+    where
+        P: rusqlite::Params,
+        F: FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+    {
+        self.prepare_cached(sql)?.query_row(params, f)
+    }
+}
+
 /// States in which a sandbox holds resources.
 /// (A paused sandbox keeps its admission: its resume is never refused.)
 pub(crate) const HOLDING: &str = "('starting', 'running', 'suspended', 'terminating', 'paused')";
@@ -60,6 +90,8 @@ impl SqliteStore {
         conn.pragma_update(None, "synchronous", "NORMAL")?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        // Room for every statement of the store (see `Cached`).
+        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
         conn.execute("CREATE TABLE IF NOT EXISTS schema_migrations (name TEXT PRIMARY KEY)", [])?;
         for (name, sql) in MIGRATIONS {
             let done: bool = conn
@@ -108,7 +140,7 @@ fn placeholders(first: usize, n: usize) -> String {
 fn update_in_states(c: &Connection, update: &str, mut values: Vec<Value>, states: &[&str]) -> Result<usize> {
     let sql = format!("{update} ({})", placeholders(values.len() + 1, states.len()));
     values.extend(states.iter().map(|s| Value::from((*s).to_owned())));
-    Ok(c.execute(&sql, params_from_iter(values))?)
+    Ok(c.execute_c(&sql, params_from_iter(values))?)
 }
 
 pub(crate) const SANDBOX_COLUMNS: &str =
@@ -364,7 +396,8 @@ fn exec_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ExecRecord> {
 }
 
 fn get_sandbox_in(c: &Connection, id: &str) -> Result<Option<SandboxRecord>> {
-    Ok(c.query_row(&format!("SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE id = ?1"), [id], sandbox_row).optional()?)
+    Ok(c.query_row_c(&format!("SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE id = ?1"), [id], sandbox_row)
+        .optional()?)
 }
 
 /// What sandboxes hold, volumes' sizes counted in `disk_mib`.
@@ -375,7 +408,7 @@ fn usage_in(c: &Connection, owner: Option<&str>) -> Result<Usage> {
 /// What the sandboxes of `owner` (None: everyone's) on `node` (None: every
 /// node) hold, with the owner's volumes.
 fn usage_of(c: &Connection, owner: Option<&str>, node: Option<&str>) -> Result<Usage> {
-    Ok(c.query_row(
+    Ok(c.query_row_c(
         &format!(
             "SELECT COUNT(*), COALESCE(SUM(memory_mb), 0), COALESCE(SUM(disk_mib), 0) \
              + (SELECT COALESCE(SUM(size_mib), 0) FROM volumes WHERE ?1 IS NULL OR owner = ?1) FROM sandboxes \
@@ -395,7 +428,7 @@ fn usage_of(c: &Connection, owner: Option<&str>, node: Option<&str>) -> Result<U
 /// The volume a claim cannot take (held read-write by a live sandbox, or
 /// read-only by one when read-write is asked), if any.
 fn claim_conflict(c: &Connection, claim: &VolumeClaim) -> Result<Option<String>> {
-    let held: i64 = c.query_row(
+    let held: i64 = c.query_row_c(
         &format!(
             "SELECT COUNT(*) FROM volume_mounts m JOIN sandboxes s ON s.id = m.sandbox_id \
              WHERE m.volume_id = ?1 AND s.state IN {HOLDING} AND (m.read_only = 0 OR NOT ?2)"
@@ -447,7 +480,7 @@ pub(crate) fn over(scope: Scope, caps: &Quotas, used: Usage, asked: Usage) -> Op
 }
 
 fn insert_sandbox_in(tx: &Transaction<'_>, s: &SandboxRecord) -> Result<()> {
-    tx.execute(
+    tx.execute_c(
         &format!("INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES ({})", placeholders(1, 31)),
         params![
             s.id,
@@ -513,7 +546,7 @@ fn usage_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<UsageInterval> {
 }
 
 fn open_interval(c: &Connection, subject: &str) -> Result<Option<(i64, UsageInterval)>> {
-    Ok(c.query_row(
+    Ok(c.query_row_c(
         &format!("SELECT {USAGE_COLUMNS}, id FROM usage_intervals WHERE subject = ?1 AND end_ms IS NULL"),
         [subject],
         |r| Ok((r.get::<_, i64>(10)?, usage_row(r)?)),
@@ -523,12 +556,12 @@ fn open_interval(c: &Connection, subject: &str) -> Result<Option<(i64, UsageInte
 
 /// Ends the open interval `id` at `at` (never before it started).
 fn close_interval(c: &Connection, id: i64, at: i64) -> Result<()> {
-    c.execute("UPDATE usage_intervals SET end_ms = MAX(start_ms, ?2) WHERE id = ?1", params![id, at])?;
+    c.execute_c("UPDATE usage_intervals SET end_ms = MAX(start_ms, ?2) WHERE id = ?1", params![id, at])?;
     Ok(())
 }
 
 fn insert_interval(c: &Connection, i: &UsageInterval) -> Result<()> {
-    c.execute(
+    c.execute_c(
         &format!("INSERT INTO usage_intervals ({USAGE_COLUMNS}) VALUES ({})", placeholders(1, 10)),
         params![
             i.owner,
@@ -581,7 +614,7 @@ fn mark_in(c: &mut Connection, subject: &str, open: Option<UsageInterval>, at: i
 }
 
 fn insert_key(c: &Connection, k: &KeyRecord) -> Result<()> {
-    c.execute(
+    c.execute_c(
         &format!("INSERT INTO api_keys ({KEY_COLUMNS}) VALUES ({})", placeholders(1, 12)),
         params![
             k.id,
@@ -611,7 +644,7 @@ impl Store for SqliteStore {
         self.with(|c| {
             // IMMEDIATE: the count and the insert are one writer's.
             let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-            if tx.query_row("SELECT COUNT(*) FROM api_keys", [], |r| r.get::<_, i64>(0))? > 0 {
+            if tx.query_row_c("SELECT COUNT(*) FROM api_keys", [], |r| r.get::<_, i64>(0))? > 0 {
                 return Ok(false);
             }
             insert_key(&tx, k)?;
@@ -622,20 +655,20 @@ impl Store for SqliteStore {
 
     fn key_by_hash(&self, hash: &str) -> Result<Option<KeyRecord>> {
         self.with(|c| {
-            Ok(c.query_row(&format!("SELECT {KEY_COLUMNS} FROM api_keys WHERE hash = ?1"), [hash], key_row)
+            Ok(c.query_row_c(&format!("SELECT {KEY_COLUMNS} FROM api_keys WHERE hash = ?1"), [hash], key_row)
                 .optional()?)
         })
     }
 
     fn get_key(&self, id: &str) -> Result<Option<KeyRecord>> {
         self.with(|c| {
-            Ok(c.query_row(&format!("SELECT {KEY_COLUMNS} FROM api_keys WHERE id = ?1"), [id], key_row).optional()?)
+            Ok(c.query_row_c(&format!("SELECT {KEY_COLUMNS} FROM api_keys WHERE id = ?1"), [id], key_row).optional()?)
         })
     }
 
     fn list_keys(&self) -> Result<Vec<KeyRecord>> {
         self.with(|c| {
-            let mut st = c.prepare(&format!("SELECT {KEY_COLUMNS} FROM api_keys ORDER BY created_at, id"))?;
+            let mut st = c.prepare_cached(&format!("SELECT {KEY_COLUMNS} FROM api_keys ORDER BY created_at, id"))?;
             let rows = st.query_map([], key_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
             Ok(rows)
         })
@@ -643,15 +676,17 @@ impl Store for SqliteStore {
 
     fn revoke_key(&self, id: &str, at: i64) -> Result<bool> {
         self.with(|c| {
-            let n =
-                c.execute("UPDATE api_keys SET revoked_at = ?2 WHERE id = ?1 AND revoked_at IS NULL", params![id, at])?;
+            let n = c.execute_c(
+                "UPDATE api_keys SET revoked_at = ?2 WHERE id = ?1 AND revoked_at IS NULL",
+                params![id, at],
+            )?;
             Ok(n == 1)
         })
     }
 
     fn set_sandbox_idle(&self, id: &str, timeout_s: u64, on_idle: &str) -> Result<()> {
         self.with(|c| {
-            c.execute(
+            c.execute_c(
                 "UPDATE sandboxes SET idle_timeout_s = ?2, on_idle = ?3 WHERE id = ?1",
                 params![id, timeout_s as i64, on_idle],
             )?;
@@ -661,7 +696,7 @@ impl Store for SqliteStore {
 
     fn sandbox_idle_all(&self, node: Option<&str>) -> Result<Vec<(String, u64, String)>> {
         self.with(|c| {
-            let mut st = c.prepare(
+            let mut st = c.prepare_cached(
                 "SELECT id, idle_timeout_s, COALESCE(on_idle, 'pause') FROM sandboxes \
                  WHERE idle_timeout_s IS NOT NULL AND state NOT IN ('terminated', 'lost') AND (?1 IS NULL OR node = ?1)",
             )?;
@@ -674,7 +709,7 @@ impl Store for SqliteStore {
 
     fn grant_secret(&self, id: &str) -> Result<Option<Option<String>>> {
         self.with(|c| {
-            Ok(c.query_row("SELECT grant_secret FROM api_keys WHERE id = ?1 AND revoked_at IS NULL", [id], |r| {
+            Ok(c.query_row_c("SELECT grant_secret FROM api_keys WHERE id = ?1 AND revoked_at IS NULL", [id], |r| {
                 r.get::<_, Option<String>>(0)
             })
             .optional()?)
@@ -688,13 +723,13 @@ impl Store for SqliteStore {
             } else {
                 "UPDATE api_keys SET grant_secret = ?2 WHERE id = ?1 AND revoked_at IS NULL"
             };
-            Ok(c.execute(sql, params![id, secret])? == 1)
+            Ok(c.execute_c(sql, params![id, secret])? == 1)
         })
     }
 
     fn set_quotas(&self, id: &str, q: &Quotas) -> Result<bool> {
         self.with(|c| {
-            let n = c.execute(
+            let n = c.execute_c(
                 "UPDATE api_keys SET max_sandboxes = ?2, max_memory_mb = ?3, max_disk_mib = ?4, \
                  max_ttl_seconds = ?5, max_builds = ?6, max_snapshots = ?7 WHERE id = ?1 AND revoked_at IS NULL",
                 params![
@@ -712,7 +747,7 @@ impl Store for SqliteStore {
     }
 
     fn count_keys(&self) -> Result<u64> {
-        self.with(|c| Ok(c.query_row("SELECT COUNT(*) FROM api_keys", [], |r| r.get::<_, i64>(0))? as u64))
+        self.with(|c| Ok(c.query_row_c("SELECT COUNT(*) FROM api_keys", [], |r| r.get::<_, i64>(0))? as u64))
     }
 
     fn insert_sandbox_claiming(
@@ -737,7 +772,7 @@ impl Store for SqliteStore {
             }
             for claim in claims {
                 let exists = tx
-                    .query_row("SELECT 1 FROM volumes WHERE id = ?1", [&claim.volume_id], |_| Ok(()))
+                    .query_row_c("SELECT 1 FROM volumes WHERE id = ?1", [&claim.volume_id], |_| Ok(()))
                     .optional()?
                     .is_some();
                 if !exists {
@@ -749,7 +784,7 @@ impl Store for SqliteStore {
             }
             insert_sandbox_in(&tx, s)?;
             for claim in claims {
-                tx.execute(
+                tx.execute_c(
                     "INSERT INTO volume_mounts (volume_id, sandbox_id, path, read_only) VALUES (?1, ?2, ?3, ?4)",
                     params![claim.volume_id, claim.sandbox_id, claim.path, claim.read_only],
                 )
@@ -766,7 +801,7 @@ impl Store for SqliteStore {
 
     fn sandbox_by_key(&self, owner: &str, key: &str) -> Result<Option<SandboxRecord>> {
         self.with(|c| {
-            Ok(c.query_row(
+            Ok(c.query_row_c(
                 &format!("SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE owner = ?1 AND idempotency_key = ?2"),
                 [owner, key],
                 sandbox_row,
@@ -839,21 +874,21 @@ impl Store for SqliteStore {
 
     fn set_network(&self, id: &str, json: &str) -> Result<()> {
         self.with(|c| {
-            c.execute("UPDATE sandboxes SET network = ?2 WHERE id = ?1", params![id, json])?;
+            c.execute_c("UPDATE sandboxes SET network = ?2 WHERE id = ?1", params![id, json])?;
             Ok(())
         })
     }
 
     fn set_net_learned(&self, id: &str, json: &str) -> Result<()> {
         self.with(|c| {
-            c.execute("UPDATE sandboxes SET net_learned = ?2 WHERE id = ?1", params![id, json])?;
+            c.execute_c("UPDATE sandboxes SET net_learned = ?2 WHERE id = ?1", params![id, json])?;
             Ok(())
         })
     }
 
     fn net_learned(&self, id: &str) -> Result<String> {
         self.with(|c| {
-            Ok(c.query_row("SELECT net_learned FROM sandboxes WHERE id = ?1", [id], |r| r.get(0))
+            Ok(c.query_row_c("SELECT net_learned FROM sandboxes WHERE id = ?1", [id], |r| r.get(0))
                 .optional()?
                 .unwrap_or_else(|| "[]".into()))
         })
@@ -873,7 +908,7 @@ impl Store for SqliteStore {
                  AND (created_at < ?2 OR (created_at = ?2 AND id < ?3) OR ?4) AND (NOT ?6 OR state != ?7) \
                  ORDER BY created_at DESC, id DESC LIMIT ?5"
             );
-            let mut st = c.prepare(&sql)?;
+            let mut st = c.prepare_cached(&sql)?;
             let ended = SandboxState::Terminated.as_str();
             let rows = st
                 .query_map(params![owner, ts, id, after.is_none(), limit as i64, live, ended], sandbox_row)?
@@ -885,7 +920,7 @@ impl Store for SqliteStore {
     fn sandboxes_on(&self, node: Option<&str>, states: &[SandboxState]) -> Result<Vec<SandboxRecord>> {
         self.with(|c| {
             let mut out = Vec::new();
-            let mut st = c.prepare(&format!(
+            let mut st = c.prepare_cached(&format!(
                 "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE state = ?1 AND (?2 IS NULL OR node = ?2) \
                  ORDER BY created_at, id"
             ))?;
@@ -901,7 +936,7 @@ impl Store for SqliteStore {
 
     fn count_by_state(&self) -> Result<Vec<(SandboxState, u64)>> {
         self.with(|c| {
-            let mut st = c.prepare("SELECT state, COUNT(*) FROM sandboxes GROUP BY state")?;
+            let mut st = c.prepare_cached("SELECT state, COUNT(*) FROM sandboxes GROUP BY state")?;
             let rows = st
                 .query_map([], |r| {
                     Ok((parsed(r, 0, "sandbox state", SandboxState::parse)?, r.get::<_, i64>(1)? as u64))
@@ -919,7 +954,7 @@ impl Store for SqliteStore {
         self.with(|c| {
             let tx = c.transaction()?;
             let existing = tx
-                .query_row(
+                .query_row_c(
                     "SELECT scope, key, request_hash, state, result, created_at FROM executions WHERE scope = ?1 AND key = ?2",
                     [scope, key],
                     exec_row,
@@ -928,7 +963,7 @@ impl Store for SqliteStore {
             if let Some(e) = existing {
                 return Ok(Begin::Existing(e));
             }
-            tx.execute(
+            tx.execute_c(
                 "INSERT INTO executions (scope, key, request_hash, state, result, created_at, node) \
                  VALUES (?1, ?2, ?3, 'running', NULL, ?4, ?5)",
                 params![scope, key, request_hash, now, node],
@@ -940,7 +975,7 @@ impl Store for SqliteStore {
 
     fn finish_exec(&self, scope: &str, key: &str, result: &str) -> Result<()> {
         self.with(|c| {
-            c.execute(
+            c.execute_c(
                 "UPDATE executions SET state = 'done', result = ?3 WHERE scope = ?1 AND key = ?2",
                 params![scope, key, result],
             )?;
@@ -950,7 +985,7 @@ impl Store for SqliteStore {
 
     fn release_exec(&self, scope: &str, key: &str) -> Result<()> {
         self.with(|c| {
-            c.execute("DELETE FROM executions WHERE scope = ?1 AND key = ?2 AND state = 'running'", [scope, key])?;
+            c.execute_c("DELETE FROM executions WHERE scope = ?1 AND key = ?2 AND state = 'running'", [scope, key])?;
             Ok(())
         })
     }
@@ -958,14 +993,14 @@ impl Store for SqliteStore {
     fn mark_running_execs_lost(&self, node: &str) -> Result<u64> {
         self.with(|c| {
             let sql = "UPDATE executions SET state = 'lost' WHERE state = 'running' AND (node = ?1 OR node IS NULL)";
-            Ok(c.execute(sql, [node])? as u64)
+            Ok(c.execute_c(sql, [node])? as u64)
         })
     }
 
     fn insert_template(&self, t: &TemplateRecord) -> Result<()> {
         self.with(|c| {
             let values = template_values(t);
-            c.execute(
+            c.execute_c(
                 &format!("INSERT INTO templates ({TEMPLATE_COLUMNS}) VALUES ({})", placeholders(1, values.len())),
                 params_from_iter(values),
             )
@@ -976,14 +1011,14 @@ impl Store for SqliteStore {
 
     fn get_template(&self, id: &str) -> Result<Option<TemplateRecord>> {
         self.with(|c| {
-            Ok(c.query_row(&format!("SELECT {TEMPLATE_COLUMNS} FROM templates WHERE id = ?1"), [id], template_row)
+            Ok(c.query_row_c(&format!("SELECT {TEMPLATE_COLUMNS} FROM templates WHERE id = ?1"), [id], template_row)
                 .optional()?)
         })
     }
 
     fn template_by_name(&self, owner: &str, name: &str) -> Result<Option<TemplateRecord>> {
         self.with(|c| {
-            Ok(c.query_row(
+            Ok(c.query_row_c(
                 &format!(
                     "SELECT {TEMPLATE_COLUMNS} FROM templates WHERE owner = ?1 AND name = ?2 AND deleted_at IS NULL"
                 ),
@@ -996,7 +1031,7 @@ impl Store for SqliteStore {
 
     fn list_templates(&self, owner: Option<&str>) -> Result<Vec<TemplateRecord>> {
         self.with(|c| {
-            let mut st = c.prepare(&format!(
+            let mut st = c.prepare_cached(&format!(
                 "SELECT {TEMPLATE_COLUMNS} FROM templates WHERE (?1 IS NULL OR owner = ?1) AND deleted_at IS NULL \
                  ORDER BY created_at, id"
             ))?;
@@ -1013,7 +1048,7 @@ impl Store for SqliteStore {
             let n = values.len();
             values.push(Value::from(updated_at));
             let changed = c
-                .execute(
+                .execute_c(
                     &format!(
                         "UPDATE templates SET ({TEMPLATE_COLUMNS}) = ({}) \
                          WHERE id = ?1 AND updated_at = ?{} AND deleted_at IS NULL",
@@ -1032,12 +1067,12 @@ impl Store for SqliteStore {
             let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
             if let Some(max) = max {
                 let n: i64 =
-                    tx.query_row("SELECT COUNT(*) FROM snapshots WHERE owner = ?1", [&snap.owner], |r| r.get(0))?;
+                    tx.query_row_c("SELECT COUNT(*) FROM snapshots WHERE owner = ?1", [&snap.owner], |r| r.get(0))?;
                 if n as u64 >= max {
                     return Ok(false);
                 }
             }
-            tx.execute(
+            tx.execute_c(
                 &format!("INSERT INTO snapshots ({SNAPSHOT_COLUMNS}) VALUES ({})", placeholders(1, 7)),
                 params![
                     snap.id,
@@ -1057,14 +1092,14 @@ impl Store for SqliteStore {
 
     fn get_snapshot(&self, id: &str) -> Result<Option<SnapshotRecord>> {
         self.with(|c| {
-            Ok(c.query_row(&format!("SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE id = ?1"), [id], snapshot_row)
+            Ok(c.query_row_c(&format!("SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE id = ?1"), [id], snapshot_row)
                 .optional()?)
         })
     }
 
     fn snapshot_by_name(&self, owner: &str, name: &str) -> Result<Option<SnapshotRecord>> {
         self.with(|c| {
-            Ok(c.query_row(
+            Ok(c.query_row_c(
                 &format!("SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE owner = ?1 AND name = ?2"),
                 [owner, name],
                 snapshot_row,
@@ -1075,7 +1110,7 @@ impl Store for SqliteStore {
 
     fn list_snapshots(&self, owner: Option<&str>) -> Result<Vec<SnapshotRecord>> {
         self.with(|c| {
-            let mut st = c.prepare(&format!(
+            let mut st = c.prepare_cached(&format!(
                 "SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE ?1 IS NULL OR owner = ?1 ORDER BY created_at DESC, id"
             ))?;
             let rows = st.query_map([owner], snapshot_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
@@ -1084,7 +1119,7 @@ impl Store for SqliteStore {
     }
 
     fn delete_snapshot(&self, id: &str) -> Result<bool> {
-        self.with(|c| Ok(c.execute("DELETE FROM snapshots WHERE id = ?1", [id])? == 1))
+        self.with(|c| Ok(c.execute_c("DELETE FROM snapshots WHERE id = ?1", [id])? == 1))
     }
 
     fn insert_volume(&self, v: &VolumeRecord, admission: &Admission) -> Result<Admitted> {
@@ -1093,7 +1128,7 @@ impl Store for SqliteStore {
             if let Some(e) = disk_fits(&tx, &v.owner, admission, v.size_mib)? {
                 return Ok(Admitted::Refused(e));
             }
-            tx.execute(
+            tx.execute_c(
                 &format!("INSERT INTO volumes ({VOLUME_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6)"),
                 params![v.id, v.owner, v.name, v.size_mib as i64, v.created_at, v.node],
             )
@@ -1105,14 +1140,14 @@ impl Store for SqliteStore {
 
     fn get_volume(&self, id: &str) -> Result<Option<VolumeRecord>> {
         self.with(|c| {
-            Ok(c.query_row(&format!("SELECT {VOLUME_COLUMNS} FROM volumes WHERE id = ?1"), [id], volume_row)
+            Ok(c.query_row_c(&format!("SELECT {VOLUME_COLUMNS} FROM volumes WHERE id = ?1"), [id], volume_row)
                 .optional()?)
         })
     }
 
     fn volume_by_name(&self, owner: &str, name: &str) -> Result<Option<VolumeRecord>> {
         self.with(|c| {
-            Ok(c.query_row(
+            Ok(c.query_row_c(
                 &format!("SELECT {VOLUME_COLUMNS} FROM volumes WHERE owner = ?1 AND name = ?2"),
                 [owner, name],
                 volume_row,
@@ -1123,7 +1158,7 @@ impl Store for SqliteStore {
 
     fn list_volumes(&self, owner: Option<&str>) -> Result<Vec<VolumeRecord>> {
         self.with(|c| {
-            let mut st = c.prepare(&format!(
+            let mut st = c.prepare_cached(&format!(
                 "SELECT {VOLUME_COLUMNS} FROM volumes WHERE ?1 IS NULL OR owner = ?1 ORDER BY created_at, id"
             ))?;
             let rows = st.query_map([owner], volume_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
@@ -1135,7 +1170,7 @@ impl Store for SqliteStore {
         self.with(|c| {
             let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
             let Some(v) = tx
-                .query_row(&format!("SELECT {VOLUME_COLUMNS} FROM volumes WHERE id = ?1"), [id], volume_row)
+                .query_row_c(&format!("SELECT {VOLUME_COLUMNS} FROM volumes WHERE id = ?1"), [id], volume_row)
                 .optional()?
             else {
                 return Ok(None);
@@ -1143,7 +1178,7 @@ impl Store for SqliteStore {
             if let Some(e) = disk_fits(&tx, &v.owner, admission, size_mib.saturating_sub(v.size_mib))? {
                 return Ok(Some(Admitted::Refused(e)));
             }
-            tx.execute("UPDATE volumes SET size_mib = ?2 WHERE id = ?1", params![id, size_mib as i64])?;
+            tx.execute_c("UPDATE volumes SET size_mib = ?2 WHERE id = ?1", params![id, size_mib as i64])?;
             tx.commit()?;
             Ok(Some(Admitted::Inserted))
         })
@@ -1153,7 +1188,7 @@ impl Store for SqliteStore {
         self.with(|c| {
             let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
             let holder: Option<String> = tx
-                .query_row(
+                .query_row_c(
                     &format!(
                         "SELECT m.sandbox_id FROM volume_mounts m JOIN sandboxes s ON s.id = m.sandbox_id \
                          WHERE m.volume_id = ?1 AND s.state IN {HOLDING} LIMIT 1"
@@ -1165,8 +1200,8 @@ impl Store for SqliteStore {
             if let Some(sb) = holder {
                 return Ok(VolumeDeleted::InUse(sb));
             }
-            tx.execute("DELETE FROM volume_mounts WHERE volume_id = ?1", [id])?;
-            let n = tx.execute("DELETE FROM volumes WHERE id = ?1", [id])?;
+            tx.execute_c("DELETE FROM volume_mounts WHERE volume_id = ?1", [id])?;
+            let n = tx.execute_c("DELETE FROM volumes WHERE id = ?1", [id])?;
             tx.commit()?;
             Ok(if n == 1 { VolumeDeleted::Deleted } else { VolumeDeleted::NotFound })
         })
@@ -1174,7 +1209,7 @@ impl Store for SqliteStore {
 
     fn volume_claims(&self, sandbox_id: &str) -> Result<Vec<VolumeClaim>> {
         self.with(|c| {
-            let mut st = c.prepare(
+            let mut st = c.prepare_cached(
                 "SELECT volume_id, sandbox_id, path, read_only FROM volume_mounts WHERE sandbox_id = ?1 ORDER BY path",
             )?;
             let rows = st.query_map([sandbox_id], claim_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
@@ -1184,7 +1219,7 @@ impl Store for SqliteStore {
 
     fn volume_holders(&self, volume_id: &str) -> Result<Vec<VolumeClaim>> {
         self.with(|c| {
-            let mut st = c.prepare(&format!(
+            let mut st = c.prepare_cached(&format!(
                 "SELECT m.volume_id, m.sandbox_id, m.path, m.read_only FROM volume_mounts m \
                  JOIN sandboxes s ON s.id = m.sandbox_id WHERE m.volume_id = ?1 AND s.state IN {HOLDING} \
                  ORDER BY s.created_at, s.id"
@@ -1196,7 +1231,7 @@ impl Store for SqliteStore {
 
     fn volume_usage(&self, owner: Option<&str>) -> Result<(u64, u64)> {
         self.with(|c| {
-            Ok(c.query_row(
+            Ok(c.query_row_c(
                 "SELECT COUNT(*), COALESCE(SUM(size_mib), 0) FROM volumes WHERE ?1 IS NULL OR owner = ?1",
                 [owner],
                 |r| Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64)),
@@ -1208,7 +1243,7 @@ impl Store for SqliteStore {
         self.with(|c| {
             let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
             if let Some(max) = max_running {
-                let n: i64 = tx.query_row(
+                let n: i64 = tx.query_row_c(
                     "SELECT COUNT(*) FROM builds WHERE state IN ('queued', 'building') AND owner = ?1",
                     [&b.owner],
                     |r| r.get(0),
@@ -1217,7 +1252,7 @@ impl Store for SqliteStore {
                     return Ok(false);
                 }
             }
-            tx.execute(
+            tx.execute_c(
                 &format!("INSERT INTO builds ({BUILD_COLUMNS}) VALUES ({})", placeholders(1, 11)),
                 params![
                     b.id,
@@ -1261,13 +1296,14 @@ impl Store for SqliteStore {
 
     fn get_build(&self, id: &str) -> Result<Option<BuildRecord>> {
         self.with(|c| {
-            Ok(c.query_row(&format!("SELECT {BUILD_COLUMNS} FROM builds WHERE id = ?1"), [id], build_row).optional()?)
+            Ok(c.query_row_c(&format!("SELECT {BUILD_COLUMNS} FROM builds WHERE id = ?1"), [id], build_row)
+                .optional()?)
         })
     }
 
     fn list_builds(&self, template_id: &str) -> Result<Vec<BuildRecord>> {
         self.with(|c| {
-            let mut st = c.prepare(&format!(
+            let mut st = c.prepare_cached(&format!(
                 "SELECT {BUILD_COLUMNS} FROM builds WHERE template_id = ?1 ORDER BY created_at DESC, id DESC LIMIT 100"
             ))?;
             let rows = st.query_map([template_id], build_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
@@ -1277,7 +1313,7 @@ impl Store for SqliteStore {
 
     fn count_running_builds(&self, owner: Option<&str>) -> Result<u64> {
         self.with(|c| {
-            let n: i64 = c.query_row(
+            let n: i64 = c.query_row_c(
                 "SELECT COUNT(*) FROM builds WHERE state IN ('queued', 'building') AND (?1 IS NULL OR owner = ?1)",
                 params![owner],
                 |r| r.get(0),
@@ -1288,7 +1324,7 @@ impl Store for SqliteStore {
 
     fn fail_unfinished_builds(&self, node: &str, now: i64, error: &str) -> Result<u64> {
         self.with(|c| {
-            let n = c.execute(
+            let n = c.execute_c(
                 "UPDATE builds SET state = 'failed', finished_at = ?1, error = ?2 \
                  WHERE state IN ('queued', 'building') AND (node = ?3 OR node IS NULL OR node = '')",
                 params![now, error, node],
@@ -1303,7 +1339,7 @@ impl Store for SqliteStore {
             // The version is read in the same transaction: a sandbox of an
             // older version is never claimed, whatever raced with us.
             let id: Option<String> = tx
-                .query_row(
+                .query_row_c(
                     "SELECT s.id FROM sandboxes s JOIN templates t ON t.id = s.template_id \
                      WHERE s.pooled = 1 AND s.state = 'running' AND s.template_id = ?1 AND s.owner = ?2 \
                      AND t.deleted_at IS NULL AND s.template_version = t.version AND s.storage = ?3 \
@@ -1313,7 +1349,7 @@ impl Store for SqliteStore {
                 )
                 .optional()?;
             let Some(id) = id else { return Ok(None) };
-            tx.execute(
+            tx.execute_c(
                 "UPDATE sandboxes SET pooled = 0, created_at = ?2, expires_at = ?3, max_expires_at = ?4, \
                  metadata = ?5, idempotency_key = ?6, request_hash = ?7, on_expire = ?8, ttl_s = ?9, \
                  paused_ttl_s = ?10 WHERE id = ?1",
@@ -1339,7 +1375,7 @@ impl Store for SqliteStore {
 
     fn drain_pooled(&self, id: &str) -> Result<bool> {
         self.with(|c| {
-            let n = c.execute(
+            let n = c.execute_c(
                 "UPDATE sandboxes SET state = 'terminating', last_error_code = 'warm_pool_drained' \
                  WHERE id = ?1 AND pooled = 1 AND state = 'running'",
                 [id],
@@ -1350,7 +1386,7 @@ impl Store for SqliteStore {
 
     fn pooled_sandboxes(&self, node: Option<&str>) -> Result<Vec<SandboxRecord>> {
         self.with(|c| {
-            let mut st = c.prepare(&format!(
+            let mut st = c.prepare_cached(&format!(
                 "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE pooled = 1 AND state NOT IN ('terminated', 'lost') \
                  AND (?1 IS NULL OR node = ?1) ORDER BY created_at, id"
             ))?;
@@ -1409,7 +1445,7 @@ impl Store for SqliteStore {
         args.push(Value::Integer(i64::from(q.limit)));
         sql.push_str(&format!(" ORDER BY seq DESC LIMIT ?{}", args.len()));
         self.with(|c| {
-            let mut st = c.prepare(&sql)?;
+            let mut st = c.prepare_cached(&sql)?;
             let rows = st
                 .query_map(params_from_iter(args), |r| {
                     Ok(AuditRecord {
@@ -1431,7 +1467,7 @@ impl Store for SqliteStore {
     }
 
     fn prune_audit(&self, before: i64) -> Result<u64> {
-        self.with(|c| Ok(c.execute("DELETE FROM audit WHERE at < ?1", [before])? as u64))
+        self.with(|c| Ok(c.execute_c("DELETE FROM audit WHERE at < ?1", [before])? as u64))
     }
 
     fn last_event_id(&self) -> Result<i64> {
@@ -1487,7 +1523,7 @@ impl Store for SqliteStore {
     fn release_deliveries(&self, node: &str) -> Result<u64> {
         self.with(|c| {
             let sql = "UPDATE webhook_deliveries SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by = ?1";
-            Ok(c.execute(sql, [node])? as u64)
+            Ok(c.execute_c(sql, [node])? as u64)
         })
     }
 
@@ -1533,7 +1569,7 @@ impl Store for SqliteStore {
         self.with(|c| {
             let tx = c.transaction()?;
             {
-                let mut st = tx.prepare(
+                let mut st = tx.prepare_cached(
                     "INSERT INTO usage_counts (owner, sandbox_id, template, at, commands, egress_bytes) \
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
                 )?;
@@ -1548,7 +1584,7 @@ impl Store for SqliteStore {
                     ])?;
                 }
             }
-            tx.execute(
+            tx.execute_c(
                 "INSERT INTO usage_node_clock (node, alive_at) VALUES (?1, ?2) \
                  ON CONFLICT (node) DO UPDATE SET alive_at = MAX(alive_at, excluded.alive_at)",
                 params![node, alive_at],
@@ -1560,7 +1596,7 @@ impl Store for SqliteStore {
 
     fn usage_alive_at(&self, node: &str) -> Result<Option<i64>> {
         self.with(|c| {
-            Ok(c.query_row(
+            Ok(c.query_row_c(
                 "SELECT COALESCE((SELECT alive_at FROM usage_node_clock WHERE node = ?1), \
                  (SELECT alive_at FROM usage_clock WHERE id = 1))",
                 [node],
@@ -1571,13 +1607,13 @@ impl Store for SqliteStore {
 
     fn usage_report(&self, q: &UsageQuery) -> Result<Vec<UsageRow>> {
         self.with(|c| {
-            let mut st = c.prepare(&format!(
+            let mut st = c.prepare_cached(&format!(
                 "SELECT {USAGE_COLUMNS} FROM usage_intervals WHERE (?1 IS NULL OR owner = ?1) \
                  AND start_ms < ?3 AND (end_ms IS NULL OR end_ms > ?2) ORDER BY id"
             ))?;
             let intervals =
                 st.query_map(params![q.owner, q.from, q.to], usage_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
-            let mut st = c.prepare(
+            let mut st = c.prepare_cached(
                 "SELECT owner, sandbox_id, template, at, commands, egress_bytes FROM usage_counts \
                  WHERE (?1 IS NULL OR owner = ?1) AND at >= ?2 AND at < ?3 ORDER BY id",
             )?;
@@ -1599,7 +1635,8 @@ impl Store for SqliteStore {
 
     fn usage_open_subjects(&self) -> Result<Vec<(UsageKind, String)>> {
         self.with(|c| {
-            let mut st = c.prepare("SELECT kind, subject FROM usage_intervals WHERE end_ms IS NULL ORDER BY id")?;
+            let mut st =
+                c.prepare_cached("SELECT kind, subject FROM usage_intervals WHERE end_ms IS NULL ORDER BY id")?;
             let rows = st
                 .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
@@ -1609,7 +1646,7 @@ impl Store for SqliteStore {
 
     fn register_node(&self, n: &NodeRecord) -> Result<()> {
         self.with(|c| {
-            c.execute(
+            c.execute_c(
                 &format!(
                     "INSERT INTO nodes ({NODE_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'active', ?7, ?8) \
                      ON CONFLICT (name) DO UPDATE SET advertise = excluded.advertise, \
@@ -1636,9 +1673,9 @@ impl Store for SqliteStore {
     fn heartbeat_node(&self, name: &str, at: i64) -> Result<Option<NodeState>> {
         self.with(|c| {
             let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-            tx.execute("UPDATE nodes SET heartbeat_at = ?2 WHERE name = ?1 AND state != 'lost'", params![name, at])?;
+            tx.execute_c("UPDATE nodes SET heartbeat_at = ?2 WHERE name = ?1 AND state != 'lost'", params![name, at])?;
             let state: Option<String> =
-                tx.query_row("SELECT state FROM nodes WHERE name = ?1", [name], |r| r.get(0)).optional()?;
+                tx.query_row_c("SELECT state FROM nodes WHERE name = ?1", [name], |r| r.get(0)).optional()?;
             tx.commit()?;
             state
                 .map(|s| {
@@ -1654,7 +1691,7 @@ impl Store for SqliteStore {
 
     fn list_nodes(&self) -> Result<Vec<NodeRecord>> {
         self.with(|c| {
-            let mut st = c.prepare(&format!("SELECT {NODE_COLUMNS} FROM nodes ORDER BY name"))?;
+            let mut st = c.prepare_cached(&format!("SELECT {NODE_COLUMNS} FROM nodes ORDER BY name"))?;
             let rows = st.query_map([], node_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
             Ok(rows)
         })
@@ -1663,7 +1700,7 @@ impl Store for SqliteStore {
     fn mark_node_lost(&self, loss: &NodeLoss<'_>) -> Result<Option<Vec<SandboxRecord>>> {
         self.with(|c| {
             let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-            let won = tx.execute(
+            let won = tx.execute_c(
                 "UPDATE nodes SET state = 'lost' WHERE name = ?1 AND state != 'lost' AND heartbeat_at < ?2",
                 params![loss.name, loss.silent_before],
             )?;
@@ -1680,19 +1717,19 @@ impl Store for SqliteStore {
                 );
                 let mut values: Vec<Value> = vec![loss.name.to_owned().into()];
                 values.extend(states.iter().map(|s| Value::from((*s).to_owned())));
-                let mut st = tx.prepare(&sql)?;
+                let mut st = tx.prepare_cached(&sql)?;
                 let ids = st.query_map(params_from_iter(values), |r| r.get(0))?.collect::<rusqlite::Result<_>>()?;
                 ids
             };
             let mut lost = Vec::with_capacity(ids.len());
             for id in &ids {
-                tx.execute(
+                tx.execute_c(
                     "UPDATE sandboxes SET state = 'lost', last_error_code = ?2, reason = ?3 WHERE id = ?1",
                     params![id, loss.code, loss.reason],
                 )?;
                 lost.extend(get_sandbox_in(&tx, id)?);
             }
-            tx.execute(
+            tx.execute_c(
                 "UPDATE sandboxes SET reason = ?2 WHERE node = ?1 AND state = 'paused'",
                 params![loss.name, loss.paused_reason],
             )?;
@@ -1715,26 +1752,26 @@ impl Store for SqliteStore {
 
     fn give_all_to(&self, node: &str) -> Result<u64> {
         self.with(|c| {
-            let sandboxes = c.execute("UPDATE sandboxes SET node = ?1 WHERE node != ?1", [node])?;
-            c.execute("UPDATE executions SET node = ?1 WHERE node IS NOT ?1", [node])?;
-            c.execute("UPDATE builds SET node = ?1 WHERE node IS NOT ?1", [node])?;
-            Ok((sandboxes + c.execute("UPDATE volumes SET node = ?1 WHERE node != ?1", [node])?) as u64)
+            let sandboxes = c.execute_c("UPDATE sandboxes SET node = ?1 WHERE node != ?1", [node])?;
+            c.execute_c("UPDATE executions SET node = ?1 WHERE node IS NOT ?1", [node])?;
+            c.execute_c("UPDATE builds SET node = ?1 WHERE node IS NOT ?1", [node])?;
+            Ok((sandboxes + c.execute_c("UPDATE volumes SET node = ?1 WHERE node != ?1", [node])?) as u64)
         })
     }
 
     fn set_pushed(&self, object: Pushed, id: &str, reference: Option<&str>) -> Result<bool> {
         let sql = format!("UPDATE {} SET pushed_ref = ?2 WHERE id = ?1", object.table());
-        self.with(|c| Ok(c.execute(&sql, params![id, reference])? == 1))
+        self.with(|c| Ok(c.execute_c(&sql, params![id, reference])? == 1))
     }
 
     fn pushed(&self, object: Pushed, id: &str) -> Result<Option<String>> {
         let sql = format!("SELECT pushed_ref FROM {} WHERE id = ?1", object.table());
-        self.with(|c| Ok(c.query_row(&sql, [id], |r| r.get::<_, Option<String>>(0)).optional()?.flatten()))
+        self.with(|c| Ok(c.query_row_c(&sql, [id], |r| r.get::<_, Option<String>>(0)).optional()?.flatten()))
     }
 
     fn move_paused(&self, id: &str, from: &str, to: &str) -> Result<bool> {
         self.with(|c| {
-            Ok(c.execute(
+            Ok(c.execute_c(
                 "UPDATE sandboxes SET node = ?3 WHERE id = ?1 AND node = ?2 AND state = 'paused' \
                  AND pushed_ref IS NOT NULL",
                 params![id, from, to],
@@ -1744,7 +1781,7 @@ impl Store for SqliteStore {
 
     fn count_by_node(&self) -> Result<Vec<(String, u64)>> {
         self.with(|c| {
-            let mut st = c.prepare(
+            let mut st = c.prepare_cached(
                 "SELECT node, COUNT(*) FROM sandboxes WHERE state NOT IN ('terminated', 'lost') \
                  GROUP BY node ORDER BY node",
             )?;
@@ -1757,7 +1794,7 @@ impl Store for SqliteStore {
 
     fn insert_secret(&self, s: &SecretRecord) -> Result<()> {
         self.with(|c| {
-            c.execute(
+            c.execute_c(
                 &format!(
                     "INSERT INTO secrets ({SECRET_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)"
                 ),
@@ -1782,7 +1819,7 @@ impl Store for SqliteStore {
 
     fn secret_by_name(&self, owner: &str, name: &str) -> Result<Option<SecretRecord>> {
         self.with(|c| {
-            Ok(c.query_row(
+            Ok(c.query_row_c(
                 &format!("SELECT {SECRET_COLUMNS} FROM secrets WHERE owner = ?1 AND name = ?2"),
                 [owner, name],
                 secret_row,
@@ -1793,7 +1830,7 @@ impl Store for SqliteStore {
 
     fn list_secrets(&self, owner: Option<&str>) -> Result<Vec<SecretRecord>> {
         self.with(|c| {
-            let mut st = c.prepare(&format!(
+            let mut st = c.prepare_cached(&format!(
                 "SELECT {SECRET_COLUMNS} FROM secrets WHERE ?1 IS NULL OR owner = ?1 ORDER BY owner, name"
             ))?;
             let rows = st.query_map([owner], secret_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
@@ -1803,7 +1840,7 @@ impl Store for SqliteStore {
 
     fn update_secret(&self, s: &SecretRecord) -> Result<bool> {
         self.with(|c| {
-            let n = c.execute(
+            let n = c.execute_c(
                 "UPDATE secrets SET hosts = ?2, header = ?3, format = ?4, metadata = ?5, version = ?6, sealed = ?7, \
                  updated_at = ?8 WHERE id = ?1",
                 params![s.id, s.hosts, s.header, s.format, s.metadata, s.version, s.sealed, s.updated_at],
@@ -1813,6 +1850,6 @@ impl Store for SqliteStore {
     }
 
     fn delete_secret(&self, owner: &str, name: &str) -> Result<bool> {
-        self.with(|c| Ok(c.execute("DELETE FROM secrets WHERE owner = ?1 AND name = ?2", [owner, name])? == 1))
+        self.with(|c| Ok(c.execute_c("DELETE FROM secrets WHERE owner = ?1 AND name = ?2", [owner, name])? == 1))
     }
 }
