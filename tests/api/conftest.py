@@ -66,10 +66,6 @@ GVISOR_XATTRS = "runsc 20221219's gofer refuses user.* xattrs (EOPNOTSUPP)"
 # By design (ARCHITECTURE.md, the gvisor class): the workload has no cgroup
 # of its own, so a command past the memory limit is not killed alone.
 GVISOR_NO_WORK_CGROUP = "no per-command cgroup: the sentry, not the command, meets the memory limit"
-# Not yet diagnosed: a command's descendants that outlive it are not seen
-# by the agent's supervisor under gVisor (descendants_alive stays false and
-# they hold no command slot).
-GVISOR_DESCENDANTS = "a command's surviving descendants are not tracked under gVisor (open)"
 # Not yet diagnosed: a terminal nobody reads does not hold its command back
 # as soon (96 MiB went out; the container class stops it within 48).
 GVISOR_PTY_BACKPRESSURE = "an unread terminal's output is not held back as soon under gVisor (open)"

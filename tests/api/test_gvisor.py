@@ -355,6 +355,38 @@ def test_a_memory_snapshot_keeps_running_processes(daemon: Daemon, api: Client, 
         wait_cleaned(daemon, m)
 
 
+def test_a_restored_copy_still_tracks_a_command_whose_children_live(api: Client, gvisor_template: str):
+    """The tree cgroups of gVisor's cgroupfs (the agent's supervisors cannot
+    be subreapers there) are part of the checkpoint: in a copy restored from
+    a memory snapshot, a command whose child outlived it is still listed,
+    and a signal to it ends that child."""
+    sb = api.create(template=gvisor_template, network={"egress": "deny_all"})
+    sid, made, snap = sb["id"], [], None
+    try:
+        res = api.exec(sid, "setsid sleep 1011 & true")
+        assert res["exit_code"] == 0 and res["descendants_alive"] is True, res
+        (p,) = api.processes(sid)
+        r = api.post(f"/v1/sandboxes/{sid}/snapshots", {"memory": True})
+        expect_status(r, 201)
+        snap = r.json()
+        nb = api.create(snapshot=snap["id"])
+        made.append(nb["id"])
+        (q,) = api.processes(nb["id"])
+        assert q["pid"] == p["pid"] and q["main_exited"] is True, q
+        r = api.post(f"/v1/sandboxes/{nb['id']}/processes/{q['pid']}/signal", {"signal": "TERM"})
+        assert r.status_code == 204, r.text
+        wait_for("the copy's command to end", lambda: api.processes(nb["id"]) == [], timeout=10, interval=0.1)
+        assert "sleep 1011" not in api.sh(nb["id"], "cat /proc/[0-9]*/cmdline | tr '\\0' ' '", user="root")
+        # The original's is untouched, and still listed.
+        assert [x["pid"] for x in api.processes(sid)] == [p["pid"]]
+    finally:
+        for m in made:
+            api.destroy(m)
+        if snap:
+            expect_status(api.delete(f"/v1/snapshots/{snap['id']}"), 204)
+        api.destroy(sid)
+
+
 def test_memory_snapshots_are_refused_where_memory_cannot_be_saved(api: Client, gvisor_template: str):
     # A container sandbox: its class keeps files only.
     sb = api.create()

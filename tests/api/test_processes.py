@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import GVISOR_DESCENDANTS, on_class
 from conftest import Client, EventStream, expect_error, expect_status, ndjson_events, stdout_of, wait_for
 
 
@@ -113,7 +112,6 @@ def running_cmdlines(api: Client, sid: str) -> str:
                   user="root")
 
 
-@on_class("gvisor", reason=GVISOR_DESCENDANTS)
 def test_a_command_that_leaves_children_is_listed_until_they_end_and_a_signal_reaches_them(
         api: Client, sandbox: dict):
     sid = sandbox["id"]
@@ -140,7 +138,6 @@ def test_a_command_without_children_left_says_so(api: Client, sandbox: dict):
     assert api.processes(sandbox["id"]) == []
 
 
-@on_class("gvisor", reason=GVISOR_DESCENDANTS)
 def test_the_timeout_ends_background_children_too(api: Client, sandbox: dict):
     sid = sandbox["id"]
     res = api.exec(sid, "sleep 1003 & setsid sleep 1004 & true", timeout_seconds=2)
@@ -152,7 +149,6 @@ def test_the_timeout_ends_background_children_too(api: Client, sandbox: dict):
     assert "sleep 1003" not in left and "sleep 1004" not in left, left
 
 
-@on_class("gvisor", reason=GVISOR_DESCENDANTS)
 def test_reattach_to_a_command_whose_children_live_gets_its_exit(api: Client, sandbox: dict):
     sid = sandbox["id"]
     pid = api.background(sid, "sleep 1005 & exit 3")
@@ -169,7 +165,6 @@ def test_reattach_to_a_command_whose_children_live_gets_its_exit(api: Client, sa
     wait_for("the tree to end", lambda: gone(api, sid, pid), timeout=10)
 
 
-@on_class("gvisor", reason=GVISOR_DESCENDANTS)
 def test_what_holds_a_command_slot_is_listed_and_can_be_freed(api: Client):
     """64 commands that each leave a child behind hold all slots: the 65th is
     refused, and /processes shows all 64, which a signal frees."""

@@ -588,11 +588,16 @@ const IMAGE_FILE: &str = "checkpoint.img";
 /// reap them as they end. Left to init, whose reaping is slow on some
 /// hosts, they kept runsc's `delete` waiting (about 1.2 s per memory
 /// snapshot, fork or pause on this host's init).
+///
+/// `--cgroupfs` mounts gVisor's own emulated cgroupfs in the sandbox: the
+/// agent's supervisors, which gVisor does not let be subreapers, track each
+/// command's process tree by a cgroup there (see the agent's `child.rs`).
+/// Those cgroups live in the sentry alone and touch no host cgroup.
 fn sandbox_runsc(paths: &Paths, reaper: &Path) -> Command {
     let mut launcher = Command::new(reaper);
     launcher.arg(proto::REAP_FLAG).arg(runsc_path());
     let mut cmd = paths.runsc_from(launcher);
-    cmd.args(["--platform=ptrace", "--host-uds=create"]);
+    cmd.args(["--platform=ptrace", "--host-uds=create", "--cgroupfs"]);
     // HUTCH_RUNSC_DEBUG=DIR: runsc's debug logs of every sandbox there.
     if let Some(dir) = std::env::var_os("HUTCH_RUNSC_DEBUG") {
         cmd.arg("--debug").arg(format!("--debug-log={}/", Path::new(&dir).join(&paths.id).display()));
@@ -973,8 +978,12 @@ fn bundle_cpu_limit(paths: &Paths) -> Option<u32> {
 
 /// Host tasks the sentry itself takes (its Go threads, one ptrace stub
 /// per address space and thread group of the sandbox), added to the
-/// sandbox's pids limit in its host cgroup.
-const SENTRY_TASKS: u32 = 512;
+/// sandbox's pids limit in its host cgroup; and those of the agent's
+/// supervisors, which here live as long as their command's tree (the
+/// agent's `child.rs`): about 6 host tasks each, measured with 48
+/// commands holding a background child (19 host tasks a command, 13 when
+/// supervisors did not outlive the main process).
+const SENTRY_TASKS: u32 = 512 + 8 * proto::MAX_COMMANDS;
 
 /// Whether this host runs gvisor sandboxes: runsc answers `--version`
 /// (asked once per process).

@@ -2,11 +2,20 @@
 //! the command's whole process tree and can kill all of it) and the set-up
 //! of the real child between its fork and `execve`.
 //!
+//! Under gVisor, which lets no process but PID 1 be a subreaper (EINVAL),
+//! the orphans of a tree go to the agent (PID 1) instead: there the
+//! supervisor makes the command a cgroup of its own in the sandbox's
+//! cgroupfs ([`TreeCgroup`]; gVisor's emulated one, which touches no host
+//! cgroup), every process the command starts is born in it, and its
+//! `cgroup.procs` lists the tree.
+//!
 //! Everything the child needs is prepared by the agent before the first fork
 //! ([`ChildPlan`]); the child path allocates nothing.
 
 use std::ffi::CString;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
 
 use super::sys::{self, CStrArray, Errno};
 
@@ -99,24 +108,34 @@ pub fn supervise(plan: &ChildPlan<'_>) -> ! {
     sys::close_all_except(&mut keep);
     // The agent reset every other disposition at start; SIGPIPE it ignores.
     sys::default_signal(libc::SIGPIPE);
-    let _ = sys::set_child_subreaper();
+    // gVisor refuses this (EINVAL): a cgroup of its own names the tree
+    // there, if the sandbox has a cgroupfs (`runsc --cgroupfs`); without
+    // one, orphans are not seen.
+    let (cgroup, join) = match sys::set_child_subreaper() {
+        Ok(()) => (None, None),
+        Err(_) => TreeCgroup::make(Path::new(TREE_CGROUP_ROOT), sys::getpid()).unzip(),
+    };
     let signals = supervisor_signals();
     if sys::set_sigmask(&signals).is_err() {
         sys::exit_now(1);
     }
     extern "C" fn child_entry(arg: *mut libc::c_void) -> libc::c_int {
-        // SAFETY: arg is the supervisor's `plan`, alive until spawn_vm returns.
-        exec_child(unsafe { &*(arg as *const ChildPlan<'_>) })
+        // SAFETY: arg is the supervisor's `start`, alive until spawn_vm returns.
+        let start = unsafe { &*(arg as *const Start<'_, '_>) };
+        exec_child(start.plan, start.tree)
     }
+    let start = Start { plan, tree: join.as_ref().map_or(-1, |fd| fd.as_raw_fd()) };
     // SAFETY: exec_child allocates nothing and writes only its own stack
-    // and descriptors before execve or _exit; `plan` outlives the call.
-    let child = match unsafe { sys::spawn_vm(child_entry, plan as *const ChildPlan<'_> as *mut libc::c_void) } {
+    // and descriptors before execve or _exit; `start` outlives the call.
+    let child = match unsafe { sys::spawn_vm(child_entry, &start as *const Start<'_, '_> as *mut libc::c_void) } {
         Ok(pid) => pid,
         Err(e) => {
             let _ = sys::write_all(plan.status, &encode_msg(MSG_FORK_FAILED, e.0));
+            drop(cgroup);
             sys::exit_now(1);
         }
     };
+    drop(join);
     let mut spare = [plan.status];
     sys::close_all_except(&mut spare);
     let mut tree = Tree {
@@ -126,6 +145,7 @@ pub fn supervise(plan: &ChildPlan<'_>) -> ! {
         main_status: None,
         reported: false,
         killing: false,
+        cgroup,
     };
     if sys::write_all(plan.status, &encode_msg(MSG_PID, child)).is_err() {
         // The agent is gone; nobody wants this command any more.
@@ -142,6 +162,18 @@ pub fn supervise(plan: &ChildPlan<'_>) -> ! {
     }
 }
 
+/// What the real child gets: the plan, and the tree cgroup's `cgroup.procs`
+/// to join (-1 when there is none).
+struct Start<'p, 'a> {
+    plan: &'p ChildPlan<'a>,
+    tree: RawFd,
+}
+
+/// How long a supervisor without a subreaper waits between rounds of
+/// SIGKILLs: those it kills are not its children, no SIGCHLD says they
+/// died.
+const KILL_POLL_MS: u32 = 5;
+
 /// Where the command's main process is.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Main {
@@ -155,7 +187,8 @@ enum Main {
 }
 
 /// The command's process tree, as its supervisor (a subreaper, so every
-/// orphan of the tree becomes its child) sees it.
+/// orphan of the tree becomes its child; or, without one, the members of
+/// the command's tree cgroup) sees it.
 struct Tree {
     main: i32,
     state: Main,
@@ -169,6 +202,11 @@ struct Tree {
     /// is reported once nothing is left, so that a killed command's exit
     /// means its whole tree is gone.
     killing: bool,
+    /// The tree cgroup, when the supervisor is no subreaper: the tree is
+    /// its members, and orphans are the agent's, which sends this
+    /// supervisor a SIGCHLD when, having reaped one, it finds the cgroup
+    /// empty ([`tree_emptied`]).
+    cgroup: Option<TreeCgroup>,
 }
 
 impl Tree {
@@ -179,10 +217,12 @@ impl Tree {
         if self.state == Main::Running {
             self.reap_before_main();
         }
-        if self.state == Main::Exited && !self.reap_others() {
+        if self.state == Main::Exited && !self.others_alive() {
             // Nothing else was seen. /proc can miss a child that is being
             // reparented, so reap the main process and ask waitpid, which
             // sees every child: MSG_STATUS always means the tree is gone.
+            // (A tree cgroup lists every process born in it, from its
+            // fork on, and none once it exited.)
             let _ = sys::waitpid(self.main, 0);
             self.state = Main::Reaped;
         }
@@ -195,6 +235,8 @@ impl Tree {
             }
         }
         if empty {
+            // Empty: its cgroup can go.
+            self.cgroup = None;
             sys::exit_now(0);
         }
     }
@@ -219,6 +261,15 @@ impl Tree {
         }
     }
 
+    /// Once the main process exited: whether another process of the tree
+    /// is alive (reaping those that exited, when they are our children).
+    fn others_alive(&self) -> bool {
+        match self.cgroup {
+            Some(_) => !self.members().is_empty(),
+            None => self.reap_others(),
+        }
+    }
+
     /// Reaps every exited child but the main process; whether another child
     /// is still alive.
     fn reap_others(&self) -> bool {
@@ -238,12 +289,17 @@ impl Tree {
     /// process's zombie.
     fn members(&self) -> Vec<i32> {
         let zombie = (self.state == Main::Exited).then_some(self.main);
-        descendants().into_iter().filter(|&p| Some(p) != zombie).collect()
+        let all = match &self.cgroup {
+            Some(c) => cgroup_members(&c.procs),
+            None => descendants(),
+        };
+        all.into_iter().filter(|&p| Some(p) != zombie).collect()
     }
 
     /// Kills every process of the tree, again and again, until none is
     /// left: the tree walk finds processes that left the session or
-    /// double-forked, because the supervisor inherits all of them.
+    /// double-forked, because the supervisor inherits all of them (or
+    /// because they were born in the tree cgroup).
     fn kill_all(&mut self) {
         self.killing = true;
         loop {
@@ -255,8 +311,13 @@ impl Tree {
             for pid in pids {
                 let _ = sys::kill(pid, libc::SIGKILL);
             }
-            // One of them was a child of ours: wait until it is reapable.
-            let _ = sys::sigwait(&[libc::SIGCHLD]);
+            if self.cgroup.is_some() {
+                // The main process may be the only child of ours there is.
+                let _ = sys::sigwait_for(&[libc::SIGCHLD], KILL_POLL_MS);
+            } else {
+                // One of them was a child of ours: wait until it is reapable.
+                let _ = sys::sigwait(&[libc::SIGCHLD]);
+            }
             self.collect();
         }
     }
@@ -273,6 +334,77 @@ impl Tree {
             let _ = sys::kill(pid, sig);
         }
     }
+}
+
+/// The pids in a cgroup's `cgroup.procs`; none when it cannot be read.
+fn cgroup_members(procs: &Path) -> Vec<i32> {
+    std::fs::read_to_string(procs).map(|s| parse_pids(&s)).unwrap_or_default()
+}
+
+fn parse_pids(s: &str) -> Vec<i32> {
+    s.split_ascii_whitespace().filter_map(|p| p.parse::<i32>().ok()).collect()
+}
+
+/// Where a command's tree gets a cgroup when its supervisor cannot be a
+/// subreaper: a hierarchy of gVisor's cgroupfs (`runsc --cgroupfs`).
+pub const TREE_CGROUP_ROOT: &str = "/sys/fs/cgroup/cpu";
+
+/// A command's tree cgroup, `<root>/hutch/<supervisor pid>`, removed when
+/// dropped (when the supervisor is done: the tree is gone, or never ran).
+struct TreeCgroup {
+    dir: CString,
+    procs: PathBuf,
+}
+
+impl TreeCgroup {
+    /// Makes supervisor `pid`'s tree cgroup under `root` and opens its
+    /// `cgroup.procs` for writing (close-on-exec), for the child to join;
+    /// `None` when `root` is no cgroup hierarchy we can make cgroups in.
+    fn make(root: &Path, pid: i32) -> Option<(TreeCgroup, OwnedFd)> {
+        let dir = tree_cgroup_dir(root, pid);
+        let parent = root.join("hutch");
+        let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).ok();
+        let (parent_c, dir_c, procs_c) = (c(&parent)?, c(&dir)?, c(&dir.join("cgroup.procs"))?);
+        match sys::mkdir_path(&parent_c, 0o755) {
+            Ok(()) | Err(Errno(libc::EEXIST)) => {}
+            Err(_) => return None,
+        }
+        match sys::mkdir_path(&dir_c, 0o755) {
+            Ok(()) => {}
+            Err(Errno(libc::EEXIST)) => {
+                // A supervisor of that pid was killed before its tree
+                // ended: its cgroup can go if the tree did since, else
+                // this command has none.
+                sys::rmdir_path(&dir_c).ok()?;
+                sys::mkdir_path(&dir_c, 0o755).ok()?;
+            }
+            Err(_) => return None,
+        }
+        let tree = TreeCgroup { dir: dir_c, procs: dir.join("cgroup.procs") };
+        let fd = sys::open(&procs_c, libc::O_WRONLY).ok()?;
+        Some((tree, fd))
+    }
+}
+
+impl Drop for TreeCgroup {
+    fn drop(&mut self) {
+        let _ = sys::rmdir_path(&self.dir);
+    }
+}
+
+fn tree_cgroup_dir(root: &Path, supervisor: i32) -> PathBuf {
+    root.join("hutch").join(supervisor.to_string())
+}
+
+/// For the agent, after it reaped orphans: whether `supervisor` has a
+/// tree cgroup under `root` and it is empty, so that the supervisor,
+/// which learns of no orphan's end, must look (a SIGCHLD tells it). Only
+/// the supervisors whose tree ended are woken: under gVisor's ptrace
+/// platform each process woken on another of the sentry's threads costs
+/// the sandbox a host thread (a ptrace stub), for good.
+pub fn tree_emptied(root: &Path, supervisor: i32) -> bool {
+    let procs = tree_cgroup_dir(root, supervisor).join("cgroup.procs");
+    std::fs::read_to_string(procs).is_ok_and(|s| parse_pids(&s).is_empty())
 }
 
 /// Reaps every exited child; whether any child is left.
@@ -391,12 +523,19 @@ fn fail(what: &[u8], err: Errno, code: i32) -> ! {
 }
 
 /// The real child: becomes the command, or exits 126/127 with a message.
-fn exec_child(plan: &ChildPlan<'_>) -> ! {
+/// `tree`: the `cgroup.procs` of its tree cgroup, or -1.
+fn exec_child(plan: &ChildPlan<'_>, tree: RawFd) -> ! {
     // First, so that everything after runs under the workload's limits and
     // an OOM kill there can only pick workload processes.
     for &fd in plan.work_cgroups {
         if let Err(e) = sys::write_all(fd, b"0") {
             fail(b"joining the workload cgroup", e, 126);
+        }
+    }
+    // Before anything it starts, so that all of it is born in there.
+    if tree >= 0 {
+        if let Err(e) = sys::write_all(tree, b"0") {
+            fail(b"joining the command's cgroup", e, 126);
         }
     }
     if let Err(e) = sys::setsid() {
@@ -499,6 +638,34 @@ mod tests {
         for (k, v) in [(MSG_PID, 4242), (MSG_STATUS, 0x7f00), (MSG_FORK_FAILED, -11), (MSG_STATUS_LIVE, 9)] {
             assert_eq!(decode_msg(encode_msg(k, v)), (k, v));
         }
+    }
+
+    #[test]
+    fn cgroup_procs_lists_pids_one_a_line() {
+        assert_eq!(parse_pids("1\n7\n12\n"), vec![1, 7, 12]);
+        assert_eq!(parse_pids(""), Vec::<i32>::new());
+    }
+
+    #[test]
+    fn a_tree_cgroup_needs_a_cgroup_hierarchy_and_leaves_nothing_half_made() {
+        let root = std::env::temp_dir().join(format!("hutch-tree-cgroup-{}", std::process::id()));
+        std::fs::create_dir(&root).expect("a fresh temp dir");
+        // A plain directory: mkdir makes no cgroup.procs there, so there
+        // is no cgroup, and the directory made goes again.
+        assert!(TreeCgroup::make(&root, 42).is_none());
+        assert!(root.join("hutch").is_dir());
+        assert!(!root.join("hutch/42").exists());
+        // A leftover of a killed supervisor, empty: removed, made again
+        // (and gone again here, for want of a cgroup.procs).
+        std::fs::create_dir(root.join("hutch/43")).expect("mkdir");
+        assert!(TreeCgroup::make(&root, 43).is_none());
+        assert!(!root.join("hutch/43").exists());
+        // One still holding something: left alone, and no cgroup.
+        std::fs::create_dir(root.join("hutch/44")).expect("mkdir");
+        std::fs::write(root.join("hutch/44/cgroup.procs"), "7\n").expect("a fake cgroup.procs");
+        assert!(TreeCgroup::make(&root, 44).is_none());
+        assert_eq!(std::fs::read_to_string(root.join("hutch/44/cgroup.procs")).expect("kept"), "7\n");
+        std::fs::remove_dir_all(&root).expect("remove the temp dir");
     }
 
     #[test]

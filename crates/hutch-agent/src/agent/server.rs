@@ -1344,16 +1344,33 @@ impl Agent {
     /// Reaps every exited child: supervisors, and orphans PID 1 inherits.
     fn reap(&mut self) {
         sys::drain_signalfd(self.sigfd.as_fd());
+        let mut orphans = false;
         loop {
             match sys::waitpid(-1, libc::WNOHANG) {
                 Ok(Some((pid, status))) => {
-                    self.trees.remove(&pid);
-                    if let Some(serial) = self.by_sup.remove(&pid) {
-                        self.supervisor_gone(serial, status);
+                    if self.trees.remove(&pid) {
+                        if let Some(serial) = self.by_sup.remove(&pid) {
+                            self.supervisor_gone(serial, status);
+                        }
+                    } else {
+                        orphans = true;
                     }
                 }
                 Err(Errno(libc::EINTR)) => {}
-                Ok(None) | Err(_) => return,
+                Ok(None) | Err(_) => break,
+            }
+        }
+        if orphans {
+            // Under gVisor supervisors are no subreapers: the last process
+            // of a command's tree to exit is an orphan of ours, and its
+            // supervisor, which tracks the tree by a cgroup, hears of it
+            // only from us (see child.rs). Elsewhere orphans come here only
+            // when their supervisor is gone, and no supervisor has a cgroup.
+            let root = std::path::Path::new(child::TREE_CGROUP_ROOT);
+            for &sup in &self.trees {
+                if child::tree_emptied(root, sup) {
+                    let _ = sys::kill(sup, libc::SIGCHLD);
+                }
             }
         }
     }

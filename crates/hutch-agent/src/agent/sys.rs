@@ -362,6 +362,21 @@ pub fn sigwait(signals: &[libc::c_int]) -> SysResult<libc::c_int> {
     cvt(unsafe { libc::sigwaitinfo(&set, std::ptr::null_mut()) })
 }
 
+/// [`sigwait`] for at most `timeout_ms`; `None` when it passed first.
+pub fn sigwait_for(signals: &[libc::c_int], timeout_ms: u32) -> SysResult<Option<libc::c_int>> {
+    let set = sigset(signals);
+    let timeout = libc::timespec {
+        tv_sec: (timeout_ms / 1000) as libc::time_t,
+        tv_nsec: (timeout_ms % 1000) as libc::c_long * 1_000_000,
+    };
+    // SAFETY: set and timeout are valid; a null siginfo pointer is allowed.
+    match cvt(unsafe { libc::sigtimedwait(&set, std::ptr::null_mut(), &timeout) }) {
+        Ok(sig) => Ok(Some(sig)),
+        Err(Errno(libc::EAGAIN)) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// Waits for one of `signals` (blocked by the caller); returns it and the
 /// integer a [`sigqueue`] sender attached (0 for a plain `kill`).
 pub fn sigwait_value(signals: &[libc::c_int]) -> SysResult<(libc::c_int, i32)> {
@@ -1108,6 +1123,11 @@ pub fn chmod_path(path: &CStr, mode: libc::mode_t) -> SysResult<()> {
 pub fn mkdir_path(path: &CStr, mode: libc::mode_t) -> SysResult<()> {
     // SAFETY: path is a valid C string.
     cvt(unsafe { libc::mkdir(path.as_ptr(), mode) }).map(|_| ())
+}
+
+pub fn rmdir_path(path: &CStr) -> SysResult<()> {
+    // SAFETY: path is a valid C string.
+    cvt(unsafe { libc::rmdir(path.as_ptr()) }).map(|_| ())
 }
 
 /// Landlock's ABI version on this kernel; 0 (or an error) when disabled.
