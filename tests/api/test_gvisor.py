@@ -309,6 +309,15 @@ def cpu_quota(sid: str) -> str:
     return Path(f"/sys/fs/cgroup/hutch/{sid}/cpu.max").read_text().split()[0]
 
 
+def drop_snapshot_and_sandboxes(api: Client, snap: dict | None, sids: list[str]) -> None:
+    """A memory test's cleanup: its sandboxes, copies first, and its snapshot."""
+    for sid in sids[:-1]:
+        api.destroy(sid)
+    if snap:
+        expect_status(api.delete(f"/v1/snapshots/{snap['id']}"), 204)
+    api.destroy(sids[-1])
+
+
 def test_a_memory_snapshot_keeps_running_processes(daemon: Daemon, api: Client, gvisor_template: str):
     sb = api.create(template=gvisor_template, network={"egress": "deny_all"})
     sid, made, snap = sb["id"], [], None
@@ -345,11 +354,7 @@ def test_a_memory_snapshot_keeps_running_processes(daemon: Daemon, api: Client, 
         r = api.post("/v1/sandboxes", {"snapshot": snap["id"], "network": {"egress": "default"}})
         expect_error(r, 409, "class_unsupported")
     finally:
-        for m in made:
-            api.destroy(m)
-        if snap:
-            expect_status(api.delete(f"/v1/snapshots/{snap['id']}"), 204)
-        api.destroy(sid)
+        drop_snapshot_and_sandboxes(api, snap, [*made, sid])
     assert snap["id"] not in memory_dirs(daemon)
     for m in [sid, *made]:
         wait_cleaned(daemon, m)
@@ -380,11 +385,7 @@ def test_a_restored_copy_still_tracks_a_command_whose_children_live(api: Client,
         # The original's is untouched, and still listed.
         assert [x["pid"] for x in api.processes(sid)] == [p["pid"]]
     finally:
-        for m in made:
-            api.destroy(m)
-        if snap:
-            expect_status(api.delete(f"/v1/snapshots/{snap['id']}"), 204)
-        api.destroy(sid)
+        drop_snapshot_and_sandboxes(api, snap, [*made, sid])
 
 
 def test_memory_snapshots_are_refused_where_memory_cannot_be_saved(api: Client, gvisor_template: str):
