@@ -258,11 +258,26 @@ fn close_range(first: u32, last: u32) {
     // which the caller (a freshly forked supervisor) no longer needs.
     let r = unsafe { libc::syscall(libc::SYS_close_range, first, last, 0 as libc::c_ulong) };
     if r < 0 {
-        // Kernels before 5.9: close one by one, up to a sane bound.
-        for fd in first..=last.min(4096) {
-            // SAFETY: closing a descriptor number we do not use; EBADF is fine.
-            unsafe { libc::close(fd as RawFd) };
-        }
+        // Kernels before 5.9.
+        close_each(first as u32, last as u32);
+    }
+}
+
+/// Closes `first..=last` one by one, up to the highest descriptor number
+/// this process can hold: below its open-files limit (a descriptor at or
+/// above it can only be one opened before a lower limit was set, which the
+/// agent never does). Bounded by 2^20, the kernel's default `nr_open`.
+fn close_each(first: u32, last: u32) {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: lim is valid for the kernel to fill.
+    let below = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
+        lim.rlim_cur.clamp(4096, 1 << 20) as u32
+    } else {
+        1 << 20
+    };
+    for fd in first..=last.min(below - 1) {
+        // SAFETY: closing a descriptor number we do not use; EBADF is fine.
+        unsafe { libc::close(fd as RawFd) };
     }
 }
 
@@ -1259,10 +1274,10 @@ mod tests {
         std::fs::remove_dir_all(&dir).expect("clean up");
     }
 
-    /// Every descriptor but those kept is closed, past the one-by-one
-    /// fallback's bound too: close_range itself took the range (gVisor
-    /// refuses a last descriptor above INT_MAX, and every exec there paid
-    /// for the fallback).
+    /// Every descriptor but those kept is closed, past 4096 too: close_range
+    /// itself took the range (gVisor refuses a last descriptor above
+    /// INT_MAX, and every exec there paid for the fallback), and the
+    /// fallback of kernels before 5.9 reaches as far.
     #[test]
     fn close_all_except_closes_the_whole_range_in_one_call() {
         // In a child of its own: the test harness's descriptors stay open.
@@ -1292,15 +1307,29 @@ mod tests {
                 close_all_except(&mut [40]);
                 // SAFETY: F_GETFD only reads the descriptor's flags.
                 let open = |fd: RawFd| unsafe { libc::fcntl(fd, libc::F_GETFD) } >= 0;
+                if (open(40), open(high)) != (true, false) {
+                    return 1;
+                }
+                // The one-by-one fallback (kernels before 5.9) reaches as
+                // far: up to the open-files limit, not a fixed 4096.
+                // SAFETY: as above.
+                if unsafe { libc::dup2(2, high) } != high {
+                    return 3;
+                }
+                close_each(3, LAST_FD);
                 match (open(40), open(high)) {
-                    (true, false) => 0,
-                    _ => 1,
+                    (false, false) => 0,
+                    _ => 4,
                 }
             })();
             exit_now(code);
         }
         let status = waitpid(pid, 0).expect("waitpid").expect("the child").1;
         assert!(libc::WIFEXITED(status), "status {status:#x}");
-        assert_eq!(libc::WEXITSTATUS(status), 0, "1: not closed or not kept, 2, 3: set-up failed");
+        assert_eq!(
+            libc::WEXITSTATUS(status),
+            0,
+            "1: not closed or not kept, 4: the fallback left one open, 2, 3: set-up failed"
+        );
     }
 }
