@@ -40,6 +40,9 @@ import http.client
 
 import requests
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from net_instances import NetInstance  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 RELEASE = REPO / "target" / "x86_64-unknown-linux-gnu" / "release" / "hutch"
 TIMEOUT = 30
@@ -88,6 +91,13 @@ class Daemon:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
         env["HUTCH_RUN_DIR"] = str(self.root / "run")
         env.update(env_extra or {})
+        # A network instance no other daemon on this host holds, unless
+        # the caller named one: two benches, or a bench beside a test
+        # session, never collide on instance 0.
+        self.net = None
+        if "HUTCH_NET_INSTANCE" not in env:
+            self.net = NetInstance.claim()
+            env["HUTCH_NET_INSTANCE"] = str(self.net.number)
         self.log = open(self.root / "daemon.log", "wb")
         self.proc = subprocess.Popen(
             [str(binary), "serve", "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.root / "state"),
@@ -137,6 +147,8 @@ class Daemon:
         # The daemon unmounts its storage on a clean stop; make sure.
         subprocess.run(["umount", "-l", str(self.root / "state" / "storage" / "fs")], capture_output=True)
         shutil.rmtree(self.root, ignore_errors=True)
+        if self.net is not None:
+            self.net.release()
 
 
 class Reply:
