@@ -21,9 +21,10 @@
 //!
 //! Host processes: `runsc run --detach` (or `restore --detach`) leaves the
 //! sentry and the gofer behind when it returns. It runs under a reaper of
-//! its own (the agent binary's `--reap` mode, see [`sandbox_runsc`]),
-//! which inherits them, reaps them and the sentry's helper processes as
-//! they end, and exits after the last; it is outside the sandbox's cgroup.
+//! its own (the agent binary's `--reap` mode, see
+//! [`Runtime::sandbox_runsc`]), which inherits them, reaps them and the
+//! sentry's helper processes as they end, and exits after the last; it is
+//! outside the sandbox's cgroup.
 //!
 //! Host layout of sandbox `id`, every part of it removed by
 //! [`Runtime::destroy_gvisor`] or [`Runtime::sweep`]:
@@ -493,10 +494,34 @@ impl Runtime {
         Ok(())
     }
 
+    /// runsc with the flags every sandbox of this runtime runs with, for the
+    /// `run --detach` or `restore --detach` that starts one. runsc returns
+    /// leaving the sandbox's processes behind: it runs through the runtime's
+    /// agent binary in its host-side mode ([`proto::REAP_FLAG`]), which stays
+    /// to reap them as they end. Left to init, whose reaping is slow on some
+    /// hosts, they kept runsc's `delete` waiting (about 1.2 s per memory
+    /// snapshot, fork or pause on this host's init).
+    ///
+    /// `--cgroupfs` mounts gVisor's own emulated cgroupfs in the sandbox: the
+    /// agent's supervisors, which gVisor does not let be subreapers, track each
+    /// command's process tree by a cgroup there (see the agent's `child.rs`).
+    /// Those cgroups live in the sentry alone and touch no host cgroup.
+    fn sandbox_runsc(&self, paths: &Paths) -> Command {
+        let mut launcher = Command::new(&self.config().agent);
+        launcher.arg(proto::REAP_FLAG).arg(runsc_path());
+        let mut cmd = paths.runsc_from(launcher);
+        cmd.args(["--platform=ptrace", "--host-uds=create", "--cgroupfs"]);
+        // HUTCH_RUNSC_DEBUG=DIR: runsc's debug logs of every sandbox there.
+        if let Some(dir) = std::env::var_os("HUTCH_RUNSC_DEBUG") {
+            cmd.arg("--debug").arg(format!("--debug-log={}/", Path::new(&dir).join(&paths.id).display()));
+        }
+        cmd
+    }
+
     /// runsc with the flags of a sandbox of `spec` (a `run` or a
     /// `restore` follows).
     fn runsc_global(&self, paths: &Paths, spec: &SandboxSpec) -> Result<Command, RuntimeError> {
-        let mut cmd = sandbox_runsc(paths, &self.config().agent);
+        let mut cmd = self.sandbox_runsc(paths);
         // runsc of 2022-12 cannot take a namespace's interfaces into its
         // netstack on kernels that show net.core sysctls in every namespace
         // (it then takes any namespace for the host's): the sandbox uses
@@ -580,30 +605,6 @@ const RESUME_ENTROPY: usize = 64;
 
 /// The name of the file runsc writes a checkpoint to, in its image directory.
 const IMAGE_FILE: &str = "checkpoint.img";
-
-/// runsc with the flags every sandbox of this runtime runs with, for the
-/// `run --detach` or `restore --detach` that starts one. runsc returns
-/// leaving the sandbox's processes behind: it runs through `reaper` (the
-/// agent binary's host-side mode, [`proto::REAP_FLAG`]), which stays to
-/// reap them as they end. Left to init, whose reaping is slow on some
-/// hosts, they kept runsc's `delete` waiting (about 1.2 s per memory
-/// snapshot, fork or pause on this host's init).
-///
-/// `--cgroupfs` mounts gVisor's own emulated cgroupfs in the sandbox: the
-/// agent's supervisors, which gVisor does not let be subreapers, track each
-/// command's process tree by a cgroup there (see the agent's `child.rs`).
-/// Those cgroups live in the sentry alone and touch no host cgroup.
-fn sandbox_runsc(paths: &Paths, reaper: &Path) -> Command {
-    let mut launcher = Command::new(reaper);
-    launcher.arg(proto::REAP_FLAG).arg(runsc_path());
-    let mut cmd = paths.runsc_from(launcher);
-    cmd.args(["--platform=ptrace", "--host-uds=create", "--cgroupfs"]);
-    // HUTCH_RUNSC_DEBUG=DIR: runsc's debug logs of every sandbox there.
-    if let Some(dir) = std::env::var_os("HUTCH_RUNSC_DEBUG") {
-        cmd.arg("--debug").arg(format!("--debug-log={}/", Path::new(&dir).join(&paths.id).display()));
-    }
-    cmd
-}
 
 /// Writes the file that ends a quiesced agent's wait ([`proto::Resume`]):
 /// its environment (`None` keeps its own) and fresh entropy from the host.
@@ -765,14 +766,14 @@ impl Runtime {
         let mut marks = Marks::new();
         // runsc's delete waits (2 s at most) until the stopped sentry and
         // gofer are reaped: by the reaper they were started under (see
-        // sandbox_runsc), or by init should that reaper be gone.
+        // Runtime::sandbox_runsc), or by init should that reaper be gone.
         let mut delete = paths.runsc_here();
         delete.arg("delete").arg(&paths.id);
         run(delete, "delete the checkpointed sandbox", &paths.bundle.join("checkpoint.log"))?;
         marks.mark("delete");
         let _ = fs::remove_file(paths.pid_file());
         write_resume(paths, None)?;
-        let mut cmd = sandbox_runsc(paths, &self.config().agent);
+        let mut cmd = self.sandbox_runsc(paths);
         // Only a sandbox without a network namespace was saved.
         cmd.arg("--network=none");
         cmd.arg("restore").arg("--detach").arg("--image-path").arg(image);
