@@ -727,8 +727,26 @@ impl Control {
             network: Some(net.to_json()),
             ..Set::default()
         };
-        let became = self.transition(&id, Transition::Ready, ready).await?;
-        self.insert_live(live);
+        // A warm sandbox is claimable the moment the store says it runs,
+        // and a claim takes its Live out of the pool (a pooled Live serves
+        // nobody): the Live must be in the map before that moment, or a
+        // claim in between would leave it pooled for good. A pooled Live is
+        // nobody's, so it is no door into a sandbox still starting.
+        if record.pooled {
+            self.insert_live(live.clone());
+        }
+        let became = match self.transition(&id, Transition::Ready, ready).await {
+            Ok(became) => became,
+            Err(e) => {
+                if record.pooled {
+                    self.remove_live(&id);
+                }
+                return Err(e);
+            }
+        };
+        if !record.pooled {
+            self.insert_live(live);
+        }
         self.uncancel(&id);
         crate::timing::mark("ready", t2);
         match became {
