@@ -494,6 +494,13 @@ pub struct Spawn {
     /// Whether this connection receives output and exit.
     #[serde(default = "yes")]
     pub subscribe: bool,
+    /// At most this many bytes of each stream reach this connection; the
+    /// rest is read and discarded in the sandbox, and one
+    /// [`FromAgent::Dropped`] per stream says output was lost. A host
+    /// that keeps only so much of a command's output then does not pay
+    /// for a flood past it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_limit: Option<u64>,
 }
 
 fn yes() -> bool {
@@ -544,8 +551,9 @@ pub enum FromAgent {
     Reply { id: u64, reply: Reply },
     /// A chunk of a process's output; the bytes are the frame's data.
     Output { pid: u32, stream: Stream },
-    /// Output of this stream was discarded (nobody attached, replay buffer
-    /// full); `bytes` says how much.
+    /// Output of this stream was discarded (nobody attached and the
+    /// replay buffer was full, or past the spawn's `output_limit`); `bytes`
+    /// says how much, so far.
     Dropped { pid: u32, stream: Stream, bytes: u64 },
     /// The process ended. Always the last message about a pid.
     Exit { pid: u32, status: ExitStatus },

@@ -323,6 +323,7 @@ fn root_spawn(cmd: Cmd) -> Spawn {
         tag: None,
         timeout_ms: None,
         subscribe: true,
+        output_limit: None,
     }
 }
 
@@ -437,6 +438,36 @@ fn fifty_megabytes_of_output_arrive_in_full_and_in_order() {
     assert!(expected.len() > 50_000_000);
     assert_eq!(out.stdout.len(), expected.len());
     assert!(out.stdout == expected, "output differs from seq's");
+}
+
+#[test]
+fn past_its_output_limit_a_stream_is_dropped_in_the_sandbox_and_the_loss_said_once() {
+    let agent = Agent::start();
+    let mut c = agent.connect();
+    // Many reads' worth of stdout, a line of stderr under the limit.
+    let mut s = root_spawn(Cmd::Shell("head -c 300000 /dev/zero; echo tail >&2".into()));
+    s.output_limit = Some(1000);
+    let pid = c.spawn(s);
+    let (mut stdout, mut stderr, mut told, mut lost) = (Vec::new(), Vec::new(), Vec::new(), 0);
+    let status = loop {
+        match c.next_event() {
+            (FromAgent::Output { pid: p, stream }, data) if p == pid => match stream {
+                Stream::Stdout => stdout.extend_from_slice(&data),
+                Stream::Stderr => stderr.extend_from_slice(&data),
+            },
+            (FromAgent::Dropped { pid: p, stream, bytes }, _) if p == pid => {
+                told.push(stream);
+                lost += bytes;
+            }
+            (FromAgent::Exit { pid: p, status }, _) if p == pid => break status,
+            _ => {}
+        }
+    };
+    assert_eq!(Some(status), exited(0));
+    assert_eq!(stdout, vec![0u8; 1000]);
+    assert_eq!(stderr, b"tail\n");
+    assert_eq!(told, vec![Stream::Stdout], "one loss message, for stdout only");
+    assert!(lost > 0 && lost <= 299_000, "{lost} bytes said lost");
 }
 
 #[test]

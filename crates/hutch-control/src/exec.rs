@@ -114,6 +114,8 @@ fn spawn_request(cmd: Cmd, req: &ExecRequest) -> Result<Spawn> {
         // A background command's output is kept by the agent for whoever
         // reattaches; nothing here consumes it.
         subscribe: !background,
+        // Set by `run` when nobody streams the output.
+        output_limit: None,
     };
     // What the frame's header holds besides the request: its id and tags.
     const SLACK: usize = 64;
@@ -287,7 +289,13 @@ impl Control {
         let sid = &live.id;
         let broken = |e| RunError::Started(from_agent(sid, e, Access::Process));
         let background = req.background.unwrap_or(false);
-        let spawn = spawn_request(cmd, req).map_err(RunError::NotStarted)?;
+        let mut spawn = spawn_request(cmd, req).map_err(RunError::NotStarted)?;
+        if events.is_none() {
+            // Only the reply's capped output is wanted: past the cap the
+            // agent drops a flood in the sandbox, on the sandbox's CPU,
+            // instead of sending it here to be dropped on the daemon's.
+            spawn.output_limit = Some(OUTPUT_CAP as u64);
+        }
         let mut conn = live.conn().await.map_err(|e| RunError::NotStarted(from_agent(sid, e, Access::Process)))?;
         let pid = match conn.call(Request::Spawn(spawn), &[]).await {
             Ok((Reply::Spawned { pid }, _)) => pid,
@@ -364,6 +372,10 @@ impl Control {
                         Stream::Stderr => err.push(&data),
                     }
                 }
+                FromAgent::Dropped { pid: p, stream, .. } if p == pid => match stream {
+                    Stream::Stdout => out.truncated = true,
+                    Stream::Stderr => err.truncated = true,
+                },
                 FromAgent::Exit { pid: p, status } if p == pid => break status,
                 _ => {}
             }

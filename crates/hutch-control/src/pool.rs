@@ -355,6 +355,7 @@ async fn warm_up(conn: &mut hutch_runtime::agent_async::AsyncConn) -> bool {
         tag: None,
         timeout_ms: Some(5_000),
         subscribe: true,
+        output_limit: None,
     };
     let Ok((Reply::Spawned { pid }, _)) = conn.call(Request::Spawn(spawn), &[]).await else { return false };
     loop {

@@ -132,6 +132,7 @@ impl Control {
             tag: None,
             timeout_ms: None,
             subscribe: true,
+            output_limit: None,
         };
         self.count_command(id);
         let pid = match out.call(Request::Spawn(spawn), &[]).await.map_err(link)? {

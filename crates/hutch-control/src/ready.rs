@@ -103,6 +103,8 @@ async fn probe(socket: &Path, r: &Readiness, cwd: Option<&str>, limit: Duration)
             tag: None,
             timeout_ms: Some(limit.as_millis() as u64),
             subscribe: true,
+            // Only its exit counts.
+            output_limit: Some(0),
         };
         let (Reply::Spawned { pid }, _) = conn.call(Request::Spawn(spawn), &[]).await.ok()? else { return None };
         loop {
@@ -140,6 +142,7 @@ pub async fn until_ready(
             tag: Some(STARTUP_TAG.into()),
             timeout_ms: None,
             subscribe: true,
+            output_limit: None,
         };
         let pid = match conn.call(Request::Spawn(spawn), &[]).await {
             Ok((Reply::Spawned { pid }, _)) => pid,

@@ -336,6 +336,7 @@ impl Control {
             tag: spec.tag,
             timeout_ms: spec.timeout_ms,
             subscribe: true,
+            output_limit: None,
         };
         self.count_command(&live.id);
         let pid =

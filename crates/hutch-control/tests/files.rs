@@ -94,6 +94,7 @@ impl TestSandbox {
             tag: None,
             timeout_ms: Some(60_000),
             subscribe: true,
+            output_limit: None,
         };
         let (reply, _) = c.call(Request::Spawn(spawn), &[]).await.expect("spawn");
         let Reply::Spawned { pid } = reply else { panic!("unexpected {reply:?}") };

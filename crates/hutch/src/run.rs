@@ -186,6 +186,7 @@ fn drive(sandbox: &Sandbox, args: &RunArgs, env: Vec<(String, String)>) -> Resul
         tag: None,
         timeout_ms: args.timeout.map(|t| t.as_millis().min(u64::MAX as u128) as u64),
         subscribe: true,
+        output_limit: None,
     };
     let spawn_id = conn.send(Request::Spawn(spawn), &[]).map_err(|e| e.to_string())?;
     let mut stdout = std::io::stdout().lock();

@@ -22,6 +22,7 @@ fn spawn(cmd: &str, user: &str, timeout_ms: Option<u64>) -> Request {
         tag: None,
         timeout_ms,
         subscribe: true,
+        output_limit: None,
     })
 }
 
@@ -177,6 +178,7 @@ fn processes_outlive_the_client_that_started_them() {
         timeout_ms: None,
         // Output nobody is attached to is kept for replay.
         subscribe: false,
+        output_limit: None,
     });
     let (reply, _) = first.call(req, &[]).expect("spawn");
     let Reply::Spawned { pid } = reply else { panic!("{reply:?}") };

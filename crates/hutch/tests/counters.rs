@@ -26,6 +26,7 @@ fn python(script: &str, user: &str) -> Request {
         tag: None,
         timeout_ms: Some(120_000),
         subscribe: true,
+        output_limit: None,
     })
 }
 

@@ -22,6 +22,7 @@ fn spawn(cmd: &str, subscribe: bool) -> Request {
         tag: None,
         timeout_ms: Some(60_000),
         subscribe,
+        output_limit: None,
     })
 }
 

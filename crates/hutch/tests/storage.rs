@@ -31,6 +31,7 @@ fn sh(sb: &Sandbox, cmd: &str, user: &str) -> (String, i32) {
         tag: None,
         timeout_ms: Some(120_000),
         subscribe: true,
+        output_limit: None,
     };
     let (reply, _) = conn.call(Request::Spawn(spawn), &[]).expect("spawn");
     let Reply::Spawned { pid } = reply else { panic!("unexpected {reply:?}") };

@@ -132,6 +132,28 @@ struct Proc {
     /// The exit was sent and the streams closed (`info.exited` is set);
     /// the record stays while the rest of the tree lives.
     finished: bool,
+    /// What the spawning connection still takes of each stream.
+    limit: Option<Limit>,
+}
+
+/// The spawn's `output_limit`: bytes of each stream its connection still
+/// takes, and whether it was told of a loss.
+struct Limit {
+    conn: u64,
+    left: [u64; 2],
+    told: [bool; 2],
+}
+
+impl Limit {
+    /// How much of `n` new bytes of stream `idx` go to the connection, and
+    /// whether to tell it that the rest is lost (once per stream).
+    fn take(&mut self, idx: usize, n: usize) -> (usize, bool) {
+        let send = n.min(usize::try_from(self.left[idx]).unwrap_or(usize::MAX));
+        self.left[idx] -= send as u64;
+        let tell = send < n && !self.told[idx];
+        self.told[idx] |= send < n;
+        (send, tell)
+    }
 }
 
 impl Proc {
@@ -249,9 +271,19 @@ fn deliver(out: &mut Outbox, p: &mut Proc, idx: usize, data: &[u8]) {
         p.streams[idx].ring.push(data);
         return;
     }
-    let msg = FromAgent::Output { pid: p.info.pid, stream: Proc::stream_kind(idx) };
+    let (pid, stream) = (p.info.pid, Proc::stream_kind(idx));
+    let msg = FromAgent::Output { pid, stream };
     for &c in &p.subs {
-        let _ = out.send(c, &msg, data);
+        let (send, tell) = match &mut p.limit {
+            Some(l) if l.conn == c => l.take(idx, data.len()),
+            _ => (data.len(), false),
+        };
+        if send > 0 {
+            let _ = out.send(c, &msg, &data[..send]);
+        }
+        if tell {
+            let _ = out.send(c, &FromAgent::Dropped { pid, stream, bytes: (data.len() - send) as u64 }, &[]);
+        }
     }
 }
 
@@ -1008,6 +1040,7 @@ impl Agent {
             descendants_alive: false,
             finished: false,
             tenant,
+            limit: req.output_limit.filter(|_| req.subscribe).map(|n| Limit { conn, left: [n; 2], told: [false; 2] }),
         };
         sync_proc(&self.epoll, &self.out, serial, &mut p);
         if let Some(at) = timeout_at {

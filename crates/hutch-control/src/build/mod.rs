@@ -1071,6 +1071,7 @@ impl Control {
             tag: None,
             timeout_ms: Some(STEP_TIMEOUT.as_millis() as u64),
             subscribe: true,
+            output_limit: None,
         };
         let status = run_logged(&sb.socket, spawn, log).await;
         let id_base = sb.id_base().ok_or("the build sandbox lost its uid range")?;
