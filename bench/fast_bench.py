@@ -137,6 +137,17 @@ def fan_out(d: Daemon, n: int, job) -> float:
     return time.perf_counter() - t
 
 
+FLOOD = """
+import json, sys
+sys.path.insert(0, %r)
+from api_bench import Lean
+base, key, sid = sys.argv[1:4]
+s = Lean(base, key)
+while True:
+    s.post(f"{base}/v1/sandboxes/{sid}/exec", data=json.dumps({"command": "timeout 2 yes", "timeout_seconds": 5}))
+""" % str(Path(__file__).resolve().parent)
+
+
 def abuse(d: Daemon, runs: int) -> tuple[list[float], list[float]]:
     s, base = d.session(), d.base
     quiet = create(s, base, {"ttl_seconds": 3600})
@@ -152,20 +163,21 @@ def abuse(d: Daemon, runs: int) -> tuple[list[float], list[float]]:
         for h in hogs:
             check(s.post(f"{base}/v1/sandboxes/{noisy['id']}/exec",
                          data=json.dumps({"command": h, "background": True})), 200)
-        stop = threading.Event()
-
-        def flood():  # an output flood, read by its own client as it streams
-            fs = d.session()
-            while not stop.is_set():
-                fs.post(f"{base}/v1/sandboxes/{noisy['id']}/exec",
-                        data=json.dumps({"command": "timeout 2 yes", "timeout_seconds": 5}))
-
-        t = threading.Thread(target=flood, daemon=True)
-        t.start()
-        time.sleep(1)  # the abuse is under way (a bench, not a test)
-        busy = exec_rts(s, base, quiet["id"], runs)
-        stop.set()
-        t.join(timeout=30)
+        # An output flood, read as it streams by a client of its own: a
+        # process apart, as a neighbour is, so that its reading does not
+        # take this process's interpreter from the measured client.
+        flood = subprocess.Popen(
+            [sys.executable, "-c", FLOOD, base, d.key, noisy["id"]],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        )
+        try:
+            time.sleep(1)  # the abuse is under way (a bench, not a test)
+            if flood.poll() is not None:
+                raise RuntimeError(f"the flood client exited {flood.returncode}")
+            busy = exec_rts(s, base, quiet["id"], runs)
+        finally:
+            flood.terminate()
+            flood.wait(timeout=30)
         return alone, busy
     finally:
         for sb in (quiet, noisy):
