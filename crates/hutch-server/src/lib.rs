@@ -32,6 +32,7 @@ mod snapshots;
 mod templates;
 mod transfer;
 mod volumes;
+pub mod wake;
 
 use axum::body::Body;
 use axum::extract::{FromRequest, Request};
@@ -50,11 +51,13 @@ pub struct App {
     pub control: Arc<Control>,
     /// Connections to the fleet's other nodes.
     pub forwarder: fleet::Forwarder,
+    /// Idle CPUs kept polling while calls run (`--wake-hold`).
+    pub wake: Option<Arc<wake::WakeHold>>,
 }
 
 impl App {
     pub fn new(control: Arc<Control>) -> App {
-        App { control, forwarder: Default::default() }
+        App { control, forwarder: Default::default(), wake: None }
     }
 }
 

@@ -80,7 +80,7 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
         .merge(crate::secrets::router(app.clone()))
         .layer(middleware::map_response(no_store))
         .layer(middleware::from_fn(server_timing));
-    Router::new()
+    let router = Router::new()
         .merge(native)
         .merge(crate::e2b::router(app.clone()).layer(middleware::from_fn(server_timing)))
         .merge(crate::pty::router(app.clone()))
@@ -103,8 +103,12 @@ pub(crate) fn router_until(app: Arc<App>, stop: tokio_util::sync::CancellationTo
         .layer(middleware::from_fn_with_state(app.clone(), crate::audit::layer))
         // Calls for another node's sandboxes, and creates placed elsewhere,
         // are passed to that node before anything here reads them.
-        .layer(middleware::from_fn_with_state(app.clone(), crate::fleet::route))
-        .with_state(app)
+        .layer(middleware::from_fn_with_state(app.clone(), crate::fleet::route));
+    let router = match app.wake.clone() {
+        Some(wake) => router.layer(middleware::from_fn_with_state(wake, crate::wake::layer)),
+        None => router,
+    };
+    router.with_state(app)
 }
 
 /// `Cache-Control: no-store` unless the handler said otherwise.

@@ -192,6 +192,12 @@ pub struct ServeArgs {
     /// doubles it, up to an hour, for a day (HUTCH_WEBHOOK_RETRY_BASE).
     #[arg(long, env = "HUTCH_WEBHOOK_RETRY_BASE", default_value = "10s", value_parser = crate::units::parse_duration)]
     pub webhook_retry_base: Duration,
+    /// Keep idle CPUs polling instead of halting while API calls run and
+    /// for this long after the last one, e.g. `20ms` (a PM QoS request,
+    /// /dev/cpu_dma_latency): fewer slow wakeups on the way of a command,
+    /// for CPU time spent polling. Off by default (HUTCH_WAKE_HOLD).
+    #[arg(long, env = "HUTCH_WAKE_HOLD", value_parser = crate::units::parse_duration)]
+    pub wake_hold: Option<Duration>,
     /// Emit no events (to measure what the event path costs).
     #[arg(long, hide = true)]
     pub no_events: bool,
@@ -713,7 +719,15 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
         limits.max_unauthenticated(),
         limits.max_client_connections
     );
-    let app = Arc::new(hutch_server::App::new(control.clone()));
+    let mut app = hutch_server::App::new(control.clone());
+    if let Some(hold) = args.wake_hold {
+        app.wake = Some(
+            hutch_server::wake::WakeHold::new(hold)
+                .context("--wake-hold: cannot make a PM QoS request (/dev/cpu_dma_latency)")?,
+        );
+        tracing::info!("idle CPUs poll while API calls run and for {hold:?} after (--wake-hold)");
+    }
+    let app = Arc::new(app);
     let stopping = Arc::new(tokio::sync::Notify::new());
     let notify = stopping.clone();
     let shutdown = async move {
