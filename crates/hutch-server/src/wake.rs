@@ -80,18 +80,25 @@ impl WakeHold {
         }
     }
 
+    /// Ends the request once no call has run for `hold`. A call running
+    /// when it looks ends it instead: the answer that leaves none running
+    /// starts the next one (no timer ticks through a long call).
     async fn close_when_quiet(self: Arc<Self>) {
         let mut wait = self.hold;
         loop {
             tokio::time::sleep(wait).await;
             let mut s = self.lock();
+            if s.in_flight > 0 {
+                s.closer = false;
+                return;
+            }
             let quiet = s.last.map_or(self.hold, |t| t.elapsed());
-            if s.in_flight == 0 && quiet >= self.hold {
+            if quiet >= self.hold {
                 s.qos = None;
                 s.closer = false;
                 return;
             }
-            wait = self.hold.saturating_sub(quiet).max(Duration::from_millis(1));
+            wait = self.hold - quiet;
         }
     }
 }
@@ -142,6 +149,12 @@ mod tests {
         assert!(w.held());
         w.leave();
         assert!(w.held(), "held for the quiet time after the last answer");
+        // A call that starts before the hold is over and outlasts it: the
+        // waiting closer gives up, and the answer starts another.
+        w.enter();
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        assert!(w.held());
+        w.leave();
         let t0 = Instant::now();
         while w.held() {
             assert!(t0.elapsed() < Duration::from_secs(10), "never released");
