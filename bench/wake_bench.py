@@ -14,14 +14,13 @@ run. Run as root after `cargo build --release -p hutch -p hutch-agent`:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from api_bench import RELEASE, Daemon, check, pct  # noqa: E402
+from api_bench import RELEASE, Daemon, pct  # noqa: E402
+from fast_bench import create, exec_rts  # noqa: E402
 
 
 def main() -> int:
@@ -37,20 +36,11 @@ def main() -> int:
         targets = {}
         for name, d in daemons.items():
             s = d.session()
-            sb = check(s.post(d.base + "/v1/sandboxes", data=json.dumps({"ttl_seconds": 600})), 201)
-            targets[name] = (s, f"{d.base}/v1/sandboxes/{sb['id']}/exec")
+            targets[name] = (s, d.base, create(s, d.base, {"ttl_seconds": 600})["id"])
 
         def block(name: str) -> list[float]:
-            s, url = targets[name]
-            out = []
-            for _ in range(a.per_block):
-                t = time.perf_counter()
-                res = check(s.post(url, data='{"argv":["true"]}'), 200)
-                out.append(time.perf_counter() - t)
-                if res["exit_code"] != 0:
-                    raise RuntimeError(f"`true` exited {res['exit_code']}")
-            # The first of a block wakes from the other daemon's turn.
-            return out[10:]
+            # The first of a block wake from the other daemon's turn.
+            return exec_rts(*targets[name], a.per_block)[10:]
 
         for _ in range(a.blocks):
             for name in daemons:
