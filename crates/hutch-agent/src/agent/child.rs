@@ -362,9 +362,9 @@ impl TreeCgroup {
     /// `None` when `root` is no cgroup hierarchy we can make cgroups in.
     fn make(root: &Path, pid: i32) -> Option<(TreeCgroup, OwnedFd)> {
         let dir = tree_cgroup_dir(root, pid);
-        let parent = root.join("hutch");
+        let (parent, procs) = (root.join("hutch"), dir.join("cgroup.procs"));
         let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).ok();
-        let (parent_c, dir_c, procs_c) = (c(&parent)?, c(&dir)?, c(&dir.join("cgroup.procs"))?);
+        let (parent_c, dir_c, procs_c) = (c(&parent)?, c(&dir)?, c(&procs)?);
         match sys::mkdir_path(&parent_c, 0o755) {
             Ok(()) | Err(Errno(libc::EEXIST)) => {}
             Err(_) => return None,
@@ -380,7 +380,7 @@ impl TreeCgroup {
             }
             Err(_) => return None,
         }
-        let tree = TreeCgroup { dir: dir_c, procs: dir.join("cgroup.procs") };
+        let tree = TreeCgroup { dir: dir_c, procs };
         let fd = sys::open(&procs_c, libc::O_WRONLY).ok()?;
         Some((tree, fd))
     }
