@@ -28,9 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from api_bench import RELEASE, TIMEOUT, Daemon, check, ms, pct  # noqa: E402
-from net_instances import NetInstance  # noqa: E402
 
 
 def server_timing(resp) -> dict[str, float]:
@@ -81,9 +79,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--classes", default="container,process")
     args = ap.parse_args()
-    # A network instance no other daemon on this host holds.
-    net = NetInstance.claim()
-    d = Daemon(args.binary, {"HUTCH_NET_INSTANCE": str(net.number)})
+    # A network instance no other daemon on this host holds: Daemon claims one.
+    d = Daemon(args.binary)
     try:
         s = d.session()
         health = []

@@ -23,9 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from api_bench import RELEASE, Daemon, check  # noqa: E402
-from net_instances import NetInstance  # noqa: E402
 
 
 def main() -> int:
@@ -34,10 +32,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--execs", type=int, default=600)
     a = p.parse_args()
-    # Network instances no other daemon on this host holds.
-    nets = [NetInstance.claim(), NetInstance.claim()]
-    on = Daemon(a.binary, env_extra={"HUTCH_NET_INSTANCE": str(nets[0].number)})
-    off = Daemon(a.binary, env_extra={"HUTCH_NET_INSTANCE": str(nets[1].number)}, args=["--no-events"])
+    # Each claims a network instance no other daemon on this host holds.
+    on = Daemon(a.binary)
+    off = Daemon(a.binary, args=["--no-events"])
     try:
         ds = {"on": on, "off": off}
         ss = {k: d.session() for k, d in ds.items()}
@@ -87,8 +84,6 @@ def main() -> int:
     finally:
         on.stop()
         off.stop()
-        for n in nets:
-            n.release()
     return 0
 
 

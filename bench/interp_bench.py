@@ -41,9 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from api_bench import RELEASE, TIMEOUT, Daemon, Lean, check, ms, pct  # noqa: E402
-from net_instances import NetInstance  # noqa: E402
 
 PYTHON = "/opt/hutch/python/bin/python"
 # The built-in template's startup command (hutch_runtime::image::interp).
@@ -106,8 +104,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--binary", type=Path, default=RELEASE, help="the hutch binary (default: the release build)")
     args = ap.parse_args()
-    net = NetInstance.claim()
-    d = Daemon(args.binary, {"HUTCH_NET_INSTANCE": str(net.number)})
+    d = Daemon(args.binary)
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HUTCH_")}
         state = str(d.root / "state")
@@ -180,7 +177,6 @@ def main() -> None:
         print(row("native: exec python -c 'print(1+1)'", warm_native))
     finally:
         d.stop()
-        net.release()
 
 
 if __name__ == "__main__":

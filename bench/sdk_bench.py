@@ -42,10 +42,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 GOAL_MS = 0.3
 
-sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from api_bench import RELEASE, Daemon, pct  # noqa: E402
-from net_instances import NetInstance  # noqa: E402
 
 try:
     import hutch
@@ -94,8 +92,7 @@ def main() -> None:
     ap.add_argument("--binary", type=Path, default=RELEASE)
     args = ap.parse_args()
 
-    net = NetInstance.claim()
-    d = Daemon(args.binary, {"HUTCH_NET_INSTANCE": str(net.number)})
+    d = Daemon(args.binary)
     client = hutch.Hutch(d.base, d.key)
     sb = client.sandboxes.create(ttl="30m")
     try:
@@ -153,7 +150,6 @@ def main() -> None:
         finally:
             client.close()
             d.stop()
-            net.release()
 
 
 if __name__ == "__main__":
