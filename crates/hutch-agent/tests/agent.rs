@@ -227,6 +227,8 @@ struct Collected {
     stdout: Vec<u8>,
     stderr: Vec<u8>,
     dropped: u64,
+    /// The stream of each `Dropped` message, in order.
+    dropped_on: Vec<Stream>,
     status: Option<ExitStatus>,
 }
 
@@ -301,7 +303,10 @@ impl Client {
                     Stream::Stdout => c.stdout.extend_from_slice(&data),
                     Stream::Stderr => c.stderr.extend_from_slice(&data),
                 },
-                (FromAgent::Dropped { pid: p, bytes, .. }, _) if p == pid => c.dropped += bytes,
+                (FromAgent::Dropped { pid: p, stream, bytes }, _) if p == pid => {
+                    c.dropped += bytes;
+                    c.dropped_on.push(stream);
+                }
                 (FromAgent::Exit { pid: p, status }, _) if p == pid => {
                     c.status = Some(status);
                     return c;
@@ -448,26 +453,12 @@ fn past_its_output_limit_a_stream_is_dropped_in_the_sandbox_and_the_loss_said_on
     let mut s = root_spawn(Cmd::Shell("head -c 300000 /dev/zero; echo tail >&2".into()));
     s.output_limit = Some(1000);
     let pid = c.spawn(s);
-    let (mut stdout, mut stderr, mut told, mut lost) = (Vec::new(), Vec::new(), Vec::new(), 0);
-    let status = loop {
-        match c.next_event() {
-            (FromAgent::Output { pid: p, stream }, data) if p == pid => match stream {
-                Stream::Stdout => stdout.extend_from_slice(&data),
-                Stream::Stderr => stderr.extend_from_slice(&data),
-            },
-            (FromAgent::Dropped { pid: p, stream, bytes }, _) if p == pid => {
-                told.push(stream);
-                lost += bytes;
-            }
-            (FromAgent::Exit { pid: p, status }, _) if p == pid => break status,
-            _ => {}
-        }
-    };
-    assert_eq!(Some(status), exited(0));
-    assert_eq!(stdout, vec![0u8; 1000]);
-    assert_eq!(stderr, b"tail\n");
-    assert_eq!(told, vec![Stream::Stdout], "one loss message, for stdout only");
-    assert!(lost > 0 && lost <= 299_000, "{lost} bytes said lost");
+    let out = c.collect(pid);
+    assert_eq!(out.status, exited(0));
+    assert_eq!(out.stdout, vec![0u8; 1000]);
+    assert_eq!(out.stderr, b"tail\n");
+    assert_eq!(out.dropped_on, vec![Stream::Stdout], "one loss message, for stdout only");
+    assert!(out.dropped > 0 && out.dropped <= 299_000, "{} bytes said lost", out.dropped);
 }
 
 #[test]
