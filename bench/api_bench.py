@@ -133,7 +133,12 @@ class Daemon:
             try:
                 s = self.session()
                 for sb in check(s.get(self.base + "/v1/sandboxes?live=true&limit=1000"), 200)["sandboxes"]:
-                    s.delete(f"{self.base}/v1/sandboxes/{sb['id']}")
+                    r = s.delete(f"{self.base}/v1/sandboxes/{sb['id']}")
+                    # Said, not raised: the rest still goes. A sandbox
+                    # whose delete failed outlives the daemon.
+                    if r.status_code != 200:
+                        print(f"bench: cleanup: {r.method} {r.url} -> {r.status_code}: {r.text[:300]}",
+                              file=sys.stderr)
             except (OSError, RuntimeError) as e:
                 print(f"bench: cleanup: {e}", file=sys.stderr)
         if self.proc.poll() is None:
