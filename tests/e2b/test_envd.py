@@ -365,3 +365,23 @@ def test_envd_tokens_reach_only_their_own_running_sandbox(daemon):
     assert r.status_code == 502 and "was not found" in r.json()["message"], r.text
     with pytest.raises(SandboxNotRunningException):
         a.files.read("mine.txt")
+
+
+def test_the_daemon_keeps_an_idle_connection_longer_than_the_sdk_pools_it():
+    """The SDK keeps an idle connection in its pool for `pool_idle_timeout`
+    and reuses it until then. Were the daemon's idle timeout shorter, a
+    request could meet the daemon closing that connection, and the SDK's
+    retry of a failed send replays a multipart body it already consumed:
+    the daemon reads a form that ends early (seen as a flaky `400
+    malformed form: incomplete multipart stream`)."""
+    import re
+    import subprocess
+
+    import e2b.api
+    from conftest import BIN
+
+    help_text = subprocess.run([str(BIN), "serve", "--help"], capture_output=True, text=True, check=True).stdout
+    flag = help_text[help_text.index("--idle-timeout"):]
+    value, unit = re.search(r"\[default: (\d+)(s|m)\]", flag).groups()
+    idle_s = int(value) * (60 if unit == "m" else 1)
+    assert idle_s > e2b.api.pool_idle_timeout, (idle_s, e2b.api.pool_idle_timeout)

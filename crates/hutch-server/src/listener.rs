@@ -84,7 +84,7 @@ impl Default for Limits {
             max_connections: 16384,
             max_client_connections: 256,
             header_timeout: Duration::from_secs(10),
-            idle_timeout: Duration::from_secs(120),
+            idle_timeout: Duration::from_secs(600),
             client_grace: Duration::from_secs(1),
         }
     }

@@ -393,4 +393,59 @@ mod tests {
         waits.headers_mut().insert(axum::http::header::EXPECT, axum::http::HeaderValue::from_static("100-Continue"));
         assert_eq!(refuse(waits, unauthorized()).await.headers()[axum::http::header::CONNECTION], "close");
     }
+
+    /// A form whose body arrives cut at any two points reads whole: the
+    /// tap, the parser and a part's feed lose and reorder nothing, however
+    /// the boundaries and the content fall across chunks.
+    #[tokio::test]
+    async fn a_form_reads_whole_however_its_body_is_split() {
+        let content: &[u8] = b"\nimport http.server\r\nprint('hi')\r\n";
+        let mut body = Vec::new();
+        body.extend_from_slice(b"--b0undary\r\nContent-Disposition: form-data; name=\"file\"; filename=\"/home/user/e.py\"\r\nContent-Type: text/x-python\r\n\r\n");
+        body.extend_from_slice(content);
+        body.extend_from_slice(b"\r\n--b0undary--\r\n");
+        let n = body.len();
+        for i in 0..=n {
+            for j in i..=n {
+                let pieces = [&body[..i], &body[i..j], &body[j..]];
+                let (tx, rx) = mpsc::channel(PIPE_DEPTH);
+                let feed = {
+                    let pieces: Vec<Vec<u8>> = pieces.iter().map(|p| p.to_vec()).collect();
+                    async move {
+                        for p in pieces {
+                            if !p.is_empty() {
+                                let _ = tx.send(Ok(p)).await;
+                            }
+                            tokio::task::yield_now().await;
+                        }
+                    }
+                };
+                let tap = FormTap::default();
+                let mut req = axum::extract::Request::new(tap.body(rx));
+                req.headers_mut().insert(
+                    axum::http::header::CONTENT_TYPE,
+                    axum::http::HeaderValue::from_static("multipart/form-data; boundary=b0undary"),
+                );
+                let read = async {
+                    use axum::extract::FromRequest;
+                    let mut form = axum::extract::Multipart::from_request(req, &()).await.unwrap();
+                    let mut got = Vec::new();
+                    while let Some(field) = form.next_field().await.map_err(|e| e.body_text())? {
+                        let (mut chunks, feed) = tap.part(field);
+                        let collect = async {
+                            let mut out = Vec::new();
+                            while let Some(c) = chunks.recv().await {
+                                out.extend(c.map_err(|e| e.message)?);
+                            }
+                            Ok::<_, String>(out)
+                        };
+                        got.push(with_part(feed, collect).await?);
+                    }
+                    Ok::<_, String>(got)
+                };
+                let ((), got) = tokio::join!(feed, read);
+                assert_eq!(got, Ok(vec![content.to_vec()]), "split at {i} and {j}");
+            }
+        }
+    }
 }

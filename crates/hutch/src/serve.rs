@@ -106,10 +106,10 @@ pub struct ServeArgs {
     pub header_timeout: Duration,
     /// Time a connection may stay idle between requests; streams and
     /// WebSockets are never idle while their request runs (HUTCH_IDLE_TIMEOUT).
-    /// Longer than clients keep idle connections in their pools (90 s in Go
-    /// and reqwest), so that a client never sends a request on a connection
-    /// the daemon is closing at that moment.
-    #[arg(long, env = "HUTCH_IDLE_TIMEOUT", default_value = "120s", value_parser = crate::units::parse_duration)]
+    /// Longer than clients keep idle connections in their pools (300 s in
+    /// E2B's Python SDK, 90 s in Go and reqwest), so that a client never
+    /// sends a request on a connection the daemon is closing at that moment.
+    #[arg(long, env = "HUTCH_IDLE_TIMEOUT", default_value = "600s", value_parser = crate::units::parse_duration)]
     pub idle_timeout: Duration,
     /// Ended sandboxes' cgroups kept for the next sandboxes, at most
     /// (HUTCH_KEPT_CGROUPS; 0 keeps none). A new memory cgroup, and above
