@@ -341,6 +341,13 @@ struct Slot {
     netns: Arc<OwnedFd>,
     host_if: String,
     index: u32,
+    /// The packets its host link had received when the flows of its
+    /// address were last flushed (None: never). Each flow that carries the
+    /// address's mark began with a packet from the sandbox, which that link
+    /// received; while the count stays there, no such flow was made since,
+    /// and a release skips the flush (a walk of the host's whole conntrack
+    /// table, about half a millisecond here).
+    flushed_at: Option<u64>,
 }
 
 /// A sandbox's network, while it runs.
@@ -416,6 +423,9 @@ pub struct Network {
     /// so a test can force a `release` into that gap.
     #[cfg(test)]
     admit_pause: TestHook,
+    /// Conntrack flushes made, for the tests.
+    #[cfg(test)]
+    flushes: std::sync::atomic::AtomicU64,
 }
 
 #[cfg(test)]
@@ -515,6 +525,8 @@ impl Network {
             }),
             #[cfg(test)]
             admit_pause: TestHook::default(),
+            #[cfg(test)]
+            flushes: Default::default(),
         })
     }
 
@@ -612,7 +624,7 @@ impl Network {
                 .unwrap_or_else(|_| Err(NetError::Unavailable("network setup thread panicked".into())))
         });
         match made {
-            Ok(netns) => Ok(Slot { netns: Arc::new(netns), host_if, index }),
+            Ok(netns) => Ok(Slot { netns: Arc::new(netns), host_if, index, flushed_at: None }),
             Err(e) => {
                 lock(&self.state).used.remove(&index);
                 if let Ok(i) = netlink::link_index(&host_if) {
@@ -789,7 +801,7 @@ impl Network {
                 return Err(NetError::Unavailable(format!("address {index} is taken twice")));
             }
         }
-        let slot = Slot { netns: Arc::new(netns), host_if: host_if.to_owned(), index };
+        let slot = Slot { netns: Arc::new(netns), host_if: host_if.to_owned(), index, flushed_at: None };
         self.lease(id, slot, policy)?;
         // What it sent before now was the last daemon's to count.
         if let Some(rx) = Self::rx_bytes(host_if) {
@@ -807,6 +819,10 @@ impl Network {
         if let Some(bytes) = self.account(id) {
             lock(&self.egress_released).push((id.to_owned(), bytes));
         }
+        // Read before the flush: a packet counted after it may have made a
+        // flow the flush did not see.
+        let host_if = lock(&self.state).leases.get(id).and_then(|l| Some(l.slot.as_ref()?.host_if.clone()));
+        let received = host_if.and_then(|h| Self::link_counter(&h, "rx_packets"));
         let slot = {
             let mut nft = lock(&self.nft);
             let mut st = lock(&self.state);
@@ -820,9 +836,17 @@ impl Network {
                     let _ = nft.set_elements(NFPROTO_INET, &self.cfg.table(), std::slice::from_ref(op));
                 }
             }
-            let Some(slot) = lease.slot else { return };
-            if let Err(e) = nft.flush_conntrack(self.ct_mark(slot.index)) {
-                tracing::warn!("sandbox {id}: cannot forget its tracked flows: {e}");
+            let Some(mut slot) = lease.slot else { return };
+            if needs_flush(slot.flushed_at, received) {
+                #[cfg(test)]
+                self.flushes.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                slot.flushed_at = match nft.flush_conntrack(self.ct_mark(slot.index)) {
+                    Ok(()) => received,
+                    Err(e) => {
+                        tracing::warn!("sandbox {id}: cannot forget its tracked flows: {e}");
+                        None
+                    }
+                };
             }
             if st.released.len() < POOL_RETAIN && Arc::strong_count(&slot.netns) == 1 {
                 st.released.push_back((lease.policy.group, slot));
@@ -841,7 +865,12 @@ impl Network {
     /// every namespace id of the host, under the lock every link change
     /// takes; a dump of all links costs the square of the sandboxes alive.
     fn rx_bytes(host_if: &str) -> Option<u64> {
-        std::fs::read_to_string(format!("/sys/class/net/{host_if}/statistics/rx_bytes")).ok()?.trim().parse().ok()
+        Self::link_counter(host_if, "rx_bytes")
+    }
+
+    /// A counter of `host_if` from /sys/class/net/*/statistics.
+    fn link_counter(host_if: &str, name: &str) -> Option<u64> {
+        std::fs::read_to_string(format!("/sys/class/net/{host_if}/statistics/{name}")).ok()?.trim().parse().ok()
     }
 
     /// Hands out the bytes `counter` of `host_if` shows beyond what was
@@ -1580,6 +1609,13 @@ fn host_index(name: &str) -> Result<u32, NetError> {
         .ok_or_else(|| NetError::Unavailable(format!("host link {name} is missing")))
 }
 
+/// Whether a released address's flows must be flushed: unless its link
+/// received nothing since the last flush (an unreadable count, or none
+/// yet, flushes).
+fn needs_flush(flushed_at: Option<u64>, received: Option<u64>) -> bool {
+    received.is_none() || flushed_at != received
+}
+
 fn write_sysctl(key: &str, value: &str) -> Result<(), NetError> {
     let path = format!("/proc/sys/{key}");
     std::fs::write(&path, value).map_err(io_err(format!("write {path}")))
@@ -1936,6 +1972,47 @@ mod tests {
         assert_eq!(net.released(), 0);
         let left: Vec<&String> = links.iter().chain([&other]).filter(|l| host_index(l).is_ok()).collect();
         assert!(left.is_empty(), "links left on the host: {left:?}");
+    }
+
+    /// Sends one datagram from the namespace `netns` to `to`.
+    fn send_from(netns: &OwnedFd, to: std::net::SocketAddr) {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                // SAFETY: setns only moves this thread, which ends here.
+                assert_eq!(unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) }, 0, "setns");
+                let sock = std::net::UdpSocket::bind("0.0.0.0:0").expect("bind");
+                sock.send_to(b"x", to).expect("send");
+            });
+        });
+    }
+
+    #[test]
+    fn a_release_flushes_its_flows_only_when_its_sandbox_sent_something() {
+        let t = TestNet::new();
+        let net = &t.net;
+        let policy = Policy { group: "owner-f/t".into(), ..listed() };
+        let flushes = || net.flushes.load(std::sync::atomic::Ordering::SeqCst);
+        // A namespace never flushed is flushed at its first release.
+        // (Only the link's name is kept: a namespace still held elsewhere
+        // is not pooled.)
+        let link = net.attach("sb-flush0", &policy).expect("attach").host_if;
+        net.release("sb-flush0");
+        assert_eq!(flushes(), 1);
+        // The next sandbox of the group gets it and sends nothing: no flush.
+        let quiet = net.attach("sb-flush1", &policy).expect("attach").host_if;
+        assert_eq!(quiet, link, "the group's released namespace");
+        net.release("sb-flush1");
+        assert_eq!(flushes(), 1);
+        // One that sends a datagram out is flushed; the next quiet one not.
+        let loud = net.attach("sb-flush2", &policy).expect("attach");
+        assert_eq!(loud.host_if, link);
+        send_from(loud.netns.as_deref().expect("a namespace"), "198.51.100.7:9".parse().expect("addr"));
+        drop(loud);
+        net.release("sb-flush2");
+        assert_eq!(flushes(), 2);
+        assert_eq!(net.attach("sb-flush3", &policy).expect("attach").host_if, link);
+        net.release("sb-flush3");
+        assert_eq!(flushes(), 2);
     }
 
     #[test]
