@@ -151,5 +151,10 @@ def test_create_and_exec_say_where_their_time_went(api: Client):
             # A refused key's answer too.
             anon = requests.get(api.base + "/v1/sandboxes", timeout=10)
             assert anon.status_code == 401 and list(server_timing(anon)) == ["auth", "total"], anon.headers
+            d = api.delete(f"/v1/sandboxes/{sid}")
+            expect_status(d, 200)
+            ended = server_timing(d)
+            assert list(ended) == ["auth", "terminate", "processes", "layer", "network", "finish", "total"], ended
+            assert sum(v for k, v in ended.items() if k != "total") <= ended["total"] + 0.01, ended
         finally:
             expect_status(api.delete(f"/v1/sandboxes/{sid}"), (200, 404))

@@ -844,13 +844,17 @@ impl Control {
         // leaves it to the first, which marks it terminated.
         let Some(_ending) = self.ending.claim(id) else { return Ok(()) };
         // Already terminating (a retry, or a drain): go on with the teardown.
+        let t0 = Instant::now();
         self.transition(id, Transition::Terminate, Set::reason(reason)).await?;
+        crate::timing::mark("terminate", t0);
         if let Err(e) = self.teardown_host(id).await {
             // Stays `terminating`: the reconciler tries again.
             tracing::warn!("sandbox {id}: teardown failed, will retry: {e}");
             return Err(e);
         }
+        let t0 = Instant::now();
         self.transition(id, Transition::Finish, Set::default()).await?;
+        crate::timing::mark("finish", t0);
         self.release_origin(r.origin.clone()).await;
         Ok(())
     }
@@ -869,18 +873,23 @@ impl Control {
         let sid = id.to_string();
         let tenant = handle.is_tenant();
         let sweep = handle.leaves_ids_to_sweep();
-        tokio::task::spawn_blocking(move || {
+        let t0 = Instant::now();
+        let (result, processes) = tokio::task::spawn_blocking(move || {
+            let t0 = Instant::now();
             let result = handle.destroy();
             if sweep {
                 rt.sweep_own();
             }
+            let processes = t0.elapsed();
             // Its files go once its processes have: the disk layer, if any,
             // and the memory of a pause to disk.
             rt.delete_memory(&sid);
-            result.and_then(|()| rt.delete_layer(&sid).map(drop))
+            (result.and_then(|()| rt.delete_layer(&sid).map(drop)), processes)
         })
-        .await?
-        .map_err(|e| ControlError::Runtime(format!("sandbox {id}: {e}")))?;
+        .await?;
+        crate::timing::record("processes", processes);
+        let t0 = crate::timing::mark("layer", t0 + processes);
+        result.map_err(|e| ControlError::Runtime(format!("sandbox {id}: {e}")))?;
         if tenant {
             self.hosts.release(id.as_str(), self.network.as_ref().ok()).await;
         }
@@ -888,6 +897,7 @@ impl Control {
             let (net, sid) = (net.clone(), id.to_string());
             tokio::task::spawn_blocking(move || net.release(&sid)).await?;
         }
+        crate::timing::mark("network", t0);
         Ok(())
     }
 
