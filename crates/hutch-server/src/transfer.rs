@@ -428,7 +428,7 @@ mod tests {
                 );
                 let read = async {
                     use axum::extract::FromRequest;
-                    let mut form = axum::extract::Multipart::from_request(req, &()).await.unwrap();
+                    let mut form = axum::extract::Multipart::from_request(req, &()).await.expect("a form");
                     let mut got = Vec::new();
                     while let Some(field) = form.next_field().await.map_err(|e| e.body_text())? {
                         let (mut chunks, feed) = tap.part(field);
