@@ -816,12 +816,12 @@ impl Network {
     /// with none of them), and its namespace returns to the pool (or is
     /// dropped beyond it).
     pub fn release(&self, id: &str) {
-        if let Some(bytes) = self.account(id) {
+        let host_if = lock(&self.state).leases.get(id).and_then(|l| Some(l.slot.as_ref()?.host_if.clone()));
+        if let Some(bytes) = host_if.as_deref().and_then(|h| self.account(h)) {
             lock(&self.egress_released).push((id.to_owned(), bytes));
         }
         // Read before the flush: a packet counted after it may have made a
         // flow the flush did not see.
-        let host_if = lock(&self.state).leases.get(id).and_then(|l| Some(l.slot.as_ref()?.host_if.clone()));
         let received = host_if.and_then(|h| Self::link_counter(&h, "rx_packets"));
         let slot = {
             let mut nft = lock(&self.nft);
@@ -885,11 +885,11 @@ impl Network {
         }
     }
 
-    /// Bytes sandbox `id` sent out since they were last taken.
-    fn account(&self, id: &str) -> Option<u64> {
-        let host_if = lock(&self.state).leases.get(id)?.slot.as_ref()?.host_if.clone();
-        let rx = Self::rx_bytes(&host_if)?;
-        Some(self.attribute(&host_if, rx))
+    /// Bytes the sandbox on host link `host_if` sent out since they were
+    /// last taken.
+    fn account(&self, host_if: &str) -> Option<u64> {
+        let rx = Self::rx_bytes(host_if)?;
+        Some(self.attribute(host_if, rx))
     }
 
     /// Egress metering: the bytes each sandbox sent out through its link
