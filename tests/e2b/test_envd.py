@@ -171,6 +171,27 @@ def test_watch_events_carry_their_entry_when_asked(shared):
         handle.stop()
 
 
+def test_a_watch_sees_a_replaced_file_written_in_place_and_a_later_move_as_a_rename(shared):
+    # The daemon puts an upload in place of the file it replaces by
+    # swapping the two and removing the old one: a watch sees envd's
+    # in-place write, not the swap.
+    shared.files.make_dir("wr")
+    shared.files.write("wr/r.txt", "one")
+    handle = shared.files.watch_dir("wr")
+    try:
+        shared.files.write("wr/r.txt", "two, longer")
+        seen = poll(handle, lambda s: FilesystemEventType.WRITE in kinds(s, "r.txt"))
+        shared.commands.run("mv /home/user/wr/r.txt /home/user/wr/s.txt")
+        seen += poll(handle, lambda s: FilesystemEventType.CREATE in kinds(s, "s.txt"))
+        assert kinds(seen, "r.txt") == [FilesystemEventType.CHMOD, FilesystemEventType.WRITE,
+                                        FilesystemEventType.RENAME], seen
+        assert {e.name for e in seen} == {"r.txt", "s.txt"}, seen
+        assert shared.files.read("wr/s.txt") == "two, longer"
+        assert [e.name for e in shared.files.list("wr")] == ["s.txt"]
+    finally:
+        handle.stop()
+
+
 async def test_async_watch_streams_envd_events_with_entries(daemon):
     sb = await AsyncSandbox.create()
     try:

@@ -246,12 +246,17 @@ pub enum Request {
         #[serde(default)]
         user: Option<String>,
     },
-    /// Renames `from` to `to`.
+    /// Renames `from` to `to`. With `commit`, `from` is an upload's
+    /// temporary put in place: a regular file at `to` on the same file
+    /// system is swapped out and removed instead of renamed over (the
+    /// same result; see the agent's `Fs::commit`).
     Rename {
         from: String,
         to: String,
         #[serde(default)]
         user: Option<String>,
+        #[serde(default)]
+        commit: bool,
     },
     /// Removes a file, or a directory with everything below it.
     Remove {

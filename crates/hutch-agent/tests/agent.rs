@@ -670,7 +670,7 @@ fn file_operations_work_in_a_temp_dir() {
     assert!(data.starts_with(b"root:"));
 
     let renamed = format!("{base}/a/renamed.txt");
-    c.ok(Request::Rename { from: file.clone(), to: renamed.clone(), user: root.clone() });
+    c.ok(Request::Rename { from: file.clone(), to: renamed.clone(), user: root.clone(), commit: false });
     assert!(matches!(
         c.call(Request::Stat { path: file.clone(), user: root.clone() }, &[]).0,
         Reply::Error { code: ErrorCode::NotFound, .. }

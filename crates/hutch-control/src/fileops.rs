@@ -69,7 +69,12 @@ impl Control {
     }
 
     pub async fn fs_rename(&self, s: &EnvdSession, from: &str, to: &str) -> Result<()> {
-        let req = Request::Rename { from: from.to_owned(), to: to.to_owned(), user: Some(s.user().to_owned()) };
+        let req = Request::Rename {
+            from: from.to_owned(),
+            to: to.to_owned(),
+            user: Some(s.user().to_owned()),
+            commit: false,
+        };
         self.file_op(s, req, Access::Write).await.map(|_| ())
     }
 

@@ -499,7 +499,15 @@ impl Link {
     }
 
     async fn rename(&mut self, from: &str, to: &str) -> Result<(), FilesError> {
-        self.expect_ok(Request::Rename { from: from.into(), to: to.into(), user: self.user() }, Access::Write).await
+        let req = Request::Rename { from: from.into(), to: to.into(), user: self.user(), commit: false };
+        self.expect_ok(req, Access::Write).await
+    }
+
+    /// Puts the upload temporary `tmp` in place of `path` (a rename; see
+    /// [`Request::Rename`]'s `commit`).
+    async fn commit(&mut self, tmp: &str, path: &str) -> Result<(), FilesError> {
+        let req = Request::Rename { from: tmp.into(), to: path.into(), user: self.user(), commit: true };
+        self.expect_ok(req, Access::Write).await
     }
 
     async fn remove(&mut self, path: &str) -> Result<(), FilesError> {
@@ -704,7 +712,7 @@ impl SandboxFs {
             link.discard(&tmp).await;
             return Err(missing_parent(e, parent));
         }
-        if let Err(e) = link.rename(&tmp, &path).await {
+        if let Err(e) = link.commit(&tmp, &path).await {
             link.discard(&tmp).await;
             return Err(e);
         }
@@ -730,7 +738,7 @@ impl SandboxFs {
             link.discard(&tmp).await;
             return Err(missing_parent(e, parent));
         }
-        if let Err(e) = link.rename(&tmp, &path).await {
+        if let Err(e) = link.commit(&tmp, &path).await {
             link.discard(&tmp).await;
             return Err(e);
         }
@@ -812,7 +820,7 @@ impl SandboxFs {
                 Ok(Some((file, _))) => {
                     let written = passed::write(file, tmp.clone(), rx).await;
                     return match written {
-                        Ok(total) => match link.rename(&tmp, &path).await {
+                        Ok(total) => match link.commit(&tmp, &path).await {
                             Ok(()) => Ok(total),
                             Err(e) => {
                                 link.discard(&tmp).await;
@@ -851,7 +859,7 @@ impl SandboxFs {
                 }
             }
         }
-        if let Err(e) = link.rename(&tmp, &path).await {
+        if let Err(e) = link.commit(&tmp, &path).await {
             link.discard(&tmp).await;
             return Err(e);
         }

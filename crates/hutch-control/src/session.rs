@@ -185,17 +185,30 @@ pub struct FsEvent {
 
 /// Turns the agent's events of a watched directory into what envd's
 /// watchers report. A file written through the files API goes to a
-/// temporary beside it (whose events are not reported) that is renamed
-/// into place; envd writes in place, so its watchers see the file created
+/// temporary beside it (whose events are not reported) that is put in its
+/// place; envd writes in place, so its watchers see the file created
 /// (made by root and given to the user: a chmod) and written, or for a
 /// file replaced, its owner set again and written. The temporary's name
 /// says which ([`UploadTemp`]); its rename and the create of the target
 /// that follows in the same directory become those events.
+///
+/// A temporary that replaces a file is swapped with it (the agent's
+/// commit): the old file's rename to the temporary's name follows the
+/// target's create, and is held until the next event shows which it was
+/// (the create of a temporary in the same directory) or
+/// [`UploadEvents::flush`] lets it go.
 #[derive(Debug, Default)]
 pub struct UploadEvents {
     /// A temporary just renamed away: its directory and kind.
     renamed: Option<(String, UploadTemp)>,
+    /// The target of the upload just reported.
+    put: Option<String>,
+    /// A rename of that target, held: the swap's, or the user's.
+    held: Option<WatchEvent>,
 }
+
+/// How long a held rename may wait for the event that says what it was.
+pub const UPLOAD_HOLD: Duration = Duration::from_millis(100);
 
 impl UploadEvents {
     /// The events that stand for `e`.
@@ -204,25 +217,52 @@ impl UploadEvents {
             Some((d, b)) => (d, b),
             None => ("", e.name.as_str()),
         };
+        let mut out = Vec::new();
+        if let Some(held) = self.held.take() {
+            let held_dir = held.name.rsplit_once('/').map_or("", |(d, _)| d);
+            let swapped = e.kind == WatchKind::Create && UploadTemp::of(base).is_some() && held_dir == dir;
+            if !swapped {
+                out.push(held);
+            }
+        }
         if let Some(temp) = UploadTemp::of(base) {
             if e.kind == WatchKind::Rename {
                 self.renamed = Some((dir.to_owned(), temp));
             }
-            return vec![];
+            return out;
+        }
+        if self.put.take().is_some_and(|p| p == e.name) && e.kind == WatchKind::Rename {
+            self.held = Some(e);
+            return out;
         }
         if let Some((from, temp)) = self.renamed.take() {
             if e.kind == WatchKind::Create && from == dir {
                 let as_kind = |kind| WatchEvent { kind, name: e.name.clone() };
-                return match temp {
+                out.extend(match temp {
                     UploadTemp::New => {
                         vec![as_kind(WatchKind::Create), as_kind(WatchKind::Chmod), as_kind(WatchKind::Write)]
                     }
                     UploadTemp::Replacing => vec![as_kind(WatchKind::Chmod), as_kind(WatchKind::Write)],
                     UploadTemp::Plain => vec![as_kind(WatchKind::Create), as_kind(WatchKind::Write)],
-                };
+                });
+                self.put = Some(e.name);
+                return out;
             }
         }
-        vec![e]
+        out.push(e);
+        out
+    }
+
+    /// Whether a rename is held (see [`UploadEvents::flush`]).
+    pub fn holding(&self) -> bool {
+        self.held.is_some()
+    }
+
+    /// The held rename, once [`UPLOAD_HOLD`] passed with no event: a swap
+    /// sends its events together, so it was the user's.
+    pub fn flush(&mut self) -> Option<WatchEvent> {
+        self.put = None;
+        self.held.take()
     }
 }
 
@@ -443,7 +483,10 @@ impl Control {
             loop {
                 let events = tokio::select! {
                     () = tx.closed() => return,
-                    got = tokio::time::timeout(keepalive, conn.recv()) => match got {
+                    got = tokio::time::timeout(if uploads.holding() { UPLOAD_HOLD } else { keepalive }, conn.recv()) => match got {
+                        Err(_) if uploads.holding() => {
+                            uploads.flush().map(|e| WatchItem::Event(FsEvent { kind: e.kind, name: e.name, entry: None })).into_iter().collect()
+                        }
                         Err(_) => vec![WatchItem::Keepalive],
                         Ok(Err(e)) => vec![WatchItem::Failed(broken_link(&live, e))],
                         Ok(Ok((FromAgent::Watch { watch: w, event }, _))) if w == watch => {
@@ -632,16 +675,19 @@ mod tests {
     fn uploads_show_as_envd_writes_in_place() {
         let ev = |kind, name: &str| WatchEvent { kind, name: name.to_owned() };
         let mut u = UploadEvents::default();
-        let mut feed = |events: Vec<WatchEvent>| -> Vec<(WatchKind, String)> {
+        fn feed(u: &mut UploadEvents, events: Vec<WatchEvent>) -> Vec<(WatchKind, String)> {
             events.into_iter().flat_map(|e| u.push(e)).map(|e| (e.kind, e.name)).collect()
-        };
+        }
         // A new file: the temporary's own events are hidden.
-        let got = feed(vec![
-            ev(WatchKind::Create, "sub/.hutch-upload-n0123abcd"),
-            ev(WatchKind::Write, "sub/.hutch-upload-n0123abcd"),
-            ev(WatchKind::Rename, "sub/.hutch-upload-n0123abcd"),
-            ev(WatchKind::Create, "sub/f.txt"),
-        ]);
+        let got = feed(
+            &mut u,
+            vec![
+                ev(WatchKind::Create, "sub/.hutch-upload-n0123abcd"),
+                ev(WatchKind::Write, "sub/.hutch-upload-n0123abcd"),
+                ev(WatchKind::Rename, "sub/.hutch-upload-n0123abcd"),
+                ev(WatchKind::Create, "sub/f.txt"),
+            ],
+        );
         let names = |v: &[(WatchKind, &str)]| v.iter().map(|(k, n)| (*k, n.to_string())).collect::<Vec<_>>();
         assert_eq!(
             got,
@@ -652,16 +698,74 @@ mod tests {
             ])
         );
         // A replaced file, and a native write (which says neither).
-        let got = feed(vec![ev(WatchKind::Rename, ".hutch-upload-r99"), ev(WatchKind::Create, "g")]);
+        let got = feed(&mut u, vec![ev(WatchKind::Rename, ".hutch-upload-r99"), ev(WatchKind::Create, "g")]);
         assert_eq!(got, names(&[(WatchKind::Chmod, "g"), (WatchKind::Write, "g")]));
-        let got = feed(vec![ev(WatchKind::Rename, ".hutch-upload-0a1b"), ev(WatchKind::Create, "h")]);
+        let got = feed(&mut u, vec![ev(WatchKind::Rename, ".hutch-upload-0a1b"), ev(WatchKind::Create, "h")]);
         assert_eq!(got, names(&[(WatchKind::Create, "h"), (WatchKind::Write, "h")]));
         // A create elsewhere after a temporary's rename is itself.
-        let got = feed(vec![ev(WatchKind::Rename, "a/.hutch-upload-n1"), ev(WatchKind::Create, "b/x")]);
+        let got = feed(&mut u, vec![ev(WatchKind::Rename, "a/.hutch-upload-n1"), ev(WatchKind::Create, "b/x")]);
         assert_eq!(got, names(&[(WatchKind::Create, "b/x")]));
         // Everything else passes as it is.
-        let got = feed(vec![ev(WatchKind::Rename, "old"), ev(WatchKind::Create, "new"), ev(WatchKind::Remove, "new")]);
+        let got = feed(
+            &mut u,
+            vec![ev(WatchKind::Rename, "old"), ev(WatchKind::Create, "new"), ev(WatchKind::Remove, "new")],
+        );
         assert_eq!(got, names(&[(WatchKind::Rename, "old"), (WatchKind::Create, "new"), (WatchKind::Remove, "new")]));
+        // A file replaced by a swap: the old file's move to the
+        // temporary's name and its removal are hidden.
+        let got = feed(
+            &mut u,
+            vec![
+                ev(WatchKind::Rename, "d/.hutch-upload-r7"),
+                ev(WatchKind::Create, "d/g"),
+                ev(WatchKind::Rename, "d/g"),
+                ev(WatchKind::Create, "d/.hutch-upload-r7"),
+                ev(WatchKind::Remove, "d/.hutch-upload-r7"),
+                ev(WatchKind::Write, "d/h"),
+            ],
+        );
+        assert_eq!(got, names(&[(WatchKind::Chmod, "d/g"), (WatchKind::Write, "d/g"), (WatchKind::Write, "d/h")]));
+        // The user's own rename of a file just written is held until the
+        // next event, or until it is flushed, and then reported.
+        let got = feed(
+            &mut u,
+            vec![
+                ev(WatchKind::Rename, ".hutch-upload-n1"),
+                ev(WatchKind::Create, "f"),
+                ev(WatchKind::Rename, "f"),
+                ev(WatchKind::Create, "moved"),
+            ],
+        );
+        assert_eq!(
+            got,
+            names(&[
+                (WatchKind::Create, "f"),
+                (WatchKind::Chmod, "f"),
+                (WatchKind::Write, "f"),
+                (WatchKind::Rename, "f"),
+                (WatchKind::Create, "moved")
+            ])
+        );
+        assert!(feed(
+            &mut u,
+            vec![ev(WatchKind::Rename, ".hutch-upload-1"), ev(WatchKind::Create, "k"), ev(WatchKind::Rename, "k")]
+        )
+        .iter()
+        .all(|(k, _)| *k != WatchKind::Rename));
+        assert!(u.holding());
+        assert_eq!(u.flush().map(|e| (e.kind, e.name)), Some((WatchKind::Rename, "k".to_owned())));
+        assert!(!u.holding() && u.flush().is_none());
+        // A rename of the target later, after other events, is not held.
+        let got = feed(
+            &mut u,
+            vec![
+                ev(WatchKind::Rename, ".hutch-upload-2"),
+                ev(WatchKind::Create, "m"),
+                ev(WatchKind::Write, "other"),
+                ev(WatchKind::Rename, "m"),
+            ],
+        );
+        assert_eq!(got.last(), Some(&(WatchKind::Rename, "m".to_owned())));
     }
 
     #[test]

@@ -110,8 +110,16 @@ fn file_operations_round_trip_as_the_sandbox_user() {
     let Reply::Entries { entries, .. } = reply else { panic!("{reply:?}") };
     let paths: Vec<&str> = entries.iter().map(|e| e.path.as_str()).collect();
     assert_eq!(paths, ["/workspace/a", "/workspace/a/b", "/workspace/a/b/c.txt"]);
-    conn.call(Request::Rename { from: "/workspace/a/b/c.txt".into(), to: "/workspace/d.txt".into(), user: None }, &[])
-        .expect("rename");
+    conn.call(
+        Request::Rename {
+            from: "/workspace/a/b/c.txt".into(),
+            to: "/workspace/d.txt".into(),
+            user: None,
+            commit: false,
+        },
+        &[],
+    )
+    .expect("rename");
     let (out, _) = sh(&mut conn, "cat /workspace/d.txt; stat -c %U /workspace/d.txt", "user", None);
     assert_eq!(out, "hellouser\n");
     conn.call(Request::Remove { path: "/workspace/a".into(), user: None }, &[]).expect("remove");

@@ -85,6 +85,10 @@ fn is_dir(st: &libc::stat) -> bool {
     st.st_mode & libc::S_IFMT == libc::S_IFDIR
 }
 
+fn is_file(st: &libc::stat) -> bool {
+    st.st_mode & libc::S_IFMT == libc::S_IFREG
+}
+
 fn entry(path: String, name: String, st: &libc::stat, target: Option<String>) -> Entry {
     Entry {
         path,
@@ -402,6 +406,37 @@ impl Fs {
         Ok(Reply::Ok)
     }
 
+    /// Puts the upload temporary `from` in place of `to`, as [`Fs::rename`]
+    /// does, except that a regular file at `to` on the same file system
+    /// (an overlay's upper layer, not a file of the image below) is
+    /// swapped out (`RENAME_EXCHANGE`) and then removed. The result is the
+    /// same, and readers see the old file or the new one either way; but
+    /// btrfs, when a rename replaces a file, starts writing back all of
+    /// the new file's data before it returns (1.6 to 2.3 s for 1 GiB on
+    /// the daemon's storage here), and a swap does not. A file of the
+    /// image is left to the rename: a swap would first copy it up.
+    pub fn commit(&self, from: &str, to: &str) -> FsResult<Reply> {
+        let (from_dir, from_name) = self.parent(from, "rename")?;
+        let (to_dir, to_name) = self.parent(to, "rename")?;
+        let (fd, td) = (from_dir.as_fd(), to_dir.as_fd());
+        let stat = |dir, name| sys::fstatat(dir, name, libc::AT_SYMLINK_NOFOLLOW).ok();
+        let swap = match (stat(fd, &from_name), stat(td, &to_name)) {
+            (Some(new), Some(old)) => is_file(&new) && is_file(&old) && new.st_dev == old.st_dev,
+            _ => false,
+        };
+        if swap && sys::renameat2(fd, &from_name, td, &to_name, libc::RENAME_EXCHANGE).is_ok() {
+            // `from` now names the old file. Should it not be one any more
+            // (the sandbox raced a directory in) or stay, swap back and let
+            // the rename answer as it would have.
+            if sys::unlinkat(fd, &from_name, 0).is_ok() {
+                return Ok(Reply::Ok);
+            }
+            sys::renameat2(fd, &from_name, td, &to_name, libc::RENAME_EXCHANGE)
+                .map_err(|e| FsError::os("rename", &format!("{from} -> {to}"), e))?;
+        }
+        self.rename(from, to)
+    }
+
     /// Removes a file, or a directory and everything below it, without
     /// following any symlink.
     pub fn remove(&self, path: &str) -> FsResult<Reply> {
@@ -701,6 +736,74 @@ mod tests {
         let reply = proto::FromAgent::Reply { id: u64::MAX, reply: Reply::Entries { entries, truncated: true } };
         let mut out = Vec::new();
         proto::encode(&reply, &[], &mut out).expect("fits in a header");
+    }
+
+    /// The names of the rename events queued on inotify descriptor `fd`
+    /// (`IN_MOVED_FROM` or `IN_MOVED_TO` and the name).
+    fn moves(fd: &OwnedFd) -> Vec<(bool, String)> {
+        let mut buf = vec![0u8; 4096];
+        // SAFETY: buf is valid for writes of its length.
+        let n = unsafe { libc::read(std::os::fd::AsRawFd::as_raw_fd(fd), buf.as_mut_ptr().cast(), buf.len()) };
+        let mut out = Vec::new();
+        let mut at = 0usize;
+        let head = std::mem::size_of::<libc::inotify_event>();
+        while n > 0 && at + head <= n as usize {
+            // SAFETY: the kernel wrote whole events; read_unaligned copes
+            // with the buffer's alignment.
+            let ev: libc::inotify_event = unsafe { std::ptr::read_unaligned(buf[at..].as_ptr().cast()) };
+            let name = &buf[at + head..at + head + ev.len as usize];
+            let name = String::from_utf8_lossy(name.split(|b| *b == 0).next().unwrap_or_default()).into_owned();
+            if ev.mask & (libc::IN_MOVED_FROM | libc::IN_MOVED_TO) != 0 {
+                out.push((ev.mask & libc::IN_MOVED_FROM != 0, name));
+            }
+            at += head + ev.len as usize;
+        }
+        out
+    }
+
+    #[test]
+    fn a_commit_swaps_out_the_file_it_replaces_and_removes_it() {
+        let dir = std::env::temp_dir().join(format!("hutch-commit-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("d/sub")).expect("mkdir");
+        let fs = Fs::new(
+            sys::open(&cpath(dir.to_str().expect("utf-8")).expect("path"), libc::O_PATH | libc::O_DIRECTORY)
+                .expect("root"),
+        );
+        let ino = |p: &str| std::fs::metadata(dir.join(p)).map(|m| std::os::unix::fs::MetadataExt::ino(&m)).ok();
+        std::fs::write(dir.join("d/f"), b"old").expect("old");
+        std::fs::hard_link(dir.join("d/f"), dir.join("keep")).expect("link");
+        std::fs::write(dir.join("d/.tmp1"), b"new").expect("new");
+        let new_ino = ino("d/.tmp1");
+        // SAFETY: inotify_init1 makes a descriptor we then own.
+        let watch = unsafe {
+            <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC))
+        };
+        let d = CString::new(dir.join("d").to_str().expect("utf-8")).expect("path");
+        // SAFETY: d is NUL-terminated; watch is an inotify descriptor.
+        let added =
+            unsafe { libc::inotify_add_watch(std::os::fd::AsRawFd::as_raw_fd(&watch), d.as_ptr(), libc::IN_MOVE) };
+        assert!(added >= 0, "inotify_add_watch");
+
+        assert!(matches!(fs.commit("/d/.tmp1", "/d/f"), Ok(Reply::Ok)));
+        assert_eq!(std::fs::read(dir.join("d/f")).expect("read"), b"new");
+        assert_eq!(ino("d/f"), new_ino, "the temporary itself is in place");
+        assert!(!dir.join("d/.tmp1").exists(), "the old file is gone from the temporary's name");
+        assert_eq!(std::fs::read(dir.join("keep")).expect("keep"), b"old", "the old file was not written over");
+        // A swap: the old file moved to the temporary's name first.
+        let names = |v: &[(bool, &str)]| v.iter().map(|(f, n)| (*f, n.to_string())).collect::<Vec<_>>();
+        assert_eq!(moves(&watch), names(&[(true, ".tmp1"), (false, "f"), (true, "f"), (false, ".tmp1")]));
+
+        // Nothing to replace, or a directory: a rename, as it answers.
+        std::fs::write(dir.join("d/.tmp2"), b"2").expect("tmp2");
+        assert!(matches!(fs.commit("/d/.tmp2", "/d/g"), Ok(Reply::Ok)));
+        assert_eq!(std::fs::read(dir.join("d/g")).expect("g"), b"2");
+        assert_eq!(moves(&watch), names(&[(true, ".tmp2"), (false, "g")]));
+        std::fs::write(dir.join("d/.tmp3"), b"3").expect("tmp3");
+        assert_eq!(fs.commit("/d/.tmp3", "/d/sub").map(|_| ()).map_err(|e| e.code), Err(ErrorCode::IsADirectory));
+        assert_eq!(std::fs::read(dir.join("d/.tmp3")).expect("tmp3 stays"), b"3");
+        assert!(dir.join("d/sub").is_dir());
+        std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 
     #[test]

@@ -993,6 +993,19 @@ pub fn renameat(from_dir: BorrowedFd<'_>, from: &CStr, to_dir: BorrowedFd<'_>, t
     cvt(unsafe { libc::renameat(from_dir.as_raw_fd(), from.as_ptr(), to_dir.as_raw_fd(), to.as_ptr()) }).map(|_| ())
 }
 
+/// `renameat2` with `flags` (`RENAME_EXCHANGE`, `RENAME_NOREPLACE`).
+pub fn renameat2(
+    from_dir: BorrowedFd<'_>,
+    from: &CStr,
+    to_dir: BorrowedFd<'_>,
+    to: &CStr,
+    flags: libc::c_uint,
+) -> SysResult<()> {
+    // SAFETY: both names are NUL-terminated.
+    cvt(unsafe { libc::renameat2(from_dir.as_raw_fd(), from.as_ptr(), to_dir.as_raw_fd(), to.as_ptr(), flags) })
+        .map(|_| ())
+}
+
 pub fn readlinkat(dir: BorrowedFd<'_>, name: &CStr) -> SysResult<Vec<u8>> {
     let mut buf = vec![0u8; libc::PATH_MAX as usize];
     // SAFETY: name is NUL-terminated; buf is valid for writes of its length.
