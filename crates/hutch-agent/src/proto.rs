@@ -421,11 +421,25 @@ pub struct TenantSpec {
 /// the kernel computes for the reader (procfs, sysfs, cgroupfs, debugfs)
 /// or that a process in the sandbox serves (FUSE) must never reach it.
 /// The host checks the same list on every descriptor it receives.
-pub const PASSABLE_FS: [i64; 5] = [0x794c_7630, 0x9123_683e, 0x0102_1994, 0xef53, 0x5846_5342];
+pub const PASSABLE_FS: [i64; 5] = [0x794c_7630, 0x9123_683e, TMPFS_MAGIC, 0xef53, 0x5846_5342];
+
+/// tmpfs's `statfs` magic.
+pub const TMPFS_MAGIC: i64 = 0x0102_1994;
 
 /// Whether a file on a file system of `statfs` type `magic` is passed.
 pub fn passable_fs(magic: i64) -> bool {
     PASSABLE_FS.contains(&magic)
+}
+
+/// Whether a file on a file system of `statfs` type `magic` is passed
+/// for writing: not on tmpfs, whose pages are charged to the memory
+/// cgroup of the process that writes them and are not reclaimed but by
+/// swap. Written by the host, they would count against the host's
+/// memory, not the sandbox's. (A memory layer's files are on overlay:
+/// the host asks for no descriptor to write those; see the daemon's
+/// `SandboxFs::passing_writes`.)
+pub fn passable_for_write(magic: i64) -> bool {
+    passable_fs(magic) && magic != TMPFS_MAGIC
 }
 
 /// Most entries in one [`Request::ListPage`] reply.

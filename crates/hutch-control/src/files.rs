@@ -654,11 +654,9 @@ impl SandboxFs {
     }
 
     /// The same, with streamed writes through a passed descriptor when
-    /// `on` (see [`passed`]); reads always try one. Not for envd's writes
-    /// yet: through a passed descriptor they failed with EIO in the E2B
-    /// suites (not yet understood), so they keep the agent's frames.
+    /// `on` (a disk layer: see [`passed`]); reads always try one.
     pub fn passing_writes(self, on: bool) -> SandboxFs {
-        SandboxFs { passed_writes: on && !self.envd && passing_allowed(), ..self }
+        SandboxFs { passed_writes: on && passing_allowed(), ..self }
     }
 
     /// The same, with archive uploads journaled in `journal`.

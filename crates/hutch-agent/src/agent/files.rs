@@ -211,12 +211,19 @@ impl Fs {
     /// Opens a regular file to pass to the host ([`proto::Request::OpenFile`]):
     /// read-only, or write-only (it must exist). Answers its size and the
     /// descriptor, or no descriptor when its file system is not one whose
-    /// descriptors are passed ([`proto::passable_fs`]).
+    /// descriptors are passed ([`proto::passable_fs`]; for writing,
+    /// [`proto::passable_for_write`]: not tmpfs).
     pub fn open_passed(&self, path: &str, write: bool) -> FsResult<(u64, Option<OwnedFd>)> {
         let (flags, op) = if write { (libc::O_WRONLY, "write") } else { (libc::O_RDONLY, "read") };
         let fd = self.open_regular(path, flags, 0, op)?;
         let size = sys::fstat(fd.as_fd()).map_err(|e| FsError::os(op, path, e))?.st_size as u64;
-        let passable = sys::fstatfs_type(fd.as_fd()).is_ok_and(proto::passable_fs);
+        let passable = sys::fstatfs_type(fd.as_fd()).is_ok_and(|m| {
+            if write {
+                proto::passable_for_write(m)
+            } else {
+                proto::passable_fs(m)
+            }
+        });
         Ok((size, passable.then_some(fd)))
     }
 
@@ -804,6 +811,21 @@ mod tests {
         assert_eq!(std::fs::read(dir.join("d/.tmp3")).expect("tmp3 stays"), b"3");
         assert!(dir.join("d/sub").is_dir());
         std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn a_file_on_tmpfs_is_passed_for_reading_only() {
+        let shm = std::path::Path::new("/dev/shm");
+        let magic = sys::fstatfs_type(sys::open(c"/dev/shm", libc::O_PATH).expect("/dev/shm").as_fd()).expect("statfs");
+        assert_eq!(magic, proto::TMPFS_MAGIC, "/dev/shm is a tmpfs on these hosts");
+        let name = format!("hutch-passed-{}", std::process::id());
+        std::fs::write(shm.join(&name), b"x").expect("write");
+        let fs = Fs::new(sys::open(c"/dev/shm", libc::O_PATH | libc::O_DIRECTORY).expect("root"));
+        let path = format!("/{name}");
+        let passed = |write| fs.open_passed(&path, write).map(|(size, fd)| (size, fd.is_some())).map_err(|e| e.code);
+        assert_eq!(passed(false), Ok((1, true)));
+        assert_eq!(passed(true), Ok((1, false)));
+        std::fs::remove_file(shm.join(&name)).expect("cleanup");
     }
 
     #[test]

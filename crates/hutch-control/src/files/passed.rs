@@ -62,7 +62,8 @@ pub fn check(mut fds: Vec<OwnedFd>, write: bool) -> Result<File, FilesError> {
     }
     #[allow(clippy::unnecessary_cast)] // f_type's width differs between architectures.
     let magic = fs.f_type as i64;
-    if !proto::passable_fs(magic) {
+    let passable = if write { proto::passable_for_write(magic) } else { proto::passable_fs(magic) };
+    if !passable {
         return Err(refused(format_args!("a file on a file system of type {magic:#x}")));
     }
     let want = if write { libc::O_WRONLY } else { libc::O_RDONLY };
@@ -151,9 +152,12 @@ fn write_all(file: &File, path: &str, mut rx: Chunks) -> Result<u64, FilesError>
     Ok(total)
 }
 
-/// `pwritev` of every chunk of `batch` at `offset`, to the end.
+/// `pwritev` of every chunk of `batch` at `offset`, to the end. Empty
+/// chunks (a multipart parser hands some on) are left out: a `pwritev` of
+/// nothing answers 0, which would read as a file that takes no more.
 fn write_batch(file: &File, batch: &[Vec<u8>], mut offset: u64) -> std::io::Result<()> {
-    let mut slices: Vec<std::io::IoSlice<'_>> = batch.iter().map(|c| std::io::IoSlice::new(c)).collect();
+    let mut slices: Vec<std::io::IoSlice<'_>> =
+        batch.iter().filter(|c| !c.is_empty()).map(|c| std::io::IoSlice::new(c)).collect();
     let mut rest = &mut slices[..];
     while !rest.is_empty() {
         // SAFETY: the IoSlices are iovecs (same layout) of live buffers.
@@ -185,6 +189,26 @@ fn write_batch(file: &File, batch: &[Vec<u8>], mut offset: u64) -> std::io::Resu
 mod tests {
     use super::*;
     use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn a_write_takes_empty_chunks_anywhere_in_its_stream() {
+        let path = std::env::temp_dir().join(format!("hutch-passed-empty-{}", std::process::id()));
+        let file = std::fs::OpenOptions::new().create(true).truncate(true).write(true).open(&path).expect("open");
+        let (tx, rx) = mpsc::channel(8);
+        for chunk in [&b""[..], b"ab", b"", b"", b"c", b""] {
+            tx.try_send(Ok(chunk.to_vec())).expect("room");
+        }
+        drop(tx);
+        assert_eq!(write_all(&file, "f", rx).map_err(|e| e.message), Ok(3));
+        assert_eq!(std::fs::read(&path).expect("read"), b"abc");
+        // A stream of nothing but empty chunks writes an empty file.
+        let (tx, rx) = mpsc::channel(2);
+        tx.try_send(Ok(Vec::new())).expect("room");
+        drop(tx);
+        let empty = std::fs::OpenOptions::new().create(true).truncate(true).write(true).open(&path).expect("open");
+        assert_eq!(write_all(&empty, "f", rx).map_err(|e| e.message), Ok(0));
+        std::fs::remove_file(&path).expect("cleanup");
+    }
 
     fn fd_of(f: impl Into<OwnedFd>) -> Vec<OwnedFd> {
         vec![f.into()]
@@ -242,6 +266,14 @@ mod tests {
         assert_eq!(code(check(vec![r], false)), Err(ErrorCode::Internal));
         assert_eq!(code(check(fd_of(File::open("/dev/null").expect("null")), false)), Err(ErrorCode::Internal));
         assert_eq!(code(check(fd_of(File::open("/proc/self/status").expect("proc")), false)), Err(ErrorCode::Internal));
+        // A file on tmpfs, for reading only (its pages written by the host
+        // would be charged to the host).
+        let shm = std::path::Path::new("/dev/shm").join(format!("hutch-passed-{}", std::process::id()));
+        std::fs::write(&shm, b"x").expect("a file on /dev/shm");
+        assert_eq!(code(check(fd_of(File::open(&shm).expect("open")), false)), Ok(()));
+        let w = std::fs::OpenOptions::new().write(true).open(&shm).expect("open");
+        assert_eq!(code(check(fd_of(w), true)), Err(ErrorCode::Internal));
+        std::fs::remove_file(&shm).expect("cleanup");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
