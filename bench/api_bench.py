@@ -125,20 +125,38 @@ class Daemon:
     def session(self) -> "Lean":
         return Lean(self.base, self.key)
 
+    def sandboxes_alive(self, s) -> int:
+        """Sandboxes of the daemon not yet ended, pooled ones included
+        (`hutch_sandboxes` of /metrics)."""
+        r = s.get(self.base + "/metrics")
+        if r.status_code != 200:
+            raise RuntimeError(f"GET /metrics -> {r.status_code}")
+        text = r.text
+        ended = ('state="terminated"', 'state="failed"')
+        return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+                   if line.startswith("hutch_sandboxes{") and not line.startswith(tuple(f"hutch_sandboxes{{{e}" for e in ended)))
+
     def stop(self) -> None:
         # Sandboxes outlive the daemon: delete every one first (a failed
         # round may have left some), so none lingers and the storage
-        # unmounts with the daemon.
+        # unmounts with the daemon. A warm pool's sandboxes are not listed
+        # to their owner: deleting the templates drains them.
         if self.proc.poll() is None and getattr(self, "key", None):
             try:
                 s = self.session()
-                for sb in check(s.get(self.base + "/v1/sandboxes?live=true&limit=1000"), 200)["sandboxes"]:
-                    r = s.delete(f"{self.base}/v1/sandboxes/{sb['id']}")
+                gone = [s.delete(f"{self.base}/v1/sandboxes/{sb['id']}") for sb in
+                        check(s.get(self.base + "/v1/sandboxes?live=true&limit=1000"), 200)["sandboxes"]]
+                gone += [s.delete(f"{self.base}/v1/templates/{t['id']}") for t in
+                         check(s.get(self.base + "/v1/templates"), 200)["templates"]]
+                for r in gone:
                     # Said, not raised: the rest still goes. A sandbox
                     # whose delete failed outlives the daemon.
-                    if r.status_code != 200:
+                    if r.status_code not in (200, 204):
                         print(f"bench: cleanup: {r.method} {r.url} -> {r.status_code}: {r.text[:300]}",
                               file=sys.stderr)
+                deadline = time.monotonic() + 30
+                while self.sandboxes_alive(s) and time.monotonic() < deadline:
+                    time.sleep(0.1)
             except (OSError, RuntimeError) as e:
                 print(f"bench: cleanup: {e}", file=sys.stderr)
         if self.proc.poll() is None:
