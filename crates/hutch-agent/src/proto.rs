@@ -432,14 +432,15 @@ pub fn passable_fs(magic: i64) -> bool {
 }
 
 /// Whether a file on a file system of `statfs` type `magic` is passed
-/// for writing: not on tmpfs, whose pages are charged to the memory
-/// cgroup of the process that writes them and are not reclaimed but by
-/// swap. Written by the host, they would count against the host's
-/// memory, not the sandbox's. (A memory layer's files are on overlay:
-/// the host asks for no descriptor to write those; see the daemon's
-/// `SandboxFs::passing_writes`.)
-pub fn passable_for_write(magic: i64) -> bool {
-    passable_fs(magic) && magic != TMPFS_MAGIC
+/// for reading, or with `write` for writing: the agent asks it before it
+/// passes a descriptor, the host of every descriptor it receives. Not for
+/// writing on tmpfs, whose pages are charged to the memory cgroup of the
+/// process that writes them and are not reclaimed but by swap: written by
+/// the host, they would count against the host's memory, not the
+/// sandbox's. (A memory layer's files are on overlay: the host asks for no
+/// descriptor to write those; see the daemon's `SandboxFs::passing_writes`.)
+pub fn passable(magic: i64, write: bool) -> bool {
+    passable_fs(magic) && !(write && magic == TMPFS_MAGIC)
 }
 
 /// Most entries in one [`Request::ListPage`] reply.

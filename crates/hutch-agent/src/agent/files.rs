@@ -85,6 +85,11 @@ fn is_dir(st: &libc::stat) -> bool {
     st.st_mode & libc::S_IFMT == libc::S_IFDIR
 }
 
+/// The error of a failed rename of `from` to `to`.
+fn renamed<'a>(from: &'a str, to: &'a str) -> impl FnOnce(Errno) -> FsError + 'a {
+    move |e| FsError::os("rename", &format!("{from} -> {to}"), e)
+}
+
 fn is_file(st: &libc::stat) -> bool {
     st.st_mode & libc::S_IFMT == libc::S_IFREG
 }
@@ -211,19 +216,12 @@ impl Fs {
     /// Opens a regular file to pass to the host ([`proto::Request::OpenFile`]):
     /// read-only, or write-only (it must exist). Answers its size and the
     /// descriptor, or no descriptor when its file system is not one whose
-    /// descriptors are passed ([`proto::passable_fs`]; for writing,
-    /// [`proto::passable_for_write`]: not tmpfs).
+    /// descriptors are passed for that access ([`proto::passable`]).
     pub fn open_passed(&self, path: &str, write: bool) -> FsResult<(u64, Option<OwnedFd>)> {
         let (flags, op) = if write { (libc::O_WRONLY, "write") } else { (libc::O_RDONLY, "read") };
         let fd = self.open_regular(path, flags, 0, op)?;
         let size = sys::fstat(fd.as_fd()).map_err(|e| FsError::os(op, path, e))?.st_size as u64;
-        let passable = sys::fstatfs_type(fd.as_fd()).is_ok_and(|m| {
-            if write {
-                proto::passable_for_write(m)
-            } else {
-                proto::passable_fs(m)
-            }
-        });
+        let passable = sys::fstatfs_type(fd.as_fd()).is_ok_and(|m| proto::passable(m, write));
         Ok((size, passable.then_some(fd)))
     }
 
@@ -408,8 +406,7 @@ impl Fs {
     pub fn rename(&self, from: &str, to: &str) -> FsResult<Reply> {
         let (from_dir, from_name) = self.parent(from, "rename")?;
         let (to_dir, to_name) = self.parent(to, "rename")?;
-        sys::renameat(from_dir.as_fd(), &from_name, to_dir.as_fd(), &to_name)
-            .map_err(|e| FsError::os("rename", &format!("{from} -> {to}"), e))?;
+        sys::renameat(from_dir.as_fd(), &from_name, to_dir.as_fd(), &to_name).map_err(renamed(from, to))?;
         Ok(Reply::Ok)
     }
 
@@ -438,10 +435,10 @@ impl Fs {
             if sys::unlinkat(fd, &from_name, 0).is_ok() {
                 return Ok(Reply::Ok);
             }
-            sys::renameat2(fd, &from_name, td, &to_name, libc::RENAME_EXCHANGE)
-                .map_err(|e| FsError::os("rename", &format!("{from} -> {to}"), e))?;
+            sys::renameat2(fd, &from_name, td, &to_name, libc::RENAME_EXCHANGE).map_err(renamed(from, to))?;
         }
-        self.rename(from, to)
+        sys::renameat(fd, &from_name, td, &to_name).map_err(renamed(from, to))?;
+        Ok(Reply::Ok)
     }
 
     /// Removes a file, or a directory and everything below it, without

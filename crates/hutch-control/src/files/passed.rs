@@ -62,8 +62,7 @@ pub fn check(mut fds: Vec<OwnedFd>, write: bool) -> Result<File, FilesError> {
     }
     #[allow(clippy::unnecessary_cast)] // f_type's width differs between architectures.
     let magic = fs.f_type as i64;
-    let passable = if write { proto::passable_for_write(magic) } else { proto::passable_fs(magic) };
-    if !passable {
+    if !proto::passable(magic, write) {
         return Err(refused(format_args!("a file on a file system of type {magic:#x}")));
     }
     let want = if write { libc::O_WRONLY } else { libc::O_RDONLY };
