@@ -118,7 +118,12 @@ pub async fn write(file: File, path: String, rx: Chunks) -> Result<u64, FilesErr
     std::thread::Builder::new()
         .name("hutch-file-write".into())
         .spawn(move || {
-            let _ = done.send(write_all(&file, &path, rx));
+            let written = write_all(&file, &path, rx);
+            // Closed before the answer: the caller then renames the file
+            // into place, and a close after that would reach a directory
+            // watch as a write of the file's new name.
+            drop(file);
+            let _ = done.send(written);
         })
         .map_err(|e| FilesError::new(ErrorCode::Internal, format!("file transfer thread: {e}")))?;
     result.await.map_err(|_| FilesError::new(ErrorCode::Internal, "file transfer thread ended early"))?
