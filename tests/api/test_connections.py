@@ -13,6 +13,8 @@ destroyed them (`sandbox_agent_exited`).
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
 import subprocess
 import sys
@@ -23,6 +25,7 @@ import pytest
 
 from conftest import Client, Daemon, expect_status, wait_for
 from test_proxy import grant, start_app, ws_open, ws_recv, ws_send
+from test_templates import wait_reconciler_ticks
 
 FLOOD = 20_000
 # Connections per source address (127.77.x.y), below the daemon's default
@@ -141,6 +144,18 @@ class Flood:
 
 def daemon_fds(d: Daemon) -> int:
     return sum(1 for _ in Path(f"/proc/{d.pid}/fd").iterdir())
+
+
+def daemon_fd_kinds(d: Daemon) -> dict[str, int]:
+    """The daemon's open descriptors by what they name, numbers masked."""
+    kinds: dict[str, int] = {}
+    for f in Path(f"/proc/{d.pid}/fd").iterdir():
+        try:
+            name = re.sub(r"[0-9a-f]{8,}|[0-9]+", "N", os.readlink(f))
+        except OSError:
+            continue
+        kinds[name] = kinds.get(name, 0) + 1
+    return kinds
 
 
 @pytest.mark.timeout(900)
@@ -302,3 +317,26 @@ def test_a_head_not_sent_in_time_and_an_idle_connection_are_closed_but_streams_l
     ws_send(ws, "after")
     assert ws_recv(ws) == "after", "the WebSocket outlived the idle timeout"
     ws.close()
+
+
+def test_a_running_sandbox_holds_one_descriptor_of_the_daemon(daemon: Daemon):
+    """A daemon's open files are a budget its sandboxes share with its
+    connections: a running sandbox keeps one open in the daemon (its
+    network namespace), not its uid range's lock or its OOM counter, so
+    that 10,000 fit under a limit of 20,000."""
+    c = daemon.new_client("fds")
+    first = c.create(ttl_seconds=600)["id"]
+    assert c.sh(first, "echo up") == "up\n"
+    n = 12
+    before = daemon_fd_kinds(daemon)
+    made = [c.create(ttl_seconds=600)["id"] for _ in range(n)]
+    try:
+        # The reconciler's passes (which read OOM counters) run in between.
+        wait_reconciler_ticks(c, 2)
+        after = daemon_fd_kinds(daemon)
+        grown = sum(after.values()) - sum(before.values())
+        more = {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}
+        assert grown <= n + 2, f"{n} sandboxes opened {grown} descriptors in the daemon: {more}"
+    finally:
+        for sid in [first, *made]:
+            c.delete(f"/v1/sandboxes/{sid}")

@@ -287,6 +287,9 @@ pub(crate) struct Events {
     expiring: Mutex<HashMap<String, i64>>,
     /// Wakes the webhook worker when deliveries were made.
     pub(crate) deliveries: Arc<tokio::sync::Notify>,
+    /// The host's OOM kills at the reconciler's last look (`u64::MAX`:
+    /// none yet).
+    host_oom_kills: AtomicU64,
 }
 
 impl Events {
@@ -306,6 +309,18 @@ impl Events {
             started: AtomicBool::new(false),
             expiring: Mutex::new(HashMap::new()),
             deliveries: Arc::default(),
+            host_oom_kills: AtomicU64::new(u64::MAX),
+        }
+    }
+
+    /// Whether the host's OOM killer ran since the last call (true when
+    /// that cannot be told): only then may a sandbox's counter have moved.
+    /// With thousands of sandboxes, reading each one's counter on every
+    /// pass was most of an idle daemon's time.
+    pub(crate) fn host_oom_news(&self) -> bool {
+        match hutch_runtime::cgroup::host_oom_kills() {
+            Some(now) => self.host_oom_kills.swap(now, Ordering::SeqCst) != now,
+            None => true,
         }
     }
 
@@ -623,8 +638,9 @@ impl Control {
     }
 
     /// The reconciler's look at one sandbox that runs: a coming expiry, OOM
-    /// kills since the last look.
-    pub(crate) fn watch_sandbox(&self, r: &SandboxRecord, now: i64) {
+    /// kills since the last look (read only when `oom_news`, see
+    /// [`Events::host_oom_news`]).
+    pub(crate) fn watch_sandbox(&self, r: &SandboxRecord, now: i64, oom_news: bool) {
         if r.pooled {
             return;
         }
@@ -641,7 +657,7 @@ impl Control {
             }
         }
         let id = crate::ids::SandboxId::from_record(&r.id);
-        if let Some(live) = self.live(&id) {
+        if let Some(live) = self.live(&id).filter(|_| oom_news) {
             let kills = live.handle.lock().ok().and_then(|h| h.as_ref().map(|sb| sb.cgroup.oom_kills()));
             if let Some(kills) = kills {
                 let before = live.oom_seen.swap(kills, Ordering::SeqCst);

@@ -31,7 +31,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// One change of a sandbox's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -169,6 +169,8 @@ impl Reason {
 
 /// Idle agent connections kept per sandbox.
 const IDLE_CONNS: usize = 4;
+/// How long an idle agent connection is kept (see [`Live::drop_idle_conns`]).
+pub(crate) const IDLE_CONN_AGE: Duration = Duration::from_secs(30);
 
 /// A sandbox this daemon runs now: what every command, file transfer and
 /// port connection of it goes through. Its owner is fixed for its life.
@@ -183,8 +185,8 @@ pub struct Live {
     /// In a warm pool, unclaimed: nobody's yet.
     pooled: AtomicBool,
     /// Idle agent connections, reused by commands (a connect and an accept
-    /// saved per command).
-    idle: Mutex<Vec<AsyncConn>>,
+    /// saved per command), each with when it was put back.
+    idle: Mutex<Vec<(AsyncConn, Instant)>>,
     /// When background commands started, by pid, for reattached streams.
     pub(crate) started: Mutex<HashMap<u32, Instant>>,
     /// The E2B API's polled directory watchers of this sandbox; they end
@@ -257,10 +259,29 @@ impl Live {
 
     /// An agent connection: an idle one, or a new one.
     pub(crate) async fn conn(&self) -> std::result::Result<AsyncConn, AgentError> {
-        if let Some(c) = self.idle.lock().ok().and_then(|mut v| v.pop()) {
+        if let Some(c) = self.idle_conn() {
             return Ok(c);
         }
         AsyncConn::connect(&self.socket).await
+    }
+
+    /// The most recently used idle connection, if any.
+    pub(crate) fn idle_conn(&self) -> Option<AsyncConn> {
+        self.idle.lock().ok().and_then(|mut v| v.pop()).map(|(c, _)| c)
+    }
+
+    /// Closes the idle connections older than `age`, unless it waits in a
+    /// warm pool (its refill made one for the claim's first command). Each
+    /// is a descriptor of the daemon's, a budget that its sandboxes share
+    /// with its clients: kept for ever, one command in each of 10,000
+    /// sandboxes would hold 10,000.
+    pub(crate) fn drop_idle_conns(&self, age: Duration) {
+        if self.is_pooled() {
+            return;
+        }
+        if let Ok(mut v) = self.idle.lock() {
+            v.retain(|(_, at)| at.elapsed() < age);
+        }
     }
 
     /// Gives a connection back when nothing unread is left on it.
@@ -268,7 +289,7 @@ impl Live {
         if conn.is_clean() {
             if let Ok(mut v) = self.idle.lock() {
                 if v.len() < IDLE_CONNS {
-                    v.push(conn);
+                    v.push((conn, Instant::now()));
                 }
             }
         }

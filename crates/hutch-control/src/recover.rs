@@ -182,6 +182,7 @@ impl Control {
         let node = self.node.name.clone();
         let rows = self.db(move |s| s.sandboxes_on(Some(&node), &states)).await?;
         self.forget_notices(&rows.iter().map(|r| r.id.clone()).collect());
+        let oom_news = self.events.host_oom_news();
         for r in rows {
             let id = SandboxId::from_record(&r.id);
             if r.state == SandboxState::Terminating {
@@ -209,9 +210,10 @@ impl Control {
                 continue;
             }
             if matches!(r.state, SandboxState::Running | SandboxState::Suspended | SandboxState::Paused) {
-                self.watch_sandbox(&r, now);
+                self.watch_sandbox(&r, now, oom_news);
             }
             if let Some(live) = self.live(&id) {
+                live.drop_idle_conns(crate::lifecycle::IDLE_CONN_AGE);
                 // Only a positive observation of death ends a sandbox; a
                 // check that failed (out of descriptors) is no verdict.
                 let seen = live.handle.lock().ok().and_then(|h| h.as_ref().map(|sb| sb.liveness()));

@@ -1259,12 +1259,19 @@ impl Control {
                 continue;
             }
             let count = async {
-                let mut conn = live.conn().await.ok()?;
+                // A connection made for a scrape is not kept: with thousands
+                // of sandboxes, each scrape would leave one open in each.
+                let (mut conn, kept) = match live.idle_conn() {
+                    Some(c) => (c, true),
+                    None => (live.fresh_conn().await.ok()?, false),
+                };
                 let n = match conn.call(hutch_agent::proto::Request::List, &[]).await.ok()? {
                     (hutch_agent::proto::Reply::Processes { processes }, _) => processes.len() as u64,
                     _ => 0,
                 };
-                live.reuse(conn);
+                if kept {
+                    live.reuse(conn);
+                }
                 Some(n)
             };
             let n = tokio::time::timeout(Duration::from_millis(200), count).await.ok().flatten().unwrap_or(0);

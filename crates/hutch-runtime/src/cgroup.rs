@@ -216,12 +216,6 @@ pub struct Cgroup {
     work_dirs: Vec<PathBuf>,
     /// Bytes the sandbox may use beyond the workload's memory limit.
     headroom: u64,
-    /// The OOM counter's file, kept open once read: the reconciler reads
-    /// it for every sandbox twice a second, and opening it (a path walk
-    /// through a directory of thousands of sandboxes) costs several times
-    /// the read; with thousands alive that was most of an idle daemon's
-    /// time.
-    oom_file: std::sync::OnceLock<fs::File>,
     /// Where it goes when its sandbox ends: kept for the next one, when it
     /// came from (or may go to) a [`Spares`] pool.
     spares: Option<std::sync::Arc<Spares>>,
@@ -254,7 +248,6 @@ impl Cgroup {
             agent_dirs: Vec::new(),
             work_dirs: Vec::new(),
             headroom,
-            oom_file: std::sync::OnceLock::new(),
             spares: None,
             base: Counters::default(),
         }
@@ -511,20 +504,12 @@ impl Cgroup {
         }
     }
 
+    /// Read by path, not through a descriptor kept open: a daemon's open
+    /// files are a budget it shares among its sandboxes, and the reconciler
+    /// reads a sandbox's counter only after an OOM kill on the host
+    /// ([`host_oom_kills`]).
     fn raw_oom_kills(&self) -> u64 {
-        use std::os::unix::fs::FileExt;
-        let file = match self.oom_file.get() {
-            Some(f) => f,
-            None => {
-                // Not kept when it cannot be opened now: the next read tries again.
-                let Some(f) = self.oom_events_file().and_then(|p| fs::File::open(p).ok()) else { return 0 };
-                self.oom_file.get_or_init(|| f)
-            }
-        };
-        // A flat keyed file of a few short lines, read whole from its start.
-        let mut buf = [0u8; 1024];
-        let n = file.read_at(&mut buf, 0).unwrap_or(0);
-        std::str::from_utf8(&buf[..n]).ok().and_then(|t| key_in(t, "oom_kill")).unwrap_or(0)
+        self.oom_events_file().map_or(0, |p| read_key(&p, "oom_kill"))
     }
 
     fn raw_pids_limit_hits(&self) -> u64 {
@@ -1217,6 +1202,13 @@ fn write_if_present(path: &Path, value: &str) -> Result<(), CgroupError> {
 }
 
 /// Reads `key N` out of a flat keyed file; 0 when absent.
+/// OOM kills on the whole host since boot (`oom_kill` in /proc/vmstat,
+/// which counts the kills within memory cgroups too), or None if it
+/// cannot be read. While it stays put, no sandbox's counter moved.
+pub fn host_oom_kills() -> Option<u64> {
+    fs::read_to_string("/proc/vmstat").ok().and_then(|text| key_in(&text, "oom_kill"))
+}
+
 fn read_key(path: &Path, key: &str) -> u64 {
     fs::read_to_string(path).ok().and_then(|text| key_in(&text, key)).unwrap_or(0)
 }

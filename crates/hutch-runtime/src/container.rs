@@ -834,7 +834,8 @@ impl Runtime {
                 plan.push(Step::Seccomp { name: f.name.clone(), program: f.program.clone() });
             }
             let args: Vec<&str> = agent_args.iter().map(String::as_str).collect();
-            let mut fds = vec![(listener.as_raw_fd(), 3), (cfg_rd.as_raw_fd(), 4), (slot.file().as_raw_fd(), 5)];
+            let lock = slot.file().ok_or_else(|| io::Error::other("the uid slot was handed over"))?;
+            let mut fds = vec![(listener.as_raw_fd(), 3), (cfg_rd.as_raw_fd(), 4), (lock.as_raw_fd(), 5)];
             fds.extend(extra.iter().zip(proto::WORK_CGROUP_FD..).map(|(f, n)| (f.as_raw_fd(), n)));
             // The daemon raised its own open-file limit; the sandbox gets
             // the one it started with.
@@ -854,6 +855,10 @@ impl Runtime {
         let _ = fs::write(format!("/proc/{}/oom_score_adj", child.pid), "-1000");
         drop((listener, cfg_rd, userns, netns, agent, procs, parent, extra));
         child.wait_started(&plan)?;
+        // PID 1 holds the uid range's lock now, for as long as it lives.
+        if let Some(slot) = sb.slot.as_mut() {
+            slot.hand_over();
+        }
         marks.mark("setup and exec");
         Ok(())
     }

@@ -5,8 +5,13 @@
 //! file `<dir>/<n>`. The lock lives on an open file description, and the
 //! sandbox's PID 1 inherits a descriptor of it, so the slot stays taken
 //! exactly as long as the sandbox lives, whatever happens to the process
-//! that made it, and the kernel frees it when the sandbox dies. Files of
-//! dead sandboxes are unlinked by whoever next finds them unlocked.
+//! that made it, and the kernel frees it when the sandbox dies. Once PID 1
+//! has started, the runtime closes its own descriptor ([`Slot::hand_over`]):
+//! a daemon with 10,000 sandboxes would otherwise hold 10,000 descriptors
+//! for nothing, against an open-file limit that may be 20,000. Files of
+//! dead sandboxes are unlinked by whoever next finds them unlocked; the
+//! runtime that made a sandbox takes its lock back to do so, and leaves
+//! a slot that someone else took in the meantime alone.
 //!
 //! Host ids are a host-wide resource, so the directory is one per host
 //! ([`HOST_DIR`]), whatever run directory a runtime uses: two daemons, or
@@ -49,8 +54,11 @@ pub enum UidError {
 #[derive(Debug)]
 pub struct Slot {
     pub index: u32,
-    file: File,
+    /// The locked file; None once handed over to the sandbox's PID 1.
+    file: Option<File>,
     path: PathBuf,
+    /// The sandbox it was taken for (the first line of its file's record).
+    owner: String,
     /// Its mark in the run directory of the runtime that took it.
     marker: Option<PathBuf>,
 }
@@ -61,14 +69,31 @@ impl Slot {
         FIRST_ID + self.index * RANGE
     }
 
-    /// The locked file; pass it to the sandbox's PID 1.
-    pub fn file(&self) -> &File {
-        &self.file
+    /// The locked file, to pass to the sandbox's PID 1 (None once handed
+    /// over).
+    pub fn file(&self) -> Option<&File> {
+        self.file.as_ref()
+    }
+
+    /// Closes this descriptor of the locked file: call once the sandbox's
+    /// PID 1 holds one, which keeps the slot taken from then on.
+    pub fn hand_over(&mut self) {
+        self.file = None;
     }
 
     /// Gives the slot back: unlinks the file, then drops the lock. Only call
-    /// this when no process of the sandbox can still hold the lock.
+    /// this when no process of the sandbox can still hold the lock. A slot
+    /// handed over is locked again first, and left alone if anyone holds
+    /// it or its file records another sandbox (it was freed and taken
+    /// again in between).
     pub fn release(self) {
+        let _retaken = match &self.file {
+            Some(_) => None,
+            None => match lock_unheld(&self.path) {
+                Ok(Some((file, owner, _))) if owner == self.owner => Some(file),
+                _ => return,
+            },
+        };
         if let Some(m) = &self.marker {
             let _ = fs::remove_file(m);
         }
@@ -110,10 +135,9 @@ pub fn allocate(dir: &Path, owner: &str, home: &Path) -> Result<Slot, UidError> 
     let mut seed = [0u8; 4];
     crate::sys::random_bytes(&mut seed).map_err(err)?;
     let start = u32::from_ne_bytes(seed) % SLOTS;
-    let record = record(owner, home);
     for i in 0..SLOTS {
         let index = (start + i) % SLOTS;
-        if let Some(slot) = try_slot(dir, index, &record).map_err(err)? {
+        if let Some(slot) = try_slot(dir, index, owner, home).map_err(err)? {
             return mark(slot, home).map_err(err);
         }
     }
@@ -124,7 +148,7 @@ pub fn allocate(dir: &Path, owner: &str, home: &Path) -> Result<Slot, UidError> 
 pub fn take(dir: &Path, index: u32, owner: &str, home: &Path) -> Result<Option<Slot>, UidError> {
     let err = |source| UidError::Io { dir: dir.to_path_buf(), source };
     fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(err)?;
-    try_slot(dir, index, &record(owner, home)).map_err(err)?.map(|slot| mark(slot, home)).transpose().map_err(err)
+    try_slot(dir, index, owner, home).map_err(err)?.map(|slot| mark(slot, home)).transpose().map_err(err)
 }
 
 /// What a slot's file holds: the sandbox id, then the run directory.
@@ -141,7 +165,7 @@ pub fn parse_record(text: &str) -> (String, Option<PathBuf>) {
     (owner, home)
 }
 
-fn try_slot(dir: &Path, index: u32, owner: &str) -> io::Result<Option<Slot>> {
+fn try_slot(dir: &Path, index: u32, owner: &str, home: &Path) -> io::Result<Option<Slot>> {
     let path = dir.join(index.to_string());
     let mut file = OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600).open(&path)?;
     if !crate::sys::try_lock(file.as_raw_fd())? {
@@ -154,8 +178,8 @@ fn try_slot(dir: &Path, index: u32, owner: &str) -> io::Result<Option<Slot>> {
         _ => return Ok(None),
     }
     file.set_len(0)?;
-    file.write_all(owner.as_bytes())?;
-    Ok(Some(Slot { index, file, path, marker: None }))
+    file.write_all(record(owner, home).as_bytes())?;
+    Ok(Some(Slot { index, file: Some(file), path, owner: owner.to_owned(), marker: None }))
 }
 
 /// A slot whose file exists but whose lock nobody holds: its sandbox died
@@ -218,7 +242,8 @@ pub fn stale(dir: &Path) -> Vec<Stale> {
             continue;
         };
         let marker = home.as_deref().map(|h| marker(h, index));
-        out.push(Stale { owner, home, slot: Slot { index, file, path, marker } });
+        let slot = Slot { index, file: Some(file), path, owner: owner.clone(), marker };
+        out.push(Stale { owner, home, slot });
     }
     out
 }
@@ -249,7 +274,8 @@ pub fn stale_marked(dir: &Path, home: &Path) -> Vec<Stale> {
             let _ = fs::remove_file(e.path());
             continue;
         }
-        out.push(Stale { owner, home: recorded, slot: Slot { index, file, path, marker: Some(e.path()) } });
+        let slot = Slot { index, file: Some(file), path, owner: owner.clone(), marker: Some(e.path()) };
+        out.push(Stale { owner, home: recorded, slot });
     }
     out
 }
@@ -292,6 +318,40 @@ mod tests {
         assert_eq!(fs::read_dir(&d).expect("readdir").count(), 0);
         fs::remove_dir(&d).expect("cleanup");
         no_marks_left(&x);
+    }
+
+    #[test]
+    fn a_slot_handed_over_stays_taken_while_its_holder_lives_and_is_released_only_if_still_its_own() {
+        let (d, x, y) = (dir("handover"), home("hx"), home("hy"));
+        let mut a = allocate(&d, "sandbox-a", &x).expect("alloc");
+        // The sandbox's PID 1: a descriptor of the same open file.
+        let pid1 = a.file().expect("file").try_clone().expect("dup");
+        a.hand_over();
+        assert!(a.file().is_none());
+        assert!(stale(&d).is_empty(), "a slot whose PID 1 holds the lock is not stale");
+        assert!(take(&d, a.index, "intruder", &y).expect("take").is_none(), "a held slot cannot be taken");
+        // The sandbox died: the slot is given back.
+        drop(pid1);
+        let index = a.index;
+        a.release();
+        assert!(!d.join(index.to_string()).exists(), "released");
+
+        // Freed and taken again before the release: the new holder keeps it.
+        let mut b = allocate(&d, "sandbox-b", &x).expect("alloc");
+        let pid1 = b.file().expect("file").try_clone().expect("dup");
+        b.hand_over();
+        drop(pid1);
+        let c = take(&d, b.index, "sandbox-c", &y).expect("take").expect("free once its holder died");
+        b.release();
+        assert!(d.join(c.index.to_string()).exists(), "another sandbox's slot is left alone");
+        assert!(take(&d, c.index, "intruder", &y).expect("take").is_none(), "and still held");
+        c.release();
+        assert_eq!(fs::read_dir(&d).expect("readdir").count(), 0);
+        fs::remove_dir(&d).expect("cleanup");
+        // b's mark stays until a sweep finds its slot gone (stale_marked).
+        assert!(stale_marked(&d, &x).is_empty());
+        no_marks_left(&x);
+        no_marks_left(&y);
     }
 
     #[test]
