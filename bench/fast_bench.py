@@ -135,6 +135,10 @@ def wait_for(what: str, cond, within: float = 60) -> None:
         time.sleep(0.01)
 
 
+# The memory a fill leaves the host at least (or a tenth of what it had).
+MEM_FLOOR = 3 * 2**30
+
+
 def mem_available() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
@@ -307,8 +311,16 @@ def curve(d: Daemon, a, levels: list[int], idle_run: float | None) -> None:
 
 def measure_levels(d: Daemon, a, levels: list[int], alive: list[str], lock, mem0: int, rows: list, s: Lean,
                    base: str) -> None:
+    # The fill stops short of a level rather than push the host into its
+    # OOM killer: idle sandboxes cost kernel memory that grows with their
+    # number (see the README, "A host that fills up").
+    floor = max(MEM_FLOOR, mem0 // 10)
+    full = threading.Event()
     for n in levels:
         def make(s: Lean, _i: int) -> None:
+            if full.is_set() or mem_available() < floor:
+                full.set()
+                return
             # Idle sandboxes with a small limit, so the host's memory
             # and disk admissions (limits x --overcommit) are not what stops
             # the fill.
@@ -317,6 +329,10 @@ def measure_levels(d: Daemon, a, levels: list[int], alive: list[str], lock, mem0
                 alive.append(sb["id"])
 
         fill = fan_out(d, n - len(alive), make)
+        if full.is_set():
+            print(f"  the fill stopped at {len(alive)} alive of {n}: {mem_available() / 2**30:.1f} GiB "
+                  f"of memory left (floor {floor / 2**30:.1f} GiB)", flush=True)
+            n = len(alive)
         per_mib = (mem0 - mem_available()) / max(len(alive), 1) / 2**20
         runs = max(a.runs // 2, 10)
         made = [first_exec(s, base, {"ttl_seconds": 600}) for _ in range(runs)]
@@ -328,6 +344,8 @@ def measure_levels(d: Daemon, a, levels: list[int], alive: list[str], lock, mem0
         print(f"  {n} alive: create->first exec {r[1] * 1000:.2f} ms, exec {r[2] * 1000:.2f} ms, "
               f"delete {r[3] * 1000:.2f} ms, hutch run {r[4] * 1000:.2f} ms, {per_mib:.2f} MiB each "
               f"(filled in {fill:.1f} s)", flush=True)
+        if full.is_set():
+            break
 
 
 def print_curve(a, rows: list, first_level, idle_run: float | None, ids: list[str], wall: float) -> None:
