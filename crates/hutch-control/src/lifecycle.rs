@@ -172,6 +172,45 @@ const IDLE_CONNS: usize = 4;
 /// How long an idle agent connection is kept (see [`Live::drop_idle_conns`]).
 pub(crate) const IDLE_CONN_AGE: Duration = Duration::from_secs(30);
 
+/// Idle connections of one sandbox, the most recently put back last, each
+/// with when it was.
+#[derive(Debug)]
+struct IdleConns<T> {
+    conns: Vec<(T, Instant)>,
+}
+
+impl<T> IdleConns<T> {
+    fn new() -> IdleConns<T> {
+        IdleConns { conns: Vec::new() }
+    }
+
+    /// Keeps `c` unless [`IDLE_CONNS`] are kept already (then it is dropped).
+    fn put(&mut self, c: T, now: Instant) {
+        if self.conns.len() < IDLE_CONNS {
+            self.conns.push((c, now));
+        }
+    }
+
+    /// The most recently put back.
+    fn take(&mut self) -> Option<T> {
+        self.conns.pop().map(|(c, _)| c)
+    }
+
+    /// Drops those put back `age` or longer before `now`.
+    fn expire(&mut self, age: Duration, now: Instant) {
+        self.conns.retain(|(_, at)| now.saturating_duration_since(*at) < age);
+    }
+
+    /// Counts every one as put back `now`.
+    fn touch(&mut self, now: Instant) {
+        self.conns.iter_mut().for_each(|(_, at)| *at = now);
+    }
+
+    fn clear(&mut self) {
+        self.conns.clear();
+    }
+}
+
 /// A sandbox this daemon runs now: what every command, file transfer and
 /// port connection of it goes through. Its owner is fixed for its life.
 pub struct Live {
@@ -186,7 +225,7 @@ pub struct Live {
     pooled: AtomicBool,
     /// Idle agent connections, reused by commands (a connect and an accept
     /// saved per command), each with when it was put back.
-    idle: Mutex<Vec<(AsyncConn, Instant)>>,
+    idle: Mutex<IdleConns<AsyncConn>>,
     /// When background commands started, by pid, for reattached streams.
     pub(crate) started: Mutex<HashMap<u32, Instant>>,
     /// The E2B API's polled directory watchers of this sandbox; they end
@@ -215,7 +254,7 @@ impl Live {
             handle: Mutex::new(Some(sb)),
             suspended: AtomicBool::new(false),
             pooled: AtomicBool::new(pooled),
-            idle: Mutex::new(Vec::new()),
+            idle: Mutex::new(IdleConns::new()),
             started: Mutex::new(HashMap::new()),
             watchers: Mutex::new(crate::session::Watchers::default()),
             oom_seen: std::sync::atomic::AtomicU64::new(0),
@@ -254,6 +293,11 @@ impl Live {
     }
 
     pub(crate) fn claimed(&self) {
+        // The connection its refill left for the first command counts as
+        // used now: the reconciler's next pass does not close it.
+        if let Ok(mut v) = self.idle.lock() {
+            v.touch(Instant::now());
+        }
         self.pooled.store(false, Ordering::SeqCst);
     }
 
@@ -267,7 +311,7 @@ impl Live {
 
     /// The most recently used idle connection, if any.
     pub(crate) fn idle_conn(&self) -> Option<AsyncConn> {
-        self.idle.lock().ok().and_then(|mut v| v.pop()).map(|(c, _)| c)
+        self.idle.lock().ok().and_then(|mut v| v.take())
     }
 
     /// Closes the idle connections older than `age`, unless it waits in a
@@ -280,7 +324,7 @@ impl Live {
             return;
         }
         if let Ok(mut v) = self.idle.lock() {
-            v.retain(|(_, at)| at.elapsed() < age);
+            v.expire(age, Instant::now());
         }
     }
 
@@ -288,9 +332,7 @@ impl Live {
     pub(crate) fn reuse(&self, conn: AsyncConn) {
         if conn.is_clean() {
             if let Ok(mut v) = self.idle.lock() {
-                if v.len() < IDLE_CONNS {
-                    v.push((conn, Instant::now()));
-                }
+                v.put(conn, Instant::now());
             }
         }
     }
@@ -311,6 +353,28 @@ impl Live {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn idle_connections_are_bounded_newest_first_and_expire_unless_touched() {
+        let t0 = Instant::now();
+        let mut idle = IdleConns::new();
+        for c in 0..IDLE_CONNS + 2 {
+            idle.put(c, t0);
+        }
+        assert_eq!(idle.conns.len(), IDLE_CONNS, "at most IDLE_CONNS are kept");
+        assert_eq!(idle.take(), Some(IDLE_CONNS - 1), "the newest first");
+        idle.put(9, t0 + Duration::from_secs(20));
+        // 30 s after t0: those put back then go, the one of t0 + 20 s stays.
+        idle.expire(IDLE_CONN_AGE, t0 + IDLE_CONN_AGE);
+        assert_eq!(idle.conns.iter().map(|(c, _)| *c).collect::<Vec<_>>(), [9]);
+        // Touched (a claim): counted from then.
+        idle.touch(t0 + Duration::from_secs(60));
+        idle.expire(IDLE_CONN_AGE, t0 + Duration::from_secs(80));
+        assert_eq!(idle.take(), Some(9));
+        idle.put(1, t0);
+        idle.clear();
+        assert_eq!(idle.take(), None);
+    }
 
     #[test]
     fn every_transition_leaves_states_it_does_not_enter() {
