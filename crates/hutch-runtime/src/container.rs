@@ -1021,7 +1021,25 @@ impl Sandbox {
     /// layer seen through PID 1's root (statfs of an overlay reports its
     /// upper layer's file system, the tmpfs).
     pub fn usage(&self) -> Usage {
-        let (disk_used, disk_total) = match &self.layer {
+        let (disk_used_bytes, disk_total_bytes) = self.disk_usage();
+        Usage { disk_used_bytes, disk_total_bytes, ..self.usage_without_disk() }
+    }
+
+    /// [`Sandbox::usage`] without the disk's figures (0): reading a disk
+    /// layer's quota group is its costly part.
+    pub fn usage_without_disk(&self) -> Usage {
+        Usage {
+            memory_bytes: self.cgroup.memory_current(),
+            memory_cache_bytes: self.cgroup.memory_cache(),
+            cpu_ns: self.cgroup.cpu_usage_ns(),
+            disk_used_bytes: 0,
+            disk_total_bytes: 0,
+        }
+    }
+
+    /// (used, total) bytes of its writable layer or root file system.
+    pub fn disk_usage(&self) -> (u64, u64) {
+        match &self.layer {
             Some((layer, storage)) => {
                 storage.usage(layer).map(|u| (u.used_bytes, u.limit_bytes.unwrap_or(0))).unwrap_or((0, 0))
             }
@@ -1029,13 +1047,6 @@ impl Sandbox {
                 Some(paths) => statfs_used(&paths.root_statfs_path()).unwrap_or((0, 0)),
                 None => statfs_used(&format!("/proc/{}/root/", self.pid)).unwrap_or((0, 0)),
             },
-        };
-        Usage {
-            memory_bytes: self.cgroup.memory_current(),
-            memory_cache_bytes: self.cgroup.memory_cache(),
-            cpu_ns: self.cgroup.cpu_usage_ns(),
-            disk_used_bytes: disk_used,
-            disk_total_bytes: disk_total,
         }
     }
 
