@@ -14,12 +14,13 @@ use std::time::Duration;
 
 /// Between two samples of a running sandbox.
 pub const SAMPLE_EVERY: Duration = Duration::from_secs(5);
-/// Longest time between two reads of an idle sandbox's disk use. A sample
-/// reads it when the sandbox used CPU since the previous one (its agent
-/// serves every file call), else repeats the previous figures until this
-/// much time passed: with thousands of idle sandboxes, reading their
-/// quota groups every 5 s was the largest part of the daemon's time.
-pub const DISK_SAMPLE_EVERY: Duration = Duration::from_secs(30);
+/// Longest time between two reads of an idle sandbox's page cache and disk
+/// use (`Sandbox::slow_usage`: its memory cgroup's statistics and its
+/// btrfs quota group). A sample reads them when the sandbox used CPU since
+/// the previous one (its agent serves every file call), else repeats the
+/// previous figures until this much time passed: with thousands of idle
+/// sandboxes, those reads every 5 s were most of the daemon's time.
+pub const SLOW_SAMPLE_EVERY: Duration = Duration::from_secs(30);
 /// Samples kept per sandbox: an hour at one every five seconds.
 pub const SAMPLES: usize = 720;
 /// Log entries kept per sandbox.
@@ -105,19 +106,19 @@ struct Kept {
     log: VecDeque<LogEntry>,
     /// CPU time and wall time of the last sample.
     last_cpu: Option<(i64, u64)>,
-    /// When its disk use was last read (Unix ms).
-    disk_at: Option<i64>,
+    /// When its page cache and disk use were last read (Unix ms).
+    slow_at: Option<i64>,
 }
 
-/// See [`History::disk_plan`].
+/// See [`History::plan`].
 #[derive(Debug, Clone, Copy)]
-pub struct DiskPlan {
+pub struct SamplePlan {
     due: bool,
     last_cpu_ns: Option<u64>,
 }
 
-impl DiskPlan {
-    /// Whether a sample whose CPU time is `cpu_ns` reads the disk.
+impl SamplePlan {
+    /// Whether a sample whose CPU time is `cpu_ns` reads the slow figures.
     pub fn read(&self, cpu_ns: u64) -> bool {
         self.due || self.last_cpu_ns != Some(cpu_ns)
     }
@@ -163,29 +164,31 @@ impl History {
     }
 
     /// What a sample at `at_ms` needs to tell whether it reads the
-    /// sandbox's disk use: whether [`DISK_SAMPLE_EVERY`] passed since the
-    /// last read, and the CPU time of the last sample (the disk is read
-    /// too when the sandbox's moved: [`DiskPlan::read`]).
-    pub fn disk_plan(&self, id: &SandboxId, at_ms: i64) -> DiskPlan {
+    /// sandbox's page cache and disk use: whether [`SLOW_SAMPLE_EVERY`]
+    /// passed since they were last read, and the CPU time of the last
+    /// sample (they are read too when the sandbox's moved:
+    /// [`SamplePlan::read`]).
+    pub fn plan(&self, id: &SandboxId, at_ms: i64) -> SamplePlan {
         let all = self.lock();
         let kept = all.get(id);
-        let last = kept.and_then(|k| k.disk_at);
-        DiskPlan {
-            due: last.is_none_or(|t| at_ms - t >= DISK_SAMPLE_EVERY.as_millis() as i64),
+        let last = kept.and_then(|k| k.slow_at);
+        SamplePlan {
+            due: last.is_none_or(|t| at_ms - t >= SLOW_SAMPLE_EVERY.as_millis() as i64),
             last_cpu_ns: kept.and_then(|k| k.last_cpu).map(|(_, ns)| ns),
         }
     }
 
     /// Records a sample from a sandbox's cumulative counters; the CPU share
     /// is over the time since the previous sample (or since `started_ms`).
-    /// Without `disk_read`, its disk figures are the previous sample's.
-    pub fn sample(&self, id: &SandboxId, at_ms: i64, started_ms: i64, cpu_ns: u64, mut s: Sample, disk_read: bool) {
+    /// Without `slow_read`, its page cache and disk figures are the
+    /// previous sample's.
+    pub fn sample(&self, id: &SandboxId, at_ms: i64, started_ms: i64, cpu_ns: u64, mut s: Sample, slow_read: bool) {
         let mut all = self.lock();
         let kept = all.entry(id.clone()).or_default();
-        if disk_read {
-            kept.disk_at = Some(at_ms);
+        if slow_read {
+            kept.slow_at = Some(at_ms);
         } else if let Some(last) = kept.samples.back() {
-            (s.disk_used, s.disk_total) = (last.disk_used, last.disk_total);
+            (s.mem_cache, s.disk_used, s.disk_total) = (last.mem_cache, last.disk_used, last.disk_total);
         }
         let (since_ms, since_ns) = kept.last_cpu.unwrap_or((started_ms, 0));
         let wall_ms = (at_ms - since_ms).max(1) as f64;
@@ -284,27 +287,27 @@ impl Control {
         let rows: std::collections::HashMap<String, hutch_store::SandboxRecord> =
             rows.into_iter().map(|r| (r.id.clone(), r)).collect();
         let at = now_ms();
-        let lives: Vec<_> = lives.into_iter().map(|l| (self.history.disk_plan(&l.id, at), l)).collect();
+        let lives: Vec<_> = lives.into_iter().map(|l| (self.history.plan(&l.id, at), l)).collect();
         let usages = tokio::task::spawn_blocking(move || {
             lives
                 .into_iter()
                 .filter_map(|(plan, live)| {
                     let guard = live.handle.lock().ok()?;
                     let sb = guard.as_ref()?;
-                    let mut usage = sb.usage_without_disk();
-                    let disk = plan.read(usage.cpu_ns);
-                    if disk {
-                        (usage.disk_used_bytes, usage.disk_total_bytes) = sb.disk_usage();
+                    let mut usage = sb.quick_usage();
+                    let slow = plan.read(usage.cpu_ns);
+                    if slow {
+                        (usage.memory_cache_bytes, usage.disk_used_bytes, usage.disk_total_bytes) = sb.slow_usage();
                     }
-                    Some((live.id.clone(), usage, disk))
+                    Some((live.id.clone(), usage, slow))
                 })
                 .collect::<Vec<_>>()
         })
         .await
         .unwrap_or_default();
-        for (id, u, disk) in usages {
+        for (id, u, slow) in usages {
             if let Some(r) = rows.get(id.as_str()) {
-                self.history.sample(&id, at, r.created_at, u.cpu_ns, sample_of(r, &u), disk);
+                self.history.sample(&id, at, r.created_at, u.cpu_ns, sample_of(r, &u), slow);
             }
         }
     }
@@ -373,22 +376,23 @@ mod tests {
     }
 
     #[test]
-    fn an_idle_sandboxs_disk_use_is_read_every_disk_sample_every_and_repeated_in_between() {
+    fn an_idle_sandboxs_page_cache_and_disk_use_are_read_every_slow_sample_every_and_repeated_in_between() {
         let h = History::default();
         let id = SandboxId::from_record("sb-0000000000000002");
-        let disk = |used: u64| Sample { disk_used: used, disk_total: 100, ..sample() };
-        let every = DISK_SAMPLE_EVERY.as_millis() as i64;
-        assert!(h.disk_plan(&id, 0).read(7), "the first sample reads it");
+        let disk = |used: u64| Sample { disk_used: used, disk_total: 100, mem_cache: used + 1, ..sample() };
+        let every = SLOW_SAMPLE_EVERY.as_millis() as i64;
+        assert!(h.plan(&id, 0).read(7), "the first sample reads it");
         h.sample(&id, 0, 0, 7, disk(10), true);
         // Idle (the same CPU time): not read; the figures are the last ones.
-        let plan = h.disk_plan(&id, 5_000);
+        let plan = h.plan(&id, 5_000);
         assert!(!plan.read(7));
         assert!(plan.read(8), "read when the sandbox used CPU");
         h.sample(&id, 5_000, 0, 7, disk(0), false);
-        assert!(h.disk_plan(&id, every).read(7), "and when it was idle for DISK_SAMPLE_EVERY");
+        assert!(h.plan(&id, every).read(7), "and when it was idle for SLOW_SAMPLE_EVERY");
         h.sample(&id, every, 0, 7, disk(30), true);
-        let got: Vec<(u64, u64)> = h.samples(&id, 0, every).iter().map(|s| (s.disk_used, s.disk_total)).collect();
-        assert_eq!(got, [(10, 100), (10, 100), (30, 100)]);
+        let got: Vec<(u64, u64, u64)> =
+            h.samples(&id, 0, every).iter().map(|s| (s.mem_cache, s.disk_used, s.disk_total)).collect();
+        assert_eq!(got, [(11, 10, 100), (11, 10, 100), (31, 30, 100)]);
     }
 
     #[test]

@@ -1021,24 +1021,32 @@ impl Sandbox {
     /// layer seen through PID 1's root (statfs of an overlay reports its
     /// upper layer's file system, the tmpfs).
     pub fn usage(&self) -> Usage {
-        let (disk_used_bytes, disk_total_bytes) = self.disk_usage();
-        Usage { disk_used_bytes, disk_total_bytes, ..self.usage_without_disk() }
+        let (memory_cache_bytes, disk_used_bytes, disk_total_bytes) = self.slow_usage();
+        Usage { memory_cache_bytes, disk_used_bytes, disk_total_bytes, ..self.quick_usage() }
     }
 
-    /// [`Sandbox::usage`] without the disk's figures (0): reading a disk
-    /// layer's quota group is its costly part.
-    pub fn usage_without_disk(&self) -> Usage {
+    /// [`Sandbox::usage`] without the figures [`Sandbox::slow_usage`] reads
+    /// (0): memory and CPU time, a number each.
+    pub fn quick_usage(&self) -> Usage {
         Usage {
             memory_bytes: self.cgroup.memory_current(),
-            memory_cache_bytes: self.cgroup.memory_cache(),
+            memory_cache_bytes: 0,
             cpu_ns: self.cgroup.cpu_usage_ns(),
             disk_used_bytes: 0,
             disk_total_bytes: 0,
         }
     }
 
-    /// (used, total) bytes of its writable layer or root file system.
-    pub fn disk_usage(&self) -> (u64, u64) {
+    /// The costly part of [`Sandbox::usage`]: its page cache (out of the
+    /// memory cgroup's whole statistics file) and the used and total bytes
+    /// of its writable layer (its btrfs quota group's files) or root file
+    /// system.
+    pub fn slow_usage(&self) -> (u64, u64, u64) {
+        let (used, total) = self.disk_usage();
+        (self.cgroup.memory_cache(), used, total)
+    }
+
+    fn disk_usage(&self) -> (u64, u64) {
         match &self.layer {
             Some((layer, storage)) => {
                 storage.usage(layer).map(|u| (u.used_bytes, u.limit_bytes.unwrap_or(0))).unwrap_or((0, 0))
