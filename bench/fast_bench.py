@@ -14,7 +14,9 @@ prints, medians unless said otherwise:
      limits;
   6. with N idle sandboxes alive (--levels, default 250,1000,2000,4000):
      create -> first exec, exec round trip, delete, `hutch run -- true`,
-     host memory per idle sandbox; then deleting all N with 8 clients.
+     host memory per idle sandbox, the daemon's CPU while nothing is
+     asked of it; then deleting all N with 8 clients. A fill stops at
+     3 GiB of memory left, and the curve there.
 
 Run as root after `cargo build --release -p hutch -p hutch-agent`:
     python3 bench/fast_bench.py [--levels 250,1000,4000,10000]
@@ -133,6 +135,26 @@ def wait_for(what: str, cond, within: float = 60) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"timed out waiting for {what}")
         time.sleep(0.01)
+
+
+# How long the daemon's CPU time is watched with nothing asked of it, at
+# each level: what its sandboxes alone cost it (the reconciler's passes,
+# the metric samples).
+IDLE_WINDOW = 10.0
+
+
+def daemon_cpu_share(d: Daemon, window: float) -> float:
+    """The daemon's CPU time (user and system) over `window` seconds of
+    wall time, in cores."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu() -> float:
+        fields = Path(f"/proc/{d.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    c0, t0 = cpu(), time.perf_counter()
+    time.sleep(window)
+    return (cpu() - c0) / (time.perf_counter() - t0)
 
 
 # The memory a fill leaves the host at least (or a tenth of what it had).
@@ -329,6 +351,7 @@ def measure_levels(d: Daemon, a, levels: list[int], alive: list[str], lock, mem0
                 alive.append(sb["id"])
 
         fill = fan_out(d, n - len(alive), make)
+        idle = daemon_cpu_share(d, IDLE_WINDOW)
         if full.is_set():
             print(f"  the fill stopped at {len(alive)} alive of {n}: {mem_available() / 2**30:.1f} GiB "
                   f"of memory left (floor {floor / 2**30:.1f} GiB)", flush=True)
@@ -339,20 +362,21 @@ def measure_levels(d: Daemon, a, levels: list[int], alive: list[str], lock, mem0
         rts = exec_rts(s, base, alive[0], runs)
         hr = [spawn([str(a.binary), "run", "--", "true"]) for _ in range(max(runs // 2, 5))]
         r = (n, statistics.median([m[0] for m in made]), statistics.median(rts),
-             statistics.median([m[1] for m in made]), statistics.median(hr), per_mib, fill)
+             statistics.median([m[1] for m in made]), statistics.median(hr), per_mib, fill, idle)
         rows.append(r)
         print(f"  {n} alive: create->first exec {r[1] * 1000:.2f} ms, exec {r[2] * 1000:.2f} ms, "
-              f"delete {r[3] * 1000:.2f} ms, hutch run {r[4] * 1000:.2f} ms, {per_mib:.2f} MiB each "
-              f"(filled in {fill:.1f} s)", flush=True)
+              f"delete {r[3] * 1000:.2f} ms, hutch run {r[4] * 1000:.2f} ms, {per_mib:.2f} MiB each, "
+              f"daemon {idle * 100:.1f}% of a core while idle (filled in {fill:.1f} s)", flush=True)
         if full.is_set():
             break
 
 
 def print_curve(a, rows: list, first_level, idle_run: float | None, ids: list[str], wall: float) -> None:
     print("\n| sandboxes alive | create -> first exec | exec round trip | delete | `hutch run -- true` "
-          "| host MiB per idle sandbox |\n|---:|---:|---:|---:|---:|---:|")
-    for n, c, e, de, h, m, _ in rows:
-        print(f"| {n} | {c * 1000:.2f} ms | {e * 1000:.2f} ms | {de * 1000:.2f} ms | {h * 1000:.2f} ms | {m:.2f} |")
+          "| host MiB per idle sandbox | idle daemon, % of a core |\n|---:|---:|---:|---:|---:|---:|---:|")
+    for n, c, e, de, h, m, _, idle in rows:
+        print(f"| {n} | {c * 1000:.2f} ms | {e * 1000:.2f} ms | {de * 1000:.2f} ms | {h * 1000:.2f} ms | {m:.2f} "
+              f"| {idle * 100:.1f} |")
     top = rows[-1]
     print()
     row(f"create with {top[0]} alive vs {first_level[0]}", f"{top[1] * 1000:.2f} ms",
