@@ -319,11 +319,14 @@ def test_a_head_not_sent_in_time_and_an_idle_connection_are_closed_but_streams_l
     ws.close()
 
 
-def test_a_running_sandbox_holds_one_descriptor_of_the_daemon(daemon: Daemon):
+def test_a_running_sandbox_holds_one_descriptor_of_the_daemon(own_daemon: Daemon):
     """A daemon's open files are a budget its sandboxes share with its
     connections: a running sandbox keeps one open in the daemon (its
     network namespace), not its uid range's lock or its OOM counter, so
-    that 10,000 fit under a limit of 20,000."""
+    that 10,000 fit under a limit of 20,000. A daemon of its own: another
+    test's warm pool would add sandboxes while it counts."""
+    daemon = own_daemon
+    daemon.start()
     c = daemon.new_client("fds")
     first = c.create(ttl_seconds=600)["id"]
     assert c.sh(first, "echo up") == "up\n"
