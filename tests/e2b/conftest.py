@@ -172,9 +172,28 @@ class E2bDaemon:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
+# The session's daemon, for the log a failed test reports.
+SESSION_DAEMON: list = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test carries the tail of the session daemon's log: what the
+    daemon said about a request is often the only trace of why it failed."""
+    report = yield
+    if report.when == "call" and report.failed and SESSION_DAEMON:
+        log = SESSION_DAEMON[0].root / "daemon.log"
+        if log.is_file():
+            with open(log, "rb") as f:
+                f.seek(max(0, log.stat().st_size - 8000))
+                report.sections.append(("daemon log (tail)", f.read().decode(errors="replace")))
+    return report
+
+
 @pytest.fixture(scope="session")
 def daemon():
     d = E2bDaemon()
+    SESSION_DAEMON.append(d)
     saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN")}
     os.environ.update({"E2B_API_URL": d.base, "E2B_SANDBOX_URL": d.base, "E2B_API_KEY": d.key})
     os.environ.pop("E2B_DOMAIN", None)
@@ -189,6 +208,7 @@ def daemon():
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+            SESSION_DAEMON.clear()
             d.stop()
 
 

@@ -873,11 +873,7 @@ pub(crate) async fn archive_upload(
             let field = match form.next_field().await {
                 Ok(Some(f)) => f,
                 Ok(None) => break,
-                Err(e) => {
-                    return Err(archive_err(tap.broken().unwrap_or_else(|| {
-                        FilesError::new(ErrorCode::InvalidRequest, format!("malformed form: {}", e.body_text()))
-                    })))
-                }
+                Err(e) => return Err(archive_err(tap.malformed(e))),
             };
             match field.name() {
                 Some("path") => path = Some(tap.text(field, 4096).await.map_err(archive_err)?),

@@ -168,6 +168,8 @@ pub fn close_unless(whole: bool, mut resp: axum::response::Response) -> axum::re
 #[derive(Clone, Default)]
 pub struct FormTap {
     taken: Arc<AtomicU64>,
+    /// Bytes of the body handed to the parser so far.
+    read: Arc<AtomicU64>,
     broken: Arc<Mutex<Option<FilesError>>>,
 }
 
@@ -176,6 +178,17 @@ impl FormTap {
     /// parser's own.
     pub fn broken(&self) -> Option<FilesError> {
         self.broken.lock().ok().and_then(|b| b.clone())
+    }
+
+    /// The error for a form the parser refused: why the body broke if it
+    /// did, else the parser's reason with how much of the body it read (a
+    /// form cut short by its sender reads as an early end, and the count
+    /// tells that from framing that does not match).
+    pub fn malformed(&self, e: axum::extract::multipart::MultipartError) -> FilesError {
+        self.broken().unwrap_or_else(|| {
+            let read = self.read.load(Ordering::Relaxed);
+            FilesError::new(ErrorCode::InvalidRequest, format!("malformed form: {} ({read} bytes read)", e.body_text()))
+        })
     }
 
     fn record(&self, e: FilesError) -> std::io::Error {
@@ -202,9 +215,7 @@ impl FormTap {
                 Ok(Some(c))
             }
             Ok(None) => Ok(None),
-            Err(e) => Err(self.broken().unwrap_or_else(|| {
-                FilesError::new(ErrorCode::InvalidRequest, format!("malformed form: {}", e.body_text()))
-            })),
+            Err(e) => Err(self.malformed(e)),
         }
     }
 
@@ -264,6 +275,7 @@ impl futures_core::Stream for FormBody {
         match self.rx.poll_recv(cx) {
             Poll::Ready(Some(Ok(chunk))) => {
                 self.delivered += chunk.len() as u64;
+                self.tap.read.store(self.delivered, Ordering::Relaxed);
                 let held = self.delivered.saturating_sub(self.tap.taken.load(Ordering::Relaxed));
                 if held > FORM_SLACK + chunk.len() as u64 {
                     let e = FilesError::new(

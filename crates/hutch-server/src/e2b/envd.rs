@@ -292,11 +292,7 @@ async fn write_form(
     loop {
         let field = match form.next_field().await {
             Ok(f) => f,
-            Err(e) => {
-                return Err(tap.broken().map(EnvdError::from).unwrap_or_else(|| {
-                    EnvdError::new(ErrorCode::InvalidRequest, format!("malformed form: {}", e.body_text()))
-                }))
-            }
+            Err(e) => return Err(tap.malformed(e).into()),
         };
         let Some(field) = field else { break };
         let target = match (path, field.file_name()) {
