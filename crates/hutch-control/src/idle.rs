@@ -148,17 +148,10 @@ impl Control {
     /// Whether the agent runs any command of this sandbox but its startup
     /// command (None: it did not answer).
     async fn runs_commands(&self, live: &Live) -> Option<bool> {
-        use hutch_agent::proto::{Reply, Request};
-        let mut conn = live.fresh_conn().await.ok()?;
-        let ask = conn.call(Request::List, &[]);
-        match tokio::time::timeout(std::time::Duration::from_secs(5), ask).await {
-            // The template's startup command (a server, often) is not work
-            // of the API's.
-            Ok(Ok((Reply::Processes { processes }, _))) => {
-                Some(processes.iter().any(|p| p.tag.as_deref() != Some(crate::ready::STARTUP_TAG)))
-            }
-            _ => None,
-        }
+        let processes = live.processes(std::time::Duration::from_secs(5)).await?;
+        // The template's startup command (a server, often) is not work of
+        // the API's.
+        Some(processes.iter().any(|p| p.tag.as_deref() != Some(crate::ready::STARTUP_TAG)))
     }
 
     async fn act_on_idle(self: &Arc<Self>, id: &SandboxId, live: &Live, policy: IdlePolicy) {

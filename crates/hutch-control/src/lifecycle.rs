@@ -193,7 +193,13 @@ impl<T> IdleConns<T> {
 
     /// The most recently put back.
     fn take(&mut self) -> Option<T> {
-        self.conns.pop().map(|(c, _)| c)
+        self.take_aged().map(|(c, _)| c)
+    }
+
+    /// The most recently put back, with when it was (to put it back as old
+    /// as it was).
+    fn take_aged(&mut self) -> Option<(T, Instant)> {
+        self.conns.pop()
     }
 
     /// Drops those put back `age` or longer before `now`.
@@ -348,6 +354,35 @@ impl Live {
     pub(crate) async fn fresh_conn(&self) -> std::result::Result<AsyncConn, AgentError> {
         AsyncConn::connect(&self.socket).await
     }
+
+    /// What its agent runs, or None when it did not answer within `limit`.
+    /// Asked for the daemon itself (the idle sweep, a metrics scrape), not
+    /// for a client: an idle connection is borrowed and put back as old as
+    /// it was, so that such asking keeps none from expiring; a connection
+    /// made for it is closed after.
+    pub(crate) async fn processes(&self, limit: Duration) -> Option<Vec<hutch_agent::proto::ProcessInfo>> {
+        let borrowed = self.idle.lock().ok().and_then(|mut v| v.take_aged());
+        let (mut conn, at) = match borrowed {
+            Some((c, at)) => (c, Some(at)),
+            None => (self.fresh_conn().await.ok()?, None),
+        };
+        let asked = tokio::time::timeout(limit, conn.call(hutch_agent::proto::Request::List, &[])).await;
+        // A call cut short leaves its reply unread: that connection is not
+        // given back.
+        let answered = asked.is_ok();
+        let processes = match asked {
+            Ok(Ok((hutch_agent::proto::Reply::Processes { processes }, _))) => Some(processes),
+            _ => None,
+        };
+        if let (Some(at), true) = (at, answered) {
+            if conn.is_clean() {
+                if let Ok(mut v) = self.idle.lock() {
+                    v.put(conn, at);
+                }
+            }
+        }
+        processes
+    }
 }
 
 #[cfg(test)]
@@ -371,6 +406,14 @@ mod tests {
         idle.touch(t0 + Duration::from_secs(60));
         idle.expire(IDLE_CONN_AGE, t0 + Duration::from_secs(80));
         assert_eq!(idle.take(), Some(9));
+        // Borrowed and put back as old as it was (the daemon's own asking):
+        // it expires when it would have.
+        idle.put(5, t0);
+        let (c, at) = idle.take_aged().expect("the one put back");
+        assert_eq!((c, at), (5, t0));
+        idle.put(c, at);
+        idle.expire(IDLE_CONN_AGE, t0 + IDLE_CONN_AGE);
+        assert_eq!(idle.take(), None);
         idle.put(1, t0);
         idle.clear();
         assert_eq!(idle.take(), None);

@@ -1258,23 +1258,7 @@ impl Control {
             if live.is_suspended() {
                 continue;
             }
-            let count = async {
-                // A connection made for a scrape is not kept: with thousands
-                // of sandboxes, each scrape would leave one open in each.
-                let (mut conn, kept) = match live.idle_conn() {
-                    Some(c) => (c, true),
-                    None => (live.fresh_conn().await.ok()?, false),
-                };
-                let n = match conn.call(hutch_agent::proto::Request::List, &[]).await.ok()? {
-                    (hutch_agent::proto::Reply::Processes { processes }, _) => processes.len() as u64,
-                    _ => 0,
-                };
-                if kept {
-                    live.reuse(conn);
-                }
-                Some(n)
-            };
-            let n = tokio::time::timeout(Duration::from_millis(200), count).await.ok().flatten().unwrap_or(0);
+            let n = live.processes(Duration::from_millis(200)).await.map_or(0, |p| p.len() as u64);
             out.push((live.owner.clone(), n));
         }
         out

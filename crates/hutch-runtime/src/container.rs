@@ -906,7 +906,7 @@ impl Runtime {
     /// Ends what a dead sandbox of ours held (its cgroup, its socket), then
     /// frees its slot. None if its cgroup does not go (the slot stays).
     fn clean_stale(&self, stale: uids::Stale) -> Option<String> {
-        let id = stale.owner.clone();
+        let id = stale.owner().to_owned();
         if valid_id(&id).is_ok() {
             let cg = Cgroup::existing(&self.layout, &id);
             if cg.exists() && cg.destroy(Duration::from_secs(1)).is_err() {

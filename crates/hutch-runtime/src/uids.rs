@@ -186,13 +186,17 @@ fn try_slot(dir: &Path, index: u32, owner: &str, home: &Path) -> io::Result<Opti
 /// without cleaning up.
 #[derive(Debug)]
 pub struct Stale {
-    pub owner: String,
     /// The run directory of the runtime that took it, when recorded.
     pub home: Option<PathBuf>,
     slot: Slot,
 }
 
 impl Stale {
+    /// The sandbox that took it.
+    pub fn owner(&self) -> &str {
+        &self.slot.owner
+    }
+
     pub fn release(self) {
         self.slot.release();
     }
@@ -242,8 +246,8 @@ pub fn stale(dir: &Path) -> Vec<Stale> {
             continue;
         };
         let marker = home.as_deref().map(|h| marker(h, index));
-        let slot = Slot { index, file: Some(file), path, owner: owner.clone(), marker };
-        out.push(Stale { owner, home, slot });
+        let slot = Slot { index, file: Some(file), path, owner, marker };
+        out.push(Stale { home, slot });
     }
     out
 }
@@ -274,8 +278,8 @@ pub fn stale_marked(dir: &Path, home: &Path) -> Vec<Stale> {
             let _ = fs::remove_file(e.path());
             continue;
         }
-        let slot = Slot { index, file: Some(file), path, owner: owner.clone(), marker: Some(e.path()) };
-        out.push(Stale { owner, home: recorded, slot });
+        let slot = Slot { index, file: Some(file), path, owner, marker: Some(e.path()) };
+        out.push(Stale { home: recorded, slot });
     }
     out
 }
@@ -362,7 +366,7 @@ mod tests {
         drop(a);
         let check = |found: Vec<Stale>| {
             assert_eq!(found.len(), 1);
-            assert_eq!(found[0].owner, "sandbox-1");
+            assert_eq!(found[0].owner(), "sandbox-1");
             assert_eq!(found[0].home.as_deref(), Some(run_a.as_path()));
             assert_eq!(found[0].slot.index, index);
         };
