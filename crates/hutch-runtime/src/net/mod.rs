@@ -1406,13 +1406,13 @@ impl Network {
     /// Follows the host's address and route changes (rtnetlink
     /// notifications) on a thread of its own, for the daemon's life: a
     /// network that appears later (a router advertisement, DHCP, a VPN, a
-    /// new bridge) is special as soon as the host is on it. Every few
-    /// seconds it also reads everything again, in case a notification was
-    /// lost.
+    /// new bridge) is special as soon as the host is on it. It also reads
+    /// everything again when notifications were lost (the socket says so:
+    /// ENOBUFS) and every [`HOST_REREAD`], to be sure.
     pub fn follow_host(self: &Arc<Self>, on_change: impl Fn(Result<(), NetError>) + Send + 'static) -> io::Result<()> {
         use netlink::{RTMGRP_IPV4_IFADDR, RTMGRP_IPV4_ROUTE, RTMGRP_IPV6_IFADDR, RTMGRP_IPV6_ROUTE};
         let groups = RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE;
-        let events = Netlink::subscribe(groups, Duration::from_secs(5))?;
+        let events = Netlink::subscribe(groups, HOST_REREAD)?;
         let mut rtnl = Netlink::route()?;
         let net = Arc::downgrade(self);
         std::thread::Builder::new().name("hutch-net-host".into()).spawn(move || {
@@ -1442,11 +1442,18 @@ impl Network {
     }
 }
 
+/// How often the host's networks are read again with no notification
+/// asking for it. Not often: a read dumps every address and route of the
+/// host, and each sandbox adds its veth's (with 2,000 alive, a read every
+/// 5 s was a tenth of what the idle daemon spent); a notification lost to
+/// an overflow is reported by the socket and read again at once.
+const HOST_REREAD: Duration = Duration::from_secs(60);
+
 /// Whether a datagram of rtnetlink notifications may change the host's
 /// networks: anything but the addresses and routes of hutch's own veths
 /// (which change with every sandbox network made and ended) and of links
 /// already gone. A link that is gone took its networks with it: until the
-/// next full read (every few seconds) they stay special, which only keeps
+/// next full read (within [`HOST_REREAD`]) they stay special, which only keeps
 /// sandboxes away from them a little longer. Reading everything again for
 /// each of those would make every sandbox's end cost as much as the
 /// sandboxes alive.
