@@ -640,7 +640,7 @@ impl Control {
     /// The reconciler's look at one sandbox that runs: a coming expiry, OOM
     /// kills since the last look (read only when `oom_news`, see
     /// [`Events::host_oom_news`]).
-    pub(crate) fn watch_sandbox(&self, r: &SandboxRecord, now: i64, oom_news: bool) {
+    pub(crate) fn watch_sandbox(&self, r: &hutch_store::SandboxBrief, now: i64, oom_news: bool) {
         if r.pooled {
             return;
         }

@@ -247,13 +247,14 @@ fn select(log: &VecDeque<LogEntry>, q: &LogQuery) -> Vec<LogEntry> {
 
 /// A sample of a sandbox's use (its CPU share is filled in by
 /// [`History::sample`]).
-fn sample_of(r: &hutch_store::SandboxRecord, u: &hutch_runtime::container::Usage) -> Sample {
+/// A sample of usage `u` of a sandbox given `vcpus` and `memory_mb`.
+fn sample_of(vcpus: f64, memory_mb: u64, u: &hutch_runtime::container::Usage) -> Sample {
     Sample {
         at_ms: 0,
-        cpu_count: r.vcpus.ceil().max(1.0) as u32,
+        cpu_count: vcpus.ceil().max(1.0) as u32,
         cpu_used_pct: 0.0,
         mem_used: u.memory_bytes,
-        mem_total: r.memory_mb << 20,
+        mem_total: memory_mb << 20,
         mem_cache: u.memory_cache_bytes,
         disk_used: u.disk_used_bytes,
         disk_total: u.disk_total_bytes,
@@ -280,11 +281,10 @@ impl Control {
             return;
         }
         let node = self.node.name.clone();
-        let Ok(rows) = self.db(move |s| s.sandboxes_on(Some(&node), &[hutch_store::SandboxState::Running])).await
-        else {
+        let Ok(rows) = self.db(move |s| s.briefs_on(Some(&node), &[hutch_store::SandboxState::Running])).await else {
             return;
         };
-        let rows: std::collections::HashMap<String, hutch_store::SandboxRecord> =
+        let rows: std::collections::HashMap<String, hutch_store::SandboxBrief> =
             rows.into_iter().map(|r| (r.id.clone(), r)).collect();
         let at = now_ms();
         let lives: Vec<_> = lives.into_iter().map(|l| (self.history.plan(&l.id, at), l)).collect();
@@ -307,7 +307,7 @@ impl Control {
         .unwrap_or_default();
         for (id, u, slow) in usages {
             if let Some(r) = rows.get(id.as_str()) {
-                self.history.sample(&id, at, r.created_at, u.cpu_ns, sample_of(r, &u), slow);
+                self.history.sample(&id, at, r.created_at, u.cpu_ns, sample_of(r.vcpus, r.memory_mb, &u), slow);
             }
         }
     }
@@ -322,7 +322,7 @@ impl Control {
         })
         .await;
         let Ok(Some(u)) = usage else { return };
-        self.history.sample(id, now_ms(), r.created_at, u.cpu_ns, sample_of(&r, &u), true);
+        self.history.sample(id, now_ms(), r.created_at, u.cpu_ns, sample_of(r.vcpus, r.memory_mb, &u), true);
     }
 
     /// The samples of a sandbox of the caller between two instants (Unix

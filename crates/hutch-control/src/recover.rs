@@ -180,7 +180,9 @@ impl Control {
         let revoked = self.revoked_owners().await?;
         let states = [SandboxState::Running, SandboxState::Suspended, SandboxState::Terminating, SandboxState::Paused];
         let node = self.node.name.clone();
-        let rows = self.db(move |s| s.sandboxes_on(Some(&node), &states)).await?;
+        // Only what a pass reads of each: the whole record is read for a
+        // sandbox that is acted on.
+        let rows = self.db(move |s| s.briefs_on(Some(&node), &states)).await?;
         self.forget_notices(&rows.iter().map(|r| r.id.clone()).collect());
         let oom_news = self.events.host_oom_news();
         for r in rows {
@@ -203,8 +205,12 @@ impl Control {
                 if r.pooled && !self.drain_pooled(&id).await? {
                     continue;
                 }
-                if reason == Reason::Expired && self.pause_at_expiry(&r).await {
-                    continue;
+                if reason == Reason::Expired && r.on_expire == hutch_api::OnExpire::Pause {
+                    if let Some(whole) = self.sandbox_record(&id).await? {
+                        if self.pause_at_expiry(&whole).await {
+                            continue;
+                        }
+                    }
                 }
                 let _ = self.destroy(&id, Some(reason)).await;
                 continue;

@@ -83,6 +83,24 @@ pub struct KeyRecord {
     pub quotas: Quotas,
 }
 
+/// What the daemon's periodic passes read of each of its sandboxes (the
+/// reconciler every 0.5 s, the metric sample every 5 s): ten fields of a
+/// [`SandboxRecord`]'s thirty-one. With thousands alive, reading whole
+/// records was the largest part of an idle daemon's work.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SandboxBrief {
+    pub id: String,
+    pub owner: String,
+    pub state: SandboxState,
+    pub created_at: i64,
+    pub expires_at: i64,
+    pub memory_mb: u64,
+    pub vcpus: f64,
+    pub disk_mib: u64,
+    pub pooled: bool,
+    pub on_expire: OnExpire,
+}
+
 /// A sandbox as stored.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SandboxRecord {
@@ -693,6 +711,8 @@ pub trait Store: Send + Sync {
     }
     /// [`Store::sandboxes_in`] of one node only (None: every node's).
     fn sandboxes_on(&self, node: Option<&str>, states: &[SandboxState]) -> Result<Vec<SandboxRecord>>;
+    /// [`Store::sandboxes_on`], each as a [`SandboxBrief`].
+    fn briefs_on(&self, node: Option<&str>, states: &[SandboxState]) -> Result<Vec<SandboxBrief>>;
     /// How many sandboxes are in each state.
     fn count_by_state(&self) -> Result<Vec<(SandboxState, u64)>>;
     /// What the sandboxes of `owner` (None: of everyone) hold now.

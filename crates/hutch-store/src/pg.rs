@@ -50,8 +50,8 @@
 //! still happen, the call's transaction is run again, a few times.
 
 use crate::sqlite::{
-    bills_alike, over, split_classes, BUILD_COLUMNS, HOLDING, KEY_COLUMNS, NODE_COLUMNS, SANDBOX_COLUMNS,
-    SECRET_COLUMNS, SNAPSHOT_COLUMNS, TEMPLATE_COLUMNS, USAGE_COLUMNS, VOLUME_COLUMNS,
+    bills_alike, over, split_classes, BRIEF_COLUMNS, BUILD_COLUMNS, HOLDING, KEY_COLUMNS, NODE_COLUMNS,
+    SANDBOX_COLUMNS, SECRET_COLUMNS, SNAPSHOT_COLUMNS, TEMPLATE_COLUMNS, USAGE_COLUMNS, VOLUME_COLUMNS,
 };
 use crate::sqlite_events::{events_json, parse_events, DELIVERY_COLS, WEBHOOK_COLS};
 use crate::*;
@@ -404,6 +404,21 @@ fn sandbox_row(r: &Row) -> Result<SandboxRecord> {
         class: text_enum(r, 28, "sandbox class", Class::parse)?,
         node: r.try_get(29)?,
         reason: r.try_get(30)?,
+    })
+}
+
+fn brief_row(r: &Row) -> Result<SandboxBrief> {
+    Ok(SandboxBrief {
+        id: r.try_get(0)?,
+        owner: r.try_get(1)?,
+        state: text_enum(r, 2, "sandbox state", SandboxState::parse)?,
+        created_at: r.try_get(3)?,
+        expires_at: r.try_get(4)?,
+        memory_mb: uint(r, 5)?,
+        vcpus: r.try_get(6)?,
+        disk_mib: uint(r, 7)?,
+        pooled: r.try_get(8)?,
+        on_expire: text_enum(r, 9, "sandbox on_expire", OnExpire::parse)?,
     })
 }
 
@@ -1044,6 +1059,22 @@ impl Store for PgStore {
                     &[&states, &node],
                 )?,
                 sandbox_row,
+            )
+        })
+    }
+
+    fn briefs_on(&self, node: Option<&str>, states: &[SandboxState]) -> Result<Vec<SandboxBrief>> {
+        let states: Vec<&str> = states.iter().map(|s| s.as_str()).collect();
+        self.with(|c| {
+            rows(
+                c.query(
+                    &format!(
+                        "SELECT {BRIEF_COLUMNS} FROM sandboxes WHERE state = ANY($1) \
+                         AND ($2::TEXT IS NULL OR node = $2) ORDER BY created_at, id"
+                    ),
+                    &[&states, &node],
+                )?,
+                brief_row,
             )
         })
     }

@@ -148,6 +148,10 @@ pub(crate) const SANDBOX_COLUMNS: &str =
      disk_mib, pids, env, metadata, limits_applied, last_error_code, host_pid, idempotency_key, request_hash, \
      template_id, template_version, warm, pooled, network, storage, origin, on_expire, ttl_s, paused_ttl_s, class, node, reason";
 
+/// The columns of a [`SandboxBrief`], in [`brief_row`]'s order.
+pub(crate) const BRIEF_COLUMNS: &str =
+    "id, owner, state, created_at, expires_at, memory_mb, vcpus, disk_mib, pooled, on_expire";
+
 pub(crate) const TEMPLATE_COLUMNS: &str =
     "id, owner, name, version, image, class, memory_mb, vcpus, disk_mib, pids, env, \
      default_ttl_s, max_ttl_s, warm_min, warm_max, created_at, updated_at, deleted_at, startup, readiness, network, \
@@ -362,6 +366,21 @@ fn sandbox_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRecord> {
         class: parsed(r, 28, "sandbox class", Class::parse)?,
         node: r.get(29)?,
         reason: r.get(30)?,
+    })
+}
+
+fn brief_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxBrief> {
+    Ok(SandboxBrief {
+        id: r.get(0)?,
+        owner: r.get(1)?,
+        state: parsed(r, 2, "sandbox state", SandboxState::parse)?,
+        created_at: r.get(3)?,
+        expires_at: r.get(4)?,
+        memory_mb: r.get::<_, i64>(5)? as u64,
+        vcpus: r.get(6)?,
+        disk_mib: r.get::<_, i64>(7)? as u64,
+        pooled: r.get::<_, i64>(8)? != 0,
+        on_expire: parsed(r, 9, "sandbox on_expire", OnExpire::parse)?,
     })
 }
 
@@ -927,6 +946,22 @@ impl Store for SqliteStore {
             for state in states {
                 out.extend(
                     st.query_map(params![state.as_str(), node], sandbox_row)?.collect::<rusqlite::Result<Vec<_>>>()?,
+                );
+            }
+            out.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+            Ok(out)
+        })
+    }
+
+    fn briefs_on(&self, node: Option<&str>, states: &[SandboxState]) -> Result<Vec<SandboxBrief>> {
+        self.with(|c| {
+            let mut out = Vec::new();
+            let mut st = c.prepare_cached(&format!(
+                "SELECT {BRIEF_COLUMNS} FROM sandboxes WHERE state = ?1 AND (?2 IS NULL OR node = ?2)"
+            ))?;
+            for state in states {
+                out.extend(
+                    st.query_map(params![state.as_str(), node], brief_row)?.collect::<rusqlite::Result<Vec<_>>>()?,
                 );
             }
             out.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));

@@ -1097,6 +1097,26 @@ fn a_node_sees_only_its_own_sandboxes_where_it_acts(s: &Backend) {
     assert_eq!(ids(s.sandboxes_in(&running).expect("all")), ["a1", "b1", "bp"]);
     assert_eq!(ids(s.sandboxes_on(Some("a"), &running).expect("a")), ["a1"]);
     assert_eq!(ids(s.sandboxes_on(Some("b"), &running).expect("b")), ["b1", "bp"]);
+    // The brief of each is the record's fields, for the same rows in the
+    // same order.
+    let brief = |r: SandboxRecord| SandboxBrief {
+        id: r.id,
+        owner: r.owner,
+        state: r.state,
+        created_at: r.created_at,
+        expires_at: r.expires_at,
+        memory_mb: r.memory_mb,
+        vcpus: r.vcpus,
+        disk_mib: r.disk_mib,
+        pooled: r.pooled,
+        on_expire: r.on_expire,
+    };
+    for node in [None, Some("a"), Some("b"), Some("c")] {
+        let whole: Vec<SandboxBrief> =
+            s.sandboxes_on(node, &running).expect("records").into_iter().map(brief).collect();
+        assert_eq!(s.briefs_on(node, &running).expect("briefs"), whole, "{node:?}");
+    }
+    assert!(s.briefs_on(Some("b"), &[SandboxState::Running]).expect("briefs").iter().any(|b| b.pooled));
     assert_eq!(ids(s.pooled_sandboxes(Some("a")).expect("a")), Vec::<String>::new());
     assert_eq!(ids(s.pooled_sandboxes(Some("b")).expect("b")), ["bp"]);
     // Reads still show every node's.
