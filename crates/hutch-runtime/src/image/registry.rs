@@ -35,11 +35,15 @@ pub struct Reference {
     pub reference: String,
 }
 
+/// Longest image reference, as given and in full (`registry/repository`,
+/// then `:tag` or `@digest`).
+const MAX_REFERENCE: usize = 512;
+
 impl Reference {
     /// Parses `[registry/]repository[:tag][@digest]`, as docker does.
     pub fn parse(s: &str) -> Result<Reference, ImageError> {
         let bad = || reg(format!("{s:?} is not an image reference"));
-        if s.is_empty() || s.len() > 512 || s.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        if s.is_empty() || s.len() > MAX_REFERENCE || s.chars().any(|c| c.is_whitespace() || c.is_control()) {
             return Err(bad());
         }
         let (rest, digest) = match s.split_once('@') {
@@ -79,7 +83,10 @@ impl Reference {
         let reference = digest.or(tag).unwrap_or_else(|| "latest".into());
         let ref_ok = reference.len() <= 128
             && reference.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b':'));
-        if !repo_ok || !ref_ok {
+        // In full it may be longer than as given (`docker.io/library/`,
+        // `:latest`): held to the same bound, it reads back the same.
+        let full = registry.len() + 1 + repository.len() + 1 + reference.len();
+        if !repo_ok || !ref_ok || full > MAX_REFERENCE {
             return Err(bad());
         }
         Ok(Reference { registry, repository, reference })
@@ -383,6 +390,17 @@ mod tests {
         for bad in ["", "a b", "x/Y", "x//y", "x:../y"] {
             assert!(Reference::parse(bad).is_err(), "{bad}");
         }
+        // Within the bound as given but not in full (`:latest` added): a
+        // reference that could not be read back is refused (found by the
+        // image_names fuzz target).
+        let long = format!("r.io/{}", "a".repeat(MAX_REFERENCE - 5));
+        assert_eq!(long.len(), MAX_REFERENCE);
+        assert!(Reference::parse(&long).is_err());
+        let fits = format!("r.io/{}", "a".repeat(MAX_REFERENCE - 5 - ":latest".len()));
+        let r = Reference::parse(&fits).expect("fits in full");
+        let again = format!("{}/{}:{}", r.registry, r.repository, r.reference);
+        assert_eq!(again.len(), MAX_REFERENCE);
+        assert_eq!(Reference::parse(&again).expect("again"), r);
     }
 
     #[test]
