@@ -245,9 +245,8 @@ fn select(log: &VecDeque<LogEntry>, q: &LogQuery) -> Vec<LogEntry> {
     }
 }
 
-/// A sample of a sandbox's use (its CPU share is filled in by
-/// [`History::sample`]).
-/// A sample of usage `u` of a sandbox given `vcpus` and `memory_mb`.
+/// A sample of use `u` of a sandbox of `vcpus` and `memory_mb` (its CPU
+/// share is filled in by [`History::sample`]).
 fn sample_of(vcpus: f64, memory_mb: u64, u: &hutch_runtime::container::Usage) -> Sample {
     Sample {
         at_ms: 0,

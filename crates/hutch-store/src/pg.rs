@@ -308,6 +308,23 @@ impl PgStore {
         })
     }
 
+    /// The sandboxes of `node` (None: every node's) in any of `states`,
+    /// oldest first, each read as `columns` by `row`.
+    fn sandboxes_with<T>(
+        &self,
+        columns: &str,
+        node: Option<&str>,
+        states: &[SandboxState],
+        row: fn(&Row) -> Result<T>,
+    ) -> Result<Vec<T>> {
+        let states: Vec<&str> = states.iter().map(|s| s.as_str()).collect();
+        let sql = format!(
+            "SELECT {columns} FROM sandboxes WHERE state = ANY($1) \
+             AND ($2::TEXT IS NULL OR node = $2) ORDER BY created_at, id"
+        );
+        self.with(|c| rows(c.query(&sql, &[&states, &node])?, row))
+    }
+
     /// Runs `f` on a pooled client, again if it lost a serialization race
     /// or a deadlock. A statement on the client is its own transaction.
     fn with<T>(&self, mut f: impl FnMut(&mut Client) -> Result<T>) -> Result<T> {
@@ -1048,35 +1065,11 @@ impl Store for PgStore {
     }
 
     fn sandboxes_on(&self, node: Option<&str>, states: &[SandboxState]) -> Result<Vec<SandboxRecord>> {
-        let states: Vec<&str> = states.iter().map(|s| s.as_str()).collect();
-        self.with(|c| {
-            rows(
-                c.query(
-                    &format!(
-                        "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE state = ANY($1) \
-                         AND ($2::TEXT IS NULL OR node = $2) ORDER BY created_at, id"
-                    ),
-                    &[&states, &node],
-                )?,
-                sandbox_row,
-            )
-        })
+        self.sandboxes_with(SANDBOX_COLUMNS, node, states, sandbox_row)
     }
 
     fn briefs_on(&self, node: Option<&str>, states: &[SandboxState]) -> Result<Vec<SandboxBrief>> {
-        let states: Vec<&str> = states.iter().map(|s| s.as_str()).collect();
-        self.with(|c| {
-            rows(
-                c.query(
-                    &format!(
-                        "SELECT {BRIEF_COLUMNS} FROM sandboxes WHERE state = ANY($1) \
-                         AND ($2::TEXT IS NULL OR node = $2) ORDER BY created_at, id"
-                    ),
-                    &[&states, &node],
-                )?,
-                brief_row,
-            )
-        })
+        self.sandboxes_with(BRIEF_COLUMNS, node, states, brief_row)
     }
 
     fn count_by_state(&self) -> Result<Vec<(SandboxState, u64)>> {

@@ -384,6 +384,27 @@ fn brief_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxBrief> {
     })
 }
 
+/// The sandboxes of `node` (None: every node's) in any of `states`, oldest
+/// first (by `key`: creation, then id), each read as `columns` by `row`.
+fn sandboxes_with<T>(
+    c: &Connection,
+    columns: &str,
+    node: Option<&str>,
+    states: &[SandboxState],
+    row: fn(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+    key: fn(&T) -> (i64, &str),
+) -> Result<Vec<T>> {
+    let mut out = Vec::new();
+    let mut st = c.prepare_cached(&format!(
+        "SELECT {columns} FROM sandboxes WHERE state = ?1 AND (?2 IS NULL OR node = ?2) ORDER BY created_at, id"
+    ))?;
+    for state in states {
+        out.extend(st.query_map(params![state.as_str(), node], row)?.collect::<rusqlite::Result<Vec<_>>>()?);
+    }
+    out.sort_by(|a, b| key(a).cmp(&key(b)));
+    Ok(out)
+}
+
 fn key_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<KeyRecord> {
     Ok(KeyRecord {
         id: r.get(0)?,
@@ -937,36 +958,11 @@ impl Store for SqliteStore {
     }
 
     fn sandboxes_on(&self, node: Option<&str>, states: &[SandboxState]) -> Result<Vec<SandboxRecord>> {
-        self.with(|c| {
-            let mut out = Vec::new();
-            let mut st = c.prepare_cached(&format!(
-                "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE state = ?1 AND (?2 IS NULL OR node = ?2) \
-                 ORDER BY created_at, id"
-            ))?;
-            for state in states {
-                out.extend(
-                    st.query_map(params![state.as_str(), node], sandbox_row)?.collect::<rusqlite::Result<Vec<_>>>()?,
-                );
-            }
-            out.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
-            Ok(out)
-        })
+        self.with(|c| sandboxes_with(c, SANDBOX_COLUMNS, node, states, sandbox_row, |r| (r.created_at, &r.id)))
     }
 
     fn briefs_on(&self, node: Option<&str>, states: &[SandboxState]) -> Result<Vec<SandboxBrief>> {
-        self.with(|c| {
-            let mut out = Vec::new();
-            let mut st = c.prepare_cached(&format!(
-                "SELECT {BRIEF_COLUMNS} FROM sandboxes WHERE state = ?1 AND (?2 IS NULL OR node = ?2)"
-            ))?;
-            for state in states {
-                out.extend(
-                    st.query_map(params![state.as_str(), node], brief_row)?.collect::<rusqlite::Result<Vec<_>>>()?,
-                );
-            }
-            out.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
-            Ok(out)
-        })
+        self.with(|c| sandboxes_with(c, BRIEF_COLUMNS, node, states, brief_row, |b| (b.created_at, &b.id)))
     }
 
     fn count_by_state(&self) -> Result<Vec<(SandboxState, u64)>> {
