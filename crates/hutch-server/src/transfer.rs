@@ -406,6 +406,36 @@ mod tests {
         assert_eq!(refuse(waits, unauthorized()).await.headers()[axum::http::header::CONNECTION], "close");
     }
 
+    /// A form that ends before its closing boundary is refused with the
+    /// parser's reason and how many bytes it read.
+    #[tokio::test]
+    async fn a_form_cut_short_says_how_much_was_read() {
+        let body: &[u8] = b"--b0undary\r\nContent-Disposition: form-data; name=\"file\"; filename=\"f\"\r\n\r\none";
+        let (tx, rx) = mpsc::channel(PIPE_DEPTH);
+        tx.send(Ok(body.to_vec())).await.expect("send");
+        drop(tx);
+        let tap = FormTap::default();
+        let mut req = axum::extract::Request::new(tap.body(rx));
+        req.headers_mut().insert(
+            axum::http::header::CONTENT_TYPE,
+            axum::http::HeaderValue::from_static("multipart/form-data; boundary=b0undary"),
+        );
+        use axum::extract::FromRequest;
+        let mut form = axum::extract::Multipart::from_request(req, &()).await.expect("a form");
+        let field = form.next_field().await.expect("its first part").expect("a part");
+        let (mut chunks, feed) = tap.part(field);
+        let collect = async {
+            while let Some(c) = chunks.recv().await {
+                c?;
+            }
+            Ok::<(), FilesError>(())
+        };
+        let err = with_part(feed, collect).await.expect_err("cut short");
+        assert_eq!(err.code, ErrorCode::InvalidRequest);
+        assert!(err.message.starts_with("malformed form: "), "{}", err.message);
+        assert!(err.message.ends_with(&format!("({} bytes read)", body.len())), "{}", err.message);
+    }
+
     /// A form whose body arrives cut at any two points reads whole: the
     /// tap, the parser and a part's feed lose and reorder nothing, however
     /// the boundaries and the content fall across chunks.
