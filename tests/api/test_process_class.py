@@ -11,7 +11,7 @@ import base64
 import contextlib
 
 import requests
-from conftest import Client, expect_error, expect_status
+from conftest import Client, expect_error, expect_status, wait_for
 
 
 @contextlib.contextmanager
@@ -158,3 +158,32 @@ def test_create_and_exec_say_where_their_time_went(api: Client):
             assert sum(v for k, v in ended.items() if k != "total") <= ended["total"] + 0.01, ended
         finally:
             expect_status(api.delete(f"/v1/sandboxes/{sid}"), (200, 404))
+
+
+def test_a_warm_pool_serves_process_sandboxes(api: Client):
+    # A process template's pool is made with the class's storage (its
+    # memory layer), so a create claims from it instead of making a tenant.
+    with process_template(api, "proc-warm", warm={"min": 2, "max": 2}) as t:
+        tid = t["id"]
+        wait_for("the pool", lambda: api.get(f"/v1/templates/{tid}").json()["warm_ready"] >= 2, timeout=30)
+        r = api.post("/v1/sandboxes", {"template": t["name"]})
+        expect_status(r, 201)
+        a = r.json()
+        with contextlib.ExitStack() as held:
+            held.callback(lambda: api.delete(f"/v1/sandboxes/{a['id']}"))
+            assert a["warm"] is True, a
+            assert a["storage"] == "memory", a
+            # Claimed, not made: no tenant was set up on the request's path.
+            assert list(server_timing(r)) == ["auth", "template", "checks", "claim", "total"], r.headers
+            b = api.create(template=t["name"])
+            held.callback(lambda: api.delete(f"/v1/sandboxes/{b['id']}"))
+            assert b["warm"] is True, b
+            # Each claimed sandbox is a tenant of its own.
+            ua, ha = api.sh(a["id"], "id -u; echo $HOME").splitlines()
+            ub, hb = api.sh(b["id"], "id -u; echo $HOME").splitlines()
+            assert ua != ub and int(ua) >= 10000 and int(ub) >= 10000, (ua, ub)
+            assert (ha, hb) == (f"/home/{a['id']}", f"/home/{b['id']}")
+            r = api.exec(b["id"], f"ls /home/{a['id']}")
+            assert r["exit_code"] != 0, r
+            # The pool refills behind the claims.
+            wait_for("the refill", lambda: api.get(f"/v1/templates/{tid}").json()["warm_ready"] >= 2, timeout=30)

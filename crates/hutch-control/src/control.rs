@@ -433,6 +433,22 @@ impl Control {
         }
     }
 
+    /// Where the files of a sandbox of `class` live: [`Control::storage_kind`],
+    /// except that a process sandbox keeps its home in its host
+    /// container's memory layer unless it asks (and is then refused disk).
+    /// A create and a warm pool's refill both ask here, so a claim finds
+    /// the storage its template's pool was made with.
+    pub(crate) fn sandbox_storage(
+        &self,
+        class: hutch_runtime::Class,
+        asked: Option<hutch_api::StorageKind>,
+    ) -> Result<hutch_api::StorageKind> {
+        match (class, asked) {
+            (hutch_runtime::Class::Process, None) => Ok(hutch_api::StorageKind::Memory),
+            (_, asked) => self.storage_kind(asked),
+        }
+    }
+
     /// Checks that what a sandbox does at its expiry fits where its files
     /// live (`storage` None: the host's default): pausing keeps files on
     /// disk.

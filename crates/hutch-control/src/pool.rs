@@ -58,7 +58,7 @@ impl Control {
         hash: &str,
     ) -> Result<Option<SandboxRecord>> {
         let Some(template_id) = recipe.id.clone() else { return Ok(None) };
-        let storage = self.storage_kind(recipe.storage)?;
+        let storage = self.sandbox_storage(recipe.class, recipe.storage)?;
         let now = now_ms();
         let (owner_s, metadata, key, hash) =
             (owner.to_string(), metadata.to_owned(), key.map(str::to_owned), hash.to_owned());
@@ -66,9 +66,10 @@ impl Control {
             (now + lifecycle.ttl.as_millis() as i64, now + recipe.max_ttl.as_millis() as i64);
         let lifecycle = *lifecycle;
         let node = self.node.name.clone();
+        // The claim and the usage interval it opens: one trip to the store.
         let claimed = self
             .db(move |s| {
-                s.claim_warm(&hutch_store::Claim {
+                let claimed = s.claim_warm(&hutch_store::Claim {
                     template_id: &template_id,
                     owner: &owner_s,
                     now,
@@ -82,13 +83,17 @@ impl Control {
                     ttl_s: lifecycle.ttl_s(),
                     paused_ttl_s: lifecycle.paused_ttl_s,
                     node: &node,
-                })
+                })?;
+                if let Some(r) = &claimed {
+                    // From now on, its usage is its new owner's.
+                    Self::usage_mark_in(s, r);
+                }
+                Ok(claimed)
             })
             .await?;
         match &claimed {
             Some(r) => {
-                // From now on, its usage is its new owner's.
-                self.usage_mark(r).await;
+                self.usage_marked(r).await;
                 if let Some(live) = self.live(&SandboxId::from_record(&r.id)) {
                     live.claimed();
                 }
@@ -272,7 +277,7 @@ impl Control {
                     return;
                 }
             },
-            storage: match self.storage_kind(recipe.storage) {
+            storage: match self.sandbox_storage(recipe.class, recipe.storage) {
                 Ok(k) => k,
                 Err(e) => {
                     tracing::warn!("warm pool of template {}: {e}", recipe.name);

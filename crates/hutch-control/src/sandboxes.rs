@@ -264,12 +264,7 @@ impl Control {
             }
         }
         net.secrets = secret_names.clone();
-        // A process sandbox's home is in its host container's memory layer.
-        let storage = if tpl.class == hutch_runtime::Class::Process && req.storage.or(tpl.storage).is_none() {
-            StorageKind::Memory
-        } else {
-            self.storage_kind(req.storage.or(tpl.storage))?
-        };
+        let storage = self.sandbox_storage(tpl.class, req.storage.or(tpl.storage))?;
         let on_expire = req.on_expire.or(tpl.on_expire);
         self.check_on_expire(on_expire, Some(storage))?;
         let lifecycle = Lifecycle {
@@ -315,7 +310,7 @@ impl Control {
         // request changes nothing that would need a restart (metadata and
         // lifetime are record fields).
         let net_as_template = req.network.as_ref().is_none_or(|n| *n == tpl.network);
-        let storage_as_template = storage == self.storage_kind(tpl.storage)?;
+        let storage_as_template = storage == self.sandbox_storage(tpl.class, tpl.storage)?;
         // A template that keeps no warm pool has none to claim from (what
         // a pool it kept before leaves is being drained): no trip to the
         // store for it.
@@ -328,7 +323,10 @@ impl Control {
             && net_as_template
             && storage_as_template
         {
-            match self.claim_warm(owner, &tpl, &lifecycle, &metadata, key, &hash).await {
+            let t1 = crate::timing::mark("checks", t0);
+            let claimed = self.claim_warm(owner, &tpl, &lifecycle, &metadata, key, &hash).await;
+            crate::timing::mark("claim", t1);
+            match claimed {
                 Ok(Some(r)) if opts.e2b.is_some() => {
                     // The E2B settings join the claimed sandbox's record.
                     let mut claimed = NetRecord::parse(&r.network);
