@@ -855,9 +855,10 @@ impl Store for PgStore {
         self.with(|c| {
             rows(
                 c.query(
-                    "SELECT id, idle_timeout_s, COALESCE(on_idle, 'pause') FROM sandboxes \
-                     WHERE idle_timeout_s IS NOT NULL AND state NOT IN ('terminated', 'lost') \
-                     AND ($1::TEXT IS NULL OR node = $1)",
+                    &format!(
+                        "SELECT id, idle_timeout_s, COALESCE(on_idle, 'pause') FROM sandboxes \
+                         WHERE idle_timeout_s IS NOT NULL AND state IN {HOLDING} AND ($1::TEXT IS NULL OR node = $1)"
+                    ),
                     &[&node],
                 )?,
                 |r| Ok((r.try_get(0)?, uint(r, 1)?, r.try_get(2)?)),
@@ -1249,7 +1250,7 @@ impl Store for PgStore {
             rows(
                 c.query(
                     &format!(
-                        "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE pooled AND state NOT IN ('terminated', 'lost') \
+                        "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE pooled AND state IN {HOLDING} \
                          AND ($1::TEXT IS NULL OR node = $1) ORDER BY created_at, id"
                     ),
                     &[&node],
@@ -2139,8 +2140,9 @@ impl Store for PgStore {
         self.with(|c| {
             rows(
                 c.query(
-                    "SELECT node, COUNT(*) FROM sandboxes WHERE state NOT IN ('terminated', 'lost') \
-                     GROUP BY node ORDER BY node",
+                    &format!(
+                        "SELECT node, COUNT(*) FROM sandboxes WHERE state IN {HOLDING} GROUP BY node ORDER BY node"
+                    ),
                     &[],
                 )?,
                 |r| Ok((r.try_get(0)?, uint(r, 1)?)),

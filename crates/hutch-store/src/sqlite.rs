@@ -71,9 +71,35 @@ impl Cached for Connection {
     }
 }
 
-/// States in which a sandbox holds resources.
+/// States in which a sandbox holds resources: every state but the final
+/// two (`terminated`, `lost`). A query for the sandboxes not yet ended
+/// names these rather than `NOT IN` the final ones, which no index serves:
+/// ended sandboxes pile up with the host's history, the others do not.
 /// (A paused sandbox keeps its admission: its resume is never refused.)
 pub(crate) const HOLDING: &str = "('starting', 'running', 'suspended', 'terminating', 'paused')";
+
+/// The oldest claimable warm sandbox of a template (`claim_warm`), found
+/// through the pool's own index: SQLite, without statistics, would
+/// otherwise walk every sandbox the owner ever had.
+pub(crate) const CLAIM_PICK: &str = "SELECT s.id FROM sandboxes s INDEXED BY sandboxes_pooled \
+     JOIN templates t ON t.id = s.template_id \
+     WHERE s.pooled = 1 AND s.state = 'running' AND s.template_id = ?1 AND s.owner = ?2 \
+     AND t.deleted_at IS NULL AND s.template_version = t.version AND s.storage = ?3 \
+     AND s.node = ?4 ORDER BY s.created_at, s.id LIMIT 1";
+
+/// The idle policies of the sandboxes not yet ended (`sandbox_idle_all`,
+/// each idle sweep).
+pub(crate) fn idle_all_sql() -> String {
+    format!(
+        "SELECT id, idle_timeout_s, COALESCE(on_idle, 'pause') FROM sandboxes \
+         WHERE idle_timeout_s IS NOT NULL AND state IN {HOLDING} AND (?1 IS NULL OR node = ?1)"
+    )
+}
+
+/// The sandboxes not yet ended per node (`count_by_node`, placement).
+pub(crate) fn count_by_node_sql() -> String {
+    format!("SELECT node, COUNT(*) FROM sandboxes WHERE state IN {HOLDING} GROUP BY node ORDER BY node")
+}
 
 impl SqliteStore {
     pub fn open(path: &Path) -> Result<SqliteStore> {
@@ -83,6 +109,21 @@ impl SqliteStore {
 
     pub fn open_in_memory() -> Result<SqliteStore> {
         Self::init(Connection::open_in_memory()?)
+    }
+
+    /// SQLite's plan for `sql` (`EXPLAIN QUERY PLAN`), one line per step,
+    /// with every parameter NULL.
+    #[cfg(test)]
+    pub(crate) fn query_plan(&self, sql: &str) -> Result<Vec<String>> {
+        self.with(|c| {
+            let mut st = c.prepare(&format!("EXPLAIN QUERY PLAN {sql}"))?;
+            let n = st.parameter_count();
+            let nulls = vec![rusqlite::types::Null; n];
+            let rows = st
+                .query_map(rusqlite::params_from_iter(nulls), |r| r.get::<_, String>(3))?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
     }
 
     fn init(mut conn: Connection) -> Result<SqliteStore> {
@@ -736,10 +777,7 @@ impl Store for SqliteStore {
 
     fn sandbox_idle_all(&self, node: Option<&str>) -> Result<Vec<(String, u64, String)>> {
         self.with(|c| {
-            let mut st = c.prepare_cached(
-                "SELECT id, idle_timeout_s, COALESCE(on_idle, 'pause') FROM sandboxes \
-                 WHERE idle_timeout_s IS NOT NULL AND state NOT IN ('terminated', 'lost') AND (?1 IS NULL OR node = ?1)",
-            )?;
+            let mut st = c.prepare_cached(&idle_all_sql())?;
             let rows = st
                 .query_map([node], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?.max(0) as u64, r.get(2)?)))?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
@@ -1370,14 +1408,7 @@ impl Store for SqliteStore {
             // The version is read in the same transaction: a sandbox of an
             // older version is never claimed, whatever raced with us.
             let id: Option<String> = tx
-                .query_row_c(
-                    "SELECT s.id FROM sandboxes s JOIN templates t ON t.id = s.template_id \
-                     WHERE s.pooled = 1 AND s.state = 'running' AND s.template_id = ?1 AND s.owner = ?2 \
-                     AND t.deleted_at IS NULL AND s.template_version = t.version AND s.storage = ?3 \
-                     AND s.node = ?4 ORDER BY s.created_at, s.id LIMIT 1",
-                    [cl.template_id, cl.owner, cl.storage.as_str(), cl.node],
-                    |r| r.get(0),
-                )
+                .query_row_c(CLAIM_PICK, [cl.template_id, cl.owner, cl.storage.as_str(), cl.node], |r| r.get(0))
                 .optional()?;
             let Some(id) = id else { return Ok(None) };
             tx.execute_c(
@@ -1418,7 +1449,7 @@ impl Store for SqliteStore {
     fn pooled_sandboxes(&self, node: Option<&str>) -> Result<Vec<SandboxRecord>> {
         self.with(|c| {
             let mut st = c.prepare_cached(&format!(
-                "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE pooled = 1 AND state NOT IN ('terminated', 'lost') \
+                "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE pooled = 1 AND state IN {HOLDING} \
                  AND (?1 IS NULL OR node = ?1) ORDER BY created_at, id"
             ))?;
             let rows = st.query_map([node], sandbox_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
@@ -1812,10 +1843,7 @@ impl Store for SqliteStore {
 
     fn count_by_node(&self) -> Result<Vec<(String, u64)>> {
         self.with(|c| {
-            let mut st = c.prepare_cached(
-                "SELECT node, COUNT(*) FROM sandboxes WHERE state NOT IN ('terminated', 'lost') \
-                 GROUP BY node ORDER BY node",
-            )?;
+            let mut st = c.prepare_cached(&count_by_node_sql())?;
             let rows = st
                 .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?.max(0) as u64)))?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
