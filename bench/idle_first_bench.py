@@ -18,30 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from api_bench import RELEASE, TIMEOUT, Daemon, check  # noqa: E402
+from class_bench import fork_exec, server_timing  # noqa: E402
 
 PAUSES = (0.0, 0.3, 1.0)
-
-
-def server_total(resp) -> float:
-    """The `total` of the daemon's `Server-Timing` header, in ms."""
-    for part in resp.headers.get("Server-Timing", "").split(","):
-        name, _, dur = part.strip().partition(";dur=")
-        if name == "total":
-            return float(dur)
-    raise RuntimeError(f"no Server-Timing total: {resp.headers}")
-
-
-def fork_exec() -> float:
-    t = time.perf_counter()
-    subprocess.run(["/bin/true"], check=True)
-    return (time.perf_counter() - t) * 1000
 
 
 def main() -> int:
@@ -67,12 +52,12 @@ def main() -> int:
                     c.append((time.perf_counter() - t) * 1000)
                     if check(r, 200)["exit_code"] != 0:
                         raise RuntimeError(f"`true` failed: {r.text[:300]}")
-                    v.append(server_total(r))
+                    v.append(server_timing(r)["total"] * 1000)
                 client.append(c)
                 server.append(v)
                 check(s.delete(f"{d.base}/v1/sandboxes/{sb['id']}", timeout=TIMEOUT), 200)
                 time.sleep(pause)
-                peer.append([fork_exec() for _ in range(3)])
+                peer.append([fork_exec() * 1000 for _ in range(3)])
 
             def meds(rows: list[list[float]]) -> str:
                 return " / ".join(f"{statistics.median(r[i] for r in rows):.2f}" for i in range(3))
