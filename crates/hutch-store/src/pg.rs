@@ -72,6 +72,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0008_delivery_claims", include_str!("../migrations/postgres/0008_delivery_claims.sql")),
     ("0009_node_work", include_str!("../migrations/postgres/0009_node_work.sql")),
     ("0010_node_clock", include_str!("../migrations/postgres/0010_node_clock.sql")),
+    ("0011_pooled_live", include_str!("../migrations/postgres/0011_pooled_live.sql")),
 ];
 
 /// Connections a store opens at most, unless told otherwise.

@@ -39,6 +39,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0025_delivery_claims", include_str!("../migrations/0025_delivery_claims.sql")),
     ("0026_node_work", include_str!("../migrations/0026_node_work.sql")),
     ("0027_node_clock", include_str!("../migrations/0027_node_clock.sql")),
+    ("0028_pooled_live", include_str!("../migrations/0028_pooled_live.sql")),
 ];
 
 /// Statements the connection keeps prepared: more than the store has, so
@@ -79,13 +80,26 @@ impl Cached for Connection {
 pub(crate) const HOLDING: &str = "('starting', 'running', 'suspended', 'terminating', 'paused')";
 
 /// The oldest claimable warm sandbox of a template (`claim_warm`), found
-/// through the pool's own index: SQLite, without statistics, would
-/// otherwise walk every sandbox the owner ever had.
-pub(crate) const CLAIM_PICK: &str = "SELECT s.id FROM sandboxes s INDEXED BY sandboxes_pooled \
-     JOIN templates t ON t.id = s.template_id \
-     WHERE s.pooled = 1 AND s.state = 'running' AND s.template_id = ?1 AND s.owner = ?2 \
-     AND t.deleted_at IS NULL AND s.template_version = t.version AND s.storage = ?3 \
-     AND s.node = ?4 ORDER BY s.created_at, s.id LIMIT 1";
+/// through the pool's own index, which holds live warm sandboxes only
+/// (`state IN HOLDING` names its condition): SQLite, without statistics,
+/// would otherwise walk every sandbox the owner ever had.
+pub(crate) fn claim_pick_sql() -> String {
+    format!(
+        "SELECT s.id FROM sandboxes s INDEXED BY sandboxes_pooled JOIN templates t ON t.id = s.template_id \
+         WHERE s.pooled = 1 AND s.state IN {HOLDING} AND s.state = 'running' AND s.template_id = ?1 \
+         AND s.owner = ?2 AND t.deleted_at IS NULL AND s.template_version = t.version AND s.storage = ?3 \
+         AND s.node = ?4 ORDER BY s.created_at, s.id LIMIT 1"
+    )
+}
+
+/// This node's live warm sandboxes (`pooled_sandboxes`, each pool pass),
+/// from the pool's index: the few live warm sandboxes of the host.
+pub(crate) fn pooled_sql() -> String {
+    format!(
+        "SELECT {SANDBOX_COLUMNS} FROM sandboxes INDEXED BY sandboxes_pooled \
+         WHERE pooled = 1 AND state IN {HOLDING} AND (?1 IS NULL OR node = ?1) ORDER BY created_at, id"
+    )
+}
 
 /// The idle policies of the sandboxes not yet ended (`sandbox_idle_all`,
 /// each idle sweep).
@@ -1408,7 +1422,7 @@ impl Store for SqliteStore {
             // The version is read in the same transaction: a sandbox of an
             // older version is never claimed, whatever raced with us.
             let id: Option<String> = tx
-                .query_row_c(CLAIM_PICK, [cl.template_id, cl.owner, cl.storage.as_str(), cl.node], |r| r.get(0))
+                .query_row_c(&claim_pick_sql(), [cl.template_id, cl.owner, cl.storage.as_str(), cl.node], |r| r.get(0))
                 .optional()?;
             let Some(id) = id else { return Ok(None) };
             tx.execute_c(
@@ -1448,10 +1462,7 @@ impl Store for SqliteStore {
 
     fn pooled_sandboxes(&self, node: Option<&str>) -> Result<Vec<SandboxRecord>> {
         self.with(|c| {
-            let mut st = c.prepare_cached(&format!(
-                "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE pooled = 1 AND state IN {HOLDING} \
-                 AND (?1 IS NULL OR node = ?1) ORDER BY created_at, id"
-            ))?;
+            let mut st = c.prepare_cached(&pooled_sql())?;
             let rows = st.query_map([node], sandbox_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
             Ok(rows)
         })
