@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -34,6 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from api_bench import RELEASE, TIMEOUT, Daemon, check, ms, pct  # noqa: E402
+from fast_bench import spawn  # noqa: E402
+from warm_bench import wait_ready  # noqa: E402
 
 
 def server_timing(resp) -> dict[str, float]:
@@ -76,13 +77,6 @@ def server_rows(rounds) -> list[tuple[str, list[float]]]:
     return rows
 
 
-def fork_exec() -> float:
-    """Seconds of a bare fork+exec of /bin/true from here, waited for."""
-    t = time.perf_counter()
-    subprocess.run(["/bin/true"], check=True)
-    return time.perf_counter() - t
-
-
 def warm_rounds(s, base: str, cls: str, n: int) -> list:
     """n rounds, each claiming from a warm pool of 2 (waited for)."""
     tpl = check(s.post(base + "/v1/templates", data=json.dumps(
@@ -90,17 +84,10 @@ def warm_rounds(s, base: str, cls: str, n: int) -> list:
          "warm": {"min": 2, "max": 2}}), timeout=TIMEOUT), 201)
     body = json.dumps({"template": tpl["name"], "ttl_seconds": 600})
 
-    def ready() -> None:
-        deadline = time.monotonic() + 60
-        while check(s.get(f"{base}/v1/templates/{tpl['id']}", timeout=TIMEOUT), 200)["warm_ready"] < 1:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{cls}: the warm pool did not refill in 60 s")
-            time.sleep(0.005)
-
     try:
         out = []
         for _ in range(n):
-            ready()
+            wait_ready(s, base, tpl["id"], 1, timeout=60)
             out.append(round_trip(s, base, body))
             if "claim" not in out[-1][3]:
                 raise RuntimeError(f"{cls}: a create did not claim from the pool: {out[-1][3]}")
@@ -148,7 +135,7 @@ def main() -> int:
             warm = []
             if args.warm_rounds:
                 warm = warm_rounds(s, d.base, cls, args.warm_rounds)
-                forks = [fork_exec() for _ in range(args.warm_rounds)]
+                forks = [spawn(["/bin/true"]) for _ in range(args.warm_rounds)]
                 print(f"  from a warm pool, {len(warm)} rounds; peer: fork+exec of /bin/true from here")
                 for i, name in enumerate(("create (a claim)", "create -> first exec")):
                     xs = [r[i] for r in warm]

@@ -24,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from api_bench import RELEASE, TIMEOUT, Daemon, check  # noqa: E402
-from class_bench import fork_exec, server_timing  # noqa: E402
+from class_bench import server_timing  # noqa: E402
+from fast_bench import spawn  # noqa: E402
 
 PAUSES = (0.0, 0.3, 1.0)
 
@@ -57,7 +58,7 @@ def main() -> int:
                 server.append(v)
                 check(s.delete(f"{d.base}/v1/sandboxes/{sb['id']}", timeout=TIMEOUT), 200)
                 time.sleep(pause)
-                peer.append([fork_exec() * 1000 for _ in range(3)])
+                peer.append([spawn(["/bin/true"]) * 1000 for _ in range(3)])
 
             def meds(rows: list[list[float]]) -> str:
                 return " / ".join(f"{statistics.median(r[i] for r in rows):.2f}" for i in range(3))
