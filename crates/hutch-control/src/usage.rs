@@ -326,11 +326,13 @@ impl Control {
     }
 
     /// Per-key totals since metering began, as Prometheus counters (label:
-    /// the key's id only): `owner` None is every key's.
+    /// the key's id only): `owner` None is every key's. Read from the
+    /// running totals and the open intervals: a scrape costs what is alive,
+    /// not the host's history.
     pub(crate) async fn render_usage(&self, owner: Option<&str>, out: &mut String) -> Result<()> {
         let now = now_ms();
-        let q = UsageQuery { owner: owner.map(str::to_owned), from: 0, to: now + 1, now, group: UsageGroup::Key };
-        let rows = self.db(move |s| s.usage_report(&q)).await?;
+        let owner = owner.map(str::to_owned);
+        let rows = self.db(move |s| s.usage_totals(owner.as_deref(), now)).await?;
         type Figure = fn(&hutch_store::UsageRow) -> f64;
         let figures: [(&str, &str, Figure); 8] = [
             ("memory_mib_seconds", "Memory limit (MiB) times seconds running.", |r| r.memory_mib_seconds),

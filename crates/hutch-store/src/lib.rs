@@ -27,7 +27,7 @@ mod usage;
 pub use hutch_api::{BuildState, Class, OnExpire, OnIdle, SandboxState, StorageKind};
 pub use pg::{PgStore, DEFAULT_POOL_SIZE};
 pub use sqlite::SqliteStore;
-pub use usage::{aggregate, split_days, UsageCount, UsageGroup, UsageInterval, UsageKind, UsageQuery, UsageRow};
+pub use usage::{split_days, Aggregate, UsageCount, UsageGroup, UsageInterval, UsageKind, UsageQuery, UsageRow};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -893,6 +893,10 @@ pub trait Store: Send + Sync {
     fn usage_alive_at(&self, node: &str) -> Result<Option<i64>>;
     /// The report `q` asks for.
     fn usage_report(&self, q: &UsageQuery) -> Result<Vec<UsageRow>>;
+    /// Per key (`owner` None: every key), everything metered from the
+    /// start to `now`: the running totals kept as intervals close and
+    /// counts are flushed, plus the open intervals. Reads no history.
+    fn usage_totals(&self, owner: Option<&str>, now: i64) -> Result<Vec<UsageRow>>;
     /// Subjects with an open interval (sandbox, snapshot and volume ids).
     fn usage_open_subjects(&self) -> Result<Vec<(UsageKind, String)>>;
 

@@ -56,6 +56,7 @@ use crate::sqlite::{
 use crate::sqlite_events::{events_json, parse_events, DELIVERY_COLS, WEBHOOK_COLS};
 use crate::*;
 use postgres::error::SqlState;
+use postgres::fallible_iterator::FallibleIterator;
 use postgres::types::ToSql;
 use postgres::{Client, GenericClient, NoTls, Row, Transaction};
 use std::sync::{Condvar, Mutex};
@@ -73,6 +74,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0009_node_work", include_str!("../migrations/postgres/0009_node_work.sql")),
     ("0010_node_clock", include_str!("../migrations/postgres/0010_node_clock.sql")),
     ("0011_pooled_live", include_str!("../migrations/postgres/0011_pooled_live.sql")),
+    ("0012_running_totals", include_str!("../migrations/postgres/0012_running_totals.sql")),
 ];
 
 /// Connections a store opens at most, unless told otherwise.
@@ -761,6 +763,35 @@ fn open_interval(c: &mut impl GenericClient, subject: &str) -> Result<Option<(i6
     .transpose()
 }
 
+/// Adds `r`'s figures to `owner`'s running totals.
+fn add_totals(t: &mut Transaction<'_>, owner: &str, r: &UsageRow) -> Result<()> {
+    t.execute(
+        "INSERT INTO usage_totals (owner, memory_mib_seconds, vcpu_seconds, paused_seconds, disk_gib_hours, \
+         snapshot_gib_hours, volume_gib_hours, egress_bytes, commands) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
+         ON CONFLICT (owner) DO UPDATE SET \
+         memory_mib_seconds = usage_totals.memory_mib_seconds + excluded.memory_mib_seconds, \
+         vcpu_seconds = usage_totals.vcpu_seconds + excluded.vcpu_seconds, \
+         paused_seconds = usage_totals.paused_seconds + excluded.paused_seconds, \
+         disk_gib_hours = usage_totals.disk_gib_hours + excluded.disk_gib_hours, \
+         snapshot_gib_hours = usage_totals.snapshot_gib_hours + excluded.snapshot_gib_hours, \
+         volume_gib_hours = usage_totals.volume_gib_hours + excluded.volume_gib_hours, \
+         egress_bytes = usage_totals.egress_bytes + excluded.egress_bytes, \
+         commands = usage_totals.commands + excluded.commands",
+        &[
+            &owner,
+            &r.memory_mib_seconds,
+            &r.vcpu_seconds,
+            &r.paused_seconds,
+            &r.disk_gib_hours,
+            &r.snapshot_gib_hours,
+            &r.volume_gib_hours,
+            &(r.egress_bytes.min(i64::MAX as u64) as i64),
+            &(r.commands.min(i64::MAX as u64) as i64),
+        ],
+    )?;
+    Ok(())
+}
+
 /// Replaces `subject`'s open interval by `open` (None: ends it) at `at`,
 /// unless it already bills alike; under the subject's lock.
 fn mark_in(t: &mut Transaction<'_>, subject: &str, open: Option<&UsageInterval>, at: i64) -> Result<()> {
@@ -774,6 +805,9 @@ fn mark_in(t: &mut Transaction<'_>, subject: &str, open: Option<&UsageInterval>,
     let mut start = at;
     if let Some((id, cur)) = &current {
         t.execute("UPDATE usage_intervals SET end_ms = GREATEST(start_ms, $2) WHERE id = $1", &[id, &at])?;
+        let mut measured = UsageRow::default();
+        measured.charge(cur, cur.start, at);
+        add_totals(t, &cur.owner, &measured)?;
         start = at.max(cur.start);
     }
     if let Some(i) = open {
@@ -1076,9 +1110,13 @@ impl Store for PgStore {
 
     fn count_by_state(&self) -> Result<Vec<(SandboxState, u64)>> {
         self.with(|c| {
-            rows(c.query("SELECT state, COUNT(*) FROM sandboxes GROUP BY state", &[])?, |r| {
-                Ok((text_enum(r, 0, "sandbox state", SandboxState::parse)?, uint(r, 1)?))
-            })
+            // Live sandboxes by the state index; ended ones by the counts
+            // the triggers of migration 0012 keep, not by their rows.
+            let sql = format!(
+                "SELECT state, COUNT(*) FROM sandboxes WHERE state IN {HOLDING} GROUP BY state \
+                 UNION ALL SELECT state, n FROM sandboxes_ended"
+            );
+            rows(c.query(&sql, &[])?, |r| Ok((text_enum(r, 0, "sandbox state", SandboxState::parse)?, uint(r, 1)?)))
         })
     }
 
@@ -1945,6 +1983,10 @@ impl Store for PgStore {
                     ],
                 )?;
             }
+            // By key in order, so that two flushes take the rows alike.
+            for (owner, counted) in crate::usage::counts_by_owner(counts) {
+                add_totals(t, owner, &counted)?;
+            }
             t.execute(
                 "INSERT INTO usage_node_clock (node, alive_at) VALUES ($1, $2) ON CONFLICT (node) \
                  DO UPDATE SET alive_at = GREATEST(usage_node_clock.alive_at, excluded.alive_at)",
@@ -1970,34 +2012,77 @@ impl Store for PgStore {
             // One transaction at REPEATABLE READ: the intervals and the
             // counts are of one instant.
             t.batch_execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")?;
-            let intervals = rows(
-                t.query(
-                    &format!(
-                        "SELECT {USAGE_COLUMNS} FROM usage_intervals WHERE ($1::TEXT IS NULL OR owner = $1) \
-                         AND start_ms < $3 AND (end_ms IS NULL OR end_ms > $2) ORDER BY id"
-                    ),
-                    &[&q.owner, &q.from, &q.to],
-                )?,
-                usage_row,
+            // Summed as read, a row at a time: the report holds a row per
+            // group, never the window's intervals.
+            let mut sum = crate::usage::Aggregate::new(q);
+            let window: [Param<'_>; 3] = [&q.owner, &q.from, &q.to];
+            let mut it = t.query_raw(
+                &format!(
+                    "SELECT {USAGE_COLUMNS} FROM usage_intervals WHERE ($1::TEXT IS NULL OR owner = $1) \
+                     AND start_ms < $3 AND (end_ms IS NULL OR end_ms > $2) ORDER BY id"
+                ),
+                window,
             )?;
-            let counts = rows(
+            while let Some(r) = it.next()? {
+                sum.interval(&usage_row(&r)?);
+            }
+            drop(it);
+            let mut it = t.query_raw(
+                "SELECT owner, sandbox_id, template, at, commands, egress_bytes FROM usage_counts \
+                 WHERE ($1::TEXT IS NULL OR owner = $1) AND at >= $2 AND at < $3 ORDER BY id",
+                window,
+            )?;
+            while let Some(r) = it.next()? {
+                sum.count(&UsageCount {
+                    owner: r.try_get(0)?,
+                    sandbox_id: r.try_get(1)?,
+                    template: r.try_get(2)?,
+                    at: r.try_get(3)?,
+                    commands: uint(&r, 4)?,
+                    egress_bytes: uint(&r, 5)?,
+                });
+            }
+            Ok(sum.rows())
+        })
+    }
+
+    fn usage_totals(&self, owner: Option<&str>, now: i64) -> Result<Vec<UsageRow>> {
+        self.tx(|t| {
+            // One instant: an interval closing meanwhile is counted once.
+            t.batch_execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")?;
+            let totals = rows(
                 t.query(
-                    "SELECT owner, sandbox_id, template, at, commands, egress_bytes FROM usage_counts \
-                     WHERE ($1::TEXT IS NULL OR owner = $1) AND at >= $2 AND at < $3 ORDER BY id",
-                    &[&q.owner, &q.from, &q.to],
+                    "SELECT owner, memory_mib_seconds, vcpu_seconds, paused_seconds, disk_gib_hours, \
+                     snapshot_gib_hours, volume_gib_hours, egress_bytes, commands FROM usage_totals \
+                     WHERE ($1::TEXT IS NULL OR owner = $1)",
+                    &[&owner],
                 )?,
                 |r| {
-                    Ok(UsageCount {
-                        owner: r.try_get(0)?,
-                        sandbox_id: r.try_get(1)?,
-                        template: r.try_get(2)?,
-                        at: r.try_get(3)?,
-                        commands: uint(r, 4)?,
-                        egress_bytes: uint(r, 5)?,
+                    Ok(UsageRow {
+                        key: r.try_get(0)?,
+                        group: None,
+                        memory_mib_seconds: r.try_get(1)?,
+                        vcpu_seconds: r.try_get(2)?,
+                        paused_seconds: r.try_get(3)?,
+                        disk_gib_hours: r.try_get(4)?,
+                        snapshot_gib_hours: r.try_get(5)?,
+                        volume_gib_hours: r.try_get(6)?,
+                        egress_bytes: uint(r, 7)?,
+                        commands: uint(r, 8)?,
                     })
                 },
             )?;
-            Ok(aggregate(q, &intervals, &counts))
+            let open = rows(
+                t.query(
+                    &format!(
+                        "SELECT {USAGE_COLUMNS} FROM usage_intervals WHERE end_ms IS NULL \
+                         AND ($1::TEXT IS NULL OR owner = $1)"
+                    ),
+                    &[&owner],
+                )?,
+                usage_row,
+            )?;
+            Ok(crate::usage::totals_until(totals, &open, now))
         })
     }
 

@@ -40,6 +40,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0026_node_work", include_str!("../migrations/0026_node_work.sql")),
     ("0027_node_clock", include_str!("../migrations/0027_node_clock.sql")),
     ("0028_pooled_live", include_str!("../migrations/0028_pooled_live.sql")),
+    ("0029_running_totals", include_str!("../migrations/0029_running_totals.sql")),
 ];
 
 /// Statements the connection keeps prepared: more than the store has, so
@@ -111,6 +112,21 @@ pub(crate) fn idle_all_sql() -> String {
 }
 
 /// The sandboxes not yet ended per node (`count_by_node`, placement).
+/// Sandboxes by state: the live ones counted by the state index, the
+/// ended ones read from the counts the triggers of migration 0029 keep.
+pub(crate) fn count_by_state_sql() -> String {
+    format!(
+        "SELECT state, COUNT(*) FROM sandboxes WHERE state IN {HOLDING} GROUP BY state \
+         UNION ALL SELECT state, n FROM sandboxes_ended"
+    )
+}
+
+/// Open intervals (every live sandbox, snapshot and volume has one), by
+/// the partial index `usage_open`.
+pub(crate) fn open_intervals_sql() -> String {
+    format!("SELECT {USAGE_COLUMNS} FROM usage_intervals WHERE end_ms IS NULL AND (?1 IS NULL OR owner = ?1)")
+}
+
 pub(crate) fn count_by_node_sql() -> String {
     format!("SELECT node, COUNT(*) FROM sandboxes WHERE state IN {HOLDING} GROUP BY node ORDER BY node")
 }
@@ -649,9 +665,41 @@ fn open_interval(c: &Connection, subject: &str) -> Result<Option<(i64, UsageInte
     .optional()?)
 }
 
-/// Ends the open interval `id` at `at` (never before it started).
-fn close_interval(c: &Connection, id: i64, at: i64) -> Result<()> {
+/// Ends the open interval `id` (`cur`) at `at` (never before it started),
+/// and adds what it measured to its key's running totals.
+fn close_interval(c: &Connection, id: i64, cur: &UsageInterval, at: i64) -> Result<()> {
     c.execute_c("UPDATE usage_intervals SET end_ms = MAX(start_ms, ?2) WHERE id = ?1", params![id, at])?;
+    let mut measured = UsageRow::default();
+    measured.charge(cur, cur.start, at);
+    add_totals(c, &cur.owner, &measured)
+}
+
+/// Adds `r`'s figures to `owner`'s running totals.
+fn add_totals(c: &Connection, owner: &str, r: &UsageRow) -> Result<()> {
+    c.execute_c(
+        "INSERT INTO usage_totals (owner, memory_mib_seconds, vcpu_seconds, paused_seconds, disk_gib_hours, \
+         snapshot_gib_hours, volume_gib_hours, egress_bytes, commands) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9) \
+         ON CONFLICT (owner) DO UPDATE SET \
+         memory_mib_seconds = usage_totals.memory_mib_seconds + excluded.memory_mib_seconds, \
+         vcpu_seconds = usage_totals.vcpu_seconds + excluded.vcpu_seconds, \
+         paused_seconds = usage_totals.paused_seconds + excluded.paused_seconds, \
+         disk_gib_hours = usage_totals.disk_gib_hours + excluded.disk_gib_hours, \
+         snapshot_gib_hours = usage_totals.snapshot_gib_hours + excluded.snapshot_gib_hours, \
+         volume_gib_hours = usage_totals.volume_gib_hours + excluded.volume_gib_hours, \
+         egress_bytes = usage_totals.egress_bytes + excluded.egress_bytes, \
+         commands = usage_totals.commands + excluded.commands",
+        params![
+            owner,
+            r.memory_mib_seconds,
+            r.vcpu_seconds,
+            r.paused_seconds,
+            r.disk_gib_hours,
+            r.snapshot_gib_hours,
+            r.volume_gib_hours,
+            r.egress_bytes.min(i64::MAX as u64) as i64,
+            r.commands.min(i64::MAX as u64) as i64
+        ],
+    )?;
     Ok(())
 }
 
@@ -696,7 +744,7 @@ fn mark_in(c: &mut Connection, subject: &str, open: Option<UsageInterval>, at: i
     }
     let mut start = at;
     if let Some((id, cur)) = &current {
-        close_interval(&tx, *id, at)?;
+        close_interval(&tx, *id, cur, at)?;
         start = at.max(cur.start);
     }
     if let Some(mut new) = open {
@@ -1019,7 +1067,9 @@ impl Store for SqliteStore {
 
     fn count_by_state(&self) -> Result<Vec<(SandboxState, u64)>> {
         self.with(|c| {
-            let mut st = c.prepare_cached("SELECT state, COUNT(*) FROM sandboxes GROUP BY state")?;
+            // Live sandboxes by the state index; ended ones by the counts
+            // the triggers of migration 0029 keep, not by their rows.
+            let mut st = c.prepare_cached(&count_by_state_sql())?;
             let rows = st
                 .query_map([], |r| {
                     Ok((parsed(r, 0, "sandbox state", SandboxState::parse)?, r.get::<_, i64>(1)? as u64))
@@ -1657,6 +1707,9 @@ impl Store for SqliteStore {
                     ])?;
                 }
             }
+            for (owner, counted) in crate::usage::counts_by_owner(counts) {
+                add_totals(&tx, owner, &counted)?;
+            }
             tx.execute_c(
                 "INSERT INTO usage_node_clock (node, alive_at) VALUES (?1, ?2) \
                  ON CONFLICT (node) DO UPDATE SET alive_at = MAX(alive_at, excluded.alive_at)",
@@ -1680,29 +1733,68 @@ impl Store for SqliteStore {
 
     fn usage_report(&self, q: &UsageQuery) -> Result<Vec<UsageRow>> {
         self.with(|c| {
+            // Summed as read: the report holds a row per group, never the
+            // window's intervals (a year of a busy key is millions).
+            let mut sum = crate::usage::Aggregate::new(q);
             let mut st = c.prepare_cached(&format!(
                 "SELECT {USAGE_COLUMNS} FROM usage_intervals WHERE (?1 IS NULL OR owner = ?1) \
                  AND start_ms < ?3 AND (end_ms IS NULL OR end_ms > ?2) ORDER BY id"
             ))?;
-            let intervals =
-                st.query_map(params![q.owner, q.from, q.to], usage_row)?.collect::<rusqlite::Result<Vec<_>>>()?;
+            for i in st.query_map(params![q.owner, q.from, q.to], usage_row)? {
+                sum.interval(&i?);
+            }
             let mut st = c.prepare_cached(
                 "SELECT owner, sandbox_id, template, at, commands, egress_bytes FROM usage_counts \
                  WHERE (?1 IS NULL OR owner = ?1) AND at >= ?2 AND at < ?3 ORDER BY id",
             )?;
-            let counts = st
-                .query_map(params![q.owner, q.from, q.to], |r| {
-                    Ok(UsageCount {
-                        owner: r.get(0)?,
-                        sandbox_id: r.get(1)?,
-                        template: r.get(2)?,
-                        at: r.get(3)?,
-                        commands: r.get::<_, i64>(4)? as u64,
-                        egress_bytes: r.get::<_, i64>(5)? as u64,
+            let counts = st.query_map(params![q.owner, q.from, q.to], |r| {
+                Ok(UsageCount {
+                    owner: r.get(0)?,
+                    sandbox_id: r.get(1)?,
+                    template: r.get(2)?,
+                    at: r.get(3)?,
+                    commands: r.get::<_, i64>(4)? as u64,
+                    egress_bytes: r.get::<_, i64>(5)? as u64,
+                })
+            })?;
+            for n in counts {
+                sum.count(&n?);
+            }
+            Ok(sum.rows())
+        })
+    }
+
+    fn usage_totals(&self, owner: Option<&str>, now: i64) -> Result<Vec<UsageRow>> {
+        self.with(|c| {
+            let tx = c.transaction()?;
+            let totals = {
+                let mut st = tx.prepare_cached(
+                    "SELECT owner, memory_mib_seconds, vcpu_seconds, paused_seconds, disk_gib_hours, \
+                     snapshot_gib_hours, volume_gib_hours, egress_bytes, commands FROM usage_totals \
+                     WHERE (?1 IS NULL OR owner = ?1)",
+                )?;
+                let rows = st.query_map([owner], |r| {
+                    Ok(UsageRow {
+                        key: r.get(0)?,
+                        group: None,
+                        memory_mib_seconds: r.get(1)?,
+                        vcpu_seconds: r.get(2)?,
+                        paused_seconds: r.get(3)?,
+                        disk_gib_hours: r.get(4)?,
+                        snapshot_gib_hours: r.get(5)?,
+                        volume_gib_hours: r.get(6)?,
+                        egress_bytes: r.get::<_, i64>(7)?.max(0) as u64,
+                        commands: r.get::<_, i64>(8)?.max(0) as u64,
                     })
-                })?
-                .collect::<rusqlite::Result<Vec<_>>>()?;
-            Ok(aggregate(q, &intervals, &counts))
+                })?;
+                rows.collect::<rusqlite::Result<Vec<_>>>()?
+            };
+            let open = {
+                let mut st = tx.prepare_cached(&open_intervals_sql())?;
+                let rows = st.query_map([owner], usage_row)?;
+                rows.collect::<rusqlite::Result<Vec<_>>>()?
+            };
+            Ok(crate::usage::totals_until(totals, &open, now))
         })
     }
 

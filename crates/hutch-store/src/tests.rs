@@ -1186,6 +1186,140 @@ fn pushes_are_kept_and_a_paused_sandbox_moves_to_one_node_only(s: &Backend) {
     assert_eq!(s.pushed(Pushed::Sandbox, "p1").expect("read"), None);
 }
 
+/// Whether two figures agree but for the order they were summed in.
+fn close_to(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0)
+}
+
+fn same_totals(got: &[UsageRow], want: &[UsageRow]) {
+    assert_eq!(got.iter().map(|r| &r.key).collect::<Vec<_>>(), want.iter().map(|r| &r.key).collect::<Vec<_>>());
+    for (g, w) in got.iter().zip(want) {
+        let figures = |r: &UsageRow| {
+            [
+                r.memory_mib_seconds,
+                r.vcpu_seconds,
+                r.paused_seconds,
+                r.disk_gib_hours,
+                r.snapshot_gib_hours,
+                r.volume_gib_hours,
+            ]
+        };
+        let pairs = figures(g).into_iter().zip(figures(w));
+        assert!(pairs.clone().all(|(a, b)| close_to(a, b)), "{g:?}\n vs the ledger's {w:?}");
+        assert_eq!((g.commands, g.egress_bytes), (w.commands, w.egress_bytes), "{}", g.key);
+    }
+}
+
+/// `/metrics` reads the running totals and the open intervals, not the
+/// ledger: they must say what a report over the whole ledger says, as
+/// kept interval by interval and as the migration backfills them from a
+/// store's history.
+fn usage_totals_say_what_the_whole_ledger_says(s: &Backend) {
+    let mut at = 1_000;
+    for (n, owner) in ["k1", "k2", "k1", "k3"].into_iter().enumerate() {
+        let mut r = sandbox(&format!("sb-{n}"), 0);
+        r.owner = owner.into();
+        r.disk_mib = 512 * (n as u64 + 1);
+        r.vcpus = 0.5 * (n as f64 + 1.0);
+        s.insert_sandbox_free(&r).expect("insert");
+        for state in [SandboxState::Starting, SandboxState::Running, SandboxState::Paused, SandboxState::Running] {
+            r.state = state;
+            s.usage_mark(&r, at).expect("mark");
+            at += 1_234 * (n as i64 + 1);
+        }
+        if n != 3 {
+            r.state = SandboxState::Terminated;
+            s.usage_mark(&r, at).expect("end");
+        }
+    }
+    s.usage_mark(&sandbox("lost", 0), 2_000).expect("mark");
+    s.usage_lost("lost", 9_000).expect("lost");
+    let snap = UsageInterval {
+        owner: "k2".into(),
+        kind: UsageKind::Snapshot,
+        subject: "snap-1".into(),
+        sandbox_id: Some("sb-1".into()),
+        template: Some("base".into()),
+        memory_mb: 0,
+        vcpus: 0.0,
+        size_bytes: 3 << 30,
+        start: 0,
+        end: None,
+    };
+    s.usage_mark_object(Some(&snap), "snap-1", 5_000).expect("open");
+    s.usage_mark_object(None, "snap-1", 77_000).expect("close");
+    s.usage_mark_object(
+        Some(&UsageInterval { subject: "vol-1".into(), kind: UsageKind::Volume, ..snap }),
+        "vol-1",
+        6_000,
+    )
+    .expect("a volume, still kept");
+    let count = |owner: &str, commands, egress_bytes| UsageCount {
+        owner: owner.into(),
+        sandbox_id: "sb-0".into(),
+        template: "base".into(),
+        at: 3_000,
+        commands,
+        egress_bytes,
+    };
+    s.usage_flush(&[count("k1", 3, 100), count("k2", 0, 0), count("k1", 2, 5)], "a", 3_000).expect("flush");
+    s.usage_flush(&[count("k3", 7, 1 << 40)], "a", 4_000).expect("flush");
+
+    // After every event (the snapshot's close at 77 s included).
+    let now = at.max(77_000) + 10_000;
+    let ledger = |owner: Option<&str>| report(s, owner, 0, now + 1, now, UsageGroup::Key);
+    assert_eq!(ledger(None).len(), 3);
+    same_totals(&s.usage_totals(None, now).expect("totals"), &ledger(None));
+    same_totals(&s.usage_totals(Some("k2"), now).expect("k2's"), &ledger(Some("k2")));
+    assert!(s.usage_totals(Some("nobody"), now).expect("none").is_empty());
+    // The migration's backfill, run again over this history.
+    let migration = match s {
+        Backend::Sqlite(_) => include_str!("../migrations/0029_running_totals.sql"),
+        Backend::Postgres(_) => include_str!("../migrations/postgres/0012_running_totals.sql"),
+    };
+    s.raw_execute("DELETE FROM usage_totals").expect("forget the totals");
+    assert_ne!(s.usage_totals(None, now).expect("open intervals only")[0].commands, 5);
+    s.raw_execute(migration).expect("backfill");
+    same_totals(&s.usage_totals(None, now).expect("backfilled"), &ledger(None));
+}
+
+/// Ended sandboxes are counted as they end, by triggers, so that the count
+/// reads no ended row; every way in and out of a final state counts.
+fn ended_sandboxes_are_counted_as_they_end(s: &Backend) {
+    let count = |st: SandboxState| {
+        s.count_by_state().expect("count").into_iter().filter(|(x, _)| *x == st).map(|(_, n)| n).sum::<u64>()
+    };
+    for id in ["a", "b", "c", "d"] {
+        let mut r = sandbox(id, 0);
+        r.state = SandboxState::Starting;
+        s.insert_sandbox_free(&r).expect("insert");
+    }
+    let mut ended = sandbox("e", 0);
+    ended.state = SandboxState::Terminated;
+    s.insert_sandbox_free(&ended).expect("an ended row, inserted");
+    assert_eq!((count(SandboxState::Starting), count(SandboxState::Terminated)), (4, 1));
+    let go = |id: &str, from: SandboxState, to: SandboxState| {
+        s.transition(id, &[from], to, &Changes::default()).expect("transition").expect("it was in `from`");
+    };
+    go("a", SandboxState::Starting, SandboxState::Running);
+    go("a", SandboxState::Running, SandboxState::Terminating);
+    go("a", SandboxState::Terminating, SandboxState::Terminated);
+    go("b", SandboxState::Starting, SandboxState::Running);
+    go("b", SandboxState::Running, SandboxState::Lost);
+    go("c", SandboxState::Starting, SandboxState::Paused);
+    assert_eq!(count(SandboxState::Terminated), 2);
+    assert_eq!(count(SandboxState::Lost), 1);
+    assert_eq!((count(SandboxState::Paused), count(SandboxState::Starting), count(SandboxState::Running)), (1, 1, 0));
+    // From one final state to the other, and a row removed.
+    go("b", SandboxState::Lost, SandboxState::Terminated);
+    assert_eq!((count(SandboxState::Terminated), count(SandboxState::Lost)), (3, 0));
+    s.raw_execute("DELETE FROM sandboxes WHERE id = 'e'").expect("remove an ended row");
+    assert_eq!(count(SandboxState::Terminated), 2);
+    // Whatever the path, the counts are those of the rows.
+    let total: u64 = s.count_by_state().expect("count").iter().map(|(_, n)| n).sum();
+    assert_eq!(total, 4);
+}
+
 /// Each test of both backends: `sqlite::name` always, `postgres::name`
 /// when `HUTCH_TEST_POSTGRES` is set (scripts/test.sh sets it).
 macro_rules! on_both_backends {
@@ -1224,6 +1358,8 @@ on_both_backends!(
     usage_follows_transitions_and_open_intervals_end_now,
     usage_by_day_splits_at_utc_midnight,
     usage_counts_objects_and_a_lost_sandbox,
+    usage_totals_say_what_the_whole_ledger_says,
+    ended_sandboxes_are_counted_as_they_end,
     secrets_are_owned_by_name_updated_in_place_and_deleted,
     webhooks_keep_their_format_and_a_disabled_one_gets_no_deliveries,
     a_sandbox_keeps_its_class,
@@ -1265,14 +1401,25 @@ fn queries_of_live_sandboxes_do_not_walk_the_history() {
         crate::sqlite::pooled_sql(),
         crate::sqlite::idle_all_sql(),
         crate::sqlite::count_by_node_sql(),
+        crate::sqlite::count_by_state_sql(),
     ];
     for sql in queries {
         let plan = s.query_plan(&sql).expect("plan");
         assert!(!plan.is_empty(), "{sql}");
         for step in &plan {
-            let walks = (step.starts_with("SCAN s") && !step.contains("INDEX sandboxes_pooled"))
+            // `sandboxes_ended` has a row per final state.
+            let walks = (step.starts_with("SCAN s")
+                && !step.contains("INDEX sandboxes_pooled")
+                && !step.starts_with("SCAN sandboxes_ended"))
                 || step.contains("sandboxes_by_owner");
             assert!(!walks, "{sql}\n walks the history: {plan:?}");
         }
     }
+    // A scrape's open intervals: an index search for the open ones (a
+    // NULL end, or the partial index of open intervals), however long the
+    // ledger.
+    let sql = crate::sqlite::open_intervals_sql();
+    let plan = s.query_plan(&sql).expect("plan");
+    let searched = |p: &String| p.contains("INDEX usage_open") || p.contains("INDEX usage_end (end_ms=?)");
+    assert!(!plan.is_empty() && plan.iter().all(searched), "{sql}\n walks the ledger: {plan:?}");
 }

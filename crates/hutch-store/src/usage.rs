@@ -1,6 +1,7 @@
 //! Usage metering's arithmetic: intervals of the ledger clipped to a
 //! report's window, split at UTC midnight when grouped by day, and summed
-//! per key and group. Pure: the SQLite store only selects the rows.
+//! per key and group; the running totals a scrape reads. Pure: the stores
+//! only select the rows.
 
 use std::collections::BTreeMap;
 
@@ -145,60 +146,112 @@ fn group_of(group: UsageGroup, sandbox: Option<&str>, template: Option<&str>, at
     }
 }
 
-/// Sums `intervals` and `counts` into rows, ordered by key then group.
+impl UsageRow {
+    /// Adds what interval `i` measures over `[start, end)`, a part of it
+    /// (the one place the ledger's figures are worked out: reports and the
+    /// running totals both charge through here).
+    pub fn charge(&mut self, i: &UsageInterval, start: i64, end: i64) {
+        if end <= start {
+            return;
+        }
+        let secs = (end - start) as f64 / 1000.0;
+        let gib_hours = i.size_bytes as f64 / GIB * secs / 3600.0;
+        match i.kind {
+            UsageKind::Running => {
+                self.memory_mib_seconds += i.memory_mb as f64 * secs;
+                self.vcpu_seconds += i.vcpus * secs;
+                self.disk_gib_hours += gib_hours;
+            }
+            UsageKind::Paused => {
+                self.paused_seconds += secs;
+                self.disk_gib_hours += gib_hours;
+            }
+            UsageKind::Held => self.disk_gib_hours += gib_hours,
+            UsageKind::Snapshot => self.snapshot_gib_hours += gib_hours,
+            UsageKind::Volume => self.volume_gib_hours += gib_hours,
+        }
+    }
+
+    /// Adds a count of commands and egress.
+    pub fn count(&mut self, c: &UsageCount) {
+        self.commands = self.commands.saturating_add(c.commands);
+        self.egress_bytes = self.egress_bytes.saturating_add(c.egress_bytes);
+    }
+}
+
+/// A report being summed as the store reads the ledger, row by row: it
+/// holds one entry per key and group, never the rows it read.
 /// Intervals are clipped to `[q.from, q.to)`, an open one ends at `q.now`
 /// (or `q.to`, whichever is first); counts are taken when `at` falls in the
 /// window.
-pub fn aggregate(q: &UsageQuery, intervals: &[UsageInterval], counts: &[UsageCount]) -> Vec<UsageRow> {
-    let mut rows: BTreeMap<(String, Option<String>), UsageRow> = BTreeMap::new();
-    fn row<'a>(
-        rows: &'a mut BTreeMap<(String, Option<String>), UsageRow>,
-        key: &str,
-        group: Option<String>,
-    ) -> &'a mut UsageRow {
-        rows.entry((key.to_owned(), group.clone())).or_insert_with(|| UsageRow {
+pub struct Aggregate<'q> {
+    q: &'q UsageQuery,
+    rows: BTreeMap<(String, Option<String>), UsageRow>,
+}
+
+impl<'q> Aggregate<'q> {
+    pub fn new(q: &'q UsageQuery) -> Aggregate<'q> {
+        Aggregate { q, rows: BTreeMap::new() }
+    }
+
+    fn row(&mut self, key: &str, group: Option<String>) -> &mut UsageRow {
+        self.rows.entry((key.to_owned(), group.clone())).or_insert_with(|| UsageRow {
             key: key.to_owned(),
             group,
             ..UsageRow::default()
         })
     }
-    for i in intervals {
+
+    pub fn interval(&mut self, i: &UsageInterval) {
+        let q = self.q;
         if q.owner.as_deref().is_some_and(|o| o != i.owner) {
-            continue;
+            return;
         }
         let start = i.start.max(q.from);
         let end = i.end.unwrap_or(q.now).min(q.to);
         if end <= start {
-            continue;
+            return;
         }
         let pieces = if q.group == UsageGroup::Day { split_days(start, end) } else { vec![(start, end)] };
         for (s, e) in pieces {
-            let secs = (e - s) as f64 / 1000.0;
-            let gib_hours = i.size_bytes as f64 / GIB * secs / 3600.0;
-            let r = row(&mut rows, &i.owner, group_of(q.group, i.sandbox_id.as_deref(), i.template.as_deref(), s));
-            match i.kind {
-                UsageKind::Running => {
-                    r.memory_mib_seconds += i.memory_mb as f64 * secs;
-                    r.vcpu_seconds += i.vcpus * secs;
-                    r.disk_gib_hours += gib_hours;
-                }
-                UsageKind::Paused => {
-                    r.paused_seconds += secs;
-                    r.disk_gib_hours += gib_hours;
-                }
-                UsageKind::Held => r.disk_gib_hours += gib_hours,
-                UsageKind::Snapshot => r.snapshot_gib_hours += gib_hours,
-                UsageKind::Volume => r.volume_gib_hours += gib_hours,
-            }
+            let group = group_of(q.group, i.sandbox_id.as_deref(), i.template.as_deref(), s);
+            self.row(&i.owner, group).charge(i, s, e);
         }
     }
-    for c in counts {
+
+    pub fn count(&mut self, c: &UsageCount) {
+        let q = self.q;
         if q.owner.as_deref().is_some_and(|o| o != c.owner) || c.at < q.from || c.at >= q.to {
-            continue;
+            return;
         }
-        let r = row(&mut rows, &c.owner, group_of(q.group, Some(&c.sandbox_id), Some(&c.template), c.at));
-        r.commands += c.commands;
-        r.egress_bytes += c.egress_bytes;
+        let group = group_of(q.group, Some(&c.sandbox_id), Some(&c.template), c.at);
+        self.row(&c.owner, group).count(c);
+    }
+
+    /// The rows, ordered by key then group.
+    pub fn rows(self) -> Vec<UsageRow> {
+        self.rows.into_values().collect()
+    }
+}
+
+/// The counts of one flush summed per key, for the running totals.
+pub fn counts_by_owner(counts: &[UsageCount]) -> BTreeMap<&str, UsageRow> {
+    let mut out: BTreeMap<&str, UsageRow> = BTreeMap::new();
+    for c in counts.iter().filter(|c| c.commands > 0 || c.egress_bytes > 0) {
+        out.entry(&c.owner).or_default().count(c);
+    }
+    out
+}
+
+/// Per key, the running totals (what closed intervals measured and every
+/// count) with the open intervals charged up to `now`: everything metered
+/// since metering began, read without the ledger's history.
+pub fn totals_until(totals: Vec<UsageRow>, open: &[UsageInterval], now: i64) -> Vec<UsageRow> {
+    let mut rows: BTreeMap<String, UsageRow> = totals.into_iter().map(|r| (r.key.clone(), r)).collect();
+    for i in open {
+        let row =
+            rows.entry(i.owner.clone()).or_insert_with(|| UsageRow { key: i.owner.clone(), ..UsageRow::default() });
+        row.charge(i, i.start, now);
     }
     rows.into_values().collect()
 }
