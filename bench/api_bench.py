@@ -78,6 +78,7 @@ class Daemon:
         env_extra: dict[str, str] | None = None,
         args: list[str] | None = None,
         ready_within: float = 30,
+        state_dir: Path | None = None,
     ):
         if not binary.is_file():
             sys.exit(f"release binary not found at {binary}: run `cargo build --release` first")
@@ -98,9 +99,12 @@ class Daemon:
         if "HUTCH_NET_INSTANCE" not in env:
             self.net = NetInstance.claim()
             env["HUTCH_NET_INSTANCE"] = str(self.net.number)
+        # A state directory of the caller's (one a bench seeded) is the
+        # caller's to remove; the default one goes with the daemon.
+        self.state_dir = state_dir or self.root / "state"
         self.log = open(self.root / "daemon.log", "wb")
         self.proc = subprocess.Popen(
-            [str(binary), "serve", "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.root / "state"),
+            [str(binary), "serve", "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.state_dir),
              *(args or [])],
             env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, start_new_session=True,
         )
@@ -119,7 +123,7 @@ class Daemon:
             time.sleep(0.05)
         # A daemon joining a fleet's database finds the admin key made: its
         # bench sets `key` itself.
-        key_file = self.root / "state" / "admin.key"
+        key_file = self.state_dir / "admin.key"
         self.key = key_file.read_text().strip() if key_file.exists() else None
 
     def session(self) -> "Lean":
@@ -132,7 +136,7 @@ class Daemon:
         if r.status_code != 200:
             raise RuntimeError(f"GET /metrics -> {r.status_code}")
         text = r.text
-        ended = ('state="terminated"', 'state="failed"')
+        ended = ('state="terminated"', 'state="lost"')
         return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
                    if line.startswith("hutch_sandboxes{") and not line.startswith(tuple(f"hutch_sandboxes{{{e}" for e in ended)))
 
@@ -168,7 +172,7 @@ class Daemon:
                 self.proc.wait(timeout=15)
         self.log.close()
         # The daemon unmounts its storage on a clean stop; make sure.
-        subprocess.run(["umount", "-l", str(self.root / "state" / "storage" / "fs")], capture_output=True)
+        subprocess.run(["umount", "-l", str(self.state_dir / "storage" / "fs")], capture_output=True)
         shutil.rmtree(self.root, ignore_errors=True)
         if self.net is not None:
             self.net.release()
