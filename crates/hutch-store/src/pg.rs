@@ -50,8 +50,9 @@
 //! still happen, the call's transaction is run again, a few times.
 
 use crate::sqlite::{
-    bills_alike, over, split_classes, BRIEF_COLUMNS, BUILD_COLUMNS, HOLDING, KEY_COLUMNS, NODE_COLUMNS,
-    SANDBOX_COLUMNS, SECRET_COLUMNS, SNAPSHOT_COLUMNS, TEMPLATE_COLUMNS, USAGE_COLUMNS, VOLUME_COLUMNS,
+    bills_alike, over, split_classes, totals_values, BRIEF_COLUMNS, BUILD_COLUMNS, HOLDING, KEY_COLUMNS, NODE_COLUMNS,
+    SANDBOX_COLUMNS, SECRET_COLUMNS, SNAPSHOT_COLUMNS, TEMPLATE_COLUMNS, TOTALS_ADD, TOTALS_COLUMNS, USAGE_COLUMNS,
+    VOLUME_COLUMNS,
 };
 use crate::sqlite_events::{events_json, parse_events, DELIVERY_COLS, WEBHOOK_COLS};
 use crate::*;
@@ -765,29 +766,10 @@ fn open_interval(c: &mut impl GenericClient, subject: &str) -> Result<Option<(i6
 
 /// Adds `r`'s figures to `owner`'s running totals.
 fn add_totals(t: &mut Transaction<'_>, owner: &str, r: &UsageRow) -> Result<()> {
+    let v = totals_values(r);
     t.execute(
-        "INSERT INTO usage_totals (owner, memory_mib_seconds, vcpu_seconds, paused_seconds, disk_gib_hours, \
-         snapshot_gib_hours, volume_gib_hours, egress_bytes, commands) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
-         ON CONFLICT (owner) DO UPDATE SET \
-         memory_mib_seconds = usage_totals.memory_mib_seconds + excluded.memory_mib_seconds, \
-         vcpu_seconds = usage_totals.vcpu_seconds + excluded.vcpu_seconds, \
-         paused_seconds = usage_totals.paused_seconds + excluded.paused_seconds, \
-         disk_gib_hours = usage_totals.disk_gib_hours + excluded.disk_gib_hours, \
-         snapshot_gib_hours = usage_totals.snapshot_gib_hours + excluded.snapshot_gib_hours, \
-         volume_gib_hours = usage_totals.volume_gib_hours + excluded.volume_gib_hours, \
-         egress_bytes = usage_totals.egress_bytes + excluded.egress_bytes, \
-         commands = usage_totals.commands + excluded.commands",
-        &[
-            &owner,
-            &r.memory_mib_seconds,
-            &r.vcpu_seconds,
-            &r.paused_seconds,
-            &r.disk_gib_hours,
-            &r.snapshot_gib_hours,
-            &r.volume_gib_hours,
-            &(r.egress_bytes.min(i64::MAX as u64) as i64),
-            &(r.commands.min(i64::MAX as u64) as i64),
-        ],
+        &format!("INSERT INTO usage_totals ({TOTALS_COLUMNS}) VALUES ({}) {TOTALS_ADD}", marks(1, 9)),
+        &[&owner, &v.0, &v.1, &v.2, &v.3, &v.4, &v.5, &v.6, &v.7],
     )?;
     Ok(())
 }
@@ -2052,9 +2034,7 @@ impl Store for PgStore {
             t.batch_execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")?;
             let totals = rows(
                 t.query(
-                    "SELECT owner, memory_mib_seconds, vcpu_seconds, paused_seconds, disk_gib_hours, \
-                     snapshot_gib_hours, volume_gib_hours, egress_bytes, commands FROM usage_totals \
-                     WHERE ($1::TEXT IS NULL OR owner = $1)",
+                    &format!("SELECT {TOTALS_COLUMNS} FROM usage_totals WHERE ($1::TEXT IS NULL OR owner = $1)"),
                     &[&owner],
                 )?,
                 |r| {

@@ -674,31 +674,41 @@ fn close_interval(c: &Connection, id: i64, cur: &UsageInterval, at: i64) -> Resu
     add_totals(c, &cur.owner, &measured)
 }
 
+/// The columns of `usage_totals`, as both stores read and write them.
+pub(crate) const TOTALS_COLUMNS: &str = "owner, memory_mib_seconds, vcpu_seconds, paused_seconds, disk_gib_hours, \
+     snapshot_gib_hours, volume_gib_hours, egress_bytes, commands";
+
+/// What an insert into `usage_totals` does when the key has a row: adds.
+pub(crate) const TOTALS_ADD: &str = "ON CONFLICT (owner) DO UPDATE SET \
+     memory_mib_seconds = usage_totals.memory_mib_seconds + excluded.memory_mib_seconds, \
+     vcpu_seconds = usage_totals.vcpu_seconds + excluded.vcpu_seconds, \
+     paused_seconds = usage_totals.paused_seconds + excluded.paused_seconds, \
+     disk_gib_hours = usage_totals.disk_gib_hours + excluded.disk_gib_hours, \
+     snapshot_gib_hours = usage_totals.snapshot_gib_hours + excluded.snapshot_gib_hours, \
+     volume_gib_hours = usage_totals.volume_gib_hours + excluded.volume_gib_hours, \
+     egress_bytes = usage_totals.egress_bytes + excluded.egress_bytes, \
+     commands = usage_totals.commands + excluded.commands";
+
+/// `r`'s figures as `usage_totals` stores them, after the owner.
+pub(crate) fn totals_values(r: &UsageRow) -> (f64, f64, f64, f64, f64, f64, i64, i64) {
+    (
+        r.memory_mib_seconds,
+        r.vcpu_seconds,
+        r.paused_seconds,
+        r.disk_gib_hours,
+        r.snapshot_gib_hours,
+        r.volume_gib_hours,
+        r.egress_bytes.min(i64::MAX as u64) as i64,
+        r.commands.min(i64::MAX as u64) as i64,
+    )
+}
+
 /// Adds `r`'s figures to `owner`'s running totals.
 fn add_totals(c: &Connection, owner: &str, r: &UsageRow) -> Result<()> {
+    let v = totals_values(r);
     c.execute_c(
-        "INSERT INTO usage_totals (owner, memory_mib_seconds, vcpu_seconds, paused_seconds, disk_gib_hours, \
-         snapshot_gib_hours, volume_gib_hours, egress_bytes, commands) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9) \
-         ON CONFLICT (owner) DO UPDATE SET \
-         memory_mib_seconds = usage_totals.memory_mib_seconds + excluded.memory_mib_seconds, \
-         vcpu_seconds = usage_totals.vcpu_seconds + excluded.vcpu_seconds, \
-         paused_seconds = usage_totals.paused_seconds + excluded.paused_seconds, \
-         disk_gib_hours = usage_totals.disk_gib_hours + excluded.disk_gib_hours, \
-         snapshot_gib_hours = usage_totals.snapshot_gib_hours + excluded.snapshot_gib_hours, \
-         volume_gib_hours = usage_totals.volume_gib_hours + excluded.volume_gib_hours, \
-         egress_bytes = usage_totals.egress_bytes + excluded.egress_bytes, \
-         commands = usage_totals.commands + excluded.commands",
-        params![
-            owner,
-            r.memory_mib_seconds,
-            r.vcpu_seconds,
-            r.paused_seconds,
-            r.disk_gib_hours,
-            r.snapshot_gib_hours,
-            r.volume_gib_hours,
-            r.egress_bytes.min(i64::MAX as u64) as i64,
-            r.commands.min(i64::MAX as u64) as i64
-        ],
+        &format!("INSERT INTO usage_totals ({TOTALS_COLUMNS}) VALUES ({}) {TOTALS_ADD}", placeholders(1, 9)),
+        params![owner, v.0, v.1, v.2, v.3, v.4, v.5, v.6, v.7],
     )?;
     Ok(())
 }
@@ -1768,11 +1778,9 @@ impl Store for SqliteStore {
         self.with(|c| {
             let tx = c.transaction()?;
             let totals = {
-                let mut st = tx.prepare_cached(
-                    "SELECT owner, memory_mib_seconds, vcpu_seconds, paused_seconds, disk_gib_hours, \
-                     snapshot_gib_hours, volume_gib_hours, egress_bytes, commands FROM usage_totals \
-                     WHERE (?1 IS NULL OR owner = ?1)",
-                )?;
+                let mut st = tx.prepare_cached(&format!(
+                    "SELECT {TOTALS_COLUMNS} FROM usage_totals WHERE (?1 IS NULL OR owner = ?1)"
+                ))?;
                 let rows = st.query_map([owner], |r| {
                     Ok(UsageRow {
                         key: r.get(0)?,
