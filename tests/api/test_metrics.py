@@ -104,3 +104,40 @@ def test_a_scrape_token_reads_metrics_and_nothing_else(own_daemon: Daemon):
         assert r.status_code == 401 and r.json()["code"] == "unauthorized", (headers, r.text)
     # API keys still read their own view.
     expect_status(d.client().get("/metrics"), 200)
+
+
+def test_ended_sandboxes_are_forgotten_after_the_retention(own_daemon: Daemon):
+    """`--sandbox-retention`: an ended sandbox's record goes once it ended
+    longer ago than that (at the daemon's start, then hourly); a live one
+    stays, and the count of ended sandboxes follows. The usage totals do
+    not forget what the pruned sandbox ran."""
+    d = own_daemon
+    d.start()
+    api = d.client("admin")
+    live = api.create()["id"]
+    gone = api.create(idempotency_key="kept-a-while")["id"]
+    api.sh(gone, "true")
+    expect_status(api.delete(f"/v1/sandboxes/{gone}"), 200)
+    assert api.sandbox(gone)["state"] == "terminated"
+    text = api.get("/metrics").text
+    assert sample(text, "hutch_sandboxes", 'state="terminated"') == 1
+    key = next(k["id"] for k in api.get("/v1/keys").json()["keys"] if k["admin"])
+    commands = sample(text, "hutch_usage_commands_total", f'key="{key}"')
+    assert commands >= 1
+    d.stop()
+    d.extra_env["HUTCH_SANDBOX_RETENTION"] = "1ms"
+    d.start()
+    wait_for(
+        f"the record of {gone} to be pruned",
+        lambda: api.get(f"/v1/sandboxes/{gone}").status_code == 404,
+        timeout=15,
+        interval=0.1,
+    )
+    assert api.sandbox(live)["state"] == "running"
+    text = api.get("/metrics").text
+    assert sample(text, "hutch_sandboxes", 'state="terminated"') == 0
+    assert sample(text, "hutch_sandboxes", 'state="running"') == 1
+    assert sample(text, "hutch_usage_commands_total", f'key="{key}"') == commands
+    # Its idempotency key is free again: a create with it makes a new one.
+    again = api.create(idempotency_key="kept-a-while")["id"]
+    assert again != gone

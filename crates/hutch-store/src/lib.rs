@@ -840,6 +840,10 @@ pub trait Store: Send + Sync {
     /// Deletes events older than `before`, and deliveries made before it
     /// that are no longer pending; how many events.
     fn prune_events(&self, before: i64) -> Result<u64>;
+    /// Deletes at most `batch` sandboxes that ended before `before` (their
+    /// `ended_at`, which triggers set as they end), with their volume
+    /// mounts; how many. Live and paused sandboxes are never touched.
+    fn prune_sandboxes(&self, before: i64, batch: u32) -> Result<u64>;
     /// Inserts a webhook if its owner has fewer than `max`; false otherwise.
     fn insert_webhook(&self, w: &WebhookRecord, max: u64) -> Result<bool>;
     fn get_webhook(&self, id: &str) -> Result<Option<WebhookRecord>>;

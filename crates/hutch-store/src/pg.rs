@@ -76,6 +76,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0010_node_clock", include_str!("../migrations/postgres/0010_node_clock.sql")),
     ("0011_pooled_live", include_str!("../migrations/postgres/0011_pooled_live.sql")),
     ("0012_running_totals", include_str!("../migrations/postgres/0012_running_totals.sql")),
+    ("0013_sandbox_retention", include_str!("../migrations/postgres/0013_sandbox_retention.sql")),
 ];
 
 /// Connections a store opens at most, unless told otherwise.
@@ -1766,6 +1767,25 @@ impl Store for PgStore {
         args.push(Box::new(i64::from(q.limit)));
         sql.push_str(&format!(" ORDER BY id LIMIT ${}", args.len()));
         self.with(|c| rows(c.query(&sql, &params_of(&args))?, event_row))
+    }
+
+    fn prune_sandboxes(&self, before: i64, batch: u32) -> Result<u64> {
+        self.tx(|t| {
+            let ids: Vec<String> = t
+                .query(
+                    &format!(
+                        "SELECT id FROM sandboxes WHERE ended_at < $1 AND state NOT IN {HOLDING} \
+                         ORDER BY ended_at LIMIT $2"
+                    ),
+                    &[&before, &(batch as i64)],
+                )?
+                .iter()
+                .map(|r| r.try_get(0))
+                .collect::<std::result::Result<_, _>>()?;
+            t.execute("DELETE FROM volume_mounts WHERE sandbox_id = ANY($1)", &[&ids])?;
+            t.execute("DELETE FROM sandboxes WHERE id = ANY($1)", &[&ids])?;
+            Ok(ids.len() as u64)
+        })
     }
 
     fn prune_events(&self, before: i64) -> Result<u64> {

@@ -41,6 +41,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0027_node_clock", include_str!("../migrations/0027_node_clock.sql")),
     ("0028_pooled_live", include_str!("../migrations/0028_pooled_live.sql")),
     ("0029_running_totals", include_str!("../migrations/0029_running_totals.sql")),
+    ("0030_sandbox_retention", include_str!("../migrations/0030_sandbox_retention.sql")),
 ];
 
 /// Statements the connection keeps prepared: more than the store has, so
@@ -125,6 +126,12 @@ pub(crate) fn count_by_state_sql() -> String {
 /// the partial index `usage_open`.
 pub(crate) fn open_intervals_sql() -> String {
     format!("SELECT {USAGE_COLUMNS} FROM usage_intervals WHERE end_ms IS NULL AND (?1 IS NULL OR owner = ?1)")
+}
+
+/// The ended sandboxes a retention pass deletes, oldest first, by the
+/// `ended_at` index (live sandboxes have none).
+pub(crate) fn prune_pick_sql() -> String {
+    format!("SELECT id FROM sandboxes WHERE ended_at < ?1 AND state NOT IN {HOLDING} ORDER BY ended_at LIMIT ?2")
 }
 
 pub(crate) fn count_by_node_sql() -> String {
@@ -1617,6 +1624,23 @@ impl Store for SqliteStore {
 
     fn prune_events(&self, before: i64) -> Result<u64> {
         self.with(|c| crate::sqlite_events::prune_events(c, before))
+    }
+
+    fn prune_sandboxes(&self, before: i64, batch: u32) -> Result<u64> {
+        self.with(|c| {
+            let tx = c.transaction()?;
+            let ids: Vec<String> = {
+                let mut st = tx.prepare_cached(&prune_pick_sql())?;
+                let rows = st.query_map(params![before, batch], |r| r.get(0))?;
+                rows.collect::<rusqlite::Result<_>>()?
+            };
+            for id in &ids {
+                tx.execute_c("DELETE FROM volume_mounts WHERE sandbox_id = ?1", [id])?;
+                tx.execute_c("DELETE FROM sandboxes WHERE id = ?1", [id])?;
+            }
+            tx.commit()?;
+            Ok(ids.len() as u64)
+        })
     }
 
     fn insert_webhook(&self, w: &WebhookRecord, max: u64) -> Result<bool> {

@@ -1320,6 +1320,44 @@ fn ended_sandboxes_are_counted_as_they_end(s: &Backend) {
     assert_eq!(total, 4);
 }
 
+/// Ended sandboxes go after their retention, by the time they ended (set
+/// by triggers however they ended), a batch at a time; live and paused
+/// ones stay, and the counts follow.
+fn ended_sandboxes_are_pruned_after_their_retention(s: &Backend) {
+    for (id, state) in [("live", SandboxState::Running), ("paused", SandboxState::Paused), ("b", SandboxState::Running)]
+    {
+        let mut r = sandbox(id, 0);
+        r.state = state;
+        s.insert_sandbox_free(&r).expect("insert");
+    }
+    let mut ended = sandbox("c", 0);
+    ended.state = SandboxState::Terminated;
+    s.insert_sandbox_free(&ended).expect("inserted ended");
+    let go = |id: &str, to: SandboxState| {
+        s.transition(id, &[SandboxState::Running], to, &Changes::default()).expect("transition").expect("running");
+    };
+    go("b", SandboxState::Terminated);
+    let mut lost = sandbox("d", 0);
+    lost.state = SandboxState::Running;
+    s.insert_sandbox_free(&lost).expect("insert");
+    go("d", SandboxState::Lost);
+    // Ended now: nothing ended before the epoch.
+    assert_eq!(s.prune_sandboxes(0, 10).expect("prune"), 0);
+    let later = i64::MAX;
+    assert_eq!(s.prune_sandboxes(later, 2).expect("a batch"), 2);
+    assert_eq!(s.prune_sandboxes(later, 2).expect("the rest"), 1);
+    assert_eq!(s.prune_sandboxes(later, 2).expect("none left"), 0);
+    for id in ["b", "c", "d"] {
+        assert!(s.get_sandbox(id).expect("get").is_none(), "{id} was kept");
+    }
+    for id in ["live", "paused"] {
+        assert!(s.get_sandbox(id).expect("get").is_some(), "{id} was pruned");
+    }
+    let counts = s.count_by_state().expect("count");
+    let n = |st: SandboxState| counts.iter().filter(|(x, _)| *x == st).map(|(_, n)| *n).sum::<u64>();
+    assert_eq!((n(SandboxState::Terminated), n(SandboxState::Lost), n(SandboxState::Running)), (0, 0, 1));
+}
+
 /// Each test of both backends: `sqlite::name` always, `postgres::name`
 /// when `HUTCH_TEST_POSTGRES` is set (scripts/test.sh sets it).
 macro_rules! on_both_backends {
@@ -1360,6 +1398,7 @@ on_both_backends!(
     usage_counts_objects_and_a_lost_sandbox,
     usage_totals_say_what_the_whole_ledger_says,
     ended_sandboxes_are_counted_as_they_end,
+    ended_sandboxes_are_pruned_after_their_retention,
     secrets_are_owned_by_name_updated_in_place_and_deleted,
     webhooks_keep_their_format_and_a_disabled_one_gets_no_deliveries,
     a_sandbox_keeps_its_class,
@@ -1402,6 +1441,7 @@ fn queries_of_live_sandboxes_do_not_walk_the_history() {
         crate::sqlite::idle_all_sql(),
         crate::sqlite::count_by_node_sql(),
         crate::sqlite::count_by_state_sql(),
+        crate::sqlite::prune_pick_sql(),
     ];
     for sql in queries {
         let plan = s.query_plan(&sql).expect("plan");

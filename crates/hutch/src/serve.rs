@@ -174,6 +174,12 @@ pub struct ServeArgs {
     /// webhook deliveries) are pruned hourly (HUTCH_EVENT_RETENTION).
     #[arg(long, env = "HUTCH_EVENT_RETENTION", default_value = "7d", value_parser = crate::units::parse_duration)]
     pub event_retention: Duration,
+    /// How long the record of an ended sandbox is kept (its state, reason
+    /// and limits, for `GET /v1/sandboxes/{id}` and listings), e.g. `7d`;
+    /// older ones are pruned hourly. Usage totals and events are kept
+    /// apart (HUTCH_SANDBOX_RETENTION).
+    #[arg(long, env = "HUTCH_SANDBOX_RETENTION", default_value = "7d", value_parser = crate::units::parse_duration)]
+    pub sandbox_retention: Duration,
     /// How long before a sandbox's expiry `sandbox.expiring` is emitted
     /// (HUTCH_EXPIRING_NOTICE).
     #[arg(long, env = "HUTCH_EXPIRING_NOTICE", default_value = "60s", value_parser = crate::units::parse_duration)]
@@ -665,6 +671,21 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
                 Ok(0) => {}
                 Ok(n) => tracing::info!("events: pruned {n} older than {retention:?}"),
                 Err(e) => tracing::warn!("events prune: {e}"),
+            }
+        }
+    });
+
+    // Ended sandboxes' records: at start, then hourly.
+    let pruner = control.clone();
+    let retention = args.sandbox_retention;
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(AUDIT_PRUNE_EVERY);
+        loop {
+            tick.tick().await;
+            match pruner.prune_sandboxes(retention).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!("sandboxes: pruned {n} ended more than {retention:?} ago"),
+                Err(e) => tracing::warn!("sandbox prune: {e}"),
             }
         }
     });
