@@ -82,6 +82,7 @@ class Side:
     def __init__(self, name: str, binary: Path, seeded: Path, work: Path):
         self.name = name
         self.state = work / name
+        self.tenant_sandbox: str | None = None
         subprocess.run(["cp", "-a", "--sparse=always", str(seeded), str(self.state)], check=True)
         t = time.perf_counter()
         self.d = Daemon(binary, state_dir=self.state, ready_within=300)
@@ -89,8 +90,11 @@ class Side:
         self.admin = self.d.session()
         key = check(self.admin.post(self.d.base + "/v1/keys", data='{"name":"tenant"}'), 201)
         self.tenant = Lean(self.d.base, key["secret"])
-        for s in (self.admin, self.admin, self.tenant):
+        for s in (self.admin, self.admin):
             check(s.post(self.d.base + "/v1/sandboxes", data="{}"), 201)
+        # The daemon's cleanup deletes the admin's sandboxes; this one is
+        # the tenant's to delete.
+        self.tenant_sandbox = check(self.tenant.post(self.d.base + "/v1/sandboxes", data="{}"), 201)["id"]
         self.times: dict[str, list[float]] = {"admin": [], "tenant": []}
 
     def scrape(self, who: str) -> None:
@@ -102,6 +106,10 @@ class Side:
             raise RuntimeError(f"{self.name}: GET /metrics -> {r.status_code}: {r.text[:300]}")
 
     def stop(self) -> None:
+        if self.tenant_sandbox:
+            r = self.tenant.delete(f"{self.d.base}/v1/sandboxes/{self.tenant_sandbox}")
+            if r.status_code != 200:
+                print(f"bench: {self.name}: delete {self.tenant_sandbox} -> {r.status_code}", file=sys.stderr)
         self.d.stop()
         shutil.rmtree(self.state, ignore_errors=True)
 
