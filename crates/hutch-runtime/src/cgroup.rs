@@ -654,10 +654,18 @@ impl Cgroup {
         }
         // What the last sandbox left charged (page cache, kernel objects)
         // is reclaimed down to a floor before anyone else's sandbox gets
-        // the cgroup; a cgroup the kernel cannot bring that low goes.
+        // the cgroup; a cgroup the kernel cannot bring that low goes. Some
+        // of it leaves only after the last process: a tmpfs of the
+        // sandbox's is freed from a workqueue once its mount namespace
+        // goes, later on a busy host. So it is tried again for a moment.
         let Some((memory, false)) = &self.memory else { return false };
-        if !reclaim_v1(memory, SPARE_CHARGE_BYTES) {
-            return false;
+        let settle = Instant::now() + patience.min(SPARE_SETTLE);
+        while !reclaim_v1(memory, SPARE_CHARGE_BYTES) {
+            if Instant::now() >= settle {
+                tracing::debug!("cgroup {} not kept: its charges stayed above the floor", self.name);
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
         // CPU time restarts from zero (a v2 tree's count, used where there
         // is one, is in a directory made anew).
@@ -675,13 +683,24 @@ impl Cgroup {
             !on_v2
         });
         for d in v2_dirs.iter().rev() {
-            if fs::remove_dir(d).is_err() {
+            // EBUSY while an exiting task is still counted there.
+            let removed = loop {
+                match fs::remove_dir(d) {
+                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < settle => {
+                        std::thread::sleep(Duration::from_millis(1))
+                    }
+                    r => break r,
+                }
+            };
+            if let Err(e) = removed {
+                tracing::debug!("cgroup {} not kept: {}: {e}", self.name, d.display());
                 self.dirs.extend(v2_dirs.iter().cloned());
                 return false;
             }
         }
         let spare = spares.new_name();
-        if spares.rename(&self.name, &spare).is_err() {
+        if let Err(e) = spares.rename(&self.name, &spare) {
+            tracing::debug!("cgroup {} not kept: rename: {e}", self.name);
             return false;
         }
         spares.put(spare);
@@ -934,6 +953,9 @@ pub fn list_sandboxes(layout: &Layout) -> BTreeSet<String> {
 /// holds in per-CPU charge batches and kernel objects once the page cache
 /// is reclaimed.
 pub const SPARE_CHARGE_BYTES: u64 = 1 << 20;
+/// How long a cgroup being kept waits, at most, for what its last sandbox
+/// leaves behind after its last process (see `Cgroup::keep_in`).
+const SPARE_SETTLE: Duration = Duration::from_millis(50);
 
 /// Brings the charges of the v1 memory cgroup `dir` (holding no process)
 /// down to `floor` by lowering its limit there and back, which reclaims
