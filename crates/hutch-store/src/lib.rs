@@ -842,7 +842,8 @@ pub trait Store: Send + Sync {
     fn prune_events(&self, before: i64) -> Result<u64>;
     /// Deletes at most `batch` sandboxes that ended before `before` (their
     /// `ended_at`, which triggers set as they end), with their volume
-    /// mounts; how many. Live and paused sandboxes are never touched.
+    /// mounts and their commands' Idempotency-Key journal; how many. Live
+    /// and paused sandboxes are never touched.
     fn prune_sandboxes(&self, before: i64, batch: u32) -> Result<u64>;
     /// Inserts a webhook if its owner has fewer than `max`; false otherwise.
     fn insert_webhook(&self, w: &WebhookRecord, max: u64) -> Result<bool>;

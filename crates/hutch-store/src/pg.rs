@@ -1783,6 +1783,7 @@ impl Store for PgStore {
                 .map(|r| r.try_get(0))
                 .collect::<std::result::Result<_, _>>()?;
             t.execute("DELETE FROM volume_mounts WHERE sandbox_id = ANY($1)", &[&ids])?;
+            t.execute("DELETE FROM executions WHERE scope = ANY($1)", &[&ids])?;
             t.execute("DELETE FROM sandboxes WHERE id = ANY($1)", &[&ids])?;
             Ok(ids.len() as u64)
         })

@@ -1636,6 +1636,7 @@ impl Store for SqliteStore {
             };
             for id in &ids {
                 tx.execute_c("DELETE FROM volume_mounts WHERE sandbox_id = ?1", [id])?;
+                tx.execute_c("DELETE FROM executions WHERE scope = ?1", [id])?;
                 tx.execute_c("DELETE FROM sandboxes WHERE id = ?1", [id])?;
             }
             tx.commit()?;

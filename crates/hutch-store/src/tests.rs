@@ -1341,6 +1341,11 @@ fn ended_sandboxes_are_pruned_after_their_retention(s: &Backend) {
     lost.state = SandboxState::Running;
     s.insert_sandbox_free(&lost).expect("insert");
     go("d", SandboxState::Lost);
+    // The journal of idempotent commands goes with its sandbox.
+    for scope in ["b", "live"] {
+        assert!(matches!(s.begin_exec(scope, "k", "h", 1, "a").expect("begin"), Begin::Started));
+        s.finish_exec(scope, "k", "{}").expect("finish");
+    }
     // Ended now: nothing ended before the epoch.
     assert_eq!(s.prune_sandboxes(0, 10).expect("prune"), 0);
     let later = i64::MAX;
@@ -1353,6 +1358,8 @@ fn ended_sandboxes_are_pruned_after_their_retention(s: &Backend) {
     for id in ["live", "paused"] {
         assert!(s.get_sandbox(id).expect("get").is_some(), "{id} was pruned");
     }
+    assert!(matches!(s.begin_exec("b", "k", "h", 2, "a").expect("begin"), Begin::Started), "b's journal went");
+    assert!(matches!(s.begin_exec("live", "k", "h", 2, "a").expect("begin"), Begin::Existing(_)), "live's stays");
     let counts = s.count_by_state().expect("count");
     let n = |st: SandboxState| counts.iter().filter(|(x, _)| *x == st).map(|(_, n)| *n).sum::<u64>();
     assert_eq!((n(SandboxState::Terminated), n(SandboxState::Lost), n(SandboxState::Running)), (0, 0, 1));
