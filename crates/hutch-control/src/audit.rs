@@ -250,7 +250,7 @@ impl Control {
 
     /// Deletes rows older than `retention`; how many.
     pub async fn prune_audit(&self, retention: std::time::Duration) -> Result<u64> {
-        let before = now_ms().saturating_sub(retention.as_millis().min(i64::MAX as u128) as i64);
+        let before = crate::control::cutoff(retention);
         self.db(move |s| s.prune_audit(before)).await
     }
 }

@@ -24,6 +24,12 @@ use std::time::Duration;
 
 pub use hutch_api::time::{now_ms, parse_rfc3339, rfc3339};
 
+/// The instant `retention` ago, in Unix ms: what a retention prune deletes
+/// is older than this.
+pub(crate) fn cutoff(retention: Duration) -> i64 {
+    now_ms().saturating_sub(retention.as_millis().min(i64::MAX as u128) as i64)
+}
+
 /// The builtin template: the host's /usr, nothing to build.
 #[derive(Debug, Clone)]
 pub struct Template {

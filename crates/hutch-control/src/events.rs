@@ -800,7 +800,7 @@ impl Control {
     /// Deletes events older than `retention` (and deliveries made before
     /// then that are no longer pending); how many events.
     pub async fn prune_events(&self, retention: Duration) -> Result<u64> {
-        let before = now_ms().saturating_sub(retention.as_millis().min(i64::MAX as u128) as i64);
+        let before = crate::control::cutoff(retention);
         self.db(move |s| s.prune_events(before)).await
     }
 

@@ -899,16 +899,12 @@ impl Control {
         Ok(())
     }
 
-    /// Moves the expiry. `by` adds to the current expiry, `until` sets it.
-    /// Past the template's maximum lifetime or the key's quota it is
-    /// refused, as a create is, unless `clamp` (E2B's timeout, which
-    /// clamps).
     /// Deletes the records of sandboxes that ended more than `retention`
     /// ago (`hutch serve --sandbox-retention`), a batch per store call so
     /// that no call holds the store long; how many.
     pub async fn prune_sandboxes(&self, retention: Duration) -> Result<u64> {
         const BATCH: u32 = 1_000;
-        let before = now_ms().saturating_sub(retention.as_millis().min(i64::MAX as u128) as i64);
+        let before = crate::control::cutoff(retention);
         let mut pruned = 0;
         loop {
             let n = self.db(move |s| s.prune_sandboxes(before, BATCH)).await?;
@@ -920,6 +916,10 @@ impl Control {
         }
     }
 
+    /// Moves the expiry. `by` adds to the current expiry, `until` sets it.
+    /// Past the template's maximum lifetime or the key's quota it is
+    /// refused, as a create is, unless `clamp` (E2B's timeout, which
+    /// clamps).
     pub async fn extend(&self, caller: &Caller, id: &SandboxId, req: &Extend, clamp: bool) -> Result<Sandbox> {
         let r = self.record_here(caller, id, Need::Manage).await?;
         let live = [SandboxState::Starting, SandboxState::Running, SandboxState::Suspended, SandboxState::Paused];

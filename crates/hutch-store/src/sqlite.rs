@@ -112,7 +112,6 @@ pub(crate) fn idle_all_sql() -> String {
     )
 }
 
-/// The sandboxes not yet ended per node (`count_by_node`, placement).
 /// Sandboxes by state: the live ones counted by the state index, the
 /// ended ones read from the counts the triggers of migration 0029 keep.
 pub(crate) fn count_by_state_sql() -> String {
@@ -122,8 +121,8 @@ pub(crate) fn count_by_state_sql() -> String {
     )
 }
 
-/// Open intervals (every live sandbox, snapshot and volume has one), by
-/// the partial index `usage_open`.
+/// Open intervals (every live sandbox, snapshot and volume has one), by an
+/// index search for a NULL end (the plan test checks it).
 pub(crate) fn open_intervals_sql() -> String {
     format!("SELECT {USAGE_COLUMNS} FROM usage_intervals WHERE end_ms IS NULL AND (?1 IS NULL OR owner = ?1)")
 }
@@ -134,6 +133,7 @@ pub(crate) fn prune_pick_sql() -> String {
     format!("SELECT id FROM sandboxes WHERE ended_at < ?1 AND state NOT IN {HOLDING} ORDER BY ended_at LIMIT ?2")
 }
 
+/// The sandboxes not yet ended per node (`count_by_node`, placement).
 pub(crate) fn count_by_node_sql() -> String {
     format!("SELECT node, COUNT(*) FROM sandboxes WHERE state IN {HOLDING} GROUP BY node ORDER BY node")
 }

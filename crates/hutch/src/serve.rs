@@ -508,6 +508,26 @@ fn make_admin_key(store: &dyn hutch_store::Store, state_dir: &std::path::Path) -
     Ok(())
 }
 
+/// Runs `prune` with `retention` at start and then every
+/// `AUDIT_PRUNE_EVERY`, logging what it removed.
+fn spawn_pruner<F, Fut>(what: &'static str, retention: Duration, prune: F)
+where
+    F: Fn(Duration) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = hutch_control::error::Result<u64>> + Send,
+{
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(AUDIT_PRUNE_EVERY);
+        loop {
+            tick.tick().await;
+            match prune(retention).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!("{what}: pruned {n} older than {retention:?}"),
+                Err(e) => tracing::warn!("{what} prune: {e}"),
+            }
+        }
+    });
+}
+
 async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     // The network instance is this daemon's alone, for its whole life:
     // another live daemon holding it means this one must not start (it
@@ -645,49 +665,22 @@ async fn serve(args: ServeArgs, nofile: u64) -> Result<()> {
     control.spawn_heartbeat();
     control.start_audit_writer();
 
-    // The audit log's retention: at start, then hourly.
-    let pruner = control.clone();
-    let retention = args.audit_retention;
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(AUDIT_PRUNE_EVERY);
-        loop {
-            tick.tick().await;
-            match pruner.prune_audit(retention).await {
-                Ok(0) => {}
-                Ok(n) => tracing::info!("audit log: pruned {n} entries older than {retention:?}"),
-                Err(e) => tracing::warn!("audit log prune: {e}"),
-            }
-        }
+    // Retention: the audit log, events and ended sandboxes' records are
+    // pruned at start, then hourly.
+    let c = control.clone();
+    spawn_pruner("audit log", args.audit_retention, move |r| {
+        let c = c.clone();
+        async move { c.prune_audit(r).await }
     });
-
-    // The events' retention: at start, then hourly.
-    let pruner = control.clone();
-    let retention = args.event_retention;
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(AUDIT_PRUNE_EVERY);
-        loop {
-            tick.tick().await;
-            match pruner.prune_events(retention).await {
-                Ok(0) => {}
-                Ok(n) => tracing::info!("events: pruned {n} older than {retention:?}"),
-                Err(e) => tracing::warn!("events prune: {e}"),
-            }
-        }
+    let c = control.clone();
+    spawn_pruner("events", args.event_retention, move |r| {
+        let c = c.clone();
+        async move { c.prune_events(r).await }
     });
-
-    // Ended sandboxes' records: at start, then hourly.
-    let pruner = control.clone();
-    let retention = args.sandbox_retention;
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(AUDIT_PRUNE_EVERY);
-        loop {
-            tick.tick().await;
-            match pruner.prune_sandboxes(retention).await {
-                Ok(0) => {}
-                Ok(n) => tracing::info!("sandboxes: pruned {n} ended more than {retention:?} ago"),
-                Err(e) => tracing::warn!("sandbox prune: {e}"),
-            }
-        }
+    let c = control.clone();
+    spawn_pruner("ended sandboxes", args.sandbox_retention, move |r| {
+        let c = c.clone();
+        async move { c.prune_sandboxes(r).await }
     });
 
     // Usage metering: what was counted (commands, egress) is written every
