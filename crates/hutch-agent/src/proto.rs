@@ -164,6 +164,15 @@ pub struct AgentConfig {
     /// which exits are told apart as OOM kills.
     #[serde(default)]
     pub oom_events: bool,
+    /// Whether the descriptor after those is a directory of the sandbox's
+    /// cgroup v2 tree that the host delegated to the sandbox's root (the
+    /// directory and its `cgroup.procs` are owned by it): the agent makes a
+    /// cgroup per command there and tracks the command's process tree by
+    /// it, with no supervisor process. The host sets the directory's
+    /// `cgroup.max.descendants` and `cgroup.max.depth`, and removes what
+    /// the agent made with the sandbox.
+    #[serde(default)]
+    pub tree_cgroup: bool,
 }
 
 /// The first descriptor of the workload cgroup's `cgroup.procs` files (see

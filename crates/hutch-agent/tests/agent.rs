@@ -59,6 +59,7 @@ impl Agent {
             max_commands,
             work_cgroups: 0,
             oom_events: false,
+            tree_cgroup: false,
         };
         let mut frame = Vec::new();
         proto::encode(&cfg, &[], &mut frame).expect("encode config");

@@ -469,6 +469,33 @@ impl Cgroup {
         self.work_dirs.iter().map(|d| d.join("cgroup.procs")).collect()
     }
 
+    /// Where the sandbox's agent makes a cgroup per command (see
+    /// `AgentConfig::tree_cgroup`): the sandbox's v2 directory, where the
+    /// agent lives there, as on a hybrid host, whose v2 tree holds no
+    /// controller. The agent's cgroup namespace is rooted there, so a
+    /// command moves into a cgroup below it under `nsdelegate` too. On a
+    /// pure v2 host the agent lives in `agent`, commands in `work`, and
+    /// the namespace would have to be rooted above both: there commands
+    /// keep their supervisor.
+    pub fn tree_dir(&self) -> Option<&Path> {
+        self.v2.as_deref().filter(|v2| self.agent_dirs.iter().any(|d| d == v2))
+    }
+
+    /// Delegates [`Cgroup::tree_dir`] to the sandbox's root (host ids
+    /// `uid`, `gid`): it may make, fill and remove cgroups below it, at most
+    /// `max` of them and one level deep (those two limits, like every
+    /// other file of the directory, stay the host's). Returns the
+    /// directory; `None` where there is none.
+    pub fn delegate_tree(&self, uid: u32, gid: u32, max: u32) -> Result<Option<&Path>, CgroupError> {
+        let Some(dir) = self.tree_dir() else { return Ok(None) };
+        write(&dir.join("cgroup.max.descendants"), &max.to_string())?;
+        write(&dir.join("cgroup.max.depth"), "1")?;
+        for path in [dir.to_path_buf(), dir.join("cgroup.procs")] {
+            std::os::unix::fs::chown(&path, Some(uid), Some(gid)).map_err(io_err(&path))?;
+        }
+        Ok(Some(dir))
+    }
+
     /// The file that counts the OOM kills among the sandbox's commands
     /// (`oom_kill` in `memory.events` on v2, `memory.oom_control` on v1).
     pub fn oom_events_file(&self) -> Option<PathBuf> {
@@ -686,6 +713,7 @@ impl Cgroup {
             // EBUSY while an exiting task is still counted there.
             let removed = loop {
                 match fs::remove_dir(d) {
+                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) && remove_children(d) => {}
                     Err(e) if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < settle => {
                         std::thread::sleep(Duration::from_millis(1))
                     }
@@ -715,6 +743,7 @@ impl Cgroup {
                 match fs::remove_dir(&dir) {
                     Ok(()) => break,
                     Err(e) if e.kind() == io::ErrorKind::NotFound => break,
+                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) && remove_children(&dir) => {}
                     Err(e) if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline => {
                         std::thread::sleep(Duration::from_micros(200));
                     }
@@ -1158,6 +1187,20 @@ fn ensure_parent(root: &Path, parent: &Path, controllers: &[&str]) -> Result<(),
         }
     }
     Ok(())
+}
+
+/// Removes the cgroups below `dir` that are not the host's: those its
+/// agent made for commands ([`Cgroup::delegate_tree`]; one level deep).
+/// Whether any was removed, so that removing `dir` is worth another try.
+fn remove_children(dir: &Path) -> bool {
+    let Ok(entries) = fs::read_dir(dir) else { return false };
+    let mut removed = false;
+    for entry in entries.flatten() {
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            removed |= fs::remove_dir(entry.path()).is_ok();
+        }
+    }
+    removed
 }
 
 fn write(path: &Path, value: &str) -> Result<(), CgroupError> {

@@ -729,6 +729,23 @@ impl Runtime {
             }
             None => false,
         };
+        // Where the agent makes a cgroup per command, so that it needs no
+        // supervisor process per command (AgentConfig::tree_cgroup). Not
+        // in the process class's shared container, whose tenants' commands
+        // keep theirs.
+        let max_commands = if host { crate::process::HOST_COMMANDS } else { hutch_agent::proto::MAX_COMMANDS };
+        let tree = match host {
+            true => None,
+            false => sb.cgroup.delegate_tree(slot.base(), slot.base(), max_commands)?,
+        };
+        let tree_cgroup = match tree {
+            Some(dir) => {
+                let f = fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC).open(dir);
+                extra.push(f.map_err(io_err(format!("open {}", dir.display())))?);
+                true
+            }
+            None => false,
+        };
 
         let (cfg_rd, cfg_wr) = crate::sys::pipe().map_err(io_err("config pipe"))?;
         let config = AgentConfig {
@@ -736,9 +753,10 @@ impl Runtime {
             env: spec.env.clone(),
             root_caps: ROOT_CAPS.iter().fold(0u64, |m, c| m | 1 << c),
             replay_bytes: 64 * 1024,
-            max_commands: if host { crate::process::HOST_COMMANDS } else { hutch_agent::proto::MAX_COMMANDS },
+            max_commands,
             work_cgroups,
             oom_events,
+            tree_cgroup,
         };
         let mut frame = Vec::with_capacity(512);
         // The filter is installed by the plan, before the agent's exec (see

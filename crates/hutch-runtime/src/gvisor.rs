@@ -374,6 +374,7 @@ impl Runtime {
             // files do not reach into the sandbox.
             work_cgroups: 0,
             oom_events: false,
+            tree_cgroup: false,
         };
         let mut frame = Vec::with_capacity(512);
         proto::encode(&config, &[], &mut frame).map_err(|e| RuntimeError::Io {

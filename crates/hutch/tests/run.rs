@@ -6,6 +6,7 @@ mod common;
 
 use common::*;
 use std::io::Read;
+use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -122,6 +123,35 @@ fn timeout_kills_a_tree_that_used_setsid() {
     assert_eq!(out.status.code(), Some(124), "stderr: {}", stderr(&out));
     assert!(stderr(&out).contains("timeout"), "{}", stderr(&out));
     assert!(host_pids_with(&format!("sleep {marker}")).is_empty(), "setsid'd sleeps survived the timeout");
+    env.assert_no_residue();
+}
+
+#[test]
+fn a_command_has_a_cgroup_of_its_own_that_the_sandbox_cannot_reach() {
+    let env = Env::new("treecg");
+    // On a host whose v2 tree holds no controller (hybrid), the agent
+    // tracks each command by a cgroup of its own below the sandbox's v2
+    // directory, with no supervisor process: the command's v2 line names
+    // it, relative to the sandbox's cgroup namespace. On a pure v2 host
+    // the command is supervised and stays in the workload's cgroup.
+    let pure_v2 = Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+    let script = "grep '^0::' /proc/self/cgroup; echo $PPID; \
+                  mkdir /sys/fs/cgroup/x 2>/dev/null && echo made || echo refused; \
+                  mount -t cgroup2 none /mnt 2>/dev/null && echo mounted || echo refused";
+    let out = env.run(&["--name", "t-treecg", "--user", "root"], &["sh", "-c", script]);
+    let text = stdout(&out);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 4, "{text} {}", stderr(&out));
+    if pure_v2 {
+        assert_eq!(lines[0], "0::/", "{text}");
+    } else {
+        assert_eq!(lines[0], "0::/c0", "{text}");
+        // Its parent is the agent (PID 1), not a supervisor.
+        assert_eq!(lines[1], "1", "{text}");
+    }
+    // Root in the sandbox can neither make a cgroup nor mount the tree.
+    assert_eq!(&lines[2..], ["refused", "refused"], "{text}");
+    assert!(cgroups_named("t-treecg").is_empty(), "the sandbox's cgroups are left");
     env.assert_no_residue();
 }
 

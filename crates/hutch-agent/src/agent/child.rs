@@ -162,6 +162,30 @@ pub fn supervise(plan: &ChildPlan<'_>) -> ! {
     }
 }
 
+/// Spawns the command as the agent's own child, with no supervisor: the
+/// command's tree is tracked by the cgroup whose `cgroup.procs` is `tree`,
+/// which the child joins before it execs (see tree.rs). Returns its pid.
+pub fn spawn_direct(plan: &ChildPlan<'_>, tree: RawFd) -> Result<i32, Errno> {
+    extern "C" fn direct_entry(arg: *mut libc::c_void) -> libc::c_int {
+        // SAFETY: arg is spawn_direct's `start`, alive until spawn_vm returns.
+        let start = unsafe { &*(arg as *const Start<'_, '_>) };
+        // What a supervisor does for its child: no descriptor of the
+        // agent's reaches the command (each closes at execve, after the
+        // child used those of the plan), and SIGPIPE, which the agent
+        // ignores, is the default again.
+        if let Err(e) = sys::cloexec_from(3) {
+            fail(b"close-on-exec", e, 126);
+        }
+        sys::default_signal(libc::SIGPIPE);
+        exec_child(start.plan, start.tree)
+    }
+    let start = Start { plan, tree };
+    // SAFETY: as in `supervise`: exec_child allocates nothing and writes
+    // only its own stack and descriptors before execve or _exit, and the
+    // agent, single threaded, waits (CLONE_VFORK) until then.
+    unsafe { sys::spawn_vm(direct_entry, &start as *const Start<'_, '_> as *mut libc::c_void) }
+}
+
 /// What the real child gets: the plan, and the tree cgroup's `cgroup.procs`
 /// to join (-1 when there is none).
 struct Start<'p, 'a> {
@@ -341,7 +365,7 @@ fn cgroup_members(procs: &Path) -> Vec<i32> {
     std::fs::read_to_string(procs).map(|s| parse_pids(&s)).unwrap_or_default()
 }
 
-fn parse_pids(s: &str) -> Vec<i32> {
+pub fn parse_pids(s: &str) -> Vec<i32> {
     s.split_ascii_whitespace().filter_map(|p| p.parse::<i32>().ok()).collect()
 }
 

@@ -26,6 +26,9 @@ pub struct Config {
     pub work_cgroups: u32,
     /// Whether the descriptor after those is the workload cgroup's OOM counter.
     pub oom_events: bool,
+    /// Whether the descriptor after those is the delegated directory of
+    /// command cgroups (see `AgentConfig::tree_cgroup`).
+    pub tree_cgroup: bool,
 }
 
 /// Parses the bytes read from descriptor 4: exactly one frame.
@@ -63,6 +66,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, String> {
         filter,
         work_cgroups: cfg.work_cgroups,
         oom_events: cfg.oom_events,
+        tree_cgroup: cfg.tree_cgroup,
     })
 }
 
@@ -85,6 +89,7 @@ mod tests {
             max_commands: 64,
             work_cgroups: 2,
             oom_events: true,
+            tree_cgroup: false,
         }
     }
 

@@ -12,6 +12,7 @@ mod reaper;
 mod server;
 mod sys;
 mod tenants;
+mod tree;
 mod users;
 mod watch;
 
@@ -183,8 +184,13 @@ fn work_cgroup(cfg: &config::Config) -> Option<server::WorkCgroup> {
     for i in 0..n {
         out.procs.push(take(proto::WORK_CGROUP_FD + i)?);
     }
+    let mut next = proto::WORK_CGROUP_FD + n;
     if cfg.oom_events {
-        out.oom_events = Some(take(proto::WORK_CGROUP_FD + n)?);
+        out.oom_events = Some(take(next)?);
+        next += 1;
+    }
+    if cfg.tree_cgroup {
+        out.trees = Some(take(next)?);
     }
     Some(out)
 }

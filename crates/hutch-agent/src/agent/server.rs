@@ -1,6 +1,7 @@
 //! The agent's single-threaded epoll loop: accepts host connections, answers
 //! their requests, streams process output to subscribers with backpressure,
-//! reaps supervisors, and runs the timers (command timeouts, pty drains).
+//! reaps commands and their supervisors, and runs the timers (command
+//! timeouts, pty drains).
 //!
 //! Architecture invariant: nothing a client does ends the agent; a broken
 //! client loses its own connection and nothing else, and a closed
@@ -24,6 +25,7 @@ use super::files::{self, Fs, FsCreds, FsError};
 use super::output::{exit_status, Ring};
 use super::sys::{self, CStrArray, Epoll, Errno};
 use super::tenants::{self, Tenants};
+use super::tree::{TreeCgroup, TreeCgroups};
 use super::users::Users;
 use super::watch::Watches;
 
@@ -37,6 +39,8 @@ const T_STDIN: u64 = 7;
 const T_STATUS: u64 = 8;
 /// A tenant's listening socket (process class); the id is the tenant's.
 const T_TENANT: u64 = 9;
+/// A command's `cgroup.events` (tree.rs): its tree may have ended.
+const T_TREE: u64 = 10;
 
 fn token(kind: u64, id: u64) -> u64 {
     kind << 56 | id
@@ -44,6 +48,7 @@ fn token(kind: u64, id: u64) -> u64 {
 
 const IN: u32 = libc::EPOLLIN as u32;
 const OUT: u32 = libc::EPOLLOUT as u32;
+const PRI: u32 = libc::EPOLLPRI as u32;
 const HUP_ERR: u32 = (libc::EPOLLHUP | libc::EPOLLERR) as u32;
 
 /// Most processes started through the agent alive at once.
@@ -88,6 +93,32 @@ type SpawnError = (ErrorCode, String);
 pub struct WorkCgroup {
     pub procs: Vec<OwnedFd>,
     pub oom_events: Option<OwnedFd>,
+    /// The delegated directory command cgroups are made in (tree.rs).
+    pub trees: Option<OwnedFd>,
+}
+
+/// What holds a command's process tree together until it ends.
+enum Keeper {
+    /// Its supervisor (child.rs), the agent's child, which exits once
+    /// nothing of the tree is left.
+    Supervisor(i32),
+    /// A cgroup of its own (tree.rs); the main process is the agent's child.
+    Cgroup(CgroupKeeper),
+}
+
+struct CgroupKeeper {
+    /// Until the tree ended; then back to the agent's pool.
+    cgroup: Option<TreeCgroup>,
+    /// The main process, until it is reaped.
+    main: Option<i32>,
+    /// Events `cgroup.events` is registered for in the epoll set.
+    events: u32,
+    /// The tree is being killed: the main process's end is told once
+    /// nothing of the tree is left, so that a killed command's exit means
+    /// its whole tree is gone (as with a supervisor).
+    killing: bool,
+    /// The main process's wait status, held while a killed tree empties.
+    held: Option<i32>,
 }
 
 struct OutStream {
@@ -96,14 +127,13 @@ struct OutStream {
     ring: Ring,
 }
 
-/// A command: from its spawn until its supervisor is reaped, which is when
-/// its whole process tree has exited and its slot is free.
+/// A command: from its spawn until its whole process tree has exited,
+/// which is when its slot is free.
 struct Proc {
-    /// Pid of its supervisor, the agent's child.
-    sup: i32,
-    /// Nothing of the tree is left: the supervisor said so (it is exiting)
-    /// or was reaped. No signal goes to it any more.
-    sup_gone: bool,
+    keeper: Keeper,
+    /// Nothing of the tree is left: its supervisor said so (it is exiting)
+    /// or was reaped, or its cgroup emptied. No signal goes to it any more.
+    tree_gone: bool,
     info: ProcessInfo,
     /// stdout and stderr; with a pty, stdout is the terminal's master side.
     streams: [OutStream; 2],
@@ -242,6 +272,11 @@ fn close_fd(epoll: &Epoll, fd: &mut Option<OwnedFd>, events: &mut u32) {
     }
 }
 
+/// Takes a command cgroup's `cgroup.events` out of the epoll set.
+fn close_keeper_events(epoll: &Epoll, c: &TreeCgroup, events: &mut u32) {
+    epoll.update(c.events().as_raw_fd(), 0, events, 0);
+}
+
 /// Brings a process's epoll registrations in line with its state: output
 /// is read unless a subscriber is congested, stdin is polled while bytes
 /// wait for it.
@@ -352,8 +387,12 @@ pub struct Agent {
     procs: HashMap<u64, Proc>,
     by_pid: HashMap<u32, u64>,
     by_sup: HashMap<i32, u64>,
-    /// Supervisors not yet reaped: commands whose process tree still lives.
-    trees: std::collections::HashSet<i32>,
+    /// Supervisors not yet reaped.
+    supervisors: std::collections::HashSet<i32>,
+    /// Main processes of commands without a supervisor, not yet reaped.
+    by_main: HashMap<i32, u64>,
+    /// Where commands get a cgroup of their own, when the host delegated one.
+    tree_cgroups: Option<TreeCgroups>,
     tags: HashMap<String, u64>,
     next_proc: u64,
     timers: BTreeSet<(Instant, u64, TimerKind)>,
@@ -404,7 +443,9 @@ impl Agent {
             procs: HashMap::new(),
             by_pid: HashMap::new(),
             by_sup: HashMap::new(),
-            trees: std::collections::HashSet::new(),
+            supervisors: std::collections::HashSet::new(),
+            by_main: HashMap::new(),
+            tree_cgroups: cgroups.trees.map(TreeCgroups::new),
             tags: HashMap::new(),
             next_proc: 1,
             timers: BTreeSet::new(),
@@ -467,6 +508,7 @@ impl Agent {
             T_STDIN => self.stdin_writable(id),
             T_STATUS => self.status_readable(id),
             T_TENANT => self.accept_tenant(id),
+            T_TREE => self.tree_changed(id),
             _ => {}
         }
         Ok(())
@@ -815,8 +857,9 @@ impl Agent {
         for c in conns {
             self.out.doom(c);
         }
-        for p in self.procs.values().filter(|p| p.tenant == Some(id) && !p.sup_gone) {
-            let _ = sys::kill(p.sup, libc::SIGUSR1);
+        let serials: Vec<u64> = self.procs.iter().filter(|(_, p)| p.tenant == Some(id)).map(|(&s, _)| s).collect();
+        for serial in serials {
+            self.kill_tree(serial);
         }
         Reply::Ok
     }
@@ -834,7 +877,7 @@ impl Agent {
         if self.procs.len() >= MAX_PROCS {
             return Err((ErrorCode::Capacity, format!("at most {MAX_PROCS} processes")));
         }
-        if self.trees.len() >= self.cfg.max_commands {
+        if self.procs.values().filter(|p| !p.tree_gone).count() >= self.cfg.max_commands {
             return Err((
                 ErrorCode::Capacity,
                 format!(
@@ -846,7 +889,7 @@ impl Agent {
         let tenant = self.out.conns.get(&conn).and_then(|c| c.tenant);
         if let Some(t) = tenant {
             let max = self.tenants.get(t).map_or(0, |t| t.max_commands);
-            let held = self.procs.values().filter(|p| p.tenant == Some(t) && self.trees.contains(&p.sup)).count();
+            let held = self.procs.values().filter(|p| p.tenant == Some(t) && !p.tree_gone).count();
             if held >= max {
                 return Err((
                     ErrorCode::Capacity,
@@ -944,8 +987,18 @@ impl Agent {
         } else {
             (None, None)
         };
-        let (status_r, status_w) = sys::pipe().map_err(|e| io("pipe", e))?;
-        sys::set_nonblocking_fresh(status_r.as_fd()).map_err(|e| io("pipe", e))?;
+        // A cgroup of its own holds the tree, where the host delegated
+        // one and the command is no tenant's (a tenant's cgroups are the
+        // host's); else a supervisor, which reports over a pipe.
+        let direct = tenant.is_none() && self.tree_cgroups.is_some();
+        let status = match direct {
+            true => None,
+            false => {
+                let (status_r, status_w) = sys::pipe().map_err(|e| io("pipe", e))?;
+                sys::set_nonblocking_fresh(status_r.as_fd()).map_err(|e| io("pipe", e))?;
+                Some((status_r, status_w))
+            }
+        };
 
         let devnull = self.devnull()?;
         let tenant_of = tenant.and_then(|t| self.tenants.get(t));
@@ -964,6 +1017,11 @@ impl Agent {
             }
             _ => return Err((ErrorCode::Io, "inconsistent process descriptors".into())),
         };
+        // Last before the spawn: nothing returns early with it taken.
+        let cgroup = match self.tree_cgroups.as_mut().filter(|_| direct) {
+            Some(trees) => Some(trees.take().map_err(|e| io("command cgroup", e))?),
+            None => None,
+        };
         let plan = ChildPlan {
             exe,
             argv0: argv_c[0].clone(),
@@ -978,31 +1036,53 @@ impl Agent {
             stderr: stderr_fd,
             tty: slave.is_some(),
             cwd: cwd_fd.as_raw_fd(),
-            status: status_w.as_raw_fd(),
+            status: status.as_ref().map_or(-1, |(_, w)| w.as_raw_fd()),
             nofile: self.nofile,
             reset_oom: self.reset_oom,
             filter: &self.cfg.filter,
             work_cgroups: &work_fds,
             tenant: tenant_of.map(|t| child::TenantLimits { landlock: t.ruleset.as_raw_fd(), rlimits: &t.rlimits }),
         };
-        // SAFETY: the agent is single threaded.
-        let sup = match unsafe { sys::fork() } {
-            Ok(0) => child::supervise(&plan),
-            Ok(pid) => pid,
-            Err(e) => return Err(io("fork", e)),
+        let spawned = match &cgroup {
+            Some(c) => child::spawn_direct(&plan, c.procs()),
+            // SAFETY: the agent is single threaded.
+            None => match unsafe { sys::fork() } {
+                Ok(0) => child::supervise(&plan),
+                r => r,
+            },
         };
         // The child's ends must close here, so that EOF reaches the agent.
-        drop((plan, out_w, slave, stdin_r, status_w, cwd_fd));
+        drop((plan, out_w, slave, stdin_r, cwd_fd));
         let err_r = err.map(|(r, w)| {
             drop(w);
             r
         });
-        let pid = match wait_for_pid(&status_r) {
+        let spawned = match spawned {
             Ok(pid) => pid,
             Err(e) => {
-                let _ = sys::kill(sup, libc::SIGKILL);
-                return Err(e);
+                if let (Some(c), Some(trees)) = (cgroup, self.tree_cgroups.as_mut()) {
+                    trees.put(c);
+                }
+                return Err(io("fork", e));
             }
+        };
+        let (keeper, pid, status_r) = match (cgroup, status) {
+            (Some(c), _) => {
+                let keeper =
+                    CgroupKeeper { cgroup: Some(c), main: Some(spawned), events: 0, killing: false, held: None };
+                (Keeper::Cgroup(keeper), spawned as u32, None)
+            }
+            (None, Some((status_r, status_w))) => {
+                drop(status_w);
+                match wait_for_pid(&status_r) {
+                    Ok(pid) => (Keeper::Supervisor(spawned), pid, Some(status_r)),
+                    Err(e) => {
+                        let _ = sys::kill(spawned, libc::SIGKILL);
+                        return Err(e);
+                    }
+                }
+            }
+            (None, None) => return Err((ErrorCode::Io, "a command needs a supervisor or a cgroup".into())),
         };
 
         let serial = self.next_proc;
@@ -1011,8 +1091,8 @@ impl Agent {
         let replay = self.cfg.replay_bytes;
         let stream = |fd: Option<OwnedFd>| OutStream { fd, events: 0, ring: Ring::new(replay) };
         let mut p = Proc {
-            sup,
-            sup_gone: false,
+            keeper,
+            tree_gone: false,
             info: ProcessInfo {
                 pid,
                 tag: req.tag.clone(),
@@ -1029,7 +1109,7 @@ impl Agent {
             stdin_events: 0,
             stdin_buf: Vec::new(),
             stdin_close: false,
-            status: Some(status_r),
+            status: status_r,
             status_events: 0,
             subs: if req.subscribe { vec![conn] } else { Vec::new() },
             timeout_at,
@@ -1050,8 +1130,15 @@ impl Agent {
             self.tags.insert(tag_key(tenant, &tag), serial);
         }
         self.by_pid.insert(pid, serial);
-        self.by_sup.insert(sup, serial);
-        self.trees.insert(sup);
+        match &p.keeper {
+            Keeper::Supervisor(sup) => {
+                self.by_sup.insert(*sup, serial);
+                self.supervisors.insert(*sup);
+            }
+            Keeper::Cgroup(_) => {
+                self.by_main.insert(spawned, serial);
+            }
+        }
         self.procs.insert(serial, p);
         Ok(pid)
     }
@@ -1194,11 +1281,26 @@ impl Agent {
         let Some(p) = self.procs.get_mut(&serial) else { return error(ErrorCode::UnknownProcess, "gone") };
         if signal == libc::SIGKILL {
             p.kill_requested = true;
+            self.kill_tree(serial);
+            return Reply::Ok;
         }
-        // The supervisor sends it to every process of the tree: processes
-        // that left the process group or the session, and those left after
-        // the main process exited, are reached too.
-        match sys::sigqueue(p.sup, child::tree_signal(), signal) {
+        // Every process of the tree gets it: processes that left the
+        // process group or the session, and those left after the main
+        // process exited, are reached too.
+        let sup = match &p.keeper {
+            _ if p.tree_gone => return Reply::Ok,
+            Keeper::Supervisor(sup) => *sup,
+            Keeper::Cgroup(k) => {
+                if let (Some(c), Some(trees)) = (&k.cgroup, &self.tree_cgroups) {
+                    for member in trees.members(c) {
+                        let _ = sys::kill(member, signal);
+                    }
+                }
+                return Reply::Ok;
+            }
+        };
+        // The supervisor sends it on (see child::tree_signal).
+        match sys::sigqueue(sup, child::tree_signal(), signal) {
             // ESRCH: the supervisor exited (the tree is gone) and is not yet reaped.
             Ok(()) | Err(Errno(libc::ESRCH)) => Reply::Ok,
             Err(Errno(libc::EAGAIN)) => error(ErrorCode::Capacity, format!("too many signals queued for {pid}; retry")),
@@ -1288,8 +1390,8 @@ impl Agent {
         close_fd(&self.epoll, &mut p.status, &mut p.status_events);
         p.descendants_alive = live;
         if !live {
-            // The supervisor exits right away; nothing is left to list or signal.
-            p.sup_gone = true;
+            // Nothing is left to list or signal (a supervisor exits now).
+            p.tree_gone = true;
         }
         if p.info.pty && p.streams[0].fd.is_some() {
             // A pty hands output to the master asynchronously: give it a moment.
@@ -1329,10 +1431,10 @@ impl Agent {
         }
         let mut status = match (p.exited, died) {
             (Some((ws, _)), _) => exit_status(ws, p.timed_out),
-            (None, Some(sup)) => exit_status(sup, p.timed_out),
+            (None, Some(died)) => exit_status(died, p.timed_out),
             (None, None) => ExitStatus { code: None, signal: None, timed_out: p.timed_out, ..ExitStatus::exited(0) },
         };
-        status.descendants_alive = p.descendants_alive && !p.sup_gone;
+        status.descendants_alive = p.descendants_alive && !p.tree_gone;
         status.oom_killed = killed_by_sigkill(&status)
             && !status.timed_out
             && !p.kill_requested
@@ -1354,7 +1456,7 @@ impl Agent {
         if let Some((_, at)) = p.exited {
             self.timers.remove(&(at, serial, TimerKind::PtyDrain));
         }
-        if p.sup_gone {
+        if p.tree_gone {
             self.forget(serial);
         }
     }
@@ -1368,23 +1470,31 @@ impl Agent {
         if let Some(tag) = &p.info.tag {
             self.tags.remove(&tag_key(p.tenant, tag));
         }
-        self.by_pid.remove(&p.info.pid);
-        if self.by_sup.get(&p.sup) == Some(&serial) {
-            self.by_sup.remove(&p.sup);
+        if self.by_pid.get(&p.info.pid) == Some(&serial) {
+            self.by_pid.remove(&p.info.pid);
+        }
+        // (A command cgroup went back to the pool as its tree ended.)
+        if let Keeper::Supervisor(sup) = p.keeper {
+            if self.by_sup.get(&sup) == Some(&serial) {
+                self.by_sup.remove(&sup);
+            }
         }
     }
 
-    /// Reaps every exited child: supervisors, and orphans PID 1 inherits.
+    /// Reaps every exited child: supervisors, commands' main processes,
+    /// and orphans PID 1 inherits.
     fn reap(&mut self) {
         sys::drain_signalfd(self.sigfd.as_fd());
         let mut orphans = false;
         loop {
             match sys::waitpid(-1, libc::WNOHANG) {
                 Ok(Some((pid, status))) => {
-                    if self.trees.remove(&pid) {
+                    if self.supervisors.remove(&pid) {
                         if let Some(serial) = self.by_sup.remove(&pid) {
                             self.supervisor_gone(serial, status);
                         }
+                    } else if let Some(serial) = self.by_main.remove(&pid) {
+                        self.main_reaped(serial, status);
                     } else {
                         orphans = true;
                     }
@@ -1400,9 +1510,88 @@ impl Agent {
             // only from us (see child.rs). Elsewhere orphans come here only
             // when their supervisor is gone, and no supervisor has a cgroup.
             let root = std::path::Path::new(child::TREE_CGROUP_ROOT);
-            for &sup in &self.trees {
+            for &sup in &self.supervisors {
                 if child::tree_emptied(root, sup) {
                     let _ = sys::kill(sup, libc::SIGCHLD);
+                }
+            }
+        }
+    }
+
+    /// The main process of a command without a supervisor was reaped.
+    fn main_reaped(&mut self, serial: u64, status: i32) {
+        let Some(p) = self.procs.get_mut(&serial) else { return };
+        let Keeper::Cgroup(k) = &mut p.keeper else { return };
+        k.main = None;
+        // Its own exit already left the cgroup (a zombie counts for none).
+        let live = k.cgroup.as_ref().is_some_and(|c| c.populated().unwrap_or(false));
+        if live {
+            // Woken when the rest of the tree is gone (see tree_changed);
+            // registering after the read misses no change.
+            if let Some(c) = &k.cgroup {
+                self.epoll.update(c.events().as_raw_fd(), token(T_TREE, serial), &mut k.events, PRI);
+            }
+            if k.killing {
+                k.held = Some(status);
+                return;
+            }
+        } else {
+            self.release_cgroup(serial);
+        }
+        self.main_exited(serial, status, live);
+    }
+
+    /// A command's `cgroup.events` changed: once its tree is empty and its
+    /// main process reaped, the command's slot is free.
+    fn tree_changed(&mut self, serial: u64) {
+        let Some(p) = self.procs.get_mut(&serial) else { return };
+        let Keeper::Cgroup(k) = &mut p.keeper else { return };
+        // Read, which also acknowledges the change; a failed read is taken
+        // for an empty tree rather than a wake-up forever.
+        if k.cgroup.as_ref().is_none_or(|c| c.populated().unwrap_or(false)) || k.main.is_some() {
+            // The main process's reaping looks again.
+            return;
+        }
+        let held = k.held.take();
+        self.release_cgroup(serial);
+        match held {
+            Some(status) => self.main_exited(serial, status, false),
+            None => {
+                let Some(p) = self.procs.get_mut(&serial) else { return };
+                p.tree_gone = true;
+                if p.finished {
+                    self.forget(serial);
+                }
+                // Else a pty's output drains; its timer finishes and forgets it.
+            }
+        }
+    }
+
+    /// Gives a command's emptied cgroup back to the pool.
+    fn release_cgroup(&mut self, serial: u64) {
+        let Some(p) = self.procs.get_mut(&serial) else { return };
+        let Keeper::Cgroup(k) = &mut p.keeper else { return };
+        if let (Some(c), Some(trees)) = (k.cgroup.take(), self.tree_cgroups.as_mut()) {
+            close_keeper_events(&self.epoll, &c, &mut k.events);
+            trees.put(c);
+        }
+    }
+
+    /// Ends every process of a command's tree (timeout, SIGKILL, a
+    /// tenant's removal); nothing when the tree is gone.
+    fn kill_tree(&mut self, serial: u64) {
+        let Some(p) = self.procs.get_mut(&serial) else { return };
+        if p.tree_gone {
+            return;
+        }
+        match &mut p.keeper {
+            Keeper::Supervisor(sup) => {
+                let _ = sys::kill(*sup, libc::SIGUSR1);
+            }
+            Keeper::Cgroup(k) => {
+                if let Some(c) = &k.cgroup {
+                    k.killing = true;
+                    let _ = c.kill();
                 }
             }
         }
@@ -1412,7 +1601,7 @@ impl Agent {
         // A report may still sit in the pipe.
         self.status_readable(serial);
         let Some(p) = self.procs.get_mut(&serial) else { return };
-        p.sup_gone = true;
+        p.tree_gone = true;
         if p.finished {
             self.forget(serial);
         } else if p.exited.is_none() {
@@ -1557,12 +1746,10 @@ impl Agent {
                         if p.exited.is_none() {
                             p.timed_out = true;
                         }
-                        // Also after the main process exited: the timeout
-                        // ends the whole tree.
-                        if !p.sup_gone {
-                            let _ = sys::kill(p.sup, libc::SIGUSR1);
-                        }
                     }
+                    // Also after the main process exited: the timeout
+                    // ends the whole tree.
+                    self.kill_tree(serial);
                 }
                 TimerKind::PtyDrain => self.finish(serial, None),
             }
