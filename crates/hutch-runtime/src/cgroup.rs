@@ -180,6 +180,15 @@ impl Layout {
     pub fn can_freeze(&self) -> bool {
         self.v2.is_some() || self.v1_freezer.is_some()
     }
+
+    /// Whether sandboxes' agents get a cgroup per command here (see
+    /// [`Cgroup::tree_dir`]): a v2 tree where neither workload controller
+    /// is, so that a sandbox's v2 directory holds its agent. (Whether the
+    /// kernel has `cgroup.kill` is seen on each sandbox's directory.)
+    pub fn command_cgroups(&self) -> bool {
+        self.v2.is_some()
+            && [Controller::Memory, Controller::Pids].iter().all(|c| self.placement(*c) != Some(&Placement::V2))
+    }
 }
 
 /// Limits applied to one sandbox's cgroup.
@@ -477,8 +486,9 @@ impl Cgroup {
     /// pure v2 host the agent lives in `agent`, commands in `work`, and
     /// the namespace would have to be rooted above both: there commands
     /// keep their supervisor.
+    /// Before Linux 5.14 there is no `cgroup.kill`, and no tree dir.
     pub fn tree_dir(&self) -> Option<&Path> {
-        self.v2.as_deref().filter(|v2| self.agent_dirs.iter().any(|d| d == v2))
+        self.v2.as_deref().filter(|v2| self.agent_dirs.iter().any(|d| d == v2) && v2.join("cgroup.kill").exists())
     }
 
     /// Delegates [`Cgroup::tree_dir`] to the sandbox's root (host ids

@@ -142,6 +142,18 @@ pub fn check(cfg: &Config) -> Report {
                 detail,
                 "mount the memory, pids, cpu (and freezer, on v1) controllers, or enable them in cgroup.subtree_control",
             ));
+            let own = l.command_cgroups() && l.v2.as_ref().is_some_and(|v2| kill_supported(v2));
+            f.push(finding(
+                "command trees",
+                true,
+                if own {
+                    "a cgroup each (the sandbox's v2 directory, delegated to its agent)".to_owned()
+                } else {
+                    "a supervisor process each (the v2 tree holds workload controllers, or has no cgroup.kill)"
+                        .to_owned()
+                },
+                "",
+            ));
             let fast = crate::cgroup::migrations_fast(l);
             f.push(finding(
                 "cgroup moves",

@@ -318,9 +318,16 @@ fn doctor_reports_the_host_and_the_container_class() {
     assert!(out.status.success(), "the container class must run on the CI host: {}", stdout(&out));
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("doctor --json prints JSON");
     let findings = report["findings"].as_array().expect("findings");
-    for name in ["kernel", "user namespaces", "cgroups", "overlayfs", "seccomp", "landlock", "kvm"] {
+    for name in ["kernel", "user namespaces", "cgroups", "command trees", "overlayfs", "seccomp", "landlock", "kvm"] {
         assert!(findings.iter().any(|f| f["name"] == name), "doctor says nothing about {name}");
     }
+    // What a_command_has_a_cgroup_of_its_own_that_the_sandbox_cannot_reach
+    // finds, said: a cgroup per command where the v2 tree holds no
+    // workload controller (hybrid), a supervisor on a pure v2 host.
+    let trees = findings.iter().find(|f| f["name"] == "command trees").expect("command trees");
+    let pure_v2 = Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+    let detail = trees["detail"].as_str().expect("detail");
+    assert_eq!(detail.starts_with("a cgroup each"), !pure_v2, "{detail}");
     let classes = report["classes"].as_array().expect("classes");
     assert!(classes.iter().any(|c| c["class"] == "container" && c["available"] == true));
     // A host without the agent cannot run the default class: non-zero exit.
