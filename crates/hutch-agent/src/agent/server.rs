@@ -25,7 +25,7 @@ use super::files::{self, Fs, FsCreds, FsError};
 use super::output::{exit_status, Ring};
 use super::sys::{self, CStrArray, Epoll, Errno};
 use super::tenants::{self, Tenants};
-use super::tree::{TreeCgroup, TreeCgroups};
+use super::tree::{self, TreeCgroup, TreeCgroups};
 use super::users::Users;
 use super::watch::Watches;
 
@@ -270,11 +270,6 @@ fn close_fd(epoll: &Epoll, fd: &mut Option<OwnedFd>, events: &mut u32) {
     if let Some(f) = fd.take() {
         epoll.update(f.as_raw_fd(), 0, events, 0);
     }
-}
-
-/// Takes a command cgroup's `cgroup.events` out of the epoll set.
-fn close_keeper_events(epoll: &Epoll, c: &TreeCgroup, events: &mut u32) {
-    epoll.update(c.events().as_raw_fd(), 0, events, 0);
 }
 
 /// Brings a process's epoll registrations in line with its state: output
@@ -991,13 +986,12 @@ impl Agent {
         // one and the command is no tenant's (a tenant's cgroups are the
         // host's); else a supervisor, which reports over a pipe.
         let direct = tenant.is_none() && self.tree_cgroups.is_some();
-        let status = match direct {
-            true => None,
-            false => {
-                let (status_r, status_w) = sys::pipe().map_err(|e| io("pipe", e))?;
-                sys::set_nonblocking_fresh(status_r.as_fd()).map_err(|e| io("pipe", e))?;
-                Some((status_r, status_w))
-            }
+        let status = if direct {
+            None
+        } else {
+            let (status_r, status_w) = sys::pipe().map_err(|e| io("pipe", e))?;
+            sys::set_nonblocking_fresh(status_r.as_fd()).map_err(|e| io("pipe", e))?;
+            Some((status_r, status_w))
         };
 
         let devnull = self.devnull()?;
@@ -1556,14 +1550,7 @@ impl Agent {
         self.release_cgroup(serial);
         match held {
             Some(status) => self.main_exited(serial, status, false),
-            None => {
-                let Some(p) = self.procs.get_mut(&serial) else { return };
-                p.tree_gone = true;
-                if p.finished {
-                    self.forget(serial);
-                }
-                // Else a pty's output drains; its timer finishes and forgets it.
-            }
+            None => self.tree_ended(serial, None),
         }
     }
 
@@ -1572,7 +1559,7 @@ impl Agent {
         let Some(p) = self.procs.get_mut(&serial) else { return };
         let Keeper::Cgroup(k) = &mut p.keeper else { return };
         if let (Some(c), Some(trees)) = (k.cgroup.take(), self.tree_cgroups.as_mut()) {
-            close_keeper_events(&self.epoll, &c, &mut k.events);
+            self.epoll.update(c.events().as_raw_fd(), 0, &mut k.events, 0);
             trees.put(c);
         }
     }
@@ -1600,12 +1587,18 @@ impl Agent {
     fn supervisor_gone(&mut self, serial: u64, status: i32) {
         // A report may still sit in the pipe.
         self.status_readable(serial);
+        self.tree_ended(serial, Some(status));
+    }
+
+    /// Nothing of a command's tree is left: its slot is free. `died`: the
+    /// supervisor's own status, for a command whose end was never told.
+    fn tree_ended(&mut self, serial: u64, died: Option<i32>) {
         let Some(p) = self.procs.get_mut(&serial) else { return };
         p.tree_gone = true;
         if p.finished {
             self.forget(serial);
         } else if p.exited.is_none() {
-            self.finish(serial, Some(status));
+            self.finish(serial, died);
         }
         // Else a pty's output drains; its timer finishes and forgets it.
     }
@@ -1797,11 +1790,7 @@ fn oom_kills(file: Option<&OwnedFd>) -> Option<u64> {
 /// The `oom_kill` count of a cgroup's `memory.events` (v2) or
 /// `memory.oom_control` (v1): lines of "key value".
 pub fn parse_oom_kills(text: &[u8]) -> Option<u64> {
-    let text = std::str::from_utf8(text).ok()?;
-    text.lines().find_map(|l| match l.split_once(' ') {
-        Some(("oom_kill", v)) => v.trim().parse().ok(),
-        _ => None,
-    })
+    tree::cgroup_key(text, "oom_kill")?.trim().parse().ok()
 }
 
 /// Reads the supervisor's first report: the real child's pid.

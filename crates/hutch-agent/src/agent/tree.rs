@@ -96,13 +96,8 @@ impl TreeCgroups {
     pub fn members(&self, c: &TreeCgroup) -> Vec<i32> {
         let Ok(path) = CString::new(format!("{}/cgroup.procs", c.name.to_string_lossy())) else { return Vec::new() };
         let Ok(fd) = sys::openat(self.dir.as_fd(), &path, libc::O_RDONLY, 0) else { return Vec::new() };
-        let mut buf = Vec::new();
-        while let Ok(n) = sys::read_append(fd.as_fd(), &mut buf, 64 * 1024) {
-            if n == 0 {
-                break;
-            }
-        }
-        super::child::parse_pids(&String::from_utf8_lossy(&buf))
+        let text = std::io::read_to_string(std::fs::File::from(fd)).unwrap_or_default();
+        super::child::parse_pids(&text)
     }
 }
 
@@ -131,14 +126,20 @@ impl TreeCgroup {
     }
 }
 
-/// `populated` of a `cgroup.events` file: lines of "key value".
+/// `populated` of a `cgroup.events` file.
 pub fn parse_populated(text: &[u8]) -> Option<bool> {
-    let text = std::str::from_utf8(text).ok()?;
-    text.lines().find_map(|l| match l.split_once(' ') {
-        Some(("populated", "1")) => Some(true),
-        Some(("populated", "0")) => Some(false),
+    match cgroup_key(text, "populated")? {
+        "1" => Some(true),
+        "0" => Some(false),
         _ => None,
-    })
+    }
+}
+
+/// The value of `key` in a cgroup file of "key value" lines
+/// (`cgroup.events`, `memory.events`, v1's `memory.oom_control`).
+pub fn cgroup_key<'a>(text: &'a [u8], key: &str) -> Option<&'a str> {
+    let text = std::str::from_utf8(text).ok()?;
+    text.lines().find_map(|l| l.split_once(' ').filter(|(k, _)| *k == key).map(|(_, v)| v))
 }
 
 #[cfg(test)]
