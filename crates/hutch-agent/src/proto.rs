@@ -397,7 +397,12 @@ pub struct Resume {
 }
 
 /// Most descriptors an [`Request::AddTenant`] carries.
-pub const MAX_TENANT_FDS: usize = 2 + 2 * MAX_WORK_CGROUPS as usize;
+pub const MAX_TENANT_FDS: usize = 2 + 2 * MAX_WORK_CGROUPS as usize + 3 * TENANT_TREE_CGROUPS as usize;
+
+/// Command cgroups the host makes below a tenant's v2 cgroup, where it
+/// can (see [`TenantSpec::tree_cgroups`]): commands beyond them alive at
+/// once get a supervisor.
+pub const TENANT_TREE_CGROUPS: u32 = 2;
 
 /// A tenant of a shared host container (see [`Request::AddTenant`]).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -410,6 +415,13 @@ pub struct TenantSpec {
     pub cgroups: u32,
     /// Whether the OOM counter's descriptor follows them.
     pub oom_events: bool,
+    /// How many command cgroups follow, three descriptors each: its
+    /// `cgroup.procs` (read-write), `cgroup.events` and `cgroup.kill`. The
+    /// host made them below the tenant's v2 cgroup (at most
+    /// [`TENANT_TREE_CGROUPS`]); a command of the tenant runs in a free one
+    /// without a supervisor, as a container's does in its own.
+    #[serde(default)]
+    pub tree_cgroups: u32,
     /// Environment of the tenant's processes (after the container's,
     /// before the request's).
     #[serde(default)]

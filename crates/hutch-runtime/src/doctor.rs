@@ -147,7 +147,9 @@ pub fn check(cfg: &Config) -> Report {
                 "command trees",
                 true,
                 if own {
-                    "a cgroup each (the sandbox's v2 directory, delegated to its agent)".to_owned()
+                    "a cgroup each (the sandbox's v2 directory, delegated to its agent; for a process \
+                     sandbox, two made by the daemon)"
+                        .to_owned()
                 } else {
                     "a supervisor process each (the v2 tree holds workload controllers, or has no cgroup.kill)"
                         .to_owned()

@@ -9,7 +9,11 @@
 //! listening socket, and one request to the host's agent, which passes the
 //! tenant's descriptors ([`hutch_agent::proto::Request::AddTenant`]).
 //! The tenant's cgroup is named after the sandbox like any sandbox's (so
-//! usage, freeze and kill work unchanged); its commands join it.
+//! usage, freeze and kill work unchanged); its commands join it. Where
+//! commands can have a cgroup of their own (`Cgroup::tree_dir`), the
+//! runtime also makes [`proto::TENANT_TREE_CGROUPS`] of them below the
+//! tenant's v2 cgroup and passes their files: a command in one needs no
+//! supervisor to track its tree.
 //!
 //! The class refuses to run without Landlock: the tenants share a root
 //! file system and uids alone do not keep one out of every world-writable
@@ -125,12 +129,32 @@ impl Runtime {
             }
             None => false,
         };
+        // Command cgroups below the tenant's v2 cgroup, where commands can
+        // have one (`Cgroup::tree_dir`): made and opened here, as the host,
+        // since nothing of the host's cgroups is delegated to the host
+        // container. Removed with the tenant's cgroup.
+        let mut tree_cgroups = 0;
+        if let Some(dir) = sb.cgroup.tree_dir() {
+            for n in 0..proto::TENANT_TREE_CGROUPS {
+                let c = dir.join(format!("c{n}"));
+                fs::create_dir(&c).map_err(io_err(format!("make {}", c.display())))?;
+                for (file, read, write) in
+                    [("cgroup.procs", true, true), ("cgroup.events", true, false), ("cgroup.kill", false, true)]
+                {
+                    let path = c.join(file);
+                    let f = fs::OpenOptions::new().read(read).write(write).custom_flags(libc::O_CLOEXEC).open(&path);
+                    files.push(f.map_err(io_err(format!("open {}", path.display())))?);
+                }
+                tree_cgroups += 1;
+            }
+        }
         let mut rlimits: Vec<(i32, u64)> = KERNEL_CAPS.rlimits().iter().map(|&(r, v)| (r, v)).collect();
         rlimits.push((libc::RLIMIT_NPROC as i32, spec.limits.pids as u64));
         let req = Request::AddTenant(TenantSpec {
             name: sb.id.clone(),
             cgroups,
             oom_events,
+            tree_cgroups,
             env: spec.env.clone(),
             max_commands: proto::MAX_COMMANDS,
             rlimits,

@@ -161,6 +161,7 @@ fn tenants_cannot_reach_each_other() {
         name: "evil".into(),
         cgroups: 1,
         oom_events: false,
+        tree_cgroups: 0,
         env: vec![],
         max_commands: 1,
         rlimits: vec![],
@@ -200,4 +201,57 @@ fn a_tenant_is_held_to_its_own_limits() {
     assert_ne!(st.code, Some(0));
     assert!(a.cgroup.oom_kills() > 0);
     assert_eq!(ok(&mut cb, "echo fine").trim(), "fine");
+}
+
+#[test]
+fn a_tenants_commands_get_cgroups_of_their_own_while_one_is_free() {
+    let env = Env::new("proc-trees");
+    let rt = runtime(&env);
+    let host = host(&rt);
+    let a = tenant(&rt, &host, "tt", LIMITS);
+    let mut c = a.connect().expect("connect");
+    // The command's v2 cgroup (relative to the host container's cgroup
+    // namespace) and its parent.
+    let probe = |c: &mut AgentConn| -> (String, String) {
+        let out = ok(c, "grep '^0::' /proc/self/cgroup; echo $PPID");
+        let mut lines = out.lines().map(str::to_owned);
+        (lines.next().unwrap_or_default(), lines.next().unwrap_or_default())
+    };
+    let own = |line: &str| line.ends_with("/tt/c0") || line.ends_with("/tt/c1");
+    let (cgroup, parent) = probe(&mut c);
+    if std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+        // A pure v2 host: every command has a supervisor for a parent.
+        assert!(!own(&cgroup) && parent != "1", "{cgroup} {parent}");
+        return;
+    }
+    // Hybrid: a cgroup the host made below the tenant's, and the host
+    // container's agent (its PID 1) for a parent, not a supervisor.
+    assert!(own(&cgroup), "{cgroup}");
+    assert_eq!(parent, "1");
+    // Two commands alive hold both; a third is supervised, in the
+    // tenant's cgroup itself.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let (reply, _) = c.call(spawn("exec sleep 600", false), &[]).expect("spawn sleep");
+        let Reply::Spawned { pid } = reply else { panic!("{reply:?}") };
+        held.push(pid);
+    }
+    let (cgroup, parent) = probe(&mut c);
+    assert!(cgroup.ends_with("/tt"), "{cgroup}");
+    assert_ne!(parent, "1");
+    // One ends: its cgroup serves the next command once its tree is gone.
+    let (reply, _) = c.call(Request::Signal { pid: held[0], signal: 9 }, &[]).expect("signal");
+    assert_eq!(reply, Reply::Ok);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (cgroup, parent) = probe(&mut c);
+        if own(&cgroup) && parent == "1" {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the cgroup was not given back: {cgroup} {parent}");
+    }
+    // Deleting the tenant removes the cgroups made for it.
+    drop(c);
+    drop(a);
+    assert!(cgroups_named("tt").is_empty(), "{:?}", cgroups_named("tt"));
 }

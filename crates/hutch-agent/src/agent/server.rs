@@ -982,10 +982,13 @@ impl Agent {
         } else {
             (None, None)
         };
-        // A cgroup of its own holds the tree, where the host delegated
-        // one and the command is no tenant's (a tenant's cgroups are the
-        // host's); else a supervisor, which reports over a pipe.
-        let direct = tenant.is_none() && self.tree_cgroups.is_some();
+        // A cgroup of its own holds the tree: one made in the directory the
+        // host delegated, or for a tenant one of those the host made while
+        // one is free; else a supervisor, which reports over a pipe.
+        let direct = match tenant {
+            Some(t) => self.tenants.get(t).and_then(|t| t.trees.as_ref()).is_some_and(TreeCgroups::has_free),
+            None => self.tree_cgroups.is_some(),
+        };
         let status = if direct {
             None
         } else {
@@ -1012,10 +1015,11 @@ impl Agent {
             _ => return Err((ErrorCode::Io, "inconsistent process descriptors".into())),
         };
         // Last before the spawn: nothing returns early with it taken.
-        let cgroup = match self.tree_cgroups.as_mut().filter(|_| direct) {
+        let cgroup = match self.trees_of(tenant).filter(|_| direct) {
             Some(trees) => Some(trees.take().map_err(|e| io("command cgroup", e))?),
             None => None,
         };
+        let tenant_of = tenant.and_then(|t| self.tenants.get(t));
         let plan = ChildPlan {
             exe,
             argv0: argv_c[0].clone(),
@@ -1054,7 +1058,7 @@ impl Agent {
         let spawned = match spawned {
             Ok(pid) => pid,
             Err(e) => {
-                if let (Some(c), Some(trees)) = (cgroup, self.tree_cgroups.as_mut()) {
+                if let (Some(c), Some(trees)) = (cgroup, self.trees_of(tenant)) {
                     trees.put(c);
                 }
                 return Err(io("fork", e));
@@ -1285,10 +1289,8 @@ impl Agent {
             _ if p.tree_gone => return Reply::Ok,
             Keeper::Supervisor(sup) => *sup,
             Keeper::Cgroup(k) => {
-                if let (Some(c), Some(trees)) = (&k.cgroup, &self.tree_cgroups) {
-                    for member in trees.members(c) {
-                        let _ = sys::kill(member, signal);
-                    }
+                for member in k.cgroup.as_ref().map(TreeCgroup::members).unwrap_or_default() {
+                    let _ = sys::kill(member, signal);
                 }
                 return Reply::Ok;
             }
@@ -1554,13 +1556,25 @@ impl Agent {
         }
     }
 
-    /// Gives a command's emptied cgroup back to the pool.
+    /// Gives a command's emptied cgroup back to the pool it came from (a
+    /// removed tenant's is dropped).
     fn release_cgroup(&mut self, serial: u64) {
         let Some(p) = self.procs.get_mut(&serial) else { return };
         let Keeper::Cgroup(k) = &mut p.keeper else { return };
-        if let (Some(c), Some(trees)) = (k.cgroup.take(), self.tree_cgroups.as_mut()) {
-            self.epoll.update(c.events().as_raw_fd(), 0, &mut k.events, 0);
+        let Some(c) = k.cgroup.take() else { return };
+        self.epoll.update(c.events().as_raw_fd(), 0, &mut k.events, 0);
+        let tenant = p.tenant;
+        if let Some(trees) = self.trees_of(tenant) {
             trees.put(c);
+        }
+    }
+
+    /// The command cgroups a command of `tenant` (or the sandbox's own,
+    /// for none) takes from.
+    fn trees_of(&mut self, tenant: Option<u64>) -> Option<&mut TreeCgroups> {
+        match tenant {
+            Some(t) => self.tenants.by_id.get_mut(&t).and_then(|t| t.trees.as_mut()),
+            None => self.tree_cgroups.as_mut(),
         }
     }
 

@@ -22,9 +22,10 @@ use std::collections::HashMap;
 use std::ffi::CString;
 use std::os::fd::{AsFd, OwnedFd};
 
-use hutch_agent::proto::{ErrorCode, TenantSpec, MAX_WORK_CGROUPS};
+use hutch_agent::proto::{ErrorCode, TenantSpec, MAX_WORK_CGROUPS, TENANT_TREE_CGROUPS};
 
 use super::sys::{self, ll};
+use super::tree::{TreeCgroup, TreeCgroups};
 use super::users::User;
 
 /// The first uid a tenant gets; those below are the image's own users.
@@ -45,6 +46,9 @@ pub struct Tenant {
     /// `cgroup.procs` files every command joins, in order.
     pub cgroups: Vec<OwnedFd>,
     pub oom_events: Option<OwnedFd>,
+    /// The command cgroups the host made for it, while no command holds
+    /// them (none: every command gets a supervisor).
+    pub trees: Option<TreeCgroups>,
     pub ruleset: OwnedFd,
     pub env: Vec<(String, String)>,
     pub rlimits: Vec<(i32, u64)>,
@@ -150,7 +154,10 @@ impl Tenants {
         if spec.cgroups == 0 || spec.cgroups > 2 * MAX_WORK_CGROUPS {
             return Err(bad(format!("{} cgroup files", spec.cgroups)));
         }
-        let want = 1 + spec.cgroups as usize + usize::from(spec.oom_events);
+        if spec.tree_cgroups > TENANT_TREE_CGROUPS {
+            return Err(bad(format!("{} command cgroups", spec.tree_cgroups)));
+        }
+        let want = 1 + spec.cgroups as usize + usize::from(spec.oom_events) + 3 * spec.tree_cgroups as usize;
         if fds.len() != want {
             return Err(bad(format!("{} descriptors came with the request, {want} were announced", fds.len())));
         }
@@ -203,7 +210,19 @@ impl Tenants {
             return Err(io("listening socket", e));
         }
         let cgroups: Vec<OwnedFd> = fds.by_ref().take(spec.cgroups as usize).collect();
-        let oom_events = fds.next();
+        let oom_events = if spec.oom_events { fds.next() } else { None };
+        let mut made = Vec::new();
+        for n in 0..spec.tree_cgroups {
+            let (Some(procs), Some(events), Some(kill)) = (fds.next(), fds.next(), fds.next()) else { break };
+            match TreeCgroup::from_files(&format!("c{n}"), procs, events, kill) {
+                Ok(c) => made.push(c),
+                Err(e) => {
+                    remove_dirs(&home, &tmp);
+                    return Err(io("command cgroup", e));
+                }
+            }
+        }
+        let trees = (!made.is_empty()).then(|| TreeCgroups::fixed(made));
         self.next_id += 1;
         let id = self.next_id;
         self.by_name.insert(spec.name.clone(), id);
@@ -217,6 +236,7 @@ impl Tenants {
                 listen_events: 0,
                 cgroups,
                 oom_events,
+                trees,
                 ruleset,
                 env: spec.env,
                 rlimits: spec.rlimits,
@@ -285,6 +305,7 @@ mod tests {
             name: "a".into(),
             cgroups: 1,
             oom_events: false,
+            tree_cgroups: 0,
             env: vec![],
             max_commands: 4,
             rlimits: vec![],

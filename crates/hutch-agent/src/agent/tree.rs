@@ -10,13 +10,19 @@
 //! `cgroup.kill` ends all of it at once, and `cgroup.procs` lists it for
 //! other signals. A per-command supervisor (child.rs) costs two more
 //! process hand-offs per command; it stays where no such directory is
-//! passed (gVisor, pure cgroup v2 hosts, process-class tenants).
+//! passed (gVisor, pure cgroup v2 hosts).
 //!
 //! An emptied cgroup is kept for the next command: making and removing one
 //! per command would cost a cgroup's life each time. The host bounds how
 //! many there can be (`cgroup.max.descendants`, `cgroup.max.depth` of the
 //! delegated directory, which it keeps for itself) and removes them with
 //! the sandbox.
+//!
+//! A process-class tenant's cgroups are the host's, not its container's:
+//! nothing is delegated. The host makes a few command cgroups below the
+//! tenant's v2 cgroup and passes their files ([`TreeCgroups::fixed`]); a
+//! tenant's command takes one of them while one is free, and a supervisor
+//! otherwise.
 
 use std::ffi::CString;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
@@ -28,10 +34,10 @@ use super::sys::{self, Errno};
 /// measured), which an idle sandbox keeps.
 const KEEP_FREE: usize = 4;
 
-/// The delegated directory, and the command cgroups made in it that no
-/// command holds.
+/// The command cgroups no command holds, and the delegated directory to
+/// make more in (none: a fixed set, the host's).
 pub struct TreeCgroups {
-    dir: OwnedFd,
+    dir: Option<OwnedFd>,
     free: Vec<TreeCgroup>,
     next: u64,
 }
@@ -39,7 +45,8 @@ pub struct TreeCgroups {
 /// One command's cgroup, with its files open (close-on-exec).
 pub struct TreeCgroup {
     name: CString,
-    /// `cgroup.procs`, for writing: the command's main process joins here.
+    /// `cgroup.procs`, read-write: the command's main process joins here,
+    /// and it lists the tree's processes.
     procs: OwnedFd,
     /// `cgroup.events`, for reading and for epoll.
     events: OwnedFd,
@@ -49,25 +56,37 @@ pub struct TreeCgroup {
 
 impl TreeCgroups {
     pub fn new(dir: OwnedFd) -> TreeCgroups {
-        TreeCgroups { dir, free: Vec::new(), next: 0 }
+        TreeCgroups { dir: Some(dir), free: Vec::new(), next: 0 }
     }
 
-    /// An empty command cgroup: a kept one, or a new one.
+    /// The cgroups the host made for a tenant's commands; no more can be.
+    pub fn fixed(made: Vec<TreeCgroup>) -> TreeCgroups {
+        TreeCgroups { dir: None, free: made, next: 0 }
+    }
+
+    /// Whether [`TreeCgroups::take`] has one without making it.
+    pub fn has_free(&self) -> bool {
+        !self.free.is_empty()
+    }
+
+    /// An empty command cgroup: a kept one, or a new one (EAGAIN for a
+    /// fixed set with none free).
     pub fn take(&mut self) -> Result<TreeCgroup, Errno> {
         if let Some(c) = self.free.pop() {
             return Ok(c);
         }
+        let Some(dir) = &self.dir else { return Err(Errno(libc::EAGAIN)) };
         let name = CString::new(format!("c{}", self.next)).map_err(|_| Errno(libc::EINVAL))?;
         self.next += 1;
         // Names are never reused: an EEXIST is nothing of ours.
-        sys::mkdirat(self.dir.as_fd(), &name, 0o755)?;
+        sys::mkdirat(dir.as_fd(), &name, 0o755)?;
         let open = |file: &str, flags| {
             let path = CString::new(format!("{}/{file}", name.to_string_lossy())).map_err(|_| Errno(libc::EINVAL))?;
-            sys::openat(self.dir.as_fd(), &path, flags, 0)
+            sys::openat(dir.as_fd(), &path, flags, 0)
         };
         let files = || -> Result<_, Errno> {
             Ok((
-                open("cgroup.procs", libc::O_WRONLY)?,
+                open("cgroup.procs", libc::O_RDWR)?,
                 open("cgroup.events", libc::O_RDONLY)?,
                 open("cgroup.kill", libc::O_WRONLY)?,
             ))
@@ -75,33 +94,49 @@ impl TreeCgroups {
         match files() {
             Ok((procs, events, kill)) => Ok(TreeCgroup { name, procs, events, kill }),
             Err(e) => {
-                let _ = sys::unlinkat(self.dir.as_fd(), &name, libc::AT_REMOVEDIR);
+                let _ = sys::unlinkat(dir.as_fd(), &name, libc::AT_REMOVEDIR);
                 Err(e)
             }
         }
     }
 
-    /// Takes back a command's cgroup once nothing of its tree lives.
+    /// Takes back a command's cgroup once nothing of its tree lives. A
+    /// fixed set keeps all of its own.
     pub fn put(&mut self, c: TreeCgroup) {
-        if self.free.len() < KEEP_FREE {
-            self.free.push(c);
-        } else {
-            let name = c.name.clone();
-            drop(c);
-            let _ = sys::unlinkat(self.dir.as_fd(), &name, libc::AT_REMOVEDIR);
+        match &self.dir {
+            Some(dir) if self.free.len() >= KEEP_FREE => {
+                let name = c.name.clone();
+                drop(c);
+                let _ = sys::unlinkat(dir.as_fd(), &name, libc::AT_REMOVEDIR);
+            }
+            _ => self.free.push(c),
         }
-    }
-
-    /// The live processes of `c`, from its `cgroup.procs`.
-    pub fn members(&self, c: &TreeCgroup) -> Vec<i32> {
-        let Ok(path) = CString::new(format!("{}/cgroup.procs", c.name.to_string_lossy())) else { return Vec::new() };
-        let Ok(fd) = sys::openat(self.dir.as_fd(), &path, libc::O_RDONLY, 0) else { return Vec::new() };
-        let text = std::io::read_to_string(std::fs::File::from(fd)).unwrap_or_default();
-        super::child::parse_pids(&text)
     }
 }
 
 impl TreeCgroup {
+    /// A cgroup the host made, from its files: `cgroup.procs` (read-write),
+    /// `cgroup.events`, `cgroup.kill`.
+    pub fn from_files(name: &str, procs: OwnedFd, events: OwnedFd, kill: OwnedFd) -> Result<TreeCgroup, Errno> {
+        let name = CString::new(name).map_err(|_| Errno(libc::EINVAL))?;
+        Ok(TreeCgroup { name, procs, events, kill })
+    }
+
+    /// The live processes of its tree, from its `cgroup.procs`.
+    pub fn members(&self) -> Vec<i32> {
+        let mut text = Vec::new();
+        let mut buf = [0u8; 4096];
+        // From the start each time; a tree is bounded by the pids limit,
+        // and so is this.
+        loop {
+            match sys::pread(self.procs.as_fd(), &mut buf, text.len() as u64) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => text.extend_from_slice(&buf[..n]),
+            }
+        }
+        super::child::parse_pids(&String::from_utf8_lossy(&text))
+    }
+
     /// Its `cgroup.procs`, for the child to write itself into.
     pub fn procs(&self) -> RawFd {
         self.procs.as_raw_fd()
@@ -197,7 +232,7 @@ mod tests {
         assert_eq!(out, "started\n");
         assert!(main.wait().expect("wait").success());
         assert_eq!(c.populated(), Ok(true), "the grandchild lives");
-        let members = trees.members(&c);
+        let members = c.members();
         assert_eq!(members.len(), 1, "{members:?}");
         c.kill().expect("cgroup.kill");
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
@@ -205,7 +240,7 @@ mod tests {
             assert!(std::time::Instant::now() < deadline, "the tree outlived cgroup.kill");
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        assert!(trees.members(&c).is_empty());
+        assert!(c.members().is_empty());
         // An emptied cgroup serves the next command; no new one is made.
         trees.put(c);
         let again = trees.take().expect("the kept cgroup");
