@@ -478,6 +478,18 @@ impl Cgroup {
         self.work_dirs.iter().map(|d| d.join("cgroup.procs")).collect()
     }
 
+    /// The `cgroup.procs` files that put a process where a command of the
+    /// sandbox belongs, for a process that is not in the sandbox's cgroups
+    /// yet (a process-class tenant's command, spawned by its host
+    /// container's agent): in each hierarchy, `work` where there is one,
+    /// else the sandbox's own directory. One move per hierarchy.
+    pub fn command_procs_files(&self) -> Vec<PathBuf> {
+        let has_work = |d: &Path| {
+            self.work_dirs.iter().any(|w| w.parent() == Some(d) || (d.ends_with(AGENT) && w.parent() == d.parent()))
+        };
+        self.agent_dirs.iter().filter(|d| !has_work(d)).chain(&self.work_dirs).map(|d| d.join("cgroup.procs")).collect()
+    }
+
     /// Where the sandbox's agent makes a cgroup per command (see
     /// `AgentConfig::tree_cgroup`): the sandbox's v2 directory, where the
     /// agent lives there, as on a hybrid host, whose v2 tree holds no
@@ -1369,6 +1381,11 @@ mod tests {
         assert!(cg.procs_files().contains(&root.join("unified/hutch/sb3/cgroup.procs")));
         assert!(!root.join("unified/hutch/sb3/work").exists());
         assert_eq!(
+            cg.command_procs_files(),
+            ["unified/hutch/sb3", "cpu/hutch/sb3", "memory/hutch/sb3/work", "pids/hutch/sb3/work"]
+                .map(|d| root.join(d).join("cgroup.procs"))
+        );
+        assert_eq!(
             cg.work_procs_files(),
             [root.join("memory/hutch/sb3/work/cgroup.procs"), root.join("pids/hutch/sb3/work/cgroup.procs")]
         );
@@ -1407,6 +1424,7 @@ mod tests {
         assert!(!dir.join("agent/memory.max").exists(), "the agent has no limit of its own");
         assert_eq!(cg.procs_files(), [dir.join("agent/cgroup.procs")]);
         assert_eq!(cg.work_procs_files(), [dir.join("work/cgroup.procs")]);
+        assert_eq!(cg.command_procs_files(), [dir.join("work/cgroup.procs")]);
         assert_eq!(cg.oom_events_file(), Some(dir.join("work/memory.events")));
         touch(&dir.join("work/memory.events"), "low 0\nhigh 0\nmax 9\noom 2\noom_kill 2\noom_group_kill 0\n");
         assert_eq!(cg.oom_kills(), 2);
@@ -1456,6 +1474,13 @@ mod tests {
             cg.work_procs_files(),
             [root.join("memory/hutch/sb2/work/cgroup.procs"), root.join("pids/hutch/sb2/work/cgroup.procs")]
         );
+        // A tenant's command moves once per hierarchy: freezer and cpu
+        // where the sandbox's are, memory and pids where its work is.
+        let command: Vec<PathBuf> = cg.command_procs_files();
+        assert_eq!(command.len(), 4, "{command:?}");
+        for d in ["freezer/hutch/sb2", "cpu/hutch/sb2", "memory/hutch/sb2/work", "pids/hutch/sb2/work"] {
+            assert!(command.contains(&root.join(d).join("cgroup.procs")), "{d}: {command:?}");
+        }
         assert_eq!(cg.oom_events_file(), Some(root.join("memory/hutch/sb2/work/memory.oom_control")));
         let again = Cgroup::existing(&layout, "sb2");
         assert_eq!((again.procs_files(), again.work_procs_files()), (cg.procs_files(), cg.work_procs_files()));

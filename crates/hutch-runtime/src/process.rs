@@ -115,8 +115,7 @@ impl Runtime {
         let _ = fs::remove_file(&sb.socket);
         let listener = UnixListener::bind(&sb.socket).map_err(io_err(format!("bind {}", sb.socket.display())))?;
         let mut files: Vec<File> = Vec::new();
-        let procs = sb.cgroup.procs_files().into_iter().chain(sb.cgroup.work_procs_files());
-        for path in procs {
+        for path in sb.cgroup.command_procs_files() {
             let f = fs::OpenOptions::new().write(true).custom_flags(libc::O_CLOEXEC).open(&path);
             files.push(f.map_err(io_err(format!("open {}", path.display())))?);
         }
