@@ -188,6 +188,15 @@ pub fn check(cfg: &Config) -> Report {
         "build the kernel with CONFIG_SECCOMP_FILTER",
     ));
 
+    let (run_fs, run_tmpfs) = run_dir_fs(&cfg.run_dir);
+    f.push(finding(
+        "run directory",
+        run_tmpfs,
+        format!("{} is on {run_fs}", cfg.run_dir.display()),
+        "put it on a tmpfs (HUTCH_RUN_DIR, or /run on a tmpfs as systemd hosts have it): every sandbox binds \
+         a socket there, and a disk file system makes and frees an inode each time",
+    ));
+
     let landlock = crate::process::landlock_abi();
     f.push(finding(
         "landlock",
@@ -271,8 +280,11 @@ pub fn check(cfg: &Config) -> Report {
         },
         ClassSupport {
             class: "process",
-            available: false,
-            why: "not built yet (uid + Landlock + seccomp, no namespaces)".into(),
+            available: container_ok && landlock > 0,
+            why: match crate::process::require_landlock(landlock) {
+                Ok(abi) => format!("a uid, Landlock (ABI {abi}) and seccomp in a shared host container"),
+                Err(why) => why,
+            },
         },
         ClassSupport {
             class: "gvisor",
@@ -296,6 +308,29 @@ pub fn check(cfg: &Config) -> Report {
         },
     ];
     Report { findings: f, classes }
+}
+
+/// The file system `run_dir` is on (its nearest existing ancestor's,
+/// before the daemon made it), and whether that is a tmpfs.
+fn run_dir_fs(run_dir: &Path) -> (String, bool) {
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    let Some(dir) = run_dir.ancestors().find(|d| d.exists()) else { return ("nothing".into(), false) };
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else { return ("nothing".into(), false) };
+    // SAFETY: statfs writes only into `st`; `c` is a valid C string.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: see above.
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return ("an unknown file system".into(), false);
+    }
+    let magic = st.f_type as i64;
+    let name = match magic {
+        TMPFS_MAGIC => "tmpfs".to_owned(),
+        0xef53 => "ext4".to_owned(),
+        0x5846_5342 => "xfs".to_owned(),
+        0x9123_683e => "btrfs".to_owned(),
+        other => format!("a file system of type {other:#x}"),
+    };
+    (name, magic == TMPFS_MAGIC)
 }
 
 fn parse_release(release: &str) -> (u32, u32) {

@@ -330,6 +330,19 @@ fn doctor_reports_the_host_and_the_container_class() {
     assert_eq!(detail.starts_with("a cgroup each"), !pure_v2, "{detail}");
     let classes = report["classes"].as_array().expect("classes");
     assert!(classes.iter().any(|c| c["class"] == "container" && c["available"] == true));
+    // The process class runs where Landlock does (the CI host's kernel has it).
+    let landlock = findings.iter().find(|f| f["name"] == "landlock").expect("landlock");
+    let process = classes.iter().find(|c| c["class"] == "process").expect("process");
+    assert_eq!(process["available"], landlock["ok"], "{process}");
+    // The run directory's file system, as statfs(1) names it.
+    let run = findings.iter().find(|f| f["name"] == "run directory").expect("run directory");
+    let fs = std::process::Command::new("stat")
+        .args(["-f", "-c", "%T"])
+        .arg(env.run.parent().expect("parent"))
+        .output()
+        .expect("stat");
+    let tmpfs = String::from_utf8_lossy(&fs.stdout).trim() == "tmpfs";
+    assert_eq!(run["ok"], tmpfs, "{run}");
     // A host without the agent cannot run the default class: non-zero exit.
     let out = env.hutch().args(["doctor"]).env("HUTCH_AGENT", "/nonexistent/hutch-agent").output().expect("doctor");
     assert_eq!(out.status.code(), Some(1));
