@@ -816,7 +816,7 @@ impl Control {
         if r.state == SandboxState::Lost {
             return Ok(view(&r));
         }
-        let r = self.record_here(caller, id, Need::Manage).await?;
+        self.on_this_node(&r)?;
         if r.state == SandboxState::Terminated {
             return Ok(view(&r));
         }

@@ -1117,7 +1117,9 @@ pub fn inotify_rm_watch(fd: BorrowedFd<'_>, wd: i32) {
 /// Reads like [`read_append`], and takes the descriptors (`SCM_RIGHTS`)
 /// that came with the bytes into `fds`, close-on-exec.
 pub fn recv_append(fd: BorrowedFd<'_>, buf: &mut Vec<u8>, max: usize, fds: &mut Vec<OwnedFd>) -> SysResult<usize> {
-    const MAX_FDS: usize = 16;
+    // The most any request carries (an AddTenant's); more are cut off
+    // by the kernel, and the request then counts too few.
+    const MAX_FDS: usize = hutch_agent::proto::MAX_TENANT_FDS;
     buf.reserve(max);
     let spare = buf.spare_capacity_mut();
     let mut iov = libc::iovec { iov_base: spare.as_mut_ptr().cast(), iov_len: max };
