@@ -313,21 +313,14 @@ pub fn check(cfg: &Config) -> Report {
 /// The file system `run_dir` is on (its nearest existing ancestor's,
 /// before the daemon made it), and whether that is a tmpfs.
 fn run_dir_fs(run_dir: &Path) -> (String, bool) {
-    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    use hutch_agent::proto::TMPFS_MAGIC;
     let Some(dir) = run_dir.ancestors().find(|d| d.exists()) else { return ("nothing".into(), false) };
-    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else { return ("nothing".into(), false) };
-    // SAFETY: statfs writes only into `st`; `c` is a valid C string.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: see above.
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        return ("an unknown file system".into(), false);
-    }
-    let magic = st.f_type as i64;
+    let Ok(magic) = crate::storage::fs_type(dir) else { return ("an unknown file system".into(), false) };
     let name = match magic {
         TMPFS_MAGIC => "tmpfs".to_owned(),
         0xef53 => "ext4".to_owned(),
         0x5846_5342 => "xfs".to_owned(),
-        0x9123_683e => "btrfs".to_owned(),
+        crate::storage::btrfs::SUPER_MAGIC => "btrfs".to_owned(),
         other => format!("a file system of type {other:#x}"),
     };
     (name, magic == TMPFS_MAGIC)

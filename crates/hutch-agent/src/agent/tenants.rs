@@ -211,17 +211,10 @@ impl Tenants {
         }
         let cgroups: Vec<OwnedFd> = fds.by_ref().take(spec.cgroups as usize).collect();
         let oom_events = if spec.oom_events { fds.next() } else { None };
-        let mut made = Vec::new();
-        for n in 0..spec.tree_cgroups {
-            let (Some(procs), Some(events), Some(kill)) = (fds.next(), fds.next(), fds.next()) else { break };
-            match TreeCgroup::from_files(&format!("c{n}"), procs, events, kill) {
-                Ok(c) => made.push(c),
-                Err(e) => {
-                    remove_dirs(&home, &tmp);
-                    return Err(io("command cgroup", e));
-                }
-            }
-        }
+        // Counted above: three descriptors each.
+        let made: Vec<TreeCgroup> = (0..u64::from(spec.tree_cgroups))
+            .map_while(|n| Some(TreeCgroup::from_files(n, fds.next()?, fds.next()?, fds.next()?)))
+            .collect();
         let trees = (!made.is_empty()).then(|| TreeCgroups::fixed(made));
         self.next_id += 1;
         let id = self.next_id;

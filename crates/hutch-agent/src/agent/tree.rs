@@ -76,7 +76,7 @@ impl TreeCgroups {
             return Ok(c);
         }
         let Some(dir) = &self.dir else { return Err(Errno(libc::EAGAIN)) };
-        let name = CString::new(format!("c{}", self.next)).map_err(|_| Errno(libc::EINVAL))?;
+        let name = name(self.next);
         self.next += 1;
         // Names are never reused: an EEXIST is nothing of ours.
         sys::mkdirat(dir.as_fd(), &name, 0o755)?;
@@ -115,11 +115,10 @@ impl TreeCgroups {
 }
 
 impl TreeCgroup {
-    /// A cgroup the host made, from its files: `cgroup.procs` (read-write),
-    /// `cgroup.events`, `cgroup.kill`.
-    pub fn from_files(name: &str, procs: OwnedFd, events: OwnedFd, kill: OwnedFd) -> Result<TreeCgroup, Errno> {
-        let name = CString::new(name).map_err(|_| Errno(libc::EINVAL))?;
-        Ok(TreeCgroup { name, procs, events, kill })
+    /// The `n`-th cgroup the host made, from its files: `cgroup.procs`
+    /// (read-write), `cgroup.events`, `cgroup.kill`.
+    pub fn from_files(n: u64, procs: OwnedFd, events: OwnedFd, kill: OwnedFd) -> TreeCgroup {
+        TreeCgroup { name: name(n), procs, events, kill }
     }
 
     /// The live processes of its tree, from its `cgroup.procs`.
@@ -159,6 +158,11 @@ impl TreeCgroup {
     pub fn kill(&self) -> Result<(), Errno> {
         sys::pwrite(self.kill.as_fd(), b"1", 0).map(|_| ())
     }
+}
+
+/// `c<n>`, the name of the `n`-th command cgroup.
+fn name(n: u64) -> CString {
+    CString::new(format!("c{n}")).expect("a number holds no NUL")
 }
 
 /// `populated` of a `cgroup.events` file.

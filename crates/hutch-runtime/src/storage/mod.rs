@@ -988,7 +988,8 @@ fn list_dir(path: &Path) -> Result<Vec<String>, StorageError> {
     Ok(names)
 }
 
-fn fs_type(path: &Path) -> Result<i64, StorageError> {
+/// `statfs.f_type` of the file system holding `path`.
+pub(crate) fn fs_type(path: &Path) -> Result<i64, StorageError> {
     let c = crate::launch::cstr(path).map_err(io_err("statfs", path))?;
     // SAFETY: zeroed is a valid statfs (plain integers).
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
