@@ -21,12 +21,11 @@
 
 use crate::agent::{AgentConn, AgentError};
 use crate::cgroup::Limits;
-use crate::container::{random_id, valid_id, Liveness, Runtime, RuntimeError, Sandbox, KERNEL_CAPS};
+use crate::container::{io_err, listen_at, random_id, valid_id, Liveness, Runtime, RuntimeError, Sandbox, KERNEL_CAPS};
 use hutch_agent::proto::{self, Reply, Request, TenantSpec};
 use std::fs::{self, File};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
-use std::os::unix::net::UnixListener;
 use std::time::{Duration, Instant};
 
 /// Command slots of a host container's agent: all its tenants' together
@@ -69,11 +68,6 @@ pub struct ProcessSpec {
     pub env: Vec<(String, String)>,
 }
 
-fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> RuntimeError {
-    let what = what.into();
-    move |source| RuntimeError::Io { what, source }
-}
-
 impl Runtime {
     /// Makes a process-class sandbox inside `host` (from
     /// [`Runtime::start_host`]). On error nothing of it is left.
@@ -112,8 +106,7 @@ impl Runtime {
     }
 
     fn add_tenant(&self, sb: &Sandbox, host: &Sandbox, spec: &ProcessSpec) -> Result<(), RuntimeError> {
-        let _ = fs::remove_file(&sb.socket);
-        let listener = UnixListener::bind(&sb.socket).map_err(io_err(format!("bind {}", sb.socket.display())))?;
+        let listener = listen_at(&sb.socket)?;
         let mut files: Vec<File> = Vec::new();
         for path in sb.cgroup.command_procs_files() {
             let f = fs::OpenOptions::new().write(true).custom_flags(libc::O_CLOEXEC).open(&path);
