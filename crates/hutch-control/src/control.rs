@@ -330,6 +330,7 @@ impl Set {
             limits_applied: self.limits_applied,
             network: self.network.as_deref(),
             on_node: self.on_node.as_deref(),
+            usage_at: None,
         }
     }
 }
@@ -399,15 +400,9 @@ impl Control {
         let id = id.as_str().to_owned();
         // The one place a sandbox's transitions become events and usage
         // intervals: after the store's conditional update said it happened
-        // (its usage mark in the same trip to the store).
+        // (its usage mark in the same transaction).
         let moved = self
-            .db(move |s| {
-                let moved = s.transition(&id, t.from(), t.to(), &set.changes())?;
-                if let Some(r) = &moved {
-                    Control::usage_mark_in(s, r);
-                }
-                Ok(moved)
-            })
+            .db(move |s| s.transition(&id, t.from(), t.to(), &Changes { usage_at: Some(now_ms()), ..set.changes() }))
             .await?;
         if let Some(r) = &moved {
             self.emit_transition(t, r);

@@ -76,12 +76,20 @@ impl Control {
 
     /// Refuses a create sent to this node while it is draining (or lost:
     /// it is ending what it held). Placement sends creates elsewhere.
+    /// A sandbox's insert reads its node's state in its own transaction
+    /// (`Admitted::NodeClosed`); this looks first, before work that a
+    /// refusal would waste (a snapshot's files pulled from another node).
     pub(crate) async fn refuse_if_draining(&self) -> Result<()> {
         match self.own_node_state().await? {
-            Some(NodeState::Draining) => Err(ControlError::NodeDraining { node: self.node.name.clone(), lost: false }),
-            Some(NodeState::Lost) => Err(ControlError::NodeDraining { node: self.node.name.clone(), lost: true }),
+            Some(state @ (NodeState::Draining | NodeState::Lost)) => Err(self.node_closed(state)),
             Some(NodeState::Active) | None => Ok(()),
         }
+    }
+
+    /// The refusal of a create by this node while it is `state` (draining
+    /// or lost).
+    pub(crate) fn node_closed(&self, state: NodeState) -> ControlError {
+        ControlError::NodeDraining { node: self.node.name.clone(), lost: state == NodeState::Lost }
     }
 
     /// One look at the other nodes' heartbeats (a reconciler tick):

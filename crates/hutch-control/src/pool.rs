@@ -66,10 +66,10 @@ impl Control {
             (now + lifecycle.ttl.as_millis() as i64, now + recipe.max_ttl.as_millis() as i64);
         let lifecycle = *lifecycle;
         let node = self.node.name.clone();
-        // The claim and the usage interval it opens: one trip to the store.
+        // The claim and the usage interval it opens: one transaction.
         let claimed = self
             .db(move |s| {
-                let claimed = s.claim_warm(&hutch_store::Claim {
+                s.claim_warm(&hutch_store::Claim {
                     template_id: &template_id,
                     owner: &owner_s,
                     now,
@@ -83,12 +83,7 @@ impl Control {
                     ttl_s: lifecycle.ttl_s(),
                     paused_ttl_s: lifecycle.paused_ttl_s,
                     node: &node,
-                })?;
-                if let Some(r) = &claimed {
-                    // From now on, its usage is its new owner's.
-                    Self::usage_mark_in(s, r);
-                }
-                Ok(claimed)
+                })
             })
             .await?;
         match &claimed {
@@ -311,7 +306,8 @@ impl Control {
                 tracing::warn!("warm pool of template {} is short: {}", recipe.name, ControlError::Exceeded(e));
                 return;
             }
-            Ok(Admitted::VolumeInUse(_) | Admitted::VolumeGone(_)) => return,
+            // A draining node keeps no pool.
+            Ok(Admitted::VolumeInUse(_) | Admitted::VolumeGone(_) | Admitted::NodeClosed(_)) => return,
             Err(e) => {
                 tracing::warn!("warm pool of template {}: cannot record a sandbox: {e}; retrying", recipe.name);
                 return;

@@ -137,7 +137,6 @@ impl Control {
         if self.is_shutting_down() {
             return Err(ControlError::ShuttingDown);
         }
-        self.refuse_if_draining().await?;
         if let Some(node) = &req.node {
             if !caller.admin {
                 return Err(ControlError::Forbidden("only an admin key may name the node of a sandbox".into()));
@@ -159,6 +158,8 @@ impl Control {
                 return Err(ControlError::Invalid("a sandbox started from a snapshot keeps its files on disk".into()))
             }
             Some(reference) => {
+                // A template's create is refused in its insert's transaction.
+                self.refuse_if_draining().await?;
                 let (snap, recipe) = self.snapshot_recipe(owner, reference).await?;
                 // Its files pulled if they are on another node (see `moves`).
                 self.snapshot_here(&snap).await?;
@@ -383,14 +384,8 @@ impl Control {
         for c in &mut claims {
             c.sandbox_id = record.id.clone();
         }
-        // Its usage interval opens in the same trip to the store.
-        let inserted = self.db(move |s| {
-            let admitted = s.insert_sandbox_claiming(&rec, &admission, &claims)?;
-            if matches!(admitted, Admitted::Inserted) {
-                Control::usage_mark_in(s, &rec);
-            }
-            Ok(admitted)
-        });
+        // Its usage interval opens in the same transaction.
+        let inserted = self.db(move |s| s.insert_sandbox_claiming(&rec, &admission, &claims, Some(now_ms())));
         match inserted.await {
             Ok(Admitted::Inserted) => {
                 self.emit_created(&record);
@@ -399,6 +394,7 @@ impl Control {
             Ok(Admitted::Refused(e)) => return Err(self.refused(owner.as_str(), e)),
             Ok(Admitted::VolumeInUse(v)) => return Err(self.volume_busy(&v).await),
             Ok(Admitted::VolumeGone(v)) => return Err(ControlError::NoVolume(v)),
+            Ok(Admitted::NodeClosed(state)) => return Err(self.node_closed(state)),
             // A concurrent create with the same key won the race.
             Err(ControlError::Store(StoreError::Conflict)) => return self.replayed(owner, key).await,
             Err(e) => return Err(e),

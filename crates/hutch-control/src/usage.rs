@@ -155,16 +155,6 @@ impl Control {
         self.usage_marked(r).await;
     }
 
-    /// Marks `r`'s interval in the store on the blocking thread a caller
-    /// holds already (one trip to the store for a write and its mark); its
-    /// failure is logged, never the caller's. Call [`Control::usage_marked`]
-    /// after it.
-    pub(crate) fn usage_mark_in(s: &dyn hutch_store::Store, r: &SandboxRecord) {
-        if let Err(e) = s.usage_mark(r, now_ms()) {
-            tracing::warn!("usage: sandbox {}: {e}", r.id);
-        }
-    }
-
     /// What follows a mark off the store: a paused or ended sandbox's
     /// counts are flushed.
     pub(crate) async fn usage_marked(&self, r: &SandboxRecord) {

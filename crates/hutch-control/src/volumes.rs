@@ -198,8 +198,8 @@ impl Control {
                 return self.view_volume(&record).await;
             }
             Ok(Admitted::Refused(e)) => self.refused(owner.as_str(), e),
-            Ok(Admitted::VolumeInUse(_) | Admitted::VolumeGone(_)) => {
-                ControlError::Runtime("a volume insert claimed a volume".into())
+            Ok(Admitted::VolumeInUse(_) | Admitted::VolumeGone(_) | Admitted::NodeClosed(_)) => {
+                ControlError::Runtime("a volume insert answered as a sandbox insert".into())
             }
             Err(ControlError::Store(StoreError::Conflict)) => ControlError::VolumeNameTaken(req.name.clone()),
             Err(e) => e,
@@ -276,7 +276,7 @@ impl Control {
         match self.db(move |s| s.resize_volume(&id, size_mib, &admission)).await? {
             Some(Admitted::Inserted) => {}
             Some(Admitted::Refused(e)) => return Err(self.refused(&r.owner, e)),
-            Some(Admitted::VolumeInUse(_) | Admitted::VolumeGone(_)) | None => {
+            Some(Admitted::VolumeInUse(_) | Admitted::VolumeGone(_) | Admitted::NodeClosed(_)) | None => {
                 return Err(ControlError::NoVolume(reference.chars().take(80).collect()))
             }
         }

@@ -400,6 +400,9 @@ pub struct Changes<'a> {
     /// row names this node (a sandbox another node took meanwhile, as a
     /// move does, is not started here).
     pub on_node: Option<&'a str>,
+    /// The sandbox's usage interval follows its new state as of this time
+    /// ([`Store::usage_mark`]), in the transition's transaction.
+    pub usage_at: Option<i64>,
 }
 
 /// A template as stored. Times are Unix milliseconds; lifetimes seconds.
@@ -622,6 +625,9 @@ pub enum Admitted {
     VolumeInUse(String),
     /// A volume it claims was deleted meanwhile (the volume's id).
     VolumeGone(String),
+    /// Its node is draining or lost and takes no new sandbox: read in the
+    /// insert's transaction, so a drain committed first is seen.
+    NodeClosed(NodeState),
 }
 
 /// Everything hutch keeps. Implementations must be safe to share between
@@ -658,16 +664,18 @@ pub trait Store: Send + Sync {
     /// [`StoreError::Conflict`] when its id, or its owner's idempotency
     /// key, is taken.
     fn insert_sandbox(&self, sb: &SandboxRecord, admission: &Admission) -> Result<Admitted> {
-        self.insert_sandbox_claiming(sb, admission, &[])
+        self.insert_sandbox_claiming(sb, admission, &[], None)
     }
     /// [`Store::insert_sandbox`] that also claims volumes, in the same
     /// transaction: refused ([`Admitted::VolumeInUse`]) when a read-write
-    /// claim meets any other live claim of the volume.
+    /// claim meets any other live claim of the volume. With `usage_at`,
+    /// the sandbox's usage interval opens then, in that transaction too.
     fn insert_sandbox_claiming(
         &self,
         sb: &SandboxRecord,
         admission: &Admission,
         claims: &[VolumeClaim],
+        usage_at: Option<i64>,
     ) -> Result<Admitted>;
     fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>>;
     fn sandbox_by_key(&self, owner: &str, key: &str) -> Result<Option<SandboxRecord>>;
@@ -746,8 +754,9 @@ pub trait Store: Send + Sync {
     fn update_template(&self, t: &TemplateRecord, updated_at: i64) -> Result<bool>;
 
     /// Claims the oldest running pooled sandbox of the template's current
-    /// version, in one transaction: it leaves the pool and its lifetime
-    /// starts now. None when the pool has none ready.
+    /// version, in one transaction: it leaves the pool, its lifetime
+    /// starts now and its usage is its claimer's from `claim.now` on.
+    /// None when the pool has none ready.
     fn claim_warm(&self, claim: &Claim<'_>) -> Result<Option<SandboxRecord>>;
     /// Takes a running pooled sandbox out of its pool for draining (state
     /// `terminating`); false when a claim took it first.

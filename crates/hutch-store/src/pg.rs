@@ -756,6 +756,13 @@ fn insert_sandbox_in(c: &mut impl GenericClient, s: &SandboxRecord) -> Result<()
     Ok(())
 }
 
+/// The state of `node` when it takes no new sandbox (draining or lost).
+fn node_closed(c: &mut impl GenericClient, node: &str) -> Result<Option<NodeState>> {
+    let row = c.query_opt("SELECT name, state FROM nodes WHERE name = $1", &[&node])?;
+    let state = row.map(|r| text_enum(&r, 1, "node state", NodeState::parse)).transpose()?;
+    Ok(state.filter(|s| *s != NodeState::Active))
+}
+
 fn open_interval(c: &mut impl GenericClient, subject: &str) -> Result<Option<(i64, UsageInterval)>> {
     c.query_opt(
         &format!("SELECT {USAGE_COLUMNS}, id FROM usage_intervals WHERE subject = $1 AND end_ms IS NULL"),
@@ -777,6 +784,15 @@ fn add_totals(t: &mut Transaction<'_>, owner: &str, r: &UsageRow) -> Result<()> 
 
 /// Replaces `subject`'s open interval by `open` (None: ends it) at `at`,
 /// unless it already bills alike; under the subject's lock.
+/// A sandbox's usage interval follows its record, in the transaction
+/// that wrote the record, when the caller asked for it (`at`).
+fn mark_sandbox_in(t: &mut Transaction<'_>, sb: &SandboxRecord, at: Option<i64>) -> Result<()> {
+    match at {
+        Some(at) => mark_in(t, &sb.id, UsageInterval::of_sandbox(sb, at).as_ref(), at),
+        None => Ok(()),
+    }
+}
+
 fn mark_in(t: &mut Transaction<'_>, subject: &str, open: Option<&UsageInterval>, at: i64) -> Result<()> {
     lock_xact(t, lock::USAGE, subject)?;
     let current = open_interval(t, subject)?;
@@ -931,11 +947,15 @@ impl Store for PgStore {
         s: &SandboxRecord,
         admission: &Admission,
         claims: &[VolumeClaim],
+        usage_at: Option<i64>,
     ) -> Result<Admitted> {
         self.tx(|t| {
             // One admission at a time: the counts read below include what
             // the last holder of the lock inserted.
             t.execute("SELECT pg_advisory_xact_lock($1, 0)", &[&lock::ADMISSION])?;
+            if let Some(closed) = node_closed(t, &s.node)? {
+                return Ok(Admitted::NodeClosed(closed));
+            }
             let asked = Usage { sandboxes: 1, memory_mb: s.memory_mb, disk_mib: s.disk_mib };
             // The host's caps count its own node's sandboxes.
             if let Some(e) = over(Scope::Host, &admission.host, usage_of(t, None, Some(&s.node))?, asked) {
@@ -960,6 +980,7 @@ impl Store for PgStore {
                 )
                 .map_err(conflict)?;
             }
+            mark_sandbox_in(t, s, usage_at)?;
             Ok(Admitted::Inserted)
         })
     }
@@ -990,28 +1011,33 @@ impl Store for PgStore {
             return Ok(None);
         }
         let states: Vec<&str> = from.iter().map(|s| s.as_str()).collect();
-        self.with(|c| {
-            c.query_opt(
-                &format!(
-                    "UPDATE sandboxes SET state = $2, \
-                     last_error_code = COALESCE($3, last_error_code), host_pid = COALESCE($4, host_pid), \
-                     limits_applied = COALESCE($5, limits_applied), network = COALESCE($6, network) \
-                     WHERE id = $1 AND state = ANY($7) AND ($8::text IS NULL OR node = $8) \
-                     RETURNING {SANDBOX_COLUMNS}"
-                ),
-                &[
-                    &id,
-                    &to.as_str(),
-                    &ch.last_error_code,
-                    &ch.host_pid,
-                    &ch.limits_applied,
-                    &ch.network,
-                    &states,
-                    &ch.on_node,
-                ],
-            )?
-            .map(|r| sandbox_row(&r))
-            .transpose()
+        self.tx(|t| {
+            let moved = t
+                .query_opt(
+                    &format!(
+                        "UPDATE sandboxes SET state = $2, \
+                         last_error_code = COALESCE($3, last_error_code), host_pid = COALESCE($4, host_pid), \
+                         limits_applied = COALESCE($5, limits_applied), network = COALESCE($6, network) \
+                         WHERE id = $1 AND state = ANY($7) AND ($8::text IS NULL OR node = $8) \
+                         RETURNING {SANDBOX_COLUMNS}"
+                    ),
+                    &[
+                        &id,
+                        &to.as_str(),
+                        &ch.last_error_code,
+                        &ch.host_pid,
+                        &ch.limits_applied,
+                        &ch.network,
+                        &states,
+                        &ch.on_node,
+                    ],
+                )?
+                .map(|r| sandbox_row(&r))
+                .transpose()?;
+            if let Some(r) = &moved {
+                mark_sandbox_in(t, r, ch.usage_at)?;
+            }
+            Ok(moved)
         })
     }
 
@@ -1216,6 +1242,11 @@ impl Store for PgStore {
 
     fn claim_warm(&self, cl: &Claim<'_>) -> Result<Option<SandboxRecord>> {
         self.tx(|t| {
+            // A draining node's pool is drained; a claim racing the drain
+            // takes nothing (the insert that follows is refused).
+            if node_closed(t, cl.node)?.is_some() {
+                return Ok(None);
+            }
             // The template's row first: no new version commits until this
             // claim does, and the version read below is the latest.
             if t.query_opt("SELECT 1 FROM templates WHERE id = $1 FOR SHARE", &[&cl.template_id])?.is_none() {
@@ -1232,28 +1263,33 @@ impl Store for PgStore {
                 return Ok(None);
             };
             let id: String = row.try_get(0)?;
-            t.query_opt(
-                &format!(
-                    "UPDATE sandboxes SET pooled = FALSE, created_at = $2, expires_at = $3, max_expires_at = $4, \
+            let claimed = t
+                .query_opt(
+                    &format!(
+                        "UPDATE sandboxes SET pooled = FALSE, created_at = $2, expires_at = $3, max_expires_at = $4, \
                      metadata = $5, idempotency_key = $6, request_hash = $7, on_expire = $8, ttl_s = $9, \
                      paused_ttl_s = $10 WHERE id = $1 RETURNING {SANDBOX_COLUMNS}"
-                ),
-                &[
-                    &id,
-                    &cl.now,
-                    &cl.expires_at,
-                    &cl.max_expires_at,
-                    &cl.metadata,
-                    &cl.idempotency_key,
-                    &cl.request_hash,
-                    &cl.on_expire.as_str(),
-                    &opt_i64(cl.ttl_s),
-                    &opt_i64(cl.paused_ttl_s),
-                ],
-            )
-            .map_err(conflict)?
-            .map(|r| sandbox_row(&r))
-            .transpose()
+                    ),
+                    &[
+                        &id,
+                        &cl.now,
+                        &cl.expires_at,
+                        &cl.max_expires_at,
+                        &cl.metadata,
+                        &cl.idempotency_key,
+                        &cl.request_hash,
+                        &cl.on_expire.as_str(),
+                        &opt_i64(cl.ttl_s),
+                        &opt_i64(cl.paused_ttl_s),
+                    ],
+                )
+                .map_err(conflict)?
+                .map(|r| sandbox_row(&r))
+                .transpose()?;
+            if let Some(r) = &claimed {
+                mark_sandbox_in(t, r, Some(cl.now))?;
+            }
+            Ok(claimed)
         })
     }
 
@@ -1937,19 +1973,7 @@ impl Store for PgStore {
     }
 
     fn usage_mark(&self, sb: &SandboxRecord, at: i64) -> Result<()> {
-        let open = UsageKind::of_state(sb.state).map(|kind| UsageInterval {
-            owner: sb.owner.clone(),
-            kind,
-            subject: sb.id.clone(),
-            sandbox_id: Some(sb.id.clone()),
-            template: Some(sb.template.clone()),
-            memory_mb: sb.memory_mb,
-            vcpus: sb.vcpus,
-            size_bytes: sb.disk_mib << 20,
-            start: at,
-            end: None,
-        });
-        self.tx(|t| mark_in(t, &sb.id, open.as_ref(), at))
+        self.tx(|t| mark_in(t, &sb.id, UsageInterval::of_sandbox(sb, at).as_ref(), at))
     }
 
     fn usage_mark_object(&self, open: Option<&UsageInterval>, subject: &str, at: i64) -> Result<()> {

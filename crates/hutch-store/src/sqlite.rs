@@ -525,6 +525,16 @@ fn usage_in(c: &Connection, owner: Option<&str>) -> Result<Usage> {
 
 /// What the sandboxes of `owner` (None: everyone's) on `node` (None: every
 /// node) hold, with the owner's volumes.
+/// The state of `node` when it takes no new sandbox (draining or lost).
+fn node_closed(c: &Connection, node: &str) -> Result<Option<NodeState>> {
+    let state = c
+        .query_row_c("SELECT name, state FROM nodes WHERE name = ?1", [node], |r| {
+            parsed(r, 1, "node state", NodeState::parse)
+        })
+        .optional()?;
+    Ok(state.filter(|s| *s != NodeState::Active))
+}
+
 fn usage_of(c: &Connection, owner: Option<&str>, node: Option<&str>) -> Result<Usage> {
     Ok(c.query_row_c(
         &format!(
@@ -753,23 +763,39 @@ pub(crate) fn bills_alike(a: &UsageInterval, b: &UsageInterval) -> bool {
 /// unless it already bills alike.
 fn mark_in(c: &mut Connection, subject: &str, open: Option<UsageInterval>, at: i64) -> Result<()> {
     let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-    let current = open_interval(&tx, subject)?;
+    if mark_tx(&tx, subject, open, at)? {
+        tx.commit()?;
+    }
+    Ok(())
+}
+
+/// [`mark_in`] in the caller's transaction: true when it wrote.
+fn mark_tx(tx: &Connection, subject: &str, open: Option<UsageInterval>, at: i64) -> Result<bool> {
+    let current = open_interval(tx, subject)?;
     match (&current, &open) {
-        (Some((_, cur)), Some(new)) if bills_alike(cur, new) => return Ok(()),
-        (None, None) => return Ok(()),
+        (Some((_, cur)), Some(new)) if bills_alike(cur, new) => return Ok(false),
+        (None, None) => return Ok(false),
         _ => {}
     }
     let mut start = at;
     if let Some((id, cur)) = &current {
-        close_interval(&tx, *id, cur, at)?;
+        close_interval(tx, *id, cur, at)?;
         start = at.max(cur.start);
     }
     if let Some(mut new) = open {
         new.start = start;
         new.end = None;
-        insert_interval(&tx, &new)?;
+        insert_interval(tx, &new)?;
     }
-    tx.commit()?;
+    Ok(true)
+}
+
+/// A sandbox's usage interval follows its record, in the transaction
+/// that wrote the record, when the caller asked for it (`at`).
+fn mark_sandbox_tx(tx: &Connection, sb: &SandboxRecord, at: Option<i64>) -> Result<()> {
+    if let Some(at) = at {
+        mark_tx(tx, &sb.id, UsageInterval::of_sandbox(sb, at), at)?;
+    }
     Ok(())
 }
 
@@ -912,11 +938,15 @@ impl Store for SqliteStore {
         s: &SandboxRecord,
         admission: &Admission,
         claims: &[VolumeClaim],
+        usage_at: Option<i64>,
     ) -> Result<Admitted> {
         self.with(|c| {
             // IMMEDIATE: the usage read and the insert are one writer's, so
             // two creates cannot both fit under the last free unit.
             let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+            if let Some(closed) = node_closed(&tx, &s.node)? {
+                return Ok(Admitted::NodeClosed(closed));
+            }
             let asked = Usage { sandboxes: 1, memory_mb: s.memory_mb, disk_mib: s.disk_mib };
             // The host's caps count its own node's sandboxes.
             let host = usage_of(&tx, None, Some(&s.node))?;
@@ -947,6 +977,7 @@ impl Store for SqliteStore {
                 )
                 .map_err(conflict)?;
             }
+            mark_sandbox_tx(&tx, s, usage_at)?;
             tx.commit()?;
             Ok(Admitted::Inserted)
         })
@@ -997,6 +1028,9 @@ impl Store for SqliteStore {
                 return Ok(None);
             }
             let r = get_sandbox_in(&tx, id)?;
+            if let Some(r) = &r {
+                mark_sandbox_tx(&tx, r, ch.usage_at)?;
+            }
             tx.commit()?;
             Ok(r)
         })
@@ -1486,6 +1520,11 @@ impl Store for SqliteStore {
     fn claim_warm(&self, cl: &Claim<'_>) -> Result<Option<SandboxRecord>> {
         self.with(|c| {
             let tx = c.transaction()?;
+            // A draining node's pool is drained; a claim racing the drain
+            // takes nothing (the insert that follows is refused).
+            if node_closed(&tx, cl.node)?.is_some() {
+                return Ok(None);
+            }
             // The version is read in the same transaction: a sandbox of an
             // older version is never claimed, whatever raced with us.
             let id: Option<String> = tx
@@ -1511,6 +1550,9 @@ impl Store for SqliteStore {
             )
             .map_err(conflict)?;
             let r = get_sandbox_in(&tx, &id)?;
+            if let Some(r) = &r {
+                mark_sandbox_tx(&tx, r, Some(cl.now))?;
+            }
             tx.commit()?;
             Ok(r)
         })
@@ -1694,19 +1736,7 @@ impl Store for SqliteStore {
     }
 
     fn usage_mark(&self, sb: &SandboxRecord, at: i64) -> Result<()> {
-        let open = UsageKind::of_state(sb.state).map(|kind| UsageInterval {
-            owner: sb.owner.clone(),
-            kind,
-            subject: sb.id.clone(),
-            sandbox_id: Some(sb.id.clone()),
-            template: Some(sb.template.clone()),
-            memory_mb: sb.memory_mb,
-            vcpus: sb.vcpus,
-            size_bytes: sb.disk_mib << 20,
-            start: at,
-            end: None,
-        });
-        self.with(|c| mark_in(c, &sb.id, open, at))
+        self.with(|c| mark_in(c, &sb.id, UsageInterval::of_sandbox(sb, at), at))
     }
 
     fn usage_mark_object(&self, open: Option<&UsageInterval>, subject: &str, at: i64) -> Result<()> {

@@ -526,7 +526,8 @@ fn volume_claims_are_one_writer_or_many_readers_and_end_with_their_sandbox(s: &B
     assert_eq!(s.insert_volume(&volume("v3", "k2", "data", 64), &free).expect("insert"), Admitted::Inserted);
     // Its node is kept: its routes are answered there.
     assert_eq!(s.volume_by_name("k2", "data").expect("get").map(|v| v.node).as_deref(), Some("n1"));
-    let claiming = |id: &str, ro: bool| s.insert_sandbox_claiming(&sandbox(id, 1), &free, &[vclaim("v1", id, ro)]);
+    let claiming =
+        |id: &str, ro: bool| s.insert_sandbox_claiming(&sandbox(id, 1), &free, &[vclaim("v1", id, ro)], None);
     assert_eq!(claiming("w1", false).expect("w1"), Admitted::Inserted);
     // A second writer, or a reader beside the writer: refused, not inserted.
     assert_eq!(claiming("w2", false).expect("w2"), Admitted::VolumeInUse("v1".into()));
@@ -790,6 +791,51 @@ fn usage_follows_transitions_and_open_intervals_end_now(s: &Backend) {
     assert_eq!(w[0].group.as_deref(), Some("a"));
     assert_eq!(w[0].memory_mib_seconds, 512.0 * 3.0);
     assert_eq!(w[0].paused_seconds, 0.0);
+}
+
+/// An insert, a claim and a transition asked to (`usage_at`) move the
+/// ledger in their own transaction: what a separate `usage_mark` at the
+/// same time would have written; without it they leave the ledger alone.
+fn a_state_change_marks_its_usage_in_its_own_transaction(s: &Backend) {
+    let open = |s: &Backend| {
+        let mut v = s.usage_open_subjects().expect("open");
+        v.sort_by(|a, b| a.1.cmp(&b.1));
+        v
+    };
+    let starting = SandboxRecord { state: SandboxState::Starting, ..sandbox("a", 0) };
+    assert_eq!(
+        s.insert_sandbox_claiming(&starting, &Admission::default(), &[], Some(1_000)).expect("insert"),
+        Admitted::Inserted
+    );
+    assert_eq!(open(s), [(UsageKind::Held, "a".to_owned())]);
+    // Without usage_at nothing moves.
+    let run = |at| Changes { usage_at: at, ..Changes::default() };
+    s.insert_sandbox_free(&SandboxRecord { state: SandboxState::Starting, ..sandbox("b", 0) }).expect("insert");
+    assert!(s.transition("b", &[SandboxState::Starting], SandboxState::Running, &run(None)).expect("t").is_some());
+    assert_eq!(open(s), [(UsageKind::Held, "a".to_owned())]);
+    // Running from 3 s to 13 s: 10 s of 512 MiB and one vCPU.
+    let r = s.transition("a", &[SandboxState::Starting], SandboxState::Running, &run(Some(3_000))).expect("t");
+    assert_eq!(r.map(|r| r.state), Some(SandboxState::Running));
+    assert_eq!(open(s), [(UsageKind::Running, "a".to_owned())]);
+    // A transition that does not happen writes nothing.
+    assert!(s.transition("a", &[SandboxState::Paused], SandboxState::Running, &run(Some(5_000))).expect("t").is_none());
+    assert!(s
+        .transition("a", &[SandboxState::Running], SandboxState::Terminated, &run(Some(13_000)))
+        .expect("t")
+        .is_some());
+    assert!(open(s).is_empty());
+    let rows = report(s, Some("k1"), 0, 100_000, 99_000, UsageGroup::Sandbox);
+    let a = rows.iter().find(|r| r.group.as_deref() == Some("a")).expect("a's row");
+    assert_eq!((a.memory_mib_seconds, a.vcpu_seconds), (512.0 * 10.0, 10.0));
+    // A claim makes a pooled sandbox's usage its claimer's from the claim on.
+    s.insert_template(&template("tpl-1", 1)).expect("insert");
+    s.insert_sandbox_free(&pooled("warm", 1, 1)).expect("insert");
+    let got = s.claim_warm(&claim(20_000)).expect("claim").expect("one ready");
+    assert_eq!(got.id, "warm");
+    assert_eq!(open(s), [(UsageKind::Running, "warm".to_owned())]);
+    let rows = report(s, Some("k1"), 0, 100_000, 21_000, UsageGroup::Sandbox);
+    let w = rows.iter().find(|r| r.group.as_deref() == Some("warm")).expect("warm's row");
+    assert_eq!(w.vcpu_seconds, 1.0);
 }
 
 fn usage_by_day_splits_at_utc_midnight(s: &Backend) {
@@ -1084,6 +1130,32 @@ fn a_drained_node_stays_draining_across_a_restart(s: &Backend) {
     assert!(s.mark_node_lost(&loss("a", 31)).expect("lost").is_some());
     assert!(!s.set_node_state("a", &active, NodeState::Draining).expect("drain lost"));
     assert!(!s.set_node_state("a", &draining, NodeState::Active).expect("undrain lost"));
+}
+
+/// A node that drains (or is lost) takes no sandbox: its insert reads the
+/// node's state in its own transaction, and a claim of its pool takes
+/// nothing. A node the store does not know (one daemon, no fleet) is open.
+fn a_closed_node_takes_no_sandbox_in_the_inserts_transaction(s: &Backend) {
+    let on = |node: &str, id: &str| SandboxRecord { node: node.into(), ..sandbox(id, 1) };
+    assert_eq!(s.insert_sandbox(&on("solo", "s1"), &Admission::default()).expect("insert"), Admitted::Inserted);
+    s.register_node(&node("a", 10)).expect("register");
+    s.insert_template(&template("tpl-1", 1)).expect("insert");
+    s.insert_sandbox_free(&SandboxRecord { node: "a".into(), ..pooled("ap", 2, 1) }).expect("insert");
+    assert!(s.set_node_state("a", &[NodeState::Active], NodeState::Draining).expect("drain"));
+    assert_eq!(
+        s.insert_sandbox(&on("a", "a1"), &Admission::default()).expect("insert"),
+        Admitted::NodeClosed(NodeState::Draining)
+    );
+    assert!(s.get_sandbox("a1").expect("get").is_none(), "nothing of a refused insert is kept");
+    assert_eq!(s.claim_warm(&Claim { node: "a", ..claim(20) }).expect("claim"), None);
+    assert!(s.set_node_state("a", &[NodeState::Draining], NodeState::Active).expect("undrain"));
+    assert_eq!(s.claim_warm(&Claim { node: "a", ..claim(21) }).expect("claim").map(|r| r.id), Some("ap".into()));
+    assert_eq!(s.insert_sandbox(&on("a", "a2"), &Admission::default()).expect("insert"), Admitted::Inserted);
+    assert!(s.mark_node_lost(&loss("a", 31)).expect("lost").is_some());
+    assert_eq!(
+        s.insert_sandbox(&on("a", "a3"), &Admission::default()).expect("insert"),
+        Admitted::NodeClosed(NodeState::Lost)
+    );
 }
 
 fn a_node_sees_only_its_own_sandboxes_where_it_acts(s: &Backend) {
@@ -1401,6 +1473,7 @@ on_both_backends!(
     events_list_oldest_first_filtered_and_pruned,
     deliveries_are_made_with_their_events_for_matching_webhooks,
     usage_follows_transitions_and_open_intervals_end_now,
+    a_state_change_marks_its_usage_in_its_own_transaction,
     usage_by_day_splits_at_utc_midnight,
     usage_counts_objects_and_a_lost_sandbox,
     usage_totals_say_what_the_whole_ledger_says,
@@ -1413,6 +1486,7 @@ on_both_backends!(
     a_node_sees_only_its_own_sandboxes_where_it_acts,
     a_lost_node_loses_its_live_sandboxes_and_notes_its_paused_ones,
     a_drained_node_stays_draining_across_a_restart,
+    a_closed_node_takes_no_sandbox_in_the_inserts_transaction,
     pushes_are_kept_and_a_paused_sandbox_moves_to_one_node_only,
 );
 

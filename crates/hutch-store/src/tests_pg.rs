@@ -141,7 +141,7 @@ fn two_daemons_never_both_claim_a_volume_read_write() {
             .filter(|n| {
                 let id = format!("sb-{i}-{n}");
                 let r = SandboxRecord { idempotency_key: None, ..sandbox(&id, 1) };
-                let got = s.insert_sandbox_claiming(&r, &Admission::default(), &[vclaim("v1", &id, false)]);
+                let got = s.insert_sandbox_claiming(&r, &Admission::default(), &[vclaim("v1", &id, false)], None);
                 got.expect("insert") == Admitted::Inserted
             })
             .count()

@@ -64,6 +64,25 @@ pub struct UsageInterval {
     pub end: Option<i64>,
 }
 
+impl UsageInterval {
+    /// The interval a sandbox's record bills from `at` on; None once it
+    /// ended (see [`crate::Store::usage_mark`]).
+    pub fn of_sandbox(sb: &crate::SandboxRecord, at: i64) -> Option<UsageInterval> {
+        UsageKind::of_state(sb.state).map(|kind| UsageInterval {
+            owner: sb.owner.clone(),
+            kind,
+            subject: sb.id.clone(),
+            sandbox_id: Some(sb.id.clone()),
+            template: Some(sb.template.clone()),
+            memory_mb: sb.memory_mb,
+            vcpus: sb.vcpus,
+            size_bytes: sb.disk_mib << 20,
+            start: at,
+            end: None,
+        })
+    }
+}
+
 /// Commands and egress of one sandbox, counted since the last flush.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UsageCount {
