@@ -440,7 +440,7 @@ impl Control {
         }
         let Some(claims) = self.check_grant(secret).await? else { return Ok(None) };
         let scope = GrantScope { sandbox: claims.sandbox, scopes: claims.scopes, expires_at: claims.expires_at };
-        Ok(Some(Caller { owner: claims.key, admin: false, grant: Some(Arc::new(scope)) }))
+        Ok(Some(Caller { grant: Some(Arc::new(scope)), ..Caller::key(claims.key, false) }))
     }
 
     /// A grant token's claims if its MAC checks under its key's current
@@ -564,7 +564,7 @@ mod tests {
             scopes: scopes(&["exec", "ports:8000"]).expect("scopes"),
             expires_at: now_ms() + 60_000,
         };
-        let c = Caller { owner: OwnerId::from_record("key-0123456789ab"), admin: false, grant: Some(Arc::new(g)) };
+        let c = Caller { grant: Some(Arc::new(g)), ..Caller::key(OwnerId::from_record("key-0123456789ab"), false) };
         let me = "sb-0123456789abcdef";
         assert!(c.admit(Operation::Read(me)).is_ok());
         assert!(c.admit(Operation::Exec(me)).is_ok());

@@ -312,16 +312,16 @@ impl Control {
     }
 
     /// Takes one sample of a running sandbox now.
-    pub(crate) async fn sample_one(&self, id: &SandboxId) {
-        let Some(live) = self.live(id) else { return };
-        let Ok(Some(r)) = self.sandbox_record(id).await else { return };
+    pub(crate) async fn sample_one(&self, r: &hutch_store::SandboxRecord) {
+        let id = SandboxId::from_record(&r.id);
+        let Some(live) = self.live(&id) else { return };
         let usage = tokio::task::spawn_blocking(move || {
             let guard = live.handle.lock().ok()?;
             guard.as_ref().map(|sb| sb.usage())
         })
         .await;
         let Ok(Some(u)) = usage else { return };
-        self.history.sample(id, now_ms(), r.created_at, u.cpu_ns, sample_of(r.vcpus, r.memory_mb, &u), true);
+        self.history.sample(&id, now_ms(), r.created_at, u.cpu_ns, sample_of(r.vcpus, r.memory_mb, &u), true);
     }
 
     /// The samples of a sandbox of the caller between two instants (Unix

@@ -158,6 +158,10 @@ pub struct Caller {
     pub owner: OwnerId,
     pub admin: bool,
     pub grant: Option<std::sync::Arc<crate::grants::GrantScope>>,
+    /// The key's quotas as this request's authentication read them; None
+    /// where it read none (a grant, the daemon acting for an owner), and
+    /// [`Control::quotas_of`](crate::Control) reads them then.
+    pub quotas: Option<hutch_store::Quotas>,
 }
 
 /// Which owners a listing covers.
@@ -171,7 +175,7 @@ pub enum Owners {
 impl Caller {
     /// The caller an API key makes.
     pub fn key(owner: OwnerId, admin: bool) -> Caller {
-        Caller { owner, admin, grant: None }
+        Caller { owner, admin, grant: None, quotas: None }
     }
 
     /// The owners a listing of this caller covers: its own, or with

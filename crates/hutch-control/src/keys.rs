@@ -149,7 +149,7 @@ impl Control {
     pub async fn authenticate(&self, secret: &str) -> Result<Option<Caller>> {
         let secret = secret.to_owned();
         let key = self.db(move |s| authenticate(s, &secret)).await?;
-        Ok(key.map(|k| Caller::key(OwnerId::from_record(&k.id), k.admin)))
+        Ok(key.map(|k| Caller { quotas: Some(k.quotas), ..Caller::key(OwnerId::from_record(&k.id), k.admin) }))
     }
 
     pub async fn create_key(&self, caller: &Caller, req: &CreateKey) -> Result<ApiKey> {

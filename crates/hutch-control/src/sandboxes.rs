@@ -80,6 +80,15 @@ fn too_big(resource: Resource, limit: u64, asked: u64) -> ControlError {
 }
 
 impl Control {
+    /// The caller's quotas: as its authentication read them, else from
+    /// the store ([`Control::quotas_of`]).
+    pub(crate) async fn caller_quotas(&self, caller: &Caller) -> Result<Quotas> {
+        match caller.quotas {
+            Some(q) => Ok(q),
+            None => self.quotas_of(&caller.owner).await,
+        }
+    }
+
     /// The quotas of a live key; a revoked or unknown one is refused.
     pub(crate) async fn quotas_of(&self, owner: &OwnerId) -> Result<Quotas> {
         let id = owner.as_str().to_owned();
@@ -276,7 +285,7 @@ impl Control {
         // Volumes: paths checked and each one the owner's, before anything
         // is reserved (claimed with the record, below).
         let mut claims = self.volume_claims_for(owner, "", &req.volumes).await?;
-        let quotas = self.quotas_of(owner).await?;
+        let quotas = self.caller_quotas(caller).await?;
         Self::check_ttl(&quotas, ttl).map_err(|e| self.quota_refusal(owner.as_str(), e))?;
         let admission = self.admission(quotas, memory, disk)?;
         let hash = request_hash(req);
@@ -756,7 +765,7 @@ impl Control {
                 if recipe.startup.is_some() {
                     self.log(&id, crate::history::LogLevel::Info, "startup command running", &[]);
                 }
-                self.sample_one(&id).await;
+                self.sample_one(&r).await;
                 Ok(r)
             }
             None => {
@@ -816,8 +825,12 @@ impl Control {
         if r.state == SandboxState::Terminated {
             return Ok(view(&r));
         }
-        self.destroy(id, None).await?;
-        Ok(view(&self.record(caller, id, Need::Manage).await?))
+        // The record as the teardown left it; read again when someone else
+        // moved it meanwhile.
+        match self.destroy_record(r, None).await? {
+            Some(ended) => Ok(view(&ended)),
+            None => Ok(view(&self.record(caller, id, Need::Manage).await?)),
+        }
     }
 
     /// Marks a sandbox terminating, destroys it, marks it terminated. A
@@ -825,18 +838,30 @@ impl Control {
     /// and its boot tears down what it made.
     pub(crate) async fn destroy(self: &Arc<Self>, id: &SandboxId, reason: Option<Reason>) -> Result<()> {
         let Some(r) = self.sandbox_record(id).await? else { return Ok(()) };
+        self.destroy_record(r, reason).await.map(|_| ())
+    }
+
+    /// [`Control::destroy`] of the record just read; the record its last
+    /// transition wrote, None where this call did not write it (another
+    /// teardown runs, or the sandbox was still starting).
+    async fn destroy_record(
+        self: &Arc<Self>,
+        r: SandboxRecord,
+        reason: Option<Reason>,
+    ) -> Result<Option<SandboxRecord>> {
+        let id = &SandboxId::from_record(&r.id);
         if r.state == SandboxState::Terminated {
-            return Ok(());
+            return Ok(None);
         }
         if r.state == SandboxState::Starting && self.live(id).is_none() {
             self.cancel(id);
             self.transition(id, Transition::Terminate, Set::reason(reason)).await?;
-            return Ok(());
+            return Ok(None);
         }
         // One teardown at a time: a second call while one runs (the
         // reconciler's retry of the `terminating` row a delete just wrote)
         // leaves it to the first, which marks it terminated.
-        let Some(_ending) = self.ending.claim(id) else { return Ok(()) };
+        let Some(_ending) = self.ending.claim(id) else { return Ok(None) };
         // Already terminating (a retry, or a drain): go on with the teardown.
         let t0 = Instant::now();
         self.transition(id, Transition::Terminate, Set::reason(reason)).await?;
@@ -847,10 +872,10 @@ impl Control {
             return Err(e);
         }
         let t0 = Instant::now();
-        self.transition(id, Transition::Finish, Set::default()).await?;
+        let ended = self.transition(id, Transition::Finish, Set::default()).await?;
         crate::timing::mark("finish", t0);
         self.release_origin(r.origin.clone()).await;
-        Ok(())
+        Ok(ended)
     }
 
     /// The host's part of a sandbox's end, the one teardown of a delete and

@@ -156,11 +156,42 @@ impl Control {
     }
 
     /// What follows a mark off the store: a paused or ended sandbox's
-    /// counts are flushed.
+    /// counts are written.
     pub(crate) async fn usage_marked(&self, r: &SandboxRecord) {
         if matches!(r.state, SandboxState::Paused | SandboxState::Terminated) {
-            // Its counts so far, without reading every live link again.
-            self.flush_counted(false).await;
+            self.flush_own(r).await;
+        }
+    }
+
+    /// Writes the counts of `r` (paused or ended) so far, with its owner
+    /// and template as its record says; other sandboxes' counts wait for
+    /// the next [`Control::flush_usage`]. Nothing counted, nothing written.
+    /// Reading every live link, or every counted sandbox's record, here
+    /// would make each end cost as much as the sandboxes alive.
+    async fn flush_own(&self, r: &SandboxRecord) {
+        let _one = self.meter.flushing.lock().await;
+        if let Ok(n) = &self.network {
+            // The bytes of links released since the last flush (its own
+            // among them): a lock and a take, no link read.
+            for (id, b) in n.take_egress(false) {
+                self.meter.add(&id, 0, b);
+            }
+        }
+        let taken = self.meter.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&r.id);
+        let Some((commands, egress_bytes)) = taken else { return };
+        let now = now_ms();
+        let count = UsageCount {
+            owner: r.owner.clone(),
+            sandbox_id: r.id.clone(),
+            template: r.template.clone(),
+            at: now,
+            commands,
+            egress_bytes,
+        };
+        let node = self.node.name.clone();
+        if let Err(e) = self.db(move |s| s.usage_flush(std::slice::from_ref(&count), &node, now)).await {
+            tracing::warn!("usage: counts of {} not written ({e}); retrying with the next flush", r.id);
+            self.meter.add(&r.id, commands, egress_bytes);
         }
     }
 
@@ -182,18 +213,10 @@ impl Control {
     /// Writes what was counted (commands, and the bytes each sandbox's link
     /// received since the last read) and the daemon's liveness clock.
     pub async fn flush_usage(&self) {
-        self.flush_counted(true).await
-    }
-
-    /// [`Control::flush_usage`]; with `read_links` false, of the links
-    /// only those of sandboxes released since (a pause or an end writes
-    /// its own counts: reading every live link there would make each end
-    /// cost as much as the sandboxes alive).
-    async fn flush_counted(&self, read_links: bool) {
         let _one = self.meter.flushing.lock().await;
         if let Ok(n) = &self.network {
             let n = n.clone();
-            if let Ok(bytes) = tokio::task::spawn_blocking(move || n.take_egress(read_links)).await {
+            if let Ok(bytes) = tokio::task::spawn_blocking(move || n.take_egress(true)).await {
                 for (id, b) in bytes {
                     self.meter.add(&id, 0, b);
                 }

@@ -555,7 +555,7 @@ impl Control {
         };
         let log = Log::create(&store.build_log(&record.id))
             .map_err(|e| ControlError::Runtime(format!("build log {}: {e}", record.id)))?;
-        let quotas = self.quotas_of(&caller.owner).await?;
+        let quotas = self.caller_quotas(caller).await?;
         let rec = record.clone();
         if !self.db(move |s| s.insert_build(&rec, quotas.builds)).await? {
             let limit = quotas.builds.unwrap_or(0);
