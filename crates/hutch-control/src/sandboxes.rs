@@ -765,7 +765,9 @@ impl Control {
                 if recipe.startup.is_some() {
                     self.log(&id, crate::history::LogLevel::Info, "startup command running", &[]);
                 }
-                self.sample_one(&r).await;
+                // Its first metrics sample, off the create's path.
+                let (this, first) = (self.clone(), r.clone());
+                tokio::spawn(async move { this.sample_one(&first).await });
                 Ok(r)
             }
             None => {
