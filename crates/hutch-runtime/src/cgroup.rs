@@ -858,7 +858,7 @@ impl Cgroup {
     pub fn populated(&self) -> io::Result<bool> {
         let mut first_err = None;
         for d in &self.dirs {
-            match dir_populated(d, 0) {
+            match dir_populated(d, 0, &self.dirs) {
                 Ok(true) => return Ok(true),
                 Ok(false) => {}
                 Err(e) => {
@@ -880,8 +880,9 @@ impl Cgroup {
 
 /// Whether a cgroup directory or one below it holds a process (see
 /// [`Cgroup::populated`]). v2 says so for the whole subtree in
-/// `cgroup.events`; v1 needs `cgroup.procs` of each directory.
-fn dir_populated(dir: &Path, depth: u32) -> io::Result<bool> {
+/// `cgroup.events`; v1 needs `cgroup.procs` of each directory. A child in
+/// `own` (the caller checks each of those itself) is not walked again.
+fn dir_populated(dir: &Path, depth: u32, own: &[PathBuf]) -> io::Result<bool> {
     // A directory that is gone holds nothing; any other error says nothing.
     let gone = |e: io::Error| -> io::Result<bool> {
         match fs::symlink_metadata(dir) {
@@ -919,7 +920,11 @@ fn dir_populated(dir: &Path, depth: u32) -> io::Result<bool> {
     };
     for entry in entries {
         let entry = entry?;
-        if entry.file_type()?.is_dir() && dir_populated(&entry.path(), depth + 1)? {
+        if !entry.file_type()?.is_dir() {
+            continue;
+        }
+        let child = entry.path();
+        if !own.contains(&child) && dir_populated(&child, depth + 1, own)? {
             return Ok(true);
         }
     }
@@ -1349,6 +1354,10 @@ mod tests {
         assert!(cg(&["live"]).populated().expect("read"));
         assert!(!cg(&["empty"]).populated().expect("read"));
         assert!(cg(&["nested"]).populated().expect("read"), "a process in a child cgroup counts");
+        assert!(
+            cg(&["nested", "nested/workload"]).populated().expect("read"),
+            "a child the cgroup lists is checked once, on its own"
+        );
         assert!(cg(&["v2live"]).populated().expect("read"));
         assert!(!cg(&["v2dead"]).populated().expect("read"), "cgroup.events is the v2 verdict");
         assert!(!cg(&["gone"]).populated().expect("a removed cgroup holds nothing"));
