@@ -13,7 +13,8 @@ For each class prints:
     sandbox, so each is a claim), beside the peer: a fork+exec of
     /bin/true from this process, in the same run;
   - 1,000 sandboxes created, each running `true`, and deleted, by 8 client
-    threads: the wall time.
+    threads: the wall time, and the daemon's CPU time (user + system, all
+    its threads) per sandbox.
 
 Goals (issue 14): process class create -> first exec <= 1 ms server-side,
 and 1,000 in <= 1 s. Run as root:
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -96,6 +98,12 @@ def warm_rounds(s, base: str, cls: str, n: int) -> list:
         s.delete(f"{base}/v1/templates/{tpl['id']}", timeout=TIMEOUT)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its threads so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--binary", type=Path, default=RELEASE)
@@ -152,13 +160,16 @@ def main() -> int:
 
             wall = None
             if args.fanout:
+                cpu0 = cpu_seconds(d.proc.pid)
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(args.threads) as pool:
                     fan = list(pool.map(one, range(args.fanout)))
                 wall = time.perf_counter() - t0
+                cpu = cpu_seconds(d.proc.pid) - cpu0
                 print(f"  {args.fanout} created + `true` + deleted, {args.threads} clients: {wall:.2f} s "
                       f"({args.fanout / wall:.0f}/s); create -> first exec median "
-                      f"{ms(statistics.median([r[1] for r in fan]))} ms")
+                      f"{ms(statistics.median([r[1] for r in fan]))} ms; daemon CPU per sandbox "
+                      f"{cpu * 1000 / args.fanout:.2f} ms")
                 for name, xs in server_rows(fan):
                     print(f"    fan-out {name:22} median {ms(statistics.median(xs))} ms")
             srv = dict(server_rows(rounds)).get("server: create + exec")
