@@ -785,12 +785,20 @@ fn add_totals(t: &mut Transaction<'_>, owner: &str, r: &UsageRow) -> Result<()> 
 /// Replaces `subject`'s open interval by `open` (None: ends it) at `at`,
 /// unless it already bills alike; under the subject's lock.
 /// A sandbox's usage interval follows its record, in the transaction
-/// that wrote the record, when the caller asked for it (`at`).
+/// that wrote the record, when the caller asked for it (`at`). A mark
+/// that fails (a ledger row the store cannot read) is logged and undone
+/// alone, within a savepoint: metering never blocks a state change.
 fn mark_sandbox_in(t: &mut Transaction<'_>, sb: &SandboxRecord, at: Option<i64>) -> Result<()> {
-    match at {
-        Some(at) => mark_in(t, &sb.id, UsageInterval::of_sandbox(sb, at).as_ref(), at),
-        None => Ok(()),
+    let Some(at) = at else { return Ok(()) };
+    let mut sp = t.savepoint("usage_mark")?;
+    match mark_in(&mut sp, &sb.id, UsageInterval::of_sandbox(sb, at).as_ref(), at) {
+        Ok(()) => sp.commit()?,
+        // The whole transaction is tried again (`with`).
+        Err(e) if retryable(&e) => return Err(e),
+        // Dropped uncommitted: rolled back to the savepoint.
+        Err(e) => tracing::warn!("usage: sandbox {}: {e}", sb.id),
     }
+    Ok(())
 }
 
 fn mark_in(t: &mut Transaction<'_>, subject: &str, open: Option<&UsageInterval>, at: i64) -> Result<()> {

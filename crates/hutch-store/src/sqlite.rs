@@ -791,10 +791,18 @@ fn mark_tx(tx: &Connection, subject: &str, open: Option<UsageInterval>, at: i64)
 }
 
 /// A sandbox's usage interval follows its record, in the transaction
-/// that wrote the record, when the caller asked for it (`at`).
+/// that wrote the record, when the caller asked for it (`at`). A mark
+/// that fails (a ledger row the store cannot read) is logged and undone
+/// alone, within a savepoint: metering never blocks a state change.
 fn mark_sandbox_tx(tx: &Connection, sb: &SandboxRecord, at: Option<i64>) -> Result<()> {
-    if let Some(at) = at {
-        mark_tx(tx, &sb.id, UsageInterval::of_sandbox(sb, at), at)?;
+    let Some(at) = at else { return Ok(()) };
+    tx.execute_batch("SAVEPOINT usage_mark")?;
+    match mark_tx(tx, &sb.id, UsageInterval::of_sandbox(sb, at), at) {
+        Ok(_) => tx.execute_batch("RELEASE usage_mark")?,
+        Err(e) => {
+            tracing::warn!("usage: sandbox {}: {e}", sb.id);
+            tx.execute_batch("ROLLBACK TO usage_mark; RELEASE usage_mark")?;
+        }
     }
     Ok(())
 }

@@ -836,6 +836,13 @@ fn a_state_change_marks_its_usage_in_its_own_transaction(s: &Backend) {
     let rows = report(s, Some("k1"), 0, 100_000, 21_000, UsageGroup::Sandbox);
     let w = rows.iter().find(|r| r.group.as_deref() == Some("warm")).expect("warm's row");
     assert_eq!(w.vcpu_seconds, 1.0);
+    // A ledger row the store cannot read fails the mark, not the state
+    // change: the mark alone is undone, the transition is kept.
+    s.raw_execute("UPDATE usage_intervals SET kind = 'bogus' WHERE subject = 'warm' AND end_ms IS NULL")
+        .expect("corrupt the open interval");
+    let ended = s.transition("warm", &[SandboxState::Running], SandboxState::Terminated, &run(Some(30_000)));
+    assert_eq!(ended.expect("a transition despite the ledger").map(|r| r.state), Some(SandboxState::Terminated));
+    assert_eq!(s.get_sandbox("warm").expect("get").map(|r| r.state), Some(SandboxState::Terminated));
 }
 
 fn usage_by_day_splits_at_utc_midnight(s: &Backend) {
