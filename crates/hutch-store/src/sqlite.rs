@@ -796,9 +796,11 @@ fn mark_tx(tx: &Connection, subject: &str, open: Option<UsageInterval>, at: i64)
 /// alone, within a savepoint: metering never blocks a state change.
 fn mark_sandbox_tx(tx: &Connection, sb: &SandboxRecord, at: Option<i64>) -> Result<()> {
     let Some(at) = at else { return Ok(()) };
-    tx.execute_batch("SAVEPOINT usage_mark")?;
+    tx.execute_c("SAVEPOINT usage_mark", [])?;
     match mark_tx(tx, &sb.id, UsageInterval::of_sandbox(sb, at), at) {
-        Ok(_) => tx.execute_batch("RELEASE usage_mark")?,
+        Ok(_) => {
+            tx.execute_c("RELEASE usage_mark", [])?;
+        }
         Err(e) => {
             tracing::warn!("usage: sandbox {}: {e}", sb.id);
             tx.execute_batch("ROLLBACK TO usage_mark; RELEASE usage_mark")?;
