@@ -293,15 +293,16 @@ impl Control {
         let admitted = match self.quotas_of(owner).await {
             Ok(q) => match self.admission(q, record.memory_mb, record.disk_mib) {
                 Ok(adm) => {
+                    // Its usage interval opens in the insert's transaction.
                     let rec = record.clone();
-                    self.db(move |s| s.insert_sandbox(&rec, &adm)).await
+                    self.db(move |s| s.insert_sandbox_claiming(&rec, &adm, &[], Some(now_ms()))).await
                 }
                 Err(e) => Err(e),
             },
             Err(e) => Err(e),
         };
         match admitted {
-            Ok(Admitted::Inserted) => self.usage_mark(&record).await,
+            Ok(Admitted::Inserted) => {}
             Ok(Admitted::Refused(e)) => {
                 tracing::warn!("warm pool of template {} is short: {}", recipe.name, ControlError::Exceeded(e));
                 return;
