@@ -782,8 +782,6 @@ fn add_totals(t: &mut Transaction<'_>, owner: &str, r: &UsageRow) -> Result<()> 
     Ok(())
 }
 
-/// Replaces `subject`'s open interval by `open` (None: ends it) at `at`,
-/// unless it already bills alike; under the subject's lock.
 /// A sandbox's usage interval follows its record, in the transaction
 /// that wrote the record, when the caller asked for it (`at`). A mark
 /// that fails (a ledger row the store cannot read) is logged and undone
@@ -801,6 +799,8 @@ fn mark_sandbox_in(t: &mut Transaction<'_>, sb: &SandboxRecord, at: Option<i64>)
     Ok(())
 }
 
+/// Replaces `subject`'s open interval by `open` (None: ends it) at `at`,
+/// unless it already bills alike; under the subject's lock.
 fn mark_in(t: &mut Transaction<'_>, subject: &str, open: Option<&UsageInterval>, at: i64) -> Result<()> {
     lock_xact(t, lock::USAGE, subject)?;
     let current = open_interval(t, subject)?;
@@ -1275,8 +1275,8 @@ impl Store for PgStore {
                 .query_opt(
                     &format!(
                         "UPDATE sandboxes SET pooled = FALSE, created_at = $2, expires_at = $3, max_expires_at = $4, \
-                     metadata = $5, idempotency_key = $6, request_hash = $7, on_expire = $8, ttl_s = $9, \
-                     paused_ttl_s = $10 WHERE id = $1 RETURNING {SANDBOX_COLUMNS}"
+                         metadata = $5, idempotency_key = $6, request_hash = $7, on_expire = $8, ttl_s = $9, \
+                         paused_ttl_s = $10 WHERE id = $1 RETURNING {SANDBOX_COLUMNS}"
                     ),
                     &[
                         &id,

@@ -523,8 +523,6 @@ fn usage_in(c: &Connection, owner: Option<&str>) -> Result<Usage> {
     usage_of(c, owner, None)
 }
 
-/// What the sandboxes of `owner` (None: everyone's) on `node` (None: every
-/// node) hold, with the owner's volumes.
 /// The state of `node` when it takes no new sandbox (draining or lost).
 fn node_closed(c: &Connection, node: &str) -> Result<Option<NodeState>> {
     let state = c
@@ -535,6 +533,8 @@ fn node_closed(c: &Connection, node: &str) -> Result<Option<NodeState>> {
     Ok(state.filter(|s| *s != NodeState::Active))
 }
 
+/// What the sandboxes of `owner` (None: everyone's) on `node` (None: every
+/// node) hold, with the owner's volumes.
 fn usage_of(c: &Connection, owner: Option<&str>, node: Option<&str>) -> Result<Usage> {
     Ok(c.query_row_c(
         &format!(
