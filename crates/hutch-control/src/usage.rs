@@ -50,6 +50,16 @@ impl Meter {
         e.0 = e.0.saturating_add(commands);
         e.1 = e.1.saturating_add(egress);
     }
+
+    /// Adds the bytes links received (as `Network::take_egress` hands
+    /// them), under one lock.
+    fn add_egress(&self, bytes: Vec<(String, u64)>) {
+        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        for (id, b) in bytes {
+            let e = p.entry(id).or_default();
+            e.1 = e.1.saturating_add(b);
+        }
+    }
 }
 
 /// A report's time bound: RFC 3339, or Unix seconds. Pure: for fuzzing.
@@ -173,9 +183,7 @@ impl Control {
         if let Ok(n) = &self.network {
             // The bytes of links released since the last flush (its own
             // among them): a lock and a take, no link read.
-            for (id, b) in n.take_egress(false) {
-                self.meter.add(&id, 0, b);
-            }
+            self.meter.add_egress(n.take_egress(false));
         }
         let taken = self.meter.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&r.id);
         let Some((commands, egress_bytes)) = taken else { return };
@@ -217,9 +225,7 @@ impl Control {
         if let Ok(n) = &self.network {
             let n = n.clone();
             if let Ok(bytes) = tokio::task::spawn_blocking(move || n.take_egress(true)).await {
-                for (id, b) in bytes {
-                    self.meter.add(&id, 0, b);
-                }
+                self.meter.add_egress(bytes);
             }
         }
         let pending = std::mem::take(&mut *self.meter.pending.lock().unwrap_or_else(|e| e.into_inner()));

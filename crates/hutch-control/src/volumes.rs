@@ -20,7 +20,7 @@ use crate::control::{now_ms, rfc3339, Control};
 use crate::error::{ControlError, Result};
 use crate::ids::{Caller, OwnerId, VolumeId};
 use hutch_api::{CreateVolume, UpdateVolume, Volume, VolumeHolder, VolumeList, VolumeMount};
-use hutch_store::{Admitted, StoreError, VolumeClaim, VolumeDeleted, VolumeRecord};
+use hutch_store::{StoreError, VolumeAdmitted, VolumeClaim, VolumeDeleted, VolumeRecord};
 
 /// Size of a volume made with none given (the E2B API gives none).
 pub const DEFAULT_MIB: u64 = 1024;
@@ -193,14 +193,11 @@ impl Control {
         };
         let rec = record.clone();
         let refusal = match self.db(move |s| s.insert_volume(&rec, &admission)).await {
-            Ok(Admitted::Inserted) => {
+            Ok(VolumeAdmitted::Written) => {
                 self.usage_mark_object(&record.id, Some(crate::usage::volume_interval(&record))).await;
                 return self.view_volume(&record).await;
             }
-            Ok(Admitted::Refused(e)) => self.refused(owner.as_str(), e),
-            Ok(Admitted::VolumeInUse(_) | Admitted::VolumeGone(_) | Admitted::NodeClosed(_)) => {
-                ControlError::Runtime("a volume insert answered as a sandbox insert".into())
-            }
+            Ok(VolumeAdmitted::Refused(e)) => self.refused(owner.as_str(), e),
             Err(ControlError::Store(StoreError::Conflict)) => ControlError::VolumeNameTaken(req.name.clone()),
             Err(e) => e,
         };
@@ -274,11 +271,9 @@ impl Control {
         let admission = self.admission(self.quotas_of(&OwnerId::from_record(&r.owner)).await?, 0, size_mib)?;
         let id = r.id.clone();
         match self.db(move |s| s.resize_volume(&id, size_mib, &admission)).await? {
-            Some(Admitted::Inserted) => {}
-            Some(Admitted::Refused(e)) => return Err(self.refused(&r.owner, e)),
-            Some(Admitted::VolumeInUse(_) | Admitted::VolumeGone(_) | Admitted::NodeClosed(_)) | None => {
-                return Err(ControlError::NoVolume(reference.chars().take(80).collect()))
-            }
+            Some(VolumeAdmitted::Written) => {}
+            Some(VolumeAdmitted::Refused(e)) => return Err(self.refused(&r.owner, e)),
+            None => return Err(ControlError::NoVolume(reference.chars().take(80).collect())),
         }
         let (rt, id) = (self.runtime.clone(), r.id.clone());
         if let Err(e) = tokio::task::spawn_blocking(move || rt.resize_volume(&id, size_mib << 20)).await? {

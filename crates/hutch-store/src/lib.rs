@@ -614,7 +614,15 @@ pub struct Exceeded {
     pub asked: u64,
 }
 
-/// What an admitted insert did.
+/// What an admitted volume write (an insert or a resize) did: a volume
+/// claims nothing and belongs to no node, so quotas alone can refuse it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VolumeAdmitted {
+    Written,
+    Refused(Exceeded),
+}
+
+/// What an admitted sandbox insert did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Admitted {
     Inserted,
@@ -783,14 +791,14 @@ pub trait Store: Send + Sync {
     /// Inserts a volume if its size fits under `admission`'s `disk_mib`
     /// caps (volumes count toward disk); [`StoreError::Conflict`] when its
     /// owner has a volume of that name.
-    fn insert_volume(&self, v: &VolumeRecord, admission: &Admission) -> Result<Admitted>;
+    fn insert_volume(&self, v: &VolumeRecord, admission: &Admission) -> Result<VolumeAdmitted>;
     fn get_volume(&self, id: &str) -> Result<Option<VolumeRecord>>;
     fn volume_by_name(&self, owner: &str, name: &str) -> Result<Option<VolumeRecord>>;
     /// Oldest first: one owner's, or (None) everyone's.
     fn list_volumes(&self, owner: Option<&str>) -> Result<Vec<VolumeRecord>>;
     /// Sets a volume's size if the growth fits under `admission`; None
     /// when there is no such volume.
-    fn resize_volume(&self, id: &str, size_mib: u64, admission: &Admission) -> Result<Option<Admitted>>;
+    fn resize_volume(&self, id: &str, size_mib: u64, admission: &Admission) -> Result<Option<VolumeAdmitted>>;
     /// Deletes a volume no live sandbox holds, with its claims.
     fn delete_volume(&self, id: &str) -> Result<VolumeDeleted>;
     /// A sandbox's claims (whatever its state), by path.

@@ -1390,18 +1390,18 @@ impl Store for PgStore {
         self.with(|c| Ok(c.execute("DELETE FROM snapshots WHERE id = $1", &[&id])? == 1))
     }
 
-    fn insert_volume(&self, v: &VolumeRecord, admission: &Admission) -> Result<Admitted> {
+    fn insert_volume(&self, v: &VolumeRecord, admission: &Admission) -> Result<VolumeAdmitted> {
         self.tx(|t| {
             t.execute("SELECT pg_advisory_xact_lock($1, 0)", &[&lock::ADMISSION])?;
             if let Some(e) = disk_fits(t, &v.owner, admission, v.size_mib)? {
-                return Ok(Admitted::Refused(e));
+                return Ok(VolumeAdmitted::Refused(e));
             }
             t.execute(
                 &format!("INSERT INTO volumes ({VOLUME_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6)"),
                 &[&v.id, &v.owner, &v.name, &(v.size_mib.min(i64::MAX as u64) as i64), &v.created_at, &v.node],
             )
             .map_err(conflict)?;
-            Ok(Admitted::Inserted)
+            Ok(VolumeAdmitted::Written)
         })
     }
 
@@ -1439,7 +1439,7 @@ impl Store for PgStore {
         })
     }
 
-    fn resize_volume(&self, id: &str, size_mib: u64, admission: &Admission) -> Result<Option<Admitted>> {
+    fn resize_volume(&self, id: &str, size_mib: u64, admission: &Admission) -> Result<Option<VolumeAdmitted>> {
         self.tx(|t| {
             t.execute("SELECT pg_advisory_xact_lock($1, 0)", &[&lock::ADMISSION])?;
             let Some(v) = t
@@ -1450,13 +1450,13 @@ impl Store for PgStore {
                 return Ok(None);
             };
             if let Some(e) = disk_fits(t, &v.owner, admission, size_mib.saturating_sub(v.size_mib))? {
-                return Ok(Some(Admitted::Refused(e)));
+                return Ok(Some(VolumeAdmitted::Refused(e)));
             }
             t.execute(
                 "UPDATE volumes SET size_mib = $2 WHERE id = $1",
                 &[&id, &(size_mib.min(i64::MAX as u64) as i64)],
             )?;
-            Ok(Some(Admitted::Inserted))
+            Ok(Some(VolumeAdmitted::Written))
         })
     }
 

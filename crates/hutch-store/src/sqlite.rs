@@ -1316,11 +1316,11 @@ impl Store for SqliteStore {
         self.with(|c| Ok(c.execute_c("DELETE FROM snapshots WHERE id = ?1", [id])? == 1))
     }
 
-    fn insert_volume(&self, v: &VolumeRecord, admission: &Admission) -> Result<Admitted> {
+    fn insert_volume(&self, v: &VolumeRecord, admission: &Admission) -> Result<VolumeAdmitted> {
         self.with(|c| {
             let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
             if let Some(e) = disk_fits(&tx, &v.owner, admission, v.size_mib)? {
-                return Ok(Admitted::Refused(e));
+                return Ok(VolumeAdmitted::Refused(e));
             }
             tx.execute_c(
                 &format!("INSERT INTO volumes ({VOLUME_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6)"),
@@ -1328,7 +1328,7 @@ impl Store for SqliteStore {
             )
             .map_err(conflict)?;
             tx.commit()?;
-            Ok(Admitted::Inserted)
+            Ok(VolumeAdmitted::Written)
         })
     }
 
@@ -1360,7 +1360,7 @@ impl Store for SqliteStore {
         })
     }
 
-    fn resize_volume(&self, id: &str, size_mib: u64, admission: &Admission) -> Result<Option<Admitted>> {
+    fn resize_volume(&self, id: &str, size_mib: u64, admission: &Admission) -> Result<Option<VolumeAdmitted>> {
         self.with(|c| {
             let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
             let Some(v) = tx
@@ -1370,11 +1370,11 @@ impl Store for SqliteStore {
                 return Ok(None);
             };
             if let Some(e) = disk_fits(&tx, &v.owner, admission, size_mib.saturating_sub(v.size_mib))? {
-                return Ok(Some(Admitted::Refused(e)));
+                return Ok(Some(VolumeAdmitted::Refused(e)));
             }
             tx.execute_c("UPDATE volumes SET size_mib = ?2 WHERE id = ?1", params![id, size_mib as i64])?;
             tx.commit()?;
-            Ok(Some(Admitted::Inserted))
+            Ok(Some(VolumeAdmitted::Written))
         })
     }
 

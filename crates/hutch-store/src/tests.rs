@@ -520,10 +520,10 @@ fn vclaim(volume_id: &str, sandbox_id: &str, read_only: bool) -> VolumeClaim {
 
 fn volume_claims_are_one_writer_or_many_readers_and_end_with_their_sandbox(s: &Backend) {
     let free = Admission::default();
-    assert_eq!(s.insert_volume(&volume("v1", "k1", "data", 64), &free).expect("insert"), Admitted::Inserted);
+    assert_eq!(s.insert_volume(&volume("v1", "k1", "data", 64), &free).expect("insert"), VolumeAdmitted::Written);
     assert!(matches!(s.insert_volume(&volume("v2", "k1", "data", 64), &free), Err(StoreError::Conflict)));
     // Another owner's name space is its own.
-    assert_eq!(s.insert_volume(&volume("v3", "k2", "data", 64), &free).expect("insert"), Admitted::Inserted);
+    assert_eq!(s.insert_volume(&volume("v3", "k2", "data", 64), &free).expect("insert"), VolumeAdmitted::Written);
     // Its node is kept: its routes are answered there.
     assert_eq!(s.volume_by_name("k2", "data").expect("get").map(|v| v.node).as_deref(), Some("n1"));
     let claiming =
@@ -557,13 +557,16 @@ fn volume_claims_are_one_writer_or_many_readers_and_end_with_their_sandbox(s: &B
 
 fn volumes_count_toward_disk_and_grow_under_the_caps(s: &Backend) {
     let caps = Admission { owner: Quotas { disk_mib: Some(1000), ..Quotas::default() }, host: Quotas::default() };
-    assert_eq!(s.insert_volume(&volume("v1", "k1", "a", 600), &caps).expect("insert"), Admitted::Inserted);
-    assert!(matches!(s.insert_volume(&volume("v2", "k1", "b", 600), &caps).expect("insert"), Admitted::Refused(_)));
+    assert_eq!(s.insert_volume(&volume("v1", "k1", "a", 600), &caps).expect("insert"), VolumeAdmitted::Written);
+    assert!(matches!(
+        s.insert_volume(&volume("v2", "k1", "b", 600), &caps).expect("insert"),
+        VolumeAdmitted::Refused(_)
+    ));
     assert!(s.get_volume("v2").expect("get").is_none());
     assert_eq!(s.usage(Some("k1")).expect("usage").disk_mib, 600);
     assert_eq!(s.volume_usage(Some("k1")).expect("usage"), (1, 600));
-    assert!(matches!(s.resize_volume("v1", 1001, &caps).expect("resize"), Some(Admitted::Refused(_))));
-    assert_eq!(s.resize_volume("v1", 1000, &caps).expect("resize"), Some(Admitted::Inserted));
+    assert!(matches!(s.resize_volume("v1", 1001, &caps).expect("resize"), Some(VolumeAdmitted::Refused(_))));
+    assert_eq!(s.resize_volume("v1", 1000, &caps).expect("resize"), Some(VolumeAdmitted::Written));
     assert_eq!(s.get_volume("v1").expect("get").expect("v1").size_mib, 1000);
     assert_eq!(s.resize_volume("nope", 1, &caps).expect("resize"), None);
     // A sandbox's disk counts beside it.
@@ -1216,7 +1219,7 @@ fn a_node_sees_only_its_own_sandboxes_where_it_acts(s: &Backend) {
     assert!(matches!(s.insert_sandbox(&c2, &host).expect("insert"), Admitted::Refused(_)));
     s.transition("c1", &[SandboxState::Running], SandboxState::Terminated, &Changes::default()).expect("end");
     let free = Admission::default();
-    assert_eq!(s.insert_volume(&volume("v1", "k1", "data", 64), &free).expect("volume"), Admitted::Inserted);
+    assert_eq!(s.insert_volume(&volume("v1", "k1", "data", 64), &free).expect("volume"), VolumeAdmitted::Written);
     assert_eq!(s.give_all_to("a").expect("give"), 4);
     assert_eq!(s.count_by_node().expect("count"), [("a".to_owned(), 3)]);
     assert_eq!(s.get_volume("v1").expect("get").map(|v| v.node).as_deref(), Some("a"));
