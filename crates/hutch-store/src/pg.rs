@@ -77,6 +77,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0011_pooled_live", include_str!("../migrations/postgres/0011_pooled_live.sql")),
     ("0012_running_totals", include_str!("../migrations/postgres/0012_running_totals.sql")),
     ("0013_sandbox_retention", include_str!("../migrations/postgres/0013_sandbox_retention.sql")),
+    ("0014_no_state_index", include_str!("../migrations/postgres/0014_no_state_index.sql")),
 ];
 
 /// Connections a store opens at most, unless told otherwise.

@@ -42,6 +42,7 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ("0028_pooled_live", include_str!("../migrations/0028_pooled_live.sql")),
     ("0029_running_totals", include_str!("../migrations/0029_running_totals.sql")),
     ("0030_sandbox_retention", include_str!("../migrations/0030_sandbox_retention.sql")),
+    ("0031_no_state_index", include_str!("../migrations/0031_no_state_index.sql")),
 ];
 
 /// Statements the connection keeps prepared: more than the store has, so
