@@ -11,7 +11,7 @@ use crate::error::{ControlError, Result};
 use crate::ids::{Caller, OwnerId, SandboxId};
 use crate::lifecycle::Reason;
 use hutch_api::{ApiKey, ApiKeyList, CreateKey, KeyQuotas, Usage};
-use hutch_store::{KeyRecord, Quotas, Store, StoreError};
+use hutch_store::{KeyRecord, QuickReads, Quotas, Store, StoreError};
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
 
@@ -63,7 +63,7 @@ pub fn hash(secret: &str) -> String {
 }
 
 /// The live key a secret belongs to, if any.
-pub fn authenticate(store: &dyn Store, secret: &str) -> std::result::Result<Option<KeyRecord>, StoreError> {
+pub fn authenticate(store: &dyn QuickReads, secret: &str) -> std::result::Result<Option<KeyRecord>, StoreError> {
     if secret.is_empty() || secret.len() > 256 {
         return Ok(None);
     }
@@ -148,7 +148,7 @@ impl Control {
     /// The caller a secret makes (a live key), or None.
     pub async fn authenticate(&self, secret: &str) -> Result<Option<Caller>> {
         let secret = secret.to_owned();
-        let key = self.db(move |s| authenticate(s, &secret)).await?;
+        let key = self.db_read(move |s| authenticate(s, &secret)).await?;
         Ok(key.map(|k| Caller { quotas: Some(k.quotas), ..Caller::key(OwnerId::from_record(&k.id), k.admin) }))
     }
 

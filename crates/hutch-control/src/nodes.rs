@@ -334,7 +334,7 @@ impl Control {
         if view.nodes.iter().all(|n| n.name == self.node.name) {
             return Route::Here;
         }
-        let record = match self.db(move |s| s.get_sandbox(id.as_str())).await {
+        let record = match self.db_read(move |s| s.get_sandbox(id.as_str())).await {
             Ok(Some(r)) if r.node != self.node.name => r,
             _ => return Route::Here,
         };

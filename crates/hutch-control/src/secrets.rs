@@ -409,7 +409,7 @@ impl Control {
         let net = self.network.as_ref().ok()?;
         let (id, _) = net.policy_of(addr)?;
         let sid = id.clone();
-        let record = self.db(move |s| s.get_sandbox(&sid)).await.ok()??;
+        let record = self.db_read(move |s| s.get_sandbox(&sid)).await.ok()??;
         let names = crate::network::NetRecord::parse(&record.network).secrets;
         if names.is_empty() {
             return None;

@@ -288,7 +288,7 @@ impl Control {
             Some(n) if n == BASE.name => Ok(Recipe::base(self.default_class)),
             Some(n) => {
                 let (o, name) = (owner.to_string(), n.to_owned());
-                match self.db(move |s| s.template_by_name(&o, &name)).await? {
+                match self.db_read(move |s| s.template_by_name(&o, &name)).await? {
                     Some(t) => Ok(Recipe::from_record(&t)),
                     None if n == INTERPRETER => Ok(Recipe::interpreter(self.default_class)),
                     None => Err(ControlError::UnknownTemplate(n.to_owned())),

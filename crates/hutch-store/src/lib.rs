@@ -638,16 +638,34 @@ pub enum Admitted {
     NodeClosed(NodeState),
 }
 
+/// Reads of one row by its key, the ones every request makes (its key,
+/// its sandbox, its template). Every store answers them; a local store
+/// also hands out a connection of their own ([`Store::quick_reads`]).
+pub trait QuickReads: Send + Sync {
+    fn key_by_hash(&self, hash: &str) -> Result<Option<KeyRecord>>;
+    fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>>;
+    /// The owner's live template of this name.
+    fn template_by_name(&self, owner: &str, name: &str) -> Result<Option<TemplateRecord>>;
+}
+
 /// Everything hutch keeps. Implementations must be safe to share between
 /// threads; each call is one transaction. Calls block: async callers run
-/// them on a blocking pool.
-pub trait Store: Send + Sync {
+/// them on a blocking pool, but for [`Store::quick_reads`].
+pub trait Store: QuickReads + Send + Sync {
+    /// The point reads on a connection of their own, short enough for an
+    /// async worker to make in place, where handing them to a blocking
+    /// thread would cost more than the read: a local file's, which in WAL
+    /// mode never waits for a writer (tens of microseconds). None where a
+    /// read crosses a network, as PostgreSQL's do.
+    fn quick_reads(&self) -> Option<&dyn QuickReads> {
+        None
+    }
+
     fn insert_key(&self, key: &KeyRecord) -> Result<()>;
     /// Inserts `key` only if the store has no key at all (the admin key a
     /// daemon makes at its first start); false when one exists. Of daemons
     /// starting together on an empty database, one inserts.
     fn insert_first_key(&self, key: &KeyRecord) -> Result<bool>;
-    fn key_by_hash(&self, hash: &str) -> Result<Option<KeyRecord>>;
     fn get_key(&self, id: &str) -> Result<Option<KeyRecord>>;
     fn list_keys(&self) -> Result<Vec<KeyRecord>>;
     /// Marks a key revoked; false when no live key has this id.
@@ -685,7 +703,6 @@ pub trait Store: Send + Sync {
         claims: &[VolumeClaim],
         usage_at: Option<i64>,
     ) -> Result<Admitted>;
-    fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>>;
     fn sandbox_by_key(&self, owner: &str, key: &str) -> Result<Option<SandboxRecord>>;
     /// Moves a sandbox from one of `from` to `to`, setting `changes`, in one
     /// conditional update. None when it is in none of `from` (or unknown):
@@ -751,8 +768,6 @@ pub trait Store: Send + Sync {
     fn insert_template(&self, t: &TemplateRecord) -> Result<()>;
     /// A template by id, deleted ones included.
     fn get_template(&self, id: &str) -> Result<Option<TemplateRecord>>;
-    /// The owner's live template of this name.
-    fn template_by_name(&self, owner: &str, name: &str) -> Result<Option<TemplateRecord>>;
     /// Live templates (of one owner, or all), oldest first.
     fn list_templates(&self, owner: Option<&str>) -> Result<Vec<TemplateRecord>>;
     /// Rewrites every field but id, owner and created_at of a live template

@@ -838,6 +838,33 @@ fn mark_in(t: &mut Transaction<'_>, subject: &str, open: Option<&UsageInterval>,
     Ok(())
 }
 
+impl QuickReads for PgStore {
+    fn key_by_hash(&self, hash: &str) -> Result<Option<KeyRecord>> {
+        self.with(|c| {
+            c.query_opt(&format!("SELECT {KEY_COLUMNS} FROM api_keys WHERE hash = $1"), &[&hash])?
+                .map(|r| key_row(&r))
+                .transpose()
+        })
+    }
+
+    fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>> {
+        self.with(|c| get_sandbox_in(c, id))
+    }
+
+    fn template_by_name(&self, owner: &str, name: &str) -> Result<Option<TemplateRecord>> {
+        self.with(|c| {
+            c.query_opt(
+                &format!(
+                    "SELECT {TEMPLATE_COLUMNS} FROM templates WHERE owner = $1 AND name = $2 AND deleted_at IS NULL"
+                ),
+                &[&owner, &name],
+            )?
+            .map(|r| template_row(&r))
+            .transpose()
+        })
+    }
+}
+
 impl Store for PgStore {
     fn insert_key(&self, k: &KeyRecord) -> Result<()> {
         self.with(|c| insert_key(c, k))
@@ -853,14 +880,6 @@ impl Store for PgStore {
             }
             insert_key(t, k)?;
             Ok(true)
-        })
-    }
-
-    fn key_by_hash(&self, hash: &str) -> Result<Option<KeyRecord>> {
-        self.with(|c| {
-            c.query_opt(&format!("SELECT {KEY_COLUMNS} FROM api_keys WHERE hash = $1"), &[&hash])?
-                .map(|r| key_row(&r))
-                .transpose()
         })
     }
 
@@ -992,10 +1011,6 @@ impl Store for PgStore {
             mark_sandbox_in(t, s, usage_at)?;
             Ok(Admitted::Inserted)
         })
-    }
-
-    fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>> {
-        self.with(|c| get_sandbox_in(c, id))
     }
 
     fn sandbox_by_key(&self, owner: &str, key: &str) -> Result<Option<SandboxRecord>> {
@@ -1204,19 +1219,6 @@ impl Store for PgStore {
             c.query_opt(&format!("SELECT {TEMPLATE_COLUMNS} FROM templates WHERE id = $1"), &[&id])?
                 .map(|r| template_row(&r))
                 .transpose()
-        })
-    }
-
-    fn template_by_name(&self, owner: &str, name: &str) -> Result<Option<TemplateRecord>> {
-        self.with(|c| {
-            c.query_opt(
-                &format!(
-                    "SELECT {TEMPLATE_COLUMNS} FROM templates WHERE owner = $1 AND name = $2 AND deleted_at IS NULL"
-                ),
-                &[&owner, &name],
-            )?
-            .map(|r| template_row(&r))
-            .transpose()
         })
     }
 

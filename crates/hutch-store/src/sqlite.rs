@@ -6,9 +6,58 @@ use rusqlite::{params, params_from_iter, Connection, OptionalExtension, Transact
 use std::path::Path;
 use std::sync::Mutex;
 
-/// The embedded SQLite store: one connection behind a lock.
+/// The embedded SQLite store: one connection behind a lock, and for a
+/// store in a file a second one for [`Store::quick_reads`].
 pub struct SqliteStore {
     conn: Mutex<Connection>,
+    reader: Option<Reader>,
+}
+
+/// A read-only connection for the point reads of [`QuickReads`]. In WAL
+/// mode a reader sees every commit made before its read began, by this
+/// process or another (`hutch key revoke`), and waits for no writer.
+struct Reader(Mutex<Connection>);
+
+impl Reader {
+    fn open(path: &Path) -> Result<Reader> {
+        let conn = Connection::open(path)?;
+        conn.pragma_update(None, "query_only", "ON")?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        Ok(Reader(Mutex::new(conn)))
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&Connection) -> Result<T>) -> Result<T> {
+        let conn = self.0.lock().map_err(|_| StoreError::Poisoned)?;
+        f(&conn)
+    }
+}
+
+impl QuickReads for Reader {
+    fn key_by_hash(&self, hash: &str) -> Result<Option<KeyRecord>> {
+        self.with(|c| key_by_hash_in(c, hash))
+    }
+
+    fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>> {
+        self.with(|c| get_sandbox_in(c, id))
+    }
+
+    fn template_by_name(&self, owner: &str, name: &str) -> Result<Option<TemplateRecord>> {
+        self.with(|c| template_by_name_in(c, owner, name))
+    }
+}
+
+impl QuickReads for SqliteStore {
+    fn key_by_hash(&self, hash: &str) -> Result<Option<KeyRecord>> {
+        self.with(|c| key_by_hash_in(c, hash))
+    }
+
+    fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>> {
+        self.with(|c| get_sandbox_in(c, id))
+    }
+
+    fn template_by_name(&self, owner: &str, name: &str) -> Result<Option<TemplateRecord>> {
+        self.with(|c| template_by_name_in(c, owner, name))
+    }
 }
 
 const MIGRATIONS: &[(&str, &str)] = &[
@@ -142,9 +191,13 @@ pub(crate) fn count_by_node_sql() -> String {
 impl SqliteStore {
     pub fn open(path: &Path) -> Result<SqliteStore> {
         let conn = Connection::open(path)?;
-        Self::init(conn)
+        // The reader opens once the schema is there.
+        let store = Self::init(conn)?;
+        Ok(SqliteStore { reader: Some(Reader::open(path)?), ..store })
     }
 
+    /// A store of its own in memory, with no second connection: its quick
+    /// reads go through the one connection, as every call does.
     pub fn open_in_memory() -> Result<SqliteStore> {
         Self::init(Connection::open_in_memory()?)
     }
@@ -184,13 +237,19 @@ impl SqliteStore {
                 tx.commit()?;
             }
         }
-        Ok(SqliteStore { conn: Mutex::new(conn) })
+        Ok(SqliteStore { conn: Mutex::new(conn), reader: None })
     }
 
     /// The connection, for tests that check what SQL itself refuses.
     #[cfg(test)]
     pub(crate) fn raw_conn_for_tests(&self) -> std::sync::MutexGuard<'_, Connection> {
         self.conn.lock().expect("lock")
+    }
+
+    /// The quick reads' connection, for tests of what it refuses.
+    #[cfg(test)]
+    pub(crate) fn reader_for_tests(&self) -> Option<std::sync::MutexGuard<'_, Connection>> {
+        self.reader.as_ref().map(|r| r.0.lock().expect("lock"))
     }
 
     fn with<T>(&self, f: impl FnOnce(&mut Connection) -> Result<T>) -> Result<T> {
@@ -519,6 +578,19 @@ fn get_sandbox_in(c: &Connection, id: &str) -> Result<Option<SandboxRecord>> {
         .optional()?)
 }
 
+fn key_by_hash_in(c: &Connection, hash: &str) -> Result<Option<KeyRecord>> {
+    Ok(c.query_row_c(&format!("SELECT {KEY_COLUMNS} FROM api_keys WHERE hash = ?1"), [hash], key_row).optional()?)
+}
+
+fn template_by_name_in(c: &Connection, owner: &str, name: &str) -> Result<Option<TemplateRecord>> {
+    Ok(c.query_row_c(
+        &format!("SELECT {TEMPLATE_COLUMNS} FROM templates WHERE owner = ?1 AND name = ?2 AND deleted_at IS NULL"),
+        [owner, name],
+        template_row,
+    )
+    .optional()?)
+}
+
 /// What sandboxes hold, volumes' sizes counted in `disk_mib`.
 fn usage_in(c: &Connection, owner: Option<&str>) -> Result<Usage> {
     usage_of(c, owner, None)
@@ -833,6 +905,10 @@ fn insert_key(c: &Connection, k: &KeyRecord) -> Result<()> {
 }
 
 impl Store for SqliteStore {
+    fn quick_reads(&self) -> Option<&dyn QuickReads> {
+        self.reader.as_ref().map(|r| r as &dyn QuickReads)
+    }
+
     fn insert_key(&self, k: &KeyRecord) -> Result<()> {
         self.with(|c| insert_key(c, k))
     }
@@ -847,13 +923,6 @@ impl Store for SqliteStore {
             insert_key(&tx, k)?;
             tx.commit()?;
             Ok(true)
-        })
-    }
-
-    fn key_by_hash(&self, hash: &str) -> Result<Option<KeyRecord>> {
-        self.with(|c| {
-            Ok(c.query_row_c(&format!("SELECT {KEY_COLUMNS} FROM api_keys WHERE hash = ?1"), [hash], key_row)
-                .optional()?)
         })
     }
 
@@ -992,10 +1061,6 @@ impl Store for SqliteStore {
             tx.commit()?;
             Ok(Admitted::Inserted)
         })
-    }
-
-    fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>> {
-        self.with(|c| get_sandbox_in(c, id))
     }
 
     fn sandbox_by_key(&self, owner: &str, key: &str) -> Result<Option<SandboxRecord>> {
@@ -1208,19 +1273,6 @@ impl Store for SqliteStore {
         self.with(|c| {
             Ok(c.query_row_c(&format!("SELECT {TEMPLATE_COLUMNS} FROM templates WHERE id = ?1"), [id], template_row)
                 .optional()?)
-        })
-    }
-
-    fn template_by_name(&self, owner: &str, name: &str) -> Result<Option<TemplateRecord>> {
-        self.with(|c| {
-            Ok(c.query_row_c(
-                &format!(
-                    "SELECT {TEMPLATE_COLUMNS} FROM templates WHERE owner = ?1 AND name = ?2 AND deleted_at IS NULL"
-                ),
-                [owner, name],
-                template_row,
-            )
-            .optional()?)
         })
     }
 

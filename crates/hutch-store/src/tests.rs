@@ -325,6 +325,53 @@ fn builds_are_listed_newest_first_and_unfinished_ones_fail_on_restart(s: &Backen
     assert_eq!(s.fail_unfinished_builds("b", 10, "interrupted").expect("fail"), 1);
 }
 
+/// A file store's quick reads run on a connection of their own: they must
+/// see each commit made before them, by the store itself or by another
+/// connection to the file (`hutch key revoke` is another process), and
+/// must not write.
+#[test]
+fn quick_reads_see_every_commit_made_before_them() {
+    let dir = std::env::temp_dir().join(format!("hutch-store-quick-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let path = dir.join("hutch.db");
+    let s = SqliteStore::open(&path).expect("open");
+    let quick = s.quick_reads().expect("a file store has quick reads");
+    let k = KeyRecord {
+        id: "k1".into(),
+        name: "user".into(),
+        hash: "abc".into(),
+        admin: false,
+        created_at: 1,
+        revoked_at: None,
+        quotas: Quotas::default(),
+    };
+    assert_eq!(quick.key_by_hash("abc").expect("read"), None);
+    s.insert_key(&k).expect("insert");
+    assert_eq!(quick.key_by_hash("abc").expect("read"), Some(k.clone()));
+    // Revoked through another connection, as the command line does.
+    let other = SqliteStore::open(&path).expect("open again");
+    assert!(other.revoke_key("k1", 5).expect("revoke"));
+    assert_eq!(quick.key_by_hash("abc").expect("read").and_then(|k| k.revoked_at), Some(5));
+
+    s.insert_sandbox_free(&sandbox("a", 1)).expect("insert");
+    s.transition("a", &[SandboxState::Running], SandboxState::Paused, &Changes::default()).expect("pause");
+    assert_eq!(quick.get_sandbox("a").expect("read").map(|r| r.state), Some(SandboxState::Paused));
+    let mut t = template("t1", 1);
+    s.insert_template(&t).expect("template");
+    assert_eq!(quick.template_by_name("k1", "py").expect("read").map(|t| t.id), Some("t1".into()));
+    t.deleted_at = Some(9);
+    assert!(s.update_template(&t, t.updated_at).expect("delete"));
+    assert_eq!(quick.template_by_name("k1", "py").expect("read"), None);
+
+    let written = s.reader_for_tests().expect("reader").execute("DELETE FROM api_keys", []);
+    assert!(written.is_err(), "the reader's connection writes nothing");
+    assert_eq!(s.count_keys().expect("count"), 1);
+    assert!(SqliteStore::open_in_memory().expect("open").quick_reads().is_none());
+    drop((s, other));
+    std::fs::remove_dir_all(&dir).expect("cleanup");
+}
+
 fn keys_are_found_by_hash_and_revoked(s: &Backend) {
     let k = KeyRecord {
         id: "k1".into(),
