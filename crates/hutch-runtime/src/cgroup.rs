@@ -858,7 +858,8 @@ impl Cgroup {
     pub fn populated(&self) -> io::Result<bool> {
         let mut first_err = None;
         for d in &self.dirs {
-            match dir_populated(d, 0, &self.dirs) {
+            let v2 = self.v2.as_ref().is_some_and(|root| d.starts_with(root));
+            match dir_populated(d, 0, &self.dirs, v2) {
                 Ok(true) => return Ok(true),
                 Ok(false) => {}
                 Err(e) => {
@@ -880,9 +881,11 @@ impl Cgroup {
 
 /// Whether a cgroup directory or one below it holds a process (see
 /// [`Cgroup::populated`]). v2 says so for the whole subtree in
-/// `cgroup.events`; v1 needs `cgroup.procs` of each directory. A child in
-/// `own` (the caller checks each of those itself) is not walked again.
-fn dir_populated(dir: &Path, depth: u32, own: &[PathBuf]) -> io::Result<bool> {
+/// `cgroup.events`, read where `v2` says the directory is in that tree;
+/// v1 has no such file and needs `cgroup.procs` of each directory (which
+/// is right for a v2 directory too, only slower). A child in `own` (the
+/// caller checks each of those itself) is not walked again.
+fn dir_populated(dir: &Path, depth: u32, own: &[PathBuf], v2: bool) -> io::Result<bool> {
     // A directory that is gone holds nothing; any other error says nothing.
     let gone = |e: io::Error| -> io::Result<bool> {
         match fs::symlink_metadata(dir) {
@@ -890,21 +893,23 @@ fn dir_populated(dir: &Path, depth: u32, own: &[PathBuf]) -> io::Result<bool> {
             _ => Err(e),
         }
     };
-    match fs::read_to_string(dir.join("cgroup.events")) {
-        Ok(text) => {
-            if let Some(v) = text.lines().find_map(|l| l.strip_prefix("populated ")) {
-                return match v.trim() {
-                    "0" => Ok(false),
-                    "1" => Ok(true),
-                    other => {
-                        Err(io::Error::new(io::ErrorKind::InvalidData, format!("cgroup.events: populated {other}")))
-                    }
-                };
+    if v2 {
+        match fs::read_to_string(dir.join("cgroup.events")) {
+            Ok(text) => {
+                if let Some(v) = text.lines().find_map(|l| l.strip_prefix("populated ")) {
+                    return match v.trim() {
+                        "0" => Ok(false),
+                        "1" => Ok(true),
+                        other => {
+                            Err(io::Error::new(io::ErrorKind::InvalidData, format!("cgroup.events: populated {other}")))
+                        }
+                    };
+                }
             }
+            // Gone, or not v2 after all: cgroup.procs below says which.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
         }
-        // v1 has no cgroup.events.
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
     }
     match fs::read_to_string(dir.join("cgroup.procs")) {
         Ok(t) if !t.trim().is_empty() => return Ok(true),
@@ -924,7 +929,7 @@ fn dir_populated(dir: &Path, depth: u32, own: &[PathBuf]) -> io::Result<bool> {
             continue;
         }
         let child = entry.path();
-        if !own.contains(&child) && dir_populated(&child, depth + 1, own)? {
+        if !own.contains(&child) && dir_populated(&child, depth + 1, own, v2)? {
             return Ok(true);
         }
     }
@@ -1358,8 +1363,11 @@ mod tests {
             cg(&["nested", "nested/workload"]).populated().expect("read"),
             "a child the cgroup lists is checked once, on its own"
         );
-        assert!(cg(&["v2live"]).populated().expect("read"));
-        assert!(!cg(&["v2dead"]).populated().expect("read"), "cgroup.events is the v2 verdict");
+        // A v2 directory (below the cgroup's v2 one) answers in cgroup.events.
+        let v2 = |dir: &str| Cgroup { v2: Some(root.join(dir)), ..cg(&[dir]) };
+        assert!(v2("v2live").populated().expect("read"));
+        assert!(!v2("v2dead").populated().expect("read"), "cgroup.events is the v2 verdict");
+        assert!(cg(&["v2dead"]).populated().expect("read"), "a directory not known as v2 is read as v1");
         assert!(!cg(&["gone"]).populated().expect("a removed cgroup holds nothing"));
         assert!(!cg(&["empty", "gone"]).populated().expect("read"));
         assert!(cg(&["unreadable"]).populated().is_err(), "a failed read is no verdict");
