@@ -894,31 +894,36 @@ impl Control {
         let sid = id.to_string();
         let tenant = handle.is_tenant();
         let sweep = handle.leaves_ids_to_sweep();
-        let t0 = Instant::now();
-        let (result, processes) = tokio::task::spawn_blocking(move || {
+        let net = self.network.as_ref().ok().cloned();
+        // One trip to the blocking pool for all of it.
+        let (result, [processes, layer, network]) = tokio::task::spawn_blocking(move || {
             let t0 = Instant::now();
             let result = handle.destroy();
             if sweep {
                 rt.sweep_own();
             }
-            let processes = t0.elapsed();
+            let t1 = Instant::now();
             // Its files go once its processes have: the disk layer, if any,
             // and the memory of a pause to disk.
             rt.delete_memory(&sid);
-            (result.and_then(|()| rt.delete_layer(&sid).map(drop)), processes)
+            let result = result.and_then(|()| rt.delete_layer(&sid).map(drop));
+            let t2 = Instant::now();
+            // Then its network lease (a tenant has none: its host's goes
+            // with its host's last tenant, below).
+            if let (Ok(()), Some(net)) = (&result, net) {
+                net.release(&sid);
+            }
+            (result, [t1 - t0, t2 - t1, t2.elapsed()])
         })
         .await?;
         crate::timing::record("processes", processes);
-        let t0 = crate::timing::mark("layer", t0 + processes);
+        crate::timing::record("layer", layer);
         result.map_err(|e| ControlError::Runtime(format!("sandbox {id}: {e}")))?;
+        let t0 = Instant::now();
         if tenant {
             self.hosts.release(id.as_str(), self.network.as_ref().ok()).await;
         }
-        if let Ok(net) = &self.network {
-            let (net, sid) = (net.clone(), id.to_string());
-            tokio::task::spawn_blocking(move || net.release(&sid)).await?;
-        }
-        crate::timing::mark("network", t0);
+        crate::timing::record("network", network + t0.elapsed());
         Ok(())
     }
 
