@@ -414,16 +414,22 @@ impl Control {
     /// One transition of a sandbox's state (see `lifecycle`), setting
     /// `set`; None when the sandbox was in none of the states it leaves.
     pub(crate) async fn transition(&self, id: &SandboxId, t: Transition, set: Set) -> Result<Option<SandboxRecord>> {
-        let id = id.as_str().to_owned();
+        let sid = id.as_str().to_owned();
         // The one place a sandbox's transitions become events and usage
         // intervals: after the store's conditional update said it happened
         // (its usage mark in the same transaction).
-        let moved = self
-            .db(move |s| s.transition(&id, t.from(), t.to(), &Changes { usage_at: Some(now_ms()), ..set.changes() }))
-            .await?;
+        let change = move |s: &dyn Store| {
+            s.transition(&sid, t.from(), t.to(), &Changes { usage_at: Some(now_ms()), ..set.changes() })
+        };
+        let moved = match t.to() {
+            // Its counts so far are written with it.
+            hutch_api::SandboxState::Paused | hutch_api::SandboxState::Terminated => {
+                self.transition_counted(id, change).await?
+            }
+            _ => self.db(change).await?,
+        };
         if let Some(r) = &moved {
             self.emit_transition(t, r);
-            self.usage_marked(r).await;
         }
         Ok(moved)
     }

@@ -88,7 +88,6 @@ impl Control {
             .await?;
         match &claimed {
             Some(r) => {
-                self.usage_marked(r).await;
                 if let Some(live) = self.live(&SandboxId::from_record(&r.id)) {
                     live.claimed();
                 }

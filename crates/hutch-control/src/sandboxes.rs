@@ -398,7 +398,6 @@ impl Control {
         match inserted.await {
             Ok(Admitted::Inserted) => {
                 self.emit_created(&record);
-                self.usage_marked(&record).await;
             }
             Ok(Admitted::Refused(e)) => return Err(self.refused(owner.as_str(), e)),
             Ok(Admitted::VolumeInUse(v)) => return Err(self.volume_busy(&v).await),

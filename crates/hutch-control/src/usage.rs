@@ -154,53 +154,70 @@ pub(crate) fn volume_interval(r: &hutch_store::VolumeRecord) -> UsageInterval {
 }
 
 impl Control {
-    /// The ledger follows a sandbox's record (after a transition, an
-    /// insert, a claim or a drain). A failed write is logged: the next
-    /// change of the sandbox, or the next start, brings it in line.
+    /// The ledger follows a sandbox's record (after a drain). A failed
+    /// write is logged: the next change of the sandbox, or the next start,
+    /// brings it in line.
     pub(crate) async fn usage_mark(&self, r: &SandboxRecord) {
         let rec = r.clone();
         if let Err(e) = self.db(move |s| s.usage_mark(&rec, now_ms())).await {
             tracing::warn!("usage: sandbox {}: {e}", r.id);
         }
-        self.usage_marked(r).await;
     }
 
-    /// What follows a mark off the store: a paused or ended sandbox's
-    /// counts are written.
-    pub(crate) async fn usage_marked(&self, r: &SandboxRecord) {
-        if matches!(r.state, SandboxState::Paused | SandboxState::Terminated) {
-            self.flush_own(r).await;
-        }
-    }
-
-    /// Writes the counts of `r` (paused or ended) so far, with its owner
-    /// and template as its record says; other sandboxes' counts wait for
-    /// the next [`Control::flush_usage`]. Nothing counted, nothing written.
-    /// Reading every live link, or every counted sandbox's record, here
-    /// would make each end cost as much as the sandboxes alive.
-    async fn flush_own(&self, r: &SandboxRecord) {
+    /// Runs `transition`, one that pauses or ends sandbox `id`, and in the
+    /// same trip to the blocking pool writes what the sandbox counted so far
+    /// (commands, and the bytes of links released since the last flush, its
+    /// own among them), with the owner and template of the record the
+    /// transition returns, in a transaction of its own after the
+    /// transition's. Counts not written (no transition, or a failed write)
+    /// wait in the meter for the next [`Control::flush_usage`]. Other
+    /// sandboxes' counts wait for it too: reading every live link, or every
+    /// counted sandbox's record, here would make each end cost as much as
+    /// the sandboxes alive.
+    pub(crate) async fn transition_counted<F>(&self, id: &SandboxId, transition: F) -> Result<Option<SandboxRecord>>
+    where
+        F: FnOnce(&dyn hutch_store::Store) -> hutch_store::Result<Option<SandboxRecord>> + Send + 'static,
+    {
         let _one = self.meter.flushing.lock().await;
         if let Ok(n) = &self.network {
-            // The bytes of links released since the last flush (its own
-            // among them): a lock and a take, no link read.
+            // A lock and a take, no link read.
             self.meter.add_egress(n.take_egress(false));
         }
-        let taken = self.meter.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&r.id);
-        let Some((commands, egress_bytes)) = taken else { return };
-        let now = now_ms();
-        let count = UsageCount {
-            owner: r.owner.clone(),
-            sandbox_id: r.id.clone(),
-            template: r.template.clone(),
-            at: now,
-            commands,
-            egress_bytes,
-        };
+        let taken = self.meter.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(id.as_str());
         let node = self.node.name.clone();
-        if let Err(e) = self.db(move |s| s.usage_flush(std::slice::from_ref(&count), &node, now)).await {
-            tracing::warn!("usage: counts of {} not written ({e}); retrying with the next flush", r.id);
-            self.meter.add(&r.id, commands, egress_bytes);
+        let done = self
+            .db(move |s| {
+                let moved = transition(s)?;
+                let (Some(r), Some((commands, egress_bytes))) = (&moved, taken) else {
+                    return Ok((moved, taken.is_none()));
+                };
+                let now = now_ms();
+                let count = UsageCount {
+                    owner: r.owner.clone(),
+                    sandbox_id: r.id.clone(),
+                    template: r.template.clone(),
+                    at: now,
+                    commands,
+                    egress_bytes,
+                };
+                let written = match s.usage_flush(std::slice::from_ref(&count), &node, now) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::warn!("usage: counts of {} not written ({e}); retrying with the next flush", r.id);
+                        false
+                    }
+                };
+                Ok((moved, written))
+            })
+            .await;
+        let (moved, written) = match done {
+            Ok(done) => (Ok(done.0), done.1),
+            Err(e) => (Err(e), false),
+        };
+        if let (false, Some((commands, egress_bytes))) = (written, taken) {
+            self.meter.add(id.as_str(), commands, egress_bytes);
         }
+        moved
     }
 
     /// The ledger follows a snapshot or a volume: `open` Some while it
