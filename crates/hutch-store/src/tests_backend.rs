@@ -8,7 +8,7 @@ use crate::pg::PgStore;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 pub(crate) enum Backend {
-    Sqlite(SqliteStore),
+    Sqlite(Box<SqliteStore>),
     Postgres(Box<PgTestDb>),
 }
 
@@ -17,7 +17,7 @@ impl std::ops::Deref for Backend {
 
     fn deref(&self) -> &(dyn Store + 'static) {
         match self {
-            Backend::Sqlite(s) => s,
+            Backend::Sqlite(s) => s.as_ref(),
             Backend::Postgres(p) => p.store.as_ref().expect("open until dropped"),
         }
     }
@@ -25,7 +25,7 @@ impl std::ops::Deref for Backend {
 
 impl Backend {
     pub(crate) fn sqlite() -> Backend {
-        Backend::Sqlite(SqliteStore::open_in_memory().expect("open"))
+        Backend::Sqlite(Box::new(SqliteStore::open_in_memory().expect("open")))
     }
 
     /// None when `HUTCH_TEST_POSTGRES` is unset (the test then passes
