@@ -25,38 +25,42 @@ impl Reader {
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         Ok(Reader(Mutex::new(conn)))
     }
+}
 
-    fn with<T>(&self, f: impl FnOnce(&Connection) -> Result<T>) -> Result<T> {
-        let conn = self.0.lock().map_err(|_| StoreError::Poisoned)?;
+/// A connection behind a lock, which answers the point reads: the store's
+/// own, and the reader's.
+trait Locked: Send + Sync {
+    fn locked(&self) -> &Mutex<Connection>;
+
+    fn read<T>(&self, f: impl FnOnce(&Connection) -> Result<T>) -> Result<T> {
+        let conn = self.locked().lock().map_err(|_| StoreError::Poisoned)?;
         f(&conn)
     }
 }
 
-impl QuickReads for Reader {
-    fn key_by_hash(&self, hash: &str) -> Result<Option<KeyRecord>> {
-        self.with(|c| key_by_hash_in(c, hash))
-    }
-
-    fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>> {
-        self.with(|c| get_sandbox_in(c, id))
-    }
-
-    fn template_by_name(&self, owner: &str, name: &str) -> Result<Option<TemplateRecord>> {
-        self.with(|c| template_by_name_in(c, owner, name))
+impl Locked for Reader {
+    fn locked(&self) -> &Mutex<Connection> {
+        &self.0
     }
 }
 
-impl QuickReads for SqliteStore {
+impl Locked for SqliteStore {
+    fn locked(&self) -> &Mutex<Connection> {
+        &self.conn
+    }
+}
+
+impl<L: Locked> QuickReads for L {
     fn key_by_hash(&self, hash: &str) -> Result<Option<KeyRecord>> {
-        self.with(|c| key_by_hash_in(c, hash))
+        self.read(|c| key_by_hash_in(c, hash))
     }
 
     fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>> {
-        self.with(|c| get_sandbox_in(c, id))
+        self.read(|c| get_sandbox_in(c, id))
     }
 
     fn template_by_name(&self, owner: &str, name: &str) -> Result<Option<TemplateRecord>> {
-        self.with(|c| template_by_name_in(c, owner, name))
+        self.read(|c| template_by_name_in(c, owner, name))
     }
 }
 
