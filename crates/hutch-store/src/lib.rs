@@ -43,6 +43,8 @@ pub enum StoreError {
     Poisoned,
     #[error("unreadable {what} in row {id}: {value:?}")]
     Corrupt { what: &'static str, id: String, value: String },
+    #[error("start a thread of the store: {0}")]
+    Thread(std::io::Error),
 }
 
 pub type Result<T> = std::result::Result<T, StoreError>;

@@ -372,6 +372,50 @@ fn quick_reads_see_every_commit_made_before_them() {
     std::fs::remove_dir_all(&dir).expect("cleanup");
 }
 
+/// A daemon's store checkpoints its WAL on a thread of its own: a commit
+/// reaches the database file itself (read with the WAL ignored) although
+/// no commit took the WAL past the pages that checkpoint it inline.
+#[test]
+fn a_background_checkpoint_brings_a_commit_into_the_database_file() {
+    let dir = std::env::temp_dir().join(format!("hutch-store-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let path = dir.join("hutch.db");
+    let s = SqliteStore::open(&path).expect("open");
+    // The database file alone, as it would be found after a power loss
+    // that took the unsynced WAL with it.
+    let in_file = |id: &str| -> bool {
+        let c = rusqlite::Connection::open_with_flags(
+            format!("file:{}?immutable=1", path.display()),
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_URI,
+        )
+        .expect("open the file alone");
+        // Before any checkpoint even the schema is only in the WAL.
+        c.query_row("SELECT COUNT(*) FROM api_keys WHERE id = ?1", [id], |r| r.get::<_, i64>(0)).unwrap_or(0) == 1
+    };
+    let key = |id: &str| KeyRecord {
+        id: id.into(),
+        name: id.into(),
+        hash: format!("hash-{id}"),
+        admin: false,
+        created_at: 1,
+        revoked_at: None,
+        quotas: Quotas::default(),
+    };
+    s.insert_key(&key("k1")).expect("insert");
+    assert!(!in_file("k1"), "a commit stays in the WAL until a checkpoint");
+    s.checkpoint_in_background().expect("start");
+    s.insert_key(&key("k2")).expect("insert");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !(in_file("k1") && in_file("k2")) {
+        assert!(std::time::Instant::now() < deadline, "no checkpoint within 20 s");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // Stopped and joined with the store.
+    drop(s);
+    std::fs::remove_dir_all(&dir).expect("cleanup");
+}
+
 fn keys_are_found_by_hash_and_revoked(s: &Backend) {
     let k = KeyRecord {
         id: "k1".into(),
