@@ -558,9 +558,14 @@ impl Control {
         // a preset is built on its first use: on the blocking pool.
         let pulled = self.image_here(recipe).await;
         let (state, name, o) = (self.runtime.config().state_dir.clone(), recipe.image.clone(), record.owner.clone());
-        let resolved = match pulled {
-            Ok(()) => tokio::task::spawn_blocking(move || crate::build::image_root(&state, &name, Some(&o))).await?,
-            Err(e) => Err(ControlError::ImageUnavailable(format!("{}: from the fleet's registry: {e}", recipe.image))),
+        let resolved = match (pulled, crate::build::root_without_disk(&name)) {
+            (Ok(()), Some(root)) => Ok(root),
+            (Ok(()), None) => {
+                tokio::task::spawn_blocking(move || crate::build::image_root(&state, &name, Some(&o))).await?
+            }
+            (Err(e), _) => {
+                Err(ControlError::ImageUnavailable(format!("{}: from the fleet's registry: {e}", recipe.image)))
+            }
         };
         let t1 = crate::timing::mark("image", t0);
         let crate::build::ImageRoot { root, layers: extra_lowers, env: image_env, workdir } = match resolved {

@@ -181,14 +181,20 @@ fn image_workdir(store: &ImageStore, name: &str) -> Option<String> {
     store.get(name).ok().and_then(|i| i.workdir)
 }
 
+/// The root of an image that needs nothing read to resolve: `base`, the
+/// host's own. A boot takes it without a trip to the blocking pool.
+pub fn root_without_disk(name: &str) -> Option<ImageRoot> {
+    (name == "base").then(ImageRoot::default)
+}
+
 /// Resolves an image name for a boot or a build: `base`, a store image or
 /// preset (built here on first use: call it on the blocking pool), or a
 /// built image over one of those. `owner` is the key the sandbox is for
 /// (`None` on the daemon's host only): a build's image resolves only for
 /// its owner, as if no other key's existed.
 pub fn image_root(state_dir: &Path, name: &str, owner: Option<&str>) -> Result<ImageRoot> {
-    if name == "base" {
-        return Ok(ImageRoot::default());
+    if let Some(root) = root_without_disk(name) {
+        return Ok(root);
     }
     let gone = |why: String| ControlError::ImageUnavailable(format!("{name}: {why}"));
     let store = ImageStore::open(state_dir).map_err(|e| gone(e.to_string()))?;
