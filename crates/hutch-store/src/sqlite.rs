@@ -23,16 +23,9 @@ struct Checkpointer {
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
-/// How often the checkpointer looks while commits come, and at most how
-/// long it waits when none came: a commit is on disk (the WAL synced, its
-/// pages copied into the database and synced) within about that.
-const CHECKPOINT_BUSY: std::time::Duration = std::time::Duration::from_millis(200);
-const CHECKPOINT_IDLE: std::time::Duration = std::time::Duration::from_secs(2);
-/// Pages of WAL at which a commit still checkpoints by itself, should the
-/// thread fall behind: 32 MiB, about 7 s of the busiest fan-out measured
-/// here (SQLite's default, 1,000 pages, checkpointed every fifth of a
-/// second of it on the request path).
-const CHECKPOINT_BACKSTOP_PAGES: i64 = 8192;
+/// How often the checkpointer syncs the WAL and copies what it can into
+/// the database: a commit is on disk within about that.
+const CHECKPOINT_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Checkpointer {
     fn start(path: &Path) -> Result<Checkpointer> {
@@ -49,30 +42,18 @@ impl Checkpointer {
 
     fn run(conn: &Connection, stop: &(Mutex<bool>, std::sync::Condvar)) {
         let (lock, cv) = stop;
-        let mut wait = CHECKPOINT_BUSY;
-        let mut last = (0i64, 0i64);
         loop {
             let Ok(stopped) = lock.lock() else { return };
-            let Ok((stopped, _)) = cv.wait_timeout_while(stopped, wait, |s| !*s) else { return };
+            let Ok((stopped, _)) = cv.wait_timeout_while(stopped, CHECKPOINT_EVERY, |s| !*s) else { return };
             if *stopped {
                 return;
             }
             drop(stopped);
-            // PASSIVE: copies what no reader still needs, waits for nobody;
-            // commits go on meanwhile. (busy, frames in the WAL, frames copied.)
-            let done = conn
-                .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| Ok((r.get::<_, i64>(1)?, r.get::<_, i64>(2)?)));
-            match done {
-                // Nothing new since the last look: look less often.
-                Ok(now) if now == last => wait = (wait * 2).min(CHECKPOINT_IDLE),
-                Ok(now) => {
-                    last = now;
-                    wait = CHECKPOINT_BUSY;
-                }
-                Err(e) => {
-                    tracing::warn!("store: checkpoint: {e}");
-                    wait = CHECKPOINT_IDLE;
-                }
+            // PASSIVE: syncs the WAL, then copies what no reader still
+            // needs, waiting for nobody; commits go on meanwhile. A WAL
+            // with nothing new costs a look at its index.
+            if let Err(e) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
+                tracing::warn!("store: checkpoint: {e}");
             }
         }
     }
@@ -278,21 +259,24 @@ impl SqliteStore {
         Ok(SqliteStore { reader: Some(Reader::open(path)?), path: Some(path.to_owned()), ..store })
     }
 
-    /// Checkpoints the WAL on a thread of its own (a daemon's store), every
-    /// 0.2 s while commits come and at most every 2 s when none do, instead
-    /// of in the commit that takes the WAL past 1,000 pages. That commit
-    /// paid for copying the pages and two fsyncs on the request path; and
-    /// with `synchronous = NORMAL` a commit is only on disk once a
-    /// checkpoint synced it, which on a quiet host could be a long while.
-    /// A commit still checkpoints by itself past 8,192 pages. Once per
-    /// store; a store in memory has no WAL.
+    /// Checkpoints the WAL every second on a thread of its own (a daemon's
+    /// store). With `synchronous = NORMAL` a commit is on disk only once a
+    /// checkpoint synced the WAL, and SQLite checkpoints when a commit takes
+    /// the WAL past 1,000 pages, which on a quiet host may be hours after a
+    /// commit (a key's revocation, say) returned. It still does: a
+    /// checkpoint that runs beside commits rarely copies every frame, and
+    /// only a complete one lets the next commit start the WAL over, so
+    /// without it the WAL would grow (a fan-out took it from 4 MiB to the
+    /// 32 MiB its limit allowed). What the thread copied, that commit's
+    /// checkpoint does not copy again. Once per store; a store in memory
+    /// has no WAL.
     pub fn checkpoint_in_background(&self) -> Result<()> {
         let Some(path) = &self.path else { return Ok(()) };
         if self.checkpointer.get().is_some() {
             return Ok(());
         }
         let _ = self.checkpointer.set(Checkpointer::start(path)?);
-        self.with(|c| Ok(c.pragma_update(None, "wal_autocheckpoint", CHECKPOINT_BACKSTOP_PAGES)?))
+        Ok(())
     }
 
     /// A store of its own in memory, with no second connection: its quick
