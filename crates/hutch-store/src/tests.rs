@@ -69,19 +69,35 @@ fn learned_addresses_survive_other_updates(s: &Backend) {
     assert_eq!(s.net_learned("missing").expect("read"), "[]");
 }
 
+/// A directory of one test's store files, removed when the test ends,
+/// passed or failed.
+struct Scratch(std::path::PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("hutch-store-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 #[test]
 fn migrations_apply_once_and_reopen_keeps_rows() {
-    let dir = std::env::temp_dir().join(format!("hutch-store-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    let path = dir.join("hutch.db");
+    let dir = Scratch::new("reopen");
+    let path = dir.0.join("hutch.db");
     {
         let s = SqliteStore::open(&path).expect("open");
         s.insert_sandbox_free(&sandbox("a", 1)).expect("insert");
     }
     let s = SqliteStore::open(&path).expect("reopen");
     assert_eq!(s.get_sandbox("a").expect("get").map(|r| r.id), Some("a".into()));
-    std::fs::remove_dir_all(&dir).expect("cleanup");
 }
 
 fn listing_pages_newest_first(s: &Backend) {
@@ -331,10 +347,8 @@ fn builds_are_listed_newest_first_and_unfinished_ones_fail_on_restart(s: &Backen
 /// must not write.
 #[test]
 fn quick_reads_see_every_commit_made_before_them() {
-    let dir = std::env::temp_dir().join(format!("hutch-store-quick-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    let path = dir.join("hutch.db");
+    let dir = Scratch::new("quick");
+    let path = dir.0.join("hutch.db");
     let s = SqliteStore::open(&path).expect("open");
     let quick = s.quick_reads().expect("a file store has quick reads");
     let k = KeyRecord {
@@ -369,7 +383,6 @@ fn quick_reads_see_every_commit_made_before_them() {
     assert_eq!(s.count_keys().expect("count"), 1);
     assert!(SqliteStore::open_in_memory().expect("open").quick_reads().is_none());
     drop((s, other));
-    std::fs::remove_dir_all(&dir).expect("cleanup");
 }
 
 /// A daemon's store checkpoints its WAL on a thread of its own: a commit
@@ -377,10 +390,8 @@ fn quick_reads_see_every_commit_made_before_them() {
 /// no commit took the WAL past the pages that checkpoint it inline.
 #[test]
 fn a_background_checkpoint_brings_a_commit_into_the_database_file() {
-    let dir = std::env::temp_dir().join(format!("hutch-store-ckpt-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    let path = dir.join("hutch.db");
+    let dir = Scratch::new("ckpt");
+    let path = dir.0.join("hutch.db");
     let s = SqliteStore::open(&path).expect("open");
     // The database file alone, as it would be found after a power loss
     // that took the unsynced WAL with it.
@@ -411,9 +422,8 @@ fn a_background_checkpoint_brings_a_commit_into_the_database_file() {
         assert!(std::time::Instant::now() < deadline, "no checkpoint within 20 s");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    // Stopped and joined with the store.
+    // Stopped and joined with the store, before its directory goes.
     drop(s);
-    std::fs::remove_dir_all(&dir).expect("cleanup");
 }
 
 fn keys_are_found_by_hash_and_revoked(s: &Backend) {
