@@ -11,13 +11,13 @@ use std::sync::Mutex;
 pub struct SqliteStore {
     conn: Mutex<Connection>,
     reader: Option<Reader>,
-    /// The file, for the connections of [`SqliteStore::checkpoint_in_background`].
-    path: Option<std::path::PathBuf>,
-    checkpointer: std::sync::OnceLock<Checkpointer>,
+    /// A daemon's store's ([`SqliteStore::open_checkpointing`]), held for
+    /// its drop: the thread stops with the store.
+    _checkpointer: Option<Checkpointer>,
 }
 
 /// The WAL's checkpoints on a thread and connection of their own (see
-/// [`SqliteStore::checkpoint_in_background`]); stopped and joined on drop.
+/// [`SqliteStore::open_checkpointing`]); stopped and joined on drop.
 struct Checkpointer {
     stop: std::sync::Arc<(Mutex<bool>, std::sync::Condvar)>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -256,27 +256,22 @@ impl SqliteStore {
         let conn = Connection::open(path)?;
         // The reader opens once the schema is there.
         let store = Self::init(conn)?;
-        Ok(SqliteStore { reader: Some(Reader::open(path)?), path: Some(path.to_owned()), ..store })
+        Ok(SqliteStore { reader: Some(Reader::open(path)?), ..store })
     }
 
-    /// Checkpoints the WAL every second on a thread of its own (a daemon's
-    /// store). With `synchronous = NORMAL` a commit is on disk only once a
-    /// checkpoint synced the WAL, and SQLite checkpoints when a commit takes
-    /// the WAL past 1,000 pages, which on a quiet host may be hours after a
-    /// commit (a key's revocation, say) returned. It still does: a
-    /// checkpoint that runs beside commits rarely copies every frame, and
-    /// only a complete one lets the next commit start the WAL over, so
-    /// without it the WAL would grow (a fan-out took it from 4 MiB to the
-    /// 32 MiB its limit allowed). What the thread copied, that commit's
-    /// checkpoint does not copy again. Once per store; a store in memory
-    /// has no WAL.
-    pub fn checkpoint_in_background(&self) -> Result<()> {
-        let Some(path) = &self.path else { return Ok(()) };
-        if self.checkpointer.get().is_some() {
-            return Ok(());
-        }
-        let _ = self.checkpointer.set(Checkpointer::start(path)?);
-        Ok(())
+    /// [`SqliteStore::open`], with the WAL checkpointed every second on a
+    /// thread of its own: a daemon's store. With `synchronous = NORMAL` a
+    /// commit is on disk only once a checkpoint synced the WAL, and SQLite
+    /// checkpoints when a commit takes the WAL past 1,000 pages, which on a
+    /// quiet host may be hours after a commit (a key's revocation, say)
+    /// returned. It still does: a checkpoint that runs beside commits
+    /// rarely copies every frame, and only a complete one lets the next
+    /// commit start the WAL over, so without it the WAL would grow (a
+    /// fan-out took it from 4 MiB to the 32 MiB its limit allowed). What
+    /// the thread copied, that commit's checkpoint does not copy again.
+    pub fn open_checkpointing(path: &Path) -> Result<SqliteStore> {
+        let store = Self::open(path)?;
+        Ok(SqliteStore { _checkpointer: Some(Checkpointer::start(path)?), ..store })
     }
 
     /// A store of its own in memory, with no second connection: its quick
@@ -320,7 +315,7 @@ impl SqliteStore {
                 tx.commit()?;
             }
         }
-        Ok(SqliteStore { conn: Mutex::new(conn), reader: None, path: None, checkpointer: std::sync::OnceLock::new() })
+        Ok(SqliteStore { conn: Mutex::new(conn), reader: None, _checkpointer: None })
     }
 
     /// The connection, for tests that check what SQL itself refuses.

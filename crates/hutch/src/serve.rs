@@ -224,9 +224,7 @@ pub fn open_store(database: Option<&str>, state_dir: &Path) -> Result<Arc<dyn St
     match database.filter(|d| !d.is_empty()) {
         None => {
             let db = state_dir.join("hutch.db");
-            let store = SqliteStore::open(&db).with_context(|| format!("open {}", db.display()))?;
-            store.checkpoint_in_background().context("checkpoint the store's WAL in the background")?;
-            Ok(Arc::new(store))
+            Ok(Arc::new(SqliteStore::open_checkpointing(&db).with_context(|| format!("open {}", db.display()))?))
         }
         Some(url) if is_postgres_url(url) => {
             let store = PgStore::open(url).context("open the PostgreSQL database of --database (HUTCH_DATABASE)")?;
