@@ -476,6 +476,10 @@ pub unsafe fn fork() -> SysResult<libc::pid_t> {
 /// are copied and neither side takes copy-on-write faults, which are costly
 /// on virtual machines. Returns the child's pid once it has exec'd or exited.
 ///
+/// The child starts on the caller's CPU, which the caller leaves for it
+/// (it waits): the caller holds only that CPU while it clones, and the
+/// child gives both of them their CPUs back first thing ([`PinnedHere`]).
+///
 /// # Safety
 /// `f` must only make system calls, write nothing but its own stack, and
 /// end in `execve` or `_exit`; `arg` must stay valid until this returns.
@@ -483,11 +487,95 @@ pub unsafe fn spawn_vm(
     f: extern "C" fn(*mut libc::c_void) -> libc::c_int,
     arg: *mut libc::c_void,
 ) -> SysResult<libc::pid_t> {
+    extern "C" fn start(arg: *mut libc::c_void) -> libc::c_int {
+        // SAFETY: arg is spawn_vm's `first`, alive until clone_vm returns.
+        let first = unsafe { &*(arg as *const First) };
+        if let Some(pin) = &first.pin {
+            pin.release(first.caller);
+            pin.release(0);
+        }
+        (first.f)(first.arg)
+    }
     let errno = |e: std::io::Error| Errno(e.raw_os_error().unwrap_or(libc::EIO));
     let stack = hutch_agent::vm::VmStack::new(64 * 1024).map_err(errno)?;
-    // SAFETY: guaranteed by the caller; the stack outlives the child's use
-    // of it because CLONE_VFORK suspends us until the child execs or exits.
-    unsafe { hutch_agent::vm::clone_vm(f, &stack, libc::CLONE_VFORK | libc::SIGCHLD, arg) }.map_err(errno)
+    // SAFETY: gettid has no memory effects.
+    let caller = unsafe { libc::gettid() };
+    let first = First { f, arg, caller, pin: PinnedHere::take() };
+    // SAFETY: guaranteed by the caller; `start` only makes system calls
+    // before it calls `f`; the stack and `first` outlive the child's use of
+    // them because CLONE_VFORK suspends us until the child execs or exits.
+    let child = unsafe {
+        hutch_agent::vm::clone_vm(
+            start,
+            &stack,
+            libc::CLONE_VFORK | libc::SIGCHLD,
+            &first as *const First as *mut libc::c_void,
+        )
+    };
+    // The child gave our CPUs back, unless the clone failed.
+    if let Some(pin) = &first.pin {
+        pin.release(0);
+    }
+    child.map_err(errno)
+}
+
+/// What a [`spawn_vm`] child runs first.
+struct First {
+    f: extern "C" fn(*mut libc::c_void) -> libc::c_int,
+    arg: *mut libc::c_void,
+    /// The thread that cloned it.
+    caller: libc::pid_t,
+    pin: Option<PinnedHere>,
+}
+
+/// A thread held to the CPU it runs on, and the CPU mask it had before.
+///
+/// A new process goes to the CPU the kernel's fork balancing finds least
+/// loaded. When every CPU is busy, that is often one where a task of
+/// another sandbox is running, and the child then waits for the scheduler
+/// tick (up to 4 ms at 250 Hz) before it first runs, while the CPU its
+/// parent leaves for it, to wait, runs someone else. Held to the parent's
+/// CPU, the child runs as soon as its parent waits. The child releases the
+/// pin before anything of the command runs, so a command gets the CPU mask
+/// the agent had (ARCHITECTURE.md, "Command slots").
+struct PinnedHere {
+    mask: libc::cpu_set_t,
+}
+
+impl PinnedHere {
+    /// Holds the calling thread to its CPU; `None` (nothing changed) when
+    /// that cannot be done.
+    fn take() -> Option<PinnedHere> {
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        // SAFETY: cpu_set_t is plain data; sched_getaffinity fills it.
+        let mut mask: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        // SAFETY: mask is valid for `size` bytes.
+        if unsafe { libc::sched_getaffinity(0, size, &mut mask) } != 0 {
+            return None;
+        }
+        // SAFETY: sched_getcpu has no memory effects.
+        let cpu = unsafe { libc::sched_getcpu() };
+        if cpu < 0 || cpu as usize >= libc::CPU_SETSIZE as usize {
+            return None;
+        }
+        // SAFETY: as above.
+        let mut one: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        // SAFETY: CPU_SET checks no bound; cpu is below CPU_SETSIZE.
+        unsafe { libc::CPU_SET(cpu as usize, &mut one) };
+        // SAFETY: one is valid for `size` bytes.
+        if unsafe { libc::sched_setaffinity(0, size, &one) } != 0 {
+            return None;
+        }
+        Some(PinnedHere { mask })
+    }
+
+    /// Gives thread `tid` (0: the calling one) the mask from before the
+    /// pin. A system call only: safe in a [`spawn_vm`] child. Best effort:
+    /// a thread that keeps the pin only runs on one CPU.
+    fn release(&self, tid: libc::pid_t) {
+        // SAFETY: mask is valid for its size; the call writes nothing of ours.
+        unsafe { libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &self.mask) };
+    }
 }
 
 /// `waitpid`; `Ok(None)` when WNOHANG found nothing to reap.
@@ -1268,6 +1356,56 @@ pub fn landlock_restrict_self(ruleset: RawFd) -> SysResult<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn affinity() -> libc::cpu_set_t {
+        // SAFETY: cpu_set_t is plain data the kernel fills.
+        let mut mask: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        // SAFETY: mask is valid for its size.
+        let r = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut mask) };
+        assert_eq!(r, 0, "sched_getaffinity");
+        mask
+    }
+
+    fn cpus(mask: &libc::cpu_set_t) -> Vec<usize> {
+        // SAFETY: CPU_ISSET reads the mask within CPU_SETSIZE.
+        (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, mask) }).collect()
+    }
+
+    /// A spawn_vm child starts held to its parent's CPU, and gives both
+    /// their CPU masks back before the function it runs (a command) starts.
+    #[test]
+    fn a_spawned_child_and_its_parent_get_their_cpus_back() {
+        let before = affinity();
+        let pin = PinnedHere::take().expect("pin");
+        // SAFETY: sched_getcpu has no memory effects.
+        let here = unsafe { libc::sched_getcpu() } as usize;
+        assert_eq!(cpus(&affinity()), vec![here], "held to the CPU it runs on");
+        pin.release(0);
+        assert_eq!(cpus(&affinity()), cpus(&before));
+
+        struct Seen {
+            mask: libc::cpu_set_t,
+            ok: bool,
+        }
+        extern "C" fn child(arg: *mut libc::c_void) -> libc::c_int {
+            // SAFETY: arg points at the test's `seen`; the test thread is
+            // suspended (CLONE_VFORK) while the child writes it.
+            let seen = unsafe { &mut *(arg as *mut Seen) };
+            // SAFETY: seen.mask is valid for its size.
+            seen.ok =
+                unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut seen.mask) } == 0;
+            // SAFETY: ends the child without running anything of the parent's.
+            unsafe { libc::_exit(0) }
+        }
+        // SAFETY: as above.
+        let mut seen = Seen { mask: unsafe { std::mem::zeroed() }, ok: false };
+        // SAFETY: the child writes only `seen`, then exits.
+        let pid = unsafe { spawn_vm(child, &mut seen as *mut Seen as *mut libc::c_void) }.expect("spawn");
+        assert_eq!(waitpid(pid, 0), Ok(Some((pid, 0))));
+        assert!(seen.ok, "the child read its mask");
+        assert_eq!(cpus(&seen.mask), cpus(&before), "the child runs with its parent's mask");
+        assert_eq!(cpus(&affinity()), cpus(&before), "the parent has its mask back");
+    }
 
     /// gVisor's path (no openat2): a final symlink is followed inside the
     /// root unless the caller refuses it, also for an O_PATH open.
