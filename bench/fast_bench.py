@@ -11,7 +11,7 @@ prints, medians unless said otherwise:
   4. 1,000 sandboxes created, run (`true`) and deleted by 8 clients;
   5. a quiet sandbox's exec p99 alone, and while a neighbour runs a fork
      bomb, a memory hog, CPU spinners and an output flood within its
-     limits;
+     limits (`--abuse` picks some);
   6. with N idle sandboxes alive (--levels, default 250,1000,2000,4000):
      create -> first exec, exec round trip, delete, `hutch run -- true`,
      host memory per idle sandbox, the daemon's CPU while nothing is
@@ -194,36 +194,43 @@ while True:
 """ % str(Path(__file__).resolve().parent)
 
 
-def abuse(d: Daemon, runs: int) -> tuple[list[float], list[float]]:
+# What the noisy neighbour of the abuse row runs (`--abuse` picks some).
+HOGS = {
+    "fork": [":(){ :|:& };: 2>/dev/null"],  # fork bomb, up to its pids limit
+    "memory": ["while :; do head -c 400M /dev/zero | tail >/dev/null; done"],  # memory hog
+    "spin": ["while :; do :; done", "while :; do :; done"],  # CPU spinners
+    "flood": [],  # an output flood, read by a client of its own (below)
+}
+
+
+def abuse(d: Daemon, runs: int, kinds: list[str]) -> tuple[list[float], list[float]]:
     s, base = d.session(), d.base
     quiet = create(s, base, {"ttl_seconds": 3600})
     noisy = create(s, base, {"ttl_seconds": 3600, "memory_mb": 256, "limits": {"vcpus": 1, "pids": 128}})
     try:
         exec_rts(s, base, quiet["id"], 20)
         alone = exec_rts(s, base, quiet["id"], runs)
-        hogs = [
-            ":(){ :|:& };: 2>/dev/null",  # fork bomb, up to its pids limit
-            "while :; do head -c 400M /dev/zero | tail >/dev/null; done",  # memory hog
-            "while :; do :; done", "while :; do :; done",  # CPU spinners
-        ]
-        for h in hogs:
+        for h in [h for k in kinds for h in HOGS[k]]:
             check(s.post(f"{base}/v1/sandboxes/{noisy['id']}/exec",
                          data=json.dumps({"command": h, "background": True})), 200)
         # An output flood, read as it streams by a client of its own: a
         # process apart, as a neighbour is, so that its reading does not
         # take this process's interpreter from the measured client.
-        flood = subprocess.Popen(
-            [sys.executable, "-c", FLOOD, base, d.key, noisy["id"]],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        )
+        flood = None
+        if "flood" in kinds:
+            flood = subprocess.Popen(
+                [sys.executable, "-c", FLOOD, base, d.key, noisy["id"]],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            )
         try:
             time.sleep(1)  # the abuse is under way (a bench, not a test)
-            if flood.poll() is not None:
+            if flood is not None and flood.poll() is not None:
                 raise RuntimeError(f"the flood client exited {flood.returncode}")
             busy = exec_rts(s, base, quiet["id"], runs)
         finally:
-            flood.terminate()
-            flood.wait(timeout=30)
+            if flood is not None:
+                flood.terminate()
+                flood.wait(timeout=30)
         return alone, busy
     finally:
         for sb in (quiet, noisy):
@@ -238,6 +245,8 @@ def main() -> int:
     ap.add_argument("--levels", default="250,1000,2000,4000",
                     help="numbers of idle sandboxes alive at which create, exec and delete are measured")
     ap.add_argument("--skip", default="", help="rows to leave out: run,warm,exec,fanout,abuse,levels")
+    ap.add_argument("--abuse", default=",".join(HOGS),
+                    help=f"what the abuse row's neighbour runs, of {','.join(HOGS)} (default: all)")
     ap.add_argument("--wake-hold", default=None,
                     help="the daemon's --wake-hold (e.g. 20ms); the peers' rows then run under the same "
                          "PM QoS request, held by this bench")
@@ -246,6 +255,9 @@ def main() -> int:
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     levels = sorted(int(x) for x in a.levels.split(",") if x)
+    kinds = [k for k in a.abuse.split(",") if k]
+    if not kinds or any(k not in HOGS for k in kinds):
+        sys.exit(f"--abuse {a.abuse!r}: a comma list of {','.join(HOGS)}")
     if shutil.which("bwrap") is None and "run" not in skip:
         sys.exit("bwrap not found: apt-get install bubblewrap (or --skip run)")
 
@@ -302,8 +314,9 @@ def main() -> int:
             wall = fan_out(d, a.fanout, round_trip)
             row(f"{a.fanout} create + exec + delete, {CLIENTS} clients", f"{wall:.2f} s", "goal 2 s")
         if "abuse" not in skip:
-            alone, busy = abuse(d, a.runs * 3)
-            row("neighbour exec p99 under abuse", f"{pct(busy, 99) * 1000:.2f} ms",
+            alone, busy = abuse(d, a.runs * 3, kinds)
+            what = "" if set(kinds) == set(HOGS) else f" ({', '.join(kinds)})"
+            row(f"neighbour exec p99 under abuse{what}", f"{pct(busy, 99) * 1000:.2f} ms",
                 f"quiet {pct(alone, 99) * 1000:.2f} ms", pct(busy, 99) / pct(alone, 99))
         if "levels" not in skip and levels:
             curve(d, a, levels, idle_run)
