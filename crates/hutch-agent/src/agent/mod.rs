@@ -52,6 +52,7 @@ pub fn main(args: &[&std::ffi::CStr]) -> i32 {
         }
     }
     let _ = sys::set_child_subreaper();
+    let _ = sys::request_short_slice();
     if sys::set_cloexec(LISTEN_FD).is_err() {
         return 1;
     }

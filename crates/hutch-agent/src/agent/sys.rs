@@ -519,6 +519,48 @@ pub unsafe fn spawn_vm(
     child.map_err(errno)
 }
 
+/// Asks the scheduler for short turns: EEVDF's slice (`sched_attr`'s
+/// `sched_runtime`, Linux 6.12 and later), which sets how soon a waking
+/// task is due, not its share of the CPU. A task with a shorter slice than
+/// the one running may preempt it on waking instead of waiting for the
+/// tick. Children start with the default slice (`SCHED_FLAG_RESET_ON_FORK`),
+/// so commands run as any process does.
+pub fn request_short_slice() -> SysResult<()> {
+    #[repr(C)]
+    struct SchedAttr {
+        size: u32,
+        policy: u32,
+        flags: u64,
+        nice: i32,
+        priority: u32,
+        runtime: u64,
+        deadline: u64,
+        period: u64,
+    }
+    const SCHED_FLAG_RESET_ON_FORK: u64 = 1;
+    // The kernel's shortest slice.
+    const SLICE_NS: u64 = 100_000;
+    // SAFETY: errno is this thread's; getpriority may return -1 as a value.
+    unsafe { *libc::__errno_location() = 0 };
+    // SAFETY: no pointers.
+    let nice = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
+    if nice == -1 && Errno::last().0 != 0 {
+        return Err(Errno::last());
+    }
+    let attr = SchedAttr {
+        size: std::mem::size_of::<SchedAttr>() as u32,
+        policy: libc::SCHED_OTHER as u32,
+        flags: SCHED_FLAG_RESET_ON_FORK,
+        nice,
+        priority: 0,
+        runtime: SLICE_NS,
+        deadline: 0,
+        period: 0,
+    };
+    // SAFETY: attr is a valid sched_attr of the size it states.
+    cvt_long(unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0) }).map(|_| ())
+}
+
 /// What a [`spawn_vm`] child runs first.
 struct First {
     f: extern "C" fn(*mut libc::c_void) -> libc::c_int,
@@ -1405,6 +1447,34 @@ mod tests {
         assert!(seen.ok, "the child read its mask");
         assert_eq!(cpus(&seen.mask), cpus(&before), "the child runs with its parent's mask");
         assert_eq!(cpus(&affinity()), cpus(&before), "the parent has its mask back");
+    }
+
+    /// The slice `sched_getattr` reports for the calling thread.
+    fn slice_ns() -> u64 {
+        let mut attr = [0u64; 7];
+        // SAFETY: attr is 56 writable bytes, the size passed.
+        let r = unsafe { libc::syscall(libc::SYS_sched_getattr, 0, attr.as_mut_ptr(), 56, 0) };
+        assert_eq!(r, 0, "sched_getattr");
+        // size, policy | flags | nice, priority | runtime
+        attr[3]
+    }
+
+    /// The agent's turns are short; its children's are the default again.
+    #[test]
+    fn a_short_slice_is_the_agents_and_not_its_childrens() {
+        let before = slice_ns();
+        request_short_slice().expect("sched_setattr");
+        assert_eq!(slice_ns(), 100_000);
+        // SAFETY: the child makes system calls only, then _exits.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork");
+        if pid == 0 {
+            let code = if slice_ns() == before { 0 } else { 1 };
+            // SAFETY: ends the child.
+            unsafe { libc::_exit(code) }
+        }
+        assert_eq!(waitpid(pid, 0), Ok(Some((pid, 0))), "a child starts with the default slice");
+        assert_ne!(before, 100_000);
     }
 
     /// gVisor's path (no openat2): a final symlink is followed inside the
