@@ -497,7 +497,10 @@ pub unsafe fn spawn_vm(
         (first.f)(first.arg)
     }
     let errno = |e: std::io::Error| Errno(e.raw_os_error().unwrap_or(libc::EIO));
-    let stack = hutch_agent::vm::VmStack::new(64 * 1024).map_err(errno)?;
+    let stack = match SPARE_STACK.take() {
+        Some(stack) => stack,
+        None => hutch_agent::vm::VmStack::new(64 * 1024).map_err(errno)?,
+    };
     // SAFETY: gettid has no memory effects.
     let caller = unsafe { libc::gettid() };
     let first = First { f, arg, caller, pin: PinnedHere::take() };
@@ -516,7 +519,15 @@ pub unsafe fn spawn_vm(
     if let Some(pin) = &first.pin {
         pin.release(0);
     }
+    // The child has exec'd or exited: the stack is free for the next one.
+    SPARE_STACK.set(Some(stack));
     child.map_err(errno)
+}
+
+thread_local! {
+    /// The stack of this thread's last [`spawn_vm`] child, for its next:
+    /// a mapping, a guard page and an unmapping less per command.
+    static SPARE_STACK: std::cell::Cell<Option<hutch_agent::vm::VmStack>> = const { std::cell::Cell::new(None) };
 }
 
 /// Asks the scheduler for short turns: EEVDF's slice (`sched_attr`'s
@@ -1447,6 +1458,17 @@ mod tests {
         assert!(seen.ok, "the child read its mask");
         assert_eq!(cpus(&seen.mask), cpus(&before), "the child runs with its parent's mask");
         assert_eq!(cpus(&affinity()), cpus(&before), "the parent has its mask back");
+
+        // The next child runs on the same stack.
+        let kept = SPARE_STACK.take().expect("the stack is kept for the next child");
+        let top = kept.top();
+        SPARE_STACK.set(Some(kept));
+        seen.ok = false;
+        // SAFETY: as above.
+        let pid = unsafe { spawn_vm(child, &mut seen as *mut Seen as *mut libc::c_void) }.expect("spawn again");
+        assert_eq!(waitpid(pid, 0), Ok(Some((pid, 0))));
+        assert!(seen.ok, "the second child ran");
+        assert_eq!(SPARE_STACK.take().map(|s| s.top()), Some(top), "on the kept stack");
     }
 
     /// The slice `sched_getattr` reports for the calling thread.
