@@ -283,7 +283,7 @@ impl Default for SandboxSpec {
 pub struct Runtime {
     cfg: Config,
     layout: Layout,
-    pub(crate) seccomp: Vec<seccomp::Filter>,
+    pub(crate) seccomp: seccomp::Filter,
     pub(crate) base: PathBuf,
     /// Ids of gvisor sandboxes being started, which [`Runtime::sweep`]
     /// must not take for dead.
@@ -860,11 +860,9 @@ impl Runtime {
             if let Some(fd) = &parent {
                 plan.push(Step::DieWithParent { parent: fd.as_raw_fd() });
             }
-            // Root of the sandbox's user namespace may install filters
-            // without no_new_privs; every process after this one inherits them.
-            for f in &self.seccomp {
-                plan.push(Step::Seccomp { name: f.name.clone(), program: f.program.clone() });
-            }
+            // Root of the sandbox's user namespace may install a filter
+            // without no_new_privs; every process after this one inherits it.
+            plan.push(Step::Seccomp { name: self.seccomp.name.clone(), program: self.seccomp.program.clone() });
             let args: Vec<&str> = agent_args.iter().map(String::as_str).collect();
             let lock = slot.file().ok_or_else(|| io::Error::other("the uid slot was handed over"))?;
             let mut fds = vec![(listener.as_raw_fd(), 3), (cfg_rd.as_raw_fd(), 4), (lock.as_raw_fd(), 5)];

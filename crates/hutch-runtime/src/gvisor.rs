@@ -390,16 +390,15 @@ impl Runtime {
             .and_then(|mut f| io::Write::write_all(&mut f, &frame))
             .map_err(io_err(format!("write {}", cfg_path.display())))?;
 
-        // The container class's seccomp filters, installed by the agent on
-        // itself (see hutch-agent's `--dir`).
+        // The container class's seccomp program, installed by the agent on
+        // itself (see hutch-agent's `--dir`; the file holds a list of them).
+        let program = &self.seccomp_filter().program;
         let mut filters = Vec::new();
-        for f in self.seccomp_filters() {
-            filters.extend_from_slice(&(f.program.len() as u32).to_le_bytes());
-            for i in &f.program {
-                filters.extend_from_slice(&i.code.to_ne_bytes());
-                filters.extend_from_slice(&[i.jt, i.jf]);
-                filters.extend_from_slice(&i.k.to_ne_bytes());
-            }
+        filters.extend_from_slice(&(program.len() as u32).to_le_bytes());
+        for i in program {
+            filters.extend_from_slice(&i.code.to_ne_bytes());
+            filters.extend_from_slice(&[i.jt, i.jf]);
+            filters.extend_from_slice(&i.k.to_ne_bytes());
         }
         let sec_path = paths.agent_dir.join("seccomp");
         fs::write(&sec_path, &filters).map_err(io_err(format!("write {}", sec_path.display())))?;
@@ -574,7 +573,7 @@ impl Runtime {
         fs::rename(&from, to).map_err(io_err(format!("move {} to {}", from.display(), to.display())))
     }
 
-    fn seccomp_filters(&self) -> &[crate::seccomp::Filter] {
+    fn seccomp_filter(&self) -> &crate::seccomp::Filter {
         &self.seccomp
     }
 

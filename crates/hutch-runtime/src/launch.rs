@@ -123,7 +123,7 @@ pub enum Step {
         fd: RawFd,
         nstype: libc::c_int,
     },
-    /// Installs a seccomp filter (one of [`crate::seccomp::compile`]'s).
+    /// Installs a seccomp filter ([`crate::seccomp::compile`]'s program).
     /// Inherited by the agent and everything it starts, so the kernel
     /// compiles it once per sandbox instead of once per command.
     Seccomp {

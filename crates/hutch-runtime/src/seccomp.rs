@@ -122,10 +122,12 @@ fn constant(name: &str) -> Option<u64> {
     Some(v)
 }
 
-/// One filter of the compiled profile, in installation order.
+/// A BPF program of the profile: one of its filters, or all of them
+/// chained ([`compile`]).
 #[derive(Debug, Clone)]
 pub struct Filter {
-    /// What it does ("architecture check", "errno:EPERM"), for error messages.
+    /// What it does ("architecture check", "errno:EPERM", or those joined
+    /// by ", then "), for error messages.
     pub name: String,
     pub program: BpfProgram,
 }
@@ -140,11 +142,14 @@ const X32_SYSCALL_BIT: u32 = 0x4000_0000;
 /// The first filter: kill any call that is not of the native ABI (another
 /// architecture, or x32 on x86_64, whose numbers carry bit 30 and so match
 /// no rule of a deny list). Six fixed instructions, not a compiler.
+// Classic BPF instructions, as `sock_filter::code`.
+const LD_W_ABS: u16 = 0x20; // BPF_LD | BPF_W | BPF_ABS
+const JA: u16 = 0x05; // BPF_JMP | BPF_JA
+const JEQ_K: u16 = 0x15; // BPF_JMP | BPF_JEQ | BPF_K
+const JGE_K: u16 = 0x35; // BPF_JMP | BPF_JGE | BPF_K
+const RET_K: u16 = 0x06; // BPF_RET | BPF_K
+
 fn arch_check() -> BpfProgram {
-    const LD_W_ABS: u16 = 0x20; // BPF_LD | BPF_W | BPF_ABS
-    const JEQ_K: u16 = 0x15; // BPF_JMP | BPF_JEQ | BPF_K
-    const JGE_K: u16 = 0x35; // BPF_JMP | BPF_JGE | BPF_K
-    const RET_K: u16 = 0x06; // BPF_RET | BPF_K
     const OFF_NR: u32 = 0; // struct seccomp_data
     const OFF_ARCH: u32 = 4;
     let i = |code, jt, jf, k| sock_filter { code, jt, jf, k };
@@ -166,9 +171,9 @@ fn target_arch() -> TargetArch {
     return TargetArch::aarch64;
 }
 
-/// Compiles a profile into the filters to install, in order.
-pub fn compile(profile: &str) -> Result<Vec<Filter>, SeccompError> {
-    Ok(vec![chain(&compile_apart(profile)?)?])
+/// Compiles a profile into the one program to install.
+pub fn compile(profile: &str) -> Result<Filter, SeccompError> {
+    chain(&compile_apart(profile)?)
 }
 
 /// The profile's filters, each a program of its own, in order.
@@ -231,8 +236,6 @@ fn compile_apart(profile: &str) -> Result<Vec<Filter>, SeccompError> {
 /// call is listed under one action only (`compile` refuses a profile that
 /// lists one under two).
 fn chain(filters: &[Filter]) -> Result<Filter, SeccompError> {
-    const RET_K: u16 = 0x06; // BPF_RET | BPF_K
-    const JA: u16 = 0x05; // BPF_JMP | BPF_JA
     let mut program = Vec::new();
     for (i, f) in filters.iter().enumerate() {
         let last = i + 1 == filters.len();
@@ -391,11 +394,8 @@ mod tests {
     /// Installs the shipped profile in a fresh child, makes each call, and
     /// returns what each call returned.
     fn under_profile(calls: &[(i64, [u64; 6])]) -> Vec<i64> {
-        let filters = compile(PROFILE).expect("the shipped profile compiles");
-        let progs: Vec<libc::sock_fprog> = filters
-            .iter()
-            .map(|f| libc::sock_fprog { len: f.program.len() as u16, filter: f.program.as_ptr() as *mut _ })
-            .collect();
+        let profile = compile(PROFILE).expect("the shipped profile compiles");
+        let prog = libc::sock_fprog { len: profile.program.len() as u16, filter: profile.program.as_ptr() as *mut _ };
         let mut results = Vec::new();
         for call in calls {
             let (rd, wr) = crate::sys::pipe().expect("pipe");
@@ -410,14 +410,12 @@ mod tests {
                 // SAFETY: in the forked child: raw system calls only.
                 unsafe {
                     crate::sys::raw::syscall(libc::SYS_prctl, [libc::PR_SET_NO_NEW_PRIVS as usize, 1, 0, 0, 0, 0]);
-                    for p in &progs {
-                        let r = crate::sys::raw::syscall(
-                            libc::SYS_seccomp,
-                            [libc::SECCOMP_SET_MODE_FILTER as usize, 0, p as *const _ as usize, 0, 0, 0],
-                        );
-                        if r < 0 {
-                            crate::sys::raw::exit(3);
-                        }
+                    let r = crate::sys::raw::syscall(
+                        libc::SYS_seccomp,
+                        [libc::SECCOMP_SET_MODE_FILTER as usize, 0, &prog as *const _ as usize, 0, 0, 0],
+                    );
+                    if r < 0 {
+                        crate::sys::raw::exit(3);
                     }
                     let (nr, a) = call;
                     let a = a.map(|x| x as usize);
@@ -588,9 +586,7 @@ mod tests {
     fn the_chained_profile_answers_as_its_filters_apart() {
         let apart = compile_apart(PROFILE).expect("the profile compiles");
         assert!(apart.len() >= 3, "the architecture check and a filter per action");
-        let chained = compile(PROFILE).expect("the profile compiles");
-        assert_eq!(chained.len(), 1);
-        let chained = &chained[0].program;
+        let chained = &compile(PROFILE).expect("the profile compiles").program;
         assert_eq!(chained.len(), apart.iter().map(|f| f.program.len()).sum::<usize>());
         let action = |ret: u32| (ret & libc::SECCOMP_RET_ACTION_FULL) as i32;
         let values = [

@@ -572,6 +572,15 @@ pub fn request_short_slice() -> SysResult<()> {
     cvt_long(unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0) }).map(|_| ())
 }
 
+/// The calling thread's CPU mask.
+fn cpu_mask() -> SysResult<libc::cpu_set_t> {
+    // SAFETY: cpu_set_t is plain data; sched_getaffinity fills it.
+    let mut mask: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: mask is valid for its size.
+    cvt(unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut mask) })?;
+    Ok(mask)
+}
+
 /// What a [`spawn_vm`] child runs first.
 struct First {
     f: extern "C" fn(*mut libc::c_void) -> libc::c_int,
@@ -600,12 +609,7 @@ impl PinnedHere {
     /// that cannot be done.
     fn take() -> Option<PinnedHere> {
         let size = std::mem::size_of::<libc::cpu_set_t>();
-        // SAFETY: cpu_set_t is plain data; sched_getaffinity fills it.
-        let mut mask: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        // SAFETY: mask is valid for `size` bytes.
-        if unsafe { libc::sched_getaffinity(0, size, &mut mask) } != 0 {
-            return None;
-        }
+        let mask = cpu_mask().ok()?;
         // SAFETY: sched_getcpu has no memory effects.
         let cpu = unsafe { libc::sched_getcpu() };
         if cpu < 0 || cpu as usize >= libc::CPU_SETSIZE as usize {
@@ -1411,12 +1415,7 @@ mod tests {
     use super::*;
 
     fn affinity() -> libc::cpu_set_t {
-        // SAFETY: cpu_set_t is plain data the kernel fills.
-        let mut mask: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        // SAFETY: mask is valid for its size.
-        let r = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut mask) };
-        assert_eq!(r, 0, "sched_getaffinity");
-        mask
+        cpu_mask().expect("sched_getaffinity")
     }
 
     fn cpus(mask: &libc::cpu_set_t) -> Vec<usize> {
